@@ -1,0 +1,164 @@
+"""Build tiny random-weight MoE models of every supported architecture, for tests.
+
+    python tools/build_fixtures.py [--out DIR] [--arch NAME ...]
+
+Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors,
+tokenizer) that vLLM and transformers load natively. Weights come from a fixed seed, so
+the same command rebuilds the same bytes. The tokenizer is a byte-level BPE with
+10,240 tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on the
+CPython standard library and committed as ``tests/fixtures/tokenizer.json``; pass
+``--retrain-tokenizer`` to rebuild it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_JSON = REPO / "tests" / "fixtures" / "tokenizer.json"
+DEFAULT_OUT = REPO / ".cache" / "fixtures"
+VOCAB_SIZE = 10240
+SEED = 1234
+
+# Shared shape: small enough to start in seconds, aligned for vLLM's CPU MoE kernel
+# (hidden and intermediate sizes divisible by 32).
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    initializer_range=0.05,
+)
+
+ARCHITECTURES: dict[str, dict] = {
+    # Fine-grained, Qwen3-30B-A3B-like routing: 16 experts, top-4.
+    "qwen3_moe": dict(
+        cls="Qwen3MoeConfig", head_dim=32, intermediate_size=256,
+        moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    # Mixtral-like: 8 large experts, top-2.
+    "mixtral": dict(
+        cls="MixtralConfig", intermediate_size=128, num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    # OLMoE-like: 16 experts, top-2, no renormalization of the top-k weights.
+    "olmoe": dict(
+        cls="OlmoeConfig", intermediate_size=64, num_experts=16, num_experts_per_tok=2,
+        norm_topk_prob=False,
+    ),
+    # Qwen2-MoE-like: routed experts plus a gated shared expert that stays resident.
+    "qwen2_moe": dict(
+        cls="Qwen2MoeConfig", intermediate_size=256, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+}
+
+
+def stdlib_files() -> list[Path]:
+    """The CPython standard library's .py files, in a deterministic order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "idlelib", "lib2to3", "__pycache__")
+    files = [
+        p for p in sorted(root.rglob("*.py"))
+        if not any(part in skip for part in p.relative_to(root).parts)
+    ]
+    return files
+
+
+def train_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = stdlib_files()[:400]
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(f) for f in files], trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+
+
+def save_tokenizer(out: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(TOKENIZER_JSON),
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+    )
+    tok.save_pretrained(str(out))
+
+
+def build_model(arch: str, out: Path) -> Path:
+    import torch
+    import transformers
+
+    spec = dict(ARCHITECTURES[arch])
+    config_cls = getattr(transformers, spec.pop("cls"))
+    config = config_cls(**COMMON, **spec, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    config.torch_dtype = "bfloat16"
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    target = out / arch
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(target), safe_serialization=True)
+    save_tokenizer(target)
+    return target
+
+
+def fixture_fingerprint(arch: str) -> str:
+    """Changes when the builder, its shapes or the tokenizer change."""
+    h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())
+    h.update(TOKENIZER_JSON.read_bytes())
+    h.update(arch.encode())
+    return h.hexdigest()[:16]
+
+
+def ensure_model(arch: str, out: Path = DEFAULT_OUT) -> Path:
+    """Path of the fixture model ``arch``, building it if missing or stale."""
+    target = out / arch
+    stamp = target / "fixture.json"
+    fingerprint = fixture_fingerprint(arch)
+    if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
+        return target
+    build_model(arch, out)
+    stamp.write_text(json.dumps({"fingerprint": fingerprint, "arch": arch}))
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--arch", nargs="*", default=list(ARCHITECTURES))
+    parser.add_argument("--retrain-tokenizer", action="store_true")
+    args = parser.parse_args()
+    if args.retrain_tokenizer or not TOKENIZER_JSON.exists():
+        train_tokenizer(TOKENIZER_JSON)
+        print(f"tokenizer -> {TOKENIZER_JSON}")
+    for arch in args.arch:
+        print(f"{arch} -> {ensure_model(arch, args.out)}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

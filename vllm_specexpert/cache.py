@@ -1,0 +1,211 @@
+"""The device expert cache of one MoE layer: a fixed pool of slots, an id -> slot map,
+an eviction policy and the layer's counters.
+
+Kernels run experts from slots: ``slot_ids = cache.slot_of[topk_ids]`` turns router
+expert ids into slot indices, and the slot tensors stand in for the layer's weights.
+The pool is allocated once with exactly ``num_slots`` experts per tensor, so the cache can
+never hold more than its budget.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_specexpert.stats import LayerStats
+from vllm_specexpert.store import LayerExperts
+from vllm_specexpert.transfer import Link, Transfer
+
+
+class EvictionPolicy:
+    """Orders eviction candidates. Subclasses keep per-expert usage state."""
+
+    name = "base"
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+        self.last_used = np.zeros(num_experts, dtype=np.int64)
+        self.pinned = np.zeros(num_experts, dtype=bool)
+        """Experts that are never evicted once resident."""
+
+    def on_use(self, experts: np.ndarray, clock: int) -> None:
+        self.last_used[experts] = clock
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        """``candidates`` sorted so that the first is evicted first."""
+        raise NotImplementedError
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        return candidates[np.argsort(self.last_used[candidates], kind="stable")]
+
+
+class LFUPolicy(EvictionPolicy):
+    name = "lfu"
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+        super().__init__(num_experts, num_slots, top_k)
+        self.uses = np.zeros(num_experts, dtype=np.int64)
+
+    def on_use(self, experts: np.ndarray, clock: int) -> None:
+        super().on_use(experts, clock)
+        self.uses[experts] += 1
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        # lexsort: last key is primary -> fewest uses first, then least recent.
+        return candidates[np.lexsort((self.last_used[candidates], self.uses[candidates]))]
+
+
+class StaticPolicy(LRUPolicy):
+    """The first ``num_slots - top_k`` experts are pinned; ``top_k`` slots rotate (LRU)."""
+
+    name = "static"
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+        super().__init__(num_experts, num_slots, top_k)
+        self.pinned[: max(num_slots - top_k, 0)] = True
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, StaticPolicy)
+}
+
+
+class ExpertCache:
+    """Slot pool and residency of one MoE layer's routed experts."""
+
+    def __init__(
+        self,
+        experts: LayerExperts,
+        num_slots: int,
+        top_k: int,
+        policy: str,
+        device: torch.device,
+        link: Link,
+    ):
+        num_experts = experts.num_experts
+        if not top_k <= num_slots <= num_experts:
+            raise ValueError(
+                f"{experts.name}: need top_k ({top_k}) <= slots ({num_slots}) <= "
+                f"experts ({num_experts})"
+            )
+        self.experts = experts
+        self.num_slots = num_slots
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.device = device
+        self.link = link
+        self.policy = EVICTION_POLICIES[policy](num_experts, num_slots, top_k)
+        self.stats = LayerStats()
+        self.clock = 0
+
+        self.slots: dict[str, torch.Tensor] = {
+            key: torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, device=device)
+            for key, t in experts.tensors.items()
+        }
+        self.slot_expert = np.full(num_slots, -1, dtype=np.int64)
+        self.expert_slot = np.full(num_experts, -1, dtype=np.int32)
+        # id -> slot map read by kernels. On CPU it shares memory with expert_slot; on
+        # CUDA it is a device copy refreshed after every residency change.
+        self._host_map = torch.from_numpy(self.expert_slot)
+        self.slot_of = self._host_map if device.type == "cpu" else self._host_map.to(device)
+
+        # Warm start: the first experts (the pinned ones for `static`) fill every slot.
+        initial = np.arange(num_slots)
+        self._assign(initial, np.arange(num_slots))
+        self._copy_now(initial)
+
+    # ------------------------------------------------------------------ queries
+
+    def resident_mask(self) -> np.ndarray:
+        return self.expert_slot >= 0
+
+    def num_resident(self) -> int:
+        return int((self.slot_expert >= 0).sum())
+
+    def capacity_for(self, experts: np.ndarray) -> bool:
+        """Whether all of ``experts`` (distinct ids) fit in the pool at once."""
+        pinned_resident = self.policy.pinned & self.resident_mask()
+        outside = np.count_nonzero(~pinned_resident[experts])
+        return outside <= self.num_slots - int(pinned_resident.sum())
+
+    def slot_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Router expert ids -> slot indices, same shape and dtype (device gather)."""
+        return self.slot_of[topk_ids.long()].to(topk_ids.dtype)
+
+    # ---------------------------------------------------------------- residency
+
+    def acquire(
+        self,
+        experts: np.ndarray,
+        future_demand: np.ndarray | None = None,
+    ) -> None:
+        """Make every expert of ``experts`` (distinct ids, which must fit, see
+        :meth:`capacity_for`) resident, loading the missing ones over the link, and
+        count the request. Victims are never among ``experts``; they are the free slots
+        first, then the experts least needed by ``future_demand`` (per-expert count of
+        later uses in the same batch, if any), then the policy's order."""
+        self.clock += 1
+        resident = self.resident_mask()
+        missing = experts[~resident[experts]]
+        stats = self.stats
+        stats.requests += len(experts)
+        stats.misses += len(missing)
+        stats.hits += len(experts) - len(missing)
+        if len(missing):
+            slots = self._victim_slots(len(missing), protect=experts, demand=future_demand)
+            transfer = self._start_load(missing, slots)
+            stats.stall_s += self.link.wait(transfer)
+        self.policy.on_use(experts, self.clock)
+        stats.max_resident = max(stats.max_resident, self.num_resident())
+
+    def _victim_slots(
+        self, count: int, protect: np.ndarray, demand: np.ndarray | None
+    ) -> np.ndarray:
+        free = np.flatnonzero(self.slot_expert < 0)
+        if len(free) >= count:
+            return free[:count]
+        evictable = self.resident_mask() & ~self.policy.pinned
+        evictable[protect] = False
+        candidates = self.policy.order(np.flatnonzero(evictable))
+        if demand is not None:
+            # Stable sort keeps the policy order among equal demand.
+            candidates = candidates[np.argsort(demand[candidates], kind="stable")]
+        need = count - len(free)
+        if len(candidates) < need:
+            raise RuntimeError(
+                f"{self.experts.name}: cannot free {need} slots (capacity check skipped?)"
+            )
+        victims = candidates[:need]
+        self.stats.evictions += len(victims)
+        slots = self.expert_slot[victims].astype(np.int64)
+        self.expert_slot[victims] = -1
+        self.slot_expert[slots] = -1
+        return np.concatenate([free, slots])
+
+    def _assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
+        self.slot_expert[slots] = experts
+        self.expert_slot[experts] = slots
+        if self.slot_of is not self._host_map:
+            self.slot_of.copy_(self._host_map, non_blocking=True)
+
+    def _pairs(self, experts: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (self.slots[key][int(slot)], src[int(expert)])
+            for expert, slot in zip(experts, self.expert_slot[experts])
+            for key, src in self.experts.tensors.items()
+        ]
+
+    def _start_load(self, experts: np.ndarray, slots: np.ndarray) -> Transfer:
+        self._assign(experts, slots)
+        transfer = self.link.submit(self._pairs(experts))
+        self.stats.loads += len(experts)
+        self.stats.bytes_loaded += transfer.nbytes
+        return transfer
+
+    def _copy_now(self, experts: np.ndarray) -> None:
+        """Synchronous copy outside the link and the counters (warm start)."""
+        for dst, src in self._pairs(experts):
+            dst.copy_(src)

@@ -1,0 +1,249 @@
+"""SpecExpertConfig: every knob of the plugin, its default, and its validation.
+
+Users set it through vLLM's ``additional_config={"specexpert": {...}}`` (CLI:
+``--additional-config '{"specexpert": {...}}'``). Validation happens in two steps, both at
+engine start: :meth:`SpecExpertConfig.from_dict` checks keys, types and ranges;
+:meth:`SpecExpertConfig.slots_per_layer` checks the budget against the model's shape.
+Every error is a :class:`SpecExpertConfigError` that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "specexpert"
+
+CACHE_POLICIES = ("lru", "lfu", "static")
+MISS_POLICIES = ("fetch",)
+
+
+class SpecExpertConfigError(ValueError):
+    """A bad ``specexpert`` setting. The message names the field and how to fix it."""
+
+    def __init__(self, field_name: str, problem: str, fix: str):
+        self.field_name = field_name
+        super().__init__(f"specexpert config: field '{field_name}': {problem}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """The emulated link between the slow tier and the device cache.
+
+    On CUDA the real copy engine is used and these fields must be unset. On CPU, every
+    expert copy is really performed, and when ``bandwidth_gbps`` is set the copy becomes
+    usable only ``latency_us + bytes / bandwidth`` after the link is free, copies being
+    serialized like one copy engine. This lets a CPU run reproduce a GPU box's ratio of
+    copy time to compute time.
+    """
+
+    bandwidth_gbps: float | None = None
+    """Emulated bandwidth in gigabytes per second (1e9 bytes/s, not gigabits).
+    PCIe 4.0 x16 moves about 25 GB/s host-to-device in practice; PCIe 3.0 x16 about 12.
+    ``None`` (default): no emulation, copies take what the memcpy takes."""
+
+    latency_us: float = 0.0
+    """Fixed emulated cost in microseconds of each copy (launch + DMA setup); an expert
+    is one copy per weight tensor (2 for ``w13`` + ``w2``). Only used when
+    ``bandwidth_gbps`` is set."""
+
+    @property
+    def emulated(self) -> bool:
+        return self.bandwidth_gbps is not None
+
+
+@dataclass(frozen=True)
+class SpecExpertConfig:
+    """Configuration of the offload-aware MoE layer. Every field has a safe default."""
+
+    budget: float | int = 0.5
+    """How many routed experts of each MoE layer may be resident on the device.
+    A float in (0, 1] is a fraction of the layer's routed experts (rounded down);
+    an int >= 2 is a count per layer (``1`` reads as 1.0, all experts). Must leave room for at least ``top_k`` experts
+    (one token's experts) and cannot exceed the number of experts. 1.0 keeps every
+    expert resident (no transfers after warm-up)."""
+
+    cache: str = "lru"
+    """Eviction policy of the device cache: ``lru`` (least recently used), ``lfu``
+    (least frequently used, ties by recency) or ``static`` (the first
+    ``slots - top_k`` experts stay resident for good; the remaining ``top_k`` slots
+    rotate, LRU, for the others)."""
+
+    miss_policy: str = "fetch"
+    """What a layer does when the router picks a non-resident expert. ``fetch``:
+    load it on demand over the link, then run it (exact: output is identical to
+    vanilla vLLM)."""
+
+    link: LinkConfig = field(default_factory=LinkConfig)
+    """Emulated link (CPU only), see :class:`LinkConfig`."""
+
+    stats_path: str | None = None
+    """If set, per-layer statistics (hits, misses, bytes moved, seconds stalled) are
+    written there as JSON by each worker (``{rank}`` in the path is replaced by the
+    worker rank), every ``stats_interval_s`` and at every ``specexpert_stats`` call."""
+
+    stats_interval_s: float = 10.0
+    """Minimum seconds between two periodic writes of ``stats_path``."""
+
+    # ------------------------------------------------------------------ parsing
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> SpecExpertConfig:
+        """Build and validate a config from the user's ``specexpert`` dict."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise SpecExpertConfigError(
+                ADDITIONAL_CONFIG_KEY,
+                f"must be a JSON object, got {type(raw).__name__}",
+                'pass e.g. {"specexpert": {"budget": 0.5}}',
+            )
+        _reject_unknown(raw, cls, prefix="")
+        kwargs: dict[str, Any] = {}
+
+        if "budget" in raw:
+            kwargs["budget"] = _parse_budget(raw["budget"])
+        if "cache" in raw:
+            kwargs["cache"] = _parse_choice("cache", raw["cache"], CACHE_POLICIES)
+        if "miss_policy" in raw:
+            kwargs["miss_policy"] = _parse_choice(
+                "miss_policy", raw["miss_policy"], MISS_POLICIES
+            )
+        if "link" in raw:
+            kwargs["link"] = _parse_link(raw["link"])
+        if "stats_path" in raw:
+            value = raw["stats_path"]
+            if value is not None and not (isinstance(value, str) and value):
+                raise SpecExpertConfigError(
+                    "stats_path", f"must be a non-empty string or null, got {value!r}",
+                    'give a file path, e.g. "stats_path": "/tmp/specexpert-stats.json"',
+                )
+            kwargs["stats_path"] = value
+        if "stats_interval_s" in raw:
+            kwargs["stats_interval_s"] = _parse_number(
+                "stats_interval_s", raw["stats_interval_s"], minimum=0.0, inclusive=True
+            )
+        return cls(**kwargs)
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> SpecExpertConfig | None:
+        """The config inside vLLM's ``additional_config``, or ``None`` when the
+        ``specexpert`` key is absent (the plugin then stays inert)."""
+        if not isinstance(additional_config, dict):
+            return None
+        if ADDITIONAL_CONFIG_KEY not in additional_config:
+            return None
+        return cls.from_dict(additional_config[ADDITIONAL_CONFIG_KEY])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------- model-dependent checks
+
+    def slots_per_layer(self, num_experts: int, top_k: int) -> int:
+        """Number of device cache slots per MoE layer for a model with ``num_experts``
+        routed experts per layer and ``top_k`` experts per token."""
+        if isinstance(self.budget, int):
+            slots = self.budget
+            given = f"budget {self.budget}"
+        else:
+            slots = math.floor(self.budget * num_experts + 1e-9)
+            given = f"budget {self.budget} x {num_experts} experts = {slots} slots"
+        if slots > num_experts:
+            raise SpecExpertConfigError(
+                "budget",
+                f"{given} exceeds the {num_experts} routed experts per layer",
+                f"use at most {num_experts} (or a fraction <= 1.0)",
+            )
+        if slots < top_k:
+            raise SpecExpertConfigError(
+                "budget",
+                f"{given}, fewer than the model's top_k={top_k} experts per token "
+                "(one token could not run)",
+                f"use at least {top_k} slots, i.e. budget >= {top_k} "
+                f"or >= {math.ceil(top_k / num_experts * 1000) / 1000}",
+            )
+        return slots
+
+
+def _reject_unknown(raw: dict, cls: type, prefix: str) -> None:
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in known:
+            raise SpecExpertConfigError(
+                f"{prefix}{key}",
+                "unknown key",
+                f"remove it; known keys are {', '.join(prefix + k for k in known)}",
+            )
+
+
+def _parse_budget(value: Any) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecExpertConfigError(
+            "budget",
+            f"must be a number, got {value!r}",
+            "use a fraction in (0, 1], e.g. 0.5, or an integer count of experts per layer",
+        )
+    if isinstance(value, float) and value.is_integer() and value > 1:
+        value = int(value)
+    if isinstance(value, int):
+        if value < 1:
+            raise SpecExpertConfigError(
+                "budget", f"count must be >= 1, got {value}",
+                "use a positive count, or a fraction in (0, 1]",
+            )
+        if value == 1:
+            # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
+            return 1.0
+        return value
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise SpecExpertConfigError(
+            "budget", f"fraction must be in (0, 1], got {value}",
+            "use e.g. 0.25, 0.5 or 1.0, or an integer count of experts per layer",
+        )
+    return float(value)
+
+
+def _parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise SpecExpertConfigError(
+            name, f"unsupported value {value!r}", f"use one of {', '.join(choices)}"
+        )
+    return value
+
+
+def _parse_number(name: str, value: Any, minimum: float, inclusive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise SpecExpertConfigError(name, f"must be a number, got {value!r}", "give a number")
+    ok = value >= minimum if inclusive else value > minimum
+    if not ok:
+        bound = ">=" if inclusive else ">"
+        raise SpecExpertConfigError(
+            name, f"must be {bound} {minimum}, got {value}", f"give a value {bound} {minimum}"
+        )
+    return float(value)
+
+
+def _parse_link(raw: Any) -> LinkConfig:
+    if raw is None:
+        return LinkConfig()
+    if not isinstance(raw, dict):
+        raise SpecExpertConfigError(
+            "link", f"must be an object, got {raw!r}",
+            'use e.g. {"bandwidth_gbps": 16, "latency_us": 10}',
+        )
+    _reject_unknown(raw, LinkConfig, prefix="link.")
+    bandwidth = raw.get("bandwidth_gbps")
+    if bandwidth is not None:
+        bandwidth = _parse_number("link.bandwidth_gbps", bandwidth, 0.0, inclusive=False)
+    latency = _parse_number("link.latency_us", raw.get("latency_us", 0.0), 0.0, inclusive=True)
+    return LinkConfig(bandwidth_gbps=bandwidth, latency_us=latency)
+
+
+class SpecExpertUnsupportedError(ValueError):
+    """The model or engine setup is one the plugin cannot run (yet)."""
+
+    def __init__(self, what: str, why: str, fix: str):
+        super().__init__(f"specexpert: {what} is not supported: {why}. Fix: {fix}")

@@ -1,0 +1,203 @@
+"""OffloadedRoutedExperts: vLLM's ``RoutedExperts`` with the experts in the slow tier.
+
+Registered with ``RoutedExperts.register_oot`` by the plugin, so every MoE model built
+through ``FusedMoEFactory`` (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V2, ...)
+gets it. When the engine's ``additional_config`` has no ``specexpert`` key the instance
+turns itself into a plain ``RoutedExperts`` before initializing, so vLLM runs untouched.
+
+Weights: the layer's parameters are created on the host (on CUDA, ``torch.device("cpu")``
+around the parameter allocation; pinned after loading), loaded and post-processed there
+by vLLM's own loader and quant method (``requires_device_loading = False``), then handed
+to the :class:`OffloadEngine` as the slow tier. The device only ever holds the cache's
+slot pool. Execution goes through one opaque custom op, ``torch.ops.specexpert.
+routed_experts``, so the data-dependent cache logic is invisible to torch.compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+    UnquantizedFusedMoEMethod,
+)
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
+from vllm_specexpert.engine import OffloadEngine
+
+FORWARD_CONTEXT_SUFFIX = ".specexpert"
+"""Key suffix under which a layer registers in vLLM's static forward context."""
+
+_ENGINES: dict[int, OffloadEngine] = {}
+"""One engine per vLLM config (one per worker process in practice)."""
+
+
+def engine_for(vllm_config, config: SpecExpertConfig) -> OffloadEngine:
+    engine = _ENGINES.get(id(vllm_config))
+    if engine is None:
+        device = torch.device(current_platform.device_type)
+        rank = vllm_config.parallel_config.rank
+        engine = OffloadEngine(config, device, rank=rank)
+        _ENGINES[id(vllm_config)] = engine
+    return engine
+
+
+def _host_allocation():
+    """Where the layer's parameters are allocated: host on GPU platforms."""
+    if current_platform.is_cpu():
+        return contextlib.nullcontext()
+    return torch.device("cpu")
+
+
+class OffloadedRoutedExperts(RoutedExperts):
+    """Routed experts served from an :class:`ExpertCache` (see module doc)."""
+
+    def __init__(self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs):
+        vllm_config = get_current_vllm_config()
+        config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
+        if config is None:
+            # Not configured: become exactly vLLM's layer.
+            self.__class__ = RoutedExperts
+            RoutedExperts.__init__(
+                self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs
+            )
+            return
+
+        check_layer_supported(layer_name, moe_config, quant_config)
+        with _host_allocation():
+            super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
+
+        self.specexpert_config = config
+        self.num_slots = config.slots_per_layer(self.global_num_experts, self.top_k)
+        self.engine = engine_for(vllm_config, config)
+        self.layer_index = _layer_index(layer_name)
+        self._context_key = layer_name + FORWARD_CONTEXT_SUFFIX
+        forward_context = vllm_config.compilation_config.static_forward_context
+        if self._context_key in forward_context:
+            raise ValueError(f"duplicate layer name {self._context_key}")
+        forward_context[self._context_key] = self
+
+    # ------------------------------------------------------------------ loading
+
+    def _get_quant_method(self, prefix, quant_config, moe_config):
+        method = super()._get_quant_method(prefix, quant_config, moe_config)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or method.is_monolithic:
+            raise SpecExpertUnsupportedError(
+                f"{prefix}: MoE method {type(method).__name__}",
+                "only unquantized modular fused-MoE kernels are offloaded so far",
+                "use an unquantized (bf16/fp16/fp32) checkpoint",
+            )
+        # Post-process the weights where they are (host), not on the device.
+        method.requires_device_loading = False
+        post_process = method.process_weights_after_loading
+
+        def process_weights_after_loading(layer: torch.nn.Module) -> None:
+            post_process(layer)
+            self._move_experts_to_store()
+
+        method.process_weights_after_loading = process_weights_after_loading
+        return method
+
+    def _move_experts_to_store(self) -> None:
+        """Hand the runtime-format expert tensors to the slow tier; keep only views."""
+        tensors = {}
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(self, name)
+            tensors[name] = param.data
+        self.cache = self.engine.add_layer(
+            self.layer_name, tensors, self.num_slots, self.top_k
+        )
+        # The parameters now alias the store's (pinned) tensors instead of a copy.
+        for name, tensor in self.cache.experts.tensors.items():
+            getattr(self, name).data = tensor
+
+    # ---------------------------------------------------------------- execution
+
+    def forward_modular(
+        self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None
+    ):
+        # Shared experts only reach the kernel with EP prepare/finalize (async), which
+        # check_layer_supported rejects; the runner runs them itself otherwise.
+        return torch.ops.specexpert.routed_experts(
+            x, topk_weights, topk_ids, self._context_key
+        )
+
+    def run_from_cache(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids)
+
+    def _slot_kernel(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        slots = self.cache.slots
+        return self.quant_method.moe_kernel.apply(
+            hidden_states=x,
+            w1=slots["w13_weight"],
+            w2=slots["w2_weight"],
+            topk_weights=topk_weights,
+            topk_ids=slot_ids,
+            activation=self.activation,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+            global_num_experts=self.num_slots,
+            expert_map=None,
+        )
+
+
+def check_layer_supported(layer_name: str, moe_config, quant_config) -> None:
+    """Reject, at model construction, what the offloaded layer cannot run exactly."""
+    if quant_config is not None:
+        raise SpecExpertUnsupportedError(
+            f"quantization '{quant_config.get_name()}'",
+            "offloading supports unquantized checkpoints only for now",
+            "use a bf16/fp16/fp32 checkpoint, or drop the specexpert config",
+        )
+    parallel = moe_config.moe_parallel_config
+    if parallel.use_ep or parallel.tp_size > 1 or parallel.dp_size > 1:
+        raise SpecExpertUnsupportedError(
+            "tensor/data/expert parallelism",
+            "the offloaded layer runs on a single device for now",
+            "use tensor_parallel_size=1 without expert parallelism",
+        )
+    if moe_config.has_bias:
+        raise SpecExpertUnsupportedError(
+            f"{layer_name}: expert biases", "biased experts are not offloaded yet",
+            "use a model without expert biases",
+        )
+
+
+def _layer_index(layer_name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", layer_name)
+    return int(match.group(1)) if match else -1
+
+
+# ------------------------------------------------------------------ custom op
+
+def _routed_experts_impl(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: str
+) -> torch.Tensor:
+    layer = get_forward_context().no_compile_layers[layer_key]
+    return layer.run_from_cache(x, topk_weights, topk_ids)
+
+
+def _routed_experts_fake(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: str
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_LIBRARY = torch.library.Library("specexpert", "FRAGMENT")
+direct_register_custom_op(
+    "routed_experts",
+    _routed_experts_impl,
+    mutates_args=[],
+    fake_impl=_routed_experts_fake,
+    target_lib=_LIBRARY,
+)

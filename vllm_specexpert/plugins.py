@@ -1,0 +1,100 @@
+"""vLLM entry points. ``register`` is the ``vllm.general_plugins`` entry ``specexpert``.
+
+vLLM calls it in every process (API server, engine core, workers), before any engine
+config exists. It installs two things, both inert unless ``additional_config`` has a
+``specexpert`` key:
+
+* the out-of-tree ``RoutedExperts`` class (:class:`OffloadedRoutedExperts`), which
+  turns itself back into vLLM's own class when the key is absent;
+* a check around ``EngineArgs.create_engine_config`` that validates the config against
+  the model in the calling process, so a bad setting fails at once with one clear error
+  instead of inside a worker, and that enables the stats RPCs (worker extension).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
+
+logger = logging.getLogger("vllm_specexpert")
+
+WORKER_EXTENSION = "vllm_specexpert.worker.SpecExpertWorkerExtension"
+
+
+def register() -> None:
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    if "RoutedExperts" not in op_registry_oot:
+        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+        RoutedExperts.register_oot(OffloadedRoutedExperts, name="RoutedExperts")
+    _wrap_create_engine_config()
+
+
+def _wrap_create_engine_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_specexpert_checked", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = SpecExpertConfig.from_additional_config(self.additional_config)
+        if config is not None:
+            prepare_engine_args(self)
+        vllm_config = original(self, *args, **kwargs)
+        if config is not None:
+            validate_engine_config(vllm_config, config)
+        return vllm_config
+
+    create_engine_config._specexpert_checked = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def prepare_engine_args(engine_args) -> None:
+    """Engine settings the offloaded layer needs, applied before the config is built."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and not engine_args.enforce_eager:
+        # Which experts to copy is decided on the host from the router's output; a
+        # captured CUDA graph would replay one step's copies forever.
+        logger.warning("specexpert: CUDA graphs disabled (enforce_eager=True): expert "
+                       "loading is data-dependent")
+        engine_args.enforce_eager = True
+    if engine_args.worker_extension_cls in ("", None):
+        engine_args.worker_extension_cls = WORKER_EXTENSION
+    elif engine_args.worker_extension_cls != WORKER_EXTENSION:
+        logger.warning("specexpert: worker_extension_cls=%s is set, so the "
+                       "specexpert_stats RPC is unavailable (stats_path still works)",
+                       engine_args.worker_extension_cls)
+
+
+def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
+    """Model-dependent checks, in the process that builds the engine config."""
+    from vllm_specexpert.models import moe_shape
+
+    model_config = vllm_config.model_config
+    shape = moe_shape(model_config.hf_config)
+    config.slots_per_layer(shape.num_experts, shape.top_k)
+    if model_config.quantization is not None:
+        raise SpecExpertUnsupportedError(
+            f"quantization '{model_config.quantization}'",
+            "offloading supports unquantized checkpoints only for now",
+            "use a bf16/fp16/fp32 checkpoint, or drop the specexpert config",
+        )
+    parallel = vllm_config.parallel_config
+    if (
+        parallel.tensor_parallel_size > 1
+        or parallel.pipeline_parallel_size > 1
+        or parallel.data_parallel_size > 1
+        or parallel.enable_expert_parallel
+    ):
+        raise SpecExpertUnsupportedError(
+            "tensor/pipeline/data/expert parallelism",
+            "the offloaded layer runs on a single device for now",
+            "use tensor_parallel_size=1, pipeline_parallel_size=1, no expert parallelism",
+        )

@@ -1,0 +1,57 @@
+"""Counters the engine keeps per MoE layer, and their JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class LayerStats:
+    """Counters of one MoE layer. Expert requests are counted once per distinct expert
+    per kernel call (a token batch that needs expert 5 for 30 tokens is one request)."""
+
+    calls: int = 0
+    """Forward calls of the layer (one per model step)."""
+    tokens: int = 0
+    """Tokens that went through the layer."""
+    requests: int = 0
+    """Distinct experts asked for, summed over kernel calls."""
+    hits: int = 0
+    """Requests found resident in the device cache."""
+    misses: int = 0
+    """Requests that were not resident (each triggers a load under ``fetch``)."""
+    loads: int = 0
+    """Experts copied from the slow tier into a slot."""
+    evictions: int = 0
+    """Resident experts replaced to make room."""
+    bytes_loaded: int = 0
+    """Bytes copied over the link into this layer's slots."""
+    stall_s: float = 0.0
+    """Seconds the compute waited on this layer's transfers."""
+    kernel_calls: int = 0
+    """Expert kernel launches (more than ``calls`` when a batch needed more experts
+    than there are slots and was run in token groups)."""
+    max_resident: int = 0
+    """Highest number of experts resident at once (never above the slot count)."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``path`` so that readers never see half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)

@@ -1,0 +1,72 @@
+"""The slow tier: every routed expert of every MoE layer, outside the device cache.
+
+On CUDA the tensors live in pinned host memory (so copies to the device are true async
+DMA); on the CPU build they are plain RAM. Each layer's experts are a set of named
+tensors whose leading dimension is the expert id (``w13_weight [E, 2I, H]``,
+``w2_weight [E, H, I]``, in whatever runtime layout the kernel wants: prepacked on CPU).
+One expert is the slice ``[e]`` of every tensor of its layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerExperts:
+    """All routed experts of one MoE layer in the slow tier."""
+
+    name: str
+    """vLLM layer name, e.g. ``model.layers.3.mlp.experts``."""
+    tensors: dict[str, torch.Tensor]
+    """Tensor name -> ``[num_experts, ...]`` host tensor."""
+
+    @property
+    def num_experts(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert (all its tensors)."""
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_nbytes * self.num_experts
+
+
+class ExpertStore:
+    """Routed experts of every MoE layer of one worker, in the slow tier."""
+
+    def __init__(self, pin_memory: bool):
+        self.pin_memory = pin_memory
+        self.layers: dict[str, LayerExperts] = {}
+
+    def add_layer(self, name: str, tensors: dict[str, torch.Tensor]) -> LayerExperts:
+        """Take ownership of a layer's expert tensors (moved to host, pinned on CUDA)."""
+        if name in self.layers:
+            raise ValueError(f"layer {name} is already in the expert store")
+        num_experts = {t.shape[0] for t in tensors.values()}
+        if len(num_experts) != 1:
+            raise ValueError(f"layer {name}: expert tensors disagree on the expert count")
+        host = {}
+        for key, tensor in tensors.items():
+            tensor = tensor.detach()
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"layer {name}: expert tensor {key} is on {tensor.device}; the store "
+                    "takes host tensors (experts must never be materialized on the device)"
+                )
+            tensor = tensor.contiguous()
+            if self.pin_memory and not tensor.is_pinned():
+                tensor = tensor.pin_memory()
+            host[key] = tensor
+        layer = LayerExperts(name=name, tensors=host)
+        self.layers[name] = layer
+        return layer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers.values())

@@ -1,0 +1,29 @@
+"""Worker extension: the RPCs that read the engine's statistics.
+
+The plugin sets it as vLLM's ``worker_extension_cls`` when ``specexpert`` is configured,
+so ``llm.collective_rpc("specexpert_stats")`` works (see :func:`vllm_specexpert.get_stats`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SpecExpertWorkerExtension:
+    def _specexpert_engine(self):
+        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+        for module in self.model_runner.get_model().modules():
+            if isinstance(module, OffloadedRoutedExperts):
+                return module.engine
+        raise RuntimeError("specexpert: this worker's model has no offloaded MoE layer")
+
+    def specexpert_stats(self) -> dict[str, Any]:
+        """Per-layer statistics of this worker (also written to ``stats_path``)."""
+        engine = self._specexpert_engine()
+        engine.write_stats()
+        return engine.stats()
+
+    def specexpert_reset_stats(self) -> None:
+        """Zero every counter (e.g. after warm-up, before a measurement)."""
+        self._specexpert_engine().reset_stats()
