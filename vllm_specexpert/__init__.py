@@ -23,6 +23,12 @@ def get_stats(llm: Any) -> list[dict[str, Any]]:
     return llm.collective_rpc("specexpert_stats")
 
 
+def reconfigure(llm: Any, **changes: Any) -> dict[str, Any]:
+    """Change the running engine's config, e.g. ``reconfigure(llm, budget=0.25)``.
+    Caches are rebuilt without reloading weights; counters restart. Returns the config."""
+    return llm.collective_rpc("specexpert_reconfigure", args=(changes,))[0]
+
+
 def reset_stats(llm: Any) -> None:
     """Zero the counters of every worker."""
     llm.collective_rpc("specexpert_reset_stats")
@@ -34,5 +40,6 @@ __all__ = [
     "SpecExpertConfigError",
     "SpecExpertUnsupportedError",
     "get_stats",
+    "reconfigure",
     "reset_stats",
 ]

@@ -31,20 +31,36 @@ class OffloadEngine:
         self.link = make_link(config.link, device)
         self.miss_policy = make_miss_policy(config.miss_policy)
         self.caches: dict[str, ExpertCache] = {}
+        self._top_k: dict[str, int] = {}
         self._last_stats_write = time.monotonic()
         if config.stats_path:
             atexit.register(self.write_stats)
 
-    def add_layer(
-        self, name: str, tensors: dict[str, torch.Tensor], num_slots: int, top_k: int
-    ) -> ExpertCache:
+    def add_layer(self, name: str, tensors: dict[str, torch.Tensor], top_k: int) -> ExpertCache:
         """Move a layer's routed experts into the slow tier and give it a cache."""
         experts = self.store.add_layer(name, tensors)
-        cache = ExpertCache(
-            experts, num_slots, top_k, self.config.cache, self.device, self.link
-        )
-        self.caches[name] = cache
-        return cache
+        self._top_k[name] = top_k
+        self.caches[name] = self._make_cache(name)
+        return self.caches[name]
+
+    def _make_cache(self, name: str) -> ExpertCache:
+        experts = self.store.layers[name]
+        top_k = self._top_k[name]
+        num_slots = self.config.slots_per_layer(experts.num_experts, top_k)
+        return ExpertCache(experts, num_slots, top_k, self.config.cache, self.device, self.link)
+
+    def reconfigure(self, config: SpecExpertConfig) -> None:
+        """Switch budget, cache policy, miss policy or link without reloading weights.
+        Every cache is rebuilt (warm start again) and the counters restart."""
+        for name, experts in self.store.layers.items():  # validate before changing
+            config.slots_per_layer(experts.num_experts, self._top_k[name])
+        self.link.close()
+        self.config = config
+        self.link = make_link(config.link, self.device)
+        self.miss_policy = make_miss_policy(config.miss_policy)
+        self.caches = {}  # free the old pools before allocating the new ones
+        for name in self.store.layers:
+            self.caches[name] = self._make_cache(name)
 
     def run(
         self,

@@ -24,6 +24,17 @@ class SpecExpertWorkerExtension:
         engine.write_stats()
         return engine.stats()
 
+    def specexpert_reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Apply config ``changes`` (e.g. ``{"budget": 0.25}``) to the running engine:
+        caches are rebuilt at the new budget without reloading the model. Returns the
+        new config."""
+        from vllm_specexpert.config import SpecExpertConfig
+
+        engine = self._specexpert_engine()
+        config = SpecExpertConfig.from_dict({**engine.config.to_dict(), **changes})
+        engine.reconfigure(config)
+        return config.to_dict()
+
     def specexpert_reset_stats(self) -> None:
         """Zero every counter (e.g. after warm-up, before a measurement)."""
         self._specexpert_engine().reset_stats()

@@ -74,8 +74,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         with _host_allocation():
             super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
-        self.specexpert_config = config
-        self.num_slots = config.slots_per_layer(self.global_num_experts, self.top_k)
+        config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
         self.engine = engine_for(vllm_config, config)
         self.layer_index = _layer_index(layer_name)
         self._context_key = layer_name + FORWARD_CONTEXT_SUFFIX
@@ -107,15 +106,10 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     def _move_experts_to_store(self) -> None:
         """Hand the runtime-format expert tensors to the slow tier; keep only views."""
-        tensors = {}
-        for name in ("w13_weight", "w2_weight"):
-            param = getattr(self, name)
-            tensors[name] = param.data
-        self.cache = self.engine.add_layer(
-            self.layer_name, tensors, self.num_slots, self.top_k
-        )
+        tensors = {name: getattr(self, name).data for name in ("w13_weight", "w2_weight")}
+        cache = self.engine.add_layer(self.layer_name, tensors, self.top_k)
         # The parameters now alias the store's (pinned) tensors instead of a copy.
-        for name, tensor in self.cache.experts.tensors.items():
+        for name, tensor in cache.experts.tensors.items():
             getattr(self, name).data = tensor
 
     # ---------------------------------------------------------------- execution
@@ -135,18 +129,22 @@ class OffloadedRoutedExperts(RoutedExperts):
         return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids)
 
     def _slot_kernel(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        slot_ids: torch.Tensor,
+        slots: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        slots = self.cache.slots
+        w13 = slots["w13_weight"]
         return self.quant_method.moe_kernel.apply(
             hidden_states=x,
-            w1=slots["w13_weight"],
+            w1=w13,
             w2=slots["w2_weight"],
             topk_weights=topk_weights,
             topk_ids=slot_ids,
             activation=self.activation,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
-            global_num_experts=self.num_slots,
+            global_num_experts=w13.shape[0],
             expert_map=None,
         )
 

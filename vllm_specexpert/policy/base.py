@@ -9,9 +9,12 @@ import torch
 
 from vllm_specexpert.cache import ExpertCache
 
-ExpertKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``kernel(x, topk_weights, slot_ids) -> out``: the layer's fused-experts kernel run on
-the cache's slot tensors, with router expert ids already mapped to slot indices."""
+ExpertKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor
+]
+"""``kernel(x, topk_weights, slot_ids, slots) -> out``: the layer's fused-experts kernel
+run on the slot tensors ``slots`` (name -> ``[num_slots, ...]``), with router expert ids
+already mapped to slot indices."""
 
 
 class MissPolicy(ABC):

@@ -41,7 +41,7 @@ class FetchPolicy(MissPolicy):
         if cache.capacity_for(needed):
             cache.acquire(needed)
             cache.stats.kernel_calls += 1
-            return kernel(x, topk_weights, cache.slot_ids(topk_ids))
+            return kernel(x, topk_weights, cache.slot_ids(topk_ids), cache.slots)
         return self._run_in_groups(cache, kernel, x, topk_weights, topk_ids, ids)
 
     def _run_in_groups(
@@ -66,7 +66,9 @@ class FetchPolicy(MissPolicy):
             ready = remaining[resident[ids[remaining]].all(axis=1)]
             cache.acquire(np.setdiff1d(np.unique(ids[ready]), experts))  # hits only
             index = torch.from_numpy(ready).to(x.device)
-            out[index] = kernel(x[index], topk_weights[index], cache.slot_ids(topk_ids[index]))
+            out[index] = kernel(
+                x[index], topk_weights[index], cache.slot_ids(topk_ids[index]), cache.slots
+            )
             cache.stats.kernel_calls += 1
             remaining = np.setdiff1d(remaining, ready, assume_unique=True)
         return out

@@ -1,13 +1,14 @@
-"""Build tiny random-weight MoE models of every supported architecture, for tests.
+"""Tiny random-weight MoE models of every supported architecture, for tests and demos.
 
-    python tools/build_fixtures.py [--out DIR] [--arch NAME ...]
+    specexpert build-fixtures [--out DIR] [--arch NAME ...]
 
 Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors,
 tokenizer) that vLLM and transformers load natively. Weights come from a fixed seed, so
 the same command rebuilds the same bytes. The tokenizer is a byte-level BPE with
 10,240 tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on the
-CPython standard library and committed as ``tests/fixtures/tokenizer.json``; pass
-``--retrain-tokenizer`` to rebuild it.
+CPython standard library and shipped as ``vllm_specexpert/assets/tokenizer.json``;
+``--retrain-tokenizer`` rebuilds it. Models are cached under ``$SPECEXPERT_CACHE``
+(default ``~/.cache/vllm-specexpert``) and rebuilt when this file or the tokenizer change.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-TOKENIZER_JSON = REPO / "tests" / "fixtures" / "tokenizer.json"
-DEFAULT_OUT = REPO / ".cache" / "fixtures"
+TOKENIZER_JSON = Path(__file__).resolve().parent / "assets" / "tokenizer.json"
+DEFAULT_OUT = (
+    Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "vllm-specexpert"))
+    / "fixtures"
+)
+DEFAULT_MODEL = "qwen3_moe"
+"""The demo's default model until the trained model lands (issue 3)."""
 VOCAB_SIZE = 10240
 SEED = 1234
 
@@ -63,6 +67,12 @@ ARCHITECTURES: dict[str, dict] = {
         norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
     ),
 }
+
+DENSE_ARCHITECTURES: dict[str, dict] = {
+    # A dense model, for the "unsupported model" error path.
+    "qwen3_dense": dict(cls="Qwen3Config", head_dim=32, intermediate_size=256),
+}
+ALL_FIXTURES = {**ARCHITECTURES, **DENSE_ARCHITECTURES}
 
 
 def stdlib_files() -> list[Path]:
@@ -110,7 +120,7 @@ def build_model(arch: str, out: Path) -> Path:
     import torch
     import transformers
 
-    spec = dict(ARCHITECTURES[arch])
+    spec = dict(ALL_FIXTURES[arch])
     config_cls = getattr(transformers, spec.pop("cls"))
     config = config_cls(**COMMON, **spec, bos_token_id=0, eos_token_id=0, pad_token_id=1)
     config.torch_dtype = "bfloat16"
@@ -145,20 +155,17 @@ def ensure_model(arch: str, out: Path = DEFAULT_OUT) -> Path:
     return target
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--arch", nargs="*", default=list(ARCHITECTURES))
+    parser.add_argument("--arch", nargs="*", default=list(ALL_FIXTURES),
+                        choices=list(ALL_FIXTURES))
     parser.add_argument("--retrain-tokenizer", action="store_true")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.retrain_tokenizer or not TOKENIZER_JSON.exists():
         train_tokenizer(TOKENIZER_JSON)
         print(f"tokenizer -> {TOKENIZER_JSON}")
     for arch in args.arch:
         print(f"{arch} -> {ensure_model(arch, args.out)}")
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()

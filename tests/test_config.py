@@ -1,0 +1,80 @@
+import pytest
+
+from vllm_specexpert.config import (
+    LinkConfig,
+    SpecExpertConfig,
+    SpecExpertConfigError,
+)
+
+
+def test_defaults_are_valid():
+    config = SpecExpertConfig.from_dict({})
+    assert config.budget == 0.5
+    assert config.cache == "lru"
+    assert config.miss_policy == "fetch"
+    assert config.link == LinkConfig()
+
+
+def test_absent_key_means_inert():
+    assert SpecExpertConfig.from_additional_config({}) is None
+    assert SpecExpertConfig.from_additional_config({"other": 1}) is None
+    assert SpecExpertConfig.from_additional_config({"specexpert": {}}) is not None
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"budgt": 0.5}, "budgt"),
+        ({"budget": "half"}, "budget"),
+        ({"budget": True}, "budget"),
+        ({"budget": 0.0}, "budget"),
+        ({"budget": 1.5}, "budget"),
+        ({"budget": -3}, "budget"),
+        ({"cache": "fifo"}, "cache"),
+        ({"miss_policy": "guess"}, "miss_policy"),
+        ({"link": {"bandwidth_gbps": 0}}, "link.bandwidth_gbps"),
+        ({"link": {"bandwith_gbps": 10}}, "link.bandwith_gbps"),
+        ({"link": {"latency_us": -1}}, "link.latency_us"),
+        ({"link": "fast"}, "link"),
+        ({"stats_path": 3}, "stats_path"),
+        ({"stats_interval_s": -1}, "stats_interval_s"),
+    ],
+)
+def test_bad_values_name_the_field(raw, field):
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.from_dict(raw)
+    assert info.value.field_name == field
+    assert f"field '{field}'" in str(info.value)
+    assert "Fix:" in str(info.value)
+
+
+def test_not_an_object():
+    with pytest.raises(SpecExpertConfigError, match="JSON object"):
+        SpecExpertConfig.from_dict([0.5])
+
+
+@pytest.mark.parametrize(
+    "budget, experts, top_k, slots",
+    [(1.0, 16, 4, 16), (0.5, 16, 4, 8), (0.25, 16, 4, 4), (0.3, 10, 2, 3), (6, 16, 2, 6),
+     (1, 8, 2, 8)],
+)
+def test_slots_per_layer(budget, experts, top_k, slots):
+    assert SpecExpertConfig.from_dict({"budget": budget}).slots_per_layer(experts, top_k) == slots
+
+
+def test_budget_below_top_k_is_rejected_with_the_minimum():
+    config = SpecExpertConfig.from_dict({"budget": 0.1})
+    with pytest.raises(SpecExpertConfigError, match="top_k=4") as info:
+        config.slots_per_layer(16, 4)
+    assert "budget >= 4 or >= 0.25" in str(info.value)
+
+
+def test_budget_count_above_experts_is_rejected():
+    with pytest.raises(SpecExpertConfigError, match="exceeds the 16 routed experts"):
+        SpecExpertConfig.from_dict({"budget": 20}).slots_per_layer(16, 2)
+
+
+def test_link_parsing():
+    link = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 16, "latency_us": 5}}).link
+    assert link.emulated and link.bandwidth_gbps == 16.0 and link.latency_us == 5.0
+    assert not SpecExpertConfig.from_dict({"link": {}}).link.emulated

@@ -1,0 +1,76 @@
+"""The properties of vLLM's CPU fused-MoE kernel that make offloading exact.
+
+``fetch`` runs experts from a compact slot pool and, for batches that need more experts
+than the pool holds, in token groups. Both are bit-exact only if the kernel (1) prepacks
+each expert independently, (2) gives the same result for a token whatever expert ids
+and slot order it is addressed with, and (3) computes each token independently of the
+other tokens of the launch. These tests pin those properties on vLLM's real kernel, so
+an upgrade that breaks them fails here rather than as a silent drift.
+"""
+
+import pytest
+import torch
+
+ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU kernels")
+
+from moe_reference import make_cache, random_routing  # noqa: E402
+from vllm_specexpert.policy import FetchPolicy  # noqa: E402
+
+E, H, I, K = 16, 256, 128, 4
+
+
+def prepacked(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.05).bfloat16()
+    return ops.cpu_prepack_moe_weight(w13, "vec"), ops.cpu_prepack_moe_weight(w2, "vec"), w13
+
+
+def run(x, w, ids, w13, w2):
+    out = torch.empty_like(x)
+    ops.cpu_fused_moe(out, x, w13, w2, None, None, w.float(), ids, "silu", "vec")
+    return out
+
+
+def test_prepack_is_per_expert():
+    p13, _, w13 = prepacked()
+    one_by_one = torch.cat(
+        [ops.cpu_prepack_moe_weight(w13[e : e + 1].contiguous(), "vec") for e in range(E)]
+    )
+    assert torch.equal(one_by_one, p13)
+
+
+def test_slot_remap_and_token_groups_are_bit_exact():
+    p13, p2, _ = prepacked()
+    x, w, ids = random_routing(97, E, K, hidden=H)
+    reference = run(x, w, ids, p13, p2)
+    # compact, permuted slot pool
+    uniq, inverse = ids.unique(return_inverse=True)
+    perm = torch.randperm(len(uniq), generator=torch.Generator().manual_seed(3))
+    slot_of = torch.empty_like(perm)
+    slot_of[perm] = torch.arange(len(uniq))
+    pool13, pool2 = p13[uniq[perm]], p2[uniq[perm]]
+    remapped = slot_of[inverse].to(ids.dtype)
+    assert torch.equal(run(x, w, remapped, pool13, pool2), reference)
+    # token groups of every size
+    for size in (1, 7):
+        parts = [
+            run(x[i : i + size], w[i : i + size], ids[i : i + size], p13, p2)
+            for i in range(0, len(x), size)
+        ]
+        assert torch.equal(torch.cat(parts), reference)
+
+
+@pytest.mark.parametrize("num_slots", [4, 9])
+def test_fetch_with_vllm_kernel_is_bit_exact(num_slots):
+    p13, p2, _ = prepacked()
+    cache = make_cache({"w13_weight": p13, "w2_weight": p2}, num_slots=num_slots, top_k=K)
+
+    def kernel(x, w, slot_ids, slots):
+        return run(x, w, slot_ids, slots["w13_weight"], slots["w2_weight"])
+
+    fetch = FetchPolicy()
+    for step, tokens in enumerate([1, 2, 5, 130]):
+        x, w, ids = random_routing(tokens, E, K, hidden=H, seed=step)
+        assert torch.equal(fetch.run(cache, kernel, x, w, ids), run(x, w, ids, p13, p2))
+    assert cache.stats.misses > 0

