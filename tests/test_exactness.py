@@ -10,7 +10,7 @@ import pytest
 
 from vllm_harness import PROMPTS, greedy, make_llm, shutdown
 import vllm_specexpert
-from vllm_specexpert.fixtures import ARCHITECTURES, COMMON
+from vllm_specexpert.fixtures import ARCHITECTURES, num_moe_layers
 
 MOE_ARCHS = list(ARCHITECTURES)
 BUDGETS = [1.0, 0.5, 0.25]
@@ -49,7 +49,7 @@ def test_fetch_is_identical_to_vanilla(engines, budget):
 
     stats = vllm_specexpert.get_stats(llm)[0]
     assert stats["exact"] and stats["miss_policy"] == "fetch"
-    assert len(stats["layers"]) == COMMON["num_hidden_layers"]
+    assert len(stats["layers"]) == num_moe_layers(arch)
     for name, layer in stats["layers"].items():
         slots = stats["slots_per_layer"][name]
         experts = stats["experts_per_layer"][name]

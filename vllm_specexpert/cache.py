@@ -98,7 +98,8 @@ class ExpertCache:
         self.device = device
         self.link = link
         self.policy = EVICTION_POLICIES[policy](num_experts, num_slots, top_k)
-        self.stats = LayerStats()
+        # Slots never held by a pinned expert: any batch of this many experts fits.
+        self._rotating_slots = num_slots - int(self.policy.pinned.sum())
         self.clock = 0
 
         self.slots: dict[str, torch.Tensor] = {
@@ -116,6 +117,10 @@ class ExpertCache:
         initial = np.arange(num_slots)
         self._assign(initial, np.arange(num_slots))
         self._copy_now(initial)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = LayerStats(max_resident=self.num_resident())
 
     # ------------------------------------------------------------------ queries
 
@@ -127,13 +132,16 @@ class ExpertCache:
 
     def capacity_for(self, experts: np.ndarray) -> bool:
         """Whether all of ``experts`` (distinct ids) fit in the pool at once."""
+        if len(experts) <= self._rotating_slots:
+            return True
         pinned_resident = self.policy.pinned & self.resident_mask()
         outside = np.count_nonzero(~pinned_resident[experts])
         return outside <= self.num_slots - int(pinned_resident.sum())
 
     def slot_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Router expert ids -> slot indices, same shape and dtype (device gather)."""
-        return self.slot_of[topk_ids.long()].to(topk_ids.dtype)
+        flat = torch.index_select(self.slot_of, 0, topk_ids.reshape(-1))
+        return flat.view(topk_ids.shape).to(topk_ids.dtype)
 
     # ---------------------------------------------------------------- residency
 
@@ -148,8 +156,7 @@ class ExpertCache:
         first, then the experts least needed by ``future_demand`` (per-expert count of
         later uses in the same batch, if any), then the policy's order."""
         self.clock += 1
-        resident = self.resident_mask()
-        missing = experts[~resident[experts]]
+        missing = experts[self.expert_slot[experts] < 0]
         stats = self.stats
         stats.requests += len(experts)
         stats.misses += len(missing)
@@ -158,8 +165,8 @@ class ExpertCache:
             slots = self._victim_slots(len(missing), protect=experts, demand=future_demand)
             transfer = self._start_load(missing, slots)
             stats.stall_s += self.link.wait(transfer)
+            stats.max_resident = max(stats.max_resident, self.num_resident())
         self.policy.on_use(experts, self.clock)
-        stats.max_resident = max(stats.max_resident, self.num_resident())
 
     def _victim_slots(
         self, count: int, protect: np.ndarray, demand: np.ndarray | None

@@ -112,7 +112,7 @@ class OffloadEngine:
 
     def reset_stats(self) -> None:
         for cache in self.caches.values():
-            cache.stats = LayerStats()
+            cache.reset_stats()
         self.link.bytes_copied = 0
         self.link.copies = 0
         self.link.stall_s = 0.0

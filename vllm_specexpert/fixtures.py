@@ -66,6 +66,15 @@ ARCHITECTURES: dict[str, dict] = {
         shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
         norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
     ),
+    # DeepSeek-V2-Lite-like: MLA attention, a dense first layer, 2 shared experts.
+    "deepseek_v2": dict(
+        cls="DeepseekV2Config", intermediate_size=256, moe_intermediate_size=64,
+        n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
+        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+        n_group=1, topk_group=1,
+    ),
 }
 
 DENSE_ARCHITECTURES: dict[str, dict] = {
@@ -73,6 +82,11 @@ DENSE_ARCHITECTURES: dict[str, dict] = {
     "qwen3_dense": dict(cls="Qwen3Config", head_dim=32, intermediate_size=256),
 }
 ALL_FIXTURES = {**ARCHITECTURES, **DENSE_ARCHITECTURES}
+
+
+def num_moe_layers(arch: str) -> int:
+    spec = ARCHITECTURES[arch]
+    return COMMON["num_hidden_layers"] - spec.get("first_k_dense_replace", 0)
 
 
 def stdlib_files() -> list[Path]:
@@ -123,7 +137,7 @@ def build_model(arch: str, out: Path) -> Path:
     spec = dict(ALL_FIXTURES[arch])
     config_cls = getattr(transformers, spec.pop("cls"))
     config = config_cls(**COMMON, **spec, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    config.torch_dtype = "bfloat16"
+    config.dtype = "bfloat16"
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(torch.bfloat16)

@@ -35,7 +35,8 @@ class LayerStats:
     """Expert kernel launches (more than ``calls`` when a batch needed more experts
     than there are slots and was run in token groups)."""
     max_resident: int = 0
-    """Highest number of experts resident at once (never above the slot count)."""
+    """Highest number of experts resident at once since the counters started (checked
+    at start and after every load; never above the slot count)."""
 
     @property
     def hit_rate(self) -> float:
