@@ -70,3 +70,32 @@ def test_other_cache_policies_are_identical(engines, cache):
     vllm_specexpert.reconfigure(llm, budget=0.5, cache=cache)
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
     assert vllm_specexpert.get_stats(llm)[0]["total"]["misses"] > 0
+
+
+def offload_layout(model):
+    """Worker side: how each offloaded layer holds its experts."""
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+    rows = []
+    for module in model.modules():
+        if isinstance(module, OffloadedRoutedExperts):
+            cache = module.engine.caches[module.layer_name]
+            rows.append({
+                "params_are_the_store": all(
+                    getattr(module, key).data_ptr() == tensor.data_ptr()
+                    for key, tensor in cache.experts.tensors.items()
+                ),
+                "pool_rows": sorted({t.shape[0] for t in cache.slots.values()}),
+                "num_slots": cache.num_slots,
+            })
+    return rows
+
+
+def test_pool_is_the_only_copy_and_sized_to_budget(engines):
+    arch, llm, _ = engines
+    vllm_specexpert.reconfigure(llm, budget=0.25)
+    rows = llm.apply_model(offload_layout)[0]
+    assert len(rows) == num_moe_layers(arch)
+    for row in rows:
+        assert row["params_are_the_store"]
+        assert row["pool_rows"] == [row["num_slots"]]

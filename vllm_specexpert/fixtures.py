@@ -70,8 +70,9 @@ ARCHITECTURES: dict[str, dict] = {
     "deepseek_v2": dict(
         cls="DeepseekV2Config", intermediate_size=256, moe_intermediate_size=64,
         n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=64,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
+        # vLLM's CPU MLA kernel only compiles kv_lora_rank + rope = 512 + 64.
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, head_dim=64,
         topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
         n_group=1, topk_group=1,
     ),
