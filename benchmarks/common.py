@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import platform
@@ -21,39 +19,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def command_line() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
-
-
-@contextlib.contextmanager
-def _plugins(enabled: bool):
-    saved = os.environ.get("VLLM_PLUGINS")
-    if not enabled:
-        os.environ["VLLM_PLUGINS"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_PLUGINS", None)
-        else:
-            os.environ["VLLM_PLUGINS"] = saved
-
-
-def start_engine(model: str, specexpert: dict | None, eager: bool, **kwargs):
-    """An ``LLM``; ``specexpert=None`` starts vanilla vLLM with no plugin loaded."""
-    from vllm import LLM
-
-    from vllm_specexpert.plugins import register
-
-    register()  # in case an earlier vanilla engine made this process skip plugins
-    extra = {"additional_config": {"specexpert": specexpert}} if specexpert else {}
-    with _plugins(specexpert is not None):
-        return LLM(model=model, dtype="bfloat16", enforce_eager=eager, max_model_len=1024,
-                   seed=0, **extra, **kwargs)
-
-
-def stop_engine(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 def timed_generate(llm, prompts: list, max_tokens: int) -> float:

@@ -25,11 +25,11 @@ from common import (  # noqa: E402
     RESULTS,
     command_line,
     decode_step_seconds,
-    start_engine,
-    stop_engine,
     timed_generate,
     write_result,
 )
+
+from vllm_specexpert.harness import start_engine, stop_engine  # noqa: E402
 
 PROMPT = "def parse_arguments(argv):\n    \"\"\"Parse the command line.\"\"\"\n"
 NO_LINK = {"bandwidth_gbps": None, "latency_us": 0.0}
@@ -84,8 +84,8 @@ def main() -> None:
 
     model = args.model or str(ensure_model(DEFAULT_MODEL))
     prompts = [PROMPT]
-    vanilla = start_engine(model, None, args.eager)
-    plugin = start_engine(model, {"budget": 1.0}, args.eager)
+    vanilla = start_engine(model, None, eager=args.eager)
+    plugin = start_engine(model, {"budget": 1.0}, eager=args.eager)
 
     # Calibrate the emulated link from vanilla's per-layer decode time.
     timed_generate(vanilla, prompts, 8)

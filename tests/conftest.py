@@ -5,6 +5,11 @@ from pathlib import Path
 # Engine tests run vLLM's CPU build on a small machine.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engine core in this process: LLM.generate then queues every prompt before the first
+# step, so batch composition never depends on timing. With a separate engine-core process
+# the first step can start before all prompts arrive, and on a loaded machine DeepSeek's
+# MLA path then gives different (vanilla-vs-vanilla) results.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Lets tests inspect worker-side modules with LLM.apply_model.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 

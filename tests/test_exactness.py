@@ -1,14 +1,14 @@
 """Greedy output with offloading (miss policy ``fetch``) is identical to vanilla vLLM.
 
-One vanilla engine (no plugin loaded at all) and one plugin engine per architecture and
-compile mode; the plugin engine switches budget with ``reconfigure``. Eager mode covers
+Per architecture and compile mode: one vanilla run in a fresh process that never loads
+the plugin, and one plugin engine that switches budget with ``reconfigure``. Eager mode covers
 every architecture; vLLM's default compiled mode covers the Qwen3-MoE fixture here and
 every architecture under ``make test-slow``.
 """
 
 import pytest
 
-from vllm_harness import PROMPTS, greedy, make_llm, shutdown
+from vllm_harness import PROMPTS, greedy, greedy_in_fresh_process, make_llm, shutdown
 import vllm_specexpert
 from vllm_specexpert.fixtures import ARCHITECTURES, num_moe_layers
 
@@ -24,9 +24,7 @@ CASES = [(arch, True) for arch in MOE_ARCHS] + [
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'eager' if c[1] else 'compiled'}")
 def engines(request):
     arch, eager = request.param
-    vanilla = make_llm(arch, eager=eager, plugins=False)
-    reference = greedy(vanilla)
-    shutdown(vanilla)
+    reference = greedy_in_fresh_process(arch, plugins=False, eager=eager)["completions"]
     llm = make_llm(arch, specexpert={"budget": 1.0}, eager=eager)
     yield arch, llm, reference
     shutdown(llm)

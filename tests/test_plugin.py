@@ -3,33 +3,29 @@ with one clear error, in the calling process, before any engine process starts."
 
 import pytest
 
-from vllm_harness import greedy, make_llm, shutdown
+from vllm_harness import greedy_in_fresh_process, make_llm
 from vllm_specexpert import SpecExpertConfigError, SpecExpertUnsupportedError
 
 VANILLA_CLASS = "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts"
 OFFLOADED_CLASS = "vllm_specexpert.layers.routed_experts.OffloadedRoutedExperts"
 
 
-def expert_layer_classes(model):
-    return sorted({
-        f"{type(m).__module__}.{type(m).__qualname__}"
-        for m in model.modules() if type(m).__name__.endswith("RoutedExperts")
-    })
-
-
 def test_without_the_key_vllm_is_untouched():
-    reference_llm = make_llm("qwen3_moe", plugins=False)
-    reference = greedy(reference_llm)
-    shutdown(reference_llm)
+    reference = greedy_in_fresh_process("qwen3_moe", plugins=False)
+    loaded = greedy_in_fresh_process("qwen3_moe", plugins=True)  # loaded, no "specexpert"
+    assert reference["expert_layer_classes"] == [VANILLA_CLASS]
+    assert loaded["expert_layer_classes"] == [VANILLA_CLASS]
+    ref, out = reference["completions"], loaded["completions"]
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    assert [c.logprobs for c in out] == [c.logprobs for c in ref]
 
-    llm = make_llm("qwen3_moe", plugins=True)  # plugin loaded, no "specexpert" key
+
+def test_with_the_key_the_layer_is_offloaded():
+    from vllm_harness import expert_layer_classes, shutdown
+
+    llm = make_llm("qwen3_moe", specexpert={"budget": 0.5})
     try:
-        assert llm.apply_model(expert_layer_classes) == [[VANILLA_CLASS]]
-        outputs = greedy(llm)
-        assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
-        assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
-        with pytest.raises(Exception, match="specexpert_stats"):
-            llm.collective_rpc("specexpert_stats")
+        assert llm.apply_model(expert_layer_classes) == [[OFFLOADED_CLASS]]
     finally:
         shutdown(llm)
 

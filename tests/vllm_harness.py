@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
+import dataclasses
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 
 from vllm_specexpert.fixtures import ensure_model
+from vllm_specexpert.harness import start_engine, stop_engine as shutdown  # noqa: F401
 
 PROMPTS = [
     "def main():\n    ",
@@ -29,42 +33,41 @@ class Completion:
     """Top-5 logprobs per generated token: equal floats mean an identical computation."""
 
 
-@contextlib.contextmanager
-def plugins_enabled(enabled: bool):
-    """VLLM_PLUGINS="" keeps vLLM from loading any plugin in the engine processes."""
-    saved = os.environ.get("VLLM_PLUGINS")
-    if not enabled:
-        os.environ["VLLM_PLUGINS"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_PLUGINS", None)
-        else:
-            os.environ["VLLM_PLUGINS"] = saved
+def make_llm(arch: str, specexpert: dict, eager: bool = True, **kwargs):
+    """A plugin engine in this process (in-process engine core, see conftest)."""
+    return start_engine(str(ensure_model(arch)), specexpert, eager=eager,
+                        max_model_len=512, **kwargs)
 
 
-def make_llm(arch: str, specexpert: dict | None = None, eager: bool = True,
-             plugins: bool = True, **kwargs):
-    from vllm import LLM
-
-    from vllm_specexpert.plugins import register
-
-    # vLLM loads plugins once per process: if the first engine of this test process was
-    # a vanilla one (VLLM_PLUGINS=""), the main-process half of the plugin is missing.
-    register()
-    extra = {"additional_config": {"specexpert": specexpert}} if specexpert is not None else {}
-    with plugins_enabled(plugins):
-        return LLM(
-            model=str(ensure_model(arch)), dtype="bfloat16", enforce_eager=eager,
-            max_model_len=512, seed=0, **extra, **kwargs,
-        )
+def expert_layer_classes(model) -> list[str]:
+    """Worker side: the classes of the model's routed-expert layers."""
+    return sorted({
+        f"{type(m).__module__}.{type(m).__qualname__}"
+        for m in model.modules() if type(m).__name__.endswith("RoutedExperts")
+    })
 
 
-def shutdown(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+def greedy_in_fresh_process(arch: str, plugins: bool, eager: bool = True) -> dict:
+    """Greedy completions of PROMPTS from an engine started in a new Python process with
+    no ``specexpert`` config; with ``plugins=False`` no vLLM plugin is ever loaded there.
+    Engines of the test process share it with the plugin, so vanilla references come
+    from here. Returns ``{"completions": [...], "expert_layer_classes": [...]}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if not plugins:
+            env["VLLM_PLUGINS"] = ""
+        args = json.dumps({"arch": arch, "eager": eager, "out": out})
+        proc = subprocess.run([sys.executable, __file__, args], env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        with open(out) as f:
+            result = json.load(f)
+    result["completions"] = [
+        Completion(c["token_ids"], [{int(t): lp for t, lp in step.items()} for step in c["logprobs"]])
+        for c in result["completions"]
+    ]
+    return result
 
 
 def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[Completion]:
@@ -80,3 +83,17 @@ def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[Completion]:
             logprobs=[{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs],
         ))
     return result
+
+
+if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
+    from vllm import LLM
+
+    request = json.loads(sys.argv[1])
+    llm = LLM(model=str(ensure_model(request["arch"])), dtype="bfloat16",
+              enforce_eager=request["eager"], max_model_len=512, seed=0)
+    result = {
+        "completions": [dataclasses.asdict(c) for c in greedy(llm)],
+        "expert_layer_classes": llm.apply_model(expert_layer_classes)[0],
+    }
+    with open(request["out"], "w") as f:
+        json.dump(result, f)

@@ -66,13 +66,11 @@ def run_vllm_cli(argv: list[str]) -> None:
 
 
 def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    extra = {"additional_config": {"specexpert": specexpert}} if specexpert else {}
-    llm = LLM(
-        model=model, dtype="bfloat16", enforce_eager=not args.compile, max_model_len=1024,
-        seed=0, **extra,
-    )
+    from vllm_specexpert.harness import start_engine, stop_engine
+
+    llm = start_engine(model, specexpert, eager=not args.compile)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     stats = None
@@ -89,7 +87,7 @@ def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
         stats = get_stats(llm)[0]
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     texts = [o.outputs[0].text for o in outputs]
-    del llm
+    stop_engine(llm)
     return texts, tokens, sum(map(len, tokens)) / elapsed, stats
 
 

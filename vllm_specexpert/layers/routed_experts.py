@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 
 import torch
 
@@ -35,17 +36,24 @@ from vllm_specexpert.engine import OffloadEngine
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
 
-_ENGINES: dict[int, OffloadEngine] = {}
-"""One engine per vLLM config (one per worker process in practice)."""
+_ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
+"""One engine per live vLLM config (one per worker process, unless several engines run
+in one process). Keyed by ``id`` and checked by weak reference, since ids are reused."""
 
 
 def engine_for(vllm_config, config: SpecExpertConfig) -> OffloadEngine:
-    engine = _ENGINES.get(id(vllm_config))
-    if engine is None:
-        device = torch.device(current_platform.device_type)
-        rank = vllm_config.parallel_config.rank
-        engine = OffloadEngine(config, device, rank=rank)
-        _ENGINES[id(vllm_config)] = engine
+    entry = _ENGINES.get(id(vllm_config))
+    if entry is not None and entry[0]() is vllm_config:
+        return entry[1]
+    device = torch.device(current_platform.device_type)
+    engine = OffloadEngine(config, device, rank=vllm_config.parallel_config.rank)
+    key = id(vllm_config)
+
+    def forget(_ref) -> None:
+        _ENGINES.pop(key, None)
+        engine.close()
+
+    _ENGINES[key] = (weakref.ref(vllm_config, forget), engine)
     return engine
 
 
