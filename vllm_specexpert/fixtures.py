@@ -1,4 +1,5 @@
-"""Tiny random-weight MoE models of every supported architecture, for tests and demos.
+"""Named test models: the embedded trained model, and tiny random-weight MoE models of
+every supported architecture.
 
     specexpert build-fixtures [--out DIR] [--arch NAME ...]
 
@@ -6,7 +7,7 @@ Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors
 tokenizer) that vLLM and transformers load natively. Weights come from a fixed seed, so
 the same command rebuilds the same bytes. The tokenizer is a byte-level BPE with
 10,240 tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on the
-CPython standard library and shipped as ``vllm_specexpert/assets/tokenizer.json``;
+train split of the CPython standard library (:mod:`vllm_specexpert.corpus`) and shipped as ``vllm_specexpert/assets/tokenizer.json``;
 ``--retrain-tokenizer`` rebuilds it. Models are cached under ``$SPECEXPERT_CACHE``
 (default ``~/.cache/vllm-specexpert``) and rebuilt when this file or the tokenizer change.
 """
@@ -17,16 +18,19 @@ import argparse
 import hashlib
 import json
 import os
-import sysconfig
 from pathlib import Path
 
-TOKENIZER_JSON = Path(__file__).resolve().parent / "assets" / "tokenizer.json"
+ASSETS = Path(__file__).resolve().parent / "assets"
+TOKENIZER_JSON = ASSETS / "tokenizer.json"
+TRAINED_MODEL = "trained"
+"""Name of the embedded model trained by ``specexpert train-tiny`` (a Qwen3-MoE)."""
+TRAINED_MODEL_DIR = ASSETS / "tiny-qwen3-moe"
 DEFAULT_OUT = (
     Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "vllm-specexpert"))
     / "fixtures"
 )
-DEFAULT_MODEL = "qwen3_moe"
-"""The demo's default model until the trained model lands (issue 3)."""
+DEFAULT_MODEL = TRAINED_MODEL
+"""The model of the demo and the benchmarks when none is given."""
 VOCAB_SIZE = 10240
 SEED = 1234
 
@@ -85,26 +89,25 @@ DENSE_ARCHITECTURES: dict[str, dict] = {
 ALL_FIXTURES = {**ARCHITECTURES, **DENSE_ARCHITECTURES}
 
 
-def num_moe_layers(arch: str) -> int:
-    spec = ARCHITECTURES[arch]
+def model_path(name: str) -> Path:
+    """Directory of a named model: the embedded trained model, or a random fixture
+    (built on first use)."""
+    return TRAINED_MODEL_DIR if name == TRAINED_MODEL else ensure_model(name)
+
+
+def num_moe_layers(name: str) -> int:
+    if name == TRAINED_MODEL:
+        return json.loads((TRAINED_MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
+    spec = ARCHITECTURES[name]
     return COMMON["num_hidden_layers"] - spec.get("first_k_dense_replace", 0)
 
 
-def stdlib_files() -> list[Path]:
-    """The CPython standard library's .py files, in a deterministic order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "test", "idlelib", "lib2to3", "__pycache__")
-    files = [
-        p for p in sorted(root.rglob("*.py"))
-        if not any(part in skip for part in p.relative_to(root).parts)
-    ]
-    return files
-
-
 def train_tokenizer(path: Path) -> None:
+    """Byte-level BPE with VOCAB_SIZE tokens, trained on the corpus's train split."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    files = stdlib_files()[:400]
+    from vllm_specexpert import corpus
+
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -114,9 +117,16 @@ def train_tokenizer(path: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train([str(f) for f in files], trainer)
+    tokenizer.train_from_iterator(corpus.iter_texts("train"), trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
+
+
+def load_tokenizer():
+    """The shared tokenizer (a ``tokenizers.Tokenizer``)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(TOKENIZER_JSON))
 
 
 def save_tokenizer(out: Path) -> None:
