@@ -1,0 +1,1 @@
+"""Offline passes over a model: routing captures (and, later, calibration)."""

@@ -1,0 +1,187 @@
+"""Run a transformers MoE model over documents and collect, per window of tokens and
+per MoE layer, what the router saw and chose. Shared by ``capture`` (writes it to disk)
+and ``calibrate`` (reduces it to default vectors and co-activation counts).
+
+Works for the Hugging Face MoE layouts whose sparse block has a ``gate`` module returning
+``(router_logits, topk_weights, topk_ids)`` and an ``experts`` module called as
+``experts(hidden, topk_ids, topk_weights)`` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE in
+transformers 5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class WindowTrace:
+    """One forward pass (a window of one document) seen by every MoE layer."""
+
+    document: str
+    token_ids: torch.Tensor
+    """``[T]``"""
+    router_logits: torch.Tensor
+    """``[T, L, E]`` float32"""
+    topk_ids: torch.Tensor
+    """``[T, L, K]`` int64"""
+    topk_weights: torch.Tensor
+    """``[T, L, K]`` float32, as passed to the experts"""
+    residual: torch.Tensor
+    """``[T, L, H]`` r_l, input of ``post_attention_layernorm``"""
+    router_input: torch.Tensor
+    """``[T, L, H]`` s_l, its output (the router's and experts' input)"""
+
+
+class _LayerHooks:
+    """Forward hooks that collect one forward pass's per-layer tensors."""
+
+    def __init__(self, model):
+        self.handles = []
+        self.residual: dict[int, torch.Tensor] = {}
+        self.router_input: dict[int, torch.Tensor] = {}
+        self.router: dict[int, tuple] = {}
+        layers = model.model.layers
+        self.moe_layers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
+        if not self.moe_layers:
+            raise ValueError(f"{type(model).__name__}: no MoE layer with a `mlp.gate` router found")
+        for i in self.moe_layers:
+            layer = layers[i]
+            self.handles.append(layer.post_attention_layernorm.register_forward_hook(self._norm_hook(i)))
+            self.handles.append(layer.mlp.gate.register_forward_hook(self._gate_hook(i)))
+
+    def _norm_hook(self, i: int):
+        def hook(module, args, output):
+            self.residual[i] = args[0].detach()
+            self.router_input[i] = output.detach()
+        return hook
+
+    def _gate_hook(self, i: int):
+        def hook(module, args, output):
+            logits, weights, ids = output
+            self.router[i] = (logits.detach(), weights.detach(), ids.detach())
+        return hook
+
+    def stacked(self, tokens: int) -> dict[str, torch.Tensor]:
+        def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([t.reshape(tokens, -1) for t in tensors], dim=1)
+
+        layers = self.moe_layers
+        return {
+            "router_logits": stack([self.router[i][0] for i in layers]).float(),
+            "topk_weights": stack([self.router[i][1] for i in layers]).float(),
+            "topk_ids": stack([self.router[i][2] for i in layers]).long(),
+            "residual": stack([self.residual[i] for i in layers]),
+            "router_input": stack([self.router_input[i] for i in layers]),
+        }
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def load_model(model_dir: str | Path):
+    """A transformers model (fp32, eval) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def moe_layer_indices(model) -> list[int]:
+    return [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+
+
+def trace(
+    model,
+    tokenizer,
+    documents: Iterable[tuple[str, str]],
+    window: int = 256,
+    max_tokens: int | None = None,
+    progress: str | None = None,
+) -> Iterator[WindowTrace]:
+    """Run ``documents`` (``(name, text)`` pairs) in windows of ``window`` tokens (no
+    context across windows) and yield each window's traces, ``max_tokens`` in all."""
+    from tqdm import tqdm
+
+    hooks = _LayerHooks(model)
+    seen = 0
+    bar = tqdm(desc=progress, unit="tok", total=max_tokens, disable=progress is None)
+    try:
+        for name, text in documents:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if max_tokens is not None:
+                ids = ids[: max_tokens - seen]
+            for begin in range(0, len(ids), window):
+                chunk = torch.tensor(ids[begin : begin + window])
+                with torch.no_grad():
+                    model(input_ids=chunk[None])
+                seen += len(chunk)
+                bar.update(len(chunk))
+                yield WindowTrace(document=name, token_ids=chunk, **hooks.stacked(len(chunk)))
+            if max_tokens is not None and seen >= max_tokens:
+                return
+    finally:
+        hooks.remove()
+        bar.close()
+
+
+def model_fingerprint(model_dir: str | Path) -> dict:
+    """Architecture, shapes, and a hash of every router weight: enough to refuse data
+    computed for another model."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    h = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in sorted(f.keys()):
+                if key.endswith("mlp.gate.weight"):
+                    h.update(key.encode())
+                    h.update(f.get_tensor(key).float().numpy().tobytes())
+    return {**{k: config.get(k) for k in FINGERPRINT_CONFIG_KEYS}, "router_sha256": h.hexdigest()}
+
+
+FINGERPRINT_CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "num_experts",
+                           "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
+
+
+def corpus_documents(split: str) -> Iterator[tuple[str, str]]:
+    from vllm_specexpert import corpus
+
+    for f in corpus.corpus_files(split):
+        yield f.relpath, f.read()
+
+
+def file_documents(paths: list[str]) -> Iterator[tuple[str, str]]:
+    for p in paths:
+        yield p, Path(p).read_text(encoding="utf-8", errors="replace")
+
+
+def add_data_arguments(parser) -> None:
+    """``MODEL`` and the text to run: ``--data FILE...`` or a corpus ``--split``."""
+    parser.add_argument("model", nargs="?", help="model directory (default: the embedded model)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data", nargs="+", help="text files to run")
+    source.add_argument("--split", choices=["train", "validation"], default=None,
+                        help="CPython-stdlib corpus split to run when --data is not given")
+    parser.add_argument("--window", type=int, default=256, help="tokens per forward pass")
+    parser.add_argument("--max-tokens", type=int, default=None)
+
+
+def resolve_data_arguments(args, default_split: str) -> tuple[str, Iterator[tuple[str, str]], str]:
+    """``(model_dir, documents, data description)`` from :func:`add_data_arguments`."""
+    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+
+    model = args.model or str(model_path(DEFAULT_MODEL))
+    if args.data:
+        return model, file_documents(args.data), f"files {' '.join(args.data)}"
+    split = args.split or default_split
+    return model, corpus_documents(split), f"corpus split {split}"
