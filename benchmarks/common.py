@@ -38,6 +38,49 @@ def decode_step_seconds(llm, prompts: list, max_tokens: int, repeats: int) -> fl
     return (statistics.median(full) - statistics.median(first)) / (max_tokens - 1)
 
 
+def emulated_link(layer_seconds: float, expert_bytes: int, copy_compute_ratio: float,
+                  latency_us: float) -> dict[str, float]:
+    """An emulated link on which one expert copy takes ``copy_compute_ratio`` times one
+    MoE layer's decode compute (``layer_seconds``), so that a CPU run sees a GPU box's
+    copy/compute ratio. The default ratio used by the benchmarks, 2.7, comes from a
+    9.4 MB Qwen3-30B-A3B expert over ~25 GB/s PCIe 4.0 (0.38 ms) against ~0.14 ms per
+    layer of batch-1 decode on an RTX 4090-class GPU: an estimate, not a measurement."""
+    copy_s = copy_compute_ratio * layer_seconds
+    return {"bandwidth_gbps": expert_bytes / copy_s / 1e9, "latency_us": latency_us}
+
+
+def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
+    """``count`` prompts: the first ``tokens`` tokens of the corpus's validation files
+    (held-out text, never trained on), longest files first."""
+    from vllm_specexpert import corpus
+    from vllm_specexpert.fixtures import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
+    return [tokenizer.decode(tokenizer.encode(f.read()).ids[:tokens]) for f in files[:count]]
+
+
+def default_calibration(model: str, max_tokens: int = 65536) -> str:
+    """A calibration of ``model`` on the corpus's train split, made once and cached under
+    ``$SPECEXPERT_CACHE/calibration``."""
+    import hashlib
+
+    from vllm_specexpert.calibrate.calibrate import calibrate, load_calibration
+    from vllm_specexpert.calibrate.trace import corpus_documents
+    from vllm_specexpert.config import SpecExpertConfigError
+    from vllm_specexpert.fixtures import DEFAULT_OUT
+
+    key = hashlib.sha256(f"{Path(model).resolve()}:{max_tokens}".encode()).hexdigest()[:12]
+    out = DEFAULT_OUT.parent / "calibration" / f"{Path(model).name}-{key}"
+    try:
+        load_calibration(out, model=model)
+    except SpecExpertConfigError:
+        print(f"calibrating {model} on {max_tokens} train tokens -> {out}")
+        calibrate(model, corpus_documents("train"), out, max_tokens=max_tokens,
+                  description=f"corpus split train, first {max_tokens} tokens")
+    return str(out)
+
+
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     payload = {

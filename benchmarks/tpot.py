@@ -7,9 +7,7 @@ plugin, which switches mode with ``reconfigure`` (no reload). Modes are measured
 interleaved rounds and reported as medians and as ratios to vanilla, since this machine
 is noisy. The emulated link is calibrated to reproduce a GPU box's copy/compute ratio:
 one expert copy takes ``--copy-compute-ratio`` times one MoE layer's decode compute
-(default 2.7: a 9.4 MB Qwen3-30B-A3B expert over ~25 GB/s PCIe 4.0 is 0.38 ms, against
-~0.14 ms per layer of batch-1 decode on an RTX 4090-class GPU; an estimate, not a
-measurement). Writes ``benchmarks/results/tpot.json`` and ``tpot.png``.
+(see ``common.emulated_link``). Writes ``benchmarks/results/tpot.json`` and ``tpot.png``.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from common import (  # noqa: E402
     RESULTS,
     command_line,
     decode_step_seconds,
+    emulated_link,
     timed_generate,
     write_result,
 )
@@ -80,9 +79,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, ensure_model
+    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
 
-    model = args.model or str(ensure_model(DEFAULT_MODEL))
+    model = args.model or str(model_path(DEFAULT_MODEL))
     prompts = [PROMPT]
     vanilla = start_engine(model, None, eager=args.eager)
     plugin = start_engine(model, {"budget": 1.0}, eager=args.eager)
@@ -94,12 +93,11 @@ def main() -> None:
     num_layers = len(info["layers"])
     expert_bytes = next(iter(info["expert_bytes"].values()))
     layer_s = vanilla_step / num_layers
-    copy_s = args.copy_compute_ratio * layer_s
-    bandwidth_gbps = expert_bytes / copy_s / 1e9
-    link = {"bandwidth_gbps": bandwidth_gbps, "latency_us": args.latency_us}
+    link = emulated_link(layer_s, expert_bytes, args.copy_compute_ratio, args.latency_us)
+    bandwidth_gbps = link["bandwidth_gbps"]
     print(f"vanilla {vanilla_step * 1e3:.2f} ms/step, {layer_s * 1e6:.0f} us/layer; "
           f"expert {expert_bytes} B -> emulated link {bandwidth_gbps:.3f} GB/s "
-          f"+ {args.latency_us} us per copy ({copy_s * 1e6:.0f} us per expert)")
+          f"+ {args.latency_us} us per copy")
 
     modes = plugin_modes(link)
     samples: dict[str, list[float]] = {"vanilla": []}

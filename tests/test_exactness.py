@@ -1,18 +1,19 @@
 """Greedy output with offloading (miss policy ``fetch``) is identical to vanilla vLLM.
 
-Per architecture and compile mode: one vanilla run in a fresh process that never loads
-the plugin, and one plugin engine that switches budget with ``reconfigure``. Eager mode covers
-every architecture; vLLM's default compiled mode covers the Qwen3-MoE fixture here and
-every architecture under ``make test-slow``.
+Per model and compile mode: one vanilla run in a fresh process that never loads the
+plugin, and one plugin engine that switches budget with ``reconfigure``. Models: the
+embedded trained model and a random-weight fixture of every supported architecture.
+Eager mode covers every model; vLLM's default compiled mode covers the Qwen3-MoE fixture
+here and every model under ``make test-slow``.
 """
 
 import pytest
 
-from vllm_harness import PROMPTS, greedy, greedy_in_fresh_process, make_llm, shutdown
+from vllm_harness import PROMPTS, greedy, make_llm, shutdown, vanilla_reference
 import vllm_specexpert
-from vllm_specexpert.fixtures import ARCHITECTURES, num_moe_layers
+from vllm_specexpert.fixtures import ARCHITECTURES, TRAINED_MODEL, num_moe_layers
 
-MOE_ARCHS = list(ARCHITECTURES)
+MOE_ARCHS = [TRAINED_MODEL, *ARCHITECTURES]
 BUDGETS = [1.0, 0.5, 0.25]
 
 CASES = [(arch, True) for arch in MOE_ARCHS] + [
@@ -24,7 +25,7 @@ CASES = [(arch, True) for arch in MOE_ARCHS] + [
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'eager' if c[1] else 'compiled'}")
 def engines(request):
     arch, eager = request.param
-    reference = greedy_in_fresh_process(arch, plugins=False, eager=eager)["completions"]
+    reference = vanilla_reference(arch, eager)
     llm = make_llm(arch, specexpert={"budget": 1.0}, eager=eager)
     yield arch, llm, reference
     shutdown(llm)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from vllm_specexpert.fixtures import ensure_model
+from vllm_specexpert.fixtures import model_path
 from vllm_specexpert.harness import start_engine, stop_engine as shutdown  # noqa: F401
 
 PROMPTS = [
@@ -35,7 +36,7 @@ class Completion:
 
 def make_llm(arch: str, specexpert: dict, eager: bool = True, **kwargs):
     """A plugin engine in this process (in-process engine core, see conftest)."""
-    return start_engine(str(ensure_model(arch)), specexpert, eager=eager,
+    return start_engine(str(model_path(arch)), specexpert, eager=eager,
                         max_model_len=512, **kwargs)
 
 
@@ -70,10 +71,16 @@ def greedy_in_fresh_process(arch: str, plugins: bool, eager: bool = True) -> dic
     return result
 
 
+@functools.lru_cache(maxsize=None)
+def vanilla_reference(arch: str, eager: bool = True) -> tuple[Completion, ...]:
+    """Vanilla vLLM's greedy completions of PROMPTS, computed once per test session."""
+    return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager)["completions"])
+
+
 def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[Completion]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = []
     for output in outputs:
@@ -89,7 +96,7 @@ if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
     from vllm import LLM
 
     request = json.loads(sys.argv[1])
-    llm = LLM(model=str(ensure_model(request["arch"])), dtype="bfloat16",
+    llm = LLM(model=str(model_path(request["arch"])), dtype="bfloat16",
               enforce_eager=request["eager"], max_model_len=512, seed=0)
     result = {
         "completions": [dataclasses.asdict(c) for c in greedy(llm)],

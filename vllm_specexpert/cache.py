@@ -108,6 +108,12 @@ class ExpertCache:
         }
         self.slot_expert = np.full(num_slots, -1, dtype=np.int64)
         self.expert_slot = np.full(num_experts, -1, dtype=np.int32)
+        self.protected = np.zeros(num_experts, dtype=bool)
+        """Prefetched experts whose layer has not run since: never evicted (the paper's
+        ring of buffers: a prefetch is not overwritten before the layer that wanted it
+        runs)."""
+        self._in_flight: dict[int, Transfer] = {}
+        """slot -> transfer still copying into it (waited for on first use)."""
         # id -> slot map read by kernels. On CPU it shares memory with expert_slot; on
         # CUDA it is a device copy refreshed after every residency change.
         self._host_map = torch.from_numpy(self.expert_slot)
@@ -145,16 +151,28 @@ class ExpertCache:
 
     # ---------------------------------------------------------------- residency
 
+    def begin_run(self, experts: np.ndarray) -> None:
+        """A forward call of the layer starts and will need ``experts`` (distinct ids).
+        Protected prefetches are released: those among ``experts`` count as used, the
+        others as unused (their slots may now be evicted)."""
+        if self.protected.any():
+            used = int(np.count_nonzero(self.protected[experts]))
+            self.stats.prefetch_used += used
+            self.stats.prefetch_unused += int(np.count_nonzero(self.protected)) - used
+            self.protected[:] = False
+
     def acquire(
         self,
         experts: np.ndarray,
         future_demand: np.ndarray | None = None,
     ) -> None:
         """Make every expert of ``experts`` (distinct ids, which must fit, see
-        :meth:`capacity_for`) resident, loading the missing ones over the link, and
-        count the request. Victims are never among ``experts``; they are the free slots
-        first, then the experts least needed by ``future_demand`` (per-expert count of
-        later uses in the same batch, if any), then the policy's order."""
+        :meth:`capacity_for`) resident and usable, loading the missing ones over the
+        link, and count the request. Victims are never among ``experts``; they are the
+        free slots first, then the experts least needed by ``future_demand`` (per-expert
+        count of later uses in the same batch, if any), then the policy's order. Experts
+        still in flight from a prefetch count as hits; waiting for them counts as
+        stall."""
         self.clock += 1
         missing = experts[self.expert_slot[experts] < 0]
         stats = self.stats
@@ -163,10 +181,36 @@ class ExpertCache:
         stats.hits += len(experts) - len(missing)
         if len(missing):
             slots = self._victim_slots(len(missing), protect=experts, demand=future_demand)
-            transfer = self._start_load(missing, slots)
-            stats.stall_s += self.link.wait(transfer)
+            self._start_load(missing, slots)
             stats.max_resident = max(stats.max_resident, self.num_resident())
+        self._wait_for(experts)
         self.policy.on_use(experts, self.clock)
+
+    def prefetch(self, experts: np.ndarray) -> int:
+        """Start loading ``experts`` (distinct ids, most wanted first) ahead of use.
+        Already resident ones are skipped; at most as many as there are evictable slots
+        are loaded (the least wanted are dropped). Loaded experts are protected from
+        eviction until the layer's next run starts (:meth:`begin_run`). Returns how
+        many experts were submitted to the link."""
+        missing = experts[self.expert_slot[experts] < 0]
+        if not len(missing):
+            return 0
+        available = np.count_nonzero(self.slot_expert < 0) + len(self._evictable(experts))
+        missing = missing[:available]
+        if not len(missing):
+            return 0
+        slots = self._victim_slots(len(missing), protect=experts, demand=None)
+        transfer = self._start_load(missing, slots)
+        self.protected[missing] = True
+        self.stats.prefetched += len(missing)
+        self.stats.bytes_prefetched += transfer.nbytes
+        self.stats.max_resident = max(self.stats.max_resident, self.num_resident())
+        return len(missing)
+
+    def _evictable(self, protect: np.ndarray) -> np.ndarray:
+        evictable = self.resident_mask() & ~self.policy.pinned & ~self.protected
+        evictable[protect] = False
+        return np.flatnonzero(evictable)
 
     def _victim_slots(
         self, count: int, protect: np.ndarray, demand: np.ndarray | None
@@ -174,9 +218,7 @@ class ExpertCache:
         free = np.flatnonzero(self.slot_expert < 0)
         if len(free) >= count:
             return free[:count]
-        evictable = self.resident_mask() & ~self.policy.pinned
-        evictable[protect] = False
-        candidates = self.policy.order(np.flatnonzero(evictable))
+        candidates = self.policy.order(self._evictable(protect))
         if demand is not None:
             # Stable sort keeps the policy order among equal demand.
             candidates = candidates[np.argsort(demand[candidates], kind="stable")]
@@ -208,9 +250,24 @@ class ExpertCache:
     def _start_load(self, experts: np.ndarray, slots: np.ndarray) -> Transfer:
         self._assign(experts, slots)
         transfer = self.link.submit(self._pairs(experts))
+        for slot in slots:
+            self._in_flight[int(slot)] = transfer
         self.stats.loads += len(experts)
         self.stats.bytes_loaded += transfer.nbytes
         return transfer
+
+    def _wait_for(self, experts: np.ndarray) -> None:
+        """Block until the slots of ``experts`` hold their data (no-op when nothing
+        is in flight, the common case)."""
+        if not self._in_flight:
+            return
+        transfers = []
+        for slot in self.expert_slot[experts]:
+            transfer = self._in_flight.pop(int(slot), None)
+            if transfer is not None and all(t is not transfer for t in transfers):
+                transfers.append(transfer)
+        for transfer in transfers:
+            self.stats.stall_s += self.link.wait(transfer)
 
     def _copy_now(self, experts: np.ndarray) -> None:
         """Synchronous copy outside the link and the counters (warm start)."""

@@ -4,6 +4,10 @@
     specexpert serve MODEL [ARGS]    # = vllm serve, usable on the CPU build of vLLM
     specexpert vllm SUBCOMMAND ...   # any vllm CLI subcommand (bench, serve, ...)
     specexpert build-fixtures        # tiny random MoE models of every supported architecture
+    specexpert train-tiny            # retrain the embedded default model (about 45 min, CPU)
+    specexpert capture [MODEL] --out DIR   # per-token routing traces (router logits, r_l, s_l)
+    specexpert calibrate [MODEL] --out DIR # default vectors, routing counts, co-activation
+    specexpert analyze [MODEL] --calibration DIR --out DIR  # next-layer prediction quality
 """
 
 from __future__ import annotations
@@ -105,9 +109,9 @@ def _print_stats(stats: dict) -> None:
 
 def run_demo(args: argparse.Namespace) -> None:
     set_cpu_defaults()
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, ensure_model
+    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
 
-    model = args.model or str(ensure_model(DEFAULT_MODEL))
+    model = args.model or str(model_path(DEFAULT_MODEL))
     specexpert = {"budget": args.budget, "cache": args.cache}
     if args.bandwidth_gbps:
         specexpert["link"] = {"bandwidth_gbps": args.bandwidth_gbps,
@@ -157,15 +161,19 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--no-compare", dest="compare", action="store_false",
                       help="skip the vanilla vLLM run")
 
-    from vllm_specexpert import fixtures
+    from vllm_specexpert import fixtures, train_tiny
+    from vllm_specexpert.calibrate import analyze, calibrate, capture
 
-    fixtures.add_arguments(sub.add_parser("build-fixtures", help=fixtures.__doc__.split("\n")[0]))
+    tools = {"build-fixtures": fixtures, "train-tiny": train_tiny, "capture": capture,
+             "calibrate": calibrate, "analyze": analyze}
+    for name, module in tools.items():
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
 
     args = parser.parse_args(argv)
     if args.command == "demo":
         run_demo(args)
-    elif args.command == "build-fixtures":
-        fixtures.run(args)
+    else:
+        tools[args.command].run(args)
 
 
 if __name__ == "__main__":

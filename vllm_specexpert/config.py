@@ -17,7 +17,8 @@ from typing import Any
 ADDITIONAL_CONFIG_KEY = "specexpert"
 
 CACHE_POLICIES = ("lru", "lfu", "static")
-MISS_POLICIES = ("fetch",)
+MISS_POLICIES = ("fetch", "speculate")
+PREDICTORS = ("none", "router", "quasi_hidden")
 
 
 class SpecExpertConfigError(ValueError):
@@ -74,7 +75,30 @@ class SpecExpertConfig:
     miss_policy: str = "fetch"
     """What a layer does when the router picks a non-resident expert. ``fetch``:
     load it on demand over the link, then run it (exact: output is identical to
-    vanilla vLLM)."""
+    vanilla vLLM). ``speculate`` (needs a ``predictor``; NOT exact): every MoE layer
+    except ``exact_layers`` runs the experts and weights predicted at the previous
+    layer instead of its router's (speculating-experts §4), so a correct prefetch
+    leaves nothing to load; predicted experts that did not fit are loaded on demand."""
+
+    predictor: str = "none"
+    """How the next layer's experts are predicted, for prefetching (and for
+    ``speculate``): ``none`` (no prefetch: on-demand loading only), ``router`` (next
+    layer's router on this layer's router input s_l), ``quasi_hidden`` (next router on
+    q_l = LN_{l+1}(d_l + r_l) with default vectors d from ``calibration``)."""
+
+    calibration: str | None = None
+    """Directory written by ``specexpert calibrate`` for this model (default vectors,
+    routing counts, co-activation). Required by ``predictor: quasi_hidden``."""
+
+    exact_layers: tuple[int, ...] | None = None
+    """Decoder-layer indices that always run their router's experts under
+    ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
+    layer to predict it anyway)."""
+
+    max_predict_tokens: int = 64
+    """Prediction, prefetch and speculation apply to forward passes of at most this
+    many tokens (decode batches). Larger passes (prefill) need most experts anyway and
+    run exactly with on-demand loading."""
 
     link: LinkConfig = field(default_factory=LinkConfig)
     """Emulated link (CPU only), see :class:`LinkConfig`."""
@@ -111,21 +135,46 @@ class SpecExpertConfig:
             kwargs["miss_policy"] = _parse_choice(
                 "miss_policy", raw["miss_policy"], MISS_POLICIES
             )
+        if "predictor" in raw:
+            kwargs["predictor"] = _parse_choice("predictor", raw["predictor"], PREDICTORS)
+        if "calibration" in raw:
+            kwargs["calibration"] = _parse_optional_path("calibration", raw["calibration"],
+                                                         'e.g. "calibration": "/path/to/calib"')
+        if "exact_layers" in raw:
+            kwargs["exact_layers"] = _parse_layers("exact_layers", raw["exact_layers"])
+        if "max_predict_tokens" in raw:
+            kwargs["max_predict_tokens"] = int(_parse_number(
+                "max_predict_tokens", raw["max_predict_tokens"], minimum=1, inclusive=True,
+                integer=True))
         if "link" in raw:
             kwargs["link"] = _parse_link(raw["link"])
         if "stats_path" in raw:
-            value = raw["stats_path"]
-            if value is not None and not (isinstance(value, str) and value):
-                raise SpecExpertConfigError(
-                    "stats_path", f"must be a non-empty string or null, got {value!r}",
-                    'give a file path, e.g. "stats_path": "/tmp/specexpert-stats.json"',
-                )
-            kwargs["stats_path"] = value
+            kwargs["stats_path"] = _parse_optional_path(
+                "stats_path", raw["stats_path"], 'e.g. "stats_path": "/tmp/specexpert-stats.json"')
         if "stats_interval_s" in raw:
             kwargs["stats_interval_s"] = _parse_number(
                 "stats_interval_s", raw["stats_interval_s"], minimum=0.0, inclusive=True
             )
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        config._check_combination()
+        return config
+
+    def _check_combination(self) -> None:
+        if self.miss_policy == "speculate" and self.predictor == "none":
+            raise SpecExpertConfigError(
+                "miss_policy", "'speculate' runs predicted experts, but 'predictor' is 'none'",
+                'set "predictor": "router" or "quasi_hidden"',
+            )
+        if self.predictor == "quasi_hidden" and self.calibration is None:
+            raise SpecExpertConfigError(
+                "calibration", "predictor 'quasi_hidden' needs default vectors, and none is set",
+                "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\"",
+            )
+
+    @property
+    def exact(self) -> bool:
+        """Whether outputs are bit-identical to vanilla vLLM."""
+        return self.miss_policy == "fetch"
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> SpecExpertConfig | None:
@@ -214,9 +263,12 @@ def _parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _parse_number(name: str, value: Any, minimum: float, inclusive: bool) -> float:
+def _parse_number(name: str, value: Any, minimum: float, inclusive: bool,
+                  integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise SpecExpertConfigError(name, f"must be a number, got {value!r}", "give a number")
+    if integer and not float(value).is_integer():
+        raise SpecExpertConfigError(name, f"must be an integer, got {value!r}", "give an integer")
     ok = value >= minimum if inclusive else value > minimum
     if not ok:
         bound = ">=" if inclusive else ">"
@@ -224,6 +276,24 @@ def _parse_number(name: str, value: Any, minimum: float, inclusive: bool) -> flo
             name, f"must be {bound} {minimum}, got {value}", f"give a value {bound} {minimum}"
         )
     return float(value)
+
+
+def _parse_optional_path(name: str, value: Any, example: str) -> str | None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise SpecExpertConfigError(name, f"must be a non-empty string or null, got {value!r}",
+                                    f"give a path, {example}")
+    return value
+
+
+def _parse_layers(name: str, value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise SpecExpertConfigError(name, f"must be a list of layer indices, got {value!r}",
+                                    "give decoder-layer indices, e.g. [0, 1]")
+    return tuple(sorted(set(value)))
 
 
 def _parse_link(raw: Any) -> LinkConfig:

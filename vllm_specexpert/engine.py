@@ -2,14 +2,24 @@
 
 One engine per worker process holds the slow tier (:class:`ExpertStore`), the link
 (:class:`Link`, one copy engine shared by all layers), one :class:`ExpertCache` per MoE
-layer, and the miss policy. It has no vLLM dependency: the vLLM adapter in ``layers/``
-hands it host tensors and a kernel callable.
+layer, the miss policy and the predictor. It has no vLLM dependency: the vLLM adapter in
+``layers/`` hands it host tensors, a kernel callable per layer, and (for prediction) each
+layer's successor with that successor's routing.
+
+A decode step through MoE layer l (see ``../shared/DESIGN.md``, "Data flow"):
+
+1. take the prediction made for l at layer l-1, if any; count its recall against the
+   router's choice; under ``speculate`` run the predicted routing instead;
+2. load layer l's missing experts (waiting for in-flight prefetches counts as stall);
+3. predict layer l+1's experts and submit their prefetch to the link;
+4. run layer l's experts: the prefetch overlaps this compute and layer l+1's attention.
 """
 
 from __future__ import annotations
 
 import atexit
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,9 +27,27 @@ import torch
 from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.policy import ExpertKernel, make_miss_policy
+from vllm_specexpert.predict import (
+    LayerState,
+    NextLayerRouting,
+    Prediction,
+    Predictor,
+    QuasiHiddenPredictor,
+    RouterPredictor,
+)
 from vllm_specexpert.stats import LayerStats, write_json_atomic
 from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import make_link
+
+
+@dataclass
+class LayerInfo:
+    top_k: int
+    index: int
+    """Decoder-layer index in the model (``exact_layers`` refers to it)."""
+    next_name: str | None = None
+    """The next offloaded MoE layer, once :meth:`OffloadEngine.link_layers` ran."""
+    next_routing: NextLayerRouting | None = None
 
 
 class OffloadEngine:
@@ -31,36 +59,94 @@ class OffloadEngine:
         self.link = make_link(config.link, device)
         self.miss_policy = make_miss_policy(config.miss_policy)
         self.caches: dict[str, ExpertCache] = {}
-        self._top_k: dict[str, int] = {}
+        self.layers: dict[str, LayerInfo] = {}
+        self.default_vectors: dict[str, torch.Tensor] = {}
+        """Layer name -> ``[E, H]`` default vectors on the device (``quasi_hidden``)."""
+        self.predictor: Predictor | None = None
+        self._make_predictor()
+        self._predictions: dict[str, Prediction] = {}
+        """Layer name -> prediction for it made earlier in the current forward pass."""
+        self._residuals: dict[str, torch.Tensor] = {}
+        """Layer name -> r_l of the current forward pass (if tapped)."""
+        self._recall_hits: dict[str, torch.Tensor] = {}
+        """Layer name -> on-device count of correctly predicted (token, expert) pairs:
+        kept on the device so that counting never syncs the host."""
         self._last_stats_write = time.monotonic()
         if config.stats_path:
             atexit.register(self.write_stats)
 
-    def add_layer(self, name: str, tensors: dict[str, torch.Tensor], top_k: int) -> ExpertCache:
+    # ------------------------------------------------------------------ setup
+
+    def add_layer(
+        self, name: str, tensors: dict[str, torch.Tensor], top_k: int, index: int = -1
+    ) -> ExpertCache:
         """Move a layer's routed experts into the slow tier and give it a cache."""
-        experts = self.store.add_layer(name, tensors)
-        self._top_k[name] = top_k
+        self.store.add_layer(name, tensors)
+        self.layers[name] = LayerInfo(top_k=top_k, index=index)
         self.caches[name] = self._make_cache(name)
         return self.caches[name]
 
+    def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
+        """Declare ``next_name`` as the MoE layer after ``name`` and how it routes, so
+        that ``name`` can predict and prefetch for it."""
+        self.layers[name].next_name = next_name
+        self.layers[name].next_routing = routing
+
+    def set_default_vectors(self, vectors: dict[str, torch.Tensor]) -> None:
+        """Default vectors per layer name (from a calibration), for ``quasi_hidden``."""
+        self.default_vectors = {n: v.to(self.device) for n, v in vectors.items()}
+        self._make_predictor()
+
+    @property
+    def needs_residual(self) -> bool:
+        return self.config.predictor == "quasi_hidden"
+
+    def _make_predictor(self) -> None:
+        if self.config.predictor == "router":
+            self.predictor = RouterPredictor()
+        elif self.config.predictor == "quasi_hidden":
+            self.predictor = QuasiHiddenPredictor(self.default_vectors)
+        else:
+            self.predictor = None
+
     def _make_cache(self, name: str) -> ExpertCache:
         experts = self.store.layers[name]
-        top_k = self._top_k[name]
+        top_k = self.layers[name].top_k
         num_slots = self.config.slots_per_layer(experts.num_experts, top_k)
         return ExpertCache(experts, num_slots, top_k, self.config.cache, self.device, self.link)
 
     def reconfigure(self, config: SpecExpertConfig) -> None:
-        """Switch budget, cache policy, miss policy or link without reloading weights.
-        Every cache is rebuilt (warm start again) and the counters restart."""
+        """Switch budget, cache policy, miss policy, predictor or link without reloading
+        weights. Every cache is rebuilt (warm start again) and the counters restart.
+        A ``quasi_hidden`` predictor needs default vectors already set (the adapter
+        loads them at start-up when ``calibration`` is configured)."""
         for name, experts in self.store.layers.items():  # validate before changing
-            config.slots_per_layer(experts.num_experts, self._top_k[name])
+            config.slots_per_layer(experts.num_experts, self.layers[name].top_k)
+        if config.predictor == "quasi_hidden" and not self.default_vectors:
+            from vllm_specexpert.config import SpecExpertConfigError
+
+            raise SpecExpertConfigError(
+                "predictor", "quasi_hidden needs the calibration loaded at engine start",
+                "start the engine with 'calibration' (and predictor quasi_hidden) set",
+            )
         self.link.close()
         self.config = config
         self.link = make_link(config.link, self.device)
         self.miss_policy = make_miss_policy(config.miss_policy)
+        self._make_predictor()
+        self._predictions.clear()
+        self._residuals.clear()
         self.caches = {}  # free the old pools before allocating the new ones
         for name in self.store.layers:
             self.caches[name] = self._make_cache(name)
+        self.reset_stats()
+
+    # ---------------------------------------------------------------- forward
+
+    def tap_residual(self, name: str, residual: torch.Tensor) -> None:
+        """Record layer ``name``'s post-attention residual r_l for this forward pass."""
+        if self.needs_residual and residual.shape[0] <= self.config.max_predict_tokens:
+            self._residuals[name] = residual.clone()
 
     def run(
         self,
@@ -71,7 +157,32 @@ class OffloadEngine:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Routed-expert output of layer ``name`` for a token batch."""
-        out = self.miss_policy.run(self.caches[name], kernel, x, topk_weights, topk_ids)
+        cache = self.caches[name]
+        info = self.layers[name]
+        prediction = self._predictions.pop(name, None)
+        residual = self._residuals.pop(name, None)
+        if prediction is not None and prediction.num_tokens != x.shape[0]:
+            prediction = None
+        if prediction is not None:
+            self._count_recall(name, cache.stats, prediction, topk_ids)
+            if self._speculative(info):
+                routed_ids = topk_ids
+                topk_weights, topk_ids = self.miss_policy.routing(topk_weights, topk_ids, prediction)
+                cache.stats.speculated_calls += topk_ids is not routed_ids
+
+        before_kernel = None
+        if (
+            self.predictor is not None
+            and info.next_name is not None
+            and x.shape[0] <= self.config.max_predict_tokens
+            and (residual is not None or not self.predictor.needs_residual)
+        ):
+            state = LayerState(x, topk_ids, topk_weights, residual)
+
+            def before_kernel() -> None:
+                self._predict_and_prefetch(name, info, state)
+
+        out = self.miss_policy.run(cache, kernel, x, topk_weights, topk_ids, before_kernel)
         if self.config.stats_path:
             now = time.monotonic()
             if now - self._last_stats_write >= self.config.stats_interval_s:
@@ -79,10 +190,34 @@ class OffloadEngine:
                 self.write_stats()
         return out
 
+    def _speculative(self, info: LayerInfo) -> bool:
+        exact_layers = self.config.exact_layers
+        if exact_layers is None:
+            return True  # the first MoE layer never has a prediction
+        return info.index not in exact_layers
+
+    def _predict_and_prefetch(self, name: str, info: LayerInfo, state: LayerState) -> None:
+        prediction = self.predictor.predict(state, name, info.next_routing)
+        self._predictions[info.next_name] = prediction
+        # On CUDA, reading the predicted ids on the host syncs with the compute stream
+        # (the router of the next layer must have run): the host decides what to copy.
+        self.caches[info.next_name].prefetch(prediction.experts_by_mass().numpy())
+
+    def _count_recall(self, name: str, stats: LayerStats, prediction: Prediction,
+                      topk_ids: torch.Tensor) -> None:
+        hits = (topk_ids.unsqueeze(-1) == prediction.topk_ids.unsqueeze(-2)).any(-1).sum()
+        if name in self._recall_hits:
+            self._recall_hits[name] += hits
+        else:
+            self._recall_hits[name] = hits.clone()
+        stats.predicted += topk_ids.numel()
+
     # ---------------------------------------------------------------- statistics
 
     def stats(self) -> dict[str, Any]:
         """Per-layer counters, totals, link counters and the configuration."""
+        for name, hits in self._recall_hits.items():
+            self.caches[name].stats.predicted_correct = int(hits)
         layers = {name: cache.stats for name, cache in self.caches.items()}
         total = LayerStats()
         for s in layers.values():
@@ -95,7 +230,8 @@ class OffloadEngine:
             "rank": self.rank,
             "device": str(self.device),
             "miss_policy": self.miss_policy.name,
-            "exact": self.miss_policy.exact,
+            "predictor": self.config.predictor,
+            "exact": self.config.exact,
             "config": self.config.to_dict(),
             "slots_per_layer": {n: c.num_slots for n, c in self.caches.items()},
             "experts_per_layer": {n: c.num_experts for n, c in self.caches.items()},
@@ -113,6 +249,7 @@ class OffloadEngine:
     def reset_stats(self) -> None:
         for cache in self.caches.values():
             cache.reset_stats()
+        self._recall_hits.clear()
         self.link.bytes_copied = 0
         self.link.copies = 0
         self.link.stall_s = 0.0

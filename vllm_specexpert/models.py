@@ -7,13 +7,27 @@ from typing import Any
 
 from vllm_specexpert.config import SpecExpertUnsupportedError
 
-# architecture -> (config attribute of routed experts per layer, of experts per token)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "Qwen3MoeForCausalLM": ("num_experts", "num_experts_per_tok"),
-    "Qwen2MoeForCausalLM": ("num_experts", "num_experts_per_tok"),
-    "MixtralForCausalLM": ("num_local_experts", "num_experts_per_tok"),
-    "OlmoeForCausalLM": ("num_experts", "num_experts_per_tok"),
-    "DeepseekV2ForCausalLM": ("n_routed_experts", "num_experts_per_tok"),
+@dataclass(frozen=True)
+class Architecture:
+    experts_attr: str
+    """Config attribute: routed experts per MoE layer."""
+    top_k_attr: str
+    """Config attribute: experts per token."""
+    vllm_module: str
+    """Module of vLLM's implementation (the class is named like the architecture)."""
+
+
+SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
+    "Qwen3MoeForCausalLM": Architecture("num_experts", "num_experts_per_tok",
+                                        "vllm.model_executor.models.qwen3_moe"),
+    "Qwen2MoeForCausalLM": Architecture("num_experts", "num_experts_per_tok",
+                                        "vllm.model_executor.models.qwen2_moe"),
+    "MixtralForCausalLM": Architecture("num_local_experts", "num_experts_per_tok",
+                                       "vllm.model_executor.models.mixtral"),
+    "OlmoeForCausalLM": Architecture("num_experts", "num_experts_per_tok",
+                                     "vllm.model_executor.models.olmoe"),
+    "DeepseekV2ForCausalLM": Architecture("n_routed_experts", "num_experts_per_tok",
+                                          "vllm.model_executor.models.deepseek_v2"),
 }
 
 
@@ -31,9 +45,10 @@ def moe_shape(hf_config: Any) -> MoEShape:
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for arch in architectures:
         if arch in SUPPORTED_ARCHITECTURES:
-            experts_attr, topk_attr = SUPPORTED_ARCHITECTURES[arch]
+            spec = SUPPORTED_ARCHITECTURES[arch]
             return MoEShape(
-                arch, int(getattr(hf_config, experts_attr)), int(getattr(hf_config, topk_attr))
+                arch, int(getattr(hf_config, spec.experts_attr)),
+                int(getattr(hf_config, spec.top_k_attr)),
             )
     raise SpecExpertUnsupportedError(
         f"model architecture {architectures or '(none)'}",

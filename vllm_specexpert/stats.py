@@ -22,15 +22,34 @@ class LayerStats:
     hits: int = 0
     """Requests found resident in the device cache."""
     misses: int = 0
-    """Requests that were not resident (each triggers a load under ``fetch``)."""
+    """Requests that were not resident (each triggers a load under ``fetch``).
+    Experts still in flight from a prefetch count as hits."""
     loads: int = 0
-    """Experts copied from the slow tier into a slot."""
+    """Experts copied from the slow tier into a slot (on demand or prefetched)."""
     evictions: int = 0
     """Resident experts replaced to make room."""
     bytes_loaded: int = 0
-    """Bytes copied over the link into this layer's slots."""
+    """Bytes copied over the link into this layer's slots (including prefetches)."""
     stall_s: float = 0.0
-    """Seconds the compute waited on this layer's transfers."""
+    """Seconds the compute waited on this layer's transfers (on-demand loads, and
+    prefetches not finished when the layer needed them)."""
+    prefetched: int = 0
+    """Experts loaded ahead of use by a prediction made at the previous layer."""
+    bytes_prefetched: int = 0
+    """Bytes of those prefetches (included in ``bytes_loaded``)."""
+    prefetch_used: int = 0
+    """Prefetched experts the layer then asked for."""
+    prefetch_unused: int = 0
+    """Prefetched experts the layer did not ask for (wasted link time)."""
+    predicted: int = 0
+    """Router-chosen (token, expert) pairs checked against a prediction made at the
+    previous layer."""
+    predicted_correct: int = 0
+    """Of those, pairs the prediction contained: ``predicted_correct / predicted`` is
+    the online recall@k of the predictor for this layer."""
+    speculated_calls: int = 0
+    """Forward calls that ran the predicted experts with the predicted weights
+    instead of the router's (miss policy ``speculate``; output not exact)."""
     kernel_calls: int = 0
     """Expert kernel launches (more than ``calls`` when a batch needed more experts
     than there are slots and was run in token groups)."""
@@ -42,9 +61,14 @@ class LayerStats:
     def hit_rate(self) -> float:
         return self.hits / self.requests if self.requests else 0.0
 
+    @property
+    def recall(self) -> float:
+        return self.predicted_correct / self.predicted if self.predicted else 0.0
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["hit_rate"] = self.hit_rate
+        out["recall"] = self.recall
         return out
 
 

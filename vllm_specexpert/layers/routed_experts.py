@@ -115,7 +115,7 @@ class OffloadedRoutedExperts(RoutedExperts):
     def _move_experts_to_store(self) -> None:
         """Hand the runtime-format expert tensors to the slow tier; keep only views."""
         tensors = {name: getattr(self, name).data for name in ("w13_weight", "w2_weight")}
-        cache = self.engine.add_layer(self.layer_name, tensors, self.top_k)
+        cache = self.engine.add_layer(self.layer_name, tensors, self.top_k, index=self.layer_index)
         # The parameters now alias the store's (pinned) tensors instead of a copy.
         for name, tensor in cache.experts.tensors.items():
             getattr(self, name).data = tensor
@@ -199,11 +199,30 @@ def _routed_experts_fake(
     return torch.empty_like(x)
 
 
+def _tap_residual_impl(normed: torch.Tensor, residual: torch.Tensor, layer_key: str) -> torch.Tensor:
+    layer = get_forward_context().no_compile_layers[layer_key]
+    layer.engine.tap_residual(layer.layer_name, residual)
+    # A fresh tensor: the MoE input then depends on this op, which orders it before
+    # the layer's routed_experts op and keeps the compiler from dropping it.
+    return normed.clone()
+
+
+def _tap_residual_fake(normed: torch.Tensor, residual: torch.Tensor, layer_key: str) -> torch.Tensor:
+    return torch.empty_like(normed)
+
+
 _LIBRARY = torch.library.Library("specexpert", "FRAGMENT")
 direct_register_custom_op(
     "routed_experts",
     _routed_experts_impl,
     mutates_args=[],
     fake_impl=_routed_experts_fake,
+    target_lib=_LIBRARY,
+)
+direct_register_custom_op(
+    "tap_residual",
+    _tap_residual_impl,
+    mutates_args=[],
+    fake_impl=_tap_residual_fake,
     target_lib=_LIBRARY,
 )

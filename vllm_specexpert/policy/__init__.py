@@ -2,12 +2,15 @@
 
 from vllm_specexpert.policy.base import ExpertKernel, MissPolicy
 from vllm_specexpert.policy.fetch import FetchPolicy
+from vllm_specexpert.policy.speculate import SpeculatePolicy
 
-MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {FetchPolicy.name: FetchPolicy}
+MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {
+    cls.name: cls for cls in (FetchPolicy, SpeculatePolicy)
+}
 
 
 def make_miss_policy(name: str) -> MissPolicy:
     return MISS_POLICY_CLASSES[name]()
 
 
-__all__ = ["ExpertKernel", "FetchPolicy", "MissPolicy", "make_miss_policy"]
+__all__ = ["ExpertKernel", "FetchPolicy", "MissPolicy", "SpeculatePolicy", "make_miss_policy"]

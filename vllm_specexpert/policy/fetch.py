@@ -9,6 +9,8 @@ only *which* tokens share a launch changes, never the arithmetic of a token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -22,7 +24,6 @@ per round, bounding the host work of planning."""
 
 class FetchPolicy(MissPolicy):
     name = "fetch"
-    exact = True
 
     def run(
         self,
@@ -31,6 +32,7 @@ class FetchPolicy(MissPolicy):
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        before_kernel: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         cache.stats.calls += 1
         cache.stats.tokens += x.shape[0]
@@ -38,11 +40,14 @@ class FetchPolicy(MissPolicy):
         # experts to copy is only known once the router has run.
         ids = topk_ids.cpu().numpy()
         needed = np.unique(ids)
+        cache.begin_run(needed)
         if cache.capacity_for(needed):
             cache.acquire(needed)
+            if before_kernel is not None:
+                before_kernel()
             cache.stats.kernel_calls += 1
             return kernel(x, topk_weights, cache.slot_ids(topk_ids), cache.slots)
-        return self._run_in_groups(cache, kernel, x, topk_weights, topk_ids, ids)
+        return self._run_in_groups(cache, kernel, x, topk_weights, topk_ids, ids, before_kernel)
 
     def _run_in_groups(
         self,
@@ -52,6 +57,7 @@ class FetchPolicy(MissPolicy):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         ids: np.ndarray,
+        before_kernel: Callable[[], None] | None,
     ) -> torch.Tensor:
         out = torch.empty_like(x)
         remaining = np.arange(ids.shape[0])
@@ -65,6 +71,9 @@ class FetchPolicy(MissPolicy):
             resident = cache.resident_mask()
             ready = remaining[resident[ids[remaining]].all(axis=1)]
             cache.acquire(np.setdiff1d(np.unique(ids[ready]), experts))  # hits only
+            if before_kernel is not None:
+                before_kernel()
+                before_kernel = None
             index = torch.from_numpy(ready).to(x.device)
             out[index] = kernel(
                 x[index], topk_weights[index], cache.slot_ids(topk_ids[index]), cache.slots

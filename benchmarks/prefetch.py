@@ -1,0 +1,218 @@
+"""Decode TPOT with next-layer prefetch vs on-demand loading (speculating-experts §5).
+
+    python benchmarks/prefetch.py [--model DIR] [--calibration DIR] [--budgets 0.25 0.5]
+                                  [--batches 1 8] [--rounds 3] [--copy-compute-ratio 2.7]
+
+Per batch size and budget, in interleaved rounds on one plugin engine (modes switch with
+``reconfigure``) beside one vanilla engine: on-demand loading (``predictor: none``),
+prefetch + ``fetch`` (exact) and prefetch + ``speculate`` with the ``router`` and
+``quasi_hidden`` predictors. The emulated link makes one expert copy take
+``--copy-compute-ratio`` times one MoE layer's batch-1 decode compute (measured on
+vanilla), so that on-demand loading spends most of its time copying, as on a GPU box.
+
+Besides TPOT, it reports the analytic bound of the paper, ΔT = Σ_l min(t_copy,l,
+t_compute,l), with t_copy,l the on-demand stall of layer l per decode step and
+t_compute,l the rest of the on-demand step split evenly over the layers, and the share
+of it each prefetch mode achieves. Writes ``benchmarks/results/prefetch.json`` and
+``prefetch.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    RESULTS,
+    command_line,
+    decode_step_seconds,
+    emulated_link,
+    held_out_prompts,
+    timed_generate,
+    write_result,
+)
+
+from vllm_specexpert.harness import start_engine, stop_engine  # noqa: E402
+
+MODES = {
+    "on-demand": {"predictor": "none", "miss_policy": "fetch"},
+    "prefetch router": {"predictor": "router", "miss_policy": "fetch"},
+    "prefetch quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "fetch"},
+    "speculate router": {"predictor": "router", "miss_policy": "speculate"},
+    "speculate quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "speculate"},
+}
+
+
+def decode_stats(llm, prompts, max_tokens: int) -> list[dict]:
+    """Per-layer counters of the decode steps only: a max_tokens run minus a 1-token run,
+    divided by the number of decode steps."""
+    import vllm_specexpert
+
+    runs = []
+    for tokens in (1, max_tokens):
+        vllm_specexpert.reset_stats(llm)
+        timed_generate(llm, prompts, tokens)
+        runs.append(vllm_specexpert.get_stats(llm)[0]["layers"])
+    steps = max_tokens - 1
+    return [
+        {key: (full[key] - short[key]) / steps for key in ("stall_s", "misses", "prefetched",
+                                                          "bytes_loaded", "predicted",
+                                                          "predicted_correct")}
+        for short, full in zip(runs[0].values(), runs[1].values())
+    ]
+
+
+def plot(cases: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        names = [r["mode"] for r in case["rows"]]
+        values = [r["tpot_ms"] for r in case["rows"]]
+        bars = ax.bar(range(len(names)), values,
+                      color=["#555"] + ["#c44"] + ["#3b7dd8"] * 2 + ["#e39b2d"] * 2)
+        for bar, row in zip(bars, case["rows"]):
+            ax.annotate(f"{row['tpot_ms']:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        floor = case["on_demand_tpot_ms"] - case["bound_ms"]
+        ax.axhline(floor, color="green", linestyle="--", linewidth=1, label="on-demand − ΔT bound")
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
+        ax.set_title(f"batch {case['batch']}, budget {case['budget']}", fontsize=9)
+        ax.set_ylabel("TPOT ms")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: the embedded model)")
+    parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--copy-compute-ratio", type=float, default=2.7)
+    parser.add_argument("--latency-us", type=float, default=10.0)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    parser.add_argument("--name", default="prefetch")
+    args = parser.parse_args()
+
+    import vllm_specexpert
+    from common import default_calibration
+    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+
+    model = args.model or str(model_path(DEFAULT_MODEL))
+    calibration = args.calibration or default_calibration(model)
+    vanilla = start_engine(model, None, eager=args.eager)
+    plugin = start_engine(model, {"budget": args.budgets[0], "predictor": "quasi_hidden",
+                                  "calibration": calibration}, eager=args.eager)
+    prompts = held_out_prompts(max(args.batches))
+
+    timed_generate(vanilla, prompts[:1], 8)
+    vanilla_step = decode_step_seconds(vanilla, prompts[:1], args.max_tokens, args.repeats)
+    info = vllm_specexpert.get_stats(plugin)[0]
+    num_layers = len(info["layers"])
+    expert_bytes = next(iter(info["expert_bytes"].values()))
+    link = emulated_link(vanilla_step / num_layers, expert_bytes, args.copy_compute_ratio,
+                         args.latency_us)
+    print(f"vanilla batch-1 step {vanilla_step * 1e3:.2f} ms; emulated link "
+          f"{link['bandwidth_gbps']:.4f} GB/s + {args.latency_us} us/copy "
+          f"({expert_bytes / link['bandwidth_gbps'] / 1e3:.0f} us per expert)")
+
+    cases = []
+    for batch in args.batches:
+        batch_prompts = prompts[:batch]
+        for budget in args.budgets:
+            samples: dict[str, list[float]] = {"vanilla": []}
+            for round_index in range(args.rounds):
+                timed_generate(vanilla, batch_prompts, 4)
+                samples["vanilla"].append(
+                    decode_step_seconds(vanilla, batch_prompts, args.max_tokens, args.repeats))
+                for name, mode in MODES.items():
+                    vllm_specexpert.reconfigure(plugin, budget=budget, link=link, **mode)
+                    timed_generate(plugin, batch_prompts, 4)  # warm the rebuilt cache
+                    samples.setdefault(name, []).append(
+                        decode_step_seconds(plugin, batch_prompts, args.max_tokens, args.repeats))
+                print(f"batch {batch} budget {budget} round {round_index + 1}: " + ", ".join(
+                    f"{n} {statistics.median(v) * 1e3:.2f}" for n, v in samples.items()))
+            per_layer = {}
+            for name, mode in MODES.items():
+                vllm_specexpert.reconfigure(plugin, budget=budget, link=link, **mode)
+                timed_generate(plugin, batch_prompts, 4)
+                per_layer[name] = decode_stats(plugin, batch_prompts, args.max_tokens)
+            cases.append(summarize(batch, budget, samples, per_layer))
+    stop_engine(plugin)
+    stop_engine(vanilla)
+
+    payload = {
+        "model": model, "calibration": calibration, "eager": args.eager,
+        "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
+        "emulated_link": {**link, "copy_compute_ratio": args.copy_compute_ratio,
+                          "expert_bytes": expert_bytes, "vanilla_batch1_step_ms": vanilla_step * 1e3},
+        "cases": cases,
+    }
+    path = write_result(args.name, payload)
+    plot(cases, RESULTS / f"{args.name}.png",
+         f"{Path(model).name}; link {link['bandwidth_gbps']:.4f} GB/s (copy/compute "
+         f"{args.copy_compute_ratio}); {'eager' if args.eager else 'compiled'}\n{command_line()}")
+    print_table(cases)
+    print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
+
+
+def summarize(batch: int, budget: float, samples: dict, per_layer: dict) -> dict:
+    tpot = {name: statistics.median(v) for name, v in samples.items()}
+    on_demand = tpot["on-demand"]
+    stall = [layer["stall_s"] for layer in per_layer["on-demand"]]
+    compute = max(on_demand - sum(stall), 0.0) / len(stall)
+    bound = sum(min(s, compute) for s in stall)
+    rows = []
+    for name, value in tpot.items():
+        row = {"mode": name, "tpot_ms": value * 1e3, "tok_s": batch / value,
+               "speed_vs_vanilla": tpot["vanilla"] / value, "samples_ms": [v * 1e3 for v in samples[name]]}
+        if name in per_layer:
+            layers = per_layer[name]
+            predicted = sum(l["predicted"] for l in layers)
+            row.update(
+                stall_ms_per_step=sum(l["stall_s"] for l in layers) * 1e3,
+                misses_per_step=sum(l["misses"] for l in layers),
+                prefetched_per_step=sum(l["prefetched"] for l in layers),
+                mb_per_step=sum(l["bytes_loaded"] for l in layers) / 1e6,
+                recall=(sum(l["predicted_correct"] for l in layers) / predicted) if predicted else None,
+                saved_ms=(on_demand - value) * 1e3,
+                share_of_bound=((on_demand - value) / bound) if bound > 0 else None,
+            )
+        rows.append(row)
+    return {"batch": batch, "budget": budget, "on_demand_tpot_ms": on_demand * 1e3,
+            "on_demand_stall_ms_per_layer": [s * 1e3 for s in stall],
+            "compute_ms_per_layer": compute * 1e3, "bound_ms": bound * 1e3, "rows": rows}
+
+
+def print_table(cases: list[dict]) -> None:
+    for case in cases:
+        print(f"\nbatch {case['batch']}, budget {case['budget']}: on-demand "
+              f"{case['on_demand_tpot_ms']:.2f} ms, bound ΔT {case['bound_ms']:.2f} ms")
+        print(f"{'mode':<24}{'TPOT ms':>9}{'tok/s':>8}{'vs vanilla':>11}{'stall ms':>10}"
+              f"{'recall':>8}{'saved ms':>10}{'of bound':>10}")
+        for r in case["rows"]:
+            extra = ""
+            if "stall_ms_per_step" in r:
+                recall = f"{r['recall']:.2f}" if r["recall"] is not None else "-"
+                share = f"{r['share_of_bound']:.0%}" if r["share_of_bound"] is not None else "-"
+                extra = (f"{r['stall_ms_per_step']:>10.2f}{recall:>8}{r['saved_ms']:>10.2f}"
+                         f"{share:>10}")
+            print(f"{r['mode']:<24}{r['tpot_ms']:>9.2f}{r['tok_s']:>8.1f}"
+                  f"{r['speed_vs_vanilla']:>10.2f}x{extra}")
+
+
+if __name__ == "__main__":
+    main()

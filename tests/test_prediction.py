@@ -1,0 +1,94 @@
+"""Next-layer prediction, prefetch and speculative execution inside vLLM, on the trained
+model (whose router learned something). One plugin engine, started with a calibration so
+that the quasi-hidden predictor is available; modes switch with ``reconfigure``."""
+
+import pytest
+
+import vllm_specexpert
+from vllm_harness import greedy, make_llm, shutdown, vanilla_reference
+from vllm_specexpert import SpecExpertConfigError
+from vllm_specexpert.fixtures import TRAINED_MODEL, ensure_model, model_path
+
+BUDGET = 0.25  # 8 of 32 experts per layer, top-4
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    from vllm_specexpert.calibrate.calibrate import calibrate
+    from vllm_specexpert.calibrate.trace import corpus_documents
+
+    out = tmp_path_factory.mktemp("calibration")
+    calibrate(model_path(TRAINED_MODEL), corpus_documents("train"), out, max_tokens=4096)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def llm(calibration):
+    llm = make_llm(TRAINED_MODEL, specexpert={
+        "budget": BUDGET, "predictor": "quasi_hidden", "calibration": calibration})
+    yield llm
+    shutdown(llm)
+
+
+def moe_layers_after_the_first(stats):
+    return list(stats["layers"].values())[1:]
+
+
+@pytest.mark.parametrize("predictor", ["router", "quasi_hidden"])
+def test_prefetch_with_fetch_is_identical_to_vanilla(llm, predictor):
+    vllm_specexpert.reconfigure(llm, predictor=predictor, miss_policy="fetch")
+    outputs = greedy(llm)
+    reference = vanilla_reference(TRAINED_MODEL)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["exact"] and stats["predictor"] == predictor
+    first = next(iter(stats["layers"].values()))
+    assert first["predicted"] == 0 and first["prefetched"] == 0
+    top_k, experts = 4, 32
+    for layer in moe_layers_after_the_first(stats):
+        assert layer["predicted"] > 0 and layer["prefetched"] > 0 and layer["prefetch_used"] > 0
+        # Better than chance (k / E of the router's experts), and never above 1.
+        assert 2 * top_k / experts < layer["recall"] <= 1.0
+        assert layer["max_resident"] <= int(BUDGET * experts)
+
+
+def test_speculate_runs_predicted_experts_without_refetching(llm):
+    vllm_specexpert.reconfigure(llm, predictor="router", miss_policy="speculate")
+    # One short prompt: every forward pass is small enough to predict, and a token's
+    # predicted experts (top-4) always fit in the 8 slots.
+    outputs = greedy(llm, prompts=["import os\n"], max_tokens=16)
+    assert len(outputs[0].token_ids) == 16
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["exact"] is False and stats["miss_policy"] == "speculate"
+    for layer in moe_layers_after_the_first(stats):
+        assert layer["speculated_calls"] == layer["calls"] > 0
+        assert layer["misses"] == 0  # all executed experts were prefetched
+
+    # The same run verified (fetch) has to load the mispredicted experts on demand.
+    vllm_specexpert.reconfigure(llm, miss_policy="fetch")
+    greedy(llm, prompts=["import os\n"], max_tokens=16)
+    verified = vllm_specexpert.get_stats(llm)[0]
+    assert sum(layer["misses"] for layer in moe_layers_after_the_first(verified)) > 0
+
+
+def test_speculate_with_every_layer_exact_is_vanilla(llm):
+    vllm_specexpert.reconfigure(llm, predictor="quasi_hidden", miss_policy="speculate",
+                                exact_layers=list(range(6)))
+    outputs = greedy(llm)
+    reference = vanilla_reference(TRAINED_MODEL)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    assert all(layer["speculated_calls"] == 0
+               for layer in vllm_specexpert.get_stats(llm)[0]["layers"].values())
+
+
+def test_a_calibration_for_another_model_is_rejected_at_start(tmp_path):
+    from vllm_specexpert.calibrate.calibrate import calibrate
+    from vllm_specexpert.calibrate.trace import corpus_documents
+
+    other = tmp_path / "other"
+    calibrate(ensure_model("qwen3_moe"), corpus_documents("train"), other, max_tokens=256)
+    with pytest.raises(SpecExpertConfigError, match="field 'calibration': made for another model"):
+        make_llm(TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(other)})
+    with pytest.raises(SpecExpertConfigError, match="not a calibration directory"):
+        make_llm(TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(tmp_path)})

@@ -1,0 +1,189 @@
+"""Prediction, prefetch and speculative execution in the engine, without vLLM: a two-layer
+toy model whose layers route with softmax top-k over a random gate."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moe_reference import make_cache, random_layer, reference_moe, slot_kernel
+from vllm_specexpert.config import LinkConfig, SpecExpertConfig
+from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.predict import LayerState, NextLayerRouting, QuasiHiddenPredictor
+from vllm_specexpert.transfer import CpuLink
+
+E, K, H = 16, 4, 32
+NAMES = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+def rms_norm(weight):
+    return lambda h: (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+                      * weight).to(h.dtype)
+
+
+def softmax_topk(gate):
+    def route(h):
+        probs = torch.softmax(h.float() @ gate.T, -1)
+        w, ids = probs.topk(K, -1)
+        return (w / w.sum(-1, keepdim=True)), ids.to(torch.int32)
+    return route
+
+
+@pytest.fixture
+def toy():
+    g = torch.Generator().manual_seed(7)
+    gates = [torch.randn(E, H, generator=g) for _ in NAMES]
+    norms = [1 + 0.1 * torch.randn(H, generator=g) for _ in NAMES]
+    layers = {name: random_layer(num_experts=E, hidden=H, seed=i) for i, name in enumerate(NAMES)}
+    return gates, norms, layers
+
+
+def make_engine(toy, **config):
+    gates, norms, layers = toy
+    engine = OffloadEngine(SpecExpertConfig.from_dict(config), torch.device("cpu"))
+    for index, (name, tensors) in enumerate(layers.items()):
+        engine.add_layer(name, tensors, top_k=K, index=index)
+    engine.link_layers(NAMES[0], NAMES[1], NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1])))
+    return engine
+
+
+def step(engine, toy, x0, residual=None):
+    """Layer 0 routed by its router; layer 1's input is a fixed function of layer 0's
+    output (stand-in for attention), routed by its router."""
+    gates, norms, layers = toy
+    w0, ids0 = softmax_topk(gates[0])(x0)
+    if residual is not None:
+        engine.tap_residual(NAMES[0], residual)
+    out0 = engine.run(NAMES[0], slot_kernel, x0, w0, ids0)
+    x1 = rms_norm(norms[1])((x0.float() + out0.float()).bfloat16())
+    w1, ids1 = softmax_topk(gates[1])(x1)
+    out1 = engine.run(NAMES[1], slot_kernel, x1, w1, ids1)
+    return out0, (x1, w1, ids1), out1
+
+
+def tokens(n, seed):
+    return torch.randn(n, H, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_router_prefetch_keeps_fetch_exact_and_counts(toy):
+    engine = make_engine(toy, budget=0.5, predictor="router")
+    _, _, layers = toy
+    for s in range(6):
+        _, (x1, w1, ids1), out1 = step(engine, toy, tokens(2, s))
+        expected = reference_moe(x1, w1, ids1, *layers[NAMES[1]].values())
+        assert torch.equal(out1, expected)
+    stats = engine.stats()["layers"]
+    first, second = stats[NAMES[0]], stats[NAMES[1]]
+    assert first["prefetched"] == 0 and first["predicted"] == 0  # nothing predicts layer 0
+    assert second["predicted"] == 6 * 2 * K
+    assert 0 < second["predicted_correct"] <= second["predicted"]
+    assert second["prefetched"] > 0
+    assert second["prefetch_used"] + second["prefetch_unused"] == second["prefetched"]
+    engine.close()
+
+
+def test_speculate_runs_the_prediction_without_refetching(toy):
+    gates, norms, layers = toy
+    engine = make_engine(toy, budget=0.5, predictor="router", miss_policy="speculate")
+    for s in range(6):
+        x0 = tokens(2, s)
+        _, (x1, _, _), out1 = step(engine, toy, x0)
+        w0, ids0 = softmax_topk(gates[0])(x0)
+        predicted_w, predicted_ids = softmax_topk(gates[1])(x0)  # router predictor: s_0
+        expected = reference_moe(x1, predicted_w.to(w0.dtype), predicted_ids, *layers[NAMES[1]].values())
+        assert torch.equal(out1, expected)
+    second = engine.stats()["layers"][NAMES[1]]
+    assert second["speculated_calls"] == 6
+    assert second["misses"] == 0  # every executed expert was prefetched
+    assert second["predicted_correct"] < second["predicted"]  # the toy's prediction is imperfect
+    assert engine.stats()["exact"] is False
+    engine.close()
+
+
+def test_exact_layers_keep_the_router(toy):
+    engine = make_engine(toy, budget=0.5, predictor="router", miss_policy="speculate",
+                         exact_layers=[0, 1])
+    _, _, layers = toy
+    _, (x1, w1, ids1), out1 = step(engine, toy, tokens(3, 0))
+    assert torch.equal(out1, reference_moe(x1, w1, ids1, *layers[NAMES[1]].values()))
+    assert engine.stats()["layers"][NAMES[1]]["speculated_calls"] == 0
+    engine.close()
+
+
+def test_large_batches_are_not_predicted(toy):
+    engine = make_engine(toy, budget=0.5, predictor="router", max_predict_tokens=4)
+    step(engine, toy, tokens(5, 0))
+    assert engine.stats()["layers"][NAMES[1]]["predicted"] == 0
+    step(engine, toy, tokens(4, 0))
+    assert engine.stats()["layers"][NAMES[1]]["predicted"] == 4 * K
+    engine.close()
+
+
+def test_quasi_hidden_state_is_norm_of_residual_plus_weighted_default_vectors():
+    g = torch.Generator().manual_seed(0)
+    vectors = torch.randn(E, H, generator=g)
+    residual = torch.randn(3, H, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 5]])
+    weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
+    norm_weight = torch.rand(H, generator=g) + 0.5
+    captured = {}
+
+    def route(q):
+        captured["q"] = q
+        return weights, ids
+
+    predictor = QuasiHiddenPredictor({"l": vectors})
+    state = LayerState(router_input=torch.zeros(3, H), topk_ids=ids, topk_weights=weights,
+                       residual=residual)
+    predictor.predict(state, "l", NextLayerRouting(rms_norm(norm_weight), route))
+    d = torch.stack([sum(weights[t, k] * vectors[ids[t, k]] for k in range(2)) for t in range(3)])
+    torch.testing.assert_close(captured["q"], rms_norm(norm_weight)(d + residual))
+
+
+def test_quasi_hidden_engine_uses_the_tapped_residual(toy):
+    gates, norms, layers = toy
+    engine = make_engine(toy, budget=0.5, predictor="quasi_hidden", calibration="unused")
+    engine.set_default_vectors({NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)})
+    step(engine, toy, tokens(2, 0))  # no residual tapped: no prediction
+    assert engine.stats()["layers"][NAMES[1]]["predicted"] == 0
+    x0 = tokens(2, 1)
+    residual = torch.randn(2, H, generator=torch.Generator().manual_seed(5)).bfloat16()
+    _, (_, _, ids1), _ = step(engine, toy, x0, residual=residual)
+    # Zero default vectors: q = LN_1(r), so the prediction is layer 1's router on LN_1(r).
+    _, expected = softmax_topk(gates[1])(rms_norm(norms[1])(residual))
+    hits = (ids1.unsqueeze(-1) == expected.unsqueeze(-2)).any(-1).sum()
+    assert engine.stats()["layers"][NAMES[1]]["predicted_correct"] == int(hits)
+    engine.close()
+
+
+def test_prefetch_is_protected_until_the_layer_runs():
+    cache = make_cache(random_layer(num_experts=E), num_slots=4, top_k=2)
+    assert cache.prefetch(np.array([8, 9, 10])) == 3
+    assert set(cache.slot_expert) >= {8, 9, 10}
+    # Another prefetch cannot evict them; only one slot is left.
+    assert cache.prefetch(np.array([11, 12])) == 1
+    assert cache.num_resident() <= 4
+    cache.begin_run(np.array([8, 11]))
+    assert cache.stats.prefetch_used == 2 and cache.stats.prefetch_unused == 2
+    assert not cache.protected.any()
+    cache.acquire(np.array([8, 11]))
+    assert cache.stats.misses == 0
+
+
+def test_waiting_for_an_unfinished_prefetch_is_stall():
+    link = CpuLink(LinkConfig(bandwidth_gbps=0.01, latency_us=0))  # 10 MB/s
+    tensors = random_layer(num_experts=E, hidden=256, inter=128)  # 196 KB per expert
+    cache = make_cache(tensors, num_slots=4, top_k=2, link=link)
+    cache.prefetch(np.array([8]))
+    start = time.perf_counter()
+    cache.begin_run(np.array([8]))
+    cache.acquire(np.array([8]))
+    waited = time.perf_counter() - start
+    expected = cache.experts.expert_nbytes / 0.01e9
+    assert cache.stats.misses == 0 and cache.stats.hits == 1
+    assert cache.stats.stall_s == pytest.approx(waited, rel=0.2)
+    assert waited >= expected * 0.9
+    for key, src in tensors.items():
+        assert torch.equal(cache.slots[key][cache.expert_slot[8]], src[8])
+    link.close()

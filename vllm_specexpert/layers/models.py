@@ -1,0 +1,123 @@
+"""vLLM's MoE model classes with one addition: after loading, the offloaded MoE layers
+are wired for prediction.
+
+The plugin registers these under vLLM's own architecture names. Each is a subclass of
+vLLM's class that, when ``additional_config`` has no ``specexpert`` key, turns back into
+vLLM's class right after construction (so vLLM runs untouched). When configured, its
+``process_weights_after_loading`` (vLLM's model-level post-load hook) calls
+:func:`wire_model`, which tells the engine, for each offloaded MoE layer, which MoE layer
+comes next and how that layer routes (its ``post_attention_layernorm``, gate and
+router), loads the calibration's default vectors, and, for ``quasi_hidden``, taps each
+MoE layer's post-attention residual r_l.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.layers.routed_experts import FORWARD_CONTEXT_SUFFIX, OffloadedRoutedExperts
+from vllm_specexpert.models import SUPPORTED_ARCHITECTURES
+from vllm_specexpert.predict import NextLayerRouting
+
+
+
+class ResidualTap(nn.Module):
+    """Wraps a decoder layer's ``post_attention_layernorm``: same outputs, and the
+    residual it returns (r_l) is handed to the engine for the quasi-hidden state."""
+
+    def __init__(self, norm: nn.Module, layer_key: str):
+        super().__init__()
+        self.norm = norm
+        self.layer_key = layer_key
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.norm(x)
+        normed, residual = self.norm(x, residual)
+        return torch.ops.specexpert.tap_residual(normed, residual, self.layer_key), residual
+
+
+def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
+    runner = decoder_layer.mlp.experts
+    gate = runner.gate if runner.gate is not None else decoder_layer.mlp.gate
+    norm = decoder_layer.post_attention_layernorm
+
+    def route(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = gate(hidden)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        return runner.router.select_experts(hidden_states=hidden, router_logits=logits)
+
+    return NextLayerRouting(norm=lambda h: norm(h), route=route)
+
+
+def _offloaded_layers(model: nn.Module) -> list[tuple[int, nn.Module, OffloadedRoutedExperts]]:
+    layers = model.model.layers
+    found = []
+    for index, layer in enumerate(layers):
+        runner = getattr(getattr(layer, "mlp", None), "experts", None)
+        routed = getattr(runner, "routed_experts", None)
+        if isinstance(routed, OffloadedRoutedExperts):
+            found.append((index, layer, routed))
+    return found
+
+
+def wire_model(model: nn.Module) -> None:
+    """Connect consecutive offloaded MoE layers of a loaded model (see module doc)."""
+    layers = _offloaded_layers(model)
+    if not layers:
+        return
+    engine = layers[0][2].engine
+    for (_, _, routed), (_, next_layer, next_routed) in zip(layers, layers[1:]):
+        engine.link_layers(routed.layer_name, next_routed.layer_name, _routing_of(next_layer))
+    if engine.config.calibration is None:
+        return
+    from vllm_specexpert.calibrate.calibrate import load_calibration
+
+    calibration = load_calibration(engine.config.calibration)  # checked at engine start
+    dtype = layers[0][1].post_attention_layernorm.weight.dtype
+    engine.set_default_vectors({
+        routed.layer_name: calibration.default_vectors[index].to(dtype)
+        for index, _, routed in layers
+    })
+    for _, layer, routed in layers:
+        layer.post_attention_layernorm = ResidualTap(
+            layer.post_attention_layernorm, routed.layer_name + FORWARD_CONTEXT_SUFFIX)
+
+
+def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:
+    class Model(base):
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            if SpecExpertConfig.from_additional_config(vllm_config.additional_config) is None:
+                self.__class__ = base  # not configured: exactly vLLM's model
+
+        def process_weights_after_loading(self) -> None:
+            parent = getattr(super(), "process_weights_after_loading", None)
+            if parent is not None:
+                parent()
+            wire_model(self)
+
+    Model.__name__ = base.__name__
+    Model.__qualname__ = base.__qualname__
+    return Model
+
+
+def __getattr__(name: str):
+    """``vllm_specexpert.layers.models:<Architecture>`` for vLLM's lazy model registry."""
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise AttributeError(name)
+    base = getattr(importlib.import_module(SUPPORTED_ARCHITECTURES[name].vllm_module), name)
+    cls = _offload_aware(base)
+    globals()[name] = cls
+    return cls
+
+
+def register_models() -> None:
+    from vllm import ModelRegistry
+
+    for arch in SUPPORTED_ARCHITECTURES:
+        ModelRegistry.register_model(arch, f"{__name__}:{arch}")

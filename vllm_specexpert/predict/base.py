@@ -1,0 +1,76 @@
+"""The predictor interface: before layer l's experts run, guess layer l+1's routing.
+
+A predictor only builds an estimate ``q`` of layer l+1's router input from what layer l
+already has; the next layer's own router (its gate and top-k selection, given as a
+:class:`NextLayerRouting` by whoever owns the model: the vLLM adapter, or the offline
+analysis on a transformers model) turns ``q`` into expert ids and weights. So every
+predictor routes exactly as the model would, given its estimate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerState:
+    """What layer l knows once its router has run, for one batch of tokens."""
+
+    router_input: torch.Tensor
+    """``s_l [T, H]``: the normalized residual fed to layer l's router and experts."""
+    topk_ids: torch.Tensor
+    """``[T, K]`` experts layer l runs (router-chosen, or predicted under ``speculate``)."""
+    topk_weights: torch.Tensor
+    """``[T, K]`` their gate weights."""
+    residual: torch.Tensor | None = None
+    """``r_l [T, H]``: the post-attention residual (before normalization), if tapped."""
+
+
+@dataclass
+class NextLayerRouting:
+    """Layer l+1's routing, as callables over ``[T, H]`` tensors."""
+
+    norm: Callable[[torch.Tensor], torch.Tensor]
+    """``LN_{l+1}``: the normalization applied to the residual before its router."""
+    route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    """Router input -> ``(topk_weights, topk_ids)``, as the model routes."""
+
+
+@dataclass
+class Prediction:
+    """Predicted routing of layer l+1 for the tokens of one batch."""
+
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_ids.shape[0]
+
+    def experts_by_mass(self) -> torch.Tensor:
+        """Distinct predicted experts, most predicted gate mass first (host int64)."""
+        ids = self.topk_ids.reshape(-1).to("cpu", torch.int64)
+        mass = self.topk_weights.reshape(-1).to("cpu", torch.float32)
+        experts, slot = ids.unique(return_inverse=True)
+        totals = torch.zeros(len(experts)).index_add_(0, slot, mass)
+        return experts[torch.argsort(totals, descending=True, stable=True)]
+
+
+class Predictor(ABC):
+    """Estimates layer l+1's router input from layer l's state."""
+
+    name: str
+    needs_residual: bool = False
+    """Whether :attr:`LayerState.residual` must be provided."""
+
+    @abstractmethod
+    def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
+        """``q [T, H]``, the estimate of ``s_{l+1}``; ``layer`` names layer l."""
+
+    def predict(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> Prediction:
+        weights, ids = nxt.route(self.next_router_input(state, layer, nxt))
+        return Prediction(topk_weights=weights, topk_ids=ids)
