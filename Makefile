@@ -32,6 +32,8 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/python benchmarks/tpot.py
+	$(BIN)/python benchmarks/prefetch.py
+	$(BIN)/python benchmarks/accuracy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

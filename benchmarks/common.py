@@ -61,9 +61,14 @@ def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
 
 
 def default_calibration(model: str, max_tokens: int = 65536) -> str:
-    """A calibration of ``model`` on the corpus's train split, made once and cached under
-    ``$SPECEXPERT_CACHE/calibration``."""
+    """A calibration of ``model`` on the corpus's train split: the shipped one for the
+    embedded model, otherwise made once and cached under ``$SPECEXPERT_CACHE/calibration``."""
     import hashlib
+
+    from vllm_specexpert.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
+
+    if Path(model).resolve() == TRAINED_MODEL_DIR.resolve():
+        return str(TRAINED_CALIBRATION_DIR)
 
     from vllm_specexpert.calibrate.calibrate import calibrate, load_calibration
     from vllm_specexpert.calibrate.trace import corpus_documents

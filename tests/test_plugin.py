@@ -7,6 +7,7 @@ from vllm_harness import greedy_in_fresh_process, make_llm
 from vllm_specexpert import SpecExpertConfigError, SpecExpertUnsupportedError
 
 VANILLA_CLASS = "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts"
+VANILLA_MODEL = "vllm.model_executor.models.qwen3_moe.Qwen3MoeForCausalLM"
 OFFLOADED_CLASS = "vllm_specexpert.layers.routed_experts.OffloadedRoutedExperts"
 
 
@@ -15,17 +16,20 @@ def test_without_the_key_vllm_is_untouched():
     loaded = greedy_in_fresh_process("qwen3_moe", plugins=True)  # loaded, no "specexpert"
     assert reference["expert_layer_classes"] == [VANILLA_CLASS]
     assert loaded["expert_layer_classes"] == [VANILLA_CLASS]
+    assert loaded["model_class"] == reference["model_class"] == VANILLA_MODEL
     ref, out = reference["completions"], loaded["completions"]
     assert [c.token_ids for c in out] == [c.token_ids for c in ref]
     assert [c.logprobs for c in out] == [c.logprobs for c in ref]
 
 
 def test_with_the_key_the_layer_is_offloaded():
-    from vllm_harness import expert_layer_classes, shutdown
+    from vllm_harness import expert_layer_classes, model_class, shutdown
 
     llm = make_llm("qwen3_moe", specexpert={"budget": 0.5})
     try:
         assert llm.apply_model(expert_layer_classes) == [[OFFLOADED_CLASS]]
+        assert llm.apply_model(model_class) == [
+            "vllm_specexpert.layers.models.Qwen3MoeForCausalLM"]
     finally:
         shutdown(llm)
 

@@ -48,11 +48,17 @@ def expert_layer_classes(model) -> list[str]:
     })
 
 
+def model_class(model) -> str:
+    """Worker side: the model's class."""
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
 def greedy_in_fresh_process(arch: str, plugins: bool, eager: bool = True) -> dict:
     """Greedy completions of PROMPTS from an engine started in a new Python process with
     no ``specexpert`` config; with ``plugins=False`` no vLLM plugin is ever loaded there.
     Engines of the test process share it with the plugin, so vanilla references come
-    from here. Returns ``{"completions": [...], "expert_layer_classes": [...]}``."""
+    from here. Returns ``{"completions": [...], "expert_layer_classes": [...],
+    "model_class": str}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -101,6 +107,7 @@ if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
     result = {
         "completions": [dataclasses.asdict(c) for c in greedy(llm)],
         "expert_layer_classes": llm.apply_model(expert_layer_classes)[0],
+        "model_class": llm.apply_model(model_class)[0],
     }
     with open(request["out"], "w") as f:
         json.dump(result, f)

@@ -96,23 +96,25 @@ def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
 
 
 def _print_stats(stats: dict) -> None:
-    print(f"\n{'layer':<34}{'slots':>6}{'hit rate':>10}{'loads':>8}{'MB moved':>10}"
-          f"{'stall ms':>10}")
-    for name, layer in stats["layers"].items():
-        print(f"{name:<34}{stats['slots_per_layer'][name]:>6}{layer['hit_rate']:>10.2%}"
-              f"{layer['loads']:>8}{layer['bytes_loaded'] / 1e6:>10.1f}"
-              f"{layer['stall_s'] * 1e3:>10.1f}")
-    total = stats["total"]
-    print(f"{'total':<34}{'':>6}{total['hit_rate']:>10.2%}{total['loads']:>8}"
-          f"{total['bytes_loaded'] / 1e6:>10.1f}{total['stall_s'] * 1e3:>10.1f}")
+    print(f"\n{'layer':<34}{'slots':>6}{'hit rate':>10}{'recall':>8}{'loads':>7}"
+          f"{'prefetched':>11}{'used':>6}{'MB moved':>10}{'stall ms':>10}")
+    rows = [(name, stats["slots_per_layer"][name], layer) for name, layer in stats["layers"].items()]
+    for name, slots, layer in rows + [("total", "", stats["total"])]:
+        recall = f"{layer['recall']:.2f}" if layer["predicted"] else "-"
+        print(f"{name:<34}{slots:>6}{layer['hit_rate']:>10.2%}{recall:>8}{layer['loads']:>7}"
+              f"{layer['prefetched']:>11}{layer['prefetch_used']:>6}"
+              f"{layer['bytes_loaded'] / 1e6:>10.2f}{layer['stall_s'] * 1e3:>10.1f}")
 
 
 def run_demo(args: argparse.Namespace) -> None:
     set_cpu_defaults()
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.fixtures import DEFAULT_MODEL, TRAINED_CALIBRATION_DIR, model_path
 
     model = args.model or str(model_path(DEFAULT_MODEL))
-    specexpert = {"budget": args.budget, "cache": args.cache}
+    specexpert = {"budget": args.budget, "cache": args.cache, "predictor": args.predictor}
+    calibration = args.calibration or (str(TRAINED_CALIBRATION_DIR) if not args.model else None)
+    if args.predictor == "quasi_hidden":
+        specexpert["calibration"] = calibration
     if args.bandwidth_gbps:
         specexpert["link"] = {"bandwidth_gbps": args.bandwidth_gbps,
                               "latency_us": args.latency_us}
@@ -152,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--model", help="model directory (default: the embedded model)")
     demo.add_argument("--budget", type=float, default=0.25)
     demo.add_argument("--cache", default="lru")
+    demo.add_argument("--predictor", default="quasi_hidden",
+                      choices=["none", "router", "quasi_hidden"],
+                      help="next-layer prediction for prefetch (miss policy stays exact fetch)")
+    demo.add_argument("--calibration",
+                      help="calibration directory (default: the embedded model's)")
     demo.add_argument("--bandwidth-gbps", type=float, default=None,
                       help="emulate a link of this many GB/s (CPU)")
     demo.add_argument("--latency-us", type=float, default=10.0)

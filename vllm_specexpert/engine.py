@@ -201,7 +201,7 @@ class OffloadEngine:
         self._predictions[info.next_name] = prediction
         # On CUDA, reading the predicted ids on the host syncs with the compute stream
         # (the router of the next layer must have run): the host decides what to copy.
-        self.caches[info.next_name].prefetch(prediction.experts_by_mass().numpy())
+        self.caches[info.next_name].prefetch(prediction.experts_by_mass())
 
     def _count_recall(self, name: str, stats: LayerStats, prediction: Prediction,
                       topk_ids: torch.Tensor) -> None:

@@ -25,6 +25,8 @@ TOKENIZER_JSON = ASSETS / "tokenizer.json"
 TRAINED_MODEL = "trained"
 """Name of the embedded model trained by ``specexpert train-tiny`` (a Qwen3-MoE)."""
 TRAINED_MODEL_DIR = ASSETS / "tiny-qwen3-moe"
+TRAINED_CALIBRATION_DIR = ASSETS / "tiny-qwen3-moe-calibration"
+"""``specexpert calibrate`` of the trained model on its train split (for ``quasi_hidden``)."""
 DEFAULT_OUT = (
     Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "vllm-specexpert"))
     / "fixtures"

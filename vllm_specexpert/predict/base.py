@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -51,13 +52,13 @@ class Prediction:
     def num_tokens(self) -> int:
         return self.topk_ids.shape[0]
 
-    def experts_by_mass(self) -> torch.Tensor:
+    def experts_by_mass(self) -> np.ndarray:
         """Distinct predicted experts, most predicted gate mass first (host int64)."""
-        ids = self.topk_ids.reshape(-1).to("cpu", torch.int64)
-        mass = self.topk_weights.reshape(-1).to("cpu", torch.float32)
-        experts, slot = ids.unique(return_inverse=True)
-        totals = torch.zeros(len(experts)).index_add_(0, slot, mass)
-        return experts[torch.argsort(totals, descending=True, stable=True)]
+        ids = self.topk_ids.reshape(-1).cpu().numpy()
+        mass = self.topk_weights.reshape(-1).float().cpu().numpy()
+        experts = np.flatnonzero(np.bincount(ids))
+        totals = np.bincount(ids, weights=mass)[experts]
+        return experts[np.argsort(-totals, kind="stable")]
 
 
 class Predictor(ABC):
