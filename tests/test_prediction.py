@@ -10,6 +10,7 @@ from vllm_specexpert import SpecExpertConfigError
 from vllm_specexpert.fixtures import TRAINED_MODEL, ensure_model, model_path
 
 BUDGET = 0.25  # 8 of 32 experts per layer, top-4
+ONE_TOKEN_PROMPT = [{"prompt_token_ids": [0]}]  # <|endoftext|>: a document starts
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,9 @@ def test_prefetch_with_fetch_is_identical_to_vanilla(llm, predictor):
 
 def test_speculate_runs_predicted_experts_without_refetching(llm):
     vllm_specexpert.reconfigure(llm, predictor="router", miss_policy="speculate")
-    # One short prompt: every forward pass is small enough to predict, and a token's
-    # predicted experts (top-4) always fit in the 8 slots.
-    outputs = greedy(llm, prompts=["import os\n"], max_tokens=16)
+    # A one-token prompt: every forward pass is one token, whose predicted experts
+    # (top-4) always fit in the 8 slots.
+    outputs = greedy(llm, prompts=ONE_TOKEN_PROMPT, max_tokens=16)
     assert len(outputs[0].token_ids) == 16
     stats = vllm_specexpert.get_stats(llm)[0]
     assert stats["exact"] is False and stats["miss_policy"] == "speculate"
@@ -67,7 +68,7 @@ def test_speculate_runs_predicted_experts_without_refetching(llm):
 
     # The same run verified (fetch) has to load the mispredicted experts on demand.
     vllm_specexpert.reconfigure(llm, miss_policy="fetch")
-    greedy(llm, prompts=["import os\n"], max_tokens=16)
+    greedy(llm, prompts=ONE_TOKEN_PROMPT, max_tokens=16)
     verified = vllm_specexpert.get_stats(llm)[0]
     assert sum(layer["misses"] for layer in moe_layers_after_the_first(verified)) > 0
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from vllm_specexpert.cache import ExpertCache
-from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.policy import ExpertKernel, make_miss_policy
 from vllm_specexpert.predict import (
     LayerState,
@@ -122,12 +122,15 @@ class OffloadEngine:
         loads them at start-up when ``calibration`` is configured)."""
         for name, experts in self.store.layers.items():  # validate before changing
             config.slots_per_layer(experts.num_experts, self.layers[name].top_k)
+        if config.calibration != self.config.calibration:
+            raise SpecExpertConfigError(
+                "calibration", "is read when the model loads and cannot change at run time",
+                "start a new engine with the new 'calibration'",
+            )
         if config.predictor == "quasi_hidden" and not self.default_vectors:
-            from vllm_specexpert.config import SpecExpertConfigError
-
             raise SpecExpertConfigError(
                 "predictor", "quasi_hidden needs the calibration loaded at engine start",
-                "start the engine with 'calibration' (and predictor quasi_hidden) set",
+                "start the engine with 'calibration' set",
             )
         self.link.close()
         self.config = config

@@ -6,13 +6,16 @@ Per MoE layer l and expert e it computes the default vector ``d_{l,e}`` (the mea
 of expert e, before gate weighting, over the tokens routed to it; speculating-experts
 §3.1), the routing counts (tokens routed to each expert) and the co-activation matrix
 (``C[a, b]`` = tokens that selected both a and b; the diagonal is the routing count),
-which the buddy-expert policy builds on.
+which the buddy-expert policy builds on, and the distribution of each layer's Token
+Activating Entropy (BuddyMoE eq. 1: entropy of the renormalised top-k weights / log k),
+as percentiles, for per-layer calibration of the buddy policy's gate.
 
 Output (``DIR``):
 
 * ``calibration.safetensors``: ``layers.{i}.default_vectors [E, H] float32``,
-  ``layers.{i}.counts [E] int64``, ``layers.{i}.coactivation [E, E] int64``, where ``i``
-  is the model's decoder-layer index.
+  ``layers.{i}.counts [E] int64``, ``layers.{i}.coactivation [E, E] int64``,
+  ``layers.{i}.tae_percentiles [101] float32`` (0th..100th), where ``i`` is the model's
+  decoder-layer index.
 * ``manifest.json``: ``{"format": "specexpert-calibration/1", "model_fingerprint",
   "data": {"description", "sha256", "tokens"}, "moe_layer_indices", "num_experts",
   "hidden_size", "window"}``.
@@ -52,6 +55,17 @@ class Calibration:
     """Decoder-layer index -> ``[E, H]`` float32."""
     counts: dict[int, torch.Tensor]
     coactivation: dict[int, torch.Tensor]
+    tae_percentiles: dict[int, torch.Tensor]
+    """Decoder-layer index -> ``[101]`` percentiles of the Token Activating Entropy."""
+
+
+def token_activating_entropy(topk_weights: torch.Tensor) -> torch.Tensor:
+    """BuddyMoE's TAE per token: entropy of the top-k weights renormalised over the
+    top-k, divided by log k (0 = one expert takes everything, 1 = uniform)."""
+    p = topk_weights.float()
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
+    entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
+    return entropy / torch.log(torch.tensor(float(p.shape[-1])))
 
 
 def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | None = None,
@@ -61,6 +75,7 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
     E, H = model.config.num_experts, model.config.hidden_size
     sums = {i: torch.zeros(E, H, dtype=torch.float64) for i in layers}
     coactivation = {i: torch.zeros(E, E, dtype=torch.int64) for i in layers}
+    entropies: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     data_hash = hashlib.sha256()
     tokens = 0
     for t in trace(model, tokenizer, documents, window, max_tokens, progress="calibrate"):
@@ -71,6 +86,7 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
             ids = t.topk_ids[:, j]
             onehot = torch.zeros(len(ids), E, dtype=torch.int64).scatter_(1, ids, 1)
             coactivation[i] += onehot.T @ onehot
+            entropies[i].append(token_activating_entropy(t.topk_weights[:, j]))
             x = t.router_input[:, j]
             for e in ids.unique().tolist():
                 rows = (ids == e).any(dim=1).nonzero().squeeze(1)
@@ -79,6 +95,8 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
                 sums[i][e] += y.double().sum(0)
     counts = {i: coactivation[i].diagonal().clone() for i in layers}
     vectors = {i: (sums[i] / counts[i].clamp_min(1)[:, None]).float() for i in layers}
+    levels = torch.linspace(0, 1, 101)
+    tae = {i: torch.quantile(torch.cat(entropies[i]), levels).float() for i in layers}
     manifest = {
         "format": FORMAT,
         "model": str(model_dir),
@@ -86,7 +104,7 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
         "data": {"description": description, "sha256": data_hash.hexdigest(), "tokens": tokens},
         "moe_layer_indices": layers, "num_experts": E, "hidden_size": H, "window": window,
     }
-    result = Calibration(manifest, vectors, counts, coactivation)
+    result = Calibration(manifest, vectors, counts, coactivation, tae)
     save(Path(out), result)
     return result
 
@@ -100,6 +118,7 @@ def save(out: Path, calibration: Calibration) -> None:
         tensors[f"layers.{i}.default_vectors"] = calibration.default_vectors[i].contiguous()
         tensors[f"layers.{i}.counts"] = calibration.counts[i].contiguous()
         tensors[f"layers.{i}.coactivation"] = calibration.coactivation[i].contiguous()
+        tensors[f"layers.{i}.tae_percentiles"] = calibration.tae_percentiles[i].contiguous()
     save_file(tensors, str(out / WEIGHTS_FILE))
     (out / "manifest.json").write_text(json.dumps(calibration.manifest, indent=1))
 
@@ -152,6 +171,7 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config=None)
         {i: tensors[f"layers.{i}.default_vectors"] for i in layers},
         {i: tensors[f"layers.{i}.counts"] for i in layers},
         {i: tensors[f"layers.{i}.coactivation"] for i in layers},
+        {i: tensors[f"layers.{i}.tae_percentiles"] for i in layers},
     )
 
 

@@ -1,0 +1,93 @@
+"""BuddyMoE's buddy lists and substitution (``../shared/papers/buddymoe.txt`` §3).
+
+Offline: from a layer's co-activation matrix M (calibration), expert j's conditional
+co-activation with pivot i is ``q_{j|i} = M[i, j] / sum_{j' != i} M[i, j']``; i's buddy
+list is the shortest prefix of its peers sorted by q whose cumulative q reaches the
+Cumulative Frequency Threshold α, capped at ``K_max`` (and at least one peer when i was
+ever co-activated).
+
+Run time, for one layer and batch: the batch distribution gate skips substitution when
+the share of requested experts that are not resident is >= β; a token whose Token
+Activating Entropy is <= τ keeps its experts; otherwise each missing expert of the token,
+in rank order and at most ρ per token, is replaced by its first resident buddy that the
+token does not already use (Algorithm 1); the buddy takes the missing expert's weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def buddy_lists(coactivation: np.ndarray, alpha: float, k_max: int) -> np.ndarray:
+    """``[E, k_max]`` buddy ids per pivot expert, best first, padded with -1."""
+    m = np.asarray(coactivation, dtype=np.float64).copy()
+    num_experts = m.shape[0]
+    np.fill_diagonal(m, 0.0)
+    totals = m.sum(axis=1)
+    out = np.full((num_experts, k_max), -1, dtype=np.int64)
+    for i in range(num_experts):
+        if totals[i] <= 0:
+            continue
+        q = m[i] / totals[i]
+        order = np.argsort(-q, kind="stable")
+        order = order[q[order] > 0]
+        reached = np.searchsorted(np.cumsum(q[order]), alpha - 1e-12) + 1
+        size = int(min(max(reached, 1), k_max, len(order)))
+        out[i, :size] = order[:size]
+    return out
+
+
+@dataclass(frozen=True)
+class BuddyGates:
+    tau: float | np.ndarray
+    """Token Activating Entropy gate: substitute only for tokens with TAE > tau (a
+    scalar, or one value per token when calibrated per layer)."""
+    beta: float
+    """Batch distribution gate: no substitution when the share of the batch's requested
+    experts that are not resident is >= beta."""
+    rho: int
+    """Replacement budget: at most this many substitutions per token."""
+
+
+def substitute(
+    topk_ids: np.ndarray,
+    resident: np.ndarray,
+    buddies: np.ndarray,
+    tae: np.ndarray,
+    gates: BuddyGates,
+    rng: np.random.Generator | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1 with the gates. ``topk_ids [T, K]``, ``resident [E]`` bool, ``buddies
+    [E, K_max]`` (or ``None`` with ``rng`` for the paper's random baseline: any resident
+    expert), ``tae [T]``. Returns the new ids and a ``[T, K]`` mask of substituted
+    entries. Entries left missing are for the fallback (fetch)."""
+    ids = topk_ids.copy()
+    replaced = np.zeros(ids.shape, dtype=bool)
+    missing = ~resident[ids]
+    if not missing.any():
+        return ids, replaced
+    requested = np.unique(ids)
+    if np.count_nonzero(~resident[requested]) / len(requested) >= gates.beta:
+        return ids, replaced
+    tau = np.broadcast_to(np.asarray(gates.tau, dtype=np.float64), (ids.shape[0],))
+    resident_ids = np.flatnonzero(resident)
+    for t in np.flatnonzero(missing.any(axis=1) & (tae > tau)):
+        used = set(ids[t].tolist())
+        budget = gates.rho
+        for k in np.flatnonzero(missing[t]):
+            if budget == 0:
+                break
+            if buddies is None:
+                candidates = rng.permutation(resident_ids)
+            else:
+                candidates = buddies[ids[t, k]]
+            for b in candidates:
+                if b >= 0 and resident[b] and b not in used:
+                    used.add(int(b))
+                    ids[t, k] = b
+                    replaced[t, k] = True
+                    budget -= 1
+                    break
+    return ids, replaced
