@@ -112,6 +112,8 @@ class ExpertCache:
         """Prefetched experts whose layer has not run since: never evicted (the paper's
         ring of buffers: a prefetch is not overwritten before the layer that wanted it
         runs)."""
+        self._protected_any = False
+        """Whether ``protected`` has a True entry (cheaper than ``.any()`` per call)."""
         self._in_flight: dict[int, Transfer] = {}
         """slot -> transfer still copying into it (waited for on first use)."""
         # id -> slot map read by kernels. On CPU it shares memory with expert_slot; on
@@ -144,8 +146,13 @@ class ExpertCache:
         outside = np.count_nonzero(~pinned_resident[experts])
         return outside <= self.num_slots - int(pinned_resident.sum())
 
-    def slot_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Router expert ids -> slot indices, same shape and dtype (device gather)."""
+    def slot_ids(self, topk_ids: torch.Tensor, host_ids: np.ndarray) -> torch.Tensor:
+        """Router expert ids -> slot indices, same shape and dtype as ``topk_ids``.
+        ``host_ids`` is the same ids on the host: on CPU the map is applied there (one
+        numpy gather instead of three tensor ops on the decode path); on CUDA with a
+        device gather, so that nothing waits for the host."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(self.expert_slot[host_ids]).to(topk_ids.dtype)
         flat = torch.index_select(self.slot_of, 0, topk_ids.reshape(-1))
         return flat.view(topk_ids.shape).to(topk_ids.dtype)
 
@@ -155,7 +162,8 @@ class ExpertCache:
         """A forward call of the layer starts and will need ``experts`` (distinct ids).
         Protected prefetches are released: those among ``experts`` count as used, the
         others as unused (their slots may now be evicted)."""
-        if self.protected.any():
+        if self._protected_any:
+            self._protected_any = False
             used = int(np.count_nonzero(self.protected[experts]))
             self.stats.prefetch_used += used
             self.stats.prefetch_unused += int(np.count_nonzero(self.protected)) - used
@@ -202,6 +210,7 @@ class ExpertCache:
         slots = self._victim_slots(len(missing), protect=experts, demand=None)
         transfer = self._start_load(missing, slots)
         self.protected[missing] = True
+        self._protected_any = True
         self.stats.prefetched += len(missing)
         self.stats.bytes_prefetched += transfer.nbytes
         self.stats.max_resident = max(self.stats.max_resident, self.num_resident())

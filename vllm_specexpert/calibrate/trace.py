@@ -112,7 +112,7 @@ def trace(
 
     hooks = _LayerHooks(model)
     seen = 0
-    bar = tqdm(desc=progress, unit="tok", total=max_tokens, disable=progress is None)
+    bar = tqdm(desc=progress, unit="tok", total=max_tokens, disable=progress is None, mininterval=2)
     try:
         for name, text in documents:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -143,11 +143,18 @@ class OffloadedRoutedExperts(RoutedExperts):
         slot_ids: torch.Tensor,
         slots: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        w13 = slots["w13_weight"]
+        w13, w2 = slots["w13_weight"], slots["w2_weight"]
+        experts = self._direct_experts()
+        if experts is not None:
+            out = torch.empty_like(x)
+            experts.apply(out, x, w13, w2, topk_weights, slot_ids, self.activation,
+                          w13.shape[0], None, None, None, _NO_WORKSPACE, _NO_WORKSPACE, None,
+                          False)
+            return out
         return self.quant_method.moe_kernel.apply(
             hidden_states=x,
             w1=w13,
-            w2=slots["w2_weight"],
+            w2=w2,
             topk_weights=topk_weights,
             topk_ids=slot_ids,
             activation=self.activation,
@@ -155,6 +162,32 @@ class OffloadedRoutedExperts(RoutedExperts):
             global_num_experts=w13.shape[0],
             expert_map=None,
         )
+
+    def _direct_experts(self):
+        """vLLM's CPU experts object when the modular kernel around it would only add
+        Python overhead: no-DP/EP prepare/finalize (no input quantization, no router
+        weight on the input) and CPU experts that allocate their own scratch. Calling it
+        directly runs the same ``cpu_fused_moe`` on the same inputs. ``None`` elsewhere
+        (CUDA keeps the full modular kernel)."""
+        if not hasattr(self, "_direct"):
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+                CPUUnquantizedExperts,
+            )
+            from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+                MoEPrepareAndFinalizeNoDPEPModular,
+            )
+
+            impl = getattr(self.quant_method.moe_kernel, "impl", None)
+            direct = (
+                isinstance(getattr(impl, "fused_experts", None), CPUUnquantizedExperts)
+                and isinstance(impl.prepare_finalize, MoEPrepareAndFinalizeNoDPEPModular)
+                and not self.apply_router_weight_on_input
+            )
+            self._direct = impl.fused_experts if direct else None
+        return self._direct
+
+
+_NO_WORKSPACE = torch.empty(0)
 
 
 def check_layer_supported(layer_name: str, moe_config, quant_config) -> None:

@@ -46,7 +46,7 @@ class FetchPolicy(MissPolicy):
             if before_kernel is not None:
                 before_kernel()
             cache.stats.kernel_calls += 1
-            return kernel(x, topk_weights, cache.slot_ids(topk_ids), cache.slots)
+            return kernel(x, topk_weights, cache.slot_ids(topk_ids, ids), cache.slots)
         return self._run_in_groups(cache, kernel, x, topk_weights, topk_ids, ids, before_kernel)
 
     def _run_in_groups(
@@ -76,7 +76,8 @@ class FetchPolicy(MissPolicy):
                 before_kernel = None
             index = torch.from_numpy(ready).to(x.device)
             out[index] = kernel(
-                x[index], topk_weights[index], cache.slot_ids(topk_ids[index]), cache.slots
+                x[index], topk_weights[index], cache.slot_ids(topk_ids[index], ids[ready]),
+                cache.slots,
             )
             cache.stats.kernel_calls += 1
             remaining = np.setdiff1d(remaining, ready, assume_unique=True)
