@@ -42,9 +42,16 @@ MODES = {
     "on-demand": {"predictor": "none", "miss_policy": "fetch"},
     "prefetch router": {"predictor": "router", "miss_policy": "fetch"},
     "prefetch quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "fetch"},
+    "prefetch quasi_hidden, all": {"predictor": "quasi_hidden", "miss_policy": "fetch",
+                                   "prefetch_filter": "all"},
     "speculate router": {"predictor": "router", "miss_policy": "speculate"},
     "speculate quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "speculate"},
 }
+"""Prefetch modes filter predicted experts by cost (the default) unless marked ``all``."""
+
+
+def config_of(budget: float, link: dict, mode: dict) -> dict:
+    return {"budget": budget, "link": link, "prefetch_filter": "cost", **mode}
 
 
 def decode_stats(llm, prompts, max_tokens: int) -> list[dict]:
@@ -59,9 +66,9 @@ def decode_stats(llm, prompts, max_tokens: int) -> list[dict]:
         runs.append(vllm_specexpert.get_stats(llm)[0]["layers"])
     steps = max_tokens - 1
     return [
-        {key: (full[key] - short[key]) / steps for key in ("stall_s", "misses", "prefetched",
-                                                          "bytes_loaded", "predicted",
-                                                          "predicted_correct")}
+        {key: (full[key] - short[key]) / steps for key in (
+            "stall_s", "misses", "prefetched", "prefetch_used", "prefetch_skipped",
+            "bytes_loaded", "predicted", "predicted_correct")}
         for short, full in zip(runs[0].values(), runs[1].values())
     ]
 
@@ -77,7 +84,7 @@ def plot(cases: list[dict], path: Path, title: str) -> None:
         names = [r["mode"] for r in case["rows"]]
         values = [r["tpot_ms"] for r in case["rows"]]
         bars = ax.bar(range(len(names)), values,
-                      color=["#555"] + ["#c44"] + ["#3b7dd8"] * 2 + ["#e39b2d"] * 2)
+                      color=["#555", "#c44"] + ["#3b7dd8"] * 3 + ["#e39b2d"] * 2)
         for bar, row in zip(bars, case["rows"]):
             ax.annotate(f"{row['tpot_ms']:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)
@@ -139,7 +146,7 @@ def main() -> None:
                 samples["vanilla"].append(
                     decode_step_seconds(vanilla, batch_prompts, args.max_tokens, args.repeats))
                 for name, mode in MODES.items():
-                    vllm_specexpert.reconfigure(plugin, budget=budget, link=link, **mode)
+                    vllm_specexpert.reconfigure(plugin, **config_of(budget, link, mode))
                     timed_generate(plugin, batch_prompts, 4)  # warm the rebuilt cache
                     samples.setdefault(name, []).append(
                         decode_step_seconds(plugin, batch_prompts, args.max_tokens, args.repeats))
@@ -147,7 +154,7 @@ def main() -> None:
                     f"{n} {statistics.median(v) * 1e3:.2f}" for n, v in samples.items()))
             per_layer = {}
             for name, mode in MODES.items():
-                vllm_specexpert.reconfigure(plugin, budget=budget, link=link, **mode)
+                vllm_specexpert.reconfigure(plugin, **config_of(budget, link, mode))
                 timed_generate(plugin, batch_prompts, 4)
                 per_layer[name] = decode_stats(plugin, batch_prompts, args.max_tokens)
             cases.append(summarize(batch, budget, samples, per_layer))
@@ -186,6 +193,8 @@ def summarize(batch: int, budget: float, samples: dict, per_layer: dict) -> dict
                 stall_ms_per_step=sum(l["stall_s"] for l in layers) * 1e3,
                 misses_per_step=sum(l["misses"] for l in layers),
                 prefetched_per_step=sum(l["prefetched"] for l in layers),
+                prefetch_used_per_step=sum(l["prefetch_used"] for l in layers),
+                prefetch_skipped_per_step=sum(l["prefetch_skipped"] for l in layers),
                 mb_per_step=sum(l["bytes_loaded"] for l in layers) / 1e6,
                 recall=(sum(l["predicted_correct"] for l in layers) / predicted) if predicted else None,
                 saved_ms=(on_demand - value) * 1e3,

@@ -187,3 +187,31 @@ def test_waiting_for_an_unfinished_prefetch_is_stall():
     for key, src in tensors.items():
         assert torch.equal(cache.slots[key][cache.expert_slot[8]], src[8])
     link.close()
+
+
+def test_planner_learns_per_rank_precision_and_filters_by_cost():
+    from vllm_specexpert.predict import PrefetchPlanner, worth_threshold
+
+    planner = PrefetchPlanner(top_k=2)
+    # rank 1 is always right, rank 2 always wrong
+    for _ in range(300):
+        planner.observe(np.array([[3, 9]]), np.array([[3, 4]]))
+    assert planner.precision[0] > 0.99 and planner.precision[1] < 0.01
+    # A slow link (copy 3x the window): only near-certain experts are worth it.
+    threshold = worth_threshold(copy_s=3.0, window_s=1.0)
+    assert threshold == 0.75
+    assert planner.plan(np.array([[5, 6]]), threshold).tolist() == [5]
+    assert sorted(planner.plan(np.array([[5, 6]]), None).tolist()) == [5, 6]
+    # A fast link (copy within the window): break-even at one half.
+    assert worth_threshold(copy_s=1.0, window_s=4.0) == 0.5
+
+
+def test_planner_combines_tokens_that_predict_the_same_expert():
+    from vllm_specexpert.predict import PrefetchPlanner
+
+    planner = PrefetchPlanner(top_k=2)
+    planner.correct, planner.total = np.array([0.9, 0.4]), np.array([1.0, 1.0])
+    # Expert 7 is predicted at rank 2 by two tokens: 1 - 0.6 * 0.6 = 0.64.
+    plan = planner.plan(np.array([[1, 7], [2, 7]]), threshold=0.6)
+    assert plan.tolist() == [1, 2, 7]
+    assert planner.plan(np.array([[1, 7], [2, 8]]), threshold=0.6).tolist() == [1, 2]

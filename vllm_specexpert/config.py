@@ -19,6 +19,7 @@ ADDITIONAL_CONFIG_KEY = "specexpert"
 CACHE_POLICIES = ("lru", "lfu", "static")
 MISS_POLICIES = ("fetch", "speculate")
 PREDICTORS = ("none", "router", "quasi_hidden")
+PREFETCH_FILTERS = ("cost", "all")
 
 
 class SpecExpertConfigError(ValueError):
@@ -86,6 +87,14 @@ class SpecExpertConfig:
     layer's router on this layer's router input s_l), ``quasi_hidden`` (next router on
     q_l = LN_{l+1}(d_l + r_l) with default vectors d from ``calibration``)."""
 
+    prefetch_filter: str = "cost"
+    """Which predicted experts ``fetch`` prefetches. ``cost`` (default): only those
+    whose chance of being used (the layer's measured precision per predicted rank)
+    pays for their link time, ``p > t_copy / (t_copy + min(t_copy, t_window))``: a
+    wrong prefetch occupies the link that the true misses then wait for. ``all``: every
+    predicted expert, as in the paper. Under ``speculate`` all predicted experts are
+    prefetched either way (they all run)."""
+
     calibration: str | None = None
     """Directory written by ``specexpert calibrate`` for this model (default vectors,
     routing counts, co-activation). Required by ``predictor: quasi_hidden``."""
@@ -137,6 +146,9 @@ class SpecExpertConfig:
             )
         if "predictor" in raw:
             kwargs["predictor"] = _parse_choice("predictor", raw["predictor"], PREDICTORS)
+        if "prefetch_filter" in raw:
+            kwargs["prefetch_filter"] = _parse_choice("prefetch_filter", raw["prefetch_filter"],
+                                                      PREFETCH_FILTERS)
         if "calibration" in raw:
             kwargs["calibration"] = _parse_optional_path("calibration", raw["calibration"],
                                                          'e.g. "calibration": "/path/to/calib"')

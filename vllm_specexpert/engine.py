@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_specexpert.cache import ExpertCache
@@ -32,8 +33,10 @@ from vllm_specexpert.predict import (
     NextLayerRouting,
     Prediction,
     Predictor,
+    PrefetchPlanner,
     QuasiHiddenPredictor,
     RouterPredictor,
+    worth_threshold,
 )
 from vllm_specexpert.stats import LayerStats, write_json_atomic
 from vllm_specexpert.store import ExpertStore
@@ -48,6 +51,10 @@ class LayerInfo:
     next_name: str | None = None
     """The next offloaded MoE layer, once :meth:`OffloadEngine.link_layers` ran."""
     next_routing: NextLayerRouting | None = None
+    planner: PrefetchPlanner | None = None
+    """Precision of the predictions made for this layer (decides what to prefetch)."""
+    window_s: float | None = None
+    """Running mean of the time from a prediction for this layer to its use."""
 
 
 class OffloadEngine:
@@ -68,9 +75,6 @@ class OffloadEngine:
         """Layer name -> prediction for it made earlier in the current forward pass."""
         self._residuals: dict[str, torch.Tensor] = {}
         """Layer name -> r_l of the current forward pass (if tapped)."""
-        self._recall_hits: dict[str, torch.Tensor] = {}
-        """Layer name -> on-device count of correctly predicted (token, expert) pairs:
-        kept on the device so that counting never syncs the host."""
         self._last_stats_write = time.monotonic()
         if config.stats_path:
             atexit.register(self.write_stats)
@@ -82,7 +86,7 @@ class OffloadEngine:
     ) -> ExpertCache:
         """Move a layer's routed experts into the slow tier and give it a cache."""
         self.store.add_layer(name, tensors)
-        self.layers[name] = LayerInfo(top_k=top_k, index=index)
+        self.layers[name] = LayerInfo(top_k=top_k, index=index, planner=PrefetchPlanner(top_k))
         self.caches[name] = self._make_cache(name)
         return self.caches[name]
 
@@ -139,6 +143,8 @@ class OffloadEngine:
         self._make_predictor()
         self._predictions.clear()
         self._residuals.clear()
+        for info in self.layers.values():
+            info.planner, info.window_s = PrefetchPlanner(info.top_k), None
         self.caches = {}  # free the old pools before allocating the new ones
         for name in self.store.layers:
             self.caches[name] = self._make_cache(name)
@@ -167,7 +173,7 @@ class OffloadEngine:
         if prediction is not None and prediction.num_tokens != x.shape[0]:
             prediction = None
         if prediction is not None:
-            self._count_recall(name, cache.stats, prediction, topk_ids)
+            self._observe(info, cache.stats, prediction, topk_ids)
             if self._speculative(info):
                 routed_ids = topk_ids
                 topk_weights, topk_ids = self.miss_policy.routing(topk_weights, topk_ids, prediction)
@@ -201,26 +207,37 @@ class OffloadEngine:
 
     def _predict_and_prefetch(self, name: str, info: LayerInfo, state: LayerState) -> None:
         prediction = self.predictor.predict(state, name, info.next_routing)
+        prediction.made_at = time.perf_counter()
         self._predictions[info.next_name] = prediction
-        # On CUDA, reading the predicted ids on the host syncs with the compute stream
-        # (the router of the next layer must have run): the host decides what to copy.
-        self.caches[info.next_name].prefetch(prediction.experts_by_mass())
+        nxt = self.layers[info.next_name]
+        cache = self.caches[info.next_name]
+        # On CUDA, reading the prediction on the host waits for the compute stream (the
+        # predictor's router GEMM): the host decides what to copy.
+        if self.config.prefetch_filter == "all" or (
+            self.miss_policy.name == "speculate" and self._speculative(nxt)
+        ):
+            cache.prefetch(prediction.experts_by_mass())  # every predicted expert runs
+            return
+        ranked = prediction.ranked()
+        copy_s = self.link.expert_seconds(cache.experts)
+        threshold = worth_threshold(copy_s, nxt.window_s if nxt.window_s is not None else copy_s)
+        wanted = nxt.planner.plan(ranked, threshold)
+        skipped = np.setdiff1d(np.unique(ranked), wanted)
+        cache.stats.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
+        cache.prefetch(wanted)
 
-    def _count_recall(self, name: str, stats: LayerStats, prediction: Prediction,
-                      topk_ids: torch.Tensor) -> None:
-        hits = (topk_ids.unsqueeze(-1) == prediction.topk_ids.unsqueeze(-2)).any(-1).sum()
-        if name in self._recall_hits:
-            self._recall_hits[name] += hits
-        else:
-            self._recall_hits[name] = hits.clone()
+    def _observe(self, info: LayerInfo, stats: LayerStats, prediction: Prediction,
+                 topk_ids: torch.Tensor) -> None:
+        """Score the prediction made for this layer against its router's choice."""
+        window = time.perf_counter() - prediction.made_at
+        info.window_s = window if info.window_s is None else 0.9 * info.window_s + 0.1 * window
         stats.predicted += topk_ids.numel()
+        stats.predicted_correct += info.planner.observe(prediction.ranked(), topk_ids.cpu().numpy())
 
     # ---------------------------------------------------------------- statistics
 
     def stats(self) -> dict[str, Any]:
         """Per-layer counters, totals, link counters and the configuration."""
-        for name, hits in self._recall_hits.items():
-            self.caches[name].stats.predicted_correct = int(hits)
         layers = {name: cache.stats for name, cache in self.caches.items()}
         total = LayerStats()
         for s in layers.values():
@@ -252,7 +269,6 @@ class OffloadEngine:
     def reset_stats(self) -> None:
         for cache in self.caches.values():
             cache.reset_stats()
-        self._recall_hits.clear()
         self.link.bytes_copied = 0
         self.link.copies = 0
         self.link.stall_s = 0.0

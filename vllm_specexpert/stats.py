@@ -41,6 +41,9 @@ class LayerStats:
     """Prefetched experts the layer then asked for."""
     prefetch_unused: int = 0
     """Prefetched experts the layer did not ask for (wasted link time)."""
+    prefetch_skipped: int = 0
+    """Predicted, non-resident experts not prefetched because their measured chance of
+    use did not pay for the copy (``prefetch_filter: cost``)."""
     predicted: int = 0
     """Router-chosen (token, expert) pairs checked against a prediction made at the
     previous layer."""

@@ -52,6 +52,14 @@ class Link(ABC):
     def submit(self, pairs: CopyPairs) -> Transfer:
         """Start copying every pair; returns at once."""
 
+    @abstractmethod
+    def copy_seconds(self, nbytes: int, copies: int) -> float:
+        """Expected link time of one transfer of ``copies`` tensors, ``nbytes`` in all."""
+
+    def expert_seconds(self, experts) -> float:
+        """Expected link time of moving one expert of ``experts`` (a LayerExperts)."""
+        return self.copy_seconds(experts.expert_nbytes, len(experts.tensors))
+
     def wait(self, transfer: Transfer) -> float:
         stalled = transfer.wait()
         self.stall_s += stalled
@@ -104,6 +112,8 @@ class CpuLink(Link):
         self._bytes_per_s = (config.bandwidth_gbps or 0.0) * 1e9
         self._latency_s = config.latency_us * 1e-6
         self._link_free_at = 0.0
+        self._seconds_per_byte = 1e-10
+        """Measured memcpy cost (real copies without emulation), running mean."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._copy_loop, name="specexpert-copy", daemon=True
@@ -125,17 +135,26 @@ class CpuLink(Link):
         self.copies += len(pairs)
         return transfer
 
+    def copy_seconds(self, nbytes: int, copies: int) -> float:
+        if self.config.emulated:
+            return self._latency_s * copies + nbytes / self._bytes_per_s
+        return nbytes * self._seconds_per_byte
+
     def _copy_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             pairs, transfer = job
+            start = time.perf_counter()
             try:
                 for dst, src in pairs:
                     dst.copy_(src)
             except BaseException as exc:  # surfaced to the waiter
                 transfer.error = exc
+            if transfer.nbytes:
+                measured = (time.perf_counter() - start) / transfer.nbytes
+                self._seconds_per_byte = 0.9 * self._seconds_per_byte + 0.1 * measured
             transfer.done.set()
 
     def close(self) -> None:
@@ -159,6 +178,11 @@ class _CudaTransfer(Transfer):
         return 0.0
 
 
+CUDA_ASSUMED_GBPS = 20.0
+"""Host-to-device bandwidth the CUDA link assumes when estimating a copy's duration
+(PCIe 4.0 x16 with pinned memory moves about 20-25 GB/s). Not measured: an estimate."""
+
+
 class CudaLink(Link):
     """Copy stream + events over pinned host memory. Not yet run on a GPU."""
 
@@ -166,6 +190,9 @@ class CudaLink(Link):
         super().__init__()
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+
+    def copy_seconds(self, nbytes: int, copies: int) -> float:
+        return 5e-6 * copies + nbytes / (CUDA_ASSUMED_GBPS * 1e9)
 
     def submit(self, pairs: CopyPairs) -> Transfer:
         nbytes = self._nbytes(pairs)

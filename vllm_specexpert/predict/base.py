@@ -47,10 +47,21 @@ class Prediction:
 
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
+    made_at: float = 0.0
+    """``time.perf_counter()`` when the prediction was made."""
+    _ranked: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.topk_ids.shape[0]
+
+    def ranked(self) -> np.ndarray:
+        """``[T, K]`` predicted ids on the host, by predicted weight, best first. On
+        CUDA the first call waits for the prediction (the host decides what to copy)."""
+        if self._ranked is None:
+            order = torch.argsort(self.topk_weights, dim=-1, descending=True, stable=True)
+            self._ranked = self.topk_ids.gather(-1, order).cpu().numpy().astype(np.int64)
+        return self._ranked
 
     def experts_by_mass(self) -> np.ndarray:
         """Distinct predicted experts, most predicted gate mass first (host int64)."""

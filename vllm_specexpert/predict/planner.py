@@ -1,0 +1,62 @@
+"""Which predicted experts are worth prefetching under ``fetch``.
+
+When the link is the bottleneck (a GPU box copying experts over PCIe), a prefetch that
+turns out right saves at most the compute it overlaps, ``min(t_copy, t_window)``, where
+``t_window`` is the time from the prediction to the next layer's need; one that turns out
+wrong costs a whole copy of link time, ``t_copy``, that the router's true misses then
+queue behind. So an expert is worth prefetching only when the chance p that the next
+layer asks for it satisfies ``p * min(t_copy, t_window) > (1 - p) * t_copy``, i.e.
+
+    p > t_copy / (t_copy + min(t_copy, t_window)).
+
+p comes from the layer's measured precision per predicted rank (the share of rank-j
+predictions the router then chose, decayed so it follows the text); an expert that
+several tokens predict gets ``p = 1 - prod(1 - p_rank)``. Under ``speculate`` every
+predicted expert will run, so everything is prefetched (``filter_by_cost=False``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DECAY = 0.98
+"""Weight of the past in the per-rank precision, per observed forward pass."""
+
+
+class PrefetchPlanner:
+    """Per-layer precision of the predictions made for that layer."""
+
+    def __init__(self, top_k: int):
+        # Optimistic prior (one correct prediction per rank): prefetch at first, learn.
+        self.correct = np.ones(top_k)
+        self.total = np.ones(top_k)
+
+    @property
+    def precision(self) -> np.ndarray:
+        """``[top_k]``: P(router chose it | predicted at rank j)."""
+        return self.correct / self.total
+
+    def observe(self, predicted_ranked: np.ndarray, chosen: np.ndarray) -> int:
+        """Account one forward pass: ``predicted_ranked [T, K]`` (ids by predicted
+        weight, best first) against the router's ``chosen [T, K]``. Returns the number
+        of the router's (token, expert) pairs the prediction contained."""
+        hit = (predicted_ranked[:, :, None] == chosen[:, None, :]).any(axis=2)
+        self.correct = DECAY * self.correct + hit.sum(axis=0)
+        self.total = DECAY * self.total + hit.shape[0]
+        return int(hit.sum())
+
+    def plan(self, predicted_ranked: np.ndarray, threshold: float | None) -> np.ndarray:
+        """Distinct predicted experts, most likely needed first; only those above
+        ``threshold`` (``None``: all)."""
+        miss = np.ones(int(predicted_ranked.max()) + 1)
+        np.multiply.at(miss, predicted_ranked, np.broadcast_to(1.0 - self.precision, predicted_ranked.shape))
+        experts = np.unique(predicted_ranked)
+        needed = 1.0 - miss[experts]
+        order = np.argsort(-needed, kind="stable")
+        experts, needed = experts[order], needed[order]
+        return experts if threshold is None else experts[needed > threshold]
+
+
+def worth_threshold(copy_s: float, window_s: float) -> float:
+    """Smallest probability of use at which a prefetch pays for its link time."""
+    return copy_s / (copy_s + min(copy_s, window_s))
