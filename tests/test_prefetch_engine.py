@@ -215,3 +215,20 @@ def test_planner_combines_tokens_that_predict_the_same_expert():
     plan = planner.plan(np.array([[1, 7], [2, 7]]), threshold=0.6)
     assert plan.tolist() == [1, 2, 7]
     assert planner.plan(np.array([[1, 7], [2, 8]]), threshold=0.6).tolist() == [1, 2]
+
+
+def test_unneeded_prefetches_that_have_not_started_are_cancelled():
+    link = CpuLink(LinkConfig(bandwidth_gbps=0.01, latency_us=0))  # ~20 ms per expert
+    tensors = random_layer(num_experts=E, hidden=256, inter=128)
+    cache = make_cache(tensors, num_slots=4, top_k=2, link=link)
+    assert cache.prefetch(np.array([8, 9, 10])) == 3  # 8 starts, 9 and 10 queue
+    cache.begin_run(np.array([9, 3]))  # 9 is needed; 8 already moving; 10 can go
+    assert cache.stats.prefetch_used == 1
+    assert cache.stats.prefetch_unused == 1 and cache.stats.prefetch_cancelled == 1
+    assert cache.expert_slot[10] == -1 and 10 not in cache.slot_expert
+    assert cache.stats.prefetched == 2
+    cache.acquire(np.array([9, 3]))  # 3 stayed resident
+    assert link.bytes_copied == 2 * cache.experts.expert_nbytes  # 8 and 9 moved, 10 never
+    for key, src in tensors.items():
+        assert torch.equal(cache.slots[key][cache.expert_slot[9]], src[9])
+    link.close()

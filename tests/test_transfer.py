@@ -26,12 +26,13 @@ def test_emulated_link_serializes_copies_and_holds_each_until_ready():
     start = time.perf_counter()
     first = link.submit([(dst, src)])
     second = link.submit([(dst, src)])
-    # The second copy starts when the link is free, like one copy engine.
-    assert first.ready_at - start >= 1.1e-3 - 1e-6
-    assert second.ready_at - first.ready_at == pytest.approx(1.1e-3, rel=1e-6)
+    assert second.ready_at is None  # queued: the link is busy with the first
     link.wait(first)
+    assert first.ready_at - start >= 1.1e-3 - 1e-6
     assert time.perf_counter() >= first.ready_at
     link.wait(second)
+    # The second copy starts when the link is free, like one copy engine.
+    assert second.ready_at - first.ready_at == pytest.approx(1.1e-3, rel=1e-6)
     assert time.perf_counter() >= second.ready_at
     assert link.stall_s > 0
     link.close()
@@ -48,3 +49,21 @@ def test_copy_errors_reach_the_waiter():
 def test_emulation_is_rejected_on_cuda():
     with pytest.raises(SpecExpertConfigError, match="link.bandwidth_gbps"):
         make_link(LinkConfig(bandwidth_gbps=10), torch.device("cuda"))
+
+
+def test_demand_copies_overtake_queued_prefetches_and_prefetches_cancel():
+    link = CpuLink(LinkConfig(bandwidth_gbps=1.0, latency_us=0.0))  # 1 MB -> 1 ms
+    src = torch.ones(250_000)
+    dsts = [torch.zeros_like(src) for _ in range(4)]
+    busy = link.submit([(dsts[0], src)], prefetch=True)      # starts at once
+    later = link.submit([(dsts[1], src)], prefetch=True)     # queued
+    dropped = link.submit([(dsts[2], src)], prefetch=True)   # queued
+    demand = link.submit([(dsts[3], src)])                   # goes before both
+    assert link.cancel(dropped) and not link.cancel(busy)
+    link.wait(demand)
+    link.wait(later)
+    assert demand.ready_at == pytest.approx(busy.ready_at + 1e-3, rel=1e-6)
+    assert later.ready_at == pytest.approx(demand.ready_at + 1e-3, rel=1e-6)
+    assert torch.equal(dsts[3], src) and torch.equal(dsts[1], src)
+    assert link.bytes_copied == 3 * src.numel() * 4  # the cancelled copy never moved
+    link.close()

@@ -114,6 +114,8 @@ class ExpertCache:
         runs)."""
         self._protected_any = False
         """Whether ``protected`` has a True entry (cheaper than ``.any()`` per call)."""
+        self._prefetches: dict[int, Transfer] = {}
+        """Protected expert -> its prefetch transfer (cancellable until it starts)."""
         self._in_flight: dict[int, Transfer] = {}
         """slot -> transfer still copying into it (waited for on first use)."""
         # id -> slot map read by kernels. On CPU it shares memory with expert_slot; on
@@ -160,14 +162,36 @@ class ExpertCache:
 
     def begin_run(self, experts: np.ndarray) -> None:
         """A forward call of the layer starts and will need ``experts`` (distinct ids).
-        Protected prefetches are released: those among ``experts`` count as used, the
-        others as unused (their slots may now be evicted)."""
-        if self._protected_any:
-            self._protected_any = False
-            used = int(np.count_nonzero(self.protected[experts]))
-            self.stats.prefetch_used += used
-            self.stats.prefetch_unused += int(np.count_nonzero(self.protected)) - used
-            self.protected[:] = False
+        Protected prefetches are released: those among ``experts`` count as used; the
+        others are dropped from the link if they have not started (no link time spent,
+        their slots are free again) or else count as unused."""
+        if not self._protected_any:
+            return
+        self._protected_any = False
+        wanted = np.zeros_like(self.protected)
+        wanted[experts] = True
+        for expert in np.flatnonzero(self.protected):
+            transfer = self._prefetches.pop(int(expert))
+            if wanted[expert]:
+                self.stats.prefetch_used += 1
+            elif self.link.cancel(transfer):
+                self._forget(expert, transfer)
+            else:
+                self.stats.prefetch_unused += 1
+        self._prefetches.clear()
+        self.protected[:] = False
+
+    def _forget(self, expert: int, transfer: Transfer) -> None:
+        """Undo a cancelled prefetch: its slot is free and nothing moved."""
+        slot = int(self.expert_slot[expert])
+        self.expert_slot[expert] = -1
+        self.slot_expert[slot] = -1
+        self._in_flight.pop(slot, None)
+        self.stats.prefetch_cancelled += 1
+        self.stats.prefetched -= 1
+        self.stats.loads -= 1
+        self.stats.bytes_loaded -= transfer.nbytes
+        self.stats.bytes_prefetched -= transfer.nbytes
 
     def acquire(
         self,
@@ -195,11 +219,11 @@ class ExpertCache:
         self.policy.on_use(experts, self.clock)
 
     def prefetch(self, experts: np.ndarray) -> int:
-        """Start loading ``experts`` (distinct ids, most wanted first) ahead of use.
-        Already resident ones are skipped; at most as many as there are evictable slots
-        are loaded (the least wanted are dropped). Loaded experts are protected from
-        eviction until the layer's next run starts (:meth:`begin_run`). Returns how
-        many experts were submitted to the link."""
+        """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use,
+        one transfer each, in that order. Already resident ones are skipped; at most as
+        many as there are evictable slots are loaded (the least wanted are dropped).
+        Loaded experts are protected from eviction until the layer's next run starts
+        (:meth:`begin_run`). Returns how many experts were queued."""
         missing = experts[self.expert_slot[experts] < 0]
         if not len(missing):
             return 0
@@ -208,11 +232,13 @@ class ExpertCache:
         if not len(missing):
             return 0
         slots = self._victim_slots(len(missing), protect=experts, demand=None)
-        transfer = self._start_load(missing, slots)
+        for expert, slot in zip(missing, slots):
+            transfer = self._start_load(np.array([expert]), np.array([slot]), prefetch=True)
+            self._prefetches[int(expert)] = transfer
+            self.stats.bytes_prefetched += transfer.nbytes
         self.protected[missing] = True
         self._protected_any = True
         self.stats.prefetched += len(missing)
-        self.stats.bytes_prefetched += transfer.nbytes
         self.stats.max_resident = max(self.stats.max_resident, self.num_resident())
         return len(missing)
 
@@ -256,9 +282,9 @@ class ExpertCache:
             for key, src in self.experts.tensors.items()
         ]
 
-    def _start_load(self, experts: np.ndarray, slots: np.ndarray) -> Transfer:
+    def _start_load(self, experts: np.ndarray, slots: np.ndarray, prefetch: bool = False) -> Transfer:
         self._assign(experts, slots)
-        transfer = self.link.submit(self._pairs(experts))
+        transfer = self.link.submit(self._pairs(experts), prefetch=prefetch)
         for slot in slots:
             self._in_flight[int(slot)] = transfer
         self.stats.loads += len(experts)

@@ -34,13 +34,18 @@ class LayerStats:
     """Seconds the compute waited on this layer's transfers (on-demand loads, and
     prefetches not finished when the layer needed them)."""
     prefetched: int = 0
-    """Experts loaded ahead of use by a prediction made at the previous layer."""
+    """Experts loaded ahead of use by a prediction made at the previous layer
+    (cancelled ones excluded)."""
     bytes_prefetched: int = 0
     """Bytes of those prefetches (included in ``bytes_loaded``)."""
     prefetch_used: int = 0
     """Prefetched experts the layer then asked for."""
     prefetch_unused: int = 0
-    """Prefetched experts the layer did not ask for (wasted link time)."""
+    """Prefetched experts the layer did not ask for and that had already moved (wasted
+    link time)."""
+    prefetch_cancelled: int = 0
+    """Prefetches the layer did not ask for that had not started when it ran: dropped
+    from the link queue, no link time spent (not counted in ``prefetched``)."""
     prefetch_skipped: int = 0
     """Predicted, non-resident experts not prefetched because their measured chance of
     use did not pay for the copy (``prefetch_filter: cost``)."""

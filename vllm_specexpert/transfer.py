@@ -1,16 +1,22 @@
 """The link between the slow tier and the device cache.
 
-Two backends behind one interface (:class:`Link`):
+One copy engine's worth of transfers, with two kinds of requests: *demand* copies (the
+layer that is running needs them now) and *prefetches* (a prediction for the next layer).
+Both backends keep prefetches that have not started in a host-side queue, so that a
+demand copy goes ahead of them and an unneeded one can still be dropped
+(:meth:`Link.cancel`); started copies are never interrupted, like a real DMA engine.
 
 * :class:`CpuLink` (CPU build, tests, benchmarks): one copy worker thread performs every
-  copy for real, in submission order, like a single copy engine. With an emulated
-  bandwidth/latency, a copy becomes *usable* only once the emulated link would have
-  delivered it: ``ready_at = max(submitted, link_free_at) + latency + bytes / bandwidth``.
-  The consumer waits for that moment in :meth:`Transfer.wait`, so the emulation holds the
-  compute exactly where a GPU would stall, without burning the copy thread.
-* :class:`CudaLink`: a dedicated copy stream, pinned host memory, and one event per
-  transfer; waiting is a stream-side ``wait_event`` (no host sync). NOT RUN ON A GPU YET:
-  written against PyTorch's stream/event API, exercised here only by review.
+  copy for real. With an emulated bandwidth/latency the link is modeled as a single
+  engine: a transfer starts when the link is free (demand ones first), takes
+  ``latency * copies + bytes / bandwidth``, and its data counts as usable only from then.
+  The consumer waits for that moment in :meth:`Transfer.wait`, so the emulation holds
+  the compute exactly where a GPU would stall, without burning the copy thread.
+* :class:`CudaLink`: a dedicated copy stream over pinned host memory, one event per
+  transfer; waiting is a stream-side ``wait_event`` (no host sync). Prefetches are
+  issued to the stream one at a time, from the host, whenever the engine calls in and
+  the previous one finished. NOT RUN ON A GPU YET: written against PyTorch's
+  stream/event API, exercised here only by review.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +40,8 @@ class Transfer(ABC):
     """Handle of one submitted transfer."""
 
     nbytes: int
+    prefetch: bool
+    cancelled: bool = False
 
     @abstractmethod
     def wait(self) -> float:
@@ -45,12 +54,19 @@ class Link(ABC):
 
     def __init__(self) -> None:
         self.bytes_copied = 0
+        """Bytes of started transfers (cancelled prefetches never count)."""
         self.copies = 0
         self.stall_s = 0.0
 
     @abstractmethod
-    def submit(self, pairs: CopyPairs) -> Transfer:
-        """Start copying every pair; returns at once."""
+    def submit(self, pairs: CopyPairs, prefetch: bool = False) -> Transfer:
+        """Queue a copy of every pair; returns at once. Demand transfers go ahead of
+        prefetches that have not started."""
+
+    def cancel(self, transfer: Transfer) -> bool:
+        """Drop a prefetch that has not started. Returns whether it was dropped; the
+        caller must then treat its destination as holding nothing."""
+        return False
 
     @abstractmethod
     def copy_seconds(self, nbytes: int, copies: int) -> float:
@@ -68,19 +84,38 @@ class Link(ABC):
     def close(self) -> None:
         """Release the link's resources (threads, streams)."""
 
+    def _count(self, transfer: Transfer, copies: int) -> None:
+        self.bytes_copied += transfer.nbytes
+        self.copies += copies
+
     @staticmethod
     def _nbytes(pairs: CopyPairs) -> int:
         return sum(src.numel() * src.element_size() for _, src in pairs)
+
+
+def _insert(pending: deque, transfer: Transfer) -> None:
+    """Queue ``transfer``: prefetches at the end, demand ones after the last demand."""
+    if transfer.prefetch:
+        pending.append(transfer)
+        return
+    position = next((i for i, t in enumerate(pending) if t.prefetch), len(pending))
+    pending.insert(position, transfer)
 
 
 # --------------------------------------------------------------------------- CPU
 
 
 class _CpuTransfer(Transfer):
-    def __init__(self, nbytes: int, ready_at: float):
+    def __init__(self, link: CpuLink, nbytes: int, copies: int, prefetch: bool):
+        self.link = link
         self.nbytes = nbytes
-        self.ready_at = ready_at
+        self.copies = copies
+        self.prefetch = prefetch
+        self.submitted_at = time.perf_counter()
+        self.ready_at: float | None = None
+        """Emulated completion time, set when the emulated link starts it."""
         self.done = threading.Event()
+        """Set by the copy thread once the real copy happened (or was skipped)."""
         self.error: BaseException | None = None
 
     def wait(self) -> float:
@@ -88,6 +123,10 @@ class _CpuTransfer(Transfer):
         self.done.wait()
         if self.error is not None:
             raise RuntimeError("specexpert: expert copy failed") from self.error
+        while self.ready_at is None:  # queued behind others on the emulated link
+            self.link._advance(time.perf_counter())
+            if self.ready_at is None:
+                _sleep_until(self.link._link_free_at)
         _sleep_until(self.ready_at)
         return time.perf_counter() - start
 
@@ -112,6 +151,8 @@ class CpuLink(Link):
         self._bytes_per_s = (config.bandwidth_gbps or 0.0) * 1e9
         self._latency_s = config.latency_us * 1e-6
         self._link_free_at = 0.0
+        self._pending: deque[_CpuTransfer] = deque()
+        """Emulated transfers not started yet, in link order."""
         self._seconds_per_byte = 1e-10
         """Measured memcpy cost (real copies without emulation), running mean."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -120,20 +161,34 @@ class CpuLink(Link):
         )
         self._thread.start()
 
-    def submit(self, pairs: CopyPairs) -> Transfer:
-        nbytes = self._nbytes(pairs)
-        now = time.perf_counter()
+    def submit(self, pairs: CopyPairs, prefetch: bool = False) -> Transfer:
+        transfer = _CpuTransfer(self, self._nbytes(pairs), len(pairs), prefetch)
         if self.config.emulated:
-            start = max(now, self._link_free_at)
-            ready_at = start + self._latency_s * len(pairs) + nbytes / self._bytes_per_s
-            self._link_free_at = ready_at
+            self._advance(transfer.submitted_at)
+            _insert(self._pending, transfer)
+            self._advance(transfer.submitted_at)
         else:
-            ready_at = now
-        transfer = _CpuTransfer(nbytes, ready_at)
+            transfer.ready_at = transfer.submitted_at
+            self._count(transfer, len(pairs))
         self._jobs.put((list(pairs), transfer))
-        self.bytes_copied += nbytes
-        self.copies += len(pairs)
         return transfer
+
+    def cancel(self, transfer: Transfer) -> bool:
+        self._advance(time.perf_counter())
+        if transfer in self._pending:
+            self._pending.remove(transfer)
+            transfer.cancelled = True  # the copy thread skips it if it has not run
+            return True
+        return False
+
+    def _advance(self, now: float) -> None:
+        """Start, in order, every queued transfer the emulated link reached by ``now``."""
+        while self._pending and self._link_free_at <= now:
+            transfer = self._pending.popleft()
+            start = max(self._link_free_at, transfer.submitted_at)
+            transfer.ready_at = start + self.copy_seconds(transfer.nbytes, transfer.copies)
+            self._link_free_at = transfer.ready_at
+            self._count(transfer, transfer.copies)
 
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         if self.config.emulated:
@@ -148,11 +203,12 @@ class CpuLink(Link):
             pairs, transfer = job
             start = time.perf_counter()
             try:
-                for dst, src in pairs:
-                    dst.copy_(src)
+                if not transfer.cancelled:
+                    for dst, src in pairs:
+                        dst.copy_(src)
             except BaseException as exc:  # surfaced to the waiter
                 transfer.error = exc
-            if transfer.nbytes:
+            if transfer.nbytes and not transfer.cancelled:
                 measured = (time.perf_counter() - start) / transfer.nbytes
                 self._seconds_per_byte = 0.9 * self._seconds_per_byte + 0.1 * measured
             transfer.done.set()
@@ -167,14 +223,20 @@ class CpuLink(Link):
 
 
 class _CudaTransfer(Transfer):
-    def __init__(self, nbytes: int, event: torch.cuda.Event):
-        self.nbytes = nbytes
-        self.event = event
+    def __init__(self, link: CudaLink, pairs: CopyPairs, prefetch: bool):
+        self.link = link
+        self.pairs = list(pairs)
+        self.nbytes = Link._nbytes(pairs)
+        self.prefetch = prefetch
+        self.event: torch.cuda.Event | None = None
+        """Recorded on the copy stream once issued."""
 
     def wait(self) -> float:
+        if self.event is None:
+            self.link._issue_until(self)
         # Stream-side dependency: kernels queued after this point on the compute
         # stream start once the copies are done. No host synchronization.
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.link.device).wait_event(self.event)
         return 0.0
 
 
@@ -184,29 +246,59 @@ CUDA_ASSUMED_GBPS = 20.0
 
 
 class CudaLink(Link):
-    """Copy stream + events over pinned host memory. Not yet run on a GPU."""
+    """Copy stream + events over pinned host memory, prefetches fed one at a time from
+    a host queue (see module doc). Not yet run on a GPU."""
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self._pending: deque[_CudaTransfer] = deque()
+        self._last_prefetch: _CudaTransfer | None = None
 
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         return 5e-6 * copies + nbytes / (CUDA_ASSUMED_GBPS * 1e9)
 
-    def submit(self, pairs: CopyPairs) -> Transfer:
-        nbytes = self._nbytes(pairs)
-        event = torch.cuda.Event()
+    def submit(self, pairs: CopyPairs, prefetch: bool = False) -> Transfer:
+        transfer = _CudaTransfer(self, pairs, prefetch)
+        if prefetch:
+            self._pending.append(transfer)
+            self._pump()
+        else:
+            self._issue(transfer)  # demand: straight to the stream, ahead of the queue
+        return transfer
+
+    def cancel(self, transfer: Transfer) -> bool:
+        self._pump()
+        if transfer in self._pending:
+            self._pending.remove(transfer)
+            transfer.cancelled = True
+            return True
+        return False
+
+    def _pump(self) -> None:
+        """Issue the next queued prefetch once the previous one has finished (a
+        non-blocking event query), so at most one prefetch occupies the copy engine."""
+        while self._pending and (self._last_prefetch is None or self._last_prefetch.event.query()):
+            self._last_prefetch = self._pending.popleft()
+            self._issue(self._last_prefetch)
+
+    def _issue_until(self, transfer: _CudaTransfer) -> None:
+        """Issue queued prefetches up to ``transfer`` (someone needs it now)."""
+        while transfer.event is None:
+            self._last_prefetch = self._pending.popleft()
+            self._issue(self._last_prefetch)
+
+    def _issue(self, transfer: _CudaTransfer) -> None:
+        transfer.event = torch.cuda.Event()
         # A slot being overwritten may still be read by kernels already queued on the
         # compute stream (its previous expert): order the copies after them.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
+            for dst, src in transfer.pairs:
                 dst.copy_(src, non_blocking=True)
-            event.record(self.stream)
-        self.bytes_copied += nbytes
-        self.copies += len(pairs)
-        return _CudaTransfer(nbytes, event)
+            transfer.event.record(self.stream)
+        self._count(transfer, len(transfer.pairs))
 
 
 def make_link(config: LinkConfig, device: torch.device) -> Link:
