@@ -200,8 +200,9 @@ def test_planner_learns_per_rank_precision_and_filters_by_cost():
     # A slow link (copy 3x the window): only near-certain experts are worth it.
     threshold = worth_threshold(copy_s=3.0, window_s=1.0)
     assert threshold == 0.75
-    assert planner.plan(np.array([[5, 6]]), threshold).tolist() == [5]
-    assert sorted(planner.plan(np.array([[5, 6]]), None).tolist()) == [5, 6]
+    wanted, skipped = planner.plan(np.array([[5, 6]]), threshold)
+    assert wanted.tolist() == [5] and skipped.tolist() == [6]
+    assert sorted(planner.plan(np.array([[5, 6]]), None)[0].tolist()) == [5, 6]
     # A fast link (copy within the window): break-even at one half.
     assert worth_threshold(copy_s=1.0, window_s=4.0) == 0.5
 
@@ -212,9 +213,10 @@ def test_planner_combines_tokens_that_predict_the_same_expert():
     planner = PrefetchPlanner(top_k=2)
     planner.correct, planner.total = np.array([0.9, 0.4]), np.array([1.0, 1.0])
     # Expert 7 is predicted at rank 2 by two tokens: 1 - 0.6 * 0.6 = 0.64.
-    plan = planner.plan(np.array([[1, 7], [2, 7]]), threshold=0.6)
-    assert plan.tolist() == [1, 2, 7]
-    assert planner.plan(np.array([[1, 7], [2, 8]]), threshold=0.6).tolist() == [1, 2]
+    wanted, _ = planner.plan(np.array([[1, 7], [2, 7]]), threshold=0.6)
+    assert wanted.tolist() == [1, 2, 7]
+    wanted, skipped = planner.plan(np.array([[1, 7], [2, 8]]), threshold=0.6)
+    assert wanted.tolist() == [1, 2] and sorted(skipped.tolist()) == [7, 8]
 
 
 def test_unneeded_prefetches_that_have_not_started_are_cancelled():

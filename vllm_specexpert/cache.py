@@ -232,10 +232,14 @@ class ExpertCache:
         if not len(missing):
             return 0
         slots = self._victim_slots(len(missing), protect=experts, demand=None)
-        for expert, slot in zip(missing, slots):
-            transfer = self._start_load(np.array([expert]), np.array([slot]), prefetch=True)
-            self._prefetches[int(expert)] = transfer
+        self._assign(missing, slots)
+        for expert, slot in zip(missing.tolist(), slots.tolist()):
+            transfer = self.link.submit(self._pairs([expert]), prefetch=True)
+            self._in_flight[slot] = transfer
+            self._prefetches[expert] = transfer
             self.stats.bytes_prefetched += transfer.nbytes
+            self.stats.bytes_loaded += transfer.nbytes
+        self.stats.loads += len(missing)
         self.protected[missing] = True
         self._protected_any = True
         self.stats.prefetched += len(missing)
@@ -265,6 +269,10 @@ class ExpertCache:
         victims = candidates[:need]
         self.stats.evictions += len(victims)
         slots = self.expert_slot[victims].astype(np.int64)
+        for slot in slots.tolist():  # an unused prefetch may still be moving there
+            old = self._in_flight.pop(slot, None)
+            if old is not None:
+                self.link.retire(old)
         self.expert_slot[victims] = -1
         self.slot_expert[slots] = -1
         return np.concatenate([free, slots])
@@ -282,9 +290,10 @@ class ExpertCache:
             for key, src in self.experts.tensors.items()
         ]
 
-    def _start_load(self, experts: np.ndarray, slots: np.ndarray, prefetch: bool = False) -> Transfer:
+    def _start_load(self, experts: np.ndarray, slots: np.ndarray) -> Transfer:
+        """Demand load of ``experts`` into ``slots``, one transfer."""
         self._assign(experts, slots)
-        transfer = self.link.submit(self._pairs(experts), prefetch=prefetch)
+        transfer = self.link.submit(self._pairs(experts))
         for slot in slots:
             self._in_flight[int(slot)] = transfer
         self.stats.loads += len(experts)

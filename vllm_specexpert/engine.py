@@ -221,8 +221,7 @@ class OffloadEngine:
         ranked = prediction.ranked()
         copy_s = self.link.expert_seconds(cache.experts)
         threshold = worth_threshold(copy_s, nxt.window_s if nxt.window_s is not None else copy_s)
-        wanted = nxt.planner.plan(ranked, threshold)
-        skipped = np.setdiff1d(np.unique(ranked), wanted)
+        wanted, skipped = nxt.planner.plan(ranked, threshold)
         cache.stats.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
         cache.prefetch(wanted)
 

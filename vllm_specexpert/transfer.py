@@ -68,6 +68,12 @@ class Link(ABC):
         caller must then treat its destination as holding nothing."""
         return False
 
+    def retire(self, transfer: Transfer) -> None:
+        """The destination of ``transfer`` is about to be reused for something else:
+        drop it if it has not started, and make sure it cannot land after later copies
+        to the same place."""
+        self.cancel(transfer)
+
     @abstractmethod
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         """Expected link time of one transfer of ``copies`` tensors, ``nbytes`` in all."""
@@ -106,21 +112,40 @@ def _insert(pending: deque, transfer: Transfer) -> None:
 
 
 class _CpuTransfer(Transfer):
-    def __init__(self, link: CpuLink, nbytes: int, copies: int, prefetch: bool):
+    def __init__(self, link: CpuLink, pairs: CopyPairs, prefetch: bool):
         self.link = link
-        self.nbytes = nbytes
-        self.copies = copies
+        self.pairs = list(pairs)
+        self.nbytes = Link._nbytes(pairs)
+        self.copies = len(self.pairs)
         self.prefetch = prefetch
         self.submitted_at = time.perf_counter()
         self.ready_at: float | None = None
         """Emulated completion time, set when the emulated link starts it."""
+        self.claim = threading.Lock()
+        """Taken by whoever performs the real copy: the copy thread, or a waiter that
+        gets there first (saves the thread hand-off on the demand path)."""
         self.done = threading.Event()
-        """Set by the copy thread once the real copy happened (or was skipped)."""
+        """Set once the real copy happened (or was skipped after a cancel)."""
         self.error: BaseException | None = None
+
+    def perform(self) -> bool:
+        """Do the real copy unless someone else claimed it; returns once it is done,
+        True if this call did it."""
+        if not self.claim.acquire(blocking=False):
+            self.done.wait()
+            return False
+        try:
+            if not self.cancelled:
+                for dst, src in self.pairs:
+                    dst.copy_(src)
+        except BaseException as exc:  # surfaced to the waiter
+            self.error = exc
+        self.done.set()
+        return True
 
     def wait(self) -> float:
         start = time.perf_counter()
-        self.done.wait()
+        self.perform()
         if self.error is not None:
             raise RuntimeError("specexpert: expert copy failed") from self.error
         while self.ready_at is None:  # queued behind others on the emulated link
@@ -162,24 +187,31 @@ class CpuLink(Link):
         self._thread.start()
 
     def submit(self, pairs: CopyPairs, prefetch: bool = False) -> Transfer:
-        transfer = _CpuTransfer(self, self._nbytes(pairs), len(pairs), prefetch)
+        transfer = _CpuTransfer(self, pairs, prefetch)
         if self.config.emulated:
             self._advance(transfer.submitted_at)
             _insert(self._pending, transfer)
             self._advance(transfer.submitted_at)
         else:
             transfer.ready_at = transfer.submitted_at
-            self._count(transfer, len(pairs))
-        self._jobs.put((list(pairs), transfer))
+            self._count(transfer, transfer.copies)
+        self._jobs.put(transfer)
         return transfer
 
     def cancel(self, transfer: Transfer) -> bool:
         self._advance(time.perf_counter())
         if transfer in self._pending:
             self._pending.remove(transfer)
-            transfer.cancelled = True  # the copy thread skips it if it has not run
+            transfer.cancelled = True
+            # Skip the real copy if nobody started it, else let it finish, so that it
+            # cannot land on a slot that is reused from now on.
+            transfer.perform()
             return True
         return False
+
+    def retire(self, transfer: Transfer) -> None:
+        if not self.cancel(transfer):
+            transfer.perform()  # a waiter may overtake the copy thread: finish it first
 
     def _advance(self, now: float) -> None:
         """Start, in order, every queued transfer the emulated link reached by ``now``."""
@@ -197,21 +229,13 @@ class CpuLink(Link):
 
     def _copy_loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            transfer = self._jobs.get()
+            if transfer is None:
                 return
-            pairs, transfer = job
             start = time.perf_counter()
-            try:
-                if not transfer.cancelled:
-                    for dst, src in pairs:
-                        dst.copy_(src)
-            except BaseException as exc:  # surfaced to the waiter
-                transfer.error = exc
-            if transfer.nbytes and not transfer.cancelled:
+            if transfer.perform() and transfer.nbytes and not transfer.cancelled:
                 measured = (time.perf_counter() - start) / transfer.nbytes
                 self._seconds_per_byte = 0.9 * self._seconds_per_byte + 0.1 * measured
-            transfer.done.set()
 
     def close(self) -> None:
         if self._thread.is_alive():

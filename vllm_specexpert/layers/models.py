@@ -42,16 +42,27 @@ class ResidualTap(nn.Module):
 
 
 def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
+    """Layer ``decoder_layer``'s routing for the predictor: its own gate and router, so
+    scoring, grouping and renormalisation follow the model. The RMS norm is written out
+    with plain tensor ops on the layer's weight (vLLM's module dispatches through
+    several Python layers per call, too slow for the decode path; a prediction need not
+    be bit-exact)."""
     runner = decoder_layer.mlp.experts
     gate = runner.gate if runner.gate is not None else decoder_layer.mlp.gate
     norm = decoder_layer.post_attention_layernorm
+    norm_weight = norm.weight.data.float()
+    eps = norm.variance_epsilon
+
+    def rms_norm(hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight).to(hidden.dtype)
 
     def route(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = gate(hidden)
+        logits = gate(hidden)  # the module: on CPU its weight is prepacked for oneDNN
         logits = logits[0] if isinstance(logits, tuple) else logits
         return runner.router.select_experts(hidden_states=hidden, router_logits=logits)
 
-    return NextLayerRouting(norm=lambda h: norm(h), route=route)
+    return NextLayerRouting(norm=rms_norm, route=route)
 
 
 def _offloaded_layers(model: nn.Module) -> list[tuple[int, nn.Module, OffloadedRoutedExperts]]:

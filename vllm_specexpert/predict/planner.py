@@ -45,16 +45,20 @@ class PrefetchPlanner:
         self.total = DECAY * self.total + hit.shape[0]
         return int(hit.sum())
 
-    def plan(self, predicted_ranked: np.ndarray, threshold: float | None) -> np.ndarray:
-        """Distinct predicted experts, most likely needed first; only those above
-        ``threshold`` (``None``: all)."""
-        miss = np.ones(int(predicted_ranked.max()) + 1)
-        np.multiply.at(miss, predicted_ranked, np.broadcast_to(1.0 - self.precision, predicted_ranked.shape))
-        experts = np.unique(predicted_ranked)
-        needed = 1.0 - miss[experts]
+    def plan(self, predicted_ranked: np.ndarray, threshold: float | None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """``(wanted, skipped)``: the distinct predicted experts above ``threshold``
+        (``None``: all), most likely needed first, and the others."""
+        experts, index = np.unique(predicted_ranked, return_inverse=True)
+        log_miss = np.log(np.maximum(1.0 - self.precision, 1e-12))
+        weights = np.broadcast_to(log_miss, predicted_ranked.shape).ravel()
+        needed = 1.0 - np.exp(np.bincount(index.ravel(), weights=weights, minlength=len(experts)))
         order = np.argsort(-needed, kind="stable")
         experts, needed = experts[order], needed[order]
-        return experts if threshold is None else experts[needed > threshold]
+        if threshold is None:
+            return experts, experts[:0]
+        keep = needed > threshold
+        return experts[keep], experts[~keep]
 
 
 def worth_threshold(copy_s: float, window_s: float) -> float:
