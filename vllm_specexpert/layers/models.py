@@ -54,8 +54,8 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
     eps = norm.variance_epsilon
 
     def rms_norm(hidden: torch.Tensor) -> torch.Tensor:
-        h = hidden.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight).to(hidden.dtype)
+        shape = (hidden.shape[-1],)
+        return torch.nn.functional.rms_norm(hidden.float(), shape, norm_weight, eps).to(hidden.dtype)
 
     def route(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = gate(hidden)  # the module: on CPU its weight is prepacked for oneDNN

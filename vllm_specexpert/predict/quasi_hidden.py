@@ -20,13 +20,13 @@ class QuasiHiddenPredictor(Predictor):
     needs_residual = True
 
     def __init__(self, default_vectors: dict[str, torch.Tensor]):
-        self.default_vectors = default_vectors
-        """Layer name -> ``[E, H]`` default vectors (on the compute device)."""
+        self.default_vectors = {name: v.float() for name, v in default_vectors.items()}
+        """Layer name -> ``[E, H]`` float32 default vectors (on the compute device)."""
 
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
         if state.residual is None:
             raise RuntimeError(f"{layer}: the quasi_hidden predictor needs the residual r_l")
-        vectors = self.default_vectors[layer]
-        weights = state.topk_weights.to(vectors.dtype)
-        d = torch.einsum("tk,tkh->th", weights, vectors[state.topk_ids.long()])
-        return nxt.norm((d + state.residual.to(d.dtype)).to(state.residual.dtype))
+        tokens, top_k = state.topk_ids.shape
+        chosen = self.default_vectors[layer].index_select(0, state.topk_ids.reshape(-1))
+        d = torch.bmm(state.topk_weights.float().unsqueeze(1), chosen.view(tokens, top_k, -1))
+        return nxt.norm(d.squeeze(1).add_(state.residual.float())).to(state.residual.dtype)
