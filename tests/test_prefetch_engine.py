@@ -197,6 +197,10 @@ def test_planner_learns_per_rank_precision_and_filters_by_cost():
     for _ in range(300):
         planner.observe(np.array([[3, 9]]), np.array([[3, 4]]))
     assert planner.precision[0] > 0.99 and planner.precision[1] < 0.01
+    # Precision learns only from entries that were prefetch candidates (not resident).
+    before = planner.precision.copy()
+    planner.observe(np.array([[3, 9]]), np.array([[7, 8]]), considered=np.array([[False, False]]))
+    assert np.allclose(planner.precision, before)
     # A slow link (copy 3x the window): only near-certain experts are worth it.
     threshold = worth_threshold(copy_s=3.0, window_s=1.0)
     assert threshold == 0.75

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from vllm_specexpert.fixtures import ensure_model
+from vllm_specexpert.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR, ensure_model
 
 SPECEXPERT = [sys.executable, "-m", "vllm_specexpert.cli"]
 
@@ -22,23 +22,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def offload_config(stats_path) -> str:
+def offload_config(stats_path, **extra) -> str:
     # Interval 0: the stats file is rewritten after every layer call, so it is current
     # while the server runs.
     return json.dumps({"specexpert": {
-        "budget": 0.25, "stats_path": str(stats_path), "stats_interval_s": 0,
+        "budget": 0.25, "stats_path": str(stats_path), "stats_interval_s": 0, **extra,
     }})
 
 
-def test_serve_answers_completions_with_offloading(tmp_path):
-    model = str(ensure_model("qwen3_moe"))
+def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
+    """The embedded model served with quasi-hidden prediction and speculative
+    execution: the whole engine behind vLLM's OpenAI server."""
+    model = str(TRAINED_MODEL_DIR)
     stats_path = tmp_path / "stats.json"
+    config = offload_config(stats_path, predictor="quasi_hidden", miss_policy="speculate",
+                            calibration=str(TRAINED_CALIBRATION_DIR))
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
         [*SPECEXPERT, "serve", model, "--host", "127.0.0.1", "--port", str(port),
          "--enforce-eager", "--max-model-len", "512",
-         "--additional-config", offload_config(stats_path)],
+         "--additional-config", config],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
@@ -64,7 +68,8 @@ def test_serve_answers_completions_with_offloading(tmp_path):
         assert body["choices"][0]["text"]
         stats = json.loads(stats_path.read_text())
         assert stats["total"]["misses"] > 0 and stats["link"]["bytes"] > 0
-        assert all(layer["max_resident"] <= 4 for layer in stats["layers"].values())
+        assert all(layer["max_resident"] <= 8 for layer in stats["layers"].values())
+        assert stats["exact"] is False and stats["total"]["speculated_calls"] > 0
     finally:
         server.terminate()
         server.wait(timeout=60)

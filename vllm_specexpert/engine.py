@@ -219,6 +219,7 @@ class OffloadEngine:
             cache.prefetch(prediction.experts_by_mass())  # every predicted expert runs
             return
         ranked = prediction.ranked()
+        prediction.considered = cache.expert_slot[ranked] < 0
         copy_s = self.link.expert_seconds(cache.experts)
         threshold = worth_threshold(copy_s, nxt.window_s if nxt.window_s is not None else copy_s)
         wanted, skipped = nxt.planner.plan(ranked, threshold)
@@ -231,7 +232,8 @@ class OffloadEngine:
         window = time.perf_counter() - prediction.made_at
         info.window_s = window if info.window_s is None else 0.9 * info.window_s + 0.1 * window
         stats.predicted += topk_ids.numel()
-        stats.predicted_correct += info.planner.observe(prediction.ranked(), topk_ids.cpu().numpy())
+        stats.predicted_correct += info.planner.observe(
+            prediction.ranked(), topk_ids.cpu().numpy(), prediction.considered)
 
     # ---------------------------------------------------------------- statistics
 

@@ -121,25 +121,36 @@ class _CpuTransfer(Transfer):
         self.submitted_at = time.perf_counter()
         self.ready_at: float | None = None
         """Emulated completion time, set when the emulated link starts it."""
-        self.claim = threading.Lock()
-        """Taken by whoever performs the real copy: the copy thread, or a waiter that
-        gets there first (saves the thread hand-off on the demand path)."""
-        self.done = threading.Event()
-        """Set once the real copy happened (or was skipped after a cancel)."""
         self.error: BaseException | None = None
+        if prefetch:
+            self.claim = threading.Lock()
+            """Taken by whoever performs the real copy: the copy thread, or a waiter
+            that gets there first."""
+            self.done = threading.Event()
+            """Set once the real copy happened (or was skipped after a cancel)."""
+        else:
+            # A demand copy is waited for at once: it is done here, in the caller's
+            # thread, without a hand-off to the copy thread.
+            self.claim = self.done = None
+            self._copy()
 
-    def perform(self) -> bool:
-        """Do the real copy unless someone else claimed it; returns once it is done,
-        True if this call did it."""
-        if not self.claim.acquire(blocking=False):
-            self.done.wait()
-            return False
+    def _copy(self) -> None:
         try:
             if not self.cancelled:
                 for dst, src in self.pairs:
                     dst.copy_(src)
         except BaseException as exc:  # surfaced to the waiter
             self.error = exc
+
+    def perform(self) -> bool:
+        """Do the real copy unless someone else claimed it (or it was a demand copy,
+        done at submission); returns once it is done, True if this call did it."""
+        if self.claim is None:
+            return False
+        if not self.claim.acquire(blocking=False):
+            self.done.wait()
+            return False
+        self._copy()
         self.done.set()
         return True
 
@@ -195,7 +206,8 @@ class CpuLink(Link):
         else:
             transfer.ready_at = transfer.submitted_at
             self._count(transfer, transfer.copies)
-        self._jobs.put(transfer)
+        if prefetch:
+            self._jobs.put(transfer)
         return transfer
 
     def cancel(self, transfer: Transfer) -> bool:

@@ -49,6 +49,9 @@ class Prediction:
     topk_ids: torch.Tensor
     made_at: float = 0.0
     """``time.perf_counter()`` when the prediction was made."""
+    considered: np.ndarray | None = None
+    """``[T, K]`` (like :meth:`ranked`): entries that were candidates for a prefetch
+    (not resident when predicted), set by the engine."""
     _ranked: np.ndarray | None = None
 
     @property

@@ -9,9 +9,11 @@ layer asks for it satisfies ``p * min(t_copy, t_window) > (1 - p) * t_copy``, i.
 
     p > t_copy / (t_copy + min(t_copy, t_window)).
 
-p comes from the layer's measured precision per predicted rank (the share of rank-j
-predictions the router then chose, decayed so it follows the text); an expert that
-several tokens predict gets ``p = 1 - prod(1 - p_rank)``. Under ``speculate`` every
+p comes from the layer's measured precision per predicted rank, counted only over
+predictions of experts that were not resident when predicted (the ones a prefetch would
+move; popular resident experts are easier to predict and would flatter the estimate),
+decayed so it follows the text; an expert that several tokens predict gets
+``p = 1 - prod(1 - p_rank)``. Under ``speculate`` every
 predicted expert will run, so everything is prefetched (``filter_by_cost=False``).
 """
 
@@ -36,13 +38,16 @@ class PrefetchPlanner:
         """``[top_k]``: P(router chose it | predicted at rank j)."""
         return self.correct / self.total
 
-    def observe(self, predicted_ranked: np.ndarray, chosen: np.ndarray) -> int:
+    def observe(self, predicted_ranked: np.ndarray, chosen: np.ndarray,
+                considered: np.ndarray | None = None) -> int:
         """Account one forward pass: ``predicted_ranked [T, K]`` (ids by predicted
-        weight, best first) against the router's ``chosen [T, K]``. Returns the number
+        weight, best first) against the router's ``chosen [T, K]``; the precision only
+        learns from the ``considered [T, K]`` entries (default: all). Returns the number
         of the router's (token, expert) pairs the prediction contained."""
         hit = (predicted_ranked[:, :, None] == chosen[:, None, :]).any(axis=2)
-        self.correct = DECAY * self.correct + hit.sum(axis=0)
-        self.total = DECAY * self.total + hit.shape[0]
+        mask = np.ones_like(hit) if considered is None else considered
+        self.correct = DECAY * self.correct + (hit & mask).sum(axis=0)
+        self.total = DECAY * self.total + mask.sum(axis=0)
         return int(hit.sum())
 
     def plan(self, predicted_ranked: np.ndarray, threshold: float | None
