@@ -23,9 +23,15 @@ def calibration(tmp_path_factory):
     return str(out)
 
 
+@pytest.fixture(scope="module", params=[True, pytest.param(False, marks=pytest.mark.slow)],
+                ids=["eager", "compiled"])
+def eager(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(calibration):
-    llm = make_llm(TRAINED_MODEL, specexpert={
+def llm(eager, calibration):
+    llm = make_llm(TRAINED_MODEL, eager=eager, specexpert={
         "budget": BUDGET, "predictor": "quasi_hidden", "calibration": calibration})
     yield llm
     shutdown(llm)
@@ -36,10 +42,10 @@ def moe_layers_after_the_first(stats):
 
 
 @pytest.mark.parametrize("predictor", ["router", "quasi_hidden"])
-def test_prefetch_with_fetch_is_identical_to_vanilla(llm, predictor):
+def test_prefetch_with_fetch_is_identical_to_vanilla(llm, eager, predictor):
     vllm_specexpert.reconfigure(llm, predictor=predictor, miss_policy="fetch")
     outputs = greedy(llm)
-    reference = vanilla_reference(TRAINED_MODEL)
+    reference = vanilla_reference(TRAINED_MODEL, eager)
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
     assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
     stats = vllm_specexpert.get_stats(llm)[0]
@@ -73,11 +79,11 @@ def test_speculate_runs_predicted_experts_without_refetching(llm):
     assert sum(layer["misses"] for layer in moe_layers_after_the_first(verified)) > 0
 
 
-def test_speculate_with_every_layer_exact_is_vanilla(llm):
+def test_speculate_with_every_layer_exact_is_vanilla(llm, eager):
     vllm_specexpert.reconfigure(llm, predictor="quasi_hidden", miss_policy="speculate",
                                 exact_layers=list(range(6)))
     outputs = greedy(llm)
-    reference = vanilla_reference(TRAINED_MODEL)
+    reference = vanilla_reference(TRAINED_MODEL, eager)
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
     assert all(layer["speculated_calls"] == 0
                for layer in vllm_specexpert.get_stats(llm)[0]["layers"].values())
