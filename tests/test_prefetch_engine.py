@@ -10,7 +10,12 @@ import torch
 from moe_reference import make_cache, random_layer, reference_moe, slot_kernel
 from vllm_specexpert.config import LinkConfig, SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.predict import LayerState, NextLayerRouting, QuasiHiddenPredictor
+from vllm_specexpert.predict import (
+    LayerState,
+    NextLayerRouting,
+    QuasiHiddenPredictor,
+    residual_scale,
+)
 from vllm_specexpert.transfer import CpuLink
 
 E, K, H = 16, 4, 32
@@ -48,13 +53,11 @@ def make_engine(toy, **config):
     return engine
 
 
-def step(engine, toy, x0, residual=None):
+def step(engine, toy, x0):
     """Layer 0 routed by its router; layer 1's input is a fixed function of layer 0's
     output (stand-in for attention), routed by its router."""
     gates, norms, layers = toy
     w0, ids0 = softmax_topk(gates[0])(x0)
-    if residual is not None:
-        engine.tap_residual(NAMES[0], residual)
     out0 = engine.run(NAMES[0], slot_kernel, x0, w0, ids0)
     x1 = rms_norm(norms[1])((x0.float() + out0.float()).bfloat16())
     w1, ids1 = softmax_topk(gates[1])(x1)
@@ -120,38 +123,45 @@ def test_large_batches_are_not_predicted(toy):
     engine.close()
 
 
-def test_quasi_hidden_state_is_norm_of_residual_plus_weighted_default_vectors():
+def test_quasi_hidden_state_is_norm_of_estimated_residual_plus_default_vectors():
     g = torch.Generator().manual_seed(0)
     vectors = torch.randn(E, H, generator=g)
-    residual = torch.randn(3, H, generator=g)
+    residual = torch.randn(3, H, generator=g)  # r_l
+    own_norm = torch.rand(H, generator=g) + 0.5  # layer l's post-attention norm weight
+    router_input = rms_norm(own_norm)(residual)  # s_l as the model computes it
+    rms = residual.pow(2).mean(-1).sqrt()
     ids = torch.tensor([[0, 1], [2, 3], [1, 5]])
     weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
-    norm_weight = torch.rand(H, generator=g) + 0.5
+    next_norm = torch.rand(H, generator=g) + 0.5
     captured = {}
 
     def route(q):
         captured["q"] = q
         return weights, ids
 
-    predictor = QuasiHiddenPredictor({"l": vectors})
-    state = LayerState(router_input=torch.zeros(3, H), topk_ids=ids, topk_weights=weights,
-                       residual=residual)
-    predictor.predict(state, "l", NextLayerRouting(rms_norm(norm_weight), route))
+    # The calibrated mean RMS of r_l turns s_l back into r_l exactly when every token
+    # has that RMS: here, give the predictor each token's own RMS in turn.
     d = torch.stack([sum(weights[t, k] * vectors[ids[t, k]] for k in range(2)) for t in range(3)])
-    torch.testing.assert_close(captured["q"], rms_norm(norm_weight)(d + residual))
+    for t in range(3):
+        predictor = QuasiHiddenPredictor({"l": vectors},
+                                         {"l": residual_scale(own_norm, float(rms[t]))})
+        state = LayerState(router_input=router_input, topk_ids=ids, topk_weights=weights)
+        predictor.predict(state, "l", NextLayerRouting(rms_norm(next_norm), route))
+        expected = rms_norm(next_norm)(d + residual)
+        torch.testing.assert_close(captured["q"][t], expected[t], rtol=1e-4, atol=1e-4)
 
 
-def test_quasi_hidden_engine_uses_the_tapped_residual(toy):
+def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
     gates, norms, layers = toy
     engine = make_engine(toy, budget=0.5, predictor="quasi_hidden", calibration="unused")
-    engine.set_default_vectors({NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)})
-    step(engine, toy, tokens(2, 0))  # no residual tapped: no prediction
-    assert engine.stats()["layers"][NAMES[1]]["predicted"] == 0
+    assert engine.stats()["predictor"] == "quasi_hidden"
+    # Zero default vectors and unit scale: q = LN_1(s_0), the router predictor's input
+    # up to layer 1's norm.
+    engine.set_quasi_hidden({NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)},
+                            {NAMES[0]: torch.ones(H), NAMES[1]: torch.ones(H)})
     x0 = tokens(2, 1)
-    residual = torch.randn(2, H, generator=torch.Generator().manual_seed(5)).bfloat16()
-    _, (_, _, ids1), _ = step(engine, toy, x0, residual=residual)
-    # Zero default vectors: q = LN_1(r), so the prediction is layer 1's router on LN_1(r).
-    _, expected = softmax_topk(gates[1])(rms_norm(norms[1])(residual))
+    _, (_, _, ids1), _ = step(engine, toy, x0)
+    _, expected = softmax_topk(gates[1])(rms_norm(norms[1])(x0))
     hits = (ids1.unsqueeze(-1) == expected.unsqueeze(-2)).any(-1).sum()
     assert engine.stats()["layers"][NAMES[1]]["predicted_correct"] == int(hits)
     engine.close()

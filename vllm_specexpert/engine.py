@@ -69,12 +69,12 @@ class OffloadEngine:
         self.layers: dict[str, LayerInfo] = {}
         self.default_vectors: dict[str, torch.Tensor] = {}
         """Layer name -> ``[E, H]`` default vectors on the device (``quasi_hidden``)."""
+        self.residual_scales: dict[str, torch.Tensor] = {}
+        """Layer name -> ``[H]`` scale turning s_l back into r_l (``quasi_hidden``)."""
         self.predictor: Predictor | None = None
         self._make_predictor()
         self._predictions: dict[str, Prediction] = {}
         """Layer name -> prediction for it made earlier in the current forward pass."""
-        self._residuals: dict[str, torch.Tensor] = {}
-        """Layer name -> r_l of the current forward pass (if tapped)."""
         self._last_stats_write = time.monotonic()
         if config.stats_path:
             atexit.register(self.write_stats)
@@ -96,20 +96,19 @@ class OffloadEngine:
         self.layers[name].next_name = next_name
         self.layers[name].next_routing = routing
 
-    def set_default_vectors(self, vectors: dict[str, torch.Tensor]) -> None:
-        """Default vectors per layer name (from a calibration), for ``quasi_hidden``."""
-        self.default_vectors = {n: v.to(self.device) for n, v in vectors.items()}
+    def set_quasi_hidden(self, default_vectors: dict[str, torch.Tensor],
+                         residual_scales: dict[str, torch.Tensor]) -> None:
+        """Per layer name: default vectors and residual scales from a calibration (see
+        :mod:`vllm_specexpert.predict.quasi_hidden`)."""
+        self.default_vectors = {n: v.to(self.device) for n, v in default_vectors.items()}
+        self.residual_scales = {n: v.to(self.device) for n, v in residual_scales.items()}
         self._make_predictor()
-
-    @property
-    def needs_residual(self) -> bool:
-        return self.config.predictor == "quasi_hidden"
 
     def _make_predictor(self) -> None:
         if self.config.predictor == "router":
             self.predictor = RouterPredictor()
         elif self.config.predictor == "quasi_hidden":
-            self.predictor = QuasiHiddenPredictor(self.default_vectors)
+            self.predictor = QuasiHiddenPredictor(self.default_vectors, self.residual_scales)
         else:
             self.predictor = None
 
@@ -142,7 +141,6 @@ class OffloadEngine:
         self.miss_policy = make_miss_policy(config.miss_policy)
         self._make_predictor()
         self._predictions.clear()
-        self._residuals.clear()
         for info in self.layers.values():
             info.planner, info.window_s = PrefetchPlanner(info.top_k), None
         self.caches = {}  # free the old pools before allocating the new ones
@@ -151,11 +149,6 @@ class OffloadEngine:
         self.reset_stats()
 
     # ---------------------------------------------------------------- forward
-
-    def tap_residual(self, name: str, residual: torch.Tensor) -> None:
-        """Record layer ``name``'s post-attention residual r_l for this forward pass."""
-        if self.needs_residual and residual.shape[0] <= self.config.max_predict_tokens:
-            self._residuals[name] = residual.clone()
 
     def run(
         self,
@@ -169,7 +162,6 @@ class OffloadEngine:
         cache = self.caches[name]
         info = self.layers[name]
         prediction = self._predictions.pop(name, None)
-        residual = self._residuals.pop(name, None)
         if prediction is not None and prediction.num_tokens != x.shape[0]:
             prediction = None
         if prediction is not None:
@@ -184,9 +176,8 @@ class OffloadEngine:
             self.predictor is not None
             and info.next_name is not None
             and x.shape[0] <= self.config.max_predict_tokens
-            and (residual is not None or not self.predictor.needs_residual)
         ):
-            state = LayerState(x, topk_ids, topk_weights, residual)
+            state = LayerState(x, topk_ids, topk_weights)
 
             def before_kernel() -> None:
                 self._predict_and_prefetch(name, info, state)

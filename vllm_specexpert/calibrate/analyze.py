@@ -38,6 +38,7 @@ from vllm_specexpert.predict import (
     Predictor,
     QuasiHiddenPredictor,
     RouterPredictor,
+    residual_scale,
 )
 
 
@@ -83,7 +84,9 @@ def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
     if calibration_dir is not None:
         calibration = load_calibration(calibration_dir, model=str(model_dir))
         predictors["quasi_hidden"] = QuasiHiddenPredictor(
-            {str(i): calibration.default_vectors[i] for i in layers})
+            {str(i): calibration.default_vectors[i] for i in layers},
+            {str(i): residual_scale(model.model.layers[i].post_attention_layernorm.weight.data,
+                                    calibration.residual_rms[i]) for i in layers})
     routing = {i: hf_routing(model.model.layers[i]) for i in layers}
     sums = {(j, name): _Sums(top_k) for j in range(len(layers) - 1) for name in predictors}
     tokens = 0
@@ -91,7 +94,7 @@ def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
         tokens += len(t.token_ids)
         for j in range(len(layers) - 1):
             state = LayerState(router_input=t.router_input[:, j], topk_ids=t.topk_ids[:, j],
-                               topk_weights=t.topk_weights[:, j], residual=t.residual[:, j])
+                               topk_weights=t.topk_weights[:, j])
             nxt = routing[layers[j + 1]]
             for name, predictor in predictors.items():
                 with torch.no_grad():

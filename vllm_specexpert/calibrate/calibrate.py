@@ -14,8 +14,9 @@ Output (``DIR``):
 
 * ``calibration.safetensors``: ``layers.{i}.default_vectors [E, H] float32``,
   ``layers.{i}.counts [E] int64``, ``layers.{i}.coactivation [E, E] int64``,
-  ``layers.{i}.tae_percentiles [101] float32`` (0th..100th), where ``i`` is the model's
-  decoder-layer index.
+  ``layers.{i}.tae_percentiles [101] float32`` (0th..100th),
+  ``layers.{i}.residual_rms [1] float32`` (mean RMS of the post-attention residual r_l,
+  for the quasi-hidden state), where ``i`` is the model's decoder-layer index.
 * ``manifest.json``: ``{"format": "specexpert-calibration/1", "model_fingerprint",
   "data": {"description", "sha256", "tokens"}, "moe_layer_indices", "num_experts",
   "hidden_size", "window"}``.
@@ -44,7 +45,7 @@ from vllm_specexpert.calibrate.trace import (
 )
 from vllm_specexpert.config import SpecExpertConfigError
 
-FORMAT = "specexpert-calibration/1"
+FORMAT = "specexpert-calibration/2"
 WEIGHTS_FILE = "calibration.safetensors"
 
 
@@ -57,6 +58,8 @@ class Calibration:
     coactivation: dict[int, torch.Tensor]
     tae_percentiles: dict[int, torch.Tensor]
     """Decoder-layer index -> ``[101]`` percentiles of the Token Activating Entropy."""
+    residual_rms: dict[int, float]
+    """Decoder-layer index -> mean over tokens of the RMS of r_l."""
 
 
 def token_activating_entropy(topk_weights: torch.Tensor) -> torch.Tensor:
@@ -76,6 +79,7 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
     sums = {i: torch.zeros(E, H, dtype=torch.float64) for i in layers}
     coactivation = {i: torch.zeros(E, E, dtype=torch.int64) for i in layers}
     entropies: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+    rms_sums = {i: 0.0 for i in layers}
     data_hash = hashlib.sha256()
     tokens = 0
     for t in trace(model, tokenizer, documents, window, max_tokens, progress="calibrate"):
@@ -87,6 +91,7 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
             onehot = torch.zeros(len(ids), E, dtype=torch.int64).scatter_(1, ids, 1)
             coactivation[i] += onehot.T @ onehot
             entropies[i].append(token_activating_entropy(t.topk_weights[:, j]))
+            rms_sums[i] += float(t.residual[:, j].float().pow(2).mean(-1).sqrt().sum())
             x = t.router_input[:, j]
             for e in ids.unique().tolist():
                 rows = (ids == e).any(dim=1).nonzero().squeeze(1)
@@ -104,7 +109,8 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
         "data": {"description": description, "sha256": data_hash.hexdigest(), "tokens": tokens},
         "moe_layer_indices": layers, "num_experts": E, "hidden_size": H, "window": window,
     }
-    result = Calibration(manifest, vectors, counts, coactivation, tae)
+    result = Calibration(manifest, vectors, counts, coactivation, tae,
+                         {i: rms_sums[i] / max(tokens, 1) for i in layers})
     save(Path(out), result)
     return result
 
@@ -119,6 +125,7 @@ def save(out: Path, calibration: Calibration) -> None:
         tensors[f"layers.{i}.counts"] = calibration.counts[i].contiguous()
         tensors[f"layers.{i}.coactivation"] = calibration.coactivation[i].contiguous()
         tensors[f"layers.{i}.tae_percentiles"] = calibration.tae_percentiles[i].contiguous()
+        tensors[f"layers.{i}.residual_rms"] = torch.tensor([calibration.residual_rms[i]])
     save_file(tensors, str(out / WEIGHTS_FILE))
     (out / "manifest.json").write_text(json.dumps(calibration.manifest, indent=1))
 
@@ -172,6 +179,7 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config=None)
         {i: tensors[f"layers.{i}.counts"] for i in layers},
         {i: tensors[f"layers.{i}.coactivation"] for i in layers},
         {i: tensors[f"layers.{i}.tae_percentiles"] for i in layers},
+        {i: float(tensors[f"layers.{i}.residual_rms"]) for i in layers},
     )
 
 

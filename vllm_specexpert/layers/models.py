@@ -7,8 +7,8 @@ vLLM's class right after construction (so vLLM runs untouched). When configured,
 ``process_weights_after_loading`` (vLLM's model-level post-load hook) calls
 :func:`wire_model`, which tells the engine, for each offloaded MoE layer, which MoE layer
 comes next and how that layer routes (its ``post_attention_layernorm``, gate and
-router), loads the calibration's default vectors, and, for ``quasi_hidden``, taps each
-MoE layer's post-attention residual r_l.
+router), and hands it the calibration's default vectors and residual scales for
+``quasi_hidden``. The model's forward graph is left as vLLM built it.
 """
 
 from __future__ import annotations
@@ -19,26 +19,9 @@ import torch
 from torch import nn
 
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.layers.routed_experts import FORWARD_CONTEXT_SUFFIX, OffloadedRoutedExperts
+from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 from vllm_specexpert.models import SUPPORTED_ARCHITECTURES
-from vllm_specexpert.predict import NextLayerRouting
-
-
-
-class ResidualTap(nn.Module):
-    """Wraps a decoder layer's ``post_attention_layernorm``: same outputs, and the
-    residual it returns (r_l) is handed to the engine for the quasi-hidden state."""
-
-    def __init__(self, norm: nn.Module, layer_key: str):
-        super().__init__()
-        self.norm = norm
-        self.layer_key = layer_key
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self.norm(x)
-        normed, residual = self.norm(x, residual)
-        return torch.ops.specexpert.tap_residual(normed, residual, self.layer_key), residual
+from vllm_specexpert.predict import NextLayerRouting, residual_scale
 
 
 def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
@@ -89,14 +72,12 @@ def wire_model(model: nn.Module) -> None:
     from vllm_specexpert.calibrate.calibrate import load_calibration
 
     calibration = load_calibration(engine.config.calibration)  # checked at engine start
-    dtype = layers[0][1].post_attention_layernorm.weight.dtype
-    engine.set_default_vectors({
-        routed.layer_name: calibration.default_vectors[index].to(dtype)
-        for index, _, routed in layers
-    })
-    for _, layer, routed in layers:
-        layer.post_attention_layernorm = ResidualTap(
-            layer.post_attention_layernorm, routed.layer_name + FORWARD_CONTEXT_SUFFIX)
+    engine.set_quasi_hidden(
+        {routed.layer_name: calibration.default_vectors[index] for index, _, routed in layers},
+        {routed.layer_name: residual_scale(layer.post_attention_layernorm.weight.data,
+                                           calibration.residual_rms[index])
+         for index, layer, routed in layers},
+    )
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:

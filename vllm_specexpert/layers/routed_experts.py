@@ -232,30 +232,11 @@ def _routed_experts_fake(
     return torch.empty_like(x)
 
 
-def _tap_residual_impl(normed: torch.Tensor, residual: torch.Tensor, layer_key: str) -> torch.Tensor:
-    layer = get_forward_context().no_compile_layers[layer_key]
-    layer.engine.tap_residual(layer.layer_name, residual)
-    # A fresh tensor: the MoE input then depends on this op, which orders it before
-    # the layer's routed_experts op and keeps the compiler from dropping it.
-    return normed.clone()
-
-
-def _tap_residual_fake(normed: torch.Tensor, residual: torch.Tensor, layer_key: str) -> torch.Tensor:
-    return torch.empty_like(normed)
-
-
 _LIBRARY = torch.library.Library("specexpert", "FRAGMENT")
 direct_register_custom_op(
     "routed_experts",
     _routed_experts_impl,
     mutates_args=[],
     fake_impl=_routed_experts_fake,
-    target_lib=_LIBRARY,
-)
-direct_register_custom_op(
-    "tap_residual",
-    _tap_residual_impl,
-    mutates_args=[],
-    fake_impl=_tap_residual_fake,
     target_lib=_LIBRARY,
 )

