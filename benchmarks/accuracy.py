@@ -11,7 +11,7 @@ files, never trained on):
   equals the exact mode's, ``prefix`` the mean share before the first divergence;
 * next-token accuracy: ``--windows`` windows of 256 held-out tokens, teacher-forced
   (``prompt_logprobs``), every position computed with the mode's routing
-  (``max_predict_tokens`` raised so that prediction covers these passes; the prediction
+  (``max_decode_tokens`` raised so that prediction covers these passes; the prediction
   is per token, so this equals decoding the text token by token with the text forced).
   ``accuracy`` = top-1 prediction is the actual next token; ``nll`` = mean negative
   log-likelihood of the actual token; ``recall`` = the engine's online recall@k.
@@ -39,7 +39,7 @@ MODES = {
     "speculate quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "speculate"},
 }
 EVERY_PASS = 1 << 30
-"""``max_predict_tokens`` that lets prediction cover every forward pass."""
+"""``max_decode_tokens`` that lets prediction cover every forward pass."""
 
 
 def held_out_windows(count: int, length: int = 256) -> list[list[int]]:
@@ -111,10 +111,10 @@ def main() -> None:
     windows = held_out_windows(args.windows)
     rows, exact_tokens = [], None
     for name, mode in MODES.items():
-        vllm_specexpert.reconfigure(llm, max_predict_tokens=64, **mode)
+        vllm_specexpert.reconfigure(llm, max_decode_tokens=64, **mode)
         tokens = greedy_tokens(llm, prompts, args.max_tokens)
         exact_tokens = exact_tokens or tokens
-        vllm_specexpert.reconfigure(llm, max_predict_tokens=EVERY_PASS, **mode)
+        vllm_specexpert.reconfigure(llm, max_decode_tokens=EVERY_PASS, **mode)
         forced = teacher_forced(llm, windows)
         stats = vllm_specexpert.get_stats(llm)[0]
         layers = list(stats["layers"].values())

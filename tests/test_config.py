@@ -36,6 +36,20 @@ def test_absent_key_means_inert():
         ({"link": {"bandwith_gbps": 10}}, "link.bandwith_gbps"),
         ({"link": {"latency_us": -1}}, "link.latency_us"),
         ({"link": "fast"}, "link"),
+        ({"link": {"host_slowdown": 10}}, "link.host_slowdown"),  # no emulated link
+        ({"link": {"bandwidth_gbps": 1, "host_slowdown": 0.5}}, "link.host_slowdown"),
+        ({"miss_policy": "buddy"}, "calibration"),
+        ({"miss_policy": "auto_buddy"}, "calibration"),
+        ({"miss_policy": "random"}, "calibration"),  # tau from calibrated percentiles
+        ({"buddy": {"alpha": 0}}, "buddy.alpha"),
+        ({"buddy": {"alpha": 1.5}}, "buddy.alpha"),
+        ({"buddy": {"tau": 2}}, "buddy.tau"),
+        ({"buddy": {"tau_percentile": 150}}, "buddy.tau_percentile"),
+        ({"buddy": {"beta": 0}}, "buddy.beta"),
+        ({"buddy": {"rho": 0}}, "buddy.rho"),
+        ({"buddy": {"k_max": 2.5}}, "buddy.k_max"),
+        ({"buddy": {"kmax": 4}}, "buddy.kmax"),
+        ({"buddy": [1]}, "buddy"),
         ({"stats_path": 3}, "stats_path"),
         ({"stats_interval_s": -1}, "stats_interval_s"),
     ],
@@ -78,3 +92,17 @@ def test_link_parsing():
     link = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 16, "latency_us": 5}}).link
     assert link.emulated and link.bandwidth_gbps == 16.0 and link.latency_us == 5.0
     assert not SpecExpertConfig.from_dict({"link": {}}).link.emulated
+
+
+def test_miss_policy_outputs_and_buddy_parsing():
+    outputs = {p: SpecExpertConfig.from_dict({"miss_policy": p, "calibration": "c",
+                                              "predictor": "router"}).output
+               for p in ("fetch", "cpu", "auto", "buddy", "random", "drop", "speculate")}
+    assert outputs == {"fetch": "exact", "cpu": "equivalent", "auto": "equivalent",
+                       "buddy": "approximate", "random": "approximate", "drop": "approximate",
+                       "speculate": "approximate"}
+    buddy = SpecExpertConfig.from_dict({"miss_policy": "random", "buddy": {
+        "tau": 0.5, "rho": 2, "beta": 1, "alpha": 0.9, "k_max": 4}}).buddy
+    assert (buddy.tau, buddy.rho, buddy.beta, buddy.alpha, buddy.k_max) == (0.5, 2, 1.0, 0.9, 4)
+    link = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 1, "host_slowdown": 3}}).link
+    assert link.host_slowdown == 3.0

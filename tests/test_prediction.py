@@ -1,6 +1,7 @@
-"""Next-layer prediction, prefetch and speculative execution inside vLLM, on the trained
-model (whose router learned something). One plugin engine, started with a calibration so
-that the quasi-hidden predictor is available; modes switch with ``reconfigure``."""
+"""Next-layer prediction, prefetch, speculative execution and the miss policies inside
+vLLM, on the trained model (whose router learned something). One plugin engine, started
+with a calibration so that the quasi-hidden predictor and the buddy lists are available;
+modes switch with ``reconfigure``."""
 
 import pytest
 
@@ -87,6 +88,45 @@ def test_speculate_with_every_layer_exact_is_vanilla(llm, eager):
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
     assert all(layer["speculated_calls"] == 0
                for layer in vllm_specexpert.get_stats(llm)[0]["layers"].values())
+
+
+SLOW_LINK = {"bandwidth_gbps": 0.02, "host_slowdown": 1.0}
+"""A copy takes ~5 ms while the host computes an expert in well under that: ``auto``
+should compute misses on the host."""
+
+
+@pytest.mark.parametrize("policy, link", [("cpu", {}), ("auto", SLOW_LINK)])
+def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
+    vllm_specexpert.reconfigure(llm, predictor="none", miss_policy=policy, link=link)
+    outputs = greedy(llm)
+    reference = vanilla_reference(TRAINED_MODEL, eager)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    for out, ref in zip(outputs, reference):  # same experts, other summation order
+        for a, b in zip(out.logprobs, ref.logprobs):
+            top = max(b, key=b.get)
+            assert abs(a[top] - b[top]) < 0.05
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["output"] == "equivalent" and not stats["exact"]
+    for layer in stats["layers"].values():
+        assert layer["host_entries"] > 0 and layer["host_s"] > 0
+        assert layer["max_resident"] <= int(BUDGET * 32)
+
+
+@pytest.mark.parametrize("policy, counter", [
+    ("buddy", "substituted_entries"), ("random", "substituted_entries"),
+    ("drop", "dropped_entries"),
+])
+def test_approximate_policies_change_outputs_and_say_so(llm, eager, policy, counter):
+    vllm_specexpert.reconfigure(llm, predictor="none", miss_policy=policy, link={})
+    outputs = greedy(llm)
+    reference = vanilla_reference(TRAINED_MODEL, eager)
+    assert [c.logprobs for c in outputs] != [c.logprobs for c in reference]
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["output"] == "approximate" and not stats["exact"]
+    assert stats["miss_policy"] == policy and stats["total"][counter] > 0
+    total = stats["total"]
+    assert total["missed_entries"] == (total["fetched_entries"] + total["host_entries"]
+                                       + total["substituted_entries"] + total["dropped_entries"])
 
 
 def test_a_calibration_for_another_model_is_rejected_at_start(tmp_path):

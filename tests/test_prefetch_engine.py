@@ -115,7 +115,7 @@ def test_exact_layers_keep_the_router(toy):
 
 
 def test_large_batches_are_not_predicted(toy):
-    engine = make_engine(toy, budget=0.5, predictor="router", max_predict_tokens=4)
+    engine = make_engine(toy, budget=0.5, predictor="router", max_decode_tokens=4)
     step(engine, toy, tokens(5, 0))
     assert engine.stats()["layers"][NAMES[1]]["predicted"] == 0
     step(engine, toy, tokens(4, 0))

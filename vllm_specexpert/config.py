@@ -17,7 +17,16 @@ from typing import Any
 ADDITIONAL_CONFIG_KEY = "specexpert"
 
 CACHE_POLICIES = ("lru", "lfu", "static")
-MISS_POLICIES = ("fetch", "speculate")
+MISS_POLICIES = ("fetch", "speculate", "cpu", "auto", "buddy", "auto_buddy", "random", "drop")
+MISS_POLICY_OUTPUT = {
+    "fetch": "exact", "cpu": "equivalent", "auto": "equivalent", "speculate": "approximate",
+    "buddy": "approximate", "auto_buddy": "approximate", "random": "approximate",
+    "drop": "approximate",
+}
+"""What each miss policy does to the model's output: ``exact`` (bit-identical to vanilla
+vLLM), ``equivalent`` (the same experts and weights, summed in another order: equal up to
+rounding) or ``approximate`` (other experts or weights run: the output changes)."""
+NEEDS_CALIBRATION = ("buddy", "auto_buddy")
 PREDICTORS = ("none", "router", "quasi_hidden")
 PREFETCH_FILTERS = ("cost", "all")
 
@@ -51,9 +60,49 @@ class LinkConfig:
     is one copy per weight tensor (2 for ``w13`` + ``w2``). Only used when
     ``bandwidth_gbps`` is set."""
 
+    host_slowdown: float = 14.0
+    """Emulated speed of the host for the ``cpu`` and ``auto`` miss policies: an expert
+    computed on the host from the slow tier counts as ready only ``host_slowdown`` times
+    its measured time on this processor after it started (the device ran the hits
+    meanwhile). Default 14: decode-time expert compute is memory-bound, and an
+    RTX-4090-class GPU (~1000 GB/s) reads weights about 14x faster than a dual-channel
+    DDR5 desktop CPU (~70 GB/s) (an estimate). Only used when ``bandwidth_gbps`` is set;
+    without emulation the host compute takes what it takes."""
+
     @property
     def emulated(self) -> bool:
         return self.bandwidth_gbps is not None
+
+
+@dataclass(frozen=True)
+class BuddyConfig:
+    """BuddyMoE's substitution settings (``buddy``, ``auto_buddy`` and ``random`` miss
+    policies; ``../shared/papers/buddymoe.txt`` §3). Defaults: the paper's best setting
+    (α = 0.95, |B| <= 16, ρ = 3) and a TAE gate at the 15th percentile (its 10-20 range)."""
+
+    alpha: float = 0.95
+    """Cumulative Frequency Threshold of the buddy lists, in (0, 1]: an expert's buddies are
+    its most co-activated peers until their share of its co-activations reaches alpha."""
+
+    k_max: int = 16
+    """Longest buddy list per expert."""
+
+    tau: float | None = None
+    """Token Activating Entropy gate in [0, 1]: a token whose normalised routing entropy
+    is <= tau keeps its experts (fetch). ``None`` (default): per layer, the
+    ``tau_percentile``-th percentile of the calibration's TAE distribution."""
+
+    tau_percentile: float = 15.0
+    """Percentile (0-100) of each layer's calibrated TAE used as tau when ``tau`` is
+    unset: about this share of tokens is never substituted."""
+
+    beta: float = 0.75
+    """Batch distribution gate in (0, 1]: no substitution in a layer call where this share
+    or more of the distinct requested experts is missing (broad substitution compounds
+    errors; the paper leaves the value to the deployment, this default is ours)."""
+
+    rho: int = 3
+    """Replacement budget: at most this many substituted experts per token."""
 
 
 @dataclass(frozen=True)
@@ -74,12 +123,19 @@ class SpecExpertConfig:
     rotate, LRU, for the others)."""
 
     miss_policy: str = "fetch"
-    """What a layer does when the router picks a non-resident expert. ``fetch``:
-    load it on demand over the link, then run it (exact: output is identical to
-    vanilla vLLM). ``speculate`` (needs a ``predictor``; NOT exact): every MoE layer
-    except ``exact_layers`` runs the experts and weights predicted at the previous
-    layer instead of its router's (speculating-experts §4), so a correct prefetch
-    leaves nothing to load; predicted experts that did not fit are loaded on demand."""
+    """What a layer does when the router picks a non-resident expert (in decode passes,
+    see ``max_decode_tokens``; prefill always fetches). Exact: ``fetch`` (load it on
+    demand over the link, then run it: output identical to vanilla vLLM). Equivalent
+    (same experts, summed in another order): ``cpu`` (compute it on the host from the
+    slow tier while the device runs the hits, as llama.cpp/KTransformers do), ``auto``
+    (per layer call, the cheaper split of the misses between ``fetch`` and ``cpu`` by
+    measured link and host times). Approximate (the output changes): ``speculate``
+    (needs a ``predictor``: layers except ``exact_layers`` run the experts and weights
+    predicted at the previous layer, speculating-experts §4), ``buddy`` (run a resident
+    co-activated buddy instead, behind BuddyMoE's gates, see ``buddy``; fetch when none
+    qualifies), ``auto_buddy`` (``buddy`` where the gates allow, ``auto`` for the
+    rest), ``random`` (BuddyMoE's baseline: a random resident expert, same gates),
+    ``drop`` (run only the resident experts, weights renormalised)."""
 
     predictor: str = "none"
     """How the next layer's experts are predicted, for prefetching (and for
@@ -104,10 +160,14 @@ class SpecExpertConfig:
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
     layer to predict it anyway)."""
 
-    max_predict_tokens: int = 64
-    """Prediction, prefetch and speculation apply to forward passes of at most this
-    many tokens (decode batches). Larger passes (prefill) need most experts anyway and
-    run exactly with on-demand loading."""
+    max_decode_tokens: int = 64
+    """Forward passes of at most this many tokens count as decode: prediction,
+    prefetch, speculation and the miss policies apply to them. Larger passes (prefill)
+    need most experts anyway and run exactly with on-demand loading."""
+
+    buddy: BuddyConfig = field(default_factory=BuddyConfig)
+    """Substitution settings of ``buddy``, ``auto_buddy`` and ``random``, see
+    :class:`BuddyConfig`."""
 
     link: LinkConfig = field(default_factory=LinkConfig)
     """Emulated link (CPU only), see :class:`LinkConfig`."""
@@ -154,12 +214,14 @@ class SpecExpertConfig:
                                                          'e.g. "calibration": "/path/to/calib"')
         if "exact_layers" in raw:
             kwargs["exact_layers"] = _parse_layers("exact_layers", raw["exact_layers"])
-        if "max_predict_tokens" in raw:
-            kwargs["max_predict_tokens"] = int(_parse_number(
-                "max_predict_tokens", raw["max_predict_tokens"], minimum=1, inclusive=True,
+        if "max_decode_tokens" in raw:
+            kwargs["max_decode_tokens"] = int(_parse_number(
+                "max_decode_tokens", raw["max_decode_tokens"], minimum=1, inclusive=True,
                 integer=True))
         if "link" in raw:
             kwargs["link"] = _parse_link(raw["link"])
+        if "buddy" in raw:
+            kwargs["buddy"] = _parse_buddy(raw["buddy"])
         if "stats_path" in raw:
             kwargs["stats_path"] = _parse_optional_path(
                 "stats_path", raw["stats_path"], 'e.g. "stats_path": "/tmp/specexpert-stats.json"')
@@ -177,6 +239,14 @@ class SpecExpertConfig:
                 "miss_policy", "'speculate' runs predicted experts, but 'predictor' is 'none'",
                 'set "predictor": "router" or "quasi_hidden"',
             )
+        needs_tae = self.miss_policy == "random" and self.buddy.tau is None
+        if (self.miss_policy in NEEDS_CALIBRATION or needs_tae) and self.calibration is None:
+            why = ("buddy lists come from its co-activation counts" if not needs_tae else
+                   "the TAE gate's tau comes from its percentiles (buddy.tau_percentile)")
+            raise SpecExpertConfigError(
+                "calibration", f"miss_policy '{self.miss_policy}' needs a calibration: {why}",
+                "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\"",
+            )
         if self.predictor == "quasi_hidden" and self.calibration is None:
             raise SpecExpertConfigError(
                 "calibration", "predictor 'quasi_hidden' needs default vectors, and none is set",
@@ -184,9 +254,14 @@ class SpecExpertConfig:
             )
 
     @property
+    def output(self) -> str:
+        """``exact``, ``equivalent`` or ``approximate``, see ``MISS_POLICY_OUTPUT``."""
+        return MISS_POLICY_OUTPUT[self.miss_policy]
+
+    @property
     def exact(self) -> bool:
         """Whether outputs are bit-identical to vanilla vLLM."""
-        return self.miss_policy == "fetch"
+        return self.output == "exact"
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> SpecExpertConfig | None:
@@ -321,7 +396,52 @@ def _parse_link(raw: Any) -> LinkConfig:
     if bandwidth is not None:
         bandwidth = _parse_number("link.bandwidth_gbps", bandwidth, 0.0, inclusive=False)
     latency = _parse_number("link.latency_us", raw.get("latency_us", 0.0), 0.0, inclusive=True)
-    return LinkConfig(bandwidth_gbps=bandwidth, latency_us=latency)
+    kwargs = {}
+    if "host_slowdown" in raw:
+        if bandwidth is None and raw["host_slowdown"] != LinkConfig.host_slowdown:
+            raise SpecExpertConfigError(
+                "link.host_slowdown", "only applies to an emulated link, and bandwidth_gbps is unset",
+                "set link.bandwidth_gbps too, or remove host_slowdown",
+            )
+        kwargs["host_slowdown"] = _parse_number("link.host_slowdown", raw["host_slowdown"], 1.0,
+                                                inclusive=True)
+    return LinkConfig(bandwidth_gbps=bandwidth, latency_us=latency, **kwargs)
+
+
+def _parse_buddy(raw: Any) -> BuddyConfig:
+    if raw is None:
+        return BuddyConfig()
+    if not isinstance(raw, dict):
+        raise SpecExpertConfigError(
+            "buddy", f"must be an object, got {raw!r}", 'use e.g. {"alpha": 0.95, "rho": 3}')
+    _reject_unknown(raw, BuddyConfig, prefix="buddy.")
+    kwargs: dict[str, Any] = {}
+    if "alpha" in raw:
+        kwargs["alpha"] = _parse_fraction("buddy.alpha", raw["alpha"], zero_ok=False)
+    if "k_max" in raw:
+        kwargs["k_max"] = int(_parse_number("buddy.k_max", raw["k_max"], 1, True, integer=True))
+    if raw.get("tau") is not None:
+        kwargs["tau"] = _parse_fraction("buddy.tau", raw["tau"], zero_ok=True)
+    if "tau_percentile" in raw:
+        value = _parse_number("buddy.tau_percentile", raw["tau_percentile"], 0.0, True)
+        if value > 100:
+            raise SpecExpertConfigError("buddy.tau_percentile", f"must be <= 100, got {value}",
+                                        "give a percentile in [0, 100], e.g. 15")
+        kwargs["tau_percentile"] = value
+    if "beta" in raw:
+        kwargs["beta"] = _parse_fraction("buddy.beta", raw["beta"], zero_ok=False)
+    if "rho" in raw:
+        kwargs["rho"] = int(_parse_number("buddy.rho", raw["rho"], 1, True, integer=True))
+    return BuddyConfig(**kwargs)
+
+
+def _parse_fraction(name: str, value: Any, zero_ok: bool) -> float:
+    value = _parse_number(name, value, 0.0, inclusive=zero_ok)
+    if value > 1.0:
+        low = "[0" if zero_ok else "(0"
+        raise SpecExpertConfigError(name, f"must be in {low}, 1], got {value}",
+                                    f"give a value in {low}, 1]")
+    return value
 
 
 class SpecExpertUnsupportedError(ValueError):

@@ -27,7 +27,9 @@ import torch
 
 from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.policy import ExpertKernel, make_miss_policy
+from vllm_specexpert.host import HostExperts, HostKernel
+from vllm_specexpert.policy import ExpertKernel, MissContext, make_miss_policy
+from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
 from vllm_specexpert.predict import (
     LayerState,
     NextLayerRouting,
@@ -55,6 +57,14 @@ class LayerInfo:
     """Precision of the predictions made for this layer (decides what to prefetch)."""
     window_s: float | None = None
     """Running mean of the time from a prediction for this layer to its use."""
+    host_kernel: HostKernel | None = None
+    """Fused experts on host tensors (``cpu``/``auto`` miss policies)."""
+    coactivation: np.ndarray | None = None
+    """``[E, E]`` calibrated co-activation counts (buddy lists)."""
+    tae_percentiles: np.ndarray | None = None
+    """``[101]`` calibrated percentiles of the Token Activating Entropy (tau)."""
+    miss_context: MissContext | None = None
+    """What the miss policy consults about this layer in decode passes."""
 
 
 class OffloadEngine:
@@ -82,12 +92,16 @@ class OffloadEngine:
     # ------------------------------------------------------------------ setup
 
     def add_layer(
-        self, name: str, tensors: dict[str, torch.Tensor], top_k: int, index: int = -1
+        self, name: str, tensors: dict[str, torch.Tensor], top_k: int, index: int = -1,
+        host_kernel: HostKernel | None = None,
     ) -> ExpertCache:
-        """Move a layer's routed experts into the slow tier and give it a cache."""
+        """Move a layer's routed experts into the slow tier and give it a cache.
+        ``host_kernel`` computes experts on the store's tensors (``cpu``/``auto``)."""
         self.store.add_layer(name, tensors)
-        self.layers[name] = LayerInfo(top_k=top_k, index=index, planner=PrefetchPlanner(top_k))
+        self.layers[name] = LayerInfo(top_k=top_k, index=index, planner=PrefetchPlanner(top_k),
+                                      host_kernel=host_kernel)
         self.caches[name] = self._make_cache(name)
+        self._make_miss_context(name)
         return self.caches[name]
 
     def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
@@ -103,6 +117,55 @@ class OffloadEngine:
         self.default_vectors = {n: v.to(self.device) for n, v in default_vectors.items()}
         self.residual_scales = {n: v.to(self.device) for n, v in residual_scales.items()}
         self._make_predictor()
+
+    def set_routing_statistics(self, coactivation: dict[str, np.ndarray],
+                               tae_percentiles: dict[str, np.ndarray]) -> None:
+        """Per layer name: calibrated co-activation counts and TAE percentiles (see
+        :mod:`vllm_specexpert.policy.buddies`)."""
+        for name, info in self.layers.items():
+            info.coactivation = np.asarray(coactivation[name])
+            info.tae_percentiles = np.asarray(tae_percentiles[name], dtype=np.float64)
+            self._make_miss_context(name)
+
+    def _make_miss_context(self, name: str) -> None:
+        """The miss policy's view of a layer; raises a config error when the policy
+        needs what the layer does not have."""
+        info, cache, config = self.layers[name], self.caches[name], self.config
+        policy = config.miss_policy
+        context = MissContext(copy_seconds=self.link.expert_seconds(cache.experts))
+        if policy in ("cpu", "auto", "auto_buddy"):
+            if info.host_kernel is None:
+                raise SpecExpertConfigError(
+                    "miss_policy", f"'{policy}' needs a host kernel, and layer {name} has none",
+                    "use 'fetch' (this layer type cannot compute experts on the host)")
+            link = config.link
+            context.host = HostExperts(cache.experts, info.host_kernel,
+                                       link.host_slowdown if link.emulated else None)
+        if policy in ("buddy", "auto_buddy", "random"):
+            buddy = config.buddy
+            tau = buddy.tau
+            if policy != "random" or tau is None:
+                if info.coactivation is None:  # the adapter sets them at load time
+                    return
+                context.buddies = buddy_lists(info.coactivation, buddy.alpha, buddy.k_max)
+                if tau is None:
+                    tau = float(np.interp(buddy.tau_percentile, np.linspace(0, 100, 101),
+                                          info.tae_percentiles))
+            context.gates = BuddyGates(tau=tau, beta=buddy.beta, rho=buddy.rho)
+        info.miss_context = context
+
+    def check_ready(self) -> None:
+        """Once every layer is loaded and wired: fail at engine start, not mid-generation,
+        when the miss policy lacks its calibration data."""
+        for name, info in self.layers.items():
+            if info.miss_context is None or (
+                self.config.miss_policy in ("buddy", "auto_buddy")
+                and info.miss_context.buddies is None
+            ):
+                raise SpecExpertConfigError(
+                    "calibration", f"miss_policy '{self.config.miss_policy}' needs the "
+                    f"calibration's co-activation counts, and layer {name} has none",
+                    "set 'calibration' to a directory from `specexpert calibrate` for this model")
 
     def _make_predictor(self) -> None:
         if self.config.predictor == "router":
@@ -146,6 +209,8 @@ class OffloadEngine:
         self.caches = {}  # free the old pools before allocating the new ones
         for name in self.store.layers:
             self.caches[name] = self._make_cache(name)
+            self._make_miss_context(name)
+        self.check_ready()
         self.reset_stats()
 
     # ---------------------------------------------------------------- forward
@@ -175,14 +240,19 @@ class OffloadEngine:
         if (
             self.predictor is not None
             and info.next_name is not None
-            and x.shape[0] <= self.config.max_predict_tokens
+            and x.shape[0] <= self.config.max_decode_tokens
         ):
             state = LayerState(x, topk_ids, topk_weights)
 
             def before_kernel() -> None:
                 self._predict_and_prefetch(name, info, state)
 
-        out = self.miss_policy.run(cache, kernel, x, topk_weights, topk_ids, before_kernel)
+        context = None
+        if x.shape[0] <= self.config.max_decode_tokens:
+            context = info.miss_context
+            context.copy_seconds = self.link.expert_seconds(cache.experts)
+        out = self.miss_policy.run(cache, kernel, x, topk_weights, topk_ids, before_kernel,
+                                   context)
         if self.config.stats_path:
             now = time.monotonic()
             if now - self._last_stats_write >= self.config.stats_interval_s:
@@ -244,6 +314,7 @@ class OffloadEngine:
             "miss_policy": self.miss_policy.name,
             "predictor": self.config.predictor,
             "exact": self.config.exact,
+            "output": self.config.output,
             "config": self.config.to_dict(),
             "slots_per_layer": {n: c.num_slots for n, c in self.caches.items()},
             "experts_per_layer": {n: c.num_experts for n, c in self.caches.items()},

@@ -58,6 +58,24 @@ class LayerStats:
     speculated_calls: int = 0
     """Forward calls that ran the predicted experts with the predicted weights
     instead of the router's (miss policy ``speculate``; output not exact)."""
+    missed_entries: int = 0
+    """Router-chosen (token, expert) entries whose expert was not resident when the
+    layer call started; each was resolved in one of the next four ways."""
+    fetched_entries: int = 0
+    """Missed entries whose expert was loaded on demand (``fetch``, fallbacks)."""
+    host_entries: int = 0
+    """Missed entries computed on the host from the slow tier (``cpu``, ``auto``)."""
+    substituted_entries: int = 0
+    """Missed entries run with a resident substitute instead (``buddy``, ``random``,
+    ``auto_buddy``; output not exact)."""
+    dropped_entries: int = 0
+    """Missed entries not run at all (``drop``; output not exact)."""
+    host_experts: int = 0
+    """Distinct experts computed on the host, summed over layer calls."""
+    host_s: float = 0.0
+    """Seconds of host expert compute (emulated seconds with an emulated link)."""
+    host_stall_s: float = 0.0
+    """Seconds layer calls waited for the host after their device work was done."""
     kernel_calls: int = 0
     """Expert kernel launches (more than ``calls`` when a batch needed more experts
     than there are slots and was run in token groups)."""

@@ -162,12 +162,12 @@ class _CpuTransfer(Transfer):
         while self.ready_at is None:  # queued behind others on the emulated link
             self.link._advance(time.perf_counter())
             if self.ready_at is None:
-                _sleep_until(self.link._link_free_at)
-        _sleep_until(self.ready_at)
+                sleep_until(self.link._link_free_at)
+        sleep_until(self.ready_at)
         return time.perf_counter() - start
 
 
-def _sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float) -> None:
     # time.sleep overshoots by ~0.1 ms; spin for the last stretch so that emulated
     # copies of a few microseconds stay accurate.
     while True:

@@ -44,6 +44,7 @@ from vllm_specexpert.calibrate.trace import (
     trace,
 )
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.policy.buddies import token_activating_entropy
 
 FORMAT = "specexpert-calibration/2"
 WEIGHTS_FILE = "calibration.safetensors"
@@ -60,15 +61,6 @@ class Calibration:
     """Decoder-layer index -> ``[101]`` percentiles of the Token Activating Entropy."""
     residual_rms: dict[int, float]
     """Decoder-layer index -> mean over tokens of the RMS of r_l."""
-
-
-def token_activating_entropy(topk_weights: torch.Tensor) -> torch.Tensor:
-    """BuddyMoE's TAE per token: entropy of the top-k weights renormalised over the
-    top-k, divided by log k (0 = one expert takes everything, 1 = uniform)."""
-    p = topk_weights.float()
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
-    entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
-    return entropy / torch.log(torch.tensor(float(p.shape[-1])))
 
 
 def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | None = None,

@@ -68,6 +68,7 @@ def wire_model(model: nn.Module) -> None:
     for (_, _, routed), (_, next_layer, next_routed) in zip(layers, layers[1:]):
         engine.link_layers(routed.layer_name, next_routed.layer_name, _routing_of(next_layer))
     if engine.config.calibration is None:
+        engine.check_ready()
         return
     from vllm_specexpert.calibrate.calibrate import load_calibration
 
@@ -78,6 +79,12 @@ def wire_model(model: nn.Module) -> None:
                                            calibration.residual_rms[index])
          for index, layer, routed in layers},
     )
+    engine.set_routing_statistics(
+        {routed.layer_name: calibration.coactivation[index].numpy() for index, _, routed in layers},
+        {routed.layer_name: calibration.tae_percentiles[index].numpy()
+         for index, _, routed in layers},
+    )
+    engine.check_ready()
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:

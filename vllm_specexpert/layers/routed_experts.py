@@ -16,6 +16,7 @@ routed_experts``, so the data-dependent cache logic is invisible to torch.compil
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import weakref
 
@@ -32,6 +33,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.host import GATED_ACTIVATIONS, torch_experts
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
@@ -115,7 +117,8 @@ class OffloadedRoutedExperts(RoutedExperts):
     def _move_experts_to_store(self) -> None:
         """Hand the runtime-format expert tensors to the slow tier; keep only views."""
         tensors = {name: getattr(self, name).data for name in ("w13_weight", "w2_weight")}
-        cache = self.engine.add_layer(self.layer_name, tensors, self.top_k, index=self.layer_index)
+        cache = self.engine.add_layer(self.layer_name, tensors, self.top_k,
+                                      index=self.layer_index, host_kernel=self._host_kernel())
         # The parameters now alias the store's (pinned) tensors instead of a copy.
         for name, tensor in cache.experts.tensors.items():
             getattr(self, name).data = tensor
@@ -162,6 +165,17 @@ class OffloadedRoutedExperts(RoutedExperts):
             global_num_experts=w13.shape[0],
             expert_map=None,
         )
+
+    def _host_kernel(self):
+        """Fused experts on the store's host tensors (``cpu``/``auto`` miss policies).
+        CPU build: vLLM's own CPU kernel (the store has the slots' layout). Elsewhere:
+        :func:`torch_experts` for the gated activations it implements, else ``None``."""
+        if current_platform.is_cpu():
+            return self._slot_kernel
+        activation = getattr(self.activation, "value", str(self.activation))
+        if activation not in GATED_ACTIVATIONS or self.apply_router_weight_on_input:
+            return None
+        return functools.partial(torch_experts, activation=activation)
 
     def _direct_experts(self):
         """vLLM's CPU experts object when the modular kernel around it would only add

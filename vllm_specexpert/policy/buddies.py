@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 def buddy_lists(coactivation: np.ndarray, alpha: float, k_max: int) -> np.ndarray:
@@ -37,6 +38,15 @@ def buddy_lists(coactivation: np.ndarray, alpha: float, k_max: int) -> np.ndarra
         size = int(min(max(reached, 1), k_max, len(order)))
         out[i, :size] = order[:size]
     return out
+
+
+def token_activating_entropy(topk_weights: torch.Tensor) -> torch.Tensor:
+    """BuddyMoE's TAE per token (eq. 1): entropy of the top-k weights renormalised over
+    the top-k, divided by log k (0 = one expert takes everything, 1 = uniform)."""
+    p = topk_weights.float()
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
+    entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
+    return entropy / torch.log(torch.tensor(float(p.shape[-1])))
 
 
 @dataclass(frozen=True)

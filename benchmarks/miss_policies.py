@@ -1,0 +1,272 @@
+"""Miss policies side by side: accuracy against exact, and speed over an emulated link.
+
+    python benchmarks/miss_policies.py [--model DIR] [--calibration DIR] [--budgets 0.5 0.25]
+                                       [--paper-budgets 0.75 0.5 0.375] [--windows 12]
+                                       [--prompts 16] [--copy-compute-ratio 2.7]
+
+One plugin engine (compiled, started with the calibration) beside one vanilla engine;
+modes switch with ``reconfigure``. The link is emulated so that one expert copy takes
+``--copy-compute-ratio`` times one MoE layer's batch-1 decode compute (measured on
+vanilla, as in ``prefetch.py``), and the host computes experts ``host_slowdown`` (the
+config default, 14) times slower than this processor, as a desktop CPU beside a consumer
+GPU (both ratios are estimates, see README).
+
+Per mode:
+
+* teacher-forced decode (:mod:`vllm_specexpert.teacher_forcing`): ``--windows`` held-out
+  windows, each a 16-token prompt and a 96-token continuation forced one decode step at a
+  time at batch 1, so every position runs the mode's real decode path (cache, misses,
+  link). ``accuracy`` = the model's top-1 is the actual next token; ``nll`` = its mean
+  negative log-likelihood; ``agree`` = top-1 equals exact's top-1 at the same position
+  (same context); ``tok/s`` = forced tokens / wall time of these runs (batch 1);
+  ``MB/token`` = link bytes / forced tokens;
+* free-running greedy: ``--prompts`` held-out prompts, 48 tokens each, batched:
+  ``greedy`` = share of positions equal to exact's, ``prefix`` = mean share before the
+  first divergence.
+
+Table 1: every miss policy at ``--budgets``. Table 2: BuddyMoE's settings (its Tables 2-4)
+at ``--paper-budgets`` (the paper's cache rates c). Writes
+``benchmarks/results/miss_policies.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from accuracy import agreement, greedy_tokens, held_out_windows  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    command_line,
+    decode_step_seconds,
+    default_calibration,
+    emulated_link,
+    held_out_prompts,
+    timed_generate,
+    write_result,
+)
+
+from vllm_specexpert.harness import start_engine, stop_engine  # noqa: E402
+
+PROMPT_TOKENS, FORCED_TOKENS = 16, 96
+UNGATED = {"tau": 0.0, "beta": 1.0}
+"""No TAE gate; the batch gate only when every requested expert is missing."""
+
+POLICIES = {
+    "fetch (exact)": {"miss_policy": "fetch"},
+    "cpu": {"miss_policy": "cpu"},
+    "auto": {"miss_policy": "auto"},
+    "buddy": {"miss_policy": "buddy"},
+    "auto_buddy": {"miss_policy": "auto_buddy"},
+    "random": {"miss_policy": "random"},
+    "drop": {"miss_policy": "drop"},
+}
+"""Table 1: each policy with its defaults (buddy gates: tau at the 15th TAE percentile,
+beta 0.75, rho 3, alpha 0.95, K_max 16)."""
+
+PAPER_ROWS = {
+    "original (fetch)": {"miss_policy": "fetch"},
+    "random": {"miss_policy": "random", "buddy": {**UNGATED, "rho": 4}},
+    "buddy a=.75 |B|<=4": {"miss_policy": "buddy",
+                           "buddy": {**UNGATED, "alpha": 0.75, "k_max": 4, "rho": 4}},
+    "buddy a=.95 |B|<=16": {"miss_policy": "buddy",
+                            "buddy": {**UNGATED, "alpha": 0.95, "k_max": 16, "rho": 4}},
+    "buddy a=.95 |B|<=16 rho=3": {"miss_policy": "buddy",
+                                  "buddy": {**UNGATED, "alpha": 0.95, "k_max": 16, "rho": 3}},
+    "buddy gated (defaults)": {"miss_policy": "buddy"},
+}
+"""Table 2: BuddyMoE's rows (CFT alpha, |B| = K_max, rho; no rho = all top-k)."""
+
+DEFAULT_BUDDY = {"alpha": 0.95, "k_max": 16, "tau": None, "tau_percentile": 15.0,
+                 "beta": 0.75, "rho": 3}
+
+
+def teacher_forced(llm, windows: list[list[int]]) -> dict:
+    from vllm import SamplingParams, TokensPrompt
+
+    from vllm_specexpert.teacher_forcing import FORCED_TOKENS as KEY
+
+    top1, logprobs = [], []
+    start = time.perf_counter()
+    for window in windows:  # one at a time: batch-1 decode
+        prompt, forced = window[:PROMPT_TOKENS], window[PROMPT_TOKENS:]
+        params = SamplingParams(temperature=0.0, max_tokens=len(forced), logprobs=1,
+                                ignore_eos=True, extra_args={KEY: forced})
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        sample = out[0].outputs[0]
+        assert list(sample.token_ids) == forced, "teacher forcing did not hold"
+        for token, step in zip(forced, sample.logprobs):
+            top1.append(min(step.items(), key=lambda kv: kv[1].rank)[0])
+            logprobs.append(step[token].logprob)
+    seconds = time.perf_counter() - start
+    return {"top1": top1, "logprobs": logprobs, "seconds": seconds}
+
+
+def measure(llm, windows, prompts, plugin: bool) -> dict:
+    import vllm_specexpert
+
+    if plugin:
+        vllm_specexpert.reset_stats(llm)
+    forced = teacher_forced(llm, windows)
+    result = {"forced": forced}
+    if plugin:
+        stats = vllm_specexpert.get_stats(llm)[0]
+        result["stats"] = {"output": stats["output"], "link_bytes": stats["link"]["bytes"],
+                           "total": stats["total"]}
+    result["greedy"] = greedy_tokens(llm, prompts, 48)
+    return result
+
+
+def summarize(name: str, budget: float | None, m: dict, exact: dict, windows) -> dict:
+    actual = [t for w in windows for t in w[PROMPT_TOKENS:]]
+    top1, exact_top1 = m["forced"]["top1"], exact["forced"]["top1"]
+    n = len(actual)
+    row = {
+        "mode": name, "budget": budget,
+        "accuracy": sum(a == b for a, b in zip(top1, actual)) / n,
+        "nll": -sum(m["forced"]["logprobs"]) / n,
+        "agree": sum(a == b for a, b in zip(top1, exact_top1)) / n,
+        "tok_s": n / m["forced"]["seconds"],
+        **{f"greedy_{k}": v for k, v in agreement(m["greedy"], exact["greedy"]).items()},
+    }
+    if "stats" in m:
+        total = m["stats"]["total"]
+        # The counters cover the teacher-forced runs only (reset before them).
+        row.update(
+            output=m["stats"]["output"],
+            mb_per_token=m["stats"]["link_bytes"] / n / 1e6,
+            entries_per_token={k: total[f"{k}_entries"] / n
+                               for k in ("missed", "fetched", "host", "substituted", "dropped")},
+            host_ms_per_token=total["host_s"] / n * 1e3,
+            stall_ms_per_token=total["stall_s"] / n * 1e3,
+        )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: the embedded model)")
+    parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--paper-budgets", type=float, nargs="+", default=[0.75, 0.5, 0.375])
+    parser.add_argument("--windows", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--copy-compute-ratio", type=float, default=2.7)
+    parser.add_argument("--latency-us", type=float, default=10.0)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    parser.add_argument("--name", default="miss_policies")
+    args = parser.parse_args()
+
+    import vllm_specexpert
+    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.teacher_forcing import TeacherForcing
+
+    model = args.model or str(model_path(DEFAULT_MODEL))
+    calibration = args.calibration or default_calibration(model)
+    windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS)
+    prompts = held_out_prompts(args.prompts)
+    vanilla = start_engine(model, None, eager=args.eager, logits_processors=[TeacherForcing])
+    plugin = start_engine(model, {"budget": args.budgets[0], "calibration": calibration},
+                          eager=args.eager, logits_processors=[TeacherForcing])
+
+    timed_generate(vanilla, prompts[:1], 8)
+    vanilla_step = decode_step_seconds(vanilla, prompts[:1], 48, 2)
+    info = vllm_specexpert.get_stats(plugin)[0]
+    expert_bytes = next(iter(info["expert_bytes"].values()))
+    link = emulated_link(vanilla_step / len(info["layers"]), expert_bytes,
+                         args.copy_compute_ratio, args.latency_us)
+    print(f"vanilla batch-1 step {vanilla_step * 1e3:.2f} ms; emulated link "
+          f"{link['bandwidth_gbps']:.4f} GB/s + {args.latency_us} us/copy; host slowdown 14")
+
+    vanilla_m = measure(vanilla, windows, prompts, plugin=False)
+    tables: dict[str, list[dict]] = {"policies": [], "paper": []}
+    for table, budgets, modes in (("policies", args.budgets, POLICIES),
+                                  ("paper", args.paper_budgets, PAPER_ROWS)):
+        for budget in budgets:
+            results = {}
+            for name, mode in modes.items():
+                buddy = {**DEFAULT_BUDDY, **mode.get("buddy", {})}
+                vllm_specexpert.reconfigure(plugin, budget=budget, link=link, predictor="none",
+                                            **{**mode, "buddy": buddy})
+                results[name] = measure(plugin, windows, prompts, plugin=True)
+            exact = next(iter(results.values()))
+            assert exact["forced"]["top1"] == vanilla_m["forced"]["top1"], "fetch must be exact"
+            rows = [summarize("vanilla", None, vanilla_m, exact, windows)] if table == "policies" \
+                else []
+            rows += [summarize(name, budget, m, exact, windows) for name, m in results.items()]
+            for row in rows:
+                print_row(table, budget, row)
+            tables[table] += rows
+    stop_engine(plugin)
+    stop_engine(vanilla)
+
+    payload = {
+        "model": model, "calibration": calibration, "eager": args.eager,
+        "windows": args.windows, "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS,
+        "greedy_prompts": args.prompts, "greedy_tokens": 48,
+        "emulated_link": {**link, "copy_compute_ratio": args.copy_compute_ratio,
+                          "host_slowdown": 14.0, "expert_bytes": expert_bytes,
+                          "vanilla_batch1_step_ms": vanilla_step * 1e3},
+        **tables,
+    }
+    path = write_result(args.name, payload)
+    plot(tables["policies"], RESULTS / f"{args.name}.png",
+         f"{Path(model).name}; copy/compute {args.copy_compute_ratio}, host slowdown 14; "
+         f"{'eager' if args.eager else 'compiled'}\n{command_line()}")
+    for table in ("policies", "paper"):
+        print_markdown(tables[table])
+    print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
+
+
+def print_row(table: str, budget: float, row: dict) -> None:
+    print(f"[{table} {budget}] {row['mode']}: acc {row['accuracy']:.4f} agree {row['agree']:.4f} "
+          f"greedy {row['greedy_agreement']:.3f} tok/s {row['tok_s']:.1f} "
+          f"MB/tok {row.get('mb_per_token', 0):.3f}", flush=True)
+
+
+def print_markdown(rows: list[dict]) -> None:
+    print("\n| budget | mode | next-token acc. | NLL | top-1 = exact | greedy agreement | prefix "
+          "| tok/s | MB/token | per token: fetched / host / substituted / dropped |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        e = r.get("entries_per_token")
+        entries = (f"{e['fetched']:.2f} / {e['host']:.2f} / {e['substituted']:.2f} / "
+                   f"{e['dropped']:.2f}") if e else ""
+        print(f"| {r['budget'] if r['budget'] is not None else ''} | {r['mode']} "
+              f"| {r['accuracy']:.4f} | {r['nll']:.3f} | {r['agree']:.3f} "
+              f"| {r['greedy_agreement']:.3f} | {r['greedy_prefix']:.3f} | {r['tok_s']:.1f} "
+              f"| {r.get('mb_per_token', 0):.3f} | {entries} |")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, reverse=True)
+    markers = dict(zip(budgets, "os^v"))
+    for r in rows:
+        if r["budget"] is None:
+            ax.axvline(r["tok_s"], color="grey", ls=":", label="vanilla (all resident)")
+            continue
+        ax.scatter(r["tok_s"], r["agree"], marker=markers[r["budget"]], s=40)
+        ax.annotate(f"{r['mode'].split(' ')[0]} {r['budget']}", (r["tok_s"], r["agree"]),
+                    fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("tokens/s, batch-1 decode, emulated link (higher is better)")
+    ax.set_ylabel("teacher-forced top-1 agreement with exact")
+    ax.set_xscale("log")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

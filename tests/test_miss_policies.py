@@ -1,0 +1,196 @@
+"""Miss policies in the engine, without vLLM: one toy layer of 16 experts, top-4, 8 slots.
+The warm start leaves experts 0-7 resident, so each test knows which entries miss."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moe_reference import random_layer, reference_moe, slot_kernel
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.host import HostCostModel, torch_experts
+from vllm_specexpert.policy import MissContext
+from vllm_specexpert.policy.cpu import host_share
+
+E, K, H = 16, 4, 32
+NAME = "model.layers.0.mlp.experts"
+TENSORS = random_layer(num_experts=E, hidden=H, seed=3)
+W13, W2 = TENSORS["w13_weight"], TENSORS["w2_weight"]
+
+
+def make_engine(coactivation=None, **config):
+    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.5, **config}),
+                           torch.device("cpu"))
+    engine.add_layer(NAME, TENSORS, top_k=K, index=0, host_kernel=slot_kernel)
+    if coactivation is not None:
+        engine.set_routing_statistics({NAME: coactivation}, {NAME: np.linspace(0, 1, 101)})
+    engine.check_ready()
+    return engine
+
+
+def routing(ids, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(ids, dtype=torch.int32)
+    x = torch.randn(ids.shape[0], H, generator=g).bfloat16()
+    w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
+    return x, w, ids
+
+
+# Token 0: 1 resident (0), 3 missing. Token 1: all resident. Token 2: all missing.
+IDS = [[0, 9, 10, 11], [1, 2, 3, 4], [12, 13, 14, 15]]
+
+
+def assert_equivalent(a, b):
+    """Equal up to bf16 rounding of partial sums: each of the two partial outputs is
+    rounded once to bf16 (relative 2^-8) before they are added."""
+    torch.testing.assert_close(a, b, rtol=0, atol=2 * 2**-8 * float(b.abs().max()))
+
+
+def layer_stats(engine):
+    return engine.stats()["layers"][NAME]
+
+
+def test_drop_runs_resident_experts_with_renormalised_weights():
+    engine = make_engine(miss_policy="drop")
+    x, w, ids = routing(IDS)
+    out = engine.run(NAME, slot_kernel, x, w, ids)
+    resident = ids < 8
+    kept = torch.where(resident, w, 0.0)
+    expected = reference_moe(x, kept / kept.sum(-1, keepdim=True).clamp_min(1e-20), ids, W13, W2)
+    expected[2] = 0  # no resident expert: the routed part is dropped entirely
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, reference_moe(x, w, ids, W13, W2))
+    stats = layer_stats(engine)
+    assert stats["dropped_entries"] == stats["missed_entries"] == 7
+    assert stats["loads"] == 0 and stats["misses"] == 7  # 9-15 missed, none loaded
+    assert engine.stats()["output"] == "approximate" and not engine.stats()["exact"]
+
+
+def test_cpu_computes_misses_on_the_host_equal_to_fetch():
+    cpu, fetch = make_engine(miss_policy="cpu"), make_engine(miss_policy="fetch")
+    for step in range(3):
+        x, w, ids = routing(IDS, seed=step)
+        a = cpu.run(NAME, slot_kernel, x, w, ids)
+        b = fetch.run(NAME, slot_kernel, x, w, ids)
+        assert_equivalent(a, b)
+        assert torch.equal(b, reference_moe(x, w, ids, W13, W2))
+    stats = layer_stats(cpu)
+    assert stats["host_entries"] == stats["missed_entries"] == 3 * 7
+    assert stats["host_experts"] == 3 * 7 and stats["host_s"] > 0
+    assert stats["loads"] == 0 and cpu.stats()["link"]["bytes"] == 0  # nothing moved
+    assert cpu.caches[NAME].resident_mask()[:8].all()
+    assert cpu.stats()["output"] == "equivalent"
+    fetched = layer_stats(fetch)
+    assert fetched["fetched_entries"] == fetched["missed_entries"] >= 7 and fetched["loads"] >= 7
+
+
+def test_cpu_with_an_emulated_host_is_held_to_the_slowdown():
+    engine = make_engine(miss_policy="cpu",
+                         link={"bandwidth_gbps": 1.0, "host_slowdown": 200.0})
+    x, w, ids = routing(IDS)
+    start = time.perf_counter()
+    engine.run(NAME, slot_kernel, x, w, ids)
+    elapsed = time.perf_counter() - start
+    stats = layer_stats(engine)
+    # The host's result is usable host_s (= 200 x its measured time) after the call
+    # started: the call cannot have returned earlier.
+    assert elapsed >= stats["host_s"] > 0 and stats["host_stall_s"] > 0
+
+
+def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest():
+    # Expert 9's strongest peers: 5, then 6. Expert 10's only peer is 0 (token 0 already
+    # uses 0): no buddy qualifies, 10 is fetched. 11 has no co-activation at all.
+    coactivation = np.zeros((E, E), dtype=np.int64)
+    coactivation[9, 5], coactivation[9, 6], coactivation[10, 0] = 5, 3, 4
+    engine = make_engine(coactivation, miss_policy="buddy", calibration="unused",
+                         buddy={"alpha": 1.0, "tau": 0.0, "beta": 1.0})
+    x, w, ids = routing(IDS[:1])
+    out = engine.run(NAME, slot_kernel, x, w, ids)
+    expected_ids = torch.tensor([[0, 5, 10, 11]])
+    assert torch.equal(out, reference_moe(x, w, expected_ids, W13, W2))
+    stats = layer_stats(engine)
+    assert stats["substituted_entries"] == 1 and stats["fetched_entries"] == 2
+    assert stats["loads"] == 2
+
+
+def test_buddy_without_co_activation_counts_fails_at_start():
+    with pytest.raises(SpecExpertConfigError, match="field 'calibration'.*co-activation"):
+        make_engine(miss_policy="buddy", calibration="unused")
+
+
+def test_random_substitutes_resident_unused_experts_repeatably():
+    runs = []
+    for _ in range(2):
+        engine = make_engine(miss_policy="random", buddy={"tau": 0.0, "beta": 1.0, "rho": 4})
+        x, w, ids = routing(IDS[:1])
+        runs.append(engine.run(NAME, slot_kernel, x, w, ids))
+        assert layer_stats(engine)["substituted_entries"] == 3
+        assert layer_stats(engine)["loads"] == 0
+    assert torch.equal(runs[0], runs[1])  # seeded
+    assert not torch.equal(runs[0], reference_moe(x, w, ids, W13, W2))
+
+
+class FixedHost:
+    def __init__(self, seconds_per_row):
+        self.seconds_per_row = seconds_per_row
+
+    def estimate(self, rows):
+        return self.seconds_per_row * np.asarray(rows, dtype=float)
+
+
+def test_auto_splits_misses_to_minimise_the_longer_of_link_and_host():
+    # Missing experts 9 (1 row), 10 (4 rows), 11 (29 rows) at 0.1 s/row: host times .1,
+    # .4, 2.9; one copy takes 1 s. Host gets j cheapest, link the rest:
+    # j=0: max(0, 3)=3; j=1: max(.1, 2)=2; j=2: max(.5, 1)=1; j=3: max(3.4, 0)=3.4 -> j=2.
+    ids = np.array([[9, 10, 0, 1]] + [[10, 11, 2, 3]] * 3 + [[11, 0, 1, 2]] * 26)
+    missing = ids >= 8
+    context = MissContext(copy_seconds=1.0, host=FixedHost(0.1))
+    on_host = host_share(ids, missing, context)
+    assert set(ids[on_host].tolist()) == {9, 10}
+    assert not on_host[missing & (ids == 11)].any() and not on_host[~missing].any()
+    # At 0.03 s per copy, fetching everything is best: j=0: .09 < j=1: max(.1, .06).
+    assert not host_share(ids, missing, MissContext(copy_seconds=0.03, host=FixedHost(0.1))).any()
+
+
+def test_auto_in_the_engine_follows_the_measured_costs():
+    slow_link = make_engine(miss_policy="auto", link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
+    fast_link = make_engine(miss_policy="auto",
+                            link={"bandwidth_gbps": 1e3, "host_slowdown": 1000})
+    x, w, ids = routing(IDS)
+    a = slow_link.run(NAME, slot_kernel, x, w, ids)
+    b = fast_link.run(NAME, slot_kernel, x, w, ids)
+    assert layer_stats(slow_link)["host_entries"] == 7  # a copy takes ~0.1 s: compute
+    assert layer_stats(fast_link)["fetched_entries"] == 7  # host 1000x slower: fetch
+    assert torch.equal(b, reference_moe(x, w, ids, W13, W2))
+    assert_equivalent(a, b)
+
+
+def test_host_cost_model_recovers_a_linear_cost():
+    model = HostCostModel()
+    for experts, rows in [(1, 1), (1, 8), (3, 5), (2, 20)]:
+        model.observe(experts, rows, 2e-4 * experts + 1e-5 * rows)
+    np.testing.assert_allclose(model.coef, [2e-4, 1e-5], rtol=1e-3)
+    np.testing.assert_allclose(model.seconds(np.array([0, 10])), [2e-4, 3e-4], rtol=1e-3)
+
+
+def test_torch_host_kernel_matches_the_reference():
+    x, w, ids = routing(IDS + [[3, 3, 5, 7]])  # a repeated expert within a token too
+    expected = reference_moe(x, w, ids, W13, W2)
+    # The torch kernel keeps the intermediate activations in bf16 (as fused GPU kernels
+    # do); the reference keeps them in fp32.
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(torch_experts(x, w, ids, TENSORS), expected, rtol=0,
+                               atol=2**-5 * scale)
+    swapped = {"w13_weight": W13.roll(W13.shape[1] // 2, dims=1), "w2_weight": W2}  # up and gate swapped
+    wrong = torch_experts(x, w, ids, swapped)
+    assert float((wrong - expected).abs().max()) > 2**-5 * scale  # the check can fail
+
+
+def test_prefill_passes_fetch_whatever_the_policy():
+    engine = make_engine(miss_policy="drop", max_decode_tokens=2)
+    x, w, ids = routing(IDS)  # 3 tokens > 2: a prefill pass
+    assert torch.equal(engine.run(NAME, slot_kernel, x, w, ids),
+                       reference_moe(x, w, ids, W13, W2))
+    assert layer_stats(engine)["dropped_entries"] == 0
