@@ -164,7 +164,8 @@ class OffloadEngine:
             ):
                 raise SpecExpertConfigError(
                     "calibration", f"miss_policy '{self.config.miss_policy}' needs the "
-                    f"calibration's co-activation counts, and layer {name} has none",
+                    "calibration's co-activation counts and TAE percentiles, and layer "
+                    f"{name} has none",
                     "set 'calibration' to a directory from `specexpert calibrate` for this model")
 
     def _make_predictor(self) -> None:

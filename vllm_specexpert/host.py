@@ -12,10 +12,11 @@ device computes the resident ones, and add the two outputs.
   device's work runs in that window). The layer call is charged
   ``max(t_device + t_host, host_slowdown * t_host)``: at most ``t_host`` more than a GPU
   box's ``max(t_device, host_slowdown * t_host)``, i.e. conservative against ``cpu``.
-* CUDA: the device kernel is launched first (asynchronous), the rows of ``x`` that need
-  host experts are read back (a host sync), computed with :func:`torch_experts` on the
-  pinned store, and the result is copied back and added on the device stream. NOT RUN
-  ON A GPU YET; :func:`torch_experts` itself is checked against vLLM's CPU kernel.
+* CUDA: the rows of ``x`` that need host experts are read back first (a sync on work
+  the router's ids already waited for), then the device kernel is launched
+  (asynchronous), the host computes its experts with :func:`torch_experts` on the pinned
+  store meanwhile, and the result is copied back and added on the device stream. NOT
+  RUN ON A GPU YET; :func:`torch_experts` itself is checked against a reference here.
 
 :class:`HostCostModel` predicts a host computation's duration for ``auto``: seconds =
 ``per_expert * experts + per_row * rows``, seeded by two probes and refit online.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -124,19 +126,13 @@ class HostExperts:
     def _charged(self, measured: float) -> float:
         return measured * self.slowdown if self.slowdown is not None else measured
 
-    def add(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        ids: np.ndarray,
-        on_host: np.ndarray,
-        started_at: float,
-    ) -> tuple[float, float]:
-        """``out += `` the host-computed entries ``on_host`` ([T, K] mask over ``ids``)
-        of the routing. ``started_at`` is when the layer call started (the device's
-        work counts as running in parallel from then). Returns (host seconds charged,
-        seconds the call waited for the host beyond its own work)."""
+    def stage(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, ids: np.ndarray, on_host: np.ndarray
+    ) -> HostJob:
+        """Gather, on the host, the inputs of the entries ``on_host`` ([T, K] mask over
+        ``ids``). Called before the device kernel is launched: on CUDA this reads ``x``
+        back (a sync on work the router already waited for), so that the host compute
+        then overlaps the device kernel instead of waiting for it."""
         rows = np.flatnonzero(on_host.any(axis=1))
         mask = on_host[rows]
         # Entries of these rows that are not for the host point at one of the row's host
@@ -144,20 +140,42 @@ class HostExperts:
         first = ids[rows, mask.argmax(axis=1)]
         host_ids = np.where(mask, ids[rows], first[:, None])
         store = self.experts.tensors["w13_weight"].device
-        index = torch.from_numpy(rows).to(out.device)
-        weights = torch.where(torch.from_numpy(mask).to(out.device), topk_weights[index], 0.0)
+        index = torch.from_numpy(rows).to(x.device)
+        weights = torch.where(torch.from_numpy(mask).to(x.device), topk_weights[index], 0.0)
+        return HostJob(index=index, x=x[index].to(store), weights=weights.to(store),
+                       ids=torch.from_numpy(host_ids.astype(np.int32)),
+                       experts=len(np.unique(ids[on_host])), entries=int(mask.sum()))
+
+    def finish(self, job: HostJob, out: torch.Tensor, started_at: float) -> tuple[float, float]:
+        """Compute ``job`` and add it to ``out``. ``started_at`` is when the layer call
+        started (the device's work counts as running in parallel from then). Returns
+        (host seconds charged, seconds the call waited for the host beyond its own
+        work)."""
         start = time.perf_counter()
-        y = self.kernel(
-            x[index].to(store), weights.to(store),
-            torch.from_numpy(host_ids.astype(np.int32)), self.experts.tensors,
-        )
+        y = self.kernel(job.x, job.weights, job.ids, self.experts.tensors)
         measured = time.perf_counter() - start
-        out[index] += y.to(out.device, non_blocking=True)
+        out[job.index] += y.to(out.device, non_blocking=True)
         charged = self._charged(measured)
-        self.cost.observe(len(np.unique(ids[on_host])), int(mask.sum()), charged)
+        self.cost.observe(job.experts, job.entries, charged)
         waited = 0.0
         if self.slowdown is not None:
             ready_at = started_at + charged
             waited = max(0.0, ready_at - time.perf_counter())
             sleep_until(ready_at)
         return charged, waited
+
+
+@dataclass
+class HostJob:
+    """Host-side inputs of one layer call's host entries (see :meth:`HostExperts.stage`)."""
+
+    index: torch.Tensor
+    """Rows of the layer's batch that have host entries (on the device)."""
+    x: torch.Tensor
+    weights: torch.Tensor
+    """Routing weights of those rows, 0 for entries that are not the host's."""
+    ids: torch.Tensor
+    experts: int
+    """Distinct experts computed."""
+    entries: int
+    """(token, expert) entries computed."""

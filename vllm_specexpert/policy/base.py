@@ -146,6 +146,7 @@ class MissPolicy:
             kept = torch.where(device_mask, weights, 0.0).sum(-1, keepdim=True)
             weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
         started_at = time.perf_counter()
+        host_job = context.host.stage(x, topk_weights, ids, on_host) if on_host.any() else None
         rows = np.flatnonzero(on_device.any(axis=1))
         if len(rows) == ids.shape[0] and on_device.all():
             new_ids = torch.from_numpy(plan.topk_ids).to(topk_ids.device, topk_ids.dtype)
@@ -168,9 +169,9 @@ class MissPolicy:
             elif before_kernel is not None:
                 cache.begin_run(np.zeros(0, dtype=np.int64))
                 before_kernel()
-        if on_host.any():
-            charged, waited = context.host.add(out, x, topk_weights, ids, on_host, started_at)
-            stats.host_experts += len(np.unique(ids[on_host]))
+        if host_job is not None:
+            charged, waited = context.host.finish(host_job, out, started_at)
+            stats.host_experts += host_job.experts
             stats.host_s += charged
             stats.host_stall_s += waited
         return out
