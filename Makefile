@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python benchmarks/tpot.py
 	$(BIN)/python benchmarks/prefetch.py
 	$(BIN)/python benchmarks/accuracy.py
+	$(BIN)/python benchmarks/miss_policies.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -16,7 +16,7 @@ Per mode:
 * teacher-forced decode (:mod:`vllm_specexpert.teacher_forcing`): ``--windows`` held-out
   windows, each a 16-token prompt and a 96-token continuation forced one decode step at a
   time at batch 1, so every position runs the mode's real decode path (cache, misses,
-  link). ``accuracy`` = the model's top-1 is the actual next token; ``nll`` = its mean
+  link), after one warm-up window. ``accuracy`` = the model's top-1 is the actual next token; ``nll`` = its mean
   negative log-likelihood; ``agree`` = top-1 equals exact's top-1 at the same position
   (same context); ``tok/s`` = forced tokens / wall time of these runs (batch 1);
   ``MB/token`` = link bytes / forced tokens;
@@ -109,6 +109,7 @@ def teacher_forced(llm, windows: list[list[int]]) -> dict:
 def measure(llm, windows, prompts, plugin: bool) -> dict:
     import vllm_specexpert
 
+    teacher_forced(llm, windows[:1])  # warm-up: compiled shapes, the rebuilt cache
     if plugin:
         vllm_specexpert.reset_stats(llm)
     forced = teacher_forced(llm, windows)

@@ -74,3 +74,30 @@ def test_fetch_with_vllm_kernel_is_bit_exact(num_slots):
         x, w, ids = random_routing(tokens, E, K, hidden=H, seed=step)
         assert torch.equal(fetch.run(cache, kernel, x, w, ids), run(x, w, ids, p13, p2))
     assert cache.stats.misses > 0
+
+
+def test_masked_entries_add_nothing():
+    """Miss policies mask entries by pointing them at one of the token's other experts
+    with weight 0; the kernel's result must equal the launch without those entries."""
+    p13, p2, _ = prepacked()
+    x, w, ids = random_routing(9, E, K, hidden=H, seed=5)
+    masked_ids = ids.clone()
+    masked_ids[:, 3] = ids[:, 0]
+    masked_w = w.clone()
+    masked_w[:, 3] = 0
+    assert torch.equal(run(x, masked_w, masked_ids, p13, p2),
+                       run(x, w[:, :3].contiguous(), ids[:, :3].contiguous(), p13, p2))
+
+
+def test_torch_host_kernel_matches_vllm_cpu_kernel():
+    """``torch_experts`` (the host kernel on CUDA builds) computes what vLLM's kernel does."""
+    from vllm_specexpert.host import torch_experts
+
+    p13, p2, w13 = prepacked()
+    g = torch.Generator().manual_seed(0)
+    torch.randn(E, 2 * I, H, generator=g)  # same stream as prepacked(): w2 comes second
+    w2 = (torch.randn(E, H, I, generator=g) * 0.05).bfloat16()
+    x, w, ids = random_routing(9, E, K, hidden=H, seed=6)
+    expected = run(x, w, ids, p13, p2)
+    got = torch_experts(x, w, ids, {"w13_weight": w13, "w2_weight": w2})
+    torch.testing.assert_close(got, expected, rtol=0, atol=2**-6 * float(expected.abs().max()))
