@@ -49,6 +49,34 @@ def emulated_link(layer_seconds: float, expert_bytes: int, copy_compute_ratio: f
     return {"bandwidth_gbps": expert_bytes / copy_s / 1e9, "latency_us": latency_us}
 
 
+def add_engine_arguments(parser, name: str) -> None:
+    """Arguments every engine benchmark takes: model, calibration, link ratio, eager."""
+    parser.add_argument("--model", help="model directory (default: the embedded model)")
+    parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
+    parser.add_argument("--copy-compute-ratio", type=float, default=2.7)
+    parser.add_argument("--latency-us", type=float, default=10.0)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    parser.add_argument("--name", default=name, help="result file name")
+
+
+def link_like_a_gpu_box(vanilla, plugin, args) -> tuple[dict[str, float], float, int]:
+    """The emulated link of :func:`emulated_link` for this model, measured on the vanilla
+    engine. Returns (link config, vanilla batch-1 decode step seconds, bytes per expert)."""
+    import vllm_specexpert
+
+    prompt = held_out_prompts(1)
+    timed_generate(vanilla, prompt, 8)
+    step = decode_step_seconds(vanilla, prompt, 48, 2)
+    info = vllm_specexpert.get_stats(plugin)[0]
+    expert_bytes = next(iter(info["expert_bytes"].values()))
+    link = emulated_link(step / len(info["layers"]), expert_bytes, args.copy_compute_ratio,
+                         args.latency_us)
+    print(f"vanilla batch-1 step {step * 1e3:.2f} ms; emulated link "
+          f"{link['bandwidth_gbps']:.4f} GB/s + {args.latency_us} us/copy "
+          f"({expert_bytes / link['bandwidth_gbps'] / 1e3:.0f} us per expert)")
+    return link, step, expert_bytes
+
+
 def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
     """``count`` prompts: the first ``tokens`` tokens of the corpus's validation files
     (held-out text, never trained on), longest files first."""

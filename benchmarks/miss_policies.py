@@ -41,12 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy import agreement, greedy_tokens, held_out_windows  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
+    add_engine_arguments,
     command_line,
-    decode_step_seconds,
     default_calibration,
-    emulated_link,
     held_out_prompts,
-    timed_generate,
+    link_like_a_gpu_box,
     write_result,
 )
 
@@ -150,16 +149,11 @@ def summarize(name: str, budget: float | None, m: dict, exact: dict, windows) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: the embedded model)")
-    parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
+    add_engine_arguments(parser, "miss_policies")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--paper-budgets", type=float, nargs="+", default=[0.75, 0.5, 0.375])
     parser.add_argument("--windows", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--copy-compute-ratio", type=float, default=2.7)
-    parser.add_argument("--latency-us", type=float, default=10.0)
-    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
-    parser.add_argument("--name", default="miss_policies")
     args = parser.parse_args()
 
     import vllm_specexpert
@@ -173,15 +167,7 @@ def main() -> None:
     vanilla = start_engine(model, None, eager=args.eager, logits_processors=[TeacherForcing])
     plugin = start_engine(model, {"budget": args.budgets[0], "calibration": calibration},
                           eager=args.eager, logits_processors=[TeacherForcing])
-
-    timed_generate(vanilla, prompts[:1], 8)
-    vanilla_step = decode_step_seconds(vanilla, prompts[:1], 48, 2)
-    info = vllm_specexpert.get_stats(plugin)[0]
-    expert_bytes = next(iter(info["expert_bytes"].values()))
-    link = emulated_link(vanilla_step / len(info["layers"]), expert_bytes,
-                         args.copy_compute_ratio, args.latency_us)
-    print(f"vanilla batch-1 step {vanilla_step * 1e3:.2f} ms; emulated link "
-          f"{link['bandwidth_gbps']:.4f} GB/s + {args.latency_us} us/copy; host slowdown 14")
+    link, vanilla_step, expert_bytes = link_like_a_gpu_box(vanilla, plugin, args)
 
     vanilla_m = measure(vanilla, windows, prompts, plugin=False)
     tables: dict[str, list[dict]] = {"policies": [], "paper": []}

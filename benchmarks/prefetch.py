@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS,
     command_line,
+    add_engine_arguments,
     decode_step_seconds,
-    emulated_link,
     held_out_prompts,
+    link_like_a_gpu_box,
     timed_generate,
     write_result,
 )
@@ -101,17 +102,12 @@ def plot(cases: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: the embedded model)")
-    parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
+    add_engine_arguments(parser, "prefetch")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--copy-compute-ratio", type=float, default=2.7)
-    parser.add_argument("--latency-us", type=float, default=10.0)
-    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
-    parser.add_argument("--name", default="prefetch")
     args = parser.parse_args()
 
     import vllm_specexpert
@@ -124,17 +120,7 @@ def main() -> None:
     plugin = start_engine(model, {"budget": args.budgets[0], "predictor": "quasi_hidden",
                                   "calibration": calibration}, eager=args.eager)
     prompts = held_out_prompts(max(args.batches))
-
-    timed_generate(vanilla, prompts[:1], 8)
-    vanilla_step = decode_step_seconds(vanilla, prompts[:1], args.max_tokens, args.repeats)
-    info = vllm_specexpert.get_stats(plugin)[0]
-    num_layers = len(info["layers"])
-    expert_bytes = next(iter(info["expert_bytes"].values()))
-    link = emulated_link(vanilla_step / num_layers, expert_bytes, args.copy_compute_ratio,
-                         args.latency_us)
-    print(f"vanilla batch-1 step {vanilla_step * 1e3:.2f} ms; emulated link "
-          f"{link['bandwidth_gbps']:.4f} GB/s + {args.latency_us} us/copy "
-          f"({expert_bytes / link['bandwidth_gbps'] / 1e3:.0f} us per expert)")
+    link, vanilla_step, expert_bytes = link_like_a_gpu_box(vanilla, plugin, args)
 
     cases = []
     for batch in args.batches:
