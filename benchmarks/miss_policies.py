@@ -238,9 +238,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 6))
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, reverse=True)
     markers = dict(zip(budgets, "os^v"))
+    vanilla = next(r for r in rows if r["budget"] is None)  # one per budget, same run
+    ax.axvline(vanilla["tok_s"], color="grey", ls=":", label="vanilla (all resident)")
     for r in rows:
         if r["budget"] is None:
-            ax.axvline(r["tok_s"], color="grey", ls=":", label="vanilla (all resident)")
             continue
         ax.scatter(r["tok_s"], r["agree"], marker=markers[r["budget"]], s=40)
         ax.annotate(f"{r['mode'].split(' ')[0]} {r['budget']}", (r["tok_s"], r["agree"]),
