@@ -26,7 +26,6 @@ MISS_POLICY_OUTPUT = {
 """What each miss policy does to the model's output: ``exact`` (bit-identical to vanilla
 vLLM), ``equivalent`` (the same experts and weights, summed in another order: equal up to
 rounding) or ``approximate`` (other experts or weights run: the output changes)."""
-NEEDS_CALIBRATION = ("buddy", "auto_buddy")
 PREDICTORS = ("none", "router", "quasi_hidden")
 PREFETCH_FILTERS = ("cost", "all")
 
@@ -239,10 +238,10 @@ class SpecExpertConfig:
                 "miss_policy", "'speculate' runs predicted experts, but 'predictor' is 'none'",
                 'set "predictor": "router" or "quasi_hidden"',
             )
-        needs_tae = self.miss_policy == "random" and self.buddy.tau is None
-        if (self.miss_policy in NEEDS_CALIBRATION or needs_tae) and self.calibration is None:
-            why = ("buddy lists come from its co-activation counts" if not needs_tae else
-                   "the TAE gate's tau comes from its percentiles (buddy.tau_percentile)")
+        if self.needs_routing_statistics and self.calibration is None:
+            why = ("the TAE gate's tau comes from its percentiles (buddy.tau_percentile)"
+                   if self.miss_policy == "random" else
+                   "buddy lists come from its co-activation counts")
             raise SpecExpertConfigError(
                 "calibration", f"miss_policy '{self.miss_policy}' needs a calibration: {why}",
                 "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\"",
@@ -252,6 +251,13 @@ class SpecExpertConfig:
                 "calibration", "predictor 'quasi_hidden' needs default vectors, and none is set",
                 "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\"",
             )
+
+    @property
+    def needs_routing_statistics(self) -> bool:
+        """Whether the miss policy needs the calibration's co-activation counts (buddy
+        lists) or TAE percentiles (a percentile tau)."""
+        return self.miss_policy in ("buddy", "auto_buddy") or (
+            self.miss_policy == "random" and self.buddy.tau is None)
 
     @property
     def output(self) -> str:

@@ -45,6 +45,13 @@ from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import make_link
 
 
+HOST_POLICIES = ("cpu", "auto", "auto_buddy")
+"""Miss policies that compute experts on the host."""
+SUBSTITUTING_POLICIES = ("buddy", "auto_buddy", "random")
+"""Miss policies that substitute experts (behind the calibrated gates)."""
+
+
+
 @dataclass
 class LayerInfo:
     top_k: int
@@ -133,7 +140,7 @@ class OffloadEngine:
         info, cache, config = self.layers[name], self.caches[name], self.config
         policy = config.miss_policy
         context = MissContext(copy_seconds=self.link.expert_seconds(cache.experts))
-        if policy in ("cpu", "auto", "auto_buddy"):
+        if policy in HOST_POLICIES:
             if info.host_kernel is None:
                 raise SpecExpertConfigError(
                     "miss_policy", f"'{policy}' needs a host kernel, and layer {name} has none",
@@ -141,13 +148,14 @@ class OffloadEngine:
             link = config.link
             context.host = HostExperts(cache.experts, info.host_kernel,
                                        link.host_slowdown if link.emulated else None)
-        if policy in ("buddy", "auto_buddy", "random"):
+        if policy in SUBSTITUTING_POLICIES:
             buddy = config.buddy
             tau = buddy.tau
-            if policy != "random" or tau is None:
+            if config.needs_routing_statistics:
                 if info.coactivation is None:  # the adapter sets them at load time
                     return
-                context.buddies = buddy_lists(info.coactivation, buddy.alpha, buddy.k_max)
+                if policy != "random":
+                    context.buddies = buddy_lists(info.coactivation, buddy.alpha, buddy.k_max)
                 if tau is None:
                     tau = float(np.interp(buddy.tau_percentile, np.linspace(0, 100, 101),
                                           info.tae_percentiles))
@@ -158,10 +166,7 @@ class OffloadEngine:
         """Once every layer is loaded and wired: fail at engine start, not mid-generation,
         when the miss policy lacks its calibration data."""
         for name, info in self.layers.items():
-            if info.miss_context is None or (
-                self.config.miss_policy in ("buddy", "auto_buddy")
-                and info.miss_context.buddies is None
-            ):
+            if info.miss_context is None:
                 raise SpecExpertConfigError(
                     "calibration", f"miss_policy '{self.config.miss_policy}' needs the "
                     "calibration's co-activation counts and TAE percentiles, and layer "
@@ -194,6 +199,18 @@ class OffloadEngine:
                 "calibration", "is read when the model loads and cannot change at run time",
                 "start a new engine with the new 'calibration'",
             )
+        if config.miss_policy in HOST_POLICIES and any(
+            info.host_kernel is None for info in self.layers.values()
+        ):
+            raise SpecExpertConfigError(
+                "miss_policy", f"'{config.miss_policy}' needs a host kernel, and a layer has none",
+                "use 'fetch' (this layer type cannot compute experts on the host)")
+        if config.needs_routing_statistics and any(
+            info.coactivation is None for info in self.layers.values()
+        ):
+            raise SpecExpertConfigError(
+                "calibration", f"miss_policy '{config.miss_policy}' needs the calibration's "
+                "routing statistics, loaded at engine start", "start the engine with 'calibration' set")
         if config.predictor == "quasi_hidden" and not self.default_vectors:
             raise SpecExpertConfigError(
                 "predictor", "quasi_hidden needs the calibration loaded at engine start",
@@ -248,9 +265,8 @@ class OffloadEngine:
             def before_kernel() -> None:
                 self._predict_and_prefetch(name, info, state)
 
-        context = None
-        if x.shape[0] <= self.config.max_decode_tokens:
-            context = info.miss_context
+        context = info.miss_context if x.shape[0] <= self.config.max_decode_tokens else None
+        if context is not None:
             context.copy_seconds = self.link.expert_seconds(cache.experts)
         out = self.miss_policy.run(cache, kernel, x, topk_weights, topk_ids, before_kernel,
                                    context)
