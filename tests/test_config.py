@@ -50,6 +50,7 @@ def test_absent_key_means_inert():
         ({"buddy": {"k_max": 2.5}}, "buddy.k_max"),
         ({"buddy": {"kmax": 4}}, "buddy.kmax"),
         ({"buddy": [1]}, "buddy"),
+        ({"admit_host_experts": "yes"}, "admit_host_experts"),
         ({"stats_path": 3}, "stats_path"),
         ({"stats_interval_s": -1}, "stats_interval_s"),
     ],

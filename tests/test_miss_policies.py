@@ -69,7 +69,8 @@ def test_drop_runs_resident_experts_with_renormalised_weights():
 
 
 def test_cpu_computes_misses_on_the_host_equal_to_fetch():
-    cpu, fetch = make_engine(miss_policy="cpu"), make_engine(miss_policy="fetch")
+    cpu = make_engine(miss_policy="cpu", admit_host_experts=False)
+    fetch = make_engine(miss_policy="fetch")
     for step in range(3):
         x, w, ids = routing(IDS, seed=step)
         a = cpu.run(NAME, slot_kernel, x, w, ids)
@@ -84,6 +85,20 @@ def test_cpu_computes_misses_on_the_host_equal_to_fetch():
     assert cpu.stats()["output"] == "equivalent"
     fetched = layer_stats(fetch)
     assert fetched["fetched_entries"] == fetched["missed_entries"] >= 7 and fetched["loads"] >= 7
+
+
+def test_cpu_admits_the_most_used_host_expert_on_an_idle_link():
+    engine = make_engine(miss_policy="cpu")
+    x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])  # 9 serves two tokens
+    first = engine.run(NAME, slot_kernel, x, w, ids)
+    cache = engine.caches[NAME]
+    assert cache.resident_mask()[9] and not cache.resident_mask()[[10, 11]].any()
+    second = engine.run(NAME, slot_kernel, x, w, ids)  # 9 now runs on the device
+    assert_equivalent(second, first)
+    stats = layer_stats(engine)
+    assert stats["admitted"] == stats["loads"] == stats["prefetch_used"] == 1
+    assert stats["host_entries"] == 4 + 2 and stats["missed_entries"] == 4 + 2
+    assert stats["max_resident"] <= 8
 
 
 def test_cpu_with_an_emulated_host_is_held_to_the_slowdown():

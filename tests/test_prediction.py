@@ -109,6 +109,7 @@ def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
     assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03
     stats = vllm_specexpert.get_stats(llm)[0]
     assert stats["output"] == "equivalent" and not stats["exact"]
+    assert stats["total"]["admitted"] > 0  # host-computed experts enter the cache
     for layer in stats["layers"].values():
         assert layer["host_entries"] > 0 and layer["host_s"] > 0
         assert layer["max_resident"] <= int(BUDGET * 32)

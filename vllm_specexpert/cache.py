@@ -246,6 +246,15 @@ class ExpertCache:
         self.stats.max_resident = max(self.stats.max_resident, self.num_resident())
         return len(missing)
 
+    def admit(self, expert: int) -> bool:
+        """Load ``expert`` in the background if the link is idle (it was just computed
+        elsewhere and may be wanted again). Returns whether it was queued."""
+        if self.expert_slot[expert] >= 0 or not self.link.idle():
+            return False
+        queued = self.prefetch(np.array([expert]))
+        self.stats.admitted += queued
+        return bool(queued)
+
     def _evictable(self, protect: np.ndarray) -> np.ndarray:
         evictable = self.resident_mask() & ~self.policy.pinned & ~self.protected
         evictable[protect] = False

@@ -159,6 +159,13 @@ class SpecExpertConfig:
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
     layer to predict it anyway)."""
 
+    admit_host_experts: bool = True
+    """Under ``cpu``, ``auto`` and ``auto_buddy``: after a layer call computed missing
+    experts on the host, load the one with the most tokens into the cache in the
+    background if the link is idle (evicting by ``cache`` policy), so that the cache keeps
+    following the routing as it does under ``fetch``. ``false``: the cache never changes
+    under ``cpu`` (warm-start experts only)."""
+
     max_decode_tokens: int = 64
     """Forward passes of at most this many tokens count as decode: prediction,
     prefetch, speculation and the miss policies apply to them. Larger passes (prefill)
@@ -217,6 +224,12 @@ class SpecExpertConfig:
             kwargs["max_decode_tokens"] = int(_parse_number(
                 "max_decode_tokens", raw["max_decode_tokens"], minimum=1, inclusive=True,
                 integer=True))
+        if "admit_host_experts" in raw:
+            if not isinstance(raw["admit_host_experts"], bool):
+                raise SpecExpertConfigError(
+                    "admit_host_experts", f"must be true or false, got {raw['admit_host_experts']!r}",
+                    "give a boolean")
+            kwargs["admit_host_experts"] = raw["admit_host_experts"]
         if "link" in raw:
             kwargs["link"] = _parse_link(raw["link"])
         if "buddy" in raw:

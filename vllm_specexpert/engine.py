@@ -148,6 +148,7 @@ class OffloadEngine:
             link = config.link
             context.host = HostExperts(cache.experts, info.host_kernel,
                                        link.host_slowdown if link.emulated else None)
+            context.admit_host_experts = config.admit_host_experts
         if policy in SUBSTITUTING_POLICIES:
             buddy = config.buddy
             tau = buddy.tau

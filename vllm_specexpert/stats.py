@@ -34,8 +34,11 @@ class LayerStats:
     """Seconds the compute waited on this layer's transfers (on-demand loads, and
     prefetches not finished when the layer needed them)."""
     prefetched: int = 0
-    """Experts loaded ahead of use by a prediction made at the previous layer
-    (cancelled ones excluded)."""
+    """Experts loaded ahead of use, by a prediction made at the previous layer or as
+    ``admitted`` experts (cancelled ones excluded)."""
+    admitted: int = 0
+    """Of those, experts computed on the host and then loaded in the background on an
+    idle link (``admit_host_experts``)."""
     bytes_prefetched: int = 0
     """Bytes of those prefetches (included in ``bytes_loaded``)."""
     prefetch_used: int = 0

@@ -75,6 +75,11 @@ class Link(ABC):
         self.cancel(transfer)
 
     @abstractmethod
+    def idle(self) -> bool:
+        """Whether no transfer is queued or moving now (a background load would not
+        delay anything)."""
+
+    @abstractmethod
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         """Expected link time of one transfer of ``copies`` tensors, ``nbytes`` in all."""
 
@@ -225,6 +230,13 @@ class CpuLink(Link):
         if not self.cancel(transfer):
             transfer.perform()  # a waiter may overtake the copy thread: finish it first
 
+    def idle(self) -> bool:
+        now = time.perf_counter()
+        if self.config.emulated:
+            self._advance(now)
+            return not self._pending and self._link_free_at <= now
+        return self._jobs.empty()
+
     def _advance(self, now: float) -> None:
         """Start, in order, every queued transfer the emulated link reached by ``now``."""
         while self._pending and self._link_free_at <= now:
@@ -311,6 +323,11 @@ class CudaLink(Link):
             transfer.cancelled = True
             return True
         return False
+
+    def idle(self) -> bool:
+        self._pump()
+        return not self._pending and (
+            self._last_prefetch is None or self._last_prefetch.event.query())
 
     def _pump(self) -> None:
         """Issue the next queued prefetch once the previous one has finished (a

@@ -37,6 +37,8 @@ class MissContext:
     """``[E, K_max]`` buddy lists, best first, -1 padded (``buddy``, ``auto_buddy``)."""
     gates: BuddyGates | None = None
     """Substitution gates with this layer's tau."""
+    admit_host_experts: bool = False
+    """Load the most-used host-computed expert in the background on an idle link."""
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
 
@@ -174,4 +176,7 @@ class MissPolicy:
             stats.host_experts += host_job.experts
             stats.host_s += charged
             stats.host_stall_s += waited
+            if context.admit_host_experts:
+                experts, counts = np.unique(ids[on_host], return_counts=True)
+                cache.admit(int(experts[np.argmax(counts)]))
         return out
