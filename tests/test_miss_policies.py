@@ -93,12 +93,30 @@ def test_cpu_admits_the_most_used_host_expert_on_an_idle_link():
     first = engine.run(NAME, slot_kernel, x, w, ids)
     cache = engine.caches[NAME]
     assert cache.resident_mask()[9] and not cache.resident_mask()[[10, 11]].any()
+    deadline = time.monotonic() + 10
+    while not cache.ready_mask()[9]:  # the copy thread lands it (microseconds)
+        assert time.monotonic() < deadline
+        time.sleep(1e-3)
     second = engine.run(NAME, slot_kernel, x, w, ids)  # 9 now runs on the device
     assert_equivalent(second, first)
     stats = layer_stats(engine)
-    assert stats["admitted"] == stats["loads"] == stats["prefetch_used"] == 1
+    # 9 was used from the cache; the second call admitted 10 (ties: lowest id).
+    assert stats["prefetch_used"] == 1 and stats["admitted"] == stats["loads"] == 2
+    assert cache.resident_mask()[[9, 10]].all()
     assert stats["host_entries"] == 4 + 2 and stats["missed_entries"] == 4 + 2
     assert stats["max_resident"] <= 8
+
+
+def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting():
+    # One copy takes ~30 ms on this link: the admitted expert 9 has not landed when the
+    # next call comes, so the host computes it again and nothing waits for the link.
+    engine = make_engine(miss_policy="cpu", link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
+    x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])
+    engine.run(NAME, slot_kernel, x, w, ids)
+    engine.run(NAME, slot_kernel, x, w, ids)
+    stats = layer_stats(engine)
+    assert stats["admitted"] == 1  # the second call found the link busy
+    assert stats["host_entries"] == 4 + 4 and stats["stall_s"] == 0
 
 
 def test_cpu_with_an_emulated_host_is_held_to_the_slowdown():

@@ -137,6 +137,15 @@ class ExpertCache:
     def resident_mask(self) -> np.ndarray:
         return self.expert_slot >= 0
 
+    def ready_mask(self) -> np.ndarray:
+        """Resident experts whose data is usable now: in-flight copies that have not
+        landed yet are left out (a policy that can compute them elsewhere need not wait)."""
+        mask = self.expert_slot >= 0
+        for slot, transfer in self._in_flight.items():
+            if not transfer.ready():
+                mask[self.slot_expert[slot]] = False
+        return mask
+
     def num_resident(self) -> int:
         return int((self.slot_expert >= 0).sum())
 

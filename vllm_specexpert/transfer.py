@@ -48,6 +48,10 @@ class Transfer(ABC):
         """Block the compute until the copied data is usable. Returns the seconds the
         host stalled (0.0 where the wait is stream-side)."""
 
+    @abstractmethod
+    def ready(self) -> bool:
+        """Whether the copied data is usable now (never blocks)."""
+
 
 class Link(ABC):
     """Moves experts from the slow tier to device slots, one copy engine's worth."""
@@ -158,6 +162,13 @@ class _CpuTransfer(Transfer):
         self._copy()
         self.done.set()
         return True
+
+    def ready(self) -> bool:
+        if self.done is not None and not self.done.is_set():
+            return False
+        now = time.perf_counter()
+        self.link._advance(now)
+        return self.ready_at is not None and self.ready_at <= now
 
     def wait(self) -> float:
         start = time.perf_counter()
@@ -278,6 +289,9 @@ class _CudaTransfer(Transfer):
         self.prefetch = prefetch
         self.event: torch.cuda.Event | None = None
         """Recorded on the copy stream once issued."""
+
+    def ready(self) -> bool:
+        return self.event is not None and self.event.query()
 
     def wait(self) -> float:
         if self.event is None:

@@ -64,6 +64,9 @@ class MissPolicy:
     """Resolves one MoE layer's routed entries against its device cache."""
 
     name: str = "fetch"
+    waits_for_copies: bool = True
+    """Whether an expert still being copied counts as resident (the call waits for it).
+    Policies that can compute it on the host instead treat it as missing."""
 
     def routing(
         self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prediction: Prediction | None
@@ -101,7 +104,10 @@ class MissPolicy:
         # On CUDA this is the host sync that on-demand loading cannot avoid: which
         # experts to copy is only known once the router has run.
         ids = topk_ids.cpu().numpy()
-        resident = cache.resident_mask()
+        if context is None or self.waits_for_copies:
+            resident = cache.resident_mask()
+        else:
+            resident = cache.ready_mask()
         missing = ~resident[ids]
         stats.missed_entries += int(np.count_nonzero(missing))
         plan = None

@@ -23,6 +23,7 @@ from vllm_specexpert.policy.substitute import substitution_plan
 
 class CpuPolicy(MissPolicy):
     name = "cpu"
+    waits_for_copies = False
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:
@@ -43,6 +44,7 @@ def host_share(ids: np.ndarray, missing: np.ndarray, context: MissContext) -> np
 
 class AutoPolicy(MissPolicy):
     name = "auto"
+    waits_for_copies = False
     substitutes = False
     """Whether buddies are substituted first (``auto_buddy``)."""
 
