@@ -58,14 +58,17 @@ UNGATED = {"tau": 0.0, "beta": 1.0}
 POLICIES = {
     "fetch (exact)": {"miss_policy": "fetch"},
     "cpu": {"miss_policy": "cpu"},
+    "cpu + admission": {"miss_policy": "cpu", "admit_host_experts": True},
     "auto": {"miss_policy": "auto"},
+    "auto + admission": {"miss_policy": "auto", "admit_host_experts": True},
     "buddy": {"miss_policy": "buddy"},
     "auto_buddy": {"miss_policy": "auto_buddy"},
     "random": {"miss_policy": "random"},
     "drop": {"miss_policy": "drop"},
 }
 """Table 1: each policy with its defaults (buddy gates: tau at the 15th TAE percentile,
-beta 0.75, rho 3, alpha 0.95, K_max 16)."""
+beta 0.75, rho 3, alpha 0.95, K_max 16; no admission of host-computed experts unless
+marked)."""
 
 PAPER_ROWS = {
     "original (fetch)": {"miss_policy": "fetch"},
@@ -151,7 +154,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_arguments(parser, "miss_policies")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
-    parser.add_argument("--paper-budgets", type=float, nargs="+", default=[0.75, 0.5, 0.375])
+    parser.add_argument("--paper-budgets", type=float, nargs="*", default=[0.75, 0.5, 0.375],
+                        help="budgets of table 2 (none: skip it)")
+    parser.add_argument("--modes", nargs="+", help="run only these table-1 modes "
+                        "(the first must be the exact one)")
     parser.add_argument("--windows", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=16)
     args = parser.parse_args()
@@ -171,14 +177,15 @@ def main() -> None:
 
     vanilla_m = measure(vanilla, windows, prompts, plugin=False)
     tables: dict[str, list[dict]] = {"policies": [], "paper": []}
-    for table, budgets, modes in (("policies", args.budgets, POLICIES),
+    policies = {n: m for n, m in POLICIES.items() if not args.modes or n in args.modes}
+    for table, budgets, modes in (("policies", args.budgets, policies),
                                   ("paper", args.paper_budgets, PAPER_ROWS)):
         for budget in budgets:
             results = {}
             for name, mode in modes.items():
                 buddy = {**DEFAULT_BUDDY, **mode.get("buddy", {})}
                 vllm_specexpert.reconfigure(plugin, budget=budget, link=link, predictor="none",
-                                            **{**mode, "buddy": buddy})
+                                            **{"admit_host_experts": False, **mode, "buddy": buddy})
                 results[name] = measure(plugin, windows, prompts, plugin=True)
             exact = next(iter(results.values()))
             assert exact["forced"]["top1"] == vanilla_m["forced"]["top1"], "fetch must be exact"

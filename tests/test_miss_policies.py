@@ -69,7 +69,7 @@ def test_drop_runs_resident_experts_with_renormalised_weights():
 
 
 def test_cpu_computes_misses_on_the_host_equal_to_fetch():
-    cpu = make_engine(miss_policy="cpu", admit_host_experts=False)
+    cpu = make_engine(miss_policy="cpu")  # no admission: the cache never changes
     fetch = make_engine(miss_policy="fetch")
     for step in range(3):
         x, w, ids = routing(IDS, seed=step)
@@ -88,7 +88,7 @@ def test_cpu_computes_misses_on_the_host_equal_to_fetch():
 
 
 def test_cpu_admits_the_most_used_host_expert_on_an_idle_link():
-    engine = make_engine(miss_policy="cpu")
+    engine = make_engine(miss_policy="cpu", admit_host_experts=True)
     x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])  # 9 serves two tokens
     first = engine.run(NAME, slot_kernel, x, w, ids)
     cache = engine.caches[NAME]
@@ -110,7 +110,8 @@ def test_cpu_admits_the_most_used_host_expert_on_an_idle_link():
 def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting():
     # One copy takes ~30 ms on this link: the admitted expert 9 has not landed when the
     # next call comes, so the host computes it again and nothing waits for the link.
-    engine = make_engine(miss_policy="cpu", link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
+    engine = make_engine(miss_policy="cpu", admit_host_experts=True,
+                         link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
     x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])
     engine.run(NAME, slot_kernel, x, w, ids)
     engine.run(NAME, slot_kernel, x, w, ids)

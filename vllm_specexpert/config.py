@@ -159,12 +159,15 @@ class SpecExpertConfig:
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
     layer to predict it anyway)."""
 
-    admit_host_experts: bool = True
+    admit_host_experts: bool = False
     """Under ``cpu``, ``auto`` and ``auto_buddy``: after a layer call computed missing
     experts on the host, load the one with the most tokens into the cache in the
     background if the link is idle (evicting by ``cache`` policy), so that the cache keeps
-    following the routing as it does under ``fetch``. ``false``: the cache never changes
-    under ``cpu`` (warm-start experts only)."""
+    following the routing as it does under ``fetch``. Off by default: on the embedded
+    model it gained 4-5 % tok/s at budget 0.5 but lost 3-10 % at 0.25, where admitted
+    experts are evicted before reuse and occupy the link that ``auto`` fetches need
+    (``benchmarks/results/miss_policies.json``). Off, the cache keeps its warm-start experts
+    under ``cpu`` (llama.cpp/KTransformers-style static placement)."""
 
     max_decode_tokens: int = 64
     """Forward passes of at most this many tokens count as decode: prediction,
