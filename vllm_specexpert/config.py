@@ -164,10 +164,11 @@ class SpecExpertConfig:
     experts on the host, load the one with the most tokens into the cache in the
     background if the link is idle (evicting by ``cache`` policy), so that the cache keeps
     following the routing as it does under ``fetch``. Off by default: on the embedded
-    model it gained 4-5 % tok/s at budget 0.5 but lost 3-10 % at 0.25, where admitted
-    experts are evicted before reuse and occupy the link that ``auto`` fetches need
-    (``benchmarks/results/miss_policies.json``). Off, the cache keeps its warm-start experts
-    under ``cpu`` (llama.cpp/KTransformers-style static placement)."""
+    model it cut host entries by 20-40 % but its effect on tok/s stayed within run-to-run
+    noise (-10 % to +5 %, ``benchmarks/results/miss_policies.json`` and one earlier run),
+    and it makes the host/device split, hence the rounding, depend on timing. Off, the
+    cache keeps its warm-start experts under ``cpu`` (static placement, as in
+    llama.cpp/KTransformers)."""
 
     max_decode_tokens: int = 64
     """Forward passes of at most this many tokens count as decode: prediction,
