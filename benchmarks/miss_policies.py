@@ -230,7 +230,8 @@ def print_markdown(rows: list[dict]) -> None:
         e = r.get("entries_per_token")
         entries = (f"{e['fetched']:.2f} / {e['host']:.2f} / {e['substituted']:.2f} / "
                    f"{e['dropped']:.2f}") if e else ""
-        print(f"| {r['budget'] if r['budget'] is not None else ''} | {r['mode']} "
+        mode = r["mode"].replace("|", "\\|")  # |B| in BuddyMoE's row names
+        print(f"| {r['budget'] if r['budget'] is not None else ''} | {mode} "
               f"| {r['accuracy']:.4f} | {r['nll']:.3f} | {r['agree']:.3f} "
               f"| {r['greedy_agreement']:.3f} | {r['greedy_prefix']:.3f} | {r['tok_s']:.1f} "
               f"| {r.get('mb_per_token', 0):.3f} | {entries} |")
