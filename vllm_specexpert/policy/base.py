@@ -155,13 +155,13 @@ class MissPolicy:
             weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
         started_at = time.perf_counter()
         host_job = context.host.stage(x, topk_weights, ids, on_host) if on_host.any() else None
-        rows = np.flatnonzero(on_device.any(axis=1))
-        if len(rows) == ids.shape[0] and on_device.all():
+        if on_device.all():
             new_ids = torch.from_numpy(plan.topk_ids).to(topk_ids.device, topk_ids.dtype)
             out = run_on_device(cache, kernel, x, weights, new_ids, plan.topk_ids, before_kernel)
         else:
             # Masked entries point at one of their token's device experts, weight 0: the
             # kernel has a fixed top-k, and adding 0 changes nothing.
+            rows = np.flatnonzero(on_device.any(axis=1))
             mask = on_device[rows]
             first = plan.topk_ids[rows, mask.argmax(axis=1)]
             device_ids = np.where(mask, plan.topk_ids[rows], first[:, None])
