@@ -10,7 +10,8 @@ A decode step through MoE layer l (see ``../shared/DESIGN.md``, "Data flow"):
 
 1. take the prediction made for l at layer l-1, if any; count its recall against the
    router's choice; under ``speculate`` run the predicted routing instead;
-2. load layer l's missing experts (waiting for in-flight prefetches counts as stall);
+2. resolve layer l's missing experts by the miss policy: load them (waiting for
+   in-flight prefetches counts as stall), compute them on the host, substitute or drop;
 3. predict layer l+1's experts and submit their prefetch to the link;
 4. run layer l's experts: the prefetch overlaps this compute and layer l+1's attention.
 """
