@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import command_line, default_calibration, held_out_prompts, write_result  # noqa: E402
 
-from vllm_specexpert.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
 
 MODES = {
     "exact (fetch)": {"predictor": "none", "miss_policy": "fetch"},
@@ -43,8 +43,8 @@ EVERY_PASS = 1 << 30
 
 
 def held_out_windows(count: int, length: int = 256) -> list[list[int]]:
-    from vllm_specexpert import corpus
-    from vllm_specexpert.fixtures import load_tokenizer
+    from vllm_specexpert.tools import corpus
+    from vllm_specexpert.tools.fixtures import load_tokenizer
 
     tokenizer = load_tokenizer()
     windows: list[list[int]] = []
@@ -101,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     calibration = args.calibration or default_calibration(model)

@@ -80,8 +80,8 @@ def link_like_a_gpu_box(vanilla, plugin, args) -> tuple[dict[str, float], float,
 def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
     """``count`` prompts: the first ``tokens`` tokens of the corpus's validation files
     (held-out text, never trained on), longest files first."""
-    from vllm_specexpert import corpus
-    from vllm_specexpert.fixtures import load_tokenizer
+    from vllm_specexpert.tools import corpus
+    from vllm_specexpert.tools.fixtures import load_tokenizer
 
     tokenizer = load_tokenizer()
     files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
@@ -93,15 +93,16 @@ def default_calibration(model: str, max_tokens: int = 65536) -> str:
     embedded model, otherwise made once and cached under ``$SPECEXPERT_CACHE/calibration``."""
     import hashlib
 
-    from vllm_specexpert.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
 
     if Path(model).resolve() == TRAINED_MODEL_DIR.resolve():
         return str(TRAINED_CALIBRATION_DIR)
 
-    from vllm_specexpert.calibrate.calibrate import calibrate, load_calibration
-    from vllm_specexpert.calibrate.trace import corpus_documents
+    from vllm_specexpert.calibration import load_calibration
     from vllm_specexpert.config import SpecExpertConfigError
-    from vllm_specexpert.fixtures import DEFAULT_OUT
+    from vllm_specexpert.tools.calibrate import calibrate
+    from vllm_specexpert.tools.fixtures import DEFAULT_OUT
+    from vllm_specexpert.tools.trace import corpus_documents
 
     key = hashlib.sha256(f"{Path(model).resolve()}:{max_tokens}".encode()).hexdigest()[:12]
     out = DEFAULT_OUT.parent / "calibration" / f"{Path(model).name}-{key}"

@@ -13,7 +13,7 @@ GPU (both ratios are estimates, see README).
 
 Per mode:
 
-* teacher-forced decode (:mod:`vllm_specexpert.teacher_forcing`): ``--windows`` held-out
+* teacher-forced decode (:mod:`vllm_specexpert.tools.teacher_forcing`): ``--windows`` held-out
   windows, each a 16-token prompt and a 96-token continuation forced one decode step at a
   time at batch 1, so every position runs the mode's real decode path (cache, misses,
   link), after one warm-up window. ``accuracy`` = the model's top-1 is the actual next token; ``nll`` = its mean
@@ -49,7 +49,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
 
 PROMPT_TOKENS, FORCED_TOKENS = 16, 96
 UNGATED = {"tau": 0.0, "beta": 1.0}
@@ -90,7 +90,7 @@ DEFAULT_BUDDY = {"alpha": 0.95, "k_max": 16, "tau": None, "tau_percentile": 15.0
 def teacher_forced(llm, windows: list[list[int]]) -> dict:
     from vllm import SamplingParams, TokensPrompt
 
-    from vllm_specexpert.teacher_forcing import FORCED_TOKENS as KEY
+    from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS as KEY
 
     top1, logprobs = [], []
     start = time.perf_counter()
@@ -163,8 +163,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
-    from vllm_specexpert.teacher_forcing import TeacherForcing
+    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.tools.teacher_forcing import TeacherForcing
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     calibration = args.calibration or default_calibration(model)

@@ -37,7 +37,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
 
 MODES = {
     "on-demand": {"predictor": "none", "miss_policy": "fetch"},
@@ -112,7 +112,7 @@ def main() -> None:
 
     import vllm_specexpert
     from common import default_calibration
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     calibration = args.calibration or default_calibration(model)

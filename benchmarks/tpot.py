@@ -28,7 +28,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
 
 PROMPT = "def parse_arguments(argv):\n    \"\"\"Parse the command line.\"\"\"\n"
 NO_LINK = {"bandwidth_gbps": None, "latency_us": 0.0}
@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     prompts = [PROMPT]

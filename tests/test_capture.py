@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from vllm_specexpert.calibrate.capture import CaptureReader, capture
-from vllm_specexpert.calibrate.trace import model_fingerprint
-from vllm_specexpert.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.capture import CaptureReader, capture
+from vllm_specexpert.calibration import model_fingerprint
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
 TEXTS = [
     ("a.py", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
@@ -74,7 +74,7 @@ def test_captured_tensors_are_consistent_with_the_model(captured, model):
 
 
 def test_fingerprint_tells_models_apart(tmp_path):
-    from vllm_specexpert.fixtures import ensure_model
+    from vllm_specexpert.tools.fixtures import ensure_model
 
     a = model_fingerprint(TRAINED_MODEL_DIR)
     b = model_fingerprint(ensure_model("qwen3_moe"))

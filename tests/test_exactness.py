@@ -11,7 +11,7 @@ import pytest
 
 from vllm_harness import PROMPTS, greedy, make_llm, shutdown, vanilla_reference
 import vllm_specexpert
-from vllm_specexpert.fixtures import ARCHITECTURES, TRAINED_MODEL, num_moe_layers
+from vllm_specexpert.tools.fixtures import ARCHITECTURES, TRAINED_MODEL, num_moe_layers
 
 MOE_ARCHS = [TRAINED_MODEL, *ARCHITECTURES]
 BUDGETS = [1.0, 0.5, 0.25]

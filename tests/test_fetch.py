@@ -4,7 +4,7 @@ import torch
 
 from moe_reference import make_cache, random_layer, random_routing, reference_moe, slot_kernel
 from vllm_specexpert.policy import FetchPolicy
-from vllm_specexpert.policy.device import next_token_group
+from vllm_specexpert.policy.executor import next_token_group
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "static"])

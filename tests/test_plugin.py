@@ -29,7 +29,7 @@ def test_with_the_key_the_layer_is_offloaded():
     try:
         assert llm.apply_model(expert_layer_classes) == [[OFFLOADED_CLASS]]
         assert llm.apply_model(model_class) == [
-            "vllm_specexpert.layers.models.Qwen3MoeForCausalLM"]
+            "vllm_specexpert.layers.model_classes.Qwen3MoeForCausalLM"]
     finally:
         shutdown(llm)
 

@@ -8,7 +8,7 @@ import pytest
 import vllm_specexpert
 from vllm_harness import greedy, make_llm, shutdown, vanilla_reference
 from vllm_specexpert import SpecExpertConfigError
-from vllm_specexpert.fixtures import TRAINED_MODEL, ensure_model, model_path
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL, ensure_model, model_path
 
 BUDGET = 0.25  # 8 of 32 experts per layer, top-4
 ONE_TOKEN_PROMPT = [{"prompt_token_ids": [0]}]  # <|endoftext|>: a document starts
@@ -16,8 +16,8 @@ ONE_TOKEN_PROMPT = [{"prompt_token_ids": [0]}]  # <|endoftext|>: a document star
 
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory):
-    from vllm_specexpert.calibrate.calibrate import calibrate
-    from vllm_specexpert.calibrate.trace import corpus_documents
+    from vllm_specexpert.tools.calibrate import calibrate
+    from vllm_specexpert.tools.trace import corpus_documents
 
     out = tmp_path_factory.mktemp("calibration")
     calibrate(model_path(TRAINED_MODEL), corpus_documents("train"), out, max_tokens=4096)
@@ -137,8 +137,8 @@ def test_approximate_policies_change_outputs_and_say_so(llm, eager, policy, coun
 
 
 def test_a_calibration_for_another_model_is_rejected_at_start(tmp_path):
-    from vllm_specexpert.calibrate.calibrate import calibrate
-    from vllm_specexpert.calibrate.trace import corpus_documents
+    from vllm_specexpert.tools.calibrate import calibrate
+    from vllm_specexpert.tools.trace import corpus_documents
 
     other = tmp_path / "other"
     calibrate(ensure_model("qwen3_moe"), corpus_documents("train"), other, max_tokens=256)

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from vllm_specexpert.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR, ensure_model
+from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR, ensure_model
 
 SPECEXPERT = [sys.executable, "-m", "vllm_specexpert.cli"]
 

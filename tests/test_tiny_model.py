@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from vllm_specexpert import corpus
-from vllm_specexpert.fixtures import TRAINED_MODEL_DIR
-from vllm_specexpert.train_tiny import evaluate_loss, routing_metrics, tokenize_split
+from vllm_specexpert.tools import corpus
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.train_tiny import evaluate_loss, routing_metrics, tokenize_split
 
 METRICS = json.loads((TRAINED_MODEL_DIR / "metrics.json").read_text())
 

@@ -11,8 +11,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from vllm_specexpert.fixtures import model_path
-from vllm_specexpert.harness import start_engine, stop_engine as shutdown  # noqa: F401
+from vllm_specexpert.tools.fixtures import model_path
+from vllm_specexpert.tools.harness import start_engine, stop_engine as shutdown  # noqa: F401
 
 PROMPTS = [
     "def main():\n    ",

@@ -7,7 +7,7 @@ config exists. It installs two things, both inert unless ``additional_config`` h
 * the out-of-tree ``RoutedExperts`` class (:class:`OffloadedRoutedExperts`), which
   turns itself back into vLLM's own class when the key is absent;
 * subclasses of vLLM's supported MoE model classes under their own architecture names
-  (:mod:`vllm_specexpert.layers.models`), which wire the offloaded layers for prediction
+  (:mod:`vllm_specexpert.layers.model_classes`), which wire the offloaded layers for prediction
   after loading and likewise turn back into vLLM's classes when the key is absent;
 * a check around ``EngineArgs.create_engine_config`` that validates the config against
   the model in the calling process, so a bad setting fails at once with one clear error
@@ -31,7 +31,7 @@ def register() -> None:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     if "RoutedExperts" not in op_registry_oot:
-        from vllm_specexpert.layers.models import register_models
+        from vllm_specexpert.layers.model_classes import register_models
         from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
         RoutedExperts.register_oot(OffloadedRoutedExperts, name="RoutedExperts")
@@ -80,13 +80,13 @@ def prepare_engine_args(engine_args) -> None:
 
 def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     """Model-dependent checks, in the process that builds the engine config."""
-    from vllm_specexpert.models import moe_shape
+    from vllm_specexpert.architectures import moe_shape
 
     model_config = vllm_config.model_config
     shape = moe_shape(model_config.hf_config)
     config.slots_per_layer(shape.num_experts, shape.top_k)
     if config.calibration is not None:
-        from vllm_specexpert.calibrate.calibrate import load_calibration
+        from vllm_specexpert.calibration import load_calibration
 
         load_calibration(config.calibration, model=model_config.model,
                          hf_config=model_config.hf_config)

@@ -2,7 +2,7 @@
 
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.policy.cpu import AutoBuddyPolicy, AutoPolicy, CpuPolicy
-from vllm_specexpert.policy.device import ExpertKernel, run_on_device
+from vllm_specexpert.policy.executor import ExpertKernel, run_on_device
 from vllm_specexpert.policy.drop import DropPolicy
 from vllm_specexpert.policy.fetch import FetchPolicy
 from vllm_specexpert.policy.speculate import SpeculatePolicy

@@ -21,7 +21,7 @@ import torch
 from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.host import HostExperts
 from vllm_specexpert.policy.buddies import BuddyGates
-from vllm_specexpert.policy.device import ExpertKernel, run_on_device
+from vllm_specexpert.policy.executor import ExpertKernel, run_on_device
 from vllm_specexpert.predict import Prediction
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
-from vllm_specexpert.models import SUPPORTED_ARCHITECTURES
+from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.predict import NextLayerRouting, residual_scale
 
 
@@ -70,7 +70,7 @@ def wire_model(model: nn.Module) -> None:
     if engine.config.calibration is None:
         engine.check_ready()
         return
-    from vllm_specexpert.calibrate.calibrate import load_calibration
+    from vllm_specexpert.calibration import load_calibration
 
     calibration = load_calibration(engine.config.calibration)  # checked at engine start
     engine.set_quasi_hidden(
@@ -106,7 +106,7 @@ def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:
 
 
 def __getattr__(name: str):
-    """``vllm_specexpert.layers.models:<Architecture>`` for vLLM's lazy model registry."""
+    """``vllm_specexpert.layers.model_classes:<Architecture>`` for vLLM's lazy model registry."""
     if name not in SUPPORTED_ARCHITECTURES:
         raise AttributeError(name)
     base = getattr(importlib.import_module(SUPPORTED_ARCHITECTURES[name].vllm_module), name)

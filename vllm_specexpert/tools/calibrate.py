@@ -21,46 +21,26 @@ Output (``DIR``):
   "data": {"description", "sha256", "tokens"}, "moe_layer_indices", "num_experts",
   "hidden_size", "window"}``.
 
-:func:`load_calibration` reads it back and refuses a calibration made for another model.
+:func:`vllm_specexpert.calibration.load_calibration` reads it back at engine start.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vllm_specexpert.calibrate.trace import (
-    FINGERPRINT_CONFIG_KEYS,
+from vllm_specexpert.calibration import FORMAT, Calibration, model_fingerprint, save
+from vllm_specexpert.policy.buddies import token_activating_entropy
+from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,
-    model_fingerprint,
     moe_layer_indices,
     resolve_data_arguments,
     trace,
 )
-from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.policy.buddies import token_activating_entropy
-
-FORMAT = "specexpert-calibration/2"
-WEIGHTS_FILE = "calibration.safetensors"
-
-
-@dataclass
-class Calibration:
-    manifest: dict
-    default_vectors: dict[int, torch.Tensor]
-    """Decoder-layer index -> ``[E, H]`` float32."""
-    counts: dict[int, torch.Tensor]
-    coactivation: dict[int, torch.Tensor]
-    tae_percentiles: dict[int, torch.Tensor]
-    """Decoder-layer index -> ``[101]`` percentiles of the Token Activating Entropy."""
-    residual_rms: dict[int, float]
-    """Decoder-layer index -> mean over tokens of the RMS of r_l."""
 
 
 def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | None = None,
@@ -105,74 +85,6 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
                          {i: rms_sums[i] / max(tokens, 1) for i in layers})
     save(Path(out), result)
     return result
-
-
-def save(out: Path, calibration: Calibration) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for i in calibration.manifest["moe_layer_indices"]:
-        tensors[f"layers.{i}.default_vectors"] = calibration.default_vectors[i].contiguous()
-        tensors[f"layers.{i}.counts"] = calibration.counts[i].contiguous()
-        tensors[f"layers.{i}.coactivation"] = calibration.coactivation[i].contiguous()
-        tensors[f"layers.{i}.tae_percentiles"] = calibration.tae_percentiles[i].contiguous()
-        tensors[f"layers.{i}.residual_rms"] = torch.tensor([calibration.residual_rms[i]])
-    save_file(tensors, str(out / WEIGHTS_FILE))
-    (out / "manifest.json").write_text(json.dumps(calibration.manifest, indent=1))
-
-
-def check_matches_model(manifest: dict, model: str, hf_config=None) -> None:
-    """Raise a ``calibration`` config error unless ``manifest`` was made for ``model``
-    (a local directory: router weights compared by hash; otherwise the shapes in
-    ``hf_config`` only)."""
-    made_for = manifest.get("model_fingerprint", {})
-    if Path(model, "config.json").exists():
-        actual = model_fingerprint(model)
-    elif hf_config is not None:
-        actual = {k: getattr(hf_config, k, None) for k in FINGERPRINT_CONFIG_KEYS}
-        made_for = {k: made_for.get(k) for k in FINGERPRINT_CONFIG_KEYS}
-    else:
-        return
-    different = sorted(k for k in actual if actual[k] != made_for.get(k))
-    if different:
-        raise SpecExpertConfigError(
-            "calibration",
-            f"made for another model (differs in {', '.join(different)}; made for "
-            f"{manifest.get('model', '?')})",
-            f"run `specexpert calibrate {model} --out DIR` and point 'calibration' at DIR",
-        )
-
-
-def load_calibration(path: str | Path, model: str | None = None, hf_config=None) -> Calibration:
-    """Read a calibration directory, checking it against ``model`` if given."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.exists() or not (path / WEIGHTS_FILE).exists():
-        raise SpecExpertConfigError(
-            "calibration", f"{path} is not a calibration directory (no manifest.json or {WEIGHTS_FILE})",
-            "create one with `specexpert calibrate MODEL --out DIR`",
-        )
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise SpecExpertConfigError(
-            "calibration", f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}",
-            "recreate it with this version's `specexpert calibrate`",
-        )
-    if model is not None:
-        check_matches_model(manifest, model, hf_config)
-    tensors = load_file(str(path / WEIGHTS_FILE))
-    layers = manifest["moe_layer_indices"]
-    return Calibration(
-        manifest,
-        {i: tensors[f"layers.{i}.default_vectors"] for i in layers},
-        {i: tensors[f"layers.{i}.counts"] for i in layers},
-        {i: tensors[f"layers.{i}.coactivation"] for i in layers},
-        {i: tensors[f"layers.{i}.tae_percentiles"] for i in layers},
-        {i: float(tensors[f"layers.{i}.residual_rms"]) for i in layers},
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

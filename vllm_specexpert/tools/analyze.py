@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_specexpert.calibrate.calibrate import load_calibration
-from vllm_specexpert.calibrate.trace import (
+from vllm_specexpert.calibration import load_calibration
+from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,
     moe_layer_indices,

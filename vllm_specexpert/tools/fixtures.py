@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKENIZER_JSON = ASSETS / "tokenizer.json"
 TRAINED_MODEL = "trained"
 """Name of the embedded model trained by ``specexpert train-tiny`` (a Qwen3-MoE)."""
@@ -108,7 +108,7 @@ def train_tokenizer(path: Path) -> None:
     """Byte-level BPE with VOCAB_SIZE tokens, trained on the corpus's train split."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from vllm_specexpert import corpus
+    from vllm_specexpert.tools import corpus
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_specexpert.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
 EVAL_SEQ_LEN = 256
 CARD_FILES = 3
@@ -69,7 +69,7 @@ class TrainConfig:
     def hf_config(self):
         from transformers import Qwen3MoeConfig
 
-        from vllm_specexpert.fixtures import VOCAB_SIZE
+        from vllm_specexpert.tools.fixtures import VOCAB_SIZE
 
         config = Qwen3MoeConfig(
             vocab_size=VOCAB_SIZE,
@@ -104,8 +104,8 @@ def tokenize_split(split: str, files=None):
     """One 1-D int64 tensor: every file of ``split`` encoded, each followed by EOS."""
     import torch
 
-    from vllm_specexpert import corpus
-    from vllm_specexpert.fixtures import load_tokenizer
+    from vllm_specexpert.tools import corpus
+    from vllm_specexpert.tools.fixtures import load_tokenizer
 
     tokenizer = load_tokenizer()
     files = corpus.corpus_files(split) if files is None else files
@@ -226,7 +226,7 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from vllm_specexpert import corpus
+    from vllm_specexpert.tools import corpus
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
@@ -277,7 +277,7 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
-    from vllm_specexpert.fixtures import save_tokenizer
+    from vllm_specexpert.tools.fixtures import save_tokenizer
 
     save_tokenizer(out)
 
@@ -317,7 +317,7 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
 def greedy_samples(model, max_new_tokens: int = 48) -> list[dict]:
     import torch
 
-    from vllm_specexpert.fixtures import load_tokenizer
+    from vllm_specexpert.tools.fixtures import load_tokenizer
 
     tokenizer = load_tokenizer()
     samples = []
@@ -418,7 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.retrain_tokenizer:
-        from vllm_specexpert.fixtures import TOKENIZER_JSON, train_tokenizer
+        from vllm_specexpert.tools.fixtures import TOKENIZER_JSON, train_tokenizer
 
         train_tokenizer(TOKENIZER_JSON)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)

@@ -10,8 +10,6 @@ transformers 5).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,29 +130,8 @@ def trace(
         bar.close()
 
 
-def model_fingerprint(model_dir: str | Path) -> dict:
-    """Architecture, shapes, and a hash of every router weight: enough to refuse data
-    computed for another model."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    h = hashlib.sha256()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for key in sorted(f.keys()):
-                if key.endswith("mlp.gate.weight"):
-                    h.update(key.encode())
-                    h.update(f.get_tensor(key).float().numpy().tobytes())
-    return {**{k: config.get(k) for k in FINGERPRINT_CONFIG_KEYS}, "router_sha256": h.hexdigest()}
-
-
-FINGERPRINT_CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "num_experts",
-                           "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
-
-
 def corpus_documents(split: str) -> Iterator[tuple[str, str]]:
-    from vllm_specexpert import corpus
+    from vllm_specexpert.tools import corpus
 
     for f in corpus.corpus_files(split):
         yield f.relpath, f.read()
@@ -178,7 +155,7 @@ def add_data_arguments(parser) -> None:
 
 def resolve_data_arguments(args, default_split: str) -> tuple[str, Iterator[tuple[str, str]], str]:
     """``(model_dir, documents, data description)`` from :func:`add_data_arguments`."""
-    from vllm_specexpert.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     if args.data:

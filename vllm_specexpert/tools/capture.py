@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from vllm_specexpert.calibrate.trace import (
+from vllm_specexpert.calibration import model_fingerprint
+from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,
-    model_fingerprint,
     moe_layer_indices,
     resolve_data_arguments,
     trace,

@@ -1,1 +1,0 @@
-"""Offline passes over a model: routing captures (and, later, calibration)."""
