@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.config import LinkConfig
+from vllm_specexpert.loader import ExpertLoader
 from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import CpuLink
 
@@ -37,11 +38,12 @@ def random_routing(tokens, num_experts, top_k, hidden=32, seed=0):
     return x, weights, ids.to(torch.int32)
 
 
-def make_cache(tensors, num_slots, top_k, policy="lru", link=None):
+def make_loader(tensors, num_slots, top_k, policy="lru", link=None) -> ExpertLoader:
+    """A loader over a fresh cache of one layer (its ``.cache``), on the CPU link."""
     store = ExpertStore(pin_memory=False)
     experts = store.add_layer("layer", tensors)
-    link = link or CpuLink(LinkConfig())
-    return ExpertCache(experts, num_slots, top_k, policy, torch.device("cpu"), link)
+    cache = ExpertCache(experts, num_slots, top_k, policy, torch.device("cpu"))
+    return ExpertLoader(cache, link or CpuLink(LinkConfig()))
 
 
 def slot_kernel(x, topk_weights, slot_ids, slots):

@@ -1,32 +1,70 @@
+import json
+import time
+
+import numpy as np
 import pytest
 import torch
 
+from invariants import check_cache_invariants
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.phases import PassPhases
+
+NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
 
 
 def make_engine(**config):
     engine = OffloadEngine(SpecExpertConfig.from_dict(config), torch.device("cpu"))
-    layers = {f"model.layers.{i}.mlp.experts": random_layer(seed=i) for i in range(2)}
-    for name, tensors in layers.items():
-        engine.add_layer(name, tensors, top_k=4)
+    layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
+    for index, (name, tensors) in enumerate(layers.items()):
+        engine.add_layer(name, tensors, top_k=4, index=index)
+    engine.start()
     return engine, layers
 
 
-def test_engine_runs_layers_exactly_and_aggregates_stats():
+def test_engine_runs_layers_exactly_and_keeps_phases_apart():
     engine, layers = make_engine(budget=0.25)
     for step in range(4):
         for name, tensors in layers.items():
             x, w, ids = random_routing(2, 16, 4, seed=step)
-            out = engine.run(name, slot_kernel, x, w, ids)
+            out = engine.run(name, slot_kernel, x, w, ids, PassPhases.decode_only(2))
             assert torch.equal(out, reference_moe(x, w, ids, *tensors.values()))
+    x, w, ids = random_routing(5, 16, 4, seed=9)
+    engine.run(NAMES[0], slot_kernel, x, w, ids, PassPhases.prefill_only(5))
     stats = engine.stats()
     assert set(stats["slots_per_layer"].values()) == {4}
-    per_layer = list(stats["layers"].values())
-    assert stats["total"]["misses"] == sum(s["misses"] for s in per_layer) > 0
-    assert stats["link"]["bytes"] == stats["total"]["bytes_loaded"]
-    assert stats["total"]["max_resident"] == 4
+    assert stats["decode_tokens"] == 4 * 2 and stats["prefill_tokens"] == 5
+    first = stats["layers"][NAMES[0]]
+    assert (first["decode"]["calls"], first["prefill"]["calls"]) == (4, 1)
+    assert (first["decode"]["tokens"], first["prefill"]["tokens"]) == (8, 5)
+    assert stats["layers"][NAMES[1]]["prefill"]["calls"] == 0
+    assert stats["modeled"] is None  # no emulated link: nothing is modeled
+    for layer in engine.layers.values():
+        check_cache_invariants(layer.loader, settle=True)
+    engine.close()
+
+
+def test_mixed_pass_runs_each_phase_through_its_own_path():
+    """Decode rows go through the miss policy (``drop``: approximate), prefill rows run
+    exactly; the rows of each phase are interleaved as vLLM may order them."""
+    engine, layers = make_engine(budget=0.5, miss_policy="drop")
+    w13, w2 = layers[NAMES[0]].values()
+    # Resident after warm start: 0-7. Rows 0, 2 decode; rows 1, 3, 4 prefill (one prompt).
+    ids = torch.tensor([[0, 9, 1, 2], [0, 9, 1, 2], [3, 12, 13, 4], [12, 13, 14, 15],
+                        [5, 6, 7, 15]], dtype=torch.int32)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    w = torch.softmax(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)), -1)
+    phases = PassPhases(5, np.array([0, 2]), np.array([1, 3, 4]))
+    out = engine.run(NAMES[0], slot_kernel, x, w, ids, phases)
+    exact = reference_moe(x, w, ids, w13, w2)
+    assert torch.equal(out[[1, 3, 4]], exact[[1, 3, 4]])
+    assert not torch.equal(out[[0, 2]], exact[[0, 2]])  # decode rows dropped their misses
+    stats = engine.stats()["layers"][NAMES[0]]
+    assert stats["decode"]["dropped_entries"] == 1 + 2
+    assert stats["prefill"]["dropped_entries"] == 0
+    assert stats["prefill"]["fetched_entries"] == 1 + 4 + 1
+    assert stats["prefill"]["loads"] > 0 and stats["decode"]["loads"] == 0
     engine.close()
 
 
@@ -34,20 +72,49 @@ def test_reconfigure_resizes_caches_and_validates_first():
     engine, _ = make_engine(budget=0.25)
     engine.reconfigure(SpecExpertConfig.from_dict({"budget": 0.5, "cache": "lfu"}))
     assert set(engine.stats()["slots_per_layer"].values()) == {8}
-    assert all(c.policy.name == "lfu" for c in engine.caches.values())
-    assert engine.stats()["total"]["requests"] == 0
+    assert all(layer.cache.policy.name == "lfu" for layer in engine.layers.values())
     with pytest.raises(SpecExpertConfigError, match="top_k=4"):
         engine.reconfigure(SpecExpertConfig.from_dict({"budget": 2}))
     assert set(engine.stats()["slots_per_layer"].values()) == {8}  # unchanged
+    for layer in engine.layers.values():
+        check_cache_invariants(layer.loader)
     engine.close()
 
 
-def test_stats_file(tmp_path):
+def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(tmp_path):
     path = tmp_path / "stats-{rank}.json"
-    engine, _ = make_engine(budget=0.5, stats_path=str(path))
-    engine.write_stats()
-    import json
-
-    written = json.loads((tmp_path / "stats-0.json").read_text())
-    assert written["config"]["budget"] == 0.5 and len(written["layers"]) == 2
+    written = tmp_path / "stats-0.json"
+    engine, _ = make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0.1)
+    x, w, ids = random_routing(2, 16, 4)
+    engine.run(NAMES[0], slot_kernel, x, w, ids)
+    deadline = time.monotonic() + 10
+    while not written.exists() or json.loads(written.read_text())["decode_tokens"] != 2:
+        assert time.monotonic() < deadline, "the stats file was not written"
+        time.sleep(0.05)
+    payload = json.loads(written.read_text())
+    assert payload["config"]["budget"] == 0.5 and set(payload["layers"]) == set(NAMES)
     engine.close()
+
+
+def test_unwritable_stats_path_does_not_stop_the_engine(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    engine, layers = make_engine(budget=0.5, stats_path=str(blocker / "stats.json"),
+                                 stats_interval_s=0)
+    x, w, ids = random_routing(2, 16, 4)
+    time.sleep(0.3)  # the writer has tried and failed at least once by now
+    out = engine.run(NAMES[0], slot_kernel, x, w, ids)
+    assert torch.equal(out, reference_moe(x, w, ids, *layers[NAMES[0]].values()))
+    engine.close()
+
+
+def test_phases_from_query_lens():
+    # Requests of 1, 3, 1 and 2 tokens, then 2 padding rows.
+    phases = PassPhases.from_query_lens(np.array([1, 3, 1, 2]), 9)
+    assert phases.decode.tolist() == [0, 4]
+    assert phases.prefill.tolist() == [1, 2, 3, 5, 6, 7, 8]
+    assert PassPhases.from_query_lens(np.array([1, 1, 1]), 3).all_decode
+    assert PassPhases.from_query_lens(np.array([4, 2]), 6).all_prefill
+    # Padding after decode requests runs as prefill (exactly), not through the policy.
+    padded = PassPhases.from_query_lens(np.array([1, 1]), 4)
+    assert padded.decode.tolist() == [0, 1] and padded.prefill.tolist() == [2, 3]

@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_reference import make_cache, random_layer, random_routing, reference_moe, slot_kernel
-from vllm_specexpert.policy import FetchPolicy
+from invariants import check_cache_invariants
+from moe_reference import make_loader, random_layer, random_routing, reference_moe, slot_kernel
+from vllm_specexpert.policy import FetchPolicy, run_layer_call
 from vllm_specexpert.policy.executor import next_token_group
 
 
@@ -12,17 +13,21 @@ from vllm_specexpert.policy.executor import next_token_group
 @pytest.mark.parametrize("tokens", [1, 3, 64])
 def test_fetch_is_exact(policy, num_slots, tokens):
     tensors = random_layer(num_experts=16)
-    cache = make_cache(tensors, num_slots=num_slots, top_k=4, policy=policy)
+    loader = make_loader(tensors, num_slots=num_slots, top_k=4, policy=policy)
     fetch = FetchPolicy()
     for step in range(3):
         x, w, ids = random_routing(tokens, 16, 4, seed=step)
         expected = reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"])
-        out = fetch.run(cache, slot_kernel, x, w, ids)
+        needed = np.unique(ids.numpy())
+        was_missing = int(np.count_nonzero(~loader.cache.resident_mask()[needed]))
+        one_launch = loader.cache.capacity_for(needed)
+        misses = loader.stats.misses
+        out = run_layer_call(fetch, loader, slot_kernel, x, w, ids)
         assert torch.equal(out, expected)
-        assert cache.num_resident() <= num_slots
-    s = cache.stats
-    assert s.max_resident <= num_slots
-    assert s.calls == 3 and s.tokens == 3 * tokens
+        check_cache_invariants(loader)
+        if one_launch:  # each needed expert is requested once: misses = those not resident
+            assert loader.stats.misses - misses == was_missing
+    s = loader.stats
     if num_slots < 16:
         assert s.misses > 0 and s.loads >= s.misses and s.bytes_loaded > 0
     else:
@@ -31,17 +36,18 @@ def test_fetch_is_exact(policy, num_slots, tokens):
 
 def test_oversized_batch_runs_in_groups_and_loads_each_expert_few_times():
     tensors = random_layer(num_experts=16)
-    cache = make_cache(tensors, num_slots=4, top_k=4)
+    loader = make_loader(tensors, num_slots=4, top_k=4)
     x, w, ids = random_routing(200, 16, 4)
-    out = FetchPolicy().run(cache, slot_kernel, x, w, ids)
+    out = run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
     assert torch.equal(out, reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"]))
-    assert cache.stats.kernel_calls > 1
+    assert loader.stats.kernel_calls > 1
     # Worst case would be a full reload per token (4 x 200).
-    assert cache.stats.loads < 4 * 200
+    assert loader.stats.loads < 4 * 200
+    check_cache_invariants(loader)
 
 
 def test_token_group_respects_capacity():
-    cache = make_cache(random_layer(num_experts=16), num_slots=6, top_k=2, policy="static")
+    cache = make_loader(random_layer(num_experts=16), num_slots=6, top_k=2, policy="static").cache
     ids = np.array([[10, 11], [12, 13], [0, 10], [14, 15], [1, 2]])
     group = next_token_group(cache, ids, np.arange(len(ids)))
     # pinned resident experts 0..3 are free; only two rotating slots remain
@@ -52,9 +58,9 @@ def test_token_group_respects_capacity():
 
 def test_fetch_counts_a_resident_batch_as_hits():
     tensors = random_layer(num_experts=16)
-    cache = make_cache(tensors, num_slots=8, top_k=2)
+    loader = make_loader(tensors, num_slots=8, top_k=2)
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     x = torch.randn(2, 32).bfloat16()
     w = torch.full((2, 2), 0.5)
-    FetchPolicy().run(cache, slot_kernel, x, w, ids)
-    assert (cache.stats.hits, cache.stats.misses, cache.stats.loads) == (4, 0, 0)
+    run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
+    assert (loader.stats.hits, loader.stats.misses, loader.stats.loads) == (4, 0, 0)

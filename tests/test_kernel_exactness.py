@@ -13,8 +13,8 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU kernels")
 
-from moe_reference import make_cache, random_routing  # noqa: E402
-from vllm_specexpert.policy import FetchPolicy  # noqa: E402
+from moe_reference import make_loader, random_routing  # noqa: E402
+from vllm_specexpert.policy import FetchPolicy, run_layer_call  # noqa: E402
 
 E, H, I, K = 16, 256, 128, 4
 
@@ -64,7 +64,7 @@ def test_slot_remap_and_token_groups_are_bit_exact():
 @pytest.mark.parametrize("num_slots", [4, 9])
 def test_fetch_with_vllm_kernel_is_bit_exact(num_slots):
     p13, p2, _ = prepacked()
-    cache = make_cache({"w13_weight": p13, "w2_weight": p2}, num_slots=num_slots, top_k=K)
+    loader = make_loader({"w13_weight": p13, "w2_weight": p2}, num_slots=num_slots, top_k=K)
 
     def kernel(x, w, slot_ids, slots):
         return run(x, w, slot_ids, slots["w13_weight"], slots["w2_weight"])
@@ -72,8 +72,9 @@ def test_fetch_with_vllm_kernel_is_bit_exact(num_slots):
     fetch = FetchPolicy()
     for step, tokens in enumerate([1, 2, 5, 130]):
         x, w, ids = random_routing(tokens, E, K, hidden=H, seed=step)
-        assert torch.equal(fetch.run(cache, kernel, x, w, ids), run(x, w, ids, p13, p2))
-    assert cache.stats.misses > 0
+        assert torch.equal(run_layer_call(fetch, loader, kernel, x, w, ids),
+                           run(x, w, ids, p13, p2))
+    assert loader.stats.misses > 0
 
 
 def test_masked_entries_add_nothing():

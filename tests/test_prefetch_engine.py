@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from moe_reference import make_cache, random_layer, reference_moe, slot_kernel
+from invariants import check_cache_invariants
+from moe_reference import make_loader, random_layer, reference_moe, slot_kernel
 from vllm_specexpert.config import LinkConfig, SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.predict import (
     LayerState,
     NextLayerRouting,
@@ -53,15 +55,19 @@ def make_engine(toy, **config):
     return engine
 
 
-def step(engine, toy, x0):
+def decode_stats(engine):
+    return {name: layer["decode"] for name, layer in engine.stats()["layers"].items()}
+
+
+def step(engine, toy, x0, phases=None):
     """Layer 0 routed by its router; layer 1's input is a fixed function of layer 0's
     output (stand-in for attention), routed by its router."""
     gates, norms, layers = toy
     w0, ids0 = softmax_topk(gates[0])(x0)
-    out0 = engine.run(NAMES[0], slot_kernel, x0, w0, ids0)
+    out0 = engine.run(NAMES[0], slot_kernel, x0, w0, ids0, phases)
     x1 = rms_norm(norms[1])((x0.float() + out0.float()).bfloat16())
     w1, ids1 = softmax_topk(gates[1])(x1)
-    out1 = engine.run(NAMES[1], slot_kernel, x1, w1, ids1)
+    out1 = engine.run(NAMES[1], slot_kernel, x1, w1, ids1, phases)
     return out0, (x1, w1, ids1), out1
 
 
@@ -76,13 +82,15 @@ def test_router_prefetch_keeps_fetch_exact_and_counts(toy):
         _, (x1, w1, ids1), out1 = step(engine, toy, tokens(2, s))
         expected = reference_moe(x1, w1, ids1, *layers[NAMES[1]].values())
         assert torch.equal(out1, expected)
-    stats = engine.stats()["layers"]
+    stats = decode_stats(engine)
     first, second = stats[NAMES[0]], stats[NAMES[1]]
     assert first["prefetched"] == 0 and first["predicted"] == 0  # nothing predicts layer 0
     assert second["predicted"] == 6 * 2 * K
     assert 0 < second["predicted_correct"] <= second["predicted"]
     assert second["prefetched"] > 0
     assert second["prefetch_used"] + second["prefetch_unused"] == second["prefetched"]
+    for layer in engine.layers.values():
+        check_cache_invariants(layer.loader, settle=True)
     engine.close()
 
 
@@ -96,11 +104,11 @@ def test_speculate_runs_the_prediction_without_refetching(toy):
         predicted_w, predicted_ids = softmax_topk(gates[1])(x0)  # router predictor: s_0
         expected = reference_moe(x1, predicted_w.to(w0.dtype), predicted_ids, *layers[NAMES[1]].values())
         assert torch.equal(out1, expected)
-    second = engine.stats()["layers"][NAMES[1]]
-    assert second["speculated_calls"] == 6
+    second = decode_stats(engine)[NAMES[1]]
+    assert second["speculated_calls"] == second["calls"] == 6
     assert second["misses"] == 0  # every executed expert was prefetched
     assert second["predicted_correct"] < second["predicted"]  # the toy's prediction is imperfect
-    assert engine.stats()["exact"] is False
+    assert engine.stats()["output"] == "approximate"
     engine.close()
 
 
@@ -110,16 +118,19 @@ def test_exact_layers_keep_the_router(toy):
     _, _, layers = toy
     _, (x1, w1, ids1), out1 = step(engine, toy, tokens(3, 0))
     assert torch.equal(out1, reference_moe(x1, w1, ids1, *layers[NAMES[1]].values()))
-    assert engine.stats()["layers"][NAMES[1]]["speculated_calls"] == 0
+    assert decode_stats(engine)[NAMES[1]]["speculated_calls"] == 0
     engine.close()
 
 
-def test_large_batches_are_not_predicted(toy):
-    engine = make_engine(toy, budget=0.5, predictor="router", max_decode_tokens=4)
-    step(engine, toy, tokens(5, 0))
-    assert engine.stats()["layers"][NAMES[1]]["predicted"] == 0
-    step(engine, toy, tokens(4, 0))
-    assert engine.stats()["layers"][NAMES[1]]["predicted"] == 4 * K
+def test_prefill_tokens_are_not_predicted_decode_tokens_are_whatever_their_number(toy):
+    engine = make_engine(toy, budget=0.5, predictor="router")
+    step(engine, toy, tokens(5, 0), PassPhases.prefill_only(5))
+    assert engine.stats()["layers"][NAMES[1]]["prefill"]["predicted"] == 0
+    step(engine, toy, tokens(96, 0), PassPhases.decode_only(96))
+    assert decode_stats(engine)[NAMES[1]]["predicted"] == 96 * K
+    # A mixed pass: only its 2 decode rows are predicted.
+    step(engine, toy, tokens(7, 1), PassPhases(7, np.array([2, 5]), np.array([0, 1, 3, 4, 6])))
+    assert decode_stats(engine)[NAMES[1]]["predicted"] == (96 + 2) * K
     engine.close()
 
 
@@ -163,39 +174,40 @@ def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
     _, (_, _, ids1), _ = step(engine, toy, x0)
     _, expected = softmax_topk(gates[1])(rms_norm(norms[1])(x0))
     hits = (ids1.unsqueeze(-1) == expected.unsqueeze(-2)).any(-1).sum()
-    assert engine.stats()["layers"][NAMES[1]]["predicted_correct"] == int(hits)
+    assert decode_stats(engine)[NAMES[1]]["predicted_correct"] == int(hits)
     engine.close()
 
 
 def test_prefetch_is_protected_until_the_layer_runs():
-    cache = make_cache(random_layer(num_experts=E), num_slots=4, top_k=2)
-    assert cache.prefetch(np.array([8, 9, 10])) == 3
+    loader = make_loader(random_layer(num_experts=E), num_slots=4, top_k=2)
+    cache = loader.cache
+    assert loader.prefetch(np.array([8, 9, 10])) == 3
     assert set(cache.slot_expert) >= {8, 9, 10}
     # Another prefetch cannot evict them; only one slot is left.
-    assert cache.prefetch(np.array([11, 12])) == 1
-    assert cache.num_resident() <= 4
-    cache.begin_run(np.array([8, 11]))
-    assert cache.stats.prefetch_used == 2 and cache.stats.prefetch_unused == 2
+    assert loader.prefetch(np.array([11, 12])) == 1
+    assert set(cache.slot_expert) == {8, 9, 10, 11}
+    loader.begin_run(np.array([8, 11]))
+    assert loader.stats.prefetch_used == 2 and loader.stats.prefetch_unused == 2
     assert not cache.protected.any()
-    cache.acquire(np.array([8, 11]))
-    assert cache.stats.misses == 0
+    loader.acquire(np.array([8, 11]))
+    assert loader.stats.misses == 0
+    check_cache_invariants(loader, settle=True)
 
 
 def test_waiting_for_an_unfinished_prefetch_is_stall():
     link = CpuLink(LinkConfig(bandwidth_gbps=0.01, latency_us=0))  # 10 MB/s
     tensors = random_layer(num_experts=E, hidden=256, inter=128)  # 196 KB per expert
-    cache = make_cache(tensors, num_slots=4, top_k=2, link=link)
-    cache.prefetch(np.array([8]))
+    loader = make_loader(tensors, num_slots=4, top_k=2, link=link)
+    loader.prefetch(np.array([8]))
     start = time.perf_counter()
-    cache.begin_run(np.array([8]))
-    cache.acquire(np.array([8]))
+    loader.begin_run(np.array([8]))
+    loader.acquire(np.array([8]))
     waited = time.perf_counter() - start
-    expected = cache.experts.expert_nbytes / 0.01e9
-    assert cache.stats.misses == 0 and cache.stats.hits == 1
-    assert cache.stats.stall_s == pytest.approx(waited, rel=0.2)
+    expected = loader.cache.experts.expert_nbytes / 0.01e9
+    assert loader.stats.misses == 0 and loader.stats.hits == 1
+    assert loader.stats.stall_s == pytest.approx(waited, rel=0.2)
     assert waited >= expected * 0.9
-    for key, src in tensors.items():
-        assert torch.equal(cache.slots[key][cache.expert_slot[8]], src[8])
+    assert check_cache_invariants(loader) == 4  # 8 landed: all four slots compared
     link.close()
 
 
@@ -236,15 +248,15 @@ def test_planner_combines_tokens_that_predict_the_same_expert():
 def test_unneeded_prefetches_that_have_not_started_are_cancelled():
     link = CpuLink(LinkConfig(bandwidth_gbps=0.01, latency_us=0))  # ~20 ms per expert
     tensors = random_layer(num_experts=E, hidden=256, inter=128)
-    cache = make_cache(tensors, num_slots=4, top_k=2, link=link)
-    assert cache.prefetch(np.array([8, 9, 10])) == 3  # 8 starts, 9 and 10 queue
-    cache.begin_run(np.array([9, 3]))  # 9 is needed; 8 already moving; 10 can go
-    assert cache.stats.prefetch_used == 1
-    assert cache.stats.prefetch_unused == 1 and cache.stats.prefetch_cancelled == 1
+    loader = make_loader(tensors, num_slots=4, top_k=2, link=link)
+    cache = loader.cache
+    assert loader.prefetch(np.array([8, 9, 10])) == 3  # 8 starts, 9 and 10 queue
+    loader.begin_run(np.array([9, 3]))  # 9 is needed; 8 already moving; 10 can go
+    assert loader.stats.prefetch_used == 1
+    assert loader.stats.prefetch_unused == 1 and loader.stats.prefetch_cancelled == 1
     assert cache.expert_slot[10] == -1 and 10 not in cache.slot_expert
-    assert cache.stats.prefetched == 2
-    cache.acquire(np.array([9, 3]))  # 3 stayed resident
+    loader.acquire(np.array([9, 3]))  # 3 stayed resident
+    assert loader.stats.prefetched == 2  # 8 and 9 started by now; 10 never
     assert link.bytes_copied == 2 * cache.experts.expert_nbytes  # 8 and 9 moved, 10 never
-    for key, src in tensors.items():
-        assert torch.equal(cache.slots[key][cache.expert_slot[9]], src[9])
+    check_cache_invariants(loader, settle=True)
     link.close()

@@ -19,20 +19,24 @@ def test_copies_are_real():
 
 
 def test_emulated_link_serializes_copies_and_holds_each_until_ready():
-    config = LinkConfig(bandwidth_gbps=1.0, latency_us=100.0)  # 1 GB/s
+    # 1 GB/s and 30 ms per copy: the second submit comes long before the first is done
+    # (a 1 ms copy raced a loaded machine).
+    config = LinkConfig(bandwidth_gbps=1.0, latency_us=30_000.0)
     link = CpuLink(config)
-    src = torch.zeros(250_000)  # 1 MB -> 1 ms + 0.1 ms latency
+    src = torch.zeros(250_000)  # 1 MB -> 1 ms + 30 ms latency
     dst = torch.empty_like(src)
+    started = []
     start = time.perf_counter()
-    first = link.submit([(dst, src)])
-    second = link.submit([(dst, src)])
-    assert second.ready_at is None  # queued: the link is busy with the first
+    first = link.submit([(dst, src)], on_start=started.append)
+    second = link.submit([(dst, src)], on_start=started.append)
+    assert second.ready_at is None and started == [first]  # queued behind the first
     link.wait(first)
-    assert first.ready_at - start >= 1.1e-3 - 1e-6
+    assert first.ready_at - start >= 31e-3 - 1e-6
     assert time.perf_counter() >= first.ready_at
     link.wait(second)
+    assert started == [first, second]
     # The second copy starts when the link is free, like one copy engine.
-    assert second.ready_at - first.ready_at == pytest.approx(1.1e-3, rel=1e-6)
+    assert second.ready_at - first.ready_at == pytest.approx(31e-3, rel=1e-6)
     assert time.perf_counter() >= second.ready_at
     assert link.stall_s > 0
     link.close()
@@ -52,18 +56,22 @@ def test_emulation_is_rejected_on_cuda():
 
 
 def test_demand_copies_overtake_queued_prefetches_and_prefetches_cancel():
-    link = CpuLink(LinkConfig(bandwidth_gbps=1.0, latency_us=0.0))  # 1 MB -> 1 ms
+    # 1 MB at 1 GB/s + 20 ms: every submit below comes while the first copy runs.
+    link = CpuLink(LinkConfig(bandwidth_gbps=1.0, latency_us=20_000.0))
     src = torch.ones(250_000)
     dsts = [torch.zeros_like(src) for _ in range(4)]
+    started = []
     busy = link.submit([(dsts[0], src)], prefetch=True)      # starts at once
-    later = link.submit([(dsts[1], src)], prefetch=True)     # queued
-    dropped = link.submit([(dsts[2], src)], prefetch=True)   # queued
+    later = link.submit([(dsts[1], src)], prefetch=True, on_start=started.append)  # queued
+    dropped = link.submit([(dsts[2], src)], prefetch=True, on_start=started.append)  # queued
     demand = link.submit([(dsts[3], src)])                   # goes before both
     assert link.cancel(dropped) and not link.cancel(busy)
     link.wait(demand)
     link.wait(later)
-    assert demand.ready_at == pytest.approx(busy.ready_at + 1e-3, rel=1e-6)
-    assert later.ready_at == pytest.approx(demand.ready_at + 1e-3, rel=1e-6)
+    assert demand.ready_at == pytest.approx(busy.ready_at + 21e-3, rel=1e-6)
+    assert later.ready_at == pytest.approx(demand.ready_at + 21e-3, rel=1e-6)
     assert torch.equal(dsts[3], src) and torch.equal(dsts[1], src)
     assert link.bytes_copied == 3 * src.numel() * 4  # the cancelled copy never moved
+    assert started == [later]  # and never reported a start
+    assert torch.equal(dsts[2], torch.zeros_like(src))
     link.close()

@@ -32,6 +32,8 @@ class Completion:
     token_ids: list[int]
     logprobs: list[dict[int, float]]
     """Top-5 logprobs per generated token: equal floats mean an identical computation."""
+    prompt_logprobs: list[dict[int, float]] | None = None
+    """Top-5 logprobs per prompt position (from the second), when asked for."""
 
 
 def make_llm(arch: str, specexpert: dict, eager: bool = True, **kwargs):
@@ -53,28 +55,37 @@ def model_class(model) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
-def greedy_in_fresh_process(arch: str, plugins: bool, eager: bool = True) -> dict:
-    """Greedy completions of PROMPTS from an engine started in a new Python process with
-    no ``specexpert`` config; with ``plugins=False`` no vLLM plugin is ever loaded there.
-    Engines of the test process share it with the plugin, so vanilla references come
-    from here. Returns ``{"completions": [...], "expert_layer_classes": [...],
+def greedy_in_fresh_process(arch: str, plugins: bool, eager: bool = True,
+                            prompts=PROMPTS, max_tokens: int = MAX_TOKENS,
+                            prompt_logprobs: bool = False, **engine_kwargs) -> dict:
+    """Greedy completions of ``prompts`` from an engine started in a new Python process
+    with no ``specexpert`` config; with ``plugins=False`` no vLLM plugin is ever loaded
+    there. Engines of the test process share it with the plugin, so vanilla references
+    come from here. Returns ``{"completions": [...], "expert_layer_classes": [...],
     "model_class": str}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if not plugins:
             env["VLLM_PLUGINS"] = ""
-        args = json.dumps({"arch": arch, "eager": eager, "out": out})
+        args = json.dumps({"arch": arch, "eager": eager, "out": out, "prompts": list(prompts),
+                           "max_tokens": max_tokens, "prompt_logprobs": prompt_logprobs,
+                           "engine": engine_kwargs})
         proc = subprocess.run([sys.executable, __file__, args], env=env,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         with open(out) as f:
             result = json.load(f)
     result["completions"] = [
-        Completion(c["token_ids"], [{int(t): lp for t, lp in step.items()} for step in c["logprobs"]])
+        Completion(c["token_ids"], _int_keys(c["logprobs"]),
+                   _int_keys(c["prompt_logprobs"]) if c["prompt_logprobs"] else None)
         for c in result["completions"]
     ]
     return result
+
+
+def _int_keys(steps):
+    return [{int(t): lp for t, lp in step.items()} for step in steps]
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,19 +94,37 @@ def vanilla_reference(arch: str, eager: bool = True) -> tuple[Completion, ...]:
     return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager)["completions"])
 
 
-def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[Completion]:
+def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS,
+           prompt_logprobs: bool = False) -> list[Completion]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True,
+                            prompt_logprobs=5 if prompt_logprobs else None)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = []
     for output in outputs:
         sample = output.outputs[0]
+        prompt = None
+        if prompt_logprobs:  # the first position has none
+            prompt = [{t: lp.logprob for t, lp in step.items()} for step in output.prompt_logprobs[1:]]
         result.append(Completion(
             token_ids=list(sample.token_ids),
             logprobs=[{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs],
+            prompt_logprobs=prompt,
         ))
     return result
+
+
+def cache_invariants(model) -> list[int]:
+    """Worker side: wait for every copy in flight, then check the cache of every
+    offloaded layer (``tests/invariants.py``). Returns the slots compared per layer."""
+    from invariants import check_cache_invariants
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+    return [
+        check_cache_invariants(module.engine.layers[module.layer_name].loader, settle=True)
+        for module in model.modules() if isinstance(module, OffloadedRoutedExperts)
+    ]
 
 
 if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
@@ -103,9 +132,11 @@ if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
 
     request = json.loads(sys.argv[1])
     llm = LLM(model=str(model_path(request["arch"])), dtype="bfloat16",
-              enforce_eager=request["eager"], max_model_len=512, seed=0)
+              enforce_eager=request["eager"], max_model_len=512, seed=0, **request["engine"])
+    completions = greedy(llm, request["prompts"], request["max_tokens"],
+                         request["prompt_logprobs"])
     result = {
-        "completions": [dataclasses.asdict(c) for c in greedy(llm)],
+        "completions": [dataclasses.asdict(c) for c in completions],
         "expert_layer_classes": llm.apply_model(expert_layer_classes)[0],
         "model_class": llm.apply_model(model_class)[0],
     }

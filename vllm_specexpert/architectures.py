@@ -1,4 +1,5 @@
-"""The MoE architectures the plugin has been tested on, and their routing shape."""
+"""What the plugin can run: the MoE architectures it has been tested on (and their routing
+shape), unquantized weights, one device. Checked in one place, :func:`check_supported`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_specexpert.config import SpecExpertUnsupportedError
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -55,3 +57,31 @@ def moe_shape(hf_config: Any) -> MoEShape:
         "expert offloading is tested on " + ", ".join(SUPPORTED_ARCHITECTURES),
         "use one of those architectures, or drop the specexpert config",
     )
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Raise :class:`SpecExpertUnsupportedError` for a model or engine setup the
+    offloaded layer cannot run: an unsupported architecture, quantized weights, or
+    tensor/pipeline/data/expert parallelism. Called where the engine config is built
+    (the calling process: one clear error before any engine process starts) and again
+    by each offloaded layer (engines built without ``EngineArgs``)."""
+    model_config = vllm_config.model_config
+    moe_shape(model_config.hf_config)
+    if model_config.quantization is not None:
+        raise SpecExpertUnsupportedError(
+            f"quantization '{model_config.quantization}'",
+            "offloading supports unquantized checkpoints only for now",
+            "use a bf16/fp16/fp32 checkpoint, or drop the specexpert config",
+        )
+    parallel = vllm_config.parallel_config
+    if (
+        parallel.tensor_parallel_size > 1
+        or parallel.pipeline_parallel_size > 1
+        or parallel.data_parallel_size > 1
+        or parallel.enable_expert_parallel
+    ):
+        raise SpecExpertUnsupportedError(
+            "tensor/pipeline/data/expert parallelism",
+            "the offloaded layer runs on a single device for now",
+            "use tensor_parallel_size=1, pipeline_parallel_size=1, no expert parallelism",
+        )

@@ -17,15 +17,6 @@ from typing import Any
 ADDITIONAL_CONFIG_KEY = "specexpert"
 
 CACHE_POLICIES = ("lru", "lfu", "static")
-MISS_POLICIES = ("fetch", "speculate", "cpu", "auto", "buddy", "auto_buddy", "random", "drop")
-MISS_POLICY_OUTPUT = {
-    "fetch": "exact", "cpu": "equivalent", "auto": "equivalent", "speculate": "approximate",
-    "buddy": "approximate", "auto_buddy": "approximate", "random": "approximate",
-    "drop": "approximate",
-}
-"""What each miss policy does to the model's output: ``exact`` (bit-identical to vanilla
-vLLM), ``equivalent`` (the same experts and weights, summed in another order: equal up to
-rounding) or ``approximate`` (other experts or weights run: the output changes)."""
 PREDICTORS = ("none", "router", "quasi_hidden")
 PREFETCH_FILTERS = ("cost", "all")
 
@@ -122,8 +113,8 @@ class SpecExpertConfig:
     rotate, LRU, for the others)."""
 
     miss_policy: str = "fetch"
-    """What a layer does when the router picks a non-resident expert (in decode passes,
-    see ``max_decode_tokens``; prefill always fetches). Exact: ``fetch`` (load it on
+    """What a layer does when the router picks a non-resident expert for a decode token
+    (prefill tokens always fetch: they run exactly). Exact: ``fetch`` (load it on
     demand over the link, then run it: output identical to vanilla vLLM). Equivalent
     (same experts, summed in another order): ``cpu`` (compute it on the host from the
     slow tier while the device runs the hits, as llama.cpp/KTransformers do), ``auto``
@@ -170,11 +161,6 @@ class SpecExpertConfig:
     cache keeps its warm-start experts under ``cpu`` (static placement, as in
     llama.cpp/KTransformers)."""
 
-    max_decode_tokens: int = 64
-    """Forward passes of at most this many tokens count as decode: prediction,
-    prefetch, speculation and the miss policies apply to them. Larger passes (prefill)
-    need most experts anyway and run exactly with on-demand loading."""
-
     buddy: BuddyConfig = field(default_factory=BuddyConfig)
     """Substitution settings of ``buddy``, ``auto_buddy`` and ``random``, see
     :class:`BuddyConfig`."""
@@ -212,7 +198,7 @@ class SpecExpertConfig:
             kwargs["cache"] = _parse_choice("cache", raw["cache"], CACHE_POLICIES)
         if "miss_policy" in raw:
             kwargs["miss_policy"] = _parse_choice(
-                "miss_policy", raw["miss_policy"], MISS_POLICIES
+                "miss_policy", raw["miss_policy"], tuple(_miss_policy_classes())
             )
         if "predictor" in raw:
             kwargs["predictor"] = _parse_choice("predictor", raw["predictor"], PREDICTORS)
@@ -224,10 +210,6 @@ class SpecExpertConfig:
                                                          'e.g. "calibration": "/path/to/calib"')
         if "exact_layers" in raw:
             kwargs["exact_layers"] = _parse_layers("exact_layers", raw["exact_layers"])
-        if "max_decode_tokens" in raw:
-            kwargs["max_decode_tokens"] = int(_parse_number(
-                "max_decode_tokens", raw["max_decode_tokens"], minimum=1, inclusive=True,
-                integer=True))
         if "admit_host_experts" in raw:
             if not isinstance(raw["admit_host_experts"], bool):
                 raise SpecExpertConfigError(
@@ -250,15 +232,14 @@ class SpecExpertConfig:
         return config
 
     def _check_combination(self) -> None:
-        if self.miss_policy == "speculate" and self.predictor == "none":
+        policy = self.miss_policy_class
+        if policy.needs_predictor and self.predictor == "none":
             raise SpecExpertConfigError(
-                "miss_policy", "'speculate' runs predicted experts, but 'predictor' is 'none'",
+                "miss_policy", f"'{policy.name}' runs predicted experts, but 'predictor' is 'none'",
                 'set "predictor": "router" or "quasi_hidden"',
             )
-        if self.needs_routing_statistics and self.calibration is None:
-            why = ("the TAE gate's tau comes from its percentiles (buddy.tau_percentile)"
-                   if self.miss_policy == "random" else
-                   "buddy lists come from its co-activation counts")
+        why = policy.calibration_need(self)
+        if why is not None and self.calibration is None:
             raise SpecExpertConfigError(
                 "calibration", f"miss_policy '{self.miss_policy}' needs a calibration: {why}",
                 "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\"",
@@ -270,16 +251,20 @@ class SpecExpertConfig:
             )
 
     @property
+    def miss_policy_class(self):
+        """The class of ``miss_policy``: the one source of its traits."""
+        return _miss_policy_classes()[self.miss_policy]
+
+    @property
     def needs_routing_statistics(self) -> bool:
         """Whether the miss policy needs the calibration's co-activation counts (buddy
         lists) or TAE percentiles (a percentile tau)."""
-        return self.miss_policy in ("buddy", "auto_buddy") or (
-            self.miss_policy == "random" and self.buddy.tau is None)
+        return self.miss_policy_class.calibration_need(self) is not None
 
     @property
     def output(self) -> str:
-        """``exact``, ``equivalent`` or ``approximate``, see ``MISS_POLICY_OUTPUT``."""
-        return MISS_POLICY_OUTPUT[self.miss_policy]
+        """``exact``, ``equivalent`` or ``approximate``: the miss policy's ``output``."""
+        return self.miss_policy_class.output
 
     @property
     def exact(self) -> bool:
@@ -325,6 +310,13 @@ class SpecExpertConfig:
                 f"or >= {math.ceil(top_k / num_experts * 1000) / 1000}",
             )
         return slots
+
+
+def _miss_policy_classes() -> dict:
+    # Imported here: the policies import the engine's modules, which import this one.
+    from vllm_specexpert.policy import MISS_POLICY_CLASSES
+
+    return MISS_POLICY_CLASSES
 
 
 def _reject_unknown(raw: dict, cls: type, prefix: str) -> None:

@@ -1,15 +1,19 @@
 """OffloadEngine: the per-worker state shared by every offloaded MoE layer.
 
 One engine per worker process holds the slow tier (:class:`ExpertStore`), the link
-(:class:`Link`, one copy engine shared by all layers), one :class:`ExpertCache` per MoE
-layer, the miss policy and the predictor. It has no vLLM dependency: the vLLM adapter in
-``layers/`` hands it host tensors, a kernel callable per layer, and (for prediction) each
-layer's successor with that successor's routing.
+(:class:`Link`, one copy engine shared by all layers), per MoE layer an
+:class:`ExpertCache` (residency) with its :class:`ExpertLoader` (copies in flight) and
+counters, the miss policy and the predictor. It has no vLLM dependency: the vLLM adapter
+in ``layers/`` hands it host tensors, a kernel callable per layer, each layer's successor
+with that successor's routing, and per forward pass which tokens are decode
+(:class:`PassPhases`).
 
-A decode step through MoE layer l (see ``../shared/DESIGN.md``, "Data flow"):
+A layer call splits its tokens by phase. Prefill tokens run exactly: the router's
+experts, loaded on demand. Decode tokens go through the modes (see
+``../shared/DESIGN.md``, "Data flow"):
 
-1. take the prediction made for l at layer l-1, if any; count its recall against the
-   router's choice; under ``speculate`` run the predicted routing instead;
+1. take the prediction made for layer l at layer l-1, if any; count its recall against
+   the router's choice; under ``speculate`` run the predicted routing instead;
 2. resolve layer l's missing experts by the miss policy: load them (waiting for
    in-flight prefetches counts as stall), compute them on the host, substitute or drop;
 3. predict layer l+1's experts and submit their prefetch to the link;
@@ -18,9 +22,9 @@ A decode step through MoE layer l (see ``../shared/DESIGN.md``, "Data flow"):
 
 from __future__ import annotations
 
-import atexit
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +33,10 @@ import torch
 from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.host import HostExperts, HostKernel
-from vllm_specexpert.policy import ExpertKernel, MissContext, make_miss_policy
+from vllm_specexpert.loader import ExpertLoader
+from vllm_specexpert.log import init_logger
+from vllm_specexpert.phases import PassPhases
+from vllm_specexpert.policy import ExpertKernel, MissContext, MissPolicy, run_layer_call
 from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
 from vllm_specexpert.predict import (
     LayerState,
@@ -41,23 +48,26 @@ from vllm_specexpert.predict import (
     RouterPredictor,
     worth_threshold,
 )
-from vllm_specexpert.stats import LayerStats, write_json_atomic
+from vllm_specexpert.stats import LayerStats, PhaseStats, StatsWriter
 from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import make_link
 
-
-HOST_POLICIES = ("cpu", "auto", "auto_buddy")
-"""Miss policies that compute experts on the host."""
-SUBSTITUTING_POLICIES = ("buddy", "auto_buddy", "random")
-"""Miss policies that substitute experts (behind the calibrated gates)."""
-
+logger = init_logger(__name__)
 
 
 @dataclass
-class LayerInfo:
+class OffloadedLayer:
+    """One offloaded MoE layer: its cache, loader, counters and wiring."""
+
+    name: str
     top_k: int
     index: int
     """Decoder-layer index in the model (``exact_layers`` refers to it)."""
+    cache: ExpertCache
+    loader: ExpertLoader
+    stats: LayerStats = field(default_factory=LayerStats)
+    host_kernel: HostKernel | None = None
+    """Fused experts on host tensors (``cpu``/``auto`` miss policies)."""
     next_name: str | None = None
     """The next offloaded MoE layer, once :meth:`OffloadEngine.link_layers` ran."""
     next_routing: NextLayerRouting | None = None
@@ -65,14 +75,12 @@ class LayerInfo:
     """Precision of the predictions made for this layer (decides what to prefetch)."""
     window_s: float | None = None
     """Running mean of the time from a prediction for this layer to its use."""
-    host_kernel: HostKernel | None = None
-    """Fused experts on host tensors (``cpu``/``auto`` miss policies)."""
     coactivation: np.ndarray | None = None
     """``[E, E]`` calibrated co-activation counts (buddy lists)."""
     tae_percentiles: np.ndarray | None = None
     """``[101]`` calibrated percentiles of the Token Activating Entropy (tau)."""
     miss_context: MissContext | None = None
-    """What the miss policy consults about this layer in decode passes."""
+    """What the miss policy consults about this layer for decode tokens."""
 
 
 class OffloadEngine:
@@ -82,35 +90,35 @@ class OffloadEngine:
         self.rank = rank
         self.store = ExpertStore(pin_memory=device.type == "cuda")
         self.link = make_link(config.link, device)
-        self.miss_policy = make_miss_policy(config.miss_policy)
-        self.caches: dict[str, ExpertCache] = {}
-        self.layers: dict[str, LayerInfo] = {}
+        self.miss_policy: MissPolicy = config.miss_policy_class()
+        self.layers: dict[str, OffloadedLayer] = {}
         self.default_vectors: dict[str, torch.Tensor] = {}
         """Layer name -> ``[E, H]`` default vectors on the device (``quasi_hidden``)."""
         self.residual_scales: dict[str, torch.Tensor] = {}
         """Layer name -> ``[H]`` scale turning s_l back into r_l (``quasi_hidden``)."""
-        self.predictor: Predictor | None = None
-        self._make_predictor()
+        self.predictor: Predictor | None = self._make_predictor(config)
         self._predictions: dict[str, Prediction] = {}
-        """Layer name -> prediction for it made earlier in the current forward pass."""
-        self._last_stats_write = time.monotonic()
-        if config.stats_path:
-            atexit.register(self.write_stats)
+        """Layer name -> prediction for its decode tokens made earlier in the pass."""
+        self._lock = threading.Lock()
+        """Held while the layers change (reconfigure) or are read by another thread."""
+        self._stats_writer: StatsWriter | None = None
 
     # ------------------------------------------------------------------ setup
 
     def add_layer(
         self, name: str, tensors: dict[str, torch.Tensor], top_k: int, index: int = -1,
         host_kernel: HostKernel | None = None,
-    ) -> ExpertCache:
+    ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
         ``host_kernel`` computes experts on the store's tensors (``cpu``/``auto``)."""
         self.store.add_layer(name, tensors)
-        self.layers[name] = LayerInfo(top_k=top_k, index=index, planner=PrefetchPlanner(top_k),
-                                      host_kernel=host_kernel)
-        self.caches[name] = self._make_cache(name)
-        self._make_miss_context(name)
-        return self.caches[name]
+        cache = self._make_cache(name, top_k)
+        layer = OffloadedLayer(name=name, top_k=top_k, index=index, cache=cache,
+                               loader=ExpertLoader(cache, self.link),
+                               planner=PrefetchPlanner(top_k), host_kernel=host_kernel)
+        self.layers[name] = layer
+        self._make_miss_context(layer, self.config)
+        return layer
 
     def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
         """Declare ``next_name`` as the MoE layer after ``name`` and how it routes, so
@@ -124,114 +132,142 @@ class OffloadEngine:
         :mod:`vllm_specexpert.predict.quasi_hidden`)."""
         self.default_vectors = {n: v.to(self.device) for n, v in default_vectors.items()}
         self.residual_scales = {n: v.to(self.device) for n, v in residual_scales.items()}
-        self._make_predictor()
+        self.predictor = self._make_predictor(self.config)
 
     def set_routing_statistics(self, coactivation: dict[str, np.ndarray],
                                tae_percentiles: dict[str, np.ndarray]) -> None:
         """Per layer name: calibrated co-activation counts and TAE percentiles (see
         :mod:`vllm_specexpert.policy.buddies`)."""
-        for name, info in self.layers.items():
-            info.coactivation = np.asarray(coactivation[name])
-            info.tae_percentiles = np.asarray(tae_percentiles[name], dtype=np.float64)
-            self._make_miss_context(name)
+        for name, layer in self.layers.items():
+            layer.coactivation = np.asarray(coactivation[name])
+            layer.tae_percentiles = np.asarray(tae_percentiles[name], dtype=np.float64)
+            self._make_miss_context(layer, self.config)
 
-    def _make_miss_context(self, name: str) -> None:
-        """The miss policy's view of a layer; raises a config error when the policy
-        needs what the layer does not have."""
-        info, cache, config = self.layers[name], self.caches[name], self.config
-        policy = config.miss_policy
-        context = MissContext(copy_seconds=self.link.expert_seconds(cache.experts))
-        if policy in HOST_POLICIES:
-            if info.host_kernel is None:
-                raise SpecExpertConfigError(
-                    "miss_policy", f"'{policy}' needs a host kernel, and layer {name} has none",
-                    "use 'fetch' (this layer type cannot compute experts on the host)")
+    def start(self) -> None:
+        """Every layer is loaded and wired: check that the configuration can run (fail
+        at engine start, not mid-generation), start the stats writer, and log one line
+        that sums up the offload."""
+        self._check_runnable(self.config)
+        self._start_stats_writer()
+        logger.info("specexpert: %s", self.summary())
+
+    def _start_stats_writer(self) -> None:
+        if self._stats_writer is not None:
+            self._stats_writer.close()
+            self._stats_writer = None
+        if self.config.stats_path:
+            self._stats_writer = StatsWriter(self.stats_file, self.config.stats_interval_s,
+                                             self.stats)
+
+    def summary(self) -> str:
+        """One line: MoE layers, slots per layer, slow tier, policy, predictor."""
+        slots = sorted({layer.cache.num_slots for layer in self.layers.values()})
+        experts = sorted({layer.cache.num_experts for layer in self.layers.values()})
+        config = self.config
+        link = config.link
+        modeled = (f", emulated link {link.bandwidth_gbps:g} GB/s + {link.latency_us:g} us/copy,"
+                   f" host_slowdown {link.host_slowdown:g}" if link.emulated else "")
+        return (
+            f"{len(self.layers)} MoE layers offloaded, {'/'.join(map(str, slots))} of "
+            f"{'/'.join(map(str, experts))} experts resident per layer; slow tier "
+            f"{self.store.nbytes / 1e9:.3f} GB on the host"
+            f"{' (pinned)' if self.store.pin_memory else ''}; miss_policy {config.miss_policy} "
+            f"({self.miss_policy.output}), predictor {config.predictor}, cache {config.cache}"
+            f"{modeled}"
+        )
+
+    def _check_runnable(self, config: SpecExpertConfig) -> None:
+        """Raise a config error when ``config`` needs what the loaded layers lack."""
+        policy = config.miss_policy_class
+        if policy.computes_on_host and any(
+            layer.host_kernel is None for layer in self.layers.values()
+        ):
+            raise SpecExpertConfigError(
+                "miss_policy", f"'{policy.name}' computes experts on the host, and this "
+                "model's expert layers have no host kernel",
+                "use 'fetch' (this layer type cannot compute experts on the host)")
+        if config.needs_routing_statistics and any(
+            layer.coactivation is None for layer in self.layers.values()
+        ):
+            raise SpecExpertConfigError(
+                "calibration", f"miss_policy '{policy.name}' needs the calibration's "
+                "co-activation counts and TAE percentiles, loaded at engine start",
+                "start the engine with 'calibration' set to a directory from "
+                "`specexpert calibrate` for this model")
+        if config.predictor == "quasi_hidden" and not self.default_vectors:
+            raise SpecExpertConfigError(
+                "predictor", "quasi_hidden needs the calibration's default vectors, loaded "
+                "at engine start", "start the engine with 'calibration' set")
+
+    def _make_miss_context(self, layer: OffloadedLayer, config: SpecExpertConfig) -> None:
+        """The miss policy's view of a layer (left unset while something it needs is
+        missing: :meth:`start` reports it)."""
+        policy = config.miss_policy_class
+        context = MissContext(copy_seconds=self.link.expert_seconds(layer.cache.experts))
+        if policy.computes_on_host:
+            if layer.host_kernel is None:
+                return
             link = config.link
-            context.host = HostExperts(cache.experts, info.host_kernel,
+            context.host = HostExperts(layer.cache.experts, layer.host_kernel,
                                        link.host_slowdown if link.emulated else None)
             context.admit_host_experts = config.admit_host_experts
-        if policy in SUBSTITUTING_POLICIES:
+        if policy.substitutes:
             buddy = config.buddy
             tau = buddy.tau
             if config.needs_routing_statistics:
-                if info.coactivation is None:  # the adapter sets them at load time
+                if layer.coactivation is None:  # the adapter sets them at load time
                     return
-                if policy != "random":
-                    context.buddies = buddy_lists(info.coactivation, buddy.alpha, buddy.k_max)
+                if policy.uses_buddy_lists:
+                    context.buddies = buddy_lists(layer.coactivation, buddy.alpha, buddy.k_max)
                 if tau is None:
                     tau = float(np.interp(buddy.tau_percentile, np.linspace(0, 100, 101),
-                                          info.tae_percentiles))
+                                          layer.tae_percentiles))
             context.gates = BuddyGates(tau=tau, beta=buddy.beta, rho=buddy.rho)
-        info.miss_context = context
+        layer.miss_context = context
 
-    def check_ready(self) -> None:
-        """Once every layer is loaded and wired: fail at engine start, not mid-generation,
-        when the miss policy lacks its calibration data."""
-        for name, info in self.layers.items():
-            if info.miss_context is None:
-                raise SpecExpertConfigError(
-                    "calibration", f"miss_policy '{self.config.miss_policy}' needs the "
-                    "calibration's co-activation counts and TAE percentiles, and layer "
-                    f"{name} has none",
-                    "set 'calibration' to a directory from `specexpert calibrate` for this model")
+    def _make_predictor(self, config: SpecExpertConfig) -> Predictor | None:
+        if config.predictor == "router":
+            return RouterPredictor()
+        if config.predictor == "quasi_hidden":
+            return QuasiHiddenPredictor(self.default_vectors, self.residual_scales)
+        return None
 
-    def _make_predictor(self) -> None:
-        if self.config.predictor == "router":
-            self.predictor = RouterPredictor()
-        elif self.config.predictor == "quasi_hidden":
-            self.predictor = QuasiHiddenPredictor(self.default_vectors, self.residual_scales)
-        else:
-            self.predictor = None
-
-    def _make_cache(self, name: str) -> ExpertCache:
+    def _make_cache(self, name: str, top_k: int) -> ExpertCache:
         experts = self.store.layers[name]
-        top_k = self.layers[name].top_k
         num_slots = self.config.slots_per_layer(experts.num_experts, top_k)
-        return ExpertCache(experts, num_slots, top_k, self.config.cache, self.device, self.link)
+        return ExpertCache(experts, num_slots, top_k, self.config.cache, self.device)
 
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch budget, cache policy, miss policy, predictor or link without reloading
         weights. Every cache is rebuilt (warm start again) and the counters restart.
-        A ``quasi_hidden`` predictor needs default vectors already set (the adapter
-        loads them at start-up when ``calibration`` is configured)."""
-        for name, experts in self.store.layers.items():  # validate before changing
-            config.slots_per_layer(experts.num_experts, self.layers[name].top_k)
+        Everything is checked before anything changes."""
+        for layer in self.layers.values():
+            config.slots_per_layer(layer.cache.num_experts, layer.top_k)
         if config.calibration != self.config.calibration:
             raise SpecExpertConfigError(
                 "calibration", "is read when the model loads and cannot change at run time",
                 "start a new engine with the new 'calibration'",
             )
-        if config.miss_policy in HOST_POLICIES and any(
-            info.host_kernel is None for info in self.layers.values()
-        ):
-            raise SpecExpertConfigError(
-                "miss_policy", f"'{config.miss_policy}' needs a host kernel, and a layer has none",
-                "use 'fetch' (this layer type cannot compute experts on the host)")
-        if config.needs_routing_statistics and any(
-            info.coactivation is None for info in self.layers.values()
-        ):
-            raise SpecExpertConfigError(
-                "calibration", f"miss_policy '{config.miss_policy}' needs the calibration's "
-                "routing statistics, loaded at engine start", "start the engine with 'calibration' set")
-        if config.predictor == "quasi_hidden" and not self.default_vectors:
-            raise SpecExpertConfigError(
-                "predictor", "quasi_hidden needs the calibration loaded at engine start",
-                "start the engine with 'calibration' set",
-            )
-        self.link.close()
-        self.config = config
-        self.link = make_link(config.link, self.device)
-        self.miss_policy = make_miss_policy(config.miss_policy)
-        self._make_predictor()
-        self._predictions.clear()
-        for info in self.layers.values():
-            info.planner, info.window_s = PrefetchPlanner(info.top_k), None
-        self.caches = {}  # free the old pools before allocating the new ones
-        for name in self.store.layers:
-            self.caches[name] = self._make_cache(name)
-            self._make_miss_context(name)
-        self.check_ready()
-        self.reset_stats()
+        self._check_runnable(config)
+        with self._lock:
+            for layer in self.layers.values():
+                layer.loader.wait_all()  # nothing is freed while a copy into it runs
+            self.link.close()
+            self.config = config
+            self.link = make_link(config.link, self.device)
+            self.miss_policy = config.miss_policy_class()
+            self.predictor = self._make_predictor(config)
+            self._predictions.clear()
+            for layer in self.layers.values():
+                layer.cache = layer.loader = None  # free the old pool before the new one
+                layer.cache = self._make_cache(layer.name, layer.top_k)
+                layer.loader = ExpertLoader(layer.cache, self.link)
+                layer.planner, layer.window_s = PrefetchPlanner(layer.top_k), None
+                layer.stats = LayerStats()
+                self._make_miss_context(layer, config)
+        self.link.reset_counters()
+        self._start_stats_writer()
+        logger.info("specexpert: reconfigured: %s", self.summary())
 
     # ---------------------------------------------------------------- forward
 
@@ -242,123 +278,157 @@ class OffloadEngine:
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        phases: PassPhases | None = None,
     ) -> torch.Tensor:
-        """Routed-expert output of layer ``name`` for a token batch."""
-        cache = self.caches[name]
-        info = self.layers[name]
-        prediction = self._predictions.pop(name, None)
+        """Routed-expert output of layer ``name`` for a pass's tokens. ``phases`` says
+        which rows are decode tokens (default: all)."""
+        layer = self.layers[name]
+        if phases is None or phases.all_decode:
+            return self._run_decode(layer, kernel, x, topk_weights, topk_ids)
+        if phases.all_prefill:
+            return self._run_prefill(layer, kernel, x, topk_weights, topk_ids)
+        # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
+        # that their prefetched experts are released by their own call.
+        out = torch.empty_like(x)
+        for rows, run in ((phases.decode, self._run_decode),
+                          (phases.prefill, self._run_prefill)):
+            index = torch.from_numpy(rows).to(x.device)
+            out[index] = run(layer, kernel, x[index], topk_weights[index], topk_ids[index])
+        return out
+
+    def _run_prefill(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill tokens: the router's experts, loaded on demand (exact)."""
+        self._count_call(layer, layer.stats.prefill, x)
+        return run_layer_call(self.miss_policy, layer.loader, kernel, x, topk_weights, topk_ids)
+
+    def _run_decode(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Decode tokens: prediction, prefetch and the miss policy (module doc)."""
+        stats = self._count_call(layer, layer.stats.decode, x)
+        prediction = self._predictions.pop(layer.name, None)
         if prediction is not None and prediction.num_tokens != x.shape[0]:
             prediction = None
         if prediction is not None:
-            self._observe(info, cache.stats, prediction, topk_ids)
-            if self._speculative(info):
-                routed_ids = topk_ids
-                topk_weights, topk_ids = self.miss_policy.routing(topk_weights, topk_ids, prediction)
-                cache.stats.speculated_calls += topk_ids is not routed_ids
+            self._observe(layer, stats, prediction, topk_ids)
+            if self.miss_policy.speculates and self._speculative(layer):
+                topk_weights, topk_ids = self.miss_policy.routing(topk_weights, topk_ids,
+                                                                  prediction)
+                stats.speculated_calls += 1
 
         before_kernel = None
-        if (
-            self.predictor is not None
-            and info.next_name is not None
-            and x.shape[0] <= self.config.max_decode_tokens
-        ):
+        if self.predictor is not None and layer.next_name is not None:
             state = LayerState(x, topk_ids, topk_weights)
 
             def before_kernel() -> None:
-                self._predict_and_prefetch(name, info, state)
+                self._predict_and_prefetch(layer, state)
 
-        context = info.miss_context if x.shape[0] <= self.config.max_decode_tokens else None
-        if context is not None:
-            context.copy_seconds = self.link.expert_seconds(cache.experts)
-        out = self.miss_policy.run(cache, kernel, x, topk_weights, topk_ids, before_kernel,
-                                   context)
-        if self.config.stats_path:
-            now = time.monotonic()
-            if now - self._last_stats_write >= self.config.stats_interval_s:
-                self._last_stats_write = now
-                self.write_stats()
-        return out
+        context = layer.miss_context
+        context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
+        return run_layer_call(self.miss_policy, layer.loader, kernel, x, topk_weights,
+                              topk_ids, before_kernel, context)
 
-    def _speculative(self, info: LayerInfo) -> bool:
+    @staticmethod
+    def _count_call(layer: OffloadedLayer, stats: PhaseStats, x: torch.Tensor) -> PhaseStats:
+        layer.loader.stats = stats
+        stats.calls += 1
+        stats.tokens += x.shape[0]
+        return stats
+
+    def _speculative(self, layer: OffloadedLayer) -> bool:
         exact_layers = self.config.exact_layers
         if exact_layers is None:
             return True  # the first MoE layer never has a prediction
-        return info.index not in exact_layers
+        return layer.index not in exact_layers
 
-    def _predict_and_prefetch(self, name: str, info: LayerInfo, state: LayerState) -> None:
-        prediction = self.predictor.predict(state, name, info.next_routing)
+    def _predict_and_prefetch(self, layer: OffloadedLayer, state: LayerState) -> None:
+        prediction = self.predictor.predict(state, layer.name, layer.next_routing)
         prediction.made_at = time.perf_counter()
-        self._predictions[info.next_name] = prediction
-        nxt = self.layers[info.next_name]
-        cache = self.caches[info.next_name]
+        self._predictions[layer.next_name] = prediction
+        nxt = self.layers[layer.next_name]
+        nxt.loader.stats = nxt.stats.decode  # predictions are made for decode tokens only
+        cache = nxt.cache
         # On CUDA, reading the prediction on the host waits for the compute stream (the
         # predictor's router GEMM): the host decides what to copy.
         if self.config.prefetch_filter == "all" or (
-            self.miss_policy.name == "speculate" and self._speculative(nxt)
+            self.miss_policy.speculates and self._speculative(nxt)
         ):
-            cache.prefetch(prediction.experts_by_mass())  # every predicted expert runs
+            nxt.loader.prefetch(prediction.experts_by_mass())  # every predicted expert runs
             return
         ranked = prediction.ranked()
         prediction.considered = cache.expert_slot[ranked] < 0
         copy_s = self.link.expert_seconds(cache.experts)
         threshold = worth_threshold(copy_s, nxt.window_s if nxt.window_s is not None else copy_s)
         wanted, skipped = nxt.planner.plan(ranked, threshold)
-        cache.stats.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
-        cache.prefetch(wanted)
+        nxt.stats.decode.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
+        nxt.loader.prefetch(wanted)
 
-    def _observe(self, info: LayerInfo, stats: LayerStats, prediction: Prediction,
+    def _observe(self, layer: OffloadedLayer, stats: PhaseStats, prediction: Prediction,
                  topk_ids: torch.Tensor) -> None:
         """Score the prediction made for this layer against its router's choice."""
         window = time.perf_counter() - prediction.made_at
-        info.window_s = window if info.window_s is None else 0.9 * info.window_s + 0.1 * window
+        layer.window_s = window if layer.window_s is None else 0.9 * layer.window_s + 0.1 * window
         stats.predicted += topk_ids.numel()
-        stats.predicted_correct += info.planner.observe(
+        stats.predicted_correct += layer.planner.observe(
             prediction.ranked(), topk_ids.cpu().numpy(), prediction.considered)
 
     # ---------------------------------------------------------------- statistics
 
+    @property
+    def stats_file(self) -> str | None:
+        path = self.config.stats_path
+        return path.replace("{rank}", str(self.rank)) if path else None
+
     def stats(self) -> dict[str, Any]:
-        """Per-layer counters, totals, link counters and the configuration."""
-        layers = {name: cache.stats for name, cache in self.caches.items()}
-        total = LayerStats()
-        for s in layers.values():
-            for key, value in vars(s).items():
-                if key == "max_resident":
-                    total.max_resident = max(total.max_resident, value)
-                else:
-                    setattr(total, key, getattr(total, key) + value)
-        return {
-            "rank": self.rank,
-            "device": str(self.device),
-            "miss_policy": self.miss_policy.name,
-            "predictor": self.config.predictor,
-            "exact": self.config.exact,
-            "output": self.config.output,
-            "config": self.config.to_dict(),
-            "slots_per_layer": {n: c.num_slots for n, c in self.caches.items()},
-            "experts_per_layer": {n: c.num_experts for n, c in self.caches.items()},
-            "expert_bytes": {n: c.experts.expert_nbytes for n, c in self.caches.items()},
-            "store_bytes": self.store.nbytes,
-            "link": {
-                "bytes": self.link.bytes_copied,
-                "copies": self.link.copies,
-                "stall_s": self.link.stall_s,
-            },
-            "total": total.to_dict(),
-            "layers": {name: s.to_dict() for name, s in layers.items()},
-        }
+        """Per-layer counters by phase, their totals, link counters and the
+        configuration. Safe to call from another thread."""
+        with self._lock:
+            layers = {name: layer.stats for name, layer in self.layers.items()}
+            total = LayerStats.sum(layers.values())
+            first = next(iter(layers.values()), LayerStats())
+            link = self.config.link
+            return {
+                "rank": self.rank,
+                "device": str(self.device),
+                "miss_policy": self.miss_policy.name,
+                "predictor": self.config.predictor,
+                "output": self.miss_policy.output,
+                "exact": self.miss_policy.output == "exact",
+                "config": self.config.to_dict(),
+                "decode_tokens": first.decode.tokens,
+                "prefill_tokens": first.prefill.tokens,
+                "slots_per_layer": {n: la.cache.num_slots for n, la in self.layers.items()},
+                "experts_per_layer": {n: la.cache.num_experts for n, la in self.layers.items()},
+                "expert_bytes": {n: la.cache.experts.expert_nbytes
+                                 for n, la in self.layers.items()},
+                "store_bytes": self.store.nbytes,
+                "pinned": self.store.pin_memory,
+                "modeled": {
+                    "bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
+                    "host_slowdown": link.host_slowdown,
+                } if link.emulated else None,
+                "link": {
+                    "bytes": self.link.bytes_copied,
+                    "copies": self.link.copies,
+                    "stall_s": self.link.stall_s,
+                },
+                "total": total.to_dict(),
+                "layers": {name: s.to_dict() for name, s in layers.items()},
+            }
 
     def reset_stats(self) -> None:
-        for cache in self.caches.values():
-            cache.reset_stats()
-        self.link.bytes_copied = 0
-        self.link.copies = 0
-        self.link.stall_s = 0.0
+        with self._lock:
+            for layer in self.layers.values():
+                layer.stats = LayerStats()
+                layer.loader.stats = layer.stats.decode
+        self.link.reset_counters()
 
     def write_stats(self) -> None:
-        if self.config.stats_path:
-            path = self.config.stats_path.replace("{rank}", str(self.rank))
-            write_json_atomic(path, self.stats())
+        """Write the stats file now (``stats_path``; no-op without one)."""
+        if self._stats_writer is not None:
+            self._stats_writer.write()
 
     def close(self) -> None:
+        if self._stats_writer is not None:
+            self._stats_writer.close()
         self.link.close()

@@ -17,11 +17,11 @@ config exists. It installs two things, both inert unless ``additional_config`` h
 from __future__ import annotations
 
 import functools
-import logging
 
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.log import init_logger
 
-logger = logging.getLogger("vllm_specexpert")
+logger = init_logger(__name__)
 
 WORKER_EXTENSION = "vllm_specexpert.worker.SpecExpertWorkerExtension"
 
@@ -80,8 +80,9 @@ def prepare_engine_args(engine_args) -> None:
 
 def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     """Model-dependent checks, in the process that builds the engine config."""
-    from vllm_specexpert.architectures import moe_shape
+    from vllm_specexpert.architectures import check_supported, moe_shape
 
+    check_supported(vllm_config)
     model_config = vllm_config.model_config
     shape = moe_shape(model_config.hf_config)
     config.slots_per_layer(shape.num_experts, shape.top_k)
@@ -90,21 +91,3 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
         load_calibration(config.calibration, model=model_config.model,
                          hf_config=model_config.hf_config)
-    if model_config.quantization is not None:
-        raise SpecExpertUnsupportedError(
-            f"quantization '{model_config.quantization}'",
-            "offloading supports unquantized checkpoints only for now",
-            "use a bf16/fp16/fp32 checkpoint, or drop the specexpert config",
-        )
-    parallel = vllm_config.parallel_config
-    if (
-        parallel.tensor_parallel_size > 1
-        or parallel.pipeline_parallel_size > 1
-        or parallel.data_parallel_size > 1
-        or parallel.enable_expert_parallel
-    ):
-        raise SpecExpertUnsupportedError(
-            "tensor/pipeline/data/expert parallelism",
-            "the offloaded layer runs on a single device for now",
-            "use tensor_parallel_size=1, pipeline_parallel_size=1, no expert parallelism",
-        )

@@ -1,41 +1,58 @@
-"""Counters the engine keeps per MoE layer, and their JSON form."""
+"""Counters the engine keeps per MoE layer and phase, their JSON form, and the writer
+of ``stats_path``.
+
+Every counter exists twice per layer: for the decode tokens and for the prefill tokens of
+the forward passes (which tokens are which comes from vLLM, see
+:mod:`vllm_specexpert.layers.forward_phase`). Per-decode-token figures are the decode
+counters divided by ``decode_tokens``.
+"""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from vllm_specexpert.log import init_logger
+
+logger = init_logger(__name__)
+
+PHASES = ("decode", "prefill")
 
 
 @dataclass
-class LayerStats:
-    """Counters of one MoE layer. Expert requests are counted once per distinct expert
-    per kernel call (a token batch that needs expert 5 for 30 tokens is one request)."""
+class PhaseStats:
+    """Counters of one MoE layer for one phase. Expert requests are counted once per
+    distinct expert per kernel call (a token batch that needs expert 5 for 30 tokens is
+    one request)."""
 
     calls: int = 0
-    """Forward calls of the layer (one per model step)."""
+    """Layer calls with tokens of this phase (one per forward pass that has some)."""
     tokens: int = 0
-    """Tokens that went through the layer."""
+    """Tokens of this phase that went through the layer."""
     requests: int = 0
     """Distinct experts asked for, summed over kernel calls."""
     hits: int = 0
-    """Requests found resident in the device cache."""
+    """Requests found resident in the device cache (experts still in flight from a
+    prefetch count as hits: nothing new is loaded for them)."""
     misses: int = 0
-    """Requests that were not resident (each triggers a load under ``fetch``).
-    Experts still in flight from a prefetch count as hits."""
+    """Requests that were not resident."""
     loads: int = 0
-    """Experts copied from the slow tier into a slot (on demand or prefetched)."""
+    """Experts whose copy into a slot started (on demand or prefetched)."""
     evictions: int = 0
-    """Resident experts replaced to make room."""
+    """Resident experts evicted to make room."""
     bytes_loaded: int = 0
-    """Bytes copied over the link into this layer's slots (including prefetches)."""
+    """Bytes of those copies (including prefetches)."""
     stall_s: float = 0.0
-    """Seconds the compute waited on this layer's transfers (on-demand loads, and
+    """Seconds the compute waited on this layer's copies (on-demand loads, and
     prefetches not finished when the layer needed them)."""
     prefetched: int = 0
-    """Experts loaded ahead of use, by a prediction made at the previous layer or as
-    ``admitted`` experts (cancelled ones excluded)."""
+    """Experts whose prefetch copy started: predicted at the previous layer, or
+    ``admitted``."""
     admitted: int = 0
     """Of those, experts computed on the host and then loaded in the background on an
     idle link (``admit_host_experts``)."""
@@ -44,11 +61,11 @@ class LayerStats:
     prefetch_used: int = 0
     """Prefetched experts the layer then asked for."""
     prefetch_unused: int = 0
-    """Prefetched experts the layer did not ask for and that had already moved (wasted
-    link time)."""
+    """Prefetched experts the layer did not ask for and that had already started moving
+    (wasted link time)."""
     prefetch_cancelled: int = 0
     """Prefetches the layer did not ask for that had not started when it ran: dropped
-    from the link queue, no link time spent (not counted in ``prefetched``)."""
+    from the link queue, no link time spent (never counted in ``prefetched``)."""
     prefetch_skipped: int = 0
     """Predicted, non-resident experts not prefetched because their measured chance of
     use did not pay for the copy (``prefetch_filter: cost``)."""
@@ -59,8 +76,8 @@ class LayerStats:
     """Of those, pairs the prediction contained: ``predicted_correct / predicted`` is
     the online recall@k of the predictor for this layer."""
     speculated_calls: int = 0
-    """Forward calls that ran the predicted experts with the predicted weights
-    instead of the router's (miss policy ``speculate``; output not exact)."""
+    """Layer calls that ran the predicted experts with the predicted weights instead of
+    the router's (miss policy ``speculate``; output not exact)."""
     missed_entries: int = 0
     """Router-chosen (token, expert) entries whose expert was not resident when the
     layer call started; each was resolved in one of the next four ways."""
@@ -76,15 +93,13 @@ class LayerStats:
     host_experts: int = 0
     """Distinct experts computed on the host, summed over layer calls."""
     host_s: float = 0.0
-    """Seconds of host expert compute (emulated seconds with an emulated link)."""
+    """Seconds of host expert compute (modeled seconds with an emulated link: measured
+    time x ``link.host_slowdown``)."""
     host_stall_s: float = 0.0
     """Seconds layer calls waited for the host after their device work was done."""
     kernel_calls: int = 0
-    """Expert kernel launches (more than ``calls`` when a batch needed more experts
-    than there are slots and was run in token groups)."""
-    max_resident: int = 0
-    """Highest number of experts resident at once since the counters started (checked
-    at start and after every load; never above the slot count)."""
+    """Expert kernel launches on the device (more than ``calls`` when a batch needed more
+    experts than there are slots and ran in token groups)."""
 
     @property
     def hit_rate(self) -> float:
@@ -94,11 +109,34 @@ class LayerStats:
     def recall(self) -> float:
         return self.predicted_correct / self.predicted if self.predicted else 0.0
 
+    def add(self, other: PhaseStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["hit_rate"] = self.hit_rate
         out["recall"] = self.recall
         return out
+
+
+@dataclass
+class LayerStats:
+    """The counters of one MoE layer, per phase."""
+
+    decode: PhaseStats = field(default_factory=PhaseStats)
+    prefill: PhaseStats = field(default_factory=PhaseStats)
+
+    def to_dict(self) -> dict:
+        return {phase: getattr(self, phase).to_dict() for phase in PHASES}
+
+    @classmethod
+    def sum(cls, layers: Iterable[LayerStats]) -> LayerStats:
+        total = cls()
+        for layer in layers:
+            total.decode.add(layer.decode)
+            total.prefill.add(layer.prefill)
+        return total
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
@@ -109,3 +147,41 @@ def write_json_atomic(path: str, payload: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
+
+
+class StatsWriter:
+    """Writes ``snapshot()`` to ``path`` every ``interval_s`` seconds from a daemon
+    thread (never from the forward pass), and once more at :meth:`close`. A failed write
+    is logged once and retried at the next interval: it never stops the engine."""
+
+    MIN_INTERVAL_S = 0.1
+    """Shortest period between writes (``stats_interval_s: 0`` writes at this rate)."""
+
+    def __init__(self, path: str, interval_s: float, snapshot: Callable[[], dict]):
+        self.path = path
+        self.interval_s = max(interval_s, self.MIN_INTERVAL_S)
+        self.snapshot = snapshot
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._loop, name="specexpert-stats",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def write(self) -> None:
+        try:
+            write_json_atomic(self.path, self.snapshot())
+        except OSError as error:
+            if not self._warned:
+                logger.warning("specexpert: cannot write stats_path %s: %s", self.path, error)
+                self._warned = True
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write()
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self.write()

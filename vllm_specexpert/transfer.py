@@ -26,7 +26,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,6 +34,8 @@ from vllm_specexpert.config import LinkConfig
 
 CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """``(destination slot view, source slow-tier view)`` pairs of one transfer."""
+StartCallback = Callable[["Transfer"], None]
+"""Called once when a transfer starts moving on the link (never for a dropped one)."""
 
 
 class Transfer(ABC):
@@ -42,6 +44,7 @@ class Transfer(ABC):
     nbytes: int
     prefetch: bool
     cancelled: bool = False
+    on_start: StartCallback | None = None
 
     @abstractmethod
     def wait(self) -> float:
@@ -60,12 +63,16 @@ class Link(ABC):
         self.bytes_copied = 0
         """Bytes of started transfers (cancelled prefetches never count)."""
         self.copies = 0
+        """Tensor copies of started transfers."""
         self.stall_s = 0.0
+        """Seconds callers waited in :meth:`wait`."""
 
     @abstractmethod
-    def submit(self, pairs: CopyPairs, prefetch: bool = False) -> Transfer:
+    def submit(self, pairs: CopyPairs, prefetch: bool = False,
+               on_start: StartCallback | None = None) -> Transfer:
         """Queue a copy of every pair; returns at once. Demand transfers go ahead of
-        prefetches that have not started."""
+        prefetches that have not started. ``on_start(transfer)`` is called when the copy
+        starts moving (the link is the one that observes it)."""
 
     def cancel(self, transfer: Transfer) -> bool:
         """Drop a prefetch that has not started. Returns whether it was dropped; the
@@ -87,6 +94,11 @@ class Link(ABC):
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         """Expected link time of one transfer of ``copies`` tensors, ``nbytes`` in all."""
 
+    def reset_counters(self) -> None:
+        self.bytes_copied = 0
+        self.copies = 0
+        self.stall_s = 0.0
+
     def expert_seconds(self, experts) -> float:
         """Expected link time of moving one expert of ``experts`` (a LayerExperts)."""
         return self.copy_seconds(experts.expert_nbytes, len(experts.tensors))
@@ -99,9 +111,11 @@ class Link(ABC):
     def close(self) -> None:
         """Release the link's resources (threads, streams)."""
 
-    def _count(self, transfer: Transfer, copies: int) -> None:
+    def _started(self, transfer: Transfer, copies: int) -> None:
         self.bytes_copied += transfer.nbytes
         self.copies += copies
+        if transfer.on_start is not None:
+            transfer.on_start(transfer)
 
     @staticmethod
     def _nbytes(pairs: CopyPairs) -> int:
@@ -121,12 +135,14 @@ def _insert(pending: deque, transfer: Transfer) -> None:
 
 
 class _CpuTransfer(Transfer):
-    def __init__(self, link: CpuLink, pairs: CopyPairs, prefetch: bool):
+    def __init__(self, link: CpuLink, pairs: CopyPairs, prefetch: bool,
+                 on_start: StartCallback | None):
         self.link = link
         self.pairs = list(pairs)
         self.nbytes = Link._nbytes(pairs)
         self.copies = len(self.pairs)
         self.prefetch = prefetch
+        self.on_start = on_start
         self.submitted_at = time.perf_counter()
         self.ready_at: float | None = None
         """Emulated completion time, set when the emulated link starts it."""
@@ -213,15 +229,16 @@ class CpuLink(Link):
         )
         self._thread.start()
 
-    def submit(self, pairs: CopyPairs, prefetch: bool = False) -> Transfer:
-        transfer = _CpuTransfer(self, pairs, prefetch)
+    def submit(self, pairs: CopyPairs, prefetch: bool = False,
+               on_start: StartCallback | None = None) -> Transfer:
+        transfer = _CpuTransfer(self, pairs, prefetch, on_start)
         if self.config.emulated:
             self._advance(transfer.submitted_at)
             _insert(self._pending, transfer)
             self._advance(transfer.submitted_at)
         else:
             transfer.ready_at = transfer.submitted_at
-            self._count(transfer, transfer.copies)
+            self._started(transfer, transfer.copies)
         if prefetch:
             self._jobs.put(transfer)
         return transfer
@@ -255,7 +272,7 @@ class CpuLink(Link):
             start = max(self._link_free_at, transfer.submitted_at)
             transfer.ready_at = start + self.copy_seconds(transfer.nbytes, transfer.copies)
             self._link_free_at = transfer.ready_at
-            self._count(transfer, transfer.copies)
+            self._started(transfer, transfer.copies)
 
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         if self.config.emulated:
@@ -282,11 +299,13 @@ class CpuLink(Link):
 
 
 class _CudaTransfer(Transfer):
-    def __init__(self, link: CudaLink, pairs: CopyPairs, prefetch: bool):
+    def __init__(self, link: CudaLink, pairs: CopyPairs, prefetch: bool,
+                 on_start: StartCallback | None):
         self.link = link
         self.pairs = list(pairs)
         self.nbytes = Link._nbytes(pairs)
         self.prefetch = prefetch
+        self.on_start = on_start
         self.event: torch.cuda.Event | None = None
         """Recorded on the copy stream once issued."""
 
@@ -321,8 +340,9 @@ class CudaLink(Link):
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         return 5e-6 * copies + nbytes / (CUDA_ASSUMED_GBPS * 1e9)
 
-    def submit(self, pairs: CopyPairs, prefetch: bool = False) -> Transfer:
-        transfer = _CudaTransfer(self, pairs, prefetch)
+    def submit(self, pairs: CopyPairs, prefetch: bool = False,
+               on_start: StartCallback | None = None) -> Transfer:
+        transfer = _CudaTransfer(self, pairs, prefetch, on_start)
         if prefetch:
             self._pending.append(transfer)
             self._pump()
@@ -365,7 +385,7 @@ class CudaLink(Link):
             for dst, src in transfer.pairs:
                 dst.copy_(src, non_blocking=True)
             transfer.event.record(self.stream)
-        self._count(transfer, len(transfer.pairs))
+        self._started(transfer, len(transfer.pairs))
 
 
 def make_link(config: LinkConfig, device: torch.device) -> Link:

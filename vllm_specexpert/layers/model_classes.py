@@ -68,7 +68,7 @@ def wire_model(model: nn.Module) -> None:
     for (_, _, routed), (_, next_layer, next_routed) in zip(layers, layers[1:]):
         engine.link_layers(routed.layer_name, next_routed.layer_name, _routing_of(next_layer))
     if engine.config.calibration is None:
-        engine.check_ready()
+        engine.start()
         return
     from vllm_specexpert.calibration import load_calibration
 
@@ -84,7 +84,7 @@ def wire_model(model: nn.Module) -> None:
         {routed.layer_name: calibration.tae_percentiles[index].numpy()
          for index, _, routed in layers},
     )
-    engine.check_ready()
+    engine.start()
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:

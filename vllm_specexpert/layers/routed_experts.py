@@ -31,9 +31,11 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from vllm_specexpert.architectures import check_supported
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.host import GATED_ACTIVATIONS, torch_experts
+from vllm_specexpert.layers.forward_phase import current_phases
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
@@ -80,7 +82,12 @@ class OffloadedRoutedExperts(RoutedExperts):
             )
             return
 
-        check_layer_supported(layer_name, moe_config, quant_config)
+        check_supported(vllm_config)
+        if moe_config.has_bias:
+            raise SpecExpertUnsupportedError(
+                f"{layer_name}: expert biases", "biased experts are not offloaded yet",
+                "use a model without expert biases",
+            )
         with _host_allocation():
             super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
@@ -98,10 +105,12 @@ class OffloadedRoutedExperts(RoutedExperts):
     def _get_quant_method(self, prefix, quant_config, moe_config):
         method = super()._get_quant_method(prefix, quant_config, moe_config)
         if not isinstance(method, UnquantizedFusedMoEMethod) or method.is_monolithic:
+            # Quantization itself is rejected earlier (check_supported); this is the
+            # MoE backend vLLM picked, which must be a modular kernel run on given weights.
             raise SpecExpertUnsupportedError(
                 f"{prefix}: MoE method {type(method).__name__}",
-                "only unquantized modular fused-MoE kernels are offloaded so far",
-                "use an unquantized (bf16/fp16/fp32) checkpoint",
+                "only modular fused-MoE kernels can run experts from the slot pool",
+                "use vLLM's default (Triton/CPU) MoE backend",
             )
         # Post-process the weights where they are (host), not on the device.
         method.requires_device_loading = False
@@ -117,10 +126,10 @@ class OffloadedRoutedExperts(RoutedExperts):
     def _move_experts_to_store(self) -> None:
         """Hand the runtime-format expert tensors to the slow tier; keep only views."""
         tensors = {name: getattr(self, name).data for name in ("w13_weight", "w2_weight")}
-        cache = self.engine.add_layer(self.layer_name, tensors, self.top_k,
+        layer = self.engine.add_layer(self.layer_name, tensors, self.top_k,
                                       index=self.layer_index, host_kernel=self._host_kernel())
         # The parameters now alias the store's (pinned) tensors instead of a copy.
-        for name, tensor in cache.experts.tensors.items():
+        for name, tensor in layer.cache.experts.tensors.items():
             getattr(self, name).data = tensor
 
     # ---------------------------------------------------------------- execution
@@ -137,7 +146,8 @@ class OffloadedRoutedExperts(RoutedExperts):
     def run_from_cache(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids)
+        return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
+                               current_phases(x.shape[0]))
 
     def _slot_kernel(
         self,
@@ -202,28 +212,6 @@ class OffloadedRoutedExperts(RoutedExperts):
 
 
 _NO_WORKSPACE = torch.empty(0)
-
-
-def check_layer_supported(layer_name: str, moe_config, quant_config) -> None:
-    """Reject, at model construction, what the offloaded layer cannot run exactly."""
-    if quant_config is not None:
-        raise SpecExpertUnsupportedError(
-            f"quantization '{quant_config.get_name()}'",
-            "offloading supports unquantized checkpoints only for now",
-            "use a bf16/fp16/fp32 checkpoint, or drop the specexpert config",
-        )
-    parallel = moe_config.moe_parallel_config
-    if parallel.use_ep or parallel.tp_size > 1 or parallel.dp_size > 1:
-        raise SpecExpertUnsupportedError(
-            "tensor/data/expert parallelism",
-            "the offloaded layer runs on a single device for now",
-            "use tensor_parallel_size=1 without expert parallelism",
-        )
-    if moe_config.has_bias:
-        raise SpecExpertUnsupportedError(
-            f"{layer_name}: expert biases", "biased experts are not offloaded yet",
-            "use a model without expert biases",
-        )
 
 
 def _layer_index(layer_name: str) -> int:

@@ -1,28 +1,32 @@
-"""The miss-policy interface, and the one way every policy's decision is carried out.
+"""The miss-policy interface: what a layer does with routed experts that are not resident.
 
-A policy looks at one layer call's routing against the cache and returns a
+A policy decides; :mod:`vllm_specexpert.policy.executor` carries the decision out. Per
+decode call the policy looks at the routing against the cache and returns a
 :class:`MissPlan`: per (token, k) entry, run it on the device (resident, or loaded on
-demand), substitute another expert for it (on the device), compute it on the host, or
-drop it. :meth:`MissPolicy.run` executes any plan: the device entries through
-:func:`run_on_device` with the others masked out (weight 0), the host entries through
-:class:`HostExperts`, then adds the two. A policy that returns no plan runs the router's
-routing on the device (``fetch``), which is the bit-exact path.
+demand), substitute another expert for it, compute it on the host, or drop it. No plan
+means "load what is missing and run the router's routing" (``fetch``, the bit-exact path).
+Prefill tokens never reach a policy: they always run exactly (see the engine).
+
+Each policy class is the one source of its traits (class attributes below): config
+validation, the engine and the stats read them from the class.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.host import HostExperts
 from vllm_specexpert.policy.buddies import BuddyGates
-from vllm_specexpert.policy.executor import ExpertKernel, run_on_device
 from vllm_specexpert.predict import Prediction
+
+if TYPE_CHECKING:
+    from vllm_specexpert.config import SpecExpertConfig
+
+Output = Literal["exact", "equivalent", "approximate"]
 
 
 @dataclass
@@ -61,12 +65,38 @@ class MissPlan:
 
 
 class MissPolicy:
-    """Resolves one MoE layer's routed entries against its device cache."""
+    """Decides, per decode call of one MoE layer, what happens to missing experts."""
 
-    name: str = "fetch"
-    waits_for_copies: bool = True
+    name: ClassVar[str] = "fetch"
+    output: ClassVar[Output] = "exact"
+    """What the policy does to the model's output: ``exact`` (bit-identical to vanilla
+    vLLM), ``equivalent`` (the same experts and weights, summed in another order: equal
+    up to rounding) or ``approximate`` (other experts or weights run: the output
+    changes)."""
+    needs_predictor: ClassVar[bool] = False
+    """Whether it runs predictions (a ``predictor`` other than ``none`` is required)."""
+    speculates: ClassVar[bool] = False
+    """Whether layers run the routing predicted at the previous layer instead of the
+    router's (then every predicted expert is prefetched)."""
+    computes_on_host: ClassVar[bool] = False
+    """Whether it computes experts on the host (each layer needs a host kernel)."""
+    substitutes: ClassVar[bool] = False
+    """Whether it substitutes resident experts for missing ones behind BuddyMoE's gates."""
+    uses_buddy_lists: ClassVar[bool] = False
+    """Whether substitutes come from co-activation buddy lists (else: any resident)."""
+    waits_for_copies: ClassVar[bool] = True
     """Whether an expert still being copied counts as resident (the call waits for it).
     Policies that can compute it on the host instead treat it as missing."""
+
+    @classmethod
+    def calibration_need(cls, config: SpecExpertConfig) -> str | None:
+        """Why this policy needs the calibration's routing statistics under ``config``
+        (``None``: it does not)."""
+        if cls.uses_buddy_lists:
+            return "buddy lists come from its co-activation counts"
+        if cls.substitutes and config.buddy.tau is None:
+            return "the TAE gate's tau comes from its percentiles (buddy.tau_percentile)"
+        return None
 
     def routing(
         self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prediction: Prediction | None
@@ -82,107 +112,3 @@ class MissPolicy:
         """Decide about the entries of the routing ``ids`` ([T, K]) whose expert is not
         ``resident`` ([E] mask; there is at least one). ``None``: load them (``fetch``)."""
         return None
-
-    def run(
-        self,
-        cache: ExpertCache,
-        kernel: ExpertKernel,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        before_kernel: Callable[[], None] | None = None,
-        context: MissContext | None = None,
-    ) -> torch.Tensor:
-        """Routed-expert output for ``x`` ([tokens, hidden]). Without ``context``
-        (prefill passes) every entry runs on the device, loaded on demand.
-        ``before_kernel`` is called once, when the first device launch's experts are
-        resident and before it starts (the engine issues the next layer's prefetch there,
-        so the copy overlaps this layer's expert compute)."""
-        stats = cache.stats
-        stats.calls += 1
-        stats.tokens += x.shape[0]
-        # On CUDA this is the host sync that on-demand loading cannot avoid: which
-        # experts to copy is only known once the router has run.
-        ids = topk_ids.cpu().numpy()
-        if context is None or self.waits_for_copies:
-            resident = cache.resident_mask()
-        else:
-            resident = cache.ready_mask()
-        missing = ~resident[ids]
-        stats.missed_entries += int(np.count_nonzero(missing))
-        plan = None
-        if context is not None and missing.any():
-            plan = self.plan(ids, resident, topk_weights, context)
-        if plan is None:
-            stats.fetched_entries += int(np.count_nonzero(missing))
-            return run_on_device(cache, kernel, x, topk_weights, topk_ids, ids, before_kernel)
-        return self._run_plan(cache, kernel, x, topk_weights, topk_ids, ids, missing, plan,
-                              before_kernel, context)
-
-    def _run_plan(
-        self,
-        cache: ExpertCache,
-        kernel: ExpertKernel,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        ids: np.ndarray,
-        missing: np.ndarray,
-        plan: MissPlan,
-        before_kernel: Callable[[], None] | None,
-        context: MissContext,
-    ) -> torch.Tensor:
-        none = np.zeros(ids.shape, dtype=bool)
-        substituted = plan.substituted if plan.substituted is not None else none
-        on_host = plan.on_host if plan.on_host is not None else none
-        dropped = plan.dropped if plan.dropped is not None else none
-        on_device = ~(on_host | dropped)
-        stats = cache.stats
-        stats.substituted_entries += int(np.count_nonzero(substituted))
-        stats.host_entries += int(np.count_nonzero(on_host))
-        stats.dropped_entries += int(np.count_nonzero(dropped))
-        fetched = missing & on_device & ~substituted
-        stats.fetched_entries += int(np.count_nonzero(fetched))
-        # Missing experts that no device entry loads still count as requested and missed.
-        unloaded = np.setdiff1d(ids[missing & ~fetched], plan.topk_ids[on_device])
-        stats.requests += len(unloaded)
-        stats.misses += len(unloaded)
-
-        weights = topk_weights
-        device_mask = torch.from_numpy(on_device).to(x.device)
-        if plan.renormalize:
-            kept = torch.where(device_mask, weights, 0.0).sum(-1, keepdim=True)
-            weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
-        started_at = time.perf_counter()
-        host_job = context.host.stage(x, topk_weights, ids, on_host) if on_host.any() else None
-        if on_device.all():
-            new_ids = torch.from_numpy(plan.topk_ids).to(topk_ids.device, topk_ids.dtype)
-            out = run_on_device(cache, kernel, x, weights, new_ids, plan.topk_ids, before_kernel)
-        else:
-            # Masked entries point at one of their token's device experts, weight 0: the
-            # kernel has a fixed top-k, and adding 0 changes nothing.
-            rows = np.flatnonzero(on_device.any(axis=1))
-            mask = on_device[rows]
-            first = plan.topk_ids[rows, mask.argmax(axis=1)]
-            device_ids = np.where(mask, plan.topk_ids[rows], first[:, None])
-            out = torch.zeros_like(x)
-            if len(rows):
-                index = torch.from_numpy(rows).to(x.device)
-                out[index] = run_on_device(
-                    cache, kernel, x[index],
-                    torch.where(device_mask[index], weights[index], 0.0),
-                    torch.from_numpy(device_ids).to(topk_ids.device, topk_ids.dtype),
-                    device_ids, before_kernel,
-                )
-            elif before_kernel is not None:
-                cache.begin_run(np.zeros(0, dtype=np.int64))
-                before_kernel()
-        if host_job is not None:
-            charged, waited = context.host.finish(host_job, out, started_at)
-            stats.host_experts += host_job.experts
-            stats.host_s += charged
-            stats.host_stall_s += waited
-            if context.admit_host_experts:
-                experts, counts = np.unique(ids[on_host], return_counts=True)
-                cache.admit(int(experts[np.argmax(counts)]))
-        return out

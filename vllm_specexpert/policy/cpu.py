@@ -23,6 +23,10 @@ from vllm_specexpert.policy.substitute import substitution_plan
 
 class CpuPolicy(MissPolicy):
     name = "cpu"
+    # vLLM's kernel rounds each launch's sum to bf16: the device's and the host's
+    # partial sums are rounded before they are added (README: "Equivalent, not exact").
+    output = "equivalent"
+    computes_on_host = True
     waits_for_copies = False
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
@@ -44,9 +48,9 @@ def host_share(ids: np.ndarray, missing: np.ndarray, context: MissContext) -> np
 
 class AutoPolicy(MissPolicy):
     name = "auto"
+    output = "equivalent"
+    computes_on_host = True
     waits_for_copies = False
-    substitutes = False
-    """Whether buddies are substituted first (``auto_buddy``)."""
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan | None:
@@ -63,4 +67,6 @@ class AutoPolicy(MissPolicy):
 
 class AutoBuddyPolicy(AutoPolicy):
     name = "auto_buddy"
+    output = "approximate"
     substitutes = True
+    uses_buddy_lists = True

@@ -11,6 +11,7 @@ from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 
 class DropPolicy(MissPolicy):
     name = "drop"
+    output = "approximate"
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:

@@ -1,22 +1,30 @@
-"""Running routed entries from the device cache, loading missing experts on demand.
+"""The plan executor: carries out any miss policy's decision for one layer call.
 
-Shared by every miss policy: whatever a policy decides, the entries it leaves on the
-device run here. When a batch needs more distinct experts than the pool holds (prefill,
-large decode batches at small budgets), it runs in token groups whose experts fit. This
-stays exact because the fused-experts kernel computes each token independently of the
-others in its batch (checked bit-for-bit for vLLM's CPU kernel in
-``tests/test_kernel_exactness.py``): only *which* tokens share a launch changes, never
-the arithmetic of a token.
+:func:`run_layer_call` asks the policy for a plan (:mod:`vllm_specexpert.policy.base`)
+and executes it: the device entries through :func:`run_on_device` with the other
+entries masked out (weight 0), the host entries through :class:`HostExperts`, then adds
+the two. Without a plan every entry runs on the device, loaded on demand: the bit-exact
+path of ``fetch`` and of every prefill pass.
+
+:func:`run_on_device` runs routed entries from the device cache. When a batch needs more
+distinct experts than the pool holds (prefill, large decode batches at small budgets),
+it runs in token groups whose experts fit. This stays exact because the fused-experts
+kernel computes each token independently of the others in its batch (checked bit for bit
+for vLLM's CPU kernel in ``tests/test_kernel_exactness.py``): only *which* tokens share a
+launch changes, never the arithmetic of a token.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from vllm_specexpert.cache import ExpertCache
+from vllm_specexpert.loader import ExpertLoader
+from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 
 ExpertKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor
@@ -30,8 +38,111 @@ GROUP_SCAN_FACTOR = 4
 per round, bounding the host work of planning."""
 
 
+def run_layer_call(
+    policy: MissPolicy,
+    loader: ExpertLoader,
+    kernel: ExpertKernel,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    before_kernel: Callable[[], None] | None = None,
+    context: MissContext | None = None,
+) -> torch.Tensor:
+    """Routed-expert output for ``x`` ([tokens, hidden]) under ``policy``. Without
+    ``context`` (prefill tokens) every entry runs on the device, loaded on demand.
+    ``before_kernel`` is called once, when the first device launch's experts are
+    resident and before it starts (the engine issues the next layer's prefetch there,
+    so the copy overlaps this layer's expert compute)."""
+    stats = loader.stats
+    # On CUDA this is the host sync that on-demand loading cannot avoid: which
+    # experts to copy is only known once the router has run.
+    ids = topk_ids.cpu().numpy()
+    if context is None or policy.waits_for_copies:
+        resident = loader.cache.resident_mask()
+    else:
+        resident = loader.ready_mask()
+    missing = ~resident[ids]
+    stats.missed_entries += int(np.count_nonzero(missing))
+    plan = None
+    if context is not None and missing.any():
+        plan = policy.plan(ids, resident, topk_weights, context)
+    if plan is None:
+        stats.fetched_entries += int(np.count_nonzero(missing))
+        return run_on_device(loader, kernel, x, topk_weights, topk_ids, ids, before_kernel)
+    return _execute_plan(loader, kernel, x, topk_weights, topk_ids, ids, missing, plan,
+                         before_kernel, context)
+
+
+def _execute_plan(
+    loader: ExpertLoader,
+    kernel: ExpertKernel,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    ids: np.ndarray,
+    missing: np.ndarray,
+    plan: MissPlan,
+    before_kernel: Callable[[], None] | None,
+    context: MissContext,
+) -> torch.Tensor:
+    none = np.zeros(ids.shape, dtype=bool)
+    substituted = plan.substituted if plan.substituted is not None else none
+    on_host = plan.on_host if plan.on_host is not None else none
+    dropped = plan.dropped if plan.dropped is not None else none
+    on_device = ~(on_host | dropped)
+    stats = loader.stats
+    stats.substituted_entries += int(np.count_nonzero(substituted))
+    stats.host_entries += int(np.count_nonzero(on_host))
+    stats.dropped_entries += int(np.count_nonzero(dropped))
+    fetched = missing & on_device & ~substituted
+    stats.fetched_entries += int(np.count_nonzero(fetched))
+    # Missing experts that no device entry loads still count as requested and missed.
+    unloaded = np.setdiff1d(ids[missing & ~fetched], plan.topk_ids[on_device])
+    stats.requests += len(unloaded)
+    stats.misses += len(unloaded)
+
+    weights = topk_weights
+    device_mask = torch.from_numpy(on_device).to(x.device)
+    if plan.renormalize:
+        kept = torch.where(device_mask, weights, 0.0).sum(-1, keepdim=True)
+        weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
+    started_at = time.perf_counter()
+    host_job = context.host.stage(x, topk_weights, ids, on_host) if on_host.any() else None
+    if on_device.all():
+        new_ids = torch.from_numpy(plan.topk_ids).to(topk_ids.device, topk_ids.dtype)
+        out = run_on_device(loader, kernel, x, weights, new_ids, plan.topk_ids, before_kernel)
+    else:
+        # Masked entries point at one of their token's device experts, weight 0: the
+        # kernel has a fixed top-k, and adding 0 changes nothing.
+        rows = np.flatnonzero(on_device.any(axis=1))
+        mask = on_device[rows]
+        first = plan.topk_ids[rows, mask.argmax(axis=1)]
+        device_ids = np.where(mask, plan.topk_ids[rows], first[:, None])
+        out = torch.zeros_like(x)
+        if len(rows):
+            index = torch.from_numpy(rows).to(x.device)
+            out[index] = run_on_device(
+                loader, kernel, x[index],
+                torch.where(device_mask[index], weights[index], 0.0),
+                torch.from_numpy(device_ids).to(topk_ids.device, topk_ids.dtype),
+                device_ids, before_kernel,
+            )
+        elif before_kernel is not None:
+            loader.begin_run(np.zeros(0, dtype=np.int64))
+            before_kernel()
+    if host_job is not None:
+        charged, waited = context.host.finish(host_job, out, started_at)
+        stats.host_experts += host_job.experts
+        stats.host_s += charged
+        stats.host_stall_s += waited
+        if context.admit_host_experts:
+            experts, counts = np.unique(ids[on_host], return_counts=True)
+            loader.admit(int(experts[np.argmax(counts)]))
+    return out
+
+
 def run_on_device(
-    cache: ExpertCache,
+    loader: ExpertLoader,
     kernel: ExpertKernel,
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -42,13 +153,14 @@ def run_on_device(
     """Output of ``kernel`` for the routing ``topk_ids`` (``ids``: the same on the host),
     loading what is missing. ``before_kernel`` is called once, when the first launch's
     experts are resident and before it starts."""
+    cache, stats = loader.cache, loader.stats
     needed = np.unique(ids)
-    cache.begin_run(needed)
+    loader.begin_run(needed)
     if cache.capacity_for(needed):
-        cache.acquire(needed)
+        loader.acquire(needed)
         if before_kernel is not None:
             before_kernel()
-        cache.stats.kernel_calls += 1
+        stats.kernel_calls += 1
         return kernel(x, topk_weights, cache.slot_ids(topk_ids, ids), cache.slots)
     out = torch.empty_like(x)
     remaining = np.arange(ids.shape[0])
@@ -57,11 +169,11 @@ def run_on_device(
         experts = np.unique(ids[group])
         rest = np.setdiff1d(remaining, group, assume_unique=True)
         demand = np.bincount(ids[rest].ravel(), minlength=cache.num_experts)
-        cache.acquire(experts, future_demand=demand)
+        loader.acquire(experts, future_demand=demand)
         # Every remaining token whose experts are now all resident joins the launch.
         resident = cache.resident_mask()
         ready = remaining[resident[ids[remaining]].all(axis=1)]
-        cache.acquire(np.setdiff1d(np.unique(ids[ready]), experts))  # hits only
+        loader.acquire(np.setdiff1d(np.unique(ids[ready]), experts))  # hits only
         if before_kernel is not None:
             before_kernel()
             before_kernel = None
@@ -70,7 +182,7 @@ def run_on_device(
             x[index], topk_weights[index], cache.slot_ids(topk_ids[index], ids[ready]),
             cache.slots,
         )
-        cache.stats.kernel_calls += 1
+        stats.kernel_calls += 1
         remaining = np.setdiff1d(remaining, ready, assume_unique=True)
     return out
 

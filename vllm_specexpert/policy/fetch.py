@@ -6,6 +6,7 @@ from vllm_specexpert.policy.base import MissPolicy
 
 
 class FetchPolicy(MissPolicy):
-    """No plan: every entry runs on the device (see :func:`run_on_device`)."""
+    """No plan: every entry runs on the device, loaded on demand (see
+    :func:`~vllm_specexpert.policy.executor.run_on_device`)."""
 
     name = "fetch"

@@ -2,7 +2,7 @@
 weights, instead of the router's (speculating-experts §4, "speculative execution").
 
 A correct prefetch then leaves nothing to load and no re-fetch of the router's true
-choice; the price is that outputs are no longer exact (stats say ``exact: false``).
+choice; the price is that outputs are no longer exact (stats say ``output: approximate``).
 Predicted experts that did not fit in the prefetch are loaded on demand, and layers
 without a prediction (the first MoE layer, ``exact_layers``, prefill) run exactly.
 """
@@ -17,6 +17,9 @@ from vllm_specexpert.predict import Prediction
 
 class SpeculatePolicy(FetchPolicy):
     name = "speculate"
+    output = "approximate"
+    needs_predictor = True
+    speculates = True
 
     def routing(
         self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prediction: Prediction | None

@@ -25,6 +25,9 @@ def substitution_plan(ids: np.ndarray, resident: np.ndarray, topk_weights: torch
 
 class BuddyPolicy(MissPolicy):
     name = "buddy"
+    output = "approximate"
+    substitutes = True
+    uses_buddy_lists = True
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:
@@ -33,6 +36,8 @@ class BuddyPolicy(MissPolicy):
 
 class RandomPolicy(MissPolicy):
     name = "random"
+    output = "approximate"
+    substitutes = True
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:

@@ -1,0 +1,47 @@
+"""The device cache's claims, observed on its state and on the bytes in its slots.
+
+Shared by the engine tests, the randomized stateful test and the vLLM tests (worker side,
+through ``LLM.apply_model``)."""
+
+import numpy as np
+import torch
+
+
+def check_cache_invariants(loader, settle: bool = False) -> int:
+    """Assert what the cache of ``loader`` (an ``ExpertLoader``) promises; returns the
+    number of slots whose bytes were compared. With ``settle``, first wait for every
+    copy in flight, so that every resident slot is compared.
+
+    * the pool holds exactly ``num_slots`` experts per tensor (the budget);
+    * the id -> slot map and the slot -> id map agree both ways: no expert sits in two
+      slots, and no id maps to a freed slot or to a slot holding another expert;
+    * distinct resident experts (ids the map sends to a slot) never exceed the budget;
+    * every resident slot whose copy has landed holds the slow tier's bytes of the
+      expert the map says it holds;
+    * prefetch bookkeeping only points at resident experts and occupied slots.
+    """
+    cache = loader.cache
+    if settle:
+        loader.wait_all()
+    for key, pool in cache.slots.items():
+        assert pool.shape[0] == cache.num_slots, (key, pool.shape, cache.num_slots)
+    mapped = np.flatnonzero(cache.expert_slot >= 0)
+    assert len(mapped) <= cache.num_slots, f"{len(mapped)} experts mapped to {cache.num_slots} slots"
+    for expert in mapped:
+        slot = cache.expert_slot[expert]
+        assert cache.slot_expert[slot] == expert, f"expert {expert} -> slot {slot}, which holds {cache.slot_expert[slot]}"
+    for slot, expert in enumerate(cache.slot_expert):
+        if expert >= 0:
+            assert cache.expert_slot[expert] == slot, f"slot {slot} holds {expert}, mapped to {cache.expert_slot[expert]}"
+    compared = 0
+    for slot, expert in enumerate(cache.slot_expert):
+        if expert < 0 or slot in loader.in_flight:
+            continue
+        for key, src in cache.experts.tensors.items():
+            assert torch.equal(cache.slots[key][slot].cpu(), src[expert]), \
+                f"slot {slot} does not hold expert {expert}'s {key}"
+        compared += 1
+    assert set(np.flatnonzero(cache.protected).tolist()) == set(loader.prefetches)
+    assert all(cache.expert_slot[e] >= 0 for e in loader.prefetches)
+    assert all(cache.slot_expert[s] >= 0 for s in loader.in_flight)
+    return compared

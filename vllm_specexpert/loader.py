@@ -1,0 +1,187 @@
+"""ExpertLoader: copies into one layer's slots over the link, and the copies in flight.
+
+The loader is the only thing that writes slots after warm start. It asks the
+:class:`ExpertCache` for slots (evicting by its policy), records the new residency,
+submits the copy to the :class:`Link`, and remembers which slot still waits for which
+copy:
+
+* using a slot whose copy has not landed waits for it (counted as stall);
+* reusing a slot for another expert first retires its copy (dropped if it has not
+  started, else finished now), so that an old copy can never land on a new expert;
+* prefetched experts stay protected from eviction until the layer's next call starts
+  (:meth:`begin_run`), which counts them as used, drops them from the link if they have
+  not started and are not needed, or counts them as unused.
+
+Counters go to ``stats``, the phase the engine is running (decode or prefill), and each
+is counted by whoever observes the event: requests, hits, misses, stall, evictions and
+prefetch outcomes here; copies and bytes when the link starts a copy (a dropped
+prefetch never counts as moved).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_specexpert.cache import ExpertCache
+from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.transfer import Link, Transfer
+
+
+class ExpertLoader:
+    """Loads one layer's experts into its :class:`ExpertCache` (see module doc)."""
+
+    def __init__(self, cache: ExpertCache, link: Link, stats: PhaseStats | None = None):
+        self.cache = cache
+        self.link = link
+        self.stats = stats if stats is not None else PhaseStats()
+        """Counters of the phase being run; the engine points it at decode or prefill."""
+        self.in_flight: dict[int, Transfer] = {}
+        """Slot -> the copy into it that nobody has waited for yet."""
+        self.prefetches: dict[int, Transfer] = {}
+        """Protected expert -> its prefetch (cancellable until it starts)."""
+
+    # ------------------------------------------------------------------ queries
+
+    def ready_mask(self) -> np.ndarray:
+        """Resident experts whose data is usable now: copies that have not landed yet
+        are left out (a policy that can compute them elsewhere need not wait)."""
+        mask = self.cache.resident_mask()
+        for slot, transfer in self.in_flight.items():
+            if not transfer.ready():
+                mask[self.cache.slot_expert[slot]] = False
+        return mask
+
+    # ------------------------------------------------------------------ loading
+
+    def acquire(self, experts: np.ndarray, future_demand: np.ndarray | None = None) -> None:
+        """Make every expert of ``experts`` (distinct ids, which must fit, see
+        :meth:`ExpertCache.capacity_for`) resident and usable, loading the missing ones,
+        and count the request. Victims are never among ``experts``; ``future_demand``
+        (per-expert count of later uses in the same batch) keeps the most needed ones.
+        Experts still in flight from a prefetch count as hits; waiting for them counts as
+        stall."""
+        cache, stats = self.cache, self.stats
+        missing = experts[cache.expert_slot[experts] < 0]
+        stats.requests += len(experts)
+        stats.misses += len(missing)
+        stats.hits += len(experts) - len(missing)
+        if len(missing):
+            slots = self._take_slots(len(missing), keep=experts, demand=future_demand)
+            self._load(missing, slots, prefetch=False)
+        self._wait_for(experts)
+        cache.touch(experts)
+
+    def prefetch(self, experts: np.ndarray, admitted: bool = False) -> int:
+        """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use,
+        one transfer each, in that order. Resident ones are skipped; at most as many as
+        there are evictable slots are loaded (the least wanted are dropped). Loaded
+        experts are protected from eviction until the layer's next call starts
+        (:meth:`begin_run`). Returns how many experts were queued."""
+        cache = self.cache
+        missing = experts[cache.expert_slot[experts] < 0]
+        if not len(missing):
+            return 0
+        available = np.count_nonzero(cache.slot_expert < 0) + len(cache.evictable(experts))
+        missing = missing[:available]
+        if not len(missing):
+            return 0
+        slots = self._take_slots(len(missing), keep=experts)
+        for expert, slot in zip(missing, slots):
+            self.prefetches[int(expert)] = self._load(
+                np.array([expert]), np.array([slot]), prefetch=True, admitted=admitted)
+        cache.protected[missing] = True
+        return len(missing)
+
+    def admit(self, expert: int) -> bool:
+        """Load ``expert`` in the background if the link is idle (it was just computed
+        elsewhere and may be wanted again). Returns whether it was queued."""
+        if self.cache.expert_slot[expert] >= 0 or not self.link.idle():
+            return False
+        return bool(self.prefetch(np.array([expert]), admitted=True))
+
+    def begin_run(self, experts: np.ndarray) -> None:
+        """A call of the layer starts and will need ``experts`` (distinct ids). Protected
+        prefetches are released: those among ``experts`` count as used; the others are
+        dropped from the link if they have not started (no link time spent, their slots
+        are free again) or else count as unused."""
+        if not self.prefetches:
+            return
+        wanted = np.zeros(self.cache.num_experts, dtype=bool)
+        wanted[experts] = True
+        stats = self.stats
+        for expert, transfer in self.prefetches.items():
+            if wanted[expert]:
+                stats.prefetch_used += 1
+            elif self.link.cancel(transfer):
+                self.in_flight.pop(int(self.cache.expert_slot[expert]), None)
+                self.cache.release(np.array([expert]))
+                stats.prefetch_cancelled += 1
+            else:
+                stats.prefetch_unused += 1
+        self.prefetches.clear()
+        self.cache.protected[:] = False
+
+    def evict(self, experts: np.ndarray) -> np.ndarray:
+        """Evict those of ``experts`` that are resident and neither pinned nor protected;
+        returns them."""
+        cache = self.cache
+        victims = np.intersect1d(experts, cache.evictable(np.zeros(0, dtype=np.int64)))
+        if len(victims):
+            self._retire(cache.release(victims))
+            self.stats.evictions += len(victims)
+        return victims
+
+    def wait_all(self) -> None:
+        """Block until every copy in flight has landed (counted as stall)."""
+        for transfer in {id(t): t for t in self.in_flight.values()}.values():
+            self.stats.stall_s += self.link.wait(transfer)
+        self.in_flight.clear()
+
+    # ----------------------------------------------------------------- internals
+
+    def _take_slots(self, count: int, keep: np.ndarray,
+                    demand: np.ndarray | None = None) -> np.ndarray:
+        slots, evicted = self.cache.take_slots(count, keep, demand)
+        self.stats.evictions += len(evicted)
+        self._retire(slots)
+        return slots
+
+    def _retire(self, slots: np.ndarray) -> None:
+        """``slots`` are about to be reused: an unused copy may still be moving there."""
+        for slot in slots.tolist():
+            old = self.in_flight.pop(slot, None)
+            if old is not None:
+                self.link.retire(old)
+
+    def _load(self, experts: np.ndarray, slots: np.ndarray, prefetch: bool,
+              admitted: bool = False) -> Transfer:
+        """Copy ``experts`` into ``slots`` (free), one transfer."""
+        self.cache.assign(experts, slots)
+        stats, count = self.stats, len(experts)
+
+        def started(transfer: Transfer) -> None:
+            stats.loads += count
+            stats.bytes_loaded += transfer.nbytes
+            if prefetch:
+                stats.prefetched += count
+                stats.bytes_prefetched += transfer.nbytes
+                stats.admitted += count if admitted else 0
+
+        transfer = self.link.submit(self.cache.copy_pairs(experts), prefetch=prefetch,
+                                    on_start=started)
+        for slot in slots.tolist():
+            self.in_flight[slot] = transfer
+        return transfer
+
+    def _wait_for(self, experts: np.ndarray) -> None:
+        """Block until the slots of ``experts`` hold their data (no-op when nothing
+        is in flight, the common case)."""
+        if not self.in_flight:
+            return
+        transfers: dict[int, Transfer] = {}
+        for slot in self.cache.expert_slot[experts].tolist():
+            transfer = self.in_flight.pop(slot, None)
+            if transfer is not None:
+                transfers[id(transfer)] = transfer
+        for transfer in transfers.values():
+            self.stats.stall_s += self.link.wait(transfer)
