@@ -56,10 +56,11 @@ class ExpertLoader:
     def acquire(self, experts: np.ndarray, future_demand: np.ndarray | None = None) -> None:
         """Make every expert of ``experts`` (distinct ids, which must fit, see
         :meth:`ExpertCache.capacity_for`) resident and usable, loading the missing ones,
-        and count the request. Victims are never among ``experts``; ``future_demand``
-        (per-expert count of later uses in the same batch) keeps the most needed ones.
-        Experts still in flight from a prefetch count as hits; waiting for them counts as
-        stall."""
+        and count the request. Part of a layer call: :meth:`begin_run` has released the
+        call's prefetches first (protected experts are never evicted). Victims are never
+        among ``experts``; ``future_demand`` (per-expert count of later uses in the same
+        batch) keeps the most needed ones. Experts still in flight from a prefetch count
+        as hits; waiting for them counts as stall."""
         cache, stats = self.cache, self.stats
         missing = experts[cache.expert_slot[experts] < 0]
         stats.requests += len(experts)
