@@ -48,3 +48,18 @@ def make_loader(tensors, num_slots, top_k, policy="lru", link=None) -> ExpertLoa
 
 def slot_kernel(x, topk_weights, slot_ids, slots):
     return reference_moe(x, topk_weights, slot_ids, slots["w13_weight"], slots["w2_weight"])
+
+
+def vllm_isa() -> str:
+    """The ISA of the CPU experts class vLLM's unquantized-MoE oracle picks on this
+    machine: the first of its preference list whose ``_supports_current_device`` holds
+    (``amx`` where the CPU has AMX tiles, else ``vec`` on x86)."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+        backend_to_kernel_cls,
+    )
+
+    for cls in backend_to_kernel_cls(UnquantizedMoeBackend.CPU):
+        if cls._supports_current_device():
+            return cls.isa
+    raise AssertionError("vLLM has no CPU MoE kernel for this machine")

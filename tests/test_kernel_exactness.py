@@ -4,8 +4,10 @@
 than the pool holds, in token groups. Both are bit-exact only if the kernel (1) prepacks
 each expert independently, (2) gives the same result for a token whatever expert ids
 and slot order it is addressed with, and (3) computes each token independently of the
-other tokens of the launch. These tests pin those properties on vLLM's real kernel, so
-an upgrade that breaks them fails here rather than as a silent drift.
+other tokens of the launch. These tests pin those properties on vLLM's real kernel, with
+the instruction set vLLM picks for unquantized MoE on the running machine (``amx`` where
+the CPU has AMX tiles, ``vec`` otherwise; printed with ``-s``), so an upgrade or a machine
+that breaks them fails here rather than as a silent drift.
 """
 
 import pytest
@@ -13,29 +15,33 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU kernels")
 
-from moe_reference import make_loader, random_routing  # noqa: E402
+from moe_reference import make_loader, random_routing, vllm_isa  # noqa: E402
 from vllm_specexpert.policy import FetchPolicy, run_layer_call  # noqa: E402
 
-E, H, I, K = 16, 256, 128, 4
+E, H, INTER, K = 16, 256, 128, 4
+
+
+ISA = vllm_isa()
+print(f"vLLM's CPU MoE kernel on this machine: isa={ISA!r}")
 
 
 def prepacked(seed=0):
     g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).bfloat16()
-    return ops.cpu_prepack_moe_weight(w13, "vec"), ops.cpu_prepack_moe_weight(w2, "vec"), w13
+    w13 = (torch.randn(E, 2 * INTER, H, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(E, H, INTER, generator=g) * 0.05).bfloat16()
+    return ops.cpu_prepack_moe_weight(w13, ISA), ops.cpu_prepack_moe_weight(w2, ISA), w13
 
 
 def run(x, w, ids, w13, w2):
     out = torch.empty_like(x)
-    ops.cpu_fused_moe(out, x, w13, w2, None, None, w.float(), ids, "silu", "vec")
+    ops.cpu_fused_moe(out, x, w13, w2, None, None, w.float(), ids, "silu", ISA)
     return out
 
 
 def test_prepack_is_per_expert():
     p13, _, w13 = prepacked()
     one_by_one = torch.cat(
-        [ops.cpu_prepack_moe_weight(w13[e : e + 1].contiguous(), "vec") for e in range(E)]
+        [ops.cpu_prepack_moe_weight(w13[e : e + 1].contiguous(), ISA) for e in range(E)]
     )
     assert torch.equal(one_by_one, p13)
 
@@ -96,8 +102,8 @@ def test_torch_host_kernel_matches_vllm_cpu_kernel():
 
     p13, p2, w13 = prepacked()
     g = torch.Generator().manual_seed(0)
-    torch.randn(E, 2 * I, H, generator=g)  # same stream as prepacked(): w2 comes second
-    w2 = (torch.randn(E, H, I, generator=g) * 0.05).bfloat16()
+    torch.randn(E, 2 * INTER, H, generator=g)  # same stream as prepacked(): w2 comes second
+    w2 = (torch.randn(E, H, INTER, generator=g) * 0.05).bfloat16()
     x, w, ids = random_routing(9, E, K, hidden=H, seed=6)
     expected = run(x, w, ids, p13, p2)
     got = torch_experts(x, w, ids, {"w13_weight": w13, "w2_weight": w2})

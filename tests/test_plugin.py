@@ -22,7 +22,16 @@ def test_without_the_key_vllm_is_untouched():
     assert [c.logprobs for c in out] == [c.logprobs for c in ref]
 
 
+def kernel_isas(model) -> list[str]:
+    """Worker side: the ISA of the CPU kernel each offloaded layer calls."""
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+    return sorted({m._direct_experts().isa for m in model.modules()
+                   if isinstance(m, OffloadedRoutedExperts)})
+
+
 def test_with_the_key_the_layer_is_offloaded():
+    from moe_reference import vllm_isa
     from vllm_harness import expert_layer_classes, model_class, shutdown
 
     llm = make_llm("qwen3_moe", specexpert={"budget": 0.5})
@@ -30,6 +39,8 @@ def test_with_the_key_the_layer_is_offloaded():
         assert llm.apply_model(expert_layer_classes) == [[OFFLOADED_CLASS]]
         assert llm.apply_model(model_class) == [
             "vllm_specexpert.layers.model_classes.Qwen3MoeForCausalLM"]
+        # The kernel exactness tests run the ISA the offloaded layers run.
+        assert llm.apply_model(kernel_isas) == [[vllm_isa()]]
     finally:
         shutdown(llm)
 

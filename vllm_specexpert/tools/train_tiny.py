@@ -179,6 +179,20 @@ def evaluate_loss(model, tokens, seq_len: int = EVAL_SEQ_LEN, batch: int = 16) -
     return EvalResult(total / count, count)
 
 
+def card_file(out: Path, index: int, file, model) -> dict:
+    """A held-out file the card records a loss for, copied next to the checkpoint
+    (``heldout/``) so that the artifact test can check the loss on any interpreter."""
+    import hashlib
+
+    text = file.read()
+    sample = f"heldout/{index}-{Path(file.relpath).name}.txt"
+    (out / "heldout").mkdir(exist_ok=True)
+    (out / sample).write_text(text, encoding="utf-8")
+    return {"relpath": file.relpath, "size": file.size, "sample": sample,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            **asdict(evaluate_loss(model, tokenize_split("validation", [file])))}
+
+
 def routing_metrics(model, tokens, top_k: int, seq_len: int = EVAL_SEQ_LEN) -> list[dict]:
     """Per MoE layer, over ``tokens``: mean per-token router entropy (nats), entropy of
     the expert load, and the share of experts that get >= 1 % of the tokens."""
@@ -285,10 +299,7 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     val = evaluate_loss(model, val_tokens)
     train_eval = evaluate_loss(model, train_tokens[: len(val_tokens)])
-    per_file = [
-        {"relpath": f.relpath, "size": f.size, **asdict(evaluate_loss(model, tokenize_split("validation", [f])))}
-        for f in val_files[:CARD_FILES]
-    ]
+    per_file = [card_file(out, i, f, model) for i, f in enumerate(val_files[:CARD_FILES])]
     metrics = {
         "command": command,
         "train_config": asdict(cfg),
