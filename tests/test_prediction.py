@@ -150,3 +150,27 @@ def test_a_calibration_for_another_model_is_rejected_at_start(tmp_path):
         make_llm(TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(other)})
     with pytest.raises(SpecExpertConfigError, match="not a calibration directory"):
         make_llm(TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(tmp_path)})
+
+
+def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
+    """Prediction and the miss policy follow vLLM's decode tokens, whatever their
+    number (they used to switch off above 64 tokens per pass)."""
+    vllm_specexpert.reconfigure(llm, predictor="quasi_hidden", miss_policy="cpu", link={},
+                                admit_host_experts=False)
+    prompts = [f"def function_{i}(value):\n    return" for i in range(96)]
+    max_tokens = 4
+    outputs = greedy(llm, prompts=prompts, max_tokens=max_tokens)
+    assert all(len(c.token_ids) == max_tokens for c in outputs)
+    stats = vllm_specexpert.get_stats(llm)[0]
+    # All 96 prompts are prefilled in one pass (vLLM's CPU default: 4096 tokens per
+    # step), then every decode pass carries all 96 sequences.
+    first = next(iter(stats["layers"].values()))["decode"]
+    assert first["calls"] == max_tokens - 1 and first["tokens"] == 96 * (max_tokens - 1)
+    top_k = 4
+    for layer in moe_layers_after_the_first(stats):
+        assert layer["predicted"] == 96 * (max_tokens - 1) * top_k
+        assert layer["host_entries"] > 0
+    total = stats["total"]
+    # cpu never loads a decode miss on demand: every decode load is a prefetch.
+    assert total["decode"]["loads"] == total["decode"]["prefetched"] > 0
+    assert total["prefill"]["host_entries"] == 0 and total["prefill"]["loads"] > 0
