@@ -1,4 +1,12 @@
-"""Shared pieces of the benchmarks: engines, timing, and result files."""
+"""Shared pieces of the benchmarks: engines, timing, held-out text, teacher-forced decode,
+decode-only figures, the emulated link, and result files.
+
+Every per-token figure is decode-only: the engine counts decode and prefill tokens
+separately (vLLM's split), and :func:`decode_figures` divides the decode counters by the
+decode tokens. Prefill counters are reported beside them (:func:`prefill_figures`). A
+figure that depends on the emulated link or the emulated host speed is *modeled*: results
+carry the constants (:func:`modeled`) and plots say so.
+"""
 
 from __future__ import annotations
 
@@ -30,12 +38,59 @@ def timed_generate(llm, prompts: list, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def decode_step_seconds(llm, prompts: list, max_tokens: int, repeats: int) -> float:
-    """Median seconds per decode step: (time for max_tokens - time for 1 token) / steps,
-    so prefill and request overheads cancel out."""
+def step_seconds(llm, prompts: list, max_tokens: int, repeats: int) -> tuple[float, float]:
+    """``(decode, first)``: median seconds per decode step, ``(time for max_tokens - time
+    for 1 token) / (max_tokens - 1)`` so that prefill and request overheads cancel out,
+    and median seconds to the first token (the prompts' prefill pass, reported apart)."""
     full = [timed_generate(llm, prompts, max_tokens) for _ in range(repeats)]
     first = [timed_generate(llm, prompts, 1) for _ in range(repeats)]
-    return (statistics.median(full) - statistics.median(first)) / (max_tokens - 1)
+    decode = (statistics.median(full) - statistics.median(first)) / (max_tokens - 1)
+    return decode, statistics.median(first)
+
+
+def decode_figures(stats: dict) -> dict[str, Any]:
+    """Per-decode-token figures of one worker's stats (``vllm_specexpert.get_stats``):
+    the decode counters only, divided by the decode tokens."""
+    d, n = stats["total"]["decode"], max(stats["decode_tokens"], 1)
+    return {
+        "decode_tokens": stats["decode_tokens"],
+        "hit_rate": d["hit_rate"],
+        "misses_per_token": d["misses"] / n,
+        "loads_per_token": d["loads"] / n,
+        "mb_per_token": d["bytes_loaded"] / n / 1e6,
+        "stall_ms_per_token": d["stall_s"] / n * 1e3,
+        "host_ms_per_token": d["host_s"] / n * 1e3,
+        "prefetched_per_token": d["prefetched"] / n,
+        "prefetch_used_per_token": d["prefetch_used"] / n,
+        "recall": d["recall"] if d["predicted"] else None,
+        "entries_per_token": {k: d[f"{k}_entries"] / n for k in
+                              ("missed", "fetched", "host", "substituted", "dropped")},
+    }
+
+
+def prefill_figures(stats: dict) -> dict[str, Any]:
+    """The prefill counters of the same stats, in totals (reported beside the decode
+    figures, never mixed into them)."""
+    p = stats["total"]["prefill"]
+    return {"prefill_tokens": stats["prefill_tokens"], "misses": p["misses"],
+            "loads": p["loads"], "mb": p["bytes_loaded"] / 1e6, "stall_ms": p["stall_s"] * 1e3,
+            "kernel_calls": p["kernel_calls"]}
+
+
+def modeled(link: dict, copy_compute_ratio: float, host_slowdown: float = 14.0,
+            **extra: Any) -> dict[str, Any]:
+    """The constants a modeled figure depends on, for the result file."""
+    return {"emulated_link": {"bandwidth_gbps": link["bandwidth_gbps"],
+                              "latency_us": link["latency_us"],
+                              "copy_compute_ratio": copy_compute_ratio},
+            "host_slowdown": host_slowdown, **extra}
+
+
+def modeled_label(link: dict, copy_compute_ratio: float, host_slowdown: float = 14.0) -> str:
+    """One line for plots: what the modeled figures assume."""
+    return (f"MODELED: emulated link {link['bandwidth_gbps']:.3g} GB/s + {link['latency_us']:g} "
+            f"us/copy (copy = {copy_compute_ratio:g}x one layer's decode compute), "
+            f"host_slowdown {host_slowdown:g}")
 
 
 def emulated_link(layer_seconds: float, expert_bytes: int, copy_compute_ratio: float,
@@ -66,7 +121,7 @@ def link_like_a_gpu_box(vanilla, plugin, args) -> tuple[dict[str, float], float,
 
     prompt = held_out_prompts(1)
     timed_generate(vanilla, prompt, 8)
-    step = decode_step_seconds(vanilla, prompt, 48, 2)
+    step, _ = step_seconds(vanilla, prompt, 48, 2)
     info = vllm_specexpert.get_stats(plugin)[0]
     expert_bytes = next(iter(info["expert_bytes"].values()))
     link = emulated_link(step / len(info["layers"]), expert_bytes, args.copy_compute_ratio,
@@ -86,6 +141,64 @@ def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
     tokenizer = load_tokenizer()
     files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
     return [tokenizer.decode(tokenizer.encode(f.read()).ids[:tokens]) for f in files[:count]]
+
+
+def held_out_windows(count: int, length: int = 256) -> list[list[int]]:
+    """``count`` windows of ``length`` held-out tokens, spread over the validation files."""
+    from vllm_specexpert.tools import corpus
+    from vllm_specexpert.tools.fixtures import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    windows: list[list[int]] = []
+    for f in corpus.corpus_files("validation"):
+        ids = tokenizer.encode(f.read()).ids
+        windows += [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)]
+    step = max(1, len(windows) // count)  # spread over the files
+    return windows[::step][:count]
+
+
+def teacher_forced(llm, windows: list[list[int]], prompt_tokens: int) -> dict:
+    """Teacher-forced decode, one window at a time (batch 1): the first ``prompt_tokens``
+    of each window are the prompt, the rest is forced one decode step at a time
+    (:mod:`vllm_specexpert.tools.teacher_forcing`; the engine needs
+    ``logits_processors=[TeacherForcing]``), so every forced position runs the mode's
+    real decode path. Returns the model's top-1 and the forced token's logprob per
+    position, and the wall time."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS as KEY
+
+    top1, logprobs = [], []
+    start = time.perf_counter()
+    for window in windows:
+        prompt, forced = window[:prompt_tokens], window[prompt_tokens:]
+        params = SamplingParams(temperature=0.0, max_tokens=len(forced), logprobs=1,
+                                ignore_eos=True, extra_args={KEY: forced})
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        sample = out[0].outputs[0]
+        assert list(sample.token_ids) == forced, "teacher forcing did not hold"
+        for token, step in zip(forced, sample.logprobs):
+            top1.append(min(step.items(), key=lambda kv: kv[1].rank)[0])
+            logprobs.append(step[token].logprob)
+    return {"top1": top1, "logprobs": logprobs, "seconds": time.perf_counter() - start}
+
+
+def greedy_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def agreement(candidate: list[list[int]], exact: list[list[int]]) -> dict:
+    """Share of positions equal to ``exact``'s, and mean share before the first
+    divergence."""
+    same = [sum(a == b for a, b in zip(c, e)) / len(e) for c, e in zip(candidate, exact)]
+    prefix = []
+    for c, e in zip(candidate, exact):
+        n = next((i for i, (a, b) in enumerate(zip(c, e)) if a != b), len(e))
+        prefix.append(n / len(e))
+    return {"agreement": sum(same) / len(same), "prefix": sum(prefix) / len(prefix)}
 
 
 def default_calibration(model: str, max_tokens: int = 65536) -> str:

@@ -19,7 +19,7 @@ Per mode:
   link), after one warm-up window. ``accuracy`` = the model's top-1 is the actual next token; ``nll`` = its mean
   negative log-likelihood; ``agree`` = top-1 equals exact's top-1 at the same position
   (same context); ``tok/s`` = forced tokens / wall time of these runs (batch 1);
-  ``MB/token`` = link bytes / forced tokens;
+  ``MB/token`` = bytes loaded in decode / decode tokens (prefill counted apart);
 * free-running greedy: ``--prompts`` held-out prompts, 48 tokens each, batched:
   ``greedy`` = share of positions equal to exact's, ``prefix`` = mean share before the
   first divergence.
@@ -33,19 +33,25 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from accuracy import agreement, greedy_tokens, held_out_windows  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
     add_engine_arguments,
+    agreement,
     command_line,
+    decode_figures,
     default_calibration,
+    greedy_tokens,
     held_out_prompts,
+    held_out_windows,
     link_like_a_gpu_box,
+    modeled,
+    modeled_label,
+    prefill_figures,
+    teacher_forced,
     write_result,
 )
 
@@ -87,39 +93,16 @@ DEFAULT_BUDDY = {"alpha": 0.95, "k_max": 16, "tau": None, "tau_percentile": 15.0
                  "beta": 0.75, "rho": 3}
 
 
-def teacher_forced(llm, windows: list[list[int]]) -> dict:
-    from vllm import SamplingParams, TokensPrompt
-
-    from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS as KEY
-
-    top1, logprobs = [], []
-    start = time.perf_counter()
-    for window in windows:  # one at a time: batch-1 decode
-        prompt, forced = window[:PROMPT_TOKENS], window[PROMPT_TOKENS:]
-        params = SamplingParams(temperature=0.0, max_tokens=len(forced), logprobs=1,
-                                ignore_eos=True, extra_args={KEY: forced})
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        sample = out[0].outputs[0]
-        assert list(sample.token_ids) == forced, "teacher forcing did not hold"
-        for token, step in zip(forced, sample.logprobs):
-            top1.append(min(step.items(), key=lambda kv: kv[1].rank)[0])
-            logprobs.append(step[token].logprob)
-    seconds = time.perf_counter() - start
-    return {"top1": top1, "logprobs": logprobs, "seconds": seconds}
-
-
 def measure(llm, windows, prompts, plugin: bool) -> dict:
     import vllm_specexpert
 
-    teacher_forced(llm, windows[:1])  # warm-up: compiled shapes, the rebuilt cache
+    teacher_forced(llm, windows[:1], PROMPT_TOKENS)  # warm-up: compiled shapes, new cache
     if plugin:
         vllm_specexpert.reset_stats(llm)
-    forced = teacher_forced(llm, windows)
+    forced = teacher_forced(llm, windows, PROMPT_TOKENS)
     result = {"forced": forced}
     if plugin:
-        stats = vllm_specexpert.get_stats(llm)[0]
-        result["stats"] = {"output": stats["output"], "link_bytes": stats["link"]["bytes"],
-                           "total": stats["total"]}
+        result["stats"] = vllm_specexpert.get_stats(llm)[0]
     result["greedy"] = greedy_tokens(llm, prompts, 48)
     return result
 
@@ -137,16 +120,11 @@ def summarize(name: str, budget: float | None, m: dict, exact: dict, windows) ->
         **{f"greedy_{k}": v for k, v in agreement(m["greedy"], exact["greedy"]).items()},
     }
     if "stats" in m:
-        total = m["stats"]["total"]
-        # The counters cover the teacher-forced runs only (reset before them).
-        row.update(
-            output=m["stats"]["output"],
-            mb_per_token=m["stats"]["link_bytes"] / n / 1e6,
-            entries_per_token={k: total[f"{k}_entries"] / n
-                               for k in ("missed", "fetched", "host", "substituted", "dropped")},
-            host_ms_per_token=total["host_s"] / n * 1e3,
-            stall_ms_per_token=total["stall_s"] / n * 1e3,
-        )
+        # The counters cover the teacher-forced runs only (reset before them); per-token
+        # figures are the decode counters over the decode tokens, prefill beside them.
+        decode = decode_figures(m["stats"])
+        row.update(output=m["stats"]["output"], **decode,
+                   prefill=prefill_figures(m["stats"]))
     return row
 
 
@@ -202,15 +180,14 @@ def main() -> None:
         "model": model, "calibration": calibration, "eager": args.eager,
         "windows": args.windows, "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS,
         "greedy_prompts": args.prompts, "greedy_tokens": 48,
-        "emulated_link": {**link, "copy_compute_ratio": args.copy_compute_ratio,
-                          "host_slowdown": 14.0, "expert_bytes": expert_bytes,
-                          "vanilla_batch1_step_ms": vanilla_step * 1e3},
+        "modeled": modeled(link, args.copy_compute_ratio, expert_bytes=expert_bytes,
+                           vanilla_batch1_step_ms=vanilla_step * 1e3),
         **tables,
     }
     path = write_result(args.name, payload)
     plot(tables["policies"], RESULTS / f"{args.name}.png",
-         f"{Path(model).name}; copy/compute {args.copy_compute_ratio}, host slowdown 14; "
-         f"{'eager' if args.eager else 'compiled'}\n{command_line()}")
+         f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; tok/s and MB/token are "
+         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
     for table in ("policies", "paper"):
         print_markdown(tables[table])
     print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
@@ -254,7 +231,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.scatter(r["tok_s"], r["agree"], marker=markers[r["budget"]], s=40)
         ax.annotate(f"{r['mode'].split(' ')[0]} {r['budget']}", (r["tok_s"], r["agree"]),
                     fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("tokens/s, batch-1 decode, emulated link (higher is better)")
+    ax.set_xlabel("tokens/s, batch-1 decode, MODELED (emulated link and host; higher is better)")
     ax.set_ylabel("teacher-forced top-1 agreement with exact")
     ax.set_xscale("log")
     ax.set_title(title, fontsize=8)

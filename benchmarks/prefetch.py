@@ -28,11 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     RESULTS,
-    command_line,
     add_engine_arguments,
-    decode_step_seconds,
+    command_line,
     held_out_prompts,
     link_like_a_gpu_box,
+    modeled,
+    modeled_label,
+    step_seconds,
     timed_generate,
     write_result,
 )
@@ -56,21 +58,19 @@ def config_of(budget: float, link: dict, mode: dict) -> dict:
 
 
 def decode_stats(llm, prompts, max_tokens: int) -> list[dict]:
-    """Per-layer counters of the decode steps only: a max_tokens run minus a 1-token run,
-    divided by the number of decode steps."""
+    """Per-layer decode counters per decode step of one ``max_tokens`` run: the engine
+    counts decode tokens apart from the prompts' prefill."""
     import vllm_specexpert
 
-    runs = []
-    for tokens in (1, max_tokens):
-        vllm_specexpert.reset_stats(llm)
-        timed_generate(llm, prompts, tokens)
-        runs.append(vllm_specexpert.get_stats(llm)[0]["layers"])
-    steps = max_tokens - 1
+    vllm_specexpert.reset_stats(llm)
+    timed_generate(llm, prompts, max_tokens)
+    stats = vllm_specexpert.get_stats(llm)[0]
+    steps = stats["decode_tokens"] / len(prompts)
     return [
-        {key: (full[key] - short[key]) / steps for key in (
+        {key: layer["decode"][key] / steps for key in (
             "stall_s", "misses", "prefetched", "prefetch_used", "prefetch_skipped",
             "bytes_loaded", "predicted", "predicted_correct")}
-        for short, full in zip(runs[0].values(), runs[1].values())
+        for layer in stats["layers"].values()
     ]
 
 
@@ -110,8 +110,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
 
-    import vllm_specexpert
     from common import default_calibration
+
+    import vllm_specexpert
     from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
     model = args.model or str(model_path(DEFAULT_MODEL))
@@ -130,12 +131,12 @@ def main() -> None:
             for round_index in range(args.rounds):
                 timed_generate(vanilla, batch_prompts, 4)
                 samples["vanilla"].append(
-                    decode_step_seconds(vanilla, batch_prompts, args.max_tokens, args.repeats))
+                    step_seconds(vanilla, batch_prompts, args.max_tokens, args.repeats)[0])
                 for name, mode in MODES.items():
                     vllm_specexpert.reconfigure(plugin, **config_of(budget, link, mode))
                     timed_generate(plugin, batch_prompts, 4)  # warm the rebuilt cache
                     samples.setdefault(name, []).append(
-                        decode_step_seconds(plugin, batch_prompts, args.max_tokens, args.repeats))
+                        step_seconds(plugin, batch_prompts, args.max_tokens, args.repeats)[0])
                 print(f"batch {batch} budget {budget} round {round_index + 1}: " + ", ".join(
                     f"{n} {statistics.median(v) * 1e3:.2f}" for n, v in samples.items()))
             per_layer = {}
@@ -150,14 +151,14 @@ def main() -> None:
     payload = {
         "model": model, "calibration": calibration, "eager": args.eager,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
-        "emulated_link": {**link, "copy_compute_ratio": args.copy_compute_ratio,
-                          "expert_bytes": expert_bytes, "vanilla_batch1_step_ms": vanilla_step * 1e3},
+        "modeled": modeled(link, args.copy_compute_ratio, expert_bytes=expert_bytes,
+                           vanilla_batch1_step_ms=vanilla_step * 1e3),
         "cases": cases,
     }
     path = write_result(args.name, payload)
     plot(cases, RESULTS / f"{args.name}.png",
-         f"{Path(model).name}; link {link['bandwidth_gbps']:.4f} GB/s (copy/compute "
-         f"{args.copy_compute_ratio}); {'eager' if args.eager else 'compiled'}\n{command_line()}")
+         f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; decode TPOT, "
+         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
     print_table(cases)
     print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
 

@@ -2,6 +2,30 @@
 
 Enable with ``VLLM_PLUGINS=specexpert`` (or no VLLM_PLUGINS at all) and
 ``additional_config={"specexpert": {...}}``; see :class:`SpecExpertConfig`.
+
+How the parts relate (one worker; arrows read "uses")::
+
+    vLLM ──► plugins.register ──► layers.routed_experts.OffloadedRoutedExperts (replaces
+      │       (+ engine-config      │   vLLM's RoutedExperts; one custom op per MoE layer)
+      │        check, worker.py     │──► layers.forward_phase ──► phases.PassPhases
+      │        RPCs)                │      (which tokens of the pass decode, from vLLM)
+      │                             ▼
+      │      layers.model_classes ──► engine.OffloadEngine  (one per worker, no vLLM inside)
+      │      (wires layer l to l+1,    ├─► store.ExpertStore          slow tier: every expert
+      │       loads calibration.py)    ├─► transfer.Link              copy engine (CPU / CUDA)
+      │                                ├─► per MoE layer:
+      │                                │     cache.ExpertCache        slots, id<->slot, eviction
+      │                                │     loader.ExpertLoader      copies in flight ──► Link
+      │                                │     stats.LayerStats         counters per phase
+      │                                ├─► predict.*                  next layer's experts
+      │                                ├─► policy.MissPolicy          decides about misses
+      │                                │     policy.executor           carries any plan out
+      │                                │     host.HostExperts          experts on the host
+      │                                └─► stats.StatsWriter          stats_path, off the op
+      └── config.SpecExpertConfig: every knob, validated at engine start
+
+    tools/ (training, corpus, fixtures, harness, offline passes, demo) and benchmarks/
+    use the above; nothing above imports them.
 """
 
 from __future__ import annotations
