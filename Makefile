@@ -35,6 +35,7 @@ bench: setup
 	$(BIN)/python benchmarks/prefetch.py
 	$(BIN)/python benchmarks/accuracy.py
 	$(BIN)/python benchmarks/miss_policies.py
+	$(BIN)/python benchmarks/equivalence.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
