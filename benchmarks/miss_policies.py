@@ -186,7 +186,7 @@ def main() -> None:
     }
     path = write_result(args.name, payload)
     plot(tables["policies"], RESULTS / f"{args.name}.png",
-         f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; tok/s and MB/token are "
+         f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; tok/s and MB/token are\n"
          f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
     for table in ("policies", "paper"):
         print_markdown(tables[table])

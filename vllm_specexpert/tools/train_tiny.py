@@ -3,7 +3,7 @@
     specexpert train-tiny [--out DIR] [--steps N] [--quick]
 
 A decoder-only MoE in the Hugging Face Qwen3-MoE format, trained from scratch on this
-machine's CPU on the CPython standard library (:mod:`vllm_specexpert.corpus`), so the
+machine's CPU on the CPython standard library (:mod:`vllm_specexpert.tools.corpus`), so the
 project has a model whose router has learned something without downloading one. The
 run is seeded and reproducible for a given corpus fingerprint and torch build; it writes
 the checkpoint (bf16 safetensors, tokenizer), ``metrics.json``, ``loss.png`` and a model
@@ -395,7 +395,7 @@ file (sha256 of the relative path, 5 % validation): {m['corpus']['files']['train
 | train loss (first {m['validation_tokens']:,} train tokens) | {m['train_loss']:.4f} |
 | unigram entropy of the validation tokens | {m['validation_unigram_entropy']:.4f} |
 
-Per-file validation losses (recomputed by `tests/test_tiny_model.py`):
+Per-file validation losses (their text ships in `heldout/`; `tests/test_tiny_model.py` recomputes them with transformers' own loss):
 
 | file | bytes | tokens | loss |
 |---|---|---|---|
