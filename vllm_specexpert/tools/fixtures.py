@@ -104,11 +104,19 @@ def num_moe_layers(name: str) -> int:
     return COMMON["num_hidden_layers"] - spec.get("first_k_dense_replace", 0)
 
 
+TOKENIZER_SAMPLE_PERCENT = 25
+"""Share of the train split's files (by path hash) the tokenizer is trained on."""
+
+
 def train_tokenizer(path: Path) -> None:
-    """Byte-level BPE with VOCAB_SIZE tokens, trained on the corpus's train split."""
+    """Byte-level BPE with VOCAB_SIZE tokens, trained on a fixed quarter of the corpus's
+    train split (by path hash)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from vllm_specexpert.tools import corpus
+
+    sample = (f.read() for f in corpus.corpus_files("train")
+              if corpus.bucket(f.relpath, salt="tokenizer") < TOKENIZER_SAMPLE_PERCENT)
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -119,7 +127,7 @@ def train_tokenizer(path: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus.iter_texts("train"), trainer)
+    tokenizer.train_from_iterator(sample, trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
 
