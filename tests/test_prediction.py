@@ -3,6 +3,8 @@ vLLM, on the trained model (whose router learned something). One plugin engine, 
 with a calibration so that the quasi-hidden predictor and the buddy lists are available;
 modes switch with ``reconfigure``."""
 
+import json
+
 import pytest
 
 import vllm_specexpert
@@ -10,7 +12,10 @@ from vllm_harness import cache_invariants, greedy, make_llm, shutdown, vanilla_r
 from vllm_specexpert import SpecExpertConfigError
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL, ensure_model, model_path
 
-BUDGET = 0.25  # 8 of 32 experts per layer, top-4
+BUDGET = 0.25  # a quarter of the experts of each layer
+CONFIG = json.loads((model_path(TRAINED_MODEL) / "config.json").read_text())
+TOP_K, EXPERTS = CONFIG["num_experts_per_tok"], CONFIG["num_local_experts"]
+LAYERS = CONFIG["num_hidden_layers"]
 ONE_TOKEN_PROMPT = [{"prompt_token_ids": [0]}]  # <|endoftext|>: a document starts
 
 
@@ -54,11 +59,10 @@ def test_prefetch_with_fetch_is_identical_to_vanilla(llm, eager, predictor):
     assert stats["output"] == "exact" and stats["predictor"] == predictor
     first = next(iter(stats["layers"].values()))
     assert first["decode"]["predicted"] == 0 and first["decode"]["prefetched"] == 0
-    top_k, experts = 4, 32
     for layer in moe_layers_after_the_first(stats):
         assert layer["predicted"] > 0 and layer["prefetched"] > 0 and layer["prefetch_used"] > 0
         # Better than chance (k / E of the router's experts), and never above 1.
-        assert 2 * top_k / experts < layer["recall"] <= 1.0
+        assert 2 * TOP_K / EXPERTS < layer["recall"] <= 1.0
     # Prefill tokens are never predicted.
     assert all(layer["prefill"]["predicted"] == 0 for layer in stats["layers"].values())
     llm.apply_model(cache_invariants)
@@ -67,7 +71,7 @@ def test_prefetch_with_fetch_is_identical_to_vanilla(llm, eager, predictor):
 def test_speculate_runs_predicted_experts_without_refetching(llm):
     vllm_specexpert.reconfigure(llm, predictor="router", miss_policy="speculate")
     # A one-token prompt: every forward pass is one token, whose predicted experts
-    # (top-4) always fit in the 8 slots.
+    # (top-k) always fit in the budget's slots.
     outputs = greedy(llm, prompts=ONE_TOKEN_PROMPT, max_tokens=16)
     assert len(outputs[0].token_ids) == 16
     stats = vllm_specexpert.get_stats(llm)[0]
@@ -85,7 +89,7 @@ def test_speculate_runs_predicted_experts_without_refetching(llm):
 
 def test_speculate_with_every_layer_exact_is_vanilla(llm, eager):
     vllm_specexpert.reconfigure(llm, predictor="quasi_hidden", miss_policy="speculate",
-                                exact_layers=list(range(6)))
+                                exact_layers=list(range(LAYERS)))
     outputs = greedy(llm)
     reference = vanilla_reference(TRAINED_MODEL, eager)
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
@@ -166,9 +170,8 @@ def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
     # step), then every decode pass carries all 96 sequences.
     first = next(iter(stats["layers"].values()))["decode"]
     assert first["calls"] == max_tokens - 1 and first["tokens"] == 96 * (max_tokens - 1)
-    top_k = 4
     for layer in moe_layers_after_the_first(stats):
-        assert layer["predicted"] == 96 * (max_tokens - 1) * top_k
+        assert layer["predicted"] == 96 * (max_tokens - 1) * TOP_K
         assert layer["host_entries"] > 0
     total = stats["total"]
     # cpu never loads a decode miss on demand: every decode load is a prefetch.

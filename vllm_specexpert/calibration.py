@@ -33,7 +33,10 @@ from vllm_specexpert.config import SpecExpertConfigError
 FORMAT = "specexpert-calibration/2"
 WEIGHTS_FILE = "calibration.safetensors"
 FINGERPRINT_CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "num_experts",
-                           "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
+                           "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "vocab_size")
+"""Config keys of the fingerprint (transformers 5 writes Qwen3-MoE's expert count as
+``num_local_experts``, older configs as ``num_experts``)."""
 
 
 @dataclass

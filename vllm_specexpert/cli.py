@@ -3,8 +3,9 @@
     specexpert demo                  # offloaded generation on the default model, vs vanilla
     specexpert serve MODEL [ARGS]    # = vllm serve, usable on the CPU build of vLLM
     specexpert vllm SUBCOMMAND ...   # any vllm CLI subcommand (bench, serve, ...)
+    specexpert corpus [--out F]      # the Python corpus of this environment: files, splits, fingerprint
     specexpert build-fixtures        # tiny random MoE models of every supported architecture
-    specexpert train-tiny            # retrain the embedded default model (about 45 min, CPU)
+    specexpert train-tiny            # retrain the embedded default model (about 90 min, CPU)
     specexpert capture [MODEL] --out DIR   # per-token routing traces (router logits, r_l, s_l)
     specexpert calibrate [MODEL] --out DIR # default vectors, routing counts, co-activation
     specexpert analyze [MODEL] --calibration DIR --out DIR  # next-layer prediction quality
@@ -73,10 +74,19 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("vllm", help="any vllm CLI subcommand, e.g. `specexpert vllm bench ...`")
 
     # Tools load only here: `specexpert serve` and the plugin never import them.
-    from vllm_specexpert.tools import analyze, calibrate, capture, demo, fixtures, train_tiny
+    from vllm_specexpert.tools import (
+        analyze,
+        calibrate,
+        capture,
+        corpus,
+        demo,
+        fixtures,
+        train_tiny,
+    )
 
-    tools = {"demo": demo, "build-fixtures": fixtures, "train-tiny": train_tiny,
-             "capture": capture, "calibrate": calibrate, "analyze": analyze}
+    tools = {"demo": demo, "corpus": corpus, "build-fixtures": fixtures,
+             "train-tiny": train_tiny, "capture": capture, "calibrate": calibrate,
+             "analyze": analyze}
     for name, module in tools.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
 

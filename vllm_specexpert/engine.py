@@ -395,6 +395,7 @@ class OffloadEngine:
                 "output": self.miss_policy.output,
                 "exact": self.miss_policy.output == "exact",
                 "config": self.config.to_dict(),
+                "summary": self.summary(),
                 "decode_tokens": first.decode.tokens,
                 "prefill_tokens": first.prefill.tokens,
                 "slots_per_layer": {n: la.cache.num_slots for n, la in self.layers.items()},

@@ -1,26 +1,59 @@
-"""Offloaded generation on the embedded model, compared with vanilla vLLM.
+"""Offloaded generation on the embedded model, compared token for token with vanilla vLLM.
 
-    specexpert demo [--budget 0.25] [--miss-policy cpu] [--predictor none] [--no-compare] ...
+    specexpert demo [--budget 0.25] [--miss-policy fetch] [--predictor none] [--verbose] ...
 
-An exact mode (``fetch``) must reproduce vanilla's greedy tokens (the demo fails if not);
-an equivalent one (``cpu``, ``auto``) reports how many tokens agree.
+Greedy decoding with a repetition penalty (deterministic; a small model's plain greedy
+output loops on one line). An exact mode (``fetch``) must reproduce vanilla's tokens (the
+demo exits 1 if not); an equivalent one (``cpu``, ``auto``) reports how many agree.
+vLLM's own log lines go to a file unless ``--verbose``; the demo prints the plugin's
+summary, the samples, the counters and the comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
 
 from vllm_specexpert.cli import set_cpu_defaults
 
-DEMO_PROMPTS = [
+PROMPTS = [
     "def fibonacci(n):\n",
     "import os\nimport sys\n\n",
     "class Stack:\n    def __init__(self):\n",
-    "# Read a file and count its lines\n",
+    "    for i in range(len(items)):\n",
 ]
+"""The demo's prompts, also the model card's samples (``train-tiny``)."""
+REPETITION_PENALTY = 1.3
+"""Penalty of the demo's and the card's greedy samples."""
+
+
+@contextlib.contextmanager
+def quiet(log_path: str | None):
+    """Send this process's and the engine processes' stdout/stderr (vLLM's logs, progress
+    bars, warnings) to ``log_path`` while active; ``None``: leave them on the terminal."""
+    if log_path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
 
 def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
@@ -28,24 +61,27 @@ def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
 
     from vllm_specexpert.tools.harness import start_engine, stop_engine
 
-    llm = start_engine(model, specexpert, eager=not args.compile)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm.generate(DEMO_PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    stats = None
-    if specexpert:
-        from vllm_specexpert import reset_stats
+    with quiet(args.log):
+        llm = start_engine(model, specexpert, eager=not args.compile)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                repetition_penalty=REPETITION_PENALTY)
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4),
+                     use_tqdm=False)  # warm-up
+        if specexpert:
+            from vllm_specexpert import reset_stats
 
-        reset_stats(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    if specexpert:
-        from vllm_specexpert import get_stats
+            reset_stats(llm)
+        start = time.perf_counter()
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        stats = None
+        if specexpert:
+            from vllm_specexpert import get_stats
 
-        stats = get_stats(llm)[0]
+            stats = get_stats(llm)[0]
+        stop_engine(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     texts = [o.outputs[0].text for o in outputs]
-    stop_engine(llm)
     return texts, tokens, sum(map(len, tokens)) / elapsed, stats
 
 
@@ -70,6 +106,9 @@ def run(args: argparse.Namespace) -> None:
     set_cpu_defaults()
     from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, TRAINED_CALIBRATION_DIR, model_path
 
+    if not args.verbose:
+        args.log = os.path.join(tempfile.gettempdir(), "specexpert-demo.log")
+        open(args.log, "w").close()
     model = args.model or str(model_path(DEFAULT_MODEL))
     specexpert = {"budget": args.budget, "cache": args.cache, "predictor": args.predictor,
                   "miss_policy": args.miss_policy}
@@ -79,21 +118,28 @@ def run(args: argparse.Namespace) -> None:
     if args.bandwidth_gbps:
         specexpert["link"] = {"bandwidth_gbps": args.bandwidth_gbps,
                               "latency_us": args.latency_us}
-    print(f"model: {model}\nspecexpert: {json.dumps(specexpert)}")
-    texts, tokens, tok_s, stats = _generate(model, args, specexpert)
-    for prompt, text in zip(DEMO_PROMPTS, texts):
-        print(f"\n--- {prompt!r}\n{text}")
+    print(f"model: {model}\nspecexpert: {json.dumps(specexpert)}"
+          + (f"\n(vLLM's logs: {args.log}; --verbose shows them)" if args.log else ""), flush=True)
+    try:
+        texts, tokens, tok_s, stats = _generate(model, args, specexpert)
+    except Exception:
+        if args.log:
+            print(f"the engine failed; the end of {args.log}:", file=sys.stderr)
+            print(open(args.log).read()[-4000:], file=sys.stderr)
+        raise
+    print(f"specexpert: {stats['summary']}")
+    for prompt, text in zip(PROMPTS, texts):
+        print(f"\n--- {prompt!r}\n{prompt}{text}")
     _print_stats(stats)
-    print(f"\noffloaded: {tok_s:.1f} tok/s (batch {len(DEMO_PROMPTS)}, "
-          f"{stats['slots_per_layer'][next(iter(stats['layers']))]} of "
-          f"{next(iter(stats['experts_per_layer'].values()))} experts resident per layer)")
+    print(f"\noffloaded: {tok_s:.1f} tok/s (batch {len(PROMPTS)})")
     if args.compare:
         _, vanilla_tokens, vanilla_tok_s, _ = _generate(model, args, None)
         same = sum(a == b for v, o in zip(vanilla_tokens, tokens) for a, b in zip(v, o))
         total = sum(map(len, vanilla_tokens))
-        print(f"vanilla vLLM: {vanilla_tok_s:.1f} tok/s; greedy tokens identical: "
-              f"{same}/{total} (mode output: {stats['output']})")
-        if stats["output"] == "exact" and vanilla_tokens != tokens:
+        identical = vanilla_tokens == tokens
+        print(f"vanilla vLLM: {vanilla_tok_s:.1f} tok/s; greedy tokens identical: {same}/{total}"
+              f"{' (the whole output)' if identical else ''}; mode output: {stats['output']}")
+        if stats["output"] == "exact" and not identical:
             sys.exit(1)  # an exact mode that is not: a bug
 
 
@@ -101,10 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: the embedded model)")
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--cache", default="lru")
-    # Defaults: the fastest exact or equivalent mode measured at the demo's setting
-    # (batch 4, budget 0.25, eager, this CPU; benchmarks/results/tpot_eager.json): `cpu`
-    # without prefetch. `fetch` is the exact one; prefetch was slower in every setting.
-    parser.add_argument("--miss-policy", default="cpu", choices=["fetch", "cpu", "auto"],
+    parser.add_argument("--miss-policy", default="fetch", choices=["fetch", "cpu", "auto"],
                         help="an exact (fetch) or equivalent (cpu, auto) miss policy")
     parser.add_argument("--predictor", default="none",
                         choices=["none", "router", "quasi_hidden"],
@@ -114,9 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
                         help="emulate a link of this many GB/s (CPU)")
     parser.add_argument("--latency-us", type=float, default=10.0)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--compile", action="store_true",
                         help="use vLLM's default torch.compile mode (slower start)")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="skip the vanilla vLLM run")
-
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's logs")
+    parser.set_defaults(log=None)

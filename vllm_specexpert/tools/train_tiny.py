@@ -33,20 +33,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vllm_specexpert.tools.demo import PROMPTS as SAMPLE_PROMPTS
+from vllm_specexpert.tools.demo import REPETITION_PENALTY
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
 EVAL_SEQ_LEN = 256
 EVAL_WINDOWS = 512
 """Windows of EVAL_SEQ_LEN tokens the full-split losses are measured on (spread evenly)."""
-SAMPLE_PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
-]
-REPETITION_PENALTY = 1.3
-"""Greedy samples (card, demo) use this repetition penalty: a small model's plain greedy
-output loops on one line."""
 HELDOUT_BYTES = 150_000
 """Size of each shipped held-out sample (validation, test packages)."""
 
