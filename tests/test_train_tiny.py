@@ -1,5 +1,6 @@
 """The training tool's batched experts compute what transformers' per-expert loop
-computes, outputs and gradients, including the overflow beyond an expert's capacity."""
+computes, outputs and gradients, including the overflow beyond an expert's capacity; its
+load-balancing loss pushes every layer with the same force, whatever the depth."""
 
 import pytest
 import torch
@@ -35,3 +36,18 @@ def test_padded_experts_equal_the_per_expert_loop(monkeypatch, capacity_factor):
     # The experts did receive gradient (a vacuous match of zeros would pass above).
     grad = padded.model.layers[0].mlp.experts.gate_up_proj.grad
     assert float(grad.abs().sum()) > 0
+
+
+def test_balance_loss_weighs_each_layer_fully_whatever_the_depth():
+    """A collapsed layer adds the same penalty next to 1 or 7 balanced layers (averaging
+    over layers diluted it 8x and left dead experts in a run)."""
+    experts, tokens = 16, 512
+    balanced = torch.zeros(tokens, experts)  # uniform router: Switch loss at its minimum
+    collapsed = torch.zeros(tokens, experts)
+    collapsed[:, :4] = 5.0  # every token to the same 4 experts
+    loss = train_tiny.balance_loss
+    assert float(loss([balanced], 4)) == pytest.approx(1.0)
+    shallow = float(loss([collapsed], 4)) - float(loss([balanced], 4))
+    deep = float(loss([collapsed] + [balanced] * 7, 4)) - float(loss([balanced] * 8, 4))
+    assert shallow > 1.0  # the collapse is penalized ...
+    assert deep == pytest.approx(shallow)  # ... as much in an 8-layer model

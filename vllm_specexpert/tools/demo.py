@@ -22,12 +22,15 @@ import time
 from vllm_specexpert.cli import set_cpu_defaults
 
 PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Stack:\n    def __init__(self):",
+    "    for i in range(len(items)):",
 ]
-"""The demo's prompts, also the model card's samples (``train-tiny``)."""
+"""The demo's prompts, also the model card's samples (``train-tiny``). A prompt does not
+end in a newline before an indented line: the tokenizer merges a newline with the next
+line's indentation, so a bare newline token is, in training text, followed by an
+unindented line or the end of a file, and the model answers it with end-of-text."""
 REPETITION_PENALTY = 1.3
 """Penalty of the demo's and the card's greedy samples."""
 
