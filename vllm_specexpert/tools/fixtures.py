@@ -6,9 +6,9 @@ every supported architecture.
 Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors,
 tokenizer) that vLLM and transformers load natively. Weights come from a fixed seed, so
 the same command rebuilds the same bytes. The tokenizer is a byte-level BPE with
-10,240 tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on the
-train split of the CPython standard library (:mod:`vllm_specexpert.tools.corpus`) and shipped as ``vllm_specexpert/assets/tokenizer.json``;
-``--retrain-tokenizer`` rebuilds it. Models are cached under ``$SPECEXPERT_CACHE``
+10,240 tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on a
+fixed quarter of the corpus's train split (:mod:`vllm_specexpert.tools.corpus`) and
+shipped as ``vllm_specexpert/assets/tokenizer.json``; ``--retrain-tokenizer`` rebuilds it. Models are cached under ``$SPECEXPERT_CACHE``
 (default ``~/.cache/vllm-specexpert``) and rebuilt when this file or the tokenizer change.
 """
 

@@ -147,8 +147,8 @@ def add_data_arguments(parser) -> None:
     parser.add_argument("model", nargs="?", help="model directory (default: the embedded model)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data", nargs="+", help="text files to run")
-    source.add_argument("--split", choices=["train", "validation"], default=None,
-                        help="CPython-stdlib corpus split to run when --data is not given")
+    source.add_argument("--split", choices=["train", "validation", "test"], default=None,
+                        help="corpus split (`specexpert corpus`) to run when --data is not given")
     parser.add_argument("--window", type=int, default=256, help="tokens per forward pass")
     parser.add_argument("--max-tokens", type=int, default=None)
 

@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -413,7 +414,8 @@ def evaluate(out: Path, command: str, run: dict, train_tokens) -> dict:
         losses[name] = {"loss": result.loss, "tokens": result.tokens,
                         "unigram_entropy": unigram_entropy(windows[:, 1:])}
     heldout = {}
-    (out / "heldout").mkdir(exist_ok=True)
+    shutil.rmtree(out / "heldout", ignore_errors=True)  # no stale samples of an older model
+    (out / "heldout").mkdir()
     for split in ("validation", "test"):
         text, files = heldout_sample(split)
         path = f"heldout/{split}.txt"
