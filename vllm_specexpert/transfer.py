@@ -7,9 +7,11 @@ demand copy goes ahead of them and an unneeded one can still be dropped
 (:meth:`Link.cancel`); started copies are never interrupted, like a real DMA engine.
 
 * :class:`CpuLink` (CPU build, tests, benchmarks): one copy worker thread performs every
-  copy for real. With an emulated bandwidth/latency the link is modeled as a single
-  engine: a transfer starts when the link is free (demand ones first), takes
-  ``latency * copies + bytes / bandwidth``, and its data counts as usable only from then.
+  copy for real (a prefetch's bytes may land before its emulated start; a cancelled one
+  never lands after :meth:`Link.cancel` returned). With an emulated bandwidth/latency the
+  link is modeled as a single engine: a transfer starts when the link is free (demand
+  ones first), takes ``latency * copies + bytes / bandwidth``, and its data counts as
+  usable only from then.
   The consumer waits for that moment in :meth:`Transfer.wait`, so the emulation holds
   the compute exactly where a GPU would stall, without burning the copy thread.
 * :class:`CudaLink`: a dedicated copy stream over pinned host memory, one event per
