@@ -19,11 +19,11 @@ def test_copies_are_real():
 
 
 def test_emulated_link_serializes_copies_and_holds_each_until_ready():
-    # 1 GB/s and 30 ms per copy: the second submit comes long before the first is done
+    # 1 GB/s and 100 ms per copy: the second submit comes long before the first is done
     # (a 1 ms copy raced a loaded machine).
-    config = LinkConfig(bandwidth_gbps=1.0, latency_us=30_000.0)
+    config = LinkConfig(bandwidth_gbps=1.0, latency_us=100_000.0)
     link = CpuLink(config)
-    src = torch.zeros(250_000)  # 1 MB -> 1 ms + 30 ms latency
+    src = torch.zeros(250_000)  # 1 MB -> 1 ms + 100 ms latency
     dst = torch.empty_like(src)
     started = []
     start = time.perf_counter()
@@ -31,12 +31,12 @@ def test_emulated_link_serializes_copies_and_holds_each_until_ready():
     second = link.submit([(dst, src)], on_start=started.append)
     assert second.ready_at is None and started == [first]  # queued behind the first
     link.wait(first)
-    assert first.ready_at - start >= 31e-3 - 1e-6
+    assert first.ready_at - start >= 101e-3 - 1e-6
     assert time.perf_counter() >= first.ready_at
     link.wait(second)
     assert started == [first, second]
     # The second copy starts when the link is free, like one copy engine.
-    assert second.ready_at - first.ready_at == pytest.approx(31e-3, rel=1e-6)
+    assert second.ready_at - first.ready_at == pytest.approx(101e-3, rel=1e-6)
     assert time.perf_counter() >= second.ready_at
     assert link.stall_s > 0
     link.close()

@@ -11,9 +11,9 @@ demand copy goes ahead of them and an unneeded one can still be dropped
   never lands after :meth:`Link.cancel` returned). With an emulated bandwidth/latency the
   link is modeled as a single engine: a transfer starts when the link is free (demand
   ones first), takes ``latency * copies + bytes / bandwidth``, and its data counts as
-  usable only from then.
-  The consumer waits for that moment in :meth:`Transfer.wait`, so the emulation holds
-  the compute exactly where a GPU would stall, without burning the copy thread.
+  usable only from then. The consumer waits for that moment in :meth:`Transfer.wait`, so
+  the emulation holds the compute exactly where a GPU would stall, without burning the
+  copy thread.
 * :class:`CudaLink`: a dedicated copy stream over pinned host memory, one event per
   transfer; waiting is a stream-side ``wait_event`` (no host sync). Prefetches are
   issued to the stream one at a time, from the host, whenever the engine calls in and
