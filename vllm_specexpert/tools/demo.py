@@ -107,11 +107,16 @@ def _print_stats(stats: dict) -> None:
 
 def run(args: argparse.Namespace) -> None:
     set_cpu_defaults()
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, TRAINED_CALIBRATION_DIR, model_path
-
     if not args.verbose:
         args.log = os.path.join(tempfile.gettempdir(), "specexpert-demo.log")
         open(args.log, "w").close()
+    with quiet(args.log):  # importing vLLM logs its platform checks
+        from vllm_specexpert.tools.fixtures import (
+            DEFAULT_MODEL,
+            TRAINED_CALIBRATION_DIR,
+            model_path,
+        )
+
     model = args.model or str(model_path(DEFAULT_MODEL))
     specexpert = {"budget": args.budget, "cache": args.cache, "predictor": args.predictor,
                   "miss_policy": args.miss_policy}
