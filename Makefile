@@ -37,7 +37,7 @@ bench: setup
 	$(BIN)/python benchmarks/miss_policies.py
 	$(BIN)/python benchmarks/equivalence.py
 
-# Rebuilds the embedded model (about 80 minutes on 2 cores), then its calibration and the
+# Rebuilds the embedded model (about 70 minutes on 2 cores), then its calibration and the
 # predictor analysis that depend on it. `make test` and `make bench` follow.
 ASSETS := vllm_specexpert/assets
 model: setup
