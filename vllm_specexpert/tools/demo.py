@@ -60,11 +60,11 @@ def quiet(log_path: str | None):
 
 
 def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
-    from vllm import SamplingParams
+    with quiet(args.log):  # importing vLLM logs its platform checks
+        from vllm import SamplingParams
 
-    from vllm_specexpert.tools.harness import start_engine, stop_engine
+        from vllm_specexpert.tools.harness import start_engine, stop_engine
 
-    with quiet(args.log):
         llm = start_engine(model, specexpert, eager=not args.compile)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                 repetition_penalty=REPETITION_PENALTY)
@@ -110,12 +110,7 @@ def run(args: argparse.Namespace) -> None:
     if not args.verbose:
         args.log = os.path.join(tempfile.gettempdir(), "specexpert-demo.log")
         open(args.log, "w").close()
-    with quiet(args.log):  # importing vLLM logs its platform checks
-        from vllm_specexpert.tools.fixtures import (
-            DEFAULT_MODEL,
-            TRAINED_CALIBRATION_DIR,
-            model_path,
-        )
+    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, TRAINED_CALIBRATION_DIR, model_path
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     specexpert = {"budget": args.budget, "cache": args.cache, "predictor": args.predictor,
