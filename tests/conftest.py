@@ -14,3 +14,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Triton-interpreter tests need TRITON_INTERPRET=1 from the start of their process;
+# tests/test_triton_kernels.py runs them in a subprocess.
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]

@@ -1,0 +1,13 @@
+"""The plugin's own Triton kernels for the CUDA hot path.
+
+* :mod:`.predict`: next-layer routing prediction in one launch (``quasi_hidden`` and
+  ``router``): default-vector gather and weighted sum, residual estimate, the next
+  layer's RMSNorm, router GEMV, softmax and top-k.
+* :mod:`.slots`: the id -> slot map updated on the device, and several experts copied
+  from the (UVA-mapped, pinned) slow tier into their slots in one launch.
+
+Each kernel has a torch reference beside it. Tests run every kernel under
+``TRITON_INTERPRET=1`` on CPU tensors against its reference and compile it ahead of time
+for sm_80 and sm_90 (:mod:`.aot`); none has run on a GPU. Nothing here is imported on
+the CPU build's runtime path.
+"""
