@@ -17,11 +17,12 @@ import importlib
 
 import torch
 from torch import nn
+from vllm.platforms import current_platform
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
-from vllm_specexpert.predict import NextLayerRouting, residual_scale
+from vllm_specexpert.predict import FusedRouting, NextLayerRouting, residual_scale
 
 
 def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
@@ -45,7 +46,22 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
         logits = logits[0] if isinstance(logits, tuple) else logits
         return runner.router.select_experts(hidden_states=hidden, router_logits=logits)
 
-    return NextLayerRouting(norm=rms_norm, route=route)
+    return NextLayerRouting(norm=rms_norm, route=route,
+                            fused=_fused_routing(gate, norm, runner.router))
+
+
+def _fused_routing(gate: nn.Module, norm: nn.Module, router) -> FusedRouting | None:
+    """The routing as tensors for the Triton predictor, when the device has Triton and the
+    router is vLLM's plain softmax top-k (no groups, bias or custom function)."""
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+
+    weight = getattr(gate, "weight", None)
+    if (not current_platform.is_cuda() or type(router) is not FusedTopKRouter
+            or router.scoring_func != "softmax" or weight is None or weight.dim() != 2):
+        return None
+    return FusedRouting(gate_weight=weight.data, norm_weight=norm.weight.data,
+                        eps=norm.variance_epsilon, top_k=router.top_k,
+                        renormalize=router.renormalize)
 
 
 def _offloaded_layers(model: nn.Module) -> list[tuple[int, nn.Module, OffloadedRoutedExperts]]:

@@ -30,6 +30,22 @@ class LayerState:
 
 
 @dataclass
+class FusedRouting:
+    """Layer l+1's routing as tensors, for the one-launch Triton predictor
+    (:mod:`vllm_specexpert.triton_kernels.predict`): RMSNorm, a linear gate, softmax,
+    top-k."""
+
+    gate_weight: torch.Tensor
+    """``[E, H]`` the gate's weight (device, model dtype)."""
+    norm_weight: torch.Tensor
+    """``[H]`` ``LN_{l+1}``'s weight."""
+    eps: float
+    top_k: int
+    renormalize: bool
+    """Top-k weights divided by their sum (``norm_topk_prob``)."""
+
+
+@dataclass
 class NextLayerRouting:
     """Layer l+1's routing, as callables over ``[T, H]`` tensors."""
 
@@ -37,6 +53,9 @@ class NextLayerRouting:
     """``LN_{l+1}``: the normalization applied to the residual before its router."""
     route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     """Router input -> ``(topk_weights, topk_ids)``, as the model routes."""
+    fused: FusedRouting | None = None
+    """Set when the routing is plain softmax top-k on a device with Triton (CUDA): the
+    predictor then runs as one kernel launch instead of ``norm`` and ``route``."""
 
 
 @dataclass
@@ -82,6 +101,19 @@ class Predictor(ABC):
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
         """``q [T, H]``, the estimate of ``s_{l+1}``; ``layer`` names layer l."""
 
+    @abstractmethod
+    def fused_inputs(self, state: LayerState, layer: str, fused: FusedRouting) -> dict:
+        """The keyword arguments of :func:`~vllm_specexpert.triton_kernels.predict.
+        predict_routing` beyond the router input and the next layer's routing."""
+
     def predict(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> Prediction:
-        weights, ids = nxt.route(self.next_router_input(state, layer, nxt))
+        if nxt.fused is not None:
+            from vllm_specexpert.triton_kernels.predict import predict_routing
+
+            fused = nxt.fused
+            weights, ids = predict_routing(
+                state.router_input, fused.gate_weight, fused.top_k, fused.renormalize,
+                eps=fused.eps, **self.fused_inputs(state, layer, fused))
+        else:
+            weights, ids = nxt.route(self.next_router_input(state, layer, nxt))
         return Prediction(topk_weights=weights, topk_ids=ids)

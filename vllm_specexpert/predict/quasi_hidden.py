@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specexpert.predict.base import LayerState, NextLayerRouting, Predictor
+from vllm_specexpert.predict.base import FusedRouting, LayerState, NextLayerRouting, Predictor
 
 
 class QuasiHiddenPredictor(Predictor):
@@ -40,6 +40,11 @@ class QuasiHiddenPredictor(Predictor):
         d = torch.bmm(state.topk_weights.float().unsqueeze(1), chosen.view(tokens, top_k, -1))
         residual = state.router_input.float() * self.residual_scales[layer]
         return nxt.norm(d.squeeze(1).add_(residual)).to(state.router_input.dtype)
+
+    def fused_inputs(self, state: LayerState, layer: str, fused: FusedRouting) -> dict:
+        return dict(topk_ids=state.topk_ids, topk_weights=state.topk_weights,
+                    default_vectors=self.default_vectors[layer],
+                    residual_scale=self.residual_scales[layer], norm_weight=fused.norm_weight)
 
 
 def residual_scale(norm_weight: torch.Tensor, residual_rms: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specexpert.predict.base import LayerState, NextLayerRouting, Predictor
+from vllm_specexpert.predict.base import FusedRouting, LayerState, NextLayerRouting, Predictor
 
 
 class RouterPredictor(Predictor):
@@ -13,3 +13,6 @@ class RouterPredictor(Predictor):
 
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
         return state.router_input
+
+    def fused_inputs(self, state: LayerState, layer: str, fused: FusedRouting) -> dict:
+        return {}
