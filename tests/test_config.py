@@ -107,3 +107,30 @@ def test_miss_policy_outputs_and_buddy_parsing():
     assert (buddy.tau, buddy.rho, buddy.beta, buddy.alpha, buddy.k_max) == (0.5, 2, 1.0, 0.9, 4)
     link = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 1, "host_slowdown": 3}}).link
     assert link.host_slowdown == 3.0
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_engine_args_on_cuda_pin_triton_moe_and_reject_other_backends(monkeypatch, cuda):
+    """On a GPU the offloaded layer needs vLLM's Triton fused-MoE kernel: 'auto' becomes
+    'triton', another backend is one clear error. The CPU build is left alone."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from vllm_specexpert.config import SpecExpertUnsupportedError
+    from vllm_specexpert.plugins import prepare_engine_args
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: not cuda)
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: cuda)
+
+    def args(backend):
+        return SimpleNamespace(moe_backend=backend, enforce_eager=True, worker_extension_cls="")
+
+    auto = args("auto")
+    prepare_engine_args(auto)
+    assert auto.moe_backend == ("triton" if cuda else "auto")
+    if cuda:
+        with pytest.raises(SpecExpertUnsupportedError, match="moe_backend='flashinfer_cutlass'"):
+            prepare_engine_args(args("flashinfer_cutlass"))
+    else:
+        prepare_engine_args(args("flashinfer_cutlass"))

@@ -70,12 +70,29 @@ def prepare_engine_args(engine_args) -> None:
         logger.warning("specexpert: CUDA graphs disabled (enforce_eager=True): expert "
                        "loading is data-dependent")
         engine_args.enforce_eager = True
+    if current_platform.is_cuda_alike():
+        _pin_triton_moe_backend(engine_args)
     if engine_args.worker_extension_cls in ("", None):
         engine_args.worker_extension_cls = WORKER_EXTENSION
     elif engine_args.worker_extension_cls != WORKER_EXTENSION:
         logger.warning("specexpert: worker_extension_cls=%s is set, so the "
                        "specexpert_stats RPC is unavailable (stats_path still works)",
                        engine_args.worker_extension_cls)
+
+
+def _pin_triton_moe_backend(engine_args) -> None:
+    """The offloaded layer runs vLLM's Triton fused-MoE kernel on its slot pool. vLLM's
+    backend oracle would otherwise pick FlashInfer's kernels on some GPUs (monolithic
+    ones take the router logits and every expert's weights, not a slot pool)."""
+    from vllm_specexpert.config import SpecExpertUnsupportedError
+
+    backend = getattr(engine_args, "moe_backend", "auto")
+    if backend == "auto":
+        engine_args.moe_backend = "triton"
+    elif backend != "triton":
+        raise SpecExpertUnsupportedError(
+            f"moe_backend={backend!r}", "offloaded experts run on vLLM's Triton fused-MoE "
+            "kernel, from the slot pool", "leave --moe-backend unset (auto) or set 'triton'")
 
 
 def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:

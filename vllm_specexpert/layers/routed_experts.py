@@ -164,17 +164,33 @@ class OffloadedRoutedExperts(RoutedExperts):
                           w13.shape[0], None, None, None, _NO_WORKSPACE, _NO_WORKSPACE, None,
                           False)
             return out
-        return self.quant_method.moe_kernel.apply(
-            hidden_states=x,
-            w1=w13,
-            w2=w2,
-            topk_weights=topk_weights,
-            topk_ids=slot_ids,
-            activation=self.activation,
-            apply_router_weight_on_input=self.apply_router_weight_on_input,
-            global_num_experts=w13.shape[0],
-            expert_map=None,
-        )
+        with self._vanilla_tile_config(x):
+            return self.quant_method.moe_kernel.apply(
+                hidden_states=x,
+                w1=w13,
+                w2=w2,
+                topk_weights=topk_weights,
+                topk_ids=slot_ids,
+                activation=self.activation,
+                apply_router_weight_on_input=self.apply_router_weight_on_input,
+                global_num_experts=w13.shape[0],
+                expert_map=None,
+            )
+
+    def _vanilla_tile_config(self, x: torch.Tensor):
+        """On GPUs: the Triton tile config vanilla would pick for this call. vLLM looks
+        it up by the weights' expert count, which for the slot pool would be the slot
+        count; the layer's parameters alias the slow tier (every expert), so their shape
+        is vanilla's."""
+        if current_platform.is_cpu():
+            return contextlib.nullcontext()
+        from vllm.model_executor.layers.fused_moe import override_config
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+        config = try_get_optimal_moe_config(
+            self.w13_weight.size(), self.w2_weight.size(), self.top_k,
+            self.quant_method.moe_quant_config.config_name(x.dtype), x.shape[0])
+        return override_config(config)
 
     def _host_kernel(self):
         """Fused experts on the store's host tensors (``cpu``/``auto`` miss policies).
