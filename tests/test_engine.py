@@ -118,3 +118,23 @@ def test_phases_from_query_lens():
     # Padding after decode requests runs as prefill (exactly), not through the policy.
     padded = PassPhases.from_query_lens(np.array([1, 1]), 4)
     assert padded.decode.tolist() == [0, 1] and padded.prefill.tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_hits_refresh_lru_recency(tokens):
+    """A call whose experts are all resident still counts as their use: with 8 of 16
+    resident (0-7, never used), using 0-3 and then loading 8-11 must evict 4-7, the
+    least recently used. Batch 1 runs the single-token hit path, batch 2 the general one."""
+    engine, layers = make_engine(budget=0.5)
+    name = NAMES[0]
+    x, w, _ = random_routing(tokens, 16, 4)
+    hits = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]][:tokens], dtype=torch.int32)
+    engine.run(name, slot_kernel, x, w, hits, PassPhases.decode_only(tokens))
+    misses = torch.tensor([[8, 9, 10, 11], [11, 10, 9, 8]][:tokens], dtype=torch.int32)
+    out = engine.run(name, slot_kernel, x, w, misses, PassPhases.decode_only(tokens))
+    assert torch.equal(out, reference_moe(x, w, misses, *layers[name].values()))
+    resident = np.flatnonzero(engine.layers[name].cache.resident_mask())
+    assert resident.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    decode = engine.stats()["layers"][name]["decode"]
+    assert (decode["hits"], decode["misses"]) == (4, 4)
+    engine.close()

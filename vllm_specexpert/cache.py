@@ -152,7 +152,8 @@ class ExpertCache:
         numpy gather instead of three tensor ops on the decode path); on CUDA with a
         device gather, so that nothing waits for the host."""
         if self.device.type == "cpu":
-            return torch.from_numpy(self.expert_slot[host_ids]).to(topk_ids.dtype)
+            slots = torch.from_numpy(self.expert_slot[host_ids])
+            return slots if slots.dtype == topk_ids.dtype else slots.to(topk_ids.dtype)
         flat = torch.index_select(self.slot_of, 0, topk_ids.reshape(-1))
         return flat.view(topk_ids.shape).to(topk_ids.dtype)
 

@@ -23,14 +23,13 @@ class LayerExperts:
     tensors: dict[str, torch.Tensor]
     """Tensor name -> ``[num_experts, ...]`` host tensor."""
 
-    @property
-    def num_experts(self) -> int:
-        return next(iter(self.tensors.values())).shape[0]
-
-    @property
-    def expert_nbytes(self) -> int:
+    def __post_init__(self) -> None:
+        # Read on every layer call (link time estimates): computed once, the tensors
+        # of a layer never change shape.
+        self.num_experts: int = next(iter(self.tensors.values())).shape[0]
+        self.expert_nbytes: int = sum(t[0].numel() * t.element_size()
+                                      for t in self.tensors.values())
         """Bytes of one expert (all its tensors)."""
-        return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
     @property
     def nbytes(self) -> int:

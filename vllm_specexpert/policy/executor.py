@@ -58,19 +58,20 @@ def run_layer_call(
     # experts to copy is only known once the router has run.
     ids = topk_ids.cpu().numpy()
     if context is None or policy.waits_for_copies:
-        resident = loader.cache.resident_mask()
+        missing = loader.cache.expert_slot[ids] < 0
     else:
-        resident = loader.ready_mask()
-    missing = ~resident[ids]
-    stats.missed_entries += int(np.count_nonzero(missing))
-    plan = None
-    if context is not None and missing.any():
+        missing = ~loader.ready_mask()[ids]
+    missed = int(np.count_nonzero(missing))
+    stats.missed_entries += missed
+    if context is not None and missed:
+        resident = (loader.cache.resident_mask() if policy.waits_for_copies
+                    else loader.ready_mask())
         plan = policy.plan(ids, resident, topk_weights, context)
-    if plan is None:
-        stats.fetched_entries += int(np.count_nonzero(missing))
-        return run_on_device(loader, kernel, x, topk_weights, topk_ids, ids, before_kernel)
-    return _execute_plan(loader, kernel, x, topk_weights, topk_ids, ids, missing, plan,
-                         before_kernel, context)
+        if plan is not None:
+            return _execute_plan(loader, kernel, x, topk_weights, topk_ids, ids, missing,
+                                 plan, before_kernel, context)
+    stats.fetched_entries += missed
+    return run_on_device(loader, kernel, x, topk_weights, topk_ids, ids, before_kernel)
 
 
 def _execute_plan(
@@ -154,6 +155,18 @@ def run_on_device(
     loading what is missing. ``before_kernel`` is called once, when the first launch's
     experts are resident and before it starts."""
     cache, stats = loader.cache, loader.stats
+    if ids.shape[0] == 1 and not loader.in_flight and not loader.prefetches:
+        # One token whose experts are all resident and landed (batch-1 decode hits):
+        # what the general path below does, without its set operations.
+        experts = ids[0]
+        if cache.expert_slot[experts].min() >= 0 and len(set(experts.tolist())) == len(experts):
+            stats.requests += len(experts)
+            stats.hits += len(experts)
+            cache.touch(experts)
+            if before_kernel is not None:
+                before_kernel()
+            stats.kernel_calls += 1
+            return kernel(x, topk_weights, cache.slot_ids(topk_ids, ids), cache.slots)
     needed = np.unique(ids)
     loader.begin_run(needed)
     if cache.capacity_for(needed):
