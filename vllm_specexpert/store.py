@@ -60,7 +60,7 @@ class ExpertStore:
                 )
             tensor = tensor.contiguous()
             if self.pin_memory and not tensor.is_pinned():
-                tensor = tensor.pin_memory()
+                tensor = pin_in_place(tensor)
             host[key] = tensor
         layer = LayerExperts(name=name, tensors=host)
         self.layers[name] = layer
@@ -69,3 +69,17 @@ class ExpertStore:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers.values())
+
+
+def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
+    """Page-lock ``tensor``'s host memory where it is (``cudaHostRegister``), so that copies
+    from it are asynchronous DMA, without ``Tensor.pin_memory()``'s second copy of the
+    layer (which doubles peak host memory while the model loads). Falls back to that copy
+    if the driver refuses to register the range. Not yet run on a GPU."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return tensor
+    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    if int(error) != 0:
+        return tensor.pin_memory()
+    return tensor

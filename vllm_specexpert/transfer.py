@@ -365,6 +365,15 @@ class CudaLink(Link):
         return not self._pending and (
             self._last_prefetch is None or self._last_prefetch.event.query())
 
+    def close(self) -> None:
+        """Nothing may still be copying into a slot pool that is about to be freed
+        (``reconfigure`` closes the link, then drops the pools): queued prefetches are
+        dropped, issued copies are waited for."""
+        for transfer in self._pending:
+            transfer.cancelled = True
+        self._pending.clear()
+        self.stream.synchronize()
+
     def _pump(self) -> None:
         """Issue the next queued prefetch once the previous one has finished (a
         non-blocking event query), so at most one prefetch occupies the copy engine."""
