@@ -6,8 +6,9 @@ gets it. When the engine's ``additional_config`` has no ``specexpert`` key the i
 turns itself into a plain ``RoutedExperts`` before initializing, so vLLM runs untouched.
 
 Weights: the layer's parameters are created on the host (on CUDA, ``torch.device("cpu")``
-around the parameter allocation; pinned after loading), loaded and post-processed there
-by vLLM's own loader and quant method (``requires_device_loading = False``), then handed
+around the quant method's ``create_weights`` only; pinned in place after loading), loaded
+and post-processed there by vLLM's own loader and quant method
+(``requires_device_loading = False``), then handed
 to the :class:`OffloadEngine` as the slow tier. The device only ever holds the cache's
 slot pool. Execution goes through one opaque custom op, ``torch.ops.specexpert.
 routed_experts``, so the data-dependent cache logic is invisible to torch.compile.
@@ -88,8 +89,7 @@ class OffloadedRoutedExperts(RoutedExperts):
                 f"{layer_name}: expert biases", "biased experts are not offloaded yet",
                 "use a model without expert biases",
             )
-        with _host_allocation():
-            super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
+        super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
         config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
         self.engine = engine_for(vllm_config, config)
@@ -112,7 +112,15 @@ class OffloadedRoutedExperts(RoutedExperts):
                 "only modular fused-MoE kernels can run experts from the slot pool",
                 "use vLLM's default (Triton/CPU) MoE backend",
             )
-        # Post-process the weights where they are (host), not on the device.
+        # Allocate the expert weights on the host (only them: whatever else the layer
+        # allocates stays on the device), and post-process them there.
+        create_weights = method.create_weights
+
+        def create_weights_on_host(*args, **kwargs):
+            with _host_allocation():
+                return create_weights(*args, **kwargs)
+
+        method.create_weights = create_weights_on_host
         method.requires_device_loading = False
         post_process = method.process_weights_after_loading
 
