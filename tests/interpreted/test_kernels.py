@@ -4,7 +4,10 @@ on CPU tensors under Triton's interpreter (see conftest)."""
 import pytest
 import torch
 
-from vllm_specexpert.triton_kernels.predict import predict_routing, predict_routing_reference
+from vllm_specexpert.triton_kernels.predict import (
+    predict_routing,
+    predict_routing_reference,
+)
 from vllm_specexpert.triton_kernels.slots import copy_experts, update_slot_map
 
 # (tokens, hidden, next-layer experts, this layer's experts, K, top-k): hidden not a

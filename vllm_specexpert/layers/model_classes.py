@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from vllm.platforms import current_platform
 
+from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
-from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.predict import FusedRouting, NextLayerRouting, residual_scale
 
 
@@ -53,7 +53,9 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
 def _fused_routing(gate: nn.Module, norm: nn.Module, router) -> FusedRouting | None:
     """The routing as tensors for the Triton predictor, when the device has Triton and the
     router is vLLM's plain softmax top-k (no groups, bias or custom function)."""
-    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import (
+        FusedTopKRouter,
+    )
 
     weight = getattr(gate, "weight", None)
     if (not current_platform.is_cuda() or type(router) is not FusedTopKRouter
