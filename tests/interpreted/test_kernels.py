@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vllm_specexpert.triton_kernels.predict import (
+    QuasiHiddenTerms,
     predict_routing,
     predict_routing_reference,
 )
@@ -33,10 +34,19 @@ def _inputs(shape, dtype, seed=0):
     )
 
 
+def _call(function, inputs, top_k, renormalize):
+    """``function`` (kernel or reference) on an ``_inputs`` dict: ``quasi_hidden`` when it
+    has the default vectors, else ``router``."""
+    terms = None
+    if "default_vectors" in inputs:
+        terms = QuasiHiddenTerms(**{key: value for key, value in inputs.items()
+                                    if key not in ("router_input", "gate_weight")})
+    return function(inputs["router_input"], inputs["gate_weight"], top_k, renormalize, terms)
+
+
 def _check_against_reference(inputs, top_k, renormalize, dtype):
-    weights, ids = predict_routing(top_k=top_k, renormalize=renormalize, **inputs)
-    ref_weights, ref_ids, probs = predict_routing_reference(
-        top_k=top_k, renormalize=renormalize, **inputs)
+    weights, ids = _call(predict_routing, inputs, top_k, renormalize)
+    ref_weights, ref_ids, probs = _call(predict_routing_reference, inputs, top_k, renormalize)
     # The data have no near-ties at the k-th expert, so ids must agree exactly.
     ordered = probs.sort(-1, descending=True).values
     assert (ordered[:, top_k - 1] - ordered[:, top_k]).min() > 1e-4
@@ -69,8 +79,8 @@ def test_bf16_semantics_by_casting():
     inputs = _inputs(SHAPES[0], torch.bfloat16)
     widened = {key: value.float() if torch.is_tensor(value) and value.dtype == torch.bfloat16
                else value for key, value in inputs.items()}
-    weights, ids = predict_routing(top_k=4, renormalize=True, **widened)
-    ref_weights, ref_ids, _ = predict_routing_reference(top_k=4, renormalize=True, **inputs)
+    weights, ids = _call(predict_routing, widened, 4, True)
+    ref_weights, ref_ids, _ = _call(predict_routing_reference, inputs, 4, True)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=2e-5, atol=1e-6)
 
@@ -81,18 +91,18 @@ def test_prediction_uses_every_input():
     comparison on inputs where that term is neutral)."""
     shape = (6, 64, 32, 16, 4, 4)
     base = _inputs(shape, torch.float32, seed=1)
-    reference = predict_routing(top_k=4, renormalize=False, **base)[0]
+    reference = _call(predict_routing, base, 4, False)[0]
     for key in ("residual_scale", "default_vectors", "topk_weights", "norm_weight"):
         changed = dict(base)
         changed[key] = base[key] * torch.linspace(0.2, 3.0, base[key].shape[-1])
-        weights = predict_routing(top_k=4, renormalize=False, **changed)[0]
+        weights = _call(predict_routing, changed, 4, False)[0]
         assert not torch.allclose(weights, reference, atol=1e-3), key
 
 
 def test_no_tokens():
     inputs = _inputs(SHAPES[0], torch.float32)
     inputs["router_input"] = inputs["router_input"][:0]
-    weights, ids = predict_routing(top_k=4, renormalize=True, **inputs)
+    weights, ids = _call(predict_routing, inputs, 4, True)
     assert weights.shape == ids.shape == (0, 4)
 
 

@@ -102,9 +102,9 @@ class Predictor(ABC):
         """``q [T, H]``, the estimate of ``s_{l+1}``; ``layer`` names layer l."""
 
     @abstractmethod
-    def fused_inputs(self, state: LayerState, layer: str, fused: FusedRouting) -> dict:
-        """The keyword arguments of :func:`~vllm_specexpert.triton_kernels.predict.
-        predict_routing` beyond the router input and the next layer's routing."""
+    def fused_terms(self, state: LayerState, layer: str, fused: FusedRouting):
+        """What :func:`~vllm_specexpert.triton_kernels.predict.predict_routing` adds to
+        the router input: a ``QuasiHiddenTerms``, or ``None`` (the input as it is)."""
 
     def predict(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> Prediction:
         if nxt.fused is not None:
@@ -113,7 +113,7 @@ class Predictor(ABC):
             fused = nxt.fused
             weights, ids = predict_routing(
                 state.router_input, fused.gate_weight, fused.top_k, fused.renormalize,
-                eps=fused.eps, **self.fused_inputs(state, layer, fused))
+                self.fused_terms(state, layer, fused))
         else:
             weights, ids = nxt.route(self.next_router_input(state, layer, nxt))
         return Prediction(topk_weights=weights, topk_ids=ids)

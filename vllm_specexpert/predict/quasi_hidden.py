@@ -41,10 +41,12 @@ class QuasiHiddenPredictor(Predictor):
         residual = state.router_input.float() * self.residual_scales[layer]
         return nxt.norm(d.squeeze(1).add_(residual)).to(state.router_input.dtype)
 
-    def fused_inputs(self, state: LayerState, layer: str, fused: FusedRouting) -> dict:
-        return dict(topk_ids=state.topk_ids, topk_weights=state.topk_weights,
-                    default_vectors=self.default_vectors[layer],
-                    residual_scale=self.residual_scales[layer], norm_weight=fused.norm_weight)
+    def fused_terms(self, state: LayerState, layer: str, fused: FusedRouting):
+        from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms
+
+        return QuasiHiddenTerms(state.topk_ids, state.topk_weights,
+                                self.default_vectors[layer], self.residual_scales[layer],
+                                fused.norm_weight, fused.eps)
 
 
 def residual_scale(norm_weight: torch.Tensor, residual_rms: float) -> torch.Tensor:

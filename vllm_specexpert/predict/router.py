@@ -14,5 +14,5 @@ class RouterPredictor(Predictor):
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
         return state.router_input
 
-    def fused_inputs(self, state: LayerState, layer: str, fused: FusedRouting) -> dict:
-        return {}
+    def fused_terms(self, state: LayerState, layer: str, fused: FusedRouting) -> None:
+        return None

@@ -23,6 +23,8 @@ DeepSeek-V2 ``greedy``); other routing functions use the torch path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -106,40 +108,50 @@ def block_h(experts: int, hidden: int) -> int:
     return min(tile, triton.next_power_of_2(hidden))
 
 
+@dataclass
+class QuasiHiddenTerms:
+    """What ``quasi_hidden`` adds to layer l's router input (module doc)."""
+
+    topk_ids: torch.Tensor
+    """``[T, K]`` layer l's experts."""
+    topk_weights: torch.Tensor
+    """``[T, K]`` their gate weights (same strides as ``topk_ids``)."""
+    default_vectors: torch.Tensor
+    """``[E_l, H]`` fp32, contiguous: layer l's default vectors."""
+    residual_scale: torch.Tensor
+    """``[H]`` fp32 ``rho_l / w_l``."""
+    norm_weight: torch.Tensor
+    """``[H]`` the next layer's RMSNorm weight."""
+    eps: float = 1e-6
+
+
 def predict_routing(
     router_input: torch.Tensor,
     gate_weight: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    *,
-    topk_ids: torch.Tensor | None = None,
-    topk_weights: torch.Tensor | None = None,
-    default_vectors: torch.Tensor | None = None,
-    residual_scale: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    quasi_hidden: QuasiHiddenTerms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predicted ``(weights fp32 [T, top_k], ids int32 [T, top_k])`` of the next layer.
-    With ``default_vectors`` (and ``topk_ids``, ``topk_weights``, ``residual_scale``,
-    ``norm_weight``): ``quasi_hidden``; without: ``router`` (``router_input`` routed by
+    """Predicted ``(weights fp32 [T, top_k], ids int32 [T, top_k])`` of the next layer:
+    ``quasi_hidden`` with its terms, else ``router`` (``router_input`` routed by
     ``gate_weight`` as it is)."""
     tokens, hidden = router_input.shape
     experts = gate_weight.shape[0]
-    quasi_hidden = default_vectors is not None
     out_ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_input.device)
     out_weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_input.device)
     if tokens == 0:
         return out_weights, out_ids
-    if quasi_hidden:
-        assert default_vectors.dtype == torch.float32 and default_vectors.is_contiguous()
-        assert topk_ids.stride() == topk_weights.stride() and topk_ids.stride(1) == 1
-        k, stride_k = topk_ids.shape[1], topk_ids.stride(0)
-        ids, weights, vectors, scale, norm = (
-            topk_ids, topk_weights, default_vectors, residual_scale, norm_weight)
+    q = quasi_hidden
+    if q is not None:
+        assert q.default_vectors.dtype == torch.float32 and q.default_vectors.is_contiguous()
+        assert q.topk_ids.stride() == q.topk_weights.stride() and q.topk_ids.stride(1) == 1
+        k, stride_k, eps = q.topk_ids.shape[1], q.topk_ids.stride(0), q.eps
+        terms = (q.topk_ids, q.topk_weights, q.default_vectors, q.residual_scale, q.norm_weight)
     else:
         # Unused pointers (pruned by QUASI_HIDDEN=False); any tensor will do.
-        k, stride_k = 0, 0
-        ids = weights = vectors = scale = norm = router_input
+        k, stride_k, eps = 0, 0, 0.0
+        terms = (router_input,) * 5
+    ids, weights, vectors, scale, norm = terms
     assert router_input.stride(1) == 1 and gate_weight.stride(1) == 1
     predict_routing_kernel[(tokens,)](
         router_input, router_input.stride(0),
@@ -153,7 +165,7 @@ def predict_routing(
         TOPK_PAD=triton.next_power_of_2(top_k),
         BLOCK_E=triton.next_power_of_2(experts),
         BLOCK_H=block_h(experts, hidden),
-        QUASI_HIDDEN=quasi_hidden,
+        QUASI_HIDDEN=q is not None,
         RENORMALIZE=renormalize,
     )
     return out_weights, out_ids
@@ -164,21 +176,16 @@ def predict_routing_reference(
     gate_weight: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    *,
-    topk_ids: torch.Tensor | None = None,
-    topk_weights: torch.Tensor | None = None,
-    default_vectors: torch.Tensor | None = None,
-    residual_scale: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    quasi_hidden: QuasiHiddenTerms | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same computation in torch, fp32 throughout: ``(weights, ids, probs)``, with
     ``probs [T, E]`` the full softmax (for tie-aware comparisons)."""
     x = router_input.float()
-    if default_vectors is not None:
-        chosen = default_vectors.float()[topk_ids.long()]                  # [T, K, H]
-        x = x * residual_scale.float() + (topk_weights.float().unsqueeze(-1) * chosen).sum(1)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    q = quasi_hidden
+    if q is not None:
+        chosen = q.default_vectors.float()[q.topk_ids.long()]                # [T, K, H]
+        x = x * q.residual_scale.float() + (q.topk_weights.float().unsqueeze(-1) * chosen).sum(1)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q.eps) * q.norm_weight.float()
     probs = torch.softmax(x @ gate_weight.float().t(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
