@@ -92,6 +92,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
         config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
+        self._tile_configs: dict[int, dict] = {}
+        """Token count -> vanilla's Triton tile config (CUDA, see _vanilla_tile_config)."""
         self.engine = engine_for(vllm_config, config)
         self.layer_index = _layer_index(layer_name)
         self._context_key = layer_name + FORWARD_CONTEXT_SUFFIX
@@ -195,9 +197,12 @@ class OffloadedRoutedExperts(RoutedExperts):
         from vllm.model_executor.layers.fused_moe import override_config
         from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
-        config = try_get_optimal_moe_config(
-            self.w13_weight.size(), self.w2_weight.size(), self.top_k,
-            self.quant_method.moe_quant_config.config_name(x.dtype), x.shape[0])
+        configs = self._tile_configs
+        config = configs.get(x.shape[0])
+        if config is None:
+            config = configs[x.shape[0]] = try_get_optimal_moe_config(
+                self.w13_weight.size(), self.w2_weight.size(), self.top_k,
+                self.quant_method.moe_quant_config.config_name(x.dtype), x.shape[0])
         return override_config(config)
 
     def _host_kernel(self):
