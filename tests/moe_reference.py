@@ -11,12 +11,15 @@ from vllm_specexpert.transfer import CpuLink
 
 
 def reference_moe(x, topk_weights, topk_ids, w13, w2):
-    """sum_k w_k * W2_e (silu(W1_e x) * W3_e x), token by token (row-independent)."""
+    """sum_k w_k * W2_e (silu(W1_e x) * W3_e x), token by token (row-independent);
+    entries with id -1 contribute zero (like vLLM's kernel with an ``expert_map``)."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     inter = w2.shape[-1]
     for t in range(x.shape[0]):
         for k in range(topk_ids.shape[1]):
             e = int(topk_ids[t, k])
+            if e < 0:
+                continue
             h = w13[e].float() @ x[t].float()
             y = w2[e].float() @ (F.silu(h[:inter]) * h[inter:])
             out[t] += topk_weights[t, k].float() * y
@@ -38,16 +41,22 @@ def random_routing(tokens, num_experts, top_k, hidden=32, seed=0):
     return x, weights, ids.to(torch.int32)
 
 
-def make_loader(tensors, num_slots, top_k, policy="lru", link=None) -> ExpertLoader:
-    """A loader over a fresh cache of one layer (its ``.cache``), on the CPU link."""
+def make_loader(tensors, num_slots, top_k, policy="lru", link=None,
+                device_map=False) -> ExpertLoader:
+    """A loader over a fresh cache of one layer (its ``.cache``), on the CPU link.
+    ``device_map``: the CUDA way of finding slots (router ids + ``expert_map``)."""
     store = ExpertStore(pin_memory=False)
     experts = store.add_layer("layer", tensors)
-    cache = ExpertCache(experts, num_slots, top_k, policy, torch.device("cpu"))
+    cache = ExpertCache(experts, num_slots, top_k, policy, torch.device("cpu"),
+                        device_map=device_map)
     return ExpertLoader(cache, link or CpuLink(LinkConfig()))
 
 
-def slot_kernel(x, topk_weights, slot_ids, slots):
-    return reference_moe(x, topk_weights, slot_ids, slots["w13_weight"], slots["w2_weight"])
+def slot_kernel(x, topk_weights, ids, slots, expert_map=None):
+    """The reference on the slot pool; ``ids`` go through ``expert_map`` when given."""
+    if expert_map is not None:
+        ids = expert_map[ids.long()]
+    return reference_moe(x, topk_weights, ids, slots["w13_weight"], slots["w2_weight"])
 
 
 def vllm_isa() -> str:

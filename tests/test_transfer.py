@@ -1,17 +1,23 @@
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from vllm_specexpert.config import LinkConfig, SpecExpertConfigError
-from vllm_specexpert.transfer import CpuLink, make_link
+from vllm_specexpert.transfer import CpuLink, ExpertCopy, make_link
+
+
+def whole(dst, src) -> ExpertCopy:
+    """A transfer of the whole of ``src`` into ``dst`` (one expert of one tensor)."""
+    return ExpertCopy({"w": src[None]}, {"w": dst[None]}, np.array([0]), np.array([0]))
 
 
 def test_copies_are_real():
     link = CpuLink(LinkConfig())
     src = torch.randn(4, 100)
     dst = torch.zeros(4, 100)
-    t = link.submit([(dst[i], src[i]) for i in range(4)])
+    t = link.submit(ExpertCopy({"w": src}, {"w": dst}, np.arange(4), np.arange(4)))
     link.wait(t)
     assert torch.equal(dst, src)
     assert link.bytes_copied == src.numel() * 4 and link.copies == 4
@@ -27,8 +33,8 @@ def test_emulated_link_serializes_copies_and_holds_each_until_ready():
     dst = torch.empty_like(src)
     started = []
     start = time.perf_counter()
-    first = link.submit([(dst, src)], on_start=started.append)
-    second = link.submit([(dst, src)], on_start=started.append)
+    first = link.submit(whole(dst, src), on_start=started.append)
+    second = link.submit(whole(dst, src), on_start=started.append)
     assert second.ready_at is None and started == [first]  # queued behind the first
     link.wait(first)
     assert first.ready_at - start >= 101e-3 - 1e-6
@@ -44,7 +50,7 @@ def test_emulated_link_serializes_copies_and_holds_each_until_ready():
 
 def test_copy_errors_reach_the_waiter():
     link = CpuLink(LinkConfig())
-    t = link.submit([(torch.empty(3), torch.empty(4))])
+    t = link.submit(whole(torch.empty(3), torch.empty(4)))
     with pytest.raises(RuntimeError, match="expert copy failed"):
         link.wait(t)
     link.close()
@@ -62,10 +68,10 @@ def test_demand_copies_overtake_queued_prefetches_and_prefetches_cancel():
     src = torch.ones(250_000)
     dsts = [torch.zeros_like(src) for _ in range(4)]
     started = []
-    busy = link.submit([(dsts[0], src)], prefetch=True)      # starts at once
-    later = link.submit([(dsts[1], src)], prefetch=True, on_start=started.append)  # queued
-    dropped = link.submit([(dsts[2], src)], prefetch=True, on_start=started.append)  # queued
-    demand = link.submit([(dsts[3], src)])                   # goes before both
+    busy = link.submit(whole(dsts[0], src), prefetch=True)      # starts at once
+    later = link.submit(whole(dsts[1], src), prefetch=True, on_start=started.append)  # queued
+    dropped = link.submit(whole(dsts[2], src), prefetch=True, on_start=started.append)  # queued
+    demand = link.submit(whole(dsts[3], src))                   # goes before both
     assert link.cancel(dropped) and not link.cancel(busy)
     # The copy thread may have written the dropped slot's bytes ahead of the emulated
     # timeline; the contract is that nothing lands there once cancel() returned, since

@@ -6,8 +6,18 @@ id <-> slot maps, the eviction policy, and the experts protected from eviction. 
 bytes into slots, and the copies still in flight, belong to
 :class:`~vllm_specexpert.loader.ExpertLoader`.
 
-Kernels run experts from slots: :meth:`ExpertCache.slot_ids` turns router expert ids into
-slot indices, and ``cache.slots`` stand in for the layer's weights.
+Kernels run experts from slots: :meth:`ExpertCache.kernel_routing` gives what the kernel
+needs to find an expert's slot, and ``cache.slots`` stand in for the layer's weights.
+
+* CPU: the ids are turned into slot indices on the host (one numpy gather).
+* CUDA (``device_map``): the router's ids reach the kernel unchanged, with the id -> slot
+  map as the fused-MoE kernel's ``expert_map`` (-1: not resident, contributes zero). The
+  map lives on the device. Residency changes mark entries dirty; the dirty entries are
+  written by one :func:`~vllm_specexpert.triton_kernels.slots.update_slot_map` launch on
+  the compute stream right before the next kernel of the layer, which the engine has
+  ordered after the copies it uses. The compute stream is the map's only reader, so
+  no host read of it is ever needed, and an expert evicted without a copy (a cancelled
+  prefetch) is never referenced by a launch before its entry is reset.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.store import LayerExperts
+from vllm_specexpert.transfer import ExpertCopy
 
 
 class EvictionPolicy:
@@ -84,6 +95,7 @@ class ExpertCache:
         top_k: int,
         policy: str,
         device: torch.device,
+        device_map: bool | None = None,
     ):
         num_experts = experts.num_experts
         if not top_k <= num_slots <= num_experts:
@@ -113,16 +125,21 @@ class ExpertCache:
         """Prefetched experts whose layer has not run since: never evicted (the paper's
         ring of buffers: a prefetch is not overwritten before the layer that wanted it
         runs)."""
-        # id -> slot map read by kernels. On CPU it shares memory with expert_slot; on
-        # CUDA it is a device copy refreshed after every residency change.
-        self._host_map = torch.from_numpy(self.expert_slot)
-        self.slot_of = self._host_map if device.type == "cpu" else self._host_map.to(device)
+        if device_map is None:
+            device_map = device.type != "cpu"
+        self.expert_map: torch.Tensor | None = (
+            torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+            if device_map else None)
+        """``int32 [E]`` id -> slot map on the device (``device_map``, see module doc);
+        ``None`` where ids are mapped on the host."""
+        self._map_dirty = np.zeros(num_experts, dtype=bool)
+        """Experts whose ``expert_map`` entry is stale."""
 
         # Warm start: the first experts (the pinned ones for `static`) fill every slot.
         initial = np.arange(num_slots)
         self.assign(initial, initial)
-        for dst, src in self.copy_pairs(initial):
-            dst.copy_(src)
+        for key, src in experts.tensors.items():
+            self.slots[key].copy_(src[:num_slots])
 
     # ------------------------------------------------------------------ queries
 
@@ -146,24 +163,39 @@ class ExpertCache:
         evictable[keep] = False
         return np.flatnonzero(evictable)
 
-    def slot_ids(self, topk_ids: torch.Tensor, host_ids: np.ndarray) -> torch.Tensor:
-        """Router expert ids -> slot indices, same shape and dtype as ``topk_ids``.
-        ``host_ids`` is the same ids on the host: on CPU the map is applied there (one
-        numpy gather instead of three tensor ops on the decode path); on CUDA with a
-        device gather, so that nothing waits for the host."""
-        if self.device.type == "cpu":
-            slots = torch.from_numpy(self.expert_slot[host_ids])
-            return slots if slots.dtype == topk_ids.dtype else slots.to(topk_ids.dtype)
-        flat = torch.index_select(self.slot_of, 0, topk_ids.reshape(-1))
-        return flat.view(topk_ids.shape).to(topk_ids.dtype)
+    def kernel_routing(
+        self, topk_ids: torch.Tensor, host_ids: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(ids, expert_map)`` for a kernel launch on the routing ``topk_ids`` (every
+        expert resident; ``host_ids``: the same ids on the host). With a device map: the
+        ids unchanged and the map, brought up to date on the current stream. Else the
+        slot indices (same shape and dtype) and ``None``."""
+        if self.expert_map is not None:
+            self.flush_map()
+            return topk_ids, self.expert_map
+        slots = torch.from_numpy(self.expert_slot[host_ids])
+        return (slots if slots.dtype == topk_ids.dtype else slots.to(topk_ids.dtype)), None
 
-    def copy_pairs(self, experts: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(slot view, slow-tier view)`` per tensor of each of ``experts`` (resident)."""
-        return [
-            (self.slots[key][int(slot)], src[int(expert)])
-            for expert, slot in zip(experts, self.expert_slot[experts])
-            for key, src in self.experts.tensors.items()
-        ]
+    def flush_map(self) -> None:
+        """Write the dirty entries of ``expert_map`` (one small upload and one launch;
+        nothing when residency has not changed since the last launch)."""
+        changed = np.flatnonzero(self._map_dirty)
+        if not len(changed):
+            return
+        self._map_dirty[changed] = False
+        update = torch.from_numpy(np.stack([changed, self.expert_slot[changed]]).astype(np.int32))
+        if self.device.type == "cuda":
+            from vllm_specexpert.triton_kernels.slots import update_slot_map
+
+            update = update.pin_memory().to(self.device, non_blocking=True)
+            update_slot_map(self.expert_map, update[0], update[1])
+        else:  # the device-map path exercised on the CPU (tests)
+            self.expert_map[update[0].long()] = update[1]
+
+    def copy_of(self, experts: np.ndarray) -> ExpertCopy:
+        """The transfer that fills the slots of ``experts`` (resident) from the slow tier."""
+        return ExpertCopy(self.experts.tensors, self.slots, experts,
+                          self.expert_slot[experts].astype(np.int64))
 
     # ---------------------------------------------------------------- changes
 
@@ -193,7 +225,7 @@ class ExpertCache:
         """Record that ``slots`` (free) now hold ``experts`` (not resident)."""
         self.slot_expert[slots] = experts
         self.expert_slot[experts] = slots
-        self._sync_device_map()
+        self._map_dirty[experts] = True
 
     def release(self, experts: np.ndarray) -> np.ndarray:
         """Forget resident ``experts``; returns the slots they held, now free."""
@@ -201,14 +233,10 @@ class ExpertCache:
         self.expert_slot[experts] = -1
         self.slot_expert[slots] = -1
         self.protected[experts] = False
-        self._sync_device_map()
+        self._map_dirty[experts] = True
         return slots
 
     def touch(self, experts: np.ndarray) -> None:
         """``experts`` are used by a kernel call now (eviction order)."""
         self.clock += 1
         self.policy.on_use(experts, self.clock)
-
-    def _sync_device_map(self) -> None:
-        if self.slot_of is not self._host_map:
-            self.slot_of.copy_(self._host_map, non_blocking=True)

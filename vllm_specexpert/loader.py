@@ -7,7 +7,9 @@ copy:
 
 * using a slot whose copy has not landed waits for it (counted as stall);
 * reusing a slot for another expert first retires its copy (dropped if it has not
-  started, else finished now), so that an old copy can never land on a new expert;
+  started, else finished now), so that an old copy can never land on a new expert; on
+  CUDA, where nothing blocks, the new copy is ordered instead after the slot's previous
+  copy and after the last kernel that read the slot (per-slot events);
 * prefetched experts stay protected from eviction until the layer's next call starts
   (:meth:`begin_run`), which counts them as used, drops them from the link if they have
   not started and are not needed, or counts them as unused.
@@ -24,6 +26,8 @@ import numpy as np
 
 from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.stats import PhaseStats
+import torch
+
 from vllm_specexpert.transfer import Link, Transfer
 
 
@@ -39,6 +43,11 @@ class ExpertLoader:
         """Slot -> the copy into it that nobody has waited for yet."""
         self.prefetches: dict[int, Transfer] = {}
         """Protected expert -> its prefetch (cancellable until it starts)."""
+        events = cache.device.type == "cuda"
+        self._last_write = np.full(cache.num_slots, None, dtype=object) if events else None
+        """CUDA: slot -> the last transfer into it (a new copy is ordered after it)."""
+        self._last_read = np.full(cache.num_slots, None, dtype=object) if events else None
+        """CUDA: slot -> event after the last kernel that read it."""
 
     # ------------------------------------------------------------------ queries
 
@@ -73,8 +82,9 @@ class ExpertLoader:
         cache.touch(experts)
 
     def prefetch(self, experts: np.ndarray, admitted: bool = False) -> int:
-        """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use,
-        one transfer each, in that order. Resident ones are skipped; at most as many as
+        """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use, in
+        that order: one transfer each where the link can cancel a queued transfer, else
+        one for all (one launch on CUDA). Resident ones are skipped; at most as many as
         there are evictable slots are loaded (the least wanted are dropped). Loaded
         experts are protected from eviction until the layer's next call starts
         (:meth:`begin_run`). Returns how many experts were queued."""
@@ -87,9 +97,13 @@ class ExpertLoader:
         if not len(missing):
             return 0
         slots = self._take_slots(len(missing), keep=experts)
-        for expert, slot in zip(missing, slots):
-            self.prefetches[int(expert)] = self._load(
-                np.array([expert]), np.array([slot]), prefetch=True, admitted=admitted)
+        if self.link.cancellable:
+            for expert, slot in zip(missing, slots):
+                self.prefetches[int(expert)] = self._load(
+                    np.array([expert]), np.array([slot]), prefetch=True, admitted=admitted)
+        else:
+            transfer = self._load(missing, slots, prefetch=True, admitted=admitted)
+            self.prefetches.update(dict.fromkeys(missing.tolist(), transfer))
         cache.protected[missing] = True
         return len(missing)
 
@@ -132,6 +146,14 @@ class ExpertLoader:
             self.stats.evictions += len(victims)
         return victims
 
+    def kernel_launched(self, experts: np.ndarray) -> None:
+        """A kernel reading the slots of ``experts`` was just queued (CUDA: later copies
+        into those slots are ordered after it)."""
+        if self._last_read is not None:
+            event = torch.cuda.Event()
+            event.record()
+            self._last_read[self.cache.expert_slot[experts]] = event
+
     def wait_all(self) -> None:
         """Block until every copy in flight has landed (counted as stall)."""
         for transfer in {id(t): t for t in self.in_flight.values()}.values():
@@ -168,8 +190,14 @@ class ExpertLoader:
                 stats.bytes_prefetched += transfer.nbytes
                 stats.admitted += count if admitted else 0
 
-        transfer = self.link.submit(self.cache.copy_pairs(experts), prefetch=prefetch,
-                                    on_start=started)
+        after = ()
+        if self._last_write is not None:
+            after = {id(e): e for e in (*self._last_write[slots], *self._last_read[slots])
+                     if e is not None}.values()
+        transfer = self.link.submit(self.cache.copy_of(experts), prefetch=prefetch,
+                                    on_start=started, after=tuple(after))
+        if self._last_write is not None:
+            self._last_write[slots] = transfer
         for slot in slots.tolist():
             self.in_flight[slot] = transfer
         return transfer

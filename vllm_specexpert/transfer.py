@@ -14,11 +14,14 @@ demand copy goes ahead of them and an unneeded one can still be dropped
   usable only from then. The consumer waits for that moment in :meth:`Transfer.wait`, so
   the emulation holds the compute exactly where a GPU would stall, without burning the
   copy thread.
-* :class:`CudaLink`: a dedicated copy stream over pinned host memory, one event per
-  transfer; waiting is a stream-side ``wait_event`` (no host sync). Prefetches are
-  issued to the stream one at a time, from the host, whenever the engine calls in and
-  the previous one finished. NOT RUN ON A GPU YET: written against PyTorch's
-  stream/event API, exercised here only by review.
+* :class:`CudaLink`: two copy streams over pinned host memory (demand copies on a
+  high-priority one, prefetches on a low-priority one), issued the moment they are
+  submitted, one launch per transfer (:func:`~vllm_specexpert.triton_kernels.slots.
+  copy_experts`), one event each; waiting is a stream-side ``wait_event`` (no host
+  sync). A copy is ordered only after what it must follow: the kernels that last read
+  its destination slots and the earlier copies into them (``after``), never after the
+  whole compute stream. Issued prefetches cannot be cancelled. NOT RUN ON A GPU YET:
+  written against PyTorch's stream/event API, exercised here only by review.
 """
 
 from __future__ import annotations
@@ -29,13 +32,46 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_specexpert.config import LinkConfig
 
-CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
-"""``(destination slot view, source slow-tier view)`` pairs of one transfer."""
+
+@dataclass
+class ExpertCopy:
+    """What one transfer moves: experts of one layer from the slow tier into slots."""
+
+    sources: dict[str, torch.Tensor]
+    """Tensor name -> ``[E, ...]`` slow-tier tensor."""
+    destinations: dict[str, torch.Tensor]
+    """Tensor name -> ``[slots, ...]`` slot pool (same names)."""
+    experts: np.ndarray
+    """Expert ids to copy."""
+    slots: np.ndarray
+    """Their destination slots (distinct)."""
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = len(self.experts) * sum(
+            t[0].numel() * t.element_size() for t in self.sources.values())
+
+    @property
+    def copies(self) -> int:
+        """Tensor copies it takes one at a time: one per expert and tensor."""
+        return len(self.experts) * len(self.sources)
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(slot view, slow-tier view)`` per expert and tensor."""
+        return [
+            (self.destinations[key][slot], src[expert])
+            for expert, slot in zip(self.experts.tolist(), self.slots.tolist())
+            for key, src in self.sources.items()
+        ]
+
+
 StartCallback = Callable[["Transfer"], None]
 """Called once when a transfer starts moving on the link (never for a dropped one)."""
 
@@ -61,6 +97,10 @@ class Transfer(ABC):
 class Link(ABC):
     """Moves experts from the slow tier to device slots, one copy engine's worth."""
 
+    cancellable = True
+    """Whether a submitted prefetch can wait in a host queue, cancellable until it
+    starts (else it is issued at once, and ``cancel`` never succeeds)."""
+
     def __init__(self) -> None:
         self.bytes_copied = 0
         """Bytes of started transfers (cancelled prefetches never count)."""
@@ -70,11 +110,14 @@ class Link(ABC):
         """Seconds callers waited in :meth:`wait`."""
 
     @abstractmethod
-    def submit(self, pairs: CopyPairs, prefetch: bool = False,
-               on_start: StartCallback | None = None) -> Transfer:
-        """Queue a copy of every pair; returns at once. Demand transfers go ahead of
-        prefetches that have not started. ``on_start(transfer)`` is called when the copy
-        starts moving (the link is the one that observes it)."""
+    def submit(self, copy: ExpertCopy, prefetch: bool = False,
+               on_start: StartCallback | None = None, after: Sequence = ()) -> Transfer:
+        """Queue ``copy``; returns at once. Demand transfers go ahead of prefetches that
+        have not started. ``on_start(transfer)`` is called when the copy starts moving
+        (the link is the one that observes it). ``after``: transfers retired from the
+        destination slots and device events of the last kernels that read them; the
+        copy must not start before them (the CPU link has nothing to order: retiring
+        finishes a copy, and host kernels are synchronous)."""
 
     def cancel(self, transfer: Transfer) -> bool:
         """Drop a prefetch that has not started. Returns whether it was dropped; the
@@ -119,10 +162,6 @@ class Link(ABC):
         if transfer.on_start is not None:
             transfer.on_start(transfer)
 
-    @staticmethod
-    def _nbytes(pairs: CopyPairs) -> int:
-        return sum(src.numel() * src.element_size() for _, src in pairs)
-
 
 def _insert(pending: deque, transfer: Transfer) -> None:
     """Queue ``transfer``: prefetches at the end, demand ones after the last demand."""
@@ -137,12 +176,12 @@ def _insert(pending: deque, transfer: Transfer) -> None:
 
 
 class _CpuTransfer(Transfer):
-    def __init__(self, link: CpuLink, pairs: CopyPairs, prefetch: bool,
+    def __init__(self, link: CpuLink, copy: ExpertCopy, prefetch: bool,
                  on_start: StartCallback | None):
         self.link = link
-        self.pairs = list(pairs)
-        self.nbytes = Link._nbytes(pairs)
-        self.copies = len(self.pairs)
+        self.pairs = copy.pairs()
+        self.nbytes = copy.nbytes
+        self.copies = copy.copies
         self.prefetch = prefetch
         self.on_start = on_start
         self.submitted_at = time.perf_counter()
@@ -231,9 +270,9 @@ class CpuLink(Link):
         )
         self._thread.start()
 
-    def submit(self, pairs: CopyPairs, prefetch: bool = False,
-               on_start: StartCallback | None = None) -> Transfer:
-        transfer = _CpuTransfer(self, pairs, prefetch, on_start)
+    def submit(self, copy: ExpertCopy, prefetch: bool = False,
+               on_start: StartCallback | None = None, after: Sequence = ()) -> Transfer:
+        transfer = _CpuTransfer(self, copy, prefetch, on_start)
         if self.config.emulated:
             self._advance(transfer.submitted_at)
             _insert(self._pending, transfer)
@@ -301,25 +340,20 @@ class CpuLink(Link):
 
 
 class _CudaTransfer(Transfer):
-    def __init__(self, link: CudaLink, pairs: CopyPairs, prefetch: bool,
-                 on_start: StartCallback | None):
-        self.link = link
-        self.pairs = list(pairs)
-        self.nbytes = Link._nbytes(pairs)
+    def __init__(self, copy: ExpertCopy, prefetch: bool, on_start: StartCallback | None):
+        self.nbytes = copy.nbytes
         self.prefetch = prefetch
         self.on_start = on_start
-        self.event: torch.cuda.Event | None = None
-        """Recorded on the copy stream once issued."""
+        self.event = torch.cuda.Event()
+        """Recorded on the copy stream right after the copy."""
 
     def ready(self) -> bool:
-        return self.event is not None and self.event.query()
+        return self.event.query()
 
     def wait(self) -> float:
-        if self.event is None:
-            self.link._issue_until(self)
         # Stream-side dependency: kernels queued after this point on the compute
-        # stream start once the copies are done. No host synchronization.
-        torch.cuda.current_stream(self.link.device).wait_event(self.event)
+        # stream start once the copy is done. No host synchronization.
+        torch.cuda.current_stream().wait_event(self.event)
         return 0.0
 
 
@@ -329,74 +363,72 @@ CUDA_ASSUMED_GBPS = 20.0
 
 
 class CudaLink(Link):
-    """Copy stream + events over pinned host memory, prefetches fed one at a time from
-    a host queue (see module doc). Not yet run on a GPU."""
+    """Demand and prefetch copy streams over pinned host memory (see module doc). Not
+    yet run on a GPU."""
+
+    cancellable = False
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        self._pending: deque[_CudaTransfer] = deque()
-        self._last_prefetch: _CudaTransfer | None = None
+        # Lower number = higher priority: the copy a kernel is waiting for goes first
+        # where both streams have work (copy_experts runs on SMs, so this matters).
+        low, high = torch.cuda.Stream.priority_range()
+        self.demand_stream = torch.cuda.Stream(device=device, priority=high)
+        self.prefetch_stream = torch.cuda.Stream(device=device, priority=low)
+        self._last: dict[bool, _CudaTransfer] = {}
+        """Prefetch flag -> the last transfer issued on that stream."""
+        self._device_views: dict[int, torch.Tensor] = {}
+        """Slow-tier tensor data pointer -> its UVA device view (copy_experts reads it)."""
 
     def copy_seconds(self, nbytes: int, copies: int) -> float:
-        return 5e-6 * copies + nbytes / (CUDA_ASSUMED_GBPS * 1e9)
+        # One launch per transfer: the per-copy cost is a launch, not a memcpy call.
+        return 5e-6 + nbytes / (CUDA_ASSUMED_GBPS * 1e9)
 
-    def submit(self, pairs: CopyPairs, prefetch: bool = False,
-               on_start: StartCallback | None = None) -> Transfer:
-        transfer = _CudaTransfer(self, pairs, prefetch, on_start)
-        if prefetch:
-            self._pending.append(transfer)
-            self._pump()
-        else:
-            self._issue(transfer)  # demand: straight to the stream, ahead of the queue
+    def submit(self, copy: ExpertCopy, prefetch: bool = False,
+               on_start: StartCallback | None = None, after: Sequence = ()) -> Transfer:
+        transfer = _CudaTransfer(copy, prefetch, on_start)
+        stream = self.prefetch_stream if prefetch else self.demand_stream
+        for dependency in after:
+            event = dependency.event if isinstance(dependency, Transfer) else dependency
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            self._copy(copy)
+            transfer.event.record(stream)
+        self._last[prefetch] = transfer
+        self._started(transfer, 1)
         return transfer
 
-    def cancel(self, transfer: Transfer) -> bool:
-        self._pump()
-        if transfer in self._pending:
-            self._pending.remove(transfer)
-            transfer.cancelled = True
-            return True
-        return False
-
     def idle(self) -> bool:
-        self._pump()
-        return not self._pending and (
-            self._last_prefetch is None or self._last_prefetch.event.query())
+        return all(t.event.query() for t in self._last.values())
 
     def close(self) -> None:
         """Nothing may still be copying into a slot pool that is about to be freed
-        (``reconfigure`` closes the link, then drops the pools): queued prefetches are
-        dropped, issued copies are waited for."""
-        for transfer in self._pending:
-            transfer.cancelled = True
-        self._pending.clear()
-        self.stream.synchronize()
+        (``reconfigure`` closes the link, then drops the pools)."""
+        self.demand_stream.synchronize()
+        self.prefetch_stream.synchronize()
 
-    def _pump(self) -> None:
-        """Issue the next queued prefetch once the previous one has finished (a
-        non-blocking event query), so at most one prefetch occupies the copy engine."""
-        while self._pending and (self._last_prefetch is None or self._last_prefetch.event.query()):
-            self._last_prefetch = self._pending.popleft()
-            self._issue(self._last_prefetch)
-
-    def _issue_until(self, transfer: _CudaTransfer) -> None:
-        """Issue queued prefetches up to ``transfer`` (someone needs it now)."""
-        while transfer.event is None:
-            self._last_prefetch = self._pending.popleft()
-            self._issue(self._last_prefetch)
-
-    def _issue(self, transfer: _CudaTransfer) -> None:
-        transfer.event = torch.cuda.Event()
-        # A slot being overwritten may still be read by kernels already queued on the
-        # compute stream (its previous expert): order the copies after them.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for dst, src in transfer.pairs:
+    def _copy(self, copy: ExpertCopy) -> None:
+        """One launch for every expert and tensor of ``copy`` where the layer has the
+        two tensors of a fused MoE (w13, w2); else one async memcpy per pair."""
+        if len(copy.sources) != 2:
+            for dst, src in copy.pairs():
                 dst.copy_(src, non_blocking=True)
-            transfer.event.record(self.stream)
-        self._started(transfer, len(transfer.pairs))
+            return
+        from vllm_specexpert.triton_kernels.slots import copy_experts
+
+        index = torch.from_numpy(np.stack([copy.experts, copy.slots]).astype(np.int32))
+        index = index.pin_memory().to(self.device, non_blocking=True)
+        copy_experts(tuple(self._device_view(t) for t in copy.sources.values()),
+                     tuple(copy.destinations[k] for k in copy.sources), index[0], index[1])
+
+    def _device_view(self, host: torch.Tensor) -> torch.Tensor:
+        view = self._device_views.get(host.data_ptr())
+        if view is None:
+            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+            view = self._device_views[host.data_ptr()] = get_accelerator_view_from_cpu_tensor(host)
+        return view
 
 
 def make_link(config: LinkConfig, device: torch.device) -> Link:

@@ -94,6 +94,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
         self._tile_configs: dict[int, dict] = {}
         """Token count -> vanilla's Triton tile config (CUDA, see _vanilla_tile_config)."""
+        self._call_tokens = 0
+        """Tokens of the running layer call (token groups launch on fewer)."""
         self.engine = engine_for(vllm_config, config)
         self.layer_index = _layer_index(layer_name)
         self._context_key = layer_name + FORWARD_CONTEXT_SUFFIX
@@ -156,6 +158,7 @@ class OffloadedRoutedExperts(RoutedExperts):
     def run_from_cache(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        self._call_tokens = x.shape[0]
         return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
                                current_phases(x.shape[0]))
 
@@ -163,14 +166,18 @@ class OffloadedRoutedExperts(RoutedExperts):
         self,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
-        slot_ids: torch.Tensor,
+        ids: torch.Tensor,
         slots: dict[str, torch.Tensor],
+        expert_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The layer's fused experts on the slot pool (see ``ExpertKernel``): on the
+        CPU build ``ids`` are slot indices; on CUDA they are the router's ids and
+        ``expert_map`` finds their slots (-1: not resident, contributes zero)."""
         w13, w2 = slots["w13_weight"], slots["w2_weight"]
         experts = self._direct_experts()
         if experts is not None:
             out = torch.empty_like(x)
-            experts.apply(out, x, w13, w2, topk_weights, slot_ids, self.activation,
+            experts.apply(out, x, w13, w2, topk_weights, ids, self.activation,
                           w13.shape[0], None, None, None, _NO_WORKSPACE, _NO_WORKSPACE, None,
                           False)
             return out
@@ -180,29 +187,32 @@ class OffloadedRoutedExperts(RoutedExperts):
                 w1=w13,
                 w2=w2,
                 topk_weights=topk_weights,
-                topk_ids=slot_ids,
+                topk_ids=ids,
                 activation=self.activation,
                 apply_router_weight_on_input=self.apply_router_weight_on_input,
-                global_num_experts=w13.shape[0],
-                expert_map=None,
+                global_num_experts=w13.shape[0] if expert_map is None else expert_map.numel(),
+                expert_map=expert_map,
             )
 
     def _vanilla_tile_config(self, x: torch.Tensor):
-        """On GPUs: the Triton tile config vanilla would pick for this call. vLLM looks
-        it up by the weights' expert count, which for the slot pool would be the slot
-        count; the layer's parameters alias the slow tier (every expert), so their shape
-        is vanilla's."""
+        """On GPUs: the Triton tile config vanilla would pick for the whole layer call.
+        vLLM looks it up by the weights' expert count, which for the slot pool would be
+        the slot count; the layer's parameters alias the slow tier (every expert), so
+        their shape is vanilla's. And by the call's token count, not a token group's:
+        vanilla launches once on all of them, and a different tile (BLOCK_SIZE_K) would
+        sum a token's products in another order."""
         if current_platform.is_cpu():
             return contextlib.nullcontext()
         from vllm.model_executor.layers.fused_moe import override_config
         from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
+        tokens = max(self._call_tokens, x.shape[0])
         configs = self._tile_configs
-        config = configs.get(x.shape[0])
+        config = configs.get(tokens)
         if config is None:
-            config = configs[x.shape[0]] = try_get_optimal_moe_config(
+            config = configs[tokens] = try_get_optimal_moe_config(
                 self.w13_weight.size(), self.w2_weight.size(), self.top_k,
-                self.quant_method.moe_quant_config.config_name(x.dtype), x.shape[0])
+                self.quant_method.moe_quant_config.config_name(x.dtype), tokens)
         return override_config(config)
 
     def _host_kernel(self):

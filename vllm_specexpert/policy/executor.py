@@ -27,11 +27,14 @@ from vllm_specexpert.loader import ExpertLoader
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 
 ExpertKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None],
+    torch.Tensor,
 ]
-"""``kernel(x, topk_weights, slot_ids, slots) -> out``: the layer's fused-experts kernel
-run on the slot tensors ``slots`` (name -> ``[num_slots, ...]``), with router expert ids
-already mapped to slot indices."""
+"""``kernel(x, topk_weights, ids, slots, expert_map) -> out``: the layer's fused-experts
+kernel run on the slot tensors ``slots`` (name -> ``[num_slots, ...]``). ``ids`` are slot
+indices when ``expert_map`` is ``None``, else router expert ids that the kernel maps
+through ``expert_map`` (id -> slot, -1: not resident), as vLLM's fused MoE does for
+expert parallelism (see :meth:`ExpertCache.kernel_routing`)."""
 
 GROUP_SCAN_FACTOR = 4
 """A token group is grown from at most ``GROUP_SCAN_FACTOR * slots`` candidate tokens
@@ -47,16 +50,19 @@ def run_layer_call(
     topk_ids: torch.Tensor,
     before_kernel: Callable[[], None] | None = None,
     context: MissContext | None = None,
+    ids: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Routed-expert output for ``x`` ([tokens, hidden]) under ``policy``. Without
     ``context`` (prefill tokens) every entry runs on the device, loaded on demand.
     ``before_kernel`` is called once, when the first device launch's experts are
     resident and before it starts (the engine issues the next layer's prefetch there,
-    so the copy overlaps this layer's expert compute)."""
+    so the copy overlaps this layer's expert compute). ``ids``: ``topk_ids`` already
+    read to the host by the caller."""
     stats = loader.stats
-    # On CUDA this is the host sync that on-demand loading cannot avoid: which
-    # experts to copy is only known once the router has run.
-    ids = topk_ids.cpu().numpy()
+    if ids is None:
+        # On CUDA this is the host sync that on-demand loading cannot avoid: which
+        # experts to copy is only known once the router has run.
+        ids = topk_ids.cpu().numpy()
     if context is None or policy.waits_for_copies:
         missing = loader.cache.expert_slot[ids] < 0
     else:
@@ -165,16 +171,14 @@ def run_on_device(
             cache.touch(experts)
             if before_kernel is not None:
                 before_kernel()
-            stats.kernel_calls += 1
-            return kernel(x, topk_weights, cache.slot_ids(topk_ids, ids), cache.slots)
+            return _launch(loader, kernel, x, topk_weights, topk_ids, ids, experts)
     needed = np.unique(ids)
     loader.begin_run(needed)
     if cache.capacity_for(needed):
         loader.acquire(needed)
         if before_kernel is not None:
             before_kernel()
-        stats.kernel_calls += 1
-        return kernel(x, topk_weights, cache.slot_ids(topk_ids, ids), cache.slots)
+        return _launch(loader, kernel, x, topk_weights, topk_ids, ids, needed)
     out = torch.empty_like(x)
     remaining = np.arange(ids.shape[0])
     while remaining.size:
@@ -191,12 +195,21 @@ def run_on_device(
             before_kernel()
             before_kernel = None
         index = torch.from_numpy(ready).to(x.device)
-        out[index] = kernel(
-            x[index], topk_weights[index], cache.slot_ids(topk_ids[index], ids[ready]),
-            cache.slots,
-        )
-        stats.kernel_calls += 1
+        out[index] = _launch(loader, kernel, x[index], topk_weights[index], topk_ids[index],
+                             ids[ready], np.unique(ids[ready]))
         remaining = np.setdiff1d(remaining, ready, assume_unique=True)
+    return out
+
+
+def _launch(loader: ExpertLoader, kernel: ExpertKernel, x: torch.Tensor,
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor, ids: np.ndarray,
+            experts: np.ndarray) -> torch.Tensor:
+    """One kernel launch on resident ``experts`` (those of ``ids``)."""
+    cache = loader.cache
+    kernel_ids, expert_map = cache.kernel_routing(topk_ids, ids)
+    out = kernel(x, topk_weights, kernel_ids, cache.slots, expert_map)
+    loader.kernel_launched(experts)
+    loader.stats.kernel_calls += 1
     return out
 
 
