@@ -64,3 +64,32 @@ def test_fetch_counts_a_resident_batch_as_hits():
     w = torch.full((2, 2), 0.5)
     run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
     assert (loader.stats.hits, loader.stats.misses, loader.stats.loads) == (4, 0, 0)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_device_map_path_is_exact_through_prefetches_and_cancellations(tokens):
+    # The CUDA way of finding slots (router ids + expert_map kept on the "device"), run
+    # on the CPU: a map entry left stale by any residency change would send a token to
+    # another expert's slot.
+    from vllm_specexpert.config import LinkConfig
+    from vllm_specexpert.transfer import CpuLink
+
+    tensors = random_layer(num_experts=16)
+    # 2 ms per copy: prefetches queue behind each other, so unused ones get cancelled.
+    link = CpuLink(LinkConfig(bandwidth_gbps=50.0, latency_us=2000.0))
+    loader = make_loader(tensors, num_slots=6, top_k=4, link=link, device_map=True)
+    cache = loader.cache
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        loader.prefetch(rng.permutation(16)[:3])
+        x, w, ids = random_routing(tokens, 16, 4, seed=step)
+        out = run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
+        assert torch.equal(out, reference_moe(x, w, ids, tensors["w13_weight"],
+                                              tensors["w2_weight"]))
+        # After a launch the device map is the host map, evictions included.
+        assert torch.equal(cache.expert_map, torch.from_numpy(cache.expert_slot))
+        check_cache_invariants(loader)
+    assert loader.stats.misses > 0
+    if tokens < 16:  # else nearly every expert is needed, and every prefetch is used
+        assert loader.stats.prefetch_cancelled > 0
+    link.close()
