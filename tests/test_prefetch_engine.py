@@ -262,3 +262,40 @@ def test_unneeded_prefetches_that_have_not_started_are_cancelled():
     assert link.bytes_copied == 2 * cache.experts.expert_nbytes  # 8 and 9 moved, 10 never
     check_cache_invariants(loader, settle=True)
     link.close()
+
+
+def test_a_decode_layer_call_reads_the_device_once(toy, monkeypatch):
+    # On CUDA every host read of a device tensor synchronizes with the compute stream.
+    # The packed reader (the CUDA path) run on the CPU: router ids, the prediction for
+    # the next layer and its weights must come back in one read, with misses, hits and
+    # prefetches along the way.
+    from vllm_specexpert.readback import HostReader
+
+    engine = make_engine(toy, budget=0.5, predictor="router")
+    engine.reader = HostReader(torch.device("cpu"), packed=True)
+    gates, norms, _ = toy
+    reads = []
+    for method in ("cpu", "numpy", "item", "tolist"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _name=method, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    per_call = []
+    for s in range(6):
+        x0 = tokens(2, s)
+        w0, ids0 = softmax_topk(gates[0])(x0)
+        reads.clear()
+        out0 = engine.run(NAMES[0], slot_kernel, x0, w0, ids0)
+        per_call.append(len(reads))
+        x1 = rms_norm(norms[1])((x0.float() + out0.float()).bfloat16())
+        w1, ids1 = softmax_topk(gates[1])(x1)
+        reads.clear()
+        engine.run(NAMES[1], slot_kernel, x1, w1, ids1)
+        per_call.append(len(reads))
+    assert per_call == [1] * 12
+    second = decode_stats(engine)[NAMES[1]]
+    assert second["prefetched"] > 0 and second["misses"] > 0
+    engine.close()

@@ -48,6 +48,7 @@ from vllm_specexpert.predict import (
     RouterPredictor,
     worth_threshold,
 )
+from vllm_specexpert.readback import HostReader
 from vllm_specexpert.stats import LayerStats, PhaseStats, StatsWriter
 from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import make_link
@@ -90,6 +91,8 @@ class OffloadEngine:
         self.rank = rank
         self.store = ExpertStore(pin_memory=device.type == "cuda")
         self.link = make_link(config.link, device)
+        self.reader = HostReader(device)
+        """One device->host read per decode layer call (router ids + prediction)."""
         self.miss_policy: MissPolicy = config.miss_policy_class()
         self.layers: dict[str, OffloadedLayer] = {}
         self.default_vectors: dict[str, torch.Tensor] = {}
@@ -309,24 +312,35 @@ class OffloadEngine:
         prediction = self._predictions.pop(layer.name, None)
         if prediction is not None and prediction.num_tokens != x.shape[0]:
             prediction = None
+        run_weights, run_ids = topk_weights, topk_ids
+        speculated = (prediction is not None and self.miss_policy.speculates
+                      and self._speculative(layer))
+        if speculated:
+            run_weights, run_ids = self.miss_policy.routing(topk_weights, topk_ids, prediction)
+            stats.speculated_calls += 1
+        # The next layer's prediction is made now, on the device, so that its ids come
+        # to the host in the same read as the router's; its prefetch is submitted once
+        # this layer's own loads are (before_kernel).
+        upcoming = None
+        if self.predictor is not None and layer.next_name is not None:
+            upcoming = self.predictor.predict(LayerState(x, run_ids, run_weights), layer.name,
+                                              layer.next_routing)
+        host = self.reader.read([topk_ids, *(upcoming.device_reads() if upcoming else ())])
+        if upcoming is not None:
+            upcoming.set_host(host[1], host[2])
         if prediction is not None:
-            self._observe(layer, stats, prediction, topk_ids)
-            if self.miss_policy.speculates and self._speculative(layer):
-                topk_weights, topk_ids = self.miss_policy.routing(topk_weights, topk_ids,
-                                                                  prediction)
-                stats.speculated_calls += 1
+            self._observe(layer, stats, prediction, host[0])
 
         before_kernel = None
-        if self.predictor is not None and layer.next_name is not None:
-            state = LayerState(x, topk_ids, topk_weights)
-
+        if upcoming is not None:
             def before_kernel() -> None:
-                self._predict_and_prefetch(layer, state)
+                self._prefetch(layer, upcoming)
 
         context = layer.miss_context
         context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
-        return run_layer_call(self.miss_policy, layer.loader, kernel, x, topk_weights,
-                              topk_ids, before_kernel, context)
+        return run_layer_call(self.miss_policy, layer.loader, kernel, x, run_weights,
+                              run_ids, before_kernel, context,
+                              ids=prediction.host_ids if speculated else host[0])
 
     @staticmethod
     def _count_call(layer: OffloadedLayer, stats: PhaseStats, x: torch.Tensor) -> PhaseStats:
@@ -341,15 +355,13 @@ class OffloadEngine:
             return True  # the first MoE layer never has a prediction
         return layer.index not in exact_layers
 
-    def _predict_and_prefetch(self, layer: OffloadedLayer, state: LayerState) -> None:
-        prediction = self.predictor.predict(state, layer.name, layer.next_routing)
-        prediction.made_at = time.perf_counter()
+    def _prefetch(self, layer: OffloadedLayer, prediction: Prediction) -> None:
+        """Record ``prediction`` for the next layer and submit its prefetch."""
+        prediction.made_at = time.perf_counter()  # the prefetch's window starts now
         self._predictions[layer.next_name] = prediction
         nxt = self.layers[layer.next_name]
         nxt.loader.stats = nxt.stats.decode  # predictions are made for decode tokens only
         cache = nxt.cache
-        # On CUDA, reading the prediction on the host waits for the compute stream (the
-        # predictor's router GEMM): the host decides what to copy.
         if self.config.prefetch_filter == "all" or (
             self.miss_policy.speculates and self._speculative(nxt)
         ):
@@ -364,13 +376,13 @@ class OffloadEngine:
         nxt.loader.prefetch(wanted)
 
     def _observe(self, layer: OffloadedLayer, stats: PhaseStats, prediction: Prediction,
-                 topk_ids: torch.Tensor) -> None:
+                 router_ids: np.ndarray) -> None:
         """Score the prediction made for this layer against its router's choice."""
         window = time.perf_counter() - prediction.made_at
         layer.window_s = window if layer.window_s is None else 0.9 * layer.window_s + 0.1 * window
-        stats.predicted += topk_ids.numel()
+        stats.predicted += router_ids.size
         stats.predicted_correct += layer.planner.observe(
-            prediction.ranked(), topk_ids.cpu().numpy(), prediction.considered)
+            prediction.ranked(), router_ids, prediction.considered)
 
     # ---------------------------------------------------------------- statistics
 

@@ -69,24 +69,41 @@ class Prediction:
     considered: np.ndarray | None = None
     """``[T, K]`` (like :meth:`ranked`): entries that were candidates for a prefetch
     (not resident when predicted), set by the engine."""
+    host_ids: np.ndarray | None = None
+    """``topk_ids`` on the host, once read (the engine reads them together with the
+    router's ids: one device->host read per layer call)."""
+    host_weights: np.ndarray | None = None
+    """``topk_weights`` on the host as float32, once read."""
     _ranked: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.topk_ids.shape[0]
 
+    def device_reads(self) -> list[torch.Tensor]:
+        """What :meth:`set_host` takes, as device tensors to read."""
+        return [self.topk_ids, self.topk_weights.float()]
+
+    def set_host(self, ids: np.ndarray, weights: np.ndarray) -> None:
+        self.host_ids, self.host_weights = ids.astype(np.int64, copy=False), weights
+
+    def _host(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.host_ids is None:  # not read by the engine (offline analysis): read now
+            self.set_host(*(t.cpu().numpy() for t in self.device_reads()))
+        return self.host_ids, self.host_weights
+
     def ranked(self) -> np.ndarray:
-        """``[T, K]`` predicted ids on the host, by predicted weight, best first. On
-        CUDA the first call waits for the prediction (the host decides what to copy)."""
+        """``[T, K]`` predicted ids on the host, by predicted weight, best first."""
         if self._ranked is None:
-            order = torch.argsort(self.topk_weights, dim=-1, descending=True, stable=True)
-            self._ranked = self.topk_ids.gather(-1, order).cpu().numpy().astype(np.int64)
+            ids, weights = self._host()
+            order = np.argsort(-weights, axis=-1, kind="stable")
+            self._ranked = np.take_along_axis(ids, order, axis=-1)
         return self._ranked
 
     def experts_by_mass(self) -> np.ndarray:
         """Distinct predicted experts, most predicted gate mass first (host int64)."""
-        ids = self.topk_ids.reshape(-1).cpu().numpy()
-        mass = self.topk_weights.reshape(-1).float().cpu().numpy()
+        ids, weights = self._host()
+        ids, mass = ids.reshape(-1), weights.reshape(-1)
         experts = np.flatnonzero(np.bincount(ids))
         totals = np.bincount(ids, weights=mass)[experts]
         return experts[np.argsort(-totals, kind="stable")]

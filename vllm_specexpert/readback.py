@@ -1,0 +1,62 @@
+"""One device->host read for everything a layer call decides on.
+
+The host decides which experts to copy, so a decode layer call must see the router's
+ids (and the prediction for the next layer) on the host. On CUDA every separate
+``.cpu()`` is a synchronization with the compute stream; :class:`HostReader` packs the
+tensors of one call into a single byte buffer on the device, copies it into pinned host
+memory with one copy, and waits for that copy's event once. On the CPU build the tensors
+already are host memory and are returned as numpy views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
+                torch.float16: np.float16, torch.uint8: np.uint8, torch.bool: np.bool_}
+"""The dtypes a read returns (numpy has no bfloat16: convert weights first)."""
+
+
+class HostReader:
+    """Reads several small device tensors to the host with one copy and one wait."""
+
+    def __init__(self, device: torch.device, packed: bool | None = None):
+        self.device = device
+        self.packed = device.type != "cpu" if packed is None else packed
+        """Whether reads go through one packed copy (CUDA; forced on CPU by tests)."""
+        self._buffer: torch.Tensor | None = None
+        """Host staging buffer (pinned on CUDA), grown as needed, reused every read."""
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+        """The tensors' values on the host, as arrays of their shapes and dtypes (numpy
+        dtypes only: convert bf16 first). The arrays stay valid after later reads."""
+        if not self.packed:
+            return [t.numpy() for t in tensors]
+        flat = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]
+        sizes = [f.numel() for f in flat]
+        total = sum(sizes)
+        buffer = self._staging(total)
+        buffer[:total].copy_(torch.cat(flat), non_blocking=self._event is not None)
+        if self._event is not None:
+            self._event.record()
+            self._event.synchronize()
+        host = buffer.numpy()
+        out, offset = [], 0
+        for tensor, size in zip(tensors, sizes):
+            dtype = NUMPY_DTYPES[tensor.dtype]
+            # A copy: the staging buffer is overwritten by the next read.
+            out.append(host[offset:offset + size].view(dtype).reshape(tensor.shape).copy())
+            offset += size
+        return out
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            size = max(nbytes, 4096, 2 * (0 if self._buffer is None else self._buffer.numel()))
+            self._buffer = torch.empty(size, dtype=torch.uint8,
+                                       pin_memory=self._event is not None)
+        return self._buffer
