@@ -78,7 +78,9 @@ def main() -> None:
     vanilla = start_engine(model, None, eager=False)
     plugin = start_engine(model, {"budget": 1.0, "calibration": calibration}, eager=False)
     info = vllm_specexpert.get_stats(plugin)[0]
-    cuda_graphs = not plugin.llm_engine.vllm_config.model_config.enforce_eager
+    compilation = plugin.llm_engine.vllm_config.compilation_config
+    cuda_graphs = {"cudagraph_mode": compilation.cudagraph_mode.name,
+                   "splitting_ops": list(compilation.splitting_ops or [])}
 
     reference = greedy_tokens(vanilla, prompts, args.max_tokens)
     exactness = []

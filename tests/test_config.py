@@ -134,3 +134,32 @@ def test_engine_args_on_cuda_pin_triton_moe_and_reject_other_backends(monkeypatc
             prepare_engine_args(args("flashinfer_cutlass"))
     else:
         prepare_engine_args(args("flashinfer_cutlass"))
+
+
+def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
+    """The offloaded op must never be captured: it becomes a splitting op and full
+    graphs are turned down to piecewise; without compilation, graphs are turned off;
+    eager engines are left alone."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    from vllm_specexpert.layers.routed_experts import ROUTED_EXPERTS_OP
+    from vllm_specexpert.plugins import keep_piecewise_cuda_graphs
+
+    attention = "vllm::unified_attention_with_output"
+    compiled = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                                 cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                 splitting_ops=[attention])
+    keep_piecewise_cuda_graphs(compiled)
+    assert compiled.splitting_ops == [attention, ROUTED_EXPERTS_OP]
+    assert compiled.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    keep_piecewise_cuda_graphs(compiled)  # idempotent
+    assert compiled.splitting_ops == [attention, ROUTED_EXPERTS_OP]
+
+    uncompiled = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL)
+    keep_piecewise_cuda_graphs(uncompiled)
+    assert uncompiled.cudagraph_mode == CUDAGraphMode.NONE
+
+    eager = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE,
+                              splitting_ops=[])
+    keep_piecewise_cuda_graphs(eager)
+    assert eager.splitting_ops == [] and eager.cudagraph_mode == CUDAGraphMode.NONE

@@ -138,3 +138,44 @@ def test_hits_refresh_lru_recency(tokens):
     decode = engine.stats()["layers"][name]["decode"]
     assert (decode["hits"], decode["misses"]) == (4, 4)
     engine.close()
+
+
+def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(monkeypatch):
+    # Budget 1.0: every expert sits in the slot of its own id, so a single token needs
+    # no host decision. Counted like the general path would (top-k distinct experts,
+    # all hits), exact, and without a single host read of a tensor.
+    engine, layers = make_engine(budget=1.0)
+    reads = []
+    for method in ("cpu", "numpy", "item", "tolist"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _name=method, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    for step in range(3):
+        x, w, ids = random_routing(1, 16, 4, seed=step)
+        out = engine.run(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(1))
+        assert torch.equal(out, reference_moe(x, w, ids, *layers[NAMES[0]].values()))
+    x, w, ids = random_routing(1, 16, 4, seed=7)
+    engine.run(NAMES[0], slot_kernel, x, w, ids, PassPhases.prefill_only(1))
+    assert reads == []
+    monkeypatch.undo()
+    first = engine.stats()["layers"][NAMES[0]]
+    assert (first["decode"]["calls"], first["decode"]["requests"], first["decode"]["hits"],
+            first["decode"]["misses"]) == (3, 12, 12, 0)
+    assert (first["prefill"]["calls"], first["prefill"]["hits"]) == (1, 4)
+    # An eviction ends the identity: experts 3 and 5 come back in each other's slots
+    # (two-token batches take the general path), and a single token must then find 3
+    # through the map, not in slot 3.
+    engine.layers[NAMES[0]].loader.evict(np.array([3, 5]))
+    x, w, _ = random_routing(2, 16, 4, seed=8)
+    for experts in ([5, 0, 1, 2], [3, 0, 1, 2]):
+        ids = torch.tensor([experts, experts], dtype=torch.int32)
+        engine.run(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(2))
+    assert engine.layers[NAMES[0]].cache.expert_slot[[3, 5]].tolist() == [5, 3]
+    ids = torch.tensor([[3, 6, 7, 8]], dtype=torch.int32)
+    out = engine.run(NAMES[0], slot_kernel, x[:1], w[:1], ids, PassPhases.decode_only(1))
+    assert torch.equal(out, reference_moe(x[:1], w[:1], ids, *layers[NAMES[0]].values()))
+    engine.close()

@@ -134,6 +134,10 @@ class ExpertCache:
         ``None`` where ids are mapped on the host."""
         self._map_dirty = np.zeros(num_experts, dtype=bool)
         """Experts whose ``expert_map`` entry is stale."""
+        self.identity = num_slots == num_experts
+        """Every expert resident in the slot of its own id: true from the warm start
+        when the pool holds them all (nothing can miss, so nothing is ever loaded or
+        evicted); an eviction ends it."""
 
         # Warm start: the first experts (the pinned ones for `static`) fill every slot.
         initial = np.arange(num_slots)
@@ -164,15 +168,18 @@ class ExpertCache:
         return np.flatnonzero(evictable)
 
     def kernel_routing(
-        self, topk_ids: torch.Tensor, host_ids: np.ndarray
+        self, topk_ids: torch.Tensor, host_ids: np.ndarray | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(ids, expert_map)`` for a kernel launch on the routing ``topk_ids`` (every
-        expert resident; ``host_ids``: the same ids on the host). With a device map: the
-        ids unchanged and the map, brought up to date on the current stream. Else the
-        slot indices (same shape and dtype) and ``None``."""
+        expert resident; ``host_ids``: the same ids on the host, needed only without a
+        device map or ``identity``). With a device map: the ids unchanged and the map,
+        brought up to date on the current stream. Else the slot indices (same shape and
+        dtype; the ids themselves under ``identity``) and ``None``."""
         if self.expert_map is not None:
             self.flush_map()
             return topk_ids, self.expert_map
+        if self.identity:
+            return topk_ids, None
         slots = torch.from_numpy(self.expert_slot[host_ids])
         return (slots if slots.dtype == topk_ids.dtype else slots.to(topk_ids.dtype)), None
 
@@ -234,6 +241,7 @@ class ExpertCache:
         self.slot_expert[slots] = -1
         self.protected[experts] = False
         self._map_dirty[experts] = True
+        self.identity = False
         return slots
 
     def touch(self, experts: np.ndarray) -> None:

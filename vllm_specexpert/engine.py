@@ -286,6 +286,8 @@ class OffloadEngine:
         """Routed-expert output of layer ``name`` for a pass's tokens. ``phases`` says
         which rows are decode tokens (default: all)."""
         layer = self.layers[name]
+        if x.shape[0] == 1 and layer.cache.identity and self.predictor is None:
+            return self._run_resident_token(layer, kernel, x, topk_weights, topk_ids, phases)
         if phases is None or phases.all_decode:
             return self._run_decode(layer, kernel, x, topk_weights, topk_ids)
         if phases.all_prefill:
@@ -298,6 +300,21 @@ class OffloadEngine:
             index = torch.from_numpy(rows).to(x.device)
             out[index] = run(layer, kernel, x[index], topk_weights[index], topk_ids[index])
         return out
+
+    def _run_resident_token(self, layer: OffloadedLayer, kernel: ExpertKernel,
+                            x: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor, phases: PassPhases | None) -> torch.Tensor:
+        """One token on a layer whose every expert is resident (budget 1.0), with no
+        prediction to make: nothing to decide, so nothing is read to the host. Its
+        top-k experts are distinct, all hits."""
+        phase = layer.stats.prefill if phases is not None and phases.all_prefill \
+            else layer.stats.decode
+        stats = self._count_call(layer, phase, x)
+        stats.requests += layer.top_k
+        stats.hits += layer.top_k
+        stats.kernel_calls += 1
+        kernel_ids, expert_map = layer.cache.kernel_routing(topk_ids, None)
+        return kernel(x, topk_weights, kernel_ids, layer.cache.slots, expert_map)
 
     def _run_prefill(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -64,12 +64,6 @@ def prepare_engine_args(engine_args) -> None:
     """Engine settings the offloaded layer needs, applied before the config is built."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() and not engine_args.enforce_eager:
-        # Which experts to copy is decided on the host from the router's output; a
-        # captured CUDA graph would replay one step's copies forever.
-        logger.warning("specexpert: CUDA graphs disabled (enforce_eager=True): expert "
-                       "loading is data-dependent")
-        engine_args.enforce_eager = True
     if current_platform.is_cuda_alike():
         _pin_triton_moe_backend(engine_args)
     if engine_args.worker_extension_cls in ("", None):
@@ -95,10 +89,45 @@ def _pin_triton_moe_backend(engine_args) -> None:
             "kernel, from the slot pool", "leave --moe-backend unset (auto) or set 'triton'")
 
 
+def keep_piecewise_cuda_graphs(compilation_config) -> None:
+    """Which experts to copy is decided on the host from the router's output, so the
+    offloaded op must never be captured in a CUDA graph (a replay would repeat one
+    step's copies forever). It becomes a splitting op: piecewise graphs keep
+    everything else (attention, norms, routers) captured, and the op runs eagerly
+    between them. Full graphs would capture it: they are turned down to piecewise
+    (with compilation) or off (without), with a warning."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    from vllm_specexpert.layers.routed_experts import ROUTED_EXPERTS_OP
+
+    mode = compilation_config.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if compilation_config.mode != CompilationMode.VLLM_COMPILE:
+        logger.warning("specexpert: cudagraph_mode %s -> NONE: without piecewise "
+                       "compilation a graph would capture the offloaded experts' "
+                       "data-dependent copies", mode.name)
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        return
+    if compilation_config.splitting_ops is None:
+        compilation_config.splitting_ops = []
+    if ROUTED_EXPERTS_OP not in compilation_config.splitting_ops:
+        compilation_config.splitting_ops.append(ROUTED_EXPERTS_OP)
+    if mode.has_full_cudagraphs():
+        logger.warning("specexpert: cudagraph_mode %s -> PIECEWISE: a full graph would "
+                       "capture the offloaded experts' data-dependent copies", mode.name)
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
 def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
-    """Model-dependent checks, in the process that builds the engine config."""
+    """Model-dependent checks, in the process that builds the engine config, and the
+    CUDA-graph settings the offloaded op needs."""
+    from vllm.platforms import current_platform
+
     from vllm_specexpert.architectures import check_supported, moe_shape
 
+    if not current_platform.is_cpu():
+        keep_piecewise_cuda_graphs(vllm_config.compilation_config)
     check_supported(vllm_config)
     model_config = vllm_config.model_config
     shape = moe_shape(model_config.hf_config)

@@ -151,9 +151,12 @@ class OffloadedRoutedExperts(RoutedExperts):
     ):
         # Shared experts only reach the kernel with EP prepare/finalize (async), which
         # check_layer_supported rejects; the runner runs them itself otherwise.
-        return torch.ops.specexpert.routed_experts(
-            x, topk_weights, topk_ids, self._context_key
-        )
+        # The output buffer is allocated here, outside the op: on CUDA the op is a
+        # splitting op between piecewise CUDA graphs, and the next graph reads the
+        # address it was captured with.
+        out = torch.empty_like(x)
+        torch.ops.specexpert.routed_experts(x, topk_weights, topk_ids, out, self._context_key)
+        return out
 
     def run_from_cache(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -260,24 +263,30 @@ def _layer_index(layer_name: str) -> int:
 
 # ------------------------------------------------------------------ custom op
 
+ROUTED_EXPERTS_OP = "specexpert::routed_experts"
+"""The op's qualified name (a CUDA-graph splitting op, see ``plugins``)."""
+
+
 def _routed_experts_impl(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: str
-) -> torch.Tensor:
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+    layer_key: str,
+) -> None:
     layer = get_forward_context().no_compile_layers[layer_key]
-    return layer.run_from_cache(x, topk_weights, topk_ids)
+    out.copy_(layer.run_from_cache(x, topk_weights, topk_ids))
 
 
 def _routed_experts_fake(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: str
-) -> torch.Tensor:
-    return torch.empty_like(x)
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+    layer_key: str,
+) -> None:
+    return None
 
 
 _LIBRARY = torch.library.Library("specexpert", "FRAGMENT")
 direct_register_custom_op(
     "routed_experts",
     _routed_experts_impl,
-    mutates_args=[],
+    mutates_args=["out"],
     fake_impl=_routed_experts_fake,
     target_lib=_LIBRARY,
 )
