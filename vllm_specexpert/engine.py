@@ -175,9 +175,22 @@ class OffloadEngine:
             f"{'/'.join(map(str, experts))} experts resident per layer; slow tier "
             f"{self.store.nbytes / 1e9:.3f} GB on the host"
             f"{' (pinned)' if self.store.pin_memory else ''}; miss_policy {config.miss_policy} "
-            f"({self.miss_policy.output}), predictor {config.predictor}, cache {config.cache}"
+            f"({self.output}), predictor {config.predictor}, cache {config.cache}"
             f"{modeled}"
         )
+
+    @property
+    def output(self) -> str:
+        """What the running mode does to the model's output (see ``MissPolicy.output``).
+        On CUDA an ``exact`` policy is reported ``equivalent``: the router's ids reach
+        vLLM's Triton kernel unchanged, with vanilla's tile config for the whole call,
+        so each token's sums run in vanilla's order as long as a GEMM row does not
+        depend on the other rows of its tile (no split-K in fused MoE), but that has
+        not been checked on a GPU (``make gpu-check`` compares greedy outputs)."""
+        output = self.miss_policy.output
+        if output == "exact" and self.device.type != "cpu":
+            return "equivalent"
+        return output
 
     def _check_runnable(self, config: SpecExpertConfig) -> None:
         """Raise a config error when ``config`` needs what the loaded layers lack."""
@@ -421,8 +434,8 @@ class OffloadEngine:
                 "device": str(self.device),
                 "miss_policy": self.miss_policy.name,
                 "predictor": self.config.predictor,
-                "output": self.miss_policy.output,
-                "exact": self.miss_policy.output == "exact",
+                "output": self.output,
+                "exact": self.output == "exact",
                 "config": self.config.to_dict(),
                 "summary": self.summary(),
                 "decode_tokens": first.decode.tokens,

@@ -71,6 +71,11 @@ class ExpertStore:
         return sum(layer.nbytes for layer in self.layers.values())
 
 
+CUDA_HOST_REGISTER_PORTABLE = 0x01
+CUDA_HOST_REGISTER_MAPPED = 0x02
+"""``cudaHostRegister`` flags (CUDA runtime API)."""
+
+
 def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
     """Page-lock ``tensor``'s host memory where it is (``cudaHostRegister``), so that copies
     from it are asynchronous DMA, without ``Tensor.pin_memory()``'s second copy of the
@@ -79,7 +84,10 @@ def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return tensor
-    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    # Portable: usable from every device's context; mapped: a device pointer exists
+    # for it (the UVA view that copy_experts reads).
+    error = torch.cuda.cudart().cudaHostRegister(
+        tensor.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
     if int(error) != 0:
         return tensor.pin_memory()
     return tensor

@@ -2,15 +2,18 @@
 
 The id -> slot map (``int32 [E]``, -1 where an expert is not resident) is what the fused
 MoE kernel reads as ``expert_map``. It lives on the device and is changed only by
-:func:`update_slot_map`, enqueued on the copy stream right after the copies it
-announces, so a kernel ordered after those copies (by their event) sees the map and the
-bytes together, and no host read of the map is ever needed.
+:func:`update_slot_map`, enqueued on the compute stream right before the layer's next
+kernel, after that stream waited for the copies the kernel uses (see
+:class:`~vllm_specexpert.cache.ExpertCache`): the kernel sees the map and the bytes
+together, and no host read of the map is ever needed.
 
 :func:`copy_experts` moves any number of experts in one launch: every program copies one
 block of one expert's row from the slow tier into its slot, for all weight tensors of
 the layer at once. On CUDA the slow tier is pinned host memory seen through a UVA
 device view, so the copy runs on the SMs of the stream it is launched on (not on the
-copy engine): one launch instead of one ``cudaMemcpyAsync`` per expert and tensor.
+copy engine): one launch instead of one ``cudaMemcpyAsync`` per expert and tensor. The
+price is a few SMs taken from the compute while a copy runs; the copy engine would
+leave them alone but costs a call per tensor (a choice to revisit with GPU numbers).
 """
 
 from __future__ import annotations
