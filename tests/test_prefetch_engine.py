@@ -269,7 +269,7 @@ def test_a_decode_layer_call_reads_the_device_once(toy, monkeypatch):
     # The packed reader (the CUDA path) run on the CPU: router ids, the prediction for
     # the next layer and its weights must come back in one read, with misses, hits and
     # prefetches along the way.
-    from vllm_specexpert.readback import HostReader
+    from vllm_specexpert.staging import HostReader
 
     engine = make_engine(toy, budget=0.5, predictor="router")
     engine.reader = HostReader(torch.device("cpu"), packed=True)

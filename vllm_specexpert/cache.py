@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specexpert.staging import upload
 from vllm_specexpert.store import LayerExperts
 from vllm_specexpert.transfer import ExpertCopy
 
@@ -190,11 +191,11 @@ class ExpertCache:
         if not len(changed):
             return
         self._map_dirty[changed] = False
-        update = torch.from_numpy(np.stack([changed, self.expert_slot[changed]]).astype(np.int32))
+        update = upload(np.stack([changed, self.expert_slot[changed]]).astype(np.int32),
+                        self.device)
         if self.device.type == "cuda":
             from vllm_specexpert.triton_kernels.slots import update_slot_map
 
-            update = update.pin_memory().to(self.device, non_blocking=True)
             update_slot_map(self.expert_map, update[0], update[1])
         else:  # the device-map path exercised on the CPU (tests)
             self.expert_map[update[0].long()] = update[1]

@@ -48,7 +48,7 @@ from vllm_specexpert.predict import (
     RouterPredictor,
     worth_threshold,
 )
-from vllm_specexpert.readback import HostReader
+from vllm_specexpert.staging import HostReader, upload
 from vllm_specexpert.stats import LayerStats, PhaseStats, StatsWriter
 from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import make_link
@@ -310,7 +310,7 @@ class OffloadEngine:
         out = torch.empty_like(x)
         for rows, run in ((phases.decode, self._run_decode),
                           (phases.prefill, self._run_prefill)):
-            index = torch.from_numpy(rows).to(x.device)
+            index = upload(rows, x.device)
             out[index] = run(layer, kernel, x[index], topk_weights[index], topk_ids[index])
         return out
 

@@ -417,8 +417,9 @@ class CudaLink(Link):
             return
         from vllm_specexpert.triton_kernels.slots import copy_experts
 
-        index = torch.from_numpy(np.stack([copy.experts, copy.slots]).astype(np.int32))
-        index = index.pin_memory().to(self.device, non_blocking=True)
+        from vllm_specexpert.staging import upload
+
+        index = upload(np.stack([copy.experts, copy.slots]).astype(np.int32), self.device)
         copy_experts(tuple(self._device_view(t) for t in copy.sources.values()),
                      tuple(copy.destinations[k] for k in copy.sources), index[0], index[1])
 

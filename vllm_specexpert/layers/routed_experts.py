@@ -92,10 +92,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
         config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
-        self._tile_configs: dict[int, dict] = {}
-        """Token count -> vanilla's Triton tile config (CUDA, see _vanilla_tile_config)."""
-        self._call_tokens = 0
-        """Tokens of the running layer call (token groups launch on fewer)."""
+        self._tiles = _TileConfigs()
         self.engine = engine_for(vllm_config, config)
         self.layer_index = _layer_index(layer_name)
         self._context_key = layer_name + FORWARD_CONTEXT_SUFFIX
@@ -161,7 +158,7 @@ class OffloadedRoutedExperts(RoutedExperts):
     def run_from_cache(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        self._call_tokens = x.shape[0]
+        self._tiles.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
         return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
                                current_phases(x.shape[0]))
 
@@ -209,8 +206,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         from vllm.model_executor.layers.fused_moe import override_config
         from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
-        tokens = max(self._call_tokens, x.shape[0])
-        configs = self._tile_configs
+        tokens = max(self._tiles.call_tokens, x.shape[0])
+        configs = self._tiles.configs
         config = configs.get(tokens)
         if config is None:
             config = configs[tokens] = try_get_optimal_moe_config(
@@ -251,6 +248,15 @@ class OffloadedRoutedExperts(RoutedExperts):
             )
             self._direct = impl.fused_experts if direct else None
         return self._direct
+
+
+class _TileConfigs:
+    """Per layer: vanilla's Triton tile configs by token count (CUDA), and the token
+    count of the running call (token groups launch on fewer, with the call's config)."""
+
+    def __init__(self) -> None:
+        self.configs: dict[int, dict] = {}
+        self.call_tokens = 0
 
 
 _NO_WORKSPACE = torch.empty(0)

@@ -25,6 +25,7 @@ import torch
 from vllm_specexpert.cache import ExpertCache
 from vllm_specexpert.loader import ExpertLoader
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.staging import upload
 
 ExpertKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None],
@@ -109,14 +110,14 @@ def _execute_plan(
     stats.misses += len(unloaded)
 
     weights = topk_weights
-    device_mask = torch.from_numpy(on_device).to(x.device)
+    device_mask = upload(on_device, x.device)
     if plan.renormalize:
         kept = torch.where(device_mask, weights, 0.0).sum(-1, keepdim=True)
         weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
     started_at = time.perf_counter()
     host_job = context.host.stage(x, topk_weights, ids, on_host) if on_host.any() else None
     if on_device.all():
-        new_ids = torch.from_numpy(plan.topk_ids).to(topk_ids.device, topk_ids.dtype)
+        new_ids = upload(plan.topk_ids, x.device).to(topk_ids.dtype)
         out = run_on_device(loader, kernel, x, weights, new_ids, plan.topk_ids, before_kernel)
     else:
         # Masked entries point at one of their token's device experts, weight 0: the
@@ -127,11 +128,11 @@ def _execute_plan(
         device_ids = np.where(mask, plan.topk_ids[rows], first[:, None])
         out = torch.zeros_like(x)
         if len(rows):
-            index = torch.from_numpy(rows).to(x.device)
+            index = upload(rows, x.device)
             out[index] = run_on_device(
                 loader, kernel, x[index],
                 torch.where(device_mask[index], weights[index], 0.0),
-                torch.from_numpy(device_ids).to(topk_ids.device, topk_ids.dtype),
+                upload(device_ids, x.device).to(topk_ids.dtype),
                 device_ids, before_kernel,
             )
         elif before_kernel is not None:
@@ -194,7 +195,7 @@ def run_on_device(
         if before_kernel is not None:
             before_kernel()
             before_kernel = None
-        index = torch.from_numpy(ready).to(x.device)
+        index = upload(ready, x.device)
         out[index] = _launch(loader, kernel, x[index], topk_weights[index], topk_ids[index],
                              ids[ready], np.unique(ids[ready]))
         remaining = np.setdiff1d(remaining, ready, assume_unique=True)

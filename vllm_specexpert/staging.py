@@ -1,11 +1,16 @@
-"""One device->host read for everything a layer call decides on.
+"""Host <-> device staging on the decode path: one read back, uploads that do not block.
 
+**Reads.** 
 The host decides which experts to copy, so a decode layer call must see the router's
 ids (and the prediction for the next layer) on the host. On CUDA every separate
 ``.cpu()`` is a synchronization with the compute stream; :class:`HostReader` packs the
 tensors of one call into a single byte buffer on the device, copies it into pinned host
 memory with one copy, and waits for that copy's event once. On the CPU build the tensors
 already are host memory and are returned as numpy views.
+
+**Uploads.** Index arrays the host computed (token rows, masks, slot numbers) go to the
+device with :func:`upload`: through pinned memory and ``non_blocking`` on CUDA, since a
+copy from pageable memory makes the host wait for the stream to drain.
 """
 
 from __future__ import annotations
@@ -60,3 +65,13 @@ class HostReader:
             self._buffer = torch.empty(size, dtype=torch.uint8,
                                        pin_memory=self._event is not None)
         return self._buffer
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` as a tensor on ``device``: no copy on the CPU; on CUDA staged in pinned
+    memory (PyTorch's host allocator keeps the block until the copy has run) and copied
+    without blocking the host."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
