@@ -84,10 +84,12 @@ def save(out: Path, calibration: Calibration) -> None:
     (out / "manifest.json").write_text(json.dumps(calibration.manifest, indent=1))
 
 
-def check_matches_model(manifest: dict, model: str, hf_config=None) -> None:
-    """Raise a ``calibration`` config error unless ``manifest`` was made for ``model``
-    (a local directory: router weights compared by hash; otherwise the shapes in
-    ``hf_config`` only)."""
+def check_matches_model(manifest: dict, model: str, hf_config=None, field: str = "calibration",
+                        fix: str | None = None) -> None:
+    """Raise a config error naming ``field`` unless ``manifest`` (of a calibration, or
+    any artifact that carries ``model_fingerprint``) was made for ``model`` (a local
+    directory: router weights compared by hash; otherwise the shapes in ``hf_config``
+    only)."""
     made_for = manifest.get("model_fingerprint", {})
     if Path(model, "config.json").exists():
         actual = model_fingerprint(model)
@@ -99,10 +101,10 @@ def check_matches_model(manifest: dict, model: str, hf_config=None) -> None:
     different = sorted(k for k in actual if actual[k] != made_for.get(k))
     if different:
         raise SpecExpertConfigError(
-            "calibration",
+            field,
             f"made for another model (differs in {', '.join(different)}; made for "
             f"{manifest.get('model', '?')})",
-            f"run `specexpert calibrate {model} --out DIR` and point 'calibration' at DIR",
+            fix or f"run `specexpert calibrate {model} --out DIR` and point '{field}' at DIR",
         )
 
 

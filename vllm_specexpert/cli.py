@@ -80,13 +80,15 @@ def main(argv: list[str] | None = None) -> None:
         capture,
         corpus,
         demo,
+        eval_path,
         fixtures,
+        train_path,
         train_tiny,
     )
 
     tools = {"demo": demo, "corpus": corpus, "build-fixtures": fixtures,
              "train-tiny": train_tiny, "capture": capture, "calibrate": calibrate,
-             "analyze": analyze}
+             "analyze": analyze, "train-path": train_path, "eval-path": eval_path}
     for name, module in tools.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
 

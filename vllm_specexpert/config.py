@@ -145,6 +145,12 @@ class SpecExpertConfig:
     """Directory written by ``specexpert calibrate`` for this model (default vectors,
     routing counts, co-activation). Required by ``predictor: quasi_hidden``."""
 
+    path_predictor: str | None = None
+    """Directory written by ``specexpert train-path`` for this model: the routing-path
+    predictor (ExpertFlow §3.2), every MoE layer's experts of a token from its last
+    token ids. Loaded and checked against the model at engine start; it feeds the token
+    scheduler and the ``plec`` cache (being built: until then it is only validated)."""
+
     exact_layers: tuple[int, ...] | None = None
     """Decoder-layer indices that always run their router's experts under
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
@@ -208,6 +214,9 @@ class SpecExpertConfig:
         if "calibration" in raw:
             kwargs["calibration"] = _parse_optional_path("calibration", raw["calibration"],
                                                          'e.g. "calibration": "/path/to/calib"')
+        if "path_predictor" in raw:
+            kwargs["path_predictor"] = _parse_optional_path(
+                "path_predictor", raw["path_predictor"], 'e.g. "path_predictor": "/path/to/rpp"')
         if "exact_layers" in raw:
             kwargs["exact_layers"] = _parse_layers("exact_layers", raw["exact_layers"])
         if "admit_host_experts" in raw:

@@ -137,3 +137,8 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
         load_calibration(config.calibration, model=model_config.model,
                          hf_config=model_config.hf_config)
+    if config.path_predictor is not None:
+        from vllm_specexpert.predict.path import load_path_predictor
+
+        load_path_predictor(config.path_predictor, model=model_config.model,
+                            hf_config=model_config.hf_config)

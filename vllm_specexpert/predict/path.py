@@ -1,0 +1,144 @@
+"""Routing-path predictor (RPP, ExpertFlow §3.2): one token's experts in every MoE layer
+at once, from the sequence's token ids alone.
+
+ExpertFlow uses a T5-style encoder-decoder over the whole input with one head per MoE
+layer. Here the predictor must run at every decode step for every running sequence, in
+the scheduler process, where only token ids are known; so it is a window model instead:
+
+    ids[t-W+1 .. t]  ->  embeddings, concatenated  ->  MLP  ->  [L, E] logits
+
+* The cost is one small batched GEMV chain per step, independent of context length
+  (an encoder re-run over a growing context is not), and it keeps no per-request state:
+  nothing to carry across steps, preemption or recomputation, nothing to free.
+* The signal it keeps is the one routers mostly use in small MoEs: the token itself and
+  its immediate context (``specexpert eval-path`` compares it with the paper's
+  baselines and with next-layer prediction on held-out text).
+
+Positions before a sequence's first token are padded with id ``vocab_size``. Trained
+with the paper's binary cross-entropy over the ``[L, E]`` routing matrix
+(``specexpert train-path``). Artifacts: ``path_predictor.safetensors`` and
+``manifest.json`` (format, the model's fingerprint, shapes), refused at engine start
+when made for another model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm_specexpert.config import SpecExpertConfigError
+
+FORMAT = "specexpert-path-predictor/1"
+WEIGHTS_FILE = "path_predictor.safetensors"
+
+
+@dataclass
+class PathPredictorShape:
+    """What the network looks like (all in the manifest)."""
+
+    vocab_size: int
+    num_layers: int
+    """MoE layers L."""
+    num_experts: int
+    """Routed experts per layer E."""
+    top_k: int
+    window: int = 8
+    """Token ids it reads: the token about to be decoded and ``window - 1`` before it."""
+    embed_dim: int = 48
+    hidden: int = 512
+
+
+class RoutingPathPredictor(nn.Module):
+    """``[B, W]`` token ids -> ``[B, L, E]`` routing logits (see module doc)."""
+
+    def __init__(self, shape: PathPredictorShape):
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(shape.vocab_size + 1, shape.embed_dim)  # + padding id
+        self.mlp = nn.Sequential(
+            nn.Linear(shape.window * shape.embed_dim, shape.hidden),
+            nn.GELU(),
+            nn.Linear(shape.hidden, shape.hidden),
+            nn.GELU(),
+            nn.Linear(shape.hidden, shape.num_layers * shape.num_experts),
+        )
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        shape = self.shape
+        h = self.embed(windows).flatten(1)
+        return self.mlp(h).view(-1, shape.num_layers, shape.num_experts)
+
+    @torch.no_grad()
+    def predict_topk(self, windows: torch.Tensor) -> torch.Tensor:
+        """``[B, L, K]`` the K most likely experts of every layer, per window."""
+        return self.forward(windows).topk(self.shape.top_k, dim=-1).indices
+
+    def windows_of(self, sequences: list[list[int]]) -> torch.Tensor:
+        """``[B, W]`` the last ``window`` ids of each sequence, left-padded."""
+        w, pad = self.shape.window, self.shape.vocab_size
+        out = np.full((len(sequences), w), pad, dtype=np.int64)
+        for row, ids in enumerate(sequences):
+            tail = ids[-w:]
+            if tail:
+                out[row, w - len(tail):] = tail
+        return torch.from_numpy(out)
+
+
+def sliding_windows(token_ids: torch.Tensor, window: int, pad: int) -> torch.Tensor:
+    """``[T, window]``: for each position t of one sequence, ids ``t-window+1 .. t``,
+    left-padded with ``pad`` before the sequence starts."""
+    padded = torch.cat([torch.full((window - 1,), pad, dtype=token_ids.dtype), token_ids])
+    return padded.unfold(0, window, 1)
+
+
+def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(out / WEIGHTS_FILE))
+    (out / "manifest.json").write_text(json.dumps(
+        {"format": FORMAT, "shape": asdict(model.shape), **manifest}, indent=1))
+
+
+def load_path_predictor(path: str | Path, model: str | None = None,
+                        hf_config=None) -> RoutingPathPredictor:
+    """Read a ``train-path`` directory, checking it against ``model`` if given (one
+    config error naming ``path_predictor`` for anything wrong with it)."""
+    from safetensors.torch import load_file
+
+    from vllm_specexpert.calibration import check_matches_model
+
+    path = Path(path)
+    fix = "create one with `specexpert train-path MODEL --out DIR`"
+    manifest_path = path / "manifest.json"
+    if not manifest_path.exists() or not (path / WEIGHTS_FILE).exists():
+        raise SpecExpertConfigError(
+            "path_predictor", f"{path} is not a path-predictor directory (no manifest.json "
+            f"or {WEIGHTS_FILE})", fix)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+        shape = PathPredictorShape(**manifest["shape"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SpecExpertConfigError("path_predictor", f"{manifest_path}: {exc}", fix) from None
+    if model is not None:
+        check_matches_model(manifest, model, hf_config, field="path_predictor",
+                            fix=f"run `specexpert train-path {model} --out DIR`")
+    predictor = RoutingPathPredictor(shape)
+    try:
+        state = load_file(str(path / WEIGHTS_FILE))
+        predictor.load_state_dict(state)
+    except Exception as exc:  # truncated file, missing or misshapen tensors
+        raise SpecExpertConfigError(
+            "path_predictor", f"{path / WEIGHTS_FILE}: {str(exc).splitlines()[0]}", fix) from None
+    if not all(torch.isfinite(t).all() for t in state.values()):
+        raise SpecExpertConfigError("path_predictor", f"{path / WEIGHTS_FILE}: non-finite "
+                                    "weights", fix)
+    return predictor.eval()
