@@ -163,3 +163,31 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
                               splitting_ops=[])
     keep_piecewise_cuda_graphs(eager)
     assert eager.splitting_ops == [] and eager.cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_token_scheduler_settings():
+    from types import SimpleNamespace
+
+    from vllm_specexpert.plugins import prepare_engine_args
+    from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
+
+    config = SpecExpertConfig.from_dict({"path_predictor": "/rpp", "token_scheduler": {}})
+    assert (config.token_scheduler.group_size, config.token_scheduler.max_wait_steps) == (8, 4)
+    assert SpecExpertConfig.from_dict({"token_scheduler": None}).token_scheduler is None
+    bad = [({"token_scheduler": {}}, "path_predictor"),
+           ({"path_predictor": "/rpp", "token_scheduler": {"group_size": 0}},
+            "token_scheduler.group_size"),
+           ({"path_predictor": "/rpp", "token_scheduler": {"max_wait_steps": 2.5}},
+            "token_scheduler.max_wait_steps"),
+           ({"path_predictor": "/rpp", "token_scheduler": {"group": 4}}, "token_scheduler.group"),
+           ({"path_predictor": "/rpp", "token_scheduler": []}, "token_scheduler")]
+    for raw, field_name in bad:
+        with pytest.raises(SpecExpertConfigError, match=f"field '{field_name}'"):
+            SpecExpertConfig.from_dict(raw)
+
+    args = SimpleNamespace(moe_backend="auto", worker_extension_cls="", scheduler_cls=None)
+    prepare_engine_args(args, config)
+    assert args.scheduler_cls == SCHEDULER_CLS
+    taken = SimpleNamespace(moe_backend="auto", worker_extension_cls="", scheduler_cls="my.Sched")
+    with pytest.raises(SpecExpertConfigError, match="field 'token_scheduler'.*scheduler_cls"):
+        prepare_engine_args(taken, config)

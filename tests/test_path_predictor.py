@@ -113,7 +113,6 @@ def test_config_key():
         SpecExpertConfig.from_dict({"path_predictor": 3})
 
 
-@pytest.mark.skipif(not SHIPPED.exists(), reason="no shipped path predictor (make path-predictor)")
 def test_shipped_predictor_beats_the_papers_baselines_on_held_out_text():
     """The gate of the shipped predictor: on held-out text it beats ExpertFlow's TLP
     and SLP baselines at batch 8 and 32. Baselines are checked against a direct count."""

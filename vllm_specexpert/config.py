@@ -65,6 +65,20 @@ class LinkConfig:
 
 
 @dataclass(frozen=True)
+class TokenSchedulerConfig:
+    """The token scheduler (ExpertFlow §3.3; ``token_scheduler: {}`` for these defaults).
+    When more decode sequences are runnable than ``group_size``, each step runs one group
+    of them whose predicted routes (``path_predictor``) overlap most; the others keep
+    their KV blocks and wait. Prefill is never held back."""
+
+    group_size: int = 8
+    """Decode sequences run per step when more are runnable (1 <= group_size <= 4096)."""
+    max_wait_steps: int = 4
+    """Consecutive steps a runnable decode sequence may be held back (0 <= n <= 1000):
+    once it has waited this long it runs in the next step's group, whatever its route."""
+
+
+@dataclass(frozen=True)
 class BuddyConfig:
     """BuddyMoE's substitution settings (``buddy``, ``auto_buddy`` and ``random`` miss
     policies; ``../shared/papers/buddymoe.txt`` §3). Defaults: the paper's best setting
@@ -151,6 +165,11 @@ class SpecExpertConfig:
     token ids. Loaded and checked against the model at engine start; it feeds the token
     scheduler and the ``plec`` cache (being built: until then it is only validated)."""
 
+    token_scheduler: TokenSchedulerConfig | None = None
+    """Group decode sequences by predicted route, one group per step (see
+    :class:`TokenSchedulerConfig`; ``{}`` for its defaults). Needs ``path_predictor``.
+    Installs the plugin's scheduler class in vLLM (``scheduler_cls``)."""
+
     exact_layers: tuple[int, ...] | None = None
     """Decoder-layer indices that always run their router's experts under
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
@@ -217,6 +236,8 @@ class SpecExpertConfig:
         if "path_predictor" in raw:
             kwargs["path_predictor"] = _parse_optional_path(
                 "path_predictor", raw["path_predictor"], 'e.g. "path_predictor": "/path/to/rpp"')
+        if raw.get("token_scheduler") is not None:
+            kwargs["token_scheduler"] = _parse_token_scheduler(raw["token_scheduler"])
         if "exact_layers" in raw:
             kwargs["exact_layers"] = _parse_layers("exact_layers", raw["exact_layers"])
         if "admit_host_experts" in raw:
@@ -258,6 +279,11 @@ class SpecExpertConfig:
                 "calibration", "predictor 'quasi_hidden' needs default vectors, and none is set",
                 "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\"",
             )
+        if self.token_scheduler is not None and self.path_predictor is None:
+            raise SpecExpertConfigError(
+                "path_predictor", "token_scheduler groups sequences by predicted route, and no "
+                "path predictor is set",
+                "run `specexpert train-path MODEL --out DIR` and set \"path_predictor\": \"DIR\"")
 
     @property
     def miss_policy_class(self):
@@ -430,6 +456,25 @@ def _parse_link(raw: Any) -> LinkConfig:
         kwargs["host_slowdown"] = _parse_number("link.host_slowdown", raw["host_slowdown"], 1.0,
                                                 inclusive=True)
     return LinkConfig(bandwidth_gbps=bandwidth, latency_us=latency, **kwargs)
+
+
+def _parse_token_scheduler(raw: Any) -> TokenSchedulerConfig:
+    if not isinstance(raw, dict):
+        raise SpecExpertConfigError(
+            "token_scheduler", f"must be an object, got {raw!r}",
+            'use {} for the defaults, or e.g. {"group_size": 8, "max_wait_steps": 4}')
+    _reject_unknown(raw, TokenSchedulerConfig, prefix="token_scheduler.")
+    kwargs = {}
+    for name, low, high in (("group_size", 1, 4096), ("max_wait_steps", 0, 1000)):
+        if name in raw:
+            value = int(_parse_number(f"token_scheduler.{name}", raw[name], low, inclusive=True,
+                                      integer=True))
+            if value > high:
+                raise SpecExpertConfigError(f"token_scheduler.{name}",
+                                            f"must be at most {high}, got {value}",
+                                            f"give a value in [{low}, {high}]")
+            kwargs[name] = value
+    return TokenSchedulerConfig(**kwargs)
 
 
 def _parse_buddy(raw: Any) -> BuddyConfig:

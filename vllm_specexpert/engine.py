@@ -259,11 +259,11 @@ class OffloadEngine:
         Everything is checked before anything changes."""
         for layer in self.layers.values():
             config.slots_per_layer(layer.cache.num_experts, layer.top_k)
-        if config.calibration != self.config.calibration:
-            raise SpecExpertConfigError(
-                "calibration", "is read when the model loads and cannot change at run time",
-                "start a new engine with the new 'calibration'",
-            )
+        for name in ("calibration", "path_predictor", "token_scheduler"):
+            if getattr(config, name) != getattr(self.config, name):
+                raise SpecExpertConfigError(
+                    name, "is read when the engine starts and cannot change at run time",
+                    f"start a new engine with the new '{name}'")
         self._check_runnable(config)
         with self._lock:
             for layer in self.layers.values():

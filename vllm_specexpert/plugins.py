@@ -50,7 +50,7 @@ def _wrap_create_engine_config() -> None:
     def create_engine_config(self, *args, **kwargs):
         config = SpecExpertConfig.from_additional_config(self.additional_config)
         if config is not None:
-            prepare_engine_args(self)
+            prepare_engine_args(self, config)
         vllm_config = original(self, *args, **kwargs)
         if config is not None:
             validate_engine_config(vllm_config, config)
@@ -60,10 +60,12 @@ def _wrap_create_engine_config() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
-def prepare_engine_args(engine_args) -> None:
+def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> None:
     """Engine settings the offloaded layer needs, applied before the config is built."""
     from vllm.platforms import current_platform
 
+    if config is not None and config.token_scheduler is not None:
+        _install_token_scheduler(engine_args)
     if current_platform.is_cuda_alike():
         _pin_triton_moe_backend(engine_args)
     if engine_args.worker_extension_cls in ("", None):
@@ -72,6 +74,20 @@ def prepare_engine_args(engine_args) -> None:
         logger.warning("specexpert: worker_extension_cls=%s is set, so the "
                        "specexpert_stats RPC is unavailable (stats_path still works)",
                        engine_args.worker_extension_cls)
+
+
+def _install_token_scheduler(engine_args) -> None:
+    """``token_scheduler`` is vLLM's scheduler class replaced by the plugin's subclass
+    (it runs in the engine-core process, where general plugins are loaded first)."""
+    from vllm_specexpert.config import SpecExpertConfigError
+    from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
+
+    current = getattr(engine_args, "scheduler_cls", None)
+    if current not in (None, SCHEDULER_CLS):
+        raise SpecExpertConfigError(
+            "token_scheduler", f"replaces vLLM's scheduler class, and scheduler_cls={current!r} "
+            "is set", "remove --scheduler-cls, or remove token_scheduler")
+    engine_args.scheduler_cls = SCHEDULER_CLS
 
 
 def _pin_triton_moe_backend(engine_args) -> None:

@@ -1,0 +1,134 @@
+"""The token scheduler (ExpertFlow §3.3) as a subclass of vLLM's V1 scheduler.
+
+Installed as ``scheduler_config.scheduler_cls`` by the plugin when
+``additional_config["specexpert"]["token_scheduler"]`` is set. It runs in the engine-core
+process, which is where the token ids are, so the routing-path predictor runs here,
+before the step's batch is formed, with no extra IPC. (In the worker, its prediction
+would come back through ``ModelRunnerOutput`` a step late under async scheduling.)
+
+Each step, before vLLM's own scheduling:
+
+1. the running requests that decode this step (their prompt is computed) are collected;
+   if there are at most ``group_size`` of them, nothing changes;
+2. else the path predictor gives each one's next-token route, all MoE layers at once,
+   as a set of (layer, expert) pairs, and :func:`~vllm_specexpert.schedule.grouping.
+   partition` splits them into groups of ``group_size`` minimizing the union of pairs per
+   group; the first group (seeded by the requests that have waited longest, and holding
+   every request that has waited ``max_wait_steps``) runs;
+3. the others are held back for this step with vLLM's ``next_decode_eligible_step``: they
+   stay in ``running`` and keep their KV blocks.
+
+Prefill (waiting requests, prompt chunks) is never touched. Counters (steps grouped,
+sequences held, longest wait, predicted pairs, CPU seconds) are in :attr:`stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.log import init_logger
+from vllm_specexpert.predict.path import load_path_predictor
+from vllm_specexpert.schedule.grouping import partition
+
+logger = init_logger(__name__)
+
+SCHEDULER_CLS = f"{__name__}.TokenGroupScheduler"
+"""What the plugin sets as vLLM's ``scheduler_cls``."""
+
+
+@dataclass
+class TokenSchedulerStats:
+    steps: int = 0
+    """Scheduling steps seen."""
+    grouped_steps: int = 0
+    """Steps with more runnable decode sequences than ``group_size`` (one group ran)."""
+    held: int = 0
+    """Sequence-steps held back (a sequence held for 3 steps counts 3)."""
+    max_waited: int = 0
+    """Longest run of consecutive steps any sequence was held back."""
+    pairs_run: int = 0
+    """Predicted distinct (layer, expert) pairs of the groups that ran, summed over
+    grouped steps."""
+    pairs_all: int = 0
+    """Predicted distinct pairs had all runnable decode sequences run, same steps."""
+    cpu_s: float = 0.0
+    """Seconds spent predicting and grouping."""
+    max_step_cpu_s: float = 0.0
+    """Longest of those per step."""
+
+
+class TokenGroupScheduler(Scheduler):
+    """vLLM's scheduler running decode sequences in route-consolidated groups."""
+
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
+        self.settings = config.token_scheduler
+        self.path_predictor = load_path_predictor(config.path_predictor)
+        self.waited: dict[str, int] = {}
+        """Request id -> consecutive steps held back so far."""
+        self.stats = TokenSchedulerStats()
+        logger.info("specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
+                    self.settings.group_size, self.settings.max_wait_steps)
+
+    def schedule(self, *args, **kwargs):
+        started = time.perf_counter()
+        self.stats.steps += 1
+        self._hold_back_all_but_one_group()
+        elapsed = time.perf_counter() - started
+        self.stats.cpu_s += elapsed
+        self.stats.max_step_cpu_s = max(self.stats.max_step_cpu_s, elapsed)
+        return super().schedule(*args, **kwargs)
+
+    def token_scheduler_stats(self) -> dict:
+        return asdict(self.stats)
+
+    def _decoding(self) -> list:
+        """Running requests whose next step is a one-token decode (prompt computed,
+        and not held back already by someone else)."""
+        step = self.current_step + 1  # schedule() increments it first
+        return [r for r in self.running
+                if r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
+                and r.next_decode_eligible_step <= step]
+
+    def _hold_back_all_but_one_group(self) -> None:
+        settings = self.settings
+        decoding = self._decoding()
+        live = {r.request_id for r in decoding}
+        self.waited = {k: v for k, v in self.waited.items() if k in live}
+        if len(decoding) <= settings.group_size:
+            for request in decoding:
+                self.waited.pop(request.request_id, None)
+            return
+        self.stats.grouped_steps += 1
+        predictor = self.path_predictor
+        windows = predictor.windows_of([r.all_token_ids[-predictor.shape.window:]
+                                        for r in decoding])
+        ids = predictor.predict_topk(windows)  # [N, L, K]
+        shape = predictor.shape
+        routes = torch.zeros(len(decoding), shape.num_layers, shape.num_experts, dtype=torch.bool)
+        routes.scatter_(-1, ids, True)
+        routes = routes.flatten(1).numpy()
+        waited = np.array([self.waited.get(r.request_id, 0) for r in decoding], dtype=np.int64)
+        groups = partition(routes, settings.group_size, priority=waited,
+                           required=waited >= settings.max_wait_steps)
+        run = np.zeros(len(decoding), dtype=bool)
+        run[groups[0]] = True
+        self.stats.pairs_run += int(routes[run].any(0).sum())
+        self.stats.pairs_all += int(routes.any(0).sum())
+        hold_until = self.current_step + 2  # skipped by the coming schedule() only
+        for request, runs, wait in zip(decoding, run, waited):
+            if runs:
+                self.waited.pop(request.request_id, None)
+                continue
+            request.next_decode_eligible_step = max(request.next_decode_eligible_step,
+                                                    hold_until)
+            self.waited[request.request_id] = int(wait) + 1
+            self.stats.held += 1
+            self.stats.max_waited = max(self.stats.max_waited, int(wait) + 1)
