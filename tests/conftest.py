@@ -18,3 +18,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Triton-interpreter tests need TRITON_INTERPRET=1 from the start of their process;
 # tests/test_triton_kernels.py runs them in a subprocess.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Names of the host reads of tensors (``.cpu/.numpy/.item/.tolist``) made from now
+    on; on CUDA each one would synchronize with the compute stream. Clear it to count
+    from a later point."""
+    import torch
+
+    reads: list[str] = []
+    for method in ("cpu", "numpy", "item", "tolist"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _name=method, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    return reads
