@@ -18,7 +18,10 @@ the token scheduler. (The predictive cache, ``plec``, is not built yet.)
 Reports per run: output tok/s (prefill included, as ``vllm bench throughput``), decode
 steps, distinct (layer, expert) pairs requested per decode step, MB moved per decode
 token, decode hit rate, and p50/p99 of the per-request TPOT (vLLM's request
-timestamps). Writes ``benchmarks/results/batched.json`` and ``batched.png``.
+timestamps). For the cache question it also reports the pairs a step needs and a floor
+on the loads any cache policy needs to serve them, ``max(0, needed - total slots)`` per
+step: how much a predictive cache (ExpertFlow's PLEC) could save at most against LRU.
+Writes ``benchmarks/results/batched.json`` and ``batched.png``.
 """
 
 from __future__ import annotations
@@ -77,10 +80,21 @@ def cache_figures(llm) -> dict:
     first = next(iter(stats["layers"].values()))["decode"]
     tokens = max(stats["decode_tokens"], 1)
     steps = max(first["calls"], 1)
+    slots = sum(stats["slots_per_layer"].values())
+    expert_mb = next(iter(stats["expert_bytes"].values())) / 1e6
+    needed = total["experts_needed"] / steps
+    # No cache policy that runs the router's experts can load fewer than this per step
+    # on average: a step needs `needed` (layer, expert) pairs, at most `slots` of them
+    # can be resident from before, and max(0, x - S) is convex (Jensen).
+    floor = max(0.0, needed - slots)
     return {
         "decode_steps": first["calls"],
         "pairs_per_step": total["requests"] / steps,
+        "needed_per_step": needed,
+        "loads_per_step": total["loads"] / steps,
+        "min_loads_per_step": floor,
         "mb_per_token": total["bytes_loaded"] / tokens / 1e6,
+        "min_mb_per_token": floor * expert_mb * steps / tokens,
         "hit_rate": total["hit_rate"],
         "host_entries_per_token": total["host_entries"] / tokens,
     }
@@ -103,6 +117,10 @@ def plot(result: dict, path: Path, title: str) -> None:
             if mode != "vanilla":
                 axes[1][col].plot([r["batch"] for r in mine], [r["mb_per_token"] for r in mine],
                                   marker="o", label=mode)
+            if mode == "fetch":
+                axes[1][col].plot([r["batch"] for r in mine],
+                                  [r["min_mb_per_token"] for r in mine], linestyle="--",
+                                  color="black", label="floor of any cache policy (fetch)")
         axes[0][col].set(title=f"budget {budget}: output tok/s [modeled link]",
                          xlabel="concurrent sequences", xscale="log", yscale="log")
         axes[1][col].set(title=f"budget {budget}: MB moved per decode token",

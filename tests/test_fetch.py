@@ -64,6 +64,12 @@ def test_fetch_counts_a_resident_batch_as_hits():
     w = torch.full((2, 2), 0.5)
     run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
     assert (loader.stats.hits, loader.stats.misses, loader.stats.loads) == (4, 0, 0)
+    # The calls' demand: distinct experts of each routing (4, 2, 2).
+    run_layer_call(FetchPolicy(), loader, slot_kernel, x, w,
+                   torch.tensor([[0, 1], [1, 0]], dtype=torch.int32))
+    run_layer_call(FetchPolicy(), loader, slot_kernel, x[:1], w[:1],
+                   torch.tensor([[5, 9]], dtype=torch.int32))
+    assert loader.stats.experts_needed == 4 + 2 + 2
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])

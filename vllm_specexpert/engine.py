@@ -325,6 +325,7 @@ class OffloadEngine:
         stats = self._count_call(layer, phase, x)
         stats.requests += layer.top_k
         stats.hits += layer.top_k
+        stats.experts_needed += layer.top_k
         stats.kernel_calls += 1
         kernel_ids, expert_map = layer.cache.kernel_routing(topk_ids, None)
         return kernel(x, topk_weights, kernel_ids, layer.cache.slots, expert_map)

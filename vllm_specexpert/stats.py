@@ -36,6 +36,9 @@ class PhaseStats:
     """Tokens of this phase that went through the layer."""
     requests: int = 0
     """Distinct experts asked for, summed over kernel calls."""
+    experts_needed: int = 0
+    """Distinct experts the router chose per layer call (before any miss policy),
+    summed over calls: the demand a cache must meet, whatever the token groups."""
     hits: int = 0
     """Requests found resident in the device cache (experts still in flight from a
     prefetch count as hits: nothing new is loaded for them)."""

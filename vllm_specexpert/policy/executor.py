@@ -70,6 +70,7 @@ def run_layer_call(
         missing = ~loader.ready_mask()[ids]
     missed = int(np.count_nonzero(missing))
     stats.missed_entries += missed
+    stats.experts_needed += len(np.unique(ids)) if ids.shape[0] > 1 else ids.shape[1]
     if context is not None and missed:
         resident = (loader.cache.resident_mask() if policy.waits_for_copies
                     else loader.ready_mask())
