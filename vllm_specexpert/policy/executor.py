@@ -216,25 +216,22 @@ def _launch(loader: ExpertLoader, kernel: ExpertKernel, x: torch.Tensor,
 
 
 def next_token_group(cache: ExpertCache, ids: np.ndarray, remaining: np.ndarray) -> np.ndarray:
-    """Tokens (indices into ``ids``) whose experts fit in the pool together, chosen
-    greedily by fewest non-resident experts. Never empty: a single token always fits
-    (slots >= top_k, and pinned experts leave top_k slots free)."""
+    """Tokens (indices into ``ids``) whose experts fit in the pool together: candidates
+    sorted by fewest non-resident experts, and the longest prefix of them whose union of
+    experts needing a non-pinned slot fits. Vectorized: each expert's first position in
+    that order gives, by a cumulative count, the union size of every prefix. Never
+    empty: a single token always fits (slots >= top_k, and pinned experts leave top_k
+    slots free). The caller then adds every token the loaded experts cover."""
     resident = cache.resident_mask()
     pinned_resident = cache.policy.pinned & resident
     capacity = cache.num_slots - int(pinned_resident.sum())
     missing = (~resident[ids[remaining]]).sum(axis=1)
-    candidates = remaining[np.argsort(missing, kind="stable")]
-    group: list[int] = []
-    chosen: set[int] = set()
-    used = 0  # chosen experts that need a non-pinned slot
-    for token in candidates[: GROUP_SCAN_FACTOR * cache.num_slots]:
-        new = {int(e) for e in ids[token]} - chosen
-        extra = sum(1 for e in new if not pinned_resident[e])
-        if used + extra <= capacity:
-            group.append(int(token))
-            chosen |= new
-            used += extra
-            if used == capacity:
-                break
-    assert group, "a single token must always fit in the pool"
-    return np.asarray(group, dtype=np.int64)
+    candidates = remaining[np.argsort(missing, kind="stable")][: GROUP_SCAN_FACTOR * cache.num_slots]
+    experts = ids[candidates]                                   # [C, K]
+    position = np.broadcast_to(np.arange(len(candidates))[:, None], experts.shape)
+    counted = ~pinned_resident[experts]
+    first = np.full(cache.num_experts, len(candidates), dtype=np.int64)
+    np.minimum.at(first, experts[counted], position[counted])
+    growth = np.bincount(first[first < len(candidates)], minlength=len(candidates)).cumsum()
+    take = max(int(np.searchsorted(growth, capacity, side="right")), 1)
+    return candidates[:take]
