@@ -21,7 +21,11 @@ How the parts relate (one worker; arrows read "uses")::
       │                                ├─► policy.MissPolicy          decides about misses
       │                                │     policy.executor           carries any plan out
       │                                │     host.HostExperts          experts on the host
+      │                                ├─► staging.HostReader         one read per layer call
       │                                └─► stats.StatsWriter          stats_path, off the op
+      ├─► schedule.token_scheduler.TokenGroupScheduler  (engine-core process; replaces
+      │     vLLM's scheduler when token_scheduler is set) ──► predict.path (routes of
+      │     every running sequence) ──► schedule.grouping.partition (one group per step)
       └── config.SpecExpertConfig: every knob, validated at engine start
 
     tools/ (training, corpus, fixtures, harness, offline passes, demo) and benchmarks/
