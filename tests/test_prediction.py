@@ -10,7 +10,7 @@ import pytest
 import vllm_specexpert
 from vllm_harness import cache_invariants, greedy, make_llm, shutdown, vanilla_reference
 from vllm_specexpert import SpecExpertConfigError
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL, ensure_model, model_path
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL, TRAINED_MODEL_DIR, ensure_model, model_path
 
 BUDGET = 0.25  # a quarter of the experts of each layer
 CONFIG = json.loads((model_path(TRAINED_MODEL) / "config.json").read_text())
@@ -161,7 +161,11 @@ def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
     number (they used to switch off above 64 tokens per pass)."""
     vllm_specexpert.reconfigure(llm, predictor="quasi_hidden", miss_policy="cpu", link={},
                                 admit_host_experts=False)
-    prompts = [f"def function_{i}(value):\n    return" for i in range(96)]
+    # Different text per sequence: a decode pass then needs more experts than the 16
+    # slots (identical prompts decode identical tokens, which all route alike and may
+    # all be prefetched in time, leaving no miss for the host to take).
+    words = (TRAINED_MODEL_DIR / "heldout" / "test.txt").read_text().split()
+    prompts = [" ".join(words[i * 12:(i + 1) * 12]) for i in range(96)]
     max_tokens = 4
     outputs = greedy(llm, prompts=prompts, max_tokens=max_tokens)
     assert all(len(c.token_ids) == max_tokens for c in outputs)
@@ -172,6 +176,7 @@ def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
     assert first["calls"] == max_tokens - 1 and first["tokens"] == 96 * (max_tokens - 1)
     for layer in moe_layers_after_the_first(stats):
         assert layer["predicted"] == 96 * (max_tokens - 1) * TOP_K
+        assert layer["experts_needed"] > 3 * 16  # more distinct experts per call than slots
         assert layer["host_entries"] > 0
     total = stats["total"]
     # cpu never loads a decode miss on demand: every decode load is a prefetch.

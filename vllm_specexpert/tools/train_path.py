@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--context", type=int, default=PathPredictorShape.window,
                         help="token ids the predictor reads (the current one included)")
+    parser.add_argument("--hidden", type=int, default=PathPredictorShape.hidden,
+                        help="width of the MLP's hidden layers")
+    parser.add_argument("--embed-dim", type=int, default=PathPredictorShape.embed_dim)
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the evaluation on the model's held-out text")
 
@@ -123,7 +126,8 @@ def run(args: argparse.Namespace) -> None:
                                          args.context)
     shape = PathPredictorShape(vocab_size=info["vocab_size"], num_layers=info["num_layers"],
                                num_experts=info["num_experts"], top_k=info["top_k"],
-                               window=args.context)
+                               window=args.context, embed_dim=args.embed_dim,
+                               hidden=args.hidden)
     predictor, training = train(windows, paths, shape, args.steps)
     manifest = {
         "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
