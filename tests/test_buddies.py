@@ -90,3 +90,44 @@ def test_random_baseline_picks_resident_unused_experts():
     assert replaced.tolist() == [[True, False], [True, False]]
     assert resident[new].all()
     assert all(len(set(row)) == len(row) for row in new.tolist())
+
+
+def substitute_one_token_at_a_time(ids, resident, buddies, tae, gates):
+    """Algorithm 1 written entry by entry, as the paper states it (the reference for the
+    vectorized :func:`substitute`)."""
+    ids = ids.copy()
+    replaced = np.zeros(ids.shape, dtype=bool)
+    missing = ~resident[ids]
+    requested = np.unique(ids)
+    if not missing.any() or np.count_nonzero(~resident[requested]) / len(requested) >= gates.beta:
+        return ids, replaced
+    tau = np.broadcast_to(np.asarray(gates.tau, dtype=np.float64), (ids.shape[0],))
+    for t in range(ids.shape[0]):
+        if not missing[t].any() or tae[t] <= tau[t]:
+            continue
+        used, budget = set(ids[t].tolist()), gates.rho
+        for k in np.flatnonzero(missing[t]):
+            if budget == 0:
+                break
+            for b in buddies[ids[t, k]]:
+                if b >= 0 and resident[b] and b not in used:
+                    used.add(int(b))
+                    ids[t, k], replaced[t, k] = b, True
+                    budget -= 1
+                    break
+    return ids, replaced
+
+
+def test_vectorized_substitution_matches_the_entry_by_entry_algorithm():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        num_experts, top_k, tokens = 16, 4, int(rng.integers(1, 40))
+        counts = rng.integers(0, 10, (num_experts, num_experts))
+        lists = buddy_lists(counts + counts.T, alpha=0.9, k_max=6)
+        resident = rng.random(num_experts) < 0.5
+        ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)])
+        tae = rng.random(tokens)
+        gates = BuddyGates(tau=float(rng.random() * 0.5), beta=1.01, rho=int(rng.integers(1, 4)))
+        got = substitute(ids, resident, lists, tae, gates)
+        want = substitute_one_token_at_a_time(ids, resident, lists, tae, gates)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial

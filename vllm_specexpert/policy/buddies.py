@@ -72,7 +72,12 @@ def substitute(
     """Algorithm 1 with the gates. ``topk_ids [T, K]``, ``resident [E]`` bool, ``buddies
     [E, K_max]`` (or ``None`` with ``rng`` for the paper's random baseline: any resident
     expert), ``tae [T]``. Returns the new ids and a ``[T, K]`` mask of substituted
-    entries. Entries left missing are for the fallback (fetch)."""
+    entries. Entries left missing are for the fallback (fetch).
+
+    Per token, missing entries are taken in top-k order; each takes its first candidate
+    that is resident and not yet used by the token (its own experts and earlier
+    substitutes), while the token's budget ``rho`` lasts. Tokens are independent, so the
+    work is vectorized over tokens and loops over the K positions only."""
     ids = topk_ids.copy()
     replaced = np.zeros(ids.shape, dtype=bool)
     missing = ~resident[ids]
@@ -82,22 +87,31 @@ def substitute(
     if np.count_nonzero(~resident[requested]) / len(requested) >= gates.beta:
         return ids, replaced
     tau = np.broadcast_to(np.asarray(gates.tau, dtype=np.float64), (ids.shape[0],))
+    tokens = np.flatnonzero(missing.any(axis=1) & (tae > tau))
+    if not len(tokens):
+        return ids, replaced
+    used = np.zeros((len(tokens), len(resident)), dtype=bool)
+    np.put_along_axis(used, ids[tokens], True, axis=1)
+    budget = np.full(len(tokens), gates.rho)
     resident_ids = np.flatnonzero(resident)
-    for t in np.flatnonzero(missing.any(axis=1) & (tae > tau)):
-        used = set(ids[t].tolist())
-        budget = gates.rho
-        for k in np.flatnonzero(missing[t]):
-            if budget == 0:
-                break
-            if buddies is None:
-                candidates = rng.permutation(resident_ids)
-            else:
-                candidates = buddies[ids[t, k]]
-            for b in candidates:
-                if b >= 0 and resident[b] and b not in used:
-                    used.add(int(b))
-                    ids[t, k] = b
-                    replaced[t, k] = True
-                    budget -= 1
-                    break
+    for k in range(ids.shape[1]):
+        rows = np.flatnonzero(missing[tokens, k] & (budget > 0))
+        if not len(rows):
+            continue
+        if buddies is None:
+            # The random baseline: resident experts in a fresh random order per entry.
+            order = np.argsort(rng.random((len(rows), len(resident_ids))), axis=1)
+            candidates = resident_ids[order]
+        else:
+            candidates = buddies[ids[tokens[rows], k]]            # [R, K_max], -1 padded
+        valid = candidates >= 0
+        safe = np.where(valid, candidates, 0)
+        valid &= resident[safe] & ~np.take_along_axis(used[rows], safe, axis=1)
+        found = valid.any(axis=1)
+        rows, first = rows[found], valid[found].argmax(axis=1)
+        chosen = safe[found, first]
+        ids[tokens[rows], k] = chosen
+        replaced[tokens[rows], k] = True
+        used[rows, chosen] = True
+        budget[rows] -= 1
     return ids, replaced
