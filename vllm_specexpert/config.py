@@ -162,13 +162,15 @@ class SpecExpertConfig:
     path_predictor: str | None = None
     """Directory written by ``specexpert train-path`` for this model: the routing-path
     predictor (ExpertFlow §3.2), every MoE layer's experts of a token from its last
-    token ids. Loaded and checked against the model at engine start; it feeds the token
-    scheduler and the ``plec`` cache (being built: until then it is only validated)."""
+    token ids. Checked against the model at engine start. It installs the plugin's
+    scheduler class in vLLM (``scheduler_cls``), which predicts the experts of each
+    step's decode requests and hands them to the workers: the stats then report the
+    predictor's online batch-level accuracy (``path_covered / path_needed``), and
+    ``token_scheduler`` groups sequences by them."""
 
     token_scheduler: TokenSchedulerConfig | None = None
     """Group decode sequences by predicted route, one group per step (see
-    :class:`TokenSchedulerConfig`; ``{}`` for its defaults). Needs ``path_predictor``.
-    Installs the plugin's scheduler class in vLLM (``scheduler_cls``)."""
+    :class:`TokenSchedulerConfig`; ``{}`` for its defaults). Needs ``path_predictor``."""
 
     exact_layers: tuple[int, ...] | None = None
     """Decoder-layer indices that always run their router's experts under

@@ -35,7 +35,7 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.host import HostExperts, HostKernel
 from vllm_specexpert.loader import ExpertLoader
 from vllm_specexpert.log import init_logger
-from vllm_specexpert.phases import PassPhases
+from vllm_specexpert.phases import PassPhases, StepDemand
 from vllm_specexpert.policy import ExpertKernel, MissContext, MissPolicy, run_layer_call
 from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
 from vllm_specexpert.predict import (
@@ -93,6 +93,9 @@ class OffloadEngine:
         self.link = make_link(config.link, device)
         self.reader = HostReader(device)
         """One device->host read per decode layer call (router ids + prediction)."""
+        self.step_demand: StepDemand | None = None
+        """The running step's predicted demand from the scheduler's path predictor (set
+        by the vLLM adapter per layer call; ``None`` without one)."""
         self.miss_policy: MissPolicy = config.miss_policy_class()
         self.layers: dict[str, OffloadedLayer] = {}
         self.default_vectors: dict[str, torch.Tensor] = {}
@@ -361,6 +364,11 @@ class OffloadEngine:
             upcoming.set_host(host[1], host[2])
         if prediction is not None:
             self._observe(layer, stats, prediction, host[0])
+        demand = self.step_demand
+        if demand is not None and demand.tokens == x.shape[0] and layer.index in demand.layers:
+            used = np.unique(host[0])
+            stats.path_needed += len(used)
+            stats.path_covered += int(np.count_nonzero(demand.layers[layer.index][used]))
 
         before_kernel = None
         if upcoming is not None:

@@ -64,8 +64,8 @@ def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> 
     """Engine settings the offloaded layer needs, applied before the config is built."""
     from vllm.platforms import current_platform
 
-    if config is not None and config.token_scheduler is not None:
-        _install_token_scheduler(engine_args)
+    if config is not None and config.path_predictor is not None:
+        _install_scheduler(engine_args)
     if current_platform.is_cuda_alike():
         _pin_triton_moe_backend(engine_args)
     if engine_args.worker_extension_cls in ("", None):
@@ -76,17 +76,19 @@ def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> 
                        engine_args.worker_extension_cls)
 
 
-def _install_token_scheduler(engine_args) -> None:
-    """``token_scheduler`` is vLLM's scheduler class replaced by the plugin's subclass
-    (it runs in the engine-core process, where general plugins are loaded first)."""
+def _install_scheduler(engine_args) -> None:
+    """With a ``path_predictor``, vLLM's scheduler class is replaced by the plugin's
+    subclass, which predicts each step's experts (and groups decode sequences under
+    ``token_scheduler``). It runs in the engine-core process, where general plugins are
+    loaded first."""
     from vllm_specexpert.config import SpecExpertConfigError
     from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
 
     current = getattr(engine_args, "scheduler_cls", None)
     if current not in (None, SCHEDULER_CLS):
         raise SpecExpertConfigError(
-            "token_scheduler", f"replaces vLLM's scheduler class, and scheduler_cls={current!r} "
-            "is set", "remove --scheduler-cls, or remove token_scheduler")
+            "path_predictor", f"runs in the plugin's scheduler class, and scheduler_cls="
+            f"{current!r} is set", "remove --scheduler-cls, or remove path_predictor")
     engine_args.scheduler_cls = SCHEDULER_CLS
 
 

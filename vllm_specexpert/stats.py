@@ -36,6 +36,13 @@ class PhaseStats:
     """Tokens of this phase that went through the layer."""
     requests: int = 0
     """Distinct experts asked for, summed over kernel calls."""
+    path_needed: int = 0
+    """Distinct experts of decode calls that had a step-level prediction from the path
+    predictor (``path_predictor``), summed over calls."""
+    path_covered: int = 0
+    """Of those, experts the step's prediction contained: ``path_covered / path_needed``
+    is the predictor's batch-level accuracy (ExpertFlow's B_acc) at the running batch
+    size, measured online."""
     experts_needed: int = 0
     """Distinct experts the router chose per layer call (before any miss policy),
     summed over calls: the demand a cache must meet, whatever the token groups."""

@@ -36,6 +36,7 @@ from vllm_specexpert.architectures import check_supported
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.host import GATED_ACTIVATIONS, torch_experts
+from vllm_specexpert.layers import step_demand
 from vllm_specexpert.layers.forward_phase import current_phases
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
@@ -92,6 +93,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
         config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
+        if config.path_predictor is not None:
+            step_demand.install_runner_hook()
         self._tiles = _TileConfigs()
         self.engine = engine_for(vllm_config, config)
         self.layer_index = _layer_index(layer_name)
@@ -159,6 +162,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         self._tiles.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
+        self.engine.step_demand = step_demand.current()
         return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
                                current_phases(x.shape[0]))
 

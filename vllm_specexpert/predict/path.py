@@ -56,9 +56,12 @@ class PathPredictorShape:
 class RoutingPathPredictor(nn.Module):
     """``[B, W]`` token ids -> ``[B, L, E]`` routing logits (see module doc)."""
 
-    def __init__(self, shape: PathPredictorShape):
+    def __init__(self, shape: PathPredictorShape, layer_indices: list[int] | None = None):
         super().__init__()
         self.shape = shape
+        self.layer_indices = layer_indices if layer_indices is not None else list(
+            range(shape.num_layers))
+        """The model's decoder-layer index of each predicted MoE layer."""
         self.embed = nn.Embedding(shape.vocab_size + 1, shape.embed_dim)  # + padding id
         self.mlp = nn.Sequential(
             nn.Linear(shape.window * shape.embed_dim, shape.hidden),
@@ -103,7 +106,8 @@ def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},
               str(out / WEIGHTS_FILE))
     (out / "manifest.json").write_text(json.dumps(
-        {"format": FORMAT, "shape": asdict(model.shape), **manifest}, indent=1))
+        {"format": FORMAT, "shape": asdict(model.shape),
+         "moe_layer_indices": model.layer_indices, **manifest}, indent=1))
 
 
 def load_path_predictor(path: str | Path, model: str | None = None,
@@ -126,12 +130,16 @@ def load_path_predictor(path: str | Path, model: str | None = None,
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
         shape = PathPredictorShape(**manifest["shape"])
+        layer_indices = [int(i) for i in manifest["moe_layer_indices"]]
+        if len(layer_indices) != shape.num_layers:
+            raise ValueError(f"{len(layer_indices)} moe_layer_indices for {shape.num_layers} "
+                             "predicted layers")
     except (ValueError, KeyError, TypeError) as exc:
         raise SpecExpertConfigError("path_predictor", f"{manifest_path}: {exc}", fix) from None
     if model is not None:
         check_matches_model(manifest, model, hf_config, field="path_predictor",
                             fix=f"run `specexpert train-path {model} --out DIR`")
-    predictor = RoutingPathPredictor(shape)
+    predictor = RoutingPathPredictor(shape, layer_indices)
     try:
         state = load_file(str(path / WEIGHTS_FILE))
         predictor.load_state_dict(state)

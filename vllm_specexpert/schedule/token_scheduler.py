@@ -1,10 +1,15 @@
 """The token scheduler (ExpertFlow §3.3) as a subclass of vLLM's V1 scheduler.
 
 Installed as ``scheduler_config.scheduler_cls`` by the plugin when
-``additional_config["specexpert"]["token_scheduler"]`` is set. It runs in the engine-core
+``additional_config["specexpert"]`` has a ``path_predictor``. It runs in the engine-core
 process, which is where the token ids are, so the routing-path predictor runs here,
 before the step's batch is formed, with no extra IPC. (In the worker, its prediction
 would come back through ``ModelRunnerOutput`` a step late under async scheduling.)
+
+Every step, the predicted demand of the decode requests it scheduled (per MoE layer,
+predicted tokens per expert) goes to the workers attached to vLLM's ``SchedulerOutput``
+(:mod:`vllm_specexpert.layers.step_demand`). With ``token_scheduler`` set, it also
+groups decode sequences:
 
 Each step, before vLLM's own scheduling:
 
@@ -32,6 +37,8 @@ import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.layers.step_demand import ATTRIBUTE
+from vllm_specexpert.phases import StepDemand
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.schedule.grouping import partition
@@ -74,20 +81,45 @@ class TokenGroupScheduler(Scheduler):
         self.waited: dict[str, int] = {}
         """Request id -> consecutive steps held back so far."""
         self.stats = TokenSchedulerStats()
-        logger.info("specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
-                    self.settings.group_size, self.settings.max_wait_steps)
+        if self.settings is not None:
+            logger.info("specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
+                        self.settings.group_size, self.settings.max_wait_steps)
 
     def schedule(self, *args, **kwargs):
         started = time.perf_counter()
         self.stats.steps += 1
-        self._hold_back_all_but_one_group()
+        if self.settings is not None:
+            self._hold_back_all_but_one_group()
+        output = super().schedule(*args, **kwargs)
+        self._attach_demand(output)
         elapsed = time.perf_counter() - started
         self.stats.cpu_s += elapsed
         self.stats.max_step_cpu_s = max(self.stats.max_step_cpu_s, elapsed)
-        return super().schedule(*args, **kwargs)
+        return output
 
     def token_scheduler_stats(self) -> dict:
         return asdict(self.stats)
+
+    def _predicted_routes(self, requests: list) -> torch.Tensor:
+        """``[N, L, E]`` bool: the experts the path predictor expects each request's
+        next token to activate."""
+        predictor = self.path_predictor
+        shape = predictor.shape
+        windows = predictor.windows_of([r.all_token_ids[-shape.window:] for r in requests])
+        routes = torch.zeros(len(requests), shape.num_layers, shape.num_experts, dtype=torch.bool)
+        return routes.scatter_(-1, predictor.predict_topk(windows), True)
+
+    def _attach_demand(self, output) -> None:
+        """The scheduled decode requests' predicted experts, for the workers."""
+        decoding = [self.requests[req_id] for req_id, n in output.num_scheduled_tokens.items()
+                    if n == 1 and self.requests[req_id].num_output_tokens > 0]
+        if not decoding:
+            return
+        counts = self._predicted_routes(decoding).sum(0).numpy()  # [L, E]
+        setattr(output, ATTRIBUTE, StepDemand(
+            tokens=len(decoding),
+            layers={index: counts[i]
+                    for i, index in enumerate(self.path_predictor.layer_indices)}))
 
     def _decoding(self) -> list:
         """Running requests whose next step is a one-token decode (prompt computed,
@@ -107,14 +139,7 @@ class TokenGroupScheduler(Scheduler):
                 self.waited.pop(request.request_id, None)
             return
         self.stats.grouped_steps += 1
-        predictor = self.path_predictor
-        windows = predictor.windows_of([r.all_token_ids[-predictor.shape.window:]
-                                        for r in decoding])
-        ids = predictor.predict_topk(windows)  # [N, L, K]
-        shape = predictor.shape
-        routes = torch.zeros(len(decoding), shape.num_layers, shape.num_experts, dtype=torch.bool)
-        routes.scatter_(-1, ids, True)
-        routes = routes.flatten(1).numpy()
+        routes = self._predicted_routes(decoding).flatten(1).numpy()
         waited = np.array([self.waited.get(r.request_id, 0) for r in decoding], dtype=np.int64)
         groups = partition(routes, settings.group_size, priority=waited,
                            required=waited >= settings.max_wait_steps)

@@ -129,9 +129,9 @@ def run(args: argparse.Namespace) -> None:
                                window=args.context, embed_dim=args.embed_dim,
                                hidden=args.hidden)
     predictor, training = train(windows, paths, shape, args.steps)
+    predictor.layer_indices = info["moe_layer_indices"]
     manifest = {
         "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
-        "moe_layer_indices": info["moe_layer_indices"],
         "data": {"description": description, "tokens": len(windows),
                  "sha256": info["tokens_sha256"]},
         "training": training,
