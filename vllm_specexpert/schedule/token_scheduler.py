@@ -88,6 +88,7 @@ class TokenGroupScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         started = time.perf_counter()
         self.stats.steps += 1
+        self._step_routes: dict[str, torch.Tensor] = {}
         if self.settings is not None:
             self._hold_back_all_but_one_group()
         output = super().schedule(*args, **kwargs)
@@ -102,12 +103,18 @@ class TokenGroupScheduler(Scheduler):
 
     def _predicted_routes(self, requests: list) -> torch.Tensor:
         """``[N, L, E]`` bool: the experts the path predictor expects each request's
-        next token to activate."""
+        next token to activate. Each request is predicted once per step (grouping and
+        the demand of the scheduled ones share it)."""
         predictor = self.path_predictor
         shape = predictor.shape
-        windows = predictor.windows_of([r.all_token_ids[-shape.window:] for r in requests])
-        routes = torch.zeros(len(requests), shape.num_layers, shape.num_experts, dtype=torch.bool)
-        return routes.scatter_(-1, predictor.predict_topk(windows), True)
+        new = [r for r in requests if r.request_id not in self._step_routes]
+        if new:
+            windows = predictor.windows_of([r.all_token_ids[-shape.window:] for r in new])
+            routes = torch.zeros(len(new), shape.num_layers, shape.num_experts,
+                                 dtype=torch.bool)
+            routes.scatter_(-1, predictor.predict_topk(windows), True)
+            self._step_routes.update(zip((r.request_id for r in new), routes))
+        return torch.stack([self._step_routes[r.request_id] for r in requests])
 
     def _attach_demand(self, output) -> None:
         """The scheduled decode requests' predicted experts, for the workers."""
