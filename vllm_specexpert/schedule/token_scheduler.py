@@ -65,13 +65,14 @@ class TokenSchedulerStats:
     pairs_all: int = 0
     """Predicted distinct pairs had all runnable decode sequences run, same steps."""
     cpu_s: float = 0.0
-    """Seconds spent predicting and grouping."""
+    """Seconds spent predicting and grouping (vLLM's own scheduling not included)."""
     max_step_cpu_s: float = 0.0
     """Longest of those per step."""
 
 
 class TokenGroupScheduler(Scheduler):
-    """vLLM's scheduler running decode sequences in route-consolidated groups."""
+    """vLLM's scheduler that predicts each step's experts for the workers and, under
+    ``token_scheduler``, runs decode sequences in route-consolidated groups."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
@@ -80,6 +81,8 @@ class TokenGroupScheduler(Scheduler):
         self.path_predictor = load_path_predictor(config.path_predictor)
         self.waited: dict[str, int] = {}
         """Request id -> consecutive steps held back so far."""
+        self._step_routes: dict[str, torch.Tensor] = {}
+        """Request id -> its predicted route, this step."""
         self.stats = TokenSchedulerStats()
         if self.settings is not None:
             logger.info("specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
@@ -88,14 +91,16 @@ class TokenGroupScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         started = time.perf_counter()
         self.stats.steps += 1
-        self._step_routes: dict[str, torch.Tensor] = {}
+        self._step_routes = {}
         if self.settings is not None:
             self._hold_back_all_but_one_group()
+        ours = time.perf_counter() - started
         output = super().schedule(*args, **kwargs)
+        started = time.perf_counter()
         self._attach_demand(output)
-        elapsed = time.perf_counter() - started
-        self.stats.cpu_s += elapsed
-        self.stats.max_step_cpu_s = max(self.stats.max_step_cpu_s, elapsed)
+        ours += time.perf_counter() - started
+        self.stats.cpu_s += ours
+        self.stats.max_step_cpu_s = max(self.stats.max_step_cpu_s, ours)
         return output
 
     def token_scheduler_stats(self) -> dict:
