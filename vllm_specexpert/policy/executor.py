@@ -70,7 +70,9 @@ def run_layer_call(
         missing = ~loader.ready_mask()[ids]
     missed = int(np.count_nonzero(missing))
     stats.missed_entries += missed
-    stats.experts_needed += len(np.unique(ids)) if ids.shape[0] > 1 else ids.shape[1]
+    # The call's distinct experts: computed once, counted, and reused by the fetch path.
+    needed = np.unique(ids) if ids.shape[0] > 1 else None
+    stats.experts_needed += ids.shape[1] if needed is None else len(needed)
     if context is not None and missed:
         resident = (loader.cache.resident_mask() if policy.waits_for_copies
                     else loader.ready_mask())
@@ -79,7 +81,7 @@ def run_layer_call(
             return _execute_plan(loader, kernel, x, topk_weights, topk_ids, ids, missing,
                                  plan, before_kernel, context)
     stats.fetched_entries += missed
-    return run_on_device(loader, kernel, x, topk_weights, topk_ids, ids, before_kernel)
+    return run_on_device(loader, kernel, x, topk_weights, topk_ids, ids, before_kernel, needed)
 
 
 def _execute_plan(
@@ -158,10 +160,12 @@ def run_on_device(
     topk_ids: torch.Tensor,
     ids: np.ndarray,
     before_kernel: Callable[[], None] | None = None,
+    needed: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Output of ``kernel`` for the routing ``topk_ids`` (``ids``: the same on the host),
     loading what is missing. ``before_kernel`` is called once, when the first launch's
-    experts are resident and before it starts."""
+    experts are resident and before it starts. ``needed``: ``np.unique(ids)`` if the
+    caller has it."""
     cache, stats = loader.cache, loader.stats
     if ids.shape[0] == 1 and not loader.in_flight and not loader.prefetches:
         # One token whose experts are all resident and landed (batch-1 decode hits):
@@ -174,7 +178,8 @@ def run_on_device(
             if before_kernel is not None:
                 before_kernel()
             return _launch(loader, kernel, x, topk_weights, topk_ids, ids, experts)
-    needed = np.unique(ids)
+    if needed is None:
+        needed = np.unique(ids)
     loader.begin_run(needed)
     if cache.capacity_for(needed):
         loader.acquire(needed)
