@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     greedy_tokens,
     held_out_prompts,
     held_out_windows,
+    model_of,
     teacher_forced,
     write_result,
 )
@@ -63,10 +64,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
     from vllm_specexpert.tools.teacher_forcing import TeacherForcing
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     llm = start_engine(model, {"budget": args.budget, "predictor": "quasi_hidden",
                                "calibration": calibration}, eager=True, max_model_len=512,

@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     command_line,
     held_out_prompts,
     link_like_a_gpu_box,
+    model_of,
     modeled,
     modeled_label,
     write_result,
@@ -145,9 +146,8 @@ def main() -> None:
 
     import vllm_specexpert
 
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     seqs = max(args.batches)
     prompts = held_out_prompts(seqs)
     common = dict(eager=args.eager, max_num_seqs=seqs, disable_log_stats=False)

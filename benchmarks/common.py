@@ -132,6 +132,13 @@ def link_like_a_gpu_box(vanilla, plugin, args) -> tuple[dict[str, float], float,
     return link, step, expert_bytes
 
 
+def model_of(args) -> str:
+    """``--model``, or the embedded model (built on first use)."""
+    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
+
+    return getattr(args, "model", None) or str(model_path(DEFAULT_MODEL))
+
+
 def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
     """``count`` prompts: the first ``tokens`` tokens of the corpus's validation files
     (held-out text, never trained on), longest files first."""

@@ -64,15 +64,15 @@ def main() -> None:
         default_calibration,
         greedy_tokens,
         held_out_prompts,
+        model_of,
         step_seconds,
         write_result,
     )
 
     import vllm_specexpert
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
     from vllm_specexpert.tools.harness import start_engine, stop_engine
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     prompts = held_out_prompts(16)
     vanilla = start_engine(model, None, eager=False)

@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     command_line,
     default_calibration,
     held_out_prompts,
+    model_of,
     timed_generate,
     write_result,
 )
@@ -172,9 +173,8 @@ def main() -> None:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     prompt = held_out_prompts(1)
 

@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     held_out_prompts,
     held_out_windows,
     link_like_a_gpu_box,
+    model_of,
     modeled,
     modeled_label,
     prefill_figures,
@@ -141,10 +142,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
     from vllm_specexpert.tools.teacher_forcing import TeacherForcing
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS)
     prompts = held_out_prompts(args.prompts)

@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     command_line,
     held_out_prompts,
     link_like_a_gpu_box,
+    model_of,
     modeled,
     modeled_label,
     step_seconds,
@@ -113,9 +114,8 @@ def main() -> None:
     from common import default_calibration
 
     import vllm_specexpert
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     vanilla = start_engine(model, None, eager=args.eager)
     plugin = start_engine(model, {"budget": args.budgets[0], "predictor": "quasi_hidden",

@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     decode_figures,
     default_calibration,
     emulated_link,
+    model_of,
     modeled,
     modeled_label,
     prefill_figures,
@@ -151,9 +152,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     vanilla = start_engine(model, None, eager=args.eager)
     plugin = start_engine(model, {"budget": 1.0, "calibration": calibration}, eager=args.eager)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import command_line, held_out_prompts, write_result  # noqa: E402
+from common import command_line, held_out_prompts, model_of, write_result  # noqa: E402
 
 from vllm_specexpert.tools.fixtures import ASSETS  # noqa: E402
 from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
@@ -57,9 +57,7 @@ def main() -> None:
     import os
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read the scheduler's counters
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
-
-    model = str(model_path(DEFAULT_MODEL))
+    model = model_of(args)
     prompts = held_out_prompts(args.sequences)
     common = dict(eager=args.eager, max_num_seqs=args.sequences)
     plain = start_engine(model, {"budget": 1.0}, **common)
