@@ -129,4 +129,17 @@ def test_shipped_predictor_beats_the_papers_baselines_on_held_out_text():
     # Chance at batch 1 is top_k / E per layer; every method must be well above it,
     # and the previous token's experts cannot all be right.
     assert 4 / 64 < b_acc["tlp"][1] < 0.9 and 4 / 64 < b_acc["slp"][1] < 0.9
-    assert np.isclose(b_acc["rpp"][1], np.mean(result["results"]["rpp"]["1"]["per_layer"][1:]))
+    # TLP at batch 1, counted directly from the model's routes: the share of a token's
+    # experts that the previous token of its window also used (nothing for a window's
+    # first token), over layers 1..L-1.
+    from vllm_specexpert.tools.trace import load_model, trace
+
+    model, tokenizer = load_model(TRAINED_MODEL_DIR)
+    shared, entries = 0, 0
+    for t in trace(model, tokenizer, file_documents([str(TRAINED_MODEL_DIR / "heldout" /
+                                                        "test.txt")]), 128, 3000):
+        ids = t.topk_ids[:, 1:].numpy()  # [T, L-1, K]
+        entries += ids.size
+        shared += sum(len(set(a) & set(b)) for now, before in zip(ids[1:], ids[:-1])
+                      for a, b in zip(now, before))
+    assert np.isclose(b_acc["tlp"][1], shared / entries)
