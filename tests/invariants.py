@@ -12,7 +12,9 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     number of slots whose bytes were compared. With ``settle``, first wait for every
     copy in flight, so that every resident slot is compared.
 
-    * the pool holds exactly ``num_slots`` experts per tensor (the budget);
+    * the pool holds exactly ``num_slots`` experts per tensor (the budget): the layer's
+      own, or for a shared pool the sum of every layer's share, and the layers sharing
+      it hold no more experts together;
     * the id -> slot map and the slot -> id map agree both ways: no expert sits in two
       slots, and no id maps to a freed slot or to a slot holding another expert;
     * distinct resident experts (ids the map sends to a slot) never exceed the budget;
@@ -23,10 +25,15 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     cache = loader.cache
     if settle:
         loader.wait_all()
+    budget = (sum(c.num_slots for c in cache.pool.caches) if cache.pool.shared
+              else cache.num_slots)
     for key, pool in cache.slots.items():
-        assert pool.shape[0] == cache.num_slots, (key, pool.shape, cache.num_slots)
+        assert pool.shape[0] == budget, (key, pool.shape, budget)
     mapped = np.flatnonzero(cache.expert_slot >= 0)
-    assert len(mapped) <= cache.num_slots, f"{len(mapped)} experts mapped to {cache.num_slots} slots"
+    held = sum(int(np.count_nonzero(c.expert_slot >= 0)) for c in cache.pool.caches)
+    assert held <= budget, f"{held} experts mapped to {budget} slots"
+    assert np.array_equal(np.flatnonzero(cache.pool.owner == cache.index),
+                          np.flatnonzero(cache.slot_expert >= 0)), "pool owner != slot map"
     for expert in mapped:
         slot = cache.expert_slot[expert]
         assert cache.slot_expert[slot] == expert, f"expert {expert} -> slot {slot}, which holds {cache.slot_expert[slot]}"
@@ -43,5 +50,5 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
         compared += 1
     assert set(np.flatnonzero(cache.protected).tolist()) == set(loader.prefetches)
     assert all(cache.expert_slot[e] >= 0 for e in loader.prefetches)
-    assert all(cache.slot_expert[s] >= 0 for s in loader.in_flight)
+    assert all(cache.pool.owner[s] >= 0 for s in loader.in_flight)
     return compared

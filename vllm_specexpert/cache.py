@@ -1,10 +1,16 @@
-"""ExpertCache: which of one MoE layer's routed experts sit in its device slots.
+"""ExpertCache: which of one MoE layer's routed experts sit in device slots.
 
-Residency and eviction only: a pool of exactly ``num_slots`` expert-sized slots per weight
-tensor, allocated once (so the cache can never hold more than its budget), the
-id <-> slot maps, the eviction policy, and the experts protected from eviction. Moving
-bytes into slots, and the copies still in flight, belong to
+Residency and eviction only: the id <-> slot maps, the eviction policy, and the experts
+protected from eviction. Moving bytes into slots belongs to
 :class:`~vllm_specexpert.loader.ExpertLoader`.
+
+The slots themselves are a :class:`SlotPool`: expert-sized slots, one tensor per weight
+name, allocated once at the budget, so no cache can ever hold more. Each layer has a pool
+of its own (``lru``, ``lfu``, ``static``: a fixed count per layer), or every layer shares
+one (``plec``, ExpertFlow's predictive locality-aware cache, §3.4): a layer then holds as
+many slots as its experts win, and the victim of a load may belong to another layer,
+chosen by the predicted uses still to come (:attr:`SlotPool.lookahead`), the least
+recently used first among equals.
 
 Kernels run experts from slots: :meth:`ExpertCache.kernel_routing` gives what the kernel
 needs to find an expert's slot, and ``cache.slots`` stand in for the layer's weights.
@@ -27,7 +33,7 @@ import torch
 
 from vllm_specexpert.staging import upload
 from vllm_specexpert.store import LayerExperts
-from vllm_specexpert.transfer import ExpertCopy
+from vllm_specexpert.transfer import ExpertCopy, Transfer
 
 
 class EvictionPolicy:
@@ -85,9 +91,120 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (LRUPolicy, LFUPolicy, StaticPolicy)
 }
 
+_NO_EXPERTS = np.zeros(0, dtype=np.int64)
+
+
+class SlotPool:
+    """Expert-sized device slots shared by the caches of one or more MoE layers (see
+    module doc), and what belongs to a slot rather than to an expert: the cache holding
+    it, the copy into it that nobody has waited for yet, and on CUDA the events that
+    order a new copy after the slot's last copy and last reader.
+
+    Caches :meth:`join` with their share of slots; :meth:`allocate` then makes the
+    tensors at the sum of the shares and warm-starts every cache in its share. A layer's
+    own pool is allocated by its cache; a shared pool by the engine once every layer
+    joined."""
+
+    def __init__(self, device: torch.device, shared: bool):
+        self.device = device
+        self.shared = shared
+        """Slots move between layers (``plec``); else one layer's own pool."""
+        self.caches: list[ExpertCache] = []
+        self._shares: list[int] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        """Weight name -> ``[num_slots, ...]`` slot tensor (what kernels run on)."""
+        self.owner = np.zeros(0, dtype=np.int32)
+        """Slot -> index in :attr:`caches` of the cache holding it, -1 when free."""
+        self.in_flight: dict[int, Transfer] = {}
+        """Slot -> the copy into it that nobody has waited for yet."""
+        self.last_write: np.ndarray | None = None
+        """CUDA: slot -> the last transfer into it (a new copy is ordered after it)."""
+        self.last_read: np.ndarray | None = None
+        """CUDA: slot -> event after the last kernel that read it."""
+        self.clock = 0
+        """Kernel calls so far, for every cache's recency (comparable across layers)."""
+        self.lookahead: np.ndarray | None = None
+        """Shared pool: ``[caches, experts]`` predicted uses still to come of each
+        (layer, expert), set by the engine from the step's predicted demand; the fewest
+        go first. ``None`` for a layer's own pool."""
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.owner)
+
+    def join(self, cache: ExpertCache, share: int) -> int:
+        """Add ``cache`` with ``share`` slots of its own at warm start; returns its index."""
+        if self.caches:
+            first = self.caches[0].experts
+            if {k: (t.shape[1:], t.dtype) for k, t in first.tensors.items()} != {
+                    k: (t.shape[1:], t.dtype) for k, t in cache.experts.tensors.items()}:
+                raise ValueError(f"{cache.experts.name}: experts shaped unlike those of "
+                                 f"{first.name} cannot share a slot pool")
+        self.caches.append(cache)
+        self._shares.append(share)
+        return len(self.caches) - 1
+
+    def allocate(self) -> None:
+        """Allocate the slots (the sum of the shares) and warm-start every cache."""
+        total = sum(self._shares)
+        first = self.caches[0].experts.tensors
+        self.tensors = {key: torch.empty((total, *t.shape[1:]), dtype=t.dtype,
+                                         device=self.device) for key, t in first.items()}
+        self.owner = np.full(total, -1, dtype=np.int32)
+        self.in_flight.clear()
+        if self.device.type == "cuda":
+            self.last_write = np.full(total, None, dtype=object)
+            self.last_read = np.full(total, None, dtype=object)
+        if self.shared:
+            self.lookahead = np.zeros((len(self.caches), self.caches[0].num_experts))
+        offset = 0
+        for cache, share in zip(self.caches, self._shares):
+            cache.warm_start(offset, share)
+            offset += share
+
+    def free_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.owner < 0)
+
+    def spare(self) -> int:
+        """Slots that hold nothing predicted to be used (shared pool): free ones, and
+        those of evictable experts with no predicted use still to come. Loads for
+        predicted experts may take this many without evicting another prediction."""
+        spare = len(self.free_slots())
+        for cache in self.caches:
+            candidates = cache.evictable(_NO_EXPERTS)
+            spare += int(np.count_nonzero(self.lookahead[cache.index][candidates] == 0))
+        return spare
+
+    def victims(self, requester: ExpertCache, keep: np.ndarray,
+                demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(cache indices, experts)`` that may be evicted now to make room for
+        ``requester``, the first to go first; never ``keep`` (of ``requester``), pinned
+        or protected experts. ``demand``: the requester's per-expert count of later uses
+        in the same call (those go last). A layer's own pool: its policy's order, the
+        least demanded first. A shared pool: every layer's evictable experts, the
+        fewest predicted uses still to come first, then the least recently used."""
+        if not self.shared:
+            candidates = requester.policy.order(requester.evictable(keep))
+            if demand is not None:
+                # Stable sort keeps the policy order among equal demand.
+                candidates = candidates[np.argsort(demand[candidates], kind="stable")]
+            return np.full(len(candidates), requester.index, dtype=np.int32), candidates
+        owners, experts, scores, recency = [], [], [], []
+        for cache in self.caches:
+            candidates = cache.evictable(keep if cache is requester else _NO_EXPERTS)
+            score = self.lookahead[cache.index][candidates]
+            if cache is requester and demand is not None:
+                score = score + demand[candidates] * 1e9  # needed by this very call
+            owners.append(np.full(len(candidates), cache.index, dtype=np.int32))
+            experts.append(candidates)
+            scores.append(score)
+            recency.append(cache.policy.last_used[candidates])
+        order = np.lexsort((np.concatenate(recency), np.concatenate(scores)))
+        return np.concatenate(owners)[order], np.concatenate(experts)[order]
+
 
 class ExpertCache:
-    """Slot pool and residency of one MoE layer's routed experts."""
+    """Residency of one MoE layer's routed experts in a :class:`SlotPool`."""
 
     def __init__(
         self,
@@ -97,6 +214,7 @@ class ExpertCache:
         policy: str,
         device: torch.device,
         device_map: bool | None = None,
+        pool: SlotPool | None = None,
     ):
         num_experts = experts.num_experts
         if not top_k <= num_slots <= num_experts:
@@ -106,22 +224,21 @@ class ExpertCache:
             )
         self.experts = experts
         self.num_slots = num_slots
+        """Slots of this layer: its own pool's size, or its share of a shared pool
+        (what it holds at warm start; then it holds what its experts win)."""
         self.num_experts = num_experts
         self.top_k = top_k
         self.device = device
         self.policy = EVICTION_POLICIES[policy](num_experts, num_slots, top_k)
         # Slots never held by a pinned expert: any batch of this many experts fits.
         self._rotating_slots = num_slots - int(self.policy.pinned.sum())
-        self.clock = 0
-
-        self.slots: dict[str, torch.Tensor] = {
-            key: torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, device=device)
-            for key, t in experts.tensors.items()
-        }
-        self.slot_expert = np.full(num_slots, -1, dtype=np.int64)
-        """Slot -> the expert it holds, -1 when free."""
+        self.pool = pool if pool is not None else SlotPool(device, shared=False)
+        self.index = self.pool.join(self, num_slots)
+        """This cache's index in the pool (:attr:`SlotPool.owner`)."""
+        self.slot_expert = np.zeros(0, dtype=np.int64)
+        """Pool slot -> the expert of this layer it holds, -1 when it holds none."""
         self.expert_slot = np.full(num_experts, -1, dtype=np.int32)
-        """Expert -> its slot, -1 when not resident (the id -> slot map)."""
+        """Expert -> its pool slot, -1 when not resident (the id -> slot map)."""
         self.protected = np.zeros(num_experts, dtype=bool)
         """Prefetched experts whose layer has not run since: never evicted (the paper's
         ring of buffers: a prefetch is not overwritten before the layer that wanted it
@@ -135,16 +252,26 @@ class ExpertCache:
         ``None`` where ids are mapped on the host."""
         self._map_dirty = np.zeros(num_experts, dtype=bool)
         """Experts whose ``expert_map`` entry is stale."""
-        self.identity = num_slots == num_experts
+        self.identity = False
         """Every expert resident in the slot of its own id: true from the warm start
-        when the pool holds them all (nothing can miss, so nothing is ever loaded or
-        evicted); an eviction ends it."""
+        when a layer's own pool holds them all (nothing can miss, so nothing is ever
+        loaded or evicted); an eviction ends it."""
+        if pool is None:
+            self.pool.allocate()
 
-        # Warm start: the first experts (the pinned ones for `static`) fill every slot.
-        initial = np.arange(num_slots)
-        self.assign(initial, initial)
-        for key, src in experts.tensors.items():
-            self.slots[key].copy_(src[:num_slots])
+    def warm_start(self, offset: int, count: int) -> None:
+        """The pool is allocated: the first ``count`` experts (the pinned ones for
+        ``static``) fill slots ``offset ..`` of it."""
+        self.slot_expert = np.full(self.pool.num_slots, -1, dtype=np.int64)
+        self.assign(np.arange(count), np.arange(offset, offset + count))
+        for key, src in self.experts.tensors.items():
+            self.slots[key][offset:offset + count].copy_(src[:count])
+        self.identity = count == self.num_experts and not self.pool.shared
+
+    @property
+    def slots(self) -> dict[str, torch.Tensor]:
+        """Weight name -> the pool's slot tensor (kernels index it by slot)."""
+        return self.pool.tensors
 
     # ------------------------------------------------------------------ queries
 
@@ -156,11 +283,23 @@ class ExpertCache:
 
     def capacity_for(self, experts: np.ndarray) -> bool:
         """Whether all of ``experts`` (distinct ids) fit in the pool at once."""
+        if self.pool.shared:
+            missing = np.count_nonzero(self.expert_slot[experts] < 0)
+            return missing <= len(self.pool.free_slots()) + len(self.pool.victims(self, experts)[1])
         if len(experts) <= self._rotating_slots:
             return True
         pinned_resident = self.policy.pinned & self.resident_mask()
         outside = np.count_nonzero(~pinned_resident[experts])
         return outside <= self.num_slots - int(pinned_resident.sum())
+
+    def capacity(self) -> int:
+        """How many distinct experts of this layer can be resident at once now, counting
+        only those that need a slot that pinned experts do not hold."""
+        if self.pool.shared:
+            resident = np.flatnonzero(self.resident_mask())
+            return (len(resident) + len(self.pool.free_slots())
+                    + len(self.pool.victims(self, resident)[1]))
+        return self.num_slots - int(np.count_nonzero(self.policy.pinned & self.resident_mask()))
 
     def evictable(self, keep: np.ndarray) -> np.ndarray:
         """Resident experts that may be evicted now, other than ``keep``."""
@@ -210,28 +349,27 @@ class ExpertCache:
     def take_slots(
         self, count: int, keep: np.ndarray, demand: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Free ``count`` slots for new experts and return ``(slots, evicted experts)``.
-        Free slots go first; then the slots of evicted experts, never ``keep``, pinned
-        or protected ones, the least needed by ``demand`` (per-expert count of later
-        uses, if known) first, then in the policy's order."""
-        free = np.flatnonzero(self.slot_expert < 0)
+        """Free ``count`` pool slots for new experts of this layer and return ``(slots,
+        evicted experts)``. Free slots go first; then the slots of the pool's
+        :meth:`~SlotPool.victims` (in a shared pool they may be other layers')."""
+        free = self.pool.free_slots()
         if len(free) >= count:
             return free[:count], free[:0]
-        candidates = self.policy.order(self.evictable(keep))
-        if demand is not None:
-            # Stable sort keeps the policy order among equal demand.
-            candidates = candidates[np.argsort(demand[candidates], kind="stable")]
+        owners, candidates = self.pool.victims(self, keep, demand)
         need = count - len(free)
         if len(candidates) < need:
             raise RuntimeError(
                 f"{self.experts.name}: cannot free {need} slots (capacity check skipped?)"
             )
-        victims = candidates[:need]
-        return np.concatenate([free, self.release(victims)]), victims
+        owners, victims = owners[:need], candidates[:need]
+        freed = [self.pool.caches[owner].release(victims[owners == owner])
+                 for owner in np.unique(owners)]
+        return np.concatenate([free, *freed]), victims
 
     def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
         """Record that ``slots`` (free) now hold ``experts`` (not resident)."""
         self.slot_expert[slots] = experts
+        self.pool.owner[slots] = self.index
         self.expert_slot[experts] = slots
         self._map_dirty[experts] = True
 
@@ -240,6 +378,7 @@ class ExpertCache:
         slots = self.expert_slot[experts].astype(np.int64)
         self.expert_slot[experts] = -1
         self.slot_expert[slots] = -1
+        self.pool.owner[slots] = -1
         self.protected[experts] = False
         self._map_dirty[experts] = True
         self.identity = False
@@ -247,5 +386,5 @@ class ExpertCache:
 
     def touch(self, experts: np.ndarray) -> None:
         """``experts`` are used by a kernel call now (eviction order)."""
-        self.clock += 1
-        self.policy.on_use(experts, self.clock)
+        self.pool.clock += 1
+        self.policy.on_use(experts, self.pool.clock)

@@ -16,7 +16,7 @@ from typing import Any
 
 ADDITIONAL_CONFIG_KEY = "specexpert"
 
-CACHE_POLICIES = ("lru", "lfu", "static")
+CACHE_POLICIES = ("lru", "lfu", "static", "plec")
 PREDICTORS = ("none", "router", "quasi_hidden")
 PREFETCH_FILTERS = ("cost", "all")
 
@@ -124,7 +124,12 @@ class SpecExpertConfig:
     """Eviction policy of the device cache: ``lru`` (least recently used), ``lfu``
     (least frequently used, ties by recency) or ``static`` (the first
     ``slots - top_k`` experts stay resident for good; the remaining ``top_k`` slots
-    rotate, LRU, for the others)."""
+    rotate, LRU, for the others): a fixed number of slots per layer. ``plec``
+    (ExpertFlow's predictive locality-aware cache; needs ``path_predictor``): every
+    layer's slots in one pool of the same total size, going to whichever layer the
+    predicted demand of the step wants; the step's predicted experts are prefetched
+    when it starts, and a load evicts the (layer, expert) with the fewest predicted uses
+    still to come, the least recently used among equals. Exact under ``fetch``."""
 
     miss_policy: str = "fetch"
     """What a layer does when the router picks a non-resident expert for a decode token
@@ -281,6 +286,12 @@ class SpecExpertConfig:
                 "calibration", "predictor 'quasi_hidden' needs default vectors, and none is set",
                 "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\"",
             )
+        if self.cache == "plec" and self.path_predictor is None:
+            raise SpecExpertConfigError(
+                "cache", "'plec' allocates slots by the predicted demand of each step, and "
+                "no path predictor is set",
+                "set \"path_predictor\": \"DIR\" (from `specexpert train-path MODEL --out "
+                "DIR`), or use cache 'lru'")
         if self.token_scheduler is not None and self.path_predictor is None:
             raise SpecExpertConfigError(
                 "path_predictor", "token_scheduler groups sequences by predicted route, and no "

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_specexpert.cache import ExpertCache
+from vllm_specexpert.cache import ExpertCache, SlotPool
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.host import HostExperts, HostKernel
 from vllm_specexpert.loader import ExpertLoader
@@ -96,6 +96,10 @@ class OffloadEngine:
         self.step_demand: StepDemand | None = None
         """The running step's predicted demand from the scheduler's path predictor (set
         by the vLLM adapter per layer call; ``None`` without one)."""
+        self.pool: SlotPool | None = self._make_pool(config)
+        """The slot pool every layer shares (``cache: plec``); ``None``: one per layer."""
+        self._planned_step: StepDemand | None = None
+        """The step demand the shared pool was last planned for."""
         self.miss_policy: MissPolicy = config.miss_policy_class()
         self.layers: dict[str, OffloadedLayer] = {}
         self.default_vectors: dict[str, torch.Tensor] = {}
@@ -151,9 +155,11 @@ class OffloadEngine:
 
     def start(self) -> None:
         """Every layer is loaded and wired: check that the configuration can run (fail
-        at engine start, not mid-generation), start the stats writer, and log one line
-        that sums up the offload."""
+        at engine start, not mid-generation), allocate a shared slot pool, start the
+        stats writer, and log one line that sums up the offload."""
         self._check_runnable(self.config)
+        if self.pool is not None and not self.pool.tensors:
+            self.pool.allocate()
         self._start_stats_writer()
         logger.info("specexpert: %s", self.summary())
 
@@ -173,9 +179,13 @@ class OffloadEngine:
         link = config.link
         modeled = (f", emulated link {link.bandwidth_gbps:g} GB/s + {link.latency_us:g} us/copy,"
                    f" host_slowdown {link.host_slowdown:g}" if link.emulated else "")
+        residency = (f"{'/'.join(map(str, slots))} of {'/'.join(map(str, experts))} "
+                     "experts resident per layer")
+        if self.pool is not None:
+            residency = (f"one pool of {sum(la.cache.num_slots for la in self.layers.values())}"
+                         f" slots shared by their {'/'.join(map(str, experts))} experts each")
         return (
-            f"{len(self.layers)} MoE layers offloaded, {'/'.join(map(str, slots))} of "
-            f"{'/'.join(map(str, experts))} experts resident per layer; slow tier "
+            f"{len(self.layers)} MoE layers offloaded, {residency}; slow tier "
             f"{self.store.nbytes / 1e9:.3f} GB on the host"
             f"{' (pinned)' if self.store.pin_memory else ''}; miss_policy {config.miss_policy} "
             f"({self.output}), predictor {config.predictor}, cache {config.cache}"
@@ -251,10 +261,22 @@ class OffloadEngine:
             return QuasiHiddenPredictor(self.default_vectors, self.residual_scales)
         return None
 
+    def _make_pool(self, config: SpecExpertConfig) -> SlotPool | None:
+        return SlotPool(self.device, shared=True) if config.cache == "plec" else None
+
     def _make_cache(self, name: str, top_k: int) -> ExpertCache:
+        """Layer ``name``'s cache: its own pool, or its share of the shared one (which
+        :meth:`start` allocates once every layer joined)."""
         experts = self.store.layers[name]
         num_slots = self.config.slots_per_layer(experts.num_experts, top_k)
-        return ExpertCache(experts, num_slots, top_k, self.config.cache, self.device)
+        if self.pool is None:
+            return ExpertCache(experts, num_slots, top_k, self.config.cache, self.device)
+        try:
+            return ExpertCache(experts, num_slots, top_k, "lru", self.device, pool=self.pool)
+        except ValueError as error:
+            raise SpecExpertConfigError(
+                "cache", f"'plec' shares one slot pool between layers: {error}",
+                "use cache 'lru'") from error
 
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch budget, cache policy, miss policy, predictor or link without reloading
@@ -278,12 +300,17 @@ class OffloadEngine:
             self.predictor = self._make_predictor(config)
             self._predictions.clear()
             for layer in self.layers.values():
-                layer.cache = layer.loader = None  # free the old pool before the new one
+                layer.cache = layer.loader = None  # free the old pools before the new ones
+            self.pool, self._planned_step = None, None
+            self.pool = self._make_pool(config)
+            for layer in self.layers.values():
                 layer.cache = self._make_cache(layer.name, layer.top_k)
                 layer.loader = ExpertLoader(layer.cache, self.link)
                 layer.planner, layer.window_s = PrefetchPlanner(layer.top_k), None
                 layer.stats = LayerStats()
                 self._make_miss_context(layer, config)
+            if self.pool is not None:
+                self.pool.allocate()
         self.link.reset_counters()
         self._start_stats_writer()
         logger.info("specexpert: reconfigured: %s", self.summary())
@@ -365,10 +392,15 @@ class OffloadEngine:
         if prediction is not None:
             self._observe(layer, stats, prediction, host[0])
         demand = self.step_demand
-        if demand is not None and demand.tokens == x.shape[0] and layer.index in demand.layers:
+        if demand is not None and (demand.tokens != x.shape[0]
+                                   or layer.index not in demand.layers):
+            demand = None  # not this pass's decode tokens
+        if demand is not None:
             used = np.unique(host[0])
             stats.path_needed += len(used)
             stats.path_covered += int(np.count_nonzero(demand.layers[layer.index][used]))
+            if self.pool is not None and demand is not self._planned_step:
+                self._plan_step(demand)
 
         before_kernel = None
         if upcoming is not None:
@@ -377,9 +409,12 @@ class OffloadEngine:
 
         context = layer.miss_context
         context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
-        return run_layer_call(self.miss_policy, layer.loader, kernel, x, run_weights,
-                              run_ids, before_kernel, context,
-                              ids=prediction.host_ids if speculated else host[0])
+        out = run_layer_call(self.miss_policy, layer.loader, kernel, x, run_weights,
+                             run_ids, before_kernel, context,
+                             ids=prediction.host_ids if speculated else host[0])
+        if demand is not None and self.pool is not None:
+            self._plan_after(layer, demand)
+        return out
 
     @staticmethod
     def _count_call(layer: OffloadedLayer, stats: PhaseStats, x: torch.Tensor) -> PhaseStats:
@@ -413,6 +448,43 @@ class OffloadEngine:
         wanted, skipped = nxt.planner.plan(ranked, threshold)
         nxt.stats.decode.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
         nxt.loader.prefetch(wanted)
+
+    def _plan_step(self, demand: StepDemand) -> None:
+        """A step starts (``plec``): its predicted demand becomes every layer's
+        lookahead, and its predicted experts are loaded, the first layers' first and
+        each layer's most demanded first, into the slots that hold nothing predicted."""
+        self._planned_step = demand
+        pool = self.pool
+        for layer in self.layers.values():
+            row = demand.layers.get(layer.index)
+            pool.lookahead[layer.cache.index] = 0 if row is None else row
+        self._preload(self.layers.values())
+
+    def _plan_after(self, layer: OffloadedLayer, demand: StepDemand) -> None:
+        """Layer ``layer`` ran its step (``plec``): what it will be asked next is the
+        group the token scheduler runs next step, whose predicted experts are loaded now
+        (group g+1's loads overlap group g's compute). Without such a prediction the same
+        requests run next, and the step's demand stays as the lookahead."""
+        if demand.next_layers is None:
+            return
+        row = demand.next_layers.get(layer.index)
+        self.pool.lookahead[layer.cache.index] = 0 if row is None else row
+        self._preload([layer])
+
+    def _preload(self, layers) -> None:
+        """Load the predicted, non-resident experts of ``layers`` (in that order, most
+        predicted uses first) into the pool's spare slots."""
+        pool = self.pool
+        room = pool.spare()
+        for layer in layers:
+            if room <= 0:
+                return
+            row = pool.lookahead[layer.cache.index]
+            wanted = np.flatnonzero((row > 0) & (layer.cache.expert_slot < 0))
+            wanted = wanted[np.argsort(-row[wanted], kind="stable")][:room]
+            layer.loader.stats = layer.stats.decode
+            layer.loader.preload(wanted)
+            room -= len(wanted)
 
     def _observe(self, layer: OffloadedLayer, stats: PhaseStats, prediction: Prediction,
                  router_ids: np.ndarray) -> None:
@@ -450,6 +522,8 @@ class OffloadEngine:
                 "decode_tokens": first.decode.tokens,
                 "prefill_tokens": first.prefill.tokens,
                 "slots_per_layer": {n: la.cache.num_slots for n, la in self.layers.items()},
+                "resident_per_layer": {n: la.cache.num_resident()
+                                       for n, la in self.layers.items()},
                 "experts_per_layer": {n: la.cache.num_experts for n, la in self.layers.items()},
                 "expert_bytes": {n: la.cache.experts.expert_nbytes
                                  for n, la in self.layers.items()},

@@ -39,25 +39,25 @@ class ExpertLoader:
         self.link = link
         self.stats = stats if stats is not None else PhaseStats()
         """Counters of the phase being run; the engine points it at decode or prefill."""
-        self.in_flight: dict[int, Transfer] = {}
-        """Slot -> the copy into it that nobody has waited for yet."""
         self.prefetches: dict[int, Transfer] = {}
         """Protected expert -> its prefetch (cancellable until it starts)."""
-        events = cache.device.type == "cuda"
-        self._last_write = np.full(cache.num_slots, None, dtype=object) if events else None
-        """CUDA: slot -> the last transfer into it (a new copy is ordered after it)."""
-        self._last_read = np.full(cache.num_slots, None, dtype=object) if events else None
-        """CUDA: slot -> event after the last kernel that read it."""
+
+    @property
+    def in_flight(self) -> dict[int, Transfer]:
+        """Pool slot -> the copy into it that nobody has waited for yet (the pool's:
+        in a shared pool, other layers' copies too)."""
+        return self.cache.pool.in_flight
 
     # ------------------------------------------------------------------ queries
 
     def ready_mask(self) -> np.ndarray:
         """Resident experts whose data is usable now: copies that have not landed yet
         are left out (a policy that can compute them elsewhere need not wait)."""
-        mask = self.cache.resident_mask()
+        cache = self.cache
+        mask = cache.resident_mask()
         for slot, transfer in self.in_flight.items():
-            if not transfer.ready():
-                mask[self.cache.slot_expert[slot]] = False
+            if cache.slot_expert[slot] >= 0 and not transfer.ready():
+                mask[cache.slot_expert[slot]] = False
         return mask
 
     # ------------------------------------------------------------------ loading
@@ -92,7 +92,7 @@ class ExpertLoader:
         missing = experts[cache.expert_slot[experts] < 0]
         if not len(missing):
             return 0
-        available = np.count_nonzero(cache.slot_expert < 0) + len(cache.evictable(experts))
+        available = len(cache.pool.free_slots()) + len(cache.pool.victims(cache, experts)[1])
         missing = missing[:available]
         if not len(missing):
             return 0
@@ -106,6 +106,14 @@ class ExpertLoader:
             self.prefetches.update(dict.fromkeys(missing.tolist(), transfer))
         cache.protected[missing] = True
         return len(missing)
+
+    def preload(self, experts: np.ndarray) -> None:
+        """Queue loads of ``experts`` (distinct, not resident) wanted by a later layer
+        call, unprotected: the pool's victim order (predicted uses still to come,
+        ``plec``) keeps them, and a copy not yet landed is retired like any other when
+        its slot is taken. Counted as prefetched."""
+        if len(experts):
+            self._load(experts, self._take_slots(len(experts), keep=experts), prefetch=True)
 
     def admit(self, expert: int) -> bool:
         """Load ``expert`` in the background if the link is idle (it was just computed
@@ -149,10 +157,11 @@ class ExpertLoader:
     def kernel_launched(self, experts: np.ndarray) -> None:
         """A kernel reading the slots of ``experts`` was just queued (CUDA: later copies
         into those slots are ordered after it)."""
-        if self._last_read is not None:
+        pool = self.cache.pool
+        if pool.last_read is not None:
             event = torch.cuda.Event()
             event.record()
-            self._last_read[self.cache.expert_slot[experts]] = event
+            pool.last_read[self.cache.expert_slot[experts]] = event
 
     def wait_all(self) -> None:
         """Block until every copy in flight has landed (counted as stall)."""
@@ -191,13 +200,14 @@ class ExpertLoader:
                 stats.admitted += count if admitted else 0
 
         after = ()
-        if self._last_write is not None:
-            after = {id(e): e for e in (*self._last_write[slots], *self._last_read[slots])
+        pool = self.cache.pool
+        if pool.last_write is not None:
+            after = {id(e): e for e in (*pool.last_write[slots], *pool.last_read[slots])
                      if e is not None}.values()
         transfer = self.link.submit(self.cache.copy_of(experts), prefetch=prefetch,
                                     on_start=started, after=tuple(after))
-        if self._last_write is not None:
-            self._last_write[slots] = transfer
+        if pool.last_write is not None:
+            pool.last_write[slots] = transfer
         for slot in slots.tolist():
             self.in_flight[slot] = transfer
         return transfer

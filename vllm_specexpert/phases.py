@@ -69,3 +69,6 @@ class StepDemand:
     """Decode tokens the prediction covers (the step's decode requests)."""
     layers: dict[int, np.ndarray]
     """Decoder-layer index -> ``[E]`` predicted decode tokens per expert."""
+    next_layers: dict[int, np.ndarray] | None = None
+    """The same for the decode group expected to run next step (the token scheduler
+    holds it back this step), ``None`` when the same requests are expected to run."""

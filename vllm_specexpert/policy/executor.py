@@ -229,9 +229,9 @@ def next_token_group(cache: ExpertCache, ids: np.ndarray, remaining: np.ndarray)
     slots free). The caller then adds every token the loaded experts cover."""
     resident = cache.resident_mask()
     pinned_resident = cache.policy.pinned & resident
-    capacity = cache.num_slots - int(pinned_resident.sum())
+    capacity = cache.capacity()
     missing = (~resident[ids[remaining]]).sum(axis=1)
-    candidates = remaining[np.argsort(missing, kind="stable")][: GROUP_SCAN_FACTOR * cache.num_slots]
+    candidates = remaining[np.argsort(missing, kind="stable")][: GROUP_SCAN_FACTOR * capacity]
     experts = ids[candidates]                                   # [C, K]
     position = np.broadcast_to(np.arange(len(candidates))[:, None], experts.shape)
     counted = ~pinned_resident[experts]

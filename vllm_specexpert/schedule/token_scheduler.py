@@ -83,6 +83,8 @@ class TokenGroupScheduler(Scheduler):
         """Request id -> consecutive steps held back so far."""
         self._step_routes: dict[str, torch.Tensor] = {}
         """Request id -> its predicted route, this step."""
+        self._next_group: list = []
+        """The decode requests of the group expected to run next step."""
         self.stats = TokenSchedulerStats()
         if self.settings is not None:
             logger.info("specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
@@ -91,7 +93,7 @@ class TokenGroupScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         started = time.perf_counter()
         self.stats.steps += 1
-        self._step_routes = {}
+        self._step_routes, self._next_group = {}, []
         if self.settings is not None:
             self._hold_back_all_but_one_group()
         ours = time.perf_counter() - started
@@ -127,11 +129,14 @@ class TokenGroupScheduler(Scheduler):
                     if n == 1 and self.requests[req_id].num_output_tokens > 0]
         if not decoding:
             return
-        counts = self._predicted_routes(decoding).sum(0).numpy()  # [L, E]
         setattr(output, ATTRIBUTE, StepDemand(
-            tokens=len(decoding),
-            layers={index: counts[i]
-                    for i, index in enumerate(self.path_predictor.layer_indices)}))
+            tokens=len(decoding), layers=self._demand_of(decoding),
+            next_layers=self._demand_of(self._next_group) if self._next_group else None))
+
+    def _demand_of(self, requests: list) -> dict[int, np.ndarray]:
+        """Decoder-layer index -> ``[E]`` predicted tokens per expert of ``requests``."""
+        counts = self._predicted_routes(requests).sum(0).numpy()  # [L, E]
+        return {index: counts[i] for i, index in enumerate(self.path_predictor.layer_indices)}
 
     def _decoding(self) -> list:
         """Running requests whose next step is a one-token decode (prompt computed,
@@ -157,6 +162,8 @@ class TokenGroupScheduler(Scheduler):
                            required=waited >= settings.max_wait_steps)
         run = np.zeros(len(decoding), dtype=bool)
         run[groups[0]] = True
+        if len(groups) > 1:
+            self._next_group = [decoding[i] for i in groups[1]]
         self.stats.pairs_run += int(routes[run].any(0).sum())
         self.stats.pairs_all += int(routes.any(0).sum())
         hold_until = self.current_step + 2  # skipped by the coming schedule() only

@@ -1,0 +1,167 @@
+"""The predictive locality-aware cache (``cache: plec``) in the engine, without vLLM: one
+slot pool shared by every layer, filled by the step's predicted demand (a
+:class:`StepDemand` as the scheduler attaches it), with lookahead eviction."""
+
+import numpy as np
+import pytest
+import torch
+
+from invariants import check_cache_invariants
+from moe_reference import random_layer, reference_moe, slot_kernel
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.phases import StepDemand
+
+E, K, H, LAYERS = 16, 2, 32, 3
+NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+LAYER_TENSORS = {name: random_layer(num_experts=E, hidden=H, seed=i) for i, name in enumerate(NAMES)}
+
+
+def make_engine(cache="plec", budget=0.25, **config):
+    config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache,
+                                         "path_predictor": "/rpp", **config})
+    engine = OffloadEngine(config, torch.device("cpu"))
+    for index, name in enumerate(NAMES):
+        engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[name].items()},
+                         top_k=K, index=index)
+    engine.start()
+    return engine
+
+
+def demand_of(routes: dict[int, np.ndarray], tokens: int, next_routes=None) -> StepDemand:
+    """Per layer index the ``[tokens, K]`` ids -> tokens per expert."""
+    def counts(r):
+        return {i: np.bincount(ids.ravel(), minlength=E) for i, ids in r.items()}
+    return StepDemand(tokens=tokens, layers=counts(routes),
+                      next_layers=counts(next_routes) if next_routes else None)
+
+
+def run_step(engine, routes: dict[int, np.ndarray], demand: StepDemand | None, seed=0):
+    """Every layer once on ``routes`` (layer index -> ``[T, K]`` ids); checks each
+    output against the reference on the full expert weights."""
+    engine.step_demand = demand
+    for index, name in enumerate(NAMES):
+        ids = torch.from_numpy(routes[index]).to(torch.int32)
+        g = torch.Generator().manual_seed(seed * 100 + index)
+        x = torch.randn(ids.shape[0], H, generator=g).bfloat16()
+        w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
+        out = engine.run(name, slot_kernel, x, w, ids)
+        t = LAYER_TENSORS[name]
+        assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
+
+
+def resident(engine, index) -> set[int]:
+    cache = engine.layers[NAMES[index]].cache
+    return set(np.flatnonzero(cache.expert_slot >= 0).tolist())
+
+
+def distinct(rng, tokens) -> np.ndarray:
+    return np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)])
+
+
+def test_plec_needs_a_path_predictor():
+    with pytest.raises(SpecExpertConfigError, match="'cache'.*path_predictor"):
+        SpecExpertConfig.from_dict({"cache": "plec"})
+
+
+def test_one_pool_at_the_total_budget_shared_by_every_layer():
+    engine = make_engine()
+    caches = [engine.layers[n].cache for n in NAMES]
+    assert all(c.pool is engine.pool for c in caches)
+    assert engine.pool.num_slots == LAYERS * 4  # 0.25 x 16 experts, per layer, summed
+    for key, t in caches[0].slots.items():
+        assert t.shape[0] == LAYERS * 4
+    assert [len(resident(engine, i)) for i in range(LAYERS)] == [4, 4, 4]
+    for c in caches:
+        assert check_cache_invariants(engine.layers[NAMES[c.index]].loader) == 4
+
+
+def test_slots_follow_the_predicted_demand_across_layers():
+    """Layer 0 is predicted to need 8 experts, layers 1 and 2 two each: the step's
+    preload gives layer 0 eight slots (a fixed per-layer pool holds 4), and the step
+    runs with no miss because the prediction was right."""
+    routes = {0: np.arange(8).reshape(4, 2) + 4, 1: np.array([[0, 1]] * 4),
+              2: np.array([[2, 3]] * 4)}
+    engine = make_engine()
+    run_step(engine, routes, demand_of(routes, 4))
+    assert resident(engine, 0) >= set(range(4, 12))
+    total = engine.stats()["total"]["decode"]
+    assert total["misses"] == 0 and total["hits"] == 8 + 2 + 2  # distinct per call
+    # Layer 0's 4..11 were loaded before it ran, into the slots of the 8 experts no
+    # layer was predicted to use (its own 0..3, layer 1's 2, 3, layer 2's 0, 1).
+    assert total["prefetched"] == 8 and total["loads"] == 8
+    per_layer = engine.stats()["resident_per_layer"]
+    assert per_layer[NAMES[0]] >= 8 and sum(per_layer.values()) <= LAYERS * 4
+    for name in NAMES:
+        check_cache_invariants(engine.layers[name].loader, settle=True)
+
+    lru = make_engine(cache="lru")
+    run_step(lru, routes, demand_of(routes, 4))
+    assert lru.stats()["total"]["decode"]["misses"] > 0
+
+
+def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert():
+    """Experts 0, 1 of layer 2 are predicted for this step and least recently used; a
+    mispredicted miss in layer 1 must take an unpredicted slot instead."""
+    engine = make_engine()
+    warm = {0: np.array([[0, 1]]), 1: np.array([[0, 1]]), 2: np.array([[0, 1]])}
+    run_step(engine, warm, None)  # touch everything once, layer 2's experts last
+    for index in (0, 1):
+        run_step(engine, {i: np.array([[2, 3]]) for i in range(LAYERS)}, None)
+    # Now layer 2's 0 and 1 are the least recently used of the pool.
+    routes = {0: np.array([[2, 3]]), 1: np.array([[9, 10]]), 2: np.array([[0, 1]])}
+    predicted = {0: np.array([[2, 3]]), 1: np.array([[2, 3]]), 2: np.array([[0, 1]])}
+    run_step(engine, routes, demand_of(predicted, 1))
+    assert {0, 1} <= resident(engine, 2)
+    layer2 = engine.layers[NAMES[2]].stats.decode
+    assert layer2.misses == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(seed):
+    rng = np.random.default_rng(seed)
+    engine = make_engine()
+    shares = set()
+    for step in range(30):
+        tokens = int(rng.integers(1, 6))
+        routes = {i: distinct(rng, tokens) for i in range(LAYERS)}
+        # Half right, half random predictions; a next group now and then.
+        guess = {i: routes[i] if rng.random() < 0.5 else distinct(rng, tokens)
+                 for i in range(LAYERS)}
+        nxt = {i: distinct(rng, 3) for i in range(LAYERS)} if step % 3 == 0 else None
+        run_step(engine, routes, demand_of(guess, tokens, nxt) if step % 5 else None, seed=step)
+        for name in NAMES:
+            check_cache_invariants(engine.layers[name].loader)
+        shares.add(tuple(len(resident(engine, i)) for i in range(LAYERS)))
+    assert len(shares) > 1, "slots never moved between layers"
+    stats = engine.stats()["total"]["decode"]
+    assert stats["prefetched"] > 0 and stats["misses"] > 0
+
+
+def test_next_group_is_loaded_after_its_layer_ran():
+    """With the token scheduler's next group in the demand, each layer loads that
+    group's predicted experts once it has run this step."""
+    engine = make_engine()
+    now = {i: np.array([[0, 1]]) for i in range(LAYERS)}
+    nxt = {i: np.array([[12, 13]]) for i in range(LAYERS)}
+    run_step(engine, now, demand_of(now, 1, nxt))
+    for i in range(LAYERS):
+        assert {12, 13} <= resident(engine, i)
+    engine.reset_stats()
+    run_step(engine, nxt, demand_of(nxt, 1))
+    assert engine.stats()["total"]["decode"]["misses"] == 0
+
+
+def test_reconfigure_between_plec_and_lru_keeps_outputs_exact():
+    engine = make_engine()
+    rng = np.random.default_rng(3)
+    routes = {i: distinct(rng, 2) for i in range(LAYERS)}
+    run_step(engine, routes, demand_of(routes, 2))
+    engine.reconfigure(SpecExpertConfig.from_dict({**engine.config.to_dict(), "cache": "lru"}))
+    assert engine.pool is None and engine.layers[NAMES[0]].cache.pool.shared is False
+    run_step(engine, routes, demand_of(routes, 2))
+    engine.reconfigure(SpecExpertConfig.from_dict({**engine.config.to_dict(), "cache": "plec"}))
+    assert engine.pool is not None and engine.pool.num_slots == LAYERS * 4
+    run_step(engine, routes, demand_of(routes, 2))
+    # At most 4 experts per layer, 12 together: a right prediction leaves no miss.
+    assert engine.stats()["total"]["decode"]["misses"] == 0
