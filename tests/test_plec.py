@@ -104,10 +104,10 @@ def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert
     """Experts 0, 1 of layer 2 are predicted for this step and least recently used; a
     mispredicted miss in layer 1 must take an unpredicted slot instead."""
     engine = make_engine()
-    warm = {0: np.array([[0, 1]]), 1: np.array([[0, 1]]), 2: np.array([[0, 1]])}
-    run_step(engine, warm, None)  # touch everything once, layer 2's experts last
-    for index in (0, 1):
-        run_step(engine, {i: np.array([[2, 3]]) for i in range(LAYERS)}, None)
+    both = np.array([[0, 1], [2, 3]])
+    run_step(engine, {i: np.array([[2, 3]]) for i in range(LAYERS)}, None)
+    run_step(engine, {i: np.array([[0, 1]]) for i in range(LAYERS)}, None)
+    run_step(engine, {0: both, 1: both, 2: np.array([[2, 3]])}, None)
     # Now layer 2's 0 and 1 are the least recently used of the pool.
     routes = {0: np.array([[2, 3]]), 1: np.array([[9, 10]]), 2: np.array([[0, 1]])}
     predicted = {0: np.array([[2, 3]]), 1: np.array([[2, 3]]), 2: np.array([[0, 1]])}
