@@ -1,19 +1,21 @@
 """Batched decode: many concurrent sequences, offloaded experts, with and without the
-token scheduler (ExpertFlow §3.3).
+token scheduler (ExpertFlow §3.3) and the predictive cache (``plec``, §3.4).
 
     python benchmarks/batched.py [--batches 8 16 32 64] [--budgets 0.25 0.5]
-                                 [--max-tokens 16] [--group-size 16] [--max-wait-steps 4]
+                                 [--policies fetch cpu auto] [--max-tokens 16]
+                                 [--group-size 16] [--max-wait-steps 4]
 
-Three engines side by side in this process: vanilla vLLM, the plugin, and the plugin
-started with ``token_scheduler`` (it replaces vLLM's scheduler class, so it cannot be
-switched on by ``reconfigure``). The plugins switch budget and miss policy with
-``reconfigure``. Every run is ``LLM.generate`` of ``batch`` held-out prompts at once,
+Four engines side by side in this process: vanilla vLLM; the plugin; the plugin with
+the path predictor (its scheduler predicts each step's demand, which ``plec`` uses); and
+the plugin with the token scheduler too (both replace vLLM's scheduler class, so they
+cannot be switched on by ``reconfigure``). The plugins switch budget, cache and miss
+policy with ``reconfigure``. Every run is ``LLM.generate`` of ``batch`` held-out prompts at once,
 greedy, ``--max-tokens`` each, on the emulated link (MODELED: one expert copy takes
 ``--copy-compute-ratio`` times one MoE layer's batch-1 decode compute of vanilla, the host
 computes experts ``host_slowdown`` times slower than this CPU; see ``common.py``).
 
-Modes: vanilla; ``fetch`` (on-demand, LRU), ``cpu`` and ``auto``, each without and with
-the token scheduler. (The predictive cache, ``plec``, is not built yet.)
+Modes: vanilla; ``fetch`` (on-demand, LRU), ``cpu`` and ``auto``, each alone, "+ PLEC"
+(``cache: plec`` at the same total budget), "+ token scheduler" and "+ both".
 
 Reports per run: output tok/s (prefill included, as ``vllm bench throughput``), decode
 steps, distinct (layer, expert) pairs requested per decode step, MB moved per decode
@@ -139,6 +141,7 @@ def main() -> None:
     add_engine_arguments(parser, "batched")
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-wait-steps", type=int, default=4)
@@ -153,11 +156,16 @@ def main() -> None:
     common = dict(eager=args.eager, max_num_seqs=seqs, disable_log_stats=False)
     vanilla = start_engine(model, None, **common)
     plugin = start_engine(model, {"budget": 0.5}, **common)
+    path_predictor = str(ASSETS / "tiny-qwen3-moe-path-predictor")
+    predicted = start_engine(model, {"budget": 0.5, "path_predictor": path_predictor},
+                             **common)
     grouped = start_engine(model, {
-        "budget": 0.5, "path_predictor": str(ASSETS / "tiny-qwen3-moe-path-predictor"),
+        "budget": 0.5, "path_predictor": path_predictor,
         "token_scheduler": {"group_size": args.group_size,
                             "max_wait_steps": args.max_wait_steps}}, **common)
     link, _, _ = link_like_a_gpu_box(vanilla, plugin, args)
+    modes = (("", plugin, "lru"), (" + PLEC", predicted, "plec"),
+             (" + token scheduler", grouped, "lru"), (" + both", grouped, "plec"))
     rows = []
     for batch in args.batches:
         batch_prompts = prompts[:batch]
@@ -167,10 +175,10 @@ def main() -> None:
                      **{k: v for k, v in reference.items() if k != "tokens"}})
         print(rows[-1], flush=True)
         for budget in args.budgets:
-            for policy in POLICIES:
-                for name, llm in (("", plugin), (" + token scheduler", grouped)):
+            for policy in args.policies:
+                for name, llm, cache in modes:
                     vllm_specexpert.reconfigure(llm, budget=budget, miss_policy=policy,
-                                                link=link)
+                                                cache=cache, link=link)
                     vllm_specexpert.reset_stats(llm)
                     result = run(llm, batch_prompts, args.max_tokens)
                     row = {"mode": f"{policy}{name}", "batch": batch, "budget": budget,
@@ -182,7 +190,7 @@ def main() -> None:
                     rows.append(row)
                     print({k: (round(v, 4) if isinstance(v, float) else v)
                            for k, v in row.items()}, flush=True)
-    for llm in (vanilla, plugin, grouped):
+    for llm in (vanilla, plugin, predicted, grouped):
         stop_engine(llm)
     result = {
         "command": command_line(), "model": model, "batches": args.batches,

@@ -1,7 +1,7 @@
-"""The token scheduler inside vLLM's scheduler: 32 concurrent greedy requests under
-``fetch`` give vanilla's tokens, every request finishes, and none is held back longer
-than ``max_wait_steps``. The engine core runs in this process, so the scheduler's
-counters can be read."""
+"""The token scheduler inside vLLM's scheduler, with the LRU cache and with ``plec``: 32
+concurrent greedy requests under ``fetch`` give vanilla's tokens, every request finishes,
+and none is held back longer than ``max_wait_steps``. The engine core runs in this
+process, so the scheduler's counters can be read."""
 
 import os
 
@@ -40,12 +40,16 @@ def runs():
             "budget": 0.25, "path_predictor": str(PATH_PREDICTOR),
             "token_scheduler": {"group_size": GROUP, "max_wait_steps": MAX_WAIT}},
             max_num_seqs=32)
+        import vllm_specexpert
+
         outputs = greedy(llm)
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         stats = scheduler.token_scheduler_stats()
-        import vllm_specexpert
-
         stats["engine"] = vllm_specexpert.get_stats(llm)[0]
+        vllm_specexpert.reconfigure(llm, cache="plec")
+        stats["plec_outputs"] = greedy(llm)
+        stats["plec"] = vllm_specexpert.get_stats(llm)[0]
+        stats["plec_max_waited"] = scheduler.token_scheduler_stats()["max_waited"]
         stop_engine(llm)
     finally:
         if previous is None:
@@ -62,6 +66,22 @@ def test_grouped_decode_gives_vanillas_tokens_and_every_request_finishes(runs):
     assert len({tuple(tokens) for tokens, _ in reference}) > 16  # not degenerate
     # It did group: decode steps ran a group of 8 while others waited.
     assert stats["grouped_steps"] > 0 and stats["held"] > 0
+
+
+def test_with_plec_too_vanillas_tokens_within_the_total_budget(runs):
+    reference, _, stats = runs
+    assert [tokens for tokens, _ in stats["plec_outputs"]] == [t for t, _ in reference]
+    assert all(reason == "length" for _, reason in stats["plec_outputs"])
+    assert stats["plec_max_waited"] <= MAX_WAIT
+    plec = stats["plec"]
+    assert plec["config"]["cache"] == "plec"
+    # The step's predicted experts were loaded ahead, and slots moved between layers
+    # (every layer holding exactly its 16 is what a per-layer pool does), never past
+    # the total of 8 x 16.
+    assert plec["total"]["decode"]["prefetched"] > 0
+    resident = plec["resident_per_layer"].values()
+    assert sum(resident) <= sum(plec["slots_per_layer"].values()) == 8 * 16
+    assert len(set(resident)) > 1, plec["resident_per_layer"]
 
 
 def test_no_request_waits_longer_than_max_wait_steps(runs):

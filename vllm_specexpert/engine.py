@@ -400,7 +400,7 @@ class OffloadEngine:
             stats.path_needed += len(used)
             stats.path_covered += int(np.count_nonzero(demand.layers[layer.index][used]))
             if self.pool is not None and demand is not self._planned_step:
-                self._plan_step(demand)
+                self._plan_step(demand, layer)
 
         before_kernel = None
         if upcoming is not None:
@@ -449,16 +449,18 @@ class OffloadEngine:
         nxt.stats.decode.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
         nxt.loader.prefetch(wanted)
 
-    def _plan_step(self, demand: StepDemand) -> None:
-        """A step starts (``plec``): its predicted demand becomes every layer's
-        lookahead, and its predicted experts are loaded, the first layers' first and
-        each layer's most demanded first, into the slots that hold nothing predicted."""
+    def _plan_step(self, demand: StepDemand, first: OffloadedLayer) -> None:
+        """A step starts at layer ``first`` (``plec``): its predicted demand becomes
+        every layer's lookahead, and the predicted experts of the layers after ``first``
+        (whose router has already chosen) are loaded, the nearest layers' first and each
+        layer's most demanded first, into the slots that hold nothing predicted."""
         self._planned_step = demand
         pool = self.pool
         for layer in self.layers.values():
             row = demand.layers.get(layer.index)
             pool.lookahead[layer.cache.index] = 0 if row is None else row
-        self._preload(self.layers.values())
+        later = list(self.layers.values())
+        self._preload(later[later.index(first) + 1:])
 
     def _plan_after(self, layer: OffloadedLayer, demand: StepDemand) -> None:
         """Layer ``layer`` ran its step (``plec``): what it will be asked next is the

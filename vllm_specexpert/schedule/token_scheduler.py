@@ -7,8 +7,9 @@ before the step's batch is formed, with no extra IPC. (In the worker, its predic
 would come back through ``ModelRunnerOutput`` a step late under async scheduling.)
 
 Every step, the predicted demand of the decode requests it scheduled (per MoE layer,
-predicted tokens per expert) goes to the workers attached to vLLM's ``SchedulerOutput``
-(:mod:`vllm_specexpert.layers.step_demand`). With ``token_scheduler`` set, it also
+predicted tokens per expert), and under grouping that of the group expected to run next,
+goes to the workers attached to vLLM's ``SchedulerOutput``
+(:mod:`vllm_specexpert.layers.step_demand`), where ``cache: plec`` loads by it. With ``token_scheduler`` set, it also
 groups decode sequences:
 
 Each step, before vLLM's own scheduling:
