@@ -118,10 +118,14 @@ def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert
     assert layer2.misses == 0
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(seed):
+@pytest.mark.parametrize("seed,link", [
+    (0, {}), (1, {}),
+    # Emulated: loads queue on the link, and a slot taken from a queued preload cancels
+    # that copy (an expert not copied must not stay resident).
+    (2, {"bandwidth_gbps": 0.05, "latency_us": 50})])
+def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(seed, link):
     rng = np.random.default_rng(seed)
-    engine = make_engine()
+    engine = make_engine(link=link)
     shares = set()
     for step in range(30):
         tokens = int(rng.integers(1, 6))

@@ -97,13 +97,7 @@ class ExpertLoader:
         if not len(missing):
             return 0
         slots = self._take_slots(len(missing), keep=experts)
-        if self.link.cancellable:
-            for expert, slot in zip(missing, slots):
-                self.prefetches[int(expert)] = self._load(
-                    np.array([expert]), np.array([slot]), prefetch=True, admitted=admitted)
-        else:
-            transfer = self._load(missing, slots, prefetch=True, admitted=admitted)
-            self.prefetches.update(dict.fromkeys(missing.tolist(), transfer))
+        self.prefetches.update(zip(missing.tolist(), self._load_ahead(missing, slots, admitted)))
         cache.protected[missing] = True
         return len(missing)
 
@@ -113,7 +107,7 @@ class ExpertLoader:
         ``plec``) keeps them, and a copy not yet landed is retired like any other when
         its slot is taken. Counted as prefetched."""
         if len(experts):
-            self._load(experts, self._take_slots(len(experts), keep=experts), prefetch=True)
+            self._load_ahead(experts, self._take_slots(len(experts), keep=experts))
 
     def admit(self, expert: int) -> bool:
         """Load ``expert`` in the background if the link is idle (it was just computed
@@ -211,6 +205,16 @@ class ExpertLoader:
         for slot in slots.tolist():
             self.in_flight[slot] = transfer
         return transfer
+
+    def _load_ahead(self, experts: np.ndarray, slots: np.ndarray,
+                    admitted: bool = False) -> list[Transfer]:
+        """Queue a load of ``experts`` into ``slots`` ahead of use; returns each
+        expert's transfer. Where the link can cancel a queued transfer, one per expert:
+        retiring one expert's slot must not cancel the others' copies."""
+        if self.link.cancellable:
+            return [self._load(experts[i:i + 1], slots[i:i + 1], prefetch=True,
+                               admitted=admitted) for i in range(len(experts))]
+        return [self._load(experts, slots, prefetch=True, admitted=admitted)] * len(experts)
 
     def _wait_for(self, experts: np.ndarray) -> None:
         """Block until the slots of ``experts`` hold their data (no-op when nothing
