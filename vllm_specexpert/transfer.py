@@ -228,6 +228,8 @@ class _CpuTransfer(Transfer):
         return self.ready_at is not None and self.ready_at <= now
 
     def wait(self) -> float:
+        if self.cancelled:  # it would never land: a bookkeeping bug, not a slow link
+            raise RuntimeError("specexpert: waited for a cancelled expert copy")
         start = time.perf_counter()
         self.perform()
         if self.error is not None:
