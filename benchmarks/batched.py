@@ -15,12 +15,13 @@ greedy, ``--max-tokens`` each, on the emulated link (MODELED: one expert copy ta
 computes experts ``host_slowdown`` times slower than this CPU; see ``common.py``).
 
 Modes: vanilla; ``fetch`` (on-demand, LRU), ``cpu`` and ``auto``, each alone, "+ PLEC"
-(``cache: plec`` at the same total budget), "+ token scheduler" and "+ both".
+(``cache: plec`` at the same total budget), "+ token scheduler" and "+ both"; and
+``fetch`` with LFU, for the cache comparison.
 
 Reports per run: output tok/s (prefill included, as ``vllm bench throughput``), decode
 steps, distinct (layer, expert) pairs requested per decode step, MB moved per decode
-token, decode hit rate, and p50/p99 of the per-request TPOT (vLLM's request
-timestamps). For the cache question it also reports the pairs a step needs and a floor
+token, decode hit rate (per request, and per distinct pair a call needs), and p50/p99
+of the per-request TPOT (vLLM's request timestamps). For the cache question it also reports the pairs a step needs and a floor
 on the loads any cache policy needs to serve them, ``max(0, needed - total slots)`` per
 step: how much a predictive cache (ExpertFlow's PLEC) could save at most against LRU.
 Writes ``benchmarks/results/batched.json`` and ``batched.png``.
@@ -99,6 +100,9 @@ def cache_figures(llm) -> dict:
         "mb_per_token": total["bytes_loaded"] / tokens / 1e6,
         "min_mb_per_token": floor * expert_mb * steps / tokens,
         "hit_rate": total["hit_rate"],
+        # Per distinct (layer, expert) a call needs; hit_rate counts a request again each
+        # time a call that does not fit runs another token group.
+        "needed_hit_rate": 1 - total["misses"] / max(total["experts_needed"], 1),
         "host_entries_per_token": total["host_entries"] / tokens,
     }
 
@@ -164,7 +168,7 @@ def main() -> None:
         "token_scheduler": {"group_size": args.group_size,
                             "max_wait_steps": args.max_wait_steps}}, **common)
     link, _, _ = link_like_a_gpu_box(vanilla, plugin, args)
-    modes = (("", plugin, "lru"), (" + PLEC", predicted, "plec"),
+    modes = (("", plugin, "lru"), (" + LFU", plugin, "lfu"), (" + PLEC", predicted, "plec"),
              (" + token scheduler", grouped, "lru"), (" + both", grouped, "plec"))
     rows = []
     for batch in args.batches:
@@ -177,6 +181,8 @@ def main() -> None:
         for budget in args.budgets:
             for policy in args.policies:
                 for name, llm, cache in modes:
+                    if cache == "lfu" and policy != "fetch":
+                        continue  # the cache comparison is made under fetch
                     vllm_specexpert.reconfigure(llm, budget=budget, miss_policy=policy,
                                                 cache=cache, link=link)
                     vllm_specexpert.reset_stats(llm)
