@@ -2,7 +2,8 @@
 token scheduler (ExpertFlow §3.3) and the predictive cache (``plec``, §3.4).
 
     python benchmarks/batched.py [--batches 8 16 32 64] [--budgets 0.25 0.5]
-                                 [--policies fetch cpu auto] [--max-tokens 16]
+                                 [--policies fetch cpu auto] [--plec-preload none]
+                                 [--max-tokens 16]
                                  [--group-size 16] [--max-wait-steps 4]
 
 Four engines side by side in this process: vanilla vLLM; the plugin; the plugin with
@@ -146,6 +147,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--plec-preload", default="none", choices=("none", "step", "next"))
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-wait-steps", type=int, default=4)
@@ -184,7 +186,8 @@ def main() -> None:
                     if cache == "lfu" and policy != "fetch":
                         continue  # the cache comparison is made under fetch
                     vllm_specexpert.reconfigure(llm, budget=budget, miss_policy=policy,
-                                                cache=cache, link=link)
+                                                cache=cache, plec_preload=args.plec_preload,
+                                                link=link)
                     vllm_specexpert.reset_stats(llm)
                     result = run(llm, batch_prompts, args.max_tokens)
                     row = {"mode": f"{policy}{name}", "batch": batch, "budget": budget,
@@ -201,6 +204,7 @@ def main() -> None:
     result = {
         "command": command_line(), "model": model, "batches": args.batches,
         "budgets": args.budgets, "max_tokens": args.max_tokens,
+        "plec_preload": args.plec_preload,
         "token_scheduler": {"group_size": args.group_size,
                             "max_wait_steps": args.max_wait_steps},
         "modeled": modeled(link, args.copy_compute_ratio), "rows": rows,

@@ -17,8 +17,9 @@ NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
 LAYER_TENSORS = {name: random_layer(num_experts=E, hidden=H, seed=i) for i, name in enumerate(NAMES)}
 
 
-def make_engine(cache="plec", budget=0.25, **config):
+def make_engine(cache="plec", budget=0.25, plec_preload="next", **config):
     config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache,
+                                         "plec_preload": plec_preload,
                                          "path_predictor": "/rpp", **config})
     engine = OffloadEngine(config, torch.device("cpu"))
     for index, name in enumerate(NAMES):
@@ -59,9 +60,12 @@ def distinct(rng, tokens) -> np.ndarray:
     return np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)])
 
 
-def test_plec_needs_a_path_predictor():
+def test_plec_needs_a_path_predictor_and_a_known_preload():
     with pytest.raises(SpecExpertConfigError, match="'cache'.*path_predictor"):
         SpecExpertConfig.from_dict({"cache": "plec"})
+    with pytest.raises(SpecExpertConfigError, match="'plec_preload'"):
+        SpecExpertConfig.from_dict({"cache": "plec", "path_predictor": "/rpp",
+                                    "plec_preload": "all"})
 
 
 def test_one_pool_at_the_total_budget_shared_by_every_layer():
@@ -96,9 +100,9 @@ def test_slots_follow_the_predicted_demand_across_layers():
     for name in NAMES:
         check_cache_invariants(engine.layers[name].loader, settle=True)
 
-    lru = make_engine(cache="lru")
-    run_step(lru, routes, demand_of(routes, 4))
-    assert lru.stats()["total"]["decode"]["misses"] > 0
+    for other in (make_engine(cache="lru"), make_engine(plec_preload="none")):
+        run_step(other, routes, demand_of(routes, 4))
+        assert other.stats()["total"]["decode"]["misses"] > 0
 
 
 def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert():

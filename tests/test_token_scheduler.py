@@ -46,7 +46,7 @@ def runs():
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         stats = scheduler.token_scheduler_stats()
         stats["engine"] = vllm_specexpert.get_stats(llm)[0]
-        vllm_specexpert.reconfigure(llm, cache="plec")
+        vllm_specexpert.reconfigure(llm, cache="plec", plec_preload="next")
         stats["plec_outputs"] = greedy(llm)
         stats["plec"] = vllm_specexpert.get_stats(llm)[0]
         stats["plec_max_waited"] = scheduler.token_scheduler_stats()["max_waited"]

@@ -19,6 +19,7 @@ ADDITIONAL_CONFIG_KEY = "specexpert"
 CACHE_POLICIES = ("lru", "lfu", "static", "plec")
 PREDICTORS = ("none", "router", "quasi_hidden")
 PREFETCH_FILTERS = ("cost", "all")
+PLEC_PRELOADS = ("none", "step", "next")
 
 
 class SpecExpertConfigError(ValueError):
@@ -152,6 +153,16 @@ class SpecExpertConfig:
     layer's router on this layer's router input s_l), ``quasi_hidden`` (next router on
     q_l = LN_{l+1}(d_l + r_l) with default vectors d from ``calibration``)."""
 
+    plec_preload: str = "none"
+    """What ``cache: plec`` loads ahead of demand, beyond choosing victims by the
+    predicted uses still to come. ``none`` (default): nothing. ``step``: when a step
+    starts, the predicted experts of its later layers, into slots that hold nothing
+    predicted. ``next``: that, and under the token scheduler, after each layer the
+    predicted experts of the group expected to run next step. Measured on the embedded
+    model (``benchmarks/results/batched.json``), preloading raised hit rates but not
+    throughput, and under the token scheduler it moved 5-25 % more bytes (mispredicted
+    experts), hence the default."""
+
     prefetch_filter: str = "cost"
     """Which predicted experts ``fetch`` prefetches. ``cost`` (default): only those
     whose chance of being used (the layer's measured precision per predicted rank)
@@ -234,6 +245,9 @@ class SpecExpertConfig:
             )
         if "predictor" in raw:
             kwargs["predictor"] = _parse_choice("predictor", raw["predictor"], PREDICTORS)
+        if "plec_preload" in raw:
+            kwargs["plec_preload"] = _parse_choice("plec_preload", raw["plec_preload"],
+                                                   PLEC_PRELOADS)
         if "prefetch_filter" in raw:
             kwargs["prefetch_filter"] = _parse_choice("prefetch_filter", raw["prefetch_filter"],
                                                       PREFETCH_FILTERS)

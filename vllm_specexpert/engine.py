@@ -451,27 +451,31 @@ class OffloadEngine:
 
     def _plan_step(self, demand: StepDemand, first: OffloadedLayer) -> None:
         """A step starts at layer ``first`` (``plec``): its predicted demand becomes
-        every layer's lookahead, and the predicted experts of the layers after ``first``
-        (whose router has already chosen) are loaded, the nearest layers' first and each
-        layer's most demanded first, into the slots that hold nothing predicted."""
+        every layer's lookahead, and (``plec_preload``) the predicted experts of the
+        layers after ``first`` (whose router has already chosen) are loaded, the nearest
+        layers' first and each layer's most demanded first, into the slots that hold
+        nothing predicted."""
         self._planned_step = demand
         pool = self.pool
         for layer in self.layers.values():
             row = demand.layers.get(layer.index)
             pool.lookahead[layer.cache.index] = 0 if row is None else row
-        later = list(self.layers.values())
-        self._preload(later[later.index(first) + 1:])
+        if self.config.plec_preload != "none":
+            later = list(self.layers.values())
+            self._preload(later[later.index(first) + 1:])
 
     def _plan_after(self, layer: OffloadedLayer, demand: StepDemand) -> None:
         """Layer ``layer`` ran its step (``plec``): what it will be asked next is the
-        group the token scheduler runs next step, whose predicted experts are loaded now
-        (group g+1's loads overlap group g's compute). Without such a prediction the same
+        group the token scheduler runs next step, whose predicted experts become its
+        lookahead and (``plec_preload: next``) are loaded now (group g+1's loads overlap
+        group g's compute). Without such a prediction the same
         requests run next, and the step's demand stays as the lookahead."""
         if demand.next_layers is None:
             return
         row = demand.next_layers.get(layer.index)
         self.pool.lookahead[layer.cache.index] = 0 if row is None else row
-        self._preload([layer])
+        if self.config.plec_preload == "next":
+            self._preload([layer])
 
     def _preload(self, layers) -> None:
         """Load the predicted, non-resident experts of ``layers`` (in that order, most
