@@ -301,8 +301,7 @@ class OffloadEngine:
             self._predictions.clear()
             for layer in self.layers.values():
                 layer.cache = layer.loader = None  # free the old pools before the new ones
-            self.pool, self._planned_step = None, None
-            self.pool = self._make_pool(config)
+            self.pool, self._planned_step = self._make_pool(config), None
             for layer in self.layers.values():
                 layer.cache = self._make_cache(layer.name, layer.top_k)
                 layer.loader = ExpertLoader(layer.cache, self.link)
