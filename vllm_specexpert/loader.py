@@ -2,8 +2,9 @@
 
 The loader is the only thing that writes slots after warm start. It asks the
 :class:`ExpertCache` for slots (evicting by its policy), records the new residency,
-submits the copy to the :class:`Link`, and remembers which slot still waits for which
-copy:
+submits the copy to the :class:`Link`, and records in the :class:`SlotPool` which slot
+still waits for which copy (in a shared pool a victim's copy may belong to another
+layer's loader):
 
 * using a slot whose copy has not landed waits for it (counted as stall);
 * reusing a slot for another expert first retires its copy (dropped if it has not
