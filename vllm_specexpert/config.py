@@ -160,8 +160,8 @@ class SpecExpertConfig:
     predicted. ``next``: that, and under the token scheduler, after each layer the
     predicted experts of the group expected to run next step. Measured on the embedded
     model (``benchmarks/results/batched.json``), preloading raised hit rates but not
-    throughput, and under the token scheduler it moved 5-25 % more bytes (mispredicted
-    experts), hence the default."""
+    throughput, and under the token scheduler it moved up to 21 % more bytes
+    (mispredicted experts), hence the default."""
 
     prefetch_filter: str = "cost"
     """Which predicted experts ``fetch`` prefetches. ``cost`` (default): only those
