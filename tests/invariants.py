@@ -32,14 +32,14 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     mapped = np.flatnonzero(cache.expert_slot >= 0)
     held = sum(int(np.count_nonzero(c.expert_slot >= 0)) for c in cache.pool.caches)
     assert held <= budget, f"{held} experts mapped to {budget} slots"
-    assert np.array_equal(np.flatnonzero(cache.pool.owner == cache.index),
-                          np.flatnonzero(cache.slot_expert >= 0)), "pool owner != slot map"
     for expert in mapped:
         slot = cache.expert_slot[expert]
         assert cache.slot_expert[slot] == expert, f"expert {expert} -> slot {slot}, which holds {cache.slot_expert[slot]}"
     for slot, expert in enumerate(cache.slot_expert):
         if expert >= 0:
             assert cache.expert_slot[expert] == slot, f"slot {slot} holds {expert}, mapped to {cache.expert_slot[expert]}"
+    assert np.array_equal(np.flatnonzero(cache.pool.owner == cache.index),
+                          np.flatnonzero(cache.slot_expert >= 0)), "pool owner != slot map"
     compared = 0
     for slot, expert in enumerate(cache.slot_expert):
         if expert < 0 or slot in loader.in_flight:
