@@ -122,7 +122,7 @@ def plot(result: dict, path: Path, title: str) -> None:
             mine = [r for r in rows if r["mode"] == mode]
             axes[0][col].plot([r["batch"] for r in mine], [r["tok_s"] for r in mine],
                               marker="o", label=mode)
-            if mode != "vanilla":
+            if mode != "vanilla" and any(r["mb_per_token"] for r in mine):
                 axes[1][col].plot([r["batch"] for r in mine], [r["mb_per_token"] for r in mine],
                                   marker="o", label=mode)
             if mode == "fetch":
