@@ -122,6 +122,24 @@ def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert
     assert layer2.misses == 0
 
 
+def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first():
+    """Layers run 0, 1, 2, 0, ...: with no prediction, a miss in layer 1 takes its own
+    unused slots (its turn is a whole step away) before those of layers 2 and 0, even
+    when theirs were used longer ago (plain LRU would take layer 0's, next but one)."""
+    engine = make_engine(plec_preload="none")
+    assert all(resident(engine, i) == {0, 1, 2, 3} for i in range(LAYERS))
+    run_step(engine, {0: np.array([[0, 1]]), 1: np.array([[0, 1], [2, 3]]),
+                      2: np.array([[2, 3]])}, None)
+    engine.step_demand = None
+    name = NAMES[1]
+    ids = torch.tensor([[9, 10]], dtype=torch.int32)
+    engine.run(NAMES[0], slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K,
+               torch.tensor([[0, 1]], dtype=torch.int32))
+    engine.run(name, slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K, ids)
+    assert resident(engine, 0) == {0, 1, 2, 3} and resident(engine, 2) == {0, 1, 2, 3}
+    assert {9, 10} <= resident(engine, 1) and len(resident(engine, 1)) == 4
+
+
 @pytest.mark.parametrize("seed,link", [
     (0, {}), (1, {}),
     # Emulated: loads queue on the link, and a slot taken from a queued preload cancels

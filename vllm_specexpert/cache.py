@@ -182,14 +182,16 @@ class SlotPool:
         or protected experts. ``demand``: the requester's per-expert count of later uses
         in the same call (those go last). A layer's own pool: its policy's order, the
         least demanded first. A shared pool: every layer's evictable experts, the
-        fewest predicted uses still to come first, then the least recently used."""
+        fewest predicted uses still to come first, then the layer whose turn comes
+        last, then the least recently used."""
         if not self.shared:
             candidates = requester.policy.order(requester.evictable(keep))
             if demand is not None:
                 # Stable sort keeps the policy order among equal demand.
                 candidates = candidates[np.argsort(demand[candidates], kind="stable")]
             return np.full(len(candidates), requester.index, dtype=np.int32), candidates
-        owners, experts, scores, recency = [], [], [], []
+        owners, experts, scores, turns, recency = [], [], [], [], []
+        layers = len(self.caches)
         for cache in self.caches:
             candidates = cache.evictable(keep if cache is requester else _NO_EXPERTS)
             score = self.lookahead[cache.index][candidates]
@@ -198,8 +200,15 @@ class SlotPool:
             owners.append(np.full(len(candidates), cache.index, dtype=np.int32))
             experts.append(candidates)
             scores.append(score)
+            # Layers run in pool order, one after another: among equal predictions the
+            # layer whose turn comes last goes first (the requester's own, a whole step
+            # away: 0 here), Belady's rule on the cyclic layer order. Recency alone
+            # would evict the layers that ran longest ago, the next ones to run.
+            turns.append(np.full(len(candidates),
+                                 (requester.index - cache.index) % layers))
             recency.append(cache.policy.last_used[candidates])
-        order = np.lexsort((np.concatenate(recency), np.concatenate(scores)))
+        order = np.lexsort((np.concatenate(recency), np.concatenate(turns),
+                            np.concatenate(scores)))
         return np.concatenate(owners)[order], np.concatenate(experts)[order]
 
 
