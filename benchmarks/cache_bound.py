@@ -199,6 +199,48 @@ def plec_loads(schedule: list[Step], routes: list[np.ndarray], believed: list[np
     return loads
 
 
+def engine_loads(schedule: list[Step], routes: list[np.ndarray],
+                 believed: list[np.ndarray], cache: str, budget: float,
+                 experts: int) -> int:
+    """The plugin's own engine (``fetch``, no vLLM) replaying the schedule, as the
+    scheduler would drive it: each step's ``StepDemand`` from the ``believed`` routes,
+    every layer called with the step's true routes. Tiny random weights: only the loads
+    are counted."""
+    from vllm_specexpert.config import SpecExpertConfig
+    from vllm_specexpert.engine import OffloadEngine
+    from vllm_specexpert.phases import StepDemand
+
+    layers, top_k = routes[0].shape[1], routes[0].shape[2]
+    config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache,
+                                         "path_predictor": "(replayed)"})
+    engine = OffloadEngine(config, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    names = [f"model.layers.{i}.mlp.experts" for i in range(layers)]
+    for index, name in enumerate(names):
+        engine.add_layer(name, {"w13_weight": torch.randn(experts, 32, 16, generator=g).bfloat16(),
+                                "w2_weight": torch.randn(experts, 16, 16, generator=g).bfloat16()},
+                         top_k=top_k, index=index)
+    engine.start()
+
+    def counts(entries):
+        total = sum(believed[i][s] for i, s in entries).reshape(layers, experts)
+        return {layer: total[layer].astype(np.int64) for layer in range(layers)}
+
+    def kernel(x, topk_weights, ids, slots, expert_map=None):
+        return torch.zeros_like(x)
+
+    for run, expected in schedule:
+        engine.step_demand = StepDemand(tokens=len(run), layers=counts(run),
+                                        next_layers=counts(expected) if expected else None)
+        for layer, name in enumerate(names):
+            ids = torch.from_numpy(np.stack([routes[i][s, layer] for i, s in run])).to(torch.int32)
+            x = torch.zeros(len(run), 16, dtype=torch.bfloat16)
+            engine.run(name, kernel, x, torch.full(ids.shape, 1 / top_k), ids)
+    loads = engine.stats()["total"]["decode"]["loads"]
+    engine.close()
+    return loads
+
+
 def predicted_sets(tokens, layers: int, experts: int) -> list[np.ndarray]:
     """The path predictor's routes per request and decode step, ``[S, L*E]`` bool."""
     from vllm_specexpert.predict.path import load_path_predictor
@@ -260,6 +302,12 @@ def main() -> None:
         "plec (true routes)": lambda schedule: plec_loads(schedule, routes, believed["true"],
                                                           total_slots, experts),
         "min-shared": lambda schedule: min_loads(calls_of(schedule, routes), total_slots),
+        "engine lru": lambda schedule: engine_loads(schedule, routes, believed["predicted"],
+                                                    "lru", args.budget, experts),
+        "engine plec": lambda schedule: engine_loads(schedule, routes, believed["predicted"],
+                                                     "plec", args.budget, experts),
+        "engine plec (true routes)": lambda schedule: engine_loads(
+            schedule, routes, believed["true"], "plec", args.budget, experts),
     }
     rows = []
     for schedule_name, schedule in schedules.items():

@@ -181,9 +181,10 @@ class SlotPool:
         ``requester``, the first to go first; never ``keep`` (of ``requester``), pinned
         or protected experts. ``demand``: the requester's per-expert count of later uses
         in the same call (those go last). A layer's own pool: its policy's order, the
-        least demanded first. A shared pool: every layer's evictable experts, the
-        fewest predicted uses still to come first, then the layer whose turn comes
-        last, then the least recently used."""
+        least demanded first. A shared pool: every layer's evictable experts, those
+        with no predicted use still to come first, then (Belady's rule, the next use
+        known only by layer) the layer whose turn comes last, the fewest predicted uses,
+        the least recently used."""
         if not self.shared:
             candidates = requester.policy.order(requester.evictable(keep))
             if demand is not None:
@@ -200,15 +201,16 @@ class SlotPool:
             owners.append(np.full(len(candidates), cache.index, dtype=np.int32))
             experts.append(candidates)
             scores.append(score)
-            # Layers run in pool order, one after another: among equal predictions the
-            # layer whose turn comes last goes first (the requester's own, a whole step
-            # away: 0 here), Belady's rule on the cyclic layer order. Recency alone
-            # would evict the layers that ran longest ago, the next ones to run.
+            # Layers run in pool order, one after another: the layer whose turn comes
+            # last goes first (the requester's own, a whole step away: 0 here), Belady's
+            # rule on the cyclic layer order. Recency alone would evict the layers that
+            # ran longest ago, the next ones to run.
             turns.append(np.full(len(candidates),
                                  (requester.index - cache.index) % layers))
             recency.append(cache.policy.last_used[candidates])
-        order = np.lexsort((np.concatenate(recency), np.concatenate(turns),
-                            np.concatenate(scores)))
+        scores = np.concatenate(scores)
+        order = np.lexsort((np.concatenate(recency), scores, np.concatenate(turns),
+                            scores > 0))
         return np.concatenate(owners)[order], np.concatenate(experts)[order]
 
 
