@@ -1,30 +1,36 @@
-"""How few expert bytes can batched decode move at all? A clairvoyant bound for the
-token scheduler and the predictive cache (issue 12's "20 % fewer bytes than LRU").
+"""How few expert bytes can batched decode move at all? The plugin's caches against a
+clairvoyant bound, with and without the token scheduler's grouping (issue 12's "20 %
+fewer bytes than LRU").
 
-    python benchmarks/cache_bound.py [--batch 32] [--budget 0.25] [--max-tokens 16]
-                                     [--group-size 16] [--max-wait-steps 4]
+    python benchmarks/cache_bound.py [--batches 32 64] [--budgets 0.25 0.5]
+                                     [--max-tokens 16] [--group-size 16] [--max-wait-steps 4]
 
 Under ``fetch`` every request's routes are fixed by its greedy tokens, whatever the
 schedule or the cache. So this script records them once, per request and decode token
-(transformers, fp32, greedy; ``--max-tokens`` per request, the first from prefill as in
-vLLM), and replays them offline under
+(transformers, fp32, greedy, held-out prompts; ``--max-tokens`` per request, the first
+from prefill as in vLLM), and replays them offline under
 
 - **schedules**: ``all`` (every running request every step, vLLM's default) and
-  ``grouped`` (the token scheduler's rule: at most ``group_size`` per step chosen by
-  :func:`~vllm_specexpert.schedule.grouping.partition`, held-back requests skip one step,
-  none waits more than ``max_wait_steps``), once with the path predictor's routes (what
-  the scheduler sees) and once with the true routes (an oracle grouping);
-- **caches** at the same total slots (``budget`` x experts x layers): ``lru`` (a pool per
-  layer; a call is served in token order, so a call that needs more experts than its
-  pool reloads within the call, as the executor's token groups do), ``global-lru`` (one
-  pool, LRU), ``min-shared`` (one pool, clairvoyant: a call's experts all resident
-  together and, on a miss, the victim is the expert whose next call is farthest, Belady's
-  rule at call granularity: the best any cache that holds a call's experts at once can do,
-  PLEC with a perfect predictor included) and ``min-layer`` (the same, a pool per layer).
+  ``grouped`` (the token scheduler's rule: at most ``group_size`` requests per step, chosen
+  by :func:`~vllm_specexpert.schedule.grouping.partition`, none held back more than
+  ``max_wait_steps``), grouped by the path predictor's routes (what the scheduler sees)
+  and by the true ones (an oracle grouping);
+- **caches** at the same total slots (``budget`` x experts x layers):
+  - ``lru (engine)``, ``plec (engine)``: the plugin's own engine (no vLLM), driven as the
+    scheduler drives it (each step's predicted demand, the next group's under grouping);
+    ``plec (engine, true routes)``: the same with a perfect next-step predictor;
+  - ``lru once per call``: a pool per layer, LRU, each missed expert loaded once per call
+    (what an executor that may split a token's experts over kernel calls could do; the
+    exact one runs whole tokens, so a call larger than its pool reloads);
+  - ``global lru``: one pool, LRU across layers;
+  - ``belady``: one pool, clairvoyant: a call's experts resident together and, on a
+    miss, the victim is the expert whose next call is farthest (Belady's rule at call
+    granularity). No cache that runs each call at once, whatever it predicts or loads
+    ahead, loads fewer on the same schedule.
 
-Writes ``benchmarks/results/cache_bound.json``: loads and MB per decode token for every
-(schedule, cache), and the ratio to ``lru`` on ``all``. No timing, no emulated link: the
-figures are counts on the recorded routes.
+Writes ``benchmarks/results/cache_bound.json`` and ``cache_bound.png``: loads and MB per
+decode token of every (schedule, cache), and the ratio to ``lru (engine)`` on ``all``.
+No timing and no link: counts on the recorded routes.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import command_line, held_out_prompts, write_result  # noqa: E402
+from common import RESULTS, command_line, held_out_prompts, write_result  # noqa: E402
 
 from vllm_specexpert.schedule.grouping import partition  # noqa: E402
 from vllm_specexpert.tools.fixtures import ASSETS, DEFAULT_MODEL, model_path  # noqa: E402
@@ -165,40 +171,6 @@ def min_loads(calls, slots: int) -> int:
     return loads
 
 
-def plec_loads(schedule: list[Step], routes: list[np.ndarray], believed: list[np.ndarray],
-               slots: int, experts: int) -> int:
-    """The engine's ``cache: plec`` rule (no preload), one pool: the victim is the
-    resident with the fewest uses still to come by ``believed`` routes (this step's for
-    layers not run yet, the expected next group's for layers that ran; without one, this
-    step's), least recently used among equals."""
-    layers = routes[0].shape[1]
-
-    def counts(entries):
-        return sum(believed[i][s] for i, s in entries).reshape(layers, experts)
-
-    pool: dict = {}  # key -> last use
-    clock = loads = 0
-    for run, expected in schedule:
-        lookahead = counts(run).astype(np.float64)
-        following = counts(expected) if expected else None
-        for layer in range(layers):
-            need = needed_sets(run, routes, layer)
-            missing = [k for k in need if k not in pool]
-            loads += len(missing)
-            overflow = len(pool) + len(missing) - slots
-            if overflow > 0:
-                victims = sorted((k for k in pool if k not in need),
-                                 key=lambda k: (lookahead[k], pool[k]))
-                for k in victims[:overflow]:
-                    del pool[k]
-            for k in need:
-                clock += 1
-                pool[k] = clock
-            if following is not None:
-                lookahead[layer] = following[layer]
-    return loads
-
-
 def engine_loads(schedule: list[Step], routes: list[np.ndarray],
                  believed: list[np.ndarray], cache: str, budget: float,
                  experts: int) -> int:
@@ -267,8 +239,8 @@ def true_sets(routes: list[np.ndarray], experts: int) -> list[np.ndarray]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-wait-steps", type=int, default=4)
@@ -281,58 +253,88 @@ def main() -> None:
     hf = AutoConfig.from_pretrained(model_dir)
     experts, layers = hf.num_local_experts, hf.num_hidden_layers
     expert_mb = 3 * hf.hidden_size * hf.moe_intermediate_size * 2 / 1e6  # bf16
-    slots_per_layer = int(args.budget * experts)
-    total_slots = slots_per_layer * layers
-
-    routes, tokens = record_routes(model_dir, held_out_prompts(args.batch), args.max_tokens)
+    all_routes, all_tokens = record_routes(model_dir, held_out_prompts(max(args.batches)),
+                                           args.max_tokens)
     steps = args.max_tokens - 1
-    decode_tokens = args.batch * steps
-    believed = {"predicted": predicted_sets(tokens, layers, experts),
-                "true": true_sets(routes, experts)}
-    schedules = {"all": schedule_all(args.batch, steps)}
-    for name, sets in believed.items():
-        schedules[f"grouped ({name} routes)"] = schedule_grouped(
-            sets, steps, args.group_size, args.max_wait_steps)
-    caches = {
-        "lru": lambda schedule: lru_loads(calls_of(schedule, routes), slots_per_layer, True),
-        "global-lru": lambda schedule: lru_loads(calls_of(schedule, routes), total_slots,
-                                                 False),
-        "plec": lambda schedule: plec_loads(schedule, routes, believed["predicted"],
-                                            total_slots, experts),
-        "plec (true routes)": lambda schedule: plec_loads(schedule, routes, believed["true"],
-                                                          total_slots, experts),
-        "min-shared": lambda schedule: min_loads(calls_of(schedule, routes), total_slots),
-        "engine lru": lambda schedule: engine_loads(schedule, routes, believed["predicted"],
-                                                    "lru", args.budget, experts),
-        "engine plec": lambda schedule: engine_loads(schedule, routes, believed["predicted"],
-                                                     "plec", args.budget, experts),
-        "engine plec (true routes)": lambda schedule: engine_loads(
-            schedule, routes, believed["true"], "plec", args.budget, experts),
-    }
     rows = []
-    for schedule_name, schedule in schedules.items():
-        needed = sum(len(need) for _, need in calls_of(schedule, routes)) / len(schedule)
-        for cache_name, count in caches.items():
-            loads = count(schedule)
-            rows.append({
-                "schedule": schedule_name, "cache": cache_name, "steps": len(schedule),
-                "needed_per_step": needed, "loads": loads,
-                "mb_per_token": loads * expert_mb / decode_tokens,
-            })
-    base = next(r["loads"] for r in rows if r["schedule"] == "all" and r["cache"] == "lru")
-    for r in rows:
-        r["vs_lru_all"] = r["loads"] / base
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
-    path = write_result(args.name, {
-        "model": model_dir, "batch": args.batch, "budget": args.budget,
-        "max_tokens": args.max_tokens, "decode_tokens": decode_tokens,
-        "slots_per_layer": slots_per_layer, "total_slots": total_slots,
-        "expert_mb": expert_mb,
+    for batch in args.batches:
+        routes, tokens = all_routes[:batch], all_tokens[:batch]
+        believed = {"predicted": predicted_sets(tokens, layers, experts),
+                    "true": true_sets(routes, experts)}
+        schedules = {"all": schedule_all(batch, steps)}
+        for name, sets in believed.items():
+            schedules[f"grouped ({name} routes)"] = schedule_grouped(
+                sets, steps, args.group_size, args.max_wait_steps)
+        for budget in args.budgets:
+            per_layer = int(budget * experts)
+            caches = {
+                "lru (engine)": lambda s: engine_loads(s, routes, believed["predicted"],
+                                                       "lru", budget, experts),
+                "plec (engine)": lambda s: engine_loads(s, routes, believed["predicted"],
+                                                        "plec", budget, experts),
+                "plec (engine, true routes)": lambda s: engine_loads(
+                    s, routes, believed["true"], "plec", budget, experts),
+                "lru once per call": lambda s: lru_loads(calls_of(s, routes), per_layer, True),
+                "global lru": lambda s: lru_loads(calls_of(s, routes), per_layer * layers,
+                                                  False),
+                "belady": lambda s: min_loads(calls_of(s, routes), per_layer * layers),
+            }
+            mine = []
+            for schedule_name, schedule in schedules.items():
+                calls = calls_of(schedule, routes)
+                needed = sum(len(need) for _, need in calls) / len(schedule)
+                for cache_name, count in caches.items():
+                    loads = count(schedule)
+                    mine.append({
+                        "batch": batch, "budget": budget, "schedule": schedule_name,
+                        "cache": cache_name, "steps": len(schedule),
+                        "needed_per_step": needed, "loads": loads,
+                        "mb_per_token": loads * expert_mb / (batch * steps)})
+            base = mine[0]["loads"]  # lru (engine) on all
+            for row in mine:
+                row["vs_lru"] = row["loads"] / base
+                print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
+                      flush=True)
+            rows += mine
+    result = {
+        "model": model_dir, "batches": args.batches, "budgets": args.budgets,
+        "max_tokens": args.max_tokens, "expert_mb": expert_mb,
         "token_scheduler": {"group_size": args.group_size,
                             "max_wait_steps": args.max_wait_steps},
         "rows": rows,
-    })
-    print(f"wrote {path}\ncommand: {command_line()}")
+    }
+    path = write_result(args.name, result)
+    plot(result, RESULTS / f"{args.name}.png")
+    print(f"wrote {path} and {args.name}.png\ncommand: {command_line()}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = [(b, c) for b in result["batches"] for c in result["budgets"]]
+    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4.5), squeeze=False)
+    for ax, (batch, budget) in zip(axes[0], combos):
+        rows = [r for r in result["rows"] if r["batch"] == batch and r["budget"] == budget]
+        schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+        caches = list(dict.fromkeys(r["cache"] for r in rows))
+        width = 0.8 / len(caches)
+        for j, cache in enumerate(caches):
+            values = [next(r["vs_lru"] for r in rows
+                           if r["schedule"] == s and r["cache"] == cache) for s in schedules]
+            ax.bar(np.arange(len(schedules)) + j * width, values, width, label=cache)
+        ax.axhline(0.8, color="black", linestyle="--", linewidth=1, label="-20 %")
+        ax.set_xticks(np.arange(len(schedules)) + 0.4 - width / 2)
+        ax.set_xticklabels(schedules, fontsize=7)
+        ax.set(title=f"{batch} sequences, budget {budget}",
+               ylabel="expert bytes per decode token / lru (engine), all")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"recorded routes replayed; {command_line()}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
