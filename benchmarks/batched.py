@@ -185,9 +185,9 @@ def main() -> None:
                 for name, llm, cache in modes:
                     if cache == "lfu" and policy != "fetch":
                         continue  # the cache comparison is made under fetch
+                    preload = {"plec_preload": args.plec_preload} if cache == "plec" else {}
                     vllm_specexpert.reconfigure(llm, budget=budget, miss_policy=policy,
-                                                cache=cache, plec_preload=args.plec_preload,
-                                                link=link)
+                                                cache=cache, link=link, **preload)
                     vllm_specexpert.reset_stats(llm)
                     result = run(llm, batch_prompts, args.max_tokens)
                     row = {"mode": f"{policy}{name}", "batch": batch, "budget": budget,

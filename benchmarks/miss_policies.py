@@ -161,7 +161,10 @@ def main() -> None:
         for budget in budgets:
             results = {}
             for name, mode in modes.items():
-                buddy = {**DEFAULT_BUDDY, **mode.get("buddy", {})}
+                # Every mode from the same base: buddy settings reset to the defaults
+                # (given only where they apply), no host admission.
+                substitutes = mode["miss_policy"] in ("buddy", "auto_buddy", "random")
+                buddy = {**DEFAULT_BUDDY, **mode.get("buddy", {})} if substitutes else {}
                 vllm_specexpert.reconfigure(plugin, budget=budget, link=link, predictor="none",
                                             **{"admit_host_experts": False, **mode, "buddy": buddy})
                 results[name] = measure(plugin, windows, prompts, plugin=True)

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from vllm_specexpert.config import (
@@ -191,3 +193,81 @@ def test_token_scheduler_settings():
     taken = SimpleNamespace(moe_backend="auto", worker_extension_cls="", scheduler_cls="my.Sched")
     with pytest.raises(SpecExpertConfigError, match="field 'path_predictor'.*scheduler_cls"):
         prepare_engine_args(taken, config)
+
+
+# Issue 13: no bad setting that passes start and then kills or hangs the engine.
+
+@pytest.mark.parametrize("text, field", [
+    # D2: JSON's Infinity and NaN pass json.loads; they used to reach the link's clock.
+    ('{"link": {"bandwidth_gbps": 1, "latency_us": Infinity}}', "link.latency_us"),
+    ('{"link": {"bandwidth_gbps": 1, "host_slowdown": Infinity}}', "link.host_slowdown"),
+    ('{"link": {"bandwidth_gbps": Infinity}}', "link.bandwidth_gbps"),
+    ('{"budget": NaN}', "budget"),
+    ('{"stats_interval_s": Infinity, "stats_path": "/tmp/s.json"}', "stats_interval_s"),
+    # D2: a link so slow the first miss never finishes.
+    ('{"link": {"bandwidth_gbps": 1e-12}}', "link.bandwidth_gbps"),
+    ('{"link": {"bandwidth_gbps": 1, "latency_us": 1e12}}', "link.latency_us"),
+    ('{"token_scheduler": {"group_size": 0}}', "token_scheduler.group_size"),
+    ('{"exact_layers": [-1], "miss_policy": "speculate", "predictor": "router"}',
+     "exact_layers"),
+])
+def test_non_finite_and_unphysical_numbers_are_rejected(text, field):
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.from_dict(json.loads(text))
+    assert info.value.field_name == field
+    assert "range is" in info.value.fix
+
+
+@pytest.mark.parametrize("raw, field, needs", [
+    # D4: settings that do nothing under the chosen mode.
+    ({"link": {"latency_us": 10}}, "link.latency_us", "bandwidth_gbps"),
+    ({"admit_host_experts": True}, "admit_host_experts", "cpu, auto or auto_buddy"),
+    ({"buddy": {"alpha": 0.5}}, "buddy", "buddy, auto_buddy or random"),
+    ({"exact_layers": [1]}, "exact_layers", "speculate"),
+    ({"prefetch_filter": "all"}, "prefetch_filter", "predictor"),
+    ({"miss_policy": "buddy", "calibration": "c", "buddy": {"tau": 0.3, "tau_percentile": 20}},
+     "buddy.tau_percentile", "remove one"),
+    ({"plec_preload": "step"}, "plec_preload", "cache 'plec'"),
+    ({"stats_interval_s": 1}, "stats_interval_s", "stats_path"),
+])
+def test_a_setting_without_effect_is_an_error_naming_what_it_needs(raw, field, needs):
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.from_dict(raw)
+    assert info.value.field_name == field
+    assert needs in str(info.value)
+
+
+def test_defaults_given_explicitly_are_not_settings_without_effect():
+    config = SpecExpertConfig.from_dict({"admit_host_experts": False, "prefetch_filter": "cost",
+                                         "buddy": {"alpha": 0.95}, "link": {"latency_us": 0}})
+    assert config == SpecExpertConfig.from_dict({})
+
+
+def test_the_same_settings_with_their_mode_are_accepted():
+    SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 10, "latency_us": 10}})
+    SpecExpertConfig.from_dict({"miss_policy": "cpu", "admit_host_experts": True})
+    SpecExpertConfig.from_dict({"miss_policy": "random", "buddy": {"tau": 0.0}})
+    SpecExpertConfig.from_dict({"miss_policy": "speculate", "predictor": "router",
+                                "exact_layers": [1], "prefetch_filter": "all"})
+
+
+def test_a_change_is_checked_alone_and_a_mode_switch_keeps_earlier_settings():
+    config = SpecExpertConfig.from_dict({"miss_policy": "cpu", "admit_host_experts": True})
+    # Switching away leaves admit_host_experts in place (not given now): accepted ...
+    assert config.changed({"miss_policy": "fetch"}).admit_host_experts
+    # ... but giving it with a mode where it does nothing is not.
+    with pytest.raises(SpecExpertConfigError, match="'admit_host_experts'"):
+        config.changed({"miss_policy": "fetch", "admit_host_experts": True})
+
+
+def test_null_specexpert_is_an_error_not_the_defaults():
+    """D4: ``{"specexpert": null}`` used to turn the plugin on with defaults."""
+    with pytest.raises(SpecExpertConfigError, match="JSON object"):
+        SpecExpertConfig.from_additional_config({"specexpert": None})
+
+
+def test_a_huge_budget_is_reported_briefly():
+    """D5: the error used to print a 300-digit integer."""
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.from_dict({"budget": 1e300})
+    assert "1e+300" in str(info.value) and len(str(info.value)) < 200

@@ -1,4 +1,6 @@
 import json
+import logging
+import shutil
 import time
 
 import numpy as np
@@ -96,15 +98,51 @@ def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(tmp_path):
     engine.close()
 
 
-def test_unwritable_stats_path_does_not_stop_the_engine(tmp_path):
+@pytest.mark.parametrize("where", ["under a regular file", "in /proc"])
+def test_unwritable_stats_path_fails_at_start(tmp_path, where):
+    """D1: a stats_path that cannot be written is a config error when the engine starts,
+    not a crash at the first periodic write."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    engine, layers = make_engine(budget=0.5, stats_path=str(blocker / "stats.json"),
+    path = blocker / "stats.json" if where == "under a regular file" else "/proc/x/stats.json"
+    with pytest.raises(SpecExpertConfigError, match="'stats_path'.*cannot write"):
+        make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0)
+
+
+def test_stats_path_that_breaks_later_does_not_stop_the_engine(tmp_path):
+    """Writable at start, then its directory is replaced by a file: writes fail, one
+    warning is logged, and the engine keeps computing."""
+    directory = tmp_path / "stats"
+    engine, layers = make_engine(budget=0.5, stats_path=str(directory / "s.json"),
                                  stats_interval_s=0)
+    engine.write_stats()
+    assert json.loads((directory / "s.json").read_text())["rank"] == 0
+    shutil.rmtree(directory)
+    directory.write_text("")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm_specexpert.stats")
+    logger.addHandler(handler)
+    try:
+        engine.write_stats()
+        time.sleep(0.3)  # the periodic writer fails too
+        engine.write_stats()
+    finally:
+        logger.removeHandler(handler)
     x, w, ids = random_routing(2, 16, 4)
-    time.sleep(0.3)  # the writer has tried and failed at least once by now
     out = engine.run(NAMES[0], slot_kernel, x, w, ids)
     assert torch.equal(out, reference_moe(x, w, ids, *layers[NAMES[0]].values()))
+    assert [r.getMessage().startswith("specexpert: cannot write stats_path") for r in records] \
+        == [True]
+    engine.close()
+
+
+def test_exact_layers_that_are_not_moe_layers_fail_at_start():
+    """D4: ``exact_layers: [100]`` on a model with fewer layers was accepted silently."""
+    with pytest.raises(SpecExpertConfigError, match=r"'exact_layers'.*\[100\] are not MoE"):
+        make_engine(miss_policy="speculate", predictor="router", exact_layers=[1, 100])
+    engine, _ = make_engine(miss_policy="speculate", predictor="router", exact_layers=[1])
     engine.close()
 
 

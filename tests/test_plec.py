@@ -18,8 +18,8 @@ LAYER_TENSORS = {name: random_layer(num_experts=E, hidden=H, seed=i) for i, name
 
 
 def make_engine(cache="plec", budget=0.25, plec_preload="next", **config):
-    config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache,
-                                         "plec_preload": plec_preload,
+    preload = {"plec_preload": plec_preload} if cache == "plec" else {}
+    config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache, **preload,
                                          "path_predictor": "/rpp", **config})
     engine = OffloadEngine(config, torch.device("cpu"))
     for index, name in enumerate(NAMES):
@@ -184,10 +184,10 @@ def test_reconfigure_between_plec_and_lru_keeps_outputs_exact():
     rng = np.random.default_rng(3)
     routes = {i: distinct(rng, 2) for i in range(LAYERS)}
     run_step(engine, routes, demand_of(routes, 2))
-    engine.reconfigure(SpecExpertConfig.from_dict({**engine.config.to_dict(), "cache": "lru"}))
+    engine.reconfigure(engine.config.changed({"cache": "lru"}))
     assert engine.pool is None and engine.layers[NAMES[0]].cache.pool.shared is False
     run_step(engine, routes, demand_of(routes, 2))
-    engine.reconfigure(SpecExpertConfig.from_dict({**engine.config.to_dict(), "cache": "plec"}))
+    engine.reconfigure(engine.config.changed({"cache": "plec"}))
     assert engine.pool is not None and engine.pool.num_slots == LAYERS * 4
     run_step(engine, routes, demand_of(routes, 2))
     # At most 4 experts per layer, 12 together: a right prediction leaves no miss

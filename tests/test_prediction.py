@@ -8,7 +8,7 @@ import json
 import pytest
 
 import vllm_specexpert
-from vllm_harness import cache_invariants, greedy, make_llm, shutdown, vanilla_reference
+from vllm_harness import PROMPTS, cache_invariants, greedy, make_llm, shutdown, vanilla_reference
 from vllm_specexpert import SpecExpertConfigError
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL, TRAINED_MODEL_DIR, ensure_model, model_path
 
@@ -182,3 +182,21 @@ def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
     # cpu never loads a decode miss on demand: every decode load is a prefetch.
     assert total["decode"]["loads"] == total["decode"]["prefetched"] > 0
     assert total["prefill"]["host_entries"] == 0 and total["prefill"]["loads"] > 0
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"budget": 2.5}, "budget"),  # pydantic: a fraction above 1
+    ({"budget": 100}, "budget"),  # the engine: more than the layer's 64 experts
+    ({"admit_host_experts": True, "miss_policy": "fetch"}, "admit_host_experts"),
+])
+def test_a_rejected_reconfigure_is_one_error_and_leaves_the_engine_as_it_was(llm, change,
+                                                                              field):
+    """D5: a bad ``reconfigure`` raises the config error in the caller (it used to come
+    back as an RPC failure, logged with a traceback by the worker and the engine core)
+    and the engine keeps its config and keeps serving."""
+    before = vllm_specexpert.get_stats(llm)[0]["config"]
+    with pytest.raises(vllm_specexpert.SpecExpertConfigError) as info:
+        vllm_specexpert.reconfigure(llm, **change)
+    assert info.value.field_name == field
+    assert vllm_specexpert.get_stats(llm)[0]["config"] == before
+    assert len(greedy(llm)) == len(PROMPTS)

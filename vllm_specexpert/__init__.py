@@ -53,8 +53,14 @@ def get_stats(llm: Any) -> list[dict[str, Any]]:
 
 def reconfigure(llm: Any, **changes: Any) -> dict[str, Any]:
     """Change the running engine's config, e.g. ``reconfigure(llm, budget=0.25)``.
-    Caches are rebuilt without reloading weights; counters restart. Returns the config."""
-    return llm.collective_rpc("specexpert_reconfigure", args=(changes,))[0]
+    Caches are rebuilt without reloading weights; counters restart. Returns the config;
+    a bad change raises :class:`SpecExpertConfigError` and leaves the engine as it was."""
+    from vllm_specexpert.worker import CONFIG_ERROR
+
+    reply = llm.collective_rpc("specexpert_reconfigure", args=(changes,))[0]
+    if CONFIG_ERROR in reply:
+        raise SpecExpertConfigError(*reply[CONFIG_ERROR])
+    return reply
 
 
 def reset_stats(llm: Any) -> None:

@@ -108,27 +108,74 @@ def check_matches_model(manifest: dict, model: str, hf_config=None, field: str =
         )
 
 
-def load_calibration(path: str | Path, model: str | None = None, hf_config=None) -> Calibration:
-    """Read a calibration directory, checking it against ``model`` if given."""
+TENSORS = {
+    "default_vectors": lambda e, h: (e, h),
+    "counts": lambda e, h: (e,),
+    "coactivation": lambda e, h: (e, e),
+    "tae_percentiles": lambda e, h: (101,),
+    "residual_rms": lambda e, h: (1,),
+}
+"""Per MoE layer ``i``: ``layers.{i}.{name}`` and its shape for E experts, hidden size H."""
+
+
+def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
+                     num_experts: int | None = None) -> Calibration:
+    """Read a calibration directory and check all of it: the manifest, the model it was
+    made for (``model``), every tensor present with the shape the manifest's (and, when
+    given, the model's) expert count and hidden size imply, and finite values. Anything
+    wrong is one :class:`SpecExpertConfigError` naming ``calibration``."""
     from safetensors.torch import load_file
 
     path = Path(path)
+    fix = "create one with `specexpert calibrate MODEL --out DIR`"
     manifest_path = path / "manifest.json"
     if not manifest_path.exists() or not (path / WEIGHTS_FILE).exists():
         raise SpecExpertConfigError(
-            "calibration", f"{path} is not a calibration directory (no manifest.json or {WEIGHTS_FILE})",
-            "create one with `specexpert calibrate MODEL --out DIR`",
-        )
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
+            "calibration", f"{path} is not a calibration directory (no manifest.json or "
+            f"{WEIGHTS_FILE})", fix)
+
+    def bad(problem: str) -> SpecExpertConfigError:
+        return SpecExpertConfigError("calibration", problem, fix)
+
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise bad(f"{manifest_path}: not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise SpecExpertConfigError(
-            "calibration", f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}",
-            "recreate it with this version's `specexpert calibrate`",
-        )
+            "calibration", f"{path}: format {found!r}, expected {FORMAT!r}",
+            "recreate it with this version's `specexpert calibrate`")
+    layers, experts, hidden = (manifest.get(k) for k in
+                               ("moe_layer_indices", "num_experts", "hidden_size"))
+    if not (isinstance(layers, list) and layers and all(isinstance(i, int) for i in layers)
+            and isinstance(experts, int) and isinstance(hidden, int)):
+        raise bad(f"{manifest_path}: needs moe_layer_indices (a list of layer indices), "
+                  "num_experts and hidden_size (integers)")
     if model is not None:
         check_matches_model(manifest, model, hf_config)
-    tensors = load_file(str(path / WEIGHTS_FILE))
-    layers = manifest["moe_layer_indices"]
+    if num_experts is not None and experts != num_experts:
+        raise bad(f"{manifest_path}: num_experts {experts}, the model has {num_experts}")
+    model_hidden = getattr(hf_config, "hidden_size", None)
+    if model_hidden is not None and hidden != model_hidden:
+        raise bad(f"{manifest_path}: hidden_size {hidden}, the model has {model_hidden}")
+    try:
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except Exception as exc:  # truncated or not a safetensors file
+        raise bad(f"{path / WEIGHTS_FILE}: unreadable ({str(exc).splitlines()[0]})") from None
+    for i in layers:
+        for name, shape_of in TENSORS.items():
+            key, shape = f"layers.{i}.{name}", shape_of(experts, hidden)
+            if key not in tensors:
+                raise bad(f"{path / WEIGHTS_FILE}: no tensor {key} (layer {i} is in the "
+                          "manifest)")
+            tensor = tensors[key]
+            if tuple(tensor.shape) != shape:
+                raise bad(f"{key} has shape {list(tensor.shape)}, expected {list(shape)}")
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise bad(f"{key} has non-finite values")
+            if not tensor.is_floating_point() and (tensor < 0).any():
+                raise bad(f"{key} has negative counts")
     return Calibration(
         manifest,
         {i: tensors[f"layers.{i}.default_vectors"] for i in layers},

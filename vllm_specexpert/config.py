@@ -1,9 +1,20 @@
-"""SpecExpertConfig: every knob of the plugin, its default, and its validation.
+"""SpecExpertConfig: every knob of the plugin, its default, its range, and its validation.
 
 Users set it through vLLM's ``additional_config={"specexpert": {...}}`` (CLI:
-``--additional-config '{"specexpert": {...}}'``). Validation happens in two steps, both at
-engine start: :meth:`SpecExpertConfig.from_dict` checks keys, types and ranges;
-:meth:`SpecExpertConfig.slots_per_layer` checks the budget against the model's shape.
+``--additional-config '{"specexpert": {...}}'``). The classes are pydantic dataclasses
+(vLLM's config idiom): types, ranges (in each field's docstring), finiteness and unknown
+keys are checked by pydantic when :meth:`SpecExpertConfig.from_dict` builds one at engine
+start. On top of that, two rules:
+
+- **A setting must do something under the chosen mode.** A key the user sets that only
+  tunes a mode which is off (``buddy`` under ``fetch``, ``link.latency_us`` without an
+  emulated link, ``exact_layers`` without ``speculate``, ...) is an error naming what it
+  needs. Artifacts (``calibration``, ``path_predictor``) are exempt: they are loaded and
+  checked whatever the mode, and ``reconfigure`` may switch to a mode that uses them.
+- **What depends on the model** (the budget against top_k and the experts per layer,
+  ``exact_layers`` against the MoE layers, artifacts against the model's shapes) is
+  checked when the engine knows the model, still before serving.
+
 Every error is a :class:`SpecExpertConfigError` that names the field and the fix.
 """
 
@@ -11,8 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, Strict, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
 
 ADDITIONAL_CONFIG_KEY = "specexpert"
 
@@ -21,16 +35,26 @@ PREDICTORS = ("none", "router", "quasi_hidden")
 PREFETCH_FILTERS = ("cost", "all")
 PLEC_PRELOADS = ("none", "step", "next")
 
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True,
+                     frozen=True)
+"""Unknown keys, NaN and infinities are errors; docstrings are the fields' docs."""
+
+Number = Annotated[float, Strict()]
+"""A JSON number (an int is accepted; a bool or a string is not)."""
+Count = Annotated[int, Strict()]
+Flag = Annotated[bool, Strict()]
+Path = Annotated[str, Strict(), Field(min_length=1)]
+
 
 class SpecExpertConfigError(ValueError):
     """A bad ``specexpert`` setting. The message names the field and how to fix it."""
 
     def __init__(self, field_name: str, problem: str, fix: str):
-        self.field_name = field_name
+        self.field_name, self.problem, self.fix = field_name, problem, fix
         super().__init__(f"specexpert config: field '{field_name}': {problem}. Fix: {fix}")
 
 
-@dataclass(frozen=True)
+@dataclass(config=_STRICT)
 class LinkConfig:
     """The emulated link between the slow tier and the device cache.
 
@@ -41,87 +65,90 @@ class LinkConfig:
     copy time to compute time.
     """
 
-    bandwidth_gbps: float | None = None
+    bandwidth_gbps: Annotated[Number, Field(ge=0.0001, le=10_000)] | None = None
     """Emulated bandwidth in gigabytes per second (1e9 bytes/s, not gigabits).
     PCIe 4.0 x16 moves about 25 GB/s host-to-device in practice; PCIe 3.0 x16 about 12.
-    ``None`` (default): no emulation, copies take what the memcpy takes."""
+    ``None`` (default): no emulation, copies take what the memcpy takes.
+    Range: [0.0001, 10000] GB/s (the low end is for tiny test models)."""
 
-    latency_us: float = 0.0
+    latency_us: Annotated[Number, Field(ge=0, le=1_000_000)] = 0.0
     """Fixed emulated cost in microseconds of each copy (launch + DMA setup); an expert
     is one copy per weight tensor (2 for ``w13`` + ``w2``). Only used when
-    ``bandwidth_gbps`` is set."""
+    ``bandwidth_gbps`` is set. Range: [0, 1e6] us."""
 
-    host_slowdown: float = 14.0
+    host_slowdown: Annotated[Number, Field(ge=1, le=1000)] = 14.0
     """Emulated speed of the host for the ``cpu`` and ``auto`` miss policies: an expert
     computed on the host from the slow tier counts as ready only ``host_slowdown`` times
     its measured time on this processor after it started (the device ran the hits
     meanwhile). Default 14: decode-time expert compute is memory-bound, and an
     RTX-4090-class GPU (~1000 GB/s) reads weights about 14x faster than a dual-channel
     DDR5 desktop CPU (~70 GB/s) (an estimate). Only used when ``bandwidth_gbps`` is set;
-    without emulation the host compute takes what it takes."""
+    without emulation the host compute takes what it takes. Range: [1, 1000]."""
 
     @property
     def emulated(self) -> bool:
         return self.bandwidth_gbps is not None
 
 
-@dataclass(frozen=True)
+@dataclass(config=_STRICT)
 class TokenSchedulerConfig:
     """The token scheduler (ExpertFlow §3.3; ``token_scheduler: {}`` for these defaults).
     When more decode sequences are runnable than ``group_size``, each step runs one group
     of them whose predicted routes (``path_predictor``) overlap most; the others keep
     their KV blocks and wait. Prefill is never held back."""
 
-    group_size: int = 8
-    """Decode sequences run per step when more are runnable (1 <= group_size <= 4096)."""
-    max_wait_steps: int = 4
-    """Consecutive steps a runnable decode sequence may be held back (0 <= n <= 1000):
-    once it has waited this long it runs in the next step's group, whatever its route."""
+    group_size: Annotated[Count, Field(ge=1, le=4096)] = 8
+    """Decode sequences run per step when more are runnable. Range: [1, 4096]."""
+    max_wait_steps: Annotated[Count, Field(ge=0, le=1000)] = 4
+    """Consecutive steps a runnable decode sequence may be held back: once it has waited
+    this long it runs in the next step's group, whatever its route. Range: [0, 1000]."""
 
 
-@dataclass(frozen=True)
+@dataclass(config=_STRICT)
 class BuddyConfig:
     """BuddyMoE's substitution settings (``buddy``, ``auto_buddy`` and ``random`` miss
     policies; ``../shared/papers/buddymoe.txt`` §3). Defaults: the paper's best setting
     (α = 0.95, |B| <= 16, ρ = 3) and a TAE gate at the 15th percentile (its 10-20 range)."""
 
-    alpha: float = 0.95
+    alpha: Annotated[Number, Field(gt=0, le=1)] = 0.95
     """Cumulative Frequency Threshold of the buddy lists, in (0, 1]: an expert's buddies are
-    its most co-activated peers until their share of its co-activations reaches alpha."""
+    its most co-activated peers until their share of its co-activations reaches alpha.
+    Range: (0, 1]."""
 
-    k_max: int = 16
-    """Longest buddy list per expert."""
+    k_max: Annotated[Count, Field(ge=1, le=65536)] = 16
+    """Longest buddy list per expert. Range: [1, 65536]."""
 
-    tau: float | None = None
+    tau: Annotated[Number, Field(ge=0, le=1)] | None = None
     """Token Activating Entropy gate in [0, 1]: a token whose normalised routing entropy
     is <= tau keeps its experts (fetch). ``None`` (default): per layer, the
-    ``tau_percentile``-th percentile of the calibration's TAE distribution."""
+    ``tau_percentile``-th percentile of the calibration's TAE distribution. Range: [0, 1]."""
 
-    tau_percentile: float = 15.0
+    tau_percentile: Annotated[Number, Field(ge=0, le=100)] = 15.0
     """Percentile (0-100) of each layer's calibrated TAE used as tau when ``tau`` is
-    unset: about this share of tokens is never substituted."""
+    unset: about this share of tokens is never substituted. Range: [0, 100]."""
 
-    beta: float = 0.75
+    beta: Annotated[Number, Field(gt=0, le=1)] = 0.75
     """Batch distribution gate in (0, 1]: no substitution in a layer call where this share
     or more of the distinct requested experts is missing (broad substitution compounds
-    errors; the paper leaves the value to the deployment, this default is ours)."""
+    errors; the paper leaves the value to the deployment, this default is ours). Range: (0, 1]."""
 
-    rho: int = 3
-    """Replacement budget: at most this many substituted experts per token."""
+    rho: Annotated[Count, Field(ge=1, le=65536)] = 3
+    """Replacement budget: at most this many substituted experts per token. Range: [1, 65536]."""
 
 
-@dataclass(frozen=True)
+@dataclass(config=_STRICT)
 class SpecExpertConfig:
     """Configuration of the offload-aware MoE layer. Every field has a safe default."""
 
     budget: float | int = 0.5
     """How many routed experts of each MoE layer may be resident on the device.
     A float in (0, 1] is a fraction of the layer's routed experts (rounded down);
-    an int >= 2 is a count per layer (``1`` reads as 1.0, all experts). Must leave room for at least ``top_k`` experts
-    (one token's experts) and cannot exceed the number of experts. 1.0 keeps every
-    expert resident (no transfers after warm-up)."""
+    an int >= 2 is a count per layer (``1`` reads as 1.0, all experts). Must leave room
+    for at least ``top_k`` experts (one token's experts) and cannot exceed the number of
+    experts. 1.0 keeps every expert resident (no transfers after warm-up).
+    Range: (0, 1] as a fraction, [2, 65536] as a count."""
 
-    cache: str = "lru"
+    cache: Literal["lru", "lfu", "static", "plec"] = "lru"
     """Eviction policy of the device cache: ``lru`` (least recently used), ``lfu``
     (least frequently used, ties by recency) or ``static`` (the first
     ``slots - top_k`` experts stay resident for good; the remaining ``top_k`` slots
@@ -129,10 +156,11 @@ class SpecExpertConfig:
     (ExpertFlow's predictive locality-aware cache; needs ``path_predictor``): every
     layer's slots in one pool of the same total size, going to whichever layer the
     predicted demand of the step wants; the step's predicted experts are prefetched
-    when it starts, and a load evicts the (layer, expert) with the fewest predicted uses
-    still to come, the least recently used among equals. Exact under ``fetch``."""
+    when it starts (``plec_preload``), and a load evicts first what no prediction needs,
+    then from the layer whose turn comes last, then the fewest predicted uses, then the
+    least recently used. Exact under ``fetch``."""
 
-    miss_policy: str = "fetch"
+    miss_policy: Annotated[str, Strict()] = "fetch"
     """What a layer does when the router picks a non-resident expert for a decode token
     (prefill tokens always fetch: they run exactly). Exact: ``fetch`` (load it on
     demand over the link, then run it: output identical to vanilla vLLM). Equivalent
@@ -147,13 +175,13 @@ class SpecExpertConfig:
     rest), ``random`` (BuddyMoE's baseline: a random resident expert, same gates),
     ``drop`` (run only the resident experts, weights renormalised)."""
 
-    predictor: str = "none"
+    predictor: Literal["none", "router", "quasi_hidden"] = "none"
     """How the next layer's experts are predicted, for prefetching (and for
     ``speculate``): ``none`` (no prefetch: on-demand loading only), ``router`` (next
     layer's router on this layer's router input s_l), ``quasi_hidden`` (next router on
     q_l = LN_{l+1}(d_l + r_l) with default vectors d from ``calibration``)."""
 
-    plec_preload: str = "none"
+    plec_preload: Literal["none", "step", "next"] = "none"
     """What ``cache: plec`` loads ahead of demand, beyond choosing victims by the
     predicted uses still to come. ``none`` (default): nothing. ``step``: when a step
     starts, the predicted experts of its later layers, into slots that hold nothing
@@ -163,7 +191,7 @@ class SpecExpertConfig:
     throughput, and under the token scheduler it moved up to 21 % more bytes
     (mispredicted experts), hence the default."""
 
-    prefetch_filter: str = "cost"
+    prefetch_filter: Literal["cost", "all"] = "cost"
     """Which predicted experts ``fetch`` prefetches. ``cost`` (default): only those
     whose chance of being used (the layer's measured precision per predicted rank)
     pays for their link time, ``p > t_copy / (t_copy + min(t_copy, t_window))``: a
@@ -171,11 +199,11 @@ class SpecExpertConfig:
     predicted expert, as in the paper. Under ``speculate`` all predicted experts are
     prefetched either way (they all run)."""
 
-    calibration: str | None = None
+    calibration: Path | None = None
     """Directory written by ``specexpert calibrate`` for this model (default vectors,
     routing counts, co-activation). Required by ``predictor: quasi_hidden``."""
 
-    path_predictor: str | None = None
+    path_predictor: Path | None = None
     """Directory written by ``specexpert train-path`` for this model: the routing-path
     predictor (ExpertFlow §3.2), every MoE layer's experts of a token from its last
     token ids. Checked against the model at engine start. It installs the plugin's
@@ -188,12 +216,12 @@ class SpecExpertConfig:
     """Group decode sequences by predicted route, one group per step (see
     :class:`TokenSchedulerConfig`; ``{}`` for its defaults). Needs ``path_predictor``."""
 
-    exact_layers: tuple[int, ...] | None = None
+    exact_layers: tuple[Annotated[Count, Field(ge=0)], ...] | None = None
     """Decoder-layer indices that always run their router's experts under
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
-    layer to predict it anyway)."""
+    layer to predict it anyway). Range: indices of the model's MoE decoder layers."""
 
-    admit_host_experts: bool = False
+    admit_host_experts: Flag = False
     """Under ``cpu``, ``auto`` and ``auto_buddy``: after a layer call computed missing
     experts on the host, load the one with the most tokens into the cache in the
     background if the link is idle (evicting by ``cache`` policy), so that the cache keeps
@@ -204,82 +232,74 @@ class SpecExpertConfig:
     cache keeps its warm-start experts under ``cpu`` (static placement, as in
     llama.cpp/KTransformers)."""
 
-    buddy: BuddyConfig = field(default_factory=BuddyConfig)
+    buddy: BuddyConfig = Field(default_factory=BuddyConfig)
     """Substitution settings of ``buddy``, ``auto_buddy`` and ``random``, see
     :class:`BuddyConfig`."""
 
-    link: LinkConfig = field(default_factory=LinkConfig)
+    link: LinkConfig = Field(default_factory=LinkConfig)
     """Emulated link (CPU only), see :class:`LinkConfig`."""
 
-    stats_path: str | None = None
+    stats_path: Path | None = None
     """If set, per-layer statistics (hits, misses, bytes moved, seconds stalled) are
     written there as JSON by each worker (``{rank}`` in the path is replaced by the
     worker rank), every ``stats_interval_s`` and at every ``specexpert_stats`` call."""
 
-    stats_interval_s: float = 10.0
-    """Minimum seconds between two periodic writes of ``stats_path``."""
+    stats_interval_s: Annotated[Number, Field(ge=0, le=86_400)] = 10.0
+    """Minimum seconds between two periodic writes of ``stats_path``. Range: [0, 86400] s."""
 
-    # ------------------------------------------------------------------ parsing
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> float | int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"must be finite, got {value}")
+        if isinstance(value, float) and value.is_integer() and value > 1:
+            value = int(value)
+        if isinstance(value, int):
+            if not 1 <= value <= MAX_EXPERTS:
+                raise ValueError(f"count must be in [1, {MAX_EXPERTS}], got {value:.6g}")
+            # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
+            return 1.0 if value == 1 else value
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {value:.6g}")
+        return float(value)
+
+    @field_validator("miss_policy")
+    @classmethod
+    def _miss_policy(cls, value: str) -> str:
+        choices = tuple(_miss_policy_classes())
+        if value not in choices:
+            raise ValueError(f"unsupported value {value!r}; use one of {', '.join(choices)}")
+        return value
+
+    @field_validator("exact_layers")
+    @classmethod
+    def _exact_layers(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        return None if value is None else tuple(sorted(set(value)))
 
     @classmethod
-    def from_dict(cls, raw: Any) -> SpecExpertConfig:
-        """Build and validate a config from the user's ``specexpert`` dict."""
-        if raw is None:
-            raw = {}
+    def from_dict(cls, raw: Any, explicit: set[str] | None = None) -> SpecExpertConfig:
+        """Build and validate a config from the user's ``specexpert`` dict.
+        ``explicit``: the keys the user set (default: those of ``raw``), which must each
+        have an effect under the chosen mode (``reconfigure`` passes its changes only)."""
         if not isinstance(raw, dict):
             raise SpecExpertConfigError(
-                ADDITIONAL_CONFIG_KEY,
-                f"must be a JSON object, got {type(raw).__name__}",
-                'pass e.g. {"specexpert": {"budget": 0.5}}',
-            )
-        _reject_unknown(raw, cls, prefix="")
-        kwargs: dict[str, Any] = {}
-
-        if "budget" in raw:
-            kwargs["budget"] = _parse_budget(raw["budget"])
-        if "cache" in raw:
-            kwargs["cache"] = _parse_choice("cache", raw["cache"], CACHE_POLICIES)
-        if "miss_policy" in raw:
-            kwargs["miss_policy"] = _parse_choice(
-                "miss_policy", raw["miss_policy"], tuple(_miss_policy_classes())
-            )
-        if "predictor" in raw:
-            kwargs["predictor"] = _parse_choice("predictor", raw["predictor"], PREDICTORS)
-        if "plec_preload" in raw:
-            kwargs["plec_preload"] = _parse_choice("plec_preload", raw["plec_preload"],
-                                                   PLEC_PRELOADS)
-        if "prefetch_filter" in raw:
-            kwargs["prefetch_filter"] = _parse_choice("prefetch_filter", raw["prefetch_filter"],
-                                                      PREFETCH_FILTERS)
-        if "calibration" in raw:
-            kwargs["calibration"] = _parse_optional_path("calibration", raw["calibration"],
-                                                         'e.g. "calibration": "/path/to/calib"')
-        if "path_predictor" in raw:
-            kwargs["path_predictor"] = _parse_optional_path(
-                "path_predictor", raw["path_predictor"], 'e.g. "path_predictor": "/path/to/rpp"')
-        if raw.get("token_scheduler") is not None:
-            kwargs["token_scheduler"] = _parse_token_scheduler(raw["token_scheduler"])
-        if "exact_layers" in raw:
-            kwargs["exact_layers"] = _parse_layers("exact_layers", raw["exact_layers"])
-        if "admit_host_experts" in raw:
-            if not isinstance(raw["admit_host_experts"], bool):
-                raise SpecExpertConfigError(
-                    "admit_host_experts", f"must be true or false, got {raw['admit_host_experts']!r}",
-                    "give a boolean")
-            kwargs["admit_host_experts"] = raw["admit_host_experts"]
-        if "link" in raw:
-            kwargs["link"] = _parse_link(raw["link"])
-        if "buddy" in raw:
-            kwargs["buddy"] = _parse_buddy(raw["buddy"])
-        if "stats_path" in raw:
-            kwargs["stats_path"] = _parse_optional_path(
-                "stats_path", raw["stats_path"], 'e.g. "stats_path": "/tmp/specexpert-stats.json"')
-        if "stats_interval_s" in raw:
-            kwargs["stats_interval_s"] = _parse_number(
-                "stats_interval_s", raw["stats_interval_s"], minimum=0.0, inclusive=True
-            )
-        config = cls(**kwargs)
+                ADDITIONAL_CONFIG_KEY, f"must be a JSON object, got {type(raw).__name__}",
+                'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)')
+        raw = dict(raw)
+        for key in ("token_scheduler", "link", "buddy"):
+            if key in raw and raw[key] is None:
+                del raw[key]  # null: the defaults (token_scheduler: off)
+        try:
+            config = cls(**raw)
+        except ValidationError as error:
+            raise _config_error(error, cls) from None
+        except TypeError as error:  # a nested object given as something else
+            raise SpecExpertConfigError(ADDITIONAL_CONFIG_KEY, str(error),
+                                        "give each section as a JSON object") from None
         config._check_combination()
+        config._check_effect(raw, set(raw) if explicit is None else explicit)
         return config
 
     def _check_combination(self) -> None:
@@ -311,6 +331,52 @@ class SpecExpertConfig:
                 "path_predictor", "token_scheduler groups sequences by predicted route, and no "
                 "path predictor is set",
                 "run `specexpert train-path MODEL --out DIR` and set \"path_predictor\": \"DIR\"")
+
+    def _check_effect(self, raw: dict, explicit: set[str]) -> None:
+        """A setting the user gave a value other than its default must do something
+        under the chosen mode."""
+        policy = self.miss_policy_class
+        defaults = {"link": LinkConfig(), "buddy": BuddyConfig()}
+
+        def given(key: str) -> bool:
+            section, _, name = key.partition(".")
+            if section not in explicit:
+                return False
+            if section in defaults:
+                mine, default = getattr(self, section), defaults[section]
+                names = [name] if name else [f.name for f in dataclasses.fields(mine)]
+                return any(getattr(mine, n) != getattr(default, n) for n in names)
+            return getattr(self, key) != _default_of(key)
+
+        def needs(key: str, what: str, fix: str) -> None:
+            if given(key):
+                raise SpecExpertConfigError(key, f"has no effect {what}", fix)
+
+        if not self.link.emulated:
+            for key in ("link.latency_us", "link.host_slowdown"):
+                needs(key, "without an emulated link (link.bandwidth_gbps is unset)",
+                      "set link.bandwidth_gbps too, or remove it")
+        if not policy.computes_on_host:
+            needs("admit_host_experts", f"under miss_policy '{self.miss_policy}' (it admits "
+                  "experts computed on the host)", "use miss_policy cpu, auto or auto_buddy, "
+                  "or remove it")
+        if not policy.substitutes:
+            needs("buddy", f"under miss_policy '{self.miss_policy}' (it tunes substitution)",
+                  "use miss_policy buddy, auto_buddy or random, or remove it")
+        if given("buddy.tau") and given("buddy.tau_percentile") and self.buddy.tau is not None:
+            raise SpecExpertConfigError(
+                "buddy.tau_percentile", "has no effect when buddy.tau is set (the percentile "
+                "only chooses tau when it is unset)", "remove one of the two")
+        if not policy.speculates:
+            needs("exact_layers", f"under miss_policy '{self.miss_policy}' (only speculate "
+                  "runs predicted experts)", "use miss_policy speculate, or remove it")
+        if self.predictor == "none":
+            needs("prefetch_filter", "with predictor 'none' (nothing is prefetched)",
+                  "set predictor 'router' or 'quasi_hidden', or remove it")
+        if self.cache != "plec":
+            needs("plec_preload", f"with cache '{self.cache}'", "use cache 'plec', or remove it")
+        if self.stats_path is None:
+            needs("stats_interval_s", "without stats_path", "set stats_path, or remove it")
 
     @property
     def miss_policy_class(self):
@@ -345,6 +411,11 @@ class SpecExpertConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def changed(self, changes: dict[str, Any]) -> SpecExpertConfig:
+        """This config with ``changes`` (``reconfigure``): only the changed keys must have
+        an effect; a section given (``link``, ``buddy``) replaces the current one."""
+        return self.from_dict({**self.to_dict(), **changes}, explicit=set(changes))
 
     # ------------------------------------------------------- model-dependent checks
 
@@ -381,163 +452,60 @@ def _miss_policy_classes() -> dict:
     return MISS_POLICY_CLASSES
 
 
-def _reject_unknown(raw: dict, cls: type, prefix: str) -> None:
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in known:
-            raise SpecExpertConfigError(
-                f"{prefix}{key}",
-                "unknown key",
-                f"remove it; known keys are {', '.join(prefix + k for k in known)}",
-            )
+def _default_of(name: str) -> Any:
+    field = SpecExpertConfig.__dataclass_fields__[name]
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
-def _parse_budget(value: Any) -> float | int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecExpertConfigError(
-            "budget",
-            f"must be a number, got {value!r}",
-            "use a fraction in (0, 1], e.g. 0.5, or an integer count of experts per layer",
-        )
-    if isinstance(value, float) and value.is_integer() and value > 1:
-        value = int(value)
-    if isinstance(value, int):
-        if value < 1:
-            raise SpecExpertConfigError(
-                "budget", f"count must be >= 1, got {value}",
-                "use a positive count, or a fraction in (0, 1]",
-            )
-        if value == 1:
-            # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
-            return 1.0
-        return value
-    if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise SpecExpertConfigError(
-            "budget", f"fraction must be in (0, 1], got {value}",
-            "use e.g. 0.25, 0.5 or 1.0, or an integer count of experts per layer",
-        )
-    return float(value)
+MAX_EXPERTS = 65536
+"""The largest budget count accepted (no model has more routed experts per layer)."""
 
 
-def _parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise SpecExpertConfigError(
-            name, f"unsupported value {value!r}", f"use one of {', '.join(choices)}"
-        )
-    return value
+def _config_error(error: ValidationError, cls: type) -> SpecExpertConfigError:
+    """The first of pydantic's errors as one :class:`SpecExpertConfigError`."""
+    first = error.errors(include_url=False)[0]
+    loc = tuple(part for part in first["loc"] if isinstance(part, str))  # no list indices
+    field_name = ".".join(loc) or ADDITIONAL_CONFIG_KEY
+    owner = _section_class(cls, loc[:-1])
+    kind, value = first["type"], first.get("input")
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        known = ", ".join(f.name for f in dataclasses.fields(owner))
+        return SpecExpertConfigError(field_name, "unknown key",
+                                     f"remove it; known keys here are {known}")
+    if kind == "value_error":
+        problem = str(first["ctx"]["error"])
+    else:
+        shown = f"{value:.6g}" if isinstance(value, float) else repr(value)
+        problem = f"{first['msg'][0].lower()}{first['msg'][1:]}, got {shown}"
+    if kind == "literal_error":
+        return SpecExpertConfigError(field_name, problem, "use one of those values")
+    if kind in ("dataclass_type", "dict_type", "model_type"):
+        return SpecExpertConfigError(field_name, problem, "give a JSON object ({} for the "
+                                     "defaults)")
+    if kind == "bool_type":
+        return SpecExpertConfigError(field_name, problem, "give true or false")
+    if kind == "string_type" or kind == "string_too_short":
+        return SpecExpertConfigError(field_name, problem, "give a path (a non-empty string), "
+                                     "or null")
+    return SpecExpertConfigError(field_name, problem, _fix_from_docs(owner, loc[-1]))
 
 
-def _parse_number(name: str, value: Any, minimum: float, inclusive: bool,
-                  integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise SpecExpertConfigError(name, f"must be a number, got {value!r}", "give a number")
-    if integer and not float(value).is_integer():
-        raise SpecExpertConfigError(name, f"must be an integer, got {value!r}", "give an integer")
-    ok = value >= minimum if inclusive else value > minimum
-    if not ok:
-        bound = ">=" if inclusive else ">"
-        raise SpecExpertConfigError(
-            name, f"must be {bound} {minimum}, got {value}", f"give a value {bound} {minimum}"
-        )
-    return float(value)
+def _section_class(cls: type, loc: tuple) -> type:
+    sections = {"link": LinkConfig, "buddy": BuddyConfig, "token_scheduler": TokenSchedulerConfig}
+    return sections[loc[-1]] if loc and loc[-1] in sections else cls
 
 
-def _parse_optional_path(name: str, value: Any, example: str) -> str | None:
-    if value is not None and not (isinstance(value, str) and value):
-        raise SpecExpertConfigError(name, f"must be a non-empty string or null, got {value!r}",
-                                    f"give a path, {example}")
-    return value
-
-
-def _parse_layers(name: str, value: Any) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
-        raise SpecExpertConfigError(name, f"must be a list of layer indices, got {value!r}",
-                                    "give decoder-layer indices, e.g. [0, 1]")
-    return tuple(sorted(set(value)))
-
-
-def _parse_link(raw: Any) -> LinkConfig:
-    if raw is None:
-        return LinkConfig()
-    if not isinstance(raw, dict):
-        raise SpecExpertConfigError(
-            "link", f"must be an object, got {raw!r}",
-            'use e.g. {"bandwidth_gbps": 16, "latency_us": 10}',
-        )
-    _reject_unknown(raw, LinkConfig, prefix="link.")
-    bandwidth = raw.get("bandwidth_gbps")
-    if bandwidth is not None:
-        bandwidth = _parse_number("link.bandwidth_gbps", bandwidth, 0.0, inclusive=False)
-    latency = _parse_number("link.latency_us", raw.get("latency_us", 0.0), 0.0, inclusive=True)
-    kwargs = {}
-    if "host_slowdown" in raw:
-        if bandwidth is None and raw["host_slowdown"] != LinkConfig.host_slowdown:
-            raise SpecExpertConfigError(
-                "link.host_slowdown", "only applies to an emulated link, and bandwidth_gbps is unset",
-                "set link.bandwidth_gbps too, or remove host_slowdown",
-            )
-        kwargs["host_slowdown"] = _parse_number("link.host_slowdown", raw["host_slowdown"], 1.0,
-                                                inclusive=True)
-    return LinkConfig(bandwidth_gbps=bandwidth, latency_us=latency, **kwargs)
-
-
-def _parse_token_scheduler(raw: Any) -> TokenSchedulerConfig:
-    if not isinstance(raw, dict):
-        raise SpecExpertConfigError(
-            "token_scheduler", f"must be an object, got {raw!r}",
-            'use {} for the defaults, or e.g. {"group_size": 8, "max_wait_steps": 4}')
-    _reject_unknown(raw, TokenSchedulerConfig, prefix="token_scheduler.")
-    kwargs = {}
-    for name, low, high in (("group_size", 1, 4096), ("max_wait_steps", 0, 1000)):
-        if name in raw:
-            value = int(_parse_number(f"token_scheduler.{name}", raw[name], low, inclusive=True,
-                                      integer=True))
-            if value > high:
-                raise SpecExpertConfigError(f"token_scheduler.{name}",
-                                            f"must be at most {high}, got {value}",
-                                            f"give a value in [{low}, {high}]")
-            kwargs[name] = value
-    return TokenSchedulerConfig(**kwargs)
-
-
-def _parse_buddy(raw: Any) -> BuddyConfig:
-    if raw is None:
-        return BuddyConfig()
-    if not isinstance(raw, dict):
-        raise SpecExpertConfigError(
-            "buddy", f"must be an object, got {raw!r}", 'use e.g. {"alpha": 0.95, "rho": 3}')
-    _reject_unknown(raw, BuddyConfig, prefix="buddy.")
-    kwargs: dict[str, Any] = {}
-    if "alpha" in raw:
-        kwargs["alpha"] = _parse_fraction("buddy.alpha", raw["alpha"], zero_ok=False)
-    if "k_max" in raw:
-        kwargs["k_max"] = int(_parse_number("buddy.k_max", raw["k_max"], 1, True, integer=True))
-    if raw.get("tau") is not None:
-        kwargs["tau"] = _parse_fraction("buddy.tau", raw["tau"], zero_ok=True)
-    if "tau_percentile" in raw:
-        value = _parse_number("buddy.tau_percentile", raw["tau_percentile"], 0.0, True)
-        if value > 100:
-            raise SpecExpertConfigError("buddy.tau_percentile", f"must be <= 100, got {value}",
-                                        "give a percentile in [0, 100], e.g. 15")
-        kwargs["tau_percentile"] = value
-    if "beta" in raw:
-        kwargs["beta"] = _parse_fraction("buddy.beta", raw["beta"], zero_ok=False)
-    if "rho" in raw:
-        kwargs["rho"] = int(_parse_number("buddy.rho", raw["rho"], 1, True, integer=True))
-    return BuddyConfig(**kwargs)
-
-
-def _parse_fraction(name: str, value: Any, zero_ok: bool) -> float:
-    value = _parse_number(name, value, 0.0, inclusive=zero_ok)
-    if value > 1.0:
-        low = "[0" if zero_ok else "(0"
-        raise SpecExpertConfigError(name, f"must be in {low}, 1], got {value}",
-                                    f"give a value in {low}, 1]")
-    return value
+def _fix_from_docs(owner: type, name: str) -> str:
+    """The field's range from its docstring ("Range: ..."), or its first sentence."""
+    info = owner.__pydantic_fields__.get(name)
+    doc = " ".join((info.description or "").split()) if info is not None else ""
+    match = re.search(r"Range: (.+?)\.(?:\s|$)", doc)
+    if match:
+        return f"the range is {match.group(1)}"
+    first = re.split(r"(?<=\.)\s", doc)[0]
+    return f"'{name}' is {first[0].lower()}{first[1:]}" if first else "see the config docs"
 
 
 class SpecExpertUnsupportedError(ValueError):

@@ -159,6 +159,23 @@ def write_json_atomic(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def check_writable(path: str) -> None:
+    """Raise a config error naming ``stats_path`` unless a file can be written at
+    ``path`` (checked at engine start: a later failure is only logged)."""
+    from vllm_specexpert.config import SpecExpertConfigError
+
+    probe = f"{path}.probe.{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise SpecExpertConfigError(
+            "stats_path", f"cannot write {path}: {error.strerror or error}",
+            "give a path in a writable directory, or remove stats_path") from None
+
+
 class StatsWriter:
     """Writes ``snapshot()`` to ``path`` every ``interval_s`` seconds from a daemon
     thread (never from the forward pass), and once more at :meth:`close`. A failed write

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_specexpert.config import SpecExpertConfigError
+
+CONFIG_ERROR = "specexpert_config_error"
+"""Key of a rejected ``reconfigure``'s reply: ``[field, problem, fix]``."""
+
 
 class SpecExpertWorkerExtension:
     def _specexpert_engine(self):
@@ -28,11 +33,15 @@ class SpecExpertWorkerExtension:
         """Apply config ``changes`` (e.g. ``{"budget": 0.25}``) to the running engine:
         caches are rebuilt at the new budget without reloading the model. Returns the
         new config."""
-        from vllm_specexpert.config import SpecExpertConfig
 
         engine = self._specexpert_engine()
-        config = SpecExpertConfig.from_dict({**engine.config.to_dict(), **changes})
-        engine.reconfigure(config)
+        try:
+            config = engine.config.changed(changes)
+            engine.reconfigure(config)
+        except SpecExpertConfigError as error:
+            # Returned, not raised: a raise here would be logged with its traceback by
+            # the worker and again by the engine core, for a user's typo.
+            return {CONFIG_ERROR: [error.field_name, error.problem, error.fix]}
         return config.to_dict()
 
     def specexpert_reset_stats(self) -> None:

@@ -127,8 +127,9 @@ def load_path_predictor(path: str | Path, model: str | None = None,
             f"or {WEIGHTS_FILE})", fix)
     try:
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            found = manifest.get("format") if isinstance(manifest, dict) else manifest
+            raise ValueError(f"format {found!r}, expected {FORMAT!r}")
         shape = PathPredictorShape(**manifest["shape"])
         layer_indices = [int(i) for i in manifest["moe_layer_indices"]]
         if len(layer_indices) != shape.num_layers:
