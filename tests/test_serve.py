@@ -40,7 +40,7 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
         [*SPECEXPERT, "serve", model, "--host", "127.0.0.1", "--port", str(port),
-         "--enforce-eager", "--max-model-len", "512",
+         "--enforce-eager", "--max-model-len", "512", "--plugins", "specexpert",
          "--additional-config", config],
         stdout=log, stderr=subprocess.STDOUT,
     )
@@ -76,10 +76,52 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
         assert stats["total"]["prefill"]["misses"] > 0 and stats["link"]["bytes"] > 0
         assert stats["output"] == "approximate"
         assert stats["total"]["decode"]["speculated_calls"] > 0
+        check_metrics_match_stats(port, stats_path, model)
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
+
+
+def scrape(port: int) -> dict[tuple, float]:
+    """``/metrics`` as ``{(name, sorted labels): value}`` for the specexpert series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name.startswith("specexpert_")}
+
+
+def check_metrics_match_stats(port: int, stats_path, model: str) -> None:
+    """After traffic, the scraped series equal the worker's own stats (stats_path),
+    layer by layer and phase by phase; snapshots are at most a second old."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = json.loads(stats_path.read_text())
+        metrics = scrape(port)
+        expected = {}
+        for name, layer in stats["layers"].items():
+            index = str(stats["layer_index"][name])
+            for phase in ("decode", "prefill"):
+                base = {"model_name": model, "engine": "0", "layer": index, "phase": phase}
+                for field, metric in (("hits", "hits"), ("misses", "misses"),
+                                      ("bytes_loaded", "bytes_loaded"),
+                                      ("speculated_calls", "speculated_calls"),
+                                      ("stall_s", "stall_seconds")):
+                    key = (f"specexpert_{metric}_total", tuple(sorted(base.items())))
+                    expected[key] = layer[phase][field]
+            key = ("specexpert_resident_experts",
+                   tuple(sorted({"model_name": model, "engine": "0", "layer": index}.items())))
+            expected[key] = stats["resident_per_layer"][name]
+        found = {k: metrics.get(k) for k in expected}
+        if found == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert found == expected
+    assert sum(v for k, v in expected.items() if k[0] == "specexpert_hits_total") > 0
+    info = [k for k in metrics if k[0] == "specexpert_info"]
+    assert [dict(k[1])["miss_policy"] for k in info] == ["speculate"]
 
 
 def test_bench_throughput_runs_with_the_plugin(tmp_path):

@@ -22,6 +22,8 @@ experts, loaded on demand. Decode tokens go through the modes (see
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_specexpert import metrics
 from vllm_specexpert.cache import ExpertCache, SlotPool
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.host import HostExperts, HostKernel
@@ -49,7 +52,7 @@ from vllm_specexpert.predict import (
     worth_threshold,
 )
 from vllm_specexpert.staging import HostReader, upload
-from vllm_specexpert.stats import LayerStats, PhaseStats, StatsWriter
+from vllm_specexpert.stats import LayerStats, PhaseStats, StatsWriter, check_writable
 from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import make_link
 
@@ -112,6 +115,8 @@ class OffloadEngine:
         self._lock = threading.Lock()
         """Held while the layers change (reconfigure) or are read by another thread."""
         self._stats_writer: StatsWriter | None = None
+        self._metrics_writer: StatsWriter | None = None
+        """Snapshots for the server's ``/metrics`` (:mod:`vllm_specexpert.metrics`)."""
 
     # ------------------------------------------------------------------ setup
 
@@ -167,7 +172,14 @@ class OffloadEngine:
         if self._stats_writer is not None:
             self._stats_writer.close()
             self._stats_writer = None
+        directory = os.environ.get(metrics.DIRECTORY_ENV)
+        if directory and self._metrics_writer is None:
+            model_name = os.environ.get(metrics.MODEL_NAME_ENV, "")
+            self._metrics_writer = StatsWriter(
+                metrics.snapshot_path(directory), metrics.SNAPSHOT_INTERVAL_S,
+                lambda: {**self.stats(), "model_name": model_name})
         if self.config.stats_path:
+            check_writable(self.stats_file)
             self._stats_writer = StatsWriter(self.stats_file, self.config.stats_interval_s,
                                              self.stats)
 
@@ -223,6 +235,12 @@ class OffloadEngine:
                 "co-activation counts and TAE percentiles, loaded at engine start",
                 "start the engine with 'calibration' set to a directory from "
                 "`specexpert calibrate` for this model")
+        moe_layers = sorted(layer.index for layer in self.layers.values())
+        unknown = sorted(set(config.exact_layers or ()) - set(moe_layers))
+        if unknown:
+            raise SpecExpertConfigError(
+                "exact_layers", f"{unknown} are not MoE layers of this model",
+                f"give indices among its MoE layers {moe_layers}")
         if config.predictor == "quasi_hidden" and not self.default_vectors:
             raise SpecExpertConfigError(
                 "predictor", "quasi_hidden needs the calibration's default vectors, loaded "
@@ -526,6 +544,7 @@ class OffloadEngine:
                 "summary": self.summary(),
                 "decode_tokens": first.decode.tokens,
                 "prefill_tokens": first.prefill.tokens,
+                "layer_index": {n: la.index for n, la in self.layers.items()},
                 "slots_per_layer": {n: la.cache.num_slots for n, la in self.layers.items()},
                 "resident_per_layer": {n: la.cache.num_resident()
                                        for n, la in self.layers.items()},
@@ -562,4 +581,9 @@ class OffloadEngine:
     def close(self) -> None:
         if self._stats_writer is not None:
             self._stats_writer.close()
+        if self._metrics_writer is not None:
+            self._metrics_writer.close()
+            with contextlib.suppress(OSError):  # a closed engine leaves /metrics
+                os.remove(self._metrics_writer.path)
+            self._metrics_writer = None
         self.link.close()

@@ -11,14 +11,22 @@ config exists. It installs two things, both inert unless ``additional_config`` h
   after loading and likewise turn back into vLLM's classes when the key is absent;
 * a check around ``EngineArgs.create_engine_config`` that validates the config against
   the model in the calling process, so a bad setting fails at once with one clear error
-  instead of inside a worker, and that enables the stats RPCs (worker extension).
+  instead of inside a worker, and that enables the stats RPCs (worker extension);
+* a ``--plugins NAME[,NAME...]`` flag on vLLM's engine arguments (``vllm serve``,
+  ``vllm bench``, ``specexpert serve``): vLLM 0.32 only has ``VLLM_PLUGINS``. vLLM loads
+  general plugins inside ``AsyncEngineArgs.add_cli_args`` before it builds the parser,
+  so the flag can be added there; parsing it checks the names against the installed
+  ``vllm.general_plugins`` and sets ``VLLM_PLUGINS`` for the engine processes (started
+  after parsing, they inherit it).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
 
-from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.log import init_logger
 
 logger = init_logger(__name__)
@@ -37,6 +45,53 @@ def register() -> None:
         RoutedExperts.register_oot(OffloadedRoutedExperts, name="RoutedExperts")
         register_models()
     _wrap_create_engine_config()
+    _add_plugins_flag()
+
+
+PLUGIN_GROUP = "vllm.general_plugins"
+
+
+def installed_plugins() -> list[str]:
+    """Names of the installed ``vllm.general_plugins`` entry points."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)})
+
+
+class PluginsAction(argparse.Action):
+    """``--plugins a,b`` (or ``--plugins a b``): check the names, set ``VLLM_PLUGINS``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = [n for value in values for n in value.split(",") if n]
+        installed = installed_plugins()
+        unknown = [n for n in names if n not in installed]
+        if not names or unknown:
+            parser.error(f"{option_string}: unknown plugin {', '.join(unknown) or '(none)'}; "
+                         f"installed vLLM general plugins: {', '.join(installed) or 'none'}")
+        os.environ["VLLM_PLUGINS"] = ",".join(names)
+        setattr(namespace, self.dest, names)
+
+
+def _add_plugins_flag() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.add_cli_args
+    if getattr(original, "_specexpert_plugins", False):
+        return
+
+    @functools.wraps(original)
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        if "--plugins" not in parser._option_string_actions:
+            parser.add_argument(
+                "--plugins", nargs="+", action=PluginsAction, metavar="NAME",
+                help="vLLM general plugins to load in the engine processes (sets "
+                     "VLLM_PLUGINS), e.g. --plugins specexpert. Added by the specexpert "
+                     "plugin; installed: " + ", ".join(installed_plugins()))
+        return parser
+
+    add_cli_args._specexpert_plugins = True
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
 
 
 def _wrap_create_engine_config() -> None:
@@ -50,7 +105,13 @@ def _wrap_create_engine_config() -> None:
     def create_engine_config(self, *args, **kwargs):
         config = SpecExpertConfig.from_additional_config(self.additional_config)
         if config is not None:
+            _check_loaded_in_engine_processes()
             prepare_engine_args(self, config)
+        if config is not None:
+            from vllm_specexpert import metrics
+
+            names = getattr(self, "served_model_name", None) or self.model
+            metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
         vllm_config = original(self, *args, **kwargs)
         if config is not None:
             validate_engine_config(vllm_config, config)
@@ -58,6 +119,18 @@ def _wrap_create_engine_config() -> None:
 
     create_engine_config._specexpert_checked = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_loaded_in_engine_processes() -> None:
+    """``additional_config`` configures the plugin, but ``VLLM_PLUGINS`` (or
+    ``--plugins``) would keep it out of the engine processes: its config would be
+    ignored there."""
+    names = os.environ.get("VLLM_PLUGINS")
+    if names is not None and "specexpert" not in names.split(","):
+        raise SpecExpertConfigError(
+            "specexpert", f"additional_config configures the plugin, but VLLM_PLUGINS="
+            f"{names!r} leaves it out of the engine processes",
+            "add specexpert to --plugins (or VLLM_PLUGINS), or remove the specexpert key")
 
 
 def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> None:
@@ -81,7 +154,6 @@ def _install_scheduler(engine_args) -> None:
     subclass, which predicts each step's experts (and groups decode sequences under
     ``token_scheduler``). It runs in the engine-core process, where general plugins are
     loaded first."""
-    from vllm_specexpert.config import SpecExpertConfigError
     from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
 
     current = getattr(engine_args, "scheduler_cls", None)
@@ -150,11 +222,20 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     model_config = vllm_config.model_config
     shape = moe_shape(model_config.hf_config)
     config.slots_per_layer(shape.num_experts, shape.top_k)
+    if config.stats_path is not None:
+        from vllm_specexpert.stats import check_writable
+
+        check_writable(config.stats_path.replace("{rank}", "0"))
+    layers = getattr(model_config.hf_config, "num_hidden_layers", None)
+    if config.exact_layers and layers is not None and max(config.exact_layers) >= layers:
+        raise SpecExpertConfigError(
+            "exact_layers", f"layer {max(config.exact_layers)} does not exist: the model has "
+            f"{layers} decoder layers", f"give indices of its MoE layers, below {layers}")
     if config.calibration is not None:
         from vllm_specexpert.calibration import load_calibration
 
         load_calibration(config.calibration, model=model_config.model,
-                         hf_config=model_config.hf_config)
+                         hf_config=model_config.hf_config, num_experts=shape.num_experts)
     if config.path_predictor is not None:
         from vllm_specexpert.predict.path import load_path_predictor
 

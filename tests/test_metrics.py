@@ -1,0 +1,80 @@
+"""Prometheus series from the workers' snapshots (:mod:`vllm_specexpert.metrics`), without
+a server: an engine writes its snapshot, the collector turns it into ``specexpert_*``
+series. The scrape of a real server after traffic is in ``test_serve.py``."""
+
+import json
+import subprocess
+import sys
+
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from moe_reference import random_layer, random_routing, slot_kernel
+from vllm_specexpert import metrics
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.engine import OffloadEngine
+
+NAMES = [f"model.layers.{i}.mlp.experts" for i in (1, 3)]
+
+
+def scrape(directory) -> dict:
+    registry = CollectorRegistry()
+    registry.register(metrics.SnapshotCollector(str(directory)))
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def run_engine(directory, monkeypatch) -> OffloadEngine:
+    monkeypatch.setenv(metrics.DIRECTORY_ENV, str(directory))
+    monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
+    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
+    for (index, name), seed in zip(((1, NAMES[0]), (3, NAMES[1])), (0, 1)):
+        engine.add_layer(name, random_layer(seed=seed), top_k=4, index=index)
+    engine.start()
+    for step in range(3):
+        for name in NAMES:
+            x, w, ids = random_routing(4, 16, 4, seed=step)
+            engine.run(name, slot_kernel, x, w, ids)
+    engine._metrics_writer.write()
+    return engine
+
+
+def test_series_equal_the_engine_counters_per_layer_and_phase(tmp_path, monkeypatch):
+    engine = run_engine(tmp_path, monkeypatch)
+    stats = engine.stats()
+    series = scrape(tmp_path)
+
+    def labels(**extra):
+        return tuple(sorted({"model_name": "tiny", "engine": "0", **extra}.items()))
+
+    checked = 0
+    for name, index in (("model.layers.1.mlp.experts", "1"), ("model.layers.3.mlp.experts", "3")):
+        layer = stats["layers"][name]
+        for phase in ("decode", "prefill"):
+            for field, metric in (("hits", "hits"), ("misses", "misses"),
+                                  ("loads", "loads"), ("bytes_loaded", "bytes_loaded"),
+                                  ("stall_s", "stall_seconds")):
+                value = series[(f"specexpert_{metric}_total", labels(layer=index, phase=phase))]
+                assert value == layer[phase][field]
+                checked += value > 0
+        assert series[("specexpert_slots", labels(layer=index))] == 4
+        assert series[("specexpert_resident_experts", labels(layer=index))] == \
+            stats["resident_per_layer"][name]
+    assert checked > 0  # some counters moved: the comparison could fail
+    info = [k for k in series if k[0] == "specexpert_info"]
+    assert [dict(k[1])["output"] for k in info] == ["exact"]
+    engine.close()
+    assert not list(tmp_path.glob("worker-*.json"))  # a closed engine leaves /metrics
+    assert not [k for k in scrape(tmp_path) if k[0] == "specexpert_hits_total"]
+
+
+def test_a_dead_workers_snapshot_is_not_served(tmp_path, monkeypatch):
+    engine = run_engine(tmp_path, monkeypatch)
+    snapshot = json.loads(next(tmp_path.glob("worker-*.json")).read_text())
+    engine.close()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    (tmp_path / f"worker-{dead.stdout.strip()}.json").write_text(json.dumps(snapshot))
+    assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_")]

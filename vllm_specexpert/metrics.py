@@ -1,0 +1,156 @@
+"""Prometheus metrics: the engine's counters on the server's ``/metrics``.
+
+The counters live in the worker processes (one :class:`~vllm_specexpert.engine.OffloadEngine`
+each) and ``/metrics`` is served by the API server process, so they cross processes the
+way ``stats_path`` does: each worker writes a snapshot of its :meth:`OffloadEngine.stats`
+every :data:`SNAPSHOT_INTERVAL_S` (from its stats thread, never from the forward pass) into
+a directory the frontend creates (:data:`DIRECTORY_ENV`, inherited by the engine
+processes), and a collector registered in the frontend's default prometheus registry reads
+the snapshots at each scrape. Files of processes that died are skipped.
+
+Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
+
+- ``specexpert_<counter>_total{layer, phase}``: every counter of
+  :class:`~vllm_specexpert.stats.PhaseStats` per MoE layer (decoder-layer index) and
+  phase (``decode`` / ``prefill``): hits, misses, loads, evictions, bytes loaded,
+  prefetches (used, unused, cancelled, skipped), host and substituted entries, ...;
+  seconds as ``specexpert_<name>_seconds_total``. They restart at zero after
+  ``reconfigure`` or ``reset_stats`` (Prometheus reads that as a counter reset).
+- ``specexpert_resident_experts{layer}``, ``specexpert_slots{layer}``: gauges.
+- ``specexpert_info{miss_policy, cache, predictor, output}``: 1.
+
+Snapshots are at most :data:`SNAPSHOT_INTERVAL_S` old; ``get_stats`` and ``stats_path``
+remain the exact, per-call view.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from vllm_specexpert.stats import PhaseStats
+
+DIRECTORY_ENV = "SPECEXPERT_METRICS_DIR"
+"""Directory of the workers' snapshots (set by the frontend before engines start)."""
+MODEL_NAME_ENV = "SPECEXPERT_MODEL_NAME"
+"""Served model name, the ``model_name`` label."""
+SNAPSHOT_INTERVAL_S = 1.0
+PREFIX = "specexpert_"
+
+_lock = threading.Lock()
+_collector: SnapshotCollector | None = None
+
+
+def snapshot_path(directory: str) -> str:
+    """Where this worker process writes its snapshot."""
+    return os.path.join(directory, f"worker-{os.getpid()}.json")
+
+
+def prepare_frontend(model_name: str) -> None:
+    """In the process that builds engine configs: make the snapshot directory (once per
+    process), name the model for the engine processes about to start, and register the
+    collector in prometheus_client's default registry (what vLLM's ``/metrics`` serves
+    with one API server)."""
+    global _collector
+    with _lock:
+        if DIRECTORY_ENV not in os.environ:
+            os.environ[DIRECTORY_ENV] = tempfile.mkdtemp(prefix="specexpert-metrics-")
+        os.environ[MODEL_NAME_ENV] = model_name
+        if _collector is None:
+            from prometheus_client import REGISTRY
+
+            _collector = SnapshotCollector(os.environ[DIRECTORY_ENV])
+            REGISTRY.register(_collector)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string after each field)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def counter_name(field: str) -> str:
+    """``specexpert_<field>_total``; seconds (``*_s``) as ``*_seconds_total``."""
+    base = f"{field[:-2]}_seconds" if field.endswith("_s") else field
+    return f"{PREFIX}{base}"
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over the workers' snapshot files."""
+
+    def __init__(self, directory: str):
+        self.directory = Path(directory)
+        self.fields = [f.name for f in dataclasses.fields(PhaseStats)]
+        self.docs = _attribute_docs(PhaseStats)
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """The live workers' latest snapshots, one per engine rank (the newest)."""
+        by_rank: dict[Any, tuple[float, dict]] = {}
+        for path in self.directory.glob("worker-*.json"):
+            try:
+                pid = int(path.stem.split("-", 1)[1])
+                if not _alive(pid):
+                    continue
+                mtime = path.stat().st_mtime
+                snapshot = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # being replaced, or gone
+            rank = snapshot.get("rank")
+            if rank not in by_rank or mtime > by_rank[rank][0]:
+                by_rank[rank] = (mtime, snapshot)
+        ordered = sorted(by_rank.values(), key=lambda item: str(item[1].get("rank")))
+        return [snapshot for _, snapshot in ordered]
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        base = ["model_name", "engine"]
+        counters = {f: CounterMetricFamily(counter_name(f), self.docs.get(f, f),
+                                           labels=[*base, "layer", "phase"])
+                    for f in self.fields}
+        resident = GaugeMetricFamily(f"{PREFIX}resident_experts", "Experts resident on the "
+                                     "device now, per MoE layer.", labels=[*base, "layer"])
+        slots = GaugeMetricFamily(f"{PREFIX}slots", "Device cache slots of the MoE layer "
+                                  "(its share of the pool under cache: plec).",
+                                  labels=[*base, "layer"])
+        info = GaugeMetricFamily(f"{PREFIX}info", "The running configuration (value 1).",
+                                 labels=[*base, "miss_policy", "cache", "predictor", "output"])
+        for snapshot in self.snapshots():
+            labels = [snapshot.get("model_name", ""), str(snapshot.get("rank", 0))]
+            layer_index = snapshot.get("layer_index", {})
+            for name, layer in snapshot["layers"].items():
+                layer_label = str(layer_index.get(name, name))
+                for phase in ("decode", "prefill"):
+                    for f in self.fields:
+                        counters[f].add_metric([*labels, layer_label, phase], layer[phase][f])
+                resident.add_metric([*labels, layer_label],
+                                    snapshot["resident_per_layer"][name])
+                slots.add_metric([*labels, layer_label], snapshot["slots_per_layer"][name])
+            config = snapshot["config"]
+            info.add_metric([*labels, snapshot["miss_policy"], config["cache"],
+                             snapshot["predictor"], snapshot["output"]], 1)
+        yield from counters.values()
+        yield from (resident, slots, info)
