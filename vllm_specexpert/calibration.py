@@ -118,6 +118,25 @@ TENSORS = {
 """Per MoE layer ``i``: ``layers.{i}.{name}`` and its shape for E experts, hidden size H."""
 
 
+def read_manifest(path: Path, field: str, weights_file: str, fmt: str, fix: str) -> dict:
+    """The ``manifest.json`` of an artifact directory (calibration, path predictor), its
+    ``format`` checked; anything wrong is one config error naming ``field``."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.exists() or not (path / weights_file).exists():
+        raise SpecExpertConfigError(
+            field, f"{path} is not a {field} directory (no manifest.json or {weights_file})",
+            fix)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecExpertConfigError(field, f"{manifest_path}: not JSON ({exc})", fix) from None
+    found = manifest.get("format") if isinstance(manifest, dict) else manifest
+    if found != fmt:
+        raise SpecExpertConfigError(field, f"{manifest_path}: format {found!r}, expected "
+                                    f"{fmt!r}", f"recreate it with this version ({fix})")
+    return manifest
+
+
 def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
                      num_experts: int | None = None) -> Calibration:
     """Read a calibration directory and check all of it: the manifest, the model it was
@@ -129,23 +148,11 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
     path = Path(path)
     fix = "create one with `specexpert calibrate MODEL --out DIR`"
     manifest_path = path / "manifest.json"
-    if not manifest_path.exists() or not (path / WEIGHTS_FILE).exists():
-        raise SpecExpertConfigError(
-            "calibration", f"{path} is not a calibration directory (no manifest.json or "
-            f"{WEIGHTS_FILE})", fix)
+    manifest = read_manifest(path, "calibration", WEIGHTS_FILE, FORMAT, fix)
 
     def bad(problem: str) -> SpecExpertConfigError:
         return SpecExpertConfigError("calibration", problem, fix)
 
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise bad(f"{manifest_path}: not JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else manifest
-        raise SpecExpertConfigError(
-            "calibration", f"{path}: format {found!r}, expected {FORMAT!r}",
-            "recreate it with this version's `specexpert calibrate`")
     layers, experts, hidden = (manifest.get(k) for k in
                                ("moe_layer_indices", "num_experts", "hidden_size"))
     if not (isinstance(layers, list) and layers and all(isinstance(i, int) for i in layers)

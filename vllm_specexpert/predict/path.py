@@ -116,20 +116,13 @@ def load_path_predictor(path: str | Path, model: str | None = None,
     config error naming ``path_predictor`` for anything wrong with it)."""
     from safetensors.torch import load_file
 
-    from vllm_specexpert.calibration import check_matches_model
+    from vllm_specexpert.calibration import check_matches_model, read_manifest
 
     path = Path(path)
     fix = "create one with `specexpert train-path MODEL --out DIR`"
     manifest_path = path / "manifest.json"
-    if not manifest_path.exists() or not (path / WEIGHTS_FILE).exists():
-        raise SpecExpertConfigError(
-            "path_predictor", f"{path} is not a path-predictor directory (no manifest.json "
-            f"or {WEIGHTS_FILE})", fix)
+    manifest = read_manifest(path, "path_predictor", WEIGHTS_FILE, FORMAT, fix)
     try:
-        manifest = json.loads(manifest_path.read_text())
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            found = manifest.get("format") if isinstance(manifest, dict) else manifest
-            raise ValueError(f"format {found!r}, expected {FORMAT!r}")
         shape = PathPredictorShape(**manifest["shape"])
         layer_indices = [int(i) for i in manifest["moe_layer_indices"]]
         if len(layer_indices) != shape.num_layers:
