@@ -78,3 +78,29 @@ def test_a_dead_workers_snapshot_is_not_served(tmp_path, monkeypatch):
                           capture_output=True, text=True, check=True)
     (tmp_path / f"worker-{dead.stdout.strip()}.json").write_text(json.dumps(snapshot))
     assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_")]
+
+
+def test_several_api_servers_serve_the_series_from_their_multiprocess_registry(
+        tmp_path, monkeypatch):
+    # With --api-server-count > 1, vLLM's /metrics route asks get_prometheus_registry()
+    # for a fresh registry holding only its MultiProcessCollector: the hook adds ours.
+    import vllm.entrypoints.serve.instrumentator.metrics as routes
+    import vllm.v1.metrics.prometheus as prometheus
+
+    monkeypatch.setattr(prometheus, "get_prometheus_registry",
+                        prometheus.get_prometheus_registry)
+    monkeypatch.setattr(routes, "get_prometheus_registry", routes.get_prometheus_registry)
+    engine = run_engine(tmp_path / "snapshots", monkeypatch)
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(multiproc))
+    metrics.hook_multiprocess_registry()
+    metrics.hook_multiprocess_registry()  # idempotent: registered once per registry
+    text = generate_latest(routes.get_prometheus_registry()).decode()
+    hits = [s for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "specexpert_hits_total"]
+    assert len(hits) == 2 * len(NAMES)  # per layer and phase, once
+    assert sum(s.value for s in hits) == sum(
+        layer[phase]["hits"] for layer in engine.stats()["layers"].values()
+        for phase in ("decode", "prefill"))
+    engine.close()

@@ -46,6 +46,9 @@ def register() -> None:
         register_models()
     _wrap_create_engine_config()
     _add_plugins_flag()
+    from vllm_specexpert import metrics
+
+    metrics.hook_multiprocess_registry()
 
 
 PLUGIN_GROUP = "vllm.general_plugins"
