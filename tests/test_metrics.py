@@ -80,23 +80,25 @@ def test_a_dead_workers_snapshot_is_not_served(tmp_path, monkeypatch):
     assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_")]
 
 
-def test_several_api_servers_serve_the_series_from_their_multiprocess_registry(
-        tmp_path, monkeypatch):
-    # With --api-server-count > 1, vLLM's /metrics route asks get_prometheus_registry()
-    # for a fresh registry holding only its MultiProcessCollector: the hook adds ours.
-    import vllm.entrypoints.serve.instrumentator.metrics as routes
-    import vllm.v1.metrics.prometheus as prometheus
+def test_several_api_servers_serve_the_series_on_their_metrics_route(tmp_path, monkeypatch):
+    # With --api-server-count > 1, vLLM's /metrics route (the instrumentator's) builds a
+    # registry around a MultiProcessCollector on every scrape: the hook adds ours to it.
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from prometheus_client import multiprocess
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
 
-    monkeypatch.setattr(prometheus, "get_prometheus_registry",
-                        prometheus.get_prometheus_registry)
-    monkeypatch.setattr(routes, "get_prometheus_registry", routes.get_prometheus_registry)
+    monkeypatch.setattr(multiprocess, "MultiProcessCollector",
+                        multiprocess.MultiProcessCollector)
     engine = run_engine(tmp_path / "snapshots", monkeypatch)
     multiproc = tmp_path / "prometheus"
     multiproc.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(multiproc))
     metrics.hook_multiprocess_registry()
-    metrics.hook_multiprocess_registry()  # idempotent: registered once per registry
-    text = generate_latest(routes.get_prometheus_registry()).decode()
+    metrics.hook_multiprocess_registry()  # idempotent: the collector joins once per registry
+    app = FastAPI()
+    attach_router(app)
+    text = TestClient(app).get("/metrics").text
     hits = [s for family in text_string_to_metric_families(text) for s in family.samples
             if s.name == "specexpert_hits_total"]
     assert len(hits) == 2 * len(NAMES)  # per layer and phase, once

@@ -71,32 +71,28 @@ def prepare_frontend(model_name: str) -> None:
 
 
 def hook_multiprocess_registry() -> None:
-    """With several API servers (``--api-server-count``) vLLM serves ``/metrics`` from a
-    fresh multiprocess registry in each API-server process instead of the default one:
-    add the collector to that registry too. Every API server then reports all workers'
-    series (a scrape reaches one API server, so nothing is counted twice)."""
-    import sys
+    """With several API servers (``--api-server-count``) vLLM's ``/metrics`` in each
+    API-server process is served from a registry built on the spot around prometheus_client's
+    ``MultiProcessCollector`` (by prometheus-fastapi-instrumentator on every scrape), not
+    from the default registry: make every such registry carry the collector too. Every API
+    server then reports all workers' series (a scrape reaches one API server, so nothing
+    is counted twice)."""
+    from prometheus_client import multiprocess
 
-    import vllm.v1.metrics.prometheus as prometheus
-    from prometheus_client import REGISTRY
-
-    original = prometheus.get_prometheus_registry
-    if getattr(original, "_specexpert", False):
+    base = multiprocess.MultiProcessCollector
+    if getattr(base, "_specexpert", False):
         return
 
-    def get_prometheus_registry():
-        registry = original()
-        directory = os.environ.get(DIRECTORY_ENV)
-        if registry is not REGISTRY and directory:
-            registry.register(SnapshotCollector(directory))
-        return registry
+    class MultiProcessCollector(base):
+        _specexpert = True
 
-    get_prometheus_registry._specexpert = True
-    prometheus.get_prometheus_registry = get_prometheus_registry
-    # The route module imports the function by name; patch it there if already imported.
-    routes = sys.modules.get("vllm.entrypoints.serve.instrumentator.metrics")
-    if routes is not None:
-        routes.get_prometheus_registry = get_prometheus_registry
+        def __init__(self, registry, path=None):
+            super().__init__(registry, path)
+            directory = os.environ.get(DIRECTORY_ENV)
+            if registry is not None and directory:
+                registry.register(SnapshotCollector(directory))
+
+    multiprocess.MultiProcessCollector = MultiProcessCollector
 
 
 def _alive(pid: int) -> bool:
