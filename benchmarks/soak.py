@@ -31,33 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, held_out_prompts, write_result  # noqa: E402
 
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR  # noqa: E402
-
-
-def start_server(config: dict, port: int, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "vllm_specexpert.cli", "serve", str(TRAINED_MODEL_DIR),
-         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
-         "--plugins", "specexpert",
-         "--additional-config", json.dumps({"specexpert": config})],
-        stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
-    import requests
-
-    deadline = time.monotonic() + 600
-    while True:
-        if server.poll() is not None:
-            raise SystemExit("server exited:\n" + log_path.read_text()[-3000:])
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                return
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit("server did not come up in 10 minutes")
-        time.sleep(1)
+from vllm_specexpert.tools.server import start_server, wait_healthy  # noqa: E402
 
 
 class Client(threading.Thread):
@@ -154,7 +128,8 @@ def main() -> None:
 
     config = {"budget": args.budget, **json.loads(args.config)}
     log_path = Path("/tmp") / f"specexpert-soak-{args.port}.log"
-    server = start_server(config, args.port, log_path)
+    server = start_server(TRAINED_MODEL_DIR, args.port, log_path, config,
+                          ["--max-model-len", "512"])
     samples = []
     try:
         wait_healthy(server, args.port, log_path)

@@ -3,30 +3,19 @@ offloading on."""
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 
 import requests
 
 from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR, ensure_model
-
-SPECEXPERT = [sys.executable, "-m", "vllm_specexpert.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vllm_specexpert.tools.server import SPECEXPERT, free_port, serving
 
 
-def offload_config(stats_path, **extra) -> str:
+def offload_config(stats_path, **extra) -> dict:
     # Interval 0: the worker's stats writer rewrites the file at its fastest rate (every
     # 0.1 s), so it is current while the server runs.
-    return json.dumps({"specexpert": {
-        "budget": 0.25, "stats_path": str(stats_path), "stats_interval_s": 0, **extra,
-    }})
+    return {"budget": 0.25, "stats_path": str(stats_path), "stats_interval_s": 0, **extra}
 
 
 def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
@@ -37,24 +26,8 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
     config = offload_config(stats_path, predictor="quasi_hidden", miss_policy="speculate",
                             calibration=str(TRAINED_CALIBRATION_DIR))
     port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [*SPECEXPERT, "serve", model, "--host", "127.0.0.1", "--port", str(port),
-         "--enforce-eager", "--max-model-len", "512", "--plugins", "specexpert",
-         "--additional-config", config],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(1)
+    with serving(model, port, tmp_path / "server.log", config,
+                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300):
         response = requests.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": model, "prompt": "def main():", "max_tokens": 16,
@@ -77,10 +50,6 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
         assert stats["output"] == "approximate"
         assert stats["total"]["decode"]["speculated_calls"] > 0
         check_metrics_match_stats(port, stats_path, model)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
 
 
 def scrape(port: int) -> dict[tuple, float]:
@@ -132,7 +101,7 @@ def test_bench_throughput_runs_with_the_plugin(tmp_path):
         [*SPECEXPERT, "vllm", "bench", "throughput", "--model", model,
          "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
          "--num-prompts", "8", "--enforce-eager", "--max-model-len", "512",
-         "--additional-config", offload_config(stats_path),
+         "--additional-config", json.dumps({"specexpert": offload_config(stats_path)}),
          "--output-json", str(result_path)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},

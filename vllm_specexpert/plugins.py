@@ -1,7 +1,7 @@
 """vLLM entry points. ``register`` is the ``vllm.general_plugins`` entry ``specexpert``.
 
 vLLM calls it in every process (API server, engine core, workers), before any engine
-config exists. It installs two things, both inert unless ``additional_config`` has a
+config exists. It installs these, all inert unless ``additional_config`` has a
 ``specexpert`` key:
 
 * the out-of-tree ``RoutedExperts`` class (:class:`OffloadedRoutedExperts`), which
@@ -17,7 +17,9 @@ config exists. It installs two things, both inert unless ``additional_config`` h
   general plugins inside ``AsyncEngineArgs.add_cli_args`` before it builds the parser,
   so the flag can be added there; parsing it checks the names against the installed
   ``vllm.general_plugins`` and sets ``VLLM_PLUGINS`` for the engine processes (started
-  after parsing, they inherit it).
+  after parsing, they inherit it);
+* the ``specexpert_*`` series in the multiprocess registries vLLM builds for ``/metrics``
+  with several API servers (:func:`vllm_specexpert.metrics.hook_multiprocess_registry`).
 """
 
 from __future__ import annotations
