@@ -32,8 +32,8 @@ test-slow: setup
 
 # vLLM 0.32's own OpenAI-server tests (from its PyPI source, adapted by
 # peer/vllm-0.32.0-openai.patch) against `specexpert serve`, vanilla and offloaded: the
-# same tests must pass (about 40 minutes); then lm-evaluation-harness through the
-# completions endpoint on held-out code, per mode (about 15 minutes). Not in `make test`.
+# same tests must pass (about 26 minutes); then lm-evaluation-harness through the
+# completions endpoint on held-out code, per mode (about 8 minutes). Not in `make test`.
 PEER_STAMP := $(VENV)/.peer-installed
 $(PEER_STAMP): $(STAMP)
 	$(BIN)/pip install -e '.[peer]'
