@@ -83,6 +83,26 @@ def test_reconfigure_resizes_caches_and_validates_first():
     engine.close()
 
 
+def test_restart_returns_to_the_warm_start():
+    """What the plugin does after vLLM's warm-up passes: whatever they loaded, serving
+    starts from the warm-start experts (0-3 of 16 here) with every counter at zero."""
+    engine, layers = make_engine(budget=0.25)
+    name = NAMES[0]
+    x, w, _ = random_routing(1, 16, 4)
+    ids = torch.tensor([[8, 9, 10, 11]], dtype=torch.int32)
+    engine.run(name, slot_kernel, x, w, ids, PassPhases.prefill_only(1))
+    assert np.flatnonzero(engine.layers[name].cache.resident_mask()).tolist() == [8, 9, 10, 11]
+    engine.restart()
+    for layer in engine.layers.values():
+        assert np.flatnonzero(layer.cache.resident_mask()).tolist() == [0, 1, 2, 3]
+        check_cache_invariants(layer.loader)
+    assert engine.stats()["total"]["prefill"]["requests"] == 0
+    out = engine.run(name, slot_kernel, x, w, ids, PassPhases.prefill_only(1))
+    assert torch.equal(out, reference_moe(x, w, ids, *layers[name].values()))
+    assert engine.stats()["total"]["prefill"]["misses"] == 4  # loaded again
+    engine.close()
+
+
 def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(tmp_path):
     path = tmp_path / "stats-{rank}.json"
     written = tmp_path / "stats-0.json"

@@ -34,9 +34,32 @@ CASES = [(arch, True) for arch in MOE_ARCHS] + [
 def engines(request):
     arch, eager = request.param
     reference = vanilla_reference(arch, eager)
-    llm = make_llm(arch, specexpert={"budget": 1.0}, eager=eager)
+    llm = make_llm(arch, specexpert={"budget": 0.25}, eager=eager)
     yield arch, llm, reference
     shutdown(llm)
+
+
+def resident_experts(model) -> list[list[int]]:
+    """Worker side: the experts each offloaded layer holds."""
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+    return [sorted(int(e) for e in module.engine.layers[module.layer_name].cache.slot_expert
+                   if e >= 0)
+            for module in model.modules() if isinstance(module, OffloadedRoutedExperts)]
+
+
+def test_serving_starts_from_the_warm_start(engines):
+    # Runs first, on the fresh engine: vLLM's profile and warm-up passes (on
+    # uninitialized memory in compiled mode) ran through the layers before serving; the
+    # caches are back to the warm start (the first experts of each layer) and the
+    # counters at zero, so that what is served does not depend on what they loaded.
+    arch, llm, _ = engines
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["total"]["prefill"]["requests"] == stats["total"]["decode"]["requests"] == 0
+    resident = llm.apply_model(resident_experts)[0]
+    assert len(resident) == num_moe_layers(arch)
+    for name, experts in zip(stats["layers"], resident):
+        assert experts == list(range(stats["slots_per_layer"][name]))
 
 
 def test_reference_is_not_degenerate(engines):

@@ -308,6 +308,20 @@ class OffloadEngine:
                     name, "is read when the engine starts and cannot change at run time",
                     f"start a new engine with the new '{name}'")
         self._check_runnable(config)
+        self._rebuild(config)
+        logger.info("specexpert: reconfigured: %s", self.summary())
+
+    def restart(self) -> None:
+        """Back to the state of engine start: caches warm-started, no prediction or copy
+        pending, counters at zero. vLLM's profile and warm-up passes run the layers on
+        uninitialized memory before serving (compiled mode); what they loaded would
+        decide the first requests' hits, and the output of the approximate miss
+        policies would differ from run to run. The plugin calls this once vLLM's warm-up
+        is over (:func:`vllm_specexpert.plugins.register`)."""
+        self._rebuild(self.config)
+
+    def _rebuild(self, config: SpecExpertConfig) -> None:
+        """Every cache rebuilt for ``config`` (warm start), a new link, counters at zero."""
         with self._lock:
             for layer in self.layers.values():
                 layer.loader.wait_all()  # nothing is freed while a copy into it runs
@@ -330,7 +344,6 @@ class OffloadEngine:
                 self.pool.allocate()
         self.link.reset_counters()
         self._start_stats_writer()
-        logger.info("specexpert: reconfigured: %s", self.summary())
 
     # ---------------------------------------------------------------- forward
 

@@ -18,6 +18,9 @@ config exists. It installs these, all inert unless ``additional_config`` has a
   so the flag can be added there; parsing it checks the names against the installed
   ``vllm.general_plugins`` and sets ``VLLM_PLUGINS`` for the engine processes (started
   after parsing, they inherit it);
+* a restart of the offloaded layers' caches after vLLM's warm-up (``Executor.
+  compile_or_warm_up_model``): its passes run on uninitialized memory, and serving
+  starts from the warm start instead of what they loaded (``OffloadEngine.restart``);
 * the ``specexpert_*`` series in the multiprocess registries vLLM builds for ``/metrics``
   with several API servers (:func:`vllm_specexpert.metrics.hook_multiprocess_registry`).
 """
@@ -47,6 +50,7 @@ def register() -> None:
         RoutedExperts.register_oot(OffloadedRoutedExperts, name="RoutedExperts")
         register_models()
     _wrap_create_engine_config()
+    _restart_after_warm_up()
     _add_plugins_flag()
     from vllm_specexpert import metrics
 
@@ -124,6 +128,25 @@ def _wrap_create_engine_config() -> None:
 
     create_engine_config._specexpert_checked = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _restart_after_warm_up() -> None:
+    from vllm.v1.executor.abstract import Executor
+
+    original = Executor.compile_or_warm_up_model
+    if getattr(original, "_specexpert_restart", False):
+        return
+
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if SpecExpertConfig.from_additional_config(
+                self.vllm_config.additional_config) is not None:
+            self.collective_rpc("specexpert_restart")
+        return result
+
+    compile_or_warm_up_model._specexpert_restart = True
+    Executor.compile_or_warm_up_model = compile_or_warm_up_model
 
 
 def _check_loaded_in_engine_processes() -> None:

@@ -44,6 +44,11 @@ class SpecExpertWorkerExtension:
             return {CONFIG_ERROR: [error.field_name, error.problem, error.fix]}
         return config.to_dict()
 
+    def specexpert_restart(self) -> None:
+        """Caches back to their warm start and counters to zero (after vLLM's warm-up,
+        see ``OffloadEngine.restart``)."""
+        self._specexpert_engine().restart()
+
     def specexpert_reset_stats(self) -> None:
         """Zero every counter (e.g. after warm-up, before a measurement)."""
         self._specexpert_engine().reset_stats()
