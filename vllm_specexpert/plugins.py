@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
+from collections.abc import Callable
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.log import init_logger
@@ -81,72 +83,75 @@ class PluginsAction(argparse.Action):
         setattr(namespace, self.dest, names)
 
 
+def wrap_once(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` by ``wrap(original)``, once: vLLM may load the plugin more
+    than once in a process, and a second wrap would run the hook twice."""
+    original = getattr(owner, name)
+    if getattr(original, "_specexpert_wrapped", False):
+        return
+    wrapper = functools.wraps(original)(wrap(original))
+    wrapper._specexpert_wrapped = True
+    if isinstance(inspect.getattr_static(owner, name), staticmethod):
+        wrapper = staticmethod(wrapper)
+    setattr(owner, name, wrapper)
+
+
 def _add_plugins_flag() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.add_cli_args
-    if getattr(original, "_specexpert_plugins", False):
-        return
+    def wrap(original):
+        def add_cli_args(parser, *args, **kwargs):
+            return _add_plugins_argument(original(parser, *args, **kwargs))
+        return add_cli_args
 
-    @functools.wraps(original)
-    def add_cli_args(parser, *args, **kwargs):
-        parser = original(parser, *args, **kwargs)
-        if "--plugins" not in parser._option_string_actions:
-            parser.add_argument(
-                "--plugins", nargs="+", action=PluginsAction, metavar="NAME",
-                help="vLLM general plugins to load in the engine processes (sets "
-                     "VLLM_PLUGINS), e.g. --plugins specexpert. Added by the specexpert "
-                     "plugin; installed: " + ", ".join(installed_plugins()))
-        return parser
+    wrap_once(EngineArgs, "add_cli_args", wrap)
 
-    add_cli_args._specexpert_plugins = True
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+
+def _add_plugins_argument(parser):
+    if "--plugins" not in parser._option_string_actions:
+        parser.add_argument(
+            "--plugins", nargs="+", action=PluginsAction, metavar="NAME",
+            help="vLLM general plugins to load in the engine processes (sets "
+                 "VLLM_PLUGINS), e.g. --plugins specexpert. Added by the specexpert "
+                 "plugin; installed: " + ", ".join(installed_plugins()))
+    return parser
 
 
 def _wrap_create_engine_config() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.create_engine_config
-    if getattr(original, "_specexpert_checked", False):
-        return
+    def wrap(original):
+        def create_engine_config(self, *args, **kwargs):
+            config = SpecExpertConfig.from_additional_config(self.additional_config)
+            if config is not None:
+                _check_loaded_in_engine_processes()
+                prepare_engine_args(self, config)
+                from vllm_specexpert import metrics
 
-    @functools.wraps(original)
-    def create_engine_config(self, *args, **kwargs):
-        config = SpecExpertConfig.from_additional_config(self.additional_config)
-        if config is not None:
-            _check_loaded_in_engine_processes()
-            prepare_engine_args(self, config)
-        if config is not None:
-            from vllm_specexpert import metrics
+                names = getattr(self, "served_model_name", None) or self.model
+                metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
+            vllm_config = original(self, *args, **kwargs)
+            if config is not None:
+                validate_engine_config(vllm_config, config)
+            return vllm_config
+        return create_engine_config
 
-            names = getattr(self, "served_model_name", None) or self.model
-            metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
-        vllm_config = original(self, *args, **kwargs)
-        if config is not None:
-            validate_engine_config(vllm_config, config)
-        return vllm_config
-
-    create_engine_config._specexpert_checked = True
-    EngineArgs.create_engine_config = create_engine_config
+    wrap_once(EngineArgs, "create_engine_config", wrap)
 
 
 def _restart_after_warm_up() -> None:
     from vllm.v1.executor.abstract import Executor
 
-    original = Executor.compile_or_warm_up_model
-    if getattr(original, "_specexpert_restart", False):
-        return
+    def wrap(original):
+        def compile_or_warm_up_model(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            if SpecExpertConfig.from_additional_config(
+                    self.vllm_config.additional_config) is not None:
+                self.collective_rpc("specexpert_restart")
+            return result
+        return compile_or_warm_up_model
 
-    @functools.wraps(original)
-    def compile_or_warm_up_model(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        if SpecExpertConfig.from_additional_config(
-                self.vllm_config.additional_config) is not None:
-            self.collective_rpc("specexpert_restart")
-        return result
-
-    compile_or_warm_up_model._specexpert_restart = True
-    Executor.compile_or_warm_up_model = compile_or_warm_up_model
+    wrap_once(Executor, "compile_or_warm_up_model", wrap)
 
 
 def _check_loaded_in_engine_processes() -> None:

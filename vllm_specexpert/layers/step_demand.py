@@ -27,14 +27,13 @@ def install_runner_hook() -> None:
     called in the worker when the first offloaded layer is built)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner.execute_model
-    if getattr(original, "_specexpert_demand", False):
-        return
+    from vllm_specexpert.plugins import wrap_once
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        global _current
-        _current = getattr(scheduler_output, ATTRIBUTE, None)
-        return original(self, scheduler_output, *args, **kwargs)
+    def wrap(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            global _current
+            _current = getattr(scheduler_output, ATTRIBUTE, None)
+            return original(self, scheduler_output, *args, **kwargs)
+        return execute_model
 
-    execute_model._specexpert_demand = True
-    GPUModelRunner.execute_model = execute_model
+    wrap_once(GPUModelRunner, "execute_model", wrap)
