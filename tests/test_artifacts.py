@@ -96,6 +96,11 @@ def test_the_shipped_path_predictor_loads():
     ("truncated", "path_predictor.safetensors"),
     ("nan", "non-finite"),
     ("manifest", "manifest.json"),
+    # Issue 22 (4): the message stopped at "Error(s) in loading state_dict for
+    # RoutingPathPredictor:." without the tensor or the shapes.
+    ("shape", r"(\S+) has shape \[3, 5\], expected \[\d+(, \d+)*\]"),
+    ("extra", "unexpected tensor extra.weight"),
+    ("missing", "no tensor "),
 ])
 def test_a_damaged_path_predictor_is_one_error_naming_the_field(tmp_path, damage, message):
     directory = tmp_path / "rpp"
@@ -103,13 +108,24 @@ def test_a_damaged_path_predictor_is_one_error_naming_the_field(tmp_path, damage
     weights = directory / path_module.WEIGHTS_FILE
     if damage == "truncated":
         weights.write_bytes(weights.read_bytes()[:4000])
-    elif damage == "nan":
+    elif damage in ("nan", "shape", "extra", "missing"):
         tensors = load_file(str(weights))
         first = next(iter(tensors))
-        tensors[first] = tensors[first].clone().fill_(float("nan"))
+        if damage == "nan":
+            tensors[first] = tensors[first].clone().fill_(float("nan"))
+        elif damage == "shape":
+            tensors[first] = torch.zeros(3, 5)
+        elif damage == "extra":
+            tensors["extra.weight"] = torch.zeros(2)
+        else:
+            del tensors[first]
         save_file(tensors, str(weights))
     else:
         (directory / "manifest.json").write_text("[]")
     with pytest.raises(SpecExpertConfigError, match=message) as info:
         path_module.load_path_predictor(directory, model=MODEL, hf_config=HF_CONFIG)
     assert info.value.field_name == "path_predictor"
+    assert "\n" not in str(info.value)
+    if damage == "shape":  # the tensor named is the one damaged
+        first = next(iter(load_file(str(weights))))
+        assert f"{first} has shape [3, 5]" in str(info.value)

@@ -251,13 +251,37 @@ def test_the_same_settings_with_their_mode_are_accepted():
                                 "exact_layers": [1], "prefetch_filter": "all"})
 
 
-def test_a_change_is_checked_alone_and_a_mode_switch_keeps_earlier_settings():
+def test_a_change_is_checked_alone():
     config = SpecExpertConfig.from_dict({"miss_policy": "cpu", "admit_host_experts": True})
-    # Switching away leaves admit_host_experts in place (not given now): accepted ...
-    assert config.changed({"miss_policy": "fetch"}).admit_host_experts
-    # ... but giving it with a mode where it does nothing is not.
+    # Giving a setting with a mode where it does nothing is an error ...
     with pytest.raises(SpecExpertConfigError, match="'admit_host_experts'"):
         config.changed({"miss_policy": "fetch", "admit_host_experts": True})
+    # ... and a kept setting the change does not touch stays.
+    assert config.changed({"budget": 0.25}).admit_host_experts
+
+
+@pytest.mark.parametrize("start, change, reset", [
+    # Issue 22 (6): settings kept from before that stop having an effect used to stay,
+    # so that the running config (get_stats()["config"]) no longer started an engine.
+    ({"cache": "plec", "plec_preload": "next", "path_predictor": "p"}, {"cache": "lru"},
+     {"plec_preload": "none"}),
+    ({"miss_policy": "cpu", "admit_host_experts": True}, {"miss_policy": "fetch"},
+     {"admit_host_experts": False}),
+    ({"miss_policy": "buddy", "calibration": "c", "buddy": {"rho": 2, "beta": 0.5}},
+     {"miss_policy": "fetch"}, {"buddy": {"rho": 3, "beta": 0.75}}),
+    ({"miss_policy": "speculate", "predictor": "router", "exact_layers": [1],
+      "prefetch_filter": "all"}, {"miss_policy": "fetch", "predictor": "none"},
+     {"exact_layers": None, "prefetch_filter": "cost"}),
+])
+def test_a_change_resets_kept_settings_it_leaves_without_effect(start, change, reset):
+    config = SpecExpertConfig.from_dict(start).changed(change)
+    for key, value in reset.items():
+        got = getattr(config, key)
+        if isinstance(value, dict):
+            got = {k: getattr(got, k) for k in value}
+        assert got == value, key
+    # What reconfigure returns starts an engine as it is.
+    assert SpecExpertConfig.from_dict(config.to_dict()) == config
 
 
 def test_null_specexpert_is_an_error_not_the_defaults():
@@ -271,3 +295,22 @@ def test_a_huge_budget_is_reported_briefly():
     with pytest.raises(SpecExpertConfigError) as info:
         SpecExpertConfig.from_dict({"budget": 1e300})
     assert "1e+300" in str(info.value) and len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize("raw, shown", [
+    # Issue 22 (6): 8.0 was shown as "8" (where a count is wanted, the float is the fault).
+    ({"token_scheduler": {"group_size": 8.0}, "path_predictor": "p"}, "got 8.0"),
+    ({"buddy": {"rho": 2.0}, "miss_policy": "buddy", "calibration": "c"}, "got 2.0"),
+])
+def test_a_rejected_value_is_shown_as_given(raw, shown):
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.from_dict(raw)
+    assert info.value.problem.endswith(shown)
+
+
+@pytest.mark.parametrize("budget", [0, -3, 70000])
+def test_the_budget_count_range_is_the_same_in_problem_and_fix(budget):
+    # Issue 22 (6): budget 0 said "count must be in [1, 65536]", its fix "[2, 65536]".
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.from_dict({"budget": budget})
+    assert "[2, 65536]" in info.value.problem and "[2, 65536]" in info.value.fix

@@ -27,6 +27,7 @@ def scrape(directory) -> dict:
 
 
 def run_engine(directory, monkeypatch) -> OffloadEngine:
+    directory.mkdir(exist_ok=True)  # the frontend makes it; a write never does
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(directory))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
@@ -106,3 +107,50 @@ def test_several_api_servers_serve_the_series_on_their_metrics_route(tmp_path, m
         layer[phase]["hits"] for layer in engine.stats()["layers"].values()
         for phase in ("decode", "prefill"))
     engine.close()
+
+
+def run_frontend(tmp_path, code: str = "") -> subprocess.CompletedProcess:
+    """A process that prepares the frontend's snapshot directory under ``TMPDIR=tmp_path``
+    (as the plugin does once an engine config passed its checks), then runs ``code``."""
+    import os
+
+    script = ("from vllm_specexpert import metrics; metrics.prepare_frontend('m'); "
+              "import os; print(os.environ[metrics.DIRECTORY_ENV]); " + code)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop(metrics.DIRECTORY_ENV, None)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def snapshot_directories(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(metrics.DIRECTORY_PREFIX))
+
+
+def test_the_snapshot_directory_is_removed_when_the_frontend_exits(tmp_path):
+    """Issue 22 (5): every server start used to leave a /tmp/specexpert-metrics-* behind."""
+    done = run_frontend(tmp_path)
+    assert done.returncode == 0, done.stderr
+    made = done.stdout.strip().splitlines()[-1]
+    assert made.startswith(str(tmp_path))  # it was made where we look
+    assert snapshot_directories(tmp_path) == []
+    failed = run_frontend(tmp_path, "raise SystemExit(2)")  # a start that failed after it
+    assert failed.returncode == 2 and snapshot_directories(tmp_path) == []
+
+
+def test_directories_of_killed_frontends_are_removed_by_the_next_one(tmp_path):
+    import os
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    orphan = tmp_path / f"{metrics.DIRECTORY_PREFIX}{dead}-abc"
+    live = tmp_path / f"{metrics.DIRECTORY_PREFIX}{os.getpid()}-abc"  # this process: alive
+    for directory in (orphan, live):
+        directory.mkdir()
+        (directory / "worker-1.json").write_text("{}")
+    # kill -9: the frontend's exit handler never runs; its start removed the orphan
+    killed = run_frontend(tmp_path, "os.kill(os.getpid(), 9)")
+    assert killed.returncode == -9
+    left = snapshot_directories(tmp_path)
+    assert orphan.name not in left and live.name in left and len(left) == 2
+    assert run_frontend(tmp_path).returncode == 0
+    assert snapshot_directories(tmp_path) == [live.name]

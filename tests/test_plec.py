@@ -187,7 +187,9 @@ def test_reconfigure_between_plec_and_lru_keeps_outputs_exact():
     engine.reconfigure(engine.config.changed({"cache": "lru"}))
     assert engine.pool is None and engine.layers[NAMES[0]].cache.pool.shared is False
     run_step(engine, routes, demand_of(routes, 2))
-    engine.reconfigure(engine.config.changed({"cache": "plec"}))
+    # lru reset plec_preload (no effect there): it is given again with plec.
+    assert engine.config.plec_preload == "none"
+    engine.reconfigure(engine.config.changed({"cache": "plec", "plec_preload": "next"}))
     assert engine.pool is not None and engine.pool.num_slots == LAYERS * 4
     run_step(engine, routes, demand_of(routes, 2))
     # At most 4 experts per layer, 12 together: a right prediction leaves no miss

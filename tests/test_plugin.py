@@ -109,3 +109,100 @@ def test_a_config_for_a_plugin_left_out_is_an_error(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
     with pytest.raises(SpecExpertConfigError, match="leaves it out of the engine processes"):
         make_llm("qwen3_moe", specexpert={"budget": 0.5})
+
+
+# Issue 22 (3): with VLLM_PLUGINS leaving the plugin out, no vLLM process loads it and
+# its config used to be ignored silently (vanilla served). `specexpert serve` / `specexpert
+# vllm` see the arguments before vLLM does, and take --plugins themselves.
+
+SPECEXPERT_CONFIG = ["--additional-config", '{"specexpert": {"budget": 0.5}}']
+
+
+@pytest.mark.parametrize("env, args", [
+    ({"VLLM_PLUGINS": "lora_filesystem_resolver"}, SPECEXPERT_CONFIG),
+    ({"VLLM_PLUGINS": ""}, SPECEXPERT_CONFIG),
+    # The flag used to fail as vLLM's "unrecognized arguments: --plugins", not naming
+    # VLLM_PLUGINS or the config.
+    ({}, ["--plugins", "lora_filesystem_resolver", *SPECEXPERT_CONFIG]),
+    ({}, ["--plugins=lora_filesystem_resolver", "--additional-config.specexpert.budget",
+          "0.5"]),
+])
+def test_specexpert_serve_refuses_a_config_the_plugin_would_never_see(env, args, tmp_path):
+    import os
+    import subprocess
+
+    from vllm_specexpert.tools.server import SPECEXPERT
+
+    proc = subprocess.run([*SPECEXPERT, "serve", str(tmp_path / "model"), *args],
+                          env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "field 'specexpert'" in lines[0] and "VLLM_PLUGINS=" in lines[0]
+    assert "add specexpert to --plugins" in lines[0]
+
+
+def test_the_cli_takes_plugins_before_vllm_loads_them(monkeypatch):
+    import os
+
+    from vllm_specexpert.cli import take_plugins_flag
+
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    rest = take_plugins_flag(["serve", "m", "--plugins", "specexpert", "lora_hf_hub_resolver",
+                              "--port", "1"])
+    assert rest == ["serve", "m", "--port", "1"]
+    assert os.environ["VLLM_PLUGINS"] == "specexpert,lora_hf_hub_resolver"
+    assert take_plugins_flag(["--plugins=specexpert", "x"]) == ["x"]
+    assert os.environ["VLLM_PLUGINS"] == "specexpert"
+    with pytest.raises(ValueError, match="--plugins: unknown plugin nope"):
+        take_plugins_flag(["--plugins", "nope"])
+    with pytest.raises(ValueError, match=r"unknown plugin \(none\)"):
+        take_plugins_flag(["--plugins", "--port", "1"])
+
+
+@pytest.mark.parametrize("args, configured", [
+    (['--additional-config', '{"specexpert": {}}'], True),
+    (['--additional_config={"specexpert": {"budget": 0.5}}'], True),
+    (['--additional-config.specexpert.budget', '0.5'], True),
+    (['--additional-config', '{"other": {}}'], False),
+    (['--additional-config', 'not json'], False),
+    (['--port', '1'], False),
+])
+def test_the_cli_sees_a_specexpert_config_in_each_form_vllm_accepts(args, configured):
+    from vllm_specexpert.cli import configures_plugin
+
+    assert configures_plugin(["serve", "m", *args]) is configured
+
+
+def test_the_cli_sees_a_specexpert_config_in_a_config_file(tmp_path):
+    from vllm_specexpert.cli import configures_plugin
+
+    config = tmp_path / "serve.yaml"
+    config.write_text('port: 8000\nadditional-config: \'{"specexpert": {"budget": 0.5}}\'\n')
+    assert configures_plugin(["serve", "m", "--config", str(config)])
+    config.write_text("port: 8000\n")
+    assert not configures_plugin(["serve", "m", "--config", str(config)])
+
+
+def test_get_stats_of_an_llm_without_the_plugin_says_why(monkeypatch):
+    """An ``LLM`` built while VLLM_PLUGINS left the plugin out runs vanilla; asking it for
+    the plugin's stats names the cause instead of a worker's AttributeError."""
+    from types import SimpleNamespace
+
+    import vllm_specexpert
+
+    def llm(additional_config, extension=""):
+        config = SimpleNamespace(additional_config=additional_config,
+                                 parallel_config=SimpleNamespace(worker_extension_cls=extension))
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config),
+                               collective_rpc=lambda *a, **k: pytest.fail("RPC was sent"))
+
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    with pytest.raises(RuntimeError, match="VLLM_PLUGINS='lora_filesystem_resolver'"):
+        vllm_specexpert.get_stats(llm({"specexpert": {}}))
+    with pytest.raises(RuntimeError, match="no 'specexpert' key"):
+        vllm_specexpert.reset_stats(llm({}))
+    monkeypatch.delenv("VLLM_PLUGINS")
+    with pytest.raises(RuntimeError, match="worker_extension_cls='my.Ext'"):
+        vllm_specexpert.reconfigure(llm({"specexpert": {}}, "my.Ext"), budget=0.5)

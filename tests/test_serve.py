@@ -26,8 +26,12 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
     config = offload_config(stats_path, predictor="quasi_hidden", miss_policy="speculate",
                             calibration=str(TRAINED_CALIBRATION_DIR))
     port = free_port()
+    temp = tmp_path / "tmp"  # the server's TMPDIR, to count what it leaves there
+    temp.mkdir()
     with serving(model, port, tmp_path / "server.log", config,
-                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300):
+                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300,
+                 env={**os.environ, "TMPDIR": str(temp)}):
+        assert metrics_directories(temp)  # where the workers' snapshots go
         response = requests.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": model, "prompt": "def main():", "max_tokens": 16,
@@ -50,6 +54,14 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
         assert stats["output"] == "approximate"
         assert stats["total"]["decode"]["speculated_calls"] > 0
         check_metrics_match_stats(port, stats_path, model)
+    # Issue 22 (5): every start used to leave its snapshot directory behind.
+    assert metrics_directories(temp) == []
+
+
+def metrics_directories(root) -> list[str]:
+    from vllm_specexpert.metrics import DIRECTORY_PREFIX
+
+    return [p.name for p in root.iterdir() if p.name.startswith(DIRECTORY_PREFIX)]
 
 
 def scrape(port: int) -> dict[tuple, float]:
@@ -119,8 +131,10 @@ def test_cli_reports_a_bad_config_in_one_line(tmp_path):
         [*SPECEXPERT, "serve", model, "--additional-config",
          json.dumps({"specexpert": {"budget": 0.1}})],
         capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 2
     assert "error: specexpert config: field 'budget'" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "EngineCore" not in proc.stderr + proc.stdout  # no engine was started
+    assert metrics_directories(tmp_path) == []  # issue 22 (5): a failed start left one

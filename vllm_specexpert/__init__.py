@@ -46,18 +46,45 @@ from vllm_specexpert.config import (
 __version__ = "0.1.0"
 
 
+def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
+    """``llm.collective_rpc`` of one of the plugin's worker methods, after checking that
+    the plugin runs in this ``LLM`` (else one error saying why it does not)."""
+    import os
+
+    from vllm_specexpert.config import ADDITIONAL_CONFIG_KEY
+    from vllm_specexpert.worker import WORKER_EXTENSION
+
+    vllm_config = llm.llm_engine.vllm_config
+    if ADDITIONAL_CONFIG_KEY not in (vllm_config.additional_config or {}):
+        raise RuntimeError("specexpert: this LLM runs without the plugin: its "
+                           "additional_config has no 'specexpert' key")
+    extension = vllm_config.parallel_config.worker_extension_cls
+    if extension != WORKER_EXTENSION:
+        plugins = os.environ.get("VLLM_PLUGINS")
+        if plugins is not None and "specexpert" not in plugins.split(","):
+            raise RuntimeError(
+                "specexpert: this LLM runs without the plugin although additional_config "
+                f"configures it: VLLM_PLUGINS={plugins!r} kept it from loading; add "
+                "specexpert to VLLM_PLUGINS, or unset it")
+        raise RuntimeError(f"specexpert: worker_extension_cls={extension!r} replaces the "
+                           "plugin's, so its RPCs are unavailable (stats_path still works)")
+    return llm.collective_rpc(method, args=args)
+
+
 def get_stats(llm: Any) -> list[dict[str, Any]]:
     """Per-worker statistics of an ``LLM`` running with the plugin (one dict per worker)."""
-    return llm.collective_rpc("specexpert_stats")
+    return _rpc(llm, "specexpert_stats")
 
 
 def reconfigure(llm: Any, **changes: Any) -> dict[str, Any]:
     """Change the running engine's config, e.g. ``reconfigure(llm, budget=0.25)``.
-    Caches are rebuilt without reloading weights; counters restart. Returns the config;
-    a bad change raises :class:`SpecExpertConfigError` and leaves the engine as it was."""
+    Caches are rebuilt without reloading weights; counters restart. Settings kept from
+    before that have no effect under the new mode return to their defaults. Returns the
+    config; a bad change raises :class:`SpecExpertConfigError` and leaves the engine as
+    it was."""
     from vllm_specexpert.worker import CONFIG_ERROR
 
-    reply = llm.collective_rpc("specexpert_reconfigure", args=(changes,))[0]
+    reply = _rpc(llm, "specexpert_reconfigure", changes)[0]
     if CONFIG_ERROR in reply:
         raise SpecExpertConfigError(*reply[CONFIG_ERROR])
     return reply
@@ -65,7 +92,7 @@ def reconfigure(llm: Any, **changes: Any) -> dict[str, Any]:
 
 def reset_stats(llm: Any) -> None:
     """Zero the counters of every worker."""
-    llm.collective_rpc("specexpert_reset_stats")
+    _rpc(llm, "specexpert_reset_stats")
 
 
 __all__ = [

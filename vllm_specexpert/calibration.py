@@ -137,6 +137,28 @@ def read_manifest(path: Path, field: str, weights_file: str, fmt: str, fix: str)
     return manifest
 
 
+def check_tensors(field: str, file: Path, tensors: dict[str, torch.Tensor],
+                  expected: dict[str, tuple[int, ...]], fix: str) -> None:
+    """Every tensor of ``expected`` present in ``tensors`` with its shape, no other
+    tensor, floating-point values finite: anything else is one config error naming
+    ``field``, the tensor and, for a shape, both shapes."""
+    def bad(problem: str) -> SpecExpertConfigError:
+        return SpecExpertConfigError(field, f"{file}: {problem}", fix)
+
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise bad(f"no tensor {key}")
+        tensor = tensors[key]
+        if tuple(tensor.shape) != tuple(shape):
+            raise bad(f"{key} has shape {list(tensor.shape)}, expected {list(shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise bad(f"{key} has non-finite values")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise bad(f"unexpected tensor {unexpected[0]}"
+                  f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}")
+
+
 def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
                      num_experts: int | None = None) -> Calibration:
     """Read a calibration directory and check all of it: the manifest, the model it was
@@ -170,19 +192,13 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
         tensors = load_file(str(path / WEIGHTS_FILE))
     except Exception as exc:  # truncated or not a safetensors file
         raise bad(f"{path / WEIGHTS_FILE}: unreadable ({str(exc).splitlines()[0]})") from None
-    for i in layers:
-        for name, shape_of in TENSORS.items():
-            key, shape = f"layers.{i}.{name}", shape_of(experts, hidden)
-            if key not in tensors:
-                raise bad(f"{path / WEIGHTS_FILE}: no tensor {key} (layer {i} is in the "
-                          "manifest)")
-            tensor = tensors[key]
-            if tuple(tensor.shape) != shape:
-                raise bad(f"{key} has shape {list(tensor.shape)}, expected {list(shape)}")
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise bad(f"{key} has non-finite values")
-            if not tensor.is_floating_point() and (tensor < 0).any():
-                raise bad(f"{key} has negative counts")
+    expected = {f"layers.{i}.{name}": shape_of(experts, hidden)
+                for i in layers for name, shape_of in TENSORS.items()}
+    present = {k: v for k, v in tensors.items() if k in expected}  # other layers' are ignored
+    check_tensors("calibration", path / WEIGHTS_FILE, present, expected, fix)
+    for key, tensor in present.items():
+        if not tensor.is_floating_point() and (tensor < 0).any():
+            raise bad(f"{key} has negative counts")
     return Calibration(
         manifest,
         {i: tensors[f"layers.{i}.default_vectors"] for i in layers},

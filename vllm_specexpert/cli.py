@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import sys
 
@@ -41,9 +42,82 @@ def _patch_vllm_version_lookup() -> None:
     importlib.metadata.version = version
 
 
+def take_plugins_flag(argv: list[str]) -> list[str]:
+    """``argv`` without ``--plugins NAME[,NAME...]`` (also ``--plugins a b`` and
+    ``--plugins=a,b``), whose names go to ``VLLM_PLUGINS``. Done here, before vLLM
+    loads its plugins: the flag is the plugin's own, so vLLM's parser would not know it
+    when ``VLLM_PLUGINS`` leaves the plugin out. Unknown names are a ``ValueError``."""
+    from vllm_specexpert.plugins import plugin_names
+
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--plugins" or arg.startswith("--plugins="):
+            i += 1
+            values = [arg.partition("=")[2]] if "=" in arg else []
+            while arg == "--plugins" and i < len(argv) and not argv[i].startswith("-"):
+                values.append(argv[i])  # nargs="+", as the plugin's own flag
+                i += 1
+            try:
+                os.environ["VLLM_PLUGINS"] = ",".join(plugin_names(values))
+            except ValueError as error:
+                raise ValueError(f"--plugins: {error}") from None
+            continue
+        rest.append(arg)
+        i += 1
+    return rest
+
+
+def configures_plugin(argv: list[str]) -> bool:
+    """Whether vLLM's arguments ``argv`` set ``additional_config["specexpert"]``:
+    ``--additional-config JSON`` (or ``=JSON``, or ``_``), the dotted form
+    ``--additional-config.specexpert.budget 0.5``, or a ``--config`` YAML file."""
+    from vllm_specexpert.config import ADDITIONAL_CONFIG_KEY as KEY
+
+    def has_key(value) -> bool:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return False
+        return isinstance(value, dict) and KEY in value
+
+    for i, arg in enumerate(argv):
+        name, _, inline = arg.partition("=")
+        name = name.replace("_", "-")
+        value = inline if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+        if name == "--additional-config" and has_key(value):
+            return True
+        if name.startswith(f"--additional-config.{KEY}"):
+            return True
+        if name == "--config" and value:
+            import yaml
+
+            try:
+                with open(value) as f:
+                    loaded = yaml.safe_load(f)
+            except (OSError, yaml.YAMLError):
+                continue  # vLLM reports it
+            if isinstance(loaded, dict) and any(
+                    has_key(loaded.get(k)) for k in ("additional-config", "additional_config")):
+                return True
+    return False
+
+
 def run_vllm_cli(argv: list[str]) -> None:
-    """Run vLLM's own CLI with ``argv`` (e.g. ``["serve", MODEL, ...]``)."""
+    """Run vLLM's own CLI with ``argv`` (e.g. ``["serve", MODEL, ...]``), after
+    taking ``--plugins`` and checking that a ``specexpert`` config will reach the plugin."""
     set_cpu_defaults()
+    try:
+        argv = take_plugins_flag(argv)
+        if configures_plugin(argv):
+            from vllm_specexpert.plugins import check_plugin_enabled
+
+            check_plugin_enabled("every vLLM process")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     _patch_vllm_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -257,10 +257,12 @@ class SpecExpertConfig:
         if isinstance(value, float) and value.is_integer() and value > 1:
             value = int(value)
         if isinstance(value, int):
-            if not 1 <= value <= MAX_EXPERTS:
-                raise ValueError(f"count must be in [1, {MAX_EXPERTS}], got {value:.6g}")
-            # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
-            return 1.0 if value == 1 else value
+            if value == 1:
+                # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
+                return 1.0
+            if not 2 <= value <= MAX_EXPERTS:
+                raise ValueError(f"count must be in [2, {MAX_EXPERTS}], got {value:.6g}")
+            return value
         if not 0.0 < value <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {value:.6g}")
         return float(value)
@@ -413,9 +415,29 @@ class SpecExpertConfig:
         return dataclasses.asdict(self)
 
     def changed(self, changes: dict[str, Any]) -> SpecExpertConfig:
-        """This config with ``changes`` (``reconfigure``): only the changed keys must have
-        an effect; a section given (``link``, ``buddy``) replaces the current one."""
-        return self.from_dict({**self.to_dict(), **changes}, explicit=set(changes))
+        """This config with ``changes`` (``reconfigure``): the changed keys must have an
+        effect; a section given (``link``, ``buddy``) replaces the current one. A setting
+        kept from before that has no effect any more under the changed mode (say
+        ``plec_preload`` after ``cache: lru``) goes back to its default, so that the
+        result is a config that would also pass at engine start."""
+        if not isinstance(changes, dict):
+            raise SpecExpertConfigError(ADDITIONAL_CONFIG_KEY, "changes must be keyword "
+                                        "arguments", "e.g. reconfigure(llm, budget=0.25)")
+        merged = {**self.to_dict(), **changes}
+        for _ in range(len(merged) + 1):
+            config = self.from_dict(merged, explicit=set(changes))
+            try:
+                config._check_effect(merged, set(merged))
+                return config
+            except SpecExpertConfigError as error:
+                section, _, name = error.field_name.partition(".")
+                if section in changes:
+                    raise
+                if name:
+                    merged[section] = {**merged[section], name: _default_of(name, section)}
+                else:
+                    merged[section] = _default_of(section)
+        raise AssertionError("unreachable: every reset removes one setting")
 
     # ------------------------------------------------------- model-dependent checks
 
@@ -452,11 +474,12 @@ def _miss_policy_classes() -> dict:
     return MISS_POLICY_CLASSES
 
 
-def _default_of(name: str) -> Any:
-    field = SpecExpertConfig.__dataclass_fields__[name]
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
+def _default_of(name: str, section: str | None = None) -> Any:
+    """The default of ``name``, a field of the config or of its ``section`` (a section
+    as the plain dict :meth:`SpecExpertConfig.to_dict` gives)."""
+    owner = _section_class(SpecExpertConfig, (section,)) if section else SpecExpertConfig
+    value = owner.__pydantic_fields__[name].get_default(call_default_factory=True)
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 MAX_EXPERTS = 65536
@@ -477,7 +500,7 @@ def _config_error(error: ValidationError, cls: type) -> SpecExpertConfigError:
     if kind == "value_error":
         problem = str(first["ctx"]["error"])
     else:
-        shown = f"{value:.6g}" if isinstance(value, float) else repr(value)
+        shown = _shown(value)
         problem = f"{first['msg'][0].lower()}{first['msg'][1:]}, got {shown}"
     if kind == "literal_error":
         return SpecExpertConfigError(field_name, problem, "use one of those values")
@@ -490,6 +513,15 @@ def _config_error(error: ValidationError, cls: type) -> SpecExpertConfigError:
         return SpecExpertConfigError(field_name, problem, "give a path (a non-empty string), "
                                      "or null")
     return SpecExpertConfigError(field_name, problem, _fix_from_docs(owner, loc[-1]))
+
+
+def _shown(value: Any) -> str:
+    """A rejected value as the user wrote it: ``8.0`` stays ``8.0`` (a float where a count
+    is wanted), ``1e300`` is ``1e+300``, not 301 digits."""
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value) if abs(value) < 1e16 and value == float(f"{value:.6g}") \
+            else f"{value:.6g}"
+    return repr(value)
 
 
 def _section_class(cls: type, loc: tuple) -> type:

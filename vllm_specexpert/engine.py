@@ -52,7 +52,7 @@ from vllm_specexpert.predict import (
     worth_threshold,
 )
 from vllm_specexpert.staging import HostReader, upload
-from vllm_specexpert.stats import LayerStats, PhaseStats, StatsWriter, check_writable
+from vllm_specexpert.stats import LayerStats, PhaseStats, StatsWriter, check_stats_path
 from vllm_specexpert.store import ExpertStore
 from vllm_specexpert.transfer import make_link
 
@@ -177,9 +177,10 @@ class OffloadEngine:
             model_name = os.environ.get(metrics.MODEL_NAME_ENV, "")
             self._metrics_writer = StatsWriter(
                 metrics.snapshot_path(directory), metrics.SNAPSHOT_INTERVAL_S,
-                lambda: {**self.stats(), "model_name": model_name})
+                lambda: {**self.stats(), "model_name": model_name},
+                what="metrics snapshot", write_last=False)
         if self.config.stats_path:
-            check_writable(self.stats_file)
+            check_stats_path(self.stats_file)
             self._stats_writer = StatsWriter(self.stats_file, self.config.stats_interval_s,
                                              self.stats)
 

@@ -26,10 +26,13 @@ remain the exact, per-call view.
 from __future__ import annotations
 
 import ast
+import atexit
+import contextlib
 import dataclasses
 import inspect
 import json
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -53,21 +56,52 @@ def snapshot_path(directory: str) -> str:
     return os.path.join(directory, f"worker-{os.getpid()}.json")
 
 
+DIRECTORY_PREFIX = "specexpert-metrics-"
+"""Snapshot directories are ``<tmp>/specexpert-metrics-<pid of the frontend>-<random>``."""
+
+
 def prepare_frontend(model_name: str) -> None:
-    """In the process that builds engine configs: make the snapshot directory (once per
-    process), name the model for the engine processes about to start, and register the
-    collector in prometheus_client's default registry (what vLLM's ``/metrics`` serves
-    with one API server)."""
+    """In the process that builds engine configs, once its config passed every check:
+    make the snapshot directory (once per process; removed when the process exits),
+    name the model for the engine processes about to start, and register the collector
+    in prometheus_client's default registry (what vLLM's ``/metrics`` serves with one
+    API server)."""
     global _collector
     with _lock:
         if DIRECTORY_ENV not in os.environ:
-            os.environ[DIRECTORY_ENV] = tempfile.mkdtemp(prefix="specexpert-metrics-")
+            remove_orphaned_directories()
+            directory = tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-")
+            atexit.register(_remove_directory, directory, os.getpid())
+            os.environ[DIRECTORY_ENV] = directory
         os.environ[MODEL_NAME_ENV] = model_name
         if _collector is None:
             from prometheus_client import REGISTRY
 
             _collector = SnapshotCollector(os.environ[DIRECTORY_ENV])
             REGISTRY.register(_collector)
+
+
+def _remove_directory(directory: str, owner_pid: int) -> None:
+    """At exit of the process that made ``directory`` (not of a child that inherited
+    the registration through fork)."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def remove_orphaned_directories(root: str | None = None) -> list[str]:
+    """Remove the snapshot directories whose frontend process is gone (killed before
+    it could remove its own). Returns what was removed."""
+    removed = []
+    root = root or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            if not (entry.name.startswith(DIRECTORY_PREFIX) and entry.is_dir()):
+                continue
+            pid = entry.name[len(DIRECTORY_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
 
 
 def hook_multiprocess_registry() -> None:

@@ -33,12 +33,12 @@ import inspect
 import os
 from collections.abc import Callable
 
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config import ADDITIONAL_CONFIG_KEY, SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.log import init_logger
+from vllm_specexpert.worker import WORKER_EXTENSION
 
 logger = init_logger(__name__)
 
-WORKER_EXTENSION = "vllm_specexpert.worker.SpecExpertWorkerExtension"
 
 
 def register() -> None:
@@ -60,6 +60,8 @@ def register() -> None:
 
 
 PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "specexpert"
+"""This plugin's entry point name in :data:`PLUGIN_GROUP`."""
 
 
 def installed_plugins() -> list[str]:
@@ -69,16 +71,26 @@ def installed_plugins() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)})
 
 
+def plugin_names(values: list[str]) -> list[str]:
+    """The names of ``--plugins a,b`` (or ``a b``), each an installed general plugin;
+    ``ValueError`` naming the unknown ones and the installed ones otherwise."""
+    names = [n for value in values for n in value.split(",") if n]
+    installed = installed_plugins()
+    unknown = [n for n in names if n not in installed]
+    if not names or unknown:
+        raise ValueError(f"unknown plugin {', '.join(unknown) or '(none)'}; installed vLLM "
+                         f"general plugins: {', '.join(installed) or 'none'}")
+    return names
+
+
 class PluginsAction(argparse.Action):
     """``--plugins a,b`` (or ``--plugins a b``): check the names, set ``VLLM_PLUGINS``."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        names = [n for value in values for n in value.split(",") if n]
-        installed = installed_plugins()
-        unknown = [n for n in names if n not in installed]
-        if not names or unknown:
-            parser.error(f"{option_string}: unknown plugin {', '.join(unknown) or '(none)'}; "
-                         f"installed vLLM general plugins: {', '.join(installed) or 'none'}")
+        try:
+            names = plugin_names(values)
+        except ValueError as error:
+            parser.error(f"{option_string}: {error}")
         os.environ["VLLM_PLUGINS"] = ",".join(names)
         setattr(namespace, self.dest, names)
 
@@ -124,15 +136,16 @@ def _wrap_create_engine_config() -> None:
         def create_engine_config(self, *args, **kwargs):
             config = SpecExpertConfig.from_additional_config(self.additional_config)
             if config is not None:
-                _check_loaded_in_engine_processes()
+                check_plugin_enabled()
                 prepare_engine_args(self, config)
-                from vllm_specexpert import metrics
-
-                names = getattr(self, "served_model_name", None) or self.model
-                metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
             vllm_config = original(self, *args, **kwargs)
             if config is not None:
                 validate_engine_config(vllm_config, config)
+                from vllm_specexpert import metrics
+
+                # After the checks: a start they refuse leaves no snapshot directory.
+                names = getattr(self, "served_model_name", None) or self.model
+                metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
             return vllm_config
         return create_engine_config
 
@@ -154,16 +167,17 @@ def _restart_after_warm_up() -> None:
     wrap_once(Executor, "compile_or_warm_up_model", wrap)
 
 
-def _check_loaded_in_engine_processes() -> None:
+def check_plugin_enabled(where: str = "the engine processes") -> None:
     """``additional_config`` configures the plugin, but ``VLLM_PLUGINS`` (or
-    ``--plugins``) would keep it out of the engine processes: its config would be
-    ignored there."""
+    ``--plugins``) keeps it out of ``where``: its config would be ignored there and
+    vLLM would serve without offloading."""
     names = os.environ.get("VLLM_PLUGINS")
-    if names is not None and "specexpert" not in names.split(","):
+    if names is not None and PLUGIN_NAME not in names.split(","):
         raise SpecExpertConfigError(
-            "specexpert", f"additional_config configures the plugin, but VLLM_PLUGINS="
-            f"{names!r} leaves it out of the engine processes",
-            "add specexpert to --plugins (or VLLM_PLUGINS), or remove the specexpert key")
+            ADDITIONAL_CONFIG_KEY, f"additional_config configures the plugin, but "
+            f"VLLM_PLUGINS={names!r} leaves it out of {where}",
+            f"add {PLUGIN_NAME} to --plugins (or to VLLM_PLUGINS, or unset VLLM_PLUGINS), "
+            f"or remove the {ADDITIONAL_CONFIG_KEY} key")
 
 
 def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> None:
@@ -256,9 +270,9 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     shape = moe_shape(model_config.hf_config)
     config.slots_per_layer(shape.num_experts, shape.top_k)
     if config.stats_path is not None:
-        from vllm_specexpert.stats import check_writable
+        from vllm_specexpert.stats import check_stats_path
 
-        check_writable(config.stats_path.replace("{rank}", "0"))
+        check_stats_path(config.stats_path.replace("{rank}", "0"))
     layers = getattr(model_config.hf_config, "num_hidden_layers", None)
     if config.exact_layers and layers is not None and max(config.exact_layers) >= layers:
         raise SpecExpertConfigError(

@@ -10,9 +10,12 @@ counters divided by ``decode_tokens``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import errno
 import json
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -149,24 +152,58 @@ class LayerStats:
         return total
 
 
+class NotARegularFile(OSError):
+    """The stats path names a directory, device, FIFO or socket: never replaced."""
+
+
+def _refuse_special(target: str) -> None:
+    """Raise :class:`NotARegularFile` if ``target`` exists and is not a regular file.
+    Writing goes through a rename over the path, which would turn ``/dev/null`` or a
+    FIFO into a JSON file (as root, the system's own ``/dev/null``)."""
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        return  # nothing there (or no way there: opening it reports that)
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        raise NotARegularFile(errno.EEXIST, f"{target} is {kind}")
+
+
 def write_json_atomic(path: str, payload: dict) -> None:
-    """Write ``payload`` to ``path`` so that readers never see half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    """Write ``payload`` to ``path`` so that readers never see half a file: a temp file
+    beside it, renamed over it. A symlink is followed (the file it names is replaced,
+    not the link); anything at the path but a regular file is refused; the directory
+    must exist (it is never created here, so a removed directory stays removed)."""
+    target = os.path.realpath(path)
+    _refuse_special(target)
+    tmp = f"{target}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1, sort_keys=True)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
-def check_writable(path: str) -> None:
-    """Raise a config error naming ``stats_path`` unless a file can be written at
-    ``path`` (checked at engine start: a later failure is only logged)."""
+def check_stats_path(path: str) -> None:
+    """Raise a config error naming ``stats_path`` unless the stats can be written at
+    ``path``: a regular file or nothing there, in a directory that exists or can be
+    made and is writable (checked at engine start: a later failure is only logged)."""
     from vllm_specexpert.config import SpecExpertConfigError
 
-    probe = f"{path}.probe.{os.getpid()}"
+    target = os.path.realpath(path)
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _refuse_special(target)
+    except NotARegularFile as error:
+        raise SpecExpertConfigError(
+            "stats_path", f"{error.strerror}; stats are written by replacing the file",
+            "give the path of a file (it is created or replaced), or remove stats_path "
+            "to write none") from None
+    probe = f"{target}.probe.{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(probe, "w"):
             pass
         os.remove(probe)
@@ -184,8 +221,13 @@ class StatsWriter:
     MIN_INTERVAL_S = 0.1
     """Shortest period between writes (``stats_interval_s: 0`` writes at this rate)."""
 
-    def __init__(self, path: str, interval_s: float, snapshot: Callable[[], dict]):
+    def __init__(self, path: str, interval_s: float, snapshot: Callable[[], dict],
+                 what: str = "stats_path", write_last: bool = True):
         self.path = path
+        self.what = what
+        """What the file is, for the log line of a failed write."""
+        self.write_last = write_last
+        """Whether :meth:`close` (also at exit) writes a last time."""
         self.interval_s = max(interval_s, self.MIN_INTERVAL_S)
         self.snapshot = snapshot
         self._stop = threading.Event()
@@ -200,7 +242,8 @@ class StatsWriter:
             write_json_atomic(self.path, self.snapshot())
         except OSError as error:
             if not self._warned:
-                logger.warning("specexpert: cannot write stats_path %s: %s", self.path, error)
+                logger.warning("specexpert: cannot write %s %s: %s", self.what, self.path,
+                               error)
                 self._warned = True
 
     def _loop(self) -> None:
@@ -208,7 +251,9 @@ class StatsWriter:
             self.write()
 
     def close(self) -> None:
+        """Stop the thread (and write once more if ``write_last``)."""
         if not self._stop.is_set():
             self._stop.set()
             self._thread.join(timeout=5)
-            self.write()
+            if self.write_last:
+                self.write()

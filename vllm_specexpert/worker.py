@@ -10,6 +10,8 @@ from typing import Any
 
 from vllm_specexpert.config import SpecExpertConfigError
 
+WORKER_EXTENSION = "vllm_specexpert.worker.SpecExpertWorkerExtension"
+"""This class, as vLLM's ``worker_extension_cls`` (set by the plugin)."""
 CONFIG_ERROR = "specexpert_config_error"
 """Key of a rejected ``reconfigure``'s reply: ``[field, problem, fix]``."""
 

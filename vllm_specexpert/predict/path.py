@@ -116,7 +116,7 @@ def load_path_predictor(path: str | Path, model: str | None = None,
     config error naming ``path_predictor`` for anything wrong with it)."""
     from safetensors.torch import load_file
 
-    from vllm_specexpert.calibration import check_matches_model, read_manifest
+    from vllm_specexpert.calibration import check_matches_model, check_tensors, read_manifest
 
     path = Path(path)
     fix = "create one with `specexpert train-path MODEL --out DIR`"
@@ -136,11 +136,11 @@ def load_path_predictor(path: str | Path, model: str | None = None,
     predictor = RoutingPathPredictor(shape, layer_indices)
     try:
         state = load_file(str(path / WEIGHTS_FILE))
-        predictor.load_state_dict(state)
-    except Exception as exc:  # truncated file, missing or misshapen tensors
+    except Exception as exc:  # truncated or not a safetensors file
         raise SpecExpertConfigError(
-            "path_predictor", f"{path / WEIGHTS_FILE}: {str(exc).splitlines()[0]}", fix) from None
-    if not all(torch.isfinite(t).all() for t in state.values()):
-        raise SpecExpertConfigError("path_predictor", f"{path / WEIGHTS_FILE}: non-finite "
-                                    "weights", fix)
+            "path_predictor", f"{path / WEIGHTS_FILE}: unreadable "
+            f"({str(exc).splitlines()[0]})", fix) from None
+    expected = {k: tuple(v.shape) for k, v in predictor.state_dict().items()}
+    check_tensors("path_predictor", path / WEIGHTS_FILE, state, expected, fix)
+    predictor.load_state_dict(state)
     return predictor.eval()
