@@ -180,7 +180,7 @@ def engine_loads(schedule: list[Step], routes: list[np.ndarray],
     are counted."""
     from vllm_specexpert.config import SpecExpertConfig
     from vllm_specexpert.engine import OffloadEngine
-    from vllm_specexpert.phases import StepDemand
+    from vllm_specexpert.handoff import StepDemand
 
     layers, top_k = routes[0].shape[1], routes[0].shape[2]
     config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache,

@@ -52,10 +52,10 @@ def adapt(model: str, args: list[str]) -> tuple[str, list[str]]:
 def pytest_configure(config) -> None:
     # The test process builds vLLM's serve parser and loads tokenizers itself: give it the
     # CPU build's environment, and map hub names to the local model for its tokenizers.
-    from vllm_specexpert.cli import _patch_vllm_version_lookup, set_cpu_defaults
+    from vllm_specexpert.vllm_hooks import patch_version_lookup, set_cpu_defaults
 
     set_cpu_defaults()
-    _patch_vllm_version_lookup()
+    patch_version_lookup()
     if os.environ.get("SPECEXPERT_PEER_CONFIG"):
         os.environ["VLLM_PLUGINS"] = "specexpert"  # so the parser knows --plugins
 

@@ -3,11 +3,13 @@
 import torch
 import torch.nn.functional as F
 
-from vllm_specexpert.cache import ExpertCache
+from vllm_specexpert import execute
 from vllm_specexpert.config import LinkConfig
-from vllm_specexpert.loader import ExpertLoader
-from vllm_specexpert.store import ExpertStore
-from vllm_specexpert.transfer import CpuLink
+from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.tiers.cache import ExpertCache
+from vllm_specexpert.tiers.link import CpuLink
+from vllm_specexpert.tiers.loader import ExpertLoader
+from vllm_specexpert.tiers.store import ExpertStore
 
 
 def reference_moe(x, topk_weights, topk_ids, w13, w2):
@@ -50,6 +52,15 @@ def make_loader(tensors, num_slots, top_k, policy="lru", link=None,
     cache = ExpertCache(experts, num_slots, top_k, policy, torch.device("cpu"),
                         device_map=device_map)
     return ExpertLoader(cache, link or CpuLink(LinkConfig()))
+
+
+def run_fetch(loader: ExpertLoader, x, topk_weights, topk_ids, stats: PhaseStats,
+              kernel=None) -> torch.Tensor:
+    """One layer call under ``fetch`` (the exact path every prefill call takes): the
+    executor surveys the cache and runs every entry on the device, loaded on demand."""
+    call = execute.LayerCall(x, topk_weights, topk_ids, topk_ids.numpy(),
+                             kernel or slot_kernel, stats)
+    return execute.run(loader, call, execute.survey(loader, call))
 
 
 def slot_kernel(x, topk_weights, ids, slots, expert_map=None):

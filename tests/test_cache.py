@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
-import torch
 
 from invariants import check_cache_invariants
+from vllm_specexpert.stats import PhaseStats
 from moe_reference import make_loader, random_layer
 
 
@@ -21,54 +21,59 @@ def test_pool_is_allocated_at_budget_and_warm():
 
 def test_lru_evicts_least_recently_used():
     loader = make_loader(random_layer(), num_slots=4, top_k=2, policy="lru")
-    loader.acquire(np.array([0, 1]))
-    loader.acquire(np.array([2, 3]))
-    loader.acquire(np.array([0, 1]))
-    loader.acquire(np.array([5, 6]))  # 2 and 3 are least recent
+    stats = PhaseStats()
+    loader.acquire(np.array([0, 1]), stats)
+    loader.acquire(np.array([2, 3]), stats)
+    loader.acquire(np.array([0, 1]), stats)
+    loader.acquire(np.array([5, 6]), stats)  # 2 and 3 are least recent
     assert resident(loader) == {0, 1, 5, 6}
-    s = loader.stats
+    s = stats
     assert s.misses == 2 and s.loads == 2 and s.evictions == 2
     assert check_cache_invariants(loader) == 4
 
 
 def test_lfu_evicts_least_frequently_used():
     loader = make_loader(random_layer(), num_slots=4, top_k=2, policy="lfu")
+    stats = PhaseStats()
     for _ in range(3):
-        loader.acquire(np.array([0, 1]))
-    loader.acquire(np.array([2, 3]))
-    loader.acquire(np.array([3]))
-    loader.acquire(np.array([7, 8]))  # 2 (1 use) and 1 or 0 (3 uses)? -> 2 and 3 (2 uses)
+        loader.acquire(np.array([0, 1]), stats)
+    loader.acquire(np.array([2, 3]), stats)
+    loader.acquire(np.array([3]), stats)
+    loader.acquire(np.array([7, 8]), stats)  # 2 (1 use) and 1 or 0 (3 uses)? -> 2 and 3 (2 uses)
     assert resident(loader) == {0, 1, 7, 8}
-    loader.acquire(np.array([9]))  # 7 and 8 have one use each, 7 older
+    loader.acquire(np.array([9]), stats)  # 7 and 8 have one use each, 7 older
     assert resident(loader) == {0, 1, 8, 9}
     check_cache_invariants(loader)
 
 
 def test_static_keeps_its_pinned_experts():
     loader = make_loader(random_layer(), num_slots=6, top_k=2, policy="static")
+    stats = PhaseStats()
     assert loader.cache.policy.pinned[:4].all() and not loader.cache.policy.pinned[4:].any()
     for step in range(20):
-        loader.acquire(np.array([8 + step % 8, 4 + step % 4]))
+        loader.acquire(np.array([8 + step % 8, 4 + step % 4]), stats)
         assert {0, 1, 2, 3} <= resident(loader)
     check_cache_invariants(loader)
 
 
 def test_demand_overrides_policy_order():
     loader = make_loader(random_layer(), num_slots=4, top_k=2, policy="lru")
-    loader.acquire(np.array([0, 1]))
-    loader.acquire(np.array([2, 3]))
+    stats = PhaseStats()
+    loader.acquire(np.array([0, 1]), stats)
+    loader.acquire(np.array([2, 3]), stats)
     demand = np.zeros(16, dtype=np.int64)
     demand[[2, 3]] = 5  # 2, 3 are needed again later in the batch: evict 0, 1
-    loader.acquire(np.array([9, 10]), future_demand=demand)
+    loader.acquire(np.array([9, 10]), stats, future_demand=demand)
     assert resident(loader) == {2, 3, 9, 10}
 
 
 def test_hits_and_misses_are_counted_against_the_warm_start():
     tensors = random_layer(num_experts=16)
     loader = make_loader(tensors, num_slots=4, top_k=2)
-    loader.acquire(np.array([0, 1, 2]))   # warm start holds 0-3: three hits
-    loader.acquire(np.array([3, 12]))     # 3 hits, 12 misses
-    s = loader.stats
+    stats = PhaseStats()
+    loader.acquire(np.array([0, 1, 2]), stats)   # warm start holds 0-3: three hits
+    loader.acquire(np.array([3, 12]), stats)     # 3 hits, 12 misses
+    s = stats
     assert (s.hits, s.misses, s.loads) == (4, 1, 1)
     # The one load moved one expert's bytes: all its tensors, nothing more.
     assert s.bytes_loaded == sum(t[12].numel() * t.element_size() for t in tensors.values())
@@ -76,10 +81,11 @@ def test_hits_and_misses_are_counted_against_the_warm_start():
 
 def test_explicit_eviction_frees_unpinned_slots_only():
     loader = make_loader(random_layer(), num_slots=6, top_k=2, policy="static")
-    assert loader.evict(np.array([0, 4, 9])).tolist() == [4]  # 0 pinned, 9 not resident
+    stats = PhaseStats()
+    assert loader.evict(np.array([0, 4, 9]), stats).tolist() == [4]  # 0 pinned, 9 not resident
     assert resident(loader) == {0, 1, 2, 3, 5}
-    assert loader.stats.evictions == 1
-    loader.acquire(np.array([9, 10]))  # one free slot, one eviction
+    assert stats.evictions == 1
+    loader.acquire(np.array([9, 10]), stats)  # one free slot, one eviction
     assert {9, 10} <= resident(loader)
     check_cache_invariants(loader)
 

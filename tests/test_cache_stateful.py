@@ -51,6 +51,10 @@ class CacheMachine(RuleBasedStateMachine):
     def loader(self):
         return self.engine.layers[NAME].loader
 
+    @property
+    def stats(self):
+        return self.engine.layers[NAME].stats.decode
+
     def teardown(self):
         if hasattr(self, "engine"):
             loader = self.loader
@@ -65,8 +69,8 @@ class CacheMachine(RuleBasedStateMachine):
         if not cache.capacity_for(ids):
             return
         demand = self.rng.integers(0, 3, E) if with_demand else None
-        self.loader.begin_run(ids)
-        self.loader.acquire(ids, demand)
+        self.loader.begin_run(ids, self.stats)
+        self.loader.acquire(ids, self.stats, demand)
         # Acquired experts are resident and usable now: their slots hold their bytes.
         assert cache.resident_mask()[ids].all()
         assert not set(cache.expert_slot[ids].tolist()) & set(self.loader.in_flight)
@@ -76,24 +80,24 @@ class CacheMachine(RuleBasedStateMachine):
         ids = np.array(experts)
         cache = self.loader.cache
         was_resident = cache.resident_mask()[ids]
-        queued = self.loader.prefetch(ids)
+        queued = self.loader.prefetch(ids, self.stats)
         assert queued <= np.count_nonzero(~was_resident)
         assert cache.protected[ids[~was_resident][:queued]].all()
 
     @rule(experts=expert_sets)
     def begin_run(self, experts):
-        self.loader.begin_run(np.array(experts))
+        self.loader.begin_run(np.array(experts), self.stats)
         assert not self.loader.cache.protected.any() and not self.loader.prefetches
 
     @rule(expert=st.integers(0, E - 1))
     def admit(self, expert):
-        self.loader.admit(expert)
+        self.loader.admit(expert, self.stats)
 
     @rule(experts=expert_sets)
     def evict(self, experts):
         cache = self.loader.cache
         pinned_or_protected = cache.policy.pinned | cache.protected
-        evicted = self.loader.evict(np.array(experts))
+        evicted = self.loader.evict(np.array(experts), self.stats)
         assert not cache.resident_mask()[evicted].any()
         assert not pinned_or_protected[evicted].any()
 

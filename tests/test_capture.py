@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_specexpert.tools.capture import CaptureReader, capture
-from vllm_specexpert.calibration import model_fingerprint
+from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
 TEXTS = [

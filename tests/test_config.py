@@ -120,7 +120,7 @@ def test_engine_args_on_cuda_pin_triton_moe_and_reject_other_backends(monkeypatc
     from vllm.platforms import current_platform
 
     from vllm_specexpert.config import SpecExpertUnsupportedError
-    from vllm_specexpert.plugins import prepare_engine_args
+    from vllm_specexpert.validate import prepare_engine_args
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: not cuda)
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: cuda)
@@ -145,7 +145,7 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
     from vllm_specexpert.layers.routed_experts import ROUTED_EXPERTS_OP
-    from vllm_specexpert.plugins import keep_piecewise_cuda_graphs
+    from vllm_specexpert.validate import keep_piecewise_cuda_graphs
 
     attention = "vllm::unified_attention_with_output"
     compiled = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
@@ -170,7 +170,7 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
 def test_token_scheduler_settings():
     from types import SimpleNamespace
 
-    from vllm_specexpert.plugins import prepare_engine_args
+    from vllm_specexpert.validate import prepare_engine_args
     from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
 
     config = SpecExpertConfig.from_dict({"path_predictor": "/rpp", "token_scheduler": {}})
@@ -222,7 +222,7 @@ def test_non_finite_and_unphysical_numbers_are_rejected(text, field):
     # D4: settings that do nothing under the chosen mode.
     ({"link": {"latency_us": 10}}, "link.latency_us", "bandwidth_gbps"),
     ({"admit_host_experts": True}, "admit_host_experts", "cpu, auto or auto_buddy"),
-    ({"buddy": {"alpha": 0.5}}, "buddy", "buddy, auto_buddy or random"),
+    ({"buddy": {"alpha": 0.5}}, "buddy", "auto_buddy, buddy or random"),
     ({"exact_layers": [1]}, "exact_layers", "speculate"),
     ({"prefetch_filter": "all"}, "prefetch_filter", "predictor"),
     ({"miss_policy": "buddy", "calibration": "c", "buddy": {"tau": 0.3, "tau_percentile": 20}},

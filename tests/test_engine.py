@@ -142,7 +142,7 @@ def test_stats_path_that_breaks_later_does_not_stop_the_engine(tmp_path):
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("vllm_specexpert.stats")
+    logger = logging.getLogger("vllm_specexpert.report")
     logger.addHandler(handler)
     try:
         engine.write_stats()
@@ -220,7 +220,8 @@ def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(host_reads,
     # An eviction ends the identity: experts 3 and 5 come back in each other's slots
     # (two-token batches take the general path), and a single token must then find 3
     # through the map, not in slot 3.
-    engine.layers[NAMES[0]].loader.evict(np.array([3, 5]))
+    layer = engine.layers[NAMES[0]]
+    layer.loader.evict(np.array([3, 5]), layer.stats.decode)
     x, w, _ = random_routing(2, 16, 4, seed=8)
     for experts in ([5, 0, 1, 2], [3, 0, 1, 2]):
         ids = torch.tensor([experts, experts], dtype=torch.int32)

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from invariants import check_cache_invariants
-from moe_reference import make_loader, random_layer, random_routing, reference_moe, slot_kernel
-from vllm_specexpert.policy import FetchPolicy, run_layer_call
-from vllm_specexpert.policy.executor import next_token_group
+from moe_reference import make_loader, random_layer, random_routing, reference_moe, run_fetch
+from vllm_specexpert.execute import next_token_group
+from vllm_specexpert.stats import PhaseStats
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
@@ -14,20 +14,20 @@ from vllm_specexpert.policy.executor import next_token_group
 def test_fetch_is_exact(policy, num_slots, tokens):
     tensors = random_layer(num_experts=16)
     loader = make_loader(tensors, num_slots=num_slots, top_k=4, policy=policy)
-    fetch = FetchPolicy()
+    stats = PhaseStats()
     for step in range(3):
         x, w, ids = random_routing(tokens, 16, 4, seed=step)
         expected = reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"])
         needed = np.unique(ids.numpy())
         was_missing = int(np.count_nonzero(~loader.cache.resident_mask()[needed]))
         one_launch = loader.cache.capacity_for(needed)
-        misses = loader.stats.misses
-        out = run_layer_call(fetch, loader, slot_kernel, x, w, ids)
+        misses = stats.misses
+        out = run_fetch(loader, x, w, ids, stats)
         assert torch.equal(out, expected)
         check_cache_invariants(loader)
         if one_launch:  # each needed expert is requested once: misses = those not resident
-            assert loader.stats.misses - misses == was_missing
-    s = loader.stats
+            assert stats.misses - misses == was_missing
+    s = stats
     if num_slots < 16:
         assert s.misses > 0 and s.loads >= s.misses and s.bytes_loaded > 0
     else:
@@ -38,11 +38,12 @@ def test_oversized_batch_runs_in_groups_and_loads_each_expert_few_times():
     tensors = random_layer(num_experts=16)
     loader = make_loader(tensors, num_slots=4, top_k=4)
     x, w, ids = random_routing(200, 16, 4)
-    out = run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
+    stats = PhaseStats()
+    out = run_fetch(loader, x, w, ids, stats)
     assert torch.equal(out, reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"]))
-    assert loader.stats.kernel_calls > 1
+    assert stats.kernel_calls > 1
     # Worst case would be a full reload per token (4 x 200).
-    assert loader.stats.loads < 4 * 200
+    assert stats.loads < 4 * 200
     check_cache_invariants(loader)
 
 
@@ -62,14 +63,13 @@ def test_fetch_counts_a_resident_batch_as_hits():
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     x = torch.randn(2, 32).bfloat16()
     w = torch.full((2, 2), 0.5)
-    run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
-    assert (loader.stats.hits, loader.stats.misses, loader.stats.loads) == (4, 0, 0)
+    stats = PhaseStats()
+    run_fetch(loader, x, w, ids, stats)
+    assert (stats.hits, stats.misses, stats.loads) == (4, 0, 0)
     # The calls' demand: distinct experts of each routing (4, 2, 2).
-    run_layer_call(FetchPolicy(), loader, slot_kernel, x, w,
-                   torch.tensor([[0, 1], [1, 0]], dtype=torch.int32))
-    run_layer_call(FetchPolicy(), loader, slot_kernel, x[:1], w[:1],
-                   torch.tensor([[5, 9]], dtype=torch.int32))
-    assert loader.stats.experts_needed == 4 + 2 + 2
+    run_fetch(loader, x, w, torch.tensor([[0, 1], [1, 0]], dtype=torch.int32), stats)
+    run_fetch(loader, x[:1], w[:1], torch.tensor([[5, 9]], dtype=torch.int32), stats)
+    assert stats.experts_needed == 4 + 2 + 2
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
@@ -78,27 +78,28 @@ def test_device_map_path_is_exact_through_prefetches_and_cancellations(tokens):
     # on the CPU: a map entry left stale by any residency change would send a token to
     # another expert's slot.
     from vllm_specexpert.config import LinkConfig
-    from vllm_specexpert.transfer import CpuLink
+    from vllm_specexpert.tiers.link import CpuLink
 
     tensors = random_layer(num_experts=16)
     # 2 ms per copy: prefetches queue behind each other, so unused ones get cancelled.
     link = CpuLink(LinkConfig(bandwidth_gbps=50.0, latency_us=2000.0))
     loader = make_loader(tensors, num_slots=6, top_k=4, link=link, device_map=True)
     cache = loader.cache
+    stats = PhaseStats()
     rng = np.random.default_rng(0)
     for step in range(8):
         x, w, ids = random_routing(tokens, 16, 4, seed=step)
         # Every other step prefetches experts the call will not need (then dropped or
         # unused), else any (often used).
         pool = np.setdiff1d(np.arange(16), ids.numpy()) if step % 2 else np.arange(16)
-        loader.prefetch(rng.permutation(pool)[:3])
-        out = run_layer_call(FetchPolicy(), loader, slot_kernel, x, w, ids)
+        loader.prefetch(rng.permutation(pool)[:3], stats)
+        out = run_fetch(loader, x, w, ids, stats)
         assert torch.equal(out, reference_moe(x, w, ids, tensors["w13_weight"],
                                               tensors["w2_weight"]))
         # After a launch the device map is the host map, evictions included.
         assert torch.equal(cache.expert_map, torch.from_numpy(cache.expert_slot))
         check_cache_invariants(loader)
-    assert loader.stats.misses > 0
+    assert stats.misses > 0
     if tokens < 16:  # else every expert is needed: nothing to cancel
-        assert loader.stats.prefetch_cancelled > 0
+        assert stats.prefetch_cancelled > 0
     link.close()

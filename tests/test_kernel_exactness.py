@@ -15,8 +15,8 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU kernels")
 
-from moe_reference import make_loader, random_routing, vllm_isa  # noqa: E402
-from vllm_specexpert.policy import FetchPolicy, run_layer_call  # noqa: E402
+from moe_reference import make_loader, random_routing, run_fetch, vllm_isa  # noqa: E402
+from vllm_specexpert.stats import PhaseStats  # noqa: E402
 
 E, H, INTER, K = 16, 256, 128, 4
 
@@ -76,12 +76,11 @@ def test_fetch_with_vllm_kernel_is_bit_exact(num_slots):
         assert expert_map is None  # the CPU build maps ids to slots on the host
         return run(x, w, slot_ids, slots["w13_weight"], slots["w2_weight"])
 
-    fetch = FetchPolicy()
+    stats = PhaseStats()
     for step, tokens in enumerate([1, 2, 5, 130]):
         x, w, ids = random_routing(tokens, E, K, hidden=H, seed=step)
-        assert torch.equal(run_layer_call(fetch, loader, kernel, x, w, ids),
-                           run(x, w, ids, p13, p2))
-    assert loader.stats.misses > 0
+        assert torch.equal(run_fetch(loader, x, w, ids, stats, kernel), run(x, w, ids, p13, p2))
+    assert stats.misses > 0
 
 
 def test_masked_entries_add_nothing():
@@ -99,7 +98,7 @@ def test_masked_entries_add_nothing():
 
 def test_torch_host_kernel_matches_vllm_cpu_kernel():
     """``torch_experts`` (the host kernel on CUDA builds) computes what vLLM's kernel does."""
-    from vllm_specexpert.host import torch_experts
+    from vllm_specexpert.tiers.host import torch_experts
 
     p13, p2, w13 = prepacked()
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe_reference import random_layer, random_routing, slot_kernel
-from vllm_specexpert import metrics
+from vllm_specexpert import metrics, vllm_hooks
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 
@@ -38,7 +38,7 @@ def run_engine(directory, monkeypatch) -> OffloadEngine:
         for name in NAMES:
             x, w, ids = random_routing(4, 16, 4, seed=step)
             engine.run(name, slot_kernel, x, w, ids)
-    engine._metrics_writer.write()
+    engine.write_stats()
     return engine
 
 
@@ -95,8 +95,9 @@ def test_several_api_servers_serve_the_series_on_their_metrics_route(tmp_path, m
     multiproc = tmp_path / "prometheus"
     multiproc.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(multiproc))
-    metrics.hook_multiprocess_registry()
-    metrics.hook_multiprocess_registry()  # idempotent: the collector joins once per registry
+    vllm_hooks.add_to_multiprocess_registries(metrics.environment_collector)
+    # Idempotent: the collector joins once per registry.
+    vllm_hooks.add_to_multiprocess_registries(metrics.environment_collector)
     app = FastAPI()
     attach_router(app)
     text = TestClient(app).get("/metrics").text

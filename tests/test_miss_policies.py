@@ -12,7 +12,7 @@ from moe_reference import random_layer, reference_moe, slot_kernel
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.phases import PassPhases
-from vllm_specexpert.host import HostCostModel, torch_experts
+from vllm_specexpert.tiers.host import HostCostModel, torch_experts
 from vllm_specexpert.policy import MissContext
 from vllm_specexpert.policy.cpu import host_share
 

@@ -58,7 +58,7 @@ def artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("rpp")
     with open(TRAINED_MODEL_DIR / "config.json") as f:
         config = json.load(f)
-    from vllm_specexpert.calibration import model_fingerprint
+    from vllm_specexpert.artifacts import model_fingerprint
 
     shape = PathPredictorShape(vocab_size=config["vocab_size"], num_layers=2, num_experts=64,
                                top_k=4, embed_dim=8, hidden=16)

@@ -10,7 +10,7 @@ from invariants import check_cache_invariants
 from moe_reference import random_layer, reference_moe, slot_kernel
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.phases import StepDemand
+from vllm_specexpert.handoff import StepDemand
 
 E, K, H, LAYERS = 16, 2, 32, 3
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]

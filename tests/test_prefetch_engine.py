@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from invariants import check_cache_invariants
+from vllm_specexpert.stats import PhaseStats
 from moe_reference import make_loader, random_layer, reference_moe, slot_kernel
 from vllm_specexpert.config import LinkConfig, SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
@@ -18,7 +19,7 @@ from vllm_specexpert.predict import (
     QuasiHiddenPredictor,
     residual_scale,
 )
-from vllm_specexpert.transfer import CpuLink
+from vllm_specexpert.tiers.link import CpuLink
 
 E, K, H = 16, 4, 32
 NAMES = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -180,17 +181,18 @@ def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
 
 def test_prefetch_is_protected_until_the_layer_runs():
     loader = make_loader(random_layer(num_experts=E), num_slots=4, top_k=2)
+    stats = PhaseStats()
     cache = loader.cache
-    assert loader.prefetch(np.array([8, 9, 10])) == 3
+    assert loader.prefetch(np.array([8, 9, 10]), stats) == 3
     assert set(cache.slot_expert) >= {8, 9, 10}
     # Another prefetch cannot evict them; only one slot is left.
-    assert loader.prefetch(np.array([11, 12])) == 1
+    assert loader.prefetch(np.array([11, 12]), stats) == 1
     assert set(cache.slot_expert) == {8, 9, 10, 11}
-    loader.begin_run(np.array([8, 11]))
-    assert loader.stats.prefetch_used == 2 and loader.stats.prefetch_unused == 2
+    loader.begin_run(np.array([8, 11]), stats)
+    assert stats.prefetch_used == 2 and stats.prefetch_unused == 2
     assert not cache.protected.any()
-    loader.acquire(np.array([8, 11]))
-    assert loader.stats.misses == 0
+    loader.acquire(np.array([8, 11]), stats)
+    assert stats.misses == 0
     check_cache_invariants(loader, settle=True)
 
 
@@ -199,21 +201,22 @@ def test_waiting_for_an_unfinished_prefetch_is_stall():
     link = CpuLink(LinkConfig(bandwidth_gbps=0.002, latency_us=0))
     tensors = random_layer(num_experts=E, hidden=256, inter=128)  # 196 KB per expert
     loader = make_loader(tensors, num_slots=4, top_k=2, link=link)
-    loader.prefetch(np.array([8]))
+    stats = PhaseStats()
+    loader.prefetch(np.array([8]), stats)
     start = time.perf_counter()
-    loader.begin_run(np.array([8]))
-    loader.acquire(np.array([8]))
+    loader.begin_run(np.array([8]), stats)
+    loader.acquire(np.array([8]), stats)
     waited = time.perf_counter() - start
     expected = loader.cache.experts.expert_nbytes / (link.config.bandwidth_gbps * 1e9)
-    assert loader.stats.misses == 0 and loader.stats.hits == 1
-    assert loader.stats.stall_s == pytest.approx(waited, rel=0.2)
+    assert stats.misses == 0 and stats.hits == 1
+    assert stats.stall_s == pytest.approx(waited, rel=0.2)
     assert waited >= expected * 0.9
     assert check_cache_invariants(loader) == 4  # 8 landed: all four slots compared
     link.close()
 
 
 def test_planner_learns_per_rank_precision_and_filters_by_cost():
-    from vllm_specexpert.predict import PrefetchPlanner, worth_threshold
+    from vllm_specexpert.planner.prefetch import PrefetchPlanner, worth_threshold
 
     planner = PrefetchPlanner(top_k=2)
     # rank 1 is always right, rank 2 always wrong
@@ -235,7 +238,7 @@ def test_planner_learns_per_rank_precision_and_filters_by_cost():
 
 
 def test_planner_combines_tokens_that_predict_the_same_expert():
-    from vllm_specexpert.predict import PrefetchPlanner
+    from vllm_specexpert.planner.prefetch import PrefetchPlanner
 
     planner = PrefetchPlanner(top_k=2)
     planner.correct, planner.total = np.array([0.9, 0.4]), np.array([1.0, 1.0])
@@ -251,14 +254,15 @@ def test_unneeded_prefetches_that_have_not_started_are_cancelled():
     link = CpuLink(LinkConfig(bandwidth_gbps=0.002, latency_us=0))
     tensors = random_layer(num_experts=E, hidden=256, inter=128)
     loader = make_loader(tensors, num_slots=4, top_k=2, link=link)
+    stats = PhaseStats()
     cache = loader.cache
-    assert loader.prefetch(np.array([8, 9, 10])) == 3  # 8 starts, 9 and 10 queue
-    loader.begin_run(np.array([9, 3]))  # 9 is needed; 8 already moving; 10 can go
-    assert loader.stats.prefetch_used == 1
-    assert loader.stats.prefetch_unused == 1 and loader.stats.prefetch_cancelled == 1
+    assert loader.prefetch(np.array([8, 9, 10]), stats) == 3  # 8 starts, 9 and 10 queue
+    loader.begin_run(np.array([9, 3]), stats)  # 9 is needed; 8 already moving; 10 can go
+    assert stats.prefetch_used == 1
+    assert stats.prefetch_unused == 1 and stats.prefetch_cancelled == 1
     assert cache.expert_slot[10] == -1 and 10 not in cache.slot_expert
-    loader.acquire(np.array([9, 3]))  # 3 stayed resident
-    assert loader.stats.prefetched == 2  # 8 and 9 started by now; 10 never
+    loader.acquire(np.array([9, 3]), stats)  # 3 stayed resident
+    assert stats.prefetched == 2  # 8 and 9 started by now; 10 never
     assert link.bytes_copied == 2 * cache.experts.expert_nbytes  # 8 and 9 moved, 10 never
     check_cache_invariants(loader, settle=True)
     link.close()
@@ -269,7 +273,7 @@ def test_a_decode_layer_call_reads_the_device_once(toy, host_reads):
     # The packed reader (the CUDA path) run on the CPU: router ids, the prediction for
     # the next layer and its weights must come back in one read, with misses, hits and
     # prefetches along the way.
-    from vllm_specexpert.staging import HostReader
+    from vllm_specexpert.tiers.staging import HostReader
 
     engine = make_engine(toy, budget=0.5, predictor="router")
     engine.reader = HostReader(torch.device("cpu"), packed=True)

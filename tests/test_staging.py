@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from vllm_specexpert.staging import HostReader
+from vllm_specexpert.tiers.staging import HostReader
 
 
 def test_packed_read_returns_each_tensor_and_survives_later_reads():

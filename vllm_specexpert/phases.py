@@ -58,17 +58,3 @@ class PassPhases:
         is_decode = np.zeros(num_tokens, dtype=bool)
         is_decode[: query_lens.sum()] = np.repeat(decoding, query_lens)
         return cls(num_tokens, np.flatnonzero(is_decode), np.flatnonzero(~is_decode))
-
-
-@dataclass
-class StepDemand:
-    """The decode tokens of one step and the experts a path predictor expects them to
-    use (computed by the scheduler, see :mod:`vllm_specexpert.layers.step_demand`)."""
-
-    tokens: int
-    """Decode tokens the prediction covers (the step's decode requests)."""
-    layers: dict[int, np.ndarray]
-    """Decoder-layer index -> ``[E]`` predicted decode tokens per expert."""
-    next_layers: dict[int, np.ndarray] | None = None
-    """The same for the decode group expected to run next step (the token scheduler
-    holds it back this step), ``None`` when the same requests are expected to run."""

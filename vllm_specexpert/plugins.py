@@ -1,44 +1,36 @@
-"""vLLM entry points. ``register`` is the ``vllm.general_plugins`` entry ``specexpert``.
+"""vLLM entry point. ``register`` is the ``vllm.general_plugins`` entry ``specexpert``.
 
 vLLM calls it in every process (API server, engine core, workers), before any engine
 config exists. It installs these, all inert unless ``additional_config`` has a
-``specexpert`` key:
+``specexpert`` key (every patch of vLLM's code is in :mod:`vllm_specexpert.vllm_hooks`):
 
 * the out-of-tree ``RoutedExperts`` class (:class:`OffloadedRoutedExperts`), which
   turns itself back into vLLM's own class when the key is absent;
 * subclasses of vLLM's supported MoE model classes under their own architecture names
-  (:mod:`vllm_specexpert.layers.model_classes`), which wire the offloaded layers for prediction
-  after loading and likewise turn back into vLLM's classes when the key is absent;
-* a check around ``EngineArgs.create_engine_config`` that validates the config against
-  the model in the calling process, so a bad setting fails at once with one clear error
-  instead of inside a worker, and that enables the stats RPCs (worker extension);
+  (:mod:`vllm_specexpert.layers.model_classes`), which wire the offloaded layers for
+  prediction after loading and likewise turn back into vLLM's classes when the key is
+  absent;
+* the engine-config checks of :mod:`vllm_specexpert.validate` around
+  ``EngineArgs.create_engine_config``, so a bad setting fails at once with one clear
+  error in the calling process instead of inside a worker;
 * a ``--plugins NAME[,NAME...]`` flag on vLLM's engine arguments (``vllm serve``,
-  ``vllm bench``, ``specexpert serve``): vLLM 0.32 only has ``VLLM_PLUGINS``. vLLM loads
-  general plugins inside ``AsyncEngineArgs.add_cli_args`` before it builds the parser,
-  so the flag can be added there; parsing it checks the names against the installed
-  ``vllm.general_plugins`` and sets ``VLLM_PLUGINS`` for the engine processes (started
-  after parsing, they inherit it);
-* a restart of the offloaded layers' caches after vLLM's warm-up (``Executor.
-  compile_or_warm_up_model``): its passes run on uninitialized memory, and serving
-  starts from the warm start instead of what they loaded (``OffloadEngine.restart``);
-* the ``specexpert_*`` series in the multiprocess registries vLLM builds for ``/metrics``
-  with several API servers (:func:`vllm_specexpert.metrics.hook_multiprocess_registry`).
+  ``vllm bench``): vLLM 0.32 only has ``VLLM_PLUGINS``. Parsing it checks the names
+  against the installed ``vllm.general_plugins`` and sets ``VLLM_PLUGINS`` for the engine
+  processes (started after parsing, they inherit it);
+* a restart of the offloaded layers' caches after vLLM's warm-up: its passes run on
+  uninitialized memory, and serving starts from the warm start instead of what they
+  loaded (``OffloadEngine.restart``);
+* the ``specexpert_*`` series in the registries vLLM builds for ``/metrics`` with
+  several API servers (:func:`vllm_specexpert.metrics.environment_collector`).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
 import os
-from collections.abc import Callable
 
-from vllm_specexpert.config import ADDITIONAL_CONFIG_KEY, SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.log import init_logger
-from vllm_specexpert.worker import WORKER_EXTENSION
-
-logger = init_logger(__name__)
-
+from vllm_specexpert import metrics, validate, vllm_hooks
+from vllm_specexpert.config import SpecExpertConfig
 
 
 def register() -> None:
@@ -51,36 +43,18 @@ def register() -> None:
 
         RoutedExperts.register_oot(OffloadedRoutedExperts, name="RoutedExperts")
         register_models()
-    _wrap_create_engine_config()
-    _restart_after_warm_up()
-    _add_plugins_flag()
-    from vllm_specexpert import metrics
-
-    metrics.hook_multiprocess_registry()
-
-
-PLUGIN_GROUP = "vllm.general_plugins"
-PLUGIN_NAME = "specexpert"
-"""This plugin's entry point name in :data:`PLUGIN_GROUP`."""
+    vllm_hooks.around_engine_config(validate.before_engine_config,
+                                    validate.after_engine_config)
+    vllm_hooks.after_warm_up(restart_caches)
+    vllm_hooks.add_engine_arguments(add_plugins_argument)
+    vllm_hooks.add_to_multiprocess_registries(metrics.environment_collector)
 
 
-def installed_plugins() -> list[str]:
-    """Names of the installed ``vllm.general_plugins`` entry points."""
-    from importlib.metadata import entry_points
-
-    return sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)})
-
-
-def plugin_names(values: list[str]) -> list[str]:
-    """The names of ``--plugins a,b`` (or ``a b``), each an installed general plugin;
-    ``ValueError`` naming the unknown ones and the installed ones otherwise."""
-    names = [n for value in values for n in value.split(",") if n]
-    installed = installed_plugins()
-    unknown = [n for n in names if n not in installed]
-    if not names or unknown:
-        raise ValueError(f"unknown plugin {', '.join(unknown) or '(none)'}; installed vLLM "
-                         f"general plugins: {', '.join(installed) or 'none'}")
-    return names
+def restart_caches(executor) -> None:
+    """After vLLM's warm-up: every worker's caches back to their warm start."""
+    if SpecExpertConfig.from_additional_config(
+            executor.vllm_config.additional_config) is not None:
+        executor.collective_rpc("specexpert_restart")
 
 
 class PluginsAction(argparse.Action):
@@ -88,203 +62,17 @@ class PluginsAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         try:
-            names = plugin_names(values)
+            names = validate.plugin_names(values)
         except ValueError as error:
             parser.error(f"{option_string}: {error}")
         os.environ["VLLM_PLUGINS"] = ",".join(names)
         setattr(namespace, self.dest, names)
 
 
-def wrap_once(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> None:
-    """Replace ``owner.name`` by ``wrap(original)``, once: vLLM may load the plugin more
-    than once in a process, and a second wrap would run the hook twice."""
-    original = getattr(owner, name)
-    if getattr(original, "_specexpert_wrapped", False):
-        return
-    wrapper = functools.wraps(original)(wrap(original))
-    wrapper._specexpert_wrapped = True
-    if isinstance(inspect.getattr_static(owner, name), staticmethod):
-        wrapper = staticmethod(wrapper)
-    setattr(owner, name, wrapper)
-
-
-def _add_plugins_flag() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    def wrap(original):
-        def add_cli_args(parser, *args, **kwargs):
-            return _add_plugins_argument(original(parser, *args, **kwargs))
-        return add_cli_args
-
-    wrap_once(EngineArgs, "add_cli_args", wrap)
-
-
-def _add_plugins_argument(parser):
+def add_plugins_argument(parser) -> None:
     if "--plugins" not in parser._option_string_actions:
         parser.add_argument(
             "--plugins", nargs="+", action=PluginsAction, metavar="NAME",
             help="vLLM general plugins to load in the engine processes (sets "
                  "VLLM_PLUGINS), e.g. --plugins specexpert. Added by the specexpert "
-                 "plugin; installed: " + ", ".join(installed_plugins()))
-    return parser
-
-
-def _wrap_create_engine_config() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    def wrap(original):
-        def create_engine_config(self, *args, **kwargs):
-            config = SpecExpertConfig.from_additional_config(self.additional_config)
-            if config is not None:
-                check_plugin_enabled()
-                prepare_engine_args(self, config)
-            vllm_config = original(self, *args, **kwargs)
-            if config is not None:
-                validate_engine_config(vllm_config, config)
-                from vllm_specexpert import metrics
-
-                # After the checks: a start they refuse leaves no snapshot directory.
-                names = getattr(self, "served_model_name", None) or self.model
-                metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
-            return vllm_config
-        return create_engine_config
-
-    wrap_once(EngineArgs, "create_engine_config", wrap)
-
-
-def _restart_after_warm_up() -> None:
-    from vllm.v1.executor.abstract import Executor
-
-    def wrap(original):
-        def compile_or_warm_up_model(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            if SpecExpertConfig.from_additional_config(
-                    self.vllm_config.additional_config) is not None:
-                self.collective_rpc("specexpert_restart")
-            return result
-        return compile_or_warm_up_model
-
-    wrap_once(Executor, "compile_or_warm_up_model", wrap)
-
-
-def check_plugin_enabled(where: str = "the engine processes") -> None:
-    """``additional_config`` configures the plugin, but ``VLLM_PLUGINS`` (or
-    ``--plugins``) keeps it out of ``where``: its config would be ignored there and
-    vLLM would serve without offloading."""
-    names = os.environ.get("VLLM_PLUGINS")
-    if names is not None and PLUGIN_NAME not in names.split(","):
-        raise SpecExpertConfigError(
-            ADDITIONAL_CONFIG_KEY, f"additional_config configures the plugin, but "
-            f"VLLM_PLUGINS={names!r} leaves it out of {where}",
-            f"add {PLUGIN_NAME} to --plugins (or to VLLM_PLUGINS, or unset VLLM_PLUGINS), "
-            f"or remove the {ADDITIONAL_CONFIG_KEY} key")
-
-
-def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> None:
-    """Engine settings the offloaded layer needs, applied before the config is built."""
-    from vllm.platforms import current_platform
-
-    if config is not None and config.path_predictor is not None:
-        _install_scheduler(engine_args)
-    if current_platform.is_cuda_alike():
-        _pin_triton_moe_backend(engine_args)
-    if engine_args.worker_extension_cls in ("", None):
-        engine_args.worker_extension_cls = WORKER_EXTENSION
-    elif engine_args.worker_extension_cls != WORKER_EXTENSION:
-        logger.warning("specexpert: worker_extension_cls=%s is set, so the "
-                       "specexpert_stats RPC is unavailable (stats_path still works)",
-                       engine_args.worker_extension_cls)
-
-
-def _install_scheduler(engine_args) -> None:
-    """With a ``path_predictor``, vLLM's scheduler class is replaced by the plugin's
-    subclass, which predicts each step's experts (and groups decode sequences under
-    ``token_scheduler``). It runs in the engine-core process, where general plugins are
-    loaded first."""
-    from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
-
-    current = getattr(engine_args, "scheduler_cls", None)
-    if current not in (None, SCHEDULER_CLS):
-        raise SpecExpertConfigError(
-            "path_predictor", f"runs in the plugin's scheduler class, and scheduler_cls="
-            f"{current!r} is set", "remove --scheduler-cls, or remove path_predictor")
-    engine_args.scheduler_cls = SCHEDULER_CLS
-
-
-def _pin_triton_moe_backend(engine_args) -> None:
-    """The offloaded layer runs vLLM's Triton fused-MoE kernel on its slot pool. vLLM's
-    backend oracle would otherwise pick FlashInfer's kernels on some GPUs (monolithic
-    ones take the router logits and every expert's weights, not a slot pool)."""
-    from vllm_specexpert.config import SpecExpertUnsupportedError
-
-    backend = getattr(engine_args, "moe_backend", "auto")
-    if backend == "auto":
-        engine_args.moe_backend = "triton"
-    elif backend != "triton":
-        raise SpecExpertUnsupportedError(
-            f"moe_backend={backend!r}", "offloaded experts run on vLLM's Triton fused-MoE "
-            "kernel, from the slot pool", "leave --moe-backend unset (auto) or set 'triton'")
-
-
-def keep_piecewise_cuda_graphs(compilation_config) -> None:
-    """Which experts to copy is decided on the host from the router's output, so the
-    offloaded op must never be captured in a CUDA graph (a replay would repeat one
-    step's copies forever). It becomes a splitting op: piecewise graphs keep
-    everything else (attention, norms, routers) captured, and the op runs eagerly
-    between them. Full graphs would capture it: they are turned down to piecewise
-    (with compilation) or off (without), with a warning."""
-    from vllm.config import CompilationMode, CUDAGraphMode
-
-    from vllm_specexpert.layers.routed_experts import ROUTED_EXPERTS_OP
-
-    mode = compilation_config.cudagraph_mode
-    if mode is None or mode == CUDAGraphMode.NONE:
-        return
-    if compilation_config.mode != CompilationMode.VLLM_COMPILE:
-        logger.warning("specexpert: cudagraph_mode %s -> NONE: without piecewise "
-                       "compilation a graph would capture the offloaded experts' "
-                       "data-dependent copies", mode.name)
-        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-        return
-    if compilation_config.splitting_ops is None:
-        compilation_config.splitting_ops = []
-    if ROUTED_EXPERTS_OP not in compilation_config.splitting_ops:
-        compilation_config.splitting_ops.append(ROUTED_EXPERTS_OP)
-    if mode.has_full_cudagraphs():
-        logger.warning("specexpert: cudagraph_mode %s -> PIECEWISE: a full graph would "
-                       "capture the offloaded experts' data-dependent copies", mode.name)
-        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
-
-
-def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
-    """Model-dependent checks, in the process that builds the engine config, and the
-    CUDA-graph settings the offloaded op needs."""
-    from vllm.platforms import current_platform
-
-    from vllm_specexpert.architectures import check_supported, moe_shape
-
-    if not current_platform.is_cpu():
-        keep_piecewise_cuda_graphs(vllm_config.compilation_config)
-    check_supported(vllm_config)
-    model_config = vllm_config.model_config
-    shape = moe_shape(model_config.hf_config)
-    config.slots_per_layer(shape.num_experts, shape.top_k)
-    if config.stats_path is not None:
-        from vllm_specexpert.stats import check_stats_path
-
-        check_stats_path(config.stats_path.replace("{rank}", "0"))
-    layers = getattr(model_config.hf_config, "num_hidden_layers", None)
-    if config.exact_layers and layers is not None and max(config.exact_layers) >= layers:
-        raise SpecExpertConfigError(
-            "exact_layers", f"layer {max(config.exact_layers)} does not exist: the model has "
-            f"{layers} decoder layers", f"give indices of its MoE layers, below {layers}")
-    if config.calibration is not None:
-        from vllm_specexpert.calibration import load_calibration
-
-        load_calibration(config.calibration, model=model_config.model,
-                         hf_config=model_config.hf_config, num_experts=shape.num_experts)
-    if config.path_predictor is not None:
-        from vllm_specexpert.predict.path import load_path_predictor
-
-        load_path_predictor(config.path_predictor, model=model_config.model,
-                            hf_config=model_config.hf_config)
+                 "plugin; installed: " + ", ".join(validate.installed_plugins()))

@@ -9,16 +9,15 @@ counters divided by ``decode_tokens``.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import errno
 import json
 import os
 import stat
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_specexpert.log import init_logger
 
@@ -27,92 +26,96 @@ logger = init_logger(__name__)
 PHASES = ("decode", "prefill")
 
 
+def counter(doc: str) -> Any:
+    """A count field of :class:`PhaseStats`; ``doc`` is its doc and its metric's HELP."""
+    return field(default=0, metadata={"help": doc})
+
+
+def seconds(doc: str) -> Any:
+    """A seconds field of :class:`PhaseStats` (a ``*_seconds_total`` metric)."""
+    return field(default=0.0, metadata={"help": doc})
+
+
 @dataclass
 class PhaseStats:
     """Counters of one MoE layer for one phase. Expert requests are counted once per
     distinct expert per kernel call (a token batch that needs expert 5 for 30 tokens is
     one request)."""
 
-    calls: int = 0
-    """Layer calls with tokens of this phase (one per forward pass that has some)."""
-    tokens: int = 0
-    """Tokens of this phase that went through the layer."""
-    requests: int = 0
-    """Distinct experts asked for, summed over kernel calls."""
-    path_needed: int = 0
-    """Distinct experts of decode calls that had a step-level prediction from the path
-    predictor (``path_predictor``), summed over calls."""
-    path_covered: int = 0
-    """Of those, experts the step's prediction contained: ``path_covered / path_needed``
-    is the predictor's batch-level accuracy (ExpertFlow's B_acc) at the running batch
-    size, measured online."""
-    experts_needed: int = 0
-    """Distinct experts the router chose per layer call (before any miss policy),
-    summed over calls: the demand a cache must meet, whatever the token groups."""
-    hits: int = 0
-    """Requests found resident in the device cache (experts still in flight from a
-    prefetch count as hits: nothing new is loaded for them)."""
-    misses: int = 0
-    """Requests that were not resident."""
-    loads: int = 0
-    """Experts whose copy into a slot started (on demand or prefetched)."""
-    evictions: int = 0
-    """Resident experts evicted to make room."""
-    bytes_loaded: int = 0
-    """Bytes of those copies (including prefetches)."""
-    stall_s: float = 0.0
-    """Seconds the compute waited on this layer's copies (on-demand loads, and
-    prefetches not finished when the layer needed them)."""
-    prefetched: int = 0
-    """Experts whose prefetch copy started: predicted at the previous layer, or
-    ``admitted``."""
-    admitted: int = 0
-    """Of those, experts computed on the host and then loaded in the background on an
-    idle link (``admit_host_experts``)."""
-    bytes_prefetched: int = 0
-    """Bytes of those prefetches (included in ``bytes_loaded``)."""
-    prefetch_used: int = 0
-    """Prefetched experts the layer then asked for."""
-    prefetch_unused: int = 0
-    """Prefetched experts the layer did not ask for and that had already started moving
-    (wasted link time)."""
-    prefetch_cancelled: int = 0
-    """Prefetches the layer did not ask for that had not started when it ran: dropped
-    from the link queue, no link time spent (never counted in ``prefetched``)."""
-    prefetch_skipped: int = 0
-    """Predicted, non-resident experts not prefetched because their measured chance of
-    use did not pay for the copy (``prefetch_filter: cost``)."""
-    predicted: int = 0
-    """Router-chosen (token, expert) pairs checked against a prediction made at the
-    previous layer."""
-    predicted_correct: int = 0
-    """Of those, pairs the prediction contained: ``predicted_correct / predicted`` is
-    the online recall@k of the predictor for this layer."""
-    speculated_calls: int = 0
-    """Layer calls that ran the predicted experts with the predicted weights instead of
-    the router's (miss policy ``speculate``; output not exact)."""
-    missed_entries: int = 0
-    """Router-chosen (token, expert) entries whose expert was not resident when the
-    layer call started; each was resolved in one of the next four ways."""
-    fetched_entries: int = 0
-    """Missed entries whose expert was loaded on demand (``fetch``, fallbacks)."""
-    host_entries: int = 0
-    """Missed entries computed on the host from the slow tier (``cpu``, ``auto``)."""
-    substituted_entries: int = 0
-    """Missed entries run with a resident substitute instead (``buddy``, ``random``,
-    ``auto_buddy``; output not exact)."""
-    dropped_entries: int = 0
-    """Missed entries not run at all (``drop``; output not exact)."""
-    host_experts: int = 0
-    """Distinct experts computed on the host, summed over layer calls."""
-    host_s: float = 0.0
-    """Seconds of host expert compute (modeled seconds with an emulated link: measured
-    time x ``link.host_slowdown``)."""
-    host_stall_s: float = 0.0
-    """Seconds layer calls waited for the host after their device work was done."""
-    kernel_calls: int = 0
-    """Expert kernel launches on the device (more than ``calls`` when a batch needed more
-    experts than there are slots and ran in token groups)."""
+    calls: int = counter(
+        "Layer calls with tokens of this phase (one per forward pass that has "
+        "some).")
+    tokens: int = counter("Tokens of this phase that went through the layer.")
+    requests: int = counter("Distinct experts asked for, summed over kernel calls.")
+    path_needed: int = counter(
+        "Distinct experts of decode calls that had a step-level prediction from "
+        "the path predictor (``path_predictor``), summed over calls.")
+    path_covered: int = counter(
+        "Of those, experts the step's prediction contained: ``path_covered / "
+        "path_needed`` is the predictor's batch-level accuracy (ExpertFlow's "
+        "B_acc) at the running batch size, measured online.")
+    experts_needed: int = counter(
+        "Distinct experts the router chose per layer call (before any miss "
+        "policy), summed over calls: the demand a cache must meet, whatever the "
+        "token groups.")
+    hits: int = counter(
+        "Requests found resident in the device cache (experts still in flight "
+        "from a prefetch count as hits: nothing new is loaded for them).")
+    misses: int = counter("Requests that were not resident.")
+    loads: int = counter("Experts whose copy into a slot started (on demand or prefetched).")
+    evictions: int = counter("Resident experts evicted to make room.")
+    bytes_loaded: int = counter("Bytes of those copies (including prefetches).")
+    stall_s: float = seconds(
+        "Seconds the compute waited on this layer's copies (on-demand loads, and "
+        "prefetches not finished when the layer needed them).")
+    prefetched: int = counter(
+        "Experts whose prefetch copy started: predicted at the previous layer, or "
+        "``admitted``.")
+    admitted: int = counter(
+        "Of those, experts computed on the host and then loaded in the background "
+        "on an idle link (``admit_host_experts``).")
+    bytes_prefetched: int = counter("Bytes of those prefetches (included in ``bytes_loaded``).")
+    prefetch_used: int = counter("Prefetched experts the layer then asked for.")
+    prefetch_unused: int = counter(
+        "Prefetched experts the layer did not ask for and that had already "
+        "started moving (wasted link time).")
+    prefetch_cancelled: int = counter(
+        "Prefetches the layer did not ask for that had not started when it ran: "
+        "dropped from the link queue, no link time spent (never counted in "
+        "``prefetched``).")
+    prefetch_skipped: int = counter(
+        "Predicted, non-resident experts not prefetched because their measured "
+        "chance of use did not pay for the copy (``prefetch_filter: cost``).")
+    predicted: int = counter(
+        "Router-chosen (token, expert) pairs checked against a prediction made at "
+        "the previous layer.")
+    predicted_correct: int = counter(
+        "Of those, pairs the prediction contained: ``predicted_correct / "
+        "predicted`` is the online recall@k of the predictor for this layer.")
+    speculated_calls: int = counter(
+        "Layer calls that ran the predicted experts with the predicted weights "
+        "instead of the router's (miss policy ``speculate``; output not exact).")
+    missed_entries: int = counter(
+        "Router-chosen (token, expert) entries whose expert was not resident when "
+        "the layer call started; each was resolved in one of the next four ways.")
+    fetched_entries: int = counter("Missed entries whose expert was loaded on demand (``fetch``, fallbacks).")
+    host_entries: int = counter(
+        "Missed entries computed on the host from the slow tier (``cpu``, "
+        "``auto``).")
+    substituted_entries: int = counter(
+        "Missed entries run with a resident substitute instead (``buddy``, "
+        "``random``, ``auto_buddy``; output not exact).")
+    dropped_entries: int = counter("Missed entries not run at all (``drop``; output not exact).")
+    host_experts: int = counter("Distinct experts computed on the host, summed over layer calls.")
+    host_s: float = seconds(
+        "Seconds of host expert compute (modeled seconds with an emulated link: "
+        "measured time x ``link.host_slowdown``).")
+    host_stall_s: float = seconds(
+        "Seconds layer calls waited for the host after their device work was "
+        "done.")
+    kernel_calls: int = counter(
+        "Expert kernel launches on the device (more than ``calls`` when a batch "
+        "needed more experts than there are slots and ran in token groups).")
 
     @property
     def hit_rate(self) -> float:
@@ -211,49 +214,3 @@ def check_stats_path(path: str) -> None:
         raise SpecExpertConfigError(
             "stats_path", f"cannot write {path}: {error.strerror or error}",
             "give a path in a writable directory, or remove stats_path") from None
-
-
-class StatsWriter:
-    """Writes ``snapshot()`` to ``path`` every ``interval_s`` seconds from a daemon
-    thread (never from the forward pass), and once more at :meth:`close`. A failed write
-    is logged once and retried at the next interval: it never stops the engine."""
-
-    MIN_INTERVAL_S = 0.1
-    """Shortest period between writes (``stats_interval_s: 0`` writes at this rate)."""
-
-    def __init__(self, path: str, interval_s: float, snapshot: Callable[[], dict],
-                 what: str = "stats_path", write_last: bool = True):
-        self.path = path
-        self.what = what
-        """What the file is, for the log line of a failed write."""
-        self.write_last = write_last
-        """Whether :meth:`close` (also at exit) writes a last time."""
-        self.interval_s = max(interval_s, self.MIN_INTERVAL_S)
-        self.snapshot = snapshot
-        self._stop = threading.Event()
-        self._warned = False
-        self._thread = threading.Thread(target=self._loop, name="specexpert-stats",
-                                        daemon=True)
-        self._thread.start()
-        atexit.register(self.close)
-
-    def write(self) -> None:
-        try:
-            write_json_atomic(self.path, self.snapshot())
-        except OSError as error:
-            if not self._warned:
-                logger.warning("specexpert: cannot write %s %s: %s", self.what, self.path,
-                               error)
-                self._warned = True
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.write()
-
-    def close(self) -> None:
-        """Stop the thread (and write once more if ``write_last``)."""
-        if not self._stop.is_set():
-            self._stop.set()
-            self._thread.join(timeout=5)
-            if self.write_last:
-                self.write()

@@ -12,7 +12,6 @@ they run exactly. The split is computed once per pass and kept in the forward co
 from __future__ import annotations
 
 import numpy as np
-
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_specexpert.phases import PassPhases

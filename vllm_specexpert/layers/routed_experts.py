@@ -22,7 +22,6 @@ import re
 import weakref
 
 import torch
-
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -32,12 +31,12 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from vllm_specexpert import handoff, vllm_hooks
 from vllm_specexpert.architectures import check_supported
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.host import GATED_ACTIVATIONS, torch_experts
-from vllm_specexpert.layers import step_demand
 from vllm_specexpert.layers.forward_phase import current_phases
+from vllm_specexpert.tiers.host import GATED_ACTIVATIONS, torch_experts
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
@@ -94,7 +93,7 @@ class OffloadedRoutedExperts(RoutedExperts):
 
         config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
         if config.path_predictor is not None:
-            step_demand.install_runner_hook()
+            vllm_hooks.keep_step_demand()
         self._tiles = _TileConfigs()
         self.engine = engine_for(vllm_config, config)
         self.layer_index = _layer_index(layer_name)
@@ -162,7 +161,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         self._tiles.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
-        self.engine.step_demand = step_demand.current()
+        self.engine.step_demand = handoff.current()
         return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
                                current_phases(x.shape[0]))
 
@@ -208,7 +207,9 @@ class OffloadedRoutedExperts(RoutedExperts):
         if current_platform.is_cpu():
             return contextlib.nullcontext()
         from vllm.model_executor.layers.fused_moe import override_config
-        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+        from vllm.model_executor.layers.fused_moe.fused_moe import (
+            try_get_optimal_moe_config,
+        )
 
         tokens = max(self._tiles.call_tokens, x.shape[0])
         configs = self._tiles.configs

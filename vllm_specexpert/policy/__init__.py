@@ -1,16 +1,17 @@
 """Miss policies: what a layer does when the router picks experts that are not resident.
-Policies decide (:mod:`.base`), one executor carries every decision out (:mod:`.executor`)."""
+Policies only decide (:mod:`.base`: a :class:`MissPlan`); the executor carries every
+decision out (:mod:`vllm_specexpert.execute`)."""
 
-from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.policy.base import MissPlan, MissPolicy
+from vllm_specexpert.policy.context import MissContext, miss_context
 from vllm_specexpert.policy.cpu import AutoBuddyPolicy, AutoPolicy, CpuPolicy
 from vllm_specexpert.policy.drop import DropPolicy
-from vllm_specexpert.policy.executor import ExpertKernel, run_layer_call, run_on_device
 from vllm_specexpert.policy.fetch import FetchPolicy
 from vllm_specexpert.policy.speculate import SpeculatePolicy
 from vllm_specexpert.policy.substitute import BuddyPolicy, RandomPolicy
 
 MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {
-    cls.name: cls
+    cls.spec.name: cls
     for cls in (FetchPolicy, SpeculatePolicy, CpuPolicy, AutoPolicy, AutoBuddyPolicy,
                 BuddyPolicy, RandomPolicy, DropPolicy)
 }
@@ -18,6 +19,6 @@ MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {
 
 
 __all__ = [
-    "MISS_POLICY_CLASSES", "ExpertKernel", "FetchPolicy", "MissContext", "MissPlan",
-    "MissPolicy", "SpeculatePolicy", "run_layer_call", "run_on_device",
+    "MISS_POLICY_CLASSES", "FetchPolicy", "MissContext", "MissPlan", "MissPolicy",
+    "SpeculatePolicy", "miss_context",
 ]

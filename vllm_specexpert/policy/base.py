@@ -1,50 +1,29 @@
 """The miss-policy interface: what a layer does with routed experts that are not resident.
 
-A policy decides; :mod:`vllm_specexpert.policy.executor` carries the decision out. Per
+A policy decides; :mod:`vllm_specexpert.execute` carries the decision out. Per
 decode call the policy looks at the routing against the cache and returns a
 :class:`MissPlan`: per (token, k) entry, run it on the device (resident, or loaded on
 demand), substitute another expert for it, compute it on the host, or drop it. No plan
 means "load what is missing and run the router's routing" (``fetch``, the bit-exact path).
 Prefill tokens never reach a policy: they always run exactly (see the engine).
 
-Each policy class is the one source of its traits (class attributes below): config
-validation, the engine and the stats read them from the class.
+Each policy class takes its traits from :data:`~vllm_specexpert.config.modes.MISS_POLICIES`
+(``spec``), the table config validation reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
-from vllm_specexpert.host import HostExperts
-from vllm_specexpert.policy.buddies import BuddyGates
-from vllm_specexpert.predict import Prediction
+from vllm_specexpert.config.modes import MISS_POLICIES, MissPolicySpec
+from vllm_specexpert.policy.context import MissContext
 
 if TYPE_CHECKING:
-    from vllm_specexpert.config import SpecExpertConfig
-
-Output = Literal["exact", "equivalent", "approximate"]
-
-
-@dataclass
-class MissContext:
-    """What a policy may consult about one layer, besides its cache."""
-
-    copy_seconds: float
-    """Expected link time of one of the layer's experts."""
-    host: HostExperts | None = None
-    """Host compute of the layer's experts (``cpu``, ``auto``)."""
-    buddies: np.ndarray | None = None
-    """``[E, K_max]`` buddy lists, best first, -1 padded (``buddy``, ``auto_buddy``)."""
-    gates: BuddyGates | None = None
-    """Substitution gates with this layer's tau."""
-    admit_host_experts: bool = False
-    """Load the most-used host-computed expert in the background on an idle link."""
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
-    """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
+    from vllm_specexpert.predict import Prediction
 
 
 @dataclass
@@ -67,36 +46,12 @@ class MissPlan:
 class MissPolicy:
     """Decides, per decode call of one MoE layer, what happens to missing experts."""
 
-    name: ClassVar[str] = "fetch"
-    output: ClassVar[Output] = "exact"
-    """What the policy does to the model's output: ``exact`` (bit-identical to vanilla
-    vLLM), ``equivalent`` (the same experts and weights, summed in another order: equal
-    up to rounding) or ``approximate`` (other experts or weights run: the output
-    changes)."""
-    needs_predictor: ClassVar[bool] = False
-    """Whether it runs predictions (a ``predictor`` other than ``none`` is required)."""
-    speculates: ClassVar[bool] = False
-    """Whether layers run the routing predicted at the previous layer instead of the
-    router's (then every predicted expert is prefetched)."""
-    computes_on_host: ClassVar[bool] = False
-    """Whether it computes experts on the host (each layer needs a host kernel)."""
-    substitutes: ClassVar[bool] = False
-    """Whether it substitutes resident experts for missing ones behind BuddyMoE's gates."""
-    uses_buddy_lists: ClassVar[bool] = False
-    """Whether substitutes come from co-activation buddy lists (else: any resident)."""
-    waits_for_copies: ClassVar[bool] = True
-    """Whether an expert still being copied counts as resident (the call waits for it).
-    Policies that can compute it on the host instead treat it as missing."""
+    spec: ClassVar[MissPolicySpec] = MISS_POLICIES["fetch"]
+    """The policy's traits (:mod:`vllm_specexpert.config.modes`), by its config name."""
 
-    @classmethod
-    def calibration_need(cls, config: SpecExpertConfig) -> str | None:
-        """Why this policy needs the calibration's routing statistics under ``config``
-        (``None``: it does not)."""
-        if cls.uses_buddy_lists:
-            return "buddy lists come from its co-activation counts"
-        if cls.substitutes and config.buddy.tau is None:
-            return "the TAE gate's tau comes from its percentiles (buddy.tau_percentile)"
-        return None
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     def routing(
         self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prediction: Prediction | None

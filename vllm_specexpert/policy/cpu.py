@@ -17,17 +17,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.policy.substitute import substitution_plan
 
 
 class CpuPolicy(MissPolicy):
-    name = "cpu"
-    # vLLM's kernel rounds each launch's sum to bf16: the device's and the host's
-    # partial sums are rounded before they are added (README: "Equivalent, not exact").
-    output = "equivalent"
-    computes_on_host = True
-    waits_for_copies = False
+    spec = MISS_POLICIES["cpu"]
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:
@@ -47,15 +43,12 @@ def host_share(ids: np.ndarray, missing: np.ndarray, context: MissContext) -> np
 
 
 class AutoPolicy(MissPolicy):
-    name = "auto"
-    output = "equivalent"
-    computes_on_host = True
-    waits_for_copies = False
+    spec = MISS_POLICIES["auto"]
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan | None:
         plan = MissPlan(topk_ids=ids)
-        if self.substitutes:
+        if self.spec.substitutes:
             plan = substitution_plan(ids, resident, topk_weights, context)
         missing = ~resident[plan.topk_ids]
         if missing.any():
@@ -66,7 +59,4 @@ class AutoPolicy(MissPolicy):
 
 
 class AutoBuddyPolicy(AutoPolicy):
-    name = "auto_buddy"
-    output = "approximate"
-    substitutes = True
-    uses_buddy_lists = True
+    spec = MISS_POLICIES["auto_buddy"]

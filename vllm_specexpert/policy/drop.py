@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 
 
 class DropPolicy(MissPolicy):
-    name = "drop"
-    output = "approximate"
+    spec = MISS_POLICIES["drop"]
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:

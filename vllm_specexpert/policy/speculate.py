@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.policy.fetch import FetchPolicy
 from vllm_specexpert.predict import Prediction
 
 
 class SpeculatePolicy(FetchPolicy):
-    name = "speculate"
-    output = "approximate"
-    needs_predictor = True
-    speculates = True
+    spec = MISS_POLICIES["speculate"]
 
     def routing(
         self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prediction: Prediction | None

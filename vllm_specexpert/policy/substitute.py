@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.policy.buddies import substitute, token_activating_entropy
 
@@ -24,10 +25,7 @@ def substitution_plan(ids: np.ndarray, resident: np.ndarray, topk_weights: torch
 
 
 class BuddyPolicy(MissPolicy):
-    name = "buddy"
-    output = "approximate"
-    substitutes = True
-    uses_buddy_lists = True
+    spec = MISS_POLICIES["buddy"]
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:
@@ -35,9 +33,7 @@ class BuddyPolicy(MissPolicy):
 
 
 class RandomPolicy(MissPolicy):
-    name = "random"
-    output = "approximate"
-    substitutes = True
+    spec = MISS_POLICIES["random"]
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:

@@ -114,6 +114,13 @@ class Predictor(ABC):
 
     name: str
 
+    @classmethod
+    def build(cls, default_vectors: dict[str, torch.Tensor],
+              residual_scales: dict[str, torch.Tensor]) -> Predictor:
+        """The predictor, given what the calibration gave each layer (by layer name:
+        ``[E, H]`` default vectors and ``[H]`` residual scales; empty without one)."""
+        return cls()
+
     @abstractmethod
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
         """``q [T, H]``, the estimate of ``s_{l+1}``; ``layer`` names layer l."""

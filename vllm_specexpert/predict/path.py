@@ -116,7 +116,11 @@ def load_path_predictor(path: str | Path, model: str | None = None,
     config error naming ``path_predictor`` for anything wrong with it)."""
     from safetensors.torch import load_file
 
-    from vllm_specexpert.calibration import check_matches_model, check_tensors, read_manifest
+    from vllm_specexpert.artifacts import (
+        check_matches_model,
+        check_tensors,
+        read_manifest,
+    )
 
     path = Path(path)
     fix = "create one with `specexpert train-path MODEL --out DIR`"

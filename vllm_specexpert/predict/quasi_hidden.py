@@ -21,7 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specexpert.predict.base import FusedRouting, LayerState, NextLayerRouting, Predictor
+from vllm_specexpert.predict.base import (
+    FusedRouting,
+    LayerState,
+    NextLayerRouting,
+    Predictor,
+)
 
 
 class QuasiHiddenPredictor(Predictor):
@@ -33,6 +38,11 @@ class QuasiHiddenPredictor(Predictor):
         """Layer name -> ``[E, H]`` default vectors (on the compute device)."""
         self.residual_scales = {name: v.float() for name, v in residual_scales.items()}
         """Layer name -> ``[H]``: ``rho_l / w_l``, turning ``s_l`` back into ``r_l``."""
+
+    @classmethod
+    def build(cls, default_vectors: dict[str, torch.Tensor],
+              residual_scales: dict[str, torch.Tensor]) -> QuasiHiddenPredictor:
+        return cls(default_vectors, residual_scales)
 
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
         tokens, top_k = state.topk_ids.shape

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specexpert.predict.base import FusedRouting, LayerState, NextLayerRouting, Predictor
+from vllm_specexpert.predict.base import (
+    FusedRouting,
+    LayerState,
+    NextLayerRouting,
+    Predictor,
+)
 
 
 class RouterPredictor(Predictor):

@@ -8,9 +8,9 @@ would come back through ``ModelRunnerOutput`` a step late under async scheduling
 
 Every step, the predicted demand of the decode requests it scheduled (per MoE layer,
 predicted tokens per expert), and under grouping that of the group expected to run next,
-goes to the workers attached to vLLM's ``SchedulerOutput``
-(:mod:`vllm_specexpert.layers.step_demand`), where ``cache: plec`` loads by it. With ``token_scheduler`` set, it also
-groups decode sequences:
+goes to the workers attached to vLLM's ``SchedulerOutput`` (:mod:`vllm_specexpert.handoff`),
+where ``cache: plec`` loads by it. With ``token_scheduler`` set, it also groups decode
+sequences:
 
 Each step, before vLLM's own scheduling:
 
@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.layers.step_demand import ATTRIBUTE
-from vllm_specexpert.phases import StepDemand
+from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.schedule.grouping import partition
@@ -130,7 +130,7 @@ class TokenGroupScheduler(Scheduler):
                     if n == 1 and self.requests[req_id].num_output_tokens > 0]
         if not decoding:
             return
-        setattr(output, ATTRIBUTE, StepDemand(
+        handoff.attach(output, StepDemand(
             tokens=len(decoding), layers=self._demand_of(decoding),
             next_layers=self._demand_of(self._next_group) if self._next_group else None))
 

@@ -25,13 +25,6 @@ from pathlib import Path
 import torch
 
 from vllm_specexpert.calibration import load_calibration
-from vllm_specexpert.tools.trace import (
-    add_data_arguments,
-    load_model,
-    moe_layer_indices,
-    resolve_data_arguments,
-    trace,
-)
 from vllm_specexpert.predict import (
     LayerState,
     NextLayerRouting,
@@ -39,6 +32,13 @@ from vllm_specexpert.predict import (
     QuasiHiddenPredictor,
     RouterPredictor,
     residual_scale,
+)
+from vllm_specexpert.tools.trace import (
+    add_data_arguments,
+    load_model,
+    moe_layer_indices,
+    resolve_data_arguments,
+    trace,
 )
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_specexpert.calibration import FORMAT, Calibration, model_fingerprint, save
+from vllm_specexpert.artifacts import model_fingerprint
+from vllm_specexpert.calibration import FORMAT, Calibration, save
 from vllm_specexpert.policy.buddies import token_activating_entropy
 from vllm_specexpert.tools.trace import (
     add_data_arguments,

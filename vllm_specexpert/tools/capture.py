@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specexpert.calibration import model_fingerprint
+from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,

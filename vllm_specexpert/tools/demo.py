@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from vllm_specexpert.cli import set_cpu_defaults
+from vllm_specexpert.vllm_hooks import set_cpu_defaults
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -110,7 +110,11 @@ def run(args: argparse.Namespace) -> None:
     if not args.verbose:
         args.log = os.path.join(tempfile.gettempdir(), "specexpert-demo.log")
         open(args.log, "w").close()
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, TRAINED_CALIBRATION_DIR, model_path
+    from vllm_specexpert.tools.fixtures import (
+        DEFAULT_MODEL,
+        TRAINED_CALIBRATION_DIR,
+        model_path,
+    )
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     specexpert = {"budget": args.budget, "cache": args.cache, "predictor": args.predictor,

@@ -69,7 +69,11 @@ def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: 
     qh = None
     if calibration_dir is not None:
         from vllm_specexpert.calibration import load_calibration
-        from vllm_specexpert.predict import LayerState, QuasiHiddenPredictor, residual_scale
+        from vllm_specexpert.predict import (
+            LayerState,
+            QuasiHiddenPredictor,
+            residual_scale,
+        )
         from vllm_specexpert.tools.analyze import hf_routing
 
         calibration = load_calibration(calibration_dir, model=str(model_dir))
@@ -172,7 +176,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
-    from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.fixtures import (
+        TRAINED_CALIBRATION_DIR,
+        TRAINED_MODEL_DIR,
+    )
 
     model, docs, description = resolve_data_arguments(args, default_split="validation")
     held_out = Path(model, "heldout", "validation.txt")

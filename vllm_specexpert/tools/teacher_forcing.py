@@ -13,7 +13,6 @@ and the sampled token's logprob is the model's log-likelihood of the forced toke
 from __future__ import annotations
 
 import torch
-
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specexpert.calibration import model_fingerprint
+from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.predict.path import (
     PathPredictorShape,
     RoutingPathPredictor,

@@ -22,7 +22,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from vllm_specexpert.triton_kernels.predict import block_h, predict_routing_kernel
-from vllm_specexpert.triton_kernels.slots import copy_experts_kernel, update_slot_map_kernel
+from vllm_specexpert.triton_kernels.slots import (
+    copy_experts_kernel,
+    update_slot_map_kernel,
+)
 
 ARCHITECTURES = (80, 90)
 """Compute capabilities every kernel is compiled for in the tests."""

@@ -4,7 +4,7 @@ The id -> slot map (``int32 [E]``, -1 where an expert is not resident) is what t
 MoE kernel reads as ``expert_map``. It lives on the device and is changed only by
 :func:`update_slot_map`, enqueued on the compute stream right before the layer's next
 kernel, after that stream waited for the copies the kernel uses (see
-:class:`~vllm_specexpert.cache.ExpertCache`): the kernel sees the map and the bytes
+:class:`~vllm_specexpert.tiers.cache.ExpertCache`): the kernel sees the map and the bytes
 together, and no host read of the map is ever needed.
 
 :func:`copy_experts` moves any number of experts in one launch: every program copies one

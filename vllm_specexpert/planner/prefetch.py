@@ -13,25 +13,64 @@ p comes from the layer's measured precision per predicted rank, counted only ove
 predictions of experts that were not resident when predicted (the ones a prefetch would
 move; popular resident experts are easier to predict and would flatter the estimate),
 decayed so it follows the text; an expert that several tokens predict gets
-``p = 1 - prod(1 - p_rank)``. Under ``speculate`` every
-predicted expert will run, so everything is prefetched (``filter_by_cost=False``).
+``p = 1 - prod(1 - p_rank)``. Under ``speculate`` (and ``prefetch_filter: all``) every
+predicted expert is prefetched.
+
+:class:`PrefetchPlanner` is kept per layer, for the predictions made *for* that layer:
+it scores each against the router's choice when the layer runs (:meth:`~PrefetchPlanner.
+observe`) and decides what of the next prediction to prefetch (:meth:`~PrefetchPlanner.
+prefetch`).
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+
+from vllm_specexpert.predict import Prediction
+from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.tiers.loader import ExpertLoader
 
 DECAY = 0.98
 """Weight of the past in the per-rank precision, per observed forward pass."""
 
 
 class PrefetchPlanner:
-    """Per-layer precision of the predictions made for that layer."""
+    """Per-layer precision of the predictions made for that layer, the time they had to
+    land, and what of a new one to prefetch."""
 
     def __init__(self, top_k: int):
         # Optimistic prior (one correct prediction per rank): prefetch at first, learn.
         self.correct = np.ones(top_k)
         self.total = np.ones(top_k)
+        self.window_s: float | None = None
+        """Running mean of the time from a prediction for this layer to its use."""
+
+    def prefetch(self, prediction: Prediction, loader: ExpertLoader, stats: PhaseStats,
+                 copy_s: float, everything: bool) -> None:
+        """Submit the prefetch of ``prediction`` (made for this layer) to its
+        ``loader``: every predicted expert if ``everything``, else those whose chance of
+        use pays for their link time ``copy_s`` (the others count as skipped)."""
+        prediction.made_at = time.perf_counter()  # the prefetch's window starts now
+        if everything:
+            loader.prefetch(prediction.experts_by_mass(), stats)
+            return
+        cache = loader.cache
+        ranked = prediction.ranked()
+        prediction.considered = cache.expert_slot[ranked] < 0
+        window = self.window_s if self.window_s is not None else copy_s
+        wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
+        stats.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
+        loader.prefetch(wanted, stats)
+
+    def score(self, prediction: Prediction, router_ids: np.ndarray, stats: PhaseStats) -> None:
+        """The layer ran: score ``prediction`` against its router's ``router_ids``."""
+        window = time.perf_counter() - prediction.made_at
+        self.window_s = window if self.window_s is None else 0.9 * self.window_s + 0.1 * window
+        stats.predicted += router_ids.size
+        stats.predicted_correct += self.observe(prediction.ranked(), router_ids,
+                                                prediction.considered)
 
     @property
     def precision(self) -> np.ndarray:

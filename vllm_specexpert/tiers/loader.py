@@ -15,31 +15,28 @@ layer's loader):
   (:meth:`begin_run`), which counts them as used, drops them from the link if they have
   not started and are not needed, or counts them as unused.
 
-Counters go to ``stats``, the phase the engine is running (decode or prefill), and each
-is counted by whoever observes the event: requests, hits, misses, stall, evictions and
-prefetch outcomes here; copies and bytes when the link starts a copy (a dropped
-prefetch never counts as moved).
+Counters go to the ``stats`` each call is given, those of the phase the caller runs
+(decode or prefill), and each is counted by whoever observes the event: requests, hits,
+misses, stall, evictions and prefetch outcomes here; copies and bytes when the link
+starts a copy (a dropped prefetch never counts as moved).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from vllm_specexpert.cache import ExpertCache
-from vllm_specexpert.stats import PhaseStats
 import torch
 
-from vllm_specexpert.transfer import Link, Transfer
+from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.tiers.cache import ExpertCache
+from vllm_specexpert.tiers.link import Link, Transfer
 
 
 class ExpertLoader:
     """Loads one layer's experts into its :class:`ExpertCache` (see module doc)."""
 
-    def __init__(self, cache: ExpertCache, link: Link, stats: PhaseStats | None = None):
+    def __init__(self, cache: ExpertCache, link: Link):
         self.cache = cache
         self.link = link
-        self.stats = stats if stats is not None else PhaseStats()
-        """Counters of the phase being run; the engine points it at decode or prefill."""
         self.prefetches: dict[int, Transfer] = {}
         """Protected expert -> its prefetch (cancellable until it starts)."""
 
@@ -63,7 +60,8 @@ class ExpertLoader:
 
     # ------------------------------------------------------------------ loading
 
-    def acquire(self, experts: np.ndarray, future_demand: np.ndarray | None = None) -> None:
+    def acquire(self, experts: np.ndarray, stats: PhaseStats,
+                future_demand: np.ndarray | None = None) -> None:
         """Make every expert of ``experts`` (distinct ids, which must fit, see
         :meth:`ExpertCache.capacity_for`) resident and usable, loading the missing ones,
         and count the request. Part of a layer call: :meth:`begin_run` has released the
@@ -71,18 +69,18 @@ class ExpertLoader:
         among ``experts``; ``future_demand`` (per-expert count of later uses in the same
         batch) keeps the most needed ones. Experts still in flight from a prefetch count
         as hits; waiting for them counts as stall."""
-        cache, stats = self.cache, self.stats
+        cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         stats.requests += len(experts)
         stats.misses += len(missing)
         stats.hits += len(experts) - len(missing)
         if len(missing):
-            slots = self._take_slots(len(missing), keep=experts, demand=future_demand)
-            self._load(missing, slots, prefetch=False)
-        self._wait_for(experts)
+            slots = self._take_slots(len(missing), experts, stats, demand=future_demand)
+            self._load(missing, slots, stats, prefetch=False)
+        self._wait_for(experts, stats)
         cache.touch(experts)
 
-    def prefetch(self, experts: np.ndarray, admitted: bool = False) -> int:
+    def prefetch(self, experts: np.ndarray, stats: PhaseStats, admitted: bool = False) -> int:
         """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use, in
         that order: one transfer each where the link can cancel a queued transfer, else
         one for all (one launch on CUDA). Resident ones are skipped; at most as many as
@@ -93,31 +91,31 @@ class ExpertLoader:
         missing = experts[cache.expert_slot[experts] < 0]
         if not len(missing):
             return 0
-        available = len(cache.pool.free_slots()) + len(cache.pool.victims(cache, experts)[1])
-        missing = missing[:available]
+        missing = missing[:cache.pool.available_for(cache, experts)]
         if not len(missing):
             return 0
-        slots = self._take_slots(len(missing), keep=experts)
-        self.prefetches.update(zip(missing.tolist(), self._load_ahead(missing, slots, admitted)))
+        slots = self._take_slots(len(missing), experts, stats)
+        self.prefetches.update(zip(missing.tolist(),
+                                   self._load_ahead(missing, slots, stats, admitted)))
         cache.protected[missing] = True
         return len(missing)
 
-    def preload(self, experts: np.ndarray) -> None:
+    def preload(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """Queue loads of ``experts`` (distinct, not resident) wanted by a later layer
         call, unprotected: the pool's victim order (predicted uses still to come,
         ``plec``) keeps them, and a copy not yet landed is retired like any other when
         its slot is taken. Counted as prefetched."""
         if len(experts):
-            self._load_ahead(experts, self._take_slots(len(experts), keep=experts))
+            self._load_ahead(experts, self._take_slots(len(experts), experts, stats), stats)
 
-    def admit(self, expert: int) -> bool:
+    def admit(self, expert: int, stats: PhaseStats) -> bool:
         """Load ``expert`` in the background if the link is idle (it was just computed
         elsewhere and may be wanted again). Returns whether it was queued."""
         if self.cache.expert_slot[expert] >= 0 or not self.link.idle():
             return False
-        return bool(self.prefetch(np.array([expert]), admitted=True))
+        return bool(self.prefetch(np.array([expert]), stats, admitted=True))
 
-    def begin_run(self, experts: np.ndarray) -> None:
+    def begin_run(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """A call of the layer starts and will need ``experts`` (distinct ids). Protected
         prefetches are released: those among ``experts`` count as used; the others are
         dropped from the link if they have not started (no link time spent, their slots
@@ -126,7 +124,6 @@ class ExpertLoader:
             return
         wanted = np.zeros(self.cache.num_experts, dtype=bool)
         wanted[experts] = True
-        stats = self.stats
         for expert, transfer in self.prefetches.items():
             if wanted[expert]:
                 stats.prefetch_used += 1
@@ -139,14 +136,14 @@ class ExpertLoader:
         self.prefetches.clear()
         self.cache.protected[:] = False
 
-    def evict(self, experts: np.ndarray) -> np.ndarray:
+    def evict(self, experts: np.ndarray, stats: PhaseStats) -> np.ndarray:
         """Evict those of ``experts`` that are resident and neither pinned nor protected;
         returns them."""
         cache = self.cache
         victims = np.intersect1d(experts, cache.evictable(np.zeros(0, dtype=np.int64)))
         if len(victims):
             self._retire(cache.release(victims))
-            self.stats.evictions += len(victims)
+            stats.evictions += len(victims)
         return victims
 
     def kernel_launched(self, experts: np.ndarray) -> None:
@@ -159,17 +156,18 @@ class ExpertLoader:
             pool.last_read[self.cache.expert_slot[experts]] = event
 
     def wait_all(self) -> None:
-        """Block until every copy in flight has landed (counted as stall)."""
+        """Block until every copy in flight has landed (before the pool is rebuilt; the
+        link counts the stall, the counters restart anyway)."""
         for transfer in {id(t): t for t in self.in_flight.values()}.values():
-            self.stats.stall_s += self.link.wait(transfer)
+            self.link.wait(transfer)
         self.in_flight.clear()
 
     # ----------------------------------------------------------------- internals
 
-    def _take_slots(self, count: int, keep: np.ndarray,
+    def _take_slots(self, count: int, keep: np.ndarray, stats: PhaseStats,
                     demand: np.ndarray | None = None) -> np.ndarray:
         slots, evicted = self.cache.take_slots(count, keep, demand)
-        self.stats.evictions += len(evicted)
+        stats.evictions += len(evicted)
         self._retire(slots)
         return slots
 
@@ -180,11 +178,11 @@ class ExpertLoader:
             if old is not None:
                 self.link.retire(old)
 
-    def _load(self, experts: np.ndarray, slots: np.ndarray, prefetch: bool,
-              admitted: bool = False) -> Transfer:
+    def _load(self, experts: np.ndarray, slots: np.ndarray, stats: PhaseStats,
+              prefetch: bool, admitted: bool = False) -> Transfer:
         """Copy ``experts`` into ``slots`` (free), one transfer."""
         self.cache.assign(experts, slots)
-        stats, count = self.stats, len(experts)
+        count = len(experts)
 
         def started(transfer: Transfer) -> None:
             stats.loads += count
@@ -207,17 +205,18 @@ class ExpertLoader:
             self.in_flight[slot] = transfer
         return transfer
 
-    def _load_ahead(self, experts: np.ndarray, slots: np.ndarray,
+    def _load_ahead(self, experts: np.ndarray, slots: np.ndarray, stats: PhaseStats,
                     admitted: bool = False) -> list[Transfer]:
         """Queue a load of ``experts`` into ``slots`` ahead of use; returns each
         expert's transfer. Where the link can cancel a queued transfer, one per expert:
         retiring one expert's slot must not cancel the others' copies."""
         if self.link.cancellable:
-            return [self._load(experts[i:i + 1], slots[i:i + 1], prefetch=True,
+            return [self._load(experts[i:i + 1], slots[i:i + 1], stats, prefetch=True,
                                admitted=admitted) for i in range(len(experts))]
-        return [self._load(experts, slots, prefetch=True, admitted=admitted)] * len(experts)
+        return [self._load(experts, slots, stats, prefetch=True,
+                           admitted=admitted)] * len(experts)
 
-    def _wait_for(self, experts: np.ndarray) -> None:
+    def _wait_for(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """Block until the slots of ``experts`` hold their data (no-op when nothing
         is in flight, the common case)."""
         if not self.in_flight:
@@ -228,4 +227,4 @@ class ExpertLoader:
             if transfer is not None:
                 transfers[id(transfer)] = transfer
         for transfer in transfers.values():
-            self.stats.stall_s += self.link.wait(transfer)
+            stats.stall_s += self.link.wait(transfer)

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
                 torch.float16: np.float16, torch.uint8: np.uint8, torch.bool: np.bool_}
 """The dtypes a read returns (numpy has no bfloat16: convert weights first)."""

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_specexpert.store import LayerExperts
-from vllm_specexpert.transfer import sleep_until
+from vllm_specexpert.tiers.link import sleep_until
+from vllm_specexpert.tiers.store import LayerExperts
 
 HostKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor

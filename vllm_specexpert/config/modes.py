@@ -1,0 +1,89 @@
+"""What each mode of the engine is, as data: the config validates by these tables, and
+the classes that implement the modes (miss policies, caches, predictors, in the layers
+above) take their traits from them. A name -> class table beside each implementation
+(``policy.MISS_POLICY_CLASSES``, ``tiers.eviction.CACHE_CLASSES``,
+``predict.PREDICTOR_CLASSES``) has the same keys; a test holds the two together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Output = Literal["exact", "equivalent", "approximate"]
+
+
+@dataclass(frozen=True)
+class MissPolicySpec:
+    """Traits of a miss policy (``miss_policy``)."""
+
+    name: str
+    output: Output
+    """What the policy does to the model's output: ``exact`` (bit-identical to vanilla
+    vLLM), ``equivalent`` (the same experts and weights, summed in another order: equal
+    up to rounding) or ``approximate`` (other experts or weights run: the output
+    changes)."""
+    needs_predictor: bool = False
+    """Whether it runs predictions (a ``predictor`` other than ``none`` is required)."""
+    speculates: bool = False
+    """Whether layers run the routing predicted at the previous layer instead of the
+    router's (then every predicted expert is prefetched)."""
+    computes_on_host: bool = False
+    """Whether it computes experts on the host (each layer needs a host kernel)."""
+    substitutes: bool = False
+    """Whether it substitutes resident experts for missing ones behind BuddyMoE's gates."""
+    uses_buddy_lists: bool = False
+    """Whether substitutes come from co-activation buddy lists (else: any resident)."""
+    waits_for_copies: bool = True
+    """Whether an expert still being copied counts as resident (the call waits for it).
+    Policies that can compute it on the host instead treat it as missing."""
+
+
+MISS_POLICIES: dict[str, MissPolicySpec] = {spec.name: spec for spec in (
+    MissPolicySpec("fetch", "exact"),
+    MissPolicySpec("speculate", "approximate", needs_predictor=True, speculates=True),
+    # vLLM's kernel rounds each launch's sum to bf16: the device's and the host's partial
+    # sums are rounded before they are added.
+    MissPolicySpec("cpu", "equivalent", computes_on_host=True, waits_for_copies=False),
+    MissPolicySpec("auto", "equivalent", computes_on_host=True, waits_for_copies=False),
+    MissPolicySpec("auto_buddy", "approximate", computes_on_host=True,
+                   waits_for_copies=False, substitutes=True, uses_buddy_lists=True),
+    MissPolicySpec("buddy", "approximate", substitutes=True, uses_buddy_lists=True),
+    MissPolicySpec("random", "approximate", substitutes=True),
+    MissPolicySpec("drop", "approximate"),
+)}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Traits of a device-cache policy (``cache``)."""
+
+    name: str
+    shared_pool: bool = False
+    """Every layer's slots in one pool, going to whichever layer the predicted demand
+    of the step wants (else a fixed count per layer)."""
+    needs_path_predictor: bool = False
+    """Whether it plans by the step's predicted demand (``path_predictor``)."""
+
+
+CACHES: dict[str, CacheSpec] = {spec.name: spec for spec in (
+    CacheSpec("lru"), CacheSpec("lfu"), CacheSpec("static"),
+    CacheSpec("plec", shared_pool=True, needs_path_predictor=True),
+)}
+
+
+@dataclass(frozen=True)
+class PredictorSpec:
+    """Traits of a next-layer predictor (``predictor``)."""
+
+    name: str
+    predicts: bool = True
+    """``False`` for ``none``: nothing is predicted or prefetched."""
+    needs_calibration: bool = False
+    """Whether it reads the calibration's default vectors."""
+
+
+PREDICTORS: dict[str, PredictorSpec] = {spec.name: spec for spec in (
+    PredictorSpec("none", predicts=False),
+    PredictorSpec("router"),
+    PredictorSpec("quasi_hidden", needs_calibration=True),
+)}

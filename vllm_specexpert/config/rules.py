@@ -1,0 +1,101 @@
+"""The two rules on top of the schema: a setting that needs another one, and a setting
+that must do something under the chosen mode (see :mod:`vllm_specexpert.config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from vllm_specexpert.config.errors import SpecExpertConfigError
+from vllm_specexpert.config.modes import MISS_POLICIES
+from vllm_specexpert.config.sections import BuddyConfig, LinkConfig, default_of
+
+if TYPE_CHECKING:
+    from vllm_specexpert.config.specexpert import SpecExpertConfig
+
+CALIBRATE = "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\""
+
+
+def _policies_with(trait: str) -> str:
+    """The miss policies that have ``trait``, for a fix: "cpu, auto or auto_buddy"."""
+    names = [name for name, spec in MISS_POLICIES.items() if getattr(spec, trait)]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+def check_combination(config: SpecExpertConfig) -> None:
+    """Settings that need another one (a predictor, a calibration, a path predictor)."""
+    policy = config.miss_policy_spec
+    if policy.needs_predictor and not config.predictor_spec.predicts:
+        raise SpecExpertConfigError(
+            "miss_policy", f"'{policy.name}' runs predicted experts, but 'predictor' is "
+            f"'{config.predictor}'", 'set "predictor": "router" or "quasi_hidden"',
+        )
+    why = config.routing_statistics_need
+    if why is not None and config.calibration is None:
+        raise SpecExpertConfigError(
+            "calibration", f"miss_policy '{config.miss_policy}' needs a calibration: {why}",
+            CALIBRATE)
+    if config.predictor_spec.needs_calibration and config.calibration is None:
+        raise SpecExpertConfigError(
+            "calibration", f"predictor '{config.predictor}' needs default vectors, and none "
+            "is set",
+            CALIBRATE)
+    if config.cache_spec.needs_path_predictor and config.path_predictor is None:
+        raise SpecExpertConfigError(
+            "cache", f"'{config.cache}' allocates slots by the predicted demand of each "
+            "step, and no path predictor is set",
+            "set \"path_predictor\": \"DIR\" (from `specexpert train-path MODEL --out "
+            "DIR`), or use cache 'lru'")
+    if config.token_scheduler is not None and config.path_predictor is None:
+        raise SpecExpertConfigError(
+            "path_predictor", "token_scheduler groups sequences by predicted route, and no "
+            "path predictor is set",
+            "run `specexpert train-path MODEL --out DIR` and set \"path_predictor\": \"DIR\"")
+
+
+def check_effect(config: SpecExpertConfig, explicit: set[str]) -> None:
+    """A setting the user gave a value other than its default must do something
+    under the chosen mode."""
+    policy = config.miss_policy_spec
+    defaults = {"link": LinkConfig(), "buddy": BuddyConfig()}
+
+    def given(key: str) -> bool:
+        section, _, name = key.partition(".")
+        if section not in explicit:
+            return False
+        if section in defaults:
+            mine, default = getattr(config, section), defaults[section]
+            names = [name] if name else [f.name for f in dataclasses.fields(mine)]
+            return any(getattr(mine, n) != getattr(default, n) for n in names)
+        return getattr(config, key) != default_of(type(config), key)
+
+    def needs(key: str, what: str, fix: str) -> None:
+        if given(key):
+            raise SpecExpertConfigError(key, f"has no effect {what}", fix)
+
+    if not config.link.emulated:
+        for key in ("link.latency_us", "link.host_slowdown"):
+            needs(key, "without an emulated link (link.bandwidth_gbps is unset)",
+                  "set link.bandwidth_gbps too, or remove it")
+    if not policy.computes_on_host:
+        needs("admit_host_experts", f"under miss_policy '{config.miss_policy}' (it admits "
+              "experts computed on the host)",
+              f"use miss_policy {_policies_with('computes_on_host')}, or remove it")
+    if not policy.substitutes:
+        needs("buddy", f"under miss_policy '{config.miss_policy}' (it tunes substitution)",
+              f"use miss_policy {_policies_with('substitutes')}, or remove it")
+    if given("buddy.tau") and given("buddy.tau_percentile") and config.buddy.tau is not None:
+        raise SpecExpertConfigError(
+            "buddy.tau_percentile", "has no effect when buddy.tau is set (the percentile "
+            "only chooses tau when it is unset)", "remove one of the two")
+    if not policy.speculates:
+        needs("exact_layers", f"under miss_policy '{config.miss_policy}' (only speculate "
+              "runs predicted experts)", f"use miss_policy {_policies_with('speculates')}, or remove it")
+    if not config.predictor_spec.predicts:
+        needs("prefetch_filter", "with predictor 'none' (nothing is prefetched)",
+              "set predictor 'router' or 'quasi_hidden', or remove it")
+    if not config.cache_spec.shared_pool:
+        needs("plec_preload", f"with cache '{config.cache}'", "use cache 'plec', or remove it")
+    if config.stats_path is None:
+        needs("stats_interval_s", "without stats_path", "set stats_path, or remove it")
+

@@ -1,0 +1,109 @@
+"""The nested sections of the ``specexpert`` config (``link``, ``buddy``,
+``token_scheduler``) and the strict field types every config class uses."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, Strict
+from pydantic.dataclasses import dataclass
+
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True,
+                     frozen=True)
+"""Unknown keys, NaN and infinities are errors; docstrings are the fields' docs."""
+
+Number = Annotated[float, Strict()]
+"""A JSON number (an int is accepted; a bool or a string is not)."""
+Count = Annotated[int, Strict()]
+Flag = Annotated[bool, Strict()]
+Path = Annotated[str, Strict(), Field(min_length=1)]
+
+
+@dataclass(config=STRICT)
+class LinkConfig:
+    """The emulated link between the slow tier and the device cache.
+
+    On CUDA the real copy engine is used and these fields must be unset. On CPU, every
+    expert copy is really performed, and when ``bandwidth_gbps`` is set the copy becomes
+    usable only ``latency_us + bytes / bandwidth`` after the link is free, copies being
+    serialized like one copy engine. This lets a CPU run reproduce a GPU box's ratio of
+    copy time to compute time.
+    """
+
+    bandwidth_gbps: Annotated[Number, Field(ge=0.0001, le=10_000)] | None = None
+    """Emulated bandwidth in gigabytes per second (1e9 bytes/s, not gigabits).
+    PCIe 4.0 x16 moves about 25 GB/s host-to-device in practice; PCIe 3.0 x16 about 12.
+    ``None`` (default): no emulation, copies take what the memcpy takes.
+    Range: [0.0001, 10000] GB/s (the low end is for tiny test models)."""
+
+    latency_us: Annotated[Number, Field(ge=0, le=1_000_000)] = 0.0
+    """Fixed emulated cost in microseconds of each copy (launch + DMA setup); an expert
+    is one copy per weight tensor (2 for ``w13`` + ``w2``). Only used when
+    ``bandwidth_gbps`` is set. Range: [0, 1e6] us."""
+
+    host_slowdown: Annotated[Number, Field(ge=1, le=1000)] = 14.0
+    """Emulated speed of the host for the ``cpu`` and ``auto`` miss policies: an expert
+    computed on the host from the slow tier counts as ready only ``host_slowdown`` times
+    its measured time on this processor after it started (the device ran the hits
+    meanwhile). Default 14: decode-time expert compute is memory-bound, and an
+    RTX-4090-class GPU (~1000 GB/s) reads weights about 14x faster than a dual-channel
+    DDR5 desktop CPU (~70 GB/s) (an estimate). Only used when ``bandwidth_gbps`` is set;
+    without emulation the host compute takes what it takes. Range: [1, 1000]."""
+
+    @property
+    def emulated(self) -> bool:
+        return self.bandwidth_gbps is not None
+
+
+@dataclass(config=STRICT)
+class TokenSchedulerConfig:
+    """The token scheduler (ExpertFlow §3.3; ``token_scheduler: {}`` for these defaults).
+    When more decode sequences are runnable than ``group_size``, each step runs one group
+    of them whose predicted routes (``path_predictor``) overlap most; the others keep
+    their KV blocks and wait. Prefill is never held back."""
+
+    group_size: Annotated[Count, Field(ge=1, le=4096)] = 8
+    """Decode sequences run per step when more are runnable. Range: [1, 4096]."""
+    max_wait_steps: Annotated[Count, Field(ge=0, le=1000)] = 4
+    """Consecutive steps a runnable decode sequence may be held back: once it has waited
+    this long it runs in the next step's group, whatever its route. Range: [0, 1000]."""
+
+
+@dataclass(config=STRICT)
+class BuddyConfig:
+    """BuddyMoE's substitution settings (``buddy``, ``auto_buddy`` and ``random`` miss
+    policies; BuddyMoE §3). Defaults: the paper's best setting
+    (α = 0.95, |B| <= 16, ρ = 3) and a TAE gate at the 15th percentile (its 10-20 range)."""
+
+    alpha: Annotated[Number, Field(gt=0, le=1)] = 0.95
+    """Cumulative Frequency Threshold of the buddy lists, in (0, 1]: an expert's buddies are
+    its most co-activated peers until their share of its co-activations reaches alpha.
+    Range: (0, 1]."""
+
+    k_max: Annotated[Count, Field(ge=1, le=65536)] = 16
+    """Longest buddy list per expert. Range: [1, 65536]."""
+
+    tau: Annotated[Number, Field(ge=0, le=1)] | None = None
+    """Token Activating Entropy gate in [0, 1]: a token whose normalised routing entropy
+    is <= tau keeps its experts (fetch). ``None`` (default): per layer, the
+    ``tau_percentile``-th percentile of the calibration's TAE distribution. Range: [0, 1]."""
+
+    tau_percentile: Annotated[Number, Field(ge=0, le=100)] = 15.0
+    """Percentile (0-100) of each layer's calibrated TAE used as tau when ``tau`` is
+    unset: about this share of tokens is never substituted. Range: [0, 100]."""
+
+    beta: Annotated[Number, Field(gt=0, le=1)] = 0.75
+    """Batch distribution gate in (0, 1]: no substitution in a layer call where this share
+    or more of the distinct requested experts is missing (broad substitution compounds
+    errors; the paper leaves the value to the deployment, this default is ours). Range: (0, 1]."""
+
+    rho: Annotated[Count, Field(ge=1, le=65536)] = 3
+    """Replacement budget: at most this many substituted experts per token. Range: [1, 65536]."""
+
+
+def default_of(owner: type, name: str) -> Any:
+    """The default of field ``name`` of the config class ``owner`` (a section as the
+    plain dict ``dataclasses.asdict`` gives)."""
+    value = owner.__pydantic_fields__[name].get_default(call_default_factory=True)
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value

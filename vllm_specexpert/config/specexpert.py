@@ -1,0 +1,303 @@
+"""SpecExpertConfig: every top-level setting, its default, its range and its docs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
+
+from vllm_specexpert.config.errors import (
+    ADDITIONAL_CONFIG_KEY,
+    SpecExpertConfigError,
+    config_error,
+)
+from vllm_specexpert.config.modes import (
+    CACHES,
+    MISS_POLICIES,
+    PREDICTORS,
+    CacheSpec,
+    MissPolicySpec,
+    Output,
+    PredictorSpec,
+)
+from vllm_specexpert.config.rules import check_combination, check_effect
+from vllm_specexpert.config.sections import (
+    STRICT,
+    BuddyConfig,
+    Count,
+    Flag,
+    LinkConfig,
+    Number,
+    Path,
+    TokenSchedulerConfig,
+    default_of,
+)
+
+SECTIONS = {"link": LinkConfig, "buddy": BuddyConfig, "token_scheduler": TokenSchedulerConfig}
+"""The nested sections, by key."""
+MAX_EXPERTS = 65536
+"""The largest budget count accepted (no model has more routed experts per layer)."""
+
+
+@dataclass(config=STRICT)
+class SpecExpertConfig:
+    """Configuration of the offload-aware MoE layer. Every field has a safe default."""
+
+    budget: float | int = 0.5
+    """How many routed experts of each MoE layer may be resident on the device.
+    A float in (0, 1] is a fraction of the layer's routed experts (rounded down);
+    an int >= 2 is a count per layer (``1`` reads as 1.0, all experts). Must leave room
+    for at least ``top_k`` experts (one token's experts) and cannot exceed the number of
+    experts. 1.0 keeps every expert resident (no transfers after warm-up).
+    Range: (0, 1] as a fraction, [2, 65536] as a count."""
+
+    cache: Literal[tuple(CACHES)] = "lru"
+    """Eviction policy of the device cache: ``lru`` (least recently used), ``lfu``
+    (least frequently used, ties by recency) or ``static`` (the first
+    ``slots - top_k`` experts stay resident for good; the remaining ``top_k`` slots
+    rotate, LRU, for the others): a fixed number of slots per layer. ``plec``
+    (ExpertFlow's predictive locality-aware cache; needs ``path_predictor``): every
+    layer's slots in one pool of the same total size, going to whichever layer the
+    predicted demand of the step wants; the step's predicted experts are prefetched
+    when it starts (``plec_preload``), and a load evicts first what no prediction needs,
+    then from the layer whose turn comes last, then the fewest predicted uses, then the
+    least recently used. Exact under ``fetch``."""
+
+    miss_policy: Literal[tuple(MISS_POLICIES)] = "fetch"
+    """What a layer does when the router picks a non-resident expert for a decode token
+    (prefill tokens always fetch: they run exactly). Exact: ``fetch`` (load it on
+    demand over the link, then run it: output identical to vanilla vLLM). Equivalent
+    (same experts, summed in another order): ``cpu`` (compute it on the host from the
+    slow tier while the device runs the hits, as llama.cpp/KTransformers do), ``auto``
+    (per layer call, the cheaper split of the misses between ``fetch`` and ``cpu`` by
+    measured link and host times). Approximate (the output changes): ``speculate``
+    (needs a ``predictor``: layers except ``exact_layers`` run the experts and weights
+    predicted at the previous layer, speculating-experts §4), ``buddy`` (run a resident
+    co-activated buddy instead, behind BuddyMoE's gates, see ``buddy``; fetch when none
+    qualifies), ``auto_buddy`` (``buddy`` where the gates allow, ``auto`` for the
+    rest), ``random`` (BuddyMoE's baseline: a random resident expert, same gates),
+    ``drop`` (run only the resident experts, weights renormalised)."""
+
+    predictor: Literal[tuple(PREDICTORS)] = "none"
+    """How the next layer's experts are predicted, for prefetching (and for
+    ``speculate``): ``none`` (no prefetch: on-demand loading only), ``router`` (next
+    layer's router on this layer's router input s_l), ``quasi_hidden`` (next router on
+    q_l = LN_{l+1}(d_l + r_l) with default vectors d from ``calibration``)."""
+
+    plec_preload: Literal["none", "step", "next"] = "none"
+    """What ``cache: plec`` loads ahead of demand, beyond choosing victims by the
+    predicted uses still to come. ``none`` (default): nothing. ``step``: when a step
+    starts, the predicted experts of its later layers, into slots that hold nothing
+    predicted. ``next``: that, and under the token scheduler, after each layer the
+    predicted experts of the group expected to run next step. Measured on the embedded
+    model (``benchmarks/results/batched.json``), preloading raised hit rates but not
+    throughput, and under the token scheduler it moved up to 21 % more bytes
+    (mispredicted experts), hence the default."""
+
+    prefetch_filter: Literal["cost", "all"] = "cost"
+    """Which predicted experts ``fetch`` prefetches. ``cost`` (default): only those
+    whose chance of being used (the layer's measured precision per predicted rank)
+    pays for their link time, ``p > t_copy / (t_copy + min(t_copy, t_window))``: a
+    wrong prefetch occupies the link that the true misses then wait for. ``all``: every
+    predicted expert, as in the paper. Under ``speculate`` all predicted experts are
+    prefetched either way (they all run)."""
+
+    calibration: Path | None = None
+    """Directory written by ``specexpert calibrate`` for this model (default vectors,
+    routing counts, co-activation). Required by ``predictor: quasi_hidden``."""
+
+    path_predictor: Path | None = None
+    """Directory written by ``specexpert train-path`` for this model: the routing-path
+    predictor (ExpertFlow §3.2), every MoE layer's experts of a token from its last
+    token ids. Checked against the model at engine start. It installs the plugin's
+    scheduler class in vLLM (``scheduler_cls``), which predicts the experts of each
+    step's decode requests and hands them to the workers: the stats then report the
+    predictor's online batch-level accuracy (``path_covered / path_needed``), and
+    ``token_scheduler`` groups sequences by them."""
+
+    token_scheduler: TokenSchedulerConfig | None = None
+    """Group decode sequences by predicted route, one group per step (see
+    :class:`TokenSchedulerConfig`; ``{}`` for its defaults). Needs ``path_predictor``."""
+
+    exact_layers: tuple[Annotated[Count, Field(ge=0)], ...] | None = None
+    """Decoder-layer indices that always run their router's experts under
+    ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
+    layer to predict it anyway). Range: indices of the model's MoE decoder layers."""
+
+    admit_host_experts: Flag = False
+    """Under ``cpu``, ``auto`` and ``auto_buddy``: after a layer call computed missing
+    experts on the host, load the one with the most tokens into the cache in the
+    background if the link is idle (evicting by ``cache`` policy), so that the cache keeps
+    following the routing as it does under ``fetch``. Off by default: on the embedded
+    model it cut host entries by 20-40 % but its effect on tok/s stayed within run-to-run
+    noise (-10 % to +5 %, ``benchmarks/results/miss_policies.json`` and one earlier run),
+    and it makes the host/device split, hence the rounding, depend on timing. Off, the
+    cache keeps its warm-start experts under ``cpu`` (static placement, as in
+    llama.cpp/KTransformers)."""
+
+    buddy: BuddyConfig = Field(default_factory=BuddyConfig)
+    """Substitution settings of ``buddy``, ``auto_buddy`` and ``random``, see
+    :class:`BuddyConfig`."""
+
+    link: LinkConfig = Field(default_factory=LinkConfig)
+    """Emulated link (CPU only), see :class:`LinkConfig`."""
+
+    stats_path: Path | None = None
+    """If set, per-layer statistics (hits, misses, bytes moved, seconds stalled) are
+    written there as JSON by each worker (``{rank}`` in the path is replaced by the
+    worker rank), every ``stats_interval_s`` and at every ``specexpert_stats`` call."""
+
+    stats_interval_s: Annotated[Number, Field(ge=0, le=86_400)] = 10.0
+    """Minimum seconds between two periodic writes of ``stats_path``. Range: [0, 86400] s."""
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> float | int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"must be finite, got {value}")
+        if isinstance(value, float) and value.is_integer() and value > 1:
+            value = int(value)
+        if isinstance(value, int):
+            if value == 1:
+                # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
+                return 1.0
+            if not 2 <= value <= MAX_EXPERTS:
+                raise ValueError(f"count must be in [2, {MAX_EXPERTS}], got {value:.6g}")
+            return value
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {value:.6g}")
+        return float(value)
+
+    @field_validator("exact_layers")
+    @classmethod
+    def _exact_layers(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        return None if value is None else tuple(sorted(set(value)))
+
+    @classmethod
+    def from_dict(cls, raw: Any, explicit: set[str] | None = None) -> SpecExpertConfig:
+        """Build and validate a config from the user's ``specexpert`` dict.
+        ``explicit``: the keys the user set (default: those of ``raw``), which must each
+        have an effect under the chosen mode (``reconfigure`` passes its changes only)."""
+        if not isinstance(raw, dict):
+            raise SpecExpertConfigError(
+                ADDITIONAL_CONFIG_KEY, f"must be a JSON object, got {type(raw).__name__}",
+                'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)')
+        raw = dict(raw)
+        for key in ("token_scheduler", "link", "buddy"):
+            if key in raw and raw[key] is None:
+                del raw[key]  # null: the defaults (token_scheduler: off)
+        try:
+            config = cls(**raw)
+        except ValidationError as error:
+            raise config_error(error, cls, SECTIONS) from None
+        except TypeError as error:  # a nested object given as something else
+            raise SpecExpertConfigError(ADDITIONAL_CONFIG_KEY, str(error),
+                                        "give each section as a JSON object") from None
+        check_combination(config)
+        check_effect(config, set(raw) if explicit is None else explicit)
+        return config
+
+    @property
+    def miss_policy_spec(self) -> MissPolicySpec:
+        """The traits of ``miss_policy``."""
+        return MISS_POLICIES[self.miss_policy]
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return CACHES[self.cache]
+
+    @property
+    def predictor_spec(self) -> PredictorSpec:
+        return PREDICTORS[self.predictor]
+
+    @property
+    def routing_statistics_need(self) -> str | None:
+        """Why the miss policy needs the calibration's routing statistics: co-activation
+        counts (buddy lists) or TAE percentiles (a percentile tau); ``None``: it does not."""
+        policy = self.miss_policy_spec
+        if policy.uses_buddy_lists:
+            return "buddy lists come from its co-activation counts"
+        if policy.substitutes and self.buddy.tau is None:
+            return "the TAE gate's tau comes from its percentiles (buddy.tau_percentile)"
+        return None
+
+    @property
+    def output(self) -> Output:
+        """``exact``, ``equivalent`` or ``approximate``: the miss policy's ``output``."""
+        return self.miss_policy_spec.output
+
+    @property
+    def exact(self) -> bool:
+        """Whether outputs are bit-identical to vanilla vLLM."""
+        return self.output == "exact"
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> SpecExpertConfig | None:
+        """The config inside vLLM's ``additional_config``, or ``None`` when the
+        ``specexpert`` key is absent (the plugin then stays inert)."""
+        if not isinstance(additional_config, dict):
+            return None
+        if ADDITIONAL_CONFIG_KEY not in additional_config:
+            return None
+        return cls.from_dict(additional_config[ADDITIONAL_CONFIG_KEY])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def changed(self, changes: dict[str, Any]) -> SpecExpertConfig:
+        """This config with ``changes`` (``reconfigure``): the changed keys must have an
+        effect; a section given (``link``, ``buddy``) replaces the current one. A setting
+        kept from before that has no effect any more under the changed mode (say
+        ``plec_preload`` after ``cache: lru``) goes back to its default, so that the
+        result is a config that would also pass at engine start."""
+        if not isinstance(changes, dict):
+            raise SpecExpertConfigError(ADDITIONAL_CONFIG_KEY, "changes must be keyword "
+                                        "arguments", "e.g. reconfigure(llm, budget=0.25)")
+        merged = {**self.to_dict(), **changes}
+        for _ in range(len(merged) + 1):
+            config = self.from_dict(merged, explicit=set(changes))
+            try:
+                check_effect(config, set(merged))
+                return config
+            except SpecExpertConfigError as error:
+                section, _, name = error.field_name.partition(".")
+                if section in changes:
+                    raise
+                if name:
+                    merged[section] = {**merged[section],
+                                       name: default_of(SECTIONS[section], name)}
+                else:
+                    merged[section] = default_of(SpecExpertConfig, section)
+        raise AssertionError("unreachable: every reset removes one setting")
+
+    # ------------------------------------------------------- model-dependent checks
+
+    def slots_per_layer(self, num_experts: int, top_k: int) -> int:
+        """Number of device cache slots per MoE layer for a model with ``num_experts``
+        routed experts per layer and ``top_k`` experts per token."""
+        if isinstance(self.budget, int):
+            slots = self.budget
+            given = f"budget {self.budget}"
+        else:
+            slots = math.floor(self.budget * num_experts + 1e-9)
+            given = f"budget {self.budget} x {num_experts} experts = {slots} slots"
+        if slots > num_experts:
+            raise SpecExpertConfigError(
+                "budget",
+                f"{given} exceeds the {num_experts} routed experts per layer",
+                f"use at most {num_experts} (or a fraction <= 1.0)",
+            )
+        if slots < top_k:
+            raise SpecExpertConfigError(
+                "budget",
+                f"{given}, fewer than the model's top_k={top_k} experts per token "
+                "(one token could not run)",
+                f"use at least {top_k} slots, i.e. budget >= {top_k} "
+                f"or >= {math.ceil(top_k / num_experts * 1000) / 1000}",
+            )
+        return slots

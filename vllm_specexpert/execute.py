@@ -1,0 +1,255 @@
+"""The executor: runs one layer call under any miss policy's plan. The one place that
+launches expert kernels and computes experts on the host.
+
+A call is one :class:`LayerCall` (the tokens, their routing on the device and on the
+host, the layer's kernel, the counters of the call's phase). :func:`survey` finds its
+missing entries; the engine asks the miss policy for a plan only when there are some
+(:mod:`vllm_specexpert.policy`); :func:`run` carries out the plan: the device entries
+through :func:`run_on_device` with the other entries masked out (weight 0), the host
+entries through :class:`~vllm_specexpert.tiers.host.HostExperts`, then adds the two.
+Without a plan every entry runs on the device, loaded on demand: the bit-exact path of
+``fetch`` and of every prefill pass.
+
+:func:`run_on_device` runs routed entries from the device cache. When a batch needs more
+distinct experts than the pool holds (prefill, large decode batches at small budgets),
+it runs in token groups whose experts fit. This stays exact because the fused-experts
+kernel computes each token independently of the others in its batch (checked bit for bit
+for vLLM's CPU kernel in ``tests/test_kernel_exactness.py``): only *which* tokens share a
+launch changes, never the arithmetic of a token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_specexpert.policy import MissContext, MissPlan
+from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.tiers.cache import ExpertCache
+from vllm_specexpert.tiers.loader import ExpertLoader
+from vllm_specexpert.tiers.staging import upload
+
+ExpertKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None],
+    torch.Tensor,
+]
+"""``kernel(x, topk_weights, ids, slots, expert_map) -> out``: the layer's fused-experts
+kernel run on the slot tensors ``slots`` (name -> ``[num_slots, ...]``). ``ids`` are slot
+indices when ``expert_map`` is ``None``, else router expert ids that the kernel maps
+through ``expert_map`` (id -> slot, -1: not resident), as vLLM's fused MoE does for
+expert parallelism (see :meth:`ExpertCache.kernel_routing`)."""
+
+GROUP_SCAN_FACTOR = 4
+"""A token group is grown from at most ``GROUP_SCAN_FACTOR * slots`` candidate tokens
+per round, bounding the host work of planning."""
+
+
+@dataclass
+class LayerCall:
+    """One call of one offloaded MoE layer on some tokens of a forward pass."""
+
+    x: torch.Tensor
+    """``[T, H]`` the tokens' router input."""
+    topk_weights: torch.Tensor
+    """``[T, K]`` the routing to run (the router's, or a prediction under ``speculate``)."""
+    topk_ids: torch.Tensor
+    """``[T, K]`` its expert ids, on the device."""
+    ids: np.ndarray
+    """The same ids on the host."""
+    kernel: ExpertKernel
+    stats: PhaseStats
+    """Counters of the call's phase (decode or prefill)."""
+    before_kernel: Callable[[], None] | None = None
+    """Called once, when the first launch's experts are resident and before it starts
+    (the engine submits the next layer's prefetch there, so that the copy overlaps this
+    layer's expert compute)."""
+
+    def rows(self, index: np.ndarray, weights: torch.Tensor | None = None,
+             ids: np.ndarray | None = None) -> LayerCall:
+        """The call on the tokens ``index`` (host row numbers); ``weights`` and ``ids``
+        (host), already of those rows, replace their routing if given."""
+        device_index = upload(index, self.x.device)
+        if ids is None:
+            ids, topk_ids = self.ids[index], self.topk_ids[device_index]
+        else:
+            topk_ids = upload(ids, self.x.device).to(self.topk_ids.dtype)
+        if weights is None:
+            weights = self.topk_weights[device_index]
+        return dataclasses.replace(self, x=self.x[device_index], topk_weights=weights,
+                                   topk_ids=topk_ids, ids=ids)
+
+    def routed(self, weights: torch.Tensor, ids: np.ndarray) -> LayerCall:
+        """The same tokens with another routing (``ids`` on the host)."""
+        return dataclasses.replace(
+            self, topk_weights=weights, ids=ids,
+            topk_ids=upload(ids, self.x.device).to(self.topk_ids.dtype))
+
+    def take_before_kernel(self) -> Callable[[], None] | None:
+        """``before_kernel``, once: later launches of the call get ``None``."""
+        hook, self.before_kernel = self.before_kernel, None
+        return hook
+
+
+@dataclass
+class Survey:
+    """What a call's routing finds in the cache."""
+
+    resident: np.ndarray
+    """``[E]`` experts that count as resident (landed ones only, for a policy that does
+    not wait for copies)."""
+    missing: np.ndarray
+    """``[T, K]`` entries whose expert is not resident."""
+    missed: int
+    """How many entries are missing."""
+    needed: np.ndarray | None
+    """The call's distinct experts (``None`` for one token: its top-k ids)."""
+
+
+def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True) -> Survey:
+    """The call's missing entries and distinct experts, counted."""
+    resident = loader.cache.resident_mask() if waits_for_copies else loader.ready_mask()
+    missing = ~resident[call.ids]
+    missed = int(np.count_nonzero(missing))
+    call.stats.missed_entries += missed
+    needed = np.unique(call.ids) if call.ids.shape[0] > 1 else None
+    call.stats.experts_needed += call.ids.shape[1] if needed is None else len(needed)
+    return Survey(resident, missing, missed, needed)
+
+
+def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | None = None,
+        context: MissContext | None = None) -> torch.Tensor:
+    """Routed-expert output of the call under ``plan`` (``None``: every entry on the
+    device, missing ones loaded on demand)."""
+    if plan is None:
+        call.stats.fetched_entries += found.missed
+        return run_on_device(loader, call, found.needed)
+    ids, stats = call.ids, call.stats
+    none = np.zeros(ids.shape, dtype=bool)
+    substituted = plan.substituted if plan.substituted is not None else none
+    on_host = plan.on_host if plan.on_host is not None else none
+    dropped = plan.dropped if plan.dropped is not None else none
+    on_device = ~(on_host | dropped)
+    stats.substituted_entries += int(np.count_nonzero(substituted))
+    stats.host_entries += int(np.count_nonzero(on_host))
+    stats.dropped_entries += int(np.count_nonzero(dropped))
+    fetched = found.missing & on_device & ~substituted
+    stats.fetched_entries += int(np.count_nonzero(fetched))
+    # Missing experts that no device entry loads still count as requested and missed.
+    unloaded = np.setdiff1d(ids[found.missing & ~fetched], plan.topk_ids[on_device])
+    stats.requests += len(unloaded)
+    stats.misses += len(unloaded)
+
+    weights = call.topk_weights
+    device_mask = upload(on_device, call.x.device)
+    if plan.renormalize:
+        kept = torch.where(device_mask, weights, 0.0).sum(-1, keepdim=True)
+        weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
+    started_at = time.perf_counter()
+    host_job = (context.host.stage(call.x, call.topk_weights, ids, on_host)
+                if on_host.any() else None)
+    if on_device.all():
+        out = run_on_device(loader, call.routed(weights, plan.topk_ids))
+    else:
+        # Masked entries point at one of their token's device experts, weight 0: the
+        # kernel has a fixed top-k, and adding 0 changes nothing.
+        rows = np.flatnonzero(on_device.any(axis=1))
+        mask = on_device[rows]
+        first = plan.topk_ids[rows, mask.argmax(axis=1)]
+        device_ids = np.where(mask, plan.topk_ids[rows], first[:, None])
+        out = torch.zeros_like(call.x)
+        if len(rows):
+            index = upload(rows, call.x.device)
+            out[index] = run_on_device(loader, call.rows(
+                rows, torch.where(device_mask[index], weights[index], 0.0), device_ids))
+        elif call.before_kernel is not None:
+            loader.begin_run(np.zeros(0, dtype=np.int64), stats)
+            call.take_before_kernel()()
+    if host_job is not None:
+        charged, waited = context.host.finish(host_job, out, started_at)
+        stats.host_experts += host_job.experts
+        stats.host_s += charged
+        stats.host_stall_s += waited
+        if context.admit_host_experts:
+            experts, counts = np.unique(ids[on_host], return_counts=True)
+            loader.admit(int(experts[np.argmax(counts)]), stats)
+    return out
+
+
+def run_on_device(loader: ExpertLoader, call: LayerCall,
+                  needed: np.ndarray | None = None) -> torch.Tensor:
+    """Output of the call's kernel on its routing, loading what is missing. ``needed``:
+    ``np.unique(call.ids)`` if the caller has it."""
+    cache, stats, ids = loader.cache, call.stats, call.ids
+    if ids.shape[0] == 1 and not loader.in_flight and not loader.prefetches:
+        # One token whose experts are all resident and landed (batch-1 decode hits):
+        # what the general path below does, without its set operations.
+        experts = ids[0]
+        if cache.expert_slot[experts].min() >= 0 and len(set(experts.tolist())) == len(experts):
+            stats.requests += len(experts)
+            stats.hits += len(experts)
+            cache.touch(experts)
+            return _launch(loader, call, experts)
+    if needed is None:
+        needed = np.unique(ids)
+    loader.begin_run(needed, stats)
+    if cache.capacity_for(needed):
+        loader.acquire(needed, stats)
+        return _launch(loader, call, needed)
+    out = torch.empty_like(call.x)
+    remaining = np.arange(ids.shape[0])
+    while remaining.size:
+        group = next_token_group(cache, ids, remaining)
+        experts = np.unique(ids[group])
+        rest = np.setdiff1d(remaining, group, assume_unique=True)
+        demand = np.bincount(ids[rest].ravel(), minlength=cache.num_experts)
+        loader.acquire(experts, stats, future_demand=demand)
+        # Every remaining token whose experts are now all resident joins the launch.
+        resident = cache.resident_mask()
+        ready = remaining[resident[ids[remaining]].all(axis=1)]
+        loader.acquire(np.setdiff1d(np.unique(ids[ready]), experts), stats)  # hits only
+        part = call.rows(ready)
+        part.before_kernel = call.take_before_kernel()
+        out[upload(ready, call.x.device)] = _launch(loader, part, np.unique(ids[ready]))
+        remaining = np.setdiff1d(remaining, ready, assume_unique=True)
+    return out
+
+
+def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch.Tensor:
+    """One kernel launch on resident ``experts`` (those of the call's ids), after the
+    call's ``before_kernel``."""
+    hook = call.take_before_kernel()
+    if hook is not None:
+        hook()
+    cache = loader.cache
+    kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.ids)
+    out = call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
+    loader.kernel_launched(experts)
+    call.stats.kernel_calls += 1
+    return out
+
+
+def next_token_group(cache: ExpertCache, ids: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    """Tokens (indices into ``ids``) whose experts fit in the pool together: candidates
+    sorted by fewest non-resident experts, and the longest prefix of them whose union of
+    experts needing a non-pinned slot fits. Vectorized: each expert's first position in
+    that order gives, by a cumulative count, the union size of every prefix. Never
+    empty: a single token always fits (slots >= top_k, and pinned experts leave top_k
+    slots free). The caller then adds every token the loaded experts cover."""
+    resident = cache.resident_mask()
+    pinned_resident = cache.policy.pinned & resident
+    capacity = cache.capacity()
+    missing = (~resident[ids[remaining]]).sum(axis=1)
+    candidates = remaining[np.argsort(missing, kind="stable")][: GROUP_SCAN_FACTOR * capacity]
+    experts = ids[candidates]                                   # [C, K]
+    position = np.broadcast_to(np.arange(len(candidates))[:, None], experts.shape)
+    counted = ~pinned_resident[experts]
+    first = np.full(cache.num_experts, len(candidates), dtype=np.int64)
+    np.minimum.at(first, experts[counted], position[counted])
+    growth = np.bincount(first[first < len(candidates)], minlength=len(candidates)).cumsum()
+    take = max(int(np.searchsorted(growth, capacity, side="right")), 1)
+    return candidates[:take]

@@ -1,0 +1,62 @@
+"""What a miss policy may consult about one layer besides its cache, and how it is built
+from the config and the calibration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
+from vllm_specexpert.tiers.host import HostExperts, HostKernel
+from vllm_specexpert.tiers.store import LayerExperts
+
+
+@dataclass
+class MissContext:
+    """What a policy may consult about one layer, besides its cache."""
+
+    copy_seconds: float
+    """Expected link time of one of the layer's experts."""
+    host: HostExperts | None = None
+    """Host compute of the layer's experts (``cpu``, ``auto``)."""
+    buddies: np.ndarray | None = None
+    """``[E, K_max]`` buddy lists, best first, -1 padded (``buddy``, ``auto_buddy``)."""
+    gates: BuddyGates | None = None
+    """Substitution gates with this layer's tau."""
+    admit_host_experts: bool = False
+    """Load the most-used host-computed expert in the background on an idle link."""
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
+
+
+def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: float,
+                 host_kernel: HostKernel | None = None,
+                 coactivation: np.ndarray | None = None,
+                 tae_percentiles: np.ndarray | None = None) -> MissContext | None:
+    """A layer's context under ``config``'s miss policy; ``None`` while something it
+    needs is missing (a host kernel, the calibration's routing statistics: the engine
+    reports it when it starts)."""
+    policy = config.miss_policy_spec
+    context = MissContext(copy_seconds=copy_seconds)
+    if policy.computes_on_host:
+        if host_kernel is None:
+            return None
+        link = config.link
+        context.host = HostExperts(experts, host_kernel,
+                                   link.host_slowdown if link.emulated else None)
+        context.admit_host_experts = config.admit_host_experts
+    if policy.substitutes:
+        buddy = config.buddy
+        tau = buddy.tau
+        if config.routing_statistics_need is not None:
+            if coactivation is None:
+                return None
+            if policy.uses_buddy_lists:
+                context.buddies = buddy_lists(coactivation, buddy.alpha, buddy.k_max)
+            if tau is None:
+                tau = float(np.interp(buddy.tau_percentile, np.linspace(0, 100, 101),
+                                      tae_percentiles))
+        context.gates = BuddyGates(tau=tau, beta=buddy.beta, rho=buddy.rho)
+    return context

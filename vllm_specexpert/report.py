@@ -1,0 +1,172 @@
+"""Reporting: the engine's statistics as one dict (``get_stats``, ``stats_path``, the
+``/metrics`` snapshots), its one-line summary, and the threads that write them to files
+off the forward pass."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from vllm_specexpert import metrics
+from vllm_specexpert.log import init_logger
+from vllm_specexpert.stats import LayerStats, check_stats_path, write_json_atomic
+
+logger = init_logger(__name__)
+
+
+class StatsWriter:
+    """Writes ``snapshot()`` to ``path`` every ``interval_s`` seconds from a daemon
+    thread (never from the forward pass), and once more at :meth:`close`. A failed write
+    is logged once and retried at the next interval: it never stops the engine."""
+
+    MIN_INTERVAL_S = 0.1
+    """Shortest period between writes (``stats_interval_s: 0`` writes at this rate)."""
+
+    def __init__(self, path: str, interval_s: float, snapshot: Callable[[], dict],
+                 what: str = "stats_path", write_last: bool = True):
+        self.path = path
+        self.what = what
+        """What the file is, for the log line of a failed write."""
+        self.write_last = write_last
+        """Whether :meth:`close` (also at exit) writes a last time."""
+        self.interval_s = max(interval_s, self.MIN_INTERVAL_S)
+        self.snapshot = snapshot
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._loop, name="specexpert-stats",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def write(self) -> None:
+        try:
+            write_json_atomic(self.path, self.snapshot())
+        except OSError as error:
+            if not self._warned:
+                logger.warning("specexpert: cannot write %s %s: %s", self.what, self.path,
+                               error)
+                self._warned = True
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write()
+
+    def close(self) -> None:
+        """Stop the thread (and write once more if ``write_last``)."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(timeout=5)
+            if self.write_last:
+                self.write()
+
+
+class Reporter:
+    """The file writers of one engine: ``stats_path`` (every ``stats_interval_s``) and,
+    in a server, the snapshot the frontend serves on ``/metrics`` (every
+    :data:`~vllm_specexpert.metrics.SNAPSHOT_INTERVAL_S`). ``snapshot`` is the engine's
+    :func:`engine_stats`."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+        self.snapshot = snapshot
+        self._stats_writer: StatsWriter | None = None
+        self._metrics_writer: StatsWriter | None = None
+
+    def start(self, stats_file: str | None, interval_s: float) -> None:
+        """(Re)start the writers for the engine's current config."""
+        if self._stats_writer is not None:
+            self._stats_writer.close()
+            self._stats_writer = None
+        directory = os.environ.get(metrics.DIRECTORY_ENV)
+        if directory and self._metrics_writer is None:
+            model_name = os.environ.get(metrics.MODEL_NAME_ENV, "")
+            self._metrics_writer = StatsWriter(
+                metrics.snapshot_path(directory), metrics.SNAPSHOT_INTERVAL_S,
+                lambda: {**self.snapshot(), "model_name": model_name},
+                what="metrics snapshot", write_last=False)
+        if stats_file:
+            check_stats_path(stats_file)
+            self._stats_writer = StatsWriter(stats_file, interval_s, self.snapshot)
+
+    def write_now(self) -> None:
+        """Write the stats file now (``stats_path``; no-op without one) and the metrics
+        snapshot (no-op outside a server)."""
+        for writer in (self._stats_writer, self._metrics_writer):
+            if writer is not None:
+                writer.write()
+
+    def close(self) -> None:
+        if self._stats_writer is not None:
+            self._stats_writer.close()
+        if self._metrics_writer is not None:
+            self._metrics_writer.close()
+            with contextlib.suppress(OSError):  # a closed engine leaves /metrics
+                os.remove(self._metrics_writer.path)
+            self._metrics_writer = None
+
+
+def engine_stats(engine) -> dict[str, Any]:
+    """Per-layer counters of ``engine`` (an ``OffloadEngine``) by phase, their totals,
+    link counters and the configuration. Safe to call from another thread."""
+    with engine.lock:
+        layers = engine.layers
+        per_layer = {name: layer.stats for name, layer in layers.items()}
+        total = LayerStats.sum(per_layer.values())
+        first = next(iter(per_layer.values()), LayerStats())
+        config, link = engine.config, engine.config.link
+        return {
+            "rank": engine.rank,
+            "device": str(engine.device),
+            "miss_policy": engine.miss_policy.name,
+            "predictor": config.predictor,
+            "output": engine.output,
+            "exact": engine.output == "exact",
+            "config": config.to_dict(),
+            "summary": summary(engine),
+            "decode_tokens": first.decode.tokens,
+            "prefill_tokens": first.prefill.tokens,
+            "layer_index": {n: la.index for n, la in layers.items()},
+            "slots_per_layer": {n: la.cache.num_slots for n, la in layers.items()},
+            "resident_per_layer": {n: la.cache.num_resident() for n, la in layers.items()},
+            "experts_per_layer": {n: la.cache.num_experts for n, la in layers.items()},
+            "expert_bytes": {n: la.cache.experts.expert_nbytes for n, la in layers.items()},
+            "store_bytes": engine.store.nbytes,
+            "pinned": engine.store.pin_memory,
+            "modeled": {
+                "bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
+                "host_slowdown": link.host_slowdown,
+            } if link.emulated else None,
+            "link": {
+                "bytes": engine.link.bytes_copied,
+                "copies": engine.link.copies,
+                "stall_s": engine.link.stall_s,
+            },
+            "total": total.to_dict(),
+            "layers": {name: s.to_dict() for name, s in per_layer.items()},
+        }
+
+
+def summary(engine) -> str:
+    """One line: MoE layers, slots per layer, slow tier, policy, predictor."""
+    layers = engine.layers.values()
+    slots = sorted({layer.cache.num_slots for layer in layers})
+    experts = sorted({layer.cache.num_experts for layer in layers})
+    config = engine.config
+    link = config.link
+    modeled = (f", emulated link {link.bandwidth_gbps:g} GB/s + {link.latency_us:g} us/copy,"
+               f" host_slowdown {link.host_slowdown:g}" if link.emulated else "")
+    residency = (f"{'/'.join(map(str, slots))} of {'/'.join(map(str, experts))} "
+                 "experts resident per layer")
+    if config.cache_spec.shared_pool:
+        residency = (f"one pool of {sum(la.cache.num_slots for la in layers)}"
+                     f" slots shared by their {'/'.join(map(str, experts))} experts each")
+    return (
+        f"{len(engine.layers)} MoE layers offloaded, {residency}; slow tier "
+        f"{engine.store.nbytes / 1e9:.3f} GB on the host"
+        f"{' (pinned)' if engine.store.pin_memory else ''}; miss_policy {config.miss_policy} "
+        f"({engine.output}), predictor {config.predictor}, cache {config.cache}"
+        f"{modeled}"
+    )

@@ -1,0 +1,78 @@
+"""Eviction policies of the device cache: which resident expert of a layer goes first
+(``cache``: ``lru``, ``lfu``, ``static``; ``plec`` orders by predicted demand in the
+shared pool and by recency among equals)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_specexpert.config.modes import CACHES, CacheSpec
+
+
+class EvictionPolicy:
+    """Orders eviction candidates. Subclasses keep per-expert usage state."""
+
+    spec: CacheSpec
+    """The policy's traits (:mod:`vllm_specexpert.config.modes`), by its config name."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+        self.last_used = np.zeros(num_experts, dtype=np.int64)
+        self.pinned = np.zeros(num_experts, dtype=bool)
+        """Experts that are never evicted once resident."""
+
+    def on_use(self, experts: np.ndarray, clock: int) -> None:
+        self.last_used[experts] = clock
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        """``candidates`` sorted so that the first is evicted first."""
+        raise NotImplementedError
+
+
+class LRUPolicy(EvictionPolicy):
+    spec = CACHES["lru"]
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        return candidates[np.argsort(self.last_used[candidates], kind="stable")]
+
+
+class LFUPolicy(EvictionPolicy):
+    spec = CACHES["lfu"]
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+        super().__init__(num_experts, num_slots, top_k)
+        self.uses = np.zeros(num_experts, dtype=np.int64)
+
+    def on_use(self, experts: np.ndarray, clock: int) -> None:
+        super().on_use(experts, clock)
+        self.uses[experts] += 1
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        # lexsort: last key is primary -> fewest uses first, then least recent.
+        return candidates[np.lexsort((self.last_used[candidates], self.uses[candidates]))]
+
+
+class StaticPolicy(LRUPolicy):
+    """The first ``num_slots - top_k`` experts are pinned; ``top_k`` slots rotate (LRU)."""
+
+    spec = CACHES["static"]
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+        super().__init__(num_experts, num_slots, top_k)
+        self.pinned[: max(num_slots - top_k, 0)] = True
+
+
+class PlecPolicy(LRUPolicy):
+    """``plec``: recency breaks ties in the shared pool's victim order, which comes
+    first from the predicted demand (:class:`~vllm_specexpert.tiers.slots.SharedSlotPool`)."""
+
+    spec = CACHES["plec"]
+
+
+CACHE_CLASSES: dict[str, type[EvictionPolicy]] = {
+    cls.spec.name: cls for cls in (LRUPolicy, LFUPolicy, StaticPolicy, PlecPolicy)
+}
+"""Every cache policy by its config name (``cache``)."""

@@ -1,0 +1,172 @@
+"""The CPU link: a copy worker thread, with optional bandwidth/latency emulation (see
+:mod:`vllm_specexpert.tiers.link`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from vllm_specexpert.config import LinkConfig
+from vllm_specexpert.tiers.link.base import (
+    ExpertCopy,
+    Link,
+    StartCallback,
+    Transfer,
+    insert,
+    sleep_until,
+)
+
+
+class _CpuTransfer(Transfer):
+    def __init__(self, link: CpuLink, copy: ExpertCopy, prefetch: bool,
+                 on_start: StartCallback | None):
+        self.link = link
+        self.pairs = copy.pairs()
+        self.nbytes = copy.nbytes
+        self.copies = copy.copies
+        self.prefetch = prefetch
+        self.on_start = on_start
+        self.submitted_at = time.perf_counter()
+        self.ready_at: float | None = None
+        """Emulated completion time, set when the emulated link starts it."""
+        self.error: BaseException | None = None
+        if prefetch:
+            self.claim = threading.Lock()
+            """Taken by whoever performs the real copy: the copy thread, or a waiter
+            that gets there first."""
+            self.done = threading.Event()
+            """Set once the real copy happened (or was skipped after a cancel)."""
+        else:
+            # A demand copy is waited for at once: it is done here, in the caller's
+            # thread, without a hand-off to the copy thread.
+            self.claim = self.done = None
+            self._copy()
+
+    def _copy(self) -> None:
+        try:
+            if not self.cancelled:
+                for dst, src in self.pairs:
+                    dst.copy_(src)
+        except BaseException as exc:  # surfaced to the waiter
+            self.error = exc
+
+    def perform(self) -> bool:
+        """Do the real copy unless someone else claimed it (or it was a demand copy,
+        done at submission); returns once it is done, True if this call did it."""
+        if self.claim is None:
+            return False
+        if not self.claim.acquire(blocking=False):
+            self.done.wait()
+            return False
+        self._copy()
+        self.done.set()
+        return True
+
+    def ready(self) -> bool:
+        if self.done is not None and not self.done.is_set():
+            return False
+        now = time.perf_counter()
+        self.link._advance(now)
+        return self.ready_at is not None and self.ready_at <= now
+
+    def wait(self) -> float:
+        if self.cancelled:  # it would never land: a bookkeeping bug, not a slow link
+            raise RuntimeError("specexpert: waited for a cancelled expert copy")
+        start = time.perf_counter()
+        self.perform()
+        if self.error is not None:
+            raise RuntimeError("specexpert: expert copy failed") from self.error
+        while self.ready_at is None:  # queued behind others on the emulated link
+            self.link._advance(time.perf_counter())
+            if self.ready_at is None:
+                sleep_until(self.link._link_free_at)
+        sleep_until(self.ready_at)
+        return time.perf_counter() - start
+
+
+class CpuLink(Link):
+    """Copy worker thread with optional bandwidth/latency emulation (see module doc)."""
+
+    def __init__(self, config: LinkConfig):
+        super().__init__()
+        self.config = config
+        self._bytes_per_s = (config.bandwidth_gbps or 0.0) * 1e9
+        self._latency_s = config.latency_us * 1e-6
+        self._link_free_at = 0.0
+        self._pending: deque[_CpuTransfer] = deque()
+        """Emulated transfers not started yet, in link order."""
+        self._seconds_per_byte = 1e-10
+        """Measured memcpy cost (real copies without emulation), running mean."""
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._copy_loop, name="specexpert-copy", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, copy: ExpertCopy, prefetch: bool = False,
+               on_start: StartCallback | None = None, after: Sequence = ()) -> Transfer:
+        transfer = _CpuTransfer(self, copy, prefetch, on_start)
+        if self.config.emulated:
+            self._advance(transfer.submitted_at)
+            insert(self._pending, transfer)
+            self._advance(transfer.submitted_at)
+        else:
+            transfer.ready_at = transfer.submitted_at
+            self._started(transfer, transfer.copies)
+        if prefetch:
+            self._jobs.put(transfer)
+        return transfer
+
+    def cancel(self, transfer: Transfer) -> bool:
+        self._advance(time.perf_counter())
+        if transfer in self._pending:
+            self._pending.remove(transfer)
+            transfer.cancelled = True
+            # Skip the real copy if nobody started it, else let it finish, so that it
+            # cannot land on a slot that is reused from now on.
+            transfer.perform()
+            return True
+        return False
+
+    def retire(self, transfer: Transfer) -> None:
+        if not self.cancel(transfer):
+            transfer.perform()  # a waiter may overtake the copy thread: finish it first
+
+    def idle(self) -> bool:
+        now = time.perf_counter()
+        if self.config.emulated:
+            self._advance(now)
+            return not self._pending and self._link_free_at <= now
+        return self._jobs.empty()
+
+    def _advance(self, now: float) -> None:
+        """Start, in order, every queued transfer the emulated link reached by ``now``."""
+        while self._pending and self._link_free_at <= now:
+            transfer = self._pending.popleft()
+            start = max(self._link_free_at, transfer.submitted_at)
+            transfer.ready_at = start + self.copy_seconds(transfer.nbytes, transfer.copies)
+            self._link_free_at = transfer.ready_at
+            self._started(transfer, transfer.copies)
+
+    def copy_seconds(self, nbytes: int, copies: int) -> float:
+        if self.config.emulated:
+            return self._latency_s * copies + nbytes / self._bytes_per_s
+        return nbytes * self._seconds_per_byte
+
+    def _copy_loop(self) -> None:
+        while True:
+            transfer = self._jobs.get()
+            if transfer is None:
+                return
+            start = time.perf_counter()
+            if transfer.perform() and transfer.nbytes and not transfer.cancelled:
+                measured = (time.perf_counter() - start) / transfer.nbytes
+                self._seconds_per_byte = 0.9 * self._seconds_per_byte + 0.1 * measured
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=5)

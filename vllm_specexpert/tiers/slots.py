@@ -1,0 +1,197 @@
+"""Slot pools: the device memory of the expert cache, expert-sized slots allocated once at
+the budget (so no cache can ever hold more), and what belongs to a slot rather than to an
+expert: the cache holding it, the copy into it nobody has waited for yet, and on CUDA the
+events that order a new copy after the slot's last copy and last reader.
+
+Two strategies decide whose experts a load may evict:
+
+* :class:`LayerSlotPool`: one layer's own pool (``lru``, ``lfu``, ``static``): a fixed
+  number of slots, the layer's eviction policy orders its own experts.
+* :class:`SharedSlotPool`: every layer's slots in one pool (``plec``, ExpertFlow §3.4): a
+  layer holds as many slots as its experts win; the victim of a load may belong to
+  another layer, chosen by the predicted uses still to come (:attr:`SharedSlotPool.
+  lookahead`, kept by the PLEC planner), the layer whose turn comes last, the least
+  recently used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vllm_specexpert.tiers.cache import ExpertCache
+    from vllm_specexpert.tiers.link import Transfer
+
+NO_EXPERTS = np.zeros(0, dtype=np.int64)
+
+
+class SlotPool:
+    """Expert-sized device slots shared by the caches of one or more MoE layers (see
+    module doc). Caches :meth:`join` with their share of slots; :meth:`allocate` then
+    makes the tensors at the sum of the shares and warm-starts every cache in its share.
+    A layer's own pool is allocated by its cache; a shared pool by the engine once every
+    layer joined."""
+
+    shared: ClassVar[bool] = False
+    """Slots move between layers."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.caches: list[ExpertCache] = []
+        self._shares: list[int] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        """Weight name -> ``[num_slots, ...]`` slot tensor (what kernels run on)."""
+        self.owner = np.zeros(0, dtype=np.int32)
+        """Slot -> index in :attr:`caches` of the cache holding it, -1 when free."""
+        self.in_flight: dict[int, Transfer] = {}
+        """Slot -> the copy into it that nobody has waited for yet."""
+        self.last_write: np.ndarray | None = None
+        """CUDA: slot -> the last transfer into it (a new copy is ordered after it)."""
+        self.last_read: np.ndarray | None = None
+        """CUDA: slot -> event after the last kernel that read it."""
+        self.clock = 0
+        """Kernel calls so far, for every cache's recency (comparable across layers)."""
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.owner)
+
+    def join(self, cache: ExpertCache, share: int) -> int:
+        """Add ``cache`` with ``share`` slots of its own at warm start; returns its index."""
+        if self.caches:
+            first = self.caches[0].experts
+            if {k: (t.shape[1:], t.dtype) for k, t in first.tensors.items()} != {
+                    k: (t.shape[1:], t.dtype) for k, t in cache.experts.tensors.items()}:
+                raise ValueError(f"{cache.experts.name}: experts shaped unlike those of "
+                                 f"{first.name} cannot share a slot pool")
+        self.caches.append(cache)
+        self._shares.append(share)
+        return len(self.caches) - 1
+
+    def allocate(self) -> None:
+        """Allocate the slots (the sum of the shares) and warm-start every cache."""
+        total = sum(self._shares)
+        first = self.caches[0].experts.tensors
+        self.tensors = {key: torch.empty((total, *t.shape[1:]), dtype=t.dtype,
+                                         device=self.device) for key, t in first.items()}
+        self.owner = np.full(total, -1, dtype=np.int32)
+        self.in_flight.clear()
+        if self.device.type == "cuda":
+            self.last_write = np.full(total, None, dtype=object)
+            self.last_read = np.full(total, None, dtype=object)
+        offset = 0
+        for cache, share in zip(self.caches, self._shares):
+            cache.warm_start(offset, share)
+            offset += share
+
+    def free_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.owner < 0)
+
+    def victims(self, requester: ExpertCache, keep: np.ndarray,
+                demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(cache indices, experts)`` that may be evicted now to make room for
+        ``requester``, the first to go first; never ``keep`` (of ``requester``), pinned
+        or protected experts. ``demand``: the requester's per-expert count of later uses
+        in the same call (those go last)."""
+        raise NotImplementedError
+
+    def capacity_for(self, cache: ExpertCache, experts: np.ndarray) -> bool:
+        """Whether all of ``experts`` (distinct ids of ``cache``) fit at once."""
+        raise NotImplementedError
+
+    def capacity(self, cache: ExpertCache) -> int:
+        """How many distinct experts of ``cache`` can be resident at once now, counting
+        only those that need a slot that pinned experts do not hold."""
+        raise NotImplementedError
+
+    def available_for(self, cache: ExpertCache, keep: np.ndarray) -> int:
+        """Slots ``cache`` could fill now without evicting ``keep``: free ones, and those
+        of the :meth:`victims`."""
+        return len(self.free_slots()) + len(self.victims(cache, keep)[1])
+
+
+class LayerSlotPool(SlotPool):
+    """One layer's own pool: its eviction policy's order, the least demanded first."""
+
+    def victims(self, requester: ExpertCache, keep: np.ndarray,
+                demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        candidates = requester.policy.order(requester.evictable(keep))
+        if demand is not None:
+            # Stable sort keeps the policy order among equal demand.
+            candidates = candidates[np.argsort(demand[candidates], kind="stable")]
+        return np.full(len(candidates), requester.index, dtype=np.int32), candidates
+
+    def capacity_for(self, cache: ExpertCache, experts: np.ndarray) -> bool:
+        if len(experts) <= cache.rotating_slots:
+            return True
+        pinned_resident = cache.policy.pinned & cache.resident_mask()
+        outside = np.count_nonzero(~pinned_resident[experts])
+        return outside <= cache.num_slots - int(pinned_resident.sum())
+
+    def capacity(self, cache: ExpertCache) -> int:
+        return cache.num_slots - int(np.count_nonzero(cache.policy.pinned
+                                                      & cache.resident_mask()))
+
+
+class SharedSlotPool(SlotPool):
+    """Every layer's slots in one pool (``plec``): victims by predicted uses to come."""
+
+    shared = True
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.lookahead: np.ndarray | None = None
+        """``[caches, experts]`` predicted uses still to come of each (layer, expert),
+        kept by the PLEC planner from the step's predicted demand; the fewest go first."""
+
+    def allocate(self) -> None:
+        super().allocate()
+        self.lookahead = np.zeros((len(self.caches), self.caches[0].num_experts))
+
+    def spare(self) -> int:
+        """Slots that hold nothing predicted to be used: free ones, and those of evictable
+        experts with no predicted use still to come. Loads for predicted experts may take
+        this many without evicting another prediction."""
+        spare = len(self.free_slots())
+        for cache in self.caches:
+            candidates = cache.evictable(NO_EXPERTS)
+            spare += int(np.count_nonzero(self.lookahead[cache.index][candidates] == 0))
+        return spare
+
+    def victims(self, requester: ExpertCache, keep: np.ndarray,
+                demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every layer's evictable experts: those with no predicted use still to come
+        first, then (Belady's rule, the next use known only by layer) the layer whose
+        turn comes last, the fewest predicted uses, the least recently used."""
+        owners, experts, scores, turns, recency = [], [], [], [], []
+        layers = len(self.caches)
+        for cache in self.caches:
+            candidates = cache.evictable(keep if cache is requester else NO_EXPERTS)
+            score = self.lookahead[cache.index][candidates]
+            if cache is requester and demand is not None:
+                score = score + demand[candidates] * 1e9  # needed by this very call
+            owners.append(np.full(len(candidates), cache.index, dtype=np.int32))
+            experts.append(candidates)
+            scores.append(score)
+            # Layers run in pool order, one after another: the layer whose turn comes
+            # last goes first (the requester's own, a whole step away: 0 here), Belady's
+            # rule on the cyclic layer order. Recency alone would evict the layers that
+            # ran longest ago, the next ones to run.
+            turns.append(np.full(len(candidates),
+                                 (requester.index - cache.index) % layers))
+            recency.append(cache.policy.last_used[candidates])
+        scores = np.concatenate(scores)
+        order = np.lexsort((np.concatenate(recency), scores, np.concatenate(turns),
+                            scores > 0))
+        return np.concatenate(owners)[order], np.concatenate(experts)[order]
+
+    def capacity_for(self, cache: ExpertCache, experts: np.ndarray) -> bool:
+        missing = np.count_nonzero(cache.expert_slot[experts] < 0)
+        return missing <= self.available_for(cache, experts)
+
+    def capacity(self, cache: ExpertCache) -> int:
+        resident = np.flatnonzero(cache.resident_mask())
+        return len(resident) + self.available_for(cache, resident)

@@ -1,0 +1,183 @@
+"""Engine-config checks and the engine settings the offloaded layer needs, run where vLLM
+builds the engine config (the calling process: ``LLM()``, ``vllm serve``, ``vllm bench``),
+so that a bad setting fails once, clearly, before any engine process starts
+(:func:`before_engine_config`, :func:`after_engine_config`). The same module checks the
+``--plugins`` names and that a ``specexpert`` config will reach the plugin."""
+
+from __future__ import annotations
+
+import os
+
+from vllm_specexpert import metrics
+from vllm_specexpert.config import (
+    ADDITIONAL_CONFIG_KEY,
+    SpecExpertConfig,
+    SpecExpertConfigError,
+    SpecExpertUnsupportedError,
+)
+from vllm_specexpert.log import init_logger
+from vllm_specexpert.worker import WORKER_EXTENSION
+
+logger = init_logger(__name__)
+
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "specexpert"
+"""This plugin's entry point name in :data:`PLUGIN_GROUP`."""
+
+
+def before_engine_config(engine_args) -> SpecExpertConfig | None:
+    """Before vLLM builds the engine config: the plugin's config (``None``: not
+    configured, nothing to do), checked, and the engine settings it needs."""
+    config = SpecExpertConfig.from_additional_config(engine_args.additional_config)
+    if config is not None:
+        check_plugin_enabled()
+        prepare_engine_args(engine_args, config)
+    return config
+
+
+def after_engine_config(engine_args, vllm_config, config: SpecExpertConfig) -> None:
+    """Once the engine config is built: the model-dependent checks, then (only for a
+    start they let through) the metrics directory the engine processes will write to."""
+    validate_engine_config(vllm_config, config)
+    names = getattr(engine_args, "served_model_name", None) or engine_args.model
+    metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
+
+
+def installed_plugins() -> list[str]:
+    """Names of the installed ``vllm.general_plugins`` entry points."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)})
+
+
+def plugin_names(values: list[str]) -> list[str]:
+    """The names of ``--plugins a,b`` (or ``a b``), each an installed general plugin;
+    ``ValueError`` naming the unknown ones and the installed ones otherwise."""
+    names = [n for value in values for n in value.split(",") if n]
+    installed = installed_plugins()
+    unknown = [n for n in names if n not in installed]
+    if not names or unknown:
+        raise ValueError(f"unknown plugin {', '.join(unknown) or '(none)'}; installed vLLM "
+                         f"general plugins: {', '.join(installed) or 'none'}")
+    return names
+
+
+def check_plugin_enabled(where: str = "the engine processes") -> None:
+    """``additional_config`` configures the plugin, but ``VLLM_PLUGINS`` (or
+    ``--plugins``) keeps it out of ``where``: its config would be ignored there and
+    vLLM would serve without offloading."""
+    names = os.environ.get("VLLM_PLUGINS")
+    if names is not None and PLUGIN_NAME not in names.split(","):
+        raise SpecExpertConfigError(
+            ADDITIONAL_CONFIG_KEY, f"additional_config configures the plugin, but "
+            f"VLLM_PLUGINS={names!r} leaves it out of {where}",
+            f"add {PLUGIN_NAME} to --plugins (or to VLLM_PLUGINS, or unset VLLM_PLUGINS), "
+            f"or remove the {ADDITIONAL_CONFIG_KEY} key")
+
+
+def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> None:
+    """Engine settings the offloaded layer needs, applied before the config is built."""
+    from vllm.platforms import current_platform
+
+    if config is not None and config.path_predictor is not None:
+        _install_scheduler(engine_args)
+    if current_platform.is_cuda_alike():
+        _pin_triton_moe_backend(engine_args)
+    if engine_args.worker_extension_cls in ("", None):
+        engine_args.worker_extension_cls = WORKER_EXTENSION
+    elif engine_args.worker_extension_cls != WORKER_EXTENSION:
+        logger.warning("specexpert: worker_extension_cls=%s is set, so the "
+                       "specexpert_stats RPC is unavailable (stats_path still works)",
+                       engine_args.worker_extension_cls)
+
+
+def _install_scheduler(engine_args) -> None:
+    """With a ``path_predictor``, vLLM's scheduler class is replaced by the plugin's
+    subclass, which predicts each step's experts (and groups decode sequences under
+    ``token_scheduler``). It runs in the engine-core process, where general plugins are
+    loaded first."""
+    from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
+
+    current = getattr(engine_args, "scheduler_cls", None)
+    if current not in (None, SCHEDULER_CLS):
+        raise SpecExpertConfigError(
+            "path_predictor", f"runs in the plugin's scheduler class, and scheduler_cls="
+            f"{current!r} is set", "remove --scheduler-cls, or remove path_predictor")
+    engine_args.scheduler_cls = SCHEDULER_CLS
+
+
+def _pin_triton_moe_backend(engine_args) -> None:
+    """The offloaded layer runs vLLM's Triton fused-MoE kernel on its slot pool. vLLM's
+    backend oracle would otherwise pick FlashInfer's kernels on some GPUs (monolithic
+    ones take the router logits and every expert's weights, not a slot pool)."""
+    backend = getattr(engine_args, "moe_backend", "auto")
+    if backend == "auto":
+        engine_args.moe_backend = "triton"
+    elif backend != "triton":
+        raise SpecExpertUnsupportedError(
+            f"moe_backend={backend!r}", "offloaded experts run on vLLM's Triton fused-MoE "
+            "kernel, from the slot pool", "leave --moe-backend unset (auto) or set 'triton'")
+
+
+def keep_piecewise_cuda_graphs(compilation_config) -> None:
+    """Which experts to copy is decided on the host from the router's output, so the
+    offloaded op must never be captured in a CUDA graph (a replay would repeat one
+    step's copies forever). It becomes a splitting op: piecewise graphs keep
+    everything else (attention, norms, routers) captured, and the op runs eagerly
+    between them. Full graphs would capture it: they are turned down to piecewise
+    (with compilation) or off (without), with a warning."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    from vllm_specexpert.layers.routed_experts import ROUTED_EXPERTS_OP
+
+    mode = compilation_config.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if compilation_config.mode != CompilationMode.VLLM_COMPILE:
+        logger.warning("specexpert: cudagraph_mode %s -> NONE: without piecewise "
+                       "compilation a graph would capture the offloaded experts' "
+                       "data-dependent copies", mode.name)
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        return
+    if compilation_config.splitting_ops is None:
+        compilation_config.splitting_ops = []
+    if ROUTED_EXPERTS_OP not in compilation_config.splitting_ops:
+        compilation_config.splitting_ops.append(ROUTED_EXPERTS_OP)
+    if mode.has_full_cudagraphs():
+        logger.warning("specexpert: cudagraph_mode %s -> PIECEWISE: a full graph would "
+                       "capture the offloaded experts' data-dependent copies", mode.name)
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
+    """Model-dependent checks, in the process that builds the engine config, and the
+    CUDA-graph settings the offloaded op needs."""
+    from vllm.platforms import current_platform
+
+    from vllm_specexpert.architectures import check_supported, moe_shape
+
+    if not current_platform.is_cpu():
+        keep_piecewise_cuda_graphs(vllm_config.compilation_config)
+    check_supported(vllm_config)
+    model_config = vllm_config.model_config
+    shape = moe_shape(model_config.hf_config)
+    config.slots_per_layer(shape.num_experts, shape.top_k)
+    if config.stats_path is not None:
+        from vllm_specexpert.stats import check_stats_path
+
+        check_stats_path(config.stats_path.replace("{rank}", "0"))
+    layers = getattr(model_config.hf_config, "num_hidden_layers", None)
+    if config.exact_layers and layers is not None and max(config.exact_layers) >= layers:
+        raise SpecExpertConfigError(
+            "exact_layers", f"layer {max(config.exact_layers)} does not exist: the model has "
+            f"{layers} decoder layers", f"give indices of its MoE layers, below {layers}")
+    if config.calibration is not None:
+        from vllm_specexpert.calibration import load_calibration
+
+        load_calibration(config.calibration, model=model_config.model,
+                         hf_config=model_config.hf_config, num_experts=shape.num_experts)
+    if config.path_predictor is not None:
+        from vllm_specexpert.predict.path import load_path_predictor
+
+        load_path_predictor(config.path_predictor, model=model_config.model,
+                            hf_config=model_config.hf_config)
