@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
-
 from invariants import check_cache_invariants
-from vllm_specexpert.stats import PhaseStats
 from moe_reference import make_loader, random_layer
+
+from vllm_specexpert.stats import PhaseStats
 
 
 def resident(loader):

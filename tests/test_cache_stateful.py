@@ -1,7 +1,12 @@
-"""Randomized stateful test of the device cache: hypothesis interleaves layer calls
+"""Randomized stateful tests of the device cache: hypothesis interleaves layer calls
 (begin_run + acquire), prefetch, begin_run alone (which cancels unneeded prefetches),
-admit, evict, settle and reconfigure on a small cache over the CPU link, with and without emulated copy delays,
-and checks the cache's invariants (``tests/invariants.py``) after every step.
+admit, evict, settle and reconfigure on a small cache over the CPU link, with and without
+emulated copy delays, and checks the cache's invariants (``tests/invariants.py``) after
+every step. :class:`CacheMachine` drives one layer's own pool (``lru``, ``lfu``,
+``static``); :class:`SharedPoolMachine` drives three layers sharing one pool (``plec``):
+decode calls through the engine with random predicted demand (the PLEC planner's
+lookahead and preloads, cross-layer eviction), prefetches, evictions and reconfigures,
+each output checked against the reference.
 
 The examples are derandomized, so CI runs the same ones every time; set
 ``SPECEXPERT_HYPOTHESIS=explore`` to draw new ones (with a bigger budget)."""
@@ -10,16 +15,16 @@ import os
 import time
 
 import numpy as np
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
 from invariants import check_cache_invariants
-from moe_reference import random_layer
-import torch
+from moe_reference import random_layer, reference_moe, slot_kernel
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.handoff import StepDemand
 
 E, K = 12, 2
 NAME = "model.layers.0.mlp.experts"
@@ -124,11 +129,105 @@ class CacheMachine(RuleBasedStateMachine):
             check_cache_invariants(self.loader)
 
 
-CacheMachine.TestCase.settings = settings(
-    max_examples=1000 if EXPLORE else 300,
-    stateful_step_count=60,
-    derandomize=not EXPLORE,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+LAYERS = 3
+NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+LAYER_TENSORS = [random_layer(num_experts=E, hidden=32, inter=16, seed=10 + i)
+                 for i in range(LAYERS)]
+PRELOADS = st.sampled_from(["none", "step", "next"])
+
+
+def shared_config(budget: int, preload: str, emulated: bool) -> SpecExpertConfig:
+    return SpecExpertConfig.from_dict({"budget": budget, "cache": "plec",
+                                       "plec_preload": preload, "path_predictor": "/rpp",
+                                       "link": EMULATED if emulated else {}})
+
+
+class SharedPoolMachine(RuleBasedStateMachine):
+    @initialize(budget=st.integers(K, 6), preload=PRELOADS, emulated=st.booleans())
+    def start(self, budget, preload, emulated):
+        self.engine = OffloadEngine(shared_config(budget, preload, emulated),
+                                    torch.device("cpu"))
+        for index, name in enumerate(NAMES):
+            self.engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[index].items()},
+                                  top_k=K, index=index)
+        self.engine.start()
+        self.budget = budget
+        self.rng = np.random.default_rng(budget)
+
+    def teardown(self):
+        if hasattr(self, "engine"):
+            self.check(settle=True)
+            self.engine.close()
+
+    def layer(self, index: int):
+        return self.engine.layers[NAMES[index]]
+
+    def check(self, settle: bool = False) -> None:
+        for index in range(LAYERS):
+            check_cache_invariants(self.layer(index).loader, settle=settle)
+        pool = self.engine.pool
+        assert pool.num_slots == LAYERS * self.budget
+        held = sum(int(np.count_nonzero(self.layer(i).cache.expert_slot >= 0))
+                   for i in range(LAYERS))
+        assert held <= pool.num_slots
+
+    @rule(index=st.integers(0, LAYERS - 1), experts=st.lists(
+              st.integers(0, E - 1), min_size=K, max_size=2 * K, unique=True),
+          tokens=st.integers(1, 3), predicted=st.booleans(), grouped=st.booleans())
+    def decode_call(self, index, experts, tokens, predicted, grouped):
+        """A decode call of one layer through the engine, in a step whose predicted
+        demand (random here: right or wrong) plans the shared pool."""
+        ids = np.stack([self.rng.choice(experts, K, replace=False) for _ in range(tokens)])
+        if predicted:
+            def demand():
+                return {i: self.rng.integers(0, 3, E) for i in range(LAYERS)}
+            self.engine.step_demand = StepDemand(tokens=tokens, layers=demand(),
+                                                 next_layers=demand() if grouped else None)
+        else:
+            self.engine.step_demand = None
+        g = torch.Generator().manual_seed(int(self.rng.integers(1 << 30)))
+        x = torch.randn(tokens, 32, generator=g).bfloat16()
+        w = torch.softmax(torch.randn(tokens, K, generator=g), -1)
+        topk_ids = torch.from_numpy(ids).to(torch.int32)
+        out = self.engine.run(NAMES[index], slot_kernel, x, w, topk_ids)
+        tensors = LAYER_TENSORS[index]
+        assert torch.equal(out, reference_moe(x, w, topk_ids, tensors["w13_weight"],
+                                              tensors["w2_weight"]))
+
+    @rule(index=st.integers(0, LAYERS - 1), experts=expert_sets)
+    def prefetch(self, index, experts):
+        layer = self.layer(index)
+        layer.loader.prefetch(np.array(experts), layer.stats.decode)
+
+    @rule(index=st.integers(0, LAYERS - 1), experts=expert_sets)
+    def evict(self, index, experts):
+        layer = self.layer(index)
+        evicted = layer.loader.evict(np.array(experts), layer.stats.decode)
+        assert not layer.cache.resident_mask()[evicted].any()
+
+    @rule()
+    def let_copies_progress(self):
+        time.sleep(400e-6)
+
+    @rule(budget=st.integers(K, 6), preload=PRELOADS, emulated=st.booleans())
+    def reconfigure(self, budget, preload, emulated):
+        self.engine.reconfigure(shared_config(budget, preload, emulated))
+        self.budget = budget
+        assert self.engine.planner.preload == preload
+
+    @invariant()
+    def cache_invariants(self):
+        if hasattr(self, "engine"):
+            self.check()
+
+
+for machine in (CacheMachine, SharedPoolMachine):
+    machine.TestCase.settings = settings(
+        max_examples=1000 if EXPLORE else 300,
+        stateful_step_count=60,
+        derandomize=not EXPLORE,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 TestCacheMachine = CacheMachine.TestCase
+TestSharedPoolMachine = SharedPoolMachine.TestCase

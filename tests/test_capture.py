@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from vllm_specexpert.tools.capture import CaptureReader, capture
 from vllm_specexpert.artifacts import model_fingerprint
+from vllm_specexpert.tools.capture import CaptureReader, capture
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
 TEXTS = [

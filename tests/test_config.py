@@ -170,8 +170,8 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
 def test_token_scheduler_settings():
     from types import SimpleNamespace
 
-    from vllm_specexpert.validate import prepare_engine_args
     from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
+    from vllm_specexpert.validate import prepare_engine_args
 
     config = SpecExpertConfig.from_dict({"path_predictor": "/rpp", "token_scheduler": {}})
     assert (config.token_scheduler.group_size, config.token_scheduler.max_wait_steps) == (8, 4)
@@ -243,12 +243,24 @@ def test_defaults_given_explicitly_are_not_settings_without_effect():
     assert config == SpecExpertConfig.from_dict({})
 
 
-def test_the_same_settings_with_their_mode_are_accepted():
-    SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 10, "latency_us": 10}})
-    SpecExpertConfig.from_dict({"miss_policy": "cpu", "admit_host_experts": True})
-    SpecExpertConfig.from_dict({"miss_policy": "random", "buddy": {"tau": 0.0}})
-    SpecExpertConfig.from_dict({"miss_policy": "speculate", "predictor": "router",
-                                "exact_layers": [1], "prefetch_filter": "all"})
+@pytest.mark.parametrize("raw", [
+    {"link": {"bandwidth_gbps": 10, "latency_us": 10}},
+    {"miss_policy": "cpu", "admit_host_experts": True},
+    {"miss_policy": "random", "buddy": {"tau": 0.0}},
+    {"miss_policy": "speculate", "predictor": "router", "exact_layers": [1],
+     "prefetch_filter": "all"},
+    {"cache": "plec", "plec_preload": "step", "path_predictor": "p"},
+    {"stats_path": "/tmp/s.json", "stats_interval_s": 1},
+])
+def test_the_same_settings_with_their_mode_are_accepted_and_kept(raw):
+    """The settings the "no effect" rule refuses alone are taken, as given, with the mode
+    that uses them (a rule that refused them here would fail this test)."""
+    config = SpecExpertConfig.from_dict(raw).to_dict()
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            assert {k: config[key][k] for k in value} == value, key
+        else:
+            assert config[key] == (tuple(value) if isinstance(value, list) else value), key
 
 
 def test_a_change_is_checked_alone():

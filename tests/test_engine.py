@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from invariants import check_cache_invariants
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
+
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.phases import PassPhases

@@ -8,7 +8,6 @@ here and every model under ``make test-slow``.
 """
 
 import pytest
-
 from vllm_harness import (
     MAX_TOKENS,
     PROMPTS,
@@ -18,6 +17,7 @@ from vllm_harness import (
     shutdown,
     vanilla_reference,
 )
+
 import vllm_specexpert
 from vllm_specexpert.tools.fixtures import ARCHITECTURES, TRAINED_MODEL, num_moe_layers
 

@@ -1,9 +1,15 @@
 import numpy as np
 import pytest
 import torch
-
 from invariants import check_cache_invariants
-from moe_reference import make_loader, random_layer, random_routing, reference_moe, run_fetch
+from moe_reference import (
+    make_loader,
+    random_layer,
+    random_routing,
+    reference_moe,
+    run_fetch,
+)
+
 from vllm_specexpert.execute import next_token_group
 from vllm_specexpert.stats import PhaseStats
 

@@ -16,6 +16,7 @@ import torch
 ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU kernels")
 
 from moe_reference import make_loader, random_routing, run_fetch, vllm_isa  # noqa: E402
+
 from vllm_specexpert.stats import PhaseStats  # noqa: E402
 
 E, H, INTER, K = 16, 256, 128, 4

@@ -1,7 +1,12 @@
-"""The runtime (what ``vllm serve`` loads through the plugin) imports nothing from the
-tools (training, corpus, fixtures, harness, offline passes, demo)."""
+"""The package's structure stays what its relation map (``vllm_specexpert/__init__.py``)
+says: every module is named there with its layer, no module imports from a layer above
+its own, there is no import cycle (function-level imports counted; imports under
+``if TYPE_CHECKING:`` are never executed and are left out), the runtime (what ``vllm
+serve`` loads through the plugin) imports nothing from the tools, and no runtime module
+is longer than 400 lines."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,56 +14,214 @@ from pathlib import Path
 import vllm_specexpert
 
 PACKAGE = Path(vllm_specexpert.__file__).parent
-TOOLS = "vllm_specexpert.tools"
-ENTRY_POINTS = {"cli.py"}
-"""The ``specexpert`` command dispatches to tools by name, lazily; it is not the runtime."""
+ROOT = "vllm_specexpert"
+TOOLS = f"{ROOT}.tools"
+MAX_LINES = 400
 
 
-def runtime_modules() -> list[Path]:
-    return [p for p in sorted(PACKAGE.rglob("*.py"))
-            if "tools" not in p.relative_to(PACKAGE).parts
-            and p.relative_to(PACKAGE).as_posix() not in ENTRY_POINTS]
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((ROOT, *parts))
 
 
-def imported_names(path: Path) -> set[str]:
-    """Every module an ``import`` statement in ``path`` names, at any depth (function-
-    level imports included), with relative imports resolved."""
-    module = ".".join(("vllm_specexpert", *path.relative_to(PACKAGE).with_suffix("").parts))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def modules() -> dict[str, Path]:
+    """Every module of the package by name (tools included), assets left out."""
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))
+            if "assets" not in p.relative_to(PACKAGE).parts}
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def imports_of(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules that ``module`` imports, at any depth (function-level
+    included, ``TYPE_CHECKING`` blocks excluded), relative imports resolved. ``from X
+    import Y`` is an import of ``X.Y`` where that is a module, else of ``X``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                found.add(name if name in known else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return {name for name in found if name in known and name != module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imports_of(name, path.read_text(), path.name == "__init__.py", known)
+            for name, path in found.items()}
+
+
+def relation_map() -> dict[str, tuple[int, str]]:
+    """The package docstring's map: top-level entry (``config/``, ``engine``) -> (layer,
+    its line with continuation lines)."""
+    entries: dict[str, tuple[int, str]] = {}
+    current = None
+    for line in (vllm_specexpert.__doc__ or "").splitlines():
+        match = re.match(r"^    (\d)  (\S+)\s+(.*)$", line)
+        if match:
+            current = match.group(2)
+            entries[current] = (int(match.group(1)), match.group(3))
+        elif current and re.match(r"^ {24}\S", line):
+            layer, text = entries[current]
+            entries[current] = (layer, f"{text} {line.strip()}")
+        elif not line.strip():
+            current = None
+    return entries
+
+
+def layer_of(module: str, entries: dict[str, tuple[int, str]]) -> int:
+    """The layer of ``module``: that of its top-level entry in the map."""
+    parts = module.split(".")[1:] or ["__init__"]
+    top = parts[0] + ("/" if len(parts) > 1 or (PACKAGE / parts[0]).is_dir() else "")
+    return entries[top][0]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
+    graph = import_graph()
+    graph[f"{ROOT}.config.modes"] = graph[f"{ROOT}.config.modes"] | {f"{ROOT}.engine"}
+    assert any(f"{ROOT}.engine" in c and f"{ROOT}.config.modes" in c for c in cycles(graph))
+    source = "def f():\n    from vllm_specexpert import engine\n"
+    assert imports_of(f"{ROOT}.config.modes", source, False, set(graph)) == {f"{ROOT}.engine"}
+
+
+def test_every_runtime_module_is_in_the_relation_map():
+    entries = relation_map()
+    missing = []
+    for module in modules():
+        parts = module.split(".")[1:] or ["__init__"]
+        try:
+            layer_of(module, entries)
+        except KeyError:
+            missing.append(module)
+            continue
+        if len(parts) > 1 and not module.startswith(TOOLS):
+            # A runtime package's module: named in its package's line.
+            top = parts[0] + "/"
+            words = set(re.findall(r"[\w]+/?", entries[top][1]))
+            for part in parts[1:]:
+                if part != "__init__" and part not in words and f"{part}/" not in words:
+                    missing.append(module)
+    assert missing == []
+
+
+def test_the_map_check_sees_a_module_left_out(tmp_path):
+    entries = relation_map()
+    entries.pop("handoff")
+    try:
+        layer_of(f"{ROOT}.handoff", entries)
+    except KeyError:
+        return
+    raise AssertionError("a module left out of the map was not noticed")
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    entries = relation_map()
+    upward = sorted(
+        f"{source} ({layer_of(source, entries)}) -> {target} ({layer_of(target, entries)})"
+        for source, targets in import_graph().items() for target in targets
+        if layer_of(target, entries) > layer_of(source, entries))
+    assert upward == []
+
+
+def test_no_runtime_module_is_longer_than_the_limit():
+    long = {name: len(path.read_text().splitlines()) for name, path in modules().items()
+            if not name.startswith(TOOLS)}
+    assert {n: lines for n, lines in long.items() if lines > MAX_LINES} == {}
+
+
+def test_no_runtime_docstring_points_outside_the_repository():
+    outside = [name for name, path in modules().items()
+               if "../shared" in path.read_text() or "shared/papers" in path.read_text()]
+    assert outside == []
 
 
 def test_no_runtime_module_imports_the_tools():
-    modules = runtime_modules()
-    assert PACKAGE / "engine.py" in modules and PACKAGE / "layers" / "routed_experts.py" in modules
-    offenders = {
-        path.relative_to(PACKAGE).as_posix(): sorted(n for n in imported_names(path)
-                                                     if n == TOOLS or n.startswith(TOOLS + "."))
-        for path in modules
-    }
+    graph = import_graph()
+    assert f"{ROOT}.engine" in graph and f"{ROOT}.layers.routed_experts" in graph
+    offenders = {name: sorted(t for t in targets if t.startswith(TOOLS))
+                 for name, targets in graph.items()
+                 if not name.startswith(TOOLS) and name != f"{ROOT}.cli"}
+    # The specexpert command dispatches to tools by name, lazily; it is not the runtime.
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_the_check_sees_function_level_and_relative_imports(tmp_path):
-    """The scanner would catch the imports the runtime must not have."""
-    fake = PACKAGE / "layers" / "_layout_probe.py"
-    try:
-        fake.write_text("def f():\n    from ..tools import fixtures\n    import vllm_specexpert.tools.corpus\n")
-        names = imported_names(fake)
-    finally:
-        fake.unlink()
-    assert "vllm_specexpert.tools.fixtures" in names and "vllm_specexpert.tools.corpus" in names
+def test_the_scanner_sees_function_level_and_relative_imports(tmp_path):
+    """The scanner would catch the imports the runtime must not have (checked on a
+    module that lives outside the source tree)."""
+    source = ("def f():\n    from ..tools import fixtures\n"
+              "    import vllm_specexpert.tools.corpus\n"
+              "from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from vllm_specexpert import engine\n")
+    (tmp_path / "probe.py").write_text(source)
+    known = set(modules())
+    names = imports_of(f"{ROOT}.layers.probe", (tmp_path / "probe.py").read_text(), False,
+                       known)
+    assert names == {f"{ROOT}.tools.fixtures", f"{ROOT}.tools.corpus"}
 
 
 def test_loading_the_plugin_loads_no_tool():

@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import torch
+from moe_reference import random_layer, random_routing, slot_kernel
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_reference import random_layer, random_routing, slot_kernel
 from vllm_specexpert import metrics, vllm_hooks
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine

@@ -6,15 +6,15 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from invariants import check_cache_invariants
 from moe_reference import random_layer, reference_moe, slot_kernel
+
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.phases import PassPhases
-from vllm_specexpert.tiers.host import HostCostModel, torch_experts
 from vllm_specexpert.policy import MissContext
 from vllm_specexpert.policy.cpu import host_share
+from vllm_specexpert.tiers.host import HostCostModel, torch_experts
 
 E, K, H = 16, 4, 32
 NAME = "model.layers.0.mlp.experts"

@@ -4,9 +4,15 @@ beside decoding requests. Its prompt tokens run exactly whatever the miss policy
 policy. One plugin engine on the trained model with a 32-token step budget."""
 
 import pytest
+from vllm_harness import (
+    cache_invariants,
+    greedy,
+    greedy_in_fresh_process,
+    make_llm,
+    shutdown,
+)
 
 import vllm_specexpert
-from vllm_harness import cache_invariants, greedy, greedy_in_fresh_process, make_llm, shutdown
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL
 
 ENGINE = {"max_num_batched_tokens": 32, "enable_chunked_prefill": True,

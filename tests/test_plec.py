@@ -5,9 +5,9 @@ slot pool shared by every layer, filled by the step's predicted demand (a
 import numpy as np
 import pytest
 import torch
-
 from invariants import check_cache_invariants
 from moe_reference import random_layer, reference_moe, slot_kernel
+
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.handoff import StepDemand
@@ -196,3 +196,40 @@ def test_reconfigure_between_plec_and_lru_keeps_outputs_exact():
     # after the first layer (which loads what its router chose).
     layers = engine.stats()["layers"]
     assert [layers[n]["decode"]["misses"] for n in NAMES[1:]] == [0, 0]
+
+
+def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_to_run():
+    """The next layer's prefetch is submitted after a call acquired its experts and
+    before its kernel starts; in a shared pool its victims may be the running layer's.
+    The experts of the launch must stay where the kernel will read them."""
+    from moe_reference import run_fetch  # noqa: F401 (the same executor path)
+
+    from vllm_specexpert import execute
+    from vllm_specexpert.stats import PhaseStats
+
+    engine = make_engine(plec_preload="none")
+    running, upcoming = engine.layers[NAMES[0]], engine.layers[NAMES[1]]
+    ids = torch.tensor([[4, 5]], dtype=torch.int32)
+    x, w = torch.randn(1, H).bfloat16(), torch.tensor([[0.7, 0.3]])
+    stats = PhaseStats()
+    # Victims of the upcoming layer's load: its own experts first, then the running
+    # layer's (whose turn comes next-to-last), oldest first, then the last layer's.
+    call = execute.LayerCall(x, w, ids, ids.numpy(), slot_kernel, stats)
+    call.before_kernel = lambda: upcoming.loader.prefetch(np.arange(8, 16), stats)
+    out = execute.run(running.loader, call, execute.survey(running.loader, call))
+    t = LAYER_TENSORS[NAMES[0]]
+    assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
+    assert stats.prefetched > 0  # the prefetch did take slots of the shared pool
+    for layer in engine.layers.values():
+        check_cache_invariants(layer.loader, settle=True)
+
+
+def test_prefetches_of_other_layers_always_leave_room_for_one_token():
+    """In a shared pool, protected prefetches of other layers could fill every slot a
+    call can take; a prefetch leaves top_k of them, so one token of any layer runs."""
+    engine = make_engine(plec_preload="none")
+    stats = engine.layers[NAMES[0]].stats.decode
+    for name in NAMES[1:]:
+        engine.layers[name].loader.prefetch(np.arange(4, 16), stats)
+    rng = np.random.default_rng(0)
+    run_step(engine, {i: distinct(rng, 3) for i in range(LAYERS)}, None)

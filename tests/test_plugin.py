@@ -2,8 +2,8 @@
 with one clear error, in the calling process, before any engine process starts."""
 
 import pytest
-
 from vllm_harness import greedy_in_fresh_process, make_llm
+
 from vllm_specexpert import SpecExpertConfigError, SpecExpertUnsupportedError
 
 VANILLA_CLASS = "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts"

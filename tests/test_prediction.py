@@ -6,11 +6,23 @@ modes switch with ``reconfigure``."""
 import json
 
 import pytest
+from vllm_harness import (
+    PROMPTS,
+    cache_invariants,
+    greedy,
+    make_llm,
+    shutdown,
+    vanilla_reference,
+)
 
 import vllm_specexpert
-from vllm_harness import PROMPTS, cache_invariants, greedy, make_llm, shutdown, vanilla_reference
 from vllm_specexpert import SpecExpertConfigError
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL, TRAINED_MODEL_DIR, ensure_model, model_path
+from vllm_specexpert.tools.fixtures import (
+    TRAINED_MODEL,
+    TRAINED_MODEL_DIR,
+    ensure_model,
+    model_path,
+)
 
 BUDGET = 0.25  # a quarter of the experts of each layer
 CONFIG = json.loads((model_path(TRAINED_MODEL) / "config.json").read_text())

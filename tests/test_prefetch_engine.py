@@ -6,10 +6,9 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from invariants import check_cache_invariants
-from vllm_specexpert.stats import PhaseStats
 from moe_reference import make_loader, random_layer, reference_moe, slot_kernel
+
 from vllm_specexpert.config import LinkConfig, SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.phases import PassPhases
@@ -19,6 +18,7 @@ from vllm_specexpert.predict import (
     QuasiHiddenPredictor,
     residual_scale,
 )
+from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.link import CpuLink
 
 E, K, H = 16, 4, 32

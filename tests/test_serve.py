@@ -8,7 +8,11 @@ import time
 
 import requests
 
-from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR, ensure_model
+from vllm_specexpert.tools.fixtures import (
+    TRAINED_CALIBRATION_DIR,
+    TRAINED_MODEL_DIR,
+    ensure_model,
+)
 from vllm_specexpert.tools.server import SPECEXPERT, free_port, serving
 
 

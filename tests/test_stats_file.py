@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-
 from moe_reference import random_layer
+
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.report import StatsWriter

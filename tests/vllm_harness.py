@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 
 from vllm_specexpert.tools.fixtures import model_path
-from vllm_specexpert.tools.harness import start_engine, stop_engine as shutdown  # noqa: F401
+from vllm_specexpert.tools.harness import start_engine  # noqa: F401
 
 PROMPTS = [
     "def main():\n    ",
@@ -119,6 +119,7 @@ def cache_invariants(model) -> list[int]:
     """Worker side: wait for every copy in flight, then check the cache of every
     offloaded layer (``tests/invariants.py``). Returns the slots compared per layer."""
     from invariants import check_cache_invariants
+
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
     return [

@@ -3,33 +3,55 @@
 Enable with ``VLLM_PLUGINS=specexpert`` (or no VLLM_PLUGINS at all) and
 ``additional_config={"specexpert": {...}}``; see :class:`SpecExpertConfig`.
 
-How the parts relate (one worker; arrows read "uses")::
+The relation map. Layers from the bottom; a module imports only from its own layer or
+below, without cycles (``tests/test_layout.py`` checks both, and that every module of the
+package is named here)::
 
-    vLLM ──► plugins.register ──► layers.routed_experts.OffloadedRoutedExperts (replaces
-      │       (+ engine-config      │   vLLM's RoutedExperts; one custom op per MoE layer)
-      │        check, worker.py     │──► layers.forward_phase ──► phases.PassPhases
-      │        RPCs)                │      (which tokens of the pass decode, from vLLM)
-      │                             ▼
-      │      layers.model_classes ──► engine.OffloadEngine  (one per worker, no vLLM inside)
-      │      (wires layer l to l+1,    ├─► store.ExpertStore          slow tier: every expert
-      │       loads calibration.py)    ├─► transfer.Link              copy engine (CPU / CUDA)
-      │                                ├─► per MoE layer:
-      │                                │     cache.ExpertCache        slots, id<->slot, eviction
-      │                                │     loader.ExpertLoader      copies in flight ──► Link
-      │                                │     stats.LayerStats         counters per phase
-      │                                ├─► predict.*                  next layer's experts
-      │                                ├─► policy.MissPolicy          decides about misses
-      │                                │     policy.executor           carries any plan out
-      │                                │     host.HostExperts          experts on the host
-      │                                ├─► staging.HostReader         one read per layer call
-      │                                └─► stats.StatsWriter          stats_path, off the op
-      ├─► schedule.token_scheduler.TokenGroupScheduler  (engine-core process; replaces
-      │     vLLM's scheduler when token_scheduler is set) ──► predict.path (routes of
-      │     every running sequence) ──► schedule.grouping.partition (one group per step)
-      └── config.SpecExpertConfig: every knob, validated at engine start
+    1  config/          every setting and its checks: specexpert, sections, rules, errors,
+                        modes (each mode's traits, as data)
+    1  artifacts        manifest and tensors of an artifact directory, model fingerprint
+    1  calibration      default vectors, co-activation, TAE percentiles (an artifact)
+    1  architectures    the supported MoE architectures and their routing shape
+    1  phases           which tokens of a forward pass are decode, which prefill
+    1  handoff          StepDemand: what the scheduler process hands the workers
+    1  stats            counters per layer and phase; the stats file
+    1  metrics          /metrics: the snapshot directory and its collector
+    1  log              vLLM's logger for the package
+    1  vllm_hooks       every patch of vLLM's code, behaviour given as callbacks
+    1  triton_kernels/  CUDA kernels: predict (next-layer routing), slots (map, copies)
+    2  tiers/           where experts live and how they move: store (slow tier), slots
+                        (per-layer and shared pools), eviction, cache (one layer's
+                        residency), loader (copies in flight), link/ (base, cpu, cuda),
+                        host (experts computed on the host), staging (host <-> device)
+    3  predict/         next-layer predictors behind one interface: base, router,
+                        quasi_hidden; path (the routing-path predictor of a step)
+    4  policy/          miss policies that only decide (a MissPlan): base, context,
+                        fetch, speculate, cpu, substitute, drop, buddies
+    4  planner/         what to load ahead: prefetch (what pays), plec (shared pool)
+    5  execute          one layer call (LayerCall): survey, run a plan, token groups,
+                        kernel launches; the one place that runs experts
+    6  engine           OffloadEngine: orchestration per layer call
+    6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
+    6  report           the stats dict, the summary line, the file writers
+    7  layers/          vLLM adapter in the worker: routed_experts (the custom op),
+                        model_classes (wiring after load), forward_phase
+    7  schedule/        vLLM adapter in the scheduler: token_scheduler, grouping
+    7  worker           the RPCs behind get_stats, reconfigure, reset_stats
+    8  validate         engine-config checks where vLLM builds the engine config
+    8  plugins          the vllm.general_plugins entry point and --plugins
+    8  __init__         the user API: get_stats, reconfigure, reset_stats
+    9  cli              the specexpert command (serve, vllm, and the tools by name)
+    9  tools/           training, corpus, fixtures, harness, offline passes, demo,
+                        server: never imported by layers 1-8
 
-    tools/ (training, corpus, fixtures, harness, offline passes, demo) and benchmarks/
-    use the above; nothing above imports them.
+One decode step of layer l, following the router's ids::
+
+    vLLM MoERunner ─► layers.routed_experts (custom op) ─► engine.run: one LayerCall
+      ├─► predict: layer l+1's experts (read to the host with the router's ids)
+      ├─► planner.prefetch: what of them pays for its link time (submitted before the kernel)
+      ├─► planner.plec: the shared pool's lookahead from the step's demand (handoff)
+      └─► execute.survey ─► policy.plan (only if something is missing) ─► execute.run
+            ─► tiers.loader (loads) ─► the layer's kernel on the slots (tiers.cache)
 """
 
 from __future__ import annotations

@@ -204,6 +204,8 @@ def run_on_device(loader: ExpertLoader, call: LayerCall,
     remaining = np.arange(ids.shape[0])
     while remaining.size:
         group = next_token_group(cache, ids, remaining)
+        if not len(group):  # the pool's reserve for one token was broken: a bug
+            raise RuntimeError(f"{cache.experts.name}: no room for one token's experts")
         experts = np.unique(ids[group])
         rest = np.setdiff1d(remaining, group, assume_unique=True)
         demand = np.bincount(ids[rest].ravel(), minlength=cache.num_experts)
@@ -222,10 +224,14 @@ def run_on_device(loader: ExpertLoader, call: LayerCall,
 def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch.Tensor:
     """One kernel launch on resident ``experts`` (those of the call's ids), after the
     call's ``before_kernel``."""
+    cache = loader.cache
     hook = call.take_before_kernel()
     if hook is not None:
-        hook()
-    cache = loader.cache
+        cache.in_use[experts] = True  # the hook's loads (other layers') must not take them
+        try:
+            hook()
+        finally:
+            cache.in_use[experts] = False
     kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.ids)
     out = call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
     loader.kernel_launched(experts)

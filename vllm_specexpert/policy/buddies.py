@@ -1,4 +1,4 @@
-"""BuddyMoE's buddy lists and substitution (``../shared/papers/buddymoe.txt`` §3).
+"""BuddyMoE's buddy lists and substitution (BuddyMoE, §3).
 
 Offline: from a layer's co-activation matrix M (calibration), expert j's conditional
 co-activation with pivot i is ``q_{j|i} = M[i, j] / sum_{j' != i} M[i, j']``; i's buddy

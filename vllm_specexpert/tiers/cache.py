@@ -71,6 +71,9 @@ class ExpertCache:
         """Pool slot -> the expert of this layer it holds, -1 when it holds none."""
         self.expert_slot = np.full(num_experts, -1, dtype=np.int32)
         """Expert -> its pool slot, -1 when not resident (the id -> slot map)."""
+        self.in_use = np.zeros(num_experts, dtype=bool)
+        """Experts a kernel launch is about to read (between the call acquiring them and
+        the launch, other layers' loads run: in a shared pool they must not take these)."""
         self.protected = np.zeros(num_experts, dtype=bool)
         """Prefetched experts whose layer has not run since: never evicted (the paper's
         ring of buffers: a prefetch is not overwritten before the layer that wanted it
@@ -124,7 +127,7 @@ class ExpertCache:
 
     def evictable(self, keep: np.ndarray) -> np.ndarray:
         """Resident experts that may be evicted now, other than ``keep``."""
-        evictable = self.resident_mask() & ~self.policy.pinned & ~self.protected
+        evictable = self.resident_mask() & ~self.policy.pinned & ~self.protected & ~self.in_use
         evictable[keep] = False
         return np.flatnonzero(evictable)
 

@@ -84,14 +84,14 @@ class ExpertLoader:
         """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use, in
         that order: one transfer each where the link can cancel a queued transfer, else
         one for all (one launch on CUDA). Resident ones are skipped; at most as many as
-        there are evictable slots are loaded (the least wanted are dropped). Loaded
+        the pool leaves room for (:meth:`SlotPool.prefetch_room`; the least wanted are dropped). Loaded
         experts are protected from eviction until the layer's next call starts
         (:meth:`begin_run`). Returns how many experts were queued."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         if not len(missing):
             return 0
-        missing = missing[:cache.pool.available_for(cache, experts)]
+        missing = missing[:cache.pool.prefetch_room(cache, experts)]
         if not len(missing):
             return 0
         slots = self._take_slots(len(missing), experts, stats)

@@ -113,6 +113,12 @@ class SlotPool:
         return len(self.free_slots()) + len(self.victims(cache, keep)[1])
 
 
+    def prefetch_room(self, cache: ExpertCache, keep: np.ndarray) -> int:
+        """How many experts of ``cache`` a prefetch (protected until its layer runs) may
+        load now without evicting ``keep``."""
+        return self.available_for(cache, keep)
+
+
 class LayerSlotPool(SlotPool):
     """One layer's own pool: its eviction policy's order, the least demanded first."""
 
@@ -187,6 +193,14 @@ class SharedSlotPool(SlotPool):
         order = np.lexsort((np.concatenate(recency), scores, np.concatenate(turns),
                             scores > 0))
         return np.concatenate(owners)[order], np.concatenate(experts)[order]
+
+    def prefetch_room(self, cache: ExpertCache, keep: np.ndarray) -> int:
+        """A prefetch leaves ``top_k`` slots free or evictable: protected prefetches could
+        otherwise fill every slot another layer's call can take, and its next token
+        would have nowhere to go. (A layer's own pool never has that problem: its
+        prefetches are released when its call starts.)"""
+        reserve = max(c.top_k for c in self.caches)
+        return max(self.available_for(cache, keep) - reserve, 0)
 
     def capacity_for(self, cache: ExpertCache, experts: np.ndarray) -> bool:
         missing = np.count_nonzero(cache.expert_slot[experts] < 0)
