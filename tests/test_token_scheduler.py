@@ -90,10 +90,13 @@ def test_no_request_waits_longer_than_max_wait_steps(runs):
     assert 1 <= stats["max_waited"] <= MAX_WAIT
 
 
-def test_groups_touch_fewer_predicted_experts_than_the_whole_batch(runs):
+def test_groups_chosen_by_route_touch_fewer_predicted_experts_than_any_group(runs):
+    # A group of 8 always touches fewer pairs than all 32 sequences: the comparison is
+    # with the same number of sequences taken in vLLM's order instead of by route.
     _, _, stats = runs
-    assert stats["pairs_run"] < stats["pairs_all"]
-    assert stats["max_step_cpu_s"] > 0
+    print({k: stats[k] for k in ("pairs_run", "pairs_in_order", "pairs_all")})
+    assert stats["pairs_run"] < stats["pairs_in_order"] < stats["pairs_all"]
+    assert stats["pairs_run"] <= 0.9 * stats["pairs_in_order"]
 
 
 def test_each_steps_predicted_experts_reach_the_layers(runs):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_specexpert.triton_kernels.aot import (
+from triton_aot import (
     ARCHITECTURES,
     SPECIALIZATIONS,
     compile_for,
@@ -17,6 +17,12 @@ from vllm_specexpert.triton_kernels.aot import (
 )
 
 TESTS = Path(__file__).parent
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_kernels_match_their_references_under_the_interpreter():
@@ -51,9 +57,14 @@ def test_kernel_compiles_for_nvidia_target_without_spilling(specialization, arch
     assert compiled.asm["cubin"][:4] == b"\x7fELF"
     usage = resource_usage(compiled)
     print(specialization.name, f"sm_{arch}", usage)
-    assert usage["REG"] <= 255 and usage["STACK"] == 0, f"registers spill: {usage}"
+    # A kernel that needs more registers than ptxas gives it spills to local memory
+    # (stack): on the decode path, a slow kernel. (Registers per thread are capped by
+    # the hardware, so their count alone cannot fail.)
+    assert usage["STACK"] == 0, f"registers spill: {usage}"
 
 
+@pytest.mark.skipif(_cuda_available(), reason="this machine has CUDA: `make gpu-check` "
+                    "runs the real check here instead of refusing")
 def test_gpu_check_refuses_a_machine_without_cuda():
     """`make gpu-check` is meant for a CUDA machine; here it must say why it cannot run
     (exit 2), not fail somewhere inside vLLM."""

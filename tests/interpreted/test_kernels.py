@@ -4,11 +4,7 @@ on CPU tensors under Triton's interpreter (see conftest)."""
 import pytest
 import torch
 
-from vllm_specexpert.triton_kernels.predict import (
-    QuasiHiddenTerms,
-    predict_routing,
-    predict_routing_reference,
-)
+from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms, predict_routing
 from vllm_specexpert.triton_kernels.slots import copy_experts, update_slot_map
 
 # (tokens, hidden, next-layer experts, this layer's experts, K, top-k): hidden not a
@@ -16,6 +12,28 @@ from vllm_specexpert.triton_kernels.slots import copy_experts, update_slot_map
 SHAPES = [(5, 100, 24, 16, 3, 4), (3, 64, 8, 8, 2, 2), (2, 96, 64, 40, 4, 6)]
 # Interpreted fp32 arithmetic in another order than torch's: ~1e-6 relative.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-5, torch.bfloat16: 2e-5}
+
+
+def predict_routing_reference(
+    router_input: torch.Tensor,
+    gate_weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    quasi_hidden: QuasiHiddenTerms | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same computation in torch, fp32 throughout: ``(weights, ids, probs)``, with
+    ``probs [T, E]`` the full softmax (for tie-aware comparisons)."""
+    x = router_input.float()
+    q = quasi_hidden
+    if q is not None:
+        chosen = q.default_vectors.float()[q.topk_ids.long()]                # [T, K, H]
+        x = x * q.residual_scale.float() + (q.topk_weights.float().unsqueeze(-1) * chosen).sum(1)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q.eps) * q.norm_weight.float()
+    probs = torch.softmax(x @ gate_weight.float().t(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32), probs
 
 
 def _inputs(shape, dtype, seed=0):

@@ -65,6 +65,10 @@ class TokenSchedulerStats:
     grouped steps."""
     pairs_all: int = 0
     """Predicted distinct pairs had all runnable decode sequences run, same steps."""
+    pairs_in_order: int = 0
+    """Predicted distinct pairs had the first ``group_size`` runnable sequences in vLLM's
+    order run instead of the chosen group (a group of the same size, not chosen by
+    route), same steps."""
     cpu_s: float = 0.0
     """Seconds spent predicting and grouping (vLLM's own scheduling not included)."""
     max_step_cpu_s: float = 0.0
@@ -167,6 +171,7 @@ class TokenGroupScheduler(Scheduler):
             self._next_group = [decoding[i] for i in groups[1]]
         self.stats.pairs_run += int(routes[run].any(0).sum())
         self.stats.pairs_all += int(routes.any(0).sum())
+        self.stats.pairs_in_order += int(routes[:len(groups[0])].any(0).sum())
         hold_until = self.current_step + 2  # skipped by the coming schedule() only
         for request, runs, wait in zip(decoding, run, waited):
             if runs:

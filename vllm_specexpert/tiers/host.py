@@ -82,8 +82,19 @@ class HostCostModel:
         self._xty = np.zeros(2)
         self.coef: np.ndarray | None = None
         """``[per_expert, per_row]`` seconds, once observed."""
+        self.fixed = False
+        """Set by :meth:`fix`: the coefficients no longer follow observations."""
+
+    def fix(self, per_expert: float, per_row: float) -> None:
+        """Use these coefficients from now on and stop learning: a host whose costs were
+        measured beforehand, or a test whose outcome must not depend on how loaded the
+        machine is."""
+        self.coef = np.array([per_expert, per_row], dtype=np.float64)
+        self.fixed = True
 
     def observe(self, experts: int, rows: int, seconds: float) -> None:
+        if self.fixed:
+            return
         v = np.array([experts, rows], dtype=np.float64)
         self._xtx = self.DECAY * self._xtx + np.outer(v, v)
         self._xty = self.DECAY * self._xty + v * seconds

@@ -6,8 +6,8 @@
 * :mod:`.slots`: the id -> slot map updated on the device, and several experts copied
   from the (UVA-mapped, pinned) slow tier into their slots in one launch.
 
-Each kernel has a torch reference beside it. Tests run every kernel under
-``TRITON_INTERPRET=1`` on CPU tensors against its reference and compile it ahead of time
-for sm_80 and sm_90 (:mod:`.aot`); none has run on a GPU. Nothing here is imported on
-the CPU build's runtime path.
+Kernels only: the tests hold a torch reference of each (``tests/interpreted``), run every
+kernel under ``TRITON_INTERPRET=1`` on CPU tensors against it, and compile it ahead of
+time for sm_80 and sm_90 (``tests/triton_aot.py``); none has run on a GPU. Nothing here
+is imported on the CPU build's runtime path.
 """

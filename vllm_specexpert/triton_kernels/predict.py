@@ -169,25 +169,3 @@ def predict_routing(
         RENORMALIZE=renormalize,
     )
     return out_weights, out_ids
-
-
-def predict_routing_reference(
-    router_input: torch.Tensor,
-    gate_weight: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    quasi_hidden: QuasiHiddenTerms | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same computation in torch, fp32 throughout: ``(weights, ids, probs)``, with
-    ``probs [T, E]`` the full softmax (for tie-aware comparisons)."""
-    x = router_input.float()
-    q = quasi_hidden
-    if q is not None:
-        chosen = q.default_vectors.float()[q.topk_ids.long()]                # [T, K, H]
-        x = x * q.residual_scale.float() + (q.topk_weights.float().unsqueeze(-1) * chosen).sum(1)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q.eps) * q.norm_weight.float()
-    probs = torch.softmax(x @ gate_weight.float().t(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids.to(torch.int32), probs
