@@ -12,7 +12,8 @@ import tempfile
 from dataclasses import dataclass
 
 from vllm_specexpert.tools.fixtures import model_path
-from vllm_specexpert.tools.harness import start_engine  # noqa: F401
+from vllm_specexpert.tools.harness import start_engine
+from vllm_specexpert.tools.harness import stop_engine as shutdown  # noqa: F401
 
 PROMPTS = [
     "def main():\n    ",

@@ -4,14 +4,35 @@ that must do something under the chosen mode (see :mod:`vllm_specexpert.config`)
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from vllm_specexpert.config.errors import SpecExpertConfigError
-from vllm_specexpert.config.modes import MISS_POLICIES
+from vllm_specexpert.config.modes import (
+    MISS_POLICIES,
+    CacheSpec,
+    MissPolicySpec,
+    PredictorSpec,
+)
 from vllm_specexpert.config.sections import BuddyConfig, LinkConfig, default_of
 
-if TYPE_CHECKING:
-    from vllm_specexpert.config.specexpert import SpecExpertConfig
+
+class Settings(Protocol):
+    """What the rules read of a :class:`~vllm_specexpert.config.SpecExpertConfig` (the
+    config module imports this one, not the other way round)."""
+
+    miss_policy: str
+    predictor: str
+    cache: str
+    calibration: str | None
+    path_predictor: str | None
+    token_scheduler: Any
+    link: LinkConfig
+    buddy: BuddyConfig
+    stats_path: str | None
+    miss_policy_spec: MissPolicySpec
+    predictor_spec: PredictorSpec
+    cache_spec: CacheSpec
+    routing_statistics_need: str | None
 
 CALIBRATE = "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\""
 
@@ -22,7 +43,7 @@ def _policies_with(trait: str) -> str:
     return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
-def check_combination(config: SpecExpertConfig) -> None:
+def check_combination(config: Settings) -> None:
     """Settings that need another one (a predictor, a calibration, a path predictor)."""
     policy = config.miss_policy_spec
     if policy.needs_predictor and not config.predictor_spec.predicts:
@@ -53,7 +74,7 @@ def check_combination(config: SpecExpertConfig) -> None:
             "run `specexpert train-path MODEL --out DIR` and set \"path_predictor\": \"DIR\"")
 
 
-def check_effect(config: SpecExpertConfig, explicit: set[str]) -> None:
+def check_effect(config: Settings, explicit: set[str]) -> None:
     """A setting the user gave a value other than its default must do something
     under the chosen mode."""
     policy = config.miss_policy_spec

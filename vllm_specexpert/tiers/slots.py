@@ -16,16 +16,34 @@ Two strategies decide whose experts a load may evict:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from vllm_specexpert.tiers.cache import ExpertCache
-    from vllm_specexpert.tiers.link import Transfer
+from vllm_specexpert.tiers.eviction import EvictionPolicy
+from vllm_specexpert.tiers.link import Transfer
+from vllm_specexpert.tiers.store import LayerExperts
 
 NO_EXPERTS = np.zeros(0, dtype=np.int64)
+
+
+class PooledCache(Protocol):
+    """What a pool uses of the caches that join it (an
+    :class:`~vllm_specexpert.tiers.cache.ExpertCache`, which imports this module)."""
+
+    experts: LayerExperts
+    num_experts: int
+    num_slots: int
+    top_k: int
+    index: int
+    rotating_slots: int
+    policy: EvictionPolicy
+    expert_slot: np.ndarray
+
+    def resident_mask(self) -> np.ndarray: ...
+    def evictable(self, keep: np.ndarray) -> np.ndarray: ...
+    def warm_start(self, offset: int, count: int) -> None: ...
 
 
 class SlotPool:
@@ -40,7 +58,7 @@ class SlotPool:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.caches: list[ExpertCache] = []
+        self.caches: list[PooledCache] = []
         self._shares: list[int] = []
         self.tensors: dict[str, torch.Tensor] = {}
         """Weight name -> ``[num_slots, ...]`` slot tensor (what kernels run on)."""
@@ -59,7 +77,7 @@ class SlotPool:
     def num_slots(self) -> int:
         return len(self.owner)
 
-    def join(self, cache: ExpertCache, share: int) -> int:
+    def join(self, cache: PooledCache, share: int) -> int:
         """Add ``cache`` with ``share`` slots of its own at warm start; returns its index."""
         if self.caches:
             first = self.caches[0].experts
@@ -90,7 +108,7 @@ class SlotPool:
     def free_slots(self) -> np.ndarray:
         return np.flatnonzero(self.owner < 0)
 
-    def victims(self, requester: ExpertCache, keep: np.ndarray,
+    def victims(self, requester: PooledCache, keep: np.ndarray,
                 demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(cache indices, experts)`` that may be evicted now to make room for
         ``requester``, the first to go first; never ``keep`` (of ``requester``), pinned
@@ -98,22 +116,22 @@ class SlotPool:
         in the same call (those go last)."""
         raise NotImplementedError
 
-    def capacity_for(self, cache: ExpertCache, experts: np.ndarray) -> bool:
+    def capacity_for(self, cache: PooledCache, experts: np.ndarray) -> bool:
         """Whether all of ``experts`` (distinct ids of ``cache``) fit at once."""
         raise NotImplementedError
 
-    def capacity(self, cache: ExpertCache) -> int:
+    def capacity(self, cache: PooledCache) -> int:
         """How many distinct experts of ``cache`` can be resident at once now, counting
         only those that need a slot that pinned experts do not hold."""
         raise NotImplementedError
 
-    def available_for(self, cache: ExpertCache, keep: np.ndarray) -> int:
+    def available_for(self, cache: PooledCache, keep: np.ndarray) -> int:
         """Slots ``cache`` could fill now without evicting ``keep``: free ones, and those
         of the :meth:`victims`."""
         return len(self.free_slots()) + len(self.victims(cache, keep)[1])
 
 
-    def prefetch_room(self, cache: ExpertCache, keep: np.ndarray) -> int:
+    def prefetch_room(self, cache: PooledCache, keep: np.ndarray) -> int:
         """How many experts of ``cache`` a prefetch (protected until its layer runs) may
         load now without evicting ``keep``."""
         return self.available_for(cache, keep)
@@ -122,7 +140,7 @@ class SlotPool:
 class LayerSlotPool(SlotPool):
     """One layer's own pool: its eviction policy's order, the least demanded first."""
 
-    def victims(self, requester: ExpertCache, keep: np.ndarray,
+    def victims(self, requester: PooledCache, keep: np.ndarray,
                 demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         candidates = requester.policy.order(requester.evictable(keep))
         if demand is not None:
@@ -130,14 +148,14 @@ class LayerSlotPool(SlotPool):
             candidates = candidates[np.argsort(demand[candidates], kind="stable")]
         return np.full(len(candidates), requester.index, dtype=np.int32), candidates
 
-    def capacity_for(self, cache: ExpertCache, experts: np.ndarray) -> bool:
+    def capacity_for(self, cache: PooledCache, experts: np.ndarray) -> bool:
         if len(experts) <= cache.rotating_slots:
             return True
         pinned_resident = cache.policy.pinned & cache.resident_mask()
         outside = np.count_nonzero(~pinned_resident[experts])
         return outside <= cache.num_slots - int(pinned_resident.sum())
 
-    def capacity(self, cache: ExpertCache) -> int:
+    def capacity(self, cache: PooledCache) -> int:
         return cache.num_slots - int(np.count_nonzero(cache.policy.pinned
                                                       & cache.resident_mask()))
 
@@ -167,7 +185,7 @@ class SharedSlotPool(SlotPool):
             spare += int(np.count_nonzero(self.lookahead[cache.index][candidates] == 0))
         return spare
 
-    def victims(self, requester: ExpertCache, keep: np.ndarray,
+    def victims(self, requester: PooledCache, keep: np.ndarray,
                 demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Every layer's evictable experts: those with no predicted use still to come
         first, then (Belady's rule, the next use known only by layer) the layer whose
@@ -194,7 +212,7 @@ class SharedSlotPool(SlotPool):
                             scores > 0))
         return np.concatenate(owners)[order], np.concatenate(experts)[order]
 
-    def prefetch_room(self, cache: ExpertCache, keep: np.ndarray) -> int:
+    def prefetch_room(self, cache: PooledCache, keep: np.ndarray) -> int:
         """A prefetch leaves ``top_k`` slots free or evictable: protected prefetches could
         otherwise fill every slot another layer's call can take, and its next token
         would have nowhere to go. (A layer's own pool never has that problem: its
@@ -202,10 +220,10 @@ class SharedSlotPool(SlotPool):
         reserve = max(c.top_k for c in self.caches)
         return max(self.available_for(cache, keep) - reserve, 0)
 
-    def capacity_for(self, cache: ExpertCache, experts: np.ndarray) -> bool:
+    def capacity_for(self, cache: PooledCache, experts: np.ndarray) -> bool:
         missing = np.count_nonzero(cache.expert_slot[experts] < 0)
         return missing <= self.available_for(cache, experts)
 
-    def capacity(self, cache: ExpertCache) -> int:
+    def capacity(self, cache: PooledCache) -> int:
         resident = np.flatnonzero(cache.resident_mask())
         return len(resident) + self.available_for(cache, resident)
