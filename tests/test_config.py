@@ -326,3 +326,20 @@ def test_the_budget_count_range_is_the_same_in_problem_and_fix(budget):
     with pytest.raises(SpecExpertConfigError) as info:
         SpecExpertConfig.from_dict({"budget": budget})
     assert "[2, 65536]" in info.value.problem and "[2, 65536]" in info.value.fix
+
+
+def test_each_mode_table_has_one_class_per_name_and_the_class_takes_its_traits_from_it():
+    """Config validation reads the modes' traits (``config/modes.py``), the engine looks
+    the classes up by the same names: one registry pattern for the three kinds."""
+    from vllm_specexpert.config.modes import CACHES, MISS_POLICIES, PREDICTORS
+    from vllm_specexpert.policy import MISS_POLICY_CLASSES
+    from vllm_specexpert.predict import PREDICTOR_CLASSES
+    from vllm_specexpert.tiers.eviction import CACHE_CLASSES
+
+    for specs, classes in ((MISS_POLICIES, MISS_POLICY_CLASSES), (CACHES, CACHE_CLASSES)):
+        assert list(classes) == list(specs)
+        assert all(cls.spec is specs[name] for name, cls in classes.items())
+    assert list(PREDICTOR_CLASSES) == list(PREDICTORS)
+    assert [name for name, cls in PREDICTOR_CLASSES.items() if cls is None] == [
+        name for name, spec in PREDICTORS.items() if not spec.predicts]
+    assert all(cls.name == name for name, cls in PREDICTOR_CLASSES.items() if cls)

@@ -233,3 +233,22 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token():
         engine.layers[name].loader.prefetch(np.arange(4, 16), stats)
     rng = np.random.default_rng(0)
     run_step(engine, {i: distinct(rng, 3) for i in range(LAYERS)}, None)
+
+
+def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool():
+    """The vLLM adapter hands the engine a calibration's vectors once every layer is
+    loaded (and has joined the shared pool); that must not replace the pool."""
+    config = SpecExpertConfig.from_dict({"budget": 0.25, "cache": "plec", "path_predictor": "/p",
+                                         "predictor": "quasi_hidden", "calibration": "/c"})
+    engine = OffloadEngine(config, torch.device("cpu"))
+    for index, name in enumerate(NAMES):
+        engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[name].items()},
+                         top_k=K, index=index)
+    pool = engine.pool
+    engine.set_quasi_hidden({n: torch.zeros(E, H) for n in NAMES},
+                            {n: torch.ones(H) for n in NAMES})
+    engine.start()
+    assert engine.pool is pool and pool.num_slots == LAYERS * 4
+    assert engine.predictor is not None and engine.predictor.name == "quasi_hidden"
+    rng = np.random.default_rng(1)
+    run_step(engine, {i: distinct(rng, 2) for i in range(LAYERS)}, None)

@@ -35,7 +35,7 @@ from vllm_specexpert import execute, report
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.execute import ExpertKernel, LayerCall
 from vllm_specexpert.handoff import StepDemand
-from vllm_specexpert.layer_state import OffloadedLayer, check_runnable
+from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.planner.plec import PlecPlanner
@@ -89,16 +89,20 @@ class OffloadEngine:
         self._select(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
-        """The miss policy, predictor, shared pool and its planner ``config`` names."""
+        """The miss policy, predictor, shared pool and its planner ``config`` names (a
+        new pool: caches made from now on join it)."""
         self.miss_policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
-        predictor = PREDICTOR_CLASSES[config.predictor]
-        self.predictor: Predictor | None = (
-            None if predictor is None else predictor.build(self.default_vectors,
-                                                           self.residual_scales))
+        self._select_predictor(config)
         self.pool = SharedSlotPool(self.device) if config.cache_spec.shared_pool else None
         """The slot pool every layer shares (``plec``); ``None``: one per layer."""
         self.planner = (PlecPlanner(self.pool, config.plec_preload)
                         if self.pool is not None else None)
+
+    def _select_predictor(self, config: SpecExpertConfig) -> None:
+        predictor = PREDICTOR_CLASSES[config.predictor]
+        self.predictor: Predictor | None = (
+            None if predictor is None else predictor.build(self.default_vectors,
+                                                           self.residual_scales))
 
     # ------------------------------------------------------------------ setup
 
@@ -129,7 +133,7 @@ class OffloadEngine:
         :mod:`vllm_specexpert.predict.quasi_hidden`)."""
         self.default_vectors = {n: v.to(self.device) for n, v in default_vectors.items()}
         self.residual_scales = {n: v.to(self.device) for n, v in residual_scales.items()}
-        self._select(self.config)
+        self._select_predictor(self.config)
 
     def set_routing_statistics(self, coactivation: dict[str, np.ndarray],
                                tae_percentiles: dict[str, np.ndarray]) -> None:
@@ -191,14 +195,7 @@ class OffloadEngine:
         """Switch budget, cache policy, miss policy, predictor or link without reloading
         weights. Every cache is rebuilt (warm start again) and the counters restart.
         Everything is checked before anything changes."""
-        for layer in self.layers.values():
-            config.slots_per_layer(layer.cache.num_experts, layer.top_k)
-        for name in ("calibration", "path_predictor", "token_scheduler"):
-            if getattr(config, name) != getattr(self.config, name):
-                raise SpecExpertConfigError(
-                    name, "is read when the engine starts and cannot change at run time",
-                    f"start a new engine with the new '{name}'")
-        check_runnable(config, self.layers.values(), bool(self.default_vectors))
+        check_change(self.config, config, self.layers.values(), bool(self.default_vectors))
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 
@@ -267,17 +264,11 @@ class OffloadEngine:
                             x: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, phases: PassPhases | None) -> torch.Tensor:
         """One token on a layer whose every expert is resident (budget 1.0), with no
-        prediction to make: nothing to decide, so nothing is read to the host. Its
-        top-k experts are distinct, all hits."""
+        prediction to make: nothing to decide, so nothing is read to the host."""
         phase = layer.stats.prefill if phases is not None and phases.all_prefill \
             else layer.stats.decode
-        stats = _count_call(phase, x)
-        stats.requests += layer.top_k
-        stats.hits += layer.top_k
-        stats.experts_needed += layer.top_k
-        stats.kernel_calls += 1
-        kernel_ids, expert_map = layer.cache.kernel_routing(topk_ids, None)
-        return kernel(x, topk_weights, kernel_ids, layer.cache.slots, expert_map)
+        call = LayerCall(x, topk_weights, topk_ids, None, kernel, _count_call(phase, x))
+        return execute.run_resident_token(layer.cache, call)
 
     def _run_prefill(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

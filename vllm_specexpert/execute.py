@@ -59,8 +59,8 @@ class LayerCall:
     """``[T, K]`` the routing to run (the router's, or a prediction under ``speculate``)."""
     topk_ids: torch.Tensor
     """``[T, K]`` its expert ids, on the device."""
-    ids: np.ndarray
-    """The same ids on the host."""
+    ids: np.ndarray | None
+    """The same ids on the host (``None`` only for :func:`run_resident_token`)."""
     kernel: ExpertKernel
     stats: PhaseStats
     """Counters of the call's phase (decode or prefill)."""
@@ -178,6 +178,20 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
             experts, counts = np.unique(ids[on_host], return_counts=True)
             loader.admit(int(experts[np.argmax(counts)]), stats)
     return out
+
+
+def run_resident_token(cache: ExpertCache, call: LayerCall) -> torch.Tensor:
+    """One token on a layer whose every expert sits in the slot of its id
+    (``cache.identity``: budget 1.0): its top-k experts are distinct, all hits, and the
+    router's ids are the slot ids, so nothing is read to the host (``call.ids`` unused)."""
+    top_k = call.topk_ids.shape[1]
+    stats = call.stats
+    stats.requests += top_k
+    stats.hits += top_k
+    stats.experts_needed += top_k
+    stats.kernel_calls += 1
+    kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, None)
+    return call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
 
 
 def run_on_device(loader: ExpertLoader, call: LayerCall,

@@ -75,3 +75,19 @@ def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
         raise SpecExpertConfigError(
             "predictor", f"{config.predictor} needs the calibration's default vectors, "
             "loaded at engine start", "start the engine with 'calibration' set")
+
+
+def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
+                 layers: Iterable[OffloadedLayer], has_default_vectors: bool) -> None:
+    """Raise a config error unless the running engine can switch from ``current`` to
+    ``config`` (``reconfigure``): the budget fits every layer, the artifacts read at
+    start are the same, and the new mode can run on the loaded layers."""
+    layers = list(layers)
+    for layer in layers:
+        config.slots_per_layer(layer.cache.num_experts, layer.top_k)
+    for name in ("calibration", "path_predictor", "token_scheduler"):
+        if getattr(config, name) != getattr(current, name):
+            raise SpecExpertConfigError(
+                name, "is read when the engine starts and cannot change at run time",
+                f"start a new engine with the new '{name}'")
+    check_runnable(config, layers, has_default_vectors)
