@@ -148,7 +148,9 @@ class SpecExpertConfig:
     stats_path: Path | None = None
     """If set, per-layer statistics (hits, misses, bytes moved, seconds stalled) are
     written there as JSON by each worker (``{rank}`` in the path is replaced by the
-    worker rank), every ``stats_interval_s`` and at every ``specexpert_stats`` call."""
+    worker rank), every ``stats_interval_s`` and at every ``specexpert_stats`` call. A
+    file is written by renaming a temp file over it: a directory, device node or FIFO
+    at the path is refused at start and never replaced."""
 
     stats_interval_s: Annotated[Number, Field(ge=0, le=86_400)] = 10.0
     """Minimum seconds between two periodic writes of ``stats_path``. Range: [0, 86400] s."""
