@@ -12,6 +12,7 @@ package is named here)::
     1  artifacts        manifest and tensors of an artifact directory, model fingerprint
     1  calibration      default vectors, co-activation, TAE percentiles (an artifact)
     1  architectures    the supported MoE architectures and their routing shape
+    1  quant_formats    quantized checkpoints' packed experts: read, dequantize, quantize
     1  phases           which tokens of a forward pass are decode, which prefill
     1  handoff          StepDemand: what the scheduler process hands the workers
     1  stats            counters per layer and phase; the stats file
@@ -34,7 +35,8 @@ package is named here)::
     6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
     6  report           the stats dict, the summary line, the file writers
     7  layers/          vLLM adapter in the worker: routed_experts (the custom op),
-                        model_classes (wiring after load), forward_phase
+                        packed_experts (quantized checkpoints), model_classes (wiring
+                        after load), forward_phase
     7  schedule/        vLLM adapter in the scheduler: token_scheduler, grouping
     7  worker           the RPCs behind get_stats, reconfigure, reset_stats
     8  validate         engine-config checks where vLLM builds the engine config

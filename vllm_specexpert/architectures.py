@@ -1,5 +1,6 @@
 """What the plugin can run: the MoE architectures it has been tested on (and their routing
-shape), unquantized weights, one device. Checked in one place, :func:`check_supported`."""
+shape), unquantized or packed-quantized experts (:mod:`.quant_formats`), one device.
+Checked in one place, :func:`check_supported`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_specexpert.config import SpecExpertUnsupportedError
+from vllm_specexpert.quant_formats import PackedFormat, format_of
 
 
 @dataclass(frozen=True)
@@ -61,18 +63,21 @@ def moe_shape(hf_config: Any) -> MoEShape:
 
 def check_supported(vllm_config: Any) -> None:
     """Raise :class:`SpecExpertUnsupportedError` for a model or engine setup the
-    offloaded layer cannot run: an unsupported architecture, quantized weights, or
-    tensor/pipeline/data/expert parallelism. Called where the engine config is built
+    offloaded layer cannot run: an unsupported architecture, a quantization it cannot
+    dequantize, or tensor/pipeline/data/expert parallelism. Called where the engine config is built
     (the calling process: one clear error before any engine process starts) and again
     by each offloaded layer (engines built without ``EngineArgs``)."""
     model_config = vllm_config.model_config
     moe_shape(model_config.hf_config)
     if model_config.quantization is not None:
-        raise SpecExpertUnsupportedError(
-            f"quantization '{model_config.quantization}'",
-            "offloading supports unquantized checkpoints only for now",
-            "use a bf16/fp16/fp32 checkpoint, or drop the specexpert config",
-        )
+        checkpoint = getattr(model_config.hf_config, "quantization_config", None)
+        if not checkpoint:
+            raise SpecExpertUnsupportedError(
+                f"quantization '{model_config.quantization}' of an unquantized checkpoint",
+                "offloaded experts are dequantized from a quantized checkpoint, not "
+                "quantized while loading",
+                "quantize it first (specexpert quantize), or drop --quantization")
+        format_of(dict(checkpoint))
     parallel = vllm_config.parallel_config
     if (
         parallel.tensor_parallel_size > 1
@@ -85,3 +90,13 @@ def check_supported(vllm_config: Any) -> None:
             "the offloaded layer runs on a single device for now",
             "use tensor_parallel_size=1, pipeline_parallel_size=1, no expert parallelism",
         )
+
+
+def packed_format(vllm_config: Any, layer_name: str) -> PackedFormat | None:
+    """The format a layer's routed experts are packed in, ``None`` when they are not
+    quantized (no quantization, or the checkpoint leaves this layer out)."""
+    checkpoint = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+    if vllm_config.model_config.quantization is None or not checkpoint:
+        return None
+    fmt = format_of(dict(checkpoint))
+    return None if fmt is None or fmt.skips(layer_name) else fmt

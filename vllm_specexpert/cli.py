@@ -133,15 +133,18 @@ def main(argv: list[str] | None = None) -> None:
         capture,
         corpus,
         demo,
+        dequantize,
         eval_path,
         fixtures,
+        quantize,
         train_path,
         train_tiny,
     )
 
     tools = {"demo": demo, "corpus": corpus, "build-fixtures": fixtures,
              "train-tiny": train_tiny, "capture": capture, "calibrate": calibrate,
-             "analyze": analyze, "train-path": train_path, "eval-path": eval_path}
+             "analyze": analyze, "train-path": train_path, "eval-path": eval_path,
+             "quantize": quantize, "dequantize": dequantize}
     for name, module in tools.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
 

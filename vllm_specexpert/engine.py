@@ -59,7 +59,7 @@ from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
-from vllm_specexpert.tiers.store import ExpertStore
+from vllm_specexpert.tiers.store import ExpertDecoder, ExpertStore
 
 logger = init_logger(__name__)
 
@@ -108,11 +108,12 @@ class OffloadEngine:
 
     def add_layer(
         self, name: str, tensors: dict[str, torch.Tensor], top_k: int, index: int = -1,
-        host_kernel: HostKernel | None = None,
+        host_kernel: HostKernel | None = None, decoder: ExpertDecoder | None = None,
     ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
-        ``host_kernel`` computes experts on the store's tensors (``cpu``/``auto``)."""
-        self.store.add_layer(name, tensors)
+        ``host_kernel`` computes experts in slot form (``cpu``/``auto``); ``decoder``
+        turns packed (quantized) experts into slot form."""
+        self.store.add_layer(name, tensors, decoder)
         cache = self._make_cache(name, top_k)
         layer = OffloadedLayer(name=name, top_k=top_k, index=index, cache=cache,
                                loader=ExpertLoader(cache, self.link),

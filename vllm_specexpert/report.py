@@ -133,6 +133,8 @@ def engine_stats(engine) -> dict[str, Any]:
             "resident_per_layer": {n: la.cache.num_resident() for n, la in layers.items()},
             "experts_per_layer": {n: la.cache.num_experts for n, la in layers.items()},
             "expert_bytes": {n: la.cache.experts.expert_nbytes for n, la in layers.items()},
+            "expert_format": {n: la.cache.experts.format for n, la in layers.items()},
+            "slot_bytes": {n: la.cache.experts.slot_nbytes for n, la in layers.items()},
             "store_bytes": engine.store.nbytes,
             "pinned": engine.store.pin_memory,
             "modeled": {
@@ -160,11 +162,14 @@ def summary(engine) -> str:
                f" host_slowdown {link.host_slowdown:g}" if link.emulated else "")
     residency = (f"{'/'.join(map(str, slots))} of {'/'.join(map(str, experts))} "
                  "experts resident per layer")
+    first = next(iter(layers)).cache.experts
+    moved = (f"{first.format} experts of {first.expert_nbytes / 1e3:.1f} kB moved"
+             + (f" into {first.slot_nbytes / 1e3:.1f} kB slots" if first.decoder else ""))
     if config.cache_spec.shared_pool:
         residency = (f"one pool of {sum(la.cache.num_slots for la in layers)}"
                      f" slots shared by their {'/'.join(map(str, experts))} experts each")
     return (
-        f"{len(engine.layers)} MoE layers offloaded, {residency}; slow tier "
+        f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
         f"{engine.store.nbytes / 1e9:.3f} GB on the host"
         f"{' (pinned)' if engine.store.pin_memory else ''}; miss_policy {config.miss_policy} "
         f"({engine.output}), predictor {config.predictor}, cache {config.cache}"

@@ -5,6 +5,9 @@ through ``FusedMoEFactory`` (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V2, 
 gets it. When the engine's ``additional_config`` has no ``specexpert`` key the instance
 turns itself into a plain ``RoutedExperts`` before initializing, so vLLM runs untouched.
 
+Quantized checkpoints: the experts stay packed (see :mod:`.packed_experts`); vLLM's
+unquantized method runs them from bf16 slots.
+
 Weights: the layer's parameters are created on the host (on CUDA, ``torch.device("cpu")``
 around the quant method's ``create_weights`` only; pinned in place after loading), loaded
 and post-processed there by vLLM's own loader and quant method
@@ -32,10 +35,11 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_specexpert import handoff, vllm_hooks
-from vllm_specexpert.architectures import check_supported
+from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layers.forward_phase import current_phases
+from vllm_specexpert.layers.packed_experts import PackedDecoder, PackedParameters
 from vllm_specexpert.tiers.host import GATED_ACTIVATIONS, torch_experts
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
@@ -84,6 +88,8 @@ class OffloadedRoutedExperts(RoutedExperts):
             return
 
         check_supported(vllm_config)
+        self._packed_format = packed_format(vllm_config, layer_name)
+        self._packed: PackedParameters | None = None
         if moe_config.has_bias:
             raise SpecExpertUnsupportedError(
                 f"{layer_name}: expert biases", "biased experts are not offloaded yet",
@@ -106,10 +112,14 @@ class OffloadedRoutedExperts(RoutedExperts):
     # ------------------------------------------------------------------ loading
 
     def _get_quant_method(self, prefix, quant_config, moe_config):
+        # Packed experts are dequantized into bf16 slots: vLLM's unquantized method runs
+        # them (its quantized MoE methods have no kernel on most CPUs).
+        if self._packed_format is not None:
+            quant_config = None
         method = super()._get_quant_method(prefix, quant_config, moe_config)
         if not isinstance(method, UnquantizedFusedMoEMethod) or method.is_monolithic:
-            # Quantization itself is rejected earlier (check_supported); this is the
-            # MoE backend vLLM picked, which must be a modular kernel run on given weights.
+            # This is the MoE backend vLLM picked, which must be a modular kernel run on
+            # given weights.
             raise SpecExpertUnsupportedError(
                 f"{prefix}: MoE method {type(method).__name__}",
                 "only modular fused-MoE kernels can run experts from the slot pool",
@@ -119,29 +129,70 @@ class OffloadedRoutedExperts(RoutedExperts):
         # allocates stays on the device), and post-process them there.
         create_weights = method.create_weights
 
-        def create_weights_on_host(*args, **kwargs):
+        def create_weights_on_host(layer, num_experts, hidden_size,
+                                   intermediate_size_per_partition, **kwargs):
             with _host_allocation():
-                return create_weights(*args, **kwargs)
+                if self._packed_format is None:
+                    return create_weights(layer, num_experts, hidden_size,
+                                          intermediate_size_per_partition, **kwargs)
+                # One expert of bf16 parameters (vLLM's kernel setup), all experts packed.
+                create_weights(layer, 1, hidden_size, intermediate_size_per_partition,
+                               **kwargs)
+                self._packed = PackedParameters(self._packed_format, prefix, num_experts,
+                                                hidden_size, intermediate_size_per_partition)
+                self._packed.create(layer)
 
         method.create_weights = create_weights_on_host
         method.requires_device_loading = False
         post_process = method.process_weights_after_loading
 
         def process_weights_after_loading(layer: torch.nn.Module) -> None:
+            packed = self._packed.take(layer) if self._packed is not None else None
             post_process(layer)
-            self._move_experts_to_store()
+            self._move_experts_to_store(packed)
 
         method.process_weights_after_loading = process_weights_after_loading
         return method
 
-    def _move_experts_to_store(self) -> None:
-        """Hand the runtime-format expert tensors to the slow tier; keep only views."""
-        tensors = {name: getattr(self, name).data for name in ("w13_weight", "w2_weight")}
+    def _move_experts_to_store(self, packed: dict[str, torch.Tensor] | None) -> None:
+        """Hand the runtime-format expert tensors (or the ``packed`` ones, taken off the
+        layer) to the slow tier; keep only views."""
+        weights = {name: getattr(self, name) for name in ("w13_weight", "w2_weight")}
+        if packed is None:
+            tensors, decoder = {name: w.data for name, w in weights.items()}, None
+        else:
+            tensors = packed
+            decoder = PackedDecoder(self._packed, self._runtime_form, {
+                name: (tuple(w.shape[1:]), w.dtype) for name, w in weights.items()})
         layer = self.engine.add_layer(self.layer_name, tensors, self.top_k,
-                                      index=self.layer_index, host_kernel=self._host_kernel())
-        # The parameters now alias the store's (pinned) tensors instead of a copy.
-        for name, tensor in layer.cache.experts.tensors.items():
-            getattr(self, name).data = tensor
+                                      index=self.layer_index, host_kernel=self._host_kernel(),
+                                      decoder=decoder)
+        if packed is None:
+            # The parameters now alias the store's (pinned) tensors instead of a copy.
+            for name, tensor in layer.cache.experts.tensors.items():
+                getattr(self, name).data = tensor
+
+    def _runtime_form(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """bf16 expert weights in vLLM's checkpoint layout -> the form vanilla's method
+        leaves them in after loading: the same two steps of ``_setup_kernel`` (kernel
+        format, then the experts' own post-processing), on a scratch module."""
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+            convert_to_unquantized_kernel_format,
+        )
+        from vllm.model_executor.utils import replace_parameter
+
+        scratch = torch.nn.Module()
+        for name, tensor in weights.items():
+            scratch.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+        scratch.moe_config, scratch.activation = self.moe_config, self.activation
+        method = self.quant_method
+        w13, w2 = convert_to_unquantized_kernel_format(
+            method.unquantized_backend, self.moe_config, scratch.w13_weight,
+            scratch.w2_weight, layer=scratch)
+        replace_parameter(scratch, "w13_weight", w13)
+        replace_parameter(scratch, "w2_weight", w2)
+        method.moe_kernel.fused_experts.process_weights_after_loading(scratch)
+        return {name: getattr(scratch, name).data for name in weights}
 
     # ---------------------------------------------------------------- execution
 

@@ -99,8 +99,8 @@ class ExpertCache:
         ``static``) fill slots ``offset ..`` of it."""
         self.slot_expert = np.full(self.pool.num_slots, -1, dtype=np.int64)
         self.assign(np.arange(count), np.arange(offset, offset + count))
-        for key, src in self.experts.tensors.items():
-            self.slots[key][offset:offset + count].copy_(src[:count])
+        for key, src in self.experts.decoded(slice(0, count)).items():
+            self.slots[key][offset:offset + count].copy_(src)
         self.identity = count == self.num_experts and not self.pool.shared
 
     @property
@@ -166,7 +166,7 @@ class ExpertCache:
     def copy_of(self, experts: np.ndarray) -> ExpertCopy:
         """The transfer that fills the slots of ``experts`` (resident) from the slow tier."""
         return ExpertCopy(self.experts.tensors, self.slots, experts,
-                          self.expert_slot[experts].astype(np.int64))
+                          self.expert_slot[experts].astype(np.int64), self.experts.decoder)
 
     # ---------------------------------------------------------------- changes
 

@@ -81,8 +81,7 @@ class SlotPool:
         """Add ``cache`` with ``share`` slots of its own at warm start; returns its index."""
         if self.caches:
             first = self.caches[0].experts
-            if {k: (t.shape[1:], t.dtype) for k, t in first.tensors.items()} != {
-                    k: (t.shape[1:], t.dtype) for k, t in cache.experts.tensors.items()}:
+            if first.slot_shapes != cache.experts.slot_shapes:
                 raise ValueError(f"{cache.experts.name}: experts shaped unlike those of "
                                  f"{first.name} cannot share a slot pool")
         self.caches.append(cache)
@@ -92,9 +91,9 @@ class SlotPool:
     def allocate(self) -> None:
         """Allocate the slots (the sum of the shares) and warm-start every cache."""
         total = sum(self._shares)
-        first = self.caches[0].experts.tensors
-        self.tensors = {key: torch.empty((total, *t.shape[1:]), dtype=t.dtype,
-                                         device=self.device) for key, t in first.items()}
+        shapes = self.caches[0].experts.slot_shapes
+        self.tensors = {key: torch.empty((total, *shape), dtype=dtype, device=self.device)
+                        for key, (shape, dtype) in shapes.items()}
         self.owner = np.full(total, -1, dtype=np.int32)
         self.in_flight.clear()
         if self.device.type == "cuda":

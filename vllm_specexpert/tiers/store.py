@@ -5,13 +5,32 @@ DMA); on the CPU build they are plain RAM. Each layer's experts are a set of nam
 tensors whose leading dimension is the expert id (``w13_weight [E, 2I, H]``,
 ``w2_weight [E, H, I]``, in whatever runtime layout the kernel wants: prepacked on CPU).
 One expert is the slice ``[e]`` of every tensor of its layer.
+
+A quantized checkpoint's experts stay packed here (and move packed): the layer's
+:class:`ExpertDecoder` turns packed experts into what a slot holds, on arrival.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+SlotShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""Slot tensor name -> (shape of one slot, dtype)."""
+
+
+class ExpertDecoder(Protocol):
+    """Turns packed experts (slices ``[n, ...]`` of a layer's store tensors) into the
+    slot tensors the kernel runs on (``[n, ...]`` each, :attr:`slot_shapes`)."""
+
+    name: str
+    """The packed format (e.g. ``awq``)."""
+    slot_shapes: SlotShapes
+
+    def __call__(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass
@@ -22,6 +41,9 @@ class LayerExperts:
     """vLLM layer name, e.g. ``model.layers.3.mlp.experts``."""
     tensors: dict[str, torch.Tensor]
     """Tensor name -> ``[num_experts, ...]`` host tensor."""
+    decoder: ExpertDecoder | None = None
+    """Packed experts: what turns them into slot contents (``None``: slots hold the
+    tensors as they are)."""
 
     def __post_init__(self) -> None:
         # Read on every layer call (link time estimates): computed once, the tensors
@@ -29,7 +51,33 @@ class LayerExperts:
         self.num_experts: int = next(iter(self.tensors.values())).shape[0]
         self.expert_nbytes: int = sum(t[0].numel() * t.element_size()
                                       for t in self.tensors.values())
-        """Bytes of one expert (all its tensors)."""
+        """Bytes of one expert (all its tensors): what the link moves."""
+
+    @property
+    def format(self) -> str:
+        """How the experts are held here: the packed format, else the dtype."""
+        if self.decoder is not None:
+            return self.decoder.name
+        return str(next(iter(self.tensors.values())).dtype).removeprefix("torch.")
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one slot (what one expert takes on the device)."""
+        return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                   for shape, dtype in self.slot_shapes.values())
+
+    @property
+    def slot_shapes(self) -> SlotShapes:
+        """What one slot holds of this layer's experts."""
+        if self.decoder is not None:
+            return self.decoder.slot_shapes
+        return {key: (tuple(t.shape[1:]), t.dtype) for key, t in self.tensors.items()}
+
+    def decoded(self, experts: torch.Tensor | slice) -> dict[str, torch.Tensor]:
+        """Slot contents of ``experts`` (ids or a slice), ``[n, ...]`` per slot tensor:
+        views of the store when it holds them as they are, else decoded copies."""
+        packed = {key: t[experts] for key, t in self.tensors.items()}
+        return packed if self.decoder is None else self.decoder(packed)
 
     @property
     def nbytes(self) -> int:
@@ -43,8 +91,10 @@ class ExpertStore:
         self.pin_memory = pin_memory
         self.layers: dict[str, LayerExperts] = {}
 
-    def add_layer(self, name: str, tensors: dict[str, torch.Tensor]) -> LayerExperts:
-        """Take ownership of a layer's expert tensors (moved to host, pinned on CUDA)."""
+    def add_layer(self, name: str, tensors: dict[str, torch.Tensor],
+                  decoder: ExpertDecoder | None = None) -> LayerExperts:
+        """Take ownership of a layer's expert tensors (moved to host, pinned on CUDA);
+        ``decoder`` for packed ones."""
         if name in self.layers:
             raise ValueError(f"layer {name} is already in the expert store")
         num_experts = {t.shape[0] for t in tensors.values()}
@@ -62,7 +112,7 @@ class ExpertStore:
             if self.pin_memory and not tensor.is_pinned():
                 tensor = pin_in_place(tensor)
             host[key] = tensor
-        layer = LayerExperts(name=name, tensors=host)
+        layer = LayerExperts(name=name, tensors=host, decoder=decoder)
         self.layers[name] = layer
         return layer
 

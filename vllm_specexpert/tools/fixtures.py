@@ -90,11 +90,53 @@ DENSE_ARCHITECTURES: dict[str, dict] = {
 }
 ALL_FIXTURES = {**ARCHITECTURES, **DENSE_ARCHITECTURES}
 
+QUANTIZED_FIXTURES: dict[str, dict] = {
+    # The qwen3_moe fixture's experts quantized by `specexpert quantize` (group size 32:
+    # the down projection has 64 input features). Each has a bf16 twin, NAME + "-twin".
+    "qwen3_moe-awq": dict(name="awq", group_size=32),
+    "qwen3_moe-gptq": dict(name="gptq", group_size=32),
+    "qwen3_moe-w4a16": dict(name="w4a16", group_size=32),
+    "qwen3_moe-fp8": dict(name="fp8", fp8_scales="tensor"),
+    "qwen3_moe-fp8-channel": dict(name="fp8", fp8_scales="channel"),
+    "qwen3_moe-fp8-block": dict(name="fp8", fp8_scales="block", fp8_block=(32, 32)),
+}
+TWIN_SUFFIX = "-twin"
+
 
 def model_path(name: str) -> Path:
-    """Directory of a named model: the embedded trained model, or a random fixture
-    (built on first use)."""
-    return TRAINED_MODEL_DIR if name == TRAINED_MODEL else ensure_model(name)
+    """Directory of a named model: the embedded trained model, a random fixture, or a
+    quantized fixture or its bf16 twin (built on first use)."""
+    if name == TRAINED_MODEL:
+        return TRAINED_MODEL_DIR
+    if name.removesuffix(TWIN_SUFFIX) in QUANTIZED_FIXTURES:
+        return ensure_quantized(name)
+    return ensure_model(name)
+
+
+def ensure_quantized(name: str, out: Path = DEFAULT_OUT) -> Path:
+    """A quantized fixture (``specexpert quantize`` of its base) or its bf16 twin
+    (``specexpert dequantize`` of it), rebuilt when the base or the tools change."""
+    from vllm_specexpert import quant_formats
+    from vllm_specexpert.tools import dequantize, quantize
+
+    quantized = name.removesuffix(TWIN_SUFFIX)
+    base = ensure_model(quantized.split("-")[0])
+    h = hashlib.sha256((base / "fixture.json").read_bytes())
+    for module in (quant_formats, quantize, dequantize):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(json.dumps(QUANTIZED_FIXTURES[quantized]).encode())
+    fingerprint = h.hexdigest()[:16]
+    target = out / name
+    stamp = target / "fixture.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
+        return target
+    if name == quantized:
+        fmt = quantize.make_format(**QUANTIZED_FIXTURES[quantized])
+        quantize.quantize_checkpoint(base, target, fmt, QUANTIZED_FIXTURES[quantized]["name"])
+    else:
+        dequantize.dequantize_checkpoint(ensure_quantized(quantized, out), target)
+    stamp.write_text(json.dumps({"fingerprint": fingerprint, "arch": name}))
+    return target
 
 
 def num_moe_layers(name: str) -> int:

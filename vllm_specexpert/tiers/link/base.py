@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_specexpert.tiers.store import ExpertDecoder
+
 
 @dataclass
 class ExpertCopy:
@@ -22,11 +24,13 @@ class ExpertCopy:
     sources: dict[str, torch.Tensor]
     """Tensor name -> ``[E, ...]`` slow-tier tensor."""
     destinations: dict[str, torch.Tensor]
-    """Tensor name -> ``[slots, ...]`` slot pool (same names)."""
+    """Tensor name -> ``[slots, ...]`` slot pool (the same names, unless decoded)."""
     experts: np.ndarray
     """Expert ids to copy."""
     slots: np.ndarray
     """Their destination slots (distinct)."""
+    decoder: ExpertDecoder | None = None
+    """Packed experts: decoded on arrival (the link moves the packed bytes)."""
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -39,12 +43,28 @@ class ExpertCopy:
         return len(self.experts) * len(self.sources)
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(slot view, slow-tier view)`` per expert and tensor."""
+        """``(slot view, slow-tier view)`` per expert and tensor (undecoded copies)."""
         return [
             (self.destinations[key][slot], src[expert])
             for expert, slot in zip(self.experts.tolist(), self.slots.tolist())
             for key, src in self.sources.items()
         ]
+
+    def run(self, staging: torch.device | None = None) -> None:
+        """Perform the copy (blocking on the host; issued on the current stream on
+        CUDA). Packed experts are gathered, moved packed (onto ``staging``, the device,
+        when given) and decoded into their slots there."""
+        if self.decoder is None:
+            for dst, src in self.pairs():
+                dst.copy_(src, non_blocking=staging is not None)
+            return
+        index = torch.from_numpy(self.experts)
+        packed = {key: src.index_select(0, index) for key, src in self.sources.items()}
+        if staging is not None:
+            packed = {key: t.to(staging, non_blocking=True) for key, t in packed.items()}
+        slots = torch.from_numpy(self.slots).to(next(iter(self.destinations.values())).device)
+        for key, decoded in self.decoder(packed).items():
+            self.destinations[key].index_copy_(0, slots, decoded)
 
 
 StartCallback = Callable[["Transfer"], None]

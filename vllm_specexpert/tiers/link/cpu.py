@@ -24,7 +24,7 @@ class _CpuTransfer(Transfer):
     def __init__(self, link: CpuLink, copy: ExpertCopy, prefetch: bool,
                  on_start: StartCallback | None):
         self.link = link
-        self.pairs = copy.pairs()
+        self.copy = copy
         self.nbytes = copy.nbytes
         self.copies = copy.copies
         self.prefetch = prefetch
@@ -48,8 +48,7 @@ class _CpuTransfer(Transfer):
     def _copy(self) -> None:
         try:
             if not self.cancelled:
-                for dst, src in self.pairs:
-                    dst.copy_(src)
+                self.copy.run()
         except BaseException as exc:  # surfaced to the waiter
             self.error = exc
 

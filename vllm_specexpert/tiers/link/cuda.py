@@ -83,10 +83,10 @@ class CudaLink(Link):
 
     def _copy(self, copy: ExpertCopy) -> None:
         """One launch for every expert and tensor of ``copy`` where the layer has the
-        two tensors of a fused MoE (w13, w2); else one async memcpy per pair."""
-        if len(copy.sources) != 2:
-            for dst, src in copy.pairs():
-                dst.copy_(src, non_blocking=True)
+        two tensors of a fused MoE (w13, w2); packed experts are gathered on the host,
+        moved packed and decoded on the copy stream; else one async memcpy per pair."""
+        if copy.decoder is not None or len(copy.sources) != 2:
+            copy.run(staging=self.device)
             return
         from vllm_specexpert.triton_kernels.slots import copy_experts
 

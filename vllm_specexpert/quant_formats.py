@@ -1,0 +1,387 @@
+"""Quantized expert formats: how a checkpoint holds one projection of one expert, packed,
+and how it becomes a bf16 weight again.
+
+A checkpoint's expert is every per-expert tensor it holds (packed weights, scales,
+zeros, group indices). The slow tier keeps them as they are and the link moves them
+packed; a slot that needs bf16 gets them dequantized on arrival, with one rounding:
+``(q - z) * s`` in fp32, rounded to bf16. ``specexpert dequantize`` writes a checkpoint's
+bf16 twin with the same function, so an expert computed from its slot and the twin's
+expert are the same bits.
+
+Formats (as vLLM reads them from ``quantization_config``):
+
+* ``awq``: ``qweight [in, out/8]`` int32 (AutoAWQ's nibble order), ``qzeros [in/g, out/8]``,
+  ``scales [in/g, out]``.
+* ``gptq``: ``qweight [in/8, out]`` int32, ``qzeros [in/g, out/8]`` (stored minus one,
+  AutoGPTQ's v1 format), ``scales [in/g, out]``; static group order only (vLLM 0.32
+  refuses ``desc_act``), so input row ``r`` is in group ``r // g`` and ``g_idx`` is
+  not read.
+* ``pack-quantized`` (compressed-tensors W4A16): ``weight_packed [out, in/8]`` int32 of
+  signed values offset by 8, ``weight_scale [out, in/g]``, ``weight_shape [2]``, and for
+  asymmetric schemes ``weight_zero_point [out/8, in/g]``.
+* ``fp8`` (weight-only: the activations stay bf16): ``weight [out, in]`` float8_e4m3fn with
+  a per-tensor ``weight_scale``, a per-channel ``weight_scale [out, 1]``
+  (compressed-tensors), or block scales ``weight_scale_inv [out/bo, in/bi]``.
+
+:func:`format_of` reads a Hugging Face ``quantization_config`` and refuses, with one
+error naming what is supported, what the offloaded layer cannot dequantize.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_specexpert.config import SpecExpertUnsupportedError
+
+SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
+"""INT4 group sizes (``-1``: one group per output channel)."""
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""AutoAWQ's packing: nibble ``i`` of an int32 holds column ``8 * c + AWQ_ORDER[i]``."""
+
+TensorShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class PackedFormat(ABC):
+    """One quantized format (see module doc). Shapes are those of one projection
+    ``weight [out_features, in_features]`` of one expert; every function also takes
+    leading batch dimensions (experts, projections)."""
+
+    name: str
+    """``awq``, ``gptq``, ``pack-quantized`` or ``fp8``."""
+    skip: tuple[str, ...] = ()
+    """Module-name patterns the checkpoint leaves unquantized (``re:`` = regex, else a
+    substring), from ``modules_to_not_convert``/``ignore``/``ignored_layers``."""
+
+    bits: int = field(default=4, init=False)
+
+    @abstractmethod
+    def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
+        """Checkpoint tensor name -> (shape, dtype) of one projection."""
+
+    @abstractmethod
+    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
+                   in_features: int) -> torch.Tensor:
+        """``[..., out, in]`` bf16 weight of packed ``tensors`` (one rounding)."""
+
+    @abstractmethod
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Round-to-nearest packed tensors of one ``[out, in]`` weight."""
+
+    @abstractmethod
+    def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """``(out_features, in_features)`` of one projection's packed tensors."""
+
+    def skips(self, module: str) -> bool:
+        """Whether the checkpoint leaves ``module`` unquantized."""
+        return any(re.match(p[3:], module) if p.startswith("re:") else p in module
+                   for p in self.skip)
+
+    def bytes_per_weight(self, out_features: int, in_features: int) -> int:
+        """Bytes one projection occupies packed."""
+        return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                   for shape, dtype in self.tensor_shapes(out_features, in_features).values())
+
+
+# --------------------------------------------------------------------- int4 helpers
+
+
+def _unpack_int4(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """Unsigned 4-bit values of int32 ``packed`` along ``dim`` (8 per int32; nibble ``i``
+    is value ``order[i]`` of its group of eight)."""
+    dim = dim % packed.dim()
+    shifts = torch.tensor([4 * order.index(j) for j in range(8)], dtype=torch.int32)
+    shape = [1] * (packed.dim() + 1)
+    shape[dim + 1] = 8
+    values = (packed.unsqueeze(dim + 1) >> shifts.view(shape)) & 0xF
+    return values.flatten(dim, dim + 1)
+
+
+def _pack_int4(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """Inverse of :func:`_unpack_int4` (values in [0, 15])."""
+    dim = dim % values.dim()
+    grouped = values.to(torch.int32).unflatten(dim, (-1, 8))
+    packed = torch.zeros(grouped.shape[:dim + 1] + grouped.shape[dim + 2:], dtype=torch.int32)
+    for nibble, column in enumerate(order):
+        packed |= grouped.select(dim + 1, column) << (4 * nibble)
+    return packed
+
+
+def _groups(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else in_features // group_size
+
+
+def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool):
+    """Round-to-nearest 4-bit codes of ``weight [out, in]`` per input group: unsigned
+    codes ``q [out, in]``, zero points ``z [out, groups]`` and scales ``s [out, groups]``
+    (``w ~ (q - z) * s``)."""
+    out_features, in_features = weight.shape
+    size = in_features if group_size == -1 else group_size
+    w = weight.float().reshape(out_features, in_features // size, size)
+    if symmetric:
+        scale = w.abs().amax(dim=-1).clamp(min=1e-8) / 7.0
+        zero = torch.full_like(scale, 8.0)
+    else:
+        low, high = w.amin(dim=-1).clamp(max=0.0), w.amax(dim=-1).clamp(min=0.0)
+        scale = ((high - low) / 15.0).clamp(min=1e-8)
+        zero = torch.round(-low / scale).clamp(0, 15)
+    q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
+    return q.reshape(out_features, in_features).to(torch.int32), zero.to(torch.int32), scale
+
+
+def _dequantize(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The one rounding: ``(q - z) * s`` in fp32, rounded to bf16."""
+    return ((q.float() - zero.float()) * scale.float()).to(torch.bfloat16)
+
+
+# -------------------------------------------------------------------------- formats
+
+
+@dataclass(frozen=True)
+class AwqFormat(PackedFormat):
+    group_size: int = 128
+
+    def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
+        groups = _groups(in_features, self.group_size)
+        return {"qweight": ((in_features, out_features // 8), torch.int32),
+                "qzeros": ((groups, out_features // 8), torch.int32),
+                "scales": ((groups, out_features), torch.float16)}
+
+    def dequantize(self, tensors, out_features, in_features):
+        q = _unpack_int4(tensors["qweight"], -1, AWQ_ORDER)              # [.., in, out]
+        zero = _unpack_int4(tensors["qzeros"], -1, AWQ_ORDER)            # [.., g, out]
+        rows = in_features // zero.shape[-2]
+        w = _dequantize(q, zero.repeat_interleave(rows, dim=-2),
+                        tensors["scales"].repeat_interleave(rows, dim=-2))
+        return w.transpose(-1, -2)
+
+    def features(self, tensors):
+        return tensors["qweight"].shape[-1] * 8, tensors["qweight"].shape[-2]
+
+    def quantize(self, weight):
+        q, zero, scale = _rtn_int4(weight, self.group_size, symmetric=False)
+        return {"qweight": _pack_int4(q.T, -1, AWQ_ORDER),
+                "qzeros": _pack_int4(zero.T, -1, AWQ_ORDER),
+                "scales": scale.T.to(torch.float16).contiguous()}
+
+
+@dataclass(frozen=True)
+class GptqFormat(PackedFormat):
+    group_size: int = 128
+    symmetric: bool = True
+
+    def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
+        groups = _groups(in_features, self.group_size)
+        return {"qweight": ((in_features // 8, out_features), torch.int32),
+                "qzeros": ((groups, out_features // 8), torch.int32),
+                "scales": ((groups, out_features), torch.float16)}
+
+    def dequantize(self, tensors, out_features, in_features):
+        q = _unpack_int4(tensors["qweight"], -2)                         # [.., in, out]
+        zero = _unpack_int4(tensors["qzeros"], -1) + 1                   # v1: stored z - 1
+        rows = in_features // zero.shape[-2]
+        w = _dequantize(q, zero.repeat_interleave(rows, dim=-2),
+                        tensors["scales"].repeat_interleave(rows, dim=-2))
+        return w.transpose(-1, -2)
+
+    def features(self, tensors):
+        return tensors["qweight"].shape[-1], tensors["qweight"].shape[-2] * 8
+
+    def quantize(self, weight):
+        q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric)
+        in_features = weight.shape[1]
+        size = in_features if self.group_size == -1 else self.group_size
+        return {"qweight": _pack_int4(q.T, -2),
+                "qzeros": _pack_int4(zero.T - 1, -1),
+                "scales": scale.T.to(torch.float16).contiguous(),
+                "g_idx": (torch.arange(in_features) // size).to(torch.int32)}
+
+
+@dataclass(frozen=True)
+class PackQuantizedFormat(PackedFormat):
+    """compressed-tensors ``pack-quantized`` W4A16."""
+
+    group_size: int = 128
+    symmetric: bool = True
+
+    def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
+        groups = _groups(in_features, self.group_size)
+        shapes: TensorShapes = {
+            "weight_packed": ((out_features, in_features // 8), torch.int32),
+            "weight_scale": ((out_features, groups), torch.bfloat16),
+            "weight_shape": ((2,), torch.int64)}
+        if not self.symmetric:
+            shapes["weight_zero_point"] = ((out_features // 8, groups), torch.int32)
+        return shapes
+
+    def dequantize(self, tensors, out_features, in_features):
+        q = _unpack_int4(tensors["weight_packed"], -1)                   # [.., out, in]
+        scale = tensors["weight_scale"]
+        rows = in_features // scale.shape[-1]
+        if self.symmetric:
+            zero = torch.full_like(scale, 8, dtype=torch.int32)
+        else:  # signed zero points, offset like the weights
+            zero = _unpack_int4(tensors["weight_zero_point"], -2)
+        return _dequantize(q, zero.repeat_interleave(rows, dim=-1),
+                           scale.repeat_interleave(rows, dim=-1))
+
+    def features(self, tensors):
+        out_features, in_features = tensors["weight_shape"].reshape(-1, 2)[0].tolist()
+        return int(out_features), int(in_features)
+
+    def quantize(self, weight):
+        q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric)
+        tensors = {"weight_packed": _pack_int4(q, -1),
+                   "weight_scale": scale.to(torch.bfloat16),
+                   "weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
+        if not self.symmetric:
+            tensors["weight_zero_point"] = _pack_int4(zero, -2)
+        return tensors
+
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+@dataclass(frozen=True)
+class Fp8Format(PackedFormat):
+    """Weight-only FP8 (e4m3) with per-tensor, per-channel or block scales."""
+
+    scales: str = "tensor"
+    """``tensor``, ``channel`` or ``block``."""
+    block: tuple[int, int] = (128, 128)
+    """Block shape ``[out, in]`` (``scales == "block"``)."""
+
+    bits: int = field(default=8, init=False)
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale_inv" if self.scales == "block" else "weight_scale"
+
+    def _scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        if self.scales == "block":
+            return (math.ceil(out_features / self.block[0]), math.ceil(in_features / self.block[1]))
+        return (out_features, 1) if self.scales == "channel" else ()
+
+    def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
+        return {"weight": ((out_features, in_features), torch.float8_e4m3fn),
+                self.scale_name: (self._scale_shape(out_features, in_features), torch.float32)}
+
+    def _expand(self, scale: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        if self.scales == "block":
+            scale = scale.repeat_interleave(self.block[0], dim=-2)[..., :out_features, :]
+            return scale.repeat_interleave(self.block[1], dim=-1)[..., :in_features]
+        return scale if self.scales == "channel" else scale[..., None, None]
+
+    def dequantize(self, tensors, out_features, in_features):
+        scale = self._expand(tensors[self.scale_name].float(), out_features, in_features)
+        return (tensors["weight"].float() * scale).to(torch.bfloat16)
+
+    def features(self, tensors):
+        return tensors["weight"].shape[-2], tensors["weight"].shape[-1]
+
+    def quantize(self, weight):
+        out_features, in_features = weight.shape
+        w = weight.float()
+        if self.scales == "block":
+            bo, bi = self.block
+            padded = torch.zeros(math.ceil(out_features / bo) * bo, math.ceil(in_features / bi) * bi)
+            padded[:out_features, :in_features] = w.abs()
+            amax = padded.unflatten(0, (-1, bo)).unflatten(2, (-1, bi)).amax(dim=(1, 3))
+        elif self.scales == "channel":
+            amax = w.abs().amax(dim=1, keepdim=True)
+        else:
+            amax = w.abs().amax()
+        scale = amax.clamp(min=1e-12) / FP8_MAX
+        q = (w / self._expand(scale, out_features, in_features)).clamp(-FP8_MAX, FP8_MAX)
+        return {"weight": q.to(torch.float8_e4m3fn), self.scale_name: scale.float()}
+
+
+# --------------------------------------------------------------- reading a config
+
+
+SUPPORTED = ("awq (4-bit, zero point)", "gptq (4-bit)",
+             "compressed-tensors pack-quantized W4A16", "compressed-tensors FP8 weights",
+             "fp8 (per-tensor or block scales)")
+
+
+def _unsupported(what: str, why: str) -> SpecExpertUnsupportedError:
+    return SpecExpertUnsupportedError(
+        f"quantization {what}", why,
+        "offloaded experts can be " + ", ".join(SUPPORTED) + f" with group sizes "
+        f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}; or use a bf16 checkpoint")
+
+
+def _group_size(method: str, value: Any) -> int:
+    group_size = int(value if value is not None else -1)
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise _unsupported(f"'{method}' group_size {group_size}", "no dequantizer for it")
+    return group_size
+
+
+def format_of(config: dict[str, Any] | None) -> PackedFormat | None:
+    """The :class:`PackedFormat` of a Hugging Face ``quantization_config`` (``None`` for
+    an unquantized checkpoint); an error naming what is supported otherwise."""
+    if not config:
+        return None
+    method = str(config.get("quant_method", "")).lower()
+    if method == "awq":
+        bits = int(config.get("bits", config.get("w_bit", 4)))
+        if bits != 4 or not config.get("zero_point", True):
+            raise _unsupported(f"'awq' bits={bits}", "only 4-bit AWQ with zero points")
+        return AwqFormat("awq", tuple(config.get("modules_to_not_convert") or ()),
+                         _group_size(method, config.get("group_size", config.get("q_group_size"))))
+    if method == "gptq":
+        bits = int(config.get("bits", 4))
+        if bits != 4 or config.get("checkpoint_format", "gptq") != "gptq":
+            raise _unsupported(f"'gptq' bits={bits} format={config.get('checkpoint_format')}",
+                               "only 4-bit GPTQ in the v1 checkpoint format")
+        if config.get("desc_act") and int(config.get("group_size", -1)) != -1:
+            raise _unsupported("'gptq' desc_act=true", "vLLM 0.32 refuses activation "
+                               "ordering (and so does the offloaded layer)")
+        skip = tuple("re:" + k.removeprefix("-:") for k in (config.get("dynamic") or {})
+                     if k.startswith("-:"))
+        return GptqFormat("gptq", skip, _group_size(method, config.get("group_size")),
+                          bool(config.get("sym", True)))
+    if method == "fp8":
+        block = config.get("weight_block_size")
+        if config.get("activation_scheme", "dynamic") != "dynamic":
+            raise _unsupported("'fp8' with static activation scales",
+                               "experts run with bf16 activations (weight-only)")
+        skip = tuple(config.get("ignored_layers") or config.get("modules_to_not_convert") or ())
+        if block:
+            return Fp8Format("fp8", skip, scales="block", block=(int(block[0]), int(block[1])))
+        return Fp8Format("fp8", skip, scales="tensor")
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(config)
+    raise _unsupported(f"'{method or config}'", "the offloaded layer has no dequantizer for it")
+
+
+def _compressed_tensors_format(config: dict[str, Any]) -> PackedFormat:
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise _unsupported("compressed-tensors with %d config groups" % len(groups),
+                           "one scheme for every quantized module is supported")
+    scheme = groups[0]
+    weights = scheme.get("weights") or {}
+    if scheme.get("input_activations"):
+        raise _unsupported("compressed-tensors with quantized activations",
+                           "experts run with bf16 activations (weight-only)")
+    skip = tuple(config.get("ignore") or ())
+    fmt = scheme.get("format") or config.get("format")
+    kind, bits, strategy = weights.get("type"), int(weights.get("num_bits", 0)), weights.get("strategy")
+    if fmt == "pack-quantized" and kind == "int" and bits == 4:
+        group_size = _group_size("compressed-tensors", weights.get("group_size")
+                                 if strategy == "group" else -1)
+        return PackQuantizedFormat("pack-quantized", skip, group_size,
+                                   bool(weights.get("symmetric", True)))
+    if kind == "float" and bits == 8 and strategy in ("tensor", "channel"):
+        return Fp8Format("fp8", skip, scales=strategy)
+    raise _unsupported(f"compressed-tensors {fmt} {kind}{bits} ({strategy})",
+                       "the offloaded layer has no dequantizer for it")
