@@ -32,6 +32,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
                                      "vllm.model_executor.models.olmoe"),
     "DeepseekV2ForCausalLM": Architecture("n_routed_experts", "num_experts_per_tok",
                                           "vllm.model_executor.models.deepseek_v2"),
+    "GptOssForCausalLM": Architecture("num_local_experts", "num_experts_per_tok",
+                                      "vllm.model_executor.models.gpt_oss"),
 }
 
 

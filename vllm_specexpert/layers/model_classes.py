@@ -21,7 +21,7 @@ from vllm.platforms import current_platform
 
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts, offloaded
 from vllm_specexpert.predict import FusedRouting, NextLayerRouting, residual_scale
 
 
@@ -32,7 +32,7 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
     several Python layers per call, too slow for the decode path; a prediction need not
     be bit-exact)."""
     runner = decoder_layer.mlp.experts
-    gate = runner.gate if runner.gate is not None else decoder_layer.mlp.gate
+    gate = runner.gate or getattr(decoder_layer.mlp, "gate", None) or decoder_layer.mlp.router
     norm = decoder_layer.post_attention_layernorm
     norm_weight = norm.weight.data.float()
     eps = norm.variance_epsilon
@@ -52,14 +52,16 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
 
 def _fused_routing(gate: nn.Module, norm: nn.Module, router) -> FusedRouting | None:
     """The routing as tensors for the Triton predictor, when the device has Triton and the
-    router is vLLM's plain softmax top-k (no groups, bias or custom function)."""
+    router is vLLM's plain softmax top-k (no groups, bias or custom function) on an
+    unbiased gate."""
     from vllm.model_executor.layers.fused_moe.router.fused_topk_router import (
         FusedTopKRouter,
     )
 
     weight = getattr(gate, "weight", None)
     if (not current_platform.is_cuda() or type(router) is not FusedTopKRouter
-            or router.scoring_func != "softmax" or weight is None or weight.dim() != 2):
+            or router.scoring_func != "softmax" or weight is None or weight.dim() != 2
+            or getattr(gate, "bias", None) is not None):
         return None
     return FusedRouting(gate_weight=weight.data, norm_weight=norm.weight.data,
                         eps=norm.variance_epsilon, top_k=router.top_k,
@@ -127,10 +129,24 @@ def __getattr__(name: str):
     """``vllm_specexpert.layers.model_classes:<Architecture>`` for vLLM's lazy model registry."""
     if name not in SUPPORTED_ARCHITECTURES:
         raise AttributeError(name)
-    base = getattr(importlib.import_module(SUPPORTED_ARCHITECTURES[name].vllm_module), name)
-    cls = _offload_aware(base)
+    module = importlib.import_module(SUPPORTED_ARCHITECTURES[name].vllm_module)
+    _register_routed_experts_of(module)
+    cls = _offload_aware(getattr(module, name))
     globals()[name] = cls
     return cls
+
+
+def _register_routed_experts_of(module) -> None:
+    """vLLM instantiates pluggable layers by class name: a model module's own
+    ``RoutedExperts`` subclass gets its offloaded variant registered under its name."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    for value in vars(module).values():
+        if (isinstance(value, type) and issubclass(value, RoutedExperts)
+                and value.__module__ == module.__name__
+                and value.__name__ not in op_registry_oot):
+            RoutedExperts.register_oot(offloaded(value), name=value.__name__)
 
 
 def register_models() -> None:

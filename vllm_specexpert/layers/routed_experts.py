@@ -42,6 +42,9 @@ from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.packed_experts import PackedDecoder, PackedParameters
 from vllm_specexpert.tiers.host import GATED_ACTIVATIONS, torch_experts
 
+EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
+"""Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
+
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
 
@@ -76,13 +79,16 @@ def _host_allocation():
 class OffloadedRoutedExperts(RoutedExperts):
     """Routed experts served from an :class:`ExpertCache` (see module doc)."""
 
+    vanilla_class: type[RoutedExperts] = RoutedExperts
+    """The vLLM class this one offloads (a model's own subclass, see :func:`offloaded`)."""
+
     def __init__(self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs):
         vllm_config = get_current_vllm_config()
         config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
         if config is None:
             # Not configured: become exactly vLLM's layer.
-            self.__class__ = RoutedExperts
-            RoutedExperts.__init__(
+            self.__class__ = self.vanilla_class
+            self.vanilla_class.__init__(
                 self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs
             )
             return
@@ -90,10 +96,11 @@ class OffloadedRoutedExperts(RoutedExperts):
         check_supported(vllm_config)
         self._packed_format = packed_format(vllm_config, layer_name)
         self._packed: PackedParameters | None = None
-        if moe_config.has_bias:
+        if moe_config.has_bias and self._packed_format is not None:
             raise SpecExpertUnsupportedError(
-                f"{layer_name}: expert biases", "biased experts are not offloaded yet",
-                "use a model without expert biases",
+                f"{layer_name}: quantized experts with biases",
+                "biased experts are offloaded in bf16 only for now",
+                "use the bf16 checkpoint",
             )
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
@@ -159,7 +166,10 @@ class OffloadedRoutedExperts(RoutedExperts):
         layer) to the slow tier; keep only views."""
         weights = {name: getattr(self, name) for name in ("w13_weight", "w2_weight")}
         if packed is None:
-            tensors, decoder = {name: w.data for name, w in weights.items()}, None
+            # An expert is its weights and, where the model has them, its biases.
+            tensors = {name: getattr(self, name).data for name in EXPERT_TENSORS
+                       if hasattr(self, name)}
+            decoder = None
         else:
             tensors = packed
             decoder = PackedDecoder(self._packed, self._runtime_form, {
@@ -228,6 +238,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         CPU build ``ids`` are slot indices; on CUDA they are the router's ids and
         ``expert_map`` finds their slots (-1: not resident, contributes zero)."""
         w13, w2 = slots["w13_weight"], slots["w2_weight"]
+        if "w13_bias" in slots:
+            self._point_biases_at(slots)
         experts = self._direct_experts()
         if experts is not None:
             out = torch.empty_like(x)
@@ -247,6 +259,16 @@ class OffloadedRoutedExperts(RoutedExperts):
                 global_num_experts=w13.shape[0] if expert_map is None else expert_map.numel(),
                 expert_map=expert_map,
             )
+
+    def _point_biases_at(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The kernel reads expert biases from its quant config (vLLM hands it the
+        layer's ``[E, ...]`` bias parameters at load): point them at the biases of the
+        tensors it runs on now (slots, or the store's for host compute), indexed like
+        the weights."""
+        method = self.quant_method
+        for config in {id(c): c for c in (method.moe_quant_config, getattr(
+                method.moe_kernel.fused_experts, "quant_config", None)) if c}.values():
+            config._w1.bias, config._w2.bias = tensors["w13_bias"], tensors["w2_bias"]
 
     def _vanilla_tile_config(self, x: torch.Tensor):
         """On GPUs: the Triton tile config vanilla would pick for the whole layer call.
@@ -304,6 +326,14 @@ class OffloadedRoutedExperts(RoutedExperts):
             )
             self._direct = impl.fused_experts if direct else None
         return self._direct
+
+
+def offloaded(base: type[RoutedExperts]) -> type[OffloadedRoutedExperts]:
+    """The offloaded layer for a model's own ``RoutedExperts`` subclass (GPT-OSS loads
+    its fused expert tensors in one): vLLM's class for everything it defines, the
+    offloaded layer's behaviour on top."""
+    return type(f"Offloaded{base.__name__}", (OffloadedRoutedExperts, base),
+                {"vanilla_class": base, "__module__": __name__})
 
 
 class _TileConfigs:

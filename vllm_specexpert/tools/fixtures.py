@@ -82,6 +82,13 @@ ARCHITECTURES: dict[str, dict] = {
         topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
         n_group=1, topk_group=1,
     ),
+    # GPT-OSS-like: expert biases, SWIGLUOAI (clamped), a biased router, attention sinks
+    # and alternating sliding-window layers. Fused [E, ...] expert tensors on disk.
+    "gpt_oss": dict(
+        cls="GptOssConfig", head_dim=32, intermediate_size=64, num_local_experts=16,
+        num_experts_per_tok=4, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2, random_biases=True,
+    ),
 }
 
 DENSE_ARCHITECTURES: dict[str, dict] = {
@@ -199,10 +206,16 @@ def build_model(arch: str, out: Path) -> Path:
 
     spec = dict(ALL_FIXTURES[arch])
     config_cls = getattr(transformers, spec.pop("cls"))
+    random_biases = spec.pop("random_biases", False)
     config = config_cls(**COMMON, **spec, bos_token_id=0, eos_token_id=0, pad_token_id=1)
     config.dtype = "bfloat16"
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if random_biases:  # initialized to zeros: a bias taken from the wrong expert would not show
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or name.endswith("_bias"):
+                    param.normal_(0.0, config.initializer_range)
     model = model.to(torch.bfloat16)
     target = out / arch
     target.mkdir(parents=True, exist_ok=True)
