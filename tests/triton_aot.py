@@ -5,8 +5,9 @@ shipped in the Triton wheel, so a machine without a GPU can check that every ker
 compiles for the architectures it is meant for (sm_80: A100/RTX 30xx, sm_90: H100).
 :data:`SPECIALIZATIONS` lists, per kernel, the argument types and constexprs of the
 launches the runtime makes (bf16 weights; the routing shapes of Qwen3-30B-A3B,
-DeepSeek-V2-Lite and Mixtral). :func:`resource_usage` reads a cubin's registers and stack
-with the wheel's ``cuobjdump`` (a non-zero stack means the kernel spills).
+DeepSeek-V2-Lite and Mixtral; AWQ and block-FP8 experts dequantized).
+:func:`resource_usage` reads a cubin's registers and stack with the wheel's ``cuobjdump``
+(a non-zero stack means the kernel spills).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from vllm_specexpert.triton_kernels import dequantize
 from vllm_specexpert.triton_kernels.predict import block_h, predict_routing_kernel
 from vllm_specexpert.triton_kernels.slots import (
     copy_experts_kernel,
@@ -93,6 +95,29 @@ SPECIALIZATIONS: list[Specialization] = [
             "experts_ptr": "*i32", "slots_ptr": "*i32", "blocks0": "i32",
         },
         constexprs={"BLOCK": 4096},
+    ),
+    Specialization(
+        name="dequantize_int4_awq",
+        kernel=dequantize.dequantize_int4_kernel,
+        types={
+            "q_ptr": "*i32", "stride_qb": "i32", "stride_qo": "i32", "stride_qi": "i32",
+            "z_ptr": "*i32", "stride_zb": "i32", "stride_zo": "i32", "stride_zg": "i32",
+            "s_ptr": "*fp16", "stride_sb": "i32", "stride_so": "i32", "stride_sg": "i32",
+            "out_ptr": "*bf16", "out_features": "i32", "in_features": "i32", "group": "i32",
+        },
+        constexprs={"PACKED_IN": False, "AWQ": True, "HAS_ZERO": True, "ZERO_BIAS": 0,
+                    "BLOCK_O": dequantize.BLOCK_O, "BLOCK_I": dequantize.BLOCK_I},
+    ),
+    Specialization(
+        name="dequantize_fp8_block",
+        kernel=dequantize.dequantize_fp8_kernel,
+        types={
+            "w_ptr": "*u8", "stride_wb": "i32", "stride_wo": "i32", "stride_wi": "i32",
+            "s_ptr": "*fp32", "stride_sb": "i32", "stride_so": "i32", "stride_si": "i32",
+            "out_ptr": "*bf16", "out_features": "i32", "in_features": "i32",
+            "block_o": "i32", "block_i": "i32",
+        },
+        constexprs={"BLOCK_O": dequantize.BLOCK_O, "BLOCK_I": dequantize.BLOCK_I},
     ),
 ]
 

@@ -1,9 +1,18 @@
 """Every Triton kernel of ``vllm_specexpert.triton_kernels`` against its torch reference,
 on CPU tensors under Triton's interpreter (see conftest)."""
 
+import math
+
 import pytest
 import torch
 
+from vllm_specexpert.quant_formats import (
+    AwqFormat,
+    Fp8Format,
+    GptqFormat,
+    PackQuantizedFormat,
+)
+from vllm_specexpert.triton_kernels.dequantize import dequantize_packed
 from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms, predict_routing
 from vllm_specexpert.triton_kernels.slots import copy_experts, update_slot_map
 
@@ -159,3 +168,134 @@ def test_copy_experts_moves_whole_rows_of_both_tensors(dtype):
         assert torch.equal(slots13[slot], w13[expert])
         assert torch.equal(slots2[slot], w2[expert])
     assert not slots13[1].any() and not slots2[1].any()             # untouched slot
+
+
+# --------------------------------------------------------------------- dequantize
+
+# (format, out, in, batch dims): in and out not powers of two where the format allows it
+# (multiples of 8, and of the group size), one group per row (-1), FP8 blocks that do
+# not divide the weight, a block larger than it, and [experts, projections] batches.
+DEQUANTIZE_CASES = [
+    (AwqFormat("awq", group_size=32), 96, 160, ()),
+    (AwqFormat("awq", group_size=-1), 40, 72, (3, 2)),
+    (GptqFormat("gptq", group_size=32, symmetric=True), 96, 160, ()),
+    (GptqFormat("gptq", group_size=32, symmetric=False), 96, 160, (3, 2)),
+    (GptqFormat("gptq", group_size=-1, symmetric=False), 24, 72, ()),
+    (PackQuantizedFormat("pack-quantized", group_size=32, symmetric=True), 96, 160, (3, 2)),
+    (PackQuantizedFormat("pack-quantized", group_size=32, symmetric=False), 96, 160, ()),
+    (PackQuantizedFormat("pack-quantized", group_size=-1, symmetric=False), 40, 72, (3, 2)),
+    (PackQuantizedFormat("pack-quantized", group_size=-1, symmetric=True), 24, 72, ()),
+    (Fp8Format("fp8", scales="tensor"), 100, 150, (3, 2)),
+    (Fp8Format("fp8", scales="channel"), 100, 150, ()),
+    (Fp8Format("fp8", scales="block", block=(48, 48)), 100, 150, (3, 2)),
+    (Fp8Format("fp8", scales="block", block=(128, 128)), 40, 72, ()),
+]
+
+
+def _case_id(case):
+    fmt, out_features, in_features, batch = case
+    detail = getattr(fmt, "scales", None) or (
+        f"g{fmt.group_size}" + ("" if isinstance(fmt, AwqFormat)
+                                else "-sym" if fmt.symmetric else "-asym"))
+    if getattr(fmt, "scales", None) == "block":
+        detail += f"{fmt.block[0]}x{fmt.block[1]}"
+    return f"{fmt.name}-{detail}-{out_features}x{in_features}-b{'x'.join(map(str, batch)) or 1}"
+
+
+def _quantized(fmt, out_features, in_features, batch, seed=0):
+    """``fmt.quantize`` of random ``[out, in]`` weights, stacked into ``batch``."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(out_features, in_features, generator=g) * 0.05
+               for _ in range(math.prod(batch))]
+    packed = [fmt.quantize(w) for w in weights]
+    return {key: torch.stack([p[key] for p in packed]).reshape(*batch, *packed[0][key].shape)
+            for key in packed[0]}
+
+
+def _bits(weight):
+    """bf16 bits: ``torch.equal`` on the values would take -0.0 for 0.0."""
+    return weight.view(torch.int16)
+
+
+def _check_dequantize(fmt, tensors, out_features, in_features):
+    expected = fmt.dequantize(tensors, out_features, in_features)
+    got = dequantize_packed(fmt, tensors, out_features, in_features)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    assert torch.equal(_bits(got), _bits(expected)), (got.float() - expected.float()).abs().max()
+    return got
+
+
+@pytest.mark.parametrize("case", DEQUANTIZE_CASES, ids=_case_id)
+def test_dequantize_matches_the_format_bit_for_bit(case):
+    fmt, out_features, in_features, batch = case
+    tensors = _quantized(fmt, out_features, in_features, batch)
+    got = _check_dequantize(fmt, tensors, out_features, in_features)
+    assert got.is_contiguous() and got.abs().max() > 0
+
+
+@pytest.mark.parametrize("case", DEQUANTIZE_CASES[1::2], ids=_case_id)
+def test_dequantize_reads_strides_not_layouts(case):
+    """Every tensor stored with its last two dimensions swapped (a view, as a transposed
+    checkpoint tensor would be): the kernel must follow the strides it is given."""
+    fmt, out_features, in_features, batch = case
+    tensors = {key: value.mT.contiguous().mT if value.dim() >= 2 else value
+               for key, value in _quantized(fmt, out_features, in_features, batch, 1).items()}
+    assert any(not value.is_contiguous() for value in tensors.values())
+    _check_dequantize(fmt, tensors, out_features, in_features)
+
+
+@pytest.mark.parametrize("fmt", [
+    AwqFormat("awq", group_size=32),
+    GptqFormat("gptq", group_size=32, symmetric=False),
+    PackQuantizedFormat("pack-quantized", group_size=32, symmetric=False),
+    PackQuantizedFormat("pack-quantized", group_size=-1, symmetric=True),
+], ids=lambda f: f"{f.name}-g{f.group_size}")
+def test_dequantize_of_arbitrary_words(fmt):
+    """Random 32-bit words, not just what ``quantize`` writes: every nibble value in every
+    position, the sign bit set (an arithmetic shift), GPTQ's stored zero 15 (zero 16),
+    and scales of either sign anywhere in their dtype's range (q = z with s < 0: -0.0)."""
+    out_features, in_features, batch = 64, 96, (2,)
+    g = torch.Generator().manual_seed(2)
+    tensors = {}
+    for name, (shape, dtype) in fmt.tensor_shapes(out_features, in_features).items():
+        shape = (*batch, *shape)
+        if dtype == torch.int32:
+            words = torch.randint(-2**31, 2**31, shape, generator=g, dtype=torch.int64)
+            tensors[name] = words.int()
+        elif dtype.is_floating_point:
+            tensors[name] = (torch.randn(shape, generator=g) * 10.0 ** torch.randint(
+                -4, 3, shape, generator=g)).to(dtype)
+    assert (tensors[next(iter(tensors))] < 0).any()
+    _check_dequantize(fmt, tensors, out_features, in_features)
+
+
+def test_dequantize_fp8_every_code_and_rounding_ties():
+    """All 256 e4m3 bytes (subnormals, both zeros, +-448, NaN) times scales with few
+    significant bits, so that some products lie exactly halfway between two bf16 values
+    (round to even, not truncation nor away from zero)."""
+    fmt = Fp8Format("fp8", scales="channel")
+    weight = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(1, 256)
+    scales = torch.tensor([1.0, 1 + 2**-4 + 2**-8, 3 * 2**-8 + 1, 2**-3 + 2**-9, 1e-3])
+    tensors = {"weight": weight.expand(len(scales), 256).contiguous(),
+               "weight_scale": scales.reshape(-1, 1)}
+    products = tensors["weight"].float() * tensors["weight_scale"]
+    low = products.view(torch.int32) & 0xFFFF
+    assert (low == 0x8000).sum() > 10                                      # ties present
+    expected = fmt.dequantize(tensors, len(scales), 256)
+    got = dequantize_packed(fmt, tensors, len(scales), 256)
+    nan = products.isnan()
+    assert nan.sum() == 2 * len(scales) and torch.equal(got.isnan(), nan)
+    assert torch.equal(_bits(got)[~nan], _bits(expected)[~nan])
+
+
+def test_dequantize_int4_rounding_ties():
+    """INT4: ``(q - z) * s`` exactly halfway between two bf16 values rounds to the even
+    one (1 + 2^-8 down, 1 + 3 * 2^-8 up, negatives alike); just above halfway rounds up."""
+    fmt = GptqFormat("gptq", group_size=-1)
+    scales = [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-10, -(1 + 3 * 2**-8)] * 2
+    rounded = [1.0, 1 + 2**-6, 1 + 2**-7, -(1 + 2**-6)] * 2
+    tensors = {"qweight": torch.full((2, 8), 0x22222222, dtype=torch.int32),   # q = 2
+               "qzeros": torch.zeros(1, 1, dtype=torch.int32),                 # z = 0 + 1
+               "scales": torch.tensor([scales], dtype=torch.float16)}
+    got = _check_dequantize(fmt, tensors, 8, 16)
+    assert torch.equal(got, torch.tensor(rounded, dtype=torch.bfloat16)[:, None].expand(8, 16))
