@@ -226,3 +226,10 @@ def test_a_rejected_reconfigure_is_one_error_and_leaves_the_engine_as_it_was(llm
     assert info.value.field_name == field
     assert vllm_specexpert.get_stats(llm)[0]["config"] == before
     assert len(greedy(llm)) == len(PROMPTS)
+
+
+def test_lowbit_needs_copies_made_at_load(llm):
+    from vllm_specexpert.config import SpecExpertConfigError
+
+    with pytest.raises(SpecExpertConfigError, match="made at load only when the engine starts"):
+        vllm_specexpert.reconfigure(llm, miss_policy="lowbit")

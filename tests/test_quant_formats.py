@@ -123,3 +123,11 @@ def test_reading_quantization_configs():
                              "num_bits": 8, "type": "float", "strategy": "channel"}}}})
     assert isinstance(channel, Fp8Format) and channel.scales == "channel"
     assert format_of(None) is None
+
+
+def test_gptq_never_stores_a_zero_point_it_cannot_hold():
+    # v1 stores z - 1: a group whose weights are all >= 0 (z = 0) would wrap to 15.
+    weight = torch.rand(OUT, IN, generator=torch.Generator().manual_seed(3)) * 0.05
+    fmt = GptqFormat("gptq", (), 32, symmetric=False)
+    restored = fmt.dequantize(fmt.quantize(weight), OUT, IN)
+    assert (restored.float() - weight).abs().max() <= 0.05 / 15 + 0.004

@@ -14,7 +14,7 @@ from vllm_harness import PROMPTS, greedy, make_llm, shutdown, vanilla_reference
 
 import vllm_specexpert
 from vllm_specexpert import quant_formats
-from vllm_specexpert.config import SpecExpertUnsupportedError
+from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
 from vllm_specexpert.tools.fixtures import QUANTIZED_FIXTURES, TWIN_SUFFIX, model_path
 
 FORMATS = ["qwen3_moe-awq", "qwen3_moe-gptq", "qwen3_moe-w4a16", "qwen3_moe-fp8-block",
@@ -142,3 +142,11 @@ def test_quantized_config_lists_every_unquantized_module():
     skipped = config["quantization_config"]["modules_to_not_convert"]
     assert "model.layers.0.self_attn.q_proj" in skipped and "model.layers.3.mlp.gate" in skipped
     assert not any("experts" in name for name in skipped)
+
+
+def test_lowbit_refuses_an_already_quantized_checkpoint(engines):
+    name, llm, _ = engines
+    fmt = {"w4a16": "pack-quantized"}.get(QUANTIZED_FIXTURES[name]["name"],
+                                          QUANTIZED_FIXTURES[name]["name"])
+    with pytest.raises(SpecExpertConfigError, match=f"miss_policy.*already {fmt}"):
+        vllm_specexpert.reconfigure(llm, miss_policy="lowbit")

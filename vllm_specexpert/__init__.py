@@ -28,7 +28,7 @@ package is named here)::
     3  predict/         next-layer predictors behind one interface: base, router,
                         quasi_hidden; path (the routing-path predictor of a step)
     4  policy/          miss policies that only decide (a MissPlan): base, context,
-                        fetch, speculate, cpu, substitute, drop, buddies
+                        fetch, speculate, cpu, substitute, drop, buddies, lowbit
     4  planner/         what to load ahead: prefetch (what pays), plec (shared pool)
     5  execute          one layer call (LayerCall): survey, run a plan, token groups,
                         kernel launches; the one place that runs experts

@@ -32,18 +32,16 @@ import numpy as np
 import torch
 
 from vllm_specexpert import execute, report
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.execute import ExpertKernel, LayerCall
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.planner.plec import PlecPlanner
-from vllm_specexpert.planner.prefetch import PrefetchPlanner
 from vllm_specexpert.policy import (
     MISS_POLICY_CLASSES,
     MissPolicy,
-    miss_context,
 )
 from vllm_specexpert.predict import (
     PREDICTOR_CLASSES,
@@ -53,16 +51,16 @@ from vllm_specexpert.predict import (
     Predictor,
 )
 from vllm_specexpert.stats import LayerStats, PhaseStats
-from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
-from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertStore
 
 logger = init_logger(__name__)
 
+LOW_BIT_SUFFIX = ".int4"
+"""Store name of a layer's INT4 copies (``lowbit``)."""
 
 class OffloadEngine:
     def __init__(self, config: SpecExpertConfig, device: torch.device, rank: int = 0):
@@ -109,17 +107,21 @@ class OffloadEngine:
     def add_layer(
         self, name: str, tensors: dict[str, torch.Tensor], top_k: int, index: int = -1,
         host_kernel: HostKernel | None = None, decoder: ExpertDecoder | None = None,
+        low_bit: tuple[dict[str, torch.Tensor], ExpertDecoder] | None = None,
     ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
         ``host_kernel`` computes experts in slot form (``cpu``/``auto``); ``decoder``
-        turns packed (quantized) experts into slot form."""
+        turns packed (quantized) experts into slot form; ``low_bit``: the packed INT4
+        copies of a bf16 layer and their decoder (``lowbit``)."""
         self.store.add_layer(name, tensors, decoder)
-        cache = self._make_cache(name, top_k)
-        layer = OffloadedLayer(name=name, top_k=top_k, index=index, cache=cache,
-                               loader=ExpertLoader(cache, self.link),
-                               prefetch=PrefetchPlanner(top_k), host_kernel=host_kernel)
+        low_bit_experts = None
+        if low_bit is not None:
+            low_bit_experts = self.store.add_layer(name + LOW_BIT_SUFFIX, *low_bit)
+        layer = OffloadedLayer(name=name, top_k=top_k, index=index,
+                               experts=self.store.layers[name], host_kernel=host_kernel,
+                               low_bit_experts=low_bit_experts)
         self.layers[name] = layer
-        self._set_miss_context(layer)
+        layer.equip(self.config, self.link, self.device, self.pool)
         return layer
 
     def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
@@ -143,7 +145,7 @@ class OffloadEngine:
         for name, layer in self.layers.items():
             layer.coactivation = np.asarray(coactivation[name])
             layer.tae_percentiles = np.asarray(tae_percentiles[name], dtype=np.float64)
-            self._set_miss_context(layer)
+            layer.set_miss_context(self.config, self.link)
 
     def start(self) -> None:
         """Every layer is loaded and wired: check that the configuration can run (fail
@@ -172,26 +174,6 @@ class OffloadEngine:
             return "equivalent"
         return output
 
-    def _set_miss_context(self, layer: OffloadedLayer) -> None:
-        layer.miss_context = miss_context(
-            self.config, layer.cache.experts, self.link.expert_seconds(layer.cache.experts),
-            layer.host_kernel, layer.coactivation, layer.tae_percentiles)
-
-    def _make_cache(self, name: str, top_k: int) -> ExpertCache:
-        """Layer ``name``'s cache: its own pool, or its share of the shared one (which
-        :meth:`start` allocates once every layer joined)."""
-        experts = self.store.layers[name]
-        num_slots = self.config.slots_per_layer(experts.num_experts, top_k)
-        try:
-            return ExpertCache(experts, num_slots, top_k, self.config.cache, self.device,
-                               pool=self.pool)
-        except ValueError as error:
-            if self.pool is None:
-                raise
-            raise SpecExpertConfigError(
-                "cache", f"'{self.config.cache}' shares one slot pool between layers: "
-                f"{error}", "use cache 'lru'") from error
-
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch budget, cache policy, miss policy, predictor or link without reloading
         weights. Every cache is rebuilt (warm start again) and the counters restart.
@@ -219,14 +201,12 @@ class OffloadEngine:
             self.link = make_link(config.link, self.device)
             self._predictions.clear()
             for layer in self.layers.values():
-                layer.cache = layer.loader = None  # free the old pools before the new ones
+                # Free the old pools before the new ones.
+                layer.cache = layer.loader = layer.low_bit = None
             self._select(config)
             for layer in self.layers.values():
-                layer.cache = self._make_cache(layer.name, layer.top_k)
-                layer.loader = ExpertLoader(layer.cache, self.link)
-                layer.prefetch = PrefetchPlanner(layer.top_k)
+                layer.equip(config, self.link, self.device, self.pool)
                 layer.stats = LayerStats()
-                self._set_miss_context(layer)
             if self.pool is not None:
                 self.pool.allocate()
         self.link.reset_counters()

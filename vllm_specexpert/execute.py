@@ -133,10 +133,12 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
     substituted = plan.substituted if plan.substituted is not None else none
     on_host = plan.on_host if plan.on_host is not None else none
     dropped = plan.dropped if plan.dropped is not None else none
-    on_device = ~(on_host | dropped)
+    low_bit = plan.low_bit if plan.low_bit is not None else none
+    on_device = ~(on_host | dropped | low_bit)
     stats.substituted_entries += int(np.count_nonzero(substituted))
     stats.host_entries += int(np.count_nonzero(on_host))
     stats.dropped_entries += int(np.count_nonzero(dropped))
+    stats.low_bit_entries += int(np.count_nonzero(low_bit))
     fetched = found.missing & on_device & ~substituted
     stats.fetched_entries += int(np.count_nonzero(fetched))
     # Missing experts that no device entry loads still count as requested and missed.
@@ -169,15 +171,44 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
         elif call.before_kernel is not None:
             loader.begin_run(np.zeros(0, dtype=np.int64), stats)
             call.take_before_kernel()()
+    if low_bit.any():
+        _run_low_bit(context.low_bit, call, low_bit, out)
     if host_job is not None:
         charged, waited = context.host.finish(host_job, out, started_at)
         stats.host_experts += host_job.experts
         stats.host_s += charged
         stats.host_stall_s += waited
-        if context.admit_host_experts:
-            experts, counts = np.unique(ids[on_host], return_counts=True)
-            loader.admit(int(experts[np.argmax(counts)]), stats)
+    elsewhere = on_host | low_bit
+    if context is not None and context.admit_host_experts and elsewhere.any():
+        experts, counts = np.unique(ids[elsewhere], return_counts=True)
+        loader.admit(int(experts[np.argmax(counts)]), stats)
     return out
+
+
+def _run_low_bit(low_bit: ExpertLoader, call: LayerCall, entries: np.ndarray,
+                 out: torch.Tensor) -> None:
+    """Add to ``out`` the ``entries`` ([T, K] mask) run from their experts' INT4 copies,
+    loaded (packed) into the low-bit slots; one kernel launch on those slots. Their
+    loads count as ``low_bit_*`` (and in ``bytes_loaded``), not as the cache's."""
+    ids, stats = call.ids, call.stats
+    rows = np.flatnonzero(entries.any(axis=1))
+    mask = entries[rows]
+    first = ids[rows, mask.argmax(axis=1)]
+    low_bit_ids = np.where(mask, ids[rows], first[:, None])
+    scratch = PhaseStats()
+    low_bit.acquire(np.unique(ids[entries]), scratch)  # demand copies count at once
+    stats.low_bit_loads += scratch.loads
+    stats.low_bit_bytes += scratch.bytes_loaded
+    stats.bytes_loaded += scratch.bytes_loaded
+    stats.stall_s += scratch.stall_s
+    index = upload(rows, call.x.device)
+    part = call.rows(rows, torch.where(upload(mask, call.x.device),
+                                       call.topk_weights[index], 0.0), low_bit_ids)
+    kernel_ids, expert_map = low_bit.cache.kernel_routing(part.topk_ids, part.ids)
+    out[index] += part.kernel(part.x, part.topk_weights, kernel_ids, low_bit.cache.slots,
+                              expert_map)
+    low_bit.kernel_launched(np.unique(ids[entries]))
+    stats.kernel_calls += 1
 
 
 def run_resident_token(cache: ExpertCache, call: LayerCall) -> torch.Tensor:

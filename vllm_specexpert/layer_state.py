@@ -7,15 +7,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.planner.prefetch import PrefetchPlanner
-from vllm_specexpert.policy import MissContext
+from vllm_specexpert.policy import MissContext, miss_context
 from vllm_specexpert.predict import NextLayerRouting
 from vllm_specexpert.stats import LayerStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel
+from vllm_specexpert.tiers.link import Link
 from vllm_specexpert.tiers.loader import ExpertLoader
+from vllm_specexpert.tiers.slots import SlotPool
+from vllm_specexpert.tiers.store import LayerExperts
 
 
 @dataclass
@@ -26,8 +30,11 @@ class OffloadedLayer:
     top_k: int
     index: int
     """Decoder-layer index in the model (``exact_layers`` refers to it)."""
-    cache: ExpertCache
-    loader: ExpertLoader
+    experts: LayerExperts
+    """Its experts in the slow tier."""
+    cache: ExpertCache | None = None
+    """Set by :meth:`equip` (as are ``loader``, ``low_bit``, ``prefetch``)."""
+    loader: ExpertLoader | None = None
     stats: LayerStats = field(default_factory=LayerStats)
     host_kernel: HostKernel | None = None
     """Fused experts on host tensors (``cpu``/``auto`` miss policies)."""
@@ -42,6 +49,43 @@ class OffloadedLayer:
     """``[101]`` calibrated percentiles of the Token Activating Entropy (tau)."""
     miss_context: MissContext | None = None
     """What the miss policy consults about this layer for decode tokens."""
+    low_bit_experts: LayerExperts | None = None
+    """INT4 copies of the layer's experts in the slow tier (made at load for
+    ``lowbit``)."""
+    low_bit: ExpertLoader | None = None
+    """The layer's low-bit slots and their loader, under ``lowbit``."""
+
+    def equip(self, config: SpecExpertConfig, link: Link, device: torch.device,
+              pool: SlotPool | None) -> None:
+        """A cache (its own pool, or its share of the shared ``pool``, which the engine
+        allocates once every layer joined), loader, low-bit slots and miss context for
+        ``config``."""
+        slots = config.slots_per_layer(self.experts.num_experts, self.top_k)
+        low_bit = (config.miss_policy_spec.low_bit and self.low_bit_experts is not None
+                   and slots >= 2 * self.top_k)  # else check_low_bit says why
+        if low_bit:  # the low-bit slots come out of the layer's budget
+            slots -= self.top_k
+        try:
+            self.cache = ExpertCache(self.experts, slots, self.top_k, config.cache, device,
+                                     pool=pool)
+        except ValueError as error:
+            if pool is None:
+                raise
+            raise SpecExpertConfigError(
+                "cache", f"'{config.cache}' shares one slot pool between layers: "
+                f"{error}", "use cache 'lru'") from error
+        self.loader = ExpertLoader(self.cache, link)
+        self.low_bit = None
+        if low_bit:
+            self.low_bit = ExpertLoader(
+                ExpertCache(self.low_bit_experts, self.top_k, self.top_k, "lru", device), link)
+        self.prefetch = PrefetchPlanner(self.top_k)
+        self.set_miss_context(config, link)
+
+    def set_miss_context(self, config: SpecExpertConfig, link: Link) -> None:
+        self.miss_context = miss_context(
+            config, self.experts, link.expert_seconds(self.experts), self.host_kernel,
+            self.coactivation, self.tae_percentiles, self.low_bit)
 
 
 def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
@@ -65,6 +109,8 @@ def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
             "co-activation counts and TAE percentiles, loaded at engine start",
             "start the engine with 'calibration' set to a directory from "
             "`specexpert calibrate` for this model")
+    if policy.low_bit:
+        check_low_bit(config, layers)
     moe_layers = sorted(layer.index for layer in layers)
     unknown = sorted(set(config.exact_layers or ()) - set(moe_layers))
     if unknown:
@@ -75,6 +121,28 @@ def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
         raise SpecExpertConfigError(
             "predictor", f"{config.predictor} needs the calibration's default vectors, "
             "loaded at engine start", "start the engine with 'calibration' set")
+
+
+def check_low_bit(config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
+    """``lowbit`` needs each layer's INT4 copies and room for them in its budget."""
+    for layer in layers:
+        if layer.low_bit_experts is None:
+            if layer.cache.experts.decoder is not None:
+                raise SpecExpertConfigError(
+                    "miss_policy", f"'lowbit' runs INT4 copies of bf16 experts, and this "
+                    f"checkpoint's experts are already {layer.cache.experts.format}: "
+                    "there is no lower-bit copy to run", "use 'fetch', 'cpu' or 'auto'")
+            raise SpecExpertConfigError(
+                "miss_policy", "'lowbit' runs INT4 copies of the experts, made at load "
+                "only when the engine starts with miss_policy 'lowbit'",
+                "start the engine with miss_policy 'lowbit' (reconfigure can then "
+                "switch to any other policy and back)")
+        slots = config.slots_per_layer(layer.low_bit_experts.num_experts, layer.top_k)
+        if slots < 2 * layer.top_k:
+            raise SpecExpertConfigError(
+                "budget", f"'lowbit' keeps top_k ({layer.top_k}) of each layer's "
+                f"{slots} slots for INT4 copies, leaving fewer than top_k for the rest",
+                f"give a budget of at least {2 * layer.top_k} slots per layer")
 
 
 def check_change(current: SpecExpertConfig, config: SpecExpertConfig,

@@ -118,10 +118,10 @@ def _groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else in_features // group_size
 
 
-def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool):
+def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool, min_zero: int = 0):
     """Round-to-nearest 4-bit codes of ``weight [out, in]`` per input group: unsigned
-    codes ``q [out, in]``, zero points ``z [out, groups]`` and scales ``s [out, groups]``
-    (``w ~ (q - z) * s``)."""
+    codes ``q [out, in]``, zero points ``z [out, groups]`` (at least ``min_zero``) and
+    scales ``s [out, groups]`` (``w ~ (q - z) * s``)."""
     out_features, in_features = weight.shape
     size = in_features if group_size == -1 else group_size
     w = weight.float().reshape(out_features, in_features // size, size)
@@ -131,7 +131,7 @@ def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool):
     else:
         low, high = w.amin(dim=-1).clamp(max=0.0), w.amax(dim=-1).clamp(min=0.0)
         scale = ((high - low) / 15.0).clamp(min=1e-8)
-        zero = torch.round(-low / scale).clamp(0, 15)
+        zero = torch.round(-low / scale).clamp(min_zero, 15)
     q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
     return q.reshape(out_features, in_features).to(torch.int32), zero.to(torch.int32), scale
 
@@ -195,7 +195,8 @@ class GptqFormat(PackedFormat):
         return tensors["qweight"].shape[-1], tensors["qweight"].shape[-2] * 8
 
     def quantize(self, weight):
-        q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric)
+        # v1 stores z - 1 in four bits: a zero point of 0 cannot be stored.
+        q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric, min_zero=1)
         in_features = weight.shape[1]
         size = in_features if self.group_size == -1 else self.group_size
         return {"qweight": _pack_int4(q.T, -2),
@@ -366,7 +367,7 @@ def format_of(config: dict[str, Any] | None) -> PackedFormat | None:
 def _compressed_tensors_format(config: dict[str, Any]) -> PackedFormat:
     groups = list((config.get("config_groups") or {}).values())
     if len(groups) != 1:
-        raise _unsupported("compressed-tensors with %d config groups" % len(groups),
+        raise _unsupported(f"compressed-tensors with {len(groups)} config groups",
                            "one scheme for every quantized module is supported")
     scheme = groups[0]
     weights = scheme.get("weights") or {}

@@ -97,7 +97,7 @@ class PhaseStats:
         "instead of the router's (miss policy ``speculate``; output not exact).")
     missed_entries: int = counter(
         "Router-chosen (token, expert) entries whose expert was not resident when "
-        "the layer call started; each was resolved in one of the next four ways.")
+        "the layer call started; each was resolved in one of the next five ways.")
     fetched_entries: int = counter("Missed entries whose expert was loaded on demand (``fetch``, fallbacks).")
     host_entries: int = counter(
         "Missed entries computed on the host from the slow tier (``cpu``, "
@@ -106,6 +106,12 @@ class PhaseStats:
         "Missed entries run with a resident substitute instead (``buddy``, "
         "``random``, ``auto_buddy``; output not exact).")
     dropped_entries: int = counter("Missed entries not run at all (``drop``; output not exact).")
+    low_bit_entries: int = counter(
+        "Missed entries run from the expert's INT4 copy (``lowbit``; output not exact).")
+    low_bit_loads: int = counter(
+        "INT4 copies moved into the layer's low-bit slots (packed; also counted in "
+        "``bytes_loaded``, not in ``loads``).")
+    low_bit_bytes: int = counter("Bytes of those INT4 copies.")
     host_experts: int = counter("Distinct experts computed on the host, summed over layer calls.")
     host_s: float = seconds(
         "Seconds of host expert compute (modeled seconds with an emulated link: "

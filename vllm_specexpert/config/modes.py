@@ -36,6 +36,9 @@ class MissPolicySpec:
     waits_for_copies: bool = True
     """Whether an expert still being copied counts as resident (the call waits for it).
     Policies that can compute it on the host instead treat it as missing."""
+    low_bit: bool = False
+    """Whether missing experts run from INT4 copies made at load (HOBBIT), moved packed
+    into a small pool of the layer's slots."""
 
 
 MISS_POLICIES: dict[str, MissPolicySpec] = {spec.name: spec for spec in (
@@ -50,6 +53,9 @@ MISS_POLICIES: dict[str, MissPolicySpec] = {spec.name: spec for spec in (
     MissPolicySpec("buddy", "approximate", substitutes=True, uses_buddy_lists=True),
     MissPolicySpec("random", "approximate", substitutes=True),
     MissPolicySpec("drop", "approximate"),
+    # An INT4 copy (group-wise round-to-nearest) runs instead of the expert: the output
+    # changes.
+    MissPolicySpec("lowbit", "approximate", waits_for_copies=False, low_bit=True),
 )}
 
 

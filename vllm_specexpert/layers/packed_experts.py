@@ -5,7 +5,8 @@ keep every expert on the device anyway. The offloaded layer instead runs vLLM's
 unquantized method on one expert's worth of bf16 parameters (so that vLLM sets up its
 kernel as for a bf16 model) and registers the checkpoint's tensors as packed parameters
 of all experts, ``w13_<name> [E, 2, ...]`` (gate, up) and ``w2_<name> [E, ...]``, filled
-by their own weight loader. After loading they go to the slow tier; a
+by their own weight loader. ``lowbit``'s INT4 copies of a bf16 layer are packed the same
+way (:func:`low_bit_parameters`). After loading they go to the slow tier; a
 :class:`PackedDecoder` turns the experts a transfer moves into slot contents: the
 format's dequantize, then the same post-processing vLLM's unquantized method gives bf16
 weights (on the CPU build: the kernel's prepacked layout).
@@ -18,11 +19,12 @@ from collections.abc import Callable
 import torch
 
 from vllm_specexpert.config import SpecExpertUnsupportedError
-from vllm_specexpert.quant_formats import PackedFormat
+from vllm_specexpert.quant_formats import PackedFormat, PackQuantizedFormat
 from vllm_specexpert.tiers.store import SlotShapes
 
 PROJECTIONS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
 """vLLM shard id -> (parameter stem, index in the stem's projection axis)."""
+BIASES = ("w13_bias", "w2_bias")
 
 
 class PackedParameters:
@@ -57,7 +59,7 @@ class PackedParameters:
 
     def _load(self, param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
               shard_id: str, expert_id: int, return_success: bool = False) -> bool | None:
-        stem, index = PROJECTIONS[shard_id]
+        _, index = PROJECTIONS[shard_id]
         target = param.data[expert_id] if index is None else param.data[expert_id, index]
         if loaded_weight.numel() != target.numel() or (
                 loaded_weight.dim() == target.dim() and loaded_weight.shape != target.shape):
@@ -84,10 +86,27 @@ class PackedParameters:
             layer.register_parameter(name, placeholder)
         return tensors
 
+    def quantize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Packed tensors of bf16 ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]`` in
+        vLLM's checkpoint layout (``lowbit``'s copies); biases are kept as they are."""
+        tensors: dict[str, list[torch.Tensor]] = {}
+        for stem in self.shapes:
+            weight = weights[f"{stem}_weight"]
+            for expert in range(weight.shape[0]):
+                parts = weight[expert].unflatten(0, (2, -1)) if stem == "w13" else weight[expert, None]
+                packed = [self.format.quantize(part) for part in parts]
+                for name in self.shapes[stem]:
+                    stacked = torch.stack([p[name] for p in packed])
+                    tensors.setdefault(f"{stem}_{name}", []).append(
+                        stacked if stem == "w13" else stacked[0])
+        result = {name: torch.stack(parts) for name, parts in tensors.items()}
+        result.update({name: weights[name].clone() for name in BIASES if name in weights})
+        return result
+
     def dequantize(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """bf16 ``w13_weight [n, 2I, H]`` and ``w2_weight [n, H, I]`` in vLLM's checkpoint
-        layout (before its post-processing)."""
-        weights = {}
+        layout (before its post-processing); biases pass through."""
+        weights = {name: packed[name] for name in BIASES if name in packed}
         for stem, shapes in self.shapes.items():
             parts = {name: packed[f"{stem}_{name}"] for name in shapes}
             out_features, in_features = self.features[stem]
@@ -118,3 +137,36 @@ class PackedDecoder:
 
     def __call__(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.runtime_form(self.parameters.dequantize(packed))
+
+
+def low_bit_parameters(layer_name: str, num_experts: int, hidden: int,
+                       intermediate: int) -> PackedParameters:
+    """The INT4 format of ``lowbit``'s copies: asymmetric round-to-nearest in groups of
+    128 input features (64 or 32 where 128 does not divide both projections' inputs)."""
+    group = next((g for g in (128, 64, 32) if hidden % g == 0 and intermediate % g == 0), -1)
+    return PackedParameters(PackQuantizedFormat("int4", (), group, symmetric=False),
+                            layer_name, num_experts, hidden, intermediate)
+
+
+def runtime_form(layer: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """bf16 expert weights in vLLM's checkpoint layout -> the form ``layer``'s vanilla
+    unquantized method leaves them in after loading: the same two steps of its
+    ``_setup_kernel`` (kernel format, then the experts' own post-processing), on a
+    scratch module."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        convert_to_unquantized_kernel_format,
+    )
+    from vllm.model_executor.utils import replace_parameter
+
+    scratch = torch.nn.Module()
+    for name, tensor in weights.items():
+        scratch.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+    scratch.moe_config, scratch.activation = layer.moe_config, layer.activation
+    method = layer.quant_method
+    w13, w2 = convert_to_unquantized_kernel_format(
+        method.unquantized_backend, layer.moe_config, scratch.w13_weight,
+        scratch.w2_weight, layer=scratch)
+    replace_parameter(scratch, "w13_weight", w13)
+    replace_parameter(scratch, "w2_weight", w2)
+    method.moe_kernel.fused_experts.process_weights_after_loading(scratch)
+    return {name: getattr(scratch, name).data for name in weights}

@@ -39,7 +39,12 @@ from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layers.forward_phase import current_phases
-from vllm_specexpert.layers.packed_experts import PackedDecoder, PackedParameters
+from vllm_specexpert.layers.packed_experts import (
+    PackedDecoder,
+    PackedParameters,
+    low_bit_parameters,
+    runtime_form,
+)
 from vllm_specexpert.tiers.host import GATED_ACTIVATIONS, torch_experts
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
@@ -155,54 +160,51 @@ class OffloadedRoutedExperts(RoutedExperts):
 
         def process_weights_after_loading(layer: torch.nn.Module) -> None:
             packed = self._packed.take(layer) if self._packed is not None else None
+            # lowbit's INT4 copies are made from vLLM's checkpoint layout, before its
+            # post-processing (on CPU a prepacked layout: groups of it would mix rows).
+            low_bit = None
+            if packed is None and self.engine.config.miss_policy_spec.low_bit:
+                low_bit = self._low_bit_copies()
             post_process(layer)
-            self._move_experts_to_store(packed)
+            self._move_experts_to_store(packed, low_bit)
 
         method.process_weights_after_loading = process_weights_after_loading
         return method
 
-    def _move_experts_to_store(self, packed: dict[str, torch.Tensor] | None) -> None:
+    def _low_bit_copies(self) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
+        w13 = self.w13_weight.data
+        parameters = low_bit_parameters(self.layer_name, w13.shape[0], w13.shape[2],
+                                        w13.shape[1] // 2)
+        weights = {name: getattr(self, name).data for name in EXPERT_TENSORS
+                   if hasattr(self, name)}
+        return parameters, parameters.quantize(weights)
+
+    def _move_experts_to_store(
+        self, packed: dict[str, torch.Tensor] | None,
+        low_bit: tuple[PackedParameters, dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         """Hand the runtime-format expert tensors (or the ``packed`` ones, taken off the
-        layer) to the slow tier; keep only views."""
-        weights = {name: getattr(self, name) for name in ("w13_weight", "w2_weight")}
+        layer) to the slow tier, with ``lowbit``'s INT4 copies if made; keep only views.
+        An expert is its weights and, where the model has them, its biases."""
+        # What a slot holds: the runtime form of one expert.
+        slot_shapes = {name: (tuple(getattr(self, name).shape[1:]), getattr(self, name).dtype)
+                       for name in EXPERT_TENSORS if hasattr(self, name)}
         if packed is None:
-            # An expert is its weights and, where the model has them, its biases.
-            tensors = {name: getattr(self, name).data for name in EXPERT_TENSORS
-                       if hasattr(self, name)}
+            tensors = {name: getattr(self, name).data for name in slot_shapes}
             decoder = None
         else:
             tensors = packed
-            decoder = PackedDecoder(self._packed, self._runtime_form, {
-                name: (tuple(w.shape[1:]), w.dtype) for name, w in weights.items()})
+            decoder = PackedDecoder(self._packed, functools.partial(runtime_form, self), slot_shapes)
+        if low_bit is not None:
+            parameters, copies = low_bit
+            low_bit = (copies, PackedDecoder(parameters, functools.partial(runtime_form, self), slot_shapes))
         layer = self.engine.add_layer(self.layer_name, tensors, self.top_k,
                                       index=self.layer_index, host_kernel=self._host_kernel(),
-                                      decoder=decoder)
+                                      decoder=decoder, low_bit=low_bit)
         if packed is None:
             # The parameters now alias the store's (pinned) tensors instead of a copy.
             for name, tensor in layer.cache.experts.tensors.items():
                 getattr(self, name).data = tensor
-
-    def _runtime_form(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """bf16 expert weights in vLLM's checkpoint layout -> the form vanilla's method
-        leaves them in after loading: the same two steps of ``_setup_kernel`` (kernel
-        format, then the experts' own post-processing), on a scratch module."""
-        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
-            convert_to_unquantized_kernel_format,
-        )
-        from vllm.model_executor.utils import replace_parameter
-
-        scratch = torch.nn.Module()
-        for name, tensor in weights.items():
-            scratch.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
-        scratch.moe_config, scratch.activation = self.moe_config, self.activation
-        method = self.quant_method
-        w13, w2 = convert_to_unquantized_kernel_format(
-            method.unquantized_backend, self.moe_config, scratch.w13_weight,
-            scratch.w2_weight, layer=scratch)
-        replace_parameter(scratch, "w13_weight", w13)
-        replace_parameter(scratch, "w2_weight", w2)
-        method.moe_kernel.fused_experts.process_weights_after_loading(scratch)
-        return {name: getattr(scratch, name).data for name in weights}
 
     # ---------------------------------------------------------------- execution
 

@@ -7,13 +7,14 @@ from vllm_specexpert.policy.context import MissContext, miss_context
 from vllm_specexpert.policy.cpu import AutoBuddyPolicy, AutoPolicy, CpuPolicy
 from vllm_specexpert.policy.drop import DropPolicy
 from vllm_specexpert.policy.fetch import FetchPolicy
+from vllm_specexpert.policy.lowbit import LowBitPolicy
 from vllm_specexpert.policy.speculate import SpeculatePolicy
 from vllm_specexpert.policy.substitute import BuddyPolicy, RandomPolicy
 
 MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {
     cls.spec.name: cls
     for cls in (FetchPolicy, SpeculatePolicy, CpuPolicy, AutoPolicy, AutoBuddyPolicy,
-                BuddyPolicy, RandomPolicy, DropPolicy)
+                BuddyPolicy, RandomPolicy, DropPolicy, LowBitPolicy)
 }
 """Every miss policy by its config name (``miss_policy``)."""
 

@@ -3,7 +3,8 @@
 A policy decides; :mod:`vllm_specexpert.execute` carries the decision out. Per
 decode call the policy looks at the routing against the cache and returns a
 :class:`MissPlan`: per (token, k) entry, run it on the device (resident, or loaded on
-demand), substitute another expert for it, compute it on the host, or drop it. No plan
+demand), substitute another expert for it, compute it on the host, run its INT4 copy,
+or drop it. No plan
 means "load what is missing and run the router's routing" (``fetch``, the bit-exact path).
 Prefill tokens never reach a policy: they always run exactly (see the engine).
 
@@ -39,6 +40,8 @@ class MissPlan:
     """Entries computed on the host from the slow tier."""
     dropped: np.ndarray | None = None
     """Entries not run at all."""
+    low_bit: np.ndarray | None = None
+    """Entries run from their expert's INT4 copy in the layer's low-bit slots."""
     renormalize: bool = False
     """Scale each token's remaining weights so they sum to what all its weights did."""
 

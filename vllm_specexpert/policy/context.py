@@ -10,6 +10,7 @@ import numpy as np
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
 from vllm_specexpert.tiers.host import HostExperts, HostKernel
+from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.store import LayerExperts
 
 
@@ -26,7 +27,10 @@ class MissContext:
     gates: BuddyGates | None = None
     """Substitution gates with this layer's tau."""
     admit_host_experts: bool = False
-    """Load the most-used host-computed expert in the background on an idle link."""
+    """Load the most-used expert computed elsewhere (host, INT4 copy) in the background
+    on an idle link."""
+    low_bit: ExpertLoader | None = None
+    """The layer's low-bit slots and their loader (``lowbit``)."""
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
 
@@ -34,7 +38,8 @@ class MissContext:
 def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: float,
                  host_kernel: HostKernel | None = None,
                  coactivation: np.ndarray | None = None,
-                 tae_percentiles: np.ndarray | None = None) -> MissContext | None:
+                 tae_percentiles: np.ndarray | None = None,
+                 low_bit: ExpertLoader | None = None) -> MissContext | None:
     """A layer's context under ``config``'s miss policy; ``None`` while something it
     needs is missing (a host kernel, the calibration's routing statistics: the engine
     reports it when it starts)."""
@@ -47,6 +52,10 @@ def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: 
         context.host = HostExperts(experts, host_kernel,
                                    link.host_slowdown if link.emulated else None)
         context.admit_host_experts = config.admit_host_experts
+    if policy.low_bit:
+        if low_bit is None:
+            return None
+        context.low_bit, context.admit_host_experts = low_bit, True
     if policy.substitutes:
         buddy = config.buddy
         tau = buddy.tau
