@@ -62,6 +62,45 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
     assert metrics_directories(temp) == []
 
 
+def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
+    """``lowbit`` behind the OpenAI server: INT4 copies made at load, run on misses,
+    and the mode labelled approximate in the stats and on /metrics."""
+    model = str(TRAINED_MODEL_DIR)
+    stats_path = tmp_path / "stats.json"
+    port = free_port()
+    with serving(model, port, tmp_path / "server.log",
+                 offload_config(stats_path, miss_policy="lowbit"),
+                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300):
+        response = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": model, "prompt": "import os\nimport sys\n", "max_tokens": 24,
+                  "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 30
+        while True:
+            stats = json.loads(stats_path.read_text())
+            if stats["decode_tokens"] == 23 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert stats["output"] == "approximate" and stats["miss_policy"] == "lowbit"
+        assert stats["total"]["decode"]["low_bit_entries"] > 0
+        deadline = time.monotonic() + 10  # snapshots are at most a second old
+        while True:
+            metrics = scrape(port)
+            low_bit = sum(v for k, v in metrics.items()
+                          if k[0] == "specexpert_low_bit_entries_total")
+            if low_bit == stats["total"]["decode"]["low_bit_entries"] or (
+                    time.monotonic() > deadline):
+                break
+            time.sleep(0.5)
+        assert low_bit == stats["total"]["decode"]["low_bit_entries"], sorted(
+            {k[0] for k in metrics})
+        info = [dict(k[1]) for k in metrics if k[0] == "specexpert_info"]
+        assert [(i["miss_policy"], i["output"]) for i in info] == [("lowbit", "approximate")]
+
+
 def metrics_directories(root) -> list[str]:
     from vllm_specexpert.metrics import DIRECTORY_PREFIX
 

@@ -110,9 +110,20 @@ class PackedParameters:
         for stem, shapes in self.shapes.items():
             parts = {name: packed[f"{stem}_{name}"] for name in shapes}
             out_features, in_features = self.features[stem]
-            w = self.format.dequantize(parts, out_features, in_features)
+            w = dequantize(self.format, parts, out_features, in_features)
             weights[f"{stem}_weight"] = w.flatten(1, 2) if stem == "w13" else w
         return weights
+
+
+def dequantize(fmt: PackedFormat, parts: dict[str, torch.Tensor], out_features: int,
+               in_features: int) -> torch.Tensor:
+    """The format's dequantize: torch ops on the host, the project's Triton kernel on a
+    CUDA device (the same bits; not run on a GPU yet)."""
+    if next(iter(parts.values())).is_cuda:
+        from vllm_specexpert.triton_kernels.dequantize import dequantize_packed
+
+        return dequantize_packed(fmt, parts, out_features, in_features)
+    return fmt.dequantize(parts, out_features, in_features)
 
 
 def _narrowest(tensor: torch.Tensor) -> torch.Tensor:
