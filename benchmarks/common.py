@@ -64,7 +64,9 @@ def decode_figures(stats: dict) -> dict[str, Any]:
         "prefetch_used_per_token": d["prefetch_used"] / n,
         "recall": d["recall"] if d["predicted"] else None,
         "entries_per_token": {k: d[f"{k}_entries"] / n for k in
-                              ("missed", "fetched", "host", "substituted", "dropped")},
+                              ("missed", "fetched", "host", "substituted", "dropped",
+                               "low_bit")},
+        "low_bit_mb_per_token": d["low_bit_bytes"] / n / 1e6,
     }
 
 

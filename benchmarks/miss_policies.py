@@ -24,7 +24,7 @@ Per mode:
   ``greedy`` = share of positions equal to exact's, ``prefix`` = mean share before the
   first divergence.
 
-Table 1: every miss policy at ``--budgets``. Table 2: BuddyMoE's settings (its Tables 2-4)
+Table 1: every miss policy at ``--budgets`` (``lowbit``: HOBBIT's INT4 copies). Table 2: BuddyMoE's settings (its Tables 2-4)
 at ``--paper-budgets`` (the paper's cache rates c). Writes
 ``benchmarks/results/miss_policies.json`` and ``.png``.
 """
@@ -72,10 +72,12 @@ POLICIES = {
     "auto_buddy": {"miss_policy": "auto_buddy"},
     "random": {"miss_policy": "random"},
     "drop": {"miss_policy": "drop"},
+    "lowbit": {"miss_policy": "lowbit"},
 }
 """Table 1: each policy with its defaults (buddy gates: tau at the 15th TAE percentile,
 beta 0.75, rho 3, alpha 0.95, K_max 16; no admission of host-computed experts unless
-marked)."""
+marked; ``lowbit`` always admits the bf16 expert on an idle link, and its top_k low-bit
+slots come out of the budget)."""
 
 PAPER_ROWS = {
     "original (fetch)": {"miss_policy": "fetch"},
@@ -149,7 +151,10 @@ def main() -> None:
     windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS)
     prompts = held_out_prompts(args.prompts)
     vanilla = start_engine(model, None, eager=args.eager, logits_processors=[TeacherForcing])
-    plugin = start_engine(model, {"budget": args.budgets[0], "calibration": calibration},
+    # Started with lowbit: its INT4 copies are made at load only then (unused by the
+    # other modes).
+    plugin = start_engine(model, {"budget": args.budgets[0], "calibration": calibration,
+                                  "miss_policy": "lowbit"},
                           eager=args.eager, logits_processors=[TeacherForcing])
     link, vanilla_step, expert_bytes = link_like_a_gpu_box(vanilla, plugin, args)
 

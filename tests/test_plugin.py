@@ -11,12 +11,18 @@ VANILLA_MODEL = "vllm.model_executor.models.qwen3_moe.Qwen3MoeForCausalLM"
 OFFLOADED_CLASS = "vllm_specexpert.layers.routed_experts.OffloadedRoutedExperts"
 
 
-def test_without_the_key_vllm_is_untouched():
-    reference = greedy_in_fresh_process("qwen3_moe", plugins=False)
-    loaded = greedy_in_fresh_process("qwen3_moe", plugins=True)  # loaded, no "specexpert"
-    assert reference["expert_layer_classes"] == [VANILLA_CLASS]
-    assert loaded["expert_layer_classes"] == [VANILLA_CLASS]
-    assert loaded["model_class"] == reference["model_class"] == VANILLA_MODEL
+@pytest.mark.parametrize("arch, classes, model", [
+    ("qwen3_moe", [VANILLA_CLASS], VANILLA_MODEL),
+    # A model's own RoutedExperts subclass: its offloaded variant turns back into it.
+    ("gpt_oss", ["vllm.model_executor.models.gpt_oss.GptOssRoutedExperts"],
+     "vllm.model_executor.models.gpt_oss.GptOssForCausalLM"),
+])
+def test_without_the_key_vllm_is_untouched(arch, classes, model):
+    reference = greedy_in_fresh_process(arch, plugins=False)
+    loaded = greedy_in_fresh_process(arch, plugins=True)  # loaded, no "specexpert"
+    assert reference["expert_layer_classes"] == classes
+    assert loaded["expert_layer_classes"] == classes
+    assert loaded["model_class"] == reference["model_class"] == model
     ref, out = reference["completions"], loaded["completions"]
     assert [c.token_ids for c in out] == [c.token_ids for c in ref]
     assert [c.logprobs for c in out] == [c.logprobs for c in ref]

@@ -150,3 +150,16 @@ def test_lowbit_refuses_an_already_quantized_checkpoint(engines):
                                           QUANTIZED_FIXTURES[name]["name"])
     with pytest.raises(SpecExpertConfigError, match=f"miss_policy.*already {fmt}"):
         vllm_specexpert.reconfigure(llm, miss_policy="lowbit")
+
+
+def test_an_unsupported_quantization_is_refused_at_start(tmp_path):
+    from vllm_specexpert.tools.harness import start_engine
+
+    source = model_path("qwen3_moe-awq")
+    for path in source.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 48
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecExpertUnsupportedError, match="group_size 48.*32, 64, 128, -1"):
+        start_engine(str(tmp_path), {"budget": 0.5}, max_model_len=256)

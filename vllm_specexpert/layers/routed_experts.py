@@ -92,10 +92,10 @@ class OffloadedRoutedExperts(RoutedExperts):
         config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
         if config is None:
             # Not configured: become exactly vLLM's layer.
-            self.__class__ = self.vanilla_class
-            self.vanilla_class.__init__(
-                self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs
-            )
+            vanilla = self.vanilla_class
+            self.__class__ = vanilla
+            vanilla.__init__(self, layer_name, params_dtype, moe_config, quant_config, *args,
+                             **kwargs)
             return
 
         check_supported(vllm_config)
@@ -189,15 +189,16 @@ class OffloadedRoutedExperts(RoutedExperts):
         # What a slot holds: the runtime form of one expert.
         slot_shapes = {name: (tuple(getattr(self, name).shape[1:]), getattr(self, name).dtype)
                        for name in EXPERT_TENSORS if hasattr(self, name)}
+        form = functools.partial(runtime_form, self)
         if packed is None:
             tensors = {name: getattr(self, name).data for name in slot_shapes}
             decoder = None
         else:
             tensors = packed
-            decoder = PackedDecoder(self._packed, functools.partial(runtime_form, self), slot_shapes)
+            decoder = PackedDecoder(self._packed, form, slot_shapes)
         if low_bit is not None:
             parameters, copies = low_bit
-            low_bit = (copies, PackedDecoder(parameters, functools.partial(runtime_form, self), slot_shapes))
+            low_bit = (copies, PackedDecoder(parameters, form, slot_shapes))
         layer = self.engine.add_layer(self.layer_name, tensors, self.top_k,
                                       index=self.layer_index, host_kernel=self._host_kernel(),
                                       decoder=decoder, low_bit=low_bit)
@@ -275,8 +276,7 @@ class OffloadedRoutedExperts(RoutedExperts):
     def _vanilla_tile_config(self, x: torch.Tensor):
         """On GPUs: the Triton tile config vanilla would pick for the whole layer call.
         vLLM looks it up by the weights' expert count, which for the slot pool would be
-        the slot count; the layer's parameters alias the slow tier (every expert), so
-        their shape is vanilla's. And by the call's token count, not a token group's:
+        the slot count: the layer's expert count and one expert's shape are vanilla's. And by the call's token count, not a token group's:
         vanilla launches once on all of them, and a different tile (BLOCK_SIZE_K) would
         sum a token's products in another order."""
         if current_platform.is_cpu():
@@ -290,8 +290,11 @@ class OffloadedRoutedExperts(RoutedExperts):
         configs = self._tiles.configs
         config = configs.get(tokens)
         if config is None:
+            # Every expert's shape (packed layers hold a one-expert placeholder).
+            experts = self.global_num_experts
             config = configs[tokens] = try_get_optimal_moe_config(
-                self.w13_weight.size(), self.w2_weight.size(), self.top_k,
+                (experts, *self.w13_weight.shape[1:]), (experts, *self.w2_weight.shape[1:]),
+                self.top_k,
                 self.quant_method.moe_quant_config.config_name(x.dtype), tokens)
         return override_config(config)
 

@@ -58,3 +58,26 @@ def stop_engine(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def decode_seconds(model, runs: int = 20) -> float:
+    """Worker side (``llm.apply_model``): median seconds to decode one expert of the
+    first offloaded layer into its slot form (a packed layer's dequantize and vLLM's
+    post-processing; 0.0 for a bf16 layer, whose slots are plain copies)."""
+    import statistics
+    import time
+
+    import torch
+
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+    layer = next(m for m in model.modules() if isinstance(m, OffloadedRoutedExperts))
+    experts = layer.engine.layers[layer.layer_name].experts
+    if experts.decoder is None:
+        return 0.0
+    times = []
+    for run in range(runs):
+        start = time.perf_counter()
+        experts.decoded(torch.tensor([run % experts.num_experts]))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
