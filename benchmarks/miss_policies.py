@@ -73,11 +73,11 @@ POLICIES = {
     "random": {"miss_policy": "random"},
     "drop": {"miss_policy": "drop"},
     "lowbit": {"miss_policy": "lowbit"},
+    "lowbit + admission": {"miss_policy": "lowbit", "admit_host_experts": True},
 }
 """Table 1: each policy with its defaults (buddy gates: tau at the 15th TAE percentile,
 beta 0.75, rho 3, alpha 0.95, K_max 16; no admission of host-computed experts unless
-marked; ``lowbit`` always admits the bf16 expert on an idle link, and its top_k low-bit
-slots come out of the budget)."""
+marked; ``lowbit``'s top_k low-bit slots come out of the budget)."""
 
 PAPER_ROWS = {
     "original (fetch)": {"miss_policy": "fetch"},

@@ -221,7 +221,7 @@ def test_non_finite_and_unphysical_numbers_are_rejected(text, field):
 @pytest.mark.parametrize("raw, field, needs", [
     # D4: settings that do nothing under the chosen mode.
     ({"link": {"latency_us": 10}}, "link.latency_us", "bandwidth_gbps"),
-    ({"admit_host_experts": True}, "admit_host_experts", "cpu, auto or auto_buddy"),
+    ({"admit_host_experts": True}, "admit_host_experts", "cpu, auto, auto_buddy or lowbit"),
     ({"buddy": {"alpha": 0.5}}, "buddy", "auto_buddy, buddy or random"),
     ({"exact_layers": [1]}, "exact_layers", "speculate"),
     ({"prefetch_filter": "all"}, "prefetch_filter", "predictor"),

@@ -40,6 +40,12 @@ class MissPolicySpec:
     """Whether missing experts run from INT4 copies made at load (HOBBIT), moved packed
     into a small pool of the layer's slots."""
 
+    @property
+    def computes_elsewhere(self) -> bool:
+        """Whether missed experts can run without loading them (on the host, or from
+        INT4 copies): ``admit_host_experts`` then loads them in the background."""
+        return self.computes_on_host or self.low_bit
+
 
 MISS_POLICIES: dict[str, MissPolicySpec] = {spec.name: spec for spec in (
     MissPolicySpec("fetch", "exact"),

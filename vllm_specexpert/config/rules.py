@@ -98,10 +98,10 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
         for key in ("link.latency_us", "link.host_slowdown"):
             needs(key, "without an emulated link (link.bandwidth_gbps is unset)",
                   "set link.bandwidth_gbps too, or remove it")
-    if not policy.computes_on_host:
+    if not policy.computes_elsewhere:
         needs("admit_host_experts", f"under miss_policy '{config.miss_policy}' (it admits "
-              "experts computed on the host)",
-              f"use miss_policy {_policies_with('computes_on_host')}, or remove it")
+              "experts computed on the host or from INT4 copies)",
+              f"use miss_policy {_policies_with('computes_elsewhere')}, or remove it")
     if not policy.substitutes:
         needs("buddy", f"under miss_policy '{config.miss_policy}' (it tunes substitution)",
               f"use miss_policy {_policies_with('substitutes')}, or remove it")

@@ -55,7 +55,8 @@ def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: 
     if policy.low_bit:
         if low_bit is None:
             return None
-        context.low_bit, context.admit_host_experts = low_bit, True
+        context.low_bit = low_bit
+        context.admit_host_experts = config.admit_host_experts
     if policy.substitutes:
         buddy = config.buddy
         tau = buddy.tau
