@@ -28,7 +28,9 @@ BIASES = ("w13_bias", "w2_bias")
 
 
 class PackedParameters:
-    """Creates, loads and hands over one layer's packed expert parameters."""
+    """One layer's packed experts in one format: as parameters a checkpoint loads into
+    (created, loaded, taken off the layer), or quantized from bf16 (``lowbit``); and
+    their dequantize."""
 
     def __init__(self, fmt: PackedFormat, layer_name: str, num_experts: int, hidden: int,
                  intermediate: int):
@@ -49,7 +51,7 @@ class PackedParameters:
             lead = (self.num_experts, 2) if stem == "w13" else (self.num_experts,)
             for name, (shape, dtype) in shapes.items():
                 # Scales are held in fp32 while loading (exact for any checkpoint dtype)
-                # and narrowed after, see `tensors`.
+                # and narrowed after, see `take`.
                 if dtype.is_floating_point and name != "weight":
                     dtype = torch.float32
                 param = torch.nn.Parameter(torch.zeros(*lead, *shape, dtype=dtype),
