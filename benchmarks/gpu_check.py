@@ -17,6 +17,13 @@ and the plugin, which switches mode with ``reconfigure``), vLLM's compiled mode:
    same budget's bytes) and ``offload_backend="prefetch"`` (each layer's experts copied
    in one layer ahead).
 
+3. **Quantized checkpoints**: the model's experts quantized by ``specexpert quantize``
+   (AWQ, GPTQ, W4A16, FP8), at budget 0.5 under ``fetch``: the plugin (dequantize into
+   bf16 slots, the Triton kernel) against vanilla vLLM on its bf16 twin (``specexpert
+   dequantize``: must be identical, as on CPU) and against vanilla vLLM on the quantized
+   checkpoint itself, with vLLM's own quantized MoE kernel (agreement reported: that
+   kernel dequantizes inside its GEMM, in its own order).
+
 Whether the engine ran with CUDA graphs (the plugin currently forces eager mode on
 CUDA) is recorded. Writes ``benchmarks/results/gpu_check.json``.
 """
@@ -131,15 +138,63 @@ def main() -> None:
             print(tpot[-1], flush=True)
         stop_engine(llm)
 
+    quantized = quantized_checks(model, prompts, args.max_tokens)
+
     vanilla_ms = {row["batch"]: row["tpot_ms"] for row in tpot if row["mode"] == "vanilla"}
     for row in tpot:
         row["speed_vs_vanilla"] = vanilla_ms[row["batch"]] / row["tpot_ms"]
     path = write_result(args.name, {
         "command": command_line(), "model": model, "cuda_graphs": cuda_graphs,
         "device": __import__("torch").cuda.get_device_name(),
-        "exactness": exactness, "tpot": tpot,
+        "exactness": exactness, "tpot": tpot, "quantized": quantized,
     })
     print(f"wrote {path}\ncommand: {command_line()}")
+
+
+def quantized_checks(model: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Step 3 of the module doc: per format, the plugin's greedy tokens against vanilla
+    on the bf16 twin and on the quantized checkpoint."""
+    import json
+    import tempfile
+
+    from common import agreement, greedy_tokens
+
+    from vllm_specexpert.tools import dequantize, quantize
+    from vllm_specexpert.tools.harness import start_engine, stop_engine
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    hidden = config["hidden_size"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    group = next(g for g in (128, 64, 32) if hidden % g == 0 and inter % g == 0)
+    work = Path(tempfile.mkdtemp(prefix="specexpert-gpu-check-"))
+    rows = []
+    for name in ("awq", "gptq", "w4a16", "fp8"):
+        packed, twin = work / name, work / f"{name}-twin"
+        quantize.quantize_checkpoint(Path(model), packed, quantize.make_format(name, group),
+                                     name)
+        dequantize.dequantize_checkpoint(packed, twin)
+        tokens = {}
+        for label, path, specexpert in (("plugin", packed, {"budget": 0.5}),
+                                        ("vanilla twin", twin, None),
+                                        ("vanilla quantized", packed, None)):
+            try:
+                llm = start_engine(str(path), specexpert, eager=False)
+            except Exception as error:  # vLLM may have no kernel for a format on this GPU
+                tokens[label] = f"{type(error).__name__}: {error}"[:300]
+                continue
+            tokens[label] = greedy_tokens(llm, prompts, max_tokens)
+            stop_engine(llm)
+        row = {"format": name, "group_size": group}
+        for other in ("vanilla twin", "vanilla quantized"):
+            if isinstance(tokens[other], str) or isinstance(tokens["plugin"], str):
+                row[other] = {"error": tokens[other] if isinstance(tokens[other], str)
+                              else tokens["plugin"]}
+            else:
+                row[other] = {"identical": tokens["plugin"] == tokens[other],
+                              **agreement(tokens["plugin"], tokens[other])}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 if __name__ == "__main__":
