@@ -29,6 +29,7 @@ error naming what is supported, what the offloaded layer cannot dequantize.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from abc import ABC, abstractmethod
@@ -97,11 +98,15 @@ def _unpack_int4(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch
     """Unsigned 4-bit values of int32 ``packed`` along ``dim`` (8 per int32; nibble ``i``
     is value ``order[i]`` of its group of eight)."""
     dim = dim % packed.dim()
-    shifts = torch.tensor([4 * order.index(j) for j in range(8)], dtype=torch.int32)
     shape = [1] * (packed.dim() + 1)
     shape[dim + 1] = 8
-    values = (packed.unsqueeze(dim + 1) >> shifts.view(shape)) & 0xF
+    values = (packed.unsqueeze(dim + 1) >> _shifts(order).view(shape)) & 0xF
     return values.flatten(dim, dim + 1)
+
+
+@functools.cache
+def _shifts(order: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor([4 * order.index(j) for j in range(8)], dtype=torch.int32)
 
 
 def _pack_int4(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
@@ -136,9 +141,17 @@ def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool, min_zero: 
     return q.reshape(out_features, in_features).to(torch.int32), zero.to(torch.int32), scale
 
 
-def _dequantize(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The one rounding: ``(q - z) * s`` in fp32, rounded to bf16."""
-    return ((q.float() - zero.float()) * scale.float()).to(torch.bfloat16)
+def _dequantize(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
+                dim: int) -> torch.Tensor:
+    """The one rounding: ``(q - z) * s`` in fp32, rounded to bf16. ``zero`` and ``scale``
+    hold one value per group of ``q``'s axis ``dim`` (consecutive entries), where ``q``
+    has one per entry."""
+    dim = dim % q.dim()
+    groups = zero.shape[dim]
+    # q - z is a small integer: exact in int32 and in fp32 alike.
+    w = (q.unflatten(dim, (groups, -1)) - zero.unsqueeze(dim + 1)).float() \
+        * scale.unsqueeze(dim + 1).float()
+    return w.to(torch.bfloat16).flatten(dim, dim + 1)
 
 
 # -------------------------------------------------------------------------- formats
@@ -157,10 +170,7 @@ class AwqFormat(PackedFormat):
     def dequantize(self, tensors, out_features, in_features):
         q = _unpack_int4(tensors["qweight"], -1, AWQ_ORDER)              # [.., in, out]
         zero = _unpack_int4(tensors["qzeros"], -1, AWQ_ORDER)            # [.., g, out]
-        rows = in_features // zero.shape[-2]
-        w = _dequantize(q, zero.repeat_interleave(rows, dim=-2),
-                        tensors["scales"].repeat_interleave(rows, dim=-2))
-        return w.transpose(-1, -2)
+        return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
     def features(self, tensors):
         return tensors["qweight"].shape[-1] * 8, tensors["qweight"].shape[-2]
@@ -186,10 +196,7 @@ class GptqFormat(PackedFormat):
     def dequantize(self, tensors, out_features, in_features):
         q = _unpack_int4(tensors["qweight"], -2)                         # [.., in, out]
         zero = _unpack_int4(tensors["qzeros"], -1) + 1                   # v1: stored z - 1
-        rows = in_features // zero.shape[-2]
-        w = _dequantize(q, zero.repeat_interleave(rows, dim=-2),
-                        tensors["scales"].repeat_interleave(rows, dim=-2))
-        return w.transpose(-1, -2)
+        return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
     def features(self, tensors):
         return tensors["qweight"].shape[-1], tensors["qweight"].shape[-2] * 8
@@ -225,13 +232,11 @@ class PackQuantizedFormat(PackedFormat):
     def dequantize(self, tensors, out_features, in_features):
         q = _unpack_int4(tensors["weight_packed"], -1)                   # [.., out, in]
         scale = tensors["weight_scale"]
-        rows = in_features // scale.shape[-1]
         if self.symmetric:
             zero = torch.full_like(scale, 8, dtype=torch.int32)
         else:  # signed zero points, offset like the weights
             zero = _unpack_int4(tensors["weight_zero_point"], -2)
-        return _dequantize(q, zero.repeat_interleave(rows, dim=-1),
-                           scale.repeat_interleave(rows, dim=-1))
+        return _dequantize(q, zero, scale, -1)
 
     def features(self, tensors):
         out_features, in_features = tensors["weight_shape"].reshape(-1, 2)[0].tolist()
