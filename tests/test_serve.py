@@ -36,22 +36,10 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
                  ["--enforce-eager", "--max-model-len", "512"], timeout_s=300,
                  env={**os.environ, "TMPDIR": str(temp)}):
         assert metrics_directories(temp)  # where the workers' snapshots go
-        response = requests.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": model, "prompt": "def main():", "max_tokens": 16,
-                  "temperature": 0, "ignore_eos": True},
-            timeout=120,
-        )
-        assert response.status_code == 200, response.text
-        body = response.json()
+        body = complete(port, model, "def main():", 16)
         assert body["usage"]["completion_tokens"] == 16
         assert body["choices"][0]["text"]
-        deadline = time.monotonic() + 30  # the stats writer runs every 0.1 s
-        while True:
-            stats = json.loads(stats_path.read_text())
-            if stats["decode_tokens"] == 15 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        stats = stats_after(stats_path, decode_tokens=15)
         # 16 tokens: the first from the prompt's prefill pass, 15 from decode passes.
         assert stats["decode_tokens"] == 15
         assert stats["total"]["prefill"]["misses"] > 0 and stats["link"]["bytes"] > 0
@@ -71,19 +59,8 @@ def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
     with serving(model, port, tmp_path / "server.log",
                  offload_config(stats_path, miss_policy="lowbit"),
                  ["--enforce-eager", "--max-model-len", "512"], timeout_s=300):
-        response = requests.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": model, "prompt": "import os\nimport sys\n", "max_tokens": 24,
-                  "temperature": 0, "ignore_eos": True},
-            timeout=120,
-        )
-        assert response.status_code == 200, response.text
-        deadline = time.monotonic() + 30
-        while True:
-            stats = json.loads(stats_path.read_text())
-            if stats["decode_tokens"] == 23 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        complete(port, model, "import os\nimport sys\n", 24)
+        stats = stats_after(stats_path, decode_tokens=23)
         assert stats["output"] == "approximate" and stats["miss_policy"] == "lowbit"
         assert stats["total"]["decode"]["low_bit_entries"] > 0
         deadline = time.monotonic() + 10  # snapshots are at most a second old
@@ -99,6 +76,29 @@ def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
             {k[0] for k in metrics})
         info = [dict(k[1]) for k in metrics if k[0] == "specexpert_info"]
         assert [(i["miss_policy"], i["output"]) for i in info] == [("lowbit", "approximate")]
+
+
+def complete(port: int, model: str, prompt: str, max_tokens: int) -> dict:
+    """A greedy completion from the server (asserted to succeed)."""
+    response = requests.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+              "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stats_after(stats_path, decode_tokens: int) -> dict:
+    """The stats file once it counts ``decode_tokens`` (the writer runs every 0.1 s), or
+    as it is after 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = json.loads(stats_path.read_text())
+        if stats["decode_tokens"] == decode_tokens or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
 
 
 def metrics_directories(root) -> list[str]:

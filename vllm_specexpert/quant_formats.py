@@ -87,7 +87,7 @@ class PackedFormat(ABC):
 
     def bytes_per_weight(self, out_features: int, in_features: int) -> int:
         """Bytes one projection occupies packed."""
-        return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        return sum(math.prod(shape) * dtype.itemsize
                    for shape, dtype in self.tensor_shapes(out_features, in_features).values())
 
 

@@ -268,9 +268,11 @@ class OffloadedRoutedExperts(RoutedExperts):
         layer's ``[E, ...]`` bias parameters at load): point them at the biases of the
         tensors it runs on now (slots, or the store's for host compute), indexed like
         the weights."""
-        method = self.quant_method
-        for config in {id(c): c for c in (method.moe_quant_config, getattr(
-                method.moe_kernel.fused_experts, "quant_config", None)) if c}.values():
+        if not hasattr(self, "_bias_configs"):  # the kernel is built at load: look once
+            method = self.quant_method
+            self._bias_configs = list({id(c): c for c in (method.moe_quant_config, getattr(
+                method.moe_kernel.fused_experts, "quant_config", None)) if c}.values())
+        for config in self._bias_configs:
             config._w1.bias, config._w2.bias = tensors["w13_bias"], tensors["w2_bias"]
 
     def _vanilla_tile_config(self, x: torch.Tensor):

@@ -63,7 +63,7 @@ class LayerExperts:
     @property
     def slot_nbytes(self) -> int:
         """Bytes of one slot (what one expert takes on the device)."""
-        return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        return sum(math.prod(shape) * dtype.itemsize
                    for shape, dtype in self.slot_shapes.values())
 
     @property
