@@ -79,7 +79,9 @@ class SpecExpertConfig:
     co-activated buddy instead, behind BuddyMoE's gates, see ``buddy``; fetch when none
     qualifies), ``auto_buddy`` (``buddy`` where the gates allow, ``auto`` for the
     rest), ``random`` (BuddyMoE's baseline: a random resident expert, same gates),
-    ``drop`` (run only the resident experts, weights renormalised)."""
+    ``drop`` (run only the resident experts, weights renormalised), ``lowbit`` (HOBBIT:
+    run the expert's INT4 copy from ``top_k`` of the layer's slots; bf16 models only,
+    the copies are made at load when the engine starts with it)."""
 
     predictor: Literal[tuple(PREDICTORS)] = "none"
     """How the next layer's experts are predicted, for prefetching (and for
