@@ -38,6 +38,8 @@ from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
+from vllm_specexpert.planner.governor import Governor, GovernorStats
+from vllm_specexpert.planner.lookahead import LookaheadPlanner
 from vllm_specexpert.planner.plec import PlecPlanner
 from vllm_specexpert.policy import (
     MISS_POLICY_CLASSES,
@@ -84,6 +86,17 @@ class OffloadEngine:
         self.lock = threading.Lock()
         """Held while the layers change (reconfigure) or are read by another thread."""
         self.reporter = report.Reporter(self.stats)
+        self.lookahead: LookaheadPlanner | None = None
+        """The draft's routes as this engine's lookahead (``lookahead``; set by
+        :meth:`attach_draft`)."""
+        self.governor: Governor | None = (
+            Governor(config.lookahead.k_max, config.lookahead.k)
+            if config.lookahead is not None else None)
+        """Each step's draft length (``lookahead``)."""
+        self.draft_engine: OffloadEngine | None = None
+        """The lookahead draft's engine (its INT4 experts)."""
+        self.target: OffloadEngine | None = None
+        """For a draft's engine: the engine its routes go to."""
         self._select(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
@@ -123,6 +136,22 @@ class OffloadEngine:
         self.layers[name] = layer
         layer.equip(self.config, self.link, self.device, self.pool)
         return layer
+
+    def attach_draft(self, draft: OffloadEngine) -> None:
+        """``draft`` runs this engine's lookahead draft: its routes become this engine's
+        lookahead (:class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`)."""
+        self.draft_engine, draft.target = draft, self
+
+        def layer_of(index: int) -> OffloadedLayer | None:
+            return next((la for la in self.layers.values() if la.index == index), None)
+
+        num_experts = next(iter(self.layers.values())).cache.num_experts
+        self.lookahead = LookaheadPlanner(num_experts, layer_of)
+
+    def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
+        """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
+        with self.lock:
+            self.lookahead.draft_routed(layer_index, ids, weights)
 
     def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
         """Declare ``next_name`` as the MoE layer after ``name`` and how it routes, so
@@ -190,6 +219,8 @@ class OffloadEngine:
         policies would differ from run to run. The plugin calls this once vLLM's warm-up
         is over (:func:`vllm_specexpert.plugins.restart_caches`)."""
         self._rebuild(self.config)
+        if self.draft_engine is not None:
+            self.draft_engine.restart()
 
     def _rebuild(self, config: SpecExpertConfig) -> None:
         """Every cache rebuilt for ``config`` (warm start), a new link, counters at zero."""
@@ -209,6 +240,10 @@ class OffloadEngine:
                 layer.stats = LayerStats()
             if self.pool is not None:
                 self.pool.allocate()
+            if self.governor is not None:
+                self.governor = Governor(config.lookahead.k_max, config.lookahead.k)
+            if self.lookahead is not None:
+                self.lookahead.demand = None
         self.link.reset_counters()
         self.reporter.start(self.stats_file, config.stats_interval_s)
 
@@ -312,7 +347,8 @@ class OffloadEngine:
         """The step's predicted demand if it is for this call's tokens, scored against
         the experts they chose (the path predictor's batch-level accuracy)."""
         demand = self.step_demand
-        if demand is None or demand.tokens != tokens or layer.index not in demand.layers:
+        if demand is None or demand.tokens not in (None, tokens) or \
+                layer.index not in demand.layers:
             return None  # not this pass's decode tokens
         used = np.unique(router_ids)
         stats.path_needed += len(used)
@@ -350,7 +386,11 @@ class OffloadEngine:
         with self.lock:
             for layer in self.layers.values():
                 layer.stats = LayerStats()
+            if self.governor is not None:
+                self.governor.stats = GovernorStats()
         self.link.reset_counters()
+        if self.draft_engine is not None:
+            self.draft_engine.reset_stats()
 
     def write_stats(self) -> None:
         """Write the stats file and the metrics snapshot now (where there are some)."""

@@ -25,8 +25,9 @@ ATTRIBUTE = "specexpert_demand"
 class StepDemand:
     """The decode tokens of one step and their predicted experts."""
 
-    tokens: int
-    """Decode tokens the prediction covers (the step's decode requests)."""
+    tokens: int | None
+    """Decode tokens the prediction covers (the step's decode requests); ``None``: the
+    next pass's decode tokens, however many (a lookahead draft's verification pass)."""
     layers: dict[int, np.ndarray]
     """Decoder-layer index -> ``[E]`` predicted decode tokens per expert."""
     next_layers: dict[int, np.ndarray] | None = None

@@ -158,4 +158,11 @@ def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
             raise SpecExpertConfigError(
                 name, "is read when the engine starts and cannot change at run time",
                 f"start a new engine with the new '{name}'")
+    before, after = current.lookahead, config.lookahead
+    if (before is None) != (after is None) or (before is not None and (
+            before.k_max, before.draft_budget) != (after.k_max, after.draft_budget)):
+        raise SpecExpertConfigError(
+            "lookahead", "is read when the engine starts (vLLM's speculative decoding and "
+            "the draft are built then); only lookahead.k can change at run time",
+            "start a new engine with the new 'lookahead'")
     check_runnable(config, layers, has_default_vectors)

@@ -168,8 +168,24 @@ class SnapshotCollector:
                                   labels=[*base, "layer"])
         info = GaugeMetricFamily(f"{PREFIX}info", "The running configuration (value 1).",
                                  labels=[*base, "miss_policy", "cache", "predictor", "output"])
+        steps = CounterMetricFamily(f"{PREFIX}lookahead_steps", "Steps per draft length "
+                                    "the lookahead governor chose.", labels=[*base, "k"])
+        draft_length = GaugeMetricFamily(f"{PREFIX}lookahead_draft_length", "The draft "
+                                         "length chosen last.", labels=base)
+        drafted = CounterMetricFamily(f"{PREFIX}lookahead_drafted_tokens", "Drafted tokens "
+                                      "verified by the target.", labels=base)
+        accepted = CounterMetricFamily(f"{PREFIX}lookahead_accepted_tokens", "Drafted "
+                                       "tokens the target accepted.", labels=base)
         for snapshot in self.snapshots():
             labels = [snapshot.get("model_name", ""), str(snapshot.get("rank", 0))]
+            lookahead = snapshot.get("lookahead")
+            if lookahead:
+                for k, count in lookahead["steps_by_k"].items():
+                    steps.add_metric([*labels, str(k)], count)
+                if lookahead["last_k"] is not None:
+                    draft_length.add_metric(labels, lookahead["last_k"])
+                drafted.add_metric(labels, lookahead["drafted"])
+                accepted.add_metric(labels, lookahead["accepted"])
             layer_index = snapshot.get("layer_index", {})
             for name, layer in snapshot["layers"].items():
                 layer_label = str(layer_index.get(name, name))
@@ -183,4 +199,4 @@ class SnapshotCollector:
             info.add_metric([*labels, snapshot["miss_policy"], config["cache"],
                              snapshot["predictor"], snapshot["output"]], 1)
         yield from counters.values()
-        yield from (resident, slots, info)
+        yield from (resident, slots, info, steps, draft_length, drafted, accepted)

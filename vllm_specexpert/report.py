@@ -148,7 +148,34 @@ def engine_stats(engine) -> dict[str, Any]:
             },
             "total": total.to_dict(),
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
+            "lookahead": lookahead_stats(engine),
         }
+
+
+def lookahead_stats(engine) -> dict[str, Any] | None:
+    """The governor's counters (draft length per step, acceptance) and the draft's
+    memory and decodes; ``None`` without ``lookahead``."""
+    governor, draft = engine.governor, engine.draft_engine
+    if governor is None:
+        return None
+    result = governor.stats.to_dict()
+    result["k_max"], result["fixed_k"] = governor.k_max, governor.fixed_k
+    if draft is not None and draft.layers:
+        with draft.lock:
+            result["draft"] = _draft_stats(draft)
+    return result
+
+
+def _draft_stats(draft) -> dict[str, Any]:
+    layers = draft.layers.values()
+    totals = LayerStats.sum(la.stats for la in layers)
+    return {
+        "int4_bytes": draft.store.nbytes,
+        "decoded_slot_bytes": sum(la.cache.num_slots * la.cache.experts.slot_nbytes
+                                  for la in layers),
+        "decodes": totals.decode.loads + totals.prefill.loads,
+        "decoded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
+    }
 
 
 def summary(engine) -> str:

@@ -81,6 +81,8 @@ def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> 
 
     if config is not None and config.path_predictor is not None:
         _install_scheduler(engine_args)
+    if config is not None and config.lookahead is not None:
+        _configure_draft(engine_args, config)
     if current_platform.is_cuda_alike():
         _pin_triton_moe_backend(engine_args)
     if engine_args.worker_extension_cls in ("", None):
@@ -104,6 +106,38 @@ def _install_scheduler(engine_args) -> None:
             "path_predictor", f"runs in the plugin's scheduler class, and scheduler_cls="
             f"{current!r} is set", "remove --scheduler-cls, or remove path_predictor")
     engine_args.scheduler_cls = SCHEDULER_CLS
+
+
+def _configure_draft(engine_args, config: SpecExpertConfig) -> None:
+    """``lookahead`` runs through vLLM's speculative decoding with a ``draft_model`` on
+    the same checkpoint, ``k_max`` tokens: set it, or check the user's. vLLM's async
+    scheduling is turned off: the governor sets each step's draft length in the worker,
+    after the step's verification."""
+    k_max = config.lookahead.k_max
+    wanted = {"method": "draft_model", "model": engine_args.model,
+              "num_speculative_tokens": k_max}
+    given = engine_args.speculative_config
+    if given is None:
+        engine_args.speculative_config = wanted
+    else:
+        if not isinstance(given, dict):
+            given = {name: getattr(given, name, None) for name in wanted}
+        method = given.get("method") or ("draft_model" if given.get("model") else None)
+        conflicts = [f"{name}={given.get(name)!r}" for name, value in wanted.items()
+                     if name in given and given.get(name) is not None
+                     and given.get(name) != value]
+        if method != "draft_model" or conflicts:
+            raise SpecExpertConfigError(
+                "lookahead", "drafts with vLLM's speculative decoding (method "
+                f"'draft_model', the same model, num_speculative_tokens = k_max = {k_max}),"
+                f" and speculative_config sets {', '.join(conflicts) or repr(method)}",
+                "remove speculative_config (the plugin sets it), or remove lookahead")
+    if getattr(engine_args, "async_scheduling", None):
+        raise SpecExpertConfigError(
+            "lookahead", "sets each step's draft length in the worker after the step's "
+            "verification, and async_scheduling is on",
+            "remove --async-scheduling, or remove lookahead")
+    engine_args.async_scheduling = False
 
 
 def _pin_triton_moe_backend(engine_args) -> None:
@@ -176,8 +210,26 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
         load_calibration(config.calibration, model=model_config.model,
                          hf_config=model_config.hf_config, num_experts=shape.num_experts)
+    if config.lookahead is not None:
+        _check_draft(vllm_config, config, shape)
     if config.path_predictor is not None:
         from vllm_specexpert.predict.path import load_path_predictor
 
         load_path_predictor(config.path_predictor, model=model_config.model,
                             hf_config=model_config.hf_config)
+
+
+def _check_draft(vllm_config, config: SpecExpertConfig, shape) -> None:
+    """``lookahead``'s draft: INT4 experts made at load need a bf16/fp16 checkpoint,
+    and its decoded slots must hold one token's experts."""
+    quantization = vllm_config.model_config.quantization
+    if quantization is not None:
+        raise SpecExpertConfigError(
+            "lookahead", f"the draft's INT4 experts are made at load from bf16/fp16 "
+            f"experts, and this is a {quantization} checkpoint (vLLM builds the draft "
+            "without its quantization)", "use the bf16/fp16 checkpoint, or remove lookahead")
+    try:
+        config.draft_config().slots_per_layer(shape.num_experts, shape.top_k)
+    except SpecExpertConfigError as error:
+        raise SpecExpertConfigError("lookahead.draft_budget", error.problem,
+                                    error.fix.replace("budget", "draft_budget")) from None

@@ -8,8 +8,11 @@ process (:func:`wrap_once`).
   settings before and after the config is built, in the calling process);
 * :func:`after_warm_up`: ``Executor.compile_or_warm_up_model``;
 * :func:`add_engine_arguments`: ``EngineArgs.add_cli_args`` (the ``--plugins`` flag);
-* :func:`keep_step_demand`: the model runner's ``execute_model`` hands each step's
-  predicted demand to :mod:`vllm_specexpert.handoff`;
+* :func:`at_step_start` (and :func:`keep_step_demand` on it): the model runner's
+  ``execute_model`` hands each step's predicted demand to
+  :mod:`vllm_specexpert.handoff`, and times the step for the lookahead governor;
+* :func:`around_drafting`: the speculative-decoding proposer's first pass and the
+  runner's ``propose_draft_token_ids`` (the lookahead draft's rounds);
 * :func:`add_to_multiprocess_registries`: prometheus_client's ``MultiProcessCollector``
   (what ``/metrics`` serves with several API servers);
 * :func:`patch_version_lookup`: ``importlib.metadata.version("vllm")`` on the CPU build.
@@ -92,18 +95,61 @@ def add_engine_arguments(add: Callable[[Any], None]) -> None:
     wrap_once(EngineArgs, "add_cli_args", wrap)
 
 
-def keep_step_demand() -> None:
-    """Wrap vLLM's model runner so that every step's predicted demand reaches
-    :func:`vllm_specexpert.handoff.current` (in the worker)."""
+_STEP_STARTS: list[Callable[[Any, Any], None]] = []
+
+
+def at_step_start(callback: Callable[[Any, Any], None]) -> None:
+    """``callback(model_runner, scheduler_output)`` as vLLM's model runner starts a step
+    (``execute_model``), once per distinct callback."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if callback not in _STEP_STARTS:
+        _STEP_STARTS.append(callback)
 
     def wrap(original):
         def execute_model(self, scheduler_output, *args, **kwargs):
-            handoff.receive(scheduler_output)
+            for each in _STEP_STARTS:
+                each(self, scheduler_output)
             return original(self, scheduler_output, *args, **kwargs)
         return execute_model
 
     wrap_once(GPUModelRunner, "execute_model", wrap)
+
+
+def _receive_demand(model_runner, scheduler_output) -> None:
+    handoff.receive(scheduler_output)
+
+
+def keep_step_demand() -> None:
+    """Every step's predicted demand reaches :func:`vllm_specexpert.handoff.current`
+    (in the worker)."""
+    at_step_start(_receive_demand)
+
+
+def around_drafting(first_pass: Callable[[Any, Any], None],
+                    propose: Callable[..., Any]) -> None:
+    """Speculative decoding's draft, in the worker: ``first_pass(proposer,
+    token_indices_to_sample)`` once the proposer has laid out its first pass (those rows
+    are the tokens verified next); ``propose(model_runner, original, scheduler_output,
+    *args, **kwargs)`` instead of the runner's ``propose_draft_token_ids`` (it calls
+    ``original``)."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def wrap_first_pass(original):
+        def set_inputs_first_pass(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            first_pass(self, result[1])
+            return result
+        return set_inputs_first_pass
+
+    def wrap_propose(original):
+        def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+            return propose(self, original, scheduler_output, *args, **kwargs)
+        return propose_draft_token_ids
+
+    wrap_once(SpecDecodeBaseProposer, "set_inputs_first_pass", wrap_first_pass)
+    wrap_once(GPUModelRunner, "propose_draft_token_ids", wrap_propose)
 
 
 def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:

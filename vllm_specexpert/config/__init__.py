@@ -29,12 +29,13 @@ from vllm_specexpert.config.modes import CACHES, MISS_POLICIES, PREDICTORS
 from vllm_specexpert.config.sections import (
     BuddyConfig,
     LinkConfig,
+    LookaheadConfig,
     TokenSchedulerConfig,
 )
 from vllm_specexpert.config.specexpert import MAX_EXPERTS, SpecExpertConfig
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY", "CACHES", "MAX_EXPERTS", "MISS_POLICIES", "PREDICTORS",
-    "BuddyConfig", "LinkConfig", "SpecExpertConfig", "SpecExpertConfigError",
+    "BuddyConfig", "LinkConfig", "LookaheadConfig", "SpecExpertConfig", "SpecExpertConfigError",
     "SpecExpertUnsupportedError", "TokenSchedulerConfig",
 ]

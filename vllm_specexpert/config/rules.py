@@ -26,6 +26,7 @@ class Settings(Protocol):
     calibration: str | None
     path_predictor: str | None
     token_scheduler: Any
+    lookahead: Any
     link: LinkConfig
     buddy: BuddyConfig
     stats_path: str | None
@@ -61,12 +62,22 @@ def check_combination(config: Settings) -> None:
             "calibration", f"predictor '{config.predictor}' needs default vectors, and none "
             "is set",
             CALIBRATE)
-    if config.cache_spec.needs_path_predictor and config.path_predictor is None:
+    if (config.cache_spec.needs_path_predictor and config.path_predictor is None
+            and config.lookahead is None):
         raise SpecExpertConfigError(
             "cache", f"'{config.cache}' allocates slots by the predicted demand of each "
-            "step, and no path predictor is set",
+            "step, and neither a path predictor nor a lookahead draft predicts it",
             "set \"path_predictor\": \"DIR\" (from `specexpert train-path MODEL --out "
-            "DIR`), or use cache 'lru'")
+            "DIR`) or \"lookahead\": {}, or use cache 'lru'")
+    lookahead = config.lookahead
+    if lookahead is not None and lookahead.k is not None and lookahead.k > lookahead.k_max:
+        raise SpecExpertConfigError(
+            "lookahead.k", f"{lookahead.k} exceeds lookahead.k_max={lookahead.k_max}",
+            f"use k <= {lookahead.k_max}, or raise k_max")
+    if lookahead is not None and config.token_scheduler is not None:
+        raise SpecExpertConfigError(
+            "token_scheduler", "does not combine with lookahead yet (a held-back request "
+            "would leave its drafted tokens unverified)", "remove one of the two")
     if config.token_scheduler is not None and config.path_predictor is None:
         raise SpecExpertConfigError(
             "path_predictor", "token_scheduler groups sequences by predicted route, and no "

@@ -1,5 +1,5 @@
 """The nested sections of the ``specexpert`` config (``link``, ``buddy``,
-``token_scheduler``) and the strict field types every config class uses."""
+``token_scheduler``, ``lookahead``) and the strict field types every config class uses."""
 
 from __future__ import annotations
 
@@ -100,6 +100,34 @@ class BuddyConfig:
 
     rho: Annotated[Count, Field(ge=1, le=65536)] = 3
     """Replacement budget: at most this many substituted experts per token. Range: [1, 65536]."""
+
+
+@dataclass(config=STRICT)
+class LookaheadConfig:
+    """MoE-SpeQ's draft lookahead (``lookahead: {}`` for these defaults). The plugin
+    sets vLLM's ``speculative_config`` to a ``draft_model`` on the same checkpoint with
+    ``k_max`` tokens; the draft is the model with INT4 experts (made at load), run from
+    its own pool. Its routes for the drafted tokens are the target's expert lookahead
+    buffer: their experts are prefetched while the draft runs, and the cache evicts by
+    them. vLLM verifies the drafted tokens in one target pass (accepted tokens are the
+    target's: exact under ``fetch``). Per step a governor picks the draft length from
+    measured acceptance and times, and stops drafting for a request whose drafts do not
+    pay. bf16/fp16 checkpoints only."""
+
+    k_max: Annotated[Count, Field(ge=1, le=8)] = 4
+    """Longest draft (vLLM's ``num_speculative_tokens``); the governor picks 0..k_max
+    per step. Range: [1, 8]."""
+
+    k: Annotated[Count, Field(ge=0, le=8)] | None = None
+    """A fixed draft length in [0, k_max] instead of the governor (0: no drafted tokens;
+    the draft still runs once per step on the step's tokens, to keep its KV cache).
+    ``None`` (default): the governor. Range: [0, 8], at most ``k_max``."""
+
+    draft_budget: Annotated[Number, Field(gt=0, le=1)] = 1.0
+    """Share of the draft's experts held decoded (bf16, the kernel's form) beside its
+    INT4 pool, least recently used first out; a decoded expert is made again from its
+    INT4 copy on the device when next needed. 1.0 (default): every expert decoded once,
+    at load (fastest; the draft's experts then take bf16 bytes too). Range: (0, 1]."""
 
 
 def default_of(owner: type, name: str) -> Any:

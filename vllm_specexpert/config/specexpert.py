@@ -30,13 +30,15 @@ from vllm_specexpert.config.sections import (
     Count,
     Flag,
     LinkConfig,
+    LookaheadConfig,
     Number,
     Path,
     TokenSchedulerConfig,
     default_of,
 )
 
-SECTIONS = {"link": LinkConfig, "buddy": BuddyConfig, "token_scheduler": TokenSchedulerConfig}
+SECTIONS = {"link": LinkConfig, "buddy": BuddyConfig, "token_scheduler": TokenSchedulerConfig,
+            "lookahead": LookaheadConfig}
 """The nested sections, by key."""
 MAX_EXPERTS = 65536
 """The largest budget count accepted (no model has more routed experts per layer)."""
@@ -124,6 +126,12 @@ class SpecExpertConfig:
     """Group decode sequences by predicted route, one group per step (see
     :class:`TokenSchedulerConfig`; ``{}`` for its defaults). Needs ``path_predictor``."""
 
+    lookahead: LookaheadConfig | None = None
+    """MoE-SpeQ's draft lookahead (see :class:`LookaheadConfig`; ``{}`` for its
+    defaults): an INT4 draft of the model drafts up to ``k_max`` tokens per step, its
+    routes prefetch the target's experts, vLLM's speculative decoding verifies them.
+    ``None`` (default): off."""
+
     exact_layers: tuple[Annotated[Count, Field(ge=0)], ...] | None = None
     """Decoder-layer indices that always run their router's experts under
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
@@ -192,9 +200,9 @@ class SpecExpertConfig:
                 ADDITIONAL_CONFIG_KEY, f"must be a JSON object, got {type(raw).__name__}",
                 'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)')
         raw = dict(raw)
-        for key in ("token_scheduler", "link", "buddy"):
+        for key in ("token_scheduler", "link", "buddy", "lookahead"):
             if key in raw and raw[key] is None:
-                del raw[key]  # null: the defaults (token_scheduler: off)
+                del raw[key]  # null: the defaults (token_scheduler, lookahead: off)
         try:
             config = cls(**raw)
         except ValidationError as error:
@@ -278,6 +286,12 @@ class SpecExpertConfig:
                 else:
                     merged[section] = default_of(SpecExpertConfig, section)
         raise AssertionError("unreachable: every reset removes one setting")
+
+    def draft_config(self) -> SpecExpertConfig:
+        """The config of the ``lookahead`` draft's own engine: its INT4 experts decoded
+        into ``lookahead.draft_budget`` of bf16 slots on demand, exactly (no link
+        emulation: decoding is device work, not a transfer)."""
+        return SpecExpertConfig(budget=self.lookahead.draft_budget)
 
     # ------------------------------------------------------- model-dependent checks
 

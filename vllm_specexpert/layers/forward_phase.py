@@ -19,19 +19,21 @@ from vllm_specexpert.phases import PassPhases
 _CONTEXT_KEY = "specexpert_phases"
 
 
-def current_phases(num_tokens: int) -> PassPhases:
-    """The decode/prefill split of the running pass's ``num_tokens`` tokens."""
+def current_phases(num_tokens: int, decode_query_len: int = 1) -> PassPhases:
+    """The decode/prefill split of the running pass's ``num_tokens`` tokens; a request
+    scheduled at most ``decode_query_len`` tokens decodes (``1 + k`` under speculative
+    decoding: a verification pass, as vLLM's ``reorder_batch_threshold``)."""
     if not is_forward_context_available():
         return PassPhases.prefill_only(num_tokens)
     context = get_forward_context()
     phases = context.additional_kwargs.get(_CONTEXT_KEY)
     if phases is None or phases.num_tokens != num_tokens:
-        phases = _read_phases(context.attn_metadata, num_tokens)
+        phases = _read_phases(context.attn_metadata, num_tokens, decode_query_len)
         context.additional_kwargs[_CONTEXT_KEY] = phases
     return phases
 
 
-def _read_phases(attn_metadata, num_tokens: int) -> PassPhases:
+def _read_phases(attn_metadata, num_tokens: int, decode_query_len: int = 1) -> PassPhases:
     if isinstance(attn_metadata, list):  # micro-batches: not used with the plugin
         attn_metadata = attn_metadata[0] if attn_metadata else None
     if not attn_metadata:
@@ -45,4 +47,4 @@ def _read_phases(attn_metadata, num_tokens: int) -> PassPhases:
     if start is None:
         start = metadata.query_start_loc  # on CUDA a sync, in passes with a prompt only
     query_lens = np.diff(start.cpu().numpy())
-    return PassPhases.from_query_lens(query_lens, num_tokens)
+    return PassPhases.from_query_lens(query_lens, num_tokens, decode_query_len)

@@ -38,6 +38,7 @@ from vllm_specexpert import handoff, vllm_hooks
 from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.layers import lookahead_driver
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.packed_experts import (
     PackedDecoder,
@@ -58,12 +59,33 @@ _ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
 in one process). Keyed by ``id`` and checked by weak reference, since ids are reused."""
 
 
-def engine_for(vllm_config, config: SpecExpertConfig) -> OffloadEngine:
+_TARGET: weakref.ref | None = None
+"""The engine of the last target model built in this process: vLLM builds the draft
+(``lookahead``) right after its target, and the draft's engine hands it its routes."""
+
+DRAFT_PREFIX = "draft_model."
+"""Prefix of the layer names of vLLM's draft model (``DraftModelProposer``)."""
+
+
+def engine_for(vllm_config, config: SpecExpertConfig, draft: bool = False) -> OffloadEngine:
+    """The engine of ``vllm_config``'s model; a draft model's engine (``draft``) runs
+    the draft's INT4 experts and is attached to its target's engine."""
+    global _TARGET
     entry = _ENGINES.get(id(vllm_config))
     if entry is not None and entry[0]() is vllm_config:
         return entry[1]
     device = torch.device(current_platform.device_type)
-    engine = OffloadEngine(config, device, rank=vllm_config.parallel_config.rank)
+    rank = vllm_config.parallel_config.rank
+    if draft:
+        target = _TARGET() if _TARGET is not None else None
+        if target is None or target.config.lookahead is None:
+            raise RuntimeError("specexpert: a draft model was built without a target "
+                               "engine configured for lookahead")
+        engine = OffloadEngine(config.draft_config(), device, rank=rank)
+        target.attach_draft(engine)
+    else:
+        engine = OffloadEngine(config, device, rank=rank)
+        _TARGET = weakref.ref(engine)
     key = id(vllm_config)
 
     def forget(_ref) -> None:
@@ -109,11 +131,23 @@ class OffloadedRoutedExperts(RoutedExperts):
             )
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
-        config.slots_per_layer(self.global_num_experts, self.top_k)  # fail early
+        self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None
+        """This layer is the lookahead draft's: INT4 experts, its routes to the target."""
+        if self._draft and self._packed_format is not None:
+            raise SpecExpertUnsupportedError(
+                f"lookahead with {self._packed_format.name} experts",
+                "the draft's INT4 experts are made at load from bf16/fp16 experts",
+                "use the bf16 checkpoint, or remove lookahead")
+        (config.draft_config() if self._draft else config).slots_per_layer(
+            self.global_num_experts, self.top_k)  # fail early
         if config.path_predictor is not None:
             vllm_hooks.keep_step_demand()
+        if config.lookahead is not None:
+            lookahead_driver.install()
         self._tiles = _TileConfigs()
-        self.engine = engine_for(vllm_config, config)
+        self.engine = engine_for(vllm_config, config, draft=self._draft)
+        self._decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
+        """Most tokens a decoding request is scheduled per pass (verification: 1 + k)."""
         self.layer_index = _layer_index(layer_name)
         self._context_key = layer_name + FORWARD_CONTEXT_SUFFIX
         forward_context = vllm_config.compilation_config.static_forward_context
@@ -159,11 +193,14 @@ class OffloadedRoutedExperts(RoutedExperts):
         post_process = method.process_weights_after_loading
 
         def process_weights_after_loading(layer: torch.nn.Module) -> None:
-            packed = self._packed.take(layer) if self._packed is not None else None
-            # lowbit's INT4 copies are made from vLLM's checkpoint layout, before its
-            # post-processing (on CPU a prepacked layout: groups of it would mix rows).
+            packed = (self._packed, self._packed.take(layer)) if self._packed is not None else None
+            # INT4 copies are made from vLLM's checkpoint layout, before its
+            # post-processing (on CPU a prepacked layout: groups of it would mix rows):
+            # lowbit's beside the experts, or the lookahead draft's instead of them.
             low_bit = None
-            if packed is None and self.engine.config.miss_policy_spec.low_bit:
+            if self._draft:
+                packed = self._low_bit_copies()
+            elif packed is None and self.engine.config.miss_policy_spec.low_bit:
                 low_bit = self._low_bit_copies()
             post_process(layer)
             self._move_experts_to_store(packed, low_bit)
@@ -180,12 +217,13 @@ class OffloadedRoutedExperts(RoutedExperts):
         return parameters, parameters.quantize(weights)
 
     def _move_experts_to_store(
-        self, packed: dict[str, torch.Tensor] | None,
+        self, packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None,
         low_bit: tuple[PackedParameters, dict[str, torch.Tensor]] | None = None,
     ) -> None:
-        """Hand the runtime-format expert tensors (or the ``packed`` ones, taken off the
-        layer) to the slow tier, with ``lowbit``'s INT4 copies if made; keep only views.
-        An expert is its weights and, where the model has them, its biases."""
+        """Hand the runtime-format expert tensors (or the ``packed`` ones: a quantized
+        checkpoint's, or the draft's INT4 copies) to the slow tier, with ``lowbit``'s
+        INT4 copies if made; keep only views (packed: a one-expert placeholder). An
+        expert is its weights and, where the model has them, its biases."""
         # What a slot holds: the runtime form of one expert.
         slot_shapes = {name: (tuple(getattr(self, name).shape[1:]), getattr(self, name).dtype)
                        for name in EXPERT_TENSORS if hasattr(self, name)}
@@ -194,8 +232,10 @@ class OffloadedRoutedExperts(RoutedExperts):
             tensors = {name: getattr(self, name).data for name in slot_shapes}
             decoder = None
         else:
-            tensors = packed
-            decoder = PackedDecoder(self._packed, form, slot_shapes)
+            parameters, tensors = packed
+            decoder = PackedDecoder(parameters, form, slot_shapes)
+            for name in slot_shapes:  # the kernel runs on slots: keep one expert's shape
+                getattr(self, name).data = getattr(self, name).data[:1].clone()
         if low_bit is not None:
             parameters, copies = low_bit
             low_bit = (copies, PackedDecoder(parameters, form, slot_shapes))
@@ -225,9 +265,15 @@ class OffloadedRoutedExperts(RoutedExperts):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         self._tiles.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
-        self.engine.step_demand = handoff.current()
-        return self.engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
-                               current_phases(x.shape[0]))
+        engine = self.engine
+        if self._draft:
+            # The draft's routes: the target's lookahead (on CUDA this read syncs).
+            engine.target.draft_routed(self.layer_index, topk_ids.cpu().numpy(),
+                                       topk_weights.float().cpu().numpy())
+        engine.step_demand = (engine.lookahead.demand if engine.lookahead is not None
+                              else handoff.current())
+        return engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
+                          current_phases(x.shape[0], self._decode_query_len))
 
     def _slot_kernel(
         self,

@@ -1,0 +1,111 @@
+"""The lookahead draft's rounds inside vLLM's worker (``lookahead``).
+
+vLLM's model runner runs, per step, the target's pass (which verifies the last round's
+drafted tokens), then its draft proposer (``propose_draft_token_ids``). Around the
+proposer (:func:`vllm_specexpert.vllm_hooks.around_drafting`) this module:
+
+1. reads the verification's outcome per request (drafted and accepted tokens) and the
+   pass's time, for the governor;
+2. asks the governor for this step's draft length ``k`` and sets it as the step's
+   ``num_spec_tokens_to_schedule`` (what vLLM's dynamic speculative decoding sets), so
+   the draft runs ``k`` tokens;
+3. opens a round of the target's lookahead while the draft runs (its layers hand their
+   routes over, :class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`), closes it
+   after, and times the draft;
+4. drops the drafted tokens of the requests the governor stopped (a ragged list, as
+   vLLM's n-gram proposer returns; async scheduling is off under ``lookahead``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_specexpert import vllm_hooks
+
+_NOT_LOOKED_UP = object()
+_active = None
+"""The target engine whose drafting round runs now."""
+
+
+def install() -> None:
+    vllm_hooks.at_step_start(_step_started)
+    vllm_hooks.around_drafting(_first_pass, _propose)
+
+
+def _engine_of(runner):
+    """The runner's target engine if it runs ``lookahead``, else ``None`` (cached)."""
+    engine = getattr(runner, "_specexpert_lookahead", _NOT_LOOKED_UP)
+    if engine is _NOT_LOOKED_UP:
+        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+        engine = next((m.engine for m in runner.get_model().modules()
+                       if isinstance(m, OffloadedRoutedExperts)), None)
+        if engine is None or engine.governor is None or engine.lookahead is None:
+            engine = None
+        runner._specexpert_lookahead = engine
+    return engine
+
+
+def _step_started(runner, scheduler_output) -> None:
+    runner._specexpert_step_start = time.perf_counter()
+    engine = _engine_of(runner)
+    if engine is not None:
+        for request in scheduler_output.finished_req_ids:
+            engine.governor.finished(request)
+
+
+def _first_pass(proposer, token_indices_to_sample) -> None:
+    if _active is not None and token_indices_to_sample is not None:
+        _active.lookahead.buffer.first_rows = np.asarray(
+            token_indices_to_sample.cpu().numpy(), dtype=np.int64)
+
+
+def _verification(sampled: Any, spec_decode_metadata: Any,
+                  requests: list[str]) -> dict[str, tuple[int, int]]:
+    """Request -> (drafted, accepted) tokens of the pass that just ran."""
+    if spec_decode_metadata is None:
+        return {}
+    drafted = list(spec_decode_metadata.num_draft_tokens)
+    if isinstance(sampled, torch.Tensor):
+        produced = (sampled != -1).sum(dim=1).tolist()  # rejected positions are -1
+    else:
+        produced = [len(tokens) for tokens in sampled]
+    return {request: (d, max(p - 1, 0))
+            for request, d, p in zip(requests, drafted, produced) if d > 0}
+
+
+def _propose(runner, original, scheduler_output, *args, **kwargs):
+    global _active
+    engine = _engine_of(runner)
+    if engine is None:
+        return original(runner, scheduler_output, *args, **kwargs)
+    governor = engine.governor
+    requests = list(runner.input_batch.req_ids)
+    sampled, spec_decode_metadata = args[0], args[5]
+    started = getattr(runner, "_specexpert_step_start", None)
+    now = time.perf_counter()
+    with engine.lock:
+        governor.verified(_verification(sampled, spec_decode_metadata, requests),
+                          now - started if started is not None else 0.0)
+        k = governor.choose(requests)
+        engine.lookahead.round_started(None)
+    scheduler_output.num_spec_tokens_to_schedule = k
+    _active = engine
+    try:
+        drafts = original(runner, scheduler_output, *args, **kwargs)
+    finally:
+        _active = None
+        with engine.lock:
+            engine.lookahead.round_ended()
+    with engine.lock:
+        governor.drafted(len(requests), k, time.perf_counter() - now)
+        keep = governor.drafting(requests, k)
+    if k and len(keep) < len(requests) and not runner.use_async_scheduling \
+            and isinstance(drafts, torch.Tensor):
+        rows = drafts.tolist()
+        drafts = [row if request in keep else [] for request, row in zip(requests, rows)]
+    return drafts

@@ -1,0 +1,194 @@
+"""The speculative governor: the draft length ``k`` of each step, and which requests draft.
+
+MoE-SpeQ's governor (§3.2) maximizes accepted tokens per second,
+``E[tokens](k) / T(k)``, over ``k`` in ``0..k_max``. Here both terms are measured, not
+profiled offline:
+
+* ``E[tokens](k)`` per request is ``sum_{i=0..k} a^i``, with ``a`` the request's
+  per-token acceptance, an EMA of (accepted drafted tokens) / (drafted tokens tested
+  up to the first rejection) over its verifications.
+* ``T(k)`` is the step's cycle time with draft length ``k``: the draft's time for ``k``
+  tokens plus the time of the target pass that verifies them, expert fetch stalls
+  included (the amortization roofline's I/O term is in the measurement). Kept as an EMA
+  per (batch-size bucket, ``k``); a ``k`` not yet measured in a bucket is tried once
+  (warm-up), and every ``PROBE_EVERY`` steps a neighbour of the chosen ``k`` is tried
+  again so that a changed workload is noticed.
+
+Cascade-style utility gating: a request whose acceptance is below the break-even
+``a*`` at which drafting ``k`` pays, ``E(k, a*) = T(k) / T(0)``, stops drafting (its
+drafts are dropped, it decodes one token per step); every ``PROBE_EVERY`` steps it
+drafts once more so that its acceptance is measured again. If no ``k > 0`` beats
+``k = 0`` the whole step drafts nothing (the draft still runs once on the step's
+tokens: vLLM keeps its KV cache in step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 16
+"""Steps between two re-measurements (a neighbouring ``k``, a stopped request)."""
+EMA = 0.2
+"""Weight of the newest measurement in every moving average."""
+PRIOR_ACCEPTANCE = 0.7
+"""Acceptance assumed for a request before its first verification."""
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verification yields for a draft of ``k`` (the target's own included)."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def _bucket(batch: int) -> int:
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class GovernorStats:
+    """Counters of the governor (reported under ``lookahead`` in the stats)."""
+
+    steps: int = 0
+    steps_by_k: dict[int, int] = field(default_factory=dict)
+    """Steps per chosen draft length."""
+    last_k: int | None = None
+    """The draft length chosen last."""
+    drafted: int = 0
+    """Drafted tokens that were verified."""
+    accepted: int = 0
+    stopped_request_steps: int = 0
+    """Request-steps without drafts because the request's drafts did not pay."""
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps,
+                "steps_by_k": {str(k): n for k, n in sorted(self.steps_by_k.items())},
+                "last_k": self.last_k,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": self.accepted / self.drafted if self.drafted else None,
+                "stopped_request_steps": self.stopped_request_steps}
+
+
+class Governor:
+    """Chooses each step's draft length and drafting requests (module doc)."""
+
+    def __init__(self, k_max: int, fixed_k: int | None = None):
+        self.k_max = k_max
+        self.fixed_k = fixed_k
+        self.acceptance: dict[str, float] = {}
+        self.cycle_s: dict[tuple[int, int], float] = {}
+        """(batch bucket, k) -> EMA of draft + verification seconds."""
+        self.stopped: dict[str, int] = {}
+        """Request -> the step it stopped drafting at."""
+        self.stats = GovernorStats()
+        self._step = 0
+        self._pending: tuple[int, int, float] | None = None
+        """(bucket, k, draft seconds) of the round whose verification comes next."""
+
+    # ------------------------------------------------------------- measurements
+
+    def verified(self, results: dict[str, tuple[int, int]], verify_s: float) -> None:
+        """A target pass verified the last round: ``results`` maps each request to
+        (drafted tokens, accepted tokens); ``verify_s`` is the pass's time."""
+        for request, (drafted, accepted) in results.items():
+            if drafted <= 0:
+                continue
+            tested = accepted + (1 if accepted < drafted else 0)
+            rate = accepted / tested
+            old = self.acceptance.get(request, PRIOR_ACCEPTANCE)
+            self.acceptance[request] = (1 - EMA) * old + EMA * rate
+            self.stats.drafted += drafted
+            self.stats.accepted += accepted
+        if self._pending is not None:
+            bucket, k, draft_s = self._pending
+            key = (bucket, k)
+            cycle = draft_s + verify_s
+            old = self.cycle_s.get(key)
+            self.cycle_s[key] = cycle if old is None else (1 - EMA) * old + EMA * cycle
+            self._pending = None
+
+    def drafted(self, batch: int, k: int, draft_s: float) -> None:
+        """The draft ran for ``k`` tokens on ``batch`` requests in ``draft_s``."""
+        self._pending = (_bucket(batch), k, draft_s)
+
+    def finished(self, request: str) -> None:
+        self.acceptance.pop(request, None)
+        self.stopped.pop(request, None)
+
+    # ------------------------------------------------------------------ choices
+
+    def choose(self, requests: list[str]) -> int:
+        """The draft length of this step for the running ``requests``."""
+        self._step += 1
+        k = self.fixed_k if self.fixed_k is not None else self._best_k(requests)
+        self.stats.steps += 1
+        self.stats.steps_by_k[k] = self.stats.steps_by_k.get(k, 0) + 1
+        self.stats.last_k = k
+        return k
+
+    def _best_k(self, requests: list[str]) -> int:
+        bucket = _bucket(len(requests))
+        for k in range(self.k_max, -1, -1):  # warm-up: measure each k once
+            if (bucket, k) not in self.cycle_s:
+                return k
+        best = max(range(self.k_max + 1), key=lambda k: self.throughput(requests, k))
+        if self._step % PROBE_EVERY == 0:
+            return max(0, min(self.k_max, best + (1 if (self._step // PROBE_EVERY) % 2
+                                                    else -1)))
+        return best
+
+    def throughput(self, requests: list[str], k: int) -> float:
+        """Modeled accepted tokens per second of the batch at draft length ``k``."""
+        cycle = self.cycle_s.get((_bucket(len(requests)), k))
+        if not cycle:
+            return 0.0
+        drafting = self._drafting(requests, k)
+        return sum(expected_tokens(self.acceptance.get(r, PRIOR_ACCEPTANCE), k)
+                   if r in drafting else 1.0 for r in requests) / cycle
+
+    def break_even(self, batch: int, k: int) -> float | None:
+        """Acceptance ``a*`` with ``E(k, a*) = T(k) / T(0)`` (``None``: not measured)."""
+        bucket = _bucket(batch)
+        base, cycle = self.cycle_s.get((bucket, 0)), self.cycle_s.get((bucket, k))
+        if not base or not cycle or k == 0:
+            return None
+        target = cycle / base
+        if target <= 1.0:
+            return 0.0
+        if target >= k + 1:
+            return 1.0
+        low, high = 0.0, 1.0
+        for _ in range(30):  # E(k, a) increases with a
+            mid = (low + high) / 2
+            low, high = (mid, high) if expected_tokens(mid, k) < target else (low, mid)
+        return high
+
+    def _drafting(self, requests: list[str], k: int) -> set[str]:
+        """The requests that draft at length ``k``: those whose acceptance pays for it,
+        and a stopped one on its probe step."""
+        if self.fixed_k is not None or k == 0:
+            return set(requests)
+        threshold = self.break_even(len(requests), k)
+        if threshold is None or math.isclose(threshold, 0.0):
+            return set(requests)
+        drafting = set()
+        for request in requests:
+            stopped_at = self.stopped.get(request)
+            if stopped_at is not None and (self._step - stopped_at) % PROBE_EVERY == 0:
+                drafting.add(request)  # probe
+            elif self.acceptance.get(request, PRIOR_ACCEPTANCE) >= threshold:
+                drafting.add(request)
+        return drafting
+
+    def drafting(self, requests: list[str], k: int) -> set[str]:
+        """The requests that keep their ``k`` drafted tokens this step (the others'
+        are dropped); updates which requests are stopped."""
+        chosen = self._drafting(requests, k)
+        for request in requests:
+            if request in chosen:
+                if self.acceptance.get(request, PRIOR_ACCEPTANCE) >= (
+                        self.break_even(len(requests), k) or 0.0):
+                    self.stopped.pop(request, None)
+            else:
+                self.stopped.setdefault(request, self._step)
+                self.stats.stopped_request_steps += 1
+        return chosen

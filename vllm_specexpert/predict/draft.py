@@ -1,0 +1,66 @@
+"""MoE-SpeQ's expert lookahead buffer (ELB, MoE-SpeQ §3.3.1): the experts the draft
+routes the tokens it drafts to, per MoE layer, with the router's weight as confidence.
+
+vLLM's draft proposer runs the draft once on the step's tokens (the first pass: its
+rows ``first_rows`` are the tokens the target verifies next, one per request) and then
+once per further drafted token (one row per request). The draft's layers call
+:meth:`ExpertLookaheadBuffer.record` in model order, so a layer index that does not
+increase starts the next pass. The routes of the first pass's other rows (tokens the
+target has already run) are not kept. The last drafted token is never run by the draft,
+so a round of ``k`` drafted tokens covers ``k`` of the ``k + 1`` tokens verified next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class DraftRoutes:
+    """One pass's routes at one layer: the verified-next tokens' experts."""
+
+    draft_pass: int
+    """0: the tokens the target sampled; ``j``: the ``j``-th drafted token."""
+    ids: np.ndarray
+    """``[R, K]`` expert ids, one row per request."""
+    weights: np.ndarray
+    """``[R, K]`` their router weights (the draft's confidence)."""
+
+
+@dataclass
+class ExpertLookaheadBuffer:
+    """The routes of one drafting round (module doc)."""
+
+    num_experts: int
+    first_rows: np.ndarray | None = None
+    """Rows of the first pass that are tokens verified next (``None``: every row)."""
+    passes: int = 0
+    """Passes recorded so far in this round."""
+    demand: dict[int, np.ndarray] = field(default_factory=dict)
+    """Decoder-layer index -> ``[E]`` router weight mass per expert over the round."""
+    _last_layer: int = -1
+
+    def begin(self, first_rows: np.ndarray | None) -> None:
+        """A drafting round starts; ``first_rows`` as in the module doc."""
+        self.first_rows = first_rows
+        self.passes = 0
+        self.demand = {}
+        self._last_layer = -1
+
+    def record(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> DraftRoutes:
+        """The draft's layer ``layer_index`` routed its pass's rows to ``ids`` with
+        ``weights`` (host arrays, ``[T, K]``): keep the verified-next rows."""
+        if layer_index <= self._last_layer or self.passes == 0:
+            self.passes += 1
+        self._last_layer = layer_index
+        draft_pass = self.passes - 1
+        if draft_pass == 0 and self.first_rows is not None:
+            rows = self.first_rows[self.first_rows < len(ids)]
+            ids, weights = ids[rows], weights[rows]
+        row = self.demand.get(layer_index)
+        if row is None:
+            row = self.demand[layer_index] = np.zeros(self.num_experts)
+        np.add.at(row, ids.ravel(), weights.ravel())
+        return DraftRoutes(draft_pass, ids, weights)
