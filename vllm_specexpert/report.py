@@ -167,7 +167,8 @@ def lookahead_stats(engine) -> dict[str, Any] | None:
 
 
 def _draft_stats(draft) -> dict[str, Any]:
-    layers = draft.layers.values()
+    # The target's writers run while the draft loads: skip a layer not yet equipped.
+    layers = [la for la in draft.layers.values() if la.cache is not None]
     totals = LayerStats.sum(la.stats for la in layers)
     return {
         "int4_bytes": draft.store.nbytes,
