@@ -88,9 +88,14 @@ def _propose(runner, original, scheduler_output, *args, **kwargs):
     sampled, spec_decode_metadata = args[0], args[5]
     started = getattr(runner, "_specexpert_step_start", None)
     now = time.perf_counter()
+    verified = _verification(sampled, spec_decode_metadata, requests)
+    # The pass's time is the round's verification only if every request ran its
+    # sampled token and its drafts, nothing more (no prompt or chunk beside them).
+    only_verified = (started is not None and spec_decode_metadata is not None
+                     and scheduler_output.total_num_scheduled_tokens
+                     == len(requests) + sum(spec_decode_metadata.num_draft_tokens))
     with engine.lock:
-        governor.verified(_verification(sampled, spec_decode_metadata, requests),
-                          now - started if started is not None else 0.0)
+        governor.verified(verified, now - started if only_verified else None)
         k = governor.choose(requests)
         engine.lookahead.round_started(None)
     scheduler_output.num_spec_tokens_to_schedule = k

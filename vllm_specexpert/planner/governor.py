@@ -86,9 +86,11 @@ class Governor:
 
     # ------------------------------------------------------------- measurements
 
-    def verified(self, results: dict[str, tuple[int, int]], verify_s: float) -> None:
+    def verified(self, results: dict[str, tuple[int, int]], verify_s: float | None) -> None:
         """A target pass verified the last round: ``results`` maps each request to
-        (drafted tokens, accepted tokens); ``verify_s`` is the pass's time."""
+        (drafted tokens, accepted tokens); ``verify_s`` is the pass's time, ``None``
+        when the pass did more than verify (a prompt, a chunk: its time is not the
+        round's, and the round's cycle is not counted)."""
         for request, (drafted, accepted) in results.items():
             if drafted <= 0:
                 continue
@@ -98,13 +100,13 @@ class Governor:
             self.acceptance[request] = (1 - EMA) * old + EMA * rate
             self.stats.drafted += drafted
             self.stats.accepted += accepted
-        if self._pending is not None:
+        if self._pending is not None and verify_s is not None:
             bucket, k, draft_s = self._pending
             key = (bucket, k)
             cycle = draft_s + verify_s
             old = self.cycle_s.get(key)
             self.cycle_s[key] = cycle if old is None else (1 - EMA) * old + EMA * cycle
-            self._pending = None
+        self._pending = None
 
     def drafted(self, batch: int, k: int, draft_s: float) -> None:
         """The draft ran for ``k`` tokens on ``batch`` requests in ``draft_s``."""
