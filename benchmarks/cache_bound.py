@@ -117,6 +117,23 @@ def schedule_grouped(route_sets: list[np.ndarray], steps: int, group_size: int,
     return out
 
 
+def schedule_verified(n: int, steps: int, k: int) -> list[Step]:
+    """Draft lookahead with every drafted token accepted: each step runs ``k + 1``
+    consecutive decode tokens of every request (one verification pass)."""
+    return [([(i, s) for i in range(n) for s in range(t, min(t + k + 1, steps))], None)
+            for t in range(0, steps, k + 1)]
+
+
+def draft_sets(routes: list[np.ndarray], experts: int, k: int) -> list[np.ndarray]:
+    """What a lookahead draft of ``k`` tokens tells the cache about a verification
+    step: the true routes of each request's first ``k`` tokens of the step, none for its
+    last (the draft never runs its last drafted token)."""
+    sets = true_sets(routes, experts)
+    for each in sets:
+        each[k::k + 1] = False
+    return sets
+
+
 def needed_sets(run: list[tuple[int, int]], routes: list[np.ndarray], layer: int) -> set:
     return {(layer, int(e)) for i, s in run for e in routes[i][s, layer]}
 
@@ -244,6 +261,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-wait-steps", type=int, default=4)
+    parser.add_argument("--lookahead-k", type=int, nargs="*", default=[],
+                        help="also replay draft lookahead's verification schedule with "
+                             "these draft lengths (every drafted token accepted)")
     parser.add_argument("--name", default="cache_bound")
     args = parser.parse_args()
 
@@ -265,26 +285,33 @@ def main() -> None:
         for name, sets in believed.items():
             schedules[f"grouped ({name} routes)"] = schedule_grouped(
                 sets, steps, args.group_size, args.max_wait_steps)
+        for k in args.lookahead_k:
+            # The engine's demand for these steps is the draft's (k of k + 1 tokens).
+            schedules[f"verified (lookahead k={k})"] = schedule_verified(batch, steps, k)
+            believed[f"verified (lookahead k={k})"] = draft_sets(routes, experts, k)
         for budget in args.budgets:
             per_layer = int(budget * experts)
             caches = {
-                "lru (engine)": lambda s: engine_loads(s, routes, believed["predicted"],
-                                                       "lru", budget, experts),
-                "plec (engine)": lambda s: engine_loads(s, routes, believed["predicted"],
-                                                        "plec", budget, experts),
-                "plec (engine, true routes)": lambda s: engine_loads(
+                "lru (engine)": lambda s, name: engine_loads(
+                    s, routes, believed.get(name, believed["predicted"]), "lru", budget,
+                    experts),
+                "plec (engine)": lambda s, name: engine_loads(
+                    s, routes, believed.get(name, believed["predicted"]), "plec", budget,
+                    experts),
+                "plec (engine, true routes)": lambda s, name: engine_loads(
                     s, routes, believed["true"], "plec", budget, experts),
-                "lru once per call": lambda s: lru_loads(calls_of(s, routes), per_layer, True),
-                "global lru": lambda s: lru_loads(calls_of(s, routes), per_layer * layers,
-                                                  False),
-                "belady": lambda s: min_loads(calls_of(s, routes), per_layer * layers),
+                "lru once per call": lambda s, name: lru_loads(calls_of(s, routes),
+                                                               per_layer, True),
+                "global lru": lambda s, name: lru_loads(calls_of(s, routes),
+                                                        per_layer * layers, False),
+                "belady": lambda s, name: min_loads(calls_of(s, routes), per_layer * layers),
             }
             mine = []
             for schedule_name, schedule in schedules.items():
                 calls = calls_of(schedule, routes)
                 needed = sum(len(need) for _, need in calls) / len(schedule)
                 for cache_name, count in caches.items():
-                    loads = count(schedule)
+                    loads = count(schedule, schedule_name)
                     mine.append({
                         "batch": batch, "budget": budget, "schedule": schedule_name,
                         "cache": cache_name, "steps": len(schedule),

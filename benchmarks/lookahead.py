@@ -139,7 +139,7 @@ def main() -> None:
             for name, llm, settings in modes:
                 vllm_specexpert.reconfigure(llm, budget=budget, link=link, **settings)
                 if "lookahead" in settings:
-                    run(llm, batch_prompts, 24)  # the governor measures each k once
+                    run(llm, batch_prompts, 48)  # the governor measures each k twice
                 vllm_specexpert.reset_stats(llm)
                 result = run(llm, batch_prompts, args.max_tokens)
                 row = {"mode": name, "batch": batch, "budget": budget,

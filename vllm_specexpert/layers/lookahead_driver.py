@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert import vllm_hooks
+from vllm_specexpert.engine import OffloadEngine
 
 _NOT_LOOKED_UP = object()
 _active = None
@@ -40,10 +41,9 @@ def _engine_of(runner):
     """The runner's target engine if it runs ``lookahead``, else ``None`` (cached)."""
     engine = getattr(runner, "_specexpert_lookahead", _NOT_LOOKED_UP)
     if engine is _NOT_LOOKED_UP:
-        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
-
+        # The target model's offloaded layers hold its engine (the draft is apart).
         engine = next((m.engine for m in runner.get_model().modules()
-                       if isinstance(m, OffloadedRoutedExperts)), None)
+                       if isinstance(getattr(m, "engine", None), OffloadEngine)), None)
         if engine is None or engine.governor is None or engine.lookahead is None:
             engine = None
         runner._specexpert_lookahead = engine

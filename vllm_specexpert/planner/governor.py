@@ -10,8 +10,10 @@ profiled offline:
 * ``T(k)`` is the step's cycle time with draft length ``k``: the draft's time for ``k``
   tokens plus the time of the target pass that verifies them, expert fetch stalls
   included (the amortization roofline's I/O term is in the measurement). Kept as an EMA
-  per (batch-size bucket, ``k``); a ``k`` not yet measured in a bucket is tried once
-  (warm-up), and every ``PROBE_EVERY`` steps a neighbour of the chosen ``k`` is tried
+  per (batch-size bucket, ``k``). Warm-up: each ``k`` is tried ``WARM_UP_SAMPLES`` times
+  per bucket, round robin, and only the last of those counts (the first steps after a
+  start or a ``reconfigure`` run on a cold cache, which would make whichever ``k`` comes
+  first look slow). Every ``PROBE_EVERY`` steps a neighbour of the chosen ``k`` is tried
   again so that a changed workload is noticed.
 
 Cascade-style utility gating: a request whose acceptance is below the break-even
@@ -33,6 +35,8 @@ EMA = 0.2
 """Weight of the newest measurement in every moving average."""
 PRIOR_ACCEPTANCE = 0.7
 """Acceptance assumed for a request before its first verification."""
+WARM_UP_SAMPLES = 2
+"""Cycle samples per (bucket, k) before the governor chooses; the last one is kept."""
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -77,6 +81,8 @@ class Governor:
         self.acceptance: dict[str, float] = {}
         self.cycle_s: dict[tuple[int, int], float] = {}
         """(batch bucket, k) -> EMA of draft + verification seconds."""
+        self.samples: dict[tuple[int, int], int] = {}
+        """(batch bucket, k) -> cycle samples taken."""
         self.stopped: dict[str, int] = {}
         """Request -> the step it stopped drafting at."""
         self.stats = GovernorStats()
@@ -104,8 +110,10 @@ class Governor:
             bucket, k, draft_s = self._pending
             key = (bucket, k)
             cycle = draft_s + verify_s
-            old = self.cycle_s.get(key)
-            self.cycle_s[key] = cycle if old is None else (1 - EMA) * old + EMA * cycle
+            taken = self.samples.get(key, 0)
+            self.samples[key] = taken + 1
+            self.cycle_s[key] = (cycle if taken < WARM_UP_SAMPLES
+                                 else (1 - EMA) * self.cycle_s[key] + EMA * cycle)
         self._pending = None
 
     def drafted(self, batch: int, k: int, draft_s: float) -> None:
@@ -129,9 +137,10 @@ class Governor:
 
     def _best_k(self, requests: list[str]) -> int:
         bucket = _bucket(len(requests))
-        for k in range(self.k_max, -1, -1):  # warm-up: measure each k once
-            if (bucket, k) not in self.cycle_s:
-                return k
+        for round_ in range(1, WARM_UP_SAMPLES + 1):  # warm-up, round robin
+            for k in range(self.k_max, -1, -1):
+                if self.samples.get((bucket, k), 0) < round_:
+                    return k
         best = max(range(self.k_max + 1), key=lambda k: self.throughput(requests, k))
         if self._step % PROBE_EVERY == 0:
             return max(0, min(self.k_max, best + (1 if (self._step // PROBE_EVERY) % 2
