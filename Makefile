@@ -57,6 +57,7 @@ bench: setup
 	$(BIN)/python benchmarks/accuracy.py
 	$(BIN)/python benchmarks/miss_policies.py
 	$(BIN)/python benchmarks/equivalence.py
+	$(BIN)/python benchmarks/lookahead.py
 
 # Rebuilds the embedded model (about 70 minutes on 2 cores), then its calibration and the
 # predictor analysis that depend on it. `make test` and `make bench` follow.

@@ -5,13 +5,13 @@ drafted tokens), then its draft proposer (``propose_draft_token_ids``). Around t
 proposer (:func:`vllm_specexpert.vllm_hooks.around_drafting`) this module:
 
 1. reads the verification's outcome per request (drafted and accepted tokens) and the
-   pass's time, for the governor;
+   last round's cycle (from its start to this one's), for the governor;
 2. asks the governor for this step's draft length ``k`` and sets it as the step's
    ``num_spec_tokens_to_schedule`` (what vLLM's dynamic speculative decoding sets), so
    the draft runs ``k`` tokens;
 3. opens a round of the target's lookahead while the draft runs (its layers hand their
-   routes over, :class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`), closes it
-   after, and times the draft;
+   routes over, :class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`), and
+   closes it after;
 4. drops the drafted tokens of the requests the governor stopped (a ragged list, as
    vLLM's n-gram proposer returns; async scheduling is off under ``lookahead``).
 """
@@ -51,7 +51,6 @@ def _engine_of(runner):
 
 
 def _step_started(runner, scheduler_output) -> None:
-    runner._specexpert_step_start = time.perf_counter()
     engine = _engine_of(runner)
     if engine is not None:
         for request in scheduler_output.finished_req_ids:
@@ -86,16 +85,16 @@ def _propose(runner, original, scheduler_output, *args, **kwargs):
     governor = engine.governor
     requests = list(runner.input_batch.req_ids)
     sampled, spec_decode_metadata = args[0], args[5]
-    started = getattr(runner, "_specexpert_step_start", None)
-    now = time.perf_counter()
+    last = getattr(runner, "_specexpert_round_start", None)
+    now = runner._specexpert_round_start = time.perf_counter()
     verified = _verification(sampled, spec_decode_metadata, requests)
-    # The pass's time is the round's verification only if every request ran its
-    # sampled token and its drafts, nothing more (no prompt or chunk beside them).
-    only_verified = (started is not None and spec_decode_metadata is not None
+    # The time since the last round started is that round's cycle only if this pass
+    # ran each request's sampled token and drafts, nothing more (no prompt or chunk).
+    only_verified = (last is not None and spec_decode_metadata is not None
                      and scheduler_output.total_num_scheduled_tokens
                      == len(requests) + sum(spec_decode_metadata.num_draft_tokens))
     with engine.lock:
-        governor.verified(verified, now - started if only_verified else None)
+        governor.verified(verified, now - last if only_verified else None)
         k = governor.choose(requests)
         engine.lookahead.round_started(None)
     scheduler_output.num_spec_tokens_to_schedule = k
@@ -107,7 +106,7 @@ def _propose(runner, original, scheduler_output, *args, **kwargs):
         with engine.lock:
             engine.lookahead.round_ended()
     with engine.lock:
-        governor.drafted(len(requests), k, time.perf_counter() - now)
+        governor.drafted(len(requests), k)
         keep = governor.drafting(requests, k)
     if k and len(keep) < len(requests) and not runner.use_async_scheduling \
             and isinstance(drafts, torch.Tensor):

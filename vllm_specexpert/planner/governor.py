@@ -7,14 +7,19 @@ profiled offline:
 * ``E[tokens](k)`` per request is ``sum_{i=0..k} a^i``, with ``a`` the request's
   per-token acceptance, an EMA of (accepted drafted tokens) / (drafted tokens tested
   up to the first rejection) over its verifications.
-* ``T(k)`` is the step's cycle time with draft length ``k``: the draft's time for ``k``
-  tokens plus the time of the target pass that verifies them, expert fetch stalls
-  included (the amortization roofline's I/O term is in the measurement). Kept as an EMA
-  per (batch-size bucket, ``k``). Warm-up: each ``k`` is tried ``WARM_UP_SAMPLES`` times
-  per bucket, round robin, and only the last of those counts (the first steps after a
-  start or a ``reconfigure`` run on a cold cache, which would make whichever ``k`` comes
-  first look slow). Every ``PROBE_EVERY`` steps a neighbour of the chosen ``k`` is tried
-  again so that a changed workload is noticed.
+* ``T(k)`` is the step's cycle time with draft length ``k``: the wall time from the
+  start of one draft round to the start of the next, i.e. the draft's ``k`` tokens, the
+  engine's bookkeeping and scheduling, and the target pass that verifies them, expert
+  fetch stalls included (the amortization roofline's I/O term is in the measurement).
+  One cycle varies a lot with the cache's state, so per (batch-size bucket, ``k``) the
+  estimate is the median of the last ``WINDOW`` samples, shrunk toward a straight line
+  fitted to the bucket's medians of every ``k`` (the paper models the draft's time as
+  linear in ``k``): a ``k`` measured a few times borrows strength from its neighbours.
+  Warm-up: each ``k`` is tried ``WARM_UP_SAMPLES`` times per bucket, round robin, and
+  its first sample is dropped (the first steps after a start or a ``reconfigure`` run on
+  a cold cache, which would make whichever ``k`` comes first look slow). Every
+  ``PROBE_EVERY`` steps a neighbour of the chosen ``k`` is tried again so that a
+  changed workload is noticed.
 
 Cascade-style utility gating: a request whose acceptance is below the break-even
 ``a*`` at which drafting ``k`` pays, ``E(k, a*) = T(k) / T(0)``, stops drafting (its
@@ -27,7 +32,10 @@ tokens: vLLM keeps its KV cache in step).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 PROBE_EVERY = 16
 """Steps between two re-measurements (a neighbouring ``k``, a stopped request)."""
@@ -36,7 +44,11 @@ EMA = 0.2
 PRIOR_ACCEPTANCE = 0.7
 """Acceptance assumed for a request before its first verification."""
 WARM_UP_SAMPLES = 2
-"""Cycle samples per (bucket, k) before the governor chooses; the last one is kept."""
+"""Cycle samples per (bucket, k) before the governor chooses; the first is dropped."""
+WINDOW = 8
+"""Recent cycle samples kept per (bucket, k)."""
+FIT_WEIGHT = 2.0
+"""Weight, in samples, of the bucket's straight-line fit in a k's cycle estimate."""
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -79,24 +91,24 @@ class Governor:
         self.k_max = k_max
         self.fixed_k = fixed_k
         self.acceptance: dict[str, float] = {}
-        self.cycle_s: dict[tuple[int, int], float] = {}
-        """(batch bucket, k) -> EMA of draft + verification seconds."""
-        self.samples: dict[tuple[int, int], int] = {}
-        """(batch bucket, k) -> cycle samples taken."""
+        self.samples: dict[tuple[int, int], deque[float]] = {}
+        """(batch bucket, k) -> its recent cycle samples, in seconds."""
+        self.taken: dict[tuple[int, int], int] = {}
+        """(batch bucket, k) -> cycle samples taken (the dropped first one included)."""
         self.stopped: dict[str, int] = {}
         """Request -> the step it stopped drafting at."""
         self.stats = GovernorStats()
         self._step = 0
-        self._pending: tuple[int, int, float] | None = None
-        """(bucket, k, draft seconds) of the round whose verification comes next."""
+        self._pending: tuple[int, int] | None = None
+        """(bucket, k) of the round whose verification comes next."""
 
     # ------------------------------------------------------------- measurements
 
-    def verified(self, results: dict[str, tuple[int, int]], verify_s: float | None) -> None:
+    def verified(self, results: dict[str, tuple[int, int]], cycle_s: float | None) -> None:
         """A target pass verified the last round: ``results`` maps each request to
-        (drafted tokens, accepted tokens); ``verify_s`` is the pass's time, ``None``
-        when the pass did more than verify (a prompt, a chunk: its time is not the
-        round's, and the round's cycle is not counted)."""
+        (drafted tokens, accepted tokens); ``cycle_s`` is the round's cycle (module
+        doc), ``None`` when the pass did more than verify (a prompt, a chunk: the time
+        is not the round's, and the round is not counted)."""
         for request, (drafted, accepted) in results.items():
             if drafted <= 0:
                 continue
@@ -106,19 +118,33 @@ class Governor:
             self.acceptance[request] = (1 - EMA) * old + EMA * rate
             self.stats.drafted += drafted
             self.stats.accepted += accepted
-        if self._pending is not None and verify_s is not None:
-            bucket, k, draft_s = self._pending
-            key = (bucket, k)
-            cycle = draft_s + verify_s
-            taken = self.samples.get(key, 0)
-            self.samples[key] = taken + 1
-            self.cycle_s[key] = (cycle if taken < WARM_UP_SAMPLES
-                                 else (1 - EMA) * self.cycle_s[key] + EMA * cycle)
+        if self._pending is not None and cycle_s is not None:
+            key = self._pending
+            self.taken[key] = self.taken.get(key, 0) + 1
+            if self.taken[key] > 1:  # the first, on a cold cache, is dropped
+                self.samples.setdefault(key, deque(maxlen=WINDOW)).append(cycle_s)
         self._pending = None
 
-    def drafted(self, batch: int, k: int, draft_s: float) -> None:
-        """The draft ran for ``k`` tokens on ``batch`` requests in ``draft_s``."""
-        self._pending = (_bucket(batch), k, draft_s)
+    def cycle_s(self, batch: int, k: int) -> float | None:
+        """Estimated cycle seconds at draft length ``k`` for ``batch`` requests (module
+        doc); ``None`` before a sample."""
+        bucket = _bucket(batch)
+        mine = self.samples.get((bucket, k))
+        if not mine:
+            return None
+        median = float(np.median(mine))
+        points = [(j, np.median(ts)) for (b, j), ts in self.samples.items()
+                  if b == bucket and ts]
+        if len(points) < 2:
+            return median
+        ks, ts = np.array(points, dtype=np.float64).T
+        slope, intercept = np.polyfit(ks, ts, 1)  # through each k's median: robust
+        fitted = max(intercept + slope * k, 1e-9)
+        return (len(mine) * median + FIT_WEIGHT * fitted) / (len(mine) + FIT_WEIGHT)
+
+    def drafted(self, batch: int, k: int) -> None:
+        """The draft ran for ``k`` tokens on ``batch`` requests."""
+        self._pending = (_bucket(batch), k)
 
     def finished(self, request: str) -> None:
         self.acceptance.pop(request, None)
@@ -139,7 +165,7 @@ class Governor:
         bucket = _bucket(len(requests))
         for round_ in range(1, WARM_UP_SAMPLES + 1):  # warm-up, round robin
             for k in range(self.k_max, -1, -1):
-                if self.samples.get((bucket, k), 0) < round_:
+                if self.taken.get((bucket, k), 0) < round_:
                     return k
         best = max(range(self.k_max + 1), key=lambda k: self.throughput(requests, k))
         if self._step % PROBE_EVERY == 0:
@@ -149,7 +175,7 @@ class Governor:
 
     def throughput(self, requests: list[str], k: int) -> float:
         """Modeled accepted tokens per second of the batch at draft length ``k``."""
-        cycle = self.cycle_s.get((_bucket(len(requests)), k))
+        cycle = self.cycle_s(len(requests), k)
         if not cycle:
             return 0.0
         drafting = self._drafting(requests, k)
@@ -158,9 +184,10 @@ class Governor:
 
     def break_even(self, batch: int, k: int) -> float | None:
         """Acceptance ``a*`` with ``E(k, a*) = T(k) / T(0)`` (``None``: not measured)."""
-        bucket = _bucket(batch)
-        base, cycle = self.cycle_s.get((bucket, 0)), self.cycle_s.get((bucket, k))
-        if not base or not cycle or k == 0:
+        if k == 0:
+            return None
+        base, cycle = self.cycle_s(batch, 0), self.cycle_s(batch, k)
+        if not base or not cycle:
             return None
         target = cycle / base
         if target <= 1.0:
@@ -194,10 +221,10 @@ class Governor:
         """The requests that keep their ``k`` drafted tokens this step (the others'
         are dropped); updates which requests are stopped."""
         chosen = self._drafting(requests, k)
+        threshold = self.break_even(len(requests), k) or 0.0
         for request in requests:
             if request in chosen:
-                if self.acceptance.get(request, PRIOR_ACCEPTANCE) >= (
-                        self.break_even(len(requests), k) or 0.0):
+                if self.acceptance.get(request, PRIOR_ACCEPTANCE) >= threshold:
                     self.stopped.pop(request, None)
             else:
                 self.stopped.setdefault(request, self._step)
