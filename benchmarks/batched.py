@@ -108,7 +108,8 @@ def cache_figures(llm) -> dict:
     }
 
 
-def plot(result: dict, path: Path, title: str) -> None:
+def plot(result: dict, path: Path, title: str,
+         per_token: str = "MB moved per decode token") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,7 +132,7 @@ def plot(result: dict, path: Path, title: str) -> None:
                                   color="black", label="floor of any cache policy (fetch)")
         axes[0][col].set(title=f"budget {budget}: output tok/s [modeled link]",
                          xlabel="concurrent sequences", xscale="log", yscale="log")
-        axes[1][col].set(title=f"budget {budget}: MB moved per decode token",
+        axes[1][col].set(title=f"budget {budget}: {per_token}",
                          xlabel="concurrent sequences", xscale="log")
         for ax in (axes[0][col], axes[1][col]):
             ax.grid(alpha=0.3)

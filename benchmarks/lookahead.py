@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batched import run  # noqa: E402
+from batched import plot, run  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
     add_engine_arguments,
@@ -66,35 +66,6 @@ def figures(llm, batch: int, result: dict) -> dict:
                    demand_coverage=decode["path_covered"] / max(decode["path_needed"], 1),
                    draft_decodes=lookahead.get("draft", {}).get("decodes"))
     return row
-
-
-def plot(result: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    budgets = result["budgets"]
-    fig, axes = plt.subplots(2, len(budgets), figsize=(6 * len(budgets), 8), squeeze=False)
-    for col, budget in enumerate(budgets):
-        rows = [r for r in result["rows"] if r["budget"] in (budget, None)]
-        for mode in dict.fromkeys(r["mode"] for r in rows):
-            mine = [r for r in rows if r["mode"] == mode]
-            axes[0][col].plot([r["batch"] for r in mine], [r["tok_s"] for r in mine],
-                              marker="o", label=mode)
-            if mode != "vanilla":
-                axes[1][col].plot([r["batch"] for r in mine],
-                                  [r["mb_per_token"] for r in mine], marker="o", label=mode)
-        axes[0][col].set(title=f"budget {budget}: output tok/s [MODELED link]",
-                         xlabel="concurrent sequences", xscale="log", yscale="log")
-        axes[1][col].set(title=f"budget {budget}: MB moved per output token",
-                         xlabel="concurrent sequences", xscale="log")
-        for ax in (axes[0][col], axes[1][col]):
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -166,7 +137,8 @@ def main() -> None:
     path = write_result(args.name, result)
     plot(result, RESULTS / f"{args.name}.png",
          f"{Path(model).name}, {args.max_tokens} tokens per sequence, "
-         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
+         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}",
+         per_token="MB moved per output token")
     print(f"wrote {path} and {args.name}.png\ncommand: {command_line()}")
 
 

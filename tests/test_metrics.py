@@ -155,3 +155,33 @@ def test_directories_of_killed_frontends_are_removed_by_the_next_one(tmp_path):
     assert orphan.name not in left and live.name in left and len(left) == 2
     assert run_frontend(tmp_path).returncode == 0
     assert snapshot_directories(tmp_path) == [live.name]
+
+
+def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
+    tmp_path.mkdir(exist_ok=True)
+    monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
+    monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
+    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25, "lookahead": {}}),
+                           torch.device("cpu"))
+    engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
+    engine.start()
+    governor = engine.governor
+    for _ in range(7):  # the warm-up's round robin: k = 4, 3, 2, 1, 0, 4, 3
+        k = governor.choose(["a", "b"])
+        governor.drafted(2, k)
+        governor.verified({"a": (k, k // 2), "b": (k, k)} if k else {}, 1.0)
+    engine.write_stats()
+    stats = engine.stats()["lookahead"]
+    series = scrape(tmp_path)
+    base = {"model_name": "tiny", "engine": "0"}
+
+    def value(name, **extra):
+        return series[(name, tuple(sorted({**base, **extra}.items())))]
+
+    assert stats["steps_by_k"] == {"0": 1, "1": 1, "2": 1, "3": 2, "4": 2}
+    for k, count in stats["steps_by_k"].items():
+        assert value("specexpert_lookahead_steps_total", k=k) == count
+    assert value("specexpert_lookahead_draft_length") == 3 == stats["last_k"]
+    assert value("specexpert_lookahead_drafted_tokens_total") == stats["drafted"] == 2 * 17
+    assert value("specexpert_lookahead_accepted_tokens_total") == stats["accepted"] == 17 + 7
+    engine.close()
