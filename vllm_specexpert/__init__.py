@@ -25,19 +25,20 @@ package is named here)::
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
                         host (experts computed on the host), staging (host <-> device)
-    3  predict/         next-layer predictors behind one interface: base, router,
-                        quasi_hidden; path (the routing-path predictor of a step)
+    3  predict/         next-layer predictors: base, router, quasi_hidden; path (a step's
+                        routing path); draft (the lookahead draft's routes, the ELB)
     4  policy/          miss policies that only decide (a MissPlan): base, context,
                         fetch, speculate, cpu, substitute, drop, buddies, lowbit
-    4  planner/         what to load ahead: prefetch (what pays), plec (shared pool)
+    4  planner/         what to load ahead: prefetch, plec (shared pool), lookahead (the
+                        draft's routes), governor (the draft length per step)
     5  execute          one layer call (LayerCall): survey, run a plan, token groups,
                         kernel launches; the one place that runs experts
     6  engine           OffloadEngine: orchestration per layer call
     6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
     6  report           the stats dict, the summary line, the file writers
-    7  layers/          vLLM adapter in the worker: routed_experts (the custom op),
-                        packed_experts (quantized checkpoints), model_classes (wiring
-                        after load), forward_phase
+    7  layers/          vLLM adapter in the worker: routed_experts (the custom op), engines,
+                        packed_experts, model_classes (wiring after load), forward_phase,
+                        lookahead_driver (the draft's rounds)
     7  schedule/        vLLM adapter in the scheduler: token_scheduler, grouping
     7  worker           the RPCs behind get_stats, reconfigure, reset_stats
     8  validate         engine-config checks where vLLM builds the engine config

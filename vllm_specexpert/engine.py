@@ -86,17 +86,13 @@ class OffloadEngine:
         self.lock = threading.Lock()
         """Held while the layers change (reconfigure) or are read by another thread."""
         self.reporter = report.Reporter(self.stats)
+        # ``lookahead``: the draft's routes as lookahead, its engine (set by
+        # attach_draft), the draft length per step; a draft's engine: its target.
         self.lookahead: LookaheadPlanner | None = None
-        """The draft's routes as this engine's lookahead (``lookahead``; set by
-        :meth:`attach_draft`)."""
-        self.governor: Governor | None = (
-            Governor(config.lookahead.k_max, config.lookahead.k)
-            if config.lookahead is not None else None)
-        """Each step's draft length (``lookahead``)."""
         self.draft_engine: OffloadEngine | None = None
-        """The lookahead draft's engine (its INT4 experts)."""
         self.target: OffloadEngine | None = None
-        """For a draft's engine: the engine its routes go to."""
+        self.governor: Governor | None = (Governor(config.lookahead.k_max, config.lookahead.k)
+                                          if config.lookahead is not None else None)
         self._select(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
@@ -141,12 +137,9 @@ class OffloadEngine:
         """``draft`` runs this engine's lookahead draft: its routes become this engine's
         lookahead (:class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`)."""
         self.draft_engine, draft.target = draft, self
-
-        def layer_of(index: int) -> OffloadedLayer | None:
-            return next((la for la in self.layers.values() if la.index == index), None)
-
-        num_experts = next(iter(self.layers.values())).cache.num_experts
-        self.lookahead = LookaheadPlanner(num_experts, layer_of)
+        by_index = {layer.index: layer for layer in self.layers.values()}
+        num_experts = next(iter(by_index.values())).cache.num_experts
+        self.lookahead = LookaheadPlanner(num_experts, by_index.get)
 
     def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
         """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import weakref
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -37,8 +36,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm_specexpert import handoff, vllm_hooks
 from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
-from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layers import lookahead_driver
+from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.packed_experts import (
     PackedDecoder,
@@ -53,48 +52,6 @@ EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
-
-_ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
-"""One engine per live vLLM config (one per worker process, unless several engines run
-in one process). Keyed by ``id`` and checked by weak reference, since ids are reused."""
-
-
-_TARGET: weakref.ref | None = None
-"""The engine of the last target model built in this process: vLLM builds the draft
-(``lookahead``) right after its target, and the draft's engine hands it its routes."""
-
-DRAFT_PREFIX = "draft_model."
-"""Prefix of the layer names of vLLM's draft model (``DraftModelProposer``)."""
-
-
-def engine_for(vllm_config, config: SpecExpertConfig, draft: bool = False) -> OffloadEngine:
-    """The engine of ``vllm_config``'s model; a draft model's engine (``draft``) runs
-    the draft's INT4 experts and is attached to its target's engine."""
-    global _TARGET
-    entry = _ENGINES.get(id(vllm_config))
-    if entry is not None and entry[0]() is vllm_config:
-        return entry[1]
-    device = torch.device(current_platform.device_type)
-    rank = vllm_config.parallel_config.rank
-    if draft:
-        target = _TARGET() if _TARGET is not None else None
-        if target is None or target.config.lookahead is None:
-            raise RuntimeError("specexpert: a draft model was built without a target "
-                               "engine configured for lookahead")
-        engine = OffloadEngine(config.draft_config(), device, rank=rank)
-        target.attach_draft(engine)
-    else:
-        engine = OffloadEngine(config, device, rank=rank)
-        _TARGET = weakref.ref(engine)
-    key = id(vllm_config)
-
-    def forget(_ref) -> None:
-        _ENGINES.pop(key, None)
-        engine.close()
-
-    _ENGINES[key] = (weakref.ref(vllm_config, forget), engine)
-    return engine
-
 
 def _host_allocation():
     """Where the layer's parameters are allocated: host on GPU platforms."""

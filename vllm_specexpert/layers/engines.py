@@ -1,0 +1,57 @@
+"""The offload engines of a worker process: one per vLLM model (config) built in it.
+
+vLLM builds the ``lookahead`` draft (its layers named under :data:`DRAFT_PREFIX`) right
+after its target, from a config of its own: the draft's layers get an engine of their own
+(the draft's INT4 experts), attached to the target's engine, which receives its routes.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from vllm.platforms import current_platform
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.engine import OffloadEngine
+
+_ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
+"""One engine per live vLLM config (one per worker process, unless several engines run
+in one process). Keyed by ``id`` and checked by weak reference, since ids are reused."""
+
+
+_TARGET: weakref.ref | None = None
+"""The engine of the last target model built in this process: vLLM builds the draft
+(``lookahead``) right after its target, and the draft's engine hands it its routes."""
+
+DRAFT_PREFIX = "draft_model."
+"""Prefix of the layer names of vLLM's draft model (``DraftModelProposer``)."""
+
+
+def engine_for(vllm_config, config: SpecExpertConfig, draft: bool = False) -> OffloadEngine:
+    """The engine of ``vllm_config``'s model; a draft model's engine (``draft``) runs
+    the draft's INT4 experts and is attached to its target's engine."""
+    global _TARGET
+    entry = _ENGINES.get(id(vllm_config))
+    if entry is not None and entry[0]() is vllm_config:
+        return entry[1]
+    device = torch.device(current_platform.device_type)
+    rank = vllm_config.parallel_config.rank
+    if draft:
+        target = _TARGET() if _TARGET is not None else None
+        if target is None or target.config.lookahead is None:
+            raise RuntimeError("specexpert: a draft model was built without a target "
+                               "engine configured for lookahead")
+        engine = OffloadEngine(config.draft_config(), device, rank=rank)
+        target.attach_draft(engine)
+    else:
+        engine = OffloadEngine(config, device, rank=rank)
+        _TARGET = weakref.ref(engine)
+    key = id(vllm_config)
+
+    def forget(_ref) -> None:
+        _ENGINES.pop(key, None)
+        engine.close()
+
+    _ENGINES[key] = (weakref.ref(vllm_config, forget), engine)
+    return engine
