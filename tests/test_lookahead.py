@@ -180,10 +180,17 @@ def test_lookahead_refuses_at_start(model, specexpert, engine, field):
 
 @pytest.fixture(scope="module")
 def llm():
+    # A 128-token step budget chunks prompts; 20 KV blocks of 32 tokens (640 tokens,
+    # target and draft) cannot hold 32 running requests: vLLM preempts some.
     llm = make_llm(TRAINED_MODEL, specexpert={"budget": BUDGET, "lookahead": {}},
-                   max_num_seqs=32, max_num_batched_tokens=128)
+                   max_num_seqs=32, max_num_batched_tokens=128, block_size=32,
+                   num_gpu_blocks_override=20, disable_log_stats=False)
     yield llm
     shutdown(llm)
+
+
+def _preemptions(llm) -> int:
+    return next(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 
 def _tokens(completions):
@@ -201,12 +208,15 @@ def test_lookahead_under_fetch_is_exact_at_one_sequence(llm):
     assert sum(lookahead["steps_by_k"].values()) == lookahead["steps"] > 0
 
 
-def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill(llm):
+def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill_and_preemption(
+        llm):
     # 32 prompts through a 128-token step budget: prompts are chunked, and passes mix
-    # verification rows with prefill rows.
+    # verification rows with prefill rows; the KV cache is too small for all of them.
     reference = greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=MANY)
     vllm_specexpert.reset_stats(llm)
+    preempted = _preemptions(llm)
     outputs = greedy(llm, MANY)
+    assert _preemptions(llm) > preempted
     assert _tokens(outputs) == _tokens(reference["completions"])
     assert all(len(c.token_ids) == 24 for c in outputs)  # every request finished
     stats = vllm_specexpert.get_stats(llm)[0]
