@@ -185,3 +185,16 @@ def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
     assert value("specexpert_lookahead_drafted_tokens_total") == stats["drafted"] == 2 * 17
     assert value("specexpert_lookahead_accepted_tokens_total") == stats["accepted"] == 17 + 7
     engine.close()
+
+
+def test_an_engine_that_does_not_report_writes_no_snapshot(tmp_path, monkeypatch):
+    # The lookahead draft's engine shares its worker's pid with the target's: its own
+    # snapshot would replace the target's on /metrics.
+    monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
+    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"),
+                           reports=False)
+    engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
+    engine.start()
+    engine.write_stats()
+    assert not list(tmp_path.iterdir())
+    engine.close()

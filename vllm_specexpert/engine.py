@@ -16,11 +16,11 @@ exactly (the router's experts, loaded on demand). For decode tokens, per layer c
    ids, one read); its prefetch is submitted just before this layer's kernel starts
    (:class:`~vllm_specexpert.planner.prefetch.PrefetchPlanner`), so that the copy
    overlaps this layer's expert compute and the next layer's attention;
-3. with a step's predicted demand (``path_predictor``), the PLEC planner plans the shared
-   pool (:class:`~vllm_specexpert.planner.plec.PlecPlanner`);
+3. with a step's predicted demand (``path_predictor``, or the ``lookahead`` draft's
+   routes: :meth:`OffloadEngine.attach_draft`), the PLEC planner plans the shared pool
+   (:class:`~vllm_specexpert.planner.plec.PlecPlanner`);
 4. the executor surveys the cache, the miss policy decides about the missing entries,
    and the executor runs the plan (:mod:`vllm_specexpert.execute`).
-
 Statistics and their writers are in :mod:`vllm_specexpert.report`.
 """
 
@@ -64,8 +64,10 @@ logger = init_logger(__name__)
 LOW_BIT_SUFFIX = ".int4"
 """Store name of a layer's INT4 copies (``lowbit``)."""
 
+
 class OffloadEngine:
-    def __init__(self, config: SpecExpertConfig, device: torch.device, rank: int = 0):
+    def __init__(self, config: SpecExpertConfig, device: torch.device, rank: int = 0,
+                 reports: bool = True):
         self.config = config
         self.device = device
         self.rank = rank
@@ -85,7 +87,7 @@ class OffloadEngine:
         """Layer name -> prediction for its decode tokens made earlier in the pass."""
         self.lock = threading.Lock()
         """Held while the layers change (reconfigure) or are read by another thread."""
-        self.reporter = report.Reporter(self.stats)
+        self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
         # ``lookahead``: the draft's routes as lookahead, its engine (set by
         # attach_draft), the draft length per step; a draft's engine: its target.
         self.lookahead: LookaheadPlanner | None = None
@@ -186,15 +188,11 @@ class OffloadEngine:
     @property
     def output(self) -> str:
         """What the running mode does to the model's output (``MissPolicySpec.output``).
-        On CUDA an ``exact`` policy is reported ``equivalent``: the router's ids reach
-        vLLM's Triton kernel unchanged, with vanilla's tile config for the whole call,
-        so each token's sums run in vanilla's order as long as a GEMM row does not
-        depend on the other rows of its tile (no split-K in fused MoE), but that has
-        not been checked on a GPU (``make gpu-check`` compares greedy outputs)."""
+        On CUDA ``exact`` is reported ``equivalent``: the router's ids reach vLLM's
+        Triton kernel with vanilla's tile config for the whole call (no split-K in fused
+        MoE), but that is unchecked on a GPU (``make gpu-check`` would compare)."""
         output = self.miss_policy.spec.output
-        if output == "exact" and self.device.type != "cpu":
-            return "equivalent"
-        return output
+        return "equivalent" if output == "exact" and self.device.type != "cpu" else output
 
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch budget, cache policy, miss policy, predictor or link without reloading

@@ -68,15 +68,18 @@ class Reporter:
     """The file writers of one engine: ``stats_path`` (every ``stats_interval_s``) and,
     in a server, the snapshot the frontend serves on ``/metrics`` (every
     :data:`~vllm_specexpert.metrics.SNAPSHOT_INTERVAL_S`). ``snapshot`` is the engine's
-    :func:`engine_stats`."""
+    :func:`engine_stats`; ``None``: nothing is written (the lookahead draft's engine,
+    whose stats are part of its target's)."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]] | None):
         self.snapshot = snapshot
         self._stats_writer: StatsWriter | None = None
         self._metrics_writer: StatsWriter | None = None
 
     def start(self, stats_file: str | None, interval_s: float) -> None:
         """(Re)start the writers for the engine's current config."""
+        if self.snapshot is None:
+            return
         if self._stats_writer is not None:
             self._stats_writer.close()
             self._stats_writer = None
