@@ -78,6 +78,36 @@ def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
         assert [(i["miss_policy"], i["output"]) for i in info] == [("lowbit", "approximate")]
 
 
+def test_serve_runs_lookahead_and_reports_its_draft_lengths(tmp_path):
+    """``lookahead`` behind the OpenAI server: the plugin sets vLLM's speculative
+    decoding, the INT4 draft drafts, and /metrics shows the governor's counters."""
+    model = str(TRAINED_MODEL_DIR)
+    stats_path = tmp_path / "stats.json"
+    port = free_port()
+    with serving(model, port, tmp_path / "server.log",
+                 offload_config(stats_path, lookahead={"k_max": 2}),
+                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300):
+        body = complete(port, model, "import os\nimport sys\n", 24)
+        assert body["usage"]["completion_tokens"] == 24
+        deadline = time.monotonic() + 10
+        while True:  # the file and the snapshots are rewritten every 0.1 s and 1 s
+            stats = json.loads(stats_path.read_text())
+            metrics = scrape(port)
+            drafted = sum(v for k, v in metrics.items()
+                          if k[0] == "specexpert_lookahead_drafted_tokens_total")
+            if (stats["lookahead"]["drafted"] and drafted == stats["lookahead"]["drafted"]) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        lookahead = stats["lookahead"]
+        assert lookahead["k_max"] == 2 and lookahead["drafted"] > 0
+        assert drafted == lookahead["drafted"]
+        steps = {dict(k[1])["k"]: v for k, v in metrics.items()
+                 if k[0] == "specexpert_lookahead_steps_total"}
+        assert steps == {k: float(n) for k, n in lookahead["steps_by_k"].items()}
+        assert stats["output"] == "exact"
+
+
 def complete(port: int, model: str, prompt: str, max_tokens: int) -> dict:
     """A greedy completion from the server (asserted to succeed)."""
     response = requests.post(
