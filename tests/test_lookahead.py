@@ -8,7 +8,14 @@ vanilla vLLM at 1 and 32 sequences, with chunked prefill.
 
 import numpy as np
 import pytest
-from vllm_harness import PROMPTS, greedy, greedy_in_fresh_process, make_llm, shutdown
+from vllm_harness import (
+    PROMPTS,
+    greedy,
+    greedy_in_fresh_process,
+    make_llm,
+    shutdown,
+    vanilla_reference,
+)
 
 import vllm_specexpert
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
@@ -241,3 +248,18 @@ def test_fixed_k_by_reconfigure(llm):
     vllm_specexpert.reconfigure(llm, lookahead={})
     with pytest.raises(SpecExpertConfigError, match="lookahead"):
         vllm_specexpert.reconfigure(llm, lookahead={"k_max": 2})
+
+
+def test_a_small_draft_pool_decodes_its_int4_experts_on_use():
+    llm = make_llm(TRAINED_MODEL, specexpert={"budget": BUDGET,
+                                              "lookahead": {"draft_budget": 0.25}})
+    try:
+        outputs = greedy(llm)
+        assert _tokens(outputs) == _tokens(vanilla_reference(TRAINED_MODEL))
+        stats = vllm_specexpert.get_stats(llm)[0]
+        draft = stats["lookahead"]["draft"]
+        # 16 of each layer's 64 experts held decoded, in bf16: a quarter of the store.
+        assert draft["decoded_slot_bytes"] * 4 == stats["store_bytes"]
+        assert draft["decodes"] > 0 and stats["lookahead"]["acceptance"] > 0.5
+    finally:
+        shutdown(llm)
