@@ -212,7 +212,9 @@ def test_lookahead_under_fetch_is_exact_at_one_sequence(llm):
     lookahead = stats["lookahead"]
     assert stats["output"] == "exact"
     assert lookahead["drafted"] > 0 and lookahead["acceptance"] > 0.5
-    assert sum(lookahead["steps_by_k"].values()) == lookahead["steps"] > 0
+    # Accepted drafts save target passes: plain decode takes a step per token after the
+    # first (23); a draft whose tokens were never used would take as many.
+    assert 0 < lookahead["steps"] < 23 - 5
 
 
 def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill_and_preemption(

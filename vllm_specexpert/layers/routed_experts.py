@@ -223,8 +223,8 @@ class OffloadedRoutedExperts(RoutedExperts):
     ) -> torch.Tensor:
         self._tiles.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
         engine = self.engine
-        if self._draft:
-            # The draft's routes: the target's lookahead (on CUDA this read syncs).
+        if self._draft and engine.target.lookahead.active:
+            # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
             engine.target.draft_routed(self.layer_index, topk_ids.cpu().numpy(),
                                        topk_weights.float().cpu().numpy())
         engine.step_demand = (engine.lookahead.demand if engine.lookahead is not None

@@ -95,6 +95,8 @@ class Governor:
         """(batch bucket, k) -> its recent cycle samples, in seconds."""
         self.taken: dict[tuple[int, int], int] = {}
         """(batch bucket, k) -> cycle samples taken (the dropped first one included)."""
+        self._estimates: dict[tuple[int, int], float | None] = {}
+        """:meth:`cycle_s` until the next sample (a step's choice asks it many times)."""
         self.stopped: dict[str, int] = {}
         """Request -> the step it stopped drafting at."""
         self.stats = GovernorStats()
@@ -123,12 +125,18 @@ class Governor:
             self.taken[key] = self.taken.get(key, 0) + 1
             if self.taken[key] > 1:  # the first, on a cold cache, is dropped
                 self.samples.setdefault(key, deque(maxlen=WINDOW)).append(cycle_s)
+                self._estimates.clear()
         self._pending = None
 
     def cycle_s(self, batch: int, k: int) -> float | None:
         """Estimated cycle seconds at draft length ``k`` for ``batch`` requests (module
         doc); ``None`` before a sample."""
-        bucket = _bucket(batch)
+        key = (_bucket(batch), k)
+        if key not in self._estimates:
+            self._estimates[key] = self._estimate(*key)
+        return self._estimates[key]
+
+    def _estimate(self, bucket: int, k: int) -> float | None:
         mine = self.samples.get((bucket, k))
         if not mine:
             return None

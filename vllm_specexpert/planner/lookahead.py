@@ -42,7 +42,6 @@ class LookaheadPlanner:
         """The demand of the next verification pass (``None`` during a round)."""
         self.active = False
         """A round runs (the draft's passes outside one, vLLM's warm-up, are ignored)."""
-        self.rounds = 0
 
     def round_started(self, first_rows: np.ndarray | None) -> None:
         self.buffer.begin(first_rows)
@@ -72,6 +71,5 @@ class LookaheadPlanner:
 
     def round_ended(self) -> None:
         """The draft has drafted: its buffer is the next verification pass's demand."""
-        self.rounds += 1
         self.active = False
         self.demand = StepDemand(tokens=None, layers=dict(self.buffer.demand))
