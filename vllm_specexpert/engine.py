@@ -19,9 +19,10 @@ exactly (the router's experts, loaded on demand). For decode tokens, per layer c
 3. with a step's predicted demand (``path_predictor``, or the ``lookahead`` draft's
    routes: :meth:`OffloadEngine.attach_draft`), the PLEC planner plans the shared pool
    (:class:`~vllm_specexpert.planner.plec.PlecPlanner`);
-4. the executor surveys the cache, the miss policy decides about the missing entries,
-   and the executor runs the plan (:mod:`vllm_specexpert.execute`).
-Statistics and their writers are in :mod:`vllm_specexpert.report`.
+4. the executor surveys the cache, the miss policy decides about the missing entries
+   (those a mesh peer holds go to it, :meth:`OffloadEngine.attach_mesh`; predictions
+   then fire rows at peers, :mod:`~vllm_specexpert.planner.early_fire`, instead of
+   prefetching), and the executor runs the plan (:mod:`vllm_specexpert.execute`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,11 @@ from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
+from vllm_specexpert.planner.early_fire import EarlyFire
 from vllm_specexpert.planner.governor import Governor, GovernorStats
 from vllm_specexpert.planner.lookahead import LookaheadPlanner
 from vllm_specexpert.planner.plec import PlecPlanner
-from vllm_specexpert.policy import (
-    MISS_POLICY_CLASSES,
-    MissPolicy,
-)
+from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.predict import (
     PREDICTOR_CLASSES,
     LayerState,
@@ -55,6 +54,7 @@ from vllm_specexpert.predict import (
 from vllm_specexpert.stats import LayerStats, PhaseStats
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
+from vllm_specexpert.tiers.peer import LayerPeers, PeerTier
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertStore
@@ -95,6 +95,8 @@ class OffloadEngine:
         self.target: OffloadEngine | None = None
         self.governor: Governor | None = (Governor(config.lookahead.k_max, config.lookahead.k)
                                           if config.lookahead is not None else None)
+        self.checkpoint: str | None = None  # the model's directory (mesh peers read it)
+        self.mesh: PeerTier | None = None  # the mesh peers (attach_mesh)
         self._select(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
@@ -106,6 +108,8 @@ class OffloadEngine:
         """The slot pool every layer shares (``plec``); ``None``: one per layer."""
         self.planner = (PlecPlanner(self.pool, config.plec_preload)
                         if self.pool is not None else None)
+        mesh = config.mesh
+        self.early_fire = EarlyFire(mesh.mode) if mesh and mesh.mode != "sync" else None
 
     def _select_predictor(self, config: SpecExpertConfig) -> None:
         predictor = PREDICTOR_CLASSES[config.predictor]
@@ -142,6 +146,15 @@ class OffloadEngine:
         by_index = {layer.index: layer for layer in self.layers.values()}
         num_experts = next(iter(by_index.values())).cache.num_experts
         self.lookahead = LookaheadPlanner(num_experts, by_index.get)
+
+    def attach_mesh(self, tier: PeerTier, local: dict[int, np.ndarray]) -> None:
+        """Serve the layers' missing experts from ``tier``'s peers; ``local``: per layer
+        index, experts pinned in the device cache instead (``replicate_hot``)."""
+        self.mesh = tier
+        for layer in self.layers.values():
+            layer.peers = LayerPeers(tier, layer.index)
+            layer.local_experts = local.get(layer.index)
+            layer.equip(self.config, self.link, self.device, self.pool)
 
     def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
         """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
@@ -182,33 +195,26 @@ class OffloadEngine:
         logger.info("specexpert: %s", self.summary())
 
     def summary(self) -> str:
-        """One line: MoE layers, slots per layer, slow tier, policy, predictor."""
-        return report.summary(self)
+        return report.summary(self)  # MoE layers, slots, slow tier, policy, predictor
 
     @property
     def output(self) -> str:
-        """What the running mode does to the model's output (``MissPolicySpec.output``).
-        On CUDA ``exact`` is reported ``equivalent``: the router's ids reach vLLM's
-        Triton kernel with vanilla's tile config for the whole call (no split-K in fused
-        MoE), but that is unchecked on a GPU (``make gpu-check`` would compare)."""
-        output = self.miss_policy.spec.output
+        """What the running mode does to the model's output (``config.output``). On CUDA
+        ``exact`` is reported ``equivalent``: unchecked on a GPU (``make gpu-check``)."""
+        output = self.config.output
         return "equivalent" if output == "exact" and self.device.type != "cpu" else output
 
     def reconfigure(self, config: SpecExpertConfig) -> None:
-        """Switch budget, cache policy, miss policy, predictor or link without reloading
-        weights. Every cache is rebuilt (warm start again) and the counters restart.
-        Everything is checked before anything changes."""
+        """Switch modes without reloading weights (checked first); caches rebuilt, counters
+        restarted."""
         check_change(self.config, config, self.layers.values(), bool(self.default_vectors))
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 
     def restart(self) -> None:
-        """Back to the state of engine start: caches warm-started, no prediction or copy
-        pending, counters at zero. vLLM's profile and warm-up passes run the layers on
-        uninitialized memory before serving (compiled mode); what they loaded would
-        decide the first requests' hits, and the output of the approximate miss
-        policies would differ from run to run. The plugin calls this once vLLM's warm-up
-        is over (:func:`vllm_specexpert.plugins.restart_caches`)."""
+        """Back to the state of engine start (caches warm-started, nothing pending,
+        counters at zero) once vLLM's warm-up passes are over: what they loaded would
+        decide the first requests' hits (:func:`vllm_specexpert.plugins.restart_caches`)."""
         self._rebuild(self.config)
         if self.draft_engine is not None:
             self.draft_engine.restart()
@@ -235,6 +241,9 @@ class OffloadEngine:
                 self.governor = Governor(config.lookahead.k_max, config.lookahead.k)
             if self.lookahead is not None:
                 self.lookahead.demand = None
+            if self.mesh is not None:
+                self.mesh.mesh = config.mesh
+                self.mesh.reset_stats()
         self.link.reset_counters()
         self.reporter.start(self.stats_file, config.stats_interval_s)
 
@@ -294,8 +303,11 @@ class OffloadEngine:
         if prediction is not None and prediction.num_tokens != x.shape[0]:
             prediction = None
         run_weights, run_ids = topk_weights, topk_ids
-        speculated = (prediction is not None and self.miss_policy.spec.speculates
-                      and self._speculative(layer))
+        fired = (self.early_fire.at_call(layer.peers, layer.cache, x, prediction, stats)
+                 if self.early_fire is not None else None)
+        speculated = prediction is not None and (
+            (self.miss_policy.spec.speculates and self._speculative(layer))
+            or (fired is not None and self.early_fire.speculates))
         if speculated:
             run_weights, run_ids = self.miss_policy.routing(topk_weights, topk_ids, prediction)
             stats.speculated_calls += 1
@@ -303,19 +315,23 @@ class OffloadEngine:
         # to the host in the same read as the router's.
         upcoming = None
         if self.predictor is not None and layer.next_name is not None:
-            upcoming = self.predictor.predict(LayerState(x, run_ids, run_weights),
-                                              layer.name, layer.next_routing)
+            state = LayerState(x, run_ids, run_weights)
+            upcoming = self.predictor.predict(state, layer.name, layer.next_routing)
         router_ids, *predicted = self.reader.read(
             [topk_ids, *(upcoming.device_reads() if upcoming else ())])
         if upcoming is not None:
             upcoming.set_host(*predicted)
+            if self.early_fire is not None:  # no_stop: the next layer's rows leave now
+                self.early_fire.predicted(self.layers[layer.next_name], upcoming, lambda: (
+                    self.predictor.next_router_input(state, layer.name, layer.next_routing)))
         if prediction is not None:
             layer.prefetch.score(prediction, router_ids, stats)
         call = LayerCall(x, run_weights, run_ids,
-                         prediction.host_ids if speculated else router_ids, kernel, stats)
+                         prediction.host_ids if speculated else router_ids, kernel, stats,
+                         fired=fired)
         if upcoming is not None:
             call.before_kernel = lambda: self._prefetch(layer, upcoming)
-        demand = self._step_demand(layer, x.shape[0], router_ids, stats)
+        demand = self.step_demand and self.step_demand.scored(layer.index, router_ids, stats)
         if demand is not None and self.planner is not None:
             self.planner.before_layer(demand, layer, list(self.layers.values()))
         out = self._resolve(layer, call)
@@ -324,27 +340,8 @@ class OffloadEngine:
         return out
 
     def _resolve(self, layer: OffloadedLayer, call: LayerCall) -> torch.Tensor:
-        """Ask the miss policy about the call's missing entries; the executor runs it."""
-        context = layer.miss_context
-        context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
-        found = execute.survey(layer.loader, call, self.miss_policy.spec.waits_for_copies)
-        plan = None
-        if found.missed:
-            plan = self.miss_policy.plan(call.ids, found.resident, call.topk_weights, context)
-        return execute.run(layer.loader, call, found, plan, context)
-
-    def _step_demand(self, layer: OffloadedLayer, tokens: int, router_ids: np.ndarray,
-                     stats: PhaseStats) -> StepDemand | None:
-        """The step's predicted demand if it is for this call's tokens, scored against
-        the experts they chose (the path predictor's batch-level accuracy)."""
-        demand = self.step_demand
-        if demand is None or demand.tokens not in (None, tokens) or \
-                layer.index not in demand.layers:
-            return None  # not this pass's decode tokens
-        used = np.unique(router_ids)
-        stats.path_needed += len(used)
-        stats.path_covered += int(np.count_nonzero(demand.layers[layer.index][used]))
-        return demand
+        layer.miss_context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
+        return execute.resolve(layer.loader, call, self.miss_policy, layer.miss_context)
 
     def _speculative(self, layer: OffloadedLayer) -> bool:
         exact_layers = self.config.exact_layers
@@ -356,6 +353,8 @@ class OffloadEngine:
         """Record ``prediction`` for the next layer and submit its prefetch."""
         self._predictions[layer.next_name] = prediction
         nxt = self.layers[layer.next_name]
+        if self.mesh is not None:
+            return  # under a mesh, predictions fire rows at peers (EarlyFire), not copies
         everything = self.config.prefetch_filter == "all" or (
             self.miss_policy.spec.speculates and self._speculative(nxt))
         nxt.prefetch.prefetch(prediction, nxt.loader, nxt.stats.decode,
@@ -379,17 +378,20 @@ class OffloadEngine:
                 layer.stats = LayerStats()
             if self.governor is not None:
                 self.governor.stats = GovernorStats()
+            if self.mesh is not None:
+                self.mesh.reset_stats()
         self.link.reset_counters()
         if self.draft_engine is not None:
             self.draft_engine.reset_stats()
 
     def write_stats(self) -> None:
-        """Write the stats file and the metrics snapshot now (where there are some)."""
-        self.reporter.write_now()
+        self.reporter.write_now()  # the stats file and the metrics snapshot, if any
 
     def close(self) -> None:
         self.reporter.close()
         self.link.close()
+        if self.mesh is not None:
+            self.mesh.close()
 
 
 def _count_call(stats: PhaseStats, x: torch.Tensor) -> PhaseStats:

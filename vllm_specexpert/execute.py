@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_specexpert.policy import MissContext, MissPlan
+from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.loader import ExpertLoader
+from vllm_specexpert.tiers.peer import Sent
 from vllm_specexpert.tiers.staging import upload
 
 ExpertKernel = Callable[
@@ -64,6 +65,8 @@ class LayerCall:
     kernel: ExpertKernel
     stats: PhaseStats
     """Counters of the call's phase (decode or prefill)."""
+    fired: Sent | None = None
+    """Pairs of these tokens sent to mesh peers ahead of the router (Early Fire)."""
     before_kernel: Callable[[], None] | None = None
     """Called once, when the first launch's experts are resident and before it starts
     (the engine submits the next layer's prefetch there, so that the copy overlaps this
@@ -121,6 +124,24 @@ def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True)
     return Survey(resident, missing, missed, needed)
 
 
+def resolve(loader: ExpertLoader, call: LayerCall, policy: MissPolicy,
+            context: MissContext) -> torch.Tensor:
+    """A decode call: survey it, ask ``policy`` about its missing entries (entries a
+    mesh peer in rotation holds go to the peer: the policy sees them as resident), run
+    the plan."""
+    found = survey(loader, call, policy.spec.waits_for_copies)
+    plan, resident, remote = None, found.resident, None
+    if found.missed and context.peers is not None:
+        hosted = context.peers.hosted()
+        remote, resident = found.missing & hosted[call.ids], resident | hosted
+    if found.missed and not resident[call.ids].all():
+        plan = policy.plan(call.ids, resident, call.topk_weights, context)
+    if remote is not None and remote.any():
+        plan = plan or MissPlan(topk_ids=call.ids)
+        plan.on_peer = remote
+    return run(loader, call, found, plan, context)
+
+
 def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | None = None,
         context: MissContext | None = None) -> torch.Tensor:
     """Routed-expert output of the call under ``plan`` (``None``: every entry on the
@@ -134,11 +155,13 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
     on_host = plan.on_host if plan.on_host is not None else none
     dropped = plan.dropped if plan.dropped is not None else none
     low_bit = plan.low_bit if plan.low_bit is not None else none
-    on_device = ~(on_host | dropped | low_bit)
+    on_peer = plan.on_peer if plan.on_peer is not None else none
+    on_device = ~(on_host | dropped | low_bit | on_peer)
     stats.substituted_entries += int(np.count_nonzero(substituted))
     stats.host_entries += int(np.count_nonzero(on_host))
     stats.dropped_entries += int(np.count_nonzero(dropped))
     stats.low_bit_entries += int(np.count_nonzero(low_bit))
+    stats.peer_entries += int(np.count_nonzero(on_peer))
     fetched = found.missing & on_device & ~substituted
     stats.fetched_entries += int(np.count_nonzero(fetched))
     # Missing experts that no device entry loads still count as requested and missed.
@@ -152,6 +175,8 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
         kept = torch.where(device_mask, weights, 0.0).sum(-1, keepdim=True)
         weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
     started_at = time.perf_counter()
+    peer_job = (context.peers.stage(call.x, plan.topk_ids, on_peer, call.fired)
+                if on_peer.any() else None)
     host_job = (context.host.stage(call.x, call.topk_weights, ids, on_host)
                 if on_host.any() else None)
     if on_device.all():
@@ -173,6 +198,17 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
             call.take_before_kernel()()
     if low_bit.any():
         _run_low_bit(context.low_bit, call, low_bit, out)
+    if peer_job is not None:
+        waited_from = time.perf_counter()
+        stats.fired_used += peer_job.reused
+        failed = context.peers.finish(peer_job, out, weights, ids.shape)
+        stats.peer_wait_s += time.perf_counter() - waited_from
+        if failed.any():  # the peer left the rotation: its entries run here, loaded
+            count = int(np.count_nonzero(failed))
+            stats.peer_fallback_entries += count
+            stats.fetched_entries += count
+            index, part = _masked_part(call.routed(weights, plan.topk_ids), failed)
+            out[index] += run_on_device(loader, part)
     if host_job is not None:
         charged, waited = context.host.finish(host_job, out, started_at)
         stats.host_experts += host_job.experts
@@ -185,25 +221,34 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
     return out
 
 
+def _masked_part(call: LayerCall, entries: np.ndarray) -> tuple[torch.Tensor, LayerCall]:
+    """The call on the rows that have some of ``entries`` ([T, K] mask), the other
+    entries of those rows pointing at one of the row's entries with weight 0 (the
+    kernel has a fixed top-k; adding 0 changes nothing); and those rows' device index."""
+    rows = np.flatnonzero(entries.any(axis=1))
+    mask = entries[rows]
+    first = call.ids[rows, mask.argmax(axis=1)]
+    index = upload(rows, call.x.device)
+    part = call.rows(rows, torch.where(upload(mask, call.x.device),
+                                       call.topk_weights[index], 0.0),
+                     np.where(mask, call.ids[rows], first[:, None]))
+    part.before_kernel = None
+    return index, part
+
+
 def _run_low_bit(low_bit: ExpertLoader, call: LayerCall, entries: np.ndarray,
                  out: torch.Tensor) -> None:
     """Add to ``out`` the ``entries`` ([T, K] mask) run from their experts' INT4 copies,
     loaded (packed) into the low-bit slots; one kernel launch on those slots. Their
     loads count as ``low_bit_*`` (and in ``bytes_loaded``), not as the cache's."""
     ids, stats = call.ids, call.stats
-    rows = np.flatnonzero(entries.any(axis=1))
-    mask = entries[rows]
-    first = ids[rows, mask.argmax(axis=1)]
-    low_bit_ids = np.where(mask, ids[rows], first[:, None])
     scratch = PhaseStats()
     low_bit.acquire(np.unique(ids[entries]), scratch)  # demand copies count at once
     stats.low_bit_loads += scratch.loads
     stats.low_bit_bytes += scratch.bytes_loaded
     stats.bytes_loaded += scratch.bytes_loaded
     stats.stall_s += scratch.stall_s
-    index = upload(rows, call.x.device)
-    part = call.rows(rows, torch.where(upload(mask, call.x.device),
-                                       call.topk_weights[index], 0.0), low_bit_ids)
+    index, part = _masked_part(call, entries)
     kernel_ids, expert_map = low_bit.cache.kernel_routing(part.topk_ids, part.ids)
     out[index] += part.kernel(part.x, part.topk_weights, kernel_ids, low_bit.cache.slots,
                               expert_map)

@@ -34,6 +34,17 @@ class StepDemand:
     """The same for the decode group expected to run next step (the token scheduler
     holds it back this step), ``None`` when the same requests are expected to run."""
 
+    def scored(self, layer: int, router_ids: np.ndarray, stats: Any) -> StepDemand | None:
+        """This demand if it covers a decode call of ``layer`` on ``router_ids``' tokens,
+        scored against the experts they chose (``stats.path_needed``/``path_covered``:
+        the path predictor's batch-level accuracy); ``None`` otherwise."""
+        if self.tokens not in (None, router_ids.shape[0]) or layer not in self.layers:
+            return None  # not this pass's decode tokens
+        used = np.unique(router_ids)
+        stats.path_needed += len(used)
+        stats.path_covered += int(np.count_nonzero(self.layers[layer][used]))
+        return self
+
 
 _current: StepDemand | None = None
 

@@ -13,11 +13,12 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.planner.prefetch import PrefetchPlanner
 from vllm_specexpert.policy import MissContext, miss_context
 from vllm_specexpert.predict import NextLayerRouting
-from vllm_specexpert.stats import LayerStats
+from vllm_specexpert.stats import LayerStats, PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import Link
 from vllm_specexpert.tiers.loader import ExpertLoader
+from vllm_specexpert.tiers.peer import LayerPeers
 from vllm_specexpert.tiers.slots import SlotPool
 from vllm_specexpert.tiers.store import LayerExperts
 
@@ -54,6 +55,10 @@ class OffloadedLayer:
     ``lowbit``)."""
     low_bit: ExpertLoader | None = None
     """The layer's low-bit slots and their loader, under ``lowbit``."""
+    peers: LayerPeers | None = None
+    """The mesh peers that hold this layer's experts (``mesh``)."""
+    local_experts: np.ndarray | None = None
+    """Experts pinned in the device cache for good (``mesh.placement: replicate_hot``)."""
 
     def equip(self, config: SpecExpertConfig, link: Link, device: torch.device,
               pool: SlotPool | None) -> None:
@@ -80,12 +85,25 @@ class OffloadedLayer:
             self.low_bit = ExpertLoader(
                 ExpertCache(self.low_bit_experts, self.top_k, self.top_k, "lru", device), link)
         self.prefetch = PrefetchPlanner(self.top_k)
+        if self.local_experts is not None:
+            self._pin(self.local_experts, slots)
         self.set_miss_context(config, link)
+
+    def _pin(self, experts: np.ndarray, slots: int) -> None:
+        """Load ``experts`` into the cache now and never evict them."""
+        if len(experts) > slots - self.top_k:
+            raise SpecExpertConfigError(
+                "mesh.hot_count", f"{len(experts)} pinned experts leave fewer than top_k "
+                f"({self.top_k}) of the layer's {slots} slots for the others",
+                f"use hot_count <= {slots - self.top_k}, or a larger budget")
+        self.loader.acquire(np.asarray(experts), PhaseStats())
+        self.loader.wait_all()
+        self.cache.policy.pinned[experts] = True
 
     def set_miss_context(self, config: SpecExpertConfig, link: Link) -> None:
         self.miss_context = miss_context(
             config, self.experts, link.expert_seconds(self.experts), self.host_kernel,
-            self.coactivation, self.tae_percentiles, self.low_bit)
+            self.coactivation, self.tae_percentiles, self.low_bit, self.peers)
 
 
 def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
@@ -158,6 +176,14 @@ def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
             raise SpecExpertConfigError(
                 name, "is read when the engine starts and cannot change at run time",
                 f"start a new engine with the new '{name}'")
+    before, after = current.mesh, config.mesh
+    if (before is None) != (after is None) or (before is not None and any(
+            getattr(before, f) != getattr(after, f)
+            for f in ("ray_address", "peers", "placement", "hot_count"))):
+        raise SpecExpertConfigError(
+            "mesh", "its peers and their shards are made when the engine starts; only "
+            "mesh.mode, rtt_cap_ms, timeout_ms and probe_interval_s can change at run time",
+            "start a new engine with the new 'mesh'")
     before, after = current.lookahead, config.lookahead
     if (before is None) != (after is None) or (before is not None and (
             before.k_max, before.draft_budget) != (after.k_max, after.draft_budget)):

@@ -152,6 +152,7 @@ def engine_stats(engine) -> dict[str, Any]:
             "total": total.to_dict(),
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
             "lookahead": lookahead_stats(engine),
+            "mesh": engine.mesh.stats() if engine.mesh is not None else None,
         }
 
 

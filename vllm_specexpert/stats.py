@@ -97,7 +97,7 @@ class PhaseStats:
         "instead of the router's (miss policy ``speculate``; output not exact).")
     missed_entries: int = counter(
         "Router-chosen (token, expert) entries whose expert was not resident when "
-        "the layer call started; each was resolved in one of the next five ways.")
+        "the layer call started; each was resolved in one of the next six ways.")
     fetched_entries: int = counter("Missed entries whose expert was loaded on demand (``fetch``, fallbacks).")
     host_entries: int = counter(
         "Missed entries computed on the host from the slow tier (``cpu``, "
@@ -112,6 +112,20 @@ class PhaseStats:
         "INT4 copies moved into the layer's low-bit slots (packed; also counted in "
         "``bytes_loaded``, not in ``loads``).")
     low_bit_bytes: int = counter("Bytes of those INT4 copies.")
+    peer_entries: int = counter(
+        "Missed entries computed by a mesh peer that holds the expert (``mesh``).")
+    peer_fallback_entries: int = counter(
+        "Entries sent to a peer that failed or did not answer in time, computed "
+        "locally instead (loaded on demand; also counted in ``fetched_entries``).")
+    fired_entries: int = counter(
+        "(token, expert) entries sent to peers ahead of the layer's router, by the "
+        "previous layer's prediction (``mesh.mode`` ``early_fire``, ``no_stop``).")
+    fired_used: int = counter(
+        "Of those, entries the layer then ran: ``fired_used / fired_entries`` is "
+        "Early Fire's hit rate.")
+    peer_wait_s: float = seconds(
+        "Seconds layer calls waited for peers' answers after their device work was "
+        "done.")
     host_experts: int = counter("Distinct experts computed on the host, summed over layer calls.")
     host_s: float = seconds(
         "Seconds of host expert compute (modeled seconds with an emulated link: "

@@ -11,6 +11,17 @@ from typing import Literal
 
 Output = Literal["exact", "equivalent", "approximate"]
 
+MESH_OUTPUT: dict[str, Output] = {"sync": "equivalent", "early_fire": "equivalent",
+                                  "no_stop": "approximate"}
+"""What each ``mesh.mode`` does to the output: a peer's results are added to the
+device's apart (equivalent); ``no_stop`` runs predicted experts on a predicted input."""
+
+
+def worse_output(first: Output, second: Output | None) -> Output:
+    """The output of two mechanisms together: the further from exact of the two."""
+    order = ("exact", "equivalent", "approximate")
+    return first if second is None else order[max(order.index(first), order.index(second))]
+
 
 @dataclass(frozen=True)
 class MissPolicySpec:

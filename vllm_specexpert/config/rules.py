@@ -27,6 +27,7 @@ class Settings(Protocol):
     path_predictor: str | None
     token_scheduler: Any
     lookahead: Any
+    mesh: Any
     link: LinkConfig
     buddy: BuddyConfig
     stats_path: str | None
@@ -78,11 +79,31 @@ def check_combination(config: Settings) -> None:
         raise SpecExpertConfigError(
             "token_scheduler", "does not combine with lookahead yet (a held-back request "
             "would leave its drafted tokens unverified)", "remove one of the two")
+    _check_mesh(config)
     if config.token_scheduler is not None and config.path_predictor is None:
         raise SpecExpertConfigError(
             "path_predictor", "token_scheduler groups sequences by predicted route, and no "
             "path predictor is set",
             "run `specexpert train-path MODEL --out DIR` and set \"path_predictor\": \"DIR\"")
+
+
+def _check_mesh(config: Settings) -> None:
+    mesh = config.mesh
+    if mesh is None:
+        return
+    if mesh.mode != "sync" and not config.predictor_spec.predicts:
+        raise SpecExpertConfigError(
+            "mesh.mode", f"'{mesh.mode}' sends rows ahead to the peers of predicted experts, "
+            f"but 'predictor' is '{config.predictor}'",
+            'set "predictor": "quasi_hidden" or "router", or use mesh mode "sync"')
+    if mesh.placement == "replicate_hot" and config.calibration is None:
+        raise SpecExpertConfigError(
+            "calibration", "mesh placement 'replicate_hot' ranks each layer's experts by "
+            "the calibration's routing counts, and none is set", CALIBRATE)
+    if config.lookahead is not None:
+        raise SpecExpertConfigError(
+            "mesh", "does not combine with lookahead yet (the draft's engine has no peers)",
+            "remove one of the two")
 
 
 def check_effect(config: Settings, explicit: set[str]) -> None:
@@ -128,6 +149,12 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
               "set predictor 'router' or 'quasi_hidden', or remove it")
     if not config.cache_spec.shared_pool:
         needs("plec_preload", f"with cache '{config.cache}'", "use cache 'plec', or remove it")
+    if config.mesh is not None and config.mesh.placement != "replicate_hot" and \
+            "mesh" in explicit and config.mesh.hot_count != default_of(
+                type(config.mesh), "hot_count"):
+        raise SpecExpertConfigError(
+            "mesh.hot_count", f"has no effect with placement '{config.mesh.placement}'",
+            "set mesh.placement to 'replicate_hot', or remove it")
     if config.stats_path is None:
         needs("stats_interval_s", "without stats_path", "set stats_path, or remove it")
 

@@ -1,10 +1,10 @@
 """The nested sections of the ``specexpert`` config (``link``, ``buddy``,
-``token_scheduler``, ``lookahead``) and the strict field types every config class uses."""
+``token_scheduler``, ``lookahead``, ``mesh``) and the strict field types every config class uses."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, Strict
 from pydantic.dataclasses import dataclass
@@ -128,6 +128,64 @@ class LookaheadConfig:
     INT4 pool, least recently used first out; a decoded expert is made again from its
     INT4 copy on the device when next needed. 1.0 (default): every expert decoded once,
     at load (fastest; the draft's experts then take bf16 bytes too). Range: (0, 1]."""
+
+
+@dataclass(config=STRICT)
+class MeshConfig:
+    """Experts across machines on Ray (``mesh: {}`` for these defaults). Peers are Ray
+    actors; each holds a shard of every MoE layer's routed experts, read from the
+    checkpoint on its own node, and computes them for the rows it is sent. A decode
+    token's expert that is missing from the device cache and hosted by a peer is computed
+    there instead of fetched; the engine keeps the trunk, its cache and the slow tier,
+    which serves every expert whose peer is out of rotation (dead, hung, or slower than
+    ``rtt_cap_ms``). Prefill tokens run locally (on-demand loading). Needs the ``mesh``
+    extra (``pip install 'vllm-specexpert[mesh]'``)."""
+
+    ray_address: Annotated[str, Strict(), Field(min_length=1)] | None = None
+    """Address of an existing Ray cluster (what ``ray.init(address=...)`` takes, e.g.
+    ``"10.0.0.1:6379"`` or ``"auto"``). ``None`` (default): a local Ray instance is
+    started in the worker process, its peers on this machine."""
+
+    peers: Annotated[Count, Field(ge=1, le=256)] = 2
+    """How many peer actors. Where the cluster has at least this many nodes besides the
+    engine's, one peer per node; otherwise they share the engine's node. Range: [1, 256]."""
+
+    placement: Literal["partition", "replicate_hot"] = "partition"
+    """Which experts each peer holds. ``partition`` (default): expert ``e`` of every
+    layer on peer ``e mod peers``. ``replicate_hot``: Mesh-LLM's overlapping shards, the
+    baseline: each layer's ``hot_count`` most-routed experts (by the calibration's
+    counts) are pinned in the engine's own cache, so they never cross the network; the
+    rest are partitioned. Needs ``calibration``."""
+
+    hot_count: Annotated[Count, Field(ge=1, le=65536)] = 8
+    """Experts per layer that ``replicate_hot`` pins locally; at most the layer's slots
+    minus ``top_k``. Range: [1, 65536]."""
+
+    mode: Literal["sync", "early_fire", "no_stop"] = "sync"
+    """``sync`` (default): once the router's ids are known, rows go to the peers that
+    host their missing experts (equivalent output, as ``cpu``). ``early_fire``: a
+    layer's rows go to the peers of the experts predicted for it at the previous layer
+    before its router's ids are read; results of rightly predicted experts are kept, the
+    rest are sent when the ids are read (same experts: equivalent). ``no_stop``
+    (approximate): at layer l the predicted layer l+1 router input (the predictor's
+    estimate) goes to the peers of layer l+1's predicted experts at once, and layer l+1
+    uses what they computed, with the predicted weights, without waiting for its router.
+    ``early_fire`` and ``no_stop`` need a ``predictor``."""
+
+    rtt_cap_ms: Annotated[Number, Field(gt=0, le=60_000)] = 80.0
+    """A peer whose measured network round trip (median of its recent calls, the peer's
+    own compute time taken out) exceeds this leaves the rotation: its experts are served
+    from the local slow tier until a probe measures it under the cap again. Default 80
+    (the mesh notes' cap). Range: (0, 60000] ms."""
+
+    timeout_ms: Annotated[Number, Field(gt=0, le=600_000)] = 2000.0
+    """How long a layer call waits for a peer's answer before taking the peer out of
+    rotation (hung) and computing its entries locally. Range: (0, 600000] ms."""
+
+    probe_interval_s: Annotated[Number, Field(gt=0, le=3600)] = 2.0
+    """Seconds between probes of a peer out of rotation (a Ray actor that died is
+    restarted by Ray and rejoins once a probe answers under ``rtt_cap_ms``).
+    Range: (0, 3600] s."""
 
 
 def default_of(owner: type, name: str) -> Any:

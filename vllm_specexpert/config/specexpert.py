@@ -18,9 +18,11 @@ from vllm_specexpert.config.modes import (
     CACHES,
     MISS_POLICIES,
     PREDICTORS,
+    MESH_OUTPUT,
     CacheSpec,
     MissPolicySpec,
     Output,
+    worse_output,
     PredictorSpec,
 )
 from vllm_specexpert.config.rules import check_combination, check_effect
@@ -31,6 +33,7 @@ from vllm_specexpert.config.sections import (
     Flag,
     LinkConfig,
     LookaheadConfig,
+    MeshConfig,
     Number,
     Path,
     TokenSchedulerConfig,
@@ -38,7 +41,7 @@ from vllm_specexpert.config.sections import (
 )
 
 SECTIONS = {"link": LinkConfig, "buddy": BuddyConfig, "token_scheduler": TokenSchedulerConfig,
-            "lookahead": LookaheadConfig}
+            "lookahead": LookaheadConfig, "mesh": MeshConfig}
 """The nested sections, by key."""
 MAX_EXPERTS = 65536
 """The largest budget count accepted (no model has more routed experts per layer)."""
@@ -132,6 +135,10 @@ class SpecExpertConfig:
     routes prefetch the target's experts, vLLM's speculative decoding verifies them.
     ``None`` (default): off."""
 
+    mesh: MeshConfig | None = None
+    """Experts across machines on Ray (see :class:`MeshConfig`; ``{}`` for its
+    defaults). ``None`` (default): no peers."""
+
     exact_layers: tuple[Annotated[Count, Field(ge=0)], ...] | None = None
     """Decoder-layer indices that always run their router's experts under
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
@@ -200,9 +207,9 @@ class SpecExpertConfig:
                 ADDITIONAL_CONFIG_KEY, f"must be a JSON object, got {type(raw).__name__}",
                 'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)')
         raw = dict(raw)
-        for key in ("token_scheduler", "link", "buddy", "lookahead"):
+        for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh"):
             if key in raw and raw[key] is None:
-                del raw[key]  # null: the defaults (token_scheduler, lookahead: off)
+                del raw[key]  # null: the defaults (token_scheduler, lookahead, mesh: off)
         try:
             config = cls(**raw)
         except ValidationError as error:
@@ -240,8 +247,11 @@ class SpecExpertConfig:
 
     @property
     def output(self) -> Output:
-        """``exact``, ``equivalent`` or ``approximate``: the miss policy's ``output``."""
-        return self.miss_policy_spec.output
+        """``exact``, ``equivalent`` or ``approximate``: the miss policy's ``output``,
+        or the mesh's when that changes more (peers' results are summed apart from the
+        device's: at best equivalent; ``no_stop`` is approximate)."""
+        return worse_output(self.miss_policy_spec.output,
+                            None if self.mesh is None else MESH_OUTPUT[self.mesh.mode])
 
     @property
     def exact(self) -> bool:

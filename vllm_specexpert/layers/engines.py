@@ -46,6 +46,7 @@ def engine_for(vllm_config, config: SpecExpertConfig, draft: bool = False) -> Of
         target.attach_draft(engine)
     else:
         engine = OffloadEngine(config, device, rank=rank)
+        engine.checkpoint = vllm_config.model_config.model
         _TARGET = weakref.ref(engine)
     key = id(vllm_config)
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.platforms import current_platform
 
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
-from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts, offloaded
 from vllm_specexpert.predict import FusedRouting, NextLayerRouting, residual_scale
 
@@ -88,6 +89,7 @@ def wire_model(model: nn.Module) -> None:
     for (_, _, routed), (_, next_layer, next_routed) in zip(layers, layers[1:]):
         engine.link_layers(routed.layer_name, next_routed.layer_name, _routing_of(next_layer))
     if engine.config.calibration is None:
+        _attach_mesh(engine, layers, None)
         engine.start()
         return
     from vllm_specexpert.calibration import load_calibration
@@ -104,7 +106,37 @@ def wire_model(model: nn.Module) -> None:
         {routed.layer_name: calibration.tae_percentiles[index].numpy()
          for index, _, routed in layers},
     )
+    _attach_mesh(engine, layers, calibration)
     engine.start()
+
+
+def _attach_mesh(engine, layers, calibration) -> None:
+    """``mesh``: start the peers, each reading its shard of the checkpoint, and pin the
+    hot experts of ``replicate_hot`` (by the calibration's routing counts)."""
+    mesh = engine.config.mesh
+    if mesh is None:
+        return
+    from vllm_specexpert.tiers.peer import PeerTier, check_checkpoint
+    from vllm_specexpert.tiers.peer_shard import ShardSpec
+
+    routed = layers[0][2]
+    num_experts = routed.global_num_experts
+    names = {index: (r.layer_name, tuple(range(num_experts))) for index, _, r in layers}
+    check_checkpoint(engine.checkpoint, names)
+    hot = {}
+    if mesh.placement == "replicate_hot":
+        if mesh.hot_count >= num_experts:
+            raise SpecExpertConfigError(
+                "mesh.hot_count", f"{mesh.hot_count} is not fewer than the model's "
+                f"{num_experts} experts per layer", f"use hot_count < {num_experts}")
+        hot = {index: np.argsort(-calibration.counts[index].numpy(), kind="stable")
+               [:mesh.hot_count] for index, _, _ in layers}
+    kernel = routed._direct_experts()
+    activation = getattr(routed.activation, "value", str(routed.activation))
+    spec = ShardSpec(engine.checkpoint, names,
+                     tuple(engine.store.layers[routed.layer_name].slot_shapes["w13_weight"][0]),
+                     kernel.isa if kernel is not None else None, activation)
+    engine.attach_mesh(PeerTier(mesh, spec, num_experts, local=hot), hot)
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:

@@ -42,6 +42,9 @@ class MissPlan:
     """Entries not run at all."""
     low_bit: np.ndarray | None = None
     """Entries run from their expert's INT4 copy in the layer's low-bit slots."""
+    on_peer: np.ndarray | None = None
+    """Entries computed by the mesh peer that holds their expert (set by the engine,
+    not by a policy: a policy sees those experts as resident)."""
     renormalize: bool = False
     """Scale each token's remaining weights so they sum to what all its weights did."""
 

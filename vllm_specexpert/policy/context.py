@@ -11,6 +11,7 @@ from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
 from vllm_specexpert.tiers.host import HostExperts, HostKernel
 from vllm_specexpert.tiers.loader import ExpertLoader
+from vllm_specexpert.tiers.peer import LayerPeers
 from vllm_specexpert.tiers.store import LayerExperts
 
 
@@ -31,6 +32,8 @@ class MissContext:
     on an idle link."""
     low_bit: ExpertLoader | None = None
     """The layer's low-bit slots and their loader (``lowbit``)."""
+    peers: LayerPeers | None = None
+    """The mesh peers that hold this layer's experts (``mesh``)."""
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
 
@@ -39,12 +42,13 @@ def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: 
                  host_kernel: HostKernel | None = None,
                  coactivation: np.ndarray | None = None,
                  tae_percentiles: np.ndarray | None = None,
-                 low_bit: ExpertLoader | None = None) -> MissContext | None:
+                 low_bit: ExpertLoader | None = None,
+                 peers: LayerPeers | None = None) -> MissContext | None:
     """A layer's context under ``config``'s miss policy; ``None`` while something it
     needs is missing (a host kernel, the calibration's routing statistics: the engine
     reports it when it starts)."""
     policy = config.miss_policy_spec
-    context = MissContext(copy_seconds=copy_seconds)
+    context = MissContext(copy_seconds=copy_seconds, peers=peers)
     if policy.computes_on_host:
         if host_kernel is None:
             return None

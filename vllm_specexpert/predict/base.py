@@ -74,6 +74,10 @@ class Prediction:
     router's ids: one device->host read per layer call)."""
     host_weights: np.ndarray | None = None
     """``topk_weights`` on the host as float32, once read."""
+    router_input: torch.Tensor | None = None
+    """``q [T, H]``, the estimate of layer l+1's router input the ids came from (``None``
+    when the one-launch Triton predictor made them: :meth:`Predictor.next_router_input`
+    gives it)."""
     _ranked: np.ndarray | None = None
 
     @property
@@ -139,5 +143,7 @@ class Predictor(ABC):
                 state.router_input, fused.gate_weight, fused.top_k, fused.renormalize,
                 self.fused_terms(state, layer, fused))
         else:
-            weights, ids = nxt.route(self.next_router_input(state, layer, nxt))
+            q = self.next_router_input(state, layer, nxt)
+            weights, ids = nxt.route(q)
+            return Prediction(topk_weights=weights, topk_ids=ids, router_input=q)
         return Prediction(topk_weights=weights, topk_ids=ids)

@@ -1,0 +1,393 @@
+"""The peer tier (``mesh``): experts held and computed by Ray actors on other nodes.
+
+A peer's "copy" is a remote computation: the engine sends a layer's rows and the
+(row, expert) pairs to compute, the peer (:class:`~.peer_shard.ExpertPeer`) answers with
+one unweighted output per pair, and the layer adds them with its routing weights. Calls
+are direct Ray actor calls from the engine's worker process to each peer (no
+coordinator); a peer runs two calls at once (``max_concurrency=2``), so the next layer's
+rows are received while the current ones compute (double buffering).
+
+Faults: a call that raises (the actor died) or outlasts ``mesh.timeout_ms`` (hung)
+takes its peer out of the rotation, and the engine computes the pairs locally. Every
+``mesh.probe_interval_s`` the engine pings every peer, without blocking: each layer call
+looks at the answers that came in. A peer whose median round trip exceeds
+``mesh.rtt_cap_ms`` leaves the rotation; one out of it that answers under the cap
+rejoins (Ray restarts a dead actor, ``max_restarts=-1``, which reloads its shard). A
+round trip is measured from the ping to the first layer call that sees the answer (an
+upper bound by at most one layer call). Pings run in the engine's thread: a prober
+thread's ``ray.get`` stalled while the worker thread waited on peers.
+Experts of peers out of rotation are not remote: the miss policy serves them from the
+local slow tier.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.config.sections import MeshConfig
+from vllm_specexpert.tiers.peer_shard import ExpertPeer, ShardSpec, checkpoint_key_index, expert_keys
+
+START_TIMEOUT_S = 300.0
+"""How long the engine waits at start for every peer to load its shard."""
+RTT_WINDOW = 5
+"""Probe round trips a peer's RTT is the median of."""
+
+
+@dataclass
+class PeerState:
+    """One peer: its actor, whether it is in rotation, and its counters."""
+
+    rank: int
+    actor: object
+    node: str
+    up: bool = True
+    reason: str = ""
+    """Why it is out of rotation (``died``, ``hung``, ``rtt``), while it is."""
+    rtts: deque = field(default_factory=lambda: deque(maxlen=RTT_WINDOW))
+    calls: int = 0
+    pairs: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_s: float = 0.0
+    call_s: float = 0.0
+    """Seconds from send to answer, summed (includes the engine's own work meanwhile)."""
+    failures: int = 0
+    timeouts: int = 0
+    left: int = 0
+    rejoined: int = 0
+
+    def leave(self, reason: str) -> None:
+        if self.up:
+            self.up, self.reason = False, reason
+            self.left += 1
+
+    def stats(self) -> dict:
+        rtt = float(np.median(self.rtts)) * 1e3 if self.rtts else None
+        return {"rank": self.rank, "node": self.node, "up": self.up, "reason": self.reason,
+                "rtt_ms": rtt, "calls": self.calls, "pairs": self.pairs,
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "compute_s": self.compute_s, "call_s": self.call_s,
+                "failures": self.failures, "timeouts": self.timeouts, "left": self.left,
+                "rejoined": self.rejoined}
+
+
+@dataclass
+class Sent:
+    """Pairs sent to peers in one go: ``tokens[i]`` (a row of the input) with expert
+    ``experts[i]``; per peer, its answer and which pairs it covers."""
+
+    tokens: np.ndarray
+    experts: np.ndarray
+    calls: list[tuple[PeerState, object, np.ndarray, float, int]]
+    """(peer, object ref, pair indices, send time, bytes sent)."""
+
+
+class PeerTier:
+    """The engine's side of the mesh: placement, calls, health (module doc)."""
+
+    def __init__(self, mesh: MeshConfig, spec: ShardSpec, num_experts: int,
+                 local: dict[int, np.ndarray] | None = None):
+        self.mesh = mesh
+        self.num_experts = num_experts
+        self.timeout_s = mesh.timeout_ms / 1e3
+        ray = require_ray()
+        self._started_ray = _init_ray(ray, mesh.ray_address)
+        self.hosts = self._placement(spec, local or {})
+        """Layer -> ``[E, peers]`` bool: which peers hold each expert (hot ones: none)."""
+        self.peers = self._start_peers(ray, spec)
+        self._pings: list[tuple[PeerState, object, float]] = []
+        """Probes in flight: (peer, object ref, send time)."""
+        self._next_probe = 0.0
+
+    # ----------------------------------------------------------------- start
+
+    def _placement(self, spec: ShardSpec, hot: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        peers = self.mesh.peers
+        hosts = {}
+        for layer in spec.layers:
+            mask = np.zeros((self.num_experts, peers), dtype=bool)
+            cold = np.setdiff1d(np.arange(self.num_experts), hot.get(layer, []))
+            mask[cold, cold % peers] = True
+            hosts[layer] = mask
+        return hosts
+
+    def _start_peers(self, ray, spec: ShardSpec) -> list[PeerState]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
+        remote = ray.remote(ExpertPeer)
+        peers, waits = [], []
+        for rank in range(self.mesh.peers):
+            node = nodes[rank] if len(nodes) >= self.mesh.peers else here
+            shard = ShardSpec(spec.checkpoint, {
+                layer: (name, tuple(int(e) for e in np.flatnonzero(self.hosts[layer][:, rank])))
+                for layer, (name, _) in spec.layers.items()}, spec.w13_shape, spec.isa,
+                spec.activation)
+            actor = remote.options(
+                num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=2,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(rank, shard)
+            peers.append(PeerState(rank=rank, actor=actor, node=node))
+            waits.append(actor.ready.remote())
+        for peer, wait in zip(peers, waits):
+            try:
+                ray.get(wait, timeout=START_TIMEOUT_S)
+            except Exception as error:  # noqa: BLE001 - any failure is the same fix
+                self.close()
+                raise SpecExpertConfigError(
+                    "mesh", f"peer {peer.rank} (node {peer.node[:12]}) could not load its "
+                    f"shard of {spec.checkpoint}: {_first_line(error)}",
+                    "put the checkpoint at the same path on every node of the Ray "
+                    "cluster, with this package installed") from None
+        return peers
+
+    # ------------------------------------------------------------- rotation
+
+    def hosted(self, layer: int) -> np.ndarray:
+        """``[E]`` experts of ``layer`` that a peer in rotation holds (probes first)."""
+        self._probe()
+        up = np.fromiter((p.up for p in self.peers), dtype=bool, count=len(self.peers))
+        return (self.hosts[layer] & up).any(axis=1)
+
+    def _peer_of(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The peer in rotation that computes each expert (-1: none)."""
+        up = np.fromiter((p.up for p in self.peers), dtype=bool, count=len(self.peers))
+        live = self.hosts[layer][experts] & up
+        return np.where(live.any(axis=1), live.argmax(axis=1), -1)
+
+    # ----------------------------------------------------------------- calls
+
+    def send(self, layer: int, x: torch.Tensor, tokens: np.ndarray,
+             experts: np.ndarray) -> Sent:
+        """Start computing expert ``experts[i]`` on row ``tokens[i]`` of ``x`` at the
+        peers that hold them (pairs whose experts no peer in rotation holds are not
+        sent: :meth:`receive` reports them failed)."""
+        sent = Sent(tokens, experts, [])
+        owner = self._peer_of(layer, experts)
+        for rank in np.unique(owner[owner >= 0]):
+            peer = self.peers[rank]
+            pairs = np.flatnonzero(owner == rank)
+            rows, local = np.unique(tokens[pairs], return_inverse=True)
+            payload = x[torch.from_numpy(rows).to(x.device)].to("cpu").view(torch.int16).numpy()
+            ref = peer.actor.compute.remote(layer, payload, local.astype(np.int64),
+                                            experts[pairs].astype(np.int64))
+            sent.calls.append((peer, ref, pairs, time.perf_counter(), payload.nbytes))
+        return sent
+
+    def receive(self, sent: Sent) -> tuple[torch.Tensor, np.ndarray]:
+        """``[N, H]`` float32 outputs of the sent pairs and ``[N]`` which arrived; a
+        peer that failed or did not answer within ``timeout_ms`` of the send leaves the
+        rotation."""
+        ray = require_ray()
+        hidden = None
+        done = np.zeros(len(sent.tokens), dtype=bool)
+        parts = []
+        for peer, ref, pairs, sent_at, nbytes in sent.calls:
+            peer.calls += 1
+            peer.bytes_sent += nbytes
+            remaining = max(0.0, sent_at + self.timeout_s - time.perf_counter())
+            try:
+                y, compute_s = ray.get(ref, timeout=remaining)
+            except ray.exceptions.GetTimeoutError:
+                peer.timeouts += 1
+                peer.leave("hung")
+                try:
+                    ray.cancel(ref)
+                except Exception:  # noqa: BLE001 - a running actor call may not cancel
+                    pass
+                continue
+            except Exception as error:  # noqa: BLE001 - died, restarting or failed: leave
+                peer.failures += 1
+                peer.leave(f"failed: {_first_line(error)}"[:200])
+                continue
+            peer.call_s += time.perf_counter() - sent_at
+            peer.compute_s += compute_s
+            peer.pairs += len(pairs)
+            peer.bytes_received += y.nbytes
+            parts.append((pairs, y))
+            done[pairs] = True
+            hidden = y.shape[1]
+        out = torch.zeros(len(sent.tokens), hidden or 0, dtype=torch.float32)
+        for pairs, y in parts:
+            out[torch.from_numpy(pairs)] = torch.from_numpy(y.copy()).view(torch.bfloat16).float()
+        return out, done
+
+    # ----------------------------------------------------------------- health
+
+    def _probe(self) -> None:
+        """Read the probes' answers that came in; send new ones when it is time."""
+        ray, now = require_ray(), time.perf_counter()
+        if self._pings:
+            ready, _ = ray.wait([ref for _, ref, _ in self._pings],
+                                num_returns=len(self._pings), timeout=0)
+            ready, waiting = set(ready), []
+            for peer, ref, sent_at in self._pings:
+                if ref in ready:
+                    self._answered(ray, peer, ref, now - sent_at)
+                elif now - sent_at > self.timeout_s:
+                    peer.rtts.clear()
+                    peer.leave("hung")
+                else:
+                    waiting.append((peer, ref, sent_at))
+            self._pings = waiting
+        if not self._pings and now >= self._next_probe:
+            self._pings = [(peer, peer.actor.ping.remote(), now) for peer in self.peers]
+            self._next_probe = now + self.mesh.probe_interval_s
+
+    def _answered(self, ray, peer: PeerState, ref, rtt: float) -> None:
+        try:
+            ray.get(ref)
+        except Exception as error:  # noqa: BLE001 - dead or restarting
+            peer.rtts.clear()
+            peer.leave(f"failed: {_first_line(error)}"[:200])
+            return
+        peer.rtts.append(rtt)
+        median = float(np.median(peer.rtts))
+        if peer.up and median > self.mesh.rtt_cap_ms / 1e3:
+            peer.leave("rtt")
+        elif not peer.up and median <= self.mesh.rtt_cap_ms / 1e3:
+            peer.up, peer.reason = True, ""
+            peer.rejoined += 1
+
+    def stats(self) -> dict:
+        return {"peers": [p.stats() for p in self.peers], "mode": self.mesh.mode,
+                "placement": self.mesh.placement, "rtt_cap_ms": self.mesh.rtt_cap_ms}
+
+    def reset_stats(self) -> None:
+        for p in self.peers:
+            for name in ("calls", "pairs", "bytes_sent", "bytes_received", "failures",
+                         "timeouts", "left", "rejoined"):
+                setattr(p, name, 0)
+            p.compute_s = p.call_s = 0.0
+
+    def close(self) -> None:
+        ray = sys.modules.get("ray")  # (at interpreter exit an import would fail)
+        if ray is None:
+            return
+        for peer in getattr(self, "peers", []):
+            try:
+                ray.kill(peer.actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+@dataclass
+class PeerJob:
+    """One layer call's entries computed by peers: where each one's answer comes from."""
+
+    sources: list[tuple[Sent, np.ndarray, np.ndarray, np.ndarray]]
+    """(what was sent, entry rows, entry columns, the pair index of each entry)."""
+    reused: int = 0
+    """Entries taken from what was fired ahead (Early Fire's hits)."""
+
+
+@dataclass
+class LayerPeers:
+    """One layer's view of the peer tier: what its executor and planners call."""
+
+    tier: PeerTier
+    layer: int
+    """Decoder-layer index."""
+
+    def hosted(self) -> np.ndarray:
+        return self.tier.hosted(self.layer)
+
+    def send(self, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray) -> Sent:
+        return self.tier.send(self.layer, x, tokens, experts)
+
+    def stage(self, x: torch.Tensor, ids: np.ndarray, entries: np.ndarray,
+              fired: Sent | None = None) -> PeerJob:
+        """Send the ``entries`` ([T, K] mask over ``ids``) of rows ``x``, taking those
+        whose (row, expert) pair was ``fired`` ahead from there instead."""
+        rows, cols = np.nonzero(entries)
+        job = PeerJob([])
+        if fired is not None and len(fired.tokens):
+            num = max(int(ids.max()), int(fired.experts.max())) + 1
+            keys = fired.tokens * num + fired.experts
+            order = np.argsort(keys, kind="stable")
+            wanted = rows * num + ids[rows, cols]
+            at = np.minimum(np.searchsorted(keys[order], wanted), len(keys) - 1)
+            hit = keys[order][at] == wanted
+            if hit.any():
+                job.sources.append((fired, rows[hit], cols[hit], order[at][hit]))
+            job.reused = int(hit.sum())
+            rows, cols = rows[~hit], cols[~hit]
+        if len(rows):
+            sent = self.send(x, rows, ids[rows, cols])
+            job.sources.append((sent, rows, cols, np.arange(len(rows))))
+        return job
+
+    def finish(self, job: PeerJob, out: torch.Tensor, weights: torch.Tensor,
+               shape: tuple[int, int]) -> np.ndarray:
+        """Add the job's answers, times the entries' ``weights`` ([T, K]), to ``out``;
+        return the ``[T, K]`` mask of entries no peer answered."""
+        failed = np.zeros(shape, dtype=bool)
+        acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+        for sent, rows, cols, pairs in job.sources:
+            y, done = self.tier.receive(sent)
+            ok = done[pairs]
+            failed[rows[~ok], cols[~ok]] = True
+            if ok.any():
+                r, c = (torch.from_numpy(a[ok]).to(out.device) for a in (rows, cols))
+                acc.index_add_(0, r, y[torch.from_numpy(pairs[ok])].to(out.device)
+                               * weights[r, c].float()[:, None])
+        out.copy_((out.float() + acc).to(out.dtype))
+        return failed
+
+
+def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ...]]]) -> None:
+    """Refuse at start a checkpoint whose experts a peer cannot read (:mod:`.peer_shard`)."""
+    try:
+        index = checkpoint_key_index(checkpoint)
+        for name, experts in layers.values():
+            for expert in experts:
+                expert_keys(index, name, expert)
+    except (KeyError, FileNotFoundError, OSError) as error:
+        raise SpecExpertConfigError(
+            "mesh", f"a peer cannot read this model's experts: {_first_line(error)}",
+            "use a bf16 checkpoint with one tensor per expert (Qwen3-MoE, Qwen2-MoE, "
+            "OLMoE, DeepSeek-V2, Mixtral), or remove mesh") from None
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise SpecExpertConfigError(
+            "mesh", "needs Ray, which is not installed",
+            "pip install 'vllm-specexpert[mesh]' (or remove mesh)") from None
+    return ray
+
+
+def _init_ray(ray, address: str | None) -> bool:
+    """Join the cluster at ``address`` (``None``: start a local Ray); whether this call
+    started Ray (and so shuts it down on close)."""
+    if ray.is_initialized():
+        return False
+    try:
+        if address is None:
+            ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        else:
+            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    except Exception as error:  # noqa: BLE001 - ConnectionError and Ray's own kinds
+        raise SpecExpertConfigError(
+            "mesh.ray_address", f"cannot join the Ray cluster at {address!r}: "
+            f"{_first_line(error)}",
+            "start it (`ray start --head`) and give its address, or null for a local "
+            "Ray") from None
+    return True
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
