@@ -210,5 +210,14 @@ def summary(engine) -> str:
         f"{engine.store.nbytes / 1e9:.3f} GB on the host"
         f"{' (pinned)' if engine.store.pin_memory else ''}; miss_policy {config.miss_policy} "
         f"({engine.output}), predictor {config.predictor}, cache {config.cache}"
-        f"{modeled}"
+        f"{modeled}{_mesh_summary(engine)}"
     )
+
+
+def _mesh_summary(engine) -> str:
+    mesh = engine.config.mesh
+    if engine.mesh is None:
+        return ""
+    up = sum(peer.up for peer in engine.mesh.peers)
+    return (f"; mesh {mesh.mode} ({engine.output}), {up} of {mesh.peers} peers in "
+            f"rotation, placement {mesh.placement}")

@@ -31,6 +31,10 @@ def before_engine_config(engine_args) -> SpecExpertConfig | None:
     config = SpecExpertConfig.from_additional_config(engine_args.additional_config)
     if config is not None:
         check_plugin_enabled()
+        if config.mesh is not None:
+            from vllm_specexpert.tiers.peer import require_ray
+
+            require_ray()  # the mesh extra, before any engine process starts
         prepare_engine_args(engine_args, config)
     return config
 

@@ -155,7 +155,7 @@ class MeshConfig:
     layer on peer ``e mod peers``. ``replicate_hot``: Mesh-LLM's overlapping shards, the
     baseline: each layer's ``hot_count`` most-routed experts (by the calibration's
     counts) are pinned in the engine's own cache, so they never cross the network; the
-    rest are partitioned. Needs ``calibration``."""
+    rest are dealt to the peers in turn. Needs ``calibration``."""
 
     hot_count: Annotated[Count, Field(ge=1, le=65536)] = 8
     """Experts per layer that ``replicate_hot`` pins locally; at most the layer's slots

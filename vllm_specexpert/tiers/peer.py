@@ -96,7 +96,6 @@ class PeerTier:
                  local: dict[int, np.ndarray] | None = None):
         self.mesh = mesh
         self.num_experts = num_experts
-        self.timeout_s = mesh.timeout_ms / 1e3
         ray = require_ray()
         self._started_ray = _init_ray(ray, mesh.ray_address)
         self.hosts = self._placement(spec, local or {})
@@ -106,6 +105,10 @@ class PeerTier:
         """Probes in flight: (peer, object ref, send time)."""
         self._next_probe = 0.0
 
+    @property
+    def timeout_s(self) -> float:
+        return self.mesh.timeout_ms / 1e3  # (``mesh`` changes with reconfigure)
+
     # ----------------------------------------------------------------- start
 
     def _placement(self, spec: ShardSpec, hot: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -114,7 +117,7 @@ class PeerTier:
         for layer in spec.layers:
             mask = np.zeros((self.num_experts, peers), dtype=bool)
             cold = np.setdiff1d(np.arange(self.num_experts), hot.get(layer, []))
-            mask[cold, cold % peers] = True
+            mask[cold, np.arange(len(cold)) % peers] = True  # round robin: balanced
             hosts[layer] = mask
         return hosts
 
@@ -262,6 +265,7 @@ class PeerTier:
                 "placement": self.mesh.placement, "rtt_cap_ms": self.mesh.rtt_cap_ms}
 
     def reset_stats(self) -> None:
+        self._next_probe = 0.0  # (probe_interval_s may have changed)
         for p in self.peers:
             for name in ("calls", "pairs", "bytes_sent", "bytes_received", "failures",
                          "timeouts", "left", "rejoined"):

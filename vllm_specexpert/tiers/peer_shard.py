@@ -106,6 +106,7 @@ class ExpertPeer:
             local[list(experts)] = np.arange(len(experts))
             self.local[layer] = local
         self.load_seconds = time.perf_counter() - started
+        self.delay_s = 0.0
         self._kernel_lock = threading.Lock()
         """The actor takes two calls at once (the next rows arrive while the current ones
         compute), but vLLM's CPU kernel shares its scratch space between calls: two
@@ -128,6 +129,11 @@ class ExpertPeer:
             w2[i, :, :inter] = down
         return w13, w2
 
+    def set_delay(self, seconds: float) -> None:
+        """Answer every later call (computes and pings) ``seconds`` late: fault injection,
+        a hung or far-away peer without a network between (the tests use it)."""
+        self.delay_s = seconds
+
     def ready(self) -> dict:
         """Where this peer runs and what it holds (the engine's start-up check)."""
         import socket
@@ -138,12 +144,14 @@ class ExpertPeer:
 
     def ping(self) -> int:
         """A probe's answer: the process id (a restarted actor has a new one)."""
+        time.sleep(self.delay_s)
         return os.getpid()
 
     def compute(self, layer: int, x: np.ndarray, rows: np.ndarray,
                 experts: np.ndarray) -> tuple[np.ndarray, float]:
         """Expert ``experts[i]``'s output for row ``rows[i]`` of ``x`` (``[R, H]`` bf16
         as int16), unweighted, as ``[N, H]`` bf16 (int16); and the compute seconds."""
+        time.sleep(self.delay_s)
         started = time.perf_counter()
         inputs = torch.from_numpy(x).view(torch.bfloat16)[torch.from_numpy(rows)]
         ids = torch.from_numpy(self.local[layer][experts]).to(torch.int32)[:, None]

@@ -1,0 +1,317 @@
+"""``mesh``: experts on Ray peers, on a local Ray cluster (two peer actors).
+
+One engine on the trained model at budget 0.25, its misses computed by the peers; modes
+switched with ``reconfigure``. The reference of the teacher-forced checks is the same
+engine at budget 1.0: every expert resident, no miss, nothing sent, which is vanilla
+vLLM bit for bit (``tests/test_exactness.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray", reason="the mesh extra is not installed: "
+                    "pip install -e '.[mesh]' (make setup does)")
+
+from vllm import SamplingParams, TokensPrompt  # noqa: E402
+from vllm_harness import make_llm, shutdown  # noqa: E402
+
+import vllm_specexpert  # noqa: E402
+from vllm_specexpert.config import SpecExpertConfigError  # noqa: E402
+from vllm_specexpert.config.sections import MeshConfig  # noqa: E402
+from vllm_specexpert.layers.engines import _ENGINES  # noqa: E402
+from vllm_specexpert.tiers import peer as peer_module  # noqa: E402
+from vllm_specexpert.tiers.peer import PeerTier, check_checkpoint  # noqa: E402
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path  # noqa: E402
+from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing  # noqa: E402
+
+BUDGET = 0.25
+CALIBRATION = str(model_path(TRAINED_MODEL)) + "-calibration"
+WINDOWS, PROMPT_TOKENS, FORCED = 8, 16, 48
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = make_llm(TRAINED_MODEL, specexpert={
+        "budget": BUDGET, "predictor": "quasi_hidden", "calibration": CALIBRATION,
+        "mesh": {"peers": 2}}, logits_processors=[TeacherForcing])
+    yield llm
+    engine().close()
+    shutdown(llm)
+
+
+def engine():
+    """The plugin's engine of this process (the engine core runs in-process here)."""
+    return next(entry[1] for entry in _ENGINES.values() if entry[1].mesh is not None)
+
+
+def held_out_windows() -> list[list[int]]:
+    from vllm_specexpert.tools import corpus
+    from vllm_specexpert.tools.fixtures import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    ids = [i for f in corpus.corpus_files("validation") for i in tokenizer.encode(f.read()).ids]
+    size = PROMPT_TOKENS + FORCED
+    return [ids[i * 997 * size:][:size] for i in range(WINDOWS)]
+
+
+def teacher_forced_top1(llm) -> list[int]:
+    """The model's own top-1 at every forced position of the held-out windows."""
+    prompts, params = [], []
+    for window in held_out_windows():
+        prompts.append(TokensPrompt(prompt_token_ids=window[:PROMPT_TOKENS]))
+        params.append(SamplingParams(temperature=0.0, max_tokens=FORCED, logprobs=1,
+                                     ignore_eos=True,
+                                     extra_args={FORCED_TOKENS: window[PROMPT_TOKENS:]}))
+    top1 = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        for step in out.outputs[0].logprobs:
+            top1.append(min(step.items(), key=lambda kv: kv[1].rank)[0])
+    return top1
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    vllm_specexpert.reconfigure(llm, budget=1.0)
+    vllm_specexpert.reset_stats(llm)
+    top1 = teacher_forced_top1(llm)
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["total"]["decode"]["peer_entries"] == 0  # nothing missed, nothing sent
+    vllm_specexpert.reconfigure(llm, budget=BUDGET)
+    return top1
+
+
+def run_mode(llm, mode: str) -> tuple[float, dict]:
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "mode": mode})
+    vllm_specexpert.reset_stats(llm)
+    return teacher_forced_top1(llm), vllm_specexpert.get_stats(llm)[0]
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    assert len(a) == len(b) == WINDOWS * FORCED
+    return float(np.mean(np.equal(a, b)))
+
+
+@pytest.mark.parametrize("mode", ["sync", "early_fire"])
+def test_exact_modes_run_the_routers_experts_on_the_peers(llm, reference, mode):
+    top1, stats = run_mode(llm, mode)
+    decode = stats["total"]["decode"]
+    # The peers computed the misses: none was fetched, dropped or substituted.
+    assert decode["peer_entries"] == decode["missed_entries"] > 0
+    assert decode["fetched_entries"] == decode["substituted_entries"] == 0
+    assert decode["dropped_entries"] == decode["speculated_calls"] == 0
+    peers = stats["mesh"]["peers"]
+    assert all(p["up"] and p["pairs"] > 0 for p in peers)
+    assert stats["output"] == "equivalent" and f"mesh {mode}" in stats["summary"]
+    if mode == "early_fire":
+        # Pairs went ahead by the prediction; some were right (kept), not all.
+        assert 0 < decode["fired_used"] < decode["fired_entries"]
+    else:
+        assert decode["fired_entries"] == 0
+    score = agreement(top1, reference)
+    print(f"{mode}: teacher-forced top-1 agreement {score:.4f}, "
+          f"{decode['peer_entries']} peer entries")
+    assert score >= 0.99
+
+
+def test_no_stop_runs_the_predicted_experts_and_says_so(llm, reference):
+    top1, stats = run_mode(llm, "no_stop")
+    decode = stats["total"]["decode"]
+    assert stats["output"] == "approximate" and not stats["exact"]
+    # Layers after the first ran the prediction (the first has none), taking the
+    # peers' results of what was fired, without a second round.
+    assert decode["speculated_calls"] > 0
+    assert decode["fired_used"] == decode["fired_entries"] > 0
+    print(f"no_stop: teacher-forced top-1 agreement {agreement(top1, reference):.4f}")
+
+
+def generate_all(llm, prompts: int = 6, tokens: int = 40) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    outs = llm.generate([f"def f{i}(x):" for i in range(prompts)], params, use_tqdm=False)
+    return [len(o.outputs[0].token_ids) for o in outs]
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
+    import ray
+
+    # No probe during the run: the kill is found by the calls in flight.
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 600})
+    vllm_specexpert.reset_stats(llm)
+    victim = engine().mesh.peers[0]
+    pid = ray.get(victim.actor.ping.remote())
+
+    def kill_when_busy():
+        if wait_for(lambda: victim.calls >= 20, 120):
+            os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    top1 = teacher_forced_top1(llm)  # every request runs to its last token
+    killer.join()
+    stats = vllm_specexpert.get_stats(llm)[0]
+    decode = stats["total"]["decode"]
+    state = stats["mesh"]["peers"][0]
+    assert state["failures"] >= 1 and state["left"] == 1 and not state["up"]
+    # What it was computing was computed here, and nothing went missing: the run
+    # agrees with the reference as the undisturbed one does.
+    assert decode["peer_fallback_entries"] > 0
+    assert agreement(top1, reference) >= 0.99
+    assert stats["mesh"]["peers"][1]["up"]
+    # Ray restarts the actor (it reloads its shard); a probe brings it back.
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 0.5})
+    assert wait_for(lambda: (generate_all(llm, 1, 4) and victim.up), 120), victim.reason
+    assert victim.rejoined >= 1 and ray.get(victim.actor.ping.remote()) != pid
+
+
+def test_a_hung_peer_leaves_and_rejoins(llm):
+    import ray
+
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "timeout_ms": 300,
+                                           "probe_interval_s": 0.2})
+    mesh = engine().mesh
+    slow = mesh.peers[1]
+    ray.get(slow.actor.set_delay.remote(1.0))
+    try:
+        assert generate_all(llm, 2, 16) == [16, 16]
+        assert not slow.up and slow.reason == "hung" and slow.timeouts >= 1
+    finally:
+        ray.get(slow.actor.set_delay.remote(0.0), timeout=30)
+    assert wait_for(lambda: (generate_all(llm, 1, 4) and slow.up), 60)
+
+
+def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
+    import ray
+
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "rtt_cap_ms": 50,
+                                           "probe_interval_s": 0.1})
+    mesh = engine().mesh
+    far = mesh.peers[0]
+    ray.get(far.actor.set_delay.remote(0.1))  # answers 100 ms late, within timeout_ms
+    try:
+        assert wait_for(lambda: (generate_all(llm, 1, 8) and not far.up), 60)
+        assert far.reason == "rtt" and far.timeouts == 0
+        vllm_specexpert.reset_stats(llm)
+        generate_all(llm, 2, 16)
+        stats = vllm_specexpert.get_stats(llm)[0]
+        # Out of rotation, its experts are not sent to it: none of its calls failed,
+        # and the misses it would have computed were fetched.
+        assert stats["mesh"]["peers"][0]["calls"] == 0
+        assert stats["total"]["decode"]["fetched_entries"] > 0
+    finally:
+        ray.get(far.actor.set_delay.remote(0.0), timeout=30)
+    assert wait_for(lambda: (generate_all(llm, 1, 4) and far.up), 60)
+
+
+def test_only_the_mode_and_timings_change_at_run_time(llm):
+    with pytest.raises(SpecExpertConfigError) as error:
+        vllm_specexpert.reconfigure(llm, mesh={"peers": 3})
+    assert error.value.field_name == "mesh"
+    with pytest.raises(SpecExpertConfigError) as error:
+        vllm_specexpert.reconfigure(llm, mesh=None)
+    assert error.value.field_name == "mesh"
+
+
+# ------------------------------------------------------------------ without an engine
+
+
+def test_placement_partitions_the_cold_experts_and_keeps_the_hot_ones_local():
+    tier = PeerTier.__new__(PeerTier)
+    tier.mesh, tier.num_experts = MeshConfig(peers=3), 10
+    spec = peer_module.ShardSpec("unused", {4: ("l4", tuple(range(10)))}, (2, 2), None)
+    hosts = tier._placement(spec, {4: np.array([2, 7])})[4]
+    assert hosts.sum(axis=1).tolist() == [1, 1, 0, 1, 1, 1, 1, 0, 1, 1]
+    assert hosts.sum(axis=0).tolist() == [3, 3, 2]  # spread over the three peers
+
+
+def test_a_checkpoint_a_peer_cannot_read_is_refused_at_start(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 8, 16)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(SpecExpertConfigError) as error:
+        check_checkpoint(str(tmp_path), {0: ("model.layers.0.mlp.experts", (0, 1))})
+    assert error.value.field_name == "mesh" and "per expert" in str(error.value)
+    with pytest.raises(SpecExpertConfigError) as error:
+        check_checkpoint(str(tmp_path / "missing"), {0: ("x", (0,))})
+    assert error.value.field_name == "mesh"
+
+
+def test_without_ray_the_error_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(SpecExpertConfigError) as error:
+        peer_module.require_ray()
+    assert error.value.field_name == "mesh" and "[mesh]" in str(error.value)
+
+
+class FakePeers:
+    """A peer tier in this process: holds experts 8-15 of the toy layer and computes
+    them with the reference, or fails every call (a dead peer)."""
+
+    mesh, peers = MeshConfig(peers=1), []
+
+    def __init__(self, tensors, fail: bool):
+        self.tensors, self.fail = tensors, fail
+
+    def hosted(self, layer):
+        return np.arange(16) >= 8
+
+    def send(self, layer, x, tokens, experts):
+        sent = peer_module.Sent(tokens, experts, [])
+        sent.x = x
+        return sent
+
+    def receive(self, sent):
+        from vllm_specexpert.tiers.host import torch_experts
+
+        ones = torch.ones(len(sent.tokens), 1)
+        ids = torch.from_numpy(sent.experts)[:, None]
+        y = torch_experts(sent.x[torch.from_numpy(sent.tokens)], ones, ids, self.tensors)
+        return y.float(), np.full(len(sent.tokens), not self.fail)
+
+    def stats(self):
+        return {}
+
+    def reset_stats(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["peers answer", "peers dead"])
+def test_peer_entries_are_added_with_their_weights_or_computed_here(fail):
+    from test_miss_policies import IDS, NAME, TENSORS, W2, W13, assert_equivalent, routing
+    from moe_reference import reference_moe, slot_kernel
+
+    from vllm_specexpert.engine import OffloadEngine
+
+    engine = OffloadEngine(vllm_specexpert.SpecExpertConfig.from_dict(
+        {"budget": 0.5, "mesh": {"peers": 1}}), torch.device("cpu"))
+    engine.add_layer(NAME, TENSORS, top_k=4, index=0)
+    engine.attach_mesh(FakePeers(TENSORS, fail), {})
+    engine.start()
+    x, w, ids = routing(IDS)
+    out = engine.run(NAME, slot_kernel, x, w, ids)
+    assert_equivalent(out, reference_moe(x, w, ids, W13, W2))
+    stats = engine.stats()["layers"][NAME]["decode"]
+    assert stats["peer_entries"] == stats["missed_entries"] == 7  # experts 9-15
+    assert stats["peer_fallback_entries"] == (7 if fail else 0)
+    assert stats["loads"] == (7 if fail else 0)  # computed here: loaded on demand
