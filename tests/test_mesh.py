@@ -315,3 +315,14 @@ def test_peer_entries_are_added_with_their_weights_or_computed_here(fail):
     assert stats["peer_entries"] == stats["missed_entries"] == 7  # experts 9-15
     assert stats["peer_fallback_entries"] == (7 if fail else 0)
     assert stats["loads"] == (7 if fail else 0)  # computed here: loaded on demand
+
+
+def test_an_unreachable_ray_address_is_one_error_naming_it():
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(SpecExpertConfigError) as error:  # at once, not after Ray's retries
+        peer_module._check_reachable(f"127.0.0.1:{port}")
+    assert error.value.field_name == "mesh.ray_address"

@@ -1,6 +1,7 @@
 """The ``specexpert`` command.
 
     specexpert demo                  # offloaded generation on the default model, vs vanilla
+    specexpert mesh-demo             # experts on Ray peers behind a real delay (root)
     specexpert serve MODEL [ARGS]    # = vllm serve, usable on the CPU build of vLLM
     specexpert vllm SUBCOMMAND ...   # any vllm CLI subcommand (bench, serve, ...)
     specexpert corpus [--out F]      # the Python corpus of this environment: files, splits, fingerprint
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         dequantize,
         eval_path,
         fixtures,
+        mesh_demo,
         quantize,
         train_path,
         train_tiny,
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     tools = {"demo": demo, "corpus": corpus, "build-fixtures": fixtures,
              "train-tiny": train_tiny, "capture": capture, "calibrate": calibrate,
              "analyze": analyze, "train-path": train_path, "eval-path": eval_path,
-             "quantize": quantize, "dequantize": dequantize}
+             "quantize": quantize, "dequantize": dequantize, "mesh-demo": mesh_demo}
     for name, module in tools.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
 

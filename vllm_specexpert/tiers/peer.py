@@ -22,6 +22,7 @@ local slow tier.
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from collections import deque
@@ -378,6 +379,7 @@ def _init_ray(ray, address: str | None) -> bool:
     started Ray (and so shuts it down on close)."""
     if ray.is_initialized():
         return False
+    _check_reachable(address)
     try:
         if address is None:
             ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
@@ -390,6 +392,21 @@ def _init_ray(ray, address: str | None) -> bool:
             "start it (`ray start --head`) and give its address, or null for a local "
             "Ray") from None
     return True
+
+
+def _check_reachable(address: str | None) -> None:
+    """A ``host:port`` address that refuses a TCP connection fails at once (``ray.init``
+    would retry for about a minute)."""
+    host, _, port = (address or "").rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as error:
+        raise SpecExpertConfigError(
+            "mesh.ray_address", f"nothing answers at {address!r}: {_first_line(error)}",
+            "start the cluster (`ray start --head`) and give its GCS address, or null "
+            "for a local Ray") from None
 
 
 def _first_line(error: BaseException) -> str:
