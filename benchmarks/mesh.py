@@ -19,6 +19,7 @@ it to 8-64 peers (see its doc).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -38,6 +39,7 @@ from common import (
 )
 
 MODES = ("sync", "early_fire", "no_stop")
+PEERS_SIMULATED = [2, 8, 16, 32, 64]
 
 
 def measure(llm, prompts_by_batch: dict[int, list[str]], tokens: int, repeats: int) -> dict:
@@ -83,61 +85,75 @@ def break_even(rtts: list[float], mesh_s: list[float], local_s: float) -> float 
 
 
 def simulate(runs: dict, rtts: list[float], layers: int, peers_range: list[int]) -> dict:
-    """A per-layer model fitted to the measured runs, then extended to more peers.
+    """A per-layer model of a decode step, fitted to the measured runs, checked against
+    the ``no_stop`` runs it was not fitted to, then extended to more peers.
 
-    One decode step = ``T0_b + L * (RTT + c * n_b(P))`` for the exact modes, where ``L``
-    is the MoE layers, ``n_b(P)`` the peer calls per layer call at batch ``b`` (``P``
-    peers, the missed experts dealt among them: ``P * (1 - (1 - 1/P)^m)`` for ``m``
-    distinct missed experts per layer call, ``m`` measured), ``c`` the engine's own
-    time per peer call (serialising, sending, receiving: on the engine's critical path)
-    and ``T0_b`` the rest of the step. ``no_stop`` fires at layer l for layer l+1, so
-    the round trip overlaps up to ``w`` of local work per layer:
-    ``T0_b + L * max(RTT + c * n_b - w, c * n_b)``. ``T0_b``, ``c`` are fitted by least
-    squares on ``sync``, ``w`` on ``no_stop``. The Early Fire saving is then
-    ``L * min(RTT, w)`` per step, whatever ``P``: the overlap is bounded by the local
-    work between the fire and the use, not by the network. A GPU row replaces ``w`` and
-    ``T0`` by a modeled GPU box's (MODELED, constants in the result)."""
-    fits = {}
+    Per MoE layer the engine's thread is busy ``B = a + c * n`` (``a``: its local work,
+    the all-resident step divided by the layers; ``c``: its own time per peer call,
+    serialising and receiving; ``n``: peer calls per layer call) and waits for the
+    network. ``sync`` and ``early_fire`` wait a whole round trip each layer:
+    ``D = B + RTT``. ``no_stop`` sends layer l+1's rows when layer l starts, before it
+    waits for layer l's own answers, so two layers' requests are in flight:
+    ``D_{l+1} = max(B, RTT + c - D_l)``, in steady state ``D = max(B, (RTT + c) / 2)``;
+    its first MoE layer has no prediction and runs as ``sync``. A step is
+    ``L * D``; ``c`` is the mean over the ``sync`` runs of each batch size of what a step
+    takes beyond ``L * (a + RTT)``, per call. More peers: the missed entries of a layer call
+    (``m``, measured) dealt among ``P`` peers need ``n = P * (1 - (1 - 1/P)^m)`` calls.
+    A GPU row replaces this machine's constants by a modeled GPU box's (MODELED,
+    constants in the result)."""
+    runs = json.loads(json.dumps(runs))  # batch keys as strings, as in the result file
+    fits, checks = {}, {}
     for batch in runs["sync"][str(rtts[0])]:
         sync = [runs["sync"][str(r)][batch] for r in rtts]
         n = statistics.mean(s["peer_calls_per_layer_call"] for s in sync)
-        y = np.array([s["decode_s"] for s in sync])
-        x = np.stack([np.ones(len(rtts)), np.array(rtts) / 1e3 * layers], axis=1)
-        (t0, slope), *_ = np.linalg.lstsq(x, y, rcond=None)
-        # slope ~ 1 (the RTT is paid once per layer); the intercept holds L * c * n.
-        c = max(0.0, (t0 - runs["local_overhead_s"][batch]) / (layers * max(n, 1e-9)))
-        no_stop = np.array([runs["no_stop"][str(r)][batch]["decode_s"] for r in rtts])
-        hidden = (y - no_stop) / layers  # seconds hidden per layer at each RTT
-        w = float(max(0.0, np.median(np.minimum(hidden, np.array(rtts) / 1e3))))
-        missed = statistics.mean(s["peer_entries_per_token"] for s in sync) / layers
-        fits[batch] = {"t0_s": float(t0), "rtt_slope": float(slope), "call_s": c,
-                       "calls_per_layer": n, "overlap_w_s": w,
-                       "missed_entries_per_layer": missed}
+        a = runs["local_overhead_s"][batch] / layers
+        # What a sync step takes beyond L * (a + RTT), put on the peer calls.
+        y = np.array([s["decode_s"] for s in sync]) - layers * (a + np.array(rtts) / 1e3)
+        c, r = max(float(np.mean(y)), 0.0) / (layers * n), 0.0
+        m = statistics.mean(s["peer_entries_per_token"] for s in sync) * int(batch) / layers
+        fits[batch] = {"local_per_layer_s": a, "call_s": float(c), "rest_s": float(r),
+                       "calls_per_layer": n, "missed_entries_per_layer_call": m}
+        measured = [runs["no_stop"][str(rtt)][batch]["decode_s"] for rtt in rtts]
+        modeled = [step(fits[batch], layers, rtt / 1e3, n, "no_stop") for rtt in rtts]
+        checks[batch] = {"no_stop_measured_s": measured, "no_stop_model_s": modeled,
+                         "sync_model_s": [step(fits[batch], layers, rtt / 1e3, n, "sync")
+                                          for rtt in rtts]}
     extended = {}
     for batch, fit in fits.items():
-        m = max(fit["missed_entries_per_layer"], 1.0)
+        m = max(fit["missed_entries_per_layer_call"], 1.0)
         rows = []
         for peers in peers_range:
             calls = peers * (1 - (1 - 1 / peers) ** m)
             for rtt in rtts:
-                base = fit["t0_s"] - layers * fit["call_s"] * fit["calls_per_layer"]
-                sync = base + layers * (rtt / 1e3 + fit["call_s"] * calls)
-                saved = layers * min(rtt / 1e3, fit["overlap_w_s"])
+                sync = step(fit, layers, rtt / 1e3, calls, "sync")
+                no_stop = step(fit, layers, rtt / 1e3, calls, "no_stop")
                 rows.append({"peers": peers, "rtt_ms": rtt, "calls_per_layer": calls,
-                             "sync_s": sync, "no_stop_s": sync - saved,
-                             "hidden_share": saved / sync})
+                             "sync_s": sync, "no_stop_s": no_stop,
+                             "hidden_share": 1 - no_stop / sync})
         extended[batch] = rows
-    gpu = []  # MODELED: Qwen3-30B-A3B-like, 48 MoE layers, 0.14 ms of GPU work per layer
-    gpu_layers, gpu_layer_s = 48, 0.14e-3
-    for rtt in rtts:
-        sync = gpu_layers * (gpu_layer_s + rtt / 1e3)
-        gpu.append({"rtt_ms": rtt, "sync_s": sync,
-                    "hidden_share": gpu_layers * min(rtt / 1e3, gpu_layer_s) / sync})
-    return {"fits": fits, "extended": extended,
-            "gpu_box": {"modeled": {"moe_layers": gpu_layers, "layer_compute_s": gpu_layer_s,
-                                    "note": "per-layer batch-1 decode compute of an RTX "
-                                            "4090-class GPU on Qwen3-30B-A3B: an estimate"},
+    # MODELED: Qwen3-30B-A3B-like: 48 MoE layers, 0.14 ms of GPU work per layer at
+    # batch 1, 0.05 ms of engine time per peer call, 4 peer calls per layer.
+    gpu_fit = {"local_per_layer_s": 0.14e-3, "call_s": 0.05e-3, "rest_s": 0.0}
+    gpu = [{"rtt_ms": rtt, "sync_s": step(gpu_fit, 48, rtt / 1e3, 4, "sync"),
+            "no_stop_s": step(gpu_fit, 48, rtt / 1e3, 4, "no_stop")} for rtt in rtts]
+    for row in gpu:
+        row["hidden_share"] = 1 - row["no_stop_s"] / row["sync_s"]
+    return {"fits": fits, "no_stop_check": checks, "extended": extended,
+            "gpu_box": {"modeled": {"moe_layers": 48, **gpu_fit, "calls_per_layer": 4,
+                                    "note": "per-layer batch-1 decode work of an RTX "
+                                            "4090-class GPU on Qwen3-30B-A3B and the "
+                                            "engine's time per call: estimates"},
                         "rows": gpu}}
+
+
+def step(fit: dict, layers: int, rtt_s: float, calls: float, mode: str) -> float:
+    """Seconds of one decode step under :func:`simulate`'s model."""
+    busy = fit["local_per_layer_s"] + fit["call_s"] * calls
+    sync = busy + rtt_s
+    if mode == "sync":
+        return layers * sync + fit["rest_s"]
+    pipelined = max(busy, (rtt_s + fit["call_s"] * calls) / 2)
+    return sync + (layers - 1) * pipelined + fit["rest_s"]
 
 
 def main() -> None:
@@ -151,7 +167,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--simulate-only", action="store_true",
+                        help="refit the simulator to the result file's runs and redraw")
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="measure only the teacher-forced accuracy (and `cpu`'s on the "
+                             "same windows) into the result file")
     args = parser.parse_args()
+    if args.simulate_only:
+        from common import RESULTS
+
+        path = RESULTS / f"{args.name}.json"
+        result = json.loads(path.read_text())
+        result["simulation"] = simulate(result["runs"], result["rtts_ms"], result["layers"],
+                                        PEERS_SIMULATED)
+        path.write_text(json.dumps(result, indent=1))
+        plot(result, args)
+        print(f"refit {path} and {args.name}.png")
+        return
 
     from vllm_specexpert.tools.mesh_cluster import MeshCluster
 
@@ -160,8 +192,16 @@ def main() -> None:
     prompts = {b: held_out_prompts(b) for b in args.batches}
     with MeshCluster(peers=args.peers, rtt_ms=args.rtts[0]) as cluster:
         os.environ.update(cluster.env)  # before Ray is imported anywhere
-        result = run(args, cluster, model, calibration, prompts)
-    path = write_result(args.name, result)
+        if args.accuracy_only:
+            from common import RESULTS
+
+            result = json.loads((RESULTS / f"{args.name}.json").read_text())
+            result["accuracy"] = accuracy_run(args, cluster, model, calibration)
+            result["accuracy"]["command"] = command_line()
+            result["command_of_the_runs"] = result.pop("command")
+        else:
+            result = run(args, cluster, model, calibration, prompts)
+    path = write_result(args.name, {k: v for k, v in result.items() if k != "machine"})
     plot(result, args)
     print(f"wrote {path} and {args.name}.png\ncommand: {command_line()}")
 
@@ -227,7 +267,7 @@ def run(args, cluster, model: str, calibration: str, prompts: dict) -> dict:
                 "decode_ratio_to_local": [t / local[batch]["decode_s"] for t in times],
                 "break_even_rtt_ms": break_even(args.rtts, times, local[batch]["decode_s"])}
     runs["local_overhead_s"] = {b: overhead[b] for b in args.batches}
-    sim = simulate({**runs}, args.rtts, layers, [2, 8, 16, 32, 64])
+    sim = simulate(runs, args.rtts, layers, PEERS_SIMULATED)
     return {"modeled": {"local_link_us_per_expert": copy_s * 1e6,
                         "copy_compute_ratio": args.copy_compute_ratio,
                         "note": "local fetch runs over the emulated link; the mesh's round "
@@ -236,6 +276,39 @@ def run(args, cluster, model: str, calibration: str, prompts: dict) -> dict:
             "vanilla_step_s": vanilla_step, "rtts_ms": args.rtts, "measured_rtt_ms": wire,
             "batches": args.batches, "local": local, "all_resident_step_s": overhead,
             "runs": runs, "table": table, "accuracy": accuracy, "simulation": sim}
+
+
+def accuracy_run(args, cluster, model: str, calibration: str) -> dict:
+    """:func:`teacher_forced_accuracy` on an engine of its own, and ``miss_policy: cpu``
+    (equivalent, no mesh) on the same windows, for comparison."""
+    import vllm_specexpert
+    from vllm_specexpert.tools.harness import start_engine, stop_engine
+    from vllm_specexpert.tools.teacher_forcing import TeacherForcing
+
+    mesh = {"ray_address": cluster.address, "peers": args.peers, "rtt_cap_ms": 10_000}
+    base = {"budget": args.budget, "calibration": calibration}
+    llm = start_engine(model, {**base, "predictor": "quasi_hidden", "mesh": mesh},
+                       eager=args.eager, logits_processors=[TeacherForcing])
+    out = teacher_forced_accuracy(llm, mesh, args.windows)
+    stop_engine(llm)
+    llm = start_engine(model, {**base, "miss_policy": "cpu"}, eager=args.eager,
+                       logits_processors=[TeacherForcing])
+    reference = teacher_forced_reference(llm, args.windows)
+    vllm_specexpert.reconfigure(llm, budget=args.budget)
+    got = teacher_forced(llm, held_out_windows(args.windows, 64), 16)
+    out["cpu"] = {"top1_agreement": float(np.mean(np.equal(got["top1"], reference))),
+                  "mean_logprob": float(np.mean(got["logprobs"]))}
+    print(f"  cpu: top-1 agreement {out['cpu']['top1_agreement']:.4f}", flush=True)
+    stop_engine(llm)
+    return out
+
+
+def teacher_forced_reference(llm, windows: int) -> list[int]:
+    """Top-1 of the engine at budget 1.0 (every expert resident: vanilla bit for bit)."""
+    import vllm_specexpert
+
+    vllm_specexpert.reconfigure(llm, budget=1.0)
+    return teacher_forced(llm, held_out_windows(windows, 64), 16)["top1"]
 
 
 def teacher_forced_accuracy(llm, mesh: dict, windows: int) -> dict:
@@ -294,8 +367,8 @@ def plot(result: dict, args) -> None:
             label="GPU box (MODELED)")
     ax.set_xscale("log")
     ax.set_xlabel("round trip (ms)")
-    ax.set_ylabel("TPOT hidden by Early Fire (%)")
-    ax.set_title("simulated from the fit (no_stop overlap)")
+    ax.set_ylabel("decode step saved by no_stop vs sync (%)")
+    ax.set_title("model fitted to these runs, extended to more peers")
     ax.legend(fontsize=6)
     fig.suptitle("mesh: peers behind a real delay; local fetch over a MODELED link", fontsize=9)
     fig.tight_layout()

@@ -28,7 +28,9 @@ from vllm_specexpert.config import SpecExpertConfigError  # noqa: E402
 from vllm_specexpert.config.sections import MeshConfig  # noqa: E402
 from vllm_specexpert.layers.engines import _ENGINES  # noqa: E402
 from vllm_specexpert.tiers import peer as peer_module  # noqa: E402
-from vllm_specexpert.tiers.peer import PeerTier, check_checkpoint  # noqa: E402
+from vllm_specexpert.tiers import ray_cluster  # noqa: E402
+from vllm_specexpert.tiers.peer import PeerTier  # noqa: E402
+from vllm_specexpert.tiers.peer_shard import check_checkpoint  # noqa: E402
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path  # noqa: E402
 from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing  # noqa: E402
 
@@ -257,7 +259,7 @@ def test_without_ray_the_error_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(SpecExpertConfigError) as error:
-        peer_module.require_ray()
+        ray_cluster.require_ray()
     assert error.value.field_name == "mesh" and "[mesh]" in str(error.value)
 
 
@@ -324,5 +326,5 @@ def test_an_unreachable_ray_address_is_one_error_naming_it():
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     with pytest.raises(SpecExpertConfigError) as error:  # at once, not after Ray's retries
-        peer_module._check_reachable(f"127.0.0.1:{port}")
+        ray_cluster.check_reachable(f"127.0.0.1:{port}")
     assert error.value.field_name == "mesh.ray_address"

@@ -198,3 +198,48 @@ def test_an_engine_that_does_not_report_writes_no_snapshot(tmp_path, monkeypatch
     engine.write_stats()
     assert not list(tmp_path.iterdir())
     engine.close()
+
+
+def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
+    from vllm_specexpert.tiers.peer import PeerState
+
+    monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
+    monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
+    states = [PeerState(rank=0, actor=None, node="n0", calls=5, pairs=17, failures=1,
+                        compute_s=0.25),
+              PeerState(rank=1, actor=None, node="n1", calls=3, timeouts=2)]
+    states[1].leave("hung")
+    states[0].rtts.extend([0.010, 0.030, 0.020])
+
+    class Peers:  # what the engine reads of a peer tier
+        peers = states
+
+        def hosted(self, layer):
+            return torch.zeros(16, dtype=torch.bool).numpy()
+
+        def stats(self):
+            return {"peers": [p.stats() for p in states]}
+
+    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25, "mesh": {}}),
+                           torch.device("cpu"))
+    engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
+    engine.attach_mesh(Peers(), {})
+    engine.start()
+    engine.write_stats()
+    series = scrape(tmp_path)
+
+    def value(name, peer):
+        labels = {"model_name": "tiny", "engine": "0", "peer": str(peer)}
+        return series[(name, tuple(sorted(labels.items())))]
+
+    assert value("specexpert_peer_calls_total", 0) == 5
+    assert value("specexpert_peer_pairs_total", 0) == 17
+    assert value("specexpert_peer_failures_total", 0) == 1
+    assert value("specexpert_peer_compute_seconds_total", 0) == 0.25
+    assert value("specexpert_peer_timeouts_total", 1) == 2
+    assert value("specexpert_peer_left_total", 1) == 1
+    assert value("specexpert_peer_up", 0) == 1 and value("specexpert_peer_up", 1) == 0
+    assert value("specexpert_peer_rtt_seconds", 0) == 0.020  # the median
+    assert ("specexpert_peer_rtt_seconds", tuple(sorted(
+        {"model_name": "tiny", "engine": "0", "peer": "1"}.items()))) not in series
+    engine.reporter.close()

@@ -26,7 +26,7 @@ package is named here)::
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
                         host (experts computed on the host), staging (host <-> device),
                         peer (mesh peers on Ray: calls, health), peer_shard (a peer's
-                        experts and kernel)
+                        experts and kernel), ray_cluster (joining Ray)
     3  predict/         next-layer predictors: base, router, quasi_hidden; path (a step's
                         routing path); draft (the lookahead draft's routes, the ELB)
     4  policy/          miss policies that only decide (a MissPlan): base, context,

@@ -18,6 +18,9 @@ Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
   ``reconfigure`` or ``reset_stats`` (Prometheus reads that as a counter reset).
 - ``specexpert_resident_experts{layer}``, ``specexpert_slots{layer}``: gauges.
 - ``specexpert_info{miss_policy, cache, predictor, output}``: 1.
+- ``mesh``: ``specexpert_peer_up{peer}`` (1: in rotation), ``specexpert_peer_rtt_seconds
+  {peer}`` (median probe round trip) and per peer the counters of
+  :data:`PEER_COUNTERS` (``specexpert_peer_calls_total{peer}``, ...).
 
 Snapshots are at most :data:`SNAPSHOT_INTERVAL_S` old; ``get_stats`` and ``stats_path``
 remain the exact, per-call view.
@@ -43,6 +46,13 @@ DIRECTORY_ENV = "SPECEXPERT_METRICS_DIR"
 MODEL_NAME_ENV = "SPECEXPERT_MODEL_NAME"
 """Served model name, the ``model_name`` label."""
 SNAPSHOT_INTERVAL_S = 1.0
+PEER_COUNTERS = {
+    "calls": "Calls answered by the peer.", "pairs": "(token, expert) pairs it computed.",
+    "bytes_sent": "Bytes of rows sent to it.", "bytes_received": "Bytes of outputs it sent.",
+    "compute_s": "Seconds it spent computing.", "failures": "Calls that failed (it died).",
+    "timeouts": "Calls not answered within mesh.timeout_ms.",
+    "left": "Times it left the rotation.", "rejoined": "Times it rejoined the rotation."}
+"""Per-peer counters of a mesh peer's stats (``PeerTier.stats``), by stats key."""
 PREFIX = "specexpert_"
 
 _lock = threading.Lock()
@@ -176,8 +186,22 @@ class SnapshotCollector:
                                       "verified by the target.", labels=base)
         accepted = CounterMetricFamily(f"{PREFIX}lookahead_accepted_tokens", "Drafted "
                                        "tokens the target accepted.", labels=base)
+        peer = [*base, "peer"]
+        peer_counters = {key: CounterMetricFamily(counter_name(f"peer_{key}"), doc, labels=peer)
+                         for key, doc in PEER_COUNTERS.items()}
+        peer_up = GaugeMetricFamily(f"{PREFIX}peer_up", "1 while the mesh peer is in "
+                                    "rotation.", labels=peer)
+        peer_rtt = GaugeMetricFamily(f"{PREFIX}peer_rtt_seconds", "The mesh peer's median "
+                                     "probe round trip.", labels=peer)
         for snapshot in self.snapshots():
             labels = [snapshot.get("model_name", ""), str(snapshot.get("rank", 0))]
+            for state in (snapshot.get("mesh") or {}).get("peers", []):
+                rank = [*labels, str(state["rank"])]
+                for key, family in peer_counters.items():
+                    family.add_metric(rank, state[key])
+                peer_up.add_metric(rank, float(state["up"]))
+                if state["rtt_ms"] is not None:
+                    peer_rtt.add_metric(rank, state["rtt_ms"] / 1e3)
             lookahead = snapshot.get("lookahead")
             if lookahead:
                 for k, count in lookahead["steps_by_k"].items():
@@ -200,3 +224,4 @@ class SnapshotCollector:
                              snapshot["predictor"], snapshot["output"]], 1)
         yield from counters.values()
         yield from (resident, slots, info, steps, draft_length, drafted, accepted)
+        yield from (*peer_counters.values(), peer_up, peer_rtt)

@@ -32,7 +32,7 @@ def before_engine_config(engine_args) -> SpecExpertConfig | None:
     if config is not None:
         check_plugin_enabled()
         if config.mesh is not None:
-            from vllm_specexpert.tiers.peer import require_ray
+            from vllm_specexpert.tiers.ray_cluster import require_ray
 
             require_ray()  # the mesh extra, before any engine process starts
         prepare_engine_args(engine_args, config)

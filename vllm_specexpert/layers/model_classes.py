@@ -116,8 +116,8 @@ def _attach_mesh(engine, layers, calibration) -> None:
     mesh = engine.config.mesh
     if mesh is None:
         return
-    from vllm_specexpert.tiers.peer import PeerTier, check_checkpoint
-    from vllm_specexpert.tiers.peer_shard import ShardSpec
+    from vllm_specexpert.tiers.peer import PeerTier
+    from vllm_specexpert.tiers.peer_shard import ShardSpec, check_checkpoint
 
     routed = layers[0][2]
     num_experts = routed.global_num_experts

@@ -22,7 +22,6 @@ local slow tier.
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from collections import deque
@@ -33,7 +32,8 @@ import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
-from vllm_specexpert.tiers.peer_shard import ExpertPeer, ShardSpec, checkpoint_key_index, expert_keys
+from vllm_specexpert.tiers.peer_shard import ExpertPeer, ShardSpec
+from vllm_specexpert.tiers.ray_cluster import first_line, init_ray, require_ray
 
 START_TIMEOUT_S = 300.0
 """How long the engine waits at start for every peer to load its shard."""
@@ -98,7 +98,7 @@ class PeerTier:
         self.mesh = mesh
         self.num_experts = num_experts
         ray = require_ray()
-        self._started_ray = _init_ray(ray, mesh.ray_address)
+        self._started_ray = init_ray(ray, mesh.ray_address)
         self.hosts = self._placement(spec, local or {})
         """Layer -> ``[E, peers]`` bool: which peers hold each expert (hot ones: none)."""
         self.peers = self._start_peers(ray, spec)
@@ -148,7 +148,7 @@ class PeerTier:
                 self.close()
                 raise SpecExpertConfigError(
                     "mesh", f"peer {peer.rank} (node {peer.node[:12]}) could not load its "
-                    f"shard of {spec.checkpoint}: {_first_line(error)}",
+                    f"shard of {spec.checkpoint}: {first_line(error)}",
                     "put the checkpoint at the same path on every node of the Ray "
                     "cluster, with this package installed") from None
         return peers
@@ -210,7 +210,7 @@ class PeerTier:
                 continue
             except Exception as error:  # noqa: BLE001 - died, restarting or failed: leave
                 peer.failures += 1
-                peer.leave(f"failed: {_first_line(error)}"[:200])
+                peer.leave(f"failed: {first_line(error)}"[:200])
                 continue
             peer.call_s += time.perf_counter() - sent_at
             peer.compute_s += compute_s
@@ -251,7 +251,7 @@ class PeerTier:
             ray.get(ref)
         except Exception as error:  # noqa: BLE001 - dead or restarting
             peer.rtts.clear()
-            peer.leave(f"failed: {_first_line(error)}"[:200])
+            peer.leave(f"failed: {first_line(error)}"[:200])
             return
         peer.rtts.append(rtt)
         median = float(np.median(peer.rtts))
@@ -348,67 +348,3 @@ class LayerPeers:
                                * weights[r, c].float()[:, None])
         out.copy_((out.float() + acc).to(out.dtype))
         return failed
-
-
-def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ...]]]) -> None:
-    """Refuse at start a checkpoint whose experts a peer cannot read (:mod:`.peer_shard`)."""
-    try:
-        index = checkpoint_key_index(checkpoint)
-        for name, experts in layers.values():
-            for expert in experts:
-                expert_keys(index, name, expert)
-    except (KeyError, FileNotFoundError, OSError) as error:
-        raise SpecExpertConfigError(
-            "mesh", f"a peer cannot read this model's experts: {_first_line(error)}",
-            "use a bf16 checkpoint with one tensor per expert (Qwen3-MoE, Qwen2-MoE, "
-            "OLMoE, DeepSeek-V2, Mixtral), or remove mesh") from None
-
-
-def require_ray():
-    try:
-        import ray
-    except ImportError:
-        raise SpecExpertConfigError(
-            "mesh", "needs Ray, which is not installed",
-            "pip install 'vllm-specexpert[mesh]' (or remove mesh)") from None
-    return ray
-
-
-def _init_ray(ray, address: str | None) -> bool:
-    """Join the cluster at ``address`` (``None``: start a local Ray); whether this call
-    started Ray (and so shuts it down on close)."""
-    if ray.is_initialized():
-        return False
-    _check_reachable(address)
-    try:
-        if address is None:
-            ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-        else:
-            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
-    except Exception as error:  # noqa: BLE001 - ConnectionError and Ray's own kinds
-        raise SpecExpertConfigError(
-            "mesh.ray_address", f"cannot join the Ray cluster at {address!r}: "
-            f"{_first_line(error)}",
-            "start it (`ray start --head`) and give its address, or null for a local "
-            "Ray") from None
-    return True
-
-
-def _check_reachable(address: str | None) -> None:
-    """A ``host:port`` address that refuses a TCP connection fails at once (``ray.init``
-    would retry for about a minute)."""
-    host, _, port = (address or "").rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as error:
-        raise SpecExpertConfigError(
-            "mesh.ray_address", f"nothing answers at {address!r}: {_first_line(error)}",
-            "start the cluster (`ray start --head`) and give its GCS address, or null "
-            "for a local Ray") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.tiers.host import torch_experts
+from vllm_specexpert.tiers.ray_cluster import first_line
 
 PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 """Per-expert tensor names (gate, up, down) of the checkpoint layouts a peer reads."""
@@ -170,3 +172,17 @@ class ExpertPeer:
                                 None, None, weights, ids, self.spec.activation, self.isa,
                                 False)
         return out.view(torch.int16).numpy(), time.perf_counter() - started
+
+
+def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ...]]]) -> None:
+    """Refuse at start a checkpoint whose experts a peer cannot read (:mod:`.peer_shard`)."""
+    try:
+        index = checkpoint_key_index(checkpoint)
+        for name, experts in layers.values():
+            for expert in experts:
+                expert_keys(index, name, expert)
+    except (KeyError, FileNotFoundError, OSError) as error:
+        raise SpecExpertConfigError(
+            "mesh", f"a peer cannot read this model's experts: {first_line(error)}",
+            "use a bf16 checkpoint with one tensor per expert (Qwen3-MoE, Qwen2-MoE, "
+            "OLMoE, DeepSeek-V2, Mixtral), or remove mesh") from None
