@@ -328,3 +328,20 @@ def test_an_unreachable_ray_address_is_one_error_naming_it():
     with pytest.raises(SpecExpertConfigError) as error:  # at once, not after Ray's retries
         ray_cluster.check_reachable(f"127.0.0.1:{port}")
     assert error.value.field_name == "mesh.ray_address"
+
+
+def test_more_pinned_experts_than_the_budget_leaves_is_refused():
+    from test_miss_policies import NAME, TENSORS
+
+    from vllm_specexpert.engine import OffloadEngine
+
+    engine = OffloadEngine(vllm_specexpert.SpecExpertConfig.from_dict(
+        {"budget": 0.5, "mesh": {"peers": 1}}), torch.device("cpu"))  # 8 of 16 slots
+    engine.add_layer(NAME, TENSORS, top_k=4, index=0)
+    with pytest.raises(SpecExpertConfigError) as error:
+        engine.attach_mesh(FakePeers(TENSORS, False), {0: np.arange(5)})  # 5 > 8 - 4
+    assert error.value.field_name == "mesh.hot_count"
+    engine.attach_mesh(FakePeers(TENSORS, False), {0: np.array([9, 12, 15, 3])})
+    cache = engine.layers[NAME].cache
+    assert cache.resident_mask()[[9, 12, 15, 3]].all()
+    assert cache.policy.pinned[[9, 12, 15, 3]].all() and cache.policy.pinned.sum() == 4

@@ -169,8 +169,10 @@ class MeshConfig:
     rest are sent when the ids are read (same experts: equivalent). ``no_stop``
     (approximate): at layer l the predicted layer l+1 router input (the predictor's
     estimate) goes to the peers of layer l+1's predicted experts at once, and layer l+1
-    uses what they computed, with the predicted weights, without waiting for its router.
-    ``early_fire`` and ``no_stop`` need a ``predictor``."""
+    uses what they computed, with the predicted weights, without waiting for its router
+    (two layers' requests in flight: about half a round trip per layer; measured 0.75
+    teacher-forced top-1 agreement on the embedded model). ``early_fire`` and ``no_stop``
+    need a ``predictor``."""
 
     rtt_cap_ms: Annotated[Number, Field(gt=0, le=60_000)] = 80.0
     """A peer whose measured network round trip (median of its recent calls, the peer's

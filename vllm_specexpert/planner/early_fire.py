@@ -9,13 +9,18 @@ that layer's router is final:
   the next prediction and the local decisions overlap the network). Once the ids are
   known, pairs the prediction got right are kept, and the rest are sent then. The
   experts run are the router's and their inputs are the layer's own rows: equivalent.
-* ``no_stop``: at layer l, as soon as layer l+1's prediction exists, the predictor's
-  estimate of layer l+1's router input (q_l for ``quasi_hidden``, s_l for ``router``)
-  goes to the peers of the predicted experts, and the peers compute on arrival. Layer
-  l+1 then runs the predicted routing (as ``speculate`` does) and takes the peers'
-  results for their pairs without waiting for its router: the round trip overlaps the
-  rest of layer l and layer l+1's attention. Approximate twice over (predicted experts
-  and weights; the peers' input is the estimate, not the true router input).
+* ``no_stop``: at layer l, as soon as layer l+1's prediction exists (before layer l
+  waits for its own peers), the predictor's estimate of layer l+1's router input (q_l
+  for ``quasi_hidden``, s_l for ``router``) goes to the peers of the predicted experts,
+  and the peers compute on arrival. Layer l+1 then runs the predicted routing (as
+  ``speculate`` does) and takes the peers' results for their pairs without waiting for
+  its router. Two layers' requests are in flight at once, so a layer waits about half a
+  round trip. Approximate twice over (predicted experts and weights; the peers' input is
+  the estimate, not the true router input).
+
+An exact result needs layer l+1's own input, which exists only after layer l+1's
+attention: ``early_fire`` cannot hide the round trip itself (measured: no faster than
+``sync``, ``docs/benchmarks.md``).
 
 Only pairs whose expert a peer in rotation holds and the device cache lacks are sent.
 """
