@@ -220,6 +220,20 @@ def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
     assert wait_for(lambda: (generate_all(llm, 1, 4) and far.up), 60)
 
 
+def test_a_round_trip_is_timed_when_the_answer_arrives_not_when_it_is_read(llm):
+    # Probes are read at layer calls; here each is read 200 ms after it was sent (an
+    # idle engine). Counted to the read, every peer would be over the 80 ms cap.
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 0.05})
+    mesh = engine().mesh
+    layer = next(iter(engine().layers.values())).index
+    for _ in range(4):
+        mesh.hosted(layer)  # reads the answers in, sends the next probes
+        time.sleep(0.2)
+    mesh.hosted(layer)
+    assert all(p.up for p in mesh.peers), [p.reason for p in mesh.peers]
+    assert all(len(p.rtts) >= 3 and np.median(p.rtts) < 0.08 for p in mesh.peers)
+
+
 def test_only_the_mode_and_timings_change_at_run_time(llm):
     with pytest.raises(SpecExpertConfigError) as error:
         vllm_specexpert.reconfigure(llm, mesh={"peers": 3})

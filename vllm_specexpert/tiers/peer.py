@@ -13,9 +13,9 @@ takes its peer out of the rotation, and the engine computes the pairs locally. E
 looks at the answers that came in. A peer whose median round trip exceeds
 ``mesh.rtt_cap_ms`` leaves the rotation; one out of it that answers under the cap
 rejoins (Ray restarts a dead actor, ``max_restarts=-1``, which reloads its shard). A
-round trip is measured from the ping to the first layer call that sees the answer (an
-upper bound by at most one layer call). Pings run in the engine's thread: a prober
-thread's ``ray.get`` stalled while the worker thread waited on peers.
+ping's arrival time is taken by a callback on Ray's thread (read at the next layer
+call, a round trip would include that call's own wait). Pings are sent from the
+engine's thread: a prober thread's ``ray.get`` stalled while the worker waited on peers.
 Experts of peers out of rotation are not remote: the miss policy serves them from the
 local slow tier.
 """
@@ -103,7 +103,7 @@ class PeerTier:
         """Layer -> ``[E, peers]`` bool: which peers hold each expert (hot ones: none)."""
         self.peers = self._start_peers(ray, spec)
         self._pings: list[tuple[PeerState, object, float]] = []
-        """Probes in flight: (peer, object ref, send time)."""
+        """Probes in flight: (peer, its answer as a future, send time)."""
         self._next_probe = 0.0
 
     @property
@@ -228,32 +228,30 @@ class PeerTier:
 
     def _probe(self) -> None:
         """Read the probes' answers that came in; send new ones when it is time."""
-        ray, now = require_ray(), time.perf_counter()
+        now = time.perf_counter()
         if self._pings:
-            ready, _ = ray.wait([ref for _, ref, _ in self._pings],
-                                num_returns=len(self._pings), timeout=0)
-            ready, waiting = set(ready), []
-            for peer, ref, sent_at in self._pings:
-                if ref in ready:
-                    self._answered(ray, peer, ref, now - sent_at)
+            waiting = []
+            for peer, answer, sent_at in self._pings:
+                if answer.done():
+                    self._answered(peer, answer, sent_at)
                 elif now - sent_at > self.timeout_s:
                     peer.rtts.clear()
                     peer.leave("hung")
                 else:
-                    waiting.append((peer, ref, sent_at))
+                    waiting.append((peer, answer, sent_at))
             self._pings = waiting
         if not self._pings and now >= self._next_probe:
-            self._pings = [(peer, peer.actor.ping.remote(), now) for peer in self.peers]
+            self._pings = [(peer, _timed(peer.actor.ping.remote()), now) for peer in self.peers]
             self._next_probe = now + self.mesh.probe_interval_s
 
-    def _answered(self, ray, peer: PeerState, ref, rtt: float) -> None:
+    def _answered(self, peer: PeerState, answer, sent_at: float) -> None:
         try:
-            ray.get(ref)
+            answer.result()
         except Exception as error:  # noqa: BLE001 - dead or restarting
             peer.rtts.clear()
             peer.leave(f"failed: {first_line(error)}"[:200])
             return
-        peer.rtts.append(rtt)
+        peer.rtts.append(answer.arrived_at - sent_at)
         median = float(np.median(peer.rtts))
         if peer.up and median > self.mesh.rtt_cap_ms / 1e3:
             peer.leave("rtt")
@@ -284,6 +282,18 @@ class PeerTier:
                 pass
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def _timed(ref):
+    """``ref`` as a future that records when its answer arrived (``arrived_at``), from
+    Ray's own thread: the round trip does not wait for the engine's next layer call."""
+    answer = ref.future()
+
+    def arrived(_future) -> None:
+        answer.arrived_at = time.perf_counter()
+
+    answer.add_done_callback(arrived)
+    return answer
 
 
 @dataclass
