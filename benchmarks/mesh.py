@@ -198,7 +198,7 @@ def main() -> None:
             result = json.loads((RESULTS / f"{args.name}.json").read_text())
             result["accuracy"] = accuracy_run(args, cluster, model, calibration)
             result["accuracy"]["command"] = command_line()
-            result["command_of_the_runs"] = result.pop("command")
+            result.setdefault("command_of_the_runs", result.pop("command"))
         else:
             result = run(args, cluster, model, calibration, prompts)
     path = write_result(args.name, {k: v for k, v in result.items() if k != "machine"})

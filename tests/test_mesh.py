@@ -20,19 +20,19 @@ import torch
 pytest.importorskip("ray", reason="the mesh extra is not installed: "
                     "pip install -e '.[mesh]' (make setup does)")
 
-from vllm import SamplingParams, TokensPrompt  # noqa: E402
-from vllm_harness import make_llm, shutdown  # noqa: E402
+from vllm import SamplingParams, TokensPrompt
+from vllm_harness import make_llm, shutdown
 
-import vllm_specexpert  # noqa: E402
-from vllm_specexpert.config import SpecExpertConfigError  # noqa: E402
-from vllm_specexpert.config.sections import MeshConfig  # noqa: E402
-from vllm_specexpert.layers.engines import _ENGINES  # noqa: E402
-from vllm_specexpert.tiers import peer as peer_module  # noqa: E402
-from vllm_specexpert.tiers import ray_cluster  # noqa: E402
-from vllm_specexpert.tiers.peer import PeerTier  # noqa: E402
-from vllm_specexpert.tiers.peer_shard import check_checkpoint  # noqa: E402
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path  # noqa: E402
-from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing  # noqa: E402
+import vllm_specexpert
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.config.sections import MeshConfig
+from vllm_specexpert.layers.engines import _ENGINES
+from vllm_specexpert.tiers import peer as peer_module
+from vllm_specexpert.tiers import ray_cluster
+from vllm_specexpert.tiers.peer import PeerTier
+from vllm_specexpert.tiers.peer_shard import check_checkpoint
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path
+from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing
 
 BUDGET = 0.25
 CALIBRATION = str(model_path(TRAINED_MODEL)) + "-calibration"
@@ -314,8 +314,16 @@ class FakePeers:
 
 @pytest.mark.parametrize("fail", [False, True], ids=["peers answer", "peers dead"])
 def test_peer_entries_are_added_with_their_weights_or_computed_here(fail):
-    from test_miss_policies import IDS, NAME, TENSORS, W2, W13, assert_equivalent, routing
     from moe_reference import reference_moe, slot_kernel
+    from test_miss_policies import (
+        IDS,
+        NAME,
+        TENSORS,
+        W2,
+        W13,
+        assert_equivalent,
+        routing,
+    )
 
     from vllm_specexpert.engine import OffloadEngine
 

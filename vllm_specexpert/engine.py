@@ -309,7 +309,7 @@ class OffloadEngine:
             (self.miss_policy.spec.speculates and self._speculative(layer))
             or (fired is not None and self.early_fire.speculates))
         if speculated:
-            run_weights, run_ids = self.miss_policy.routing(topk_weights, topk_ids, prediction)
+            run_weights, run_ids = prediction.routing_like(topk_weights, topk_ids)
             stats.speculated_calls += 1
         # The next layer's prediction is made now, on the device, so that its ids come
         # to the host in the same read as the router's.

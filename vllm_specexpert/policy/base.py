@@ -15,16 +15,13 @@ Each policy class takes its traits from :data:`~vllm_specexpert.config.modes.MIS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from vllm_specexpert.config.modes import MISS_POLICIES, MissPolicySpec
 from vllm_specexpert.policy.context import MissContext
-
-if TYPE_CHECKING:
-    from vllm_specexpert.predict import Prediction
 
 
 @dataclass
@@ -58,13 +55,6 @@ class MissPolicy:
     @property
     def name(self) -> str:
         return self.spec.name
-
-    def routing(
-        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prediction: Prediction | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routing this policy executes, given the router's and the prediction made
-        for this layer at the previous one (if any). Default: the router's."""
-        return topk_weights, topk_ids
 
     def plan(
         self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,

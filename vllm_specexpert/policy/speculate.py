@@ -9,19 +9,12 @@ without a prediction (the first MoE layer, ``exact_layers``, prefill) run exactl
 
 from __future__ import annotations
 
-import torch
-
 from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.policy.fetch import FetchPolicy
-from vllm_specexpert.predict import Prediction
 
 
 class SpeculatePolicy(FetchPolicy):
-    spec = MISS_POLICIES["speculate"]
+    """Its trait ``speculates`` makes the engine run the prediction's routing
+    (:meth:`~vllm_specexpert.predict.Prediction.routing_like`); misses are fetched."""
 
-    def routing(
-        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, prediction: Prediction | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if prediction is None:
-            return topk_weights, topk_ids
-        return prediction.topk_weights.to(topk_weights.dtype), prediction.topk_ids.to(topk_ids.dtype)
+    spec = MISS_POLICIES["speculate"]

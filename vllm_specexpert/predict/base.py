@@ -84,6 +84,12 @@ class Prediction:
     def num_tokens(self) -> int:
         return self.topk_ids.shape[0]
 
+    def routing_like(self, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The predicted routing in the router's dtypes: what a layer runs instead of
+        its router's (``speculate``, mesh ``no_stop``)."""
+        return self.topk_weights.to(topk_weights.dtype), self.topk_ids.to(topk_ids.dtype)
+
     def device_reads(self) -> list[torch.Tensor]:
         """What :meth:`set_host` takes, as device tensors to read."""
         return [self.topk_ids, self.topk_weights.float()]

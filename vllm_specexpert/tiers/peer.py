@@ -22,6 +22,7 @@ local slow tier.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import deque
@@ -203,10 +204,8 @@ class PeerTier:
             except ray.exceptions.GetTimeoutError:
                 peer.timeouts += 1
                 peer.leave("hung")
-                try:
+                with contextlib.suppress(Exception):  # a running actor call may not cancel
                     ray.cancel(ref)
-                except Exception:  # noqa: BLE001 - a running actor call may not cancel
-                    pass
                 continue
             except Exception as error:  # noqa: BLE001 - died, restarting or failed: leave
                 peer.failures += 1
@@ -276,10 +275,8 @@ class PeerTier:
         if ray is None:
             return
         for peer in getattr(self, "peers", []):
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(peer.actor)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -18,7 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, TRAINED_CALIBRATION_DIR, model_path
+from vllm_specexpert.tools.fixtures import (
+    DEFAULT_MODEL,
+    TRAINED_CALIBRATION_DIR,
+    model_path,
+)
 from vllm_specexpert.tools.mesh_cluster import MeshCluster
 from vllm_specexpert.tools.server import free_port, serving
 
