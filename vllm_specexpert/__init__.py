@@ -28,7 +28,8 @@ package is named here)::
                         peer (mesh peers on Ray: calls, health), peer_shard (a peer's
                         experts and kernel), ray_cluster (joining Ray)
     3  predict/         next-layer predictors: base, router, quasi_hidden; path (a step's
-                        routing path); draft (the lookahead draft's routes, the ELB)
+                        routing path); draft (the lookahead draft's routes, the ELB);
+                        estimator (the neural estimator's network and artifact)
     4  policy/          miss policies that only decide (a MissPlan): base, context,
                         fetch, speculate, cpu, substitute, drop, buddies, lowbit
     4  planner/         what to load ahead: prefetch, plec (shared pool), lookahead (the

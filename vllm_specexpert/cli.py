@@ -2,6 +2,7 @@
 
     specexpert demo                  # offloaded generation on the default model, vs vanilla
     specexpert mesh-demo             # experts on Ray peers behind a real delay (root)
+    specexpert train-estimator [MODEL] --out DIR  # the neural expert estimator (q_l -> next logits)
     specexpert serve MODEL [ARGS]    # = vllm serve, usable on the CPU build of vLLM
     specexpert vllm SUBCOMMAND ...   # any vllm CLI subcommand (bench, serve, ...)
     specexpert corpus [--out F]      # the Python corpus of this environment: files, splits, fingerprint
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         fixtures,
         mesh_demo,
         quantize,
+        train_estimator,
         train_path,
         train_tiny,
     )
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     tools = {"demo": demo, "corpus": corpus, "build-fixtures": fixtures,
              "train-tiny": train_tiny, "capture": capture, "calibrate": calibrate,
              "analyze": analyze, "train-path": train_path, "eval-path": eval_path,
-             "quantize": quantize, "dequantize": dequantize, "mesh-demo": mesh_demo}
+             "quantize": quantize, "dequantize": dequantize, "mesh-demo": mesh_demo,
+             "train-estimator": train_estimator}
     for name, module in tools.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
 

@@ -1,0 +1,125 @@
+"""The neural expert estimator (speculating-experts §6.1, Appendix A): a shallow network
+that maps the quasi-hidden state q_l to layer l+1's router logits.
+
+    q_l [T, H] -> A (H -> d) + embedding of the transition l -> l+1
+              -> x + C(SiLU(B x))  (d -> m*d -> d, residual)
+              -> LayerNorm -> head (d -> E)  = predicted router logits of layer l+1
+
+One network serves every layer transition (the learned embedding tells them apart); it is
+trained by KL distillation against the true router's logits (``specexpert
+train-estimator``). Artifacts: ``estimator.safetensors`` and ``manifest.json`` (format,
+the model's fingerprint, shapes, the MoE layer indices, and the calibration it was
+trained on, since q_l depends on its default vectors), refused when made for another
+model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_specexpert.config import SpecExpertConfigError
+
+FORMAT = "specexpert-estimator/1"
+WEIGHTS_FILE = "estimator.safetensors"
+
+
+@dataclass
+class EstimatorShape:
+    """What the network looks like (all in the manifest)."""
+
+    hidden_size: int
+    """The model's hidden size H (q_l's width)."""
+    num_transitions: int
+    """Layer transitions l -> l+1 it predicts (MoE layers - 1)."""
+    num_experts: int
+    """Routed experts per layer E."""
+    top_k: int
+    latent: int = 128
+    """The reduced width d after the projection A."""
+    mlp_ratio: int = 2
+    """The MLP's inner width is ``mlp_ratio * latent`` (the paper's m)."""
+
+
+class ExpertEstimator(nn.Module):
+    """``q [T, H]`` and a transition index -> ``[T, E]`` router logits (module doc)."""
+
+    def __init__(self, shape: EstimatorShape, layer_indices: list[int] | None = None):
+        super().__init__()
+        self.shape = shape
+        self.layer_indices = (layer_indices if layer_indices is not None
+                              else list(range(shape.num_transitions + 1)))
+        """The model's decoder-layer index of every MoE layer (transition j predicts
+        ``layer_indices[j + 1]`` from ``layer_indices[j]``)."""
+        d = shape.latent
+        self.project = nn.Linear(shape.hidden_size, d)
+        self.transition = nn.Embedding(shape.num_transitions, d)
+        self.mlp = nn.Sequential(nn.Linear(d, shape.mlp_ratio * d), nn.SiLU(),
+                                 nn.Linear(shape.mlp_ratio * d, d))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, shape.num_experts)
+
+    def forward(self, q: torch.Tensor, transition: int | torch.Tensor) -> torch.Tensor:
+        if isinstance(transition, int):
+            transition = torch.full((q.shape[0],), transition, dtype=torch.long,
+                                    device=q.device)
+        x = self.project(q) + self.transition(transition)
+        return self.head(self.norm(x + self.mlp(x)))
+
+
+def distillation_loss(logits: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """KL(router || estimator) over the experts, averaged over tokens."""
+    target = torch.log_softmax(router_logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(torch.log_softmax(logits.float(), dim=-1), target,
+                                      log_target=True, reduction="batchmean")
+
+
+def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(out / WEIGHTS_FILE))
+    (out / "manifest.json").write_text(json.dumps(
+        {"format": FORMAT, "shape": asdict(model.shape),
+         "moe_layer_indices": model.layer_indices, **manifest}, indent=1))
+
+
+def load_estimator(path: str | Path, model: str | None = None,
+                   hf_config=None) -> ExpertEstimator:
+    """Read a ``train-estimator`` directory, checking it against ``model`` if given (one
+    config error naming ``estimator`` for anything wrong with it)."""
+    from safetensors.torch import load_file
+
+    from vllm_specexpert.artifacts import check_matches_model, check_tensors, read_manifest
+
+    path = Path(path)
+    fix = "create one with `specexpert train-estimator MODEL --out DIR`"
+    manifest_path = path / "manifest.json"
+    manifest = read_manifest(path, "estimator", WEIGHTS_FILE, FORMAT, fix)
+    try:
+        shape = EstimatorShape(**manifest["shape"])
+        layer_indices = [int(i) for i in manifest["moe_layer_indices"]]
+        if len(layer_indices) != shape.num_transitions + 1:
+            raise ValueError(f"{len(layer_indices)} moe_layer_indices for "
+                             f"{shape.num_transitions} transitions")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SpecExpertConfigError("estimator", f"{manifest_path}: {exc}", fix) from None
+    if model is not None:
+        check_matches_model(manifest, model, hf_config, field="estimator",
+                            fix=f"run `specexpert train-estimator {model} --out DIR`")
+    estimator = ExpertEstimator(shape, layer_indices)
+    try:
+        state = load_file(str(path / WEIGHTS_FILE))
+    except Exception as exc:  # truncated or not a safetensors file
+        raise SpecExpertConfigError(
+            "estimator", f"{path / WEIGHTS_FILE}: unreadable "
+            f"({str(exc).splitlines()[0]})", fix) from None
+    expected = {k: tuple(v.shape) for k, v in estimator.state_dict().items()}
+    check_tensors("estimator", path / WEIGHTS_FILE, state, expected, fix)
+    estimator.load_state_dict(state)
+    return estimator.eval()
