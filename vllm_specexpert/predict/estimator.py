@@ -95,7 +95,11 @@ def load_estimator(path: str | Path, model: str | None = None,
     config error naming ``estimator`` for anything wrong with it)."""
     from safetensors.torch import load_file
 
-    from vllm_specexpert.artifacts import check_matches_model, check_tensors, read_manifest
+    from vllm_specexpert.artifacts import (
+        check_matches_model,
+        check_tensors,
+        read_manifest,
+    )
 
     path = Path(path)
     fix = "create one with `specexpert train-estimator MODEL --out DIR`"

@@ -51,7 +51,10 @@ def capture(model_dir, documents, calibration_dir, window: int, max_tokens: int,
     token and transition j, the quasi-hidden predictor's top-k ids of layer l+1
     ``qh_ids [N, J, K]`` and the router's ``true_ids [N, J, K]``, ``max_tokens`` in all."""
     from vllm_specexpert.calibration import load_calibration
-    from vllm_specexpert.predict.quasi_hidden import QuasiHiddenPredictor, residual_scale
+    from vllm_specexpert.predict.quasi_hidden import (
+        QuasiHiddenPredictor,
+        residual_scale,
+    )
     from vllm_specexpert.tools.analyze import hf_routing
 
     model, tokenizer = load_model(model_dir)
