@@ -101,3 +101,34 @@ def check_tensors(field: str, file: Path, tensors: dict[str, torch.Tensor],
     if unexpected:
         raise bad(f"unexpected tensor {unexpected[0]}"
                   f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}")
+
+
+def save_network(out: Path, weights_file: str, network: torch.nn.Module,
+                 manifest: dict) -> None:
+    """A trained network's artifact: its state dict and ``manifest.json``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in network.state_dict().items()},
+              str(out / weights_file))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def load_network_weights(path: Path, field: str, weights_file: str,
+                         network: torch.nn.Module, fix: str) -> torch.nn.Module:
+    """``network`` (built from its manifest) with the artifact's weights, in eval mode:
+    an unreadable file, a missing, extra, misshapen or non-finite tensor is one config
+    error naming ``field``."""
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path / weights_file))
+    except Exception as exc:  # noqa: BLE001 - truncated or not a safetensors file
+        raise SpecExpertConfigError(
+            field, f"{path / weights_file}: unreadable ({str(exc).splitlines()[0]})",
+            fix) from None
+    expected = {k: tuple(v.shape) for k, v in network.state_dict().items()}
+    check_tensors(field, path / weights_file, state, expected, fix)
+    network.load_state_dict(state)
+    return network.eval()
+

@@ -15,7 +15,6 @@ model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,25 +78,20 @@ def distillation_loss(logits: torch.Tensor, router_logits: torch.Tensor) -> torc
 
 
 def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
-    from safetensors.torch import save_file
+    from vllm_specexpert.artifacts import save_network
 
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(out / WEIGHTS_FILE))
-    (out / "manifest.json").write_text(json.dumps(
-        {"format": FORMAT, "shape": asdict(model.shape),
-         "moe_layer_indices": model.layer_indices, **manifest}, indent=1))
+    save_network(out, WEIGHTS_FILE, model, {
+        "format": FORMAT, "shape": asdict(model.shape),
+        "moe_layer_indices": model.layer_indices, **manifest})
 
 
 def load_estimator(path: str | Path, model: str | None = None,
                    hf_config=None) -> ExpertEstimator:
     """Read a ``train-estimator`` directory, checking it against ``model`` if given (one
     config error naming ``estimator`` for anything wrong with it)."""
-    from safetensors.torch import load_file
-
     from vllm_specexpert.artifacts import (
         check_matches_model,
-        check_tensors,
+        load_network_weights,
         read_manifest,
     )
 
@@ -116,14 +110,5 @@ def load_estimator(path: str | Path, model: str | None = None,
     if model is not None:
         check_matches_model(manifest, model, hf_config, field="estimator",
                             fix=f"run `specexpert train-estimator {model} --out DIR`")
-    estimator = ExpertEstimator(shape, layer_indices)
-    try:
-        state = load_file(str(path / WEIGHTS_FILE))
-    except Exception as exc:  # truncated or not a safetensors file
-        raise SpecExpertConfigError(
-            "estimator", f"{path / WEIGHTS_FILE}: unreadable "
-            f"({str(exc).splitlines()[0]})", fix) from None
-    expected = {k: tuple(v.shape) for k, v in estimator.state_dict().items()}
-    check_tensors("estimator", path / WEIGHTS_FILE, state, expected, fix)
-    estimator.load_state_dict(state)
-    return estimator.eval()
+    network = ExpertEstimator(shape, layer_indices)
+    return load_network_weights(path, "estimator", WEIGHTS_FILE, network, fix)

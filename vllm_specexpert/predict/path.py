@@ -23,7 +23,6 @@ when made for another model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -100,25 +99,20 @@ def sliding_windows(token_ids: torch.Tensor, window: int, pad: int) -> torch.Ten
 
 
 def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) -> None:
-    from safetensors.torch import save_file
+    from vllm_specexpert.artifacts import save_network
 
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(out / WEIGHTS_FILE))
-    (out / "manifest.json").write_text(json.dumps(
-        {"format": FORMAT, "shape": asdict(model.shape),
-         "moe_layer_indices": model.layer_indices, **manifest}, indent=1))
+    save_network(out, WEIGHTS_FILE, model, {
+        "format": FORMAT, "shape": asdict(model.shape),
+        "moe_layer_indices": model.layer_indices, **manifest})
 
 
 def load_path_predictor(path: str | Path, model: str | None = None,
                         hf_config=None) -> RoutingPathPredictor:
     """Read a ``train-path`` directory, checking it against ``model`` if given (one
     config error naming ``path_predictor`` for anything wrong with it)."""
-    from safetensors.torch import load_file
-
     from vllm_specexpert.artifacts import (
         check_matches_model,
-        check_tensors,
+        load_network_weights,
         read_manifest,
     )
 
@@ -137,14 +131,5 @@ def load_path_predictor(path: str | Path, model: str | None = None,
     if model is not None:
         check_matches_model(manifest, model, hf_config, field="path_predictor",
                             fix=f"run `specexpert train-path {model} --out DIR`")
-    predictor = RoutingPathPredictor(shape, layer_indices)
-    try:
-        state = load_file(str(path / WEIGHTS_FILE))
-    except Exception as exc:  # truncated or not a safetensors file
-        raise SpecExpertConfigError(
-            "path_predictor", f"{path / WEIGHTS_FILE}: unreadable "
-            f"({str(exc).splitlines()[0]})", fix) from None
-    expected = {k: tuple(v.shape) for k, v in predictor.state_dict().items()}
-    check_tensors("path_predictor", path / WEIGHTS_FILE, state, expected, fix)
-    predictor.load_state_dict(state)
-    return predictor.eval()
+    network = RoutingPathPredictor(shape, layer_indices)
+    return load_network_weights(path, "path_predictor", WEIGHTS_FILE, network, fix)

@@ -52,6 +52,17 @@ def hf_routing(decoder_layer) -> NextLayerRouting:
     return NextLayerRouting(norm=decoder_layer.post_attention_layernorm, route=route)
 
 
+def hf_quasi_hidden(model, model_dir, calibration_dir) -> QuasiHiddenPredictor:
+    """The ``quasi_hidden`` predictor of a transformers model from its calibration (layer
+    names: the decoder-layer indices as strings)."""
+    calibration = load_calibration(calibration_dir, model=str(model_dir))
+    layers = moe_layer_indices(model)
+    return QuasiHiddenPredictor(
+        {str(i): calibration.default_vectors[i] for i in layers},
+        {str(i): residual_scale(model.model.layers[i].post_attention_layernorm.weight.data,
+                                calibration.residual_rms[i]) for i in layers})
+
+
 class _Sums:
     """Running sums of one (transition, predictor) pair."""
 
@@ -82,11 +93,7 @@ def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
     top_k = model.config.num_experts_per_tok
     predictors: dict[str, Predictor] = {"router": RouterPredictor()}
     if calibration_dir is not None:
-        calibration = load_calibration(calibration_dir, model=str(model_dir))
-        predictors["quasi_hidden"] = QuasiHiddenPredictor(
-            {str(i): calibration.default_vectors[i] for i in layers},
-            {str(i): residual_scale(model.model.layers[i].post_attention_layernorm.weight.data,
-                                    calibration.residual_rms[i]) for i in layers})
+        predictors["quasi_hidden"] = hf_quasi_hidden(model, model_dir, calibration_dir)
     routing = {i: hf_routing(model.model.layers[i]) for i in layers}
     sums = {(j, name): _Sums(top_k) for j in range(len(layers) - 1) for name in predictors}
     tokens = 0

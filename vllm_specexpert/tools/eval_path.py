@@ -68,19 +68,10 @@ def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: 
     pad = rpp.shape.vocab_size
     qh = None
     if calibration_dir is not None:
-        from vllm_specexpert.calibration import load_calibration
-        from vllm_specexpert.predict import (
-            LayerState,
-            QuasiHiddenPredictor,
-            residual_scale,
-        )
-        from vllm_specexpert.tools.analyze import hf_routing
+        from vllm_specexpert.predict import LayerState
+        from vllm_specexpert.tools.analyze import hf_quasi_hidden, hf_routing
 
-        calibration = load_calibration(calibration_dir, model=str(model_dir))
-        qh = QuasiHiddenPredictor(
-            {str(i): calibration.default_vectors[i] for i in layers},
-            {str(i): residual_scale(model.model.layers[i].post_attention_layernorm.weight.data,
-                                    calibration.residual_rms[i]) for i in layers})
+        qh = hf_quasi_hidden(model, model_dir, calibration_dir)
         routing = {i: hf_routing(model.model.layers[i]) for i in layers}
     parts: dict[str, list[np.ndarray]] = {m: [] for m in ("truth", "rpp", "tlp", "slp")}
     if qh is not None:

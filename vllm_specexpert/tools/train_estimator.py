@@ -50,20 +50,11 @@ def capture(model_dir, documents, calibration_dir, window: int, max_tokens: int,
     """``q [N, J, H]`` (float32) and ``router_logits [N, J, E]`` of layer l+1 for every
     token and transition j, the quasi-hidden predictor's top-k ids of layer l+1
     ``qh_ids [N, J, K]`` and the router's ``true_ids [N, J, K]``, ``max_tokens`` in all."""
-    from vllm_specexpert.calibration import load_calibration
-    from vllm_specexpert.predict.quasi_hidden import (
-        QuasiHiddenPredictor,
-        residual_scale,
-    )
-    from vllm_specexpert.tools.analyze import hf_routing
+    from vllm_specexpert.tools.analyze import hf_quasi_hidden, hf_routing
 
     model, tokenizer = load_model(model_dir)
     layers = moe_layer_indices(model)
-    calibration = load_calibration(calibration_dir, model=str(model_dir))
-    predictor = QuasiHiddenPredictor(
-        {str(i): calibration.default_vectors[i] for i in layers},
-        {str(i): residual_scale(model.model.layers[i].post_attention_layernorm.weight.data,
-                                calibration.residual_rms[i]) for i in layers})
+    predictor = hf_quasi_hidden(model, model_dir, calibration_dir)
     routing = {i: hf_routing(model.model.layers[i]) for i in layers}
     out: dict[str, list] = {"q": [], "router_logits": [], "qh_ids": [], "true_ids": []}
     digest = hashlib.sha256()
