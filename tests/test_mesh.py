@@ -171,9 +171,13 @@ def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     state = stats["mesh"]["peers"][0]
     assert state["failures"] >= 1 and state["left"] == 1 and not state["up"]
     # What it was computing was computed here, and nothing went missing: the run
-    # agrees with the reference as the undisturbed one does.
+    # agrees with the reference about as well as an equivalent mode does. Which pairs
+    # run here or on a peer depends on when the kill lands, and near-ties flip with
+    # the rounding: `cpu` and `sync` sit at 0.989-0.990 on 1152 positions, and one
+    # CI run of this test gave 0.984 on these 384. Dropped or garbage pairs give far
+    # less (no_stop, which runs other experts on 1 in 8 layers' misses, gives 0.79).
     assert decode["peer_fallback_entries"] > 0
-    assert agreement(top1, reference) >= 0.99
+    assert agreement(top1, reference) >= 0.97
     assert stats["mesh"]["peers"][1]["up"]
     # Ray restarts the actor (it reloads its shard); a probe brings it back.
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 0.5})
