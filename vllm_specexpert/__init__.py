@@ -29,7 +29,7 @@ package is named here)::
                         experts and kernel), ray_cluster (joining Ray)
     3  predict/         next-layer predictors: base, router, quasi_hidden; path (a step's
                         routing path); draft (the lookahead draft's routes, the ELB);
-                        estimator (the neural estimator's network and artifact)
+                        estimator (network, artifact, predictor), hybrid (its layers)
     4  policy/          miss policies that only decide (a MissPlan): base, context,
                         fetch, speculate, cpu, substitute, drop, buddies, lowbit
     4  planner/         what to load ahead: prefetch, plec (shared pool), lookahead (the
@@ -42,7 +42,7 @@ package is named here)::
     6  report           the stats dict, the summary line, the file writers
     7  layers/          vLLM adapter in the worker: routed_experts (the custom op), engines,
                         packed_experts, model_classes (wiring after load), forward_phase,
-                        lookahead_driver (the draft's rounds)
+                        lookahead_driver (the draft's rounds), router_free
     7  schedule/        vLLM adapter in the scheduler: token_scheduler, grouping
     7  worker           the RPCs behind get_stats, reconfigure, reset_stats
     8  validate         engine-config checks where vLLM builds the engine config

@@ -38,6 +38,16 @@ def model_fingerprint(model_dir: str | Path) -> dict:
     return {**{k: config.get(k) for k in FINGERPRINT_CONFIG_KEYS}, "router_sha256": h.hexdigest()}
 
 
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (an artifact that depends on another one, like the
+    estimator on its calibration, records it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def check_matches_model(manifest: dict, model: str, hf_config=None, field: str = "calibration",
                         fix: str | None = None) -> None:
     """Raise a config error naming ``field`` unless ``manifest`` (of a calibration, or

@@ -40,7 +40,7 @@ from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runn
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.planner.early_fire import EarlyFire
-from vllm_specexpert.planner.governor import Governor, GovernorStats
+from vllm_specexpert.planner.governor import Governor
 from vllm_specexpert.planner.lookahead import LookaheadPlanner
 from vllm_specexpert.planner.plec import PlecPlanner
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
@@ -50,8 +50,9 @@ from vllm_specexpert.predict import (
     NextLayerRouting,
     Prediction,
     Predictor,
+    PredictorInputs,
 )
-from vllm_specexpert.stats import LayerStats, PhaseStats
+from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.peer import LayerPeers, PeerTier
@@ -79,10 +80,8 @@ class OffloadEngine:
         """The running step's predicted demand from the scheduler's path predictor (set
         by the vLLM adapter per layer call; ``None`` without one)."""
         self.layers: dict[str, OffloadedLayer] = {}
-        self.default_vectors: dict[str, torch.Tensor] = {}
-        """Layer name -> ``[E, H]`` default vectors on the device (``quasi_hidden``)."""
-        self.residual_scales: dict[str, torch.Tensor] = {}
-        """Layer name -> ``[H]`` scale turning s_l back into r_l (``quasi_hidden``)."""
+        self.predictor_inputs = PredictorInputs()
+        """What the calibration and estimator gave the predictors (on the device)."""
         self._predictions: dict[str, Prediction] = {}
         """Layer name -> prediction for its decode tokens made earlier in the pass."""
         self.lock = threading.Lock()
@@ -114,8 +113,7 @@ class OffloadEngine:
     def _select_predictor(self, config: SpecExpertConfig) -> None:
         predictor = PREDICTOR_CLASSES[config.predictor]
         self.predictor: Predictor | None = (
-            None if predictor is None else predictor.build(self.default_vectors,
-                                                           self.residual_scales))
+            None if predictor is None else predictor.build(self.predictor_inputs))
 
     # ------------------------------------------------------------------ setup
 
@@ -167,12 +165,9 @@ class OffloadEngine:
         self.layers[name].next_name = next_name
         self.layers[name].next_routing = routing
 
-    def set_quasi_hidden(self, default_vectors: dict[str, torch.Tensor],
-                         residual_scales: dict[str, torch.Tensor]) -> None:
-        """Per layer name: default vectors and residual scales from a calibration (see
-        :mod:`vllm_specexpert.predict.quasi_hidden`)."""
-        self.default_vectors = {n: v.to(self.device) for n, v in default_vectors.items()}
-        self.residual_scales = {n: v.to(self.device) for n, v in residual_scales.items()}
+    def set_predictor_inputs(self, inputs: PredictorInputs) -> None:
+        """What the artifacts give the predictors (see :class:`PredictorInputs`)."""
+        self.predictor_inputs = inputs.to(self.device)
         self._select_predictor(self.config)
 
     def set_routing_statistics(self, coactivation: dict[str, np.ndarray],
@@ -188,7 +183,7 @@ class OffloadEngine:
         """Every layer is loaded and wired: check that the configuration can run (fail
         at engine start, not mid-generation), allocate a shared slot pool, start the
         stats writers, and log one line that sums up the offload."""
-        check_runnable(self.config, self.layers.values(), bool(self.default_vectors))
+        check_runnable(self.config, self.layers.values(), self.predictor_inputs)
         if self.pool is not None and not self.pool.tensors:
             self.pool.allocate()
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
@@ -207,7 +202,7 @@ class OffloadEngine:
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch modes without reloading weights (checked first); caches rebuilt, counters
         restarted."""
-        check_change(self.config, config, self.layers.values(), bool(self.default_vectors))
+        check_change(self.config, config, self.layers.values(), self.predictor_inputs)
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 
@@ -234,7 +229,6 @@ class OffloadEngine:
             self._select(config)
             for layer in self.layers.values():
                 layer.equip(config, self.link, self.device, self.pool)
-                layer.stats = LayerStats()
             if self.pool is not None:
                 self.pool.allocate()
             if self.governor is not None:
@@ -243,8 +237,7 @@ class OffloadEngine:
                 self.lookahead.demand = None
             if self.mesh is not None:
                 self.mesh.mesh = config.mesh
-                self.mesh.reset_stats()
-        self.link.reset_counters()
+        self.reset_stats()
         self.reporter.start(self.stats_file, config.stats_interval_s)
 
     # ---------------------------------------------------------------- forward
@@ -311,6 +304,7 @@ class OffloadEngine:
         if speculated:
             run_weights, run_ids = prediction.routing_like(topk_weights, topk_ids)
             stats.speculated_calls += 1
+            stats.router_free_calls += prediction.router_free
         # The next layer's prediction is made now, on the device, so that its ids come
         # to the host in the same read as the router's.
         upcoming = None
@@ -324,7 +318,7 @@ class OffloadEngine:
             if self.early_fire is not None:  # no_stop: the next layer's rows leave now
                 self.early_fire.predicted(self.layers[layer.next_name], upcoming, lambda: (
                     self.predictor.next_router_input(state, layer.name, layer.next_routing)))
-        if prediction is not None:
+        if prediction is not None and not prediction.router_free:
             layer.prefetch.score(prediction, router_ids, stats)
         call = LayerCall(x, run_weights, run_ids,
                          prediction.host_ids if speculated else router_ids, kernel, stats,
@@ -338,6 +332,19 @@ class OffloadEngine:
         if demand is not None and self.planner is not None:
             self.planner.after_layer(demand, layer)
         return out
+
+    def router_free_routing(self, name: str, tokens: int
+                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``router_free``: the routing a decode-only pass of ``tokens`` tokens at layer
+        ``name`` runs without calling its router (the estimator's prediction, which
+        ``speculate`` runs anyway), or ``None``: call the router."""
+        prediction = self._predictions.get(name)
+        if (not self.config.router_free or prediction is None or not prediction.by_estimator
+                or prediction.num_tokens != tokens or not self.miss_policy.spec.speculates
+                or not self._speculative(self.layers[name])):
+            return None
+        prediction.router_free = True
+        return prediction.topk_weights, prediction.topk_ids
 
     def _resolve(self, layer: OffloadedLayer, call: LayerCall) -> torch.Tensor:
         layer.miss_context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
@@ -373,16 +380,7 @@ class OffloadEngine:
         return report.engine_stats(self)
 
     def reset_stats(self) -> None:
-        with self.lock:
-            for layer in self.layers.values():
-                layer.stats = LayerStats()
-            if self.governor is not None:
-                self.governor.stats = GovernorStats()
-            if self.mesh is not None:
-                self.mesh.reset_stats()
-        self.link.reset_counters()
-        if self.draft_engine is not None:
-            self.draft_engine.reset_stats()
+        report.reset_counters(self)  # every layer's, the link's, governor's, peers', draft's
 
     def write_stats(self) -> None:
         self.reporter.write_now()  # the stats file and the metrics snapshot, if any

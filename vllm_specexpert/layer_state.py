@@ -12,7 +12,7 @@ import torch
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.planner.prefetch import PrefetchPlanner
 from vllm_specexpert.policy import MissContext, miss_context
-from vllm_specexpert.predict import NextLayerRouting
+from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
 from vllm_specexpert.stats import LayerStats, PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel
@@ -107,7 +107,7 @@ class OffloadedLayer:
 
 
 def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
-                   has_default_vectors: bool) -> None:
+                   inputs: PredictorInputs) -> None:
     """Raise a config error when ``config`` needs what the loaded ``layers`` lack (at
     engine start and before a ``reconfigure``: never mid-generation)."""
     layers = list(layers)
@@ -135,10 +135,15 @@ def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
         raise SpecExpertConfigError(
             "exact_layers", f"{unknown} are not MoE layers of this model",
             f"give indices among its MoE layers {moe_layers}")
-    if config.predictor_spec.needs_calibration and not has_default_vectors:
+    predictor = config.predictor_spec
+    if predictor.needs_calibration and not inputs.default_vectors:
         raise SpecExpertConfigError(
             "predictor", f"{config.predictor} needs the calibration's default vectors, "
             "loaded at engine start", "start the engine with 'calibration' set")
+    if predictor.needs_estimator and inputs.estimator is None:
+        raise SpecExpertConfigError(
+            "predictor", f"{config.predictor} needs the estimator, loaded at engine start",
+            "start the engine with 'estimator' set")
 
 
 def check_low_bit(config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
@@ -164,14 +169,15 @@ def check_low_bit(config: SpecExpertConfig, layers: list[OffloadedLayer]) -> Non
 
 
 def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
-                 layers: Iterable[OffloadedLayer], has_default_vectors: bool) -> None:
+                 layers: Iterable[OffloadedLayer], inputs: PredictorInputs) -> None:
     """Raise a config error unless the running engine can switch from ``current`` to
     ``config`` (``reconfigure``): the budget fits every layer, the artifacts read at
     start are the same, and the new mode can run on the loaded layers."""
     layers = list(layers)
     for layer in layers:
         config.slots_per_layer(layer.cache.num_experts, layer.top_k)
-    for name in ("calibration", "path_predictor", "token_scheduler"):
+    for name in ("calibration", "estimator", "analysis", "hybrid_threshold",
+                 "path_predictor", "token_scheduler"):
         if getattr(config, name) != getattr(current, name):
             raise SpecExpertConfigError(
                 name, "is read when the engine starts and cannot change at run time",
@@ -191,4 +197,4 @@ def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
             "lookahead", "is read when the engine starts (vLLM's speculative decoding and "
             "the draft are built then); only lookahead.k can change at run time",
             "start a new engine with the new 'lookahead'")
-    check_runnable(config, layers, has_default_vectors)
+    check_runnable(config, layers, inputs)

@@ -183,6 +183,21 @@ def _draft_stats(draft) -> dict[str, Any]:
     }
 
 
+def reset_counters(engine) -> None:
+    """Every counter of ``engine`` at zero: its layers', link's, governor's, peers' and
+    its draft engine's."""
+    with engine.lock:
+        for layer in engine.layers.values():
+            layer.stats = LayerStats()
+        if engine.governor is not None:
+            engine.governor.reset_stats()
+        if engine.mesh is not None:
+            engine.mesh.reset_stats()
+    engine.link.reset_counters()
+    if engine.draft_engine is not None:
+        engine.draft_engine.reset_stats()
+
+
 def summary(engine) -> str:
     """One line: MoE layers, slots per layer, slow tier, policy, predictor."""
     layers = engine.layers.values()
@@ -209,9 +224,19 @@ def summary(engine) -> str:
         f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
         f"{engine.store.nbytes / 1e9:.3f} GB on the host"
         f"{' (pinned)' if engine.store.pin_memory else ''}; miss_policy {config.miss_policy} "
-        f"({engine.output}), predictor {config.predictor}, cache {config.cache}"
+        f"({engine.output}), predictor {config.predictor}{_estimator_summary(engine)}, "
+        f"cache {config.cache}"
         f"{modeled}{_mesh_summary(engine)}"
     )
+
+
+def _estimator_summary(engine) -> str:
+    """``hybrid``: after which MoE layers it runs the estimator."""
+    layers = getattr(engine.predictor, "estimator_layers", None)
+    if engine.config.predictor != "hybrid" or layers is None:
+        return ""
+    chosen = sorted(engine.layers[name].index for name in layers)
+    return f" (estimator after MoE layers {chosen})"
 
 
 def _mesh_summary(engine) -> str:

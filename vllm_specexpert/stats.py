@@ -95,6 +95,9 @@ class PhaseStats:
     speculated_calls: int = counter(
         "Layer calls that ran the predicted experts with the predicted weights "
         "instead of the router's (miss policy ``speculate``; output not exact).")
+    router_free_calls: int = counter(
+        "Speculated calls that skipped the router, the estimator having predicted the "
+        "layer (``router_free``); their prediction is not scored.")
     missed_entries: int = counter(
         "Router-chosen (token, expert) entries whose expert was not resident when "
         "the layer call started; each was resolved in one of the next six ways.")

@@ -214,6 +214,8 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
         load_calibration(config.calibration, model=model_config.model,
                          hf_config=model_config.hf_config, num_experts=shape.num_experts)
+    if config.estimator is not None:
+        _check_estimator(config, model_config)
     if config.lookahead is not None:
         _check_draft(vllm_config, config, shape)
     if config.path_predictor is not None:
@@ -221,6 +223,19 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
         load_path_predictor(config.path_predictor, model=model_config.model,
                             hf_config=model_config.hf_config)
+
+
+def _check_estimator(config: SpecExpertConfig, model_config) -> None:
+    """The estimator (and ``hybrid``'s analysis) made for this model and calibration
+    (their MoE layers are checked when the model is wired)."""
+    from vllm_specexpert.predict.estimator import load_estimator
+    from vllm_specexpert.predict.hybrid import read_analysis
+
+    load_estimator(config.estimator, model=model_config.model,
+                   hf_config=model_config.hf_config, calibration=config.calibration)
+    if config.analysis is not None:
+        read_analysis(config.analysis, model=model_config.model,
+                      hf_config=model_config.hf_config)
 
 
 def _check_draft(vllm_config, config: SpecExpertConfig, shape) -> None:

@@ -103,10 +103,16 @@ class PredictorSpec:
     """``False`` for ``none``: nothing is predicted or prefetched."""
     needs_calibration: bool = False
     """Whether it reads the calibration's default vectors."""
+    needs_estimator: bool = False
+    """Whether it runs the neural expert estimator (``estimator``)."""
+    needs_analysis: bool = False
+    """Whether it chooses its layers by ``specexpert analyze``'s recall (``analysis``)."""
 
 
 PREDICTORS: dict[str, PredictorSpec] = {spec.name: spec for spec in (
     PredictorSpec("none", predicts=False),
     PredictorSpec("router"),
     PredictorSpec("quasi_hidden", needs_calibration=True),
+    PredictorSpec("estimator", needs_calibration=True, needs_estimator=True),
+    PredictorSpec("hybrid", needs_calibration=True, needs_estimator=True, needs_analysis=True),
 )}

@@ -24,6 +24,9 @@ class Settings(Protocol):
     predictor: str
     cache: str
     calibration: str | None
+    estimator: str | None
+    analysis: str | None
+    router_free: bool
     path_predictor: str | None
     token_scheduler: Any
     lookahead: Any
@@ -63,6 +66,18 @@ def check_combination(config: Settings) -> None:
             "calibration", f"predictor '{config.predictor}' needs default vectors, and none "
             "is set",
             CALIBRATE)
+    predictor = config.predictor_spec
+    if predictor.needs_estimator and config.estimator is None:
+        raise SpecExpertConfigError(
+            "estimator", f"predictor '{config.predictor}' runs the neural expert estimator, "
+            "and none is set", "run `specexpert train-estimator MODEL --out DIR` and set "
+            "\"estimator\": \"DIR\"")
+    if predictor.needs_analysis and config.analysis is None:
+        raise SpecExpertConfigError(
+            "analysis", f"predictor '{config.predictor}' chooses its estimator layers by "
+            "the recall `specexpert analyze` measured, and no analysis is set",
+            "run `specexpert analyze MODEL --calibration DIR --out ADIR` and set "
+            "\"analysis\": \"ADIR\", or use predictor 'estimator'")
     if (config.cache_spec.needs_path_predictor and config.path_predictor is None
             and config.lookahead is None):
         raise SpecExpertConfigError(
@@ -147,6 +162,16 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
     if not config.predictor_spec.predicts:
         needs("prefetch_filter", "with predictor 'none' (nothing is prefetched)",
               "set predictor 'router' or 'quasi_hidden', or remove it")
+    # estimator, analysis and hybrid_threshold are read at start, like calibration,
+    # whatever the predictor: reconfigure may switch to estimator or hybrid later.
+    if not config.predictor_spec.needs_estimator:
+        needs("router_free", f"with predictor '{config.predictor}' (only estimator and "
+              "hybrid predict with the estimator)", "set predictor 'estimator' or "
+              "'hybrid', or remove it")
+    if not policy.speculates:
+        needs("router_free", f"under miss_policy '{config.miss_policy}' (only speculate "
+              "runs the predicted routing instead of the router's)",
+              "use miss_policy 'speculate', or remove it")
     if not config.cache_spec.shared_pool:
         needs("plec_preload", f"with cache '{config.cache}'", "use cache 'plec', or remove it")
     if config.mesh is not None and config.mesh.placement != "replicate_hot" and \

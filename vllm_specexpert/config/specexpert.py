@@ -92,7 +92,32 @@ class SpecExpertConfig:
     """How the next layer's experts are predicted, for prefetching (and for
     ``speculate``): ``none`` (no prefetch: on-demand loading only), ``router`` (next
     layer's router on this layer's router input s_l), ``quasi_hidden`` (next router on
-    q_l = LN_{l+1}(d_l + r_l) with default vectors d from ``calibration``)."""
+    q_l = LN_{l+1}(d_l + r_l) with default vectors d from ``calibration``),
+    ``estimator`` (the neural expert estimator of ``estimator`` maps q_l to the next
+    layer's router logits, speculating-experts §6), ``hybrid`` (the estimator after the
+    layers whose next layer ``quasi_hidden`` predicts worst by ``analysis``,
+    ``quasi_hidden`` after the others)."""
+
+    estimator: Path | None = None
+    """Directory written by ``specexpert train-estimator`` for this model and this
+    ``calibration``: the neural expert estimator. Required by ``predictor: estimator``
+    and ``hybrid``; read and checked against the model and calibration at engine start
+    (like ``calibration``, whatever the predictor: ``reconfigure`` can switch to it)."""
+
+    analysis: Path | None = None
+    """Directory written by ``specexpert analyze`` for this model (``analysis.json``):
+    ``hybrid`` runs the estimator after the layers whose ``quasi_hidden`` recall there is
+    below ``hybrid_threshold``."""
+
+    hybrid_threshold: Annotated[Number, Field(ge=0, le=1)] | None = None
+    """``hybrid``: the ``quasi_hidden`` recall@k below which a layer transition uses the
+    estimator. ``None`` (default): the mean over the model's transitions. Range: [0, 1]."""
+
+    router_free: Flag = False
+    """Under ``speculate``, decode passes skip the router (gate and expert selection) of
+    layers whose routing the estimator predicted: they run the prediction anyway. The
+    output is the same as without; the prediction's hit rate is then not measured on
+    those layers. Needs ``predictor`` ``estimator`` or ``hybrid``."""
 
     plec_preload: Literal["none", "step", "next"] = "none"
     """What ``cache: plec`` loads ahead of demand, beyond choosing victims by the

@@ -23,7 +23,16 @@ from vllm.platforms import current_platform
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts, offloaded
-from vllm_specexpert.predict import FusedRouting, NextLayerRouting, residual_scale
+from vllm_specexpert.layers.router_free import RouterFreeHook
+from vllm_specexpert.log import init_logger
+from vllm_specexpert.predict import (
+    FusedRouting,
+    NextLayerRouting,
+    PredictorInputs,
+    residual_scale,
+)
+
+logger = init_logger(__name__)
 
 
 def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
@@ -42,12 +51,18 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
         shape = (hidden.shape[-1],)
         return torch.nn.functional.rms_norm(hidden.float(), shape, norm_weight, eps).to(hidden.dtype)
 
+    # The selection as vLLM built it (``router_free`` wraps the instance's later).
+    select_experts = runner.router.select_experts
+
+    def route_logits(hidden: torch.Tensor, logits: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(hidden_states=hidden, router_logits=logits)
+
     def route(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = gate(hidden)  # the module: on CPU its weight is prepacked for oneDNN
-        logits = logits[0] if isinstance(logits, tuple) else logits
-        return runner.router.select_experts(hidden_states=hidden, router_logits=logits)
+        return route_logits(hidden, logits[0] if isinstance(logits, tuple) else logits)
 
-    return NextLayerRouting(norm=rms_norm, route=route,
+    return NextLayerRouting(norm=rms_norm, route=route, route_logits=route_logits,
                             fused=_fused_routing(gate, norm, runner.router))
 
 
@@ -95,12 +110,15 @@ def wire_model(model: nn.Module) -> None:
     from vllm_specexpert.calibration import load_calibration
 
     calibration = load_calibration(engine.config.calibration)  # checked at engine start
-    engine.set_quasi_hidden(
+    if engine.config.estimator is not None:  # router_free can be switched on at run time
+        for _, layer, routed in layers[1:]:
+            routed.router_free_hook = RouterFreeHook(layer.mlp.experts, routed)
+    engine.set_predictor_inputs(_estimator_inputs(engine.config, layers, PredictorInputs(
         {routed.layer_name: calibration.default_vectors[index] for index, _, routed in layers},
         {routed.layer_name: residual_scale(layer.post_attention_layernorm.weight.data,
                                            calibration.residual_rms[index])
          for index, layer, routed in layers},
-    )
+    )))
     engine.set_routing_statistics(
         {routed.layer_name: calibration.coactivation[index].numpy() for index, _, routed in layers},
         {routed.layer_name: calibration.tae_percentiles[index].numpy()
@@ -108,6 +126,33 @@ def wire_model(model: nn.Module) -> None:
     )
     _attach_mesh(engine, layers, calibration)
     engine.start()
+
+
+def _estimator_inputs(config: SpecExpertConfig, layers, inputs: PredictorInputs
+                      ) -> PredictorInputs:
+    """``inputs`` with the estimator of ``config.estimator`` and the layers ``hybrid``
+    runs it after (by ``config.analysis``), logged; all checked at engine start."""
+    if config.estimator is None:
+        return inputs
+    from vllm_specexpert.predict.estimator import load_estimator, transitions_of
+    from vllm_specexpert.predict.hybrid import (
+        check_layers,
+        hybrid_layers,
+        read_analysis,
+    )
+
+    inputs.estimator = load_estimator(config.estimator)
+    names = {index: routed.layer_name for index, _, routed in layers}
+    inputs.estimator_layers = transitions_of(inputs.estimator, names)
+    if config.analysis is not None:
+        analysis = read_analysis(config.analysis)
+        check_layers(analysis, sorted(names))
+        chosen, threshold = hybrid_layers(analysis, config.hybrid_threshold)
+        inputs.hybrid_layers = frozenset(names[i] for i in chosen if i in names)
+        logger.info("specexpert: hybrid runs the estimator after MoE layers %s (their "
+                    "quasi_hidden recall below %.3f in %s), quasi_hidden after the others",
+                    chosen, threshold, config.analysis)
+    return inputs
 
 
 def _attach_mesh(engine, layers, calibration) -> None:

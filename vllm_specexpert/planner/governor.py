@@ -104,6 +104,9 @@ class Governor:
         self._pending: tuple[int, int] | None = None
         """(bucket, k) of the round whose verification comes next."""
 
+    def reset_stats(self) -> None:
+        self.stats = GovernorStats()
+
     # ------------------------------------------------------------- measurements
 
     def verified(self, results: dict[str, tuple[int, int]], cycle_s: float | None) -> None:

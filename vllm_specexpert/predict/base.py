@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,6 +56,10 @@ class NextLayerRouting:
     fused: FusedRouting | None = None
     """Set when the routing is plain softmax top-k on a device with Triton (CUDA): the
     predictor then runs as one kernel launch instead of ``norm`` and ``route``."""
+    route_logits: Callable[[torch.Tensor, torch.Tensor],
+                           tuple[torch.Tensor, torch.Tensor]] | None = None
+    """``(router input [T, H], router logits [T, E]) -> (topk_weights, topk_ids)``: the
+    model's expert selection from logits someone else computed (``estimator``)."""
 
 
 @dataclass
@@ -78,6 +82,11 @@ class Prediction:
     """``q [T, H]``, the estimate of layer l+1's router input the ids came from (``None``
     when the one-launch Triton predictor made them: :meth:`Predictor.next_router_input`
     gives it)."""
+    by_estimator: bool = False
+    """Made by the neural estimator (``router_free`` skips such a layer's router)."""
+    router_free: bool = False
+    """The layer ran it without calling its router (``router_free``): no router ids to
+    score it against."""
     _ranked: np.ndarray | None = None
 
     @property
@@ -119,16 +128,38 @@ class Prediction:
         return experts[np.argsort(-totals, kind="stable")]
 
 
+@dataclass
+class PredictorInputs:
+    """What the artifacts read at engine start give the predictors, by layer name."""
+
+    default_vectors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``[E, H]`` default vectors of each layer (the calibration; ``quasi_hidden``)."""
+    residual_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``[H]`` scale turning ``s_l`` back into ``r_l`` (the calibration)."""
+    estimator: torch.nn.Module | None = None
+    """The neural expert estimator (``estimator``, ``hybrid``)."""
+    estimator_layers: dict[str, int] = field(default_factory=dict)
+    """Layer l's name -> the estimator's transition index, for every layer that has a
+    next MoE layer."""
+    hybrid_layers: frozenset[str] = frozenset()
+    """Layers after which ``hybrid`` runs the estimator (chosen by ``analysis``)."""
+
+    def to(self, device: torch.device) -> PredictorInputs:
+        return PredictorInputs(
+            {n: v.to(device) for n, v in self.default_vectors.items()},
+            {n: v.to(device) for n, v in self.residual_scales.items()},
+            None if self.estimator is None else self.estimator.to(device),
+            dict(self.estimator_layers), self.hybrid_layers)
+
+
 class Predictor(ABC):
     """Estimates layer l+1's router input from layer l's state."""
 
     name: str
 
     @classmethod
-    def build(cls, default_vectors: dict[str, torch.Tensor],
-              residual_scales: dict[str, torch.Tensor]) -> Predictor:
-        """The predictor, given what the calibration gave each layer (by layer name:
-        ``[E, H]`` default vectors and ``[H]`` residual scales; empty without one)."""
+    def build(cls, inputs: PredictorInputs) -> Predictor:
+        """The predictor, given what the artifacts gave each layer."""
         return cls()
 
     @abstractmethod

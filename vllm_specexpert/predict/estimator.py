@@ -10,18 +10,30 @@ trained by KL distillation against the true router's logits (``specexpert
 train-estimator``). Artifacts: ``estimator.safetensors`` and ``manifest.json`` (format,
 the model's fingerprint, shapes, the MoE layer indices, and the calibration it was
 trained on, since q_l depends on its default vectors), refused when made for another
-model.
+model or calibration.
+
+:class:`EstimatorPredictor` is the ``estimator`` predictor (the network after every MoE
+layer) and ``hybrid`` (after the layers whose next layer ``quasi_hidden`` predicts
+worst, by ``specexpert analyze``; ``quasi_hidden`` after the others).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.predict.base import (
+    LayerState,
+    NextLayerRouting,
+    Prediction,
+    PredictorInputs,
+)
+from vllm_specexpert.predict.quasi_hidden import QuasiHiddenPredictor
 
 FORMAT = "specexpert-estimator/1"
 WEIGHTS_FILE = "estimator.safetensors"
@@ -85,15 +97,18 @@ def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
         "moe_layer_indices": model.layer_indices, **manifest})
 
 
-def load_estimator(path: str | Path, model: str | None = None,
-                   hf_config=None) -> ExpertEstimator:
-    """Read a ``train-estimator`` directory, checking it against ``model`` if given (one
-    config error naming ``estimator`` for anything wrong with it)."""
+def load_estimator(path: str | Path, model: str | None = None, hf_config=None,
+                   calibration: str | Path | None = None) -> ExpertEstimator:
+    """Read a ``train-estimator`` directory, checking it against ``model`` and the
+    ``calibration`` directory if given (one config error naming ``estimator`` for
+    anything wrong with it)."""
     from vllm_specexpert.artifacts import (
         check_matches_model,
+        file_sha256,
         load_network_weights,
         read_manifest,
     )
+    from vllm_specexpert.calibration import WEIGHTS_FILE as CALIBRATION_FILE
 
     path = Path(path)
     fix = "create one with `specexpert train-estimator MODEL --out DIR`"
@@ -110,5 +125,69 @@ def load_estimator(path: str | Path, model: str | None = None,
     if model is not None:
         check_matches_model(manifest, model, hf_config, field="estimator",
                             fix=f"run `specexpert train-estimator {model} --out DIR`")
-    network = ExpertEstimator(shape, layer_indices)
+    trained_with = manifest.get("calibration") or {}
+    if calibration is not None and (Path(calibration) / CALIBRATION_FILE).exists() and \
+            trained_with.get("sha256") != file_sha256(Path(calibration) / CALIBRATION_FILE):
+        raise SpecExpertConfigError(
+            "estimator", f"trained on q_l made with another calibration "
+            f"({trained_with.get('path', '?')}), not {calibration}: q_l depends on its "
+            "default vectors", f"set \"calibration\" to the one it was trained with, or "
+            f"run `specexpert train-estimator MODEL --calibration {calibration} --out DIR`")
+    # fp32 whatever the default dtype (vLLM sets the model's while it loads).
+    network = ExpertEstimator(shape, layer_indices).float()
     return load_network_weights(path, "estimator", WEIGHTS_FILE, network, fix)
+
+
+def transitions_of(network: ExpertEstimator, layers: dict[int, str]) -> dict[str, int]:
+    """Layer l's name -> the network's transition index, for every consecutive pair of
+    the model's MoE ``layers`` (decoder index -> name); a pair the network was not
+    trained on is a config error naming ``estimator``."""
+    indices = sorted(layers)
+    known = {(a, b): j for j, (a, b) in enumerate(pairwise(network.layer_indices))}
+    pairs = list(pairwise(indices))
+    if any(pair not in known for pair in pairs):
+        raise SpecExpertConfigError(
+            "estimator", f"trained for MoE layers {network.layer_indices}, and the "
+            f"offloaded MoE layers are {indices}",
+            "run `specexpert train-estimator MODEL --out DIR` for this model")
+    return {layers[a]: known[(a, b)] for a, b in pairs}
+
+
+class EstimatorPredictor(QuasiHiddenPredictor):
+    """``estimator``: q_l as ``quasi_hidden`` makes it, then the network's logits
+    instead of layer l+1's gate (the model's own selection picks the top-k from them)."""
+
+    name = "estimator"
+
+    def __init__(self, inputs: PredictorInputs, layers: dict[str, int]):
+        super().__init__(inputs.default_vectors, inputs.residual_scales)
+        self.estimator = inputs.estimator
+        self.estimator_layers = dict(layers)
+        """Layer l's name -> transition index, after the layers it runs."""
+
+    @classmethod
+    def build(cls, inputs: PredictorInputs) -> EstimatorPredictor:
+        return cls(inputs, inputs.estimator_layers)
+
+    def predict(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> Prediction:
+        transition = self.estimator_layers.get(layer)
+        if transition is None:
+            return super().predict(state, layer, nxt)
+        q = self.next_router_input(state, layer, nxt)
+        with torch.no_grad():
+            logits = self.estimator(q.float(), transition)
+        weights, ids = nxt.route_logits(q, logits)
+        return Prediction(topk_weights=weights, topk_ids=ids, router_input=q,
+                          by_estimator=True)
+
+
+class HybridPredictor(EstimatorPredictor):
+    """``hybrid`` (Hybrid-PF): the estimator after the layers chosen by ``analysis``
+    (:mod:`vllm_specexpert.predict.hybrid`), ``quasi_hidden`` after the others."""
+
+    name = "hybrid"
+
+    @classmethod
+    def build(cls, inputs: PredictorInputs) -> HybridPredictor:
+        return cls(inputs, {name: j for name, j in inputs.estimator_layers.items()
+                            if name in inputs.hybrid_layers})

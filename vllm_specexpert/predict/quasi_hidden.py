@@ -26,6 +26,7 @@ from vllm_specexpert.predict.base import (
     LayerState,
     NextLayerRouting,
     Predictor,
+    PredictorInputs,
 )
 
 
@@ -40,9 +41,8 @@ class QuasiHiddenPredictor(Predictor):
         """Layer name -> ``[H]``: ``rho_l / w_l``, turning ``s_l`` back into ``r_l``."""
 
     @classmethod
-    def build(cls, default_vectors: dict[str, torch.Tensor],
-              residual_scales: dict[str, torch.Tensor]) -> QuasiHiddenPredictor:
-        return cls(default_vectors, residual_scales)
+    def build(cls, inputs: PredictorInputs) -> QuasiHiddenPredictor:
+        return cls(inputs.default_vectors, inputs.residual_scales)
 
     def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
         tokens, top_k = state.topk_ids.shape

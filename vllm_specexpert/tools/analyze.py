@@ -26,9 +26,11 @@ import torch
 
 from vllm_specexpert.calibration import load_calibration
 from vllm_specexpert.predict import (
+    EstimatorPredictor,
     LayerState,
     NextLayerRouting,
     Predictor,
+    PredictorInputs,
     QuasiHiddenPredictor,
     RouterPredictor,
     residual_scale,
@@ -45,11 +47,22 @@ from vllm_specexpert.tools.trace import (
 def hf_routing(decoder_layer) -> NextLayerRouting:
     """A transformers decoder layer's routing (Qwen3-MoE-style ``mlp.gate``)."""
 
+    gate = decoder_layer.mlp.gate
+
     def route(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, weights, ids = decoder_layer.mlp.gate(hidden)
+        _, weights, ids = gate(hidden)
         return weights, ids
 
-    return NextLayerRouting(norm=decoder_layer.post_attention_layernorm, route=route)
+    def route_logits(hidden: torch.Tensor, logits: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The gate's selection (softmax top-k, renormalized) on given logits.
+        weights, ids = torch.softmax(logits.float(), dim=-1).topk(gate.top_k, dim=-1)
+        if gate.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    return NextLayerRouting(norm=decoder_layer.post_attention_layernorm, route=route,
+                            route_logits=route_logits)
 
 
 def hf_quasi_hidden(model, model_dir, calibration_dir) -> QuasiHiddenPredictor:
@@ -86,14 +99,31 @@ class _Sums:
                 "rank_alignment": (self.rank_hits / n).tolist()}
 
 
+def hf_estimator(quasi_hidden: QuasiHiddenPredictor, estimator_dir, model_dir,
+                 calibration_dir, layers: list[int]) -> EstimatorPredictor:
+    """The ``estimator`` predictor after every layer (layer names as in
+    :func:`hf_quasi_hidden`)."""
+    from vllm_specexpert.predict.estimator import load_estimator, transitions_of
+
+    network = load_estimator(estimator_dir, model=str(model_dir), calibration=calibration_dir)
+    inputs = PredictorInputs(quasi_hidden.default_vectors, quasi_hidden.residual_scales,
+                             network, transitions_of(network, {i: str(i) for i in layers}))
+    return EstimatorPredictor.build(inputs)
+
+
 def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
-            max_tokens: int | None = None) -> dict:
+            max_tokens: int | None = None, estimator_dir=None) -> dict:
+    from vllm_specexpert.artifacts import model_fingerprint
+
     model, tokenizer = load_model(model_dir)
     layers = moe_layer_indices(model)
     top_k = model.config.num_experts_per_tok
     predictors: dict[str, Predictor] = {"router": RouterPredictor()}
     if calibration_dir is not None:
         predictors["quasi_hidden"] = hf_quasi_hidden(model, model_dir, calibration_dir)
+    if estimator_dir is not None:
+        predictors["estimator"] = hf_estimator(predictors["quasi_hidden"], estimator_dir,
+                                               model_dir, calibration_dir, layers)
     routing = {i: hf_routing(model.model.layers[i]) for i in layers}
     sums = {(j, name): _Sums(top_k) for j in range(len(layers) - 1) for name in predictors}
     tokens = 0
@@ -105,8 +135,9 @@ def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
             nxt = routing[layers[j + 1]]
             for name, predictor in predictors.items():
                 with torch.no_grad():
-                    estimate = predictor.next_router_input(state, str(layers[j]), nxt)
-                    pred_w, pred_ids = nxt.route(estimate)
+                    predicted = predictor.predict(state, str(layers[j]), nxt)
+                    estimate = predicted.router_input
+                    pred_w, pred_ids = predicted.topk_weights, predicted.topk_ids
                 sums[(j, name)].add(pred_w, pred_ids, t.topk_weights[:, j + 1],
                                     t.topk_ids[:, j + 1], estimate, t.router_input[:, j + 1])
     transitions = [
@@ -114,9 +145,23 @@ def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
          **{name: sums[(j, name)].result() for name in predictors}}
         for j in range(len(layers) - 1)
     ]
-    return {"model": str(model_dir), "tokens": tokens, "top_k": top_k,
-            "num_experts": model.config.num_experts, "predictors": list(predictors),
+    if "estimator" in predictors:
+        add_hybrid(transitions)
+    return {"model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
+            "tokens": tokens, "top_k": top_k, "num_experts": model.config.num_experts,
+            "predictors": [*predictors, *(["hybrid"] if "estimator" in predictors else [])],
             "transitions": transitions}
+
+
+def add_hybrid(transitions: list[dict]) -> None:
+    """The ``hybrid`` column: the estimator's row where the default threshold (the mean
+    ``quasi_hidden`` recall) chooses it, ``quasi_hidden``'s elsewhere."""
+    from vllm_specexpert.predict.hybrid import hybrid_layers
+
+    chosen, _ = hybrid_layers({"transitions": transitions}, None)
+    for row in transitions:
+        row["hybrid"] = {**row["estimator" if row["from_layer"] in chosen else "quasi_hidden"],
+                         "uses_estimator": row["from_layer"] in chosen}
 
 
 def plot(result: dict, path: Path, title: str) -> None:
@@ -157,12 +202,19 @@ def print_table(result: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.add_argument("--calibration", help="calibration directory (adds quasi_hidden)")
+    parser.add_argument("--estimator", help="estimator directory (`specexpert "
+                        "train-estimator`, with the same calibration; adds estimator and "
+                        "hybrid)")
     parser.add_argument("--out", required=True, type=Path)
 
 
 def run(args: argparse.Namespace) -> None:
     model, docs, description = resolve_data_arguments(args, default_split="validation")
-    result = analyze(model, docs, args.calibration, window=args.window, max_tokens=args.max_tokens)
+    if args.estimator and not args.calibration:
+        sys.exit("specexpert analyze: --estimator needs --calibration (the estimator maps "
+                 "quasi_hidden's q_l)")
+    result = analyze(model, docs, args.calibration, window=args.window,
+                     max_tokens=args.max_tokens, estimator_dir=args.estimator)
     command = " ".join(["specexpert", *sys.argv[1:]])
     result.update(data=description, command=command)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,10 @@ TRAINED_MODEL = "trained"
 TRAINED_MODEL_DIR = ASSETS / "tiny-qwen3-moe"
 TRAINED_CALIBRATION_DIR = ASSETS / "tiny-qwen3-moe-calibration"
 """``specexpert calibrate`` of the trained model on its train split (for ``quasi_hidden``)."""
+TRAINED_ESTIMATOR_DIR = ASSETS / "tiny-qwen3-moe-estimator"
+"""``specexpert train-estimator`` of the trained model with that calibration."""
+TRAINED_ANALYSIS_DIR = ASSETS / "tiny-qwen3-moe-analysis"
+"""``specexpert analyze`` of the trained model with both (``hybrid``'s ``analysis``)."""
 DEFAULT_OUT = (
     Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "vllm-specexpert"))
     / "fixtures"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specexpert.artifacts import model_fingerprint
+from vllm_specexpert.artifacts import file_sha256, model_fingerprint
 from vllm_specexpert.predict import LayerState
 from vllm_specexpert.predict.estimator import (
     EstimatorShape,
@@ -150,6 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from vllm_specexpert.calibration import WEIGHTS_FILE as calibration_file
     from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR
 
     model_dir, documents, description = resolve_data_arguments(args, default_split="train")
@@ -179,7 +180,9 @@ def run(args: argparse.Namespace) -> None:
     }
     save_estimator(args.out, estimator, {
         "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
-        "calibration": str(Path(calibration).resolve()),
+        # q_l depends on the calibration's default vectors: the engine refuses another.
+        "calibration": {"path": str(Path(calibration).resolve()),
+                        "sha256": file_sha256(Path(calibration) / calibration_file)},
         "data": {"description": description, "tokens": len(data["q"]),
                  "sha256": info["tokens_sha256"]},
         "training": {k: result[k] for k in ("parameters", "held_out_tokens", "seconds")},

@@ -1,0 +1,55 @@
+"""``router_free``: a decode pass skips the router of a layer whose routing the neural
+estimator already predicted, when ``speculate`` will run that prediction anyway
+(speculating-experts §6: with an estimator, the router is no longer needed to choose
+the experts).
+
+vLLM's ``MoERunner`` applies the gate (when it holds it: Qwen3-MoE, DeepSeek-V2) and then
+``router.select_experts`` inside its opaque ``moe_forward`` op. Both are wrapped on the
+instance: when the engine hands back a routing
+(:meth:`~vllm_specexpert.engine.OffloadEngine.router_free_routing`), the gate returns an
+unused buffer instead of computing logits and the selection returns the prediction.
+Models whose forward applies the gate itself (Mixtral, OLMoE, GPT-OSS) skip the
+selection only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_specexpert.layers.forward_phase import current_phases
+
+
+class RouterFreeHook:
+    """Wraps one MoE layer's gate and expert selection (see module doc)."""
+
+    def __init__(self, runner: nn.Module, routed) -> None:
+        self.routed = routed  # the layer's OffloadedRoutedExperts
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.select_experts = runner.router.select_experts
+        runner.router.select_experts = self.select
+        self.gate = runner.gate
+        if self.gate is not None:
+            self.gate_forward = self.gate.forward
+            self.gate.forward = self.gate_call
+
+    def routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        tokens = hidden.shape[0]
+        if not current_phases(tokens, self.routed._decode_query_len).all_decode:
+            return None
+        return self.routed.engine.router_free_routing(self.routed.layer_name, tokens)
+
+    def gate_call(self, hidden: torch.Tensor, *args, **kwargs):
+        self.pending = self.routing(hidden)
+        if self.pending is None:
+            return self.gate_forward(hidden, *args, **kwargs)
+        # The runner passes the logits on to the selection, which ignores them.
+        return hidden.new_empty(hidden.shape[0], self.gate.weight.shape[0]), None
+
+    def select(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, **kwargs):
+        routing = self.pending if self.gate is not None else self.routing(hidden_states)
+        self.pending = None
+        if routing is None:
+            return self.select_experts(hidden_states=hidden_states,
+                                       router_logits=router_logits, **kwargs)
+        return routing
