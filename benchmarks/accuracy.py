@@ -1,7 +1,8 @@
 """What speculative execution costs in accuracy, per predictor (speculating-experts §4).
 
-    python benchmarks/accuracy.py [--model DIR] [--calibration DIR] [--budget 0.25]
-                                  [--prompts 16] [--max-tokens 64] [--windows 12]
+    python benchmarks/accuracy.py [--model DIR] [--calibration DIR] [--estimator DIR]
+                                  [--analysis DIR] [--budget 0.5 0.25] [--prompts 16]
+                                  [--max-tokens 64] [--windows 12]
 
 One plugin engine; each mode runs the same held-out text (validation files of the
 corpus, never trained on):
@@ -16,8 +17,15 @@ corpus, never trained on):
   log-likelihood of the actual token; ``recall`` = the engine's online recall@k over
   these decode tokens.
 
-The exact mode is ``fetch`` without prediction (bit-identical to vanilla vLLM). No link
-is emulated: nothing here is modeled. Writes ``benchmarks/results/accuracy.json``.
+The speculating modes are speculating-experts Table 1's rows: Router-PF (``router``),
+quasi-hidden PF, Est-PF (``estimator``) and Hybrid-PF (``hybrid``), at each budget;
+``kept`` is a mode's next-token accuracy over exact's. The estimator modes need an
+estimator and analysis (the shipped ones for the embedded model); without them they are
+left out, and the run says so.
+
+The exact mode is ``fetch`` without prediction (bit-identical to vanilla vLLM, at any
+budget). No link is emulated: nothing here is modeled. Writes
+``benchmarks/results/accuracy.json``.
 """
 
 from __future__ import annotations
@@ -44,11 +52,8 @@ from common import (  # noqa: E402
 
 from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
 
-MODES = {
-    "exact (fetch)": {"predictor": "none", "miss_policy": "fetch"},
-    "speculate router": {"predictor": "router", "miss_policy": "speculate"},
-    "speculate quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "speculate"},
-}
+EXACT = {"predictor": "none", "miss_policy": "fetch"}
+SPECULATING = ("router", "quasi_hidden", "estimator", "hybrid")
 PROMPT_TOKENS, FORCED_TOKENS = 16, 96
 
 
@@ -56,7 +61,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: the embedded model)")
     parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
-    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--estimator", help="estimator directory (default: the embedded "
+                        "model's)")
+    parser.add_argument("--analysis", help="analysis directory for hybrid (default: the "
+                        "embedded model's)")
+    parser.add_argument("--budget", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--windows", type=int, default=12)
@@ -68,14 +77,19 @@ def main() -> None:
 
     model = model_of(args)
     calibration = args.calibration or default_calibration(model)
-    llm = start_engine(model, {"budget": args.budget, "predictor": "quasi_hidden",
-                               "calibration": calibration}, eager=True, max_model_len=512,
-                       logits_processors=[TeacherForcing])
+    artifacts = estimator_artifacts(model, args)
+    predictors = [p for p in SPECULATING if artifacts or p in ("router", "quasi_hidden")]
+    llm = start_engine(model, {"budget": args.budget[0], "predictor": "quasi_hidden",
+                               "calibration": calibration, **artifacts}, eager=True,
+                       max_model_len=512, logits_processors=[TeacherForcing])
     prompts = held_out_prompts(args.prompts)
     windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS)
     actual = [t for w in windows for t in w[PROMPT_TOKENS:]]
+    modes = [("exact (fetch)", {"budget": args.budget[0], **EXACT})] + [
+        (f"speculate {p} @{b:g}", {"budget": b, "predictor": p, "miss_policy": "speculate"})
+        for b in args.budget for p in predictors]
     rows, exact = [], None
-    for name, mode in MODES.items():
+    for name, mode in modes:
         vllm_specexpert.reconfigure(llm, **mode)
         tokens = greedy_tokens(llm, prompts, args.max_tokens)
         vllm_specexpert.reset_stats(llm)
@@ -84,7 +98,7 @@ def main() -> None:
         stats = vllm_specexpert.get_stats(llm)[0]
         figures = decode_figures(stats)
         nll = -sum(forced["logprobs"]) / len(actual)
-        row = {"mode": name, **agreement(tokens, exact["tokens"]),
+        row = {"mode": name, "budget": mode["budget"], **agreement(tokens, exact["tokens"]),
                "accuracy": sum(a == b for a, b in zip(forced["top1"], actual)) / len(actual),
                "agree": sum(a == b for a, b in zip(forced["top1"], exact["top1"])) / len(actual),
                "nll": nll, "perplexity": math.exp(nll), "positions": len(actual),
@@ -98,21 +112,41 @@ def main() -> None:
     base = rows[0]
     for row in rows:
         row["accuracy_delta"] = row["accuracy"] - base["accuracy"]
+        row["kept"] = row["accuracy"] / base["accuracy"]
         row["nll_delta"] = row["nll"] - base["nll"]
     path = write_result(args.name, {
-        "model": model, "calibration": calibration, "budget": args.budget,
+        "model": model, "calibration": calibration, **artifacts, "budgets": args.budget,
         "prompts": len(prompts), "max_tokens": args.max_tokens, "windows": len(windows),
         "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS, "modeled": None,
         "rows": rows,
     })
-    print(f"\n{'mode':<24}{'agreement':>10}{'prefix':>8}{'next-tok acc':>13}{'Δacc':>8}"
+    print(f"\n{'mode':<30}{'agreement':>10}{'prefix':>8}{'next-tok acc':>13}{'kept':>7}"
           f"{'NLL':>7}{'ΔNLL':>7}{'top1=exact':>11}{'recall':>8}")
     for r in rows:
         recall = f"{r['recall']:.3f}" if r["recall"] is not None else "-"
-        print(f"{r['mode']:<24}{r['agreement']:>10.3f}{r['prefix']:>8.3f}{r['accuracy']:>13.4f}"
-              f"{r['accuracy_delta']:>+8.4f}{r['nll']:>7.3f}{r['nll_delta']:>+7.3f}"
+        print(f"{r['mode']:<30}{r['agreement']:>10.3f}{r['prefix']:>8.3f}{r['accuracy']:>13.4f}"
+              f"{r['kept']:>7.3f}{r['nll']:>7.3f}{r['nll_delta']:>+7.3f}"
               f"{r['agree']:>11.3f}{recall:>8}")
     print(f"wrote {path}\ncommand: {command_line()}")
+
+
+def estimator_artifacts(model: str, args: argparse.Namespace) -> dict:
+    """``estimator`` and ``analysis`` for the config: given, the embedded model's, or
+    none (the estimator modes are then left out, said on stdout)."""
+    from vllm_specexpert.tools.fixtures import (
+        TRAINED_ANALYSIS_DIR,
+        TRAINED_ESTIMATOR_DIR,
+        TRAINED_MODEL_DIR,
+    )
+
+    embedded = Path(model).resolve() == TRAINED_MODEL_DIR.resolve()
+    estimator = args.estimator or (str(TRAINED_ESTIMATOR_DIR) if embedded else None)
+    analysis = args.analysis or (str(TRAINED_ANALYSIS_DIR) if embedded else None)
+    if estimator is None or analysis is None:
+        print("estimator and hybrid left out: give --estimator (specexpert "
+              "train-estimator) and --analysis (specexpert analyze --estimator)")
+        return {}
+    return {"estimator": estimator, "analysis": analysis}
 
 
 if __name__ == "__main__":

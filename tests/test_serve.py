@@ -9,7 +9,9 @@ import time
 import requests
 
 from vllm_specexpert.tools.fixtures import (
+    TRAINED_ANALYSIS_DIR,
     TRAINED_CALIBRATION_DIR,
+    TRAINED_ESTIMATOR_DIR,
     TRAINED_MODEL_DIR,
     ensure_model,
 )
@@ -23,12 +25,15 @@ def offload_config(stats_path, **extra) -> dict:
 
 
 def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
-    """The embedded model served with quasi-hidden prediction and speculative
-    execution: the whole engine behind vLLM's OpenAI server."""
+    """The embedded model served with Hybrid-PF prediction (the estimator after some
+    layers, quasi_hidden after the others), speculative execution and the router-free
+    path: the whole engine behind vLLM's OpenAI server."""
     model = str(TRAINED_MODEL_DIR)
     stats_path = tmp_path / "stats.json"
-    config = offload_config(stats_path, predictor="quasi_hidden", miss_policy="speculate",
-                            calibration=str(TRAINED_CALIBRATION_DIR))
+    config = offload_config(stats_path, predictor="hybrid", miss_policy="speculate",
+                            router_free=True, calibration=str(TRAINED_CALIBRATION_DIR),
+                            estimator=str(TRAINED_ESTIMATOR_DIR),
+                            analysis=str(TRAINED_ANALYSIS_DIR))
     port = free_port()
     temp = tmp_path / "tmp"  # the server's TMPDIR, to count what it leaves there
     temp.mkdir()
@@ -44,7 +49,9 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
         assert stats["decode_tokens"] == 15
         assert stats["total"]["prefill"]["misses"] > 0 and stats["link"]["bytes"] > 0
         assert stats["output"] == "approximate"
-        assert stats["total"]["decode"]["speculated_calls"] > 0
+        decode = stats["total"]["decode"]
+        # Layers after the estimator's skipped their router; quasi_hidden's did not.
+        assert decode["speculated_calls"] > decode["router_free_calls"] > 0
         check_metrics_match_stats(port, stats_path, model)
     # Issue 22 (5): every start used to leave its snapshot directory behind.
     assert metrics_directories(temp) == []

@@ -56,3 +56,45 @@ def test_fused_prediction_equals_the_torch_path(name, renormalize):
     got = predictor.predict(state, "l", NextLayerRouting(torch_path.norm, torch_path.route, fused))
     assert torch.equal(got.topk_ids, expected.topk_ids)
     torch.testing.assert_close(got.topk_weights, expected.topk_weights, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_estimator_equals_the_torch_path(renormalize):
+    """The estimator's one launch (network, softmax, top-k) against the network in torch
+    and the torch selection, on q_l of quasi_hidden."""
+    from vllm_specexpert.predict import EstimatorPredictor, PredictorInputs
+    from vllm_specexpert.predict.estimator import EstimatorShape, ExpertEstimator
+
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    state = LayerState(
+        router_input=torch.randn(TOKENS, HIDDEN, generator=g),
+        topk_ids=torch.stack([torch.randperm(16, generator=g)[:TOP_K] for _ in range(TOKENS)]).int(),
+        topk_weights=torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), -1),
+    )
+    network = ExpertEstimator(EstimatorShape(hidden_size=HIDDEN, num_transitions=3,
+                                             num_experts=EXPERTS, top_k=TOP_K, latent=32))
+    for p in network.parameters():  # trained-looking values, not the init's zeros
+        p.data = torch.randn(p.shape, generator=g) * 0.3
+    this_norm = torch.rand(HIDDEN, generator=g) + 0.5
+    predictor = EstimatorPredictor(PredictorInputs(
+        {"l": torch.randn(16, HIDDEN, generator=g)}, {"l": residual_scale(this_norm, 3.0)},
+        network.eval()), {"l": 2})
+    torch_path, fused = _next_layer(g, renormalize)
+
+    def route_logits(x, logits):
+        weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), TOP_K, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids.int()
+
+    routing = NextLayerRouting(torch_path.norm, torch_path.route, route_logits=route_logits)
+    expected = predictor.predict(state, "l", routing)
+    routing.fused = fused
+    got = predictor.predict(state, "l", routing)
+    assert got.by_estimator and expected.by_estimator
+    assert torch.equal(got.topk_ids, expected.topk_ids)
+    torch.testing.assert_close(got.topk_weights, expected.topk_weights, rtol=2e-5, atol=1e-6)
+    # Another transition's embedding predicts other experts: the kernel reads row j.
+    predictor.estimator_layers["l"] = 0
+    assert not torch.equal(predictor.predict(state, "l", routing).topk_ids, got.topk_ids)

@@ -51,15 +51,16 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
         shape = (hidden.shape[-1],)
         return torch.nn.functional.rms_norm(hidden.float(), shape, norm_weight, eps).to(hidden.dtype)
 
-    # The selection as vLLM built it (``router_free`` wraps the instance's later).
-    select_experts = runner.router.select_experts
+    # The gate and selection as vLLM built them: ``router_free`` wraps the instance's
+    # later, for the layer's own calls only (these are the previous layer's).
+    gate_forward, select_experts = gate.forward, runner.router.select_experts
 
     def route_logits(hidden: torch.Tensor, logits: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts(hidden_states=hidden, router_logits=logits)
 
     def route(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = gate(hidden)  # the module: on CPU its weight is prepacked for oneDNN
+        logits = gate_forward(hidden)  # the module's: on CPU its weight is prepacked for oneDNN
         return route_logits(hidden, logits[0] if isinstance(logits, tuple) else logits)
 
     return NextLayerRouting(norm=rms_norm, route=route, route_logits=route_logits,

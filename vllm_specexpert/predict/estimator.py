@@ -174,9 +174,15 @@ class EstimatorPredictor(QuasiHiddenPredictor):
         if transition is None:
             return super().predict(state, layer, nxt)
         q = self.next_router_input(state, layer, nxt)
-        with torch.no_grad():
-            logits = self.estimator(q.float(), transition)
-        weights, ids = nxt.route_logits(q, logits)
+        if nxt.fused is not None:  # CUDA, plain softmax top-k: the network in one launch
+            from vllm_specexpert.triton_kernels.estimate import estimate_routing
+
+            weights, ids = estimate_routing(q, self.estimator, transition, nxt.fused.top_k,
+                                            nxt.fused.renormalize)
+        else:
+            with torch.no_grad():
+                logits = self.estimator(q.float(), transition)
+            weights, ids = nxt.route_logits(q, logits)
         return Prediction(topk_weights=weights, topk_ids=ids, router_input=q,
                           by_estimator=True)
 

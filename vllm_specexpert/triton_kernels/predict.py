@@ -73,15 +73,25 @@ def predict_routing_kernel(
         logits += tl.sum(gate * x[None, :], axis=1)
     if QUASI_HIDDEN:
         logits = logits / tl.sqrt(tl.sum(squares, axis=0) / H + eps)
-
     logits = tl.where(expert_mask, logits, float("-inf"))
+
+    store_top_k(logits, t, out_ids_ptr, out_weights_ptr, TOPK, TOPK_PAD, BLOCK_E,
+                RENORMALIZE)
+
+
+@triton.jit
+def store_top_k(logits, t, out_ids_ptr, out_weights_ptr, TOPK: tl.constexpr,
+                TOPK_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Softmax over the ``[BLOCK_E]`` logits (entries past E are ``-inf``), top-k,
+    optionally renormalized, stored as token ``t``'s row of the outputs."""
+    experts = tl.arange(0, BLOCK_E)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
 
     slots = tl.arange(0, TOPK_PAD)
     chosen_ids = tl.zeros([TOPK_PAD], dtype=tl.int32)
     chosen_weights = tl.zeros([TOPK_PAD], dtype=tl.float32)
-    remaining = tl.where(expert_mask, probs, -1.0)
+    remaining = tl.where(logits > float("-inf"), probs, -1.0)
     for k in tl.static_range(TOPK):
         best = tl.max(remaining, axis=0)
         # Lowest index among equal probabilities, like a stable sort.
