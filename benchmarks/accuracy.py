@@ -38,10 +38,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    add_predictor_arguments,
     agreement,
     command_line,
     decode_figures,
     default_calibration,
+    estimator_artifacts,
     greedy_tokens,
     held_out_prompts,
     held_out_windows,
@@ -59,12 +61,7 @@ PROMPT_TOKENS, FORCED_TOKENS = 16, 96
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: the embedded model)")
-    parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
-    parser.add_argument("--estimator", help="estimator directory (default: the embedded "
-                        "model's)")
-    parser.add_argument("--analysis", help="analysis directory for hybrid (default: the "
-                        "embedded model's)")
+    add_predictor_arguments(parser)
     parser.add_argument("--budget", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -128,25 +125,6 @@ def main() -> None:
               f"{r['kept']:>7.3f}{r['nll']:>7.3f}{r['nll_delta']:>+7.3f}"
               f"{r['agree']:>11.3f}{recall:>8}")
     print(f"wrote {path}\ncommand: {command_line()}")
-
-
-def estimator_artifacts(model: str, args: argparse.Namespace) -> dict:
-    """``estimator`` and ``analysis`` for the config: given, the embedded model's, or
-    none (the estimator modes are then left out, said on stdout)."""
-    from vllm_specexpert.tools.fixtures import (
-        TRAINED_ANALYSIS_DIR,
-        TRAINED_ESTIMATOR_DIR,
-        TRAINED_MODEL_DIR,
-    )
-
-    embedded = Path(model).resolve() == TRAINED_MODEL_DIR.resolve()
-    estimator = args.estimator or (str(TRAINED_ESTIMATOR_DIR) if embedded else None)
-    analysis = args.analysis or (str(TRAINED_ANALYSIS_DIR) if embedded else None)
-    if estimator is None or analysis is None:
-        print("estimator and hybrid left out: give --estimator (specexpert "
-              "train-estimator) and --analysis (specexpert analyze --estimator)")
-        return {}
-    return {"estimator": estimator, "analysis": analysis}
 
 
 if __name__ == "__main__":

@@ -116,6 +116,35 @@ def add_engine_arguments(parser, name: str) -> None:
     parser.add_argument("--name", default=name, help="result file name")
 
 
+def add_predictor_arguments(parser) -> None:
+    """The model and the predictors' artifacts (defaults: the embedded model's)."""
+    parser.add_argument("--model", help="model directory (default: the embedded model)")
+    parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
+    parser.add_argument("--estimator", help="estimator directory (default: the embedded "
+                        "model's)")
+    parser.add_argument("--analysis", help="analysis directory for hybrid (default: the "
+                        "embedded model's)")
+
+
+def estimator_artifacts(model: str, args) -> dict:
+    """``estimator`` and ``analysis`` for the config: given, the embedded model's, or
+    none (the estimator modes are then left out, said on stdout)."""
+    from vllm_specexpert.tools.fixtures import (
+        TRAINED_ANALYSIS_DIR,
+        TRAINED_ESTIMATOR_DIR,
+        TRAINED_MODEL_DIR,
+    )
+
+    embedded = Path(model).resolve() == TRAINED_MODEL_DIR.resolve()
+    estimator = args.estimator or (str(TRAINED_ESTIMATOR_DIR) if embedded else None)
+    analysis = args.analysis or (str(TRAINED_ANALYSIS_DIR) if embedded else None)
+    if estimator is None or analysis is None:
+        print("estimator and hybrid left out: give --estimator (specexpert "
+              "train-estimator) and --analysis (specexpert analyze --estimator)")
+        return {}
+    return {"estimator": estimator, "analysis": analysis}
+
+
 def link_like_a_gpu_box(vanilla, plugin, args) -> tuple[dict[str, float], float, int]:
     """The emulated link of :func:`emulated_link` for this model, measured on the vanilla
     engine. Returns (link config, vanilla batch-1 decode step seconds, bytes per expert)."""
@@ -215,7 +244,10 @@ def default_calibration(model: str, max_tokens: int = 65536) -> str:
     embedded model, otherwise made once and cached under ``$SPECEXPERT_CACHE/calibration``."""
     import hashlib
 
-    from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.fixtures import (
+        TRAINED_CALIBRATION_DIR,
+        TRAINED_MODEL_DIR,
+    )
 
     if Path(model).resolve() == TRAINED_MODEL_DIR.resolve():
         return str(TRAINED_CALIBRATION_DIR)

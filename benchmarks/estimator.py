@@ -2,7 +2,7 @@
 
     python benchmarks/estimator.py [--model DIR] [--estimator DIR] [--analysis DIR]
                                    [--batches 1 8] [--budget 0.25] [--rounds 3]
-                                   [--max-tokens 48] [--copy-compute-ratio 2.7] [--eager]
+                                   [--max-tokens 48] [--copy-compute-ratio 2.7]
 
 1. Per layer call, measured inside the running vLLM worker on its own tensors: one
    prediction by ``quasi_hidden`` and by ``estimator`` (q_l, then the network and the
@@ -11,9 +11,10 @@
 2. Decode TPOT and prefill (time to the first token) under ``speculate`` with
    ``estimator`` and ``hybrid``, each without and with ``router_free``, beside
    ``quasi_hidden``, in interleaved rounds, on an emulated link where one expert copy
-   takes ``--copy-compute-ratio`` times one MoE layer's decode compute (MODELED, see
-   ``common.emulated_link``; the host is not used: ``speculate`` fetches).
+   takes ``--copy-compute-ratio`` times one MoE layer's decode compute at budget 1.0
+   (MODELED, see ``common.emulated_link``; the host is not used: ``speculate`` fetches).
 
+The engine runs eagerly (``enforce_eager``): ``router_free`` needs it on the CPU build.
 Writes ``benchmarks/results/estimator.json``.
 """
 
@@ -28,11 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from accuracy import estimator_artifacts  # noqa: E402
 from common import (  # noqa: E402
+    add_predictor_arguments,
     command_line,
     decode_figures,
     default_calibration,
+    estimator_artifacts,
     held_out_prompts,
     link_like_a_gpu_box,
     model_of,
@@ -64,7 +66,11 @@ def per_call_costs(model) -> dict:
     import torch
 
     from vllm_specexpert.layers.model_classes import _offloaded_layers
-    from vllm_specexpert.predict import EstimatorPredictor, LayerState, QuasiHiddenPredictor
+    from vllm_specexpert.predict import (
+        EstimatorPredictor,
+        LayerState,
+        QuasiHiddenPredictor,
+    )
 
     layers = _offloaded_layers(model)
     (_, _, routed), (_, layer, _) = layers[1], layers[2]
@@ -109,19 +115,13 @@ def per_call_costs(model) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: the embedded model)")
-    parser.add_argument("--calibration", help="calibration directory")
-    parser.add_argument("--estimator", help="estimator directory (default: the embedded "
-                        "model's)")
-    parser.add_argument("--analysis", help="analysis directory (default: the embedded "
-                        "model's)")
+    add_predictor_arguments(parser)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--copy-compute-ratio", type=float, default=2.7)
     parser.add_argument("--latency-us", type=float, default=10.0)
-    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
     args = parser.parse_args()
 
     import vllm_specexpert
@@ -132,10 +132,13 @@ def main() -> None:
         sys.exit("benchmarks/estimator.py needs an estimator and an analysis")
     config = {"budget": args.budget, "predictor": "estimator", "miss_policy": "speculate",
               "calibration": args.calibration or default_calibration(model), **artifacts}
-    vanilla = start_engine(model, None, eager=args.eager, max_model_len=512)
-    plugin = start_engine(model, config, eager=args.eager, max_model_len=512)
-    link, vanilla_step, _ = link_like_a_gpu_box(vanilla, plugin, args)
-    stop_engine(vanilla)
+    # One engine (the per-call timing needs it in this process, and a second in-process
+    # engine cannot be stopped without taking the first's process groups): the link is
+    # sized on its own budget-1.0 step, which is vanilla's within noise (tpot.json).
+    plugin = start_engine(model, config, eager=True, max_model_len=512)
+    vllm_specexpert.reconfigure(plugin, budget=1.0, predictor="none", miss_policy="fetch")
+    link, full_step, _ = link_like_a_gpu_box(plugin, plugin, args)
+    vllm_specexpert.reconfigure(plugin, **config)
     costs = plugin.apply_model(per_call_costs)[0]
     print("per layer call (us):", costs)
     vllm_specexpert.reconfigure(plugin, link={**link})
@@ -171,7 +174,7 @@ def main() -> None:
     stop_engine(plugin)
     path = write_result("estimator", {
         "model": model, **artifacts, "budget": args.budget, "rounds": args.rounds,
-        "max_tokens": args.max_tokens, "vanilla_step_ms": vanilla_step * 1e3,
+        "max_tokens": args.max_tokens, "budget_1_step_ms": full_step * 1e3,
         "per_call_us": costs,
         "modeled": modeled(link, args.copy_compute_ratio, note="TPOT rows only"),
         "rows": rows})

@@ -185,3 +185,24 @@ def test_hybrid_chooses_the_transitions_below_the_threshold():
     assert hybrid_layers({"transitions": rows}, None) == ([1, 3], pytest.approx(0.7))
     assert hybrid_layers({"transitions": rows}, 0.85)[0] == [1, 2, 3]
     assert hybrid_layers({"transitions": rows}, 0.0)[0] == []
+
+
+@pytest.mark.slow
+def test_compiled_mode_is_exact_under_fetch_and_refuses_router_free():
+    """vLLM's default (compiled) mode traces the runner's gate and selection into the
+    graph: no wrapper is installed (the graph stays vanilla's), and router_free, which
+    would need one, is refused naming it."""
+    compiled = make_llm(TRAINED_MODEL, eager=False, specexpert={
+        "budget": 0.25, "predictor": "estimator", **ARTIFACTS})
+    try:
+        outputs = greedy(compiled)
+        reference = vanilla_reference(TRAINED_MODEL, eager=False)
+        assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+        assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
+        vllm_specexpert.reconfigure(compiled, miss_policy="speculate")
+        with pytest.raises(SpecExpertConfigError) as error:
+            vllm_specexpert.reconfigure(compiled, router_free=True)
+        assert error.value.field_name == "router_free" and "enforce_eager" in str(error.value)
+        assert greedy(compiled)  # still serving, still without router_free
+    finally:
+        shutdown(compiled)

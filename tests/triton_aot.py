@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vllm_specexpert.triton_kernels import dequantize
+from vllm_specexpert.triton_kernels import dequantize, estimate
 from vllm_specexpert.triton_kernels.predict import block_h, predict_routing_kernel
 from vllm_specexpert.triton_kernels.slots import (
     copy_experts_kernel,
@@ -75,7 +75,29 @@ def _predict(name: str, quasi_hidden: bool, top_k: int, experts: int,
     )
 
 
+def _estimate(name: str, top_k: int, experts: int, hidden: int, latent: int = 128,
+              inner: int = 256) -> Specialization:
+    return Specialization(
+        name=name,
+        kernel=estimate.estimate_routing_kernel,
+        types={
+            "q_ptr": "*bf16", "stride_q": "i64",
+            **{f"{p}_ptr": "*fp32" for p in (
+                "proj_w", "proj_b", "embedding", "up_w", "up_b", "down_w", "down_b",
+                "norm_w", "norm_b", "head_w", "head_b", "scratch", "out_weights")},
+            "out_ids_ptr": "*i32", "H": "i32", "M": "i32", "E": "i32", "eps": "fp32",
+        },
+        constexprs={
+            "D": latent, "TOPK": top_k, "TOPK_PAD": triton.next_power_of_2(top_k),
+            "BLOCK_E": triton.next_power_of_2(experts), "RENORMALIZE": True,
+            **estimate.blocks(latent, inner, hidden, experts),
+        },
+    )
+
+
 SPECIALIZATIONS: list[Specialization] = [
+    _estimate("estimate_e128_k8", 8, 128, 2048),                    # Qwen3-30B-A3B
+    _estimate("estimate_e64_k6", 6, 64, 2048),                      # DeepSeek-V2-Lite
     _predict("predict_quasi_hidden_e128_k8", True, 8, 128, 2048),   # Qwen3-30B-A3B
     _predict("predict_router_e128_k8", False, 8, 128, 2048),
     _predict("predict_quasi_hidden_e64_k6", True, 6, 64, 2048),     # DeepSeek-V2-Lite

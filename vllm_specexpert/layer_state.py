@@ -59,6 +59,8 @@ class OffloadedLayer:
     """The mesh peers that hold this layer's experts (``mesh``)."""
     local_experts: np.ndarray | None = None
     """Experts pinned in the device cache for good (``mesh.placement: replicate_hot``)."""
+    router_skippable: bool = False
+    """Its router can be skipped (``router_free``: wrappers installed at start)."""
 
     def equip(self, config: SpecExpertConfig, link: Link, device: torch.device,
               pool: SlotPool | None) -> None:
@@ -140,6 +142,11 @@ def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
         raise SpecExpertConfigError(
             "predictor", f"{config.predictor} needs the calibration's default vectors, "
             "loaded at engine start", "start the engine with 'calibration' set")
+    if config.router_free and not any(layer.router_skippable for layer in layers):
+        raise SpecExpertConfigError(
+            "router_free", "skips routers in Python per call, and this engine's MoE "
+            "runner is traced into torch.compile's graph (the CPU build's compiled mode)",
+            "start the engine with enforce_eager=True (--enforce-eager), or remove it")
     if predictor.needs_estimator and inputs.estimator is None:
         raise SpecExpertConfigError(
             "predictor", f"{config.predictor} needs the estimator, loaded at engine start",

@@ -23,7 +23,7 @@ from vllm.platforms import current_platform
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts, offloaded
-from vllm_specexpert.layers.router_free import RouterFreeHook
+from vllm_specexpert.layers.router_free import RouterFreeHook, runner_is_eager
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.predict import (
     FusedRouting,
@@ -111,9 +111,10 @@ def wire_model(model: nn.Module) -> None:
     from vllm_specexpert.calibration import load_calibration
 
     calibration = load_calibration(engine.config.calibration)  # checked at engine start
-    if engine.config.estimator is not None:  # router_free can be switched on at run time
-        for _, layer, routed in layers[1:]:
-            routed.router_free_hook = RouterFreeHook(layer.mlp.experts, routed)
+    if engine.config.estimator is not None and runner_is_eager():
+        for _, layer, routed in layers[1:]:  # router_free can be switched on at run time
+            RouterFreeHook(layer.mlp.experts, routed)
+            engine.layers[routed.layer_name].router_skippable = True
     engine.set_predictor_inputs(_estimator_inputs(engine.config, layers, PredictorInputs(
         {routed.layer_name: calibration.default_vectors[index] for index, _, routed in layers},
         {routed.layer_name: residual_scale(layer.post_attention_layernorm.weight.data,

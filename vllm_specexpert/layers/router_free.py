@@ -4,12 +4,18 @@ estimator already predicted, when ``speculate`` will run that prediction anyway
 the experts).
 
 vLLM's ``MoERunner`` applies the gate (when it holds it: Qwen3-MoE, DeepSeek-V2) and then
-``router.select_experts`` inside its opaque ``moe_forward`` op. Both are wrapped on the
-instance: when the engine hands back a routing
-(:meth:`~vllm_specexpert.engine.OffloadEngine.router_free_routing`), the gate returns an
-unused buffer instead of computing logits and the selection returns the prediction.
-Models whose forward applies the gate itself (Mixtral, OLMoE, GPT-OSS) skip the
-selection only.
+``router.select_experts``. Both are wrapped on the instance: when the engine hands back a
+routing (:meth:`~vllm_specexpert.engine.OffloadEngine.router_free_routing`), the gate
+returns an unused buffer instead of computing logits and the selection returns the
+prediction. Models whose forward applies the gate itself (Mixtral, OLMoE, GPT-OSS) skip
+the selection only.
+
+The decision is taken in Python per call, so the wrappers are installed only where the
+runner runs eagerly: with ``enforce_eager``, or on CUDA, where the runner is vLLM's
+opaque ``moe_forward`` op. On the CPU build's compiled mode torch.compile traces the
+runner into the model's graph, where the decision would be frozen at trace time; moving
+it into an opaque op of its own was tried and changed the compiled graph's fusions, hence
+the last bits of exact modes' output. There ``router_free`` is refused at start.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class RouterFreeHook:
 
     def __init__(self, runner: nn.Module, routed) -> None:
         self.routed = routed  # the layer's OffloadedRoutedExperts
+        routed.router_free_hook = self
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.select_experts = runner.router.select_experts
         runner.router.select_experts = self.select
@@ -53,3 +60,12 @@ class RouterFreeHook:
             return self.select_experts(hidden_states=hidden_states,
                                        router_logits=router_logits, **kwargs)
         return routing
+
+
+def runner_is_eager() -> bool:
+    """Whether vLLM runs the MoE runner's Python per call (see module doc)."""
+    from vllm.config import CompilationMode, get_current_vllm_config
+    from vllm.platforms import current_platform
+
+    mode = get_current_vllm_config().compilation_config.mode
+    return not current_platform.is_cpu() or mode == CompilationMode.NONE
