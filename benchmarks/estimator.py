@@ -105,9 +105,9 @@ def per_call_costs(model) -> dict:
         weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
         state = LayerState(x, ids.to(torch.int32), weights)
         with torch.no_grad():
-            row = {name: median_us(lambda p=p: p.predict(state, routed.layer_name, nxt))
+            row = {name: median_us(lambda p=p, s=state: p.predict(s, routed.layer_name, nxt))
                    for name, p in predictors.items()}
-            row["router"] = median_us(lambda: select(
+            row["router"] = median_us(lambda x=x: select(
                 hidden_states=x, router_logits=gate(x)[0]))
         result[tokens] = row
     return result

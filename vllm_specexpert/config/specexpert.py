@@ -117,7 +117,8 @@ class SpecExpertConfig:
     """Under ``speculate``, decode passes skip the router (gate and expert selection) of
     layers whose routing the estimator predicted: they run the prediction anyway. The
     output is the same as without; the prediction's hit rate is then not measured on
-    those layers. Needs ``predictor`` ``estimator`` or ``hybrid``."""
+    those layers. Needs ``predictor`` ``estimator`` or ``hybrid``, and on the CPU build
+    ``enforce_eager`` (compiled mode traces the router into the graph)."""
 
     plec_preload: Literal["none", "step", "next"] = "none"
     """What ``cache: plec`` loads ahead of demand, beyond choosing victims by the

@@ -1,6 +1,7 @@
 """How well can layer l predict layer l+1's experts? (speculating-experts Figures 3-5)
 
-    specexpert analyze [MODEL] --calibration DIR [--data FILE... | --split validation] --out DIR
+    specexpert analyze [MODEL] --calibration DIR [--estimator DIR]
+                       [--data FILE... | --split validation] --out DIR
 
 Runs held-out text through the transformers model and, for every pair of consecutive MoE
 layers (l, l+1) and every predictor, compares the predicted routing of l+1 (made from
@@ -12,7 +13,11 @@ layer l's state with the same predictor code the plugin runs) with the router's:
 * ``rank_alignment[j]``: the share of tokens whose j-th expert by routing weight is the
   same in prediction and truth.
 
-Writes ``analysis.json`` and ``analysis.png`` to ``--out``.
+Predictors: ``router``, ``quasi_hidden`` (with ``--calibration``), ``estimator`` (with
+``--estimator``, trained with that calibration) and ``hybrid`` (the estimator's row where
+``quasi_hidden``'s recall is below its mean, as ``predictor: hybrid`` chooses by default).
+Writes ``analysis.json`` (with the model's fingerprint: ``hybrid``'s ``analysis`` reads
+it) and ``analysis.png`` to ``--out``.
 """
 
 from __future__ import annotations

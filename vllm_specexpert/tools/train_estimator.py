@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -170,8 +171,7 @@ def run(args: argparse.Namespace) -> None:
     estimator.layer_indices = info["moe_layer_indices"]
     quasi_hidden = recall(held["qh_ids"], held["true_ids"])
     result = {
-        "command": "specexpert train-estimator " + " ".join(
-            f"{k}={v}" for k, v in vars(args).items() if k != "func"),
+        "command": " ".join(["specexpert", *sys.argv[1:]]),
         "parameters": sum(p.numel() for p in estimator.parameters()),
         "held_out_tokens": len(held["q"]), "curve": curve,
         "quasi_hidden_recall_per_transition": quasi_hidden.tolist(),
