@@ -20,7 +20,7 @@ package is named here)::
     1  log              vLLM's logger for the package
     1  vllm_hooks       every patch of vLLM's code, behaviour given as callbacks
     1  triton_kernels/  CUDA kernels: predict (next-layer routing), slots (map, copies),
-                        dequantize (packed experts to bf16)
+                        dequantize (packed experts to bf16), estimate (the estimator)
     2  tiers/           where experts live and how they move: store (slow tier), slots
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
