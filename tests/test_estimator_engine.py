@@ -144,6 +144,31 @@ def test_config_errors_name_the_field(raw, field):
     assert error.value.field_name == field
 
 
+@pytest.mark.parametrize("bad", ["missing_estimator", "nan_estimator", "other_analysis"])
+def test_a_bad_artifact_is_refused_at_engine_start(tmp_path, bad):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    artifacts = dict(ARTIFACTS)
+    if bad == "missing_estimator":
+        artifacts["estimator"], field = str(tmp_path / "nowhere"), "estimator"
+    elif bad == "nan_estimator":
+        shutil.copytree(TRAINED_ESTIMATOR_DIR, tmp_path / "e")
+        state = load_file(str(tmp_path / "e" / "estimator.safetensors"))
+        state["head.bias"][3] = float("nan")
+        save_file(state, str(tmp_path / "e" / "estimator.safetensors"))
+        artifacts["estimator"], field = str(tmp_path / "e"), "estimator"
+    else:
+        analysis = json.loads((TRAINED_ANALYSIS_DIR / "analysis.json").read_text())
+        analysis["model_fingerprint"]["num_hidden_layers"] = 48
+        (tmp_path / "analysis.json").write_text(json.dumps(analysis))
+        artifacts["analysis"], field = str(tmp_path), "analysis"
+    with pytest.raises(SpecExpertConfigError) as error:
+        make_llm(TRAINED_MODEL, specexpert={"predictor": "hybrid", **artifacts})
+    assert error.value.field_name == field
+
+
 def test_an_estimator_trained_with_another_calibration_is_refused(tmp_path):
     import shutil
 
