@@ -11,6 +11,7 @@ from moe_reference import random_layer, reference_moe, slot_kernel
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.predict import PredictorInputs
 
 E, K, H, LAYERS = 16, 2, 32, 3
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
@@ -245,8 +246,8 @@ def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(
         engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[name].items()},
                          top_k=K, index=index)
     pool = engine.pool
-    engine.set_quasi_hidden({n: torch.zeros(E, H) for n in NAMES},
-                            {n: torch.ones(H) for n in NAMES})
+    engine.set_predictor_inputs(PredictorInputs({n: torch.zeros(E, H) for n in NAMES},
+                                                {n: torch.ones(H) for n in NAMES}))
     engine.start()
     assert engine.pool is pool and pool.num_slots == LAYERS * 4
     assert engine.predictor is not None and engine.predictor.name == "quasi_hidden"

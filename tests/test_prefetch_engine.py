@@ -15,6 +15,7 @@ from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.predict import (
     LayerState,
     NextLayerRouting,
+    PredictorInputs,
     QuasiHiddenPredictor,
     residual_scale,
 )
@@ -169,8 +170,9 @@ def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
     assert engine.stats()["predictor"] == "quasi_hidden"
     # Zero default vectors and unit scale: q = LN_1(s_0), the router predictor's input
     # up to layer 1's norm.
-    engine.set_quasi_hidden({NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)},
-                            {NAMES[0]: torch.ones(H), NAMES[1]: torch.ones(H)})
+    engine.set_predictor_inputs(PredictorInputs(
+        {NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)},
+        {NAMES[0]: torch.ones(H), NAMES[1]: torch.ones(H)}))
     x0 = tokens(2, 1)
     _, (_, _, ids1), _ = step(engine, toy, x0)
     _, expected = softmax_topk(gates[1])(rms_norm(norms[1])(x0))
