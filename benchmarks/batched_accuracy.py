@@ -143,6 +143,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     splits = list(dict.fromkeys(r["split"] for r in rows))
     fig, axes = plt.subplots(1, len(splits), figsize=(6.5 * len(splits), 4.5), squeeze=False)
     for ax, split in zip(axes[0], splits):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 11 modes: tab10 would repeat
         for mode in dict.fromkeys(r["mode"] for r in rows):
             mine = sorted((r["batch"], r["kept"]) for r in rows
                           if r["split"] == split and r["mode"] == mode)
