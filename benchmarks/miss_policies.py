@@ -76,7 +76,7 @@ POLICIES = {
     "lowbit + admission": {"miss_policy": "lowbit", "admit_host_experts": True},
 }
 """Table 1: each policy with its defaults (buddy gates: tau at the 15th TAE percentile,
-beta 0.75, rho 3, alpha 0.95, K_max 16; no admission of host-computed experts unless
+beta 0.75, rho 1, alpha 0.95, K_max 16; no admission of host-computed experts unless
 marked; ``lowbit``'s top_k low-bit slots come out of the budget)."""
 
 PAPER_ROWS = {
@@ -93,7 +93,7 @@ PAPER_ROWS = {
 """Table 2: BuddyMoE's rows (CFT alpha, |B| = K_max, rho; no rho = all top-k)."""
 
 DEFAULT_BUDDY = {"alpha": 0.95, "k_max": 16, "tau": None, "tau_percentile": 15.0,
-                 "beta": 0.75, "rho": 3}
+                 "beta": 0.75, "rho": 1}
 
 
 def measure(llm, windows, prompts, plugin: bool) -> dict:

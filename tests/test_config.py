@@ -280,7 +280,7 @@ def test_a_change_is_checked_alone():
     ({"miss_policy": "cpu", "admit_host_experts": True}, {"miss_policy": "fetch"},
      {"admit_host_experts": False}),
     ({"miss_policy": "buddy", "calibration": "c", "buddy": {"rho": 2, "beta": 0.5}},
-     {"miss_policy": "fetch"}, {"buddy": {"rho": 3, "beta": 0.75}}),
+     {"miss_policy": "fetch"}, {"buddy": {"rho": 1, "beta": 0.75}}),
     ({"miss_policy": "speculate", "predictor": "router", "exact_layers": [1],
       "prefetch_filter": "all"}, {"miss_policy": "fetch", "predictor": "none"},
      {"exact_layers": None, "prefetch_filter": "cost"}),
