@@ -19,6 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_specexpert.tools.teacher_forcing import (  # noqa: F401 - shared by the scripts
+    held_out_windows,
+    teacher_forced,
+)
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -179,52 +184,6 @@ def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
     tokenizer = load_tokenizer()
     files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
     return [tokenizer.decode(tokenizer.encode(f.read()).ids[:tokens]) for f in files[:count]]
-
-
-def held_out_windows(count: int, length: int = 256,
-                     split: str = "validation") -> list[list[int]]:
-    """``count`` windows of ``length`` held-out tokens, spread over the ``split`` files
-    (``validation``, or ``test``: whole packages held out)."""
-    from vllm_specexpert.tools import corpus
-    from vllm_specexpert.tools.fixtures import load_tokenizer
-
-    tokenizer = load_tokenizer()
-    windows: list[list[int]] = []
-    for f in corpus.corpus_files(split):
-        ids = tokenizer.encode(f.read()).ids
-        windows += [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)]
-    step = max(1, len(windows) // count)  # spread over the files
-    return windows[::step][:count]
-
-
-def teacher_forced(llm, windows: list[list[int]], prompt_tokens: int,
-                   batch: int = 1) -> dict:
-    """Teacher-forced decode, ``batch`` windows at a time (submitted together, they
-    decode together: ``batch`` sequences per decode step): the first ``prompt_tokens``
-    of each window are the prompt, the rest is forced one decode step at a time
-    (:mod:`vllm_specexpert.tools.teacher_forcing`; the engine needs
-    ``logits_processors=[TeacherForcing]``), so every forced position runs the mode's
-    real decode path. Returns the model's top-1 and the forced token's logprob per
-    position (in window order), and the wall time."""
-    from vllm import SamplingParams, TokensPrompt
-
-    from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS as KEY
-
-    top1, logprobs = [], []
-    start = time.perf_counter()
-    for first in range(0, len(windows), batch):
-        group = windows[first:first + batch]
-        prompts = [TokensPrompt(prompt_token_ids=w[:prompt_tokens]) for w in group]
-        params = [SamplingParams(temperature=0.0, max_tokens=len(w) - prompt_tokens,
-                                 logprobs=1, ignore_eos=True,
-                                 extra_args={KEY: w[prompt_tokens:]}) for w in group]
-        for window, out in zip(group, llm.generate(prompts, params, use_tqdm=False)):
-            forced, sample = window[prompt_tokens:], out.outputs[0]
-            assert list(sample.token_ids) == forced, "teacher forcing did not hold"
-            for token, step in zip(forced, sample.logprobs):
-                top1.append(min(step.items(), key=lambda kv: kv[1].rank)[0])
-                logprobs.append(step[token].logprob)
-    return {"top1": top1, "logprobs": logprobs, "seconds": time.perf_counter() - start}
 
 
 def greedy_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:

@@ -1,0 +1,67 @@
+"""Approximate modes at a serving batch size: teacher-forced next-token accuracy along
+the decode path with 16 sequences per decode step, against ``fetch`` at the same batch
+size, on the trained model's held-out text (budget 0.25; one engine)."""
+
+import pytest
+from vllm_harness import make_llm, shutdown
+
+import vllm_specexpert
+from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL
+from vllm_specexpert.tools.teacher_forcing import (
+    TeacherForcing,
+    held_out_windows,
+    teacher_forced,
+)
+
+PROMPT, FORCED, WINDOWS, BATCH = 16, 32, 64, 16
+TARGET = 0.98
+TOLERANCE = 0.01
+"""The issue's bar is 98 % of exact's accuracy. Over these 2048 positions the two runs
+differ at ~12 % of them, so the accuracy ratio has a standard error of about 0.7 points:
+the test allows one point below the bar. The fault it is there for (BuddyMoE's rho = 3
+in a batch) loses 6-9 points."""
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = make_llm(TRAINED_MODEL, specexpert={
+        "budget": 0.25, "calibration": str(TRAINED_CALIBRATION_DIR)},
+        max_num_seqs=BATCH, logits_processors=[TeacherForcing])
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return held_out_windows(WINDOWS, PROMPT + FORCED)
+
+
+def accuracy(llm, windows, **mode) -> float:
+    vllm_specexpert.reconfigure(llm, **mode)
+    top1 = teacher_forced(llm, windows, PROMPT, BATCH)["top1"]
+    actual = [t for w in windows for t in w[PROMPT:]]
+    return sum(a == b for a, b in zip(top1, actual)) / len(actual)
+
+
+@pytest.fixture(scope="module")
+def exact(llm, windows):
+    return accuracy(llm, windows, miss_policy="fetch", predictor="none")
+
+
+@pytest.mark.parametrize("mode", [
+    {"miss_policy": "buddy"},
+    {"miss_policy": "auto_buddy"},
+    {"miss_policy": "speculate", "predictor": "quasi_hidden"},
+], ids=lambda m: m["miss_policy"])
+def test_an_approximate_mode_keeps_98_percent_in_a_batch(llm, windows, exact, mode):
+    kept = accuracy(llm, windows, **mode) / exact
+    print(f"{mode}: kept {kept:.3f} at {BATCH} sequences per step")
+    assert kept >= TARGET - TOLERANCE
+
+
+def test_buddymoes_rho_3_does_not_in_a_batch(llm, windows, exact):
+    # The defaults' reason (BuddyConfig.rho): three substitutions per token pass the
+    # per-call beta gate in a batch, and the accuracy falls below the bar.
+    kept = accuracy(llm, windows, miss_policy="buddy", buddy={"rho": 3}) / exact
+    print(f"buddy rho=3: kept {kept:.3f}")
+    assert kept < TARGET - TOLERANCE
