@@ -13,16 +13,16 @@ exactly (the router's experts, loaded on demand). For decode tokens, per layer c
 1. the prediction made for this layer at the previous one, if any, is scored against the
    router's choice (and under ``speculate`` replaces it);
 2. the predictor predicts the next layer's experts (read to the host with the router's
-   ids, one read); its prefetch is submitted just before this layer's kernel starts
-   (:class:`~vllm_specexpert.planner.prefetch.PrefetchPlanner`), so that the copy
-   overlaps this layer's expert compute and the next layer's attention;
+   ids, one read); their prefetch starts just before this layer's kernel
+   (:class:`~vllm_specexpert.planner.prefetch.PrefetchPlanner`): the copy overlaps this
+   layer's expert compute and the next layer's attention;
 3. with a step's predicted demand (``path_predictor``, or the ``lookahead`` draft's
-   routes: :meth:`OffloadEngine.attach_draft`), the PLEC planner plans the shared pool
-   (:class:`~vllm_specexpert.planner.plec.PlecPlanner`);
+   routes), the PLEC planner plans the shared pool (:mod:`~vllm_specexpert.planner.plec`);
 4. the executor surveys the cache, the miss policy decides about the missing entries
-   (those a mesh peer holds go to it, :meth:`OffloadEngine.attach_mesh`; predictions
-   then fire rows at peers, :mod:`~vllm_specexpert.planner.early_fire`, instead of
-   prefetching), and the executor runs the plan (:mod:`vllm_specexpert.execute`).
+   (those a mesh peer holds go to it; predictions then fire rows at peers,
+   :mod:`~vllm_specexpert.planner.early_fire`, instead of prefetching), the executor
+   runs the plan (:mod:`vllm_specexpert.execute`), and under a ``quality`` budget its
+   monitor samples the exact result beside it (:mod:`vllm_specexpert.quality`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from vllm_specexpert.predict import (
     Predictor,
     PredictorInputs,
 )
-from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.quality import LogitHead, QualityMonitor
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.peer import LayerPeers, PeerTier
@@ -74,18 +74,14 @@ class OffloadEngine:
         self.rank = rank
         self.store = ExpertStore(pin_memory=device.type == "cuda")
         self.link = make_link(config.link, device)
-        self.reader = HostReader(device)
-        """One device->host read per decode layer call (router ids + prediction)."""
+        self.reader = HostReader(device)  # one read per decode call: ids + prediction
+        # The running step's demand predicted by the scheduler's path predictor (set by
+        # the vLLM adapter per layer call; ``None`` without one).
         self.step_demand: StepDemand | None = None
-        """The running step's predicted demand from the scheduler's path predictor (set
-        by the vLLM adapter per layer call; ``None`` without one)."""
         self.layers: dict[str, OffloadedLayer] = {}
-        self.predictor_inputs = PredictorInputs()
-        """What the calibration and estimator gave the predictors (on the device)."""
-        self._predictions: dict[str, Prediction] = {}
-        """Layer name -> prediction for its decode tokens made earlier in the pass."""
-        self.lock = threading.Lock()
-        """Held while the layers change (reconfigure) or are read by another thread."""
+        self.predictor_inputs = PredictorInputs()  # the calibration's, estimator's
+        self._predictions: dict[str, Prediction] = {}  # layer -> made earlier in the pass
+        self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
         # ``lookahead``: the draft's routes as lookahead, its engine (set by
         # attach_draft), the draft length per step; a draft's engine: its target.
@@ -96,6 +92,7 @@ class OffloadEngine:
                                           if config.lookahead is not None else None)
         self.checkpoint: str | None = None  # the model's directory (mesh peers read it)
         self.mesh: PeerTier | None = None  # the mesh peers (attach_mesh)
+        self.logit_head: LogitHead | None = None  # the model's (quality), set_logit_head
         self._select(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
@@ -109,6 +106,7 @@ class OffloadEngine:
                         if self.pool is not None else None)
         mesh = config.mesh
         self.early_fire = EarlyFire(mesh.mode) if mesh and mesh.mode != "sync" else None
+        self.quality = QualityMonitor.of(config.quality, self.logit_head, self.layers)
 
     def _select_predictor(self, config: SpecExpertConfig) -> None:
         predictor = PREDICTOR_CLASSES[config.predictor]
@@ -160,8 +158,7 @@ class OffloadEngine:
             self.lookahead.draft_routed(layer_index, ids, weights)
 
     def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
-        """Declare ``next_name`` as the MoE layer after ``name`` and how it routes, so
-        that ``name`` can predict and prefetch for it."""
+        """``next_name`` is the MoE layer after ``name`` and routes by ``routing``."""
         self.layers[name].next_name = next_name
         self.layers[name].next_routing = routing
 
@@ -170,10 +167,14 @@ class OffloadEngine:
         self.predictor_inputs = inputs.to(self.device)
         self._select_predictor(self.config)
 
+    def set_logit_head(self, head: LogitHead) -> None:
+        """The model's final norm and LM head (``quality`` compares logits with them)."""
+        self.logit_head = head
+        self._select(self.config)
+
     def set_routing_statistics(self, coactivation: dict[str, np.ndarray],
                                tae_percentiles: dict[str, np.ndarray]) -> None:
-        """Per layer name: calibrated co-activation counts and TAE percentiles (see
-        :mod:`vllm_specexpert.policy.buddies`)."""
+        """Per layer name: calibrated co-activation counts and TAE percentiles."""
         for name, layer in self.layers.items():
             layer.coactivation = np.asarray(coactivation[name])
             layer.tae_percentiles = np.asarray(tae_percentiles[name], dtype=np.float64)
@@ -189,8 +190,8 @@ class OffloadEngine:
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
         logger.info("specexpert: %s", self.summary())
 
-    def summary(self) -> str:
-        return report.summary(self)  # MoE layers, slots, slow tier, policy, predictor
+    def summary(self) -> str:  # MoE layers, slots, slow tier, policy, predictor
+        return report.summary(self)
 
     @property
     def output(self) -> str:
@@ -276,7 +277,7 @@ class OffloadEngine:
         prediction to make: nothing to decide, so nothing is read to the host."""
         phase = layer.stats.prefill if phases is not None and phases.all_prefill \
             else layer.stats.decode
-        call = LayerCall(x, topk_weights, topk_ids, None, kernel, _count_call(phase, x))
+        call = LayerCall(x, topk_weights, topk_ids, None, kernel, phase.count_call(x.shape[0]))
         return execute.run_resident_token(layer.cache, call)
 
     def _run_prefill(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
@@ -285,13 +286,13 @@ class OffloadEngine:
         host read is the sync that on-demand loading cannot avoid: which experts to copy
         is only known once the router has run."""
         call = LayerCall(x, topk_weights, topk_ids, topk_ids.cpu().numpy(), kernel,
-                         _count_call(layer.stats.prefill, x))
+                         layer.stats.prefill.count_call(x.shape[0]))
         return execute.run(layer.loader, call, execute.survey(layer.loader, call))
 
     def _run_decode(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Decode tokens: prediction, prefetch, planning and the miss policy (module doc)."""
-        stats = _count_call(layer.stats.decode, x)
+        stats = layer.stats.decode.count_call(x.shape[0])
         prediction = self._predictions.pop(layer.name, None)
         if prediction is not None and prediction.num_tokens != x.shape[0]:
             prediction = None
@@ -301,9 +302,10 @@ class OffloadEngine:
         speculated = prediction is not None and (
             (self.miss_policy.spec.speculates and self._speculative(layer))
             or (fired is not None and self.early_fire.speculates))
+        exact = self.quality is not None and self.quality.exact  # over the quality budget
         if speculated:
             run_weights, run_ids = prediction.routing_like(topk_weights, topk_ids)
-            stats.speculated_calls += 1
+            stats.speculated_calls += not exact
             stats.router_free_calls += prediction.router_free
         # The next layer's prediction is made now, on the device, so that its ids come
         # to the host in the same read as the router's.
@@ -328,7 +330,10 @@ class OffloadEngine:
         demand = self.step_demand and self.step_demand.scored(layer.index, router_ids, stats)
         if demand is not None and self.planner is not None:
             self.planner.before_layer(demand, layer, list(self.layers.values()))
-        out = self._resolve(layer, call)
+        layer.miss_context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
+        out = (execute.resolve(layer.loader, call, self.miss_policy, layer.miss_context)
+               if self.quality is None else self.quality.resolve(
+                   layer, call, call.routed(topk_weights, router_ids), self.miss_policy))
         if demand is not None and self.planner is not None:
             self.planner.after_layer(demand, layer)
         return out
@@ -340,15 +345,12 @@ class OffloadEngine:
         ``speculate`` runs anyway), or ``None``: call the router."""
         prediction = self._predictions.get(name)
         if (not self.config.router_free or prediction is None or not prediction.by_estimator
+                or (self.quality is not None and self.quality.exact)
                 or prediction.num_tokens != tokens or not self.miss_policy.spec.speculates
                 or not self._speculative(self.layers[name])):
             return None
         prediction.router_free = True
         return prediction.topk_weights, prediction.topk_ids
-
-    def _resolve(self, layer: OffloadedLayer, call: LayerCall) -> torch.Tensor:
-        layer.miss_context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
-        return execute.resolve(layer.loader, call, self.miss_policy, layer.miss_context)
 
     def _speculative(self, layer: OffloadedLayer) -> bool:
         exact_layers = self.config.exact_layers
@@ -390,9 +392,3 @@ class OffloadEngine:
         self.link.close()
         if self.mesh is not None:
             self.mesh.close()
-
-
-def _count_call(stats: PhaseStats, x: torch.Tensor) -> PhaseStats:
-    stats.calls += 1
-    stats.tokens += x.shape[0]
-    return stats

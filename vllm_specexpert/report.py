@@ -153,6 +153,7 @@ def engine_stats(engine) -> dict[str, Any]:
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
             "lookahead": lookahead_stats(engine),
             "mesh": engine.mesh.stats() if engine.mesh is not None else None,
+            "quality": engine.quality.stats() if engine.quality is not None else None,
         }
 
 
@@ -184,8 +185,8 @@ def _draft_stats(draft) -> dict[str, Any]:
 
 
 def reset_counters(engine) -> None:
-    """Every counter of ``engine`` at zero: its layers', link's, governor's, peers' and
-    its draft engine's."""
+    """Every counter of ``engine`` at zero: its layers', link's, governor's, peers',
+    quality monitor's and its draft engine's."""
     with engine.lock:
         for layer in engine.layers.values():
             layer.stats = LayerStats()
@@ -193,6 +194,8 @@ def reset_counters(engine) -> None:
             engine.governor.reset_stats()
         if engine.mesh is not None:
             engine.mesh.reset_stats()
+        if engine.quality is not None:
+            engine.quality.reset_stats()
     engine.link.reset_counters()
     if engine.draft_engine is not None:
         engine.draft_engine.reset_stats()

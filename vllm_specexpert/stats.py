@@ -148,6 +148,12 @@ class PhaseStats:
     def recall(self) -> float:
         return self.predicted_correct / self.predicted if self.predicted else 0.0
 
+    def count_call(self, tokens: int) -> PhaseStats:
+        """Count one layer call of ``tokens`` tokens; returns these counters."""
+        self.calls += 1
+        self.tokens += tokens
+        return self
+
     def add(self, other: PhaseStats) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))

@@ -31,6 +31,8 @@ class Settings(Protocol):
     token_scheduler: Any
     lookahead: Any
     mesh: Any
+    quality: Any
+    output: str
     link: LinkConfig
     buddy: BuddyConfig
     stats_path: str | None
@@ -95,11 +97,31 @@ def check_combination(config: Settings) -> None:
             "token_scheduler", "does not combine with lookahead yet (a held-back request "
             "would leave its drafted tokens unverified)", "remove one of the two")
     _check_mesh(config)
+    _check_quality(config)
     if config.token_scheduler is not None and config.path_predictor is None:
         raise SpecExpertConfigError(
             "path_predictor", "token_scheduler groups sequences by predicted route, and no "
             "path predictor is set",
             "run `specexpert train-path MODEL --out DIR` and set \"path_predictor\": \"DIR\"")
+
+
+def _check_quality(config: Settings) -> None:
+    if config.quality is None:
+        return
+    if config.output == "exact":
+        raise SpecExpertConfigError(
+            "quality", f"miss_policy '{config.miss_policy}' is exact: there is nothing to "
+            "budget", "remove quality, or use a miss_policy that changes the output "
+            f"({_policies_with_output('approximate')})")
+    if config.mesh is not None:
+        raise SpecExpertConfigError(
+            "quality", "does not combine with mesh yet (no_stop's rows leave before the "
+            "exact result could be sampled)", "remove one of the two")
+
+
+def _policies_with_output(output: str) -> str:
+    names = [name for name, spec in MISS_POLICIES.items() if spec.output == output]
+    return ", ".join(names)
 
 
 def _check_mesh(config: Settings) -> None:

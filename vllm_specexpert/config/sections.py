@@ -1,5 +1,5 @@
 """The nested sections of the ``specexpert`` config (``link``, ``buddy``,
-``token_scheduler``, ``lookahead``, ``mesh``) and the strict field types every config class uses."""
+``token_scheduler``, ``lookahead``, ``mesh``, ``quality``) and the strict field types every config class uses."""
 
 from __future__ import annotations
 
@@ -193,6 +193,31 @@ class MeshConfig:
     """Seconds between probes of a peer out of rotation (a Ray actor that died is
     restarted by Ray and rejoins once a probe answers under ``rtt_cap_ms``).
     Range: (0, 3600] s."""
+
+
+@dataclass(config=STRICT)
+class QualityConfig:
+    """A quality budget for a mode that changes the output (``quality: {}`` for these
+    defaults). The engine recomputes a sampled share of decode tokens exactly beside
+    the served result (the router's experts, fetched), estimates how often the final
+    logits' top-1 token flips, and runs exactly (``fetch``) while a window of sampled
+    tokens flips more often than ``max_top1_flip``; it switches back after a window
+    under budget (the approximate result is then the one sampled)."""
+
+    max_top1_flip: Annotated[Number, Field(ge=0, le=1)] = 0.02
+    """Largest share of sampled decode tokens whose top-1 token may differ between the
+    exact and the approximate result before the engine runs exactly. Range: [0, 1]."""
+
+    sample: Annotated[Number, Field(gt=0, le=1)] = 0.02
+    """Share of decode tokens recomputed exactly (each drawn independently; a drawn
+    token's every MoE layer call is recomputed). Range: (0, 1]."""
+
+    window: Annotated[Count, Field(ge=1, le=1_000_000)] = 100
+    """Sampled tokens per decision: the flip rate is judged over this many, then
+    counted anew. Range: [1, 1000000]."""
+
+    seed: Annotated[Count, Field(ge=0)] = 0
+    """Seed of the token sampling (runs are repeatable)."""
 
 
 def default_of(owner: type, name: str) -> Any:

@@ -36,12 +36,14 @@ from vllm_specexpert.config.sections import (
     MeshConfig,
     Number,
     Path,
+    QualityConfig,
     TokenSchedulerConfig,
     default_of,
 )
 
 SECTIONS = {"link": LinkConfig, "buddy": BuddyConfig, "token_scheduler": TokenSchedulerConfig,
-            "lookahead": LookaheadConfig, "mesh": MeshConfig}
+            "lookahead": LookaheadConfig, "mesh": MeshConfig,
+            "quality": QualityConfig}
 """The nested sections, by key."""
 MAX_EXPERTS = 65536
 """The largest budget count accepted (no model has more routed experts per layer)."""
@@ -165,6 +167,10 @@ class SpecExpertConfig:
     """Experts across machines on Ray (see :class:`MeshConfig`; ``{}`` for its
     defaults). ``None`` (default): no peers."""
 
+    quality: QualityConfig | None = None
+    """A quality budget for a mode that changes the output (see :class:`QualityConfig`;
+    ``{}`` for its defaults). ``None`` (default): off."""
+
     exact_layers: tuple[Annotated[Count, Field(ge=0)], ...] | None = None
     """Decoder-layer indices that always run their router's experts under
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
@@ -233,9 +239,9 @@ class SpecExpertConfig:
                 ADDITIONAL_CONFIG_KEY, f"must be a JSON object, got {type(raw).__name__}",
                 'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)')
         raw = dict(raw)
-        for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh"):
+        for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh", "quality"):
             if key in raw and raw[key] is None:
-                del raw[key]  # null: the defaults (token_scheduler, lookahead, mesh: off)
+                del raw[key]  # null: the defaults (the optional sections: off)
         try:
             config = cls(**raw)
         except ValidationError as error:

@@ -104,6 +104,10 @@ def wire_model(model: nn.Module) -> None:
     engine = layers[0][2].engine
     for (_, _, routed), (_, next_layer, next_routed) in zip(layers, layers[1:]):
         engine.link_layers(routed.layer_name, next_routed.layer_name, _routing_of(next_layer))
+    if engine.config.quality is not None:
+        from vllm_specexpert.layers.final_tap import install_final_tap
+
+        install_final_tap(model, engine, layers[0][2]._decode_query_len)
     if engine.config.calibration is None:
         _attach_mesh(engine, layers, None)
         engine.start()

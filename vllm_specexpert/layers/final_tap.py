@@ -1,0 +1,89 @@
+"""``quality``: the model's final norm, wrapped so that the quality monitor sees the
+served pre-norm final hidden state of the tokens it sampled.
+
+The wrapper calls one opaque custom op, ``specexpert::final_hidden``, on the input of
+the final norm (``hidden`` and the residual stream) and hands its output, a copy of
+``hidden``, to the norm as before: under torch.compile the op stays out of the traced
+graph, so the monitor's Python runs in every pass. It is installed only when
+``quality`` is set at engine start (an added op may change the compiled graph's
+fusions, hence the last bits of the output, and exact modes have nothing to budget).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.layers.forward_phase import current_phases
+from vllm_specexpert.quality import LogitHead
+
+_TAPS: dict[str, tuple[object, int]] = {}
+"""Tap key -> the OffloadEngine whose quality monitor it feeds, and the most tokens a
+decoding request is scheduled per pass."""
+
+
+class FinalNormTap(nn.Module):
+    """Wraps the model's final norm (see module doc)."""
+
+    def __init__(self, norm: nn.Module, engine, key: str, decode_query_len: int):
+        super().__init__()
+        self.norm = norm
+        self.key = key
+        _TAPS[key] = (engine, decode_query_len)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
+        hidden = torch.ops.specexpert.final_hidden(hidden, residual, self.key)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)
+
+
+def install_final_tap(model: nn.Module, engine, decode_query_len: int) -> None:
+    """Wrap ``model``'s final norm and give ``engine`` the model's :class:`LogitHead`."""
+    norm = getattr(model.model, "norm", None)
+    lm_head = getattr(model, "lm_head", None)
+    weight = getattr(lm_head, "weight", None)
+    if norm is None or weight is None or not hasattr(norm, "variance_epsilon"):
+        raise SpecExpertConfigError(
+            "quality", f"{type(model).__name__} has no final RMS norm and LM head where "
+            "the quality monitor reads them (model.norm, lm_head)", "remove quality")
+    processor = getattr(model, "logits_processor", None)
+    vocab_size = getattr(processor, "org_vocab_size", None) or model.config.vocab_size
+    engine.set_logit_head(LogitHead(
+        norm_weight=norm.weight.data, eps=norm.variance_epsilon, weight=weight.data,
+        vocab_size=vocab_size, scale=float(getattr(processor, "scale", 1.0) or 1.0),
+        soft_cap=getattr(processor, "soft_cap", None)))
+    model.model.norm = FinalNormTap(norm, engine, f"{id(engine)}", decode_query_len)
+
+
+def _final_hidden_impl(hidden: torch.Tensor, residual: torch.Tensor | None,
+                       key: str) -> torch.Tensor:
+    engine, decode_query_len = _TAPS[key]
+    monitor = engine.quality
+    if monitor is not None and monitor.pending:
+        phases = current_phases(hidden.shape[0], decode_query_len)
+        decode = (np.arange(hidden.shape[0]) if phases.all_decode else phases.decode)
+        if len(decode) == monitor.num_rows:
+            tokens = torch.from_numpy(decode[monitor.rows]).to(hidden.device)
+            final = hidden[tokens].float()
+            if residual is not None:
+                final += residual[tokens].float()
+            with engine.lock:
+                monitor.finish_pass(final)
+    return hidden.clone()
+
+
+def _final_hidden_fake(hidden: torch.Tensor, residual: torch.Tensor | None,
+                       key: str) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+_LIBRARY = torch.library.Library("specexpert", "FRAGMENT")  # alive: its ops stay registered
+direct_register_custom_op(
+    "final_hidden",
+    _final_hidden_impl,
+    mutates_args=[],
+    fake_impl=_final_hidden_fake,
+    target_lib=_LIBRARY,
+)
