@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert import execute, report
-from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.execute import ExpertKernel, LayerCall
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
@@ -204,6 +204,11 @@ class OffloadEngine:
         """Switch modes without reloading weights (checked first); caches rebuilt, counters
         restarted."""
         check_change(self.config, config, self.layers.values(), self.predictor_inputs)
+        if config.quality is not None and self.logit_head is None:
+            raise SpecExpertConfigError(
+                "quality", "its monitor reads the model's final norm through a tap "
+                "installed when an engine starts with a quality budget", "start the "
+                "engine with 'quality' set (then it can change, or be turned off and on)")
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 

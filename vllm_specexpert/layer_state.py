@@ -197,11 +197,6 @@ def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
             "mesh", "its peers and their shards are made when the engine starts; only "
             "mesh.mode, rtt_cap_ms, timeout_ms and probe_interval_s can change at run time",
             "start a new engine with the new 'mesh'")
-    if current.quality is None and config.quality is not None:
-        raise SpecExpertConfigError(
-            "quality", "the monitor reads the model's final norm through a tap installed "
-            "when the engine starts with a quality budget", "start the engine with "
-            "'quality' set (its values, or turning it off, can change at run time)")
     before, after = current.lookahead, config.lookahead
     if (before is None) != (after is None) or (before is not None and (
             before.k_max, before.draft_budget) != (after.k_max, after.draft_budget)):

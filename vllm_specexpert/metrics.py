@@ -21,6 +21,11 @@ Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
 - ``mesh``: ``specexpert_peer_up{peer}`` (1: in rotation), ``specexpert_peer_rtt_seconds
   {peer}`` (median probe round trip) and per peer the counters of
   :data:`PEER_COUNTERS` (``specexpert_peer_calls_total{peer}``, ...).
+- ``quality``: ``specexpert_quality_exact`` (1: running exactly, over budget),
+  ``specexpert_quality_window_flip_rate`` (the last window's), the counters of
+  :data:`QUALITY_COUNTERS` (``specexpert_quality_sampled_tokens_total``, ...),
+  ``specexpert_quality_switches_total{to}`` and per MoE layer
+  ``specexpert_quality_layer_top1_flips_total{layer}`` and ``..._layer_tokens_total``.
 
 Snapshots are at most :data:`SNAPSHOT_INTERVAL_S` old; ``get_stats`` and ``stats_path``
 remain the exact, per-call view.
@@ -53,6 +58,15 @@ PEER_COUNTERS = {
     "timeouts": "Calls not answered within mesh.timeout_ms.",
     "left": "Times it left the rotation.", "rejoined": "Times it rejoined the rotation."}
 """Per-peer counters of a mesh peer's stats (``PeerTier.stats``), by stats key."""
+QUALITY_COUNTERS = {
+    "sampled_tokens": "Decode tokens recomputed exactly beside the served result.",
+    "top1_flips": "Sampled tokens whose exact and approximate top-1 token differ.",
+    "kl_sum": "Sum over sampled tokens of KL(exact || approximate) of the final logits, "
+              "nats.",
+    "exact_passes": "Decode passes run exactly because of the budget.",
+    "shadow_s": "Seconds spent on the shadow computations.",
+    "shadow_bytes": "Bytes the shadow computations loaded."}
+"""Counters of the quality monitor (``QualityMonitor.stats``), by stats key."""
 PREFIX = "specexpert_"
 
 _lock = threading.Lock()
@@ -193,8 +207,10 @@ class SnapshotCollector:
                                     "rotation.", labels=peer)
         peer_rtt = GaugeMetricFamily(f"{PREFIX}peer_rtt_seconds", "The mesh peer's median "
                                      "probe round trip.", labels=peer)
+        quality = _QualityFamilies(base)
         for snapshot in self.snapshots():
             labels = [snapshot.get("model_name", ""), str(snapshot.get("rank", 0))]
+            quality.add(labels, snapshot.get("quality"))
             for state in (snapshot.get("mesh") or {}).get("peers", []):
                 rank = [*labels, str(state["rank"])]
                 for key, family in peer_counters.items():
@@ -225,3 +241,46 @@ class SnapshotCollector:
         yield from counters.values()
         yield from (resident, slots, info, steps, draft_length, drafted, accepted)
         yield from (*peer_counters.values(), peer_up, peer_rtt)
+        yield from quality.families()
+
+
+class _QualityFamilies:
+    """The ``specexpert_quality_*`` series (module doc)."""
+
+    def __init__(self, base: list[str]):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.exact = GaugeMetricFamily(f"{PREFIX}quality_exact", "1 while the engine runs "
+                                       "exactly because the quality budget was exceeded.",
+                                       labels=base)
+        self.rate = GaugeMetricFamily(f"{PREFIX}quality_window_flip_rate", "Top-1 flip "
+                                      "rate of the last completed window.", labels=base)
+        self.counters = {key: CounterMetricFamily(counter_name(f"quality_{key}"), doc,
+                                                  labels=base)
+                         for key, doc in QUALITY_COUNTERS.items()}
+        self.switches = CounterMetricFamily(f"{PREFIX}quality_switches", "Switches to the "
+                                            "exact policy and back.", labels=[*base, "to"])
+        self.layer_flips = CounterMetricFamily(
+            f"{PREFIX}quality_layer_top1_flips", "Sampled tokens whose top-1 token that "
+            "layer's difference alone flips.", labels=[*base, "layer"])
+        self.layer_tokens = CounterMetricFamily(
+            f"{PREFIX}quality_layer_tokens", "Sampled tokens whose result that layer "
+            "changed.", labels=[*base, "layer"])
+
+    def add(self, labels: list[str], quality: dict | None) -> None:
+        if not quality:
+            return
+        self.exact.add_metric(labels, float(quality["exact"]))
+        if quality["last_window_flip_rate"] is not None:
+            self.rate.add_metric(labels, quality["last_window_flip_rate"])
+        for key, family in self.counters.items():
+            family.add_metric(labels, quality[key])
+        self.switches.add_metric([*labels, "exact"], quality["switches_to_exact"])
+        self.switches.add_metric([*labels, "approximate"], quality["switches_to_approximate"])
+        for index, layer in quality["layers"].items():
+            self.layer_flips.add_metric([*labels, str(index)], layer["top1_flips"])
+            self.layer_tokens.add_metric([*labels, str(index)], layer["tokens"])
+
+    def families(self) -> Iterator:
+        yield from (self.exact, self.rate, *self.counters.values(), self.switches,
+                    self.layer_flips, self.layer_tokens)

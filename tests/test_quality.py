@@ -1,0 +1,159 @@
+"""The quality budget's monitor without vLLM (:mod:`vllm_specexpert.quality`): the
+sampled exact result is ``fetch``'s, flips and KL are counted from the logits, and the
+switch to exact and back happens on whole windows. The engine test with the embedded
+model is ``test_quality_engine.py``."""
+
+import numpy as np
+import pytest
+import torch
+from moe_reference import random_layer, random_routing, slot_kernel
+
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config.sections import QualityConfig
+from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.quality import LogitHead, QualityMonitor, kl_divergence
+
+NAMES = [f"model.layers.{i}.mlp.experts" for i in (1, 3)]
+HIDDEN = 32
+
+
+def identity_head(hidden: int = 4) -> LogitHead:
+    """Logits = the RMS-normed hidden state: the top-1 token is the largest coordinate."""
+    return LogitHead(norm_weight=torch.ones(hidden), eps=1e-6, weight=torch.eye(hidden),
+                     vocab_size=hidden)
+
+
+def engine_of(specexpert: dict, head: bool = True) -> OffloadEngine:
+    engine = OffloadEngine(SpecExpertConfig.from_dict(specexpert), torch.device("cpu"),
+                           reports=False)
+    for (index, name), seed in zip(((1, NAMES[0]), (3, NAMES[1])), (0, 1)):
+        engine.add_layer(name, random_layer(seed=seed, hidden=HIDDEN), top_k=4, index=index)
+    if head:  # what wiring a model with a quality budget does
+        engine.set_logit_head(identity_head(HIDDEN))
+    engine.start()
+    return engine
+
+
+RANDOM = {"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.0, "beta": 1.0,
+                                                            "rho": 4}}
+
+
+@pytest.mark.parametrize("over_budget", [False, True], ids=["approximate", "exact"])
+def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
+    approx = engine_of({**RANDOM, "quality": {"sample": 1.0}})
+    reference = engine_of({**RANDOM})  # the mode alone
+    fetch = engine_of({"budget": 0.25})
+    approx.quality.exact = over_budget
+    changed = 0
+    for step in range(4):
+        x, w, ids = random_routing(8, 16, 4, hidden=HIDDEN, seed=step)
+        for name, index in zip(NAMES, (1, 3)):
+            served = approx.run(name, slot_kernel, x, w, ids)
+            exact = fetch.run(name, slot_kernel, x, w, ids)
+            mode = reference.run(name, slot_kernel, x, w, ids)
+            delta = approx.quality.deltas[index]
+            # The exact calls load their missing experts into the cache: from the second
+            # step on the mode finds another cache than it does without a budget.
+            if over_budget:  # served exactly; the mode's result sampled beside it
+                assert torch.equal(served, exact)
+                assert step > 0 or torch.equal(delta, mode.float() - exact.float())
+            else:
+                assert step > 0 or torch.equal(served, mode)
+                assert torch.equal(delta, exact.float() - served.float())
+            changed += int((delta.abs().amax(-1) > 0).sum())
+    assert changed > 0  # the mode substituted something: the comparisons could fail
+    stats = approx.stats()
+    # The shadow's loads are its own: the served decode counters are the mode's alone.
+    substituted = stats["total"]["decode"]["substituted_entries"]
+    assert substituted == 0 if over_budget else substituted > 0
+    assert stats["quality"]["shadow_calls"] == 8
+
+
+def monitor_of(window: int = 8, budget: float = 0.25) -> QualityMonitor:
+    return QualityMonitor(QualityConfig(max_top1_flip=budget, sample=1.0, window=window),
+                          identity_head(), first_layer=0)
+
+
+def one_pass(monitor: QualityMonitor, flips: int, rows: int = 4) -> None:
+    """A pass of ``rows`` sampled tokens whose top-1 is token 0; layer 0's difference
+    moves ``flips`` of them to token 1, layer 2's changes none."""
+    assert monitor.sampled_rows(0, rows) is not None
+    assert monitor.sampled_rows(2, rows) is not None
+    served = torch.zeros(rows, 4)
+    served[:, 0] = 10.0
+    moved = torch.zeros(rows, 4)
+    moved[:flips, 1] = 20.0
+    small = torch.zeros(rows, 4)
+    small[:, 2] = 1.0
+    monitor.deltas = {0: moved, 2: small}
+    monitor.finish_pass(served)
+
+
+def test_switches_on_a_whole_window_over_budget_and_back_under_it():
+    monitor = monitor_of(window=8, budget=0.25)
+    one_pass(monitor, flips=4)
+    assert not monitor.exact  # half a window: no decision yet
+    one_pass(monitor, flips=0)
+    assert monitor.exact  # 4 of 8 > 0.25
+    assert monitor.last_window_flip_rate == 0.5
+    one_pass(monitor, flips=2)
+    one_pass(monitor, flips=0)
+    assert monitor.exact is False  # 2 of 8 <= 0.25
+    one_pass(monitor, flips=1)
+    one_pass(monitor, flips=1)
+    assert not monitor.exact
+    stats = monitor.stats()
+    assert (stats["switches_to_exact"], stats["switches_to_approximate"]) == (1, 1)
+    assert stats["sampled_tokens"] == 24 and stats["top1_flips"] == 8
+    # Per layer: layer 0 changed 8 tokens and flipped each; layer 2 changed every token
+    # and flipped none.
+    assert stats["layers"][0] == {**stats["layers"][0], "tokens": 8, "top1_flips": 8}
+    assert stats["layers"][2] == {**stats["layers"][2], "tokens": 24, "top1_flips": 0}
+    assert stats["layers"][2]["kl_sum"] > 0
+
+
+def test_kl_is_of_the_exact_distribution_against_the_approximate_one():
+    monitor = monitor_of(window=100)
+    one_pass(monitor, flips=3)
+    served = torch.zeros(4, 4)
+    served[:, 0] = 10.0
+    other = served.clone()
+    other[:3, 1] += 20.0
+    other[:, 2] += 1.0
+    head = identity_head()
+    exact, approx = head.logits(other), head.logits(served)  # served approximately
+    expected = torch.nn.functional.kl_div(approx.log_softmax(-1), exact.log_softmax(-1),
+                                          log_target=True, reduction="sum")
+    assert monitor.stats()["kl_sum"] == pytest.approx(float(expected), rel=1e-5)
+    assert float(kl_divergence(exact, approx).sum()) == pytest.approx(float(expected),
+                                                                       rel=1e-5)
+    assert float(expected) != pytest.approx(float(torch.nn.functional.kl_div(
+        exact.log_softmax(-1), approx.log_softmax(-1), log_target=True, reduction="sum")),
+        rel=1e-3)  # the direction matters here: the check could fail
+
+
+def test_rows_are_drawn_once_per_pass_at_the_sampled_share():
+    monitor = QualityMonitor(QualityConfig(sample=0.3, seed=1), identity_head(), 5)
+    rows = monitor.sampled_rows(5, 10_000)
+    assert abs(len(rows) / 10_000 - 0.3) < 0.02
+    assert monitor.sampled_rows(7, 10_000) is rows  # the same tokens at every layer
+    assert monitor.sampled_rows(7, 9_999) is None  # not the pass they were drawn for
+    again = monitor.sampled_rows(5, 10_000)
+    assert not np.array_equal(again, rows)  # a new pass draws anew
+
+
+def test_quality_needs_a_mode_that_changes_the_output():
+    with pytest.raises(SpecExpertConfigError) as error:
+        SpecExpertConfig.from_dict({"miss_policy": "fetch", "quality": {}})
+    assert error.value.field_name == "quality"
+    with pytest.raises(SpecExpertConfigError) as error:
+        SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {"window": 0}})
+    assert error.value.field_name == "quality.window"
+
+
+def test_quality_cannot_be_turned_on_in_an_engine_started_without_it():
+    engine = engine_of(RANDOM, head=False)
+    with pytest.raises(SpecExpertConfigError) as error:
+        engine.reconfigure(engine.config.changed({"quality": {}}))
+    assert error.value.field_name == "quality"
+    engine.close()
