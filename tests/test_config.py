@@ -144,6 +144,7 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
     eager engines are left alone."""
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
+    from vllm_specexpert.layers.final_tap import FINAL_HIDDEN_OP
     from vllm_specexpert.layers.routed_experts import ROUTED_EXPERTS_OP
     from vllm_specexpert.validate import keep_piecewise_cuda_graphs
 
@@ -152,10 +153,10 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
                                  cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
                                  splitting_ops=[attention])
     keep_piecewise_cuda_graphs(compiled)
-    assert compiled.splitting_ops == [attention, ROUTED_EXPERTS_OP]
+    assert compiled.splitting_ops == [attention, ROUTED_EXPERTS_OP, FINAL_HIDDEN_OP]
     assert compiled.cudagraph_mode == CUDAGraphMode.PIECEWISE
     keep_piecewise_cuda_graphs(compiled)  # idempotent
-    assert compiled.splitting_ops == [attention, ROUTED_EXPERTS_OP]
+    assert compiled.splitting_ops == [attention, ROUTED_EXPERTS_OP, FINAL_HIDDEN_OP]
 
     uncompiled = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL)
     keep_piecewise_cuda_graphs(uncompiled)

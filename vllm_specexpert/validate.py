@@ -166,6 +166,7 @@ def keep_piecewise_cuda_graphs(compilation_config) -> None:
     (with compilation) or off (without), with a warning."""
     from vllm.config import CompilationMode, CUDAGraphMode
 
+    from vllm_specexpert.layers.final_tap import FINAL_HIDDEN_OP
     from vllm_specexpert.layers.routed_experts import ROUTED_EXPERTS_OP
 
     mode = compilation_config.cudagraph_mode
@@ -179,8 +180,9 @@ def keep_piecewise_cuda_graphs(compilation_config) -> None:
         return
     if compilation_config.splitting_ops is None:
         compilation_config.splitting_ops = []
-    if ROUTED_EXPERTS_OP not in compilation_config.splitting_ops:
-        compilation_config.splitting_ops.append(ROUTED_EXPERTS_OP)
+    for op in (ROUTED_EXPERTS_OP, FINAL_HIDDEN_OP):  # the tap's: quality's Python per pass
+        if op not in compilation_config.splitting_ops:
+            compilation_config.splitting_ops.append(op)
     if mode.has_full_cudagraphs():
         logger.warning("specexpert: cudagraph_mode %s -> PIECEWISE: a full graph would "
                        "capture the offloaded experts' data-dependent copies", mode.name)

@@ -20,6 +20,8 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.quality import LogitHead
 
+FINAL_HIDDEN_OP = "specexpert::final_hidden"
+"""The op's qualified name (a CUDA-graph splitting op, see ``validate``)."""
 _TAPS: dict[str, tuple[object, int]] = {}
 """Tap key -> the OffloadEngine whose quality monitor it feeds, and the most tokens a
 decoding request is scheduled per pass."""

@@ -1,0 +1,159 @@
+"""The quality budget: how well its estimated flip rate matches the measured one, and
+what sampling costs.
+
+    python benchmarks/quality.py [--model DIR] [--batches 1 8] [--windows 64]
+                                 [--budget 0.25] [--samples 0.02 0.1] [--eager]
+
+One plugin engine (started with ``lowbit`` and a quality budget: the INT4 copies and the
+final-norm tap are made at start only); modes switch with ``reconfigure``.
+
+1. **Estimate against measurement.** Per mode and batch size, ``--windows`` held-out
+   windows (16 prompt tokens, 32 forced one decode step at a time,
+   :func:`common.teacher_forced`) run with ``quality: {sample: 1.0, max_top1_flip:
+   1.0}`` (every token sampled, never switched). ``estimated`` is the monitor's flip
+   rate; ``measured`` the share of positions whose top-1 token differs from ``fetch``'s
+   at the same positions and batch size (teacher forcing keeps both on the real text).
+2. **Cost.** Per mode and batch size, the decode step time (``common.step_seconds``:
+   prefill and request overheads cancel) without a budget and with ``sample`` in
+   ``--samples`` (``max_top1_flip: 1.0``: sampling only, no switch), and with the
+   default budget (0.02: the engine then runs ``fetch`` most of the time), as ratios
+   to the mode without a budget, with the share of decode passes run exactly. No link is
+   emulated: a copy costs what the memcpy costs on this machine.
+
+Writes ``benchmarks/results/quality.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    RESULTS,
+    command_line,
+    default_calibration,
+    held_out_prompts,
+    held_out_windows,
+    model_of,
+    step_seconds,
+    teacher_forced,
+    write_result,
+)
+
+from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+
+PROMPT_TOKENS, FORCED_TOKENS = 16, 32
+MODES = {
+    "speculate quasi_hidden": {"miss_policy": "speculate", "predictor": "quasi_hidden"},
+    "buddy": {"miss_policy": "buddy", "predictor": "none"},
+    "random": {"miss_policy": "random", "predictor": "none"},
+    "drop": {"miss_policy": "drop", "predictor": "none"},
+    "lowbit": {"miss_policy": "lowbit", "predictor": "none"},
+}
+MEASURE_ONLY = {"sample": 1.0, "max_top1_flip": 1.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: the embedded model)")
+    parser.add_argument("--calibration")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--samples", type=float, nargs="+", default=[0.02, 0.1])
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    args = parser.parse_args()
+
+    import vllm_specexpert
+    from vllm_specexpert.tools.teacher_forcing import TeacherForcing
+
+    model = model_of(args)
+    calibration = args.calibration or default_calibration(model)
+    llm = start_engine(model, {"budget": args.budget, "calibration": calibration,
+                               "miss_policy": "lowbit", "quality": MEASURE_ONLY},
+                       eager=args.eager, max_model_len=512, max_num_seqs=max(args.batches),
+                       logits_processors=[TeacherForcing])
+    windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS, "validation")
+    estimate_rows = []
+    for batch in args.batches:
+        vllm_specexpert.reconfigure(llm, miss_policy="fetch", predictor="none", quality=None)
+        exact = teacher_forced(llm, windows, PROMPT_TOKENS, batch)["top1"]
+        for name, mode in MODES.items():
+            vllm_specexpert.reconfigure(llm, **mode, quality=MEASURE_ONLY)
+            top1 = teacher_forced(llm, windows, PROMPT_TOKENS, batch)["top1"]
+            quality = vllm_specexpert.get_stats(llm)[0]["quality"]
+            row = {"batch": batch, "mode": name,
+                   "measured": sum(a != b for a, b in zip(top1, exact)) / len(exact),
+                   "estimated": quality["top1_flip_rate"], "kl_mean": quality["kl_mean"],
+                   "sampled_tokens": quality["sampled_tokens"], "positions": len(exact)}
+            estimate_rows.append(row)
+            print(f"batch {batch:>3} {name:<24} flips measured {row['measured']:.3f} "
+                  f"estimated {row['estimated']:.3f} (KL {row['kl_mean']:.3f})", flush=True)
+
+    prompts_by_batch = {b: held_out_prompts(b) for b in args.batches}
+    cost_rows = []
+    settings = {"none": None, **{f"sample {s}": {"sample": s, "max_top1_flip": 1.0}
+                                 for s in args.samples},
+                "budget 0.02 (default)": {}}
+    for batch, prompts in prompts_by_batch.items():
+        for name, mode in MODES.items():
+            base = None
+            for label, quality in settings.items():
+                vllm_specexpert.reconfigure(llm, **mode, quality=quality)
+                decode, first = step_seconds(llm, prompts, args.decode_tokens, args.repeats)
+                stats = vllm_specexpert.get_stats(llm)[0]
+                base = base or decode
+                q = stats["quality"] or {}
+                passes = max(max(la["decode"]["calls"] for la in stats["layers"].values()), 1)
+                row = {"batch": batch, "mode": name, "quality": label,
+                       "decode_step_ms": decode * 1e3, "first_token_ms": first * 1e3,
+                       "decode_ratio": decode / base,
+                       "exact_pass_share": q.get("exact_passes", 0) / passes,
+                       "shadow_ms_per_pass": q.get("shadow_s", 0.0) * 1e3 / passes}
+                cost_rows.append(row)
+                print(f"batch {batch:>3} {name:<24} {label:<22} decode step "
+                      f"{row['decode_step_ms']:.2f} ms ({row['decode_ratio']:.2f}x), exact "
+                      f"passes {row['exact_pass_share']:.2f}", flush=True)
+    stop_engine(llm)
+    payload = {"model": model, "calibration": calibration, "budget": args.budget,
+               "windows": args.windows, "prompt_tokens": PROMPT_TOKENS,
+               "forced_tokens": FORCED_TOKENS, "eager": args.eager, "modeled": None,
+               "estimate": estimate_rows, "cost": cost_rows}
+    path = write_result("quality", payload)
+    plot(estimate_rows, RESULTS / "quality.png",
+         f"{Path(model).name}, budget {args.budget}, {args.windows} windows x "
+         f"{FORCED_TOKENS} forced tokens\n{command_line()}")
+    print(f"wrote {path}\ncommand: {command_line()}")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for batch in sorted({r["batch"] for r in rows}):
+        mine = [r for r in rows if r["batch"] == batch]
+        ax.scatter([r["measured"] for r in mine], [r["estimated"] for r in mine],
+                   label=f"{batch} sequences per step")
+        for r in mine:
+            ax.annotate(r["mode"], (r["measured"], r["estimated"]), fontsize=7)
+    top = max(max(r["measured"], r["estimated"]) for r in rows) * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8, label="estimate = measured")
+    ax.set_xlabel("measured top-1 flip rate (teacher-forced, against fetch)")
+    ax.set_ylabel("quality monitor's estimated flip rate")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
