@@ -338,7 +338,7 @@ class OffloadEngine:
         layer.miss_context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
         out = (execute.resolve(layer.loader, call, self.miss_policy, layer.miss_context)
                if self.quality is None else self.quality.resolve(
-                   layer, call, call.routed(topk_weights, router_ids), self.miss_policy))
+                   layer, call, topk_weights, router_ids, self.miss_policy))
         if demand is not None and self.planner is not None:
             self.planner.after_layer(demand, layer)
         return out

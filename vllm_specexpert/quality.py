@@ -143,12 +143,15 @@ class QualityMonitor:
             self.rows = None  # not the pass the rows were drawn for
         return self.rows
 
-    def resolve(self, layer: OffloadedLayer, approx: LayerCall, exact: LayerCall,
-                policy: MissPolicy) -> torch.Tensor:
+    def resolve(self, layer: OffloadedLayer, approx: LayerCall, router_weights: torch.Tensor,
+                router_ids: np.ndarray, policy: MissPolicy) -> torch.Tensor:
         """The served output of a decode call: ``approx`` under ``policy`` (the mode),
-        or ``exact`` (the router's routing) with every missing expert fetched while over
+        or the call on the router's routing with every missing expert fetched while over
         budget; the other one is computed for the sampled rows beside it."""
         rows = self.sampled_rows(layer.index, approx.x.shape[0])
+        if rows is None and not self.exact:  # the common case: nothing more to do
+            return execute.resolve(layer.loader, approx, policy, layer.miss_context)
+        exact = approx.routed(router_weights, router_ids)
         shadow = None
         if self.exact:  # the exact call starts the next layer's prefetch
             exact.before_kernel, approx.before_kernel = approx.before_kernel, None
@@ -160,7 +163,7 @@ class QualityMonitor:
             out = execute.run(layer.loader, exact, execute.survey(layer.loader, exact))
         else:
             out = execute.resolve(layer.loader, approx, policy, layer.miss_context)
-            if rows is not None:
+            if rows is not None:  # ``exact`` shares ``before_kernel``: _quiet drops it
                 started = time.perf_counter()
                 shadow = execute.run_on_device(layer.loader, self._quiet(exact.rows(rows)))
                 self._charge(started)
