@@ -1,6 +1,6 @@
 """The quality budget's monitor without vLLM (:mod:`vllm_specexpert.quality`): the
-sampled exact result is ``fetch``'s, flips and KL are counted from the logits, and the
-switch to exact and back happens on whole windows. The engine test with the embedded
+sampled exact result is ``fetch``'s, flips, KL and the accuracy loss are counted from
+the logits, and the switch to exact and back happens on whole windows, per batch class. The engine test with the embedded
 model is ``test_quality_engine.py``."""
 
 import numpy as np
@@ -43,7 +43,8 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
     approx = engine_of({**RANDOM, "quality": {"sample": 1.0}})
     reference = engine_of({**RANDOM})  # the mode alone
     fetch = engine_of({"budget": 0.25})
-    approx.quality.exact = over_budget
+    for batch in approx.quality.classes:
+        batch.exact = over_budget
     changed = 0
     for step in range(4):
         x, w, ids = random_routing(8, 16, 4, hidden=HIDDEN, seed=step)
@@ -69,9 +70,11 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
     assert stats["quality"]["shadow_calls"] == 8
 
 
-def monitor_of(window: int = 8, budget: float = 0.25) -> QualityMonitor:
-    return QualityMonitor(QualityConfig(max_top1_flip=budget, sample=1.0, window=window),
-                          identity_head(), first_layer=0)
+def monitor_of(window: int = 8, budget: float = 0.25, **config) -> QualityMonitor:
+    """A monitor judging flips only, one batch class unless ``batch_classes`` is given."""
+    config = {"max_accuracy_loss": None, "batch_classes": (), **config}
+    return QualityMonitor(QualityConfig(max_top1_flip=budget, sample=1.0, window=window,
+                                        **config), identity_head(), first_layer=0)
 
 
 def one_pass(monitor: QualityMonitor, flips: int, rows: int = 4) -> None:
@@ -92,16 +95,16 @@ def one_pass(monitor: QualityMonitor, flips: int, rows: int = 4) -> None:
 def test_switches_on_a_whole_window_over_budget_and_back_under_it():
     monitor = monitor_of(window=8, budget=0.25)
     one_pass(monitor, flips=4)
-    assert not monitor.exact  # half a window: no decision yet
+    assert not monitor.exact_for(4)  # half a window: no decision yet
     one_pass(monitor, flips=0)
-    assert monitor.exact  # 4 of 8 > 0.25
-    assert monitor.last_window_flip_rate == 0.5
+    assert monitor.exact_for(4)  # 4 of 8 > 0.25
+    assert monitor.classes[0].last_window.flip_rate == 0.5
     one_pass(monitor, flips=2)
     one_pass(monitor, flips=0)
-    assert monitor.exact is False  # 2 of 8 <= 0.25
+    assert monitor.exact_for(4) is False  # 2 of 8 <= 0.25
     one_pass(monitor, flips=1)
     one_pass(monitor, flips=1)
-    assert not monitor.exact
+    assert not monitor.exact_for(4)
     stats = monitor.stats()
     assert (stats["switches_to_exact"], stats["switches_to_approximate"]) == (1, 1)
     assert stats["sampled_tokens"] == 24 and stats["top1_flips"] == 8
@@ -110,6 +113,54 @@ def test_switches_on_a_whole_window_over_budget_and_back_under_it():
     assert stats["layers"][0] == {**stats["layers"][0], "tokens": 8, "top1_flips": 8}
     assert stats["layers"][2] == {**stats["layers"][2], "tokens": 24, "top1_flips": 0}
     assert stats["layers"][2]["kl_sum"] > 0
+
+
+def test_batch_classes_are_judged_and_switched_apart():
+    monitor = monitor_of(window=8, budget=0.25, batch_classes=(1, 8))
+    assert [c.label for c in monitor.classes] == ["1", "2-8", "9+"]
+    for _ in range(8):
+        one_pass(monitor, flips=1, rows=1)  # one-token passes: every token flips
+    one_pass(monitor, flips=0, rows=8)  # eight-token passes: none does
+    assert monitor.exact_for(1)
+    assert not monitor.exact_for(2) and not monitor.exact_for(8) and not monitor.exact_for(9)
+    stats = monitor.stats()
+    assert stats["batches"]["1"]["exact"] and stats["batches"]["1"]["top1_flip_rate"] == 1
+    assert stats["batches"]["2-8"] == {**stats["batches"]["2-8"], "exact": False,
+                                       "top1_flip_rate": 0.0, "sampled_tokens": 8}
+    one_pass(monitor, flips=0, rows=1)
+    assert stats["batches"]["1"]["exact_passes"] == 0
+    assert monitor.stats()["batches"]["1"]["exact_passes"] == 1  # counted in its class
+
+
+def logits_pass(monitor: QualityMonitor, served: torch.Tensor, exact: torch.Tensor) -> None:
+    """A pass whose sampled rows are served ``served`` and whose exact final hidden
+    state is ``exact`` (the identity head: logits are the normed hidden states)."""
+    monitor.sampled_rows(0, len(served))
+    monitor.deltas = {0: exact - served}
+    monitor.finish_pass(served)
+
+
+def test_the_accuracy_loss_is_what_the_exact_probabilities_give_the_served_token():
+    monitor = QualityMonitor(QualityConfig(max_accuracy_loss=0.1, sample=1.0, window=2,
+                                           batch_classes=()), identity_head(), 0)
+    # A near tie: exact prefers token 0 by a hair, the served token is 1. A flip that
+    # costs almost nothing: p[0] - p[1] is tiny.
+    exact = torch.tensor([[1.0, 0.99, 0.0, 0.0]] * 2)
+    served = torch.tensor([[0.99, 1.0, 0.0, 0.0]] * 2)
+    logits_pass(monitor, served, exact)
+    stats = monitor.stats()
+    assert stats["top1_flip_rate"] == 1.0
+    p = torch.softmax(identity_head().logits(exact), -1)[0]
+    assert stats["accuracy_loss"] == pytest.approx(float((p[0] - p[1]) / p[0]), rel=1e-4)
+    assert stats["accuracy_loss"] < 0.02 and not monitor.exact_for(2)
+    # A confident exact token served as another: the loss is most of p[exact top-1].
+    confident = torch.tensor([[8.0, 0.0, 0.0, 0.0]] * 2)
+    wrong = torch.tensor([[0.0, 8.0, 0.0, 0.0]] * 2)
+    logits_pass(monitor, wrong, confident)
+    window = monitor.classes[0].last_window
+    p = torch.softmax(identity_head().logits(confident), -1)[0]
+    assert window.accuracy_loss_share == pytest.approx(float((p[0] - p[1]) / p[0]), rel=1e-4)
+    assert window.accuracy_loss_share > 0.5 and monitor.exact_for(2)
 
 
 def test_kl_is_of_the_exact_distribution_against_the_approximate_one():
@@ -149,6 +200,14 @@ def test_quality_needs_a_mode_that_changes_the_output():
     with pytest.raises(SpecExpertConfigError) as error:
         SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {"window": 0}})
     assert error.value.field_name == "quality.window"
+    with pytest.raises(SpecExpertConfigError) as error:
+        SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {
+            "max_accuracy_loss": None}})
+    assert error.value.field_name == "quality" and "nothing to judge" in str(error.value)
+    with pytest.raises(SpecExpertConfigError) as error:
+        SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {
+            "batch_classes": [8, 8]}})
+    assert error.value.field_name == "quality.batch_classes"
 
 
 def test_quality_cannot_be_turned_on_in_an_engine_started_without_it():

@@ -24,7 +24,10 @@ BUDGET = 0.35
 prompts (4 sequences, budget 0.25), the fault 72 % served approximately and 44-94 % per
 window served exactly (the estimate follows the served trajectory, see
 :mod:`vllm_specexpert.quality`)."""
-QUALITY = {"max_top1_flip": BUDGET, "sample": 1.0, "window": WINDOW}
+QUALITY = {"max_top1_flip": BUDGET, "max_accuracy_loss": None, "sample": 1.0,
+           "window": WINDOW, "batch_classes": []}
+"""Judged on flips, one batch class: every decode pass here has the 4 sequences."""
+WHOLE = (("batch", "1+"),)
 SEQUENCES = len(PROMPTS)
 
 
@@ -108,7 +111,7 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
     approximate_passes = faulty["decode_passes"] - faulty["exact_passes"]
     assert approximate_passes <= WINDOW // SEQUENCES, faulty
     series = scrape(metrics_dir)
-    assert series[("specexpert_quality_exact", ())] == 1
+    assert series[("specexpert_quality_exact", WHOLE)] == 1
     assert series[("specexpert_quality_switches_total", (("to", "exact"),))] == 1
     assert series[("specexpert_quality_top1_flips_total", ())] == faulty["top1_flips"] > 0
 
@@ -123,4 +126,4 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
     greedy(llm)
     back = quality(llm)
     assert not back["exact"] and back["switches_to_approximate"] == 1, back
-    assert scrape(metrics_dir)[("specexpert_quality_exact", ())] == 0
+    assert scrape(metrics_dir)[("specexpert_quality_exact", WHOLE)] == 0

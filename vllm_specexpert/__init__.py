@@ -39,7 +39,7 @@ package is named here)::
                         kernel launches; the one place that runs experts
     6  engine           OffloadEngine: orchestration per layer call
     6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
-    6  quality          the quality budget: shadow-exact samples, flips, the switch
+    6  quality          the quality budget: shadow-exact samples, the switch per batch
     6  report           the stats dict, the summary line, the file writers
     7  layers/          vLLM adapter in the worker: routed_experts (the custom op), engines,
                         packed_experts, model_classes (wiring after load), forward_phase,

@@ -307,7 +307,7 @@ class OffloadEngine:
         speculated = prediction is not None and (
             (self.miss_policy.spec.speculates and self._speculative(layer))
             or (fired is not None and self.early_fire.speculates))
-        exact = self.quality is not None and self.quality.exact  # over the quality budget
+        exact = self.quality is not None and self.quality.exact_for(x.shape[0])  # over budget
         if speculated:
             run_weights, run_ids = prediction.routing_like(topk_weights, topk_ids)
             stats.speculated_calls += not exact
@@ -350,7 +350,7 @@ class OffloadEngine:
         ``speculate`` runs anyway), or ``None``: call the router."""
         prediction = self._predictions.get(name)
         if (not self.config.router_free or prediction is None or not prediction.by_estimator
-                or (self.quality is not None and self.quality.exact)
+                or (self.quality is not None and self.quality.exact_for(tokens))
                 or prediction.num_tokens != tokens or not self.miss_policy.spec.speculates
                 or not self._speculative(self.layers[name])):
             return None

@@ -21,8 +21,9 @@ Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
 - ``mesh``: ``specexpert_peer_up{peer}`` (1: in rotation), ``specexpert_peer_rtt_seconds
   {peer}`` (median probe round trip) and per peer the counters of
   :data:`PEER_COUNTERS` (``specexpert_peer_calls_total{peer}``, ...).
-- ``quality``: ``specexpert_quality_exact`` (1: running exactly, over budget),
-  ``specexpert_quality_window_flip_rate`` (the last window's), the counters of
+- ``quality``: per decode batch class ``specexpert_quality_exact{batch}`` (1: its
+  passes run exactly, over budget), ``specexpert_quality_window_accuracy_loss{batch}``
+  and ``..._window_flip_rate{batch}`` (the last window's), the counters of
   :data:`QUALITY_COUNTERS` (``specexpert_quality_sampled_tokens_total``, ...),
   ``specexpert_quality_switches_total{to}`` and per MoE layer
   ``specexpert_quality_layer_top1_flips_total{layer}`` and ``..._layer_tokens_total``.
@@ -63,6 +64,10 @@ QUALITY_COUNTERS = {
     "top1_flips": "Sampled tokens whose exact and approximate top-1 token differ.",
     "kl_sum": "Sum over sampled tokens of KL(exact || approximate) of the final logits, "
               "nats.",
+    "accuracy_loss_sum": "Sum over sampled tokens of p[exact top-1] - p[approximate "
+                         "top-1], p the exact next-token probabilities.",
+    "exact_confidence_sum": "Sum over sampled tokens of p[exact top-1] (the accuracy "
+                            "loss's denominator).",
     "exact_passes": "Decode passes run exactly because of the budget.",
     "shadow_s": "Seconds spent on the shadow computations.",
     "shadow_bytes": "Bytes the shadow computations loaded."}
@@ -250,11 +255,16 @@ class _QualityFamilies:
     def __init__(self, base: list[str]):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        self.exact = GaugeMetricFamily(f"{PREFIX}quality_exact", "1 while the engine runs "
-                                       "exactly because the quality budget was exceeded.",
-                                       labels=base)
+        batch = [*base, "batch"]
+        self.exact = GaugeMetricFamily(f"{PREFIX}quality_exact", "1 while the decode "
+                                       "passes of this batch class run exactly because "
+                                       "the quality budget was exceeded.", labels=batch)
+        self.loss = GaugeMetricFamily(f"{PREFIX}quality_window_accuracy_loss", "Estimated "
+                                      "accuracy loss of the batch class's last completed "
+                                      "window.", labels=batch)
         self.rate = GaugeMetricFamily(f"{PREFIX}quality_window_flip_rate", "Top-1 flip "
-                                      "rate of the last completed window.", labels=base)
+                                      "rate of the batch class's last completed window.",
+                                      labels=batch)
         self.counters = {key: CounterMetricFamily(counter_name(f"quality_{key}"), doc,
                                                   labels=base)
                          for key, doc in QUALITY_COUNTERS.items()}
@@ -270,9 +280,12 @@ class _QualityFamilies:
     def add(self, labels: list[str], quality: dict | None) -> None:
         if not quality:
             return
-        self.exact.add_metric(labels, float(quality["exact"]))
-        if quality["last_window_flip_rate"] is not None:
-            self.rate.add_metric(labels, quality["last_window_flip_rate"])
+        for label, batch in quality["batches"].items():
+            self.exact.add_metric([*labels, label], float(batch["exact"]))
+            for family, key in ((self.loss, "last_window_accuracy_loss"),
+                                (self.rate, "last_window_flip_rate")):
+                if batch[key] is not None:
+                    family.add_metric([*labels, label], batch[key])
         for key, family in self.counters.items():
             family.add_metric(labels, quality[key])
         self.switches.add_metric([*labels, "exact"], quality["switches_to_exact"])
@@ -282,5 +295,5 @@ class _QualityFamilies:
             self.layer_tokens.add_metric([*labels, str(index)], layer["tokens"])
 
     def families(self) -> Iterator:
-        yield from (self.exact, self.rate, *self.counters.values(), self.switches,
+        yield from (self.exact, self.loss, self.rate, *self.counters.values(), self.switches,
                     self.layer_flips, self.layer_tokens)

@@ -1,5 +1,6 @@
-"""The quality budget (``quality``): shadow-exact sampling of decode tokens, the top-1
-flip rate and KL of their final logits, and the switch to exact while over budget.
+"""The quality budget (``quality``): shadow-exact sampling of decode tokens, the
+estimated accuracy loss, top-1 flip rate and KL of their final logits, and the switch to
+exact, per decode batch size, while over budget.
 
 A sampled share of the decode tokens of each pass is recomputed at every MoE layer
 beside the served result: while the mode runs, the exact result of those rows (the
@@ -17,9 +18,18 @@ them (that would take a second KV cache). The same holds for the per-layer figur
 (``served + d_l``: what that layer alone changes). ``benchmarks/quality.py`` compares
 the estimated flip rate with the flip rate measured by teacher forcing.
 
-Decisions are per window of ``quality.window`` sampled tokens: over budget, the whole
-engine runs exactly (``fetch``, no speculation) from the next pass on; a later window
-under budget switches it back. Each switch is logged once.
+The accuracy loss of a sampled token is ``p[a_exact] - p[a_approx]``, ``p`` the exact
+result's next-token probabilities and ``a`` the two top-1 tokens: what the approximate
+token would lose in expected accuracy if the exact model were calibrated (a flip between
+two near-equal tokens costs almost nothing; a flip away from a confident token costs its
+confidence). A window's loss is its sum over the sum of ``p[a_exact]``, the exact
+result's expected accuracy: a share, like the 98 % the approximate modes aim at.
+
+Decode passes are judged per batch class (``quality.batch_classes``, by the number of
+decode sequences), because a layer call of more tokens misses more experts. Decisions
+are per window of ``quality.window`` sampled tokens of one class: over budget, passes
+of that class run exactly (``fetch``, no speculation) from the next one on; a later
+window under budget switches the class back. Each switch is logged once.
 """
 
 from __future__ import annotations
@@ -79,6 +89,10 @@ class QualityCounters:
     sampled_tokens: int = 0
     top1_flips: int = 0
     kl_sum: float = 0.0
+    accuracy_loss_sum: float = 0.0
+    """Sum over sampled tokens of ``p[exact top-1] - p[approximate top-1]``."""
+    exact_confidence_sum: float = 0.0
+    """Sum over sampled tokens of ``p[exact top-1]`` (the loss's denominator)."""
     windows: int = 0
     switches_to_exact: int = 0
     switches_to_approximate: int = 0
@@ -94,6 +108,67 @@ class QualityCounters:
     """Per MoE layer index: sampled tokens whose result that layer changed."""
     layer_flips: dict[int, int] = field(default_factory=dict)
     layer_kl_sum: dict[int, float] = field(default_factory=dict)
+    layer_accuracy_loss_sum: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Judged:
+    """Sampled tokens' figures summed: over a window, or a batch class's lifetime."""
+
+    tokens: int = 0
+    flips: int = 0
+    accuracy_loss: float = 0.0
+    exact_confidence: float = 0.0
+
+    def add(self, flips: torch.Tensor, loss: torch.Tensor, confidence: torch.Tensor) -> None:
+        self.tokens += len(flips)
+        self.flips += int(flips.sum())
+        self.accuracy_loss += float(loss.sum())
+        self.exact_confidence += float(confidence.sum())
+
+    @property
+    def flip_rate(self) -> float | None:
+        return self.flips / self.tokens if self.tokens else None
+
+    @property
+    def accuracy_loss_share(self) -> float | None:
+        return self.accuracy_loss / self.exact_confidence if self.exact_confidence else None
+
+
+@dataclass
+class BatchClass:
+    """The decode passes of ``low``..``high`` sequences, judged and switched apart."""
+
+    low: int
+    high: int | None
+    """``None``: no upper bound."""
+    exact: bool = False
+    """Whether these passes run exactly because a window was over budget."""
+    window: Judged = field(default_factory=Judged)
+    total: Judged = field(default_factory=Judged)
+    last_window: Judged | None = None
+    exact_passes: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.high is None:
+            return f"{self.low}+"
+        return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
+
+    def stats(self) -> dict:
+        last = self.last_window
+        return {"exact": self.exact, "sampled_tokens": self.total.tokens,
+                "top1_flip_rate": self.total.flip_rate,
+                "accuracy_loss": self.total.accuracy_loss_share,
+                "exact_passes": self.exact_passes,
+                "last_window_flip_rate": last.flip_rate if last else None,
+                "last_window_accuracy_loss": last.accuracy_loss_share if last else None}
+
+
+def batch_classes(bounds: tuple[int, ...]) -> list[BatchClass]:
+    """The classes of ``quality.batch_classes``' upper bounds."""
+    lows = (1, *(b + 1 for b in bounds))
+    return [BatchClass(low, high) for low, high in zip(lows, (*bounds, None))]
 
 
 class QualityMonitor:
@@ -105,12 +180,10 @@ class QualityMonitor:
         self.first_layer = first_layer
         """The index of the first MoE layer: its decode call starts a pass."""
         self.rng = np.random.default_rng(config.seed)
-        self.exact = False
-        """Whether the engine runs exactly because a window was over budget."""
+        self.classes = batch_classes(config.batch_classes)
         self.counters = QualityCounters()
-        self.window_tokens = 0
-        self.window_flips = 0
-        self.last_window_flip_rate: float | None = None
+        self.pass_class = self.classes[0]
+        """The batch class of the running pass (set at its first MoE layer)."""
         self.rows: np.ndarray | None = None
         """The running pass's sampled rows (of its decode tokens); ``None``: none."""
         self.num_rows = 0
@@ -128,6 +201,14 @@ class QualityMonitor:
             return None
         return cls(config, head, min(layer.index for layer in layers.values()))
 
+    def class_of(self, num_rows: int) -> BatchClass:
+        """The batch class of a decode pass of ``num_rows`` sequences."""
+        return next(c for c in self.classes if c.high is None or num_rows <= c.high)
+
+    def exact_for(self, num_rows: int) -> bool:
+        """Whether a decode pass of ``num_rows`` sequences runs exactly (over budget)."""
+        return self.class_of(num_rows).exact
+
     # ------------------------------------------------------------ per layer call
 
     def sampled_rows(self, layer_index: int, num_rows: int) -> np.ndarray | None:
@@ -135,10 +216,12 @@ class QualityMonitor:
         if layer_index == self.first_layer:
             self.deltas = {}
             self.num_rows = num_rows
+            self.pass_class = self.class_of(num_rows)
             drawn = np.flatnonzero(self.rng.random(num_rows) < self.config.sample)
             self.rows = drawn if len(drawn) else None
-            if self.exact:
+            if self.pass_class.exact:
                 self.counters.exact_passes += 1
+                self.pass_class.exact_passes += 1
         elif num_rows != self.num_rows:
             self.rows = None  # not the pass the rows were drawn for
         return self.rows
@@ -146,14 +229,16 @@ class QualityMonitor:
     def resolve(self, layer: OffloadedLayer, approx: LayerCall, router_weights: torch.Tensor,
                 router_ids: np.ndarray, policy: MissPolicy) -> torch.Tensor:
         """The served output of a decode call: ``approx`` under ``policy`` (the mode),
-        or the call on the router's routing with every missing expert fetched while over
-        budget; the other one is computed for the sampled rows beside it."""
+        or the call on the router's routing with every missing expert fetched while its
+        batch class is over budget; the other one is computed for the sampled rows
+        beside it."""
         rows = self.sampled_rows(layer.index, approx.x.shape[0])
-        if rows is None and not self.exact:  # the common case: nothing more to do
+        over_budget = self.exact_for(approx.x.shape[0])
+        if rows is None and not over_budget:  # the common case: nothing more to do
             return execute.resolve(layer.loader, approx, policy, layer.miss_context)
         exact = approx.routed(router_weights, router_ids)
         shadow = None
-        if self.exact:  # the exact call starts the next layer's prefetch
+        if over_budget:  # the exact call starts the next layer's prefetch
             exact.before_kernel, approx.before_kernel = approx.before_kernel, None
             if rows is not None:  # before the exact call loads what the mode would miss
                 started = time.perf_counter()
@@ -191,60 +276,78 @@ class QualityMonitor:
         """Compare the sampled rows' logits; ``final_hidden``: their served pre-norm
         final hidden states ``[R, H]`` (in the order of the sampled rows)."""
         started = time.perf_counter()
-        rows, self.rows = self.rows, None
+        self.rows = None
         served = final_hidden.float()
         served_logits = self.head.logits(served)
         other = served + sum(self.deltas.values())
-        flips, kl = self._compare(served_logits, self.head.logits(other))
+        flips, kl, loss, confidence = self._compare(served_logits, self.head.logits(other))
         counters = self.counters
-        counters.sampled_tokens += len(rows)
+        counters.sampled_tokens += len(flips)
         counters.top1_flips += int(flips.sum())
         counters.kl_sum += float(kl.sum())
+        counters.accuracy_loss_sum += float(loss.sum())
+        counters.exact_confidence_sum += float(confidence.sum())
         for index, delta in self.deltas.items():
             changed = delta.abs().amax(-1) > 0
             if not bool(changed.any()):
                 continue
-            layer_flips, layer_kl = self._compare(
+            layer_flips, layer_kl, layer_loss, _ = self._compare(
                 served_logits[changed], self.head.logits(served[changed] + delta[changed]))
-            counters.layer_tokens[index] = counters.layer_tokens.get(index, 0) + int(
-                changed.sum())
-            counters.layer_flips[index] = counters.layer_flips.get(index, 0) + int(
-                layer_flips.sum())
-            counters.layer_kl_sum[index] = counters.layer_kl_sum.get(index, 0.0) + float(
-                layer_kl.sum())
+            for key, value in (("layer_tokens", int(changed.sum())),
+                               ("layer_flips", int(layer_flips.sum())),
+                               ("layer_kl_sum", float(layer_kl.sum())),
+                               ("layer_accuracy_loss_sum", float(layer_loss.sum()))):
+                per_layer = getattr(counters, key)
+                per_layer[index] = per_layer.get(index, 0) + value
         self.deltas = {}
         counters.shadow_s += time.perf_counter() - started
-        self._count_window(len(rows), int(flips.sum()))
+        self.pass_class.total.add(flips, loss, confidence)
+        self.pass_class.window.add(flips, loss, confidence)
+        self._judge(self.pass_class)
 
-    def _compare(self, served: torch.Tensor, other: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: whether the top-1 token differs, and KL(exact || approximate)."""
-        exact, approx = (served, other) if self.exact else (other, served)
-        return exact.argmax(-1) != approx.argmax(-1), kl_divergence(exact, approx)
+    def _compare(self, served: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per row: whether the top-1 token differs, KL(exact || approximate), the
+        accuracy loss ``p[exact top-1] - p[approximate top-1]`` and ``p[exact top-1]``
+        (``p``: the exact result's probabilities)."""
+        exact, approx = (served, other) if self.pass_class.exact else (other, served)
+        exact_top1, approx_top1 = exact.argmax(-1, keepdim=True), approx.argmax(-1, keepdim=True)
+        probs = exact.softmax(-1)
+        confidence = probs.gather(-1, exact_top1).squeeze(-1)
+        loss = confidence - probs.gather(-1, approx_top1).squeeze(-1)
+        return ((exact_top1 != approx_top1).squeeze(-1), kl_divergence(exact, approx),
+                loss, confidence)
 
-    def _count_window(self, tokens: int, flips: int) -> None:
-        self.window_tokens += tokens
-        self.window_flips += flips
-        if self.window_tokens < self.config.window:
+    def over_budget(self, judged: Judged) -> str | None:
+        """Why ``judged`` is over budget (the figure and its limit), or ``None``."""
+        config = self.config
+        for figure, value, limit in (
+                ("accuracy loss", judged.accuracy_loss_share, config.max_accuracy_loss),
+                ("top-1 flip rate", judged.flip_rate, config.max_top1_flip)):
+            if limit is not None and value is not None and value > limit:
+                return f"{figure} {value:.3f} > {limit:.3f}"
+        return None
+
+    def _judge(self, batch: BatchClass) -> None:
+        window = batch.window
+        if window.tokens < self.config.window:
             return
-        rate = self.window_flips / self.window_tokens
-        self.last_window_flip_rate = rate
+        batch.last_window, batch.window = window, Judged()
         self.counters.windows += 1
-        budget = self.config.max_top1_flip
-        if not self.exact and rate > budget:
-            self.exact = True
+        over = self.over_budget(window)
+        if not batch.exact and over is not None:
+            batch.exact = True
             self.counters.switches_to_exact += 1
-            logger.warning("specexpert: quality: top-1 flip rate %.3f over the last %d "
-                           "sampled tokens exceeds max_top1_flip %.3f: running exactly "
-                           "(fetch) until a window is under budget", rate,
-                           self.window_tokens, budget)
-        elif self.exact and rate <= budget:
-            self.exact = False
+            logger.warning("specexpert: quality: decode passes of %s sequences: %s over "
+                           "the last %d sampled tokens: running them exactly (fetch) until "
+                           "a window is under budget", batch.label, over, window.tokens)
+        elif batch.exact and over is None:
+            batch.exact = False
             self.counters.switches_to_approximate += 1
-            logger.warning("specexpert: quality: the approximate mode's top-1 flip rate "
-                           "%.3f over the last %d sampled tokens is within max_top1_flip "
-                           "%.3f: running it again", rate, self.window_tokens, budget)
-        self.window_tokens = self.window_flips = 0
+            logger.warning("specexpert: quality: decode passes of %s sequences: the "
+                           "approximate mode is within budget over the last %d sampled "
+                           "tokens (accuracy loss %.3f, top-1 flip rate %.3f): running it "
+                           "again", batch.label, window.tokens, window.accuracy_loss_share,
+                           window.flip_rate)
 
     # ------------------------------------------------------------ statistics
 
@@ -252,19 +355,23 @@ class QualityMonitor:
         counters = self.counters
         sampled = counters.sampled_tokens
         return {
-            "exact": self.exact,
-            "max_top1_flip": self.config.max_top1_flip,
-            "sample": self.config.sample,
-            "window": self.config.window,
+            "exact": any(c.exact for c in self.classes),
+            **{key: getattr(self.config, key) for key in (
+                "max_accuracy_loss", "max_top1_flip", "sample", "window")},
             "top1_flip_rate": counters.top1_flips / sampled if sampled else None,
             "kl_mean": counters.kl_sum / sampled if sampled else None,
-            "last_window_flip_rate": self.last_window_flip_rate,
+            "accuracy_loss": (counters.accuracy_loss_sum / counters.exact_confidence_sum
+                              if counters.exact_confidence_sum else None),
             **{k: v for k, v in dataclasses.asdict(counters).items()
                if not k.startswith("layer_")},
+            "batches": {c.label: c.stats() for c in self.classes},
             "layers": {index: {"tokens": tokens, "top1_flips": counters.layer_flips[index],
-                               "kl_sum": counters.layer_kl_sum[index]}
+                               "kl_sum": counters.layer_kl_sum[index],
+                               "accuracy_loss_sum": counters.layer_accuracy_loss_sum[index]}
                        for index, tokens in sorted(counters.layer_tokens.items())},
         }
 
     def reset_stats(self) -> None:
         self.counters = QualityCounters()
+        for batch in self.classes:
+            batch.total, batch.exact_passes = Judged(), 0

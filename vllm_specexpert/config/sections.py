@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, Strict
+from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True,
@@ -199,25 +200,58 @@ class MeshConfig:
 class QualityConfig:
     """A quality budget for a mode that changes the output (``quality: {}`` for these
     defaults). The engine recomputes a sampled share of decode tokens exactly beside
-    the served result (the router's experts, fetched), estimates how often the final
-    logits' top-1 token flips, and runs exactly (``fetch``) while a window of sampled
-    tokens flips more often than ``max_top1_flip``; it switches back after a window
-    under budget (the approximate result is then the one sampled)."""
+    the served result (the router's experts, fetched), estimates from the final logits
+    how much next-token accuracy the approximate result loses (and how often its top-1
+    token flips), and runs exactly (``fetch``) while a window of sampled tokens is over
+    budget; it switches back after a window under budget (the approximate result is
+    then the one sampled). Decode passes of different batch sizes
+    (``batch_classes``) are judged and switched apart."""
 
-    max_top1_flip: Annotated[Number, Field(ge=0, le=1)] = 0.02
+    max_accuracy_loss: Annotated[Number, Field(ge=0, le=1)] | None = 0.02
+    """Largest estimated share of next-token accuracy the approximate result may lose
+    before the engine runs exactly: over a window, ``sum(p[exact top-1] - p[approximate
+    top-1]) / sum(p[exact top-1])`` with ``p`` the exact result's next-token
+    probabilities (what the two tokens would score if the exact model were calibrated).
+    0.02: the 98 % of exact accuracy the approximate modes aim at. ``None``: not
+    judged. Range: [0, 1]."""
+
+    max_top1_flip: Annotated[Number, Field(ge=0, le=1)] | None = None
     """Largest share of sampled decode tokens whose top-1 token may differ between the
-    exact and the approximate result before the engine runs exactly. Range: [0, 1]."""
+    exact and the approximate result before the engine runs exactly (stricter than
+    ``max_accuracy_loss``: a flip between two near-equal tokens counts in full).
+    ``None`` (default): not judged. Range: [0, 1]."""
 
     sample: Annotated[Number, Field(gt=0, le=1)] = 0.02
     """Share of decode tokens recomputed exactly (each drawn independently; a drawn
     token's every MoE layer call is recomputed). Range: (0, 1]."""
 
     window: Annotated[Count, Field(ge=1, le=1_000_000)] = 100
-    """Sampled tokens per decision: the flip rate is judged over this many, then
-    counted anew. Range: [1, 1000000]."""
+    """Sampled tokens per decision (per batch class): the budget is judged over this
+    many, then counted anew. Range: [1, 1000000]."""
+
+    batch_classes: tuple[Annotated[Count, Field(ge=1, le=65536)], ...] = (1, 8, 32)
+    """Upper bounds of the decode batch sizes (sequences per pass) judged and switched
+    apart: ``[1, 8, 32]`` gives 1, 2-8, 9-32 and more than 32. An approximate mode's
+    accuracy depends on the batch size (a layer call of more tokens misses more
+    experts), so it may run exactly at some sizes and approximately at others.
+    ``[]``: one class, the whole engine. Strictly increasing, at most 8."""
 
     seed: Annotated[Count, Field(ge=0)] = 0
     """Seed of the token sampling (runs are repeatable)."""
+
+    @field_validator("batch_classes")
+    @classmethod
+    def _batch_classes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if len(value) > 8 or any(b <= a for a, b in itertools.pairwise(value)):
+            raise ValueError(f"must be strictly increasing and at most 8, got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _a_budget(self) -> QualityConfig:
+        if self.max_accuracy_loss is None and self.max_top1_flip is None:
+            raise ValueError("max_accuracy_loss and max_top1_flip are both null: nothing "
+                             "to judge; set one of them")
+        return self
 
 
 def default_of(owner: type, name: str) -> Any:
