@@ -86,13 +86,7 @@ def kl_divergence(exact: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
 class QualityCounters:
     """What the monitor measured since the last reset."""
 
-    sampled_tokens: int = 0
-    top1_flips: int = 0
     kl_sum: float = 0.0
-    accuracy_loss_sum: float = 0.0
-    """Sum over sampled tokens of ``p[exact top-1] - p[approximate top-1]``."""
-    exact_confidence_sum: float = 0.0
-    """Sum over sampled tokens of ``p[exact top-1]`` (the loss's denominator)."""
     windows: int = 0
     switches_to_exact: int = 0
     switches_to_approximate: int = 0
@@ -113,12 +107,14 @@ class QualityCounters:
 
 @dataclass
 class Judged:
-    """Sampled tokens' figures summed: over a window, or a batch class's lifetime."""
+    """Sampled tokens' figures summed: over a window, a batch class or everything."""
 
     tokens: int = 0
     flips: int = 0
     accuracy_loss: float = 0.0
+    """Sum of ``p[exact top-1] - p[approximate top-1]``."""
     exact_confidence: float = 0.0
+    """Sum of ``p[exact top-1]`` (the accuracy loss's denominator)."""
 
     def add(self, flips: torch.Tensor, loss: torch.Tensor, confidence: torch.Tensor) -> None:
         self.tokens += len(flips)
@@ -182,6 +178,8 @@ class QualityMonitor:
         self.rng = np.random.default_rng(config.seed)
         self.classes = batch_classes(config.batch_classes)
         self.counters = QualityCounters()
+        self.total = Judged()
+        """Every sampled token since the last reset."""
         self.pass_class = self.classes[0]
         """The batch class of the running pass (set at its first MoE layer)."""
         self.rows: np.ndarray | None = None
@@ -282,11 +280,9 @@ class QualityMonitor:
         other = served + sum(self.deltas.values())
         flips, kl, loss, confidence = self._compare(served_logits, self.head.logits(other))
         counters = self.counters
-        counters.sampled_tokens += len(flips)
-        counters.top1_flips += int(flips.sum())
         counters.kl_sum += float(kl.sum())
-        counters.accuracy_loss_sum += float(loss.sum())
-        counters.exact_confidence_sum += float(confidence.sum())
+        for judged in (self.total, self.pass_class.total, self.pass_class.window):
+            judged.add(flips, loss, confidence)
         for index, delta in self.deltas.items():
             changed = delta.abs().amax(-1) > 0
             if not bool(changed.any()):
@@ -301,8 +297,6 @@ class QualityMonitor:
                 per_layer[index] = per_layer.get(index, 0) + value
         self.deltas = {}
         counters.shadow_s += time.perf_counter() - started
-        self.pass_class.total.add(flips, loss, confidence)
-        self.pass_class.window.add(flips, loss, confidence)
         self._judge(self.pass_class)
 
     def _compare(self, served: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -352,16 +346,17 @@ class QualityMonitor:
     # ------------------------------------------------------------ statistics
 
     def stats(self) -> dict:
-        counters = self.counters
-        sampled = counters.sampled_tokens
+        counters, total = self.counters, self.total
         return {
             "exact": any(c.exact for c in self.classes),
             **{key: getattr(self.config, key) for key in (
                 "max_accuracy_loss", "max_top1_flip", "sample", "window")},
-            "top1_flip_rate": counters.top1_flips / sampled if sampled else None,
-            "kl_mean": counters.kl_sum / sampled if sampled else None,
-            "accuracy_loss": (counters.accuracy_loss_sum / counters.exact_confidence_sum
-                              if counters.exact_confidence_sum else None),
+            "sampled_tokens": total.tokens, "top1_flips": total.flips,
+            "accuracy_loss_sum": total.accuracy_loss,
+            "exact_confidence_sum": total.exact_confidence,
+            "top1_flip_rate": total.flip_rate,
+            "kl_mean": counters.kl_sum / total.tokens if total.tokens else None,
+            "accuracy_loss": total.accuracy_loss_share,
             **{k: v for k, v in dataclasses.asdict(counters).items()
                if not k.startswith("layer_")},
             "batches": {c.label: c.stats() for c in self.classes},
@@ -372,6 +367,6 @@ class QualityMonitor:
         }
 
     def reset_stats(self) -> None:
-        self.counters = QualityCounters()
+        self.counters, self.total = QualityCounters(), Judged()
         for batch in self.classes:
             batch.total, batch.exact_passes = Judged(), 0
