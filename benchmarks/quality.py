@@ -8,18 +8,23 @@ measured ones, where it makes each mode fall back, and what sampling costs.
 One plugin engine (started with ``lowbit`` and a quality budget: the INT4 copies and the
 final-norm tap are made at start only); modes switch with ``reconfigure``.
 
-1. **Estimate against measurement.** Per mode and batch size, ``--windows`` held-out
-   windows (16 prompt tokens, 32 forced one decode step at a time,
-   :func:`common.teacher_forced`) run with ``quality: {sample: 1.0, max_top1_flip:
-   1.0}`` (every token sampled, never switched). ``estimated`` is the monitor's flip
-   rate; ``measured`` the share of positions whose top-1 token differs from ``fetch``'s
-   at the same positions and batch size (teacher forcing keeps both on the real text).
-2. **Cost.** Per mode and batch size, the decode step time (``common.step_seconds``:
-   prefill and request overheads cancel) without a budget and with ``sample`` in
-   ``--samples`` (``max_top1_flip: 1.0``: sampling only, no switch), and with the
-   default budget (0.02: the engine then runs ``fetch`` most of the time), as ratios
-   to the mode without a budget, with the share of decode passes run exactly. No link is
-   emulated: a copy costs what the memcpy costs on this machine.
+1. **Estimate against measurement** (``estimate``). Per mode and batch size,
+   ``--windows`` held-out windows (16 prompt tokens, 32 forced one decode step at a
+   time, :func:`common.teacher_forced`) run with ``quality: {sample: 1.0,
+   max_top1_flip: 1.0, max_accuracy_loss: null}`` (every token sampled, never
+   switched). Estimated: the monitor's flip rate and accuracy loss. Measured: the share
+   of positions whose top-1 token differs from ``fetch``'s at the same positions and
+   batch size (teacher forcing keeps both on the real text), and ``1 - accuracy /
+   fetch's accuracy`` (accuracy: top-1 = the real next token).
+2. **Fallback** (``fallback``). The same windows under the default accuracy budget
+   (0.02), deciding sooner than the default (``sample`` 0.5, ``window`` 50: a decision
+   every 100 decode tokens of a batch class): the accuracy kept against ``fetch`` and
+   the share of decode passes run exactly, per mode and batch size.
+3. **Cost** (``cost``). Per mode and batch size, the decode step time
+   (``common.step_seconds``: prefill and request overheads cancel) without a budget,
+   with ``sample`` in ``--samples`` (sampling only, no switch), and with the default
+   budget, as ratios to the mode without a budget, with the share of decode passes run
+   exactly. No link is emulated: a copy costs what the memcpy costs on this machine.
 
 Writes ``benchmarks/results/quality.json`` and ``.png``.
 """
@@ -55,7 +60,7 @@ MODES = {
     "lowbit": {"miss_policy": "lowbit", "predictor": "none"},
 }
 MEASURE_ONLY = {"sample": 1.0, "max_top1_flip": 1.0, "max_accuracy_loss": None}
-FALLBACK = {"sample": 0.25, "window": 50}
+FALLBACK = {"sample": 0.5, "window": 50}
 
 
 def main() -> None:
