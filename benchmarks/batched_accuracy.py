@@ -3,6 +3,7 @@
     python benchmarks/batched_accuracy.py [--model DIR] [--batches 1 8 32 128]
                                           [--splits validation test] [--windows 128]
                                           [--budget 0.25] [--modes NAME...] [--eager]
+                                          [--quality JSON]
 
 One plugin engine (started with ``lowbit``, whose INT4 copies are made at load only
 then, and with the calibration, estimator and analysis); modes switch with
@@ -16,11 +17,17 @@ NLL. The exact reference is ``fetch`` at the same batch size (a batch's composit
 can change vLLM's rounding, so each batch size has its own). No link is emulated:
 misses are what they are at that budget, and nothing here is timed. Writes
 ``benchmarks/results/batched_accuracy.json`` and ``.png``.
+
+With ``--quality '{"sample": 0.5, "window": 50}'`` every mode that changes the output
+runs under that quality budget (the engine starts with it, so that the final-norm tap is
+installed), each row also gives the share of decode passes the budget ran exactly, and
+the files are ``batched_accuracy_quality.json`` and ``.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -56,6 +63,8 @@ MODES = {
     "lowbit": {"miss_policy": "lowbit", "predictor": "none"},
 }
 """Every approximate mode with its defaults (``cpu``: the equivalent reference)."""
+UNCHANGED_OUTPUT = ("fetch (exact)", "cpu")
+"""The modes a quality budget does not apply to."""
 
 
 def main() -> None:
@@ -68,7 +77,10 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", help="only these modes (the exact one is "
                         "always run first)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    parser.add_argument("--quality", type=json.loads, help="a quality budget (JSON) for "
+                        "every mode that changes the output")
     args = parser.parse_args()
+    name = "batched_accuracy_quality" if args.quality is not None else "batched_accuracy"
 
     import vllm_specexpert
     from vllm_specexpert.tools.teacher_forcing import TeacherForcing
@@ -81,7 +93,8 @@ def main() -> None:
     if not artifacts:
         modes = {n: m for n, m in modes.items() if m["predictor"] not in ("estimator", "hybrid")}
     llm = start_engine(model, {"budget": args.budget, "calibration": calibration,
-                               "miss_policy": "lowbit", **artifacts},
+                               "miss_policy": "lowbit", **artifacts,
+                               "quality": args.quality},
                        eager=args.eager, max_model_len=512, max_num_seqs=max(args.batches),
                        logits_processors=[TeacherForcing])
     rows = []
@@ -90,32 +103,38 @@ def main() -> None:
         actual = [t for w in windows for t in w[PROMPT_TOKENS:]]
         for batch in args.batches:
             exact = None
-            for name, mode in modes.items():
-                vllm_specexpert.reconfigure(llm, **mode)
+            for label, mode in modes.items():
+                quality = None if label in UNCHANGED_OUTPUT else args.quality
+                vllm_specexpert.reconfigure(llm, **mode, quality=quality)
                 forced = teacher_forced(llm, windows, PROMPT_TOKENS, batch)
+                stats = vllm_specexpert.get_stats(llm)[0]
                 exact = exact or forced
                 n = len(actual)
                 accuracy = sum(a == b for a, b in zip(forced["top1"], actual)) / n
                 exact_accuracy = sum(a == b for a, b in zip(exact["top1"], actual)) / n
-                row = {"split": split, "batch": batch, "mode": name,
-                       "output": vllm_specexpert.get_stats(llm)[0]["output"],
+                row = {"split": split, "batch": batch, "mode": label, "output": stats["output"],
                        "accuracy": accuracy, "kept": accuracy / exact_accuracy,
                        "top1_equal_exact": sum(a == b for a, b in zip(
                            forced["top1"], exact["top1"])) / n,
                        "nll": -sum(forced["logprobs"]) / n,
                        "nll_delta": (sum(exact["logprobs"]) - sum(forced["logprobs"])) / n,
                        "positions": n, "seconds": forced["seconds"]}
+                if quality is not None:
+                    passes = max(la["decode"]["calls"] for la in stats["layers"].values())
+                    row["exact_pass_share"] = stats["quality"]["exact_passes"] / max(passes, 1)
                 rows.append(row)
-                print(f"{split:<10} batch {batch:>3} {name:<24} acc {accuracy:.4f} kept "
+                print(f"{split:<10} batch {batch:>3} {label:<24} acc {accuracy:.4f} kept "
                       f"{row['kept']:.3f} top1=exact {row['top1_equal_exact']:.3f} "
-                      f"dNLL {row['nll_delta']:+.3f} ({forced['seconds']:.0f} s)", flush=True)
+                      f"dNLL {row['nll_delta']:+.3f} ({forced['seconds']:.0f} s)"
+                      + (f" exact passes {row['exact_pass_share']:.2f}" if quality else ""),
+                      flush=True)
     stop_engine(llm)
     payload = {"model": model, "calibration": calibration, **artifacts,
                "budget": args.budget, "windows": args.windows,
                "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS,
-               "eager": args.eager, "modeled": None, "rows": rows}
-    path = write_result("batched_accuracy", payload)
-    plot(rows, RESULTS / "batched_accuracy.png", f"{Path(model).name}, budget "
+               "eager": args.eager, "modeled": None, "quality": args.quality, "rows": rows}
+    path = write_result(name, payload)
+    plot(rows, RESULTS / f"{name}.png", f"{Path(model).name}, budget "
          f"{args.budget}, {args.windows} windows x {FORCED_TOKENS} forced tokens per split\n"
          f"{command_line()}")
     print_markdown(rows)
@@ -125,11 +144,12 @@ def main() -> None:
 def print_markdown(rows: list[dict]) -> None:
     batches = sorted({r["batch"] for r in rows})
     for split in dict.fromkeys(r["split"] for r in rows):
-        print(f"\n{split}: kept (top-1 = exact)\n")
+        print(f"\n{split}: kept (top-1 = exact) [share of passes run exactly]\n")
         print("| mode | " + " | ".join(f"batch {b}" for b in batches) + " |")
         print("|---|" + "---|" * len(batches))
         for mode in dict.fromkeys(r["mode"] for r in rows):
-            cells = {r["batch"]: f"{r['kept']:.3f} ({r['top1_equal_exact']:.3f})"
+            cells = {r["batch"]: f"{r['kept']:.3f} ({r['top1_equal_exact']:.3f})" + (
+                         f" [{r['exact_pass_share']:.2f}]" if "exact_pass_share" in r else "")
                      for r in rows if r["split"] == split and r["mode"] == mode}
             print(f"| {mode} | " + " | ".join(cells.get(b, "-") for b in batches) + " |")
 
