@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -31,7 +32,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
+    """The command that is running, quoted so that it can be pasted into a shell."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
 
 
 def timed_generate(llm, prompts: list, max_tokens: int) -> float:
