@@ -94,9 +94,9 @@ def one_pass(monitor: QualityMonitor, flips: int, rows: int = 4) -> None:
 
 def test_switches_on_a_whole_window_over_budget_and_back_under_it():
     monitor = monitor_of(window=8, budget=0.25)
-    one_pass(monitor, flips=4)
-    assert not monitor.exact_for(4)  # half a window: no decision yet
-    one_pass(monitor, flips=0)
+    one_pass(monitor, flips=1)
+    assert not monitor.exact_for(4)  # half a window, and it could still end under
+    one_pass(monitor, flips=3)
     assert monitor.exact_for(4)  # 4 of 8 > 0.25
     assert monitor.classes[0].last_window.flip_rate == 0.5
     one_pass(monitor, flips=2)
@@ -118,8 +118,10 @@ def test_switches_on_a_whole_window_over_budget_and_back_under_it():
 def test_batch_classes_are_judged_and_switched_apart():
     monitor = monitor_of(window=8, budget=0.25, batch_classes=(1, 8))
     assert [c.label for c in monitor.classes] == ["1", "2-8", "9+"]
-    for _ in range(8):
-        one_pass(monitor, flips=1, rows=1)  # one-token passes: every token flips
+    for _ in range(8):  # one-token passes: every token flips
+        one_pass(monitor, flips=1, rows=1)
+        if monitor.exact_for(1):
+            break
     one_pass(monitor, flips=0, rows=8)  # eight-token passes: none does
     assert monitor.exact_for(1)
     assert not monitor.exact_for(2) and not monitor.exact_for(8) and not monitor.exact_for(9)
@@ -161,6 +163,26 @@ def test_the_accuracy_loss_is_what_the_exact_probabilities_give_the_served_token
     p = torch.softmax(identity_head().logits(confident), -1)[0]
     assert window.accuracy_loss_share == pytest.approx(float((p[0] - p[1]) / p[0]), rel=1e-4)
     assert window.accuracy_loss_share > 0.5 and monitor.exact_for(2)
+
+
+def test_a_window_that_cannot_end_under_budget_is_judged_at_once():
+    monitor = QualityMonitor(QualityConfig(sample=1.0, window=100, batch_classes=()),
+                             identity_head(), 0)  # max_accuracy_loss 0.02
+    confident, wrong = torch.tensor([8.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 8.0, 0.0, 0.0])
+    # One confident flip in 8 tokens: 11 % lost so far, but 92 tokens that lose nothing
+    # would bring the window under 0.02. No decision yet.
+    logits_pass(monitor, torch.stack([wrong] + [confident] * 7), torch.stack([confident] * 8))
+    assert not monitor.exact_for(8)
+    assert monitor.classes[0].window.accuracy_loss_share > 0.1
+    # Eight more: now no 84 tokens could bring it under. Exact after 16 of 100 tokens.
+    logits_pass(monitor, torch.stack([wrong] * 8), torch.stack([confident] * 8))
+    assert monitor.exact_for(8) and monitor.classes[0].last_window.tokens == 16
+    # Running exactly, the way back waits for a whole window.
+    for _ in range(12):
+        logits_pass(monitor, torch.stack([confident] * 8), torch.stack([confident] * 8))
+    assert monitor.exact_for(8)  # 96 tokens that lose nothing
+    logits_pass(monitor, torch.stack([confident] * 8), torch.stack([confident] * 8))
+    assert not monitor.exact_for(8)
 
 
 def test_kl_is_of_the_exact_distribution_against_the_approximate_one():

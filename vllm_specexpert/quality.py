@@ -29,7 +29,9 @@ Decode passes are judged per batch class (``quality.batch_classes``, by the numb
 decode sequences), because a layer call of more tokens misses more experts. Decisions
 are per window of ``quality.window`` sampled tokens of one class: over budget, passes
 of that class run exactly (``fetch``, no speculation) from the next one on; a later
-window under budget switches the class back. Each switch is logged once.
+window under budget switches the class back. Each switch is logged once. While the mode
+runs, a window that can no longer end under budget, whatever its remaining tokens, is
+judged at once.
 """
 
 from __future__ import annotations
@@ -311,23 +313,33 @@ class QualityMonitor:
         return ((exact_top1 != approx_top1).squeeze(-1), kl_divergence(exact, approx),
                 loss, confidence)
 
-    def over_budget(self, judged: Judged) -> str | None:
-        """Why ``judged`` is over budget (the figure and its limit), or ``None``."""
+    def over_budget(self, judged: Judged, remaining: int = 0) -> str | None:
+        """Why ``judged`` is over budget (the figure and its limit), or ``None``. With
+        ``remaining`` tokens still to come in its window: whether it will be over
+        whatever they are (each adds a loss of at least 0 to a confidence of at most 1,
+        and at least 0 flips)."""
         config = self.config
-        for figure, value, limit in (
-                ("accuracy loss", judged.accuracy_loss_share, config.max_accuracy_loss),
-                ("top-1 flip rate", judged.flip_rate, config.max_top1_flip)):
+        loss = (judged.accuracy_loss / (judged.exact_confidence + remaining)
+                if judged.exact_confidence + remaining else None)
+        flips = judged.flips / (judged.tokens + remaining) if judged.tokens else None
+        bound = "at least " if remaining else ""
+        for figure, value, limit in (("accuracy loss", loss, config.max_accuracy_loss),
+                                     ("top-1 flip rate", flips, config.max_top1_flip)):
             if limit is not None and value is not None and value > limit:
-                return f"{figure} {value:.3f} > {limit:.3f}"
+                return f"{figure} {bound}{value:.3f} > {limit:.3f}"
         return None
 
     def _judge(self, batch: BatchClass) -> None:
+        """Ends the class's window when it is full, or, while the mode runs, as soon as
+        it cannot end under budget (a mode far over budget is caught in a fraction of a
+        window); switches if the window says so."""
         window = batch.window
-        if window.tokens < self.config.window:
+        remaining = self.config.window - window.tokens
+        if remaining > 0 and (batch.exact or self.over_budget(window, remaining) is None):
             return
         batch.last_window, batch.window = window, Judged()
         self.counters.windows += 1
-        over = self.over_budget(window)
+        over = self.over_budget(window, max(remaining, 0))
         if not batch.exact and over is not None:
             batch.exact = True
             self.counters.switches_to_exact += 1

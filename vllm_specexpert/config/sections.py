@@ -227,7 +227,8 @@ class QualityConfig:
 
     window: Annotated[Count, Field(ge=1, le=1_000_000)] = 100
     """Sampled tokens per decision (per batch class): the budget is judged over this
-    many, then counted anew. Range: [1, 1000000]."""
+    many, then counted anew; while the mode runs, a window that can no longer end under
+    budget is judged at once. Range: [1, 1000000]."""
 
     batch_classes: tuple[Annotated[Count, Field(ge=1, le=65536)], ...] = (1, 8, 32)
     """Upper bounds of the decode batch sizes (sequences per pass) judged and switched
