@@ -343,13 +343,13 @@ class QualityMonitor:
         if not batch.exact and over is not None:
             batch.exact = True
             self.counters.switches_to_exact += 1
-            logger.warning("specexpert: quality: decode passes of %s sequences: %s over "
+            logger.warning("specexpert: quality: decode passes of %s sequence(s): %s over "
                            "the last %d sampled tokens: running them exactly (fetch) until "
                            "a window is under budget", batch.label, over, window.tokens)
         elif batch.exact and over is None:
             batch.exact = False
             self.counters.switches_to_approximate += 1
-            logger.warning("specexpert: quality: decode passes of %s sequences: the "
+            logger.warning("specexpert: quality: decode passes of %s sequence(s): the "
                            "approximate mode is within budget over the last %d sampled "
                            "tokens (accuracy loss %.3f, top-1 flip rate %.3f): running it "
                            "again", batch.label, window.tokens, window.accuracy_loss_share,
