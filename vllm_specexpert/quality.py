@@ -118,11 +118,11 @@ class Judged:
     exact_confidence: float = 0.0
     """Sum of ``p[exact top-1]`` (the accuracy loss's denominator)."""
 
-    def add(self, flips: torch.Tensor, loss: torch.Tensor, confidence: torch.Tensor) -> None:
-        self.tokens += len(flips)
-        self.flips += int(flips.sum())
-        self.accuracy_loss += float(loss.sum())
-        self.exact_confidence += float(confidence.sum())
+    def add(self, other: Judged) -> None:
+        self.tokens += other.tokens
+        self.flips += other.flips
+        self.accuracy_loss += other.accuracy_loss
+        self.exact_confidence += other.exact_confidence
 
     @property
     def flip_rate(self) -> float | None:
@@ -282,9 +282,12 @@ class QualityMonitor:
         other = served + sum(self.deltas.values())
         flips, kl, loss, confidence = self._compare(served_logits, self.head.logits(other))
         counters = self.counters
-        counters.kl_sum += float(kl.sum())
-        for judged in (self.total, self.pass_class.total, self.pass_class.window):
-            judged.add(flips, loss, confidence)
+        flip_count, kl_sum, loss_sum, confidence_sum = torch.stack(  # one device read
+            [flips.sum().float(), kl.sum(), loss.sum(), confidence.sum()]).tolist()
+        counters.kl_sum += kl_sum
+        judged = Judged(len(flips), int(flip_count), loss_sum, confidence_sum)
+        for into in (self.total, self.pass_class.total, self.pass_class.window):
+            into.add(judged)
         for index, delta in self.deltas.items():
             changed = delta.abs().amax(-1) > 0
             if not bool(changed.any()):
