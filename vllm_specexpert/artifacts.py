@@ -1,16 +1,22 @@
-"""What every artifact directory (calibration, path predictor) shares: a ``manifest.json``
-with a format and the fingerprint of the model it was made for, and a safetensors file
-whose tensors are checked by name, shape and finiteness. Anything wrong is one
+"""What every artifact (calibration, estimator, analysis, path predictor) shares: a
+manifest with a format and the fingerprint of the model it was made for, checked on read
+against its schema (a pydantic model next to its loader, built from the pieces here:
+:class:`ModelFingerprint`, :class:`ArtifactManifest`, the bounded sizes), and a
+safetensors file whose tensors are checked by name and shape (from its header, before
+anything is allocated) and finiteness. Anything wrong is one
 :class:`~vllm_specexpert.config.SpecExpertConfigError` naming the config field that
-points at the directory."""
+points at the directory, the file, the key, and the command that remakes it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from vllm_specexpert.config import SpecExpertConfigError
 
@@ -19,6 +25,119 @@ FINGERPRINT_CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", 
                            "vocab_size")
 """Config keys of the fingerprint (transformers 5 writes Qwen3-MoE's expert count as
 ``num_local_experts``, older configs as ``num_experts``)."""
+
+# Sane upper bounds of a manifest's sizes: far above any released model, and low enough
+# that a corrupt value is refused by the schema rather than attempted.
+MAX_HIDDEN = 1 << 16
+MAX_EXPERTS = 1 << 16
+MAX_LAYERS = 1 << 12
+MAX_VOCAB = 1 << 22
+
+# Strict: JSON types exactly (a string or a boolean where a number goes is corruption,
+# not something to coerce).
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # an integer is accepted: JSON writes 1.0 as 1
+Str = Annotated[str, Strict()]
+HiddenSize = Annotated[int, Strict(), Field(ge=1, le=MAX_HIDDEN)]
+ExpertCount = Annotated[int, Strict(), Field(ge=1, le=MAX_EXPERTS)]
+TopK = Annotated[int, Strict(), Field(ge=1, le=MAX_EXPERTS)]
+LayerIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_LAYERS)]
+LayerCount = Annotated[int, Strict(), Field(ge=1, le=MAX_LAYERS)]
+VocabSize = Annotated[int, Strict(), Field(ge=1, le=MAX_VOCAB)]
+Sha256 = Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{64}$")]
+ConfigValue = Annotated[int, Strict(), Field(ge=0)]
+"""A fingerprint's config number: only compared with the model's, never allocated."""
+
+MANIFEST = ConfigDict(extra="allow", protected_namespaces=())
+"""Every manifest schema's: unknown keys kept (writers add info keys)."""
+SHAPE = ConfigDict(extra="forbid")
+"""A network's shape: an unknown key is a network this version cannot build."""
+
+
+class ModelFingerprint(BaseModel):
+    """``model_fingerprint`` as :func:`model_fingerprint` writes it: the config keys of
+    :data:`FINGERPRINT_CONFIG_KEYS` and ``router_sha256``. A key left out means what
+    ``null`` means (the config has no such key): compared as such, so a fingerprint
+    missing a key the model has is one of another model."""
+
+    model_config = MANIFEST
+
+    architectures: list[Str] | None = None
+    hidden_size: ConfigValue | None = None
+    num_hidden_layers: ConfigValue | None = None
+    num_experts: ConfigValue | None = None
+    num_local_experts: ConfigValue | None = None
+    num_experts_per_tok: ConfigValue | None = None
+    moe_intermediate_size: ConfigValue | None = None
+    vocab_size: ConfigValue | None = None
+    router_sha256: Sha256 | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in (*FINGERPRINT_CONFIG_KEYS, "router_sha256")}
+
+    def disagreement(self, hidden_size: int | None = None, num_experts: int | None = None,
+                     top_k: int | None = None, vocab_size: int | None = None) -> str | None:
+        """The first size an artifact states (its shape) unlike this fingerprint's (the
+        model it says it was made for), as ``"name X, the fingerprint's Y"``; ``None``
+        when they agree or the fingerprint does not say."""
+        experts = {self.num_experts, self.num_local_experts} - {None}
+        if num_experts is not None and experts and num_experts not in experts:
+            return f"num_experts {num_experts}, the fingerprint's {sorted(experts)[0]}"
+        for name, value, made_for in (("hidden_size", hidden_size, self.hidden_size),
+                                      ("top_k", top_k, self.num_experts_per_tok),
+                                      ("vocab_size", vocab_size, self.vocab_size)):
+            if value is not None and made_for is not None and value != made_for:
+                return f"{name} {value}, the fingerprint's {made_for}"
+        return None
+
+
+class MadeForModel(BaseModel):
+    """What every artifact says about its model: the path it was made from (for
+    messages) and its fingerprint (:func:`check_matches_model` compares it)."""
+
+    model_config = MANIFEST
+
+    model: Str | None = None
+    model_fingerprint: ModelFingerprint | None = None
+
+
+class ArtifactManifest(MadeForModel):
+    """An artifact directory's ``manifest.json``: also its format (checked first, by
+    :func:`read_manifest`)."""
+
+    format: Str
+
+
+Schema = TypeVar("Schema", bound=BaseModel)
+
+
+def manifest_error(error: ValidationError, field: str, file: Path,
+                   fix: str) -> SpecExpertConfigError:
+    """Pydantic's first complaint about ``file`` as one config error naming ``field``,
+    the file and the key (``shape.latent``, ``transitions.3.quasi_hidden.recall``)."""
+    errors = error.errors(include_url=False)
+    first = errors[0]
+    key = ".".join(str(part) for part in first["loc"]) or "(the whole file)"
+    if first["type"] == "missing":
+        problem = "missing"
+    elif first["type"] == "value_error":
+        problem = str(first["ctx"]["error"])
+    else:
+        value = repr(first.get("input"))
+        problem = f"{first['msg']} (got {value if len(value) <= 40 else value[:37] + '...'})"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    problem = f"{file}: key {key}: {problem}{more}".replace("\n", " ")
+    return SpecExpertConfigError(field, problem, fix)
+
+
+def parse_manifest(schema: type[Schema], data: Any, field: str, file: Path,
+                   fix: str) -> Schema:
+    """``data`` (a manifest read from ``file``) checked against ``schema``: one config
+    error naming ``field`` for anything wrong."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        raise manifest_error(error, field, file, fix) from None
 
 
 def model_fingerprint(model_dir: str | Path) -> dict:
@@ -48,18 +167,27 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def check_matches_model(manifest: dict, model: str, hf_config=None, field: str = "calibration",
-                        fix: str | None = None) -> None:
-    """Raise a config error naming ``field`` unless ``manifest`` (of a calibration, or
-    any artifact that carries ``model_fingerprint``) was made for ``model`` (a local
-    directory: router weights compared by hash; otherwise the shapes in ``hf_config``
-    only)."""
-    made_for = manifest.get("model_fingerprint", {})
+def check_matches_model(manifest: MadeForModel, model: str, hf_config=None,
+                        field: str = "calibration", fix: str | None = None) -> None:
+    """Raise a config error naming ``field`` unless ``manifest`` (checked against its
+    schema) was made for ``model`` (a local directory: router weights compared by hash;
+    otherwise the shapes in ``hf_config`` only)."""
+    fix = fix or f"run `specexpert calibrate {model} --out DIR` and point '{field}' at DIR"
+    if manifest.model_fingerprint is None:
+        raise SpecExpertConfigError(
+            field, "does not say which model it was made for (no model_fingerprint: made "
+            "by an older version, or by hand)", fix)
+    made_for = manifest.model_fingerprint.as_dict()
     if Path(model, "config.json").exists():
         actual = model_fingerprint(model)
     elif hf_config is not None:
         actual = {k: getattr(hf_config, k, None) for k in FINGERPRINT_CONFIG_KEYS}
-        made_for = {k: made_for.get(k) for k in FINGERPRINT_CONFIG_KEYS}
+        # The fingerprint holds config.json's keys as written; the config object also
+        # answers an alias (transformers 5's Qwen3-MoE: num_experts -> num_local_experts)
+        # with its target's value, so an alias the file left out takes the target's.
+        for alias, target in getattr(hf_config, "attribute_map", {}).items():
+            if made_for.get(alias) is None and target in made_for:
+                made_for[alias] = made_for[target]
     else:
         return
     different = sorted(k for k in actual if actual[k] != made_for.get(k))
@@ -67,14 +195,13 @@ def check_matches_model(manifest: dict, model: str, hf_config=None, field: str =
         raise SpecExpertConfigError(
             field,
             f"made for another model (differs in {', '.join(different)}; made for "
-            f"{manifest.get('model', '?')})",
-            fix or f"run `specexpert calibrate {model} --out DIR` and point '{field}' at DIR",
-        )
+            f"{manifest.model or '?'})", fix)
 
 
-def read_manifest(path: Path, field: str, weights_file: str, fmt: str, fix: str) -> dict:
-    """The ``manifest.json`` of an artifact directory (calibration, path predictor), its
-    ``format`` checked; anything wrong is one config error naming ``field``."""
+def read_manifest(path: Path, field: str, weights_file: str, fmt: str, fix: str,
+                  schema: type[Schema]) -> Schema:
+    """The ``manifest.json`` of an artifact directory, its ``format`` checked, then the
+    rest against ``schema``; anything wrong is one config error naming ``field``."""
     manifest_path = path / "manifest.json"
     if not manifest_path.exists() or not (path / weights_file).exists():
         raise SpecExpertConfigError(
@@ -88,29 +215,50 @@ def read_manifest(path: Path, field: str, weights_file: str, fmt: str, fix: str)
     if found != fmt:
         raise SpecExpertConfigError(field, f"{manifest_path}: format {found!r}, expected "
                                     f"{fmt!r}", f"recreate it with this version ({fix})")
-    return manifest
+    return parse_manifest(schema, manifest, field, manifest_path, fix)
 
 
-def check_tensors(field: str, file: Path, tensors: dict[str, torch.Tensor],
-                  expected: dict[str, tuple[int, ...]], fix: str) -> None:
-    """Every tensor of ``expected`` present in ``tensors`` with its shape, no other
-    tensor, floating-point values finite: anything else is one config error naming
-    ``field``, the tensor and, for a shape, both shapes."""
+def check_shapes(field: str, file: Path, shapes: dict[str, tuple[int, ...]],
+                 expected: dict[str, tuple[int, ...]], fix: str) -> None:
+    """Every tensor of ``expected`` present in ``shapes`` (name -> shape) with its shape,
+    no other tensor: anything else is one config error naming ``field``, the tensor and,
+    for a shape, both shapes."""
     def bad(problem: str) -> SpecExpertConfigError:
         return SpecExpertConfigError(field, f"{file}: {problem}", fix)
 
     for key, shape in expected.items():
-        if key not in tensors:
+        if key not in shapes:
             raise bad(f"no tensor {key}")
-        tensor = tensors[key]
-        if tuple(tensor.shape) != tuple(shape):
-            raise bad(f"{key} has shape {list(tensor.shape)}, expected {list(shape)}")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise bad(f"{key} has non-finite values")
-    unexpected = sorted(set(tensors) - set(expected))
+        if tuple(shapes[key]) != tuple(shape):
+            raise bad(f"{key} has shape {list(shapes[key])}, expected {list(shape)}")
+    unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
         raise bad(f"unexpected tensor {unexpected[0]}"
                   f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}")
+
+
+def check_tensors(field: str, file: Path, tensors: dict[str, torch.Tensor],
+                  expected: dict[str, tuple[int, ...]], fix: str) -> None:
+    """:func:`check_shapes` of ``tensors``, and floating-point values finite."""
+    check_shapes(field, file, {k: tuple(v.shape) for k, v in tensors.items()}, expected, fix)
+    for key in expected:
+        tensor = tensors[key]
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise SpecExpertConfigError(field, f"{file}: {key} has non-finite values", fix)
+
+
+def stored_shapes(field: str, file: Path, fix: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a safetensors file, from its header alone (nothing is
+    loaded; safetensors checks the header against the file's size, so these shapes are
+    bounded by the bytes on disk). Unreadable: one config error naming ``field``."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - truncated or not a safetensors file
+        raise SpecExpertConfigError(
+            field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix) from None
 
 
 def save_network(out: Path, weights_file: str, network: torch.nn.Module,
@@ -125,20 +273,24 @@ def save_network(out: Path, weights_file: str, network: torch.nn.Module,
 
 
 def load_network_weights(path: Path, field: str, weights_file: str,
-                         network: torch.nn.Module, fix: str) -> torch.nn.Module:
-    """``network`` (built from its manifest) with the artifact's weights, in eval mode:
-    an unreadable file, a missing, extra, misshapen or non-finite tensor is one config
-    error naming ``field``."""
+                         build: Callable[[], torch.nn.Module], fix: str) -> torch.nn.Module:
+    """The network ``build()`` makes (from its manifest's shape) with the artifact's
+    weights, in eval mode. Its tensor shapes are first taken from a build on the meta
+    device and compared with the file's header, so a manifest asking for a huge network
+    is refused before anything is allocated. An unreadable file, a missing, extra,
+    misshapen or non-finite tensor is one config error naming ``field``."""
     from safetensors.torch import load_file
 
+    file = path / weights_file
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        expected = {k: tuple(v.shape) for k, v in build().state_dict().items()}
+    check_shapes(field, file, stored_shapes(field, file, fix), expected, fix)
     try:
-        state = load_file(str(path / weights_file))
-    except Exception as exc:  # noqa: BLE001 - truncated or not a safetensors file
+        state = load_file(str(file))
+    except Exception as exc:  # noqa: BLE001 - changed or damaged since the header was read
         raise SpecExpertConfigError(
-            field, f"{path / weights_file}: unreadable ({str(exc).splitlines()[0]})",
-            fix) from None
-    expected = {k: tuple(v.shape) for k, v in network.state_dict().items()}
-    check_tensors(field, path / weights_file, state, expected, fix)
+            field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix) from None
+    check_tensors(field, file, state, expected, fix)
+    network = build()
     network.load_state_dict(state)
     return network.eval()
-

@@ -24,16 +24,48 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import Field, Strict, model_validator
 
-from vllm_specexpert.artifacts import check_matches_model, check_tensors, read_manifest
+from vllm_specexpert.artifacts import (
+    ArtifactManifest,
+    ExpertCount,
+    HiddenSize,
+    LayerIndex,
+    ModelFingerprint,
+    check_matches_model,
+    check_tensors,
+    read_manifest,
+)
 from vllm_specexpert.config import SpecExpertConfigError
 
 FORMAT = "specexpert-calibration/2"
 WEIGHTS_FILE = "calibration.safetensors"
+REMAKE = "remake it with `specexpert calibrate MODEL --out DIR`"
 
+
+class CalibrationManifest(ArtifactManifest):
+    """``manifest.json`` of a calibration directory (module doc); ``data`` and ``window``
+    are information only."""
+
+    model_fingerprint: ModelFingerprint
+    moe_layer_indices: Annotated[list[LayerIndex], Field(min_length=1)]
+    num_experts: ExpertCount
+    hidden_size: HiddenSize
+    window: Annotated[int, Strict(), Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _layers_once_each(self) -> CalibrationManifest:
+        if any(a >= b for a, b in pairwise(self.moe_layer_indices)):
+            raise ValueError(f"moe_layer_indices {self.moe_layer_indices} are not increasing")
+        differs = self.model_fingerprint.disagreement(self.hidden_size, self.num_experts)
+        if differs:
+            raise ValueError(differs)
+        return self
 
 
 @dataclass
@@ -83,19 +115,16 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
     from safetensors.torch import load_file
 
     path = Path(path)
-    fix = "create one with `specexpert calibrate MODEL --out DIR`"
+    fix = REMAKE
     manifest_path = path / "manifest.json"
-    manifest = read_manifest(path, "calibration", WEIGHTS_FILE, FORMAT, fix)
+    manifest = read_manifest(path, "calibration", WEIGHTS_FILE, FORMAT, fix,
+                             CalibrationManifest)
 
     def bad(problem: str) -> SpecExpertConfigError:
         return SpecExpertConfigError("calibration", problem, fix)
 
-    layers, experts, hidden = (manifest.get(k) for k in
-                               ("moe_layer_indices", "num_experts", "hidden_size"))
-    if not (isinstance(layers, list) and layers and all(isinstance(i, int) for i in layers)
-            and isinstance(experts, int) and isinstance(hidden, int)):
-        raise bad(f"{manifest_path}: needs moe_layer_indices (a list of layer indices), "
-                  "num_experts and hidden_size (integers)")
+    layers, experts, hidden = manifest.moe_layer_indices, manifest.num_experts, \
+        manifest.hidden_size
     if model is not None:
         check_matches_model(manifest, model, hf_config)
     if num_experts is not None and experts != num_experts:
@@ -115,7 +144,7 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
         if not tensor.is_floating_point() and (tensor < 0).any():
             raise bad(f"{key} has negative counts")
     return Calibration(
-        manifest,
+        manifest.model_dump(),
         {i: tensors[f"layers.{i}.default_vectors"] for i in layers},
         {i: tensors[f"layers.{i}.counts"] for i in layers},
         {i: tensors[f"layers.{i}.coactivation"] for i in layers},

@@ -19,13 +19,33 @@ worst, by ``specexpert analyze``; ``quasi_hidden`` after the others).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import BaseModel, Field, Strict, model_validator
+from pydantic.dataclasses import dataclass
 from torch import nn
 
+from vllm_specexpert.artifacts import (
+    MANIFEST,
+    MAX_LAYERS,
+    SHAPE,
+    ArtifactManifest,
+    ExpertCount,
+    HiddenSize,
+    LayerIndex,
+    Sha256,
+    Str,
+    TopK,
+    check_matches_model,
+    file_sha256,
+    load_network_weights,
+    read_manifest,
+    save_network,
+)
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.predict.base import (
     LayerState,
@@ -37,23 +57,60 @@ from vllm_specexpert.predict.quasi_hidden import QuasiHiddenPredictor
 
 FORMAT = "specexpert-estimator/1"
 WEIGHTS_FILE = "estimator.safetensors"
+REMAKE = "remake it with `specexpert train-estimator MODEL --calibration DIR --out EDIR`"
 
 
-@dataclass
+@dataclass(config=SHAPE)
 class EstimatorShape:
-    """What the network looks like (all in the manifest)."""
+    """What the network looks like (all in the manifest), with its ranges: checked when
+    it is made, so a corrupt manifest is refused before a network is built from it."""
 
-    hidden_size: int
+    hidden_size: HiddenSize
     """The model's hidden size H (q_l's width)."""
-    num_transitions: int
+    num_transitions: Annotated[int, Strict(), Field(ge=1, lt=MAX_LAYERS)]
     """Layer transitions l -> l+1 it predicts (MoE layers - 1)."""
-    num_experts: int
+    num_experts: ExpertCount
     """Routed experts per layer E."""
-    top_k: int
-    latent: int = 128
+    top_k: TopK
+    latent: Annotated[int, Strict(), Field(ge=1, le=1 << 16)] = 128
     """The reduced width d after the projection A."""
-    mlp_ratio: int = 2
+    mlp_ratio: Annotated[int, Strict(), Field(ge=1, le=64)] = 2
     """The MLP's inner width is ``mlp_ratio * latent`` (the paper's m)."""
+
+    @model_validator(mode="after")
+    def _top_k_of_the_experts(self) -> EstimatorShape:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} is above num_experts {self.num_experts}")
+        return self
+
+
+class TrainedWith(BaseModel):
+    """The estimator manifest's ``calibration``: the one whose default vectors made the
+    q_l it was trained on."""
+
+    model_config = MANIFEST
+
+    path: Str | None = None
+    sha256: Sha256
+
+
+class EstimatorManifest(ArtifactManifest):
+    """``manifest.json`` of a ``train-estimator`` directory (format, shape, MoE layers;
+    the fingerprint and the calibration, refused at engine start when absent)."""
+
+    shape: EstimatorShape
+    moe_layer_indices: list[LayerIndex]
+    calibration: TrainedWith | None = None
+
+    @model_validator(mode="after")
+    def _one_transition_per_pair_of_layers(self) -> EstimatorManifest:
+        layers = self.moe_layer_indices
+        if len(layers) != self.shape.num_transitions + 1:
+            raise ValueError(f"moe_layer_indices has {len(layers)} layers for "
+                             f"shape.num_transitions {self.shape.num_transitions}")
+        if any(a >= b for a, b in pairwise(layers)):
+            raise ValueError(f"moe_layer_indices {layers} are not increasing")
+        return self
 
 
 class ExpertEstimator(nn.Module):
@@ -90,8 +147,6 @@ def distillation_loss(logits: torch.Tensor, router_logits: torch.Tensor) -> torc
 
 
 def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
-    from vllm_specexpert.artifacts import save_network
-
     save_network(out, WEIGHTS_FILE, model, {
         "format": FORMAT, "shape": asdict(model.shape),
         "moe_layer_indices": model.layer_indices, **manifest})
@@ -102,40 +157,35 @@ def load_estimator(path: str | Path, model: str | None = None, hf_config=None,
     """Read a ``train-estimator`` directory, checking it against ``model`` and the
     ``calibration`` directory if given (one config error naming ``estimator`` for
     anything wrong with it)."""
-    from vllm_specexpert.artifacts import (
-        check_matches_model,
-        file_sha256,
-        load_network_weights,
-        read_manifest,
-    )
     from vllm_specexpert.calibration import WEIGHTS_FILE as CALIBRATION_FILE
 
     path = Path(path)
-    fix = "create one with `specexpert train-estimator MODEL --out DIR`"
     manifest_path = path / "manifest.json"
-    manifest = read_manifest(path, "estimator", WEIGHTS_FILE, FORMAT, fix)
-    try:
-        shape = EstimatorShape(**manifest["shape"])
-        layer_indices = [int(i) for i in manifest["moe_layer_indices"]]
-        if len(layer_indices) != shape.num_transitions + 1:
-            raise ValueError(f"{len(layer_indices)} moe_layer_indices for "
-                             f"{shape.num_transitions} transitions")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SpecExpertConfigError("estimator", f"{manifest_path}: {exc}", fix) from None
+    manifest = read_manifest(path, "estimator", WEIGHTS_FILE, FORMAT, REMAKE, EstimatorManifest)
     if model is not None:
         check_matches_model(manifest, model, hf_config, field="estimator",
                             fix=f"run `specexpert train-estimator {model} --out DIR`")
-    trained_with = manifest.get("calibration") or {}
-    if calibration is not None and (Path(calibration) / CALIBRATION_FILE).exists() and \
-            trained_with.get("sha256") != file_sha256(Path(calibration) / CALIBRATION_FILE):
-        raise SpecExpertConfigError(
-            "estimator", f"trained on q_l made with another calibration "
-            f"({trained_with.get('path', '?')}), not {calibration}: q_l depends on its "
-            "default vectors", f"set \"calibration\" to the one it was trained with, or "
-            f"run `specexpert train-estimator MODEL --calibration {calibration} --out DIR`")
+    shape = manifest.shape
+    if manifest.model_fingerprint is not None:
+        differs = manifest.model_fingerprint.disagreement(shape.hidden_size, shape.num_experts,
+                                                          shape.top_k)
+        if differs:
+            raise SpecExpertConfigError("estimator", f"{manifest_path}: key shape: {differs}",
+                                        REMAKE)
+    if calibration is not None and (Path(calibration) / CALIBRATION_FILE).exists():
+        trained_with = manifest.calibration
+        if trained_with is None or \
+                trained_with.sha256 != file_sha256(Path(calibration) / CALIBRATION_FILE):
+            raise SpecExpertConfigError(
+                "estimator", f"trained on q_l made with another calibration "
+                f"({trained_with.path if trained_with else '?'}), not {calibration}: q_l "
+                "depends on its default vectors", f"set \"calibration\" to the one it was "
+                f"trained with, or run `specexpert train-estimator MODEL --calibration "
+                f"{calibration} --out DIR`")
+    layer_indices = list(manifest.moe_layer_indices)
     # fp32 whatever the default dtype (vLLM sets the model's while it loads).
-    network = ExpertEstimator(shape, layer_indices).float()
-    return load_network_weights(path, "estimator", WEIGHTS_FILE, network, fix)
+    return load_network_weights(path, "estimator", WEIGHTS_FILE,
+                                lambda: ExpertEstimator(shape, layer_indices).float(), REMAKE)
 
 
 def transitions_of(network: ExpertEstimator, layers: dict[int, str]) -> dict[str, int]:

@@ -12,34 +12,88 @@ from __future__ import annotations
 import json
 from itertools import pairwise
 from pathlib import Path
+from typing import Annotated
 
+from pydantic import BaseModel, Field, Strict, model_validator
+
+from vllm_specexpert.artifacts import (
+    MANIFEST,
+    ExpertCount,
+    LayerIndex,
+    MadeForModel,
+    ModelFingerprint,
+    Str,
+    TopK,
+    check_matches_model,
+    parse_manifest,
+)
 from vllm_specexpert.config import SpecExpertConfigError
 
 ANALYSIS_FILE = "analysis.json"
 FIX = ("run `specexpert analyze MODEL --calibration DIR --out ADIR` for this model and "
        "set \"analysis\": \"ADIR\"")
 
+Recall = Annotated[float, Strict(), Field(ge=0, le=1)]
+
+
+class Score(BaseModel):
+    """One predictor's measurement of one transition (``recall`` is what ``hybrid``
+    reads; ``cosine``, ``rank_alignment``... are information)."""
+
+    model_config = MANIFEST
+
+    recall: Recall
+
+
+class Transition(BaseModel):
+    """One row of ``transitions``: layer ``from_layer`` -> ``to_layer`` and a
+    :class:`Score` per predictor measured (``quasi_hidden`` required)."""
+
+    model_config = MANIFEST
+
+    from_layer: LayerIndex
+    to_layer: LayerIndex
+    quasi_hidden: Score
+
+
+class Analysis(MadeForModel):
+    """``analysis.json`` as ``specexpert analyze --calibration`` writes it."""
+
+    model_fingerprint: ModelFingerprint
+    predictors: list[Str]
+    transitions: Annotated[list[Transition], Field(min_length=1)]
+    top_k: TopK | None = None
+    num_experts: ExpertCount | None = None
+    tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Analysis:
+        if "quasi_hidden" not in self.predictors:
+            raise ValueError("no quasi_hidden among the predictors (analyze ran without "
+                             "--calibration)")
+        rows = [(row.from_layer, row.to_layer) for row in self.transitions]
+        # Consecutive MoE layers, each once: hybrid_layers keys its choice by from_layer.
+        if any(a >= b for a, b in rows) or any(b != c for (_, b), (c, _) in pairwise(rows)):
+            raise ValueError(f"transitions {rows} are not consecutive increasing layers")
+        differs = self.model_fingerprint.disagreement(num_experts=self.num_experts,
+                                                      top_k=self.top_k)
+        if differs:
+            raise ValueError(differs)
+        return self
+
 
 def read_analysis(path: str | Path, model: str | None = None, hf_config=None) -> dict:
-    """``analysis.json`` of ``path``, checked: it has ``quasi_hidden``'s recall per
-    transition, made for ``model`` if given (one config error naming ``analysis``)."""
-    from vllm_specexpert.artifacts import check_matches_model
-
+    """``analysis.json`` of ``path``, checked against :class:`Analysis` (and made for
+    ``model`` if given): one config error naming ``analysis`` for anything wrong, so
+    :func:`hybrid_layers` and :func:`check_layers` can read it as it is."""
     file = Path(path) / ANALYSIS_FILE
     try:
         analysis = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise SpecExpertConfigError("analysis", f"{file}: unreadable ({exc})", FIX) from None
-    if not isinstance(analysis, dict) or "quasi_hidden" not in analysis.get("predictors", ()):
-        raise SpecExpertConfigError(
-            "analysis", f"{file} has no quasi_hidden recall (analyze ran without "
-            "--calibration)", FIX)
-    if "model_fingerprint" not in analysis:
-        raise SpecExpertConfigError(
-            "analysis", f"{file} does not say which model it measured (made by an older "
-            "version)", FIX)
+    checked = parse_manifest(Analysis, analysis, "analysis", file, FIX)
     if model is not None:
-        check_matches_model(analysis, model, hf_config, field="analysis", fix=FIX)
+        check_matches_model(checked, model, hf_config, field="analysis", fix=FIX)
     return analysis
 
 

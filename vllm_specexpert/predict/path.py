@@ -23,33 +23,76 @@ when made for another model.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from itertools import pairwise
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
+from pydantic import Field, Strict, model_validator
+from pydantic.dataclasses import dataclass
 from torch import nn
 
+from vllm_specexpert.artifacts import (
+    SHAPE,
+    ArtifactManifest,
+    ExpertCount,
+    LayerCount,
+    LayerIndex,
+    TopK,
+    VocabSize,
+    check_matches_model,
+    load_network_weights,
+    read_manifest,
+    save_network,
+)
 from vllm_specexpert.config import SpecExpertConfigError
 
 FORMAT = "specexpert-path-predictor/1"
 WEIGHTS_FILE = "path_predictor.safetensors"
+REMAKE = "remake it with `specexpert train-path MODEL --out DIR`"
 
 
-@dataclass
+@dataclass(config=SHAPE)
 class PathPredictorShape:
-    """What the network looks like (all in the manifest)."""
+    """What the network looks like (all in the manifest), with its ranges: checked when
+    it is made, so a corrupt manifest is refused before a network is built from it."""
 
-    vocab_size: int
-    num_layers: int
+    vocab_size: VocabSize
+    num_layers: LayerCount
     """MoE layers L."""
-    num_experts: int
+    num_experts: ExpertCount
     """Routed experts per layer E."""
-    top_k: int
-    window: int = 8
+    top_k: TopK
+    window: Annotated[int, Strict(), Field(ge=1, le=4096)] = 8
     """Token ids it reads: the token about to be decoded and ``window - 1`` before it."""
-    embed_dim: int = 48
-    hidden: int = 512
+    embed_dim: Annotated[int, Strict(), Field(ge=1, le=1 << 14)] = 48
+    hidden: Annotated[int, Strict(), Field(ge=1, le=1 << 16)] = 512
+
+    @model_validator(mode="after")
+    def _top_k_of_the_experts(self) -> PathPredictorShape:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} is above num_experts {self.num_experts}")
+        return self
+
+
+class PathPredictorManifest(ArtifactManifest):
+    """``manifest.json`` of a ``train-path`` directory (format, shape, the MoE layers it
+    predicts; the fingerprint, refused at engine start when absent)."""
+
+    shape: PathPredictorShape
+    moe_layer_indices: list[LayerIndex]
+
+    @model_validator(mode="after")
+    def _one_row_per_layer(self) -> PathPredictorManifest:
+        layers = self.moe_layer_indices
+        if len(layers) != self.shape.num_layers:
+            raise ValueError(f"moe_layer_indices has {len(layers)} layers for "
+                             f"shape.num_layers {self.shape.num_layers}")
+        if any(a >= b for a, b in pairwise(layers)):
+            raise ValueError(f"moe_layer_indices {layers} are not increasing")
+        return self
 
 
 class RoutingPathPredictor(nn.Module):
@@ -99,8 +142,6 @@ def sliding_windows(token_ids: torch.Tensor, window: int, pad: int) -> torch.Ten
 
 
 def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) -> None:
-    from vllm_specexpert.artifacts import save_network
-
     save_network(out, WEIGHTS_FILE, model, {
         "format": FORMAT, "shape": asdict(model.shape),
         "moe_layer_indices": model.layer_indices, **manifest})
@@ -110,26 +151,19 @@ def load_path_predictor(path: str | Path, model: str | None = None,
                         hf_config=None) -> RoutingPathPredictor:
     """Read a ``train-path`` directory, checking it against ``model`` if given (one
     config error naming ``path_predictor`` for anything wrong with it)."""
-    from vllm_specexpert.artifacts import (
-        check_matches_model,
-        load_network_weights,
-        read_manifest,
-    )
-
     path = Path(path)
-    fix = "create one with `specexpert train-path MODEL --out DIR`"
-    manifest_path = path / "manifest.json"
-    manifest = read_manifest(path, "path_predictor", WEIGHTS_FILE, FORMAT, fix)
-    try:
-        shape = PathPredictorShape(**manifest["shape"])
-        layer_indices = [int(i) for i in manifest["moe_layer_indices"]]
-        if len(layer_indices) != shape.num_layers:
-            raise ValueError(f"{len(layer_indices)} moe_layer_indices for {shape.num_layers} "
-                             "predicted layers")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SpecExpertConfigError("path_predictor", f"{manifest_path}: {exc}", fix) from None
+    manifest = read_manifest(path, "path_predictor", WEIGHTS_FILE, FORMAT, REMAKE,
+                             PathPredictorManifest)
     if model is not None:
         check_matches_model(manifest, model, hf_config, field="path_predictor",
                             fix=f"run `specexpert train-path {model} --out DIR`")
-    network = RoutingPathPredictor(shape, layer_indices)
-    return load_network_weights(path, "path_predictor", WEIGHTS_FILE, network, fix)
+    shape = manifest.shape
+    if manifest.model_fingerprint is not None:
+        differs = manifest.model_fingerprint.disagreement(
+            num_experts=shape.num_experts, top_k=shape.top_k, vocab_size=shape.vocab_size)
+        if differs:
+            raise SpecExpertConfigError(
+                "path_predictor", f"{path / 'manifest.json'}: key shape: {differs}", REMAKE)
+    layer_indices = list(manifest.moe_layer_indices)
+    return load_network_weights(path, "path_predictor", WEIGHTS_FILE,
+                                lambda: RoutingPathPredictor(shape, layer_indices), REMAKE)
