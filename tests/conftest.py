@@ -40,3 +40,21 @@ def host_reads(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, method, counted)
     return reads
+
+
+def cpu_line() -> str:
+    """The CPU features the engine tests ran on: vLLM's CPU MoE kernel (the engine's and
+    the mesh peers') takes AMX where the CPU has it, and results differ between them."""
+    import torch
+
+    amx = torch.cpu._is_amx_tile_supported()
+    return (f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()}, AMX tiles "
+            f"{'yes' if amx else 'no'}; vLLM's CPU MoE kernel ISA: {'amx' if amx else 'vec'}")
+
+
+def pytest_report_header(config) -> str:
+    return cpu_line()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(cpu_line())  # (also under -q, which drops the header)

@@ -8,6 +8,7 @@ vLLM bit for bit (``tests/test_exactness.py``).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -35,6 +36,8 @@ from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path
 from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing
 
 BUDGET = 0.25
+KERNEL_ISA = "amx" if torch.cpu._init_amx() else "vec"
+"""The ISA of vLLM's CPU MoE kernel on this machine (what conftest's header reports)."""
 CALIBRATION = str(model_path(TRAINED_MODEL)) + "-calibration"
 WINDOWS, PROMPT_TOKENS, FORCED = 8, 16, 48
 
@@ -110,7 +113,10 @@ def test_exact_modes_run_the_routers_experts_on_the_peers(llm, reference, mode):
     assert decode["fetched_entries"] == decode["substituted_entries"] == 0
     assert decode["dropped_entries"] == decode["speculated_calls"] == 0
     peers = stats["mesh"]["peers"]
-    assert all(p["up"] and p["pairs"] > 0 for p in peers)
+    # Both peers computed pairs, with the kernel this CPU runs; none fell back here.
+    assert all(p["up"] and p["pairs"] > 0 and p["failures"] == 0 for p in peers)
+    assert [p["isa"] for p in peers] == [KERNEL_ISA] * 2, peers
+    assert decode["peer_fallback_entries"] == 0
     assert stats["output"] == "equivalent" and f"mesh {mode}" in stats["summary"]
     if mode == "early_fire":
         # Pairs went ahead by the prediction; some were right (kept), not all.
@@ -119,7 +125,7 @@ def test_exact_modes_run_the_routers_experts_on_the_peers(llm, reference, mode):
         assert decode["fired_entries"] == 0
     score = agreement(top1, reference)
     print(f"{mode}: teacher-forced top-1 agreement {score:.4f}, "
-          f"{decode['peer_entries']} peer entries")
+          f"{decode['peer_entries']} peer entries, peers' kernel {KERNEL_ISA}")
     assert score >= 0.99
 
 
@@ -371,3 +377,76 @@ def test_more_pinned_experts_than_the_budget_leaves_is_refused():
     cache = engine.layers[NAME].cache
     assert cache.resident_mask()[[9, 12, 15, 3]].all()
     assert cache.policy.pinned[[9, 12, 15, 3]].all() and cache.policy.pinned.sum() == 4
+
+
+# ------------------------------------------------------- peers started without an engine
+
+
+def shard_spec(isa: str | None, activation: str = "silu") -> peer_module.ShardSpec:
+    """Every MoE layer of the trained model, in its slots' layout (I = 64 needs no
+    padding for vLLM's CPU kernels)."""
+    config = json.loads((model_path(TRAINED_MODEL) / "config.json").read_text())
+    experts, inter = config["num_local_experts"], config["moe_intermediate_size"]
+    layers = {i: (f"model.layers.{i}.mlp.experts", tuple(range(experts)))
+              for i in range(config["num_hidden_layers"])}
+    return peer_module.ShardSpec(str(model_path(TRAINED_MODEL)), layers,
+                                 (2 * inter, config["hidden_size"]), isa, activation)
+
+
+def checkpoint_reference(spec: peer_module.ShardSpec, layer_offset: int = 0):
+    """The pairs in fp32 from the checkpoint's tensors (of the layer ``layer_offset``
+    further on: another model's experts of the same shape)."""
+    from safetensors import safe_open
+
+    from vllm_specexpert.tiers.peer_shard import checkpoint_key_index, expert_keys
+
+    index = checkpoint_key_index(spec.checkpoint)
+    layers = sorted(spec.layers)
+
+    def reference(layer, x, experts):
+        name = spec.layers[layers[(layers.index(layer) + layer_offset) % len(layers)]][0]
+        out = []
+        for row, expert in zip(x.float(), experts.tolist()):
+            keys = expert_keys(index, name, expert)
+            gate, up, down = (safe_open(index[k], "pt").get_tensor(k).float() for k in keys)
+            out.append(down @ (torch.nn.functional.silu(gate @ row) * (up @ row)))
+        return torch.stack(out)
+
+    return reference
+
+
+def test_a_peer_computes_with_the_kernel_its_process_can_run():
+    # The engine on a CPU with AMX asks its peers for the AMX kernel. A peer's process
+    # must request AMX state first (else its first AMX instruction is a SIGILL), and
+    # where there is no AMX (this may be such a machine) runs the portable kernel.
+    spec = shard_spec("amx")
+    tier = PeerTier(MeshConfig(peers=2), spec, 64, checkpoint_reference(spec))
+    try:
+        assert [p.isa for p in tier.peers] == [KERNEL_ISA] * 2
+        # The start check ran every layer's pairs on each peer, against fp32.
+        assert all(len(tier.checks[p.rank]) == 8 for p in tier.peers)
+        x = torch.randn(3, 256).to(torch.bfloat16)
+        sent = tier.send(2, x, np.array([0, 1, 2, 2]), np.array([0, 1, 2, 3]))
+        y, done = tier.receive(sent)
+        assert done.all() and all(p.up for p in tier.peers)
+        expected = checkpoint_reference(spec)(2, x[[0, 1, 2, 2]], np.array([0, 1, 2, 3]))
+        assert torch.allclose(y, expected, rtol=0.03, atol=0.03 * expected.abs().max())
+        print(f"mesh peers computed with vLLM's CPU kernel '{KERNEL_ISA}'")
+    finally:
+        tier.close()
+
+
+def test_a_peer_that_answers_otherwise_than_this_host_is_refused_at_start():
+    spec = shard_spec(KERNEL_ISA)
+    with pytest.raises(SpecExpertConfigError) as error:  # another model's experts here
+        PeerTier(MeshConfig(peers=1), spec, 64, checkpoint_reference(spec, layer_offset=1))
+    assert error.value.field_name == "mesh"
+    assert "peer 0" in str(error.value) and "differ from this host's" in str(error.value)
+
+
+def test_a_peer_that_cannot_compute_is_refused_at_start_with_its_reason():
+    spec = shard_spec(KERNEL_ISA, activation="relu2")  # vLLM's CPU kernel has no relu2
+    with pytest.raises(SpecExpertConfigError) as error:
+        PeerTier(MeshConfig(peers=1), spec, 64, checkpoint_reference(spec))
+    assert error.value.field_name == "mesh" and "failed its check" in str(error.value)
+    assert "relu2" in str(error.value)

@@ -242,4 +242,7 @@ def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
     assert value("specexpert_peer_rtt_seconds", 0) == 0.020  # the median
     assert ("specexpert_peer_rtt_seconds", tuple(sorted(
         {"model_name": "tiny", "engine": "0", "peer": "1"}.items()))) not in series
+    engine_labels = tuple(sorted({"model_name": "tiny", "engine": "0"}.items()))
+    assert series[("specexpert_mesh_peers_in_rotation", engine_labels)] == 1
+    assert series[("specexpert_mesh_peers", engine_labels)] == 2
     engine.reporter.close()

@@ -253,3 +253,29 @@ def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(
     assert engine.predictor is not None and engine.predictor.name == "quasi_hidden"
     rng = np.random.default_rng(1)
     run_step(engine, {i: distinct(rng, 2) for i in range(LAYERS)}, None)
+
+
+def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined():
+    # The vLLM adapter's order: layers added, the model's logit head given (quality),
+    # then start. Handing the head over once rebuilt the shared pool, empty: start
+    # failed with an IndexError (issue 37).
+    from test_quality import identity_head
+
+    config = SpecExpertConfig.from_dict({"budget": 0.25, "cache": "plec",
+                                         "path_predictor": "/rpp", "miss_policy": "drop",
+                                         "quality": {}})
+    engine = OffloadEngine(config, torch.device("cpu"))
+    for index, name in enumerate(NAMES):
+        engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[name].items()},
+                         top_k=K, index=index)
+    engine.set_logit_head(identity_head(H))
+    engine.start()
+    assert engine.quality is not None
+    assert all(engine.layers[name].cache.pool is engine.pool for name in NAMES)
+    assert engine.pool.num_slots == sum(engine.layers[n].cache.num_slots for n in NAMES)
+    for index, name in enumerate(NAMES):  # (drop: approximate, so no reference here)
+        ids = torch.from_numpy(distinct(np.random.default_rng(index), 3)).to(torch.int32)
+        out = engine.run(name, slot_kernel, torch.randn(3, H).bfloat16(),
+                         torch.full(ids.shape, 0.5), ids)
+        assert out.shape == (3, H) and torch.isfinite(out).all()
+        check_cache_invariants(engine.layers[name].loader, settle=True)

@@ -18,7 +18,8 @@ Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
   ``reconfigure`` or ``reset_stats`` (Prometheus reads that as a counter reset).
 - ``specexpert_resident_experts{layer}``, ``specexpert_slots{layer}``: gauges.
 - ``specexpert_info{miss_policy, cache, predictor, output}``: 1.
-- ``mesh``: ``specexpert_peer_up{peer}`` (1: in rotation), ``specexpert_peer_rtt_seconds
+- ``mesh``: ``specexpert_mesh_peers_in_rotation`` (and ``specexpert_mesh_peers``, all
+  of them), ``specexpert_peer_up{peer}`` (1: in rotation), ``specexpert_peer_rtt_seconds
   {peer}`` (median probe round trip) and per peer the counters of
   :data:`PEER_COUNTERS` (``specexpert_peer_calls_total{peer}``, ...).
 - ``quality``: per decode batch class ``specexpert_quality_exact{batch}`` (1: its
@@ -212,11 +213,20 @@ class SnapshotCollector:
                                     "rotation.", labels=peer)
         peer_rtt = GaugeMetricFamily(f"{PREFIX}peer_rtt_seconds", "The mesh peer's median "
                                      "probe round trip.", labels=peer)
+        in_rotation = GaugeMetricFamily(f"{PREFIX}mesh_peers_in_rotation", "Mesh peers in "
+                                        "rotation (the others' experts are computed here).",
+                                        labels=base)
+        peers_started = GaugeMetricFamily(f"{PREFIX}mesh_peers", "Mesh peers started.",
+                                          labels=base)
         quality = _QualityFamilies(base)
         for snapshot in self.snapshots():
             labels = [snapshot.get("model_name", ""), str(snapshot.get("rank", 0))]
             quality.add(labels, snapshot.get("quality"))
-            for state in (snapshot.get("mesh") or {}).get("peers", []):
+            mesh = snapshot.get("mesh")
+            if mesh:
+                in_rotation.add_metric(labels, sum(p["up"] for p in mesh["peers"]))
+                peers_started.add_metric(labels, len(mesh["peers"]))
+            for state in (mesh or {}).get("peers", []):
                 rank = [*labels, str(state["rank"])]
                 for key, family in peer_counters.items():
                     family.add_metric(rank, state[key])
@@ -245,7 +255,7 @@ class SnapshotCollector:
                              snapshot["predictor"], snapshot["output"]], 1)
         yield from counters.values()
         yield from (resident, slots, info, steps, draft_length, drafted, accepted)
-        yield from (*peer_counters.values(), peer_up, peer_rtt)
+        yield from (*peer_counters.values(), peer_up, peer_rtt, in_rotation, peers_started)
         yield from quality.families()
 
 

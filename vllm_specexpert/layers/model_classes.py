@@ -187,7 +187,7 @@ def _attach_mesh(engine, layers, calibration) -> None:
     spec = ShardSpec(engine.checkpoint, names,
                      tuple(engine.store.layers[routed.layer_name].slot_shapes["w13_weight"][0]),
                      kernel.isa if kernel is not None else None, activation)
-    engine.attach_mesh(PeerTier(mesh, spec, num_experts, local=hot), hot)
+    engine.attach_mesh(PeerTier(mesh, spec, num_experts, engine.host_pairs, local=hot), hot)
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:

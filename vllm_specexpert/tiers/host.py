@@ -70,6 +70,16 @@ def torch_experts(
     return out.to(x.dtype)
 
 
+def compute_on_host(experts: LayerExperts, kernel: HostKernel, x: torch.Tensor,
+                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``kernel`` on the slow tier's ``experts``; packed experts are decoded first (part
+    of the host's work, so measured with it)."""
+    if experts.decoder is None:
+        return kernel(x, weights, ids, experts.tensors)
+    distinct, local = torch.unique(ids, return_inverse=True)
+    return kernel(x, weights, local.to(torch.int32), experts.decoded(distinct))
+
+
 class HostCostModel:
     """Seconds a host computation of ``experts`` experts over ``rows`` (token, expert)
     pairs takes (emulated seconds under an emulated link): a least-squares fit of
@@ -135,12 +145,7 @@ class HostExperts:
                 self.cost.observe(1, rows, self._charged(time.perf_counter() - start))
 
     def _compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The kernel on the store; packed experts are decoded first (part of the host's
-        work, so measured with it)."""
-        if self.experts.decoder is None:
-            return self.kernel(x, weights, ids, self.experts.tensors)
-        distinct, local = torch.unique(ids, return_inverse=True)
-        return self.kernel(x, weights, local.to(torch.int32), self.experts.decoded(distinct))
+        return compute_on_host(self.experts, self.kernel, x, weights, ids)
 
     def _charged(self, measured: float) -> float:
         return measured * self.slowdown if self.slowdown is not None else measured

@@ -7,8 +7,15 @@ are direct Ray actor calls from the engine's worker process to each peer (no
 coordinator); a peer runs two calls at once (``max_concurrency=2``), so the next layer's
 rows are received while the current ones compute (double buffering).
 
+A peer proves it computes before it takes traffic: at start it answers a check, a
+few (row, expert) pairs of every layer it holds, compared with this host's result of
+the same pairs (``reference``); a peer that crashes, hangs or answers otherwise is
+refused at start with its reason. A restarted actor (a new process id) answers the same
+check before it rejoins.
+
 Faults: a call that raises (the actor died) or outlasts ``mesh.timeout_ms`` (hung)
-takes its peer out of the rotation, and the engine computes the pairs locally. Every
+takes its peer out of the rotation (logged once, a warning naming the peer and the
+reason), and the engine computes the pairs locally. Every
 ``mesh.probe_interval_s`` the engine pings every peer, without blocking: each layer call
 looks at the answers that came in. A peer whose median round trip exceeds
 ``mesh.rtt_cap_ms`` leaves the rotation; one out of it that answers under the cap
@@ -26,6 +33,7 @@ import contextlib
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,13 +41,27 @@ import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
+from vllm_specexpert.log import init_logger
 from vllm_specexpert.tiers.peer_shard import ExpertPeer, ShardSpec
 from vllm_specexpert.tiers.ray_cluster import first_line, init_ray, require_ray
 
+logger = init_logger(__name__)
+
 START_TIMEOUT_S = 300.0
-"""How long the engine waits at start for every peer to load its shard."""
+"""How long the engine waits at start for every peer to load its shard (and, again,
+to answer its check)."""
 RTT_WINDOW = 5
 """Probe round trips a peer's RTT is the median of."""
+CHECK_ROWS = 4
+"""Rows of a peer's check, each computed by two of its experts per layer."""
+CHECK_TOLERANCE = 0.02
+"""Largest relative error (per pair, in the L2 norm) of a peer's check against this
+host's result. One kernel gives the same bits; vLLM's portable and AMX kernels differ
+by bf16 rounding (well under 1 %); other weights give errors of order 1."""
+
+PairReference = Callable[[int, torch.Tensor, np.ndarray], torch.Tensor]
+"""``reference(layer, x, experts) -> [N, H]``: expert ``experts[i]`` of decoder layer
+``layer`` on row ``i`` of ``x`` (``[N, H]``), unweighted, computed on this host."""
 
 
 @dataclass
@@ -51,7 +73,17 @@ class PeerState:
     node: str
     up: bool = True
     reason: str = ""
-    """Why it is out of rotation (``died``, ``hung``, ``rtt``), while it is."""
+    """Why it is out of rotation (``failed: ...``, ``hung``, ``rtt``, ``check: ...``),
+    while it is."""
+    pid: int = 0
+    """The actor's process id when it last passed its check."""
+    isa: str | None = None
+    """The CPU kernel ISA it computes with (``None``: plain PyTorch)."""
+    checking: tuple[int, list] | None = None
+    """A restarted actor's check in flight: its process id, the futures of
+    :meth:`PeerTier._send_check`."""
+    failed_pid: int = 0
+    """The process id of an actor that failed its check (out until it restarts)."""
     rtts: deque = field(default_factory=lambda: deque(maxlen=RTT_WINDOW))
     calls: int = 0
     pairs: int = 0
@@ -69,11 +101,20 @@ class PeerState:
         if self.up:
             self.up, self.reason = False, reason
             self.left += 1
+            logger.warning("specexpert: mesh peer %d (node %s) left the rotation: %s; its "
+                           "experts are computed here until it answers probes again",
+                           self.rank, self.node[:12], reason)
+
+    def rejoin(self) -> None:
+        self.up, self.reason = True, ""
+        self.rejoined += 1
+        logger.info("specexpert: mesh peer %d (node %s) is back in rotation",
+                    self.rank, self.node[:12])
 
     def stats(self) -> dict:
         rtt = float(np.median(self.rtts)) * 1e3 if self.rtts else None
         return {"rank": self.rank, "node": self.node, "up": self.up, "reason": self.reason,
-                "rtt_ms": rtt, "calls": self.calls, "pairs": self.pairs,
+                "isa": self.isa, "rtt_ms": rtt, "calls": self.calls, "pairs": self.pairs,
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "compute_s": self.compute_s, "call_s": self.call_s,
                 "failures": self.failures, "timeouts": self.timeouts, "left": self.left,
@@ -91,18 +132,45 @@ class Sent:
     """(peer, object ref, pair indices, send time, bytes sent)."""
 
 
+@dataclass
+class PeerCheck:
+    """Pairs of one layer that a peer computes to prove it works, and this host's
+    result of them."""
+
+    layer: int
+    x: np.ndarray
+    """``[CHECK_ROWS, H]`` bf16 as int16 (the wire form of :meth:`ExpertPeer.compute`)."""
+    rows: np.ndarray
+    experts: np.ndarray
+    expected: torch.Tensor
+    """``[N, H]`` float32: ``reference`` of the pairs."""
+
+    def error(self, y: np.ndarray) -> float:
+        """The largest relative error of a peer's answer ``y`` over the pairs."""
+        got = torch.from_numpy(np.array(y)).view(torch.bfloat16).float()  # (a read-only view)
+        if got.shape != self.expected.shape:
+            return float("inf")
+        scale = self.expected.norm(dim=1).clamp_min(1e-6)
+        return float(((got - self.expected).norm(dim=1) / scale).max())
+
+
 class PeerTier:
-    """The engine's side of the mesh: placement, calls, health (module doc)."""
+    """The engine's side of the mesh: placement, checks, calls, health (module doc)."""
 
     def __init__(self, mesh: MeshConfig, spec: ShardSpec, num_experts: int,
-                 local: dict[int, np.ndarray] | None = None):
+                 reference: PairReference, local: dict[int, np.ndarray] | None = None):
         self.mesh = mesh
         self.num_experts = num_experts
+        self.spec = spec
         ray = require_ray()
         self._started_ray = init_ray(ray, mesh.ray_address)
         self.hosts = self._placement(spec, local or {})
         """Layer -> ``[E, peers]`` bool: which peers hold each expert (hot ones: none)."""
         self.peers = self._start_peers(ray, spec)
+        self.checks = {peer.rank: self._checks_of(peer.rank, reference)
+                       for peer in self.peers}
+        """Rank -> the pairs it computes to prove it works (at start, after a restart)."""
+        self._check_at_start()
         self._pings: list[tuple[PeerState, object, float]] = []
         """Probes in flight: (peer, its answer as a future, send time)."""
         self._next_probe = 0.0
@@ -142,9 +210,10 @@ class PeerTier:
             ).remote(rank, shard)
             peers.append(PeerState(rank=rank, actor=actor, node=node))
             waits.append(actor.ready.remote())
+        self.peers = peers  # (close() kills them on a failure below)
         for peer, wait in zip(peers, waits):
             try:
-                ray.get(wait, timeout=START_TIMEOUT_S)
+                ready = ray.get(wait, timeout=START_TIMEOUT_S)
             except Exception as error:  # noqa: BLE001 - any failure is the same fix
                 self.close()
                 raise SpecExpertConfigError(
@@ -152,7 +221,71 @@ class PeerTier:
                     f"shard of {spec.checkpoint}: {first_line(error)}",
                     "put the checkpoint at the same path on every node of the Ray "
                     "cluster, with this package installed") from None
+            peer.pid, peer.isa = ready["pid"], ready["isa"]
         return peers
+
+    # ----------------------------------------------------------------- checks
+
+    def _checks_of(self, rank: int, reference: PairReference) -> list[PeerCheck]:
+        """Per layer, :data:`CHECK_ROWS` rows by the first and last expert ``rank``
+        holds there, and ``reference``'s result of those pairs."""
+        hidden = self.spec.w13_shape[1]
+        generator = torch.Generator().manual_seed(rank)
+        checks = []
+        for layer in self.spec.layers:
+            held = np.flatnonzero(self.hosts[layer][:, rank])
+            if not len(held):
+                continue
+            experts = np.unique(held[[0, -1]])
+            x = torch.randn(CHECK_ROWS, hidden, generator=generator).to(torch.bfloat16)
+            rows = np.repeat(np.arange(CHECK_ROWS), len(experts))
+            pairs = np.tile(experts, CHECK_ROWS)
+            expected = reference(layer, x[torch.from_numpy(rows)], pairs).float()
+            checks.append(PeerCheck(layer, x.view(torch.int16).numpy(), rows, pairs,
+                                    expected))
+        return checks
+
+    def _send_check(self, peer: PeerState) -> list:
+        """The peer's check calls, as futures."""
+        return [peer.actor.compute.remote(c.layer, c.x, c.rows, c.experts).future()
+                for c in self.checks[peer.rank]]
+
+    def _check_failure(self, peer: PeerState, answers: list, timeout: float | None = None
+                       ) -> str | None:
+        """Why the peer's check ``answers`` (futures of :meth:`_send_check`) fail, or
+        ``None`` when every pair matches this host's."""
+        for check, answer in zip(self.checks[peer.rank], answers):
+            try:
+                y, _ = answer.result(timeout=timeout)
+            except Exception as error:  # noqa: BLE001 - died, timed out or raised
+                return f"computing layer {check.layer}: {first_line(error)}"
+            error = check.error(y)
+            if not error <= CHECK_TOLERANCE:
+                return (f"its experts {sorted(set(check.experts.tolist()))} of layer "
+                        f"{check.layer} differ from this host's (relative error "
+                        f"{error:.3g} > {CHECK_TOLERANCE})")
+        return None
+
+    def _check_at_start(self) -> None:
+        """Every peer answers its check, or the start is refused with its reason."""
+        sent = [(peer, self._send_check(peer)) for peer in self.peers]
+        deadline = time.perf_counter() + START_TIMEOUT_S
+        for peer, answers in sent:
+            failure = self._check_failure(peer, answers,
+                                          max(0.0, deadline - time.perf_counter()))
+            if failure is not None:
+                self.close()
+                raise SpecExpertConfigError(
+                    "mesh", f"peer {peer.rank} (node {peer.node[:12]}, kernel "
+                    f"{peer.isa or 'torch'}) failed its check: {failure}",
+                    "give every node the same checkpoint at the same path and the same "
+                    "vLLM build (the peer's own log is in Ray's session directory, "
+                    "logs/worker-*.err), or remove mesh")
+            pairs = sum(len(c.experts) for c in self.checks[peer.rank])
+            logger.info("specexpert: mesh peer %d (node %s, pid %d, kernel %s) checked: "
+                        "%d pairs of %d layers as computed here", peer.rank,
+                        peer.node[:12], peer.pid, peer.isa or "torch", pairs,
+                        len(self.checks[peer.rank]))
 
     # ------------------------------------------------------------- rotation
 
@@ -245,18 +378,35 @@ class PeerTier:
 
     def _answered(self, peer: PeerState, answer, sent_at: float) -> None:
         try:
-            answer.result()
+            pid = answer.result()
         except Exception as error:  # noqa: BLE001 - dead or restarting
             peer.rtts.clear()
             peer.leave(f"failed: {first_line(error)}"[:200])
             return
+        if pid == peer.failed_pid:
+            return  # this process failed its check: out until Ray restarts it
+        if pid != peer.pid and peer.checking is None:
+            # Ray restarted the actor: a new process, which proves itself again.
+            peer.leave("restarted")
+            peer.checking = (pid, self._send_check(peer))
+        if peer.checking is not None:
+            checked_pid, answers = peer.checking
+            if not all(a.done() for a in answers):
+                return
+            peer.checking = None
+            failure = self._check_failure(peer, answers)
+            if failure is not None:
+                peer.failed_pid, peer.reason = checked_pid, f"check: {failure}"[:200]
+                logger.warning("specexpert: mesh peer %d (node %s) restarted and failed "
+                               "its check: %s", peer.rank, peer.node[:12], failure)
+                return
+            peer.pid = checked_pid
         peer.rtts.append(answer.arrived_at - sent_at)
         median = float(np.median(peer.rtts))
         if peer.up and median > self.mesh.rtt_cap_ms / 1e3:
             peer.leave("rtt")
         elif not peer.up and median <= self.mesh.rtt_cap_ms / 1e3:
-            peer.up, peer.reason = True, ""
-            peer.rejoined += 1
+            peer.rejoin()
 
     def stats(self) -> dict:
         return {"peers": [p.stats() for p in self.peers], "mode": self.mesh.mode,

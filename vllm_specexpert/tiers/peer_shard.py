@@ -4,9 +4,10 @@
 so this module needs no Ray). It reads its experts from the checkpoint on its own node
 (never shipped from the engine), in the layout of the engine's slots, and computes
 (token, expert) pairs for the rows it is sent: with vLLM's CPU fused-experts kernel
-(``cpu_fused_moe``, the engine's own kernel and ISA) when the engine runs on the CPU
-build, else with :func:`~vllm_specexpert.tiers.host.torch_experts` (on the peer's GPU
-if it has one: not run on a GPU yet).
+(``cpu_fused_moe``) when the engine runs on the CPU build, else with
+:func:`~vllm_specexpert.tiers.host.torch_experts` (on the peer's GPU if it has one: not
+run on a GPU yet). The CPU kernel runs with the engine's ISA when the peer's process can
+(:func:`runnable_isa`), else with the portable one.
 
 Checkpoint layouts a peer reads: bf16/fp16/fp32 safetensors with one tensor per expert
 and projection, named ``{layer}.{e}.gate_proj/up_proj/down_proj.weight`` (Qwen3-MoE,
@@ -45,8 +46,25 @@ class ShardSpec:
     w13_shape: tuple[int, int]
     """One expert's ``[2 * I_padded, H]`` in the engine's slots (vLLM pads I on CPU)."""
     isa: str | None
-    """The ISA of vLLM's CPU kernel the engine runs (``None``: :func:`torch_experts`)."""
+    """The ISA of vLLM's CPU kernel the engine runs (``None``: :func:`torch_experts`);
+    the peer runs :func:`runnable_isa` of it."""
     activation: str = "silu"
+
+
+PORTABLE_ISA = "vec"
+"""vLLM's CPU MoE kernel without AMX tiles (AVX2/AVX-512). Its alignment (32 output
+channels) divides AMX's, so it runs on weights padded for AMX."""
+
+
+def runnable_isa(isa: str | None) -> str | None:
+    """The ISA this process runs vLLM's CPU MoE kernel with when the engine runs ``isa``.
+    Linux hands a process AMX tile state only on request (``arch_prctl``), and the first
+    AMX instruction without it is a SIGILL. vLLM's worker has it by the time its kernel
+    runs; a peer's fresh process has not, so it asks (``torch.cpu._init_amx``) and runs
+    the portable kernel where the request is refused (a CPU or kernel without AMX)."""
+    if isa == "amx" and not torch.cpu._init_amx():
+        return PORTABLE_ISA
+    return isa
 
 
 def checkpoint_files(checkpoint: str) -> list[Path]:
@@ -87,7 +105,7 @@ class ExpertPeer:
         started = time.perf_counter()
         self.rank = rank
         self.spec = spec
-        self.isa = spec.isa
+        self.isa = runnable_isa(spec.isa)
         if self.isa is not None:
             from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
 
@@ -141,7 +159,7 @@ class ExpertPeer:
         import socket
 
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "layers": len(self.tensors), "load_s": self.load_seconds,
+                "isa": self.isa, "layers": len(self.tensors), "load_s": self.load_seconds,
                 "experts": sum(len(e) for _, e in self.spec.layers.values())}
 
     def ping(self) -> int:

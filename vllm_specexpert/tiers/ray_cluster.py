@@ -55,5 +55,10 @@ def check_reachable(address: str | None) -> None:
 
 
 def first_line(error: BaseException) -> str:
+    """The type and first line of ``error``; of a remote task's error (Ray's
+    ``RayTaskError``), the exception the task raised."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
