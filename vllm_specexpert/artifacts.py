@@ -13,10 +13,19 @@ import hashlib
 import json
 from pathlib import Path
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Annotated, Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+)
 
 from vllm_specexpert.config import SpecExpertConfigError
 
@@ -47,6 +56,26 @@ VocabSize = Annotated[int, Strict(), Field(ge=1, le=MAX_VOCAB)]
 Sha256 = Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{64}$")]
 ConfigValue = Annotated[int, Strict(), Field(ge=0)]
 """A fingerprint's config number: only compared with the model's, never allocated."""
+
+
+
+def _increasing(layers: list[int]) -> list[int]:
+    # Transitions pair neighbours: each MoE layer once, in the model's order.
+    if any(a >= b for a, b in pairwise(layers)):
+        raise ValueError(f"{layers} is not increasing (each MoE layer once, in order)")
+    return layers
+
+
+LayerIndices = Annotated[list[LayerIndex], Field(min_length=1), AfterValidator(_increasing)]
+"""A manifest's ``moe_layer_indices``: the model's decoder-layer index of each MoE layer."""
+
+def top_k_of(top_k: int, info: ValidationInfo) -> int:
+    """A shape's ``top_k`` validator: at most its ``num_experts`` (declared before it)."""
+    experts = info.data.get("num_experts")
+    if experts is not None and top_k > experts:
+        raise ValueError(f"{top_k} is above num_experts {experts}")
+    return top_k
+
 
 MANIFEST = ConfigDict(extra="allow", protected_namespaces=())
 """Every manifest schema's: unknown keys kept (writers add info keys)."""
@@ -118,13 +147,19 @@ def manifest_error(error: ValidationError, field: str, file: Path,
     errors = error.errors(include_url=False)
     first = errors[0]
     key = ".".join(str(part) for part in first["loc"]) or "(the whole file)"
-    if first["type"] == "missing":
+    kind = first["type"]
+    value = repr(first.get("input"))
+    got = f" (got {value if len(value) <= 40 else value[:37] + '...'})"
+    if kind == "missing":
         problem = "missing"
-    elif first["type"] == "value_error":
+    elif kind == "value_error":
         problem = str(first["ctx"]["error"])
+    elif kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        problem = "unknown key (a setting of a network this version cannot build)"
+    elif kind in ("model_type", "model_attributes_type", "dataclass_type", "dict_type"):
+        problem = f"should be a JSON object{got}"
     else:
-        value = repr(first.get("input"))
-        problem = f"{first['msg']} (got {value if len(value) <= 40 else value[:37] + '...'})"
+        problem = f"{first['msg']}{got}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     problem = f"{file}: key {key}: {problem}{more}".replace("\n", " ")
     return SpecExpertConfigError(field, problem, fix)

@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
 
 import torch
-from pydantic import Field, Strict, model_validator
+from pydantic import Field, Strict, ValidationInfo, field_validator
 
 from vllm_specexpert.artifacts import (
     ArtifactManifest,
     ExpertCount,
     HiddenSize,
-    LayerIndex,
+    LayerIndices,
     ModelFingerprint,
     check_matches_model,
     check_tensors,
@@ -53,19 +52,20 @@ class CalibrationManifest(ArtifactManifest):
     are information only."""
 
     model_fingerprint: ModelFingerprint
-    moe_layer_indices: Annotated[list[LayerIndex], Field(min_length=1)]
+    moe_layer_indices: LayerIndices
     num_experts: ExpertCount
     hidden_size: HiddenSize
     window: Annotated[int, Strict(), Field(ge=1)] | None = None
 
-    @model_validator(mode="after")
-    def _layers_once_each(self) -> CalibrationManifest:
-        if any(a >= b for a, b in pairwise(self.moe_layer_indices)):
-            raise ValueError(f"moe_layer_indices {self.moe_layer_indices} are not increasing")
-        differs = self.model_fingerprint.disagreement(self.hidden_size, self.num_experts)
+    @field_validator("num_experts", "hidden_size")
+    @classmethod
+    def _the_fingerprints(cls, value: int, info: ValidationInfo) -> int:
+        # The tensors' shapes follow these: they must be the model's it was made for.
+        fingerprint = info.data.get("model_fingerprint")
+        differs = fingerprint and fingerprint.disagreement(**{info.field_name: value})
         if differs:
             raise ValueError(differs)
-        return self
+        return value
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated
 
 import torch
-from pydantic import BaseModel, Field, Strict, model_validator
+from pydantic import BaseModel, Field, Strict, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 from torch import nn
 
@@ -36,7 +36,7 @@ from vllm_specexpert.artifacts import (
     ArtifactManifest,
     ExpertCount,
     HiddenSize,
-    LayerIndex,
+    LayerIndices,
     Sha256,
     Str,
     TopK,
@@ -45,6 +45,7 @@ from vllm_specexpert.artifacts import (
     load_network_weights,
     read_manifest,
     save_network,
+    top_k_of,
 )
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.predict.base import (
@@ -77,11 +78,10 @@ class EstimatorShape:
     mlp_ratio: Annotated[int, Strict(), Field(ge=1, le=64)] = 2
     """The MLP's inner width is ``mlp_ratio * latent`` (the paper's m)."""
 
-    @model_validator(mode="after")
-    def _top_k_of_the_experts(self) -> EstimatorShape:
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k {self.top_k} is above num_experts {self.num_experts}")
-        return self
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_of_the_experts(cls, top_k: int, info: ValidationInfo) -> int:
+        return top_k_of(top_k, info)
 
 
 class TrainedWith(BaseModel):
@@ -99,18 +99,18 @@ class EstimatorManifest(ArtifactManifest):
     the fingerprint and the calibration, refused at engine start when absent)."""
 
     shape: EstimatorShape
-    moe_layer_indices: list[LayerIndex]
+    moe_layer_indices: LayerIndices
     calibration: TrainedWith | None = None
 
-    @model_validator(mode="after")
-    def _one_transition_per_pair_of_layers(self) -> EstimatorManifest:
-        layers = self.moe_layer_indices
-        if len(layers) != self.shape.num_transitions + 1:
-            raise ValueError(f"moe_layer_indices has {len(layers)} layers for "
-                             f"shape.num_transitions {self.shape.num_transitions}")
-        if any(a >= b for a, b in pairwise(layers)):
-            raise ValueError(f"moe_layer_indices {layers} are not increasing")
-        return self
+    @field_validator("moe_layer_indices")
+    @classmethod
+    def _one_transition_per_pair_of_layers(cls, layers: list[int],
+                                           info: ValidationInfo) -> list[int]:
+        shape = info.data.get("shape")
+        if shape is not None and len(layers) != shape.num_transitions + 1:
+            raise ValueError(f"{len(layers)} layers for shape.num_transitions "
+                             f"{shape.num_transitions} (one more layer than transitions)")
+        return layers
 
 
 class ExpertEstimator(nn.Module):

@@ -14,7 +14,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, Field, Strict, model_validator
+from pydantic import BaseModel, Field, Strict, ValidationInfo, field_validator
 
 from vllm_specexpert.artifacts import (
     MANIFEST,
@@ -66,20 +66,31 @@ class Analysis(MadeForModel):
     num_experts: ExpertCount | None = None
     tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
 
-    @model_validator(mode="after")
-    def _consistent(self) -> Analysis:
-        if "quasi_hidden" not in self.predictors:
-            raise ValueError("no quasi_hidden among the predictors (analyze ran without "
+    @field_validator("predictors")
+    @classmethod
+    def _with_quasi_hidden(cls, predictors: list[str]) -> list[str]:
+        if "quasi_hidden" not in predictors:
+            raise ValueError(f"{predictors} has no quasi_hidden (analyze ran without "
                              "--calibration)")
-        rows = [(row.from_layer, row.to_layer) for row in self.transitions]
-        # Consecutive MoE layers, each once: hybrid_layers keys its choice by from_layer.
+        return predictors
+
+    @field_validator("transitions")
+    @classmethod
+    def _consecutive(cls, transitions: list[Transition]) -> list[Transition]:
+        # hybrid_layers keys its choice by from_layer: each MoE layer once, in order.
+        rows = [(row.from_layer, row.to_layer) for row in transitions]
         if any(a >= b for a, b in rows) or any(b != c for (_, b), (c, _) in pairwise(rows)):
-            raise ValueError(f"transitions {rows} are not consecutive increasing layers")
-        differs = self.model_fingerprint.disagreement(num_experts=self.num_experts,
-                                                      top_k=self.top_k)
+            raise ValueError(f"{rows} are not transitions between consecutive layers")
+        return transitions
+
+    @field_validator("top_k", "num_experts")
+    @classmethod
+    def _the_fingerprints(cls, value: int | None, info: ValidationInfo) -> int | None:
+        fingerprint = info.data.get("model_fingerprint")
+        differs = fingerprint and fingerprint.disagreement(**{info.field_name: value})
         if differs:
             raise ValueError(differs)
-        return self
+        return value
 
 
 def read_analysis(path: str | Path, model: str | None = None, hf_config=None) -> dict:

@@ -24,13 +24,12 @@ when made for another model.
 from __future__ import annotations
 
 from dataclasses import asdict
-from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
 
 import numpy as np
 import torch
-from pydantic import Field, Strict, model_validator
+from pydantic import Field, Strict, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 from torch import nn
 
@@ -39,13 +38,14 @@ from vllm_specexpert.artifacts import (
     ArtifactManifest,
     ExpertCount,
     LayerCount,
-    LayerIndex,
+    LayerIndices,
     TopK,
     VocabSize,
     check_matches_model,
     load_network_weights,
     read_manifest,
     save_network,
+    top_k_of,
 )
 from vllm_specexpert.config import SpecExpertConfigError
 
@@ -70,11 +70,10 @@ class PathPredictorShape:
     embed_dim: Annotated[int, Strict(), Field(ge=1, le=1 << 14)] = 48
     hidden: Annotated[int, Strict(), Field(ge=1, le=1 << 16)] = 512
 
-    @model_validator(mode="after")
-    def _top_k_of_the_experts(self) -> PathPredictorShape:
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k {self.top_k} is above num_experts {self.num_experts}")
-        return self
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_of_the_experts(cls, top_k: int, info: ValidationInfo) -> int:
+        return top_k_of(top_k, info)
 
 
 class PathPredictorManifest(ArtifactManifest):
@@ -82,17 +81,15 @@ class PathPredictorManifest(ArtifactManifest):
     predicts; the fingerprint, refused at engine start when absent)."""
 
     shape: PathPredictorShape
-    moe_layer_indices: list[LayerIndex]
+    moe_layer_indices: LayerIndices
 
-    @model_validator(mode="after")
-    def _one_row_per_layer(self) -> PathPredictorManifest:
-        layers = self.moe_layer_indices
-        if len(layers) != self.shape.num_layers:
-            raise ValueError(f"moe_layer_indices has {len(layers)} layers for "
-                             f"shape.num_layers {self.shape.num_layers}")
-        if any(a >= b for a, b in pairwise(layers)):
-            raise ValueError(f"moe_layer_indices {layers} are not increasing")
-        return self
+    @field_validator("moe_layer_indices")
+    @classmethod
+    def _one_row_per_layer(cls, layers: list[int], info: ValidationInfo) -> list[int]:
+        shape = info.data.get("shape")
+        if shape is not None and len(layers) != shape.num_layers:
+            raise ValueError(f"{len(layers)} layers for shape.num_layers {shape.num_layers}")
+        return layers
 
 
 class RoutingPathPredictor(nn.Module):
