@@ -17,16 +17,17 @@ from vllm_specexpert.tools.fixtures import (
     TRAINED_MODEL,
 )
 
+SCHEDULING = {"max_num_batched_tokens": 32}
+"""A 32-token step budget: prompts are prefilled in chunks beside decoding requests
+(mixed passes, where the predictor's rows are fewer than the pass's)."""
 ARTIFACTS = {"calibration": str(TRAINED_CALIBRATION_DIR),
              "estimator": str(TRAINED_ESTIMATOR_DIR), "analysis": str(TRAINED_ANALYSIS_DIR)}
 
 
 @pytest.fixture(scope="module")
 def llm():
-    # A 32-token step budget: prompts are prefilled in chunks beside decoding requests
-    # (mixed passes, where the predictor's rows are fewer than the pass's).
     llm = make_llm(TRAINED_MODEL, specexpert={"budget": 0.25, "predictor": "hybrid",
-                                              **ARTIFACTS}, max_num_batched_tokens=32)
+                                              **ARTIFACTS}, **SCHEDULING)
     yield llm
     shutdown(llm)
 
@@ -58,7 +59,7 @@ def test_the_shipped_estimator_beats_quasi_hidden_where_it_is_weak():
 def test_prefetch_with_fetch_is_identical_to_vanilla(llm, predictor):
     vllm_specexpert.reconfigure(llm, predictor=predictor, miss_policy="fetch")
     outputs = greedy(llm)
-    reference = vanilla_reference(TRAINED_MODEL)
+    reference = vanilla_reference(TRAINED_MODEL, **SCHEDULING)
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
     assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
     stats = vllm_specexpert.get_stats(llm)[0]

@@ -90,9 +90,13 @@ def _int_keys(steps):
 
 
 @functools.lru_cache(maxsize=None)
-def vanilla_reference(arch: str, eager: bool = True) -> tuple[Completion, ...]:
-    """Vanilla vLLM's greedy completions of PROMPTS, computed once per test session."""
-    return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager)["completions"])
+def vanilla_reference(arch: str, eager: bool = True, **engine) -> tuple[Completion, ...]:
+    """Vanilla vLLM's greedy completions of PROMPTS, computed once per test session, by
+    an engine with the ``engine`` settings of the engine it is compared with: where the
+    scheduling differs (``max_num_batched_tokens``), so do the batches, and on a CPU
+    with AMX a GEMM's result depends on the batch it is in."""
+    return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager,
+                                         **engine)["completions"])
 
 
 def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS,
