@@ -216,7 +216,7 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
         load_calibration(config.calibration, model=model_config.model,
                          hf_config=model_config.hf_config, num_experts=shape.num_experts)
-    if config.estimator is not None:
+    if config.estimator is not None or config.analysis is not None:
         _check_estimator(config, model_config)
     if config.lookahead is not None:
         _check_draft(vllm_config, config, shape)
@@ -229,10 +229,18 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
 def _check_estimator(config: SpecExpertConfig, model_config) -> None:
     """The estimator (and ``hybrid``'s analysis) made for this model and calibration
-    (their MoE layers are checked when the model is wired)."""
+    (their MoE layers are checked when the model is wired). An analysis without an
+    estimator is refused: it only chooses where ``hybrid`` runs the estimator, and the
+    estimator cannot be added at run time, so it could never be used."""
     from vllm_specexpert.predict.estimator import load_estimator
     from vllm_specexpert.predict.hybrid import read_analysis
 
+    if config.estimator is None:
+        raise SpecExpertConfigError(
+            "analysis", "only chooses the layers after which predictor 'hybrid' runs the "
+            "estimator, and no estimator is set (one cannot be added at run time)",
+            "also set \"estimator\" (from `specexpert train-estimator MODEL --out DIR`), "
+            "or remove analysis")
     load_estimator(config.estimator, model=model_config.model,
                    hf_config=model_config.hf_config, calibration=config.calibration)
     if config.analysis is not None:
