@@ -13,6 +13,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
     gptq_pack,
 )
 
+from vllm_specexpert.config import SpecExpertUnsupportedError
 from vllm_specexpert.quant_formats import (
     AWQ_ORDER,
     AwqFormat,
@@ -131,3 +132,65 @@ def test_gptq_never_stores_a_zero_point_it_cannot_hold():
     fmt = GptqFormat("gptq", (), 32, symmetric=False)
     restored = fmt.dequantize(fmt.quantize(weight), OUT, IN)
     assert (restored.float() - weight).abs().max() <= 0.05 / 15 + 0.004
+
+
+def test_awq_without_zero_points_is_refused_for_what_it_is():
+    # It said "'awq' bits=4 is not supported", though 4 bits is what it supports.
+    with pytest.raises(SpecExpertUnsupportedError, match="'awq' without zero points") as info:
+        format_of({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False})
+    assert "bits=4" not in str(info.value)
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+    "g": {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                      "group_size": 32}}}}
+
+
+def ct_weights(**change) -> dict:
+    return {**CT, "config_groups": {"g": {"weights": {
+        **CT["config_groups"]["g"]["weights"], **change}}}}
+
+
+@pytest.mark.parametrize("config, named", [
+    ({**AWQ, "group_size": "128"}, "group_size='128'"),      # was accepted as 128
+    ({**AWQ, "group_size": "g128"}, "group_size='g128'"),    # was a bare ValueError
+    ({k: v for k, v in AWQ.items() if k != "bits"}, "without bits"),  # was taken as 4
+    ({**AWQ, "bits": None}, "without bits"),                 # was a bare TypeError
+    ({**AWQ, "bits": 4.0}, "bits=4.0"),
+    ({**AWQ, "zero_point": "false"}, "zero_point='false'"),  # a true string
+    ({**AWQ, "modules_to_not_convert": "self_attn"}, "modules_to_not_convert='self_attn'"),
+    ({**GPTQ, "bits": "4"}, "bits='4'"),
+    ({k: v for k, v in GPTQ.items() if k != "bits"}, "without bits"),
+    ({**GPTQ, "group_size": True}, "group_size=True"),
+    ({**GPTQ, "dynamic": ["-:.*experts.*"]}, "dynamic="),     # was a bare AttributeError
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size=[128]"),
+    ({"quant_method": "fp8", "weight_block_size": ["128", "128"]}, "weight_block_size="),
+    ({"quant_method": 8}, "quant_method=8"),
+    ({**CT, "config_groups": {"g": "int4"}}, "config_groups.g='int4'"),
+    (ct_weights(num_bits="4"), "config_groups.g.weights.num_bits='4'"),
+    (ct_weights(group_size="32"), "config_groups.g.weights.group_size='32'"),
+    (ct_weights(symmetric="yes"), "config_groups.g.weights.symmetric='yes'"),
+    ({**CT, "config_groups": {"g": {"weights": "w4"}}}, "config_groups.g.weights='w4'"),
+    (["awq"], "quantization_config ['awq']"),
+])
+def test_a_malformed_quantization_config_is_one_clear_error(config, named):
+    with pytest.raises(SpecExpertUnsupportedError) as info:
+        format_of(config)
+    message = str(info.value)
+    assert named in message and "it must be" in message, message
+    assert "config.json" in message and "\n" not in message
+
+
+def test_well_formed_configs_read_as_before():
+    # The strict reading keeps what quantizers write: AutoAWQ's spellings, a null group
+    # size (one group per channel), an empty ignore list beside a filled one.
+    autoawq = format_of({"quant_method": "awq", "w_bit": 4, "q_group_size": 64,
+                         "zero_point": True, "version": "gemm"})
+    assert isinstance(autoawq, AwqFormat) and autoawq.group_size == 64
+    assert format_of({**GPTQ, "group_size": None}).group_size == -1
+    fp8 = format_of({"quant_method": "fp8", "ignored_layers": [],
+                     "modules_to_not_convert": ["lm_head"]})
+    assert fp8.skips("lm_head")
+    assert format_of({}) is None
