@@ -215,10 +215,24 @@ def test_rows_are_drawn_once_per_pass_at_the_sampled_share():
     assert not np.array_equal(again, rows)  # a new pass draws anew
 
 
-def test_quality_needs_a_mode_that_changes_the_output():
+@pytest.mark.parametrize("policy", ["fetch", "cpu", "auto"])
+def test_quality_needs_a_mode_that_changes_the_output(policy):
+    # cpu and auto are equivalent (other rounding only): not in the error's own list of
+    # budgetable modes, and once accepted.
     with pytest.raises(SpecExpertConfigError) as error:
-        SpecExpertConfig.from_dict({"miss_policy": "fetch", "quality": {}})
+        SpecExpertConfig.from_dict({"miss_policy": policy, "quality": {}})
+    assert error.value.field_name == "quality" and policy in str(error.value)
+    assert f"'{policy}'" not in error.value.fix
+
+
+def test_quality_refuses_bad_sections_and_a_budget_where_nothing_misses():
+    with pytest.raises(SpecExpertConfigError) as error:  # 16 of 16 experts resident
+        SpecExpertConfig.from_dict({"budget": 1.0, "miss_policy": "drop",
+                                    "quality": {}}).check_fits(16, 4)
     assert error.value.field_name == "quality"
+    # speculate changes the output with every expert resident: its budget is useful.
+    SpecExpertConfig.from_dict({"budget": 1.0, "miss_policy": "speculate",
+                                "predictor": "router", "quality": {}}).check_fits(16, 4)
     with pytest.raises(SpecExpertConfigError) as error:
         SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {"window": 0}})
     assert error.value.field_name == "quality.window"

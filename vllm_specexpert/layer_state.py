@@ -113,6 +113,10 @@ def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
     """Raise a config error when ``config`` needs what the loaded ``layers`` lack (at
     engine start and before a ``reconfigure``: never mid-generation)."""
     layers = list(layers)
+    for layer in layers:
+        decoder = layer.experts.decoder
+        config.check_fits(layer.experts.num_experts, layer.top_k,
+                          decoder.name if decoder is not None else None)
     policy = config.miss_policy_spec
     if policy.computes_on_host and any(
         layer.host_kernel is None for layer in layers
@@ -154,25 +158,14 @@ def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
 
 
 def check_low_bit(config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
-    """``lowbit`` needs each layer's INT4 copies and room for them in its budget."""
-    for layer in layers:
-        if layer.low_bit_experts is None:
-            if layer.cache.experts.decoder is not None:
-                raise SpecExpertConfigError(
-                    "miss_policy", f"'lowbit' runs INT4 copies of bf16 experts, and this "
-                    f"checkpoint's experts are already {layer.cache.experts.format}: "
-                    "there is no lower-bit copy to run", "use 'fetch', 'cpu' or 'auto'")
-            raise SpecExpertConfigError(
-                "miss_policy", "'lowbit' runs INT4 copies of the experts, made at load "
-                "only when the engine starts with miss_policy 'lowbit'",
-                "start the engine with miss_policy 'lowbit' (reconfigure can then "
-                "switch to any other policy and back)")
-        slots = config.slots_per_layer(layer.low_bit_experts.num_experts, layer.top_k)
-        if slots < 2 * layer.top_k:
-            raise SpecExpertConfigError(
-                "budget", f"'lowbit' keeps top_k ({layer.top_k}) of each layer's "
-                f"{slots} slots for INT4 copies, leaving fewer than top_k for the rest",
-                f"give a budget of at least {2 * layer.top_k} slots per layer")
+    """``lowbit`` needs each layer's INT4 copies (its budget and the experts' format:
+    :meth:`SpecExpertConfig.check_fits`)."""
+    if any(layer.low_bit_experts is None for layer in layers):
+        raise SpecExpertConfigError(
+            "miss_policy", "'lowbit' runs INT4 copies of the experts, made at load "
+            "only when the engine starts with miss_policy 'lowbit'",
+            "start the engine with miss_policy 'lowbit' (reconfigure can then "
+            "switch to any other policy and back)")
 
 
 def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
@@ -181,8 +174,6 @@ def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
     ``config`` (``reconfigure``): the budget fits every layer, the artifacts read at
     start are the same, and the new mode can run on the loaded layers."""
     layers = list(layers)
-    for layer in layers:
-        config.slots_per_layer(layer.cache.num_experts, layer.top_k)
     for name in ("calibration", "estimator", "analysis", "hybrid_threshold",
                  "path_predictor", "token_scheduler"):
         if getattr(config, name) != getattr(current, name):

@@ -195,13 +195,21 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     from vllm.platforms import current_platform
 
     from vllm_specexpert.architectures import check_supported, moe_shape
+    from vllm_specexpert.layers.router_free import runner_is_eager
 
     if not current_platform.is_cpu():
         keep_piecewise_cuda_graphs(vllm_config.compilation_config)
     check_supported(vllm_config)
     model_config = vllm_config.model_config
     shape = moe_shape(model_config.hf_config)
-    config.slots_per_layer(shape.num_experts, shape.top_k)
+    config.check_fits(shape.num_experts, shape.top_k, _packed_experts(model_config))
+    if config.router_free and not runner_is_eager(vllm_config):
+        raise SpecExpertConfigError(
+            "router_free", "skips routers in Python per call, and this engine's MoE "
+            "runner is traced into torch.compile's graph (the CPU build's compiled mode)",
+            "start the engine with enforce_eager=True (--enforce-eager), or remove it")
+    if config.mesh is not None:
+        _check_mesh(config, model_config)
     if config.stats_path is not None:
         from vllm_specexpert.stats import check_stats_path
 
@@ -225,6 +233,27 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
         load_path_predictor(config.path_predictor, model=model_config.model,
                             hf_config=model_config.hf_config)
+
+
+def _packed_experts(model_config) -> str | None:
+    """The format the checkpoint's routed experts are packed in (``None``: bf16/fp16)."""
+    from vllm_specexpert.quant_formats import format_of
+
+    checkpoint = getattr(model_config.hf_config, "quantization_config", None)
+    if model_config.quantization is None or not checkpoint:
+        return None
+    fmt = format_of(dict(checkpoint))
+    return fmt.name if fmt is not None else None
+
+
+def _check_mesh(config: SpecExpertConfig, model_config) -> None:
+    """A cluster that answers at ``mesh.ray_address`` (bounded: Ray itself retries for
+    a minute), and a checkpoint whose experts a peer can read."""
+    from vllm_specexpert.tiers.peer_shard import check_checkpoint_layout
+    from vllm_specexpert.tiers.ray_cluster import check_reachable
+
+    check_reachable(config.mesh.ray_address)
+    check_checkpoint_layout(model_config.model)
 
 
 def _check_estimator(config: SpecExpertConfig, model_config) -> None:

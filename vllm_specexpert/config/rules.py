@@ -108,10 +108,11 @@ def check_combination(config: Settings) -> None:
 def _check_quality(config: Settings) -> None:
     if config.quality is None:
         return
-    if config.output == "exact":
+    if config.miss_policy_spec.output != "approximate":
         raise SpecExpertConfigError(
-            "quality", f"miss_policy '{config.miss_policy}' is exact: there is nothing to "
-            "budget", "remove quality, or use a miss_policy that changes the output "
+            "quality", f"miss_policy '{config.miss_policy}' is "
+            f"{config.miss_policy_spec.output}: there is nothing to budget",
+            "remove quality, or use a miss_policy that changes the output "
             f"({_policies_with_output('approximate')})")
     if config.mesh is not None:
         raise SpecExpertConfigError(

@@ -21,7 +21,7 @@ from torch import nn
 from vllm.platforms import current_platform
 
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts, offloaded
 from vllm_specexpert.layers.router_free import RouterFreeHook, runner_is_eager
 from vllm_specexpert.log import init_logger
@@ -175,11 +175,7 @@ def _attach_mesh(engine, layers, calibration) -> None:
     names = {index: (r.layer_name, tuple(range(num_experts))) for index, _, r in layers}
     check_checkpoint(engine.checkpoint, names)
     hot = {}
-    if mesh.placement == "replicate_hot":
-        if mesh.hot_count >= num_experts:
-            raise SpecExpertConfigError(
-                "mesh.hot_count", f"{mesh.hot_count} is not fewer than the model's "
-                f"{num_experts} experts per layer", f"use hot_count < {num_experts}")
+    if mesh.placement == "replicate_hot":  # (hot_count checked: SpecExpertConfig.check_fits)
         hot = {index: np.argsort(-calibration.counts[index].numpy(), kind="stable")
                [:mesh.hot_count] for index, _, _ in layers}
     kernel = routed._direct_experts()

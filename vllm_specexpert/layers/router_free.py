@@ -62,10 +62,11 @@ class RouterFreeHook:
         return routing
 
 
-def runner_is_eager() -> bool:
-    """Whether vLLM runs the MoE runner's Python per call (see module doc)."""
+def runner_is_eager(vllm_config=None) -> bool:
+    """Whether vLLM runs the MoE runner's Python per call under ``vllm_config`` (the
+    current one by default; see module doc)."""
     from vllm.config import CompilationMode, get_current_vllm_config
     from vllm.platforms import current_platform
 
-    mode = get_current_vllm_config().compilation_config.mode
+    mode = (vllm_config or get_current_vllm_config()).compilation_config.mode
     return not current_platform.is_cpu() or mode == CompilationMode.NONE

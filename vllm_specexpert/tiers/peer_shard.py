@@ -19,6 +19,7 @@ checkpoint cannot be read.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -192,6 +193,25 @@ class ExpertPeer:
         return out.view(torch.int16).numpy(), time.perf_counter() - started
 
 
+PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.(?:gate_proj|w1)\.weight$")
+"""A per-expert tensor of a layout a peer reads (:data:`PROJECTIONS`)."""
+
+
+def check_checkpoint_layout(checkpoint: str) -> None:
+    """Refuse, from the safetensors headers alone (the calling process, before any engine
+    starts), a checkpoint without per-expert tensors: fused or quantized experts. The
+    layer-by-layer check, :func:`check_checkpoint`, needs vLLM's layer names."""
+    if not Path(checkpoint).is_dir():
+        return  # not a local directory: the worker's check reads what vLLM loaded
+    try:
+        index = checkpoint_key_index(checkpoint)
+    except (FileNotFoundError, OSError) as error:
+        raise _unreadable(first_line(error)) from None
+    if not any(PER_EXPERT_KEY.search(key) for key in index):
+        raise _unreadable("it has no per-expert tensors (*.experts.N.gate_proj.weight or "
+                          "*.experts.N.w1.weight): fused or quantized experts")
+
+
 def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ...]]]) -> None:
     """Refuse at start a checkpoint whose experts a peer cannot read (:mod:`.peer_shard`)."""
     try:
@@ -200,7 +220,11 @@ def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ..
             for expert in experts:
                 expert_keys(index, name, expert)
     except (KeyError, FileNotFoundError, OSError) as error:
-        raise SpecExpertConfigError(
-            "mesh", f"a peer cannot read this model's experts: {first_line(error)}",
-            "use a bf16 checkpoint with one tensor per expert (Qwen3-MoE, Qwen2-MoE, "
-            "OLMoE, DeepSeek-V2, Mixtral), or remove mesh") from None
+        raise _unreadable(first_line(error)) from None
+
+
+def _unreadable(problem: str) -> SpecExpertConfigError:
+    return SpecExpertConfigError(
+        "mesh", f"a peer cannot read this model's experts: {problem}",
+        "use a bf16 checkpoint with one tensor per expert (Qwen3-MoE, Qwen2-MoE, OLMoE, "
+        "DeepSeek-V2, Mixtral), or remove mesh")

@@ -39,14 +39,19 @@ def init_ray(ray, address: str | None) -> bool:
     return True
 
 
+PROBE_TIMEOUT_S = 3.0
+"""How long the check of ``mesh.ray_address`` waits for a TCP connection."""
+
+
 def check_reachable(address: str | None) -> None:
-    """A ``host:port`` address that refuses a TCP connection fails at once (``ray.init``
-    would retry for about a minute)."""
-    host, _, port = (address or "").rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
+    """A ``host:port`` (or ``ray://host:port``) address where nothing accepts a TCP
+    connection within :data:`PROBE_TIMEOUT_S` fails at once (``ray.init`` would retry for
+    about a minute). ``auto`` and ``None`` (a local Ray) are not probed."""
+    host, _, port = (address or "").rpartition("://")[2].rpartition(":")
+    if not host or not port.isdigit():
         return
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
     except OSError as error:
         raise SpecExpertConfigError(
             "mesh.ray_address", f"nothing answers at {address!r}: {first_line(error)}",

@@ -1,0 +1,108 @@
+"""What needs only the settings, the model's config and its checkpoint's headers is
+refused in the calling process, where vLLM builds the engine config: ``LLM()`` raises the
+plugin's own error (not vLLM's "Engine core initialization failed"), ``serve`` exits with
+one line, and nothing is started or left behind (no engine process, no Ray)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.tools.fixtures import (
+    TRAINED_CALIBRATION_DIR,
+    TRAINED_ESTIMATOR_DIR,
+    TRAINED_MODEL,
+    model_path,
+)
+
+CALIBRATION = str(TRAINED_CALIBRATION_DIR)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:  # bound, never listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The trained model: 64 experts per layer, top-4 (budget 0.25: 16 slots).
+CASES = {
+    "lowbit with fewer than 2 x top_k slots": (
+        TRAINED_MODEL, {"budget": 7, "miss_policy": "lowbit"}, {}, "budget"),
+    "lowbit on an AWQ checkpoint": (
+        "qwen3_moe-awq", {"budget": 0.5, "miss_policy": "lowbit"}, {}, "miss_policy"),
+    "mesh on an AWQ checkpoint": ("qwen3_moe-awq", {"budget": 0.5, "mesh": {}}, {}, "mesh"),
+    "mesh on fused experts": ("gpt_oss", {"budget": 0.5, "mesh": {}}, {}, "mesh"),
+    "hot_count above the slots - top_k": (
+        TRAINED_MODEL, {"budget": 0.25, "calibration": CALIBRATION,
+                        "mesh": {"placement": "replicate_hot", "hot_count": 13}}, {},
+        "mesh.hot_count"),
+    "hot_count of every expert": (
+        TRAINED_MODEL, {"budget": 1.0, "calibration": CALIBRATION,
+                        "mesh": {"placement": "replicate_hot", "hot_count": 64}}, {},
+        "mesh.hot_count"),
+    "router_free in the compiled mode": (
+        TRAINED_MODEL, {"budget": 0.25, "predictor": "estimator", "miss_policy": "speculate",
+                        "router_free": True, "calibration": CALIBRATION,
+                        "estimator": str(TRAINED_ESTIMATOR_DIR)},
+        {"enforce_eager": False}, "router_free"),
+    "quality where nothing can miss": (
+        TRAINED_MODEL, {"budget": 64, "miss_policy": "drop", "quality": {}}, {}, "quality"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refused_where_the_engine_config_is_built(case):
+    from vllm import EngineArgs
+
+    model, specexpert, engine, field = CASES[case]
+    engine = {"enforce_eager": True, **engine}
+    args = EngineArgs(model=str(model_path(model)), max_model_len=512,
+                      additional_config={"specexpert": specexpert}, **engine)
+    with pytest.raises(SpecExpertConfigError) as error:
+        args.create_engine_config()
+    assert error.value.field_name == field, str(error.value)
+
+
+def test_an_unreachable_ray_address_is_refused_before_ray_starts():
+    import ray
+    from vllm import EngineArgs
+
+    address = f"127.0.0.1:{closed_port()}"
+    args = EngineArgs(model=str(model_path(TRAINED_MODEL)), max_model_len=512,
+                      enforce_eager=True, additional_config={"specexpert": {
+                          "budget": 0.25, "mesh": {"ray_address": address}}})
+    with pytest.raises(SpecExpertConfigError) as error:
+        args.create_engine_config()
+    assert error.value.field_name == "mesh.ray_address" and address in str(error.value)
+    assert not ray.is_initialized()
+
+
+LLM_SCRIPT = """
+import sys
+from vllm import LLM
+from vllm_specexpert.config import SpecExpertConfigError
+if __name__ == "__main__":
+    try:
+        LLM(model=sys.argv[1], max_model_len=512, enforce_eager=True,
+            additional_config={"specexpert": {"budget": 7, "miss_policy": "lowbit"}})
+    except SpecExpertConfigError as error:
+        print("refused:", error.field_name)
+        sys.exit(3)
+"""
+
+
+def test_llm_raises_the_plugins_own_error(tmp_path):
+    # With vLLM's default engine-core process: a refusal in the worker reached the
+    # caller only as "Engine core initialization failed. See root cause above.".
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "start.py"
+    script.write_text(LLM_SCRIPT)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(model_path(TRAINED_MODEL))],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3 and "refused: budget" in proc.stdout, proc.stderr[-3000:]
