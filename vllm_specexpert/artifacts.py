@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from collections.abc import Callable
 from itertools import pairwise
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import torch
@@ -44,8 +44,6 @@ MAX_VOCAB = 1 << 22
 
 # Strict: JSON types exactly (a string or a boolean where a number goes is corruption,
 # not something to coerce).
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]  # an integer is accepted: JSON writes 1.0 as 1
 Str = Annotated[str, Strict()]
 HiddenSize = Annotated[int, Strict(), Field(ge=1, le=MAX_HIDDEN)]
 ExpertCount = Annotated[int, Strict(), Field(ge=1, le=MAX_EXPERTS)]
@@ -58,7 +56,6 @@ ConfigValue = Annotated[int, Strict(), Field(ge=0)]
 """A fingerprint's config number: only compared with the model's, never allocated."""
 
 
-
 def _increasing(layers: list[int]) -> list[int]:
     # Transitions pair neighbours: each MoE layer once, in the model's order.
     if any(a >= b for a, b in pairwise(layers)):
@@ -68,6 +65,7 @@ def _increasing(layers: list[int]) -> list[int]:
 
 LayerIndices = Annotated[list[LayerIndex], Field(min_length=1), AfterValidator(_increasing)]
 """A manifest's ``moe_layer_indices``: the model's decoder-layer index of each MoE layer."""
+
 
 def top_k_of(top_k: int, info: ValidationInfo) -> int:
     """A shape's ``top_k`` validator: at most its ``num_experts`` (declared before it)."""
@@ -102,6 +100,7 @@ class ModelFingerprint(BaseModel):
     router_sha256: Sha256 | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """Every key, as :func:`model_fingerprint` returns it (``None`` where absent)."""
         return {k: getattr(self, k) for k in (*FINGERPRINT_CONFIG_KEYS, "router_sha256")}
 
     def disagreement(self, hidden_size: int | None = None, num_experts: int | None = None,
