@@ -106,3 +106,35 @@ def test_llm_raises_the_plugins_own_error(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(model_path(TRAINED_MODEL))],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 3 and "refused: budget" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-awq", "qwen3_moe-gptq", "qwen3_moe-w4a16",
+                                  "qwen3_moe-fp8-block"])
+def test_a_group_size_unlike_the_tensors_is_refused_from_the_headers(name, tmp_path):
+    import json
+
+    from vllm_specexpert.architectures import check_packed_tensors
+    from vllm_specexpert.config import SpecExpertUnsupportedError
+    from vllm_specexpert.quant_formats import format_of
+
+    source = model_path(name)
+    config = json.loads((source / "config.json").read_text())
+    check_packed_tensors(str(source), format_of(config["quantization_config"]))  # as made
+    for file in source.iterdir():
+        (tmp_path / file.name).symlink_to(file)
+    (tmp_path / "config.json").unlink()
+    quantization = config["quantization_config"]
+    if "weight_block_size" in quantization:
+        quantization["weight_block_size"] = [64, 64]
+    elif "config_groups" in quantization:
+        quantization["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    else:
+        quantization["group_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from vllm import EngineArgs
+
+    args = EngineArgs(model=str(tmp_path), max_model_len=512, enforce_eager=True,
+                      additional_config={"specexpert": {"budget": 0.5}})
+    with pytest.raises(SpecExpertUnsupportedError) as error:
+        args.create_engine_config()
+    assert "quantization_config" in str(error.value) and "expected" in str(error.value)

@@ -4,7 +4,10 @@ Checked in one place, :func:`check_supported`."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm_specexpert.config import SpecExpertUnsupportedError
@@ -79,7 +82,9 @@ def check_supported(vllm_config: Any) -> None:
                 "offloaded experts are dequantized from a quantized checkpoint, not "
                 "quantized while loading",
                 "quantize it first (specexpert quantize), or drop --quantization")
-        format_of(dict(checkpoint))
+        fmt = format_of(dict(checkpoint))
+        if fmt is not None:
+            check_packed_tensors(model_config.model, fmt)
     parallel = vllm_config.parallel_config
     if (
         parallel.tensor_parallel_size > 1
@@ -102,3 +107,70 @@ def packed_format(vllm_config: Any, layer_name: str) -> PackedFormat | None:
         return None
     fmt = format_of(dict(checkpoint))
     return None if fmt is None or fmt.skips(layer_name) else fmt
+
+
+PACKED_EXPERT_TENSOR = re.compile(
+    r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))\.(\w+)$")
+"""A tensor of one routed expert's projection: (module, tensor name)."""
+
+
+def check_packed_tensors(model_dir: str, fmt: PackedFormat) -> None:
+    """The first quantized expert projection of each kind (gate, up, down) in the
+    checkpoint has the tensors ``fmt`` (the ``quantization_config``) gives, with their
+    shapes: a group size or format that does not match the tensors is refused from the
+    safetensors headers, before anything loads. Skipped for a model that is not a
+    local directory (the worker's loader checks every tensor)."""
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    modules: dict[str, dict[str, tuple[str, Path]]] = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                match = PACKED_EXPERT_TENSOR.match(key)
+                if match and not fmt.skips(match[1]):
+                    modules.setdefault(match[1], {})[match[2]] = (key, path)
+    checked: set[str] = set()
+    for module, names in modules.items():
+        kind = module.rpartition(".")[2]
+        if kind in checked:
+            continue
+        checked.add(kind)
+        tensors = {}
+        for name, (key, path) in names.items():
+            with safe_open(str(path), "pt") as f:
+                shape = f.get_slice(key).get_shape()
+                # Shapes are all a format needs, but a tiny tensor may be read for its
+                # values (compressed-tensors' weight_shape).
+                tensors[name] = (f.get_tensor(key) if torch.Size(shape).numel() <= 16
+                                 else torch.empty(shape, device="meta"))
+        problem = _packed_mismatch(fmt, tensors)
+        if problem is not None:
+            raise SpecExpertUnsupportedError(
+                f"{module} of {model_dir}", f"{problem}, where its quantization_config "
+                f"({fmt.name}{_group(fmt)}) gives other shapes",
+                "use a checkpoint quantized as its config says (or fix its "
+                "quantization_config, e.g. the group_size)")
+
+
+def _group(fmt: PackedFormat) -> str:
+    size = getattr(fmt, "group_size", None)
+    return f", group_size {size}" if size is not None else ""
+
+
+def _packed_mismatch(fmt: PackedFormat, tensors: dict) -> str | None:
+    """What in ``tensors`` (one projection's) disagrees with ``fmt``, or ``None``."""
+    try:
+        out_features, in_features = fmt.features(tensors)
+    except (KeyError, IndexError, ValueError, RuntimeError) as error:
+        return f"lacks the tensors of the format ({type(error).__name__}: {error})"
+    for name, (shape, _) in fmt.tensor_shapes(out_features, in_features).items():
+        if name not in tensors:
+            return f"has no tensor {name}"
+        found = tuple(tensors[name].shape)
+        if (len(found) == len(shape) and found != tuple(shape)) or \
+                math.prod(found) != math.prod(shape):
+            return f"has {name} of shape {list(found)} (expected {list(shape)})"
+    return None
+
