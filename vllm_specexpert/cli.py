@@ -150,11 +150,24 @@ def main(argv: list[str] | None = None) -> None:
              "analyze": analyze, "train-path": train_path, "eval-path": eval_path,
              "quantize": quantize, "dequantize": dequantize, "mesh-demo": mesh_demo,
              "train-estimator": train_estimator}
+    from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
+    from vllm_specexpert.tools.arguments import UsageError
+
+    parsers = {}
     for name, module in tools.items():
-        module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
+        parsers[name] = sub.add_parser(name, help=module.__doc__.split("\n")[0])
+        module.add_arguments(parsers[name])
 
     args = parser.parse_args(argv)
-    tools[args.command].run(args)
+    tool = parsers[args.command]
+    try:
+        tools[args.command].run(args)
+    except UsageError as error:  # an argument checked after parsing, before any work
+        tool.error(str(error))
+    except (SpecExpertConfigError, SpecExpertUnsupportedError) as error:
+        # The user's mistake found by the tool's own code: one line, no traceback.
+        print(f"{tool.prog}: error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,15 @@ Predictors: ``router``, ``quasi_hidden`` (with ``--calibration``), ``estimator``
 ``--estimator``, trained with that calibration) and ``hybrid`` (the estimator's row where
 ``quasi_hidden``'s recall is below its mean, as ``predictor: hybrid`` chooses by default).
 Writes ``analysis.json`` (with the model's fingerprint: ``hybrid``'s ``analysis`` reads
-it) and ``analysis.png`` to ``--out``.
+it) and ``analysis.png`` to ``--out``: a new or empty directory, or one holding an
+``analysis.json`` written before. ``--calibration`` and ``--estimator`` are checked
+against the model before the model runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -40,6 +41,14 @@ from vllm_specexpert.predict import (
     RouterPredictor,
     residual_scale,
 )
+from vllm_specexpert.tools.arguments import (
+    UsageError,
+    check_artifact,
+    check_output_dir,
+    existing_dir,
+    holding,
+)
+from vllm_specexpert.tools.provenance import command_line, model_label
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,
@@ -152,7 +161,7 @@ def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
     ]
     if "estimator" in predictors:
         add_hybrid(transitions)
-    return {"model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
+    return {"model": model_label(model_dir), "model_fingerprint": model_fingerprint(model_dir),
             "tokens": tokens, "top_k": top_k, "num_experts": model.config.num_experts,
             "predictors": [*predictors, *(["hybrid"] if "estimator" in predictors else [])],
             "transitions": transitions}
@@ -206,25 +215,34 @@ def print_table(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
-    parser.add_argument("--calibration", help="calibration directory (adds quasi_hidden)")
-    parser.add_argument("--estimator", help="estimator directory (`specexpert "
+    parser.add_argument("--calibration", type=existing_dir,
+                        help="calibration directory (adds quasi_hidden)")
+    parser.add_argument("--estimator", type=existing_dir, help="estimator directory (`specexpert "
                         "train-estimator`, with the same calibration; adds estimator and "
                         "hybrid)")
     parser.add_argument("--out", required=True, type=Path)
 
 
 def run(args: argparse.Namespace) -> None:
-    model, docs, description = resolve_data_arguments(args, default_split="validation")
+    from vllm_specexpert.predict.estimator import load_estimator
+
     if args.estimator and not args.calibration:
-        sys.exit("specexpert analyze: --estimator needs --calibration (the estimator maps "
-                 "quasi_hidden's q_l)")
+        raise UsageError("--estimator", "needs --calibration (the estimator maps "
+                         "quasi_hidden's q_l, made with the calibration's default vectors)")
+    check_output_dir(args.out, "--out", holding("analysis.json"), "an analysis")
+    model, docs, description = resolve_data_arguments(args, default_split="validation")
+    if args.calibration:
+        check_artifact("--calibration", lambda: load_calibration(args.calibration, model=model))
+    if args.estimator:
+        check_artifact("--estimator", lambda: load_estimator(
+            args.estimator, model=model, calibration=args.calibration))
     result = analyze(model, docs, args.calibration, window=args.window,
                      max_tokens=args.max_tokens, estimator_dir=args.estimator)
-    command = " ".join(["specexpert", *sys.argv[1:]])
+    command = command_line()
     result.update(data=description, command=command)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "analysis.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / "analysis.png", f"{Path(model).name}, {result['tokens']:,} tokens "
+    plot(result, args.out / "analysis.png", f"{result['model']}, {result['tokens']:,} tokens "
          f"({description})\n{command}")
     print_table(result)
     print(f"wrote {args.out / 'analysis.json'} and analysis.png\ncommand: {command}")

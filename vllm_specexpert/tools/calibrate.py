@@ -17,9 +17,12 @@ Output (``DIR``):
   ``layers.{i}.tae_percentiles [101] float32`` (0th..100th),
   ``layers.{i}.residual_rms [1] float32`` (mean RMS of the post-attention residual r_l,
   for the quasi-hidden state), where ``i`` is the model's decoder-layer index.
-* ``manifest.json``: ``{"format": "specexpert-calibration/1", "model_fingerprint",
+* ``manifest.json``: ``{"format": "specexpert-calibration/2", "model", "model_fingerprint",
   "data": {"description", "sha256", "tokens"}, "moe_layer_indices", "num_experts",
-  "hidden_size", "window"}``.
+  "hidden_size", "window"}`` (``model``: the model's name,
+  :func:`~vllm_specexpert.tools.provenance.model_label`).
+
+``DIR`` is new, empty, or a calibration written before (rewritten).
 
 :func:`vllm_specexpert.calibration.load_calibration` reads it back at engine start.
 """
@@ -35,6 +38,8 @@ import torch
 from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.calibration import FORMAT, Calibration, save
 from vllm_specexpert.policy.buddies import token_activating_entropy
+from vllm_specexpert.tools.arguments import artifact_of, check_output_dir
+from vllm_specexpert.tools.provenance import model_label
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,
@@ -77,7 +82,7 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
     tae = {i: torch.quantile(torch.cat(entropies[i]), levels).float() for i in layers}
     manifest = {
         "format": FORMAT,
-        "model": str(model_dir),
+        "model": model_label(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
         "data": {"description": description, "sha256": data_hash.hexdigest(), "tokens": tokens},
         "moe_layer_indices": layers, "num_experts": E, "hidden_size": H, "window": window,
@@ -94,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    check_output_dir(args.out, "--out", artifact_of(FORMAT), "a calibration")
     model, docs, description = resolve_data_arguments(args, default_split="train")
     result = calibrate(model, docs, args.out, window=args.window, max_tokens=args.max_tokens,
                        description=description)

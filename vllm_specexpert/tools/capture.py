@@ -23,6 +23,8 @@ Output format (``DIR``):
   top-k renormalisation if any), ``residual [T, L, H]`` and ``router_input [T, L, H]``
   in ``dtype`` (default bfloat16).
 
+``DIR`` is new, empty, or a capture written before (rewritten: its old shards go).
+``model`` is the model's name (:func:`~vllm_specexpert.tools.provenance.model_label`).
 Read it back with :class:`CaptureReader`.
 """
 
@@ -36,6 +38,12 @@ from pathlib import Path
 import torch
 
 from vllm_specexpert.artifacts import model_fingerprint
+from vllm_specexpert.tools.arguments import (
+    artifact_of,
+    check_output_dir,
+    positive_int,
+)
+from vllm_specexpert.tools.provenance import model_label
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,
@@ -63,13 +71,13 @@ def capture(
     from safetensors.torch import save_file
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(model_dir)
     config = model.config
     store_dtype = getattr(torch, dtype)
     layers = moe_layer_indices(model)
     manifest = {
-        "format": FORMAT, "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
+        "format": FORMAT, "model": model_label(model_dir),
+        "model_fingerprint": model_fingerprint(model_dir),
         "num_layers": len(layers), "moe_layer_indices": layers,
         "num_experts": config.num_experts, "top_k": config.num_experts_per_tok,
         "hidden_size": config.hidden_size, "dtype": dtype, "window": window,
@@ -77,6 +85,10 @@ def capture(
     }
     buffer: dict[str, list[torch.Tensor]] = {k: [] for k in STORED}
     buffered = 0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)
+    for old in out.glob("shard-*.safetensors"):  # a capture written before
+        old.unlink()
 
     def flush() -> None:
         nonlocal buffered
@@ -138,11 +150,12 @@ class CaptureReader:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--shard-tokens", type=int, default=65536)
+    parser.add_argument("--shard-tokens", type=positive_int, default=65536)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
 
 
 def run(args: argparse.Namespace) -> None:
+    check_output_dir(args.out, "--out", artifact_of(FORMAT), "a capture")
     model, docs, _ = resolve_data_arguments(args, default_split="validation")
     manifest = capture(model, docs, args.out, window=args.window, shard_tokens=args.shard_tokens,
                        dtype=args.dtype, max_tokens=args.max_tokens)

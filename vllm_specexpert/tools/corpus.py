@@ -218,7 +218,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "split) as JSON here")
 
 
+def _is_manifest(path: Path) -> bool:
+    """Whether ``path`` is a corpus manifest (``--out``) written before."""
+    try:
+        return "files_list" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def run(args: argparse.Namespace) -> None:
+    from vllm_specexpert.tools.arguments import check_output_file
+
+    if args.out:
+        check_output_file(args.out, "--out", _is_manifest, "a corpus manifest")
     info = describe()
     print(json.dumps(info, indent=1))
     if args.out:

@@ -125,6 +125,9 @@ def run(args: argparse.Namespace) -> None:
     if args.bandwidth_gbps:
         specexpert["link"] = {"bandwidth_gbps": args.bandwidth_gbps,
                               "latency_us": args.latency_us}
+    from vllm_specexpert.config import SpecExpertConfig
+
+    SpecExpertConfig.from_dict(specexpert)  # the settings' own errors, before any engine
     print(f"model: {model}\nspecexpert: {json.dumps(specexpert)}"
           + (f"\n(vLLM's logs: {args.log}; --verbose shows them)" if args.log else ""), flush=True)
     try:
@@ -151,7 +154,16 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the embedded model)")
+    from vllm_specexpert.tools.arguments import (
+        existing_dir,
+        model_dir,
+        non_negative_float,
+        positive_float,
+        positive_int,
+    )
+
+    parser.add_argument("--model", type=model_dir,
+                        help="model directory (default: the embedded model)")
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--cache", default="lru")
     parser.add_argument("--miss-policy", default="fetch", choices=["fetch", "cpu", "auto"],
@@ -159,12 +171,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", default="none",
                         choices=["none", "router", "quasi_hidden"],
                         help="next-layer prediction for prefetch")
-    parser.add_argument("--calibration",
+    parser.add_argument("--calibration", type=existing_dir,
                         help="calibration directory (default: the embedded model's)")
-    parser.add_argument("--bandwidth-gbps", type=float, default=None,
+    parser.add_argument("--bandwidth-gbps", type=positive_float, default=None,
                         help="emulate a link of this many GB/s (CPU)")
-    parser.add_argument("--latency-us", type=float, default=10.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--latency-us", type=non_negative_float, default=10.0)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
     parser.add_argument("--compile", action="store_true",
                         help="use vLLM's default torch.compile mode (slower start)")
     parser.add_argument("--no-compare", dest="compare", action="store_false",

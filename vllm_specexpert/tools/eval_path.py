@@ -21,20 +21,31 @@ predictions contains, averaged over layers; ``b`` tokens drawn at random from th
 held-out tokens per step, ``--samples`` steps. At ``b = 1`` it is per-token recall@k.
 The headline average runs over layers 1..L-1, where every method predicts; per-layer
 curves (the shape of the paper's Fig. 9) include layer 0. Writes ``path_eval.json`` and
-``path_eval.png`` (default: into the path-predictor directory).
+``path_eval.png`` (default: into the path-predictor directory; ``--out``: a new or empty
+directory, or one holding a ``path_eval.json`` or a path predictor). The path predictor
+and the calibration are checked against the model before the model runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vllm_specexpert.predict.path import load_path_predictor, sliding_windows
+from vllm_specexpert.predict.path import FORMAT, load_path_predictor, sliding_windows
+from vllm_specexpert.tools.arguments import (
+    UsageError,
+    artifact_of,
+    check_artifact,
+    check_output_dir,
+    existing_dir,
+    holding,
+    positive_int,
+)
+from vllm_specexpert.tools.provenance import command_line, file_label, model_label, path_label
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     file_documents,
@@ -99,6 +110,9 @@ def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: 
             parts["quasi_hidden"].append(_one_hot(predicted, num_experts, first_layer))
     data = {m: np.concatenate(v) for m, v in parts.items()}
     truth = data.pop("truth")
+    if max(batches) > len(truth):
+        raise UsageError("--batches", f"a batch of {max(batches)} sequences is more than the "
+                         f"{len(truth)} tokens run")
     rng = np.random.default_rng(seed)
     results: dict[str, dict] = {m: {} for m in data}
     for b in batches:
@@ -113,7 +127,8 @@ def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: 
             per_layer = (hit / np.maximum(active, 1)).mean(0)
             results[method][str(b)] = {"per_layer": per_layer.tolist(),
                                        "b_acc": float(per_layer[1:].mean())}
-    return {"model": str(model_dir), "path_predictor": str(predictor_dir), "tokens": len(truth),
+    return {"model": model_label(model_dir), "path_predictor": str(predictor_dir),
+            "tokens": len(truth),
             "moe_layer_indices": layers, "num_experts": num_experts, "top_k": top_k,
             "batches": list(batches), "samples": samples, "methods": list(data),
             "results": results}
@@ -152,11 +167,11 @@ def print_table(result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
-    parser.add_argument("--path-predictor", required=True, type=Path)
-    parser.add_argument("--calibration", help="calibration directory (adds quasi_hidden; "
-                        "default: the shipped one for the embedded model)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--path-predictor", required=True, type=existing_dir)
+    parser.add_argument("--calibration", type=existing_dir, help="calibration directory "
+                        "(adds quasi_hidden; default: the shipped one for the embedded model)")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--samples", type=positive_int, default=400)
     parser.add_argument("--out", type=Path, help="default: the path-predictor directory")
 
 
@@ -167,26 +182,35 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
+    from vllm_specexpert.calibration import load_calibration
     from vllm_specexpert.tools.fixtures import (
         TRAINED_CALIBRATION_DIR,
         TRAINED_MODEL_DIR,
     )
 
+    predictor = Path(args.path_predictor)
+    out = check_output_dir(args.out or predictor, "--out", lambda p: holding("path_eval.json")(p)
+                           or artifact_of(FORMAT)(p), "a path evaluation")
+    if args.max_tokens is not None and max(args.batches) > args.max_tokens:
+        raise UsageError("--batches", f"a batch of {max(args.batches)} sequences is more than "
+                         f"--max-tokens {args.max_tokens}")
     model, docs, description = resolve_data_arguments(args, default_split="validation")
     held_out = Path(model, "heldout", "validation.txt")
     if not args.data and args.split is None and held_out.exists():
-        docs, description = file_documents([str(held_out)]), f"file {held_out}"
+        docs, description = file_documents([str(held_out)]), f"file {file_label(held_out)}"
     calibration = args.calibration
     if calibration is None and Path(model).resolve() == TRAINED_MODEL_DIR.resolve():
         calibration = str(TRAINED_CALIBRATION_DIR)
-    result = evaluate(model, docs, args.path_predictor, calibration, window=args.window,
+    check_artifact("--path-predictor", lambda: load_path_predictor(predictor, model=model))
+    if calibration is not None:
+        check_artifact("--calibration", lambda: load_calibration(calibration, model=model))
+    result = evaluate(model, docs, predictor, calibration, window=args.window,
                       max_tokens=args.max_tokens, batches=args.batches, samples=args.samples)
-    command = " ".join(["specexpert", *sys.argv[1:]])
-    result.update(data=description, command=command)
-    out = args.out or args.path_predictor
+    command = command_line()
+    result.update(path_predictor=path_label(predictor, out), data=description, command=command)
     out.mkdir(parents=True, exist_ok=True)
     (out / "path_eval.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "path_eval.png", f"{Path(model).name}: {result['tokens']:,} held-out "
+    plot(result, out / "path_eval.png", f"{result['model']}: {result['tokens']:,} held-out "
          f"tokens ({description})\n{command}")
     print_table(result)
     print(f"wrote {out / 'path_eval.json'} and path_eval.png")

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_specexpert.tools.arguments import non_negative_float, positive_int
 from vllm_specexpert.tools.fixtures import (
     DEFAULT_MODEL,
     TRAINED_CALIBRATION_DIR,
@@ -31,14 +32,18 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(path):\n", "class Sta
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", type=int, default=2)
-    parser.add_argument("--rtt-ms", type=float, default=5.0, help="round trip to each peer")
+    parser.add_argument("--peers", type=positive_int, default=2)
+    parser.add_argument("--rtt-ms", type=non_negative_float, default=5.0,
+                        help="round trip to each peer")
     parser.add_argument("--mode", choices=["sync", "early_fire", "no_stop"], default="sync")
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
 
 
 def run(args: argparse.Namespace) -> None:
+    from vllm_specexpert.config import SpecExpertConfig
+
+    SpecExpertConfig.from_dict({"budget": args.budget})  # its own error, before any work
     if os.geteuid() != 0:
         raise SystemExit("mesh-demo makes network namespaces: run it as root")
     with MeshCluster(peers=args.peers, rtt_ms=args.rtt_ms) as cluster, \

@@ -10,7 +10,7 @@ transformers 5).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +96,30 @@ def moe_layer_indices(model) -> list[int]:
     return [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
 
 
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def count_tokens(tokenizer, documents: Iterable[tuple[str, str]],
+                 max_tokens: int | None = None, progress: str | None = None) -> int:
+    """How many tokens :func:`trace` runs of ``documents`` (a re-iterable: it runs them
+    again), ``max_tokens`` at most. Tokenizing is a small fraction of a forward pass."""
+    from vllm_specexpert.tools.progress import progress_bar
+
+    total = 0
+    with progress_bar(f"{progress}: count tokens", unit="tok",
+                      disable=progress is None) as bar:
+        for _, text in documents:
+            n = len(_tokens(tokenizer, text))
+            if max_tokens is not None:
+                n = min(n, max_tokens - total)
+            total += n
+            bar.update(n)
+            if max_tokens is not None and total >= max_tokens:
+                break
+    return total
+
+
 def trace(
     model,
     tokenizer,
@@ -105,15 +129,23 @@ def trace(
     progress: str | None = None,
 ) -> Iterator[WindowTrace]:
     """Run ``documents`` (``(name, text)`` pairs) in windows of ``window`` tokens (no
-    context across windows) and yield each window's traces, ``max_tokens`` in all."""
-    from tqdm import tqdm
+    context across windows) and yield each window's traces, ``max_tokens`` in all.
 
+    ``progress``: the description of a progress bar of tokens run out of the total (on
+    stderr, :func:`~vllm_specexpert.tools.progress.progress_bar`). The total is counted
+    first when ``documents`` can be run twice (a list, :class:`Documents`); an iterator
+    runs once, and its total is ``max_tokens`` (unknown without it)."""
+    from vllm_specexpert.tools.progress import progress_bar
+
+    total = max_tokens
+    if progress is not None and not isinstance(documents, Iterator):
+        total = count_tokens(tokenizer, documents, max_tokens, progress)
     hooks = _LayerHooks(model)
     seen = 0
-    bar = tqdm(desc=progress, unit="tok", total=max_tokens, disable=progress is None, mininterval=2)
+    bar = progress_bar(progress or "", total=total, unit="tok", disable=progress is None)
     try:
         for name, text in documents:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = _tokens(tokenizer, text)
             if max_tokens is not None:
                 ids = ids[: max_tokens - seen]
             for begin in range(0, len(ids), window):
@@ -130,35 +162,57 @@ def trace(
         bar.close()
 
 
-def corpus_documents(split: str) -> Iterator[tuple[str, str]]:
-    from vllm_specexpert.tools import corpus
+class Documents:
+    """``(name, text)`` pairs that can be iterated again (read each time: memory holds
+    one document), for :func:`trace` to count the tokens before running them."""
 
-    for f in corpus.corpus_files(split):
-        yield f.relpath, f.read()
+    def __init__(self, read: Callable[[], Iterator[tuple[str, str]]]):
+        self._read = read
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return self._read()
 
 
-def file_documents(paths: list[str]) -> Iterator[tuple[str, str]]:
-    for p in paths:
-        yield p, Path(p).read_text(encoding="utf-8", errors="replace")
+def corpus_documents(split: str) -> Documents:
+    def read() -> Iterator[tuple[str, str]]:
+        from vllm_specexpert.tools import corpus
+
+        for f in corpus.corpus_files(split):
+            yield f.relpath, f.read()
+
+    return Documents(read)
+
+
+def file_documents(paths: list[str]) -> Documents:
+    def read() -> Iterator[tuple[str, str]]:
+        for p in paths:
+            yield p, Path(p).read_text(encoding="utf-8", errors="replace")
+
+    return Documents(read)
 
 
 def add_data_arguments(parser) -> None:
     """``MODEL`` and the text to run: ``--data FILE...`` or a corpus ``--split``."""
-    parser.add_argument("model", nargs="?", help="model directory (default: the embedded model)")
+    from vllm_specexpert.tools.arguments import data_file, positive_int, unquantized_model_dir
+
+    parser.add_argument("model", nargs="?", type=unquantized_model_dir,
+                        help="model directory (default: the embedded model)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--data", nargs="+", help="text files to run")
+    source.add_argument("--data", nargs="+", type=data_file, help="text files to run")
     source.add_argument("--split", choices=["train", "validation", "test"], default=None,
                         help="corpus split (`specexpert corpus`) to run when --data is not given")
-    parser.add_argument("--window", type=int, default=256, help="tokens per forward pass")
-    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--window", type=positive_int, default=256,
+                        help="tokens per forward pass")
+    parser.add_argument("--max-tokens", type=positive_int, default=None)
 
 
-def resolve_data_arguments(args, default_split: str) -> tuple[str, Iterator[tuple[str, str]], str]:
+def resolve_data_arguments(args, default_split: str) -> tuple[str, Documents, str]:
     """``(model_dir, documents, data description)`` from :func:`add_data_arguments`."""
     from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.tools.provenance import file_label
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     if args.data:
-        return model, file_documents(args.data), f"files {' '.join(args.data)}"
+        return model, file_documents(args.data), f"files {' '.join(map(file_label, args.data))}"
     split = args.split or default_split
     return model, corpus_documents(split), f"corpus split {split}"

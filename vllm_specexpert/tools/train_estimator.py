@@ -13,7 +13,9 @@
    held-out validation text (``--eval-tokens``) beside ``quasi_hidden``'s on the same
    tokens: the hit rate against training tokens (speculating-experts Fig. 9).
 3. Save ``DIR``: ``estimator.safetensors`` + ``manifest.json`` (the model's
-   fingerprint, the calibration, the data), ``training.json`` and ``training.png``.
+   fingerprint, the calibration by the sha256 of its tensors and its path relative to
+   ``DIR``, the data), ``training.json`` and ``training.png``. ``DIR`` is new, empty, or
+   an estimator written before. The calibration is checked against the model first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import argparse
 import hashlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,16 @@ from vllm_specexpert.predict.estimator import (
     distillation_loss,
     save_estimator,
 )
+from vllm_specexpert.tools.arguments import (
+    artifact_of,
+    check_artifact,
+    check_output_dir,
+    check_shape,
+    existing_dir,
+    positive_int,
+)
+from vllm_specexpert.tools.progress import progress_bar
+from vllm_specexpert.tools.provenance import command_line, model_label, path_label
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     corpus_documents,
@@ -103,8 +114,6 @@ def train(data: dict, held: dict, shape: EstimatorShape, steps: int, eval_every:
           ) -> tuple[ExpertEstimator, list[dict]]:
     """Fit the estimator on ``data``; the curve: its mean held-out recall every
     ``eval_every`` steps, against the training tokens seen."""
-    from tqdm import tqdm
-
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = ExpertEstimator(shape)
@@ -113,8 +122,8 @@ def train(data: dict, held: dict, shape: EstimatorShape, steps: int, eval_every:
         optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     n, transitions = data["q"].shape[:2]
     curve = []
-    bar = tqdm(range(steps + 1), desc="train estimator", mininterval=2)
-    for step in bar:
+    bar = progress_bar("train estimator", total=steps, unit="step")
+    for step in range(steps + 1):
         if step % eval_every == 0 or step == steps:
             model.eval()
             per_layer = estimator_recall(model, held["q"], held["true_ids"])
@@ -132,6 +141,7 @@ def train(data: dict, held: dict, shape: EstimatorShape, steps: int, eval_every:
         loss.backward()
         optimizer.step()
         schedule.step()
+        bar.update()
     bar.close()
     return model.eval(), curve
 
@@ -140,22 +150,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.set_defaults(max_tokens=200_000)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--calibration", help="calibration directory (default: the "
-                        "embedded model's)")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--eval-tokens", type=int, default=16384,
+    parser.add_argument("--calibration", type=existing_dir, help="calibration directory "
+                        "(default: the embedded model's)")
+    parser.add_argument("--steps", type=positive_int, default=2000)
+    parser.add_argument("--eval-every", type=positive_int, default=200)
+    parser.add_argument("--eval-tokens", type=positive_int, default=16384,
                         help="held-out validation tokens for the recall curve")
-    parser.add_argument("--latent", type=int, default=EstimatorShape.latent)
-    parser.add_argument("--mlp-ratio", type=int, default=EstimatorShape.mlp_ratio)
+    parser.add_argument("--latent", type=positive_int, default=EstimatorShape.latent)
+    parser.add_argument("--mlp-ratio", type=positive_int, default=EstimatorShape.mlp_ratio)
 
 
 def run(args: argparse.Namespace) -> None:
     from vllm_specexpert.calibration import WEIGHTS_FILE as calibration_file
+    from vllm_specexpert.calibration import load_calibration
+    from vllm_specexpert.predict.estimator import FORMAT
     from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR
 
+    check_output_dir(args.out, "--out", artifact_of(FORMAT), "an estimator")
+    check_shape(EstimatorShape, {"--latent": ("latent", args.latent),
+                                 "--mlp-ratio": ("mlp_ratio", args.mlp_ratio)},
+                hidden_size=1, num_transitions=1, num_experts=1, top_k=1)
     model_dir, documents, description = resolve_data_arguments(args, default_split="train")
     calibration = args.calibration or str(TRAINED_CALIBRATION_DIR)
+    check_artifact("--calibration", lambda: load_calibration(calibration, model=model_dir))
     started = time.perf_counter()
     data = capture(model_dir, documents, calibration, args.window, args.max_tokens,
                    "capture q_l")
@@ -171,7 +188,7 @@ def run(args: argparse.Namespace) -> None:
     estimator.layer_indices = info["moe_layer_indices"]
     quasi_hidden = recall(held["qh_ids"], held["true_ids"])
     result = {
-        "command": " ".join(["specexpert", *sys.argv[1:]]),
+        "command": command_line(),
         "parameters": sum(p.numel() for p in estimator.parameters()),
         "held_out_tokens": len(held["q"]), "curve": curve,
         "quasi_hidden_recall_per_transition": quasi_hidden.tolist(),
@@ -179,9 +196,10 @@ def run(args: argparse.Namespace) -> None:
         "seconds": time.perf_counter() - started,
     }
     save_estimator(args.out, estimator, {
-        "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
-        # q_l depends on the calibration's default vectors: the engine refuses another.
-        "calibration": {"path": str(Path(calibration).resolve()),
+        "model": model_label(model_dir), "model_fingerprint": model_fingerprint(model_dir),
+        # q_l depends on the calibration's default vectors: the engine refuses another
+        # (by the sha256; the path is for people).
+        "calibration": {"path": path_label(calibration, args.out),
                         "sha256": file_sha256(Path(calibration) / calibration_file)},
         "data": {"description": description, "tokens": len(data["q"]),
                  "sha256": info["tokens_sha256"]},

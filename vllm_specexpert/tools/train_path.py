@@ -11,6 +11,7 @@
    validation loss.
 3. Save ``DIR`` (safetensors + manifest with the model's fingerprint) and evaluate it on
    the model's held-out validation text (``specexpert eval-path``, unless ``--no-eval``).
+   ``DIR`` is new, empty, or a path predictor written before.
 
 Defaults finish in about 10 minutes on a 2-core machine for the embedded model.
 """
@@ -27,11 +28,20 @@ import torch
 
 from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.predict.path import (
+    FORMAT,
     PathPredictorShape,
     RoutingPathPredictor,
     save_path_predictor,
     sliding_windows,
 )
+from vllm_specexpert.tools.arguments import (
+    artifact_of,
+    check_output_dir,
+    check_shape,
+    positive_int,
+)
+from vllm_specexpert.tools.progress import progress_bar
+from vllm_specexpert.tools.provenance import model_label
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     load_model,
@@ -69,8 +79,6 @@ def routing_matrix(paths: torch.Tensor, num_experts: int) -> torch.Tensor:
 def train(windows: torch.Tensor, paths: torch.Tensor, shape: PathPredictorShape, steps: int,
           batch: int = 512, lr: float = 3e-3, seed: int = 0) -> tuple[RoutingPathPredictor, dict]:
     """Fit the predictor; returns it (eval mode) and its losses."""
-    from tqdm import tqdm
-
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     order = torch.randperm(len(windows), generator=g)
@@ -82,9 +90,9 @@ def train(windows: torch.Tensor, paths: torch.Tensor, shape: PathPredictorShape,
         optimizer, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     started = time.perf_counter()
-    bar = tqdm(range(steps), desc="train path predictor", mininterval=2)
+    bar = progress_bar("train path predictor", total=steps, unit="step")
     loss = torch.tensor(0.0)
-    for step in bar:
+    for step in range(steps):
         rows = fit[torch.randint(len(fit), (batch,), generator=g)]
         logits = model(windows[rows])
         loss = loss_fn(logits, routing_matrix(paths[rows], shape.num_experts))
@@ -93,7 +101,8 @@ def train(windows: torch.Tensor, paths: torch.Tensor, shape: PathPredictorShape,
         optimizer.step()
         schedule.step()
         if step % 100 == 0:
-            bar.set_postfix(bce=f"{loss.item():.4f}")
+            bar.set_postfix(bce=f"{loss.item():.4f}", refresh=False)
+        bar.update()
     bar.close()
     model.eval()
     with torch.no_grad():
@@ -109,17 +118,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.set_defaults(max_tokens=600_000)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--context", type=int, default=PathPredictorShape.window,
+    parser.add_argument("--steps", type=positive_int, default=3000)
+    parser.add_argument("--context", type=positive_int, default=PathPredictorShape.window,
                         help="token ids the predictor reads (the current one included)")
-    parser.add_argument("--hidden", type=int, default=PathPredictorShape.hidden,
+    parser.add_argument("--hidden", type=positive_int, default=PathPredictorShape.hidden,
                         help="width of the MLP's hidden layers")
-    parser.add_argument("--embed-dim", type=int, default=PathPredictorShape.embed_dim)
+    parser.add_argument("--embed-dim", type=positive_int, default=PathPredictorShape.embed_dim)
     parser.add_argument("--no-eval", action="store_true",
                         help="skip the evaluation on the model's held-out text")
 
 
 def run(args: argparse.Namespace) -> None:
+    check_output_dir(args.out, "--out", artifact_of(FORMAT), "a path predictor")
+    check_shape(PathPredictorShape, {"--context": ("window", args.context),
+                                     "--hidden": ("hidden", args.hidden),
+                                     "--embed-dim": ("embed_dim", args.embed_dim)},
+                vocab_size=1, num_layers=1, num_experts=1, top_k=1)
     model_dir, documents, description = resolve_data_arguments(args, default_split="train")
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     windows, paths, info = capture_paths(model_dir, documents, args.window, args.max_tokens,
@@ -131,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
     predictor, training = train(windows, paths, shape, args.steps)
     predictor.layer_indices = info["moe_layer_indices"]
     manifest = {
-        "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir),
+        "model": model_label(model_dir), "model_fingerprint": model_fingerprint(model_dir),
         "data": {"description": description, "tokens": len(windows),
                  "sha256": info["tokens_sha256"]},
         "training": training,

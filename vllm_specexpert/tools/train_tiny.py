@@ -585,16 +585,21 @@ def loss_row_table(heldout: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vllm_specexpert.tools.arguments import positive_float, positive_int
+
     parser.add_argument("--out", type=Path, default=TRAINED_MODEL_DIR)
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
-    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--steps", type=positive_int, default=TrainConfig.steps)
+    parser.add_argument("--batch-size", type=positive_int, default=TrainConfig.batch_size)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
-    parser.add_argument("--max-minutes", type=float, default=TrainConfig.max_minutes)
+    parser.add_argument("--max-minutes", type=positive_float, default=TrainConfig.max_minutes)
     parser.add_argument("--retrain-tokenizer", action="store_true",
                         help="retrain the shared tokenizer on the train split first")
 
 
 def run(args: argparse.Namespace) -> None:
+    from vllm_specexpert.tools.arguments import check_output_dir, holding
+
+    check_output_dir(args.out, "--out", holding("metrics.json"), "a model of train-tiny")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.retrain_tokenizer:
         from vllm_specexpert.tools.fixtures import TOKENIZER_JSON, train_tokenizer
