@@ -15,8 +15,12 @@ test files once per mode:
 
 Some tests fail in both modes: they expect a particular hub model (its tokenizer, chat
 template, LoRA adapters, exact texts, a multimodal model). The claim is parity: the set of
-passing tests is the same in every mode. Prints the counts and every test whose outcome
-differs, writes ``benchmarks/results/peer.json``, and exits 1 on any difference.
+passing tests is the same in every mode. A test whose outcome differs is run again in
+every mode: one whose outcome changes between its two runs in some mode is flaky (vLLM's
+tests race on a tiny model, e.g. ``test_abort_metrics_reset``), reported but not a
+difference; one that differs again, each mode repeating itself, is a difference. Prints
+the counts, the flaky tests and every difference, writes
+``benchmarks/results/peer.json``, and exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -95,8 +99,10 @@ def fetch_sources() -> Path:
     return root
 
 
-def run_mode(root: Path, mode: str, files: list[str], keyword: str | None) -> None:
-    """Runs the tests of ``files`` in ``mode``: junit report and full log in the cache."""
+def run_mode(root: Path, mode: str, files: list[str], keyword: str | None,
+             run: str = "") -> None:
+    """Runs the tests of ``files`` (paths or node ids) in ``mode``: junit report and full
+    log in the cache, named by ``mode`` and ``run`` (``""``: the first run)."""
     env = dict(os.environ, SPECEXPERT_PEER_MODEL=str(MODEL), SPECEXPERT_PEER_MAX_LEN="1024",
                PYTHONPATH=str(REPO / "peer"), HF_HUB_OFFLINE="1")
     env.pop("VLLM_PLUGINS", None)
@@ -106,35 +112,70 @@ def run_mode(root: Path, mode: str, files: list[str], keyword: str | None) -> No
         env.pop("SPECEXPERT_PEER_CONFIG", None)
     # -s: the servers' logs pass through, to count which ran the plugin (report()).
     command = [sys.executable, "-m", "pytest", "-p", "specexpert_peer", "-q", "-s", "-rfE",
-               "-p", "no:cacheprovider", f"--junitxml={CACHE / f'junit-{mode}.xml'}",
+               "-p", "no:cacheprovider", f"--junitxml={CACHE / f'junit-{mode}{run}.xml'}",
                "--timeout=900", *files]
     if keyword:
         command += ["-k", keyword]
     print(f"\n=== {mode}: {' '.join(command)}", flush=True)
     with subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace") as pytest, \
-            open(CACHE / f"pytest-{mode}.log", "w") as log:
+            open(CACHE / f"pytest-{mode}{run}.log", "w") as log:
         for line in pytest.stdout:
             log.write(line)
             if not line.startswith(SERVER_LINE_PREFIXES):  # the servers' lines: log only
                 print(line, end="", flush=True)
 
 
-def report(mode: str) -> tuple[dict[str, str], int, int, float | None]:
+def report(mode: str, run: str = "") -> tuple[dict[str, str], int, int, float | None]:
     """Outcome (passed / failed / error / skipped) of every test id run in ``mode``, how
     many servers the tests started, how many of them offloaded MoE layers, and pytest's
     wall time."""
     outcomes = {}
-    for case in ElementTree.parse(CACHE / f"junit-{mode}.xml").iter("testcase"):
+    for case in ElementTree.parse(CACHE / f"junit-{mode}{run}.xml").iter("testcase"):
         test_id = f"{case.get('classname')}::{case.get('name')}"
         children = {child.tag for child in case}
         outcome = ("failed" if "failure" in children else "error" if "error" in children
                    else "skipped" if "skipped" in children else "passed")
         outcomes[test_id] = outcome
-    log = (CACHE / f"pytest-{mode}.log").read_text(errors="replace")
+    log = (CACHE / f"pytest-{mode}{run}.log").read_text(errors="replace")
     seconds = re.findall(r" in ([0-9.]+)s", log)
     return (outcomes, log.count("Launching RemoteOpenAIServer with:"),
             log.count("MoE layers offloaded"), float(seconds[-1]) if seconds else None)
+
+
+def node_id(root: Path, test_id: str) -> str:
+    """pytest's node id of a junit ``classname::name`` (``a.b.test_x.TestY::test_z[p]``
+    -> ``a/b/test_x.py::TestY::test_z[p]``)."""
+    classname, _, name = test_id.partition("::")
+    parts = classname.split(".")
+    for split in range(len(parts), 0, -1):
+        path = Path(*parts[:split]).with_suffix(".py")
+        if (root / path).exists():
+            return "::".join([path.as_posix(), *parts[split:], name])
+    raise ValueError(f"no test file for {test_id}")
+
+
+def differences(results: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Test id -> outcome per mode, for the tests whose outcomes differ between modes."""
+    test_ids = sorted(set().union(*results.values()))
+    return {t: {mode: results[mode].get(t, "absent") for mode in results} for t in test_ids
+            if len({results[mode].get(t, "absent") for mode in results}) > 1}
+
+
+def split_flaky(differing: dict[str, dict[str, str]], rerun: dict[str, dict[str, str]]
+                ) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, list[str]]]]:
+    """``differing`` (test id -> first outcome per mode) split, by the outcomes of a
+    second run (mode -> test id -> outcome), into the differences that repeated in
+    every mode and the flaky tests (test id -> mode -> both outcomes)."""
+    kept, flaky = {}, {}
+    for test_id, first in differing.items():
+        runs = {mode: [outcome, rerun.get(mode, {}).get(test_id, "absent")]
+                for mode, outcome in first.items()}
+        if any(a != b for a, b in runs.values()):
+            flaky[test_id] = runs
+        else:
+            kept[test_id] = first
+    return kept, flaky
 
 
 def main() -> None:
@@ -161,18 +202,27 @@ def main() -> None:
                      for kind in ("passed", "failed", "error", "skipped")}
               for mode, outcomes in results.items()}
     test_ids = sorted(set().union(*results.values()))
-    differing = {t: {mode: results[mode].get(t, "absent") for mode in results}
-                 for t in test_ids
-                 if len({results[mode].get(t, "absent") for mode in results}) > 1}
+    differing = differences(results)
+    flaky: dict[str, dict[str, list[str]]] = {}
+    if differing and not args.report_only:
+        # Once more, every differing test in every mode: a difference must repeat.
+        again = [node_id(root, t) for t in differing]
+        for mode in args.modes:
+            run_mode(root, mode, again, None, run="-again")
+        differing, flaky = split_flaky(
+            differing, {mode: report(mode, "-again")[0] for mode in args.modes})
 
     print(f"\n{len(args.files)} files, {len(test_ids)} tests")
     for mode, count in counts.items():
         print(f"  {mode:8s} " + "  ".join(f"{k} {v}" for k, v in count.items()))
+    for test_id, runs in flaky.items():
+        print(f"  FLAKY {test_id} (two runs per mode): {runs}")
     for test_id, outcome in differing.items():
         print(f"  DIFFERS {test_id}: {outcome}")
     command = "python peer/run.py " + " ".join(a for a in sys.argv[1:] if a != "--report-only")
     result = {"command": command.strip(), "files": args.files, "modes": MODES,
-              "counts": counts, "servers": servers, "differing": differing, "outcomes": results,
+              "counts": counts, "servers": servers, "differing": differing, "flaky": flaky,
+              "outcomes": results,
               "minutes": None if args.report_only
               else round((time.monotonic() - started) / 60, 1)}
     out = REPO / "benchmarks" / "results" / "peer.json"
