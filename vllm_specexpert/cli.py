@@ -11,6 +11,13 @@
     specexpert capture [MODEL] --out DIR   # per-token routing traces (router logits, r_l, s_l)
     specexpert calibrate [MODEL] --out DIR # default vectors, routing counts, co-activation
     specexpert analyze [MODEL] --calibration DIR --out DIR  # next-layer prediction quality
+    specexpert train-path [MODEL] --out DIR   # the routing-path predictor (ExpertFlow RPP)
+    specexpert eval-path [MODEL] --path-predictor DIR  # its batch-level accuracy
+    specexpert quantize MODEL OUT --format F  # a bf16 checkpoint's experts quantized
+    specexpert dequantize MODEL OUT           # a quantized checkpoint's bf16 twin
+
+A tool checks its arguments before any work (:mod:`vllm_specexpert.tools.arguments`): a
+bad one, or a configuration error the tool finds, is one ``error:`` line, exit status 2.
 """
 
 from __future__ import annotations
