@@ -49,6 +49,9 @@ def no_work(monkeypatch, fixture_models):
     for name in ("quantize", "dequantize"):
         monkeypatch.setattr(importlib.import_module(f"vllm_specexpert.tools.{name}"),
                             "read_checkpoint", loaded)
+    for name, work in (("train_tiny", "train"), ("corpus", "describe")):
+        monkeypatch.setattr(importlib.import_module(f"vllm_specexpert.tools.{name}"), work,
+                            loaded)
 
 
 @pytest.fixture
@@ -159,6 +162,31 @@ def test_out_that_the_tool_wrote_before_is_reused(tmp_path, tool, artifact):
     started([*tool, "--out", str(tmp_path / "new" / "dir")])  # made when absent
     (tmp_path / "empty").mkdir()
     started([*tool, "--out", str(tmp_path / "empty")])
+
+
+def test_train_tiny_and_corpus_refuse_an_output_that_is_not_theirs(capsys, tmp_path):
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "notes.txt").write_text("mine")
+    refused(capsys, ["train-tiny", "--out", str(tmp_path / "file")], "--out")
+    refused(capsys, ["train-tiny", "--out", str(tmp_path / "dir")], "--out")
+    refused(capsys, ["train-tiny", "--steps", "0"], "--steps")
+    refused(capsys, ["corpus", "--out", str(tmp_path / "dir")], "--out")
+    refused(capsys, ["corpus", "--out", str(tmp_path / "file")], "--out")
+    assert (tmp_path / "file").read_text() == "mine"
+    started(["train-tiny", "--out", str(tmp_path / "new")])
+
+
+def test_capture_rewritten_keeps_no_old_shard(tmp_path, real_work):
+    text = tmp_path / "text.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    out = tmp_path / "capture"
+    for shard_tokens, shards in (("16", 2), ("64", 1)):  # a shard holds whole windows
+        cli.main(["capture", "--data", str(text), "--max-tokens", "64", "--window", "32",
+                  "--shard-tokens", shard_tokens, "--out", str(out)])
+        assert len(list(out.glob("shard-*.safetensors"))) == shards
+    assert json.loads((out / "manifest.json").read_text())["model"] == \
+        "vllm_specexpert/assets/tiny-qwen3-moe"
 
 
 def test_out_under_a_file_is_refused(capsys, tmp_path):
