@@ -194,7 +194,8 @@ def tokens(split: str, tokenizer_json: Path):
 def _encode_split(split: str, tokenizer_json: Path, path: Path) -> None:
     import numpy as np
     from tokenizers import Tokenizer
-    from tqdm import tqdm
+
+    from vllm_specexpert.tools.progress import progress_bar
 
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
     assert tokenizer.get_vocab_size() <= 65536
@@ -203,7 +204,8 @@ def _encode_split(split: str, tokenizer_json: Path, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as out:
-        for start in tqdm(range(0, len(files), 256), desc=f"tokenize {split}", unit="x256 files"):
+        for start in progress_bar(f"tokenize {split}", iterable=range(0, len(files), 256),
+                                  unit="x256 files"):
             chunk = files[start : start + 256]
             for encoding in tokenizer.encode_batch([f.read() for f in chunk]):
                 np.asarray(encoding.ids + [eos], dtype=np.uint16).tofile(out)

@@ -1,5 +1,6 @@
 """Progress of the long offline tools (calibrate, analyze, capture, train-estimator,
-train-path, eval-path), shown as vLLM's own commands show theirs: a tqdm bar on stderr.
+train-path, eval-path, train-tiny, corpus), shown as vLLM's own commands show theirs: a
+tqdm bar on stderr.
 
 On a terminal the bar is redrawn in place, at most once a second. Anywhere else (a log
 file, a pipe, CI) tqdm's redraws are carriage returns with no newline until the bar
@@ -31,13 +32,16 @@ class _Lines:
         self.stream.flush()
 
 
-def progress_bar(desc: str, total: int | None = None, unit: str = "it", **kwargs):
-    """A tqdm bar on stderr (see module doc); ``total`` ``None``: a count without end."""
+def progress_bar(desc: str, total: int | None = None, unit: str = "it", iterable=None,
+                 **kwargs):
+    """A tqdm bar on stderr (see module doc), over ``iterable`` if given; ``total``
+    ``None`` (and no sized iterable): a count without end. A postfix set with
+    ``refresh=False`` shows at the next redraw."""
     from tqdm import tqdm
 
     stream = sys.stderr
     if stream.isatty():
-        return tqdm(desc=desc, total=total, unit=unit, file=stream,
+        return tqdm(iterable, desc=desc, total=total, unit=unit, file=stream,
                     mininterval=TERMINAL_INTERVAL_S, dynamic_ncols=True, **kwargs)
-    return tqdm(desc=desc, total=total, unit=unit, file=_Lines(stream), ncols=100,
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=_Lines(stream), ncols=100,
                 mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S, **kwargs)

@@ -130,7 +130,7 @@ def train(data: dict, held: dict, shape: EstimatorShape, steps: int, eval_every:
             curve.append({"step": step, "training_tokens": step * batch,
                           "recall": float(per_layer.mean()),
                           "recall_per_transition": per_layer.tolist()})
-            bar.set_postfix(recall=f"{curve[-1]['recall']:.3f}")
+            bar.set_postfix(recall=f"{curve[-1]['recall']:.3f}", refresh=False)
             model.train()
         if step == steps:
             break

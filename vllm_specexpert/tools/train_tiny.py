@@ -315,8 +315,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
+
+    from vllm_specexpert.tools.progress import progress_bar
 
     from vllm_specexpert.tools import corpus
 
@@ -348,7 +349,7 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     forward = torch.compile(model, dynamic=True)
     history: list[dict] = []
     started = time.time()
-    bar = tqdm(range(cfg.steps), desc="train-tiny", dynamic_ncols=True, mininterval=10)
+    bar = progress_bar("train-tiny", iterable=range(cfg.steps), unit="step")
     window_start, window_tokens, steps_done = time.perf_counter(), 0, 0
     model.train()
     for step in bar:
@@ -376,7 +377,8 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
             history.append({"step": step, "loss": float(ce), "balance": float(balance),
                             "lr": lr_at(step, cfg), "tok_s": tok_s})
             bar.set_postfix(loss=f"{float(ce):.3f}", bal=f"{float(balance):.3f}",
-                            tok_s=f"{tok_s:.0f}")
+                            tok_s=f"{tok_s:.0f}", refresh=False)
+    bar.close()
     train_seconds = time.time() - started
     tokens_seen = steps_done * cfg.batch_size * cfg.seq_len
 
