@@ -14,6 +14,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 
 from vllm_specexpert.config import SpecExpertUnsupportedError
+from vllm_specexpert.quant_config import format_of
 from vllm_specexpert.quant_formats import (
     AWQ_ORDER,
     AwqFormat,
@@ -22,7 +23,6 @@ from vllm_specexpert.quant_formats import (
     PackQuantizedFormat,
     _pack_int4,
     _unpack_int4,
-    format_of,
 )
 
 OUT, IN = 64, 128

@@ -13,7 +13,7 @@ import torch
 from vllm_harness import PROMPTS, greedy, make_llm, shutdown, vanilla_reference
 
 import vllm_specexpert
-from vllm_specexpert import quant_formats
+from vllm_specexpert import quant_config
 from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
 from vllm_specexpert.tools.fixtures import QUANTIZED_FIXTURES, TWIN_SUFFIX, model_path
 
@@ -100,14 +100,14 @@ def test_experts_move_packed(engines):
 
 def test_unsupported_quantizations_name_what_is_supported():
     with pytest.raises(SpecExpertUnsupportedError, match="group_size 48.*32, 64, 128, -1"):
-        quant_formats.format_of({"quant_method": "awq", "bits": 4, "group_size": 48,
+        quant_config.format_of({"quant_method": "awq", "bits": 4, "group_size": 48,
                                  "zero_point": True})
     with pytest.raises(SpecExpertUnsupportedError, match="'mxfp4'.*awq \\(4-bit"):
-        quant_formats.format_of({"quant_method": "mxfp4"})
+        quant_config.format_of({"quant_method": "mxfp4"})
     with pytest.raises(SpecExpertUnsupportedError, match="gptq' bits=8"):
-        quant_formats.format_of({"quant_method": "gptq", "bits": 8, "group_size": 128})
+        quant_config.format_of({"quant_method": "gptq", "bits": 8, "group_size": 128})
     with pytest.raises(SpecExpertUnsupportedError, match="static activation"):
-        quant_formats.format_of({"quant_method": "fp8", "activation_scheme": "static"})
+        quant_config.format_of({"quant_method": "fp8", "activation_scheme": "static"})
 
 
 def test_a_tensor_unlike_its_config_is_named_with_both_shapes(tmp_path):

@@ -115,7 +115,7 @@ def test_a_group_size_unlike_the_tensors_is_refused_from_the_headers(name, tmp_p
 
     from vllm_specexpert.architectures import check_packed_tensors
     from vllm_specexpert.config import SpecExpertUnsupportedError
-    from vllm_specexpert.quant_formats import format_of
+    from vllm_specexpert.quant_config import format_of
 
     source = model_path(name)
     config = json.loads((source / "config.json").read_text())

@@ -8,11 +8,12 @@ below, without cycles (``tests/test_layout.py`` checks both, and that every modu
 package is named here)::
 
     1  config/          every setting and its checks: specexpert, sections, rules, errors,
-                        modes (each mode's traits, as data)
+                        modes (each mode's traits, as data), fit (what it needs of the model)
     1  artifacts        manifest and tensors of an artifact directory, model fingerprint
     1  calibration      default vectors, co-activation, TAE percentiles (an artifact)
     1  architectures    the supported MoE architectures and their routing shape
     1  quant_formats    quantized checkpoints' packed experts: read, dequantize, quantize
+    1  quant_config     a checkpoint's quantization_config -> its experts' format
     1  phases           which tokens of a forward pass are decode, which prefill
     1  handoff          StepDemand: what the scheduler process hands the workers
     1  stats            counters per layer and phase; the stats file
@@ -25,8 +26,9 @@ package is named here)::
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
                         host (experts computed on the host), staging (host <-> device),
-                        peer (mesh peers on Ray: calls, health), peer_shard (a peer's
-                        experts and kernel), ray_cluster (joining Ray)
+                        peer (mesh peers on Ray: calls, health), peer_check (a peer's
+                        proof that it computes), layer_peers (one layer's view),
+                        peer_shard (a peer's experts and kernel), ray_cluster (joining Ray)
     3  predict/         next-layer predictors: base, router, quasi_hidden; path (a step's
                         routing path); draft (the lookahead draft's routes, the ELB);
                         estimator (network, artifact, predictor), hybrid (its layers)

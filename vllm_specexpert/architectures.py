@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_specexpert.config import SpecExpertUnsupportedError
-from vllm_specexpert.quant_formats import PackedFormat, format_of
+from vllm_specexpert.quant_config import format_of
+from vllm_specexpert.quant_formats import PackedFormat
 
 
 @dataclass(frozen=True)

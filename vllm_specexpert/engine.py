@@ -1,11 +1,10 @@
 """OffloadEngine: the per-worker orchestration of every offloaded MoE layer.
 
 One engine per worker process holds the slow tier (:class:`ExpertStore`), the link (one
-copy engine shared by all layers), per MoE layer an :class:`OffloadedLayer` (its cache,
-loader, counters, prediction state and miss-policy context), the miss policy, the
-predictor and the planners. It has no vLLM dependency: the vLLM adapter in ``layers/``
-hands it host tensors, a kernel callable per layer, each layer's successor with that
-successor's routing, and per forward pass which tokens are decode (:class:`PassPhases`).
+copy engine for all layers), per MoE layer an :class:`OffloadedLayer`, the miss policy,
+the predictor and the planners. It has no vLLM dependency: the vLLM adapter in
+``layers/`` hands it host tensors, a kernel per layer, each layer's successor with its
+routing, and per forward pass which tokens are decode (:class:`PassPhases`).
 
 It only orchestrates. A layer call's tokens are split by phase; prefill tokens run
 exactly (the router's experts, loaded on demand). For decode tokens, per layer call:
@@ -53,9 +52,10 @@ from vllm_specexpert.predict import (
     PredictorInputs,
 )
 from vllm_specexpert.quality import LogitHead, QualityMonitor
-from vllm_specexpert.tiers.host import HostKernel, compute_on_host
+from vllm_specexpert.tiers.host import HostKernel
+from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.link import make_link
-from vllm_specexpert.tiers.peer import LayerPeers, PeerTier
+from vllm_specexpert.tiers.peer import PeerTier
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertStore
@@ -152,21 +152,6 @@ class OffloadEngine:
             layer.local_experts = local.get(layer.index)
             layer.equip(self.config, self.link, self.device, self.pool)
 
-    def host_pairs(self, layer_index: int, x: torch.Tensor, experts: np.ndarray
-                   ) -> torch.Tensor:
-        """Expert ``experts[i]`` of decoder layer ``layer_index`` on row ``i`` of ``x``,
-        unweighted, computed on the host from the slow tier: what a mesh peer's check is
-        compared with (:class:`~vllm_specexpert.tiers.peer.PeerTier`)."""
-        layer = next(layer for layer in self.layers.values() if layer.index == layer_index)
-        if layer.host_kernel is None:
-            raise SpecExpertConfigError(
-                "mesh", "a peer's check is compared with this host's result of the same "
-                "experts, and this model's expert layers have no host kernel",
-                "remove mesh (this layer type cannot compute experts on the host)")
-        ids = torch.from_numpy(experts.astype(np.int32))[:, None]
-        return compute_on_host(layer.experts, layer.host_kernel, x,
-                               torch.ones(ids.shape, dtype=torch.float32), ids)
-
     def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
         """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
         with self.lock:
@@ -185,8 +170,7 @@ class OffloadEngine:
     def set_logit_head(self, head: LogitHead) -> None:
         """The model's final norm and LM head (``quality`` compares logits with them)."""
         self.logit_head = head
-        # Only the monitor: a new selection would also make a new shared pool, which the
-        # layers' caches (in the old one) never join.
+        # Not a new selection: its new shared pool would not hold the layers' caches.
         self.quality = QualityMonitor.of(self.config.quality, head, self.layers)
 
     def set_routing_statistics(self, coactivation: dict[str, np.ndarray],

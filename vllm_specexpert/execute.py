@@ -30,10 +30,13 @@ import torch
 
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.tiers.cache import ExpertCache
+from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.peer import Sent
 from vllm_specexpert.tiers.staging import upload
+from vllm_specexpert.tiers.store import LayerExperts
 
 ExpertKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None],
@@ -254,6 +257,20 @@ def _run_low_bit(low_bit: ExpertLoader, call: LayerCall, entries: np.ndarray,
                               expert_map)
     low_bit.kernel_launched(np.unique(ids[entries]))
     stats.kernel_calls += 1
+
+
+def host_pairs(experts: LayerExperts, kernel: HostKernel | None, x: torch.Tensor,
+               pairs: np.ndarray) -> torch.Tensor:
+    """Expert ``pairs[i]`` of ``experts`` on row ``i`` of ``x``, unweighted, computed on
+    the host from the slow tier: what a mesh peer's check is compared with
+    (:mod:`vllm_specexpert.tiers.peer_check`)."""
+    if kernel is None:
+        raise SpecExpertConfigError(
+            "mesh", "a peer's check is compared with this host's result of the same "
+            "experts, and this model's expert layers have no host kernel",
+            "remove mesh (this layer type cannot compute experts on the host)")
+    ids = torch.from_numpy(pairs.astype(np.int32))[:, None]
+    return compute_on_host(experts, kernel, x, torch.ones(ids.shape, dtype=torch.float32), ids)
 
 
 def run_resident_token(cache: ExpertCache, call: LayerCall) -> torch.Tensor:

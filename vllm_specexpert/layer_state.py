@@ -16,9 +16,9 @@ from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
 from vllm_specexpert.stats import LayerStats, PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel
+from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.link import Link
 from vllm_specexpert.tiers.loader import ExpertLoader
-from vllm_specexpert.tiers.peer import LayerPeers
 from vllm_specexpert.tiers.slots import SlotPool
 from vllm_specexpert.tiers.store import LayerExperts
 

@@ -237,7 +237,7 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
 
 def _packed_experts(model_config) -> str | None:
     """The format the checkpoint's routed experts are packed in (``None``: bf16/fp16)."""
-    from vllm_specexpert.quant_formats import format_of
+    from vllm_specexpert.quant_config import format_of
 
     checkpoint = getattr(model_config.hf_config, "quantization_config", None)
     if model_config.quantization is None or not checkpoint:

@@ -20,6 +20,7 @@ class Settings(Protocol):
     """What the rules read of a :class:`~vllm_specexpert.config.SpecExpertConfig` (the
     config module imports this one, not the other way round)."""
 
+    budget: float | int
     miss_policy: str
     predictor: str
     cache: str

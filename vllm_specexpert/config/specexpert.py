@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
+from vllm_specexpert.config import fit
 from vllm_specexpert.config.errors import (
     ADDITIONAL_CONFIG_KEY,
     SpecExpertConfigError,
@@ -16,14 +17,14 @@ from vllm_specexpert.config.errors import (
 )
 from vllm_specexpert.config.modes import (
     CACHES,
+    MESH_OUTPUT,
     MISS_POLICIES,
     PREDICTORS,
-    MESH_OUTPUT,
     CacheSpec,
     MissPolicySpec,
     Output,
-    worse_output,
     PredictorSpec,
+    worse_output,
 )
 from vllm_specexpert.config.rules import check_combination, check_effect
 from vllm_specexpert.config.sections import (
@@ -338,68 +339,11 @@ class SpecExpertConfig:
     # ------------------------------------------------------- model-dependent checks
 
     def check_fits(self, num_experts: int, top_k: int, packed: str | None = None) -> int:
-        """The slots per MoE layer, once every setting that depends on the model's
-        routing shape and on how its experts are stored (``packed``: their quantized
-        format, ``None``: bf16/fp16) is checked. Needs only the model's config: run in
-        the calling process (``validate_engine_config``) and again by the worker
-        (start, ``reconfigure``)."""
-        slots = self.slots_per_layer(num_experts, top_k)
-        if self.miss_policy_spec.low_bit:
-            if packed is not None:
-                raise SpecExpertConfigError(
-                    "miss_policy", f"'lowbit' runs INT4 copies of bf16 experts, and this "
-                    f"checkpoint's experts are already {packed}: there is no lower-bit copy "
-                    "to run", "use 'fetch', 'cpu' or 'auto'")
-            if slots < 2 * top_k:
-                raise SpecExpertConfigError(
-                    "budget", f"'lowbit' keeps top_k ({top_k}) of each layer's {slots} "
-                    "slots for INT4 copies, leaving fewer than top_k for the rest",
-                    f"give a budget of at least {2 * top_k} slots per layer")
-        mesh = self.mesh
-        if mesh is not None:
-            if packed is not None:
-                raise SpecExpertConfigError(
-                    "mesh", f"a peer reads per-expert bf16/fp16 tensors from the checkpoint, "
-                    f"and this checkpoint's experts are {packed}",
-                    "use the bf16 checkpoint (`specexpert dequantize`), or remove mesh")
-            if mesh.placement == "replicate_hot" and mesh.hot_count >= num_experts:
-                raise SpecExpertConfigError(
-                    "mesh.hot_count", f"{mesh.hot_count} is not fewer than the model's "
-                    f"{num_experts} experts per layer", f"use hot_count < {num_experts}")
-            if mesh.placement == "replicate_hot" and mesh.hot_count > slots - top_k:
-                raise SpecExpertConfigError(
-                    "mesh.hot_count", f"{mesh.hot_count} pinned experts leave fewer than "
-                    f"top_k ({top_k}) of the layer's {slots} slots for the others",
-                    f"use hot_count <= {slots - top_k}, or a larger budget")
-        if (self.quality is not None and slots == num_experts
-                and not self.miss_policy_spec.speculates):
-            raise SpecExpertConfigError(
-                "quality", f"the budget holds all {num_experts} experts of a layer: nothing "
-                f"misses, so miss_policy '{self.miss_policy}' runs exactly and there is "
-                "nothing to budget", "remove quality, or give a smaller budget")
-        return slots
+        """The slots per MoE layer once every setting that depends on the model is
+        checked (:func:`~vllm_specexpert.config.fit.check_fits`)."""
+        return fit.check_fits(self, num_experts, top_k, packed)
 
     def slots_per_layer(self, num_experts: int, top_k: int) -> int:
-        """Number of device cache slots per MoE layer for a model with ``num_experts``
-        routed experts per layer and ``top_k`` experts per token."""
-        if isinstance(self.budget, int):
-            slots = self.budget
-            given = f"budget {self.budget}"
-        else:
-            slots = math.floor(self.budget * num_experts + 1e-9)
-            given = f"budget {self.budget} x {num_experts} experts = {slots} slots"
-        if slots > num_experts:
-            raise SpecExpertConfigError(
-                "budget",
-                f"{given} exceeds the {num_experts} routed experts per layer",
-                f"use at most {num_experts} (or a fraction <= 1.0)",
-            )
-        if slots < top_k:
-            raise SpecExpertConfigError(
-                "budget",
-                f"{given}, fewer than the model's top_k={top_k} experts per token "
-                "(one token could not run)",
-                f"use at least {top_k} slots, i.e. budget >= {top_k} "
-                f"or >= {math.ceil(top_k / num_experts * 1000) / 1000}",
-            )
-        return slots
+        """Device cache slots per MoE layer for ``num_experts`` routed experts per layer
+        and ``top_k`` per token (:func:`~vllm_specexpert.config.fit.slots_per_layer`)."""
+        return fit.slots_per_layer(self, num_experts, top_k)

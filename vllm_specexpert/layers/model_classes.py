@@ -167,6 +167,7 @@ def _attach_mesh(engine, layers, calibration) -> None:
     mesh = engine.config.mesh
     if mesh is None:
         return
+    from vllm_specexpert.execute import host_pairs
     from vllm_specexpert.tiers.peer import PeerTier
     from vllm_specexpert.tiers.peer_shard import ShardSpec, check_checkpoint
 
@@ -183,7 +184,12 @@ def _attach_mesh(engine, layers, calibration) -> None:
     spec = ShardSpec(engine.checkpoint, names,
                      tuple(engine.store.layers[routed.layer_name].slot_shapes["w13_weight"][0]),
                      kernel.isa if kernel is not None else None, activation)
-    engine.attach_mesh(PeerTier(mesh, spec, num_experts, engine.host_pairs, local=hot), hot)
+    by_index = {layer.index: layer for layer in engine.layers.values()}
+
+    def reference(index: int, x: torch.Tensor, pairs: np.ndarray) -> torch.Tensor:
+        return host_pairs(by_index[index].experts, by_index[index].host_kernel, x, pairs)
+
+    engine.attach_mesh(PeerTier(mesh, spec, num_experts, reference, local=hot), hot)
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:

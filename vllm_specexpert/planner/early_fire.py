@@ -35,7 +35,8 @@ import torch
 from vllm_specexpert.predict import Prediction
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
-from vllm_specexpert.tiers.peer import LayerPeers, Sent
+from vllm_specexpert.tiers.layer_peers import LayerPeers
+from vllm_specexpert.tiers.peer import Sent
 
 
 class EarlyFire:

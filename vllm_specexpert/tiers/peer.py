@@ -33,7 +33,6 @@ import contextlib
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.log import init_logger
+from vllm_specexpert.tiers.peer_check import PairReference, check_failure, checks_of
 from vllm_specexpert.tiers.peer_shard import ExpertPeer, ShardSpec
 from vllm_specexpert.tiers.ray_cluster import first_line, init_ray, require_ray
 
@@ -52,18 +52,6 @@ START_TIMEOUT_S = 300.0
 to answer its check)."""
 RTT_WINDOW = 5
 """Probe round trips a peer's RTT is the median of."""
-CHECK_ROWS = 4
-"""Rows of a peer's check, each computed by two of its experts per layer."""
-CHECK_TOLERANCE = 0.02
-"""Largest relative error (per pair, in the L2 norm) of a peer's check against this
-host's result. One kernel gives the same bits; vLLM's portable and AMX kernels differ
-by bf16 rounding (well under 1 %); other weights give errors of order 1."""
-
-PairReference = Callable[[int, torch.Tensor, np.ndarray], torch.Tensor]
-"""``reference(layer, x, experts) -> [N, H]``: expert ``experts[i]`` of decoder layer
-``layer`` on row ``i`` of ``x`` (``[N, H]``), unweighted, computed on this host."""
-
-
 @dataclass
 class PeerState:
     """One peer: its actor, whether it is in rotation, and its counters."""
@@ -132,28 +120,6 @@ class Sent:
     """(peer, object ref, pair indices, send time, bytes sent)."""
 
 
-@dataclass
-class PeerCheck:
-    """Pairs of one layer that a peer computes to prove it works, and this host's
-    result of them."""
-
-    layer: int
-    x: np.ndarray
-    """``[CHECK_ROWS, H]`` bf16 as int16 (the wire form of :meth:`ExpertPeer.compute`)."""
-    rows: np.ndarray
-    experts: np.ndarray
-    expected: torch.Tensor
-    """``[N, H]`` float32: ``reference`` of the pairs."""
-
-    def error(self, y: np.ndarray) -> float:
-        """The largest relative error of a peer's answer ``y`` over the pairs."""
-        got = torch.from_numpy(np.array(y)).view(torch.bfloat16).float()  # (a read-only view)
-        if got.shape != self.expected.shape:
-            return float("inf")
-        scale = self.expected.norm(dim=1).clamp_min(1e-6)
-        return float(((got - self.expected).norm(dim=1) / scale).max())
-
-
 class PeerTier:
     """The engine's side of the mesh: placement, checks, calls, health (module doc)."""
 
@@ -167,8 +133,10 @@ class PeerTier:
         self.hosts = self._placement(spec, local or {})
         """Layer -> ``[E, peers]`` bool: which peers hold each expert (hot ones: none)."""
         self.peers = self._start_peers(ray, spec)
-        self.checks = {peer.rank: self._checks_of(peer.rank, reference)
-                       for peer in self.peers}
+        self.checks = {peer.rank: checks_of(
+            spec, {layer: np.flatnonzero(held[:, peer.rank])
+                   for layer, held in self.hosts.items()}, peer.rank, reference)
+            for peer in self.peers}
         """Rank -> the pairs it computes to prove it works (at start, after a restart)."""
         self._check_at_start()
         self._pings: list[tuple[PeerState, object, float]] = []
@@ -226,53 +194,18 @@ class PeerTier:
 
     # ----------------------------------------------------------------- checks
 
-    def _checks_of(self, rank: int, reference: PairReference) -> list[PeerCheck]:
-        """Per layer, :data:`CHECK_ROWS` rows by the first and last expert ``rank``
-        holds there, and ``reference``'s result of those pairs."""
-        hidden = self.spec.w13_shape[1]
-        generator = torch.Generator().manual_seed(rank)
-        checks = []
-        for layer in self.spec.layers:
-            held = np.flatnonzero(self.hosts[layer][:, rank])
-            if not len(held):
-                continue
-            experts = np.unique(held[[0, -1]])
-            x = torch.randn(CHECK_ROWS, hidden, generator=generator).to(torch.bfloat16)
-            rows = np.repeat(np.arange(CHECK_ROWS), len(experts))
-            pairs = np.tile(experts, CHECK_ROWS)
-            expected = reference(layer, x[torch.from_numpy(rows)], pairs).float()
-            checks.append(PeerCheck(layer, x.view(torch.int16).numpy(), rows, pairs,
-                                    expected))
-        return checks
-
     def _send_check(self, peer: PeerState) -> list:
         """The peer's check calls, as futures."""
         return [peer.actor.compute.remote(c.layer, c.x, c.rows, c.experts).future()
                 for c in self.checks[peer.rank]]
-
-    def _check_failure(self, peer: PeerState, answers: list, timeout: float | None = None
-                       ) -> str | None:
-        """Why the peer's check ``answers`` (futures of :meth:`_send_check`) fail, or
-        ``None`` when every pair matches this host's."""
-        for check, answer in zip(self.checks[peer.rank], answers):
-            try:
-                y, _ = answer.result(timeout=timeout)
-            except Exception as error:  # noqa: BLE001 - died, timed out or raised
-                return f"computing layer {check.layer}: {first_line(error)}"
-            error = check.error(y)
-            if not error <= CHECK_TOLERANCE:
-                return (f"its experts {sorted(set(check.experts.tolist()))} of layer "
-                        f"{check.layer} differ from this host's (relative error "
-                        f"{error:.3g} > {CHECK_TOLERANCE})")
-        return None
 
     def _check_at_start(self) -> None:
         """Every peer answers its check, or the start is refused with its reason."""
         sent = [(peer, self._send_check(peer)) for peer in self.peers]
         deadline = time.perf_counter() + START_TIMEOUT_S
         for peer, answers in sent:
-            failure = self._check_failure(peer, answers,
-                                          max(0.0, deadline - time.perf_counter()))
+            failure = check_failure(self.checks[peer.rank], answers,
+                                    max(0.0, deadline - time.perf_counter()))
             if failure is not None:
                 self.close()
                 raise SpecExpertConfigError(
@@ -394,7 +327,7 @@ class PeerTier:
             if not all(a.done() for a in answers):
                 return
             peer.checking = None
-            failure = self._check_failure(peer, answers)
+            failure = check_failure(self.checks[peer.rank], answers)
             if failure is not None:
                 peer.failed_pid, peer.reason = checked_pid, f"check: {failure}"[:200]
                 logger.warning("specexpert: mesh peer %d (node %s) restarted and failed "
@@ -441,67 +374,3 @@ def _timed(ref):
 
     answer.add_done_callback(arrived)
     return answer
-
-
-@dataclass
-class PeerJob:
-    """One layer call's entries computed by peers: where each one's answer comes from."""
-
-    sources: list[tuple[Sent, np.ndarray, np.ndarray, np.ndarray]]
-    """(what was sent, entry rows, entry columns, the pair index of each entry)."""
-    reused: int = 0
-    """Entries taken from what was fired ahead (Early Fire's hits)."""
-
-
-@dataclass
-class LayerPeers:
-    """One layer's view of the peer tier: what its executor and planners call."""
-
-    tier: PeerTier
-    layer: int
-    """Decoder-layer index."""
-
-    def hosted(self) -> np.ndarray:
-        return self.tier.hosted(self.layer)
-
-    def send(self, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray) -> Sent:
-        return self.tier.send(self.layer, x, tokens, experts)
-
-    def stage(self, x: torch.Tensor, ids: np.ndarray, entries: np.ndarray,
-              fired: Sent | None = None) -> PeerJob:
-        """Send the ``entries`` ([T, K] mask over ``ids``) of rows ``x``, taking those
-        whose (row, expert) pair was ``fired`` ahead from there instead."""
-        rows, cols = np.nonzero(entries)
-        job = PeerJob([])
-        if fired is not None and len(fired.tokens):
-            num = max(int(ids.max()), int(fired.experts.max())) + 1
-            keys = fired.tokens * num + fired.experts
-            order = np.argsort(keys, kind="stable")
-            wanted = rows * num + ids[rows, cols]
-            at = np.minimum(np.searchsorted(keys[order], wanted), len(keys) - 1)
-            hit = keys[order][at] == wanted
-            if hit.any():
-                job.sources.append((fired, rows[hit], cols[hit], order[at][hit]))
-            job.reused = int(hit.sum())
-            rows, cols = rows[~hit], cols[~hit]
-        if len(rows):
-            sent = self.send(x, rows, ids[rows, cols])
-            job.sources.append((sent, rows, cols, np.arange(len(rows))))
-        return job
-
-    def finish(self, job: PeerJob, out: torch.Tensor, weights: torch.Tensor,
-               shape: tuple[int, int]) -> np.ndarray:
-        """Add the job's answers, times the entries' ``weights`` ([T, K]), to ``out``;
-        return the ``[T, K]`` mask of entries no peer answered."""
-        failed = np.zeros(shape, dtype=bool)
-        acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-        for sent, rows, cols, pairs in job.sources:
-            y, done = self.tier.receive(sent)
-            ok = done[pairs]
-            failed[rows[~ok], cols[~ok]] = True
-            if ok.any():
-                r, c = (torch.from_numpy(a[ok]).to(out.device) for a in (rows, cols))
-                acc.index_add_(0, r, y[torch.from_numpy(pairs[ok])].to(out.device)
-                               * weights[r, c].float()[:, None])
-        out.copy_((out.float() + acc).to(out.dtype))
-        return failed

@@ -141,7 +141,7 @@ def unquantized_model_dir(text: str) -> str:
 def quantized_model_dir(text: str) -> str:
     """A checkpoint with a ``quantization_config`` of a format this package reads."""
     from vllm_specexpert.config import SpecExpertUnsupportedError
-    from vllm_specexpert.quant_formats import format_of
+    from vllm_specexpert.quant_config import format_of
 
     config = _checkpoint_config(text, safetensors=True)
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specexpert.quant_formats import format_of
+from vllm_specexpert.quant_config import format_of
 from vllm_specexpert.tools.arguments import quantized_model_dir
 from vllm_specexpert.tools.quantize import check_checkpoint_out, read_checkpoint, write_checkpoint
 

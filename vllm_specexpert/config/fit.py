@@ -1,0 +1,81 @@
+"""What a config needs of the model: slots per layer from the budget, and the settings
+that depend on the model's routing shape and on how its experts are stored. Needs only
+the model's config, so it runs in the calling process (``validate_engine_config``) and
+again in the worker (start, ``reconfigure``)."""
+
+from __future__ import annotations
+
+import math
+
+from vllm_specexpert.config.errors import SpecExpertConfigError
+from vllm_specexpert.config.rules import Settings
+
+
+def check_fits(config: Settings, num_experts: int, top_k: int,
+               packed: str | None = None) -> int:
+    """The slots per MoE layer, once every setting that depends on the model's
+    routing shape and on how its experts are stored (``packed``: their quantized
+    format, ``None``: bf16/fp16) is checked. Needs only the model's config: run in
+    the calling process (``validate_engine_config``) and again by the worker
+    (start, ``reconfigure``)."""
+    slots = slots_per_layer(config, num_experts, top_k)
+    if config.miss_policy_spec.low_bit:
+        if packed is not None:
+            raise SpecExpertConfigError(
+                "miss_policy", f"'lowbit' runs INT4 copies of bf16 experts, and this "
+                f"checkpoint's experts are already {packed}: there is no lower-bit copy "
+                "to run", "use 'fetch', 'cpu' or 'auto'")
+        if slots < 2 * top_k:
+            raise SpecExpertConfigError(
+                "budget", f"'lowbit' keeps top_k ({top_k}) of each layer's {slots} "
+                "slots for INT4 copies, leaving fewer than top_k for the rest",
+                f"give a budget of at least {2 * top_k} slots per layer")
+    mesh = config.mesh
+    if mesh is not None:
+        if packed is not None:
+            raise SpecExpertConfigError(
+                "mesh", f"a peer reads per-expert bf16/fp16 tensors from the checkpoint, "
+                f"and this checkpoint's experts are {packed}",
+                "use the bf16 checkpoint (`specexpert dequantize`), or remove mesh")
+        if mesh.placement == "replicate_hot" and mesh.hot_count >= num_experts:
+            raise SpecExpertConfigError(
+                "mesh.hot_count", f"{mesh.hot_count} is not fewer than the model's "
+                f"{num_experts} experts per layer", f"use hot_count < {num_experts}")
+        if mesh.placement == "replicate_hot" and mesh.hot_count > slots - top_k:
+            raise SpecExpertConfigError(
+                "mesh.hot_count", f"{mesh.hot_count} pinned experts leave fewer than "
+                f"top_k ({top_k}) of the layer's {slots} slots for the others",
+                f"use hot_count <= {slots - top_k}, or a larger budget")
+    if (config.quality is not None and slots == num_experts
+            and not config.miss_policy_spec.speculates):
+        raise SpecExpertConfigError(
+            "quality", f"the budget holds all {num_experts} experts of a layer: nothing "
+            f"misses, so miss_policy '{config.miss_policy}' runs exactly and there is "
+            "nothing to budget", "remove quality, or give a smaller budget")
+    return slots
+
+
+def slots_per_layer(config: Settings, num_experts: int, top_k: int) -> int:
+    """Number of device cache slots per MoE layer for a model with ``num_experts``
+    routed experts per layer and ``top_k`` experts per token."""
+    if isinstance(config.budget, int):
+        slots = config.budget
+        given = f"budget {config.budget}"
+    else:
+        slots = math.floor(config.budget * num_experts + 1e-9)
+        given = f"budget {config.budget} x {num_experts} experts = {slots} slots"
+    if slots > num_experts:
+        raise SpecExpertConfigError(
+            "budget",
+            f"{given} exceeds the {num_experts} routed experts per layer",
+            f"use at most {num_experts} (or a fraction <= 1.0)",
+        )
+    if slots < top_k:
+        raise SpecExpertConfigError(
+            "budget",
+            f"{given}, fewer than the model's top_k={top_k} experts per token "
+            "(one token could not run)",
+            f"use at least {top_k} slots, i.e. budget >= {top_k} "
+            f"or >= {math.ceil(top_k / num_experts * 1000) / 1000}",
+        )
+    return slots
