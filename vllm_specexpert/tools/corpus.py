@@ -150,9 +150,11 @@ def describe() -> dict:
     for f in by_split["train"]:
         packages[f.package] = packages.get(f.package, 0) + f.size
     return {
+        # The roots by what they are, not where: a path names only the making machine.
         "source": f"CPython {sys.version.split()[0]} standard library and the site-packages "
-                  f"of {sys.prefix}",
-        "roots": {k: str(v) for k, v in roots().items()},
+                  "of the environment that ran it",
+        "roots": {"stdlib": "sysconfig path 'stdlib'", "site-packages": "sysconfig path "
+                  "'purelib'"},
         "fingerprint": fingerprint(files),
         "files": {s: len(v) for s, v in by_split.items()},
         "bytes": {s: sum(f.size for f in v) for s, v in by_split.items()},
