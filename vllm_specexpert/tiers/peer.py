@@ -133,11 +133,15 @@ class PeerTier:
         self.hosts = self._placement(spec, local or {})
         """Layer -> ``[E, peers]`` bool: which peers hold each expert (hot ones: none)."""
         self.peers = self._start_peers(ray, spec)
-        self.checks = {peer.rank: checks_of(
-            spec, {layer: np.flatnonzero(held[:, peer.rank])
-                   for layer, held in self.hosts.items()}, peer.rank, reference)
-            for peer in self.peers}
-        """Rank -> the pairs it computes to prove it works (at start, after a restart)."""
+        try:
+            self.checks = {peer.rank: checks_of(
+                spec, {layer: np.flatnonzero(held[:, peer.rank])
+                       for layer, held in self.hosts.items()}, peer.rank, reference)
+                for peer in self.peers}
+            """Rank -> the pairs it computes to prove it works (at start, after a restart)."""
+        except BaseException:
+            self.close()  # (this host cannot compute the check: no peer is left running)
+            raise
         self._check_at_start()
         self._pings: list[tuple[PeerState, object, float]] = []
         """Probes in flight: (peer, its answer as a future, send time)."""
