@@ -127,3 +127,21 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
     back = quality(llm)
     assert not back["exact"] and back["switches_to_approximate"] == 1, back
     assert scrape(metrics_dir)[("specexpert_quality_exact", WHOLE)] == 0
+
+
+def test_plec_under_a_quality_budget_starts_and_serves():
+    # Its start once failed in the worker (the shared pool rebuilt empty when the
+    # quality monitor got the model's logit head: IndexError, issue 37).
+    from vllm_specexpert.tools.fixtures import ASSETS
+
+    llm = make_llm(TRAINED_MODEL, specexpert={
+        "budget": 0.25, "cache": "plec", "miss_policy": "drop", "quality": {},
+        "path_predictor": str(ASSETS / "tiny-qwen3-moe-path-predictor")})
+    try:
+        outputs = greedy(llm, max_tokens=8)
+        assert [len(c.token_ids) for c in outputs] == [8] * SEQUENCES
+        stats = vllm_specexpert.get_stats(llm)[0]
+        assert stats["config"]["cache"] == "plec" and stats["output"] == "approximate"
+        assert stats["quality"]["sampled_tokens"] > 0
+    finally:
+        shutdown(llm)
