@@ -56,14 +56,20 @@ def non_negative_float(text: str) -> float:
 # ---------------------------------------------------------------- input paths
 
 
-def existing_file(text: str) -> str:
-    """A file that exists and is a regular file (text to run, ...)."""
+def _existing(text: str, is_kind, kind: str) -> str:
+    """``text`` when it names something that exists and ``is_kind`` (a ``Path``
+    predicate) holds, else an argparse error saying which."""
     path = Path(text)
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text} does not exist")
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text} is not a regular file")
+    if not is_kind(path):
+        raise argparse.ArgumentTypeError(f"{text} is not {kind}")
     return text
+
+
+def existing_file(text: str) -> str:
+    """A file that exists and is a regular file (text to run, ...)."""
+    return _existing(text, Path.is_file, "a regular file")
 
 
 def data_file(text: str) -> str:
@@ -76,12 +82,7 @@ def data_file(text: str) -> str:
 
 def existing_dir(text: str) -> str:
     """A directory that exists (an artifact: its contents are checked by its loader)."""
-    path = Path(text)
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text} does not exist")
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is not a directory")
-    return text
+    return _existing(text, Path.is_dir, "a directory")
 
 
 def _checkpoint_config(text: str, safetensors: bool = False) -> dict:
