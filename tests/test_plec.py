@@ -232,8 +232,24 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token():
     stats = engine.layers[NAMES[0]].stats.decode
     for name in NAMES[1:]:
         engine.layers[name].loader.prefetch(np.arange(4, 16), stats)
+    protected = sum(int(engine.layers[n].cache.protected.sum()) for n in NAMES)
+    # The prefetches wanted 24 slots of 12: they took all but the reserve of top_k.
+    assert protected == engine.pool.num_slots - K
+    first = engine.layers[NAMES[0]].cache
+    assert not first.resident_mask()[[14, 15]].any()
+    assert engine.pool.available_for(first, np.array([14, 15])) == K
+    # One token of layer 0 whose experts are both missing loads them and runs exactly.
+    ids = torch.tensor([[14, 15]], dtype=torch.int32)
+    x, w = torch.randn(1, H).bfloat16(), torch.tensor([[0.6, 0.4]])
+    out = engine.run(NAMES[0], slot_kernel, x, w, ids)
+    t = LAYER_TENSORS[NAMES[0]]
+    assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
+    assert first.resident_mask()[[14, 15]].all()
+    assert sum(int(engine.layers[n].cache.protected.sum()) for n in NAMES[1:]) == protected
     rng = np.random.default_rng(0)
     run_step(engine, {i: distinct(rng, 3) for i in range(LAYERS)}, None)
+    for name in NAMES:
+        check_cache_invariants(engine.layers[name].loader, settle=True)
 
 
 def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool():
