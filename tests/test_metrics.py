@@ -246,3 +246,41 @@ def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
     assert series[("specexpert_mesh_peers_in_rotation", engine_labels)] == 1
     assert series[("specexpert_mesh_peers", engine_labels)] == 2
     engine.reporter.close()
+
+
+def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
+    # The scheduler (engine-core process) attaches its counters to each step's
+    # SchedulerOutput; the worker keeps the latest, and its stats and snapshot carry them.
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm_specexpert import handoff
+
+    monkeypatch.setattr(handoff, "_scheduler_stats", None)
+    counted = handoff.SchedulerStats(steps=40, grouped_steps=9, held=27, max_waited=2,
+                                     pairs_run=700, pairs_all=1100, pairs_in_order=780,
+                                     cpu_s=0.375, max_step_cpu_s=0.0625)
+    step = SimpleNamespace()  # what the worker receives: the pickled SchedulerOutput
+    handoff.attach_scheduler_stats(step, dataclasses.asdict(counted))
+    handoff.receive(step)
+    engine = run_engine(tmp_path, monkeypatch)
+    assert engine.stats()["scheduler"] == dataclasses.asdict(counted)
+    series = scrape(tmp_path)
+    labels = tuple(sorted({"model_name": "tiny", "engine": "0"}.items()))
+    expected = {"specexpert_scheduler_steps_total": 40,
+                "specexpert_scheduler_grouped_steps_total": 9,
+                "specexpert_scheduler_held_total": 27,
+                "specexpert_scheduler_max_waited": 2,
+                "specexpert_scheduler_pairs_run_total": 700,
+                "specexpert_scheduler_pairs_all_total": 1100,
+                "specexpert_scheduler_pairs_in_order_total": 780,
+                "specexpert_scheduler_cpu_seconds_total": 0.375,
+                "specexpert_scheduler_max_step_cpu_seconds": 0.0625}
+    assert len(expected) == len(dataclasses.fields(handoff.SchedulerStats))  # all of them
+    assert {name: series.get((name, labels)) for name in expected} == expected
+    # A step of a scheduler without counters (vLLM's own) leaves none to report.
+    handoff.receive(SimpleNamespace())
+    engine.write_stats()
+    assert engine.stats()["scheduler"] is None
+    assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_scheduler_")]
+    engine.close()

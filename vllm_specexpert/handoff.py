@@ -1,5 +1,5 @@
 """What the scheduler process hands the workers each step: the decode tokens of the step
-and the experts a path predictor expects them to use.
+and the experts a path predictor expects them to use, and the scheduler's counters.
 
 With a ``path_predictor``, the plugin's scheduler (engine-core process,
 :mod:`vllm_specexpert.schedule.token_scheduler`) attaches a :class:`StepDemand` to vLLM's
@@ -8,17 +8,60 @@ With a ``path_predictor``, the plugin's scheduler (engine-core process,
 (:func:`vllm_specexpert.vllm_hooks.keep_step_demand`) so that :func:`receive` keeps it for
 the layers of that step, which read it with :func:`current`. Both sides import this
 module and nothing else of each other.
+
+The scheduler's counters (:class:`SchedulerStats`) ride along every step the same way
+(:func:`attach_scheduler_stats`, a dict of nine numbers): the worker keeps the latest
+(:func:`scheduler_stats`), and its stats (``get_stats``, ``stats_path``, the ``/metrics``
+snapshot) carry them as their ``scheduler`` section. Every scheduled step reaches the
+worker before any later RPC, so ``get_stats`` sees the scheduler's counters as of its
+last step, exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from vllm_specexpert.stats import counter, seconds
+
 ATTRIBUTE = "specexpert_demand"
 """Name of the attribute on ``SchedulerOutput``."""
+STATS_ATTRIBUTE = "specexpert_scheduler_stats"
+"""Name of the scheduler's counters' attribute on ``SchedulerOutput``."""
+
+
+def highest(doc: str, default: float = 0) -> Any:
+    """A field of :class:`SchedulerStats` that is a maximum (a gauge), not a count."""
+    return field(default=default, metadata={"help": doc, "gauge": True})
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of the plugin's scheduler since the engine started (``reset_stats`` and
+    ``reconfigure`` reach the workers only, so they do not restart them)."""
+
+    steps: int = counter("Scheduling steps (vLLM's schedule() calls).")
+    grouped_steps: int = counter(
+        "Steps with more runnable decode sequences than token_scheduler.group_size "
+        "(one group ran).")
+    held: int = counter("Sequence-steps held back (a sequence held for 3 steps counts 3).")
+    max_waited: int = highest(
+        "Longest run of consecutive steps any sequence was held back.")
+    pairs_run: int = counter(
+        "Predicted distinct (layer, expert) pairs of the groups that ran, summed over "
+        "grouped steps.")
+    pairs_all: int = counter(
+        "Predicted distinct pairs had all runnable decode sequences run, same steps.")
+    pairs_in_order: int = counter(
+        "Predicted distinct pairs had the first group_size runnable sequences in "
+        "vLLM's order run instead of the chosen group (a group of the same size, not "
+        "chosen by route), same steps.")
+    cpu_s: float = seconds(
+        "Seconds the scheduler spent predicting and grouping (vLLM's own scheduling "
+        "not included).")
+    max_step_cpu_s: float = highest("Longest of those per step, seconds.", 0.0)
 
 
 @dataclass
@@ -47,6 +90,7 @@ class StepDemand:
 
 
 _current: StepDemand | None = None
+_scheduler_stats: dict[str, Any] | None = None
 
 
 def attach(scheduler_output: Any, demand: StepDemand) -> None:
@@ -54,10 +98,30 @@ def attach(scheduler_output: Any, demand: StepDemand) -> None:
     setattr(scheduler_output, ATTRIBUTE, demand)
 
 
+def attach_scheduler_stats(scheduler_output: Any, stats: dict[str, Any]) -> None:
+    """Scheduler side: send the scheduler's counters (a copy) with the step."""
+    setattr(scheduler_output, STATS_ATTRIBUTE, stats)
+
+
 def receive(scheduler_output: Any) -> None:
-    """Worker side, as a step starts: keep its demand (``None`` without one)."""
-    global _current
+    """Worker side, as a step starts: keep its demand and the scheduler's counters
+    (``None`` without them: not the plugin's scheduler)."""
+    global _current, _scheduler_stats
     _current = getattr(scheduler_output, ATTRIBUTE, None)
+    _scheduler_stats = getattr(scheduler_output, STATS_ATTRIBUTE, None)
+
+
+def forget_scheduler_stats() -> None:
+    """A new scheduler starts: counters kept from an earlier engine of this process (an
+    in-process engine runs its worker in the scheduler's process) are not its."""
+    global _scheduler_stats
+    _scheduler_stats = None
+
+
+def scheduler_stats() -> dict[str, Any] | None:
+    """Worker side: the scheduler's counters as of the latest step (``None``: no step
+    of the plugin's scheduler yet)."""
+    return _scheduler_stats
 
 
 def current() -> StepDemand | None:

@@ -28,6 +28,16 @@ Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
   :data:`QUALITY_COUNTERS` (``specexpert_quality_sampled_tokens_total``, ...),
   ``specexpert_quality_switches_total{to}`` and per MoE layer
   ``specexpert_quality_layer_top1_flips_total{layer}`` and ``..._layer_tokens_total``.
+- ``path_predictor``: the scheduler's counters (:class:`~vllm_specexpert.handoff.
+  SchedulerStats`), counted in the engine-core process and carried to the worker with
+  every step (:mod:`vllm_specexpert.handoff`), so its snapshot has them (the plugin runs
+  one worker per engine: they appear once):
+  ``specexpert_scheduler_steps_total``, ``..._grouped_steps_total``, ``..._held_total``
+  (sequence-steps held back), ``..._pairs_run_total``, ``..._pairs_all_total``,
+  ``..._pairs_in_order_total`` (predicted (layer, expert) pairs), ``..._cpu_seconds_total``
+  and gauges ``specexpert_scheduler_max_waited`` (steps) and
+  ``specexpert_scheduler_max_step_cpu_seconds``. They count from the engine's start:
+  ``reset_stats`` and ``reconfigure`` reach the workers, not the scheduler.
 
 Snapshots are at most :data:`SNAPSHOT_INTERVAL_S` old; ``get_stats`` and ``stats_path``
 remain the exact, per-call view.
@@ -46,6 +56,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+from vllm_specexpert.handoff import SchedulerStats
 from vllm_specexpert.stats import PhaseStats
 
 DIRECTORY_ENV = "SPECEXPERT_METRICS_DIR"
@@ -219,9 +230,16 @@ class SnapshotCollector:
         peers_started = GaugeMetricFamily(f"{PREFIX}mesh_peers", "Mesh peers started.",
                                           labels=base)
         quality = _QualityFamilies(base)
+        scheduler = {f.name: (GaugeMetricFamily if f.metadata.get("gauge") else
+                              CounterMetricFamily)(counter_name(f"scheduler_{f.name}"),
+                                                   f.metadata["help"], labels=base)
+                     for f in dataclasses.fields(SchedulerStats)}
         for snapshot in self.snapshots():
             labels = [snapshot.get("model_name", ""), str(snapshot.get("rank", 0))]
             quality.add(labels, snapshot.get("quality"))
+            if snapshot.get("scheduler"):
+                for key, family in scheduler.items():
+                    family.add_metric(labels, snapshot["scheduler"][key])
             mesh = snapshot.get("mesh")
             if mesh:
                 in_rotation.add_metric(labels, sum(p["up"] for p in mesh["peers"]))
@@ -257,6 +275,7 @@ class SnapshotCollector:
         yield from (resident, slots, info, steps, draft_length, drafted, accepted)
         yield from (*peer_counters.values(), peer_up, peer_rtt, in_rotation, peers_started)
         yield from quality.families()
+        yield from scheduler.values()
 
 
 class _QualityFamilies:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from vllm_specexpert import metrics
+from vllm_specexpert import handoff, metrics
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import LayerStats, check_stats_path, write_json_atomic
 
@@ -113,7 +113,9 @@ class Reporter:
 
 def engine_stats(engine) -> dict[str, Any]:
     """Per-layer counters of ``engine`` (an ``OffloadEngine``) by phase, their totals,
-    link counters and the configuration. Safe to call from another thread."""
+    link counters, the configuration and, with a ``path_predictor``, the scheduler's
+    counters as of the latest step (:func:`vllm_specexpert.handoff.scheduler_stats`).
+    Safe to call from another thread."""
     with engine.lock:
         layers = engine.layers
         per_layer = {name: layer.stats for name, layer in layers.items()}
@@ -154,6 +156,7 @@ def engine_stats(engine) -> dict[str, Any]:
             "lookahead": lookahead_stats(engine),
             "mesh": engine.mesh.stats() if engine.mesh is not None else None,
             "quality": engine.quality.stats() if engine.quality is not None else None,
+            "scheduler": handoff.scheduler_stats(),
         }
 
 

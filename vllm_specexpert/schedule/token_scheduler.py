@@ -25,13 +25,16 @@ Each step, before vLLM's own scheduling:
    stay in ``running`` and keep their KV blocks.
 
 Prefill (waiting requests, prompt chunks) is never touched. Counters (steps grouped,
-sequences held, longest wait, predicted pairs, CPU seconds) are in :attr:`stats`.
+sequences held, longest wait, predicted pairs, CPU seconds) are in :attr:`stats`
+(:class:`~vllm_specexpert.handoff.SchedulerStats`); a copy goes to the workers with every
+step, so they reach ``get_stats(llm)[i]["scheduler"]``, ``stats_path`` and ``/metrics``
+(``specexpert_scheduler_*``) from the worker's stats.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -39,7 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.handoff import SchedulerStats, StepDemand
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.schedule.grouping import partition
@@ -48,31 +51,6 @@ logger = init_logger(__name__)
 
 SCHEDULER_CLS = f"{__name__}.TokenGroupScheduler"
 """What the plugin sets as vLLM's ``scheduler_cls``."""
-
-
-@dataclass
-class TokenSchedulerStats:
-    steps: int = 0
-    """Scheduling steps seen."""
-    grouped_steps: int = 0
-    """Steps with more runnable decode sequences than ``group_size`` (one group ran)."""
-    held: int = 0
-    """Sequence-steps held back (a sequence held for 3 steps counts 3)."""
-    max_waited: int = 0
-    """Longest run of consecutive steps any sequence was held back."""
-    pairs_run: int = 0
-    """Predicted distinct (layer, expert) pairs of the groups that ran, summed over
-    grouped steps."""
-    pairs_all: int = 0
-    """Predicted distinct pairs had all runnable decode sequences run, same steps."""
-    pairs_in_order: int = 0
-    """Predicted distinct pairs had the first ``group_size`` runnable sequences in vLLM's
-    order run instead of the chosen group (a group of the same size, not chosen by
-    route), same steps."""
-    cpu_s: float = 0.0
-    """Seconds spent predicting and grouping (vLLM's own scheduling not included)."""
-    max_step_cpu_s: float = 0.0
-    """Longest of those per step."""
 
 
 class TokenGroupScheduler(Scheduler):
@@ -90,7 +68,8 @@ class TokenGroupScheduler(Scheduler):
         """Request id -> its predicted route, this step."""
         self._next_group: list = []
         """The decode requests of the group expected to run next step."""
-        self.stats = TokenSchedulerStats()
+        self.stats = SchedulerStats()
+        handoff.forget_scheduler_stats()
         if self.settings is not None:
             logger.info("specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
                         self.settings.group_size, self.settings.max_wait_steps)
@@ -108,6 +87,7 @@ class TokenGroupScheduler(Scheduler):
         ours += time.perf_counter() - started
         self.stats.cpu_s += ours
         self.stats.max_step_cpu_s = max(self.stats.max_step_cpu_s, ours)
+        handoff.attach_scheduler_stats(output, asdict(self.stats))
         return output
 
     def token_scheduler_stats(self) -> dict:
