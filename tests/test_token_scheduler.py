@@ -1,7 +1,8 @@
 """The token scheduler inside vLLM's scheduler, with the LRU cache and with ``plec``: 32
 concurrent greedy requests under ``fetch`` give vanilla's tokens, every request finishes,
 and none is held back longer than ``max_wait_steps``. The engine core runs in this
-process, so the scheduler's counters can be read."""
+process, so the scheduler's counters can be read, and compared with what reaches
+``get_stats`` and ``/metrics``."""
 
 import os
 
@@ -28,6 +29,22 @@ def greedy(llm, max_tokens=24):
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
 
 
+def scheduler_series() -> list[tuple]:
+    """The ``specexpert_scheduler_*`` samples the server's ``/metrics`` would serve now
+    (the collector over the snapshot directory this process made for its engines)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_specexpert import metrics
+
+    registry = CollectorRegistry()
+    registry.register(metrics.environment_collector())
+    text = generate_latest(registry).decode()
+    return [(s.name, s.labels["engine"], s.value)
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("specexpert_scheduler_")]
+
+
 @pytest.fixture(scope="module")
 def runs():
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -46,10 +63,12 @@ def runs():
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         stats = scheduler.token_scheduler_stats()
         stats["engine"] = vllm_specexpert.get_stats(llm)[0]
+        stats["series"] = scheduler_series()  # get_stats wrote the snapshot
         vllm_specexpert.reconfigure(llm, cache="plec", plec_preload="next")
         stats["plec_outputs"] = greedy(llm)
         stats["plec"] = vllm_specexpert.get_stats(llm)[0]
-        stats["plec_max_waited"] = scheduler.token_scheduler_stats()["max_waited"]
+        stats["plec_scheduler"] = scheduler.token_scheduler_stats()
+        stats["plec_max_waited"] = stats["plec_scheduler"]["max_waited"]
         stop_engine(llm)
     finally:
         if previous is None:
@@ -111,3 +130,25 @@ def test_each_steps_predicted_experts_reach_the_layers(runs):
         decode = layer["decode"]
         assert decode["path_needed"] > 0, name
         assert 0.6 < decode["path_covered"] / decode["path_needed"] < 1.0, (name, decode)
+
+
+def test_the_schedulers_counters_reach_get_stats_and_metrics(runs):
+    # Counted in the scheduler, carried to the worker with each step's SchedulerOutput:
+    # get_stats has them as of the last step, exactly, and /metrics from its snapshot.
+    from dataclasses import fields
+
+    from vllm_specexpert.handoff import SchedulerStats
+
+    _, _, stats = runs
+    counted = {f.name: stats[f.name] for f in fields(SchedulerStats)}
+    assert stats["engine"]["scheduler"] == counted
+    assert all(value > 0 for value in counted.values()), counted
+
+    def series(key):
+        name = f"{key[:-2]}_seconds" if key.endswith("_s") else key
+        return f"specexpert_scheduler_{name}{'' if key.startswith('max_') else '_total'}"
+
+    assert sorted(stats["series"]) == sorted((series(k), "0", v) for k, v in counted.items())
+    # reconfigure restarts the worker's counters, not the scheduler's: still its own.
+    assert stats["plec"]["scheduler"] == stats["plec_scheduler"]
+    assert stats["plec_scheduler"]["steps"] > counted["steps"]
