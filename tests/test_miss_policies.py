@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from invariants import check_cache_invariants
+from manual_clock import ManualClock
 from moe_reference import random_layer, reference_moe, slot_kernel
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
@@ -111,12 +112,16 @@ def test_cpu_admits_the_most_used_host_expert_on_an_idle_link():
 
 
 def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting():
-    # One copy takes ~30 ms on this link: the admitted expert 9 has not landed when the
-    # next call comes, so the host computes it again and nothing waits for the link.
+    # One copy takes ~30 ms on this link, and the link's clock stands still between the
+    # calls (however long the machine takes): the admitted expert 9 has not landed when
+    # the next call comes, so the host computes it again and nothing waits for the link.
     engine = make_engine(miss_policy="cpu", admit_host_experts=True,
                          link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
+    engine.link.clock = ManualClock(engine.link.clock.now())
     x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])
     engine.run(NAME, slot_kernel, x, w, ids)
+    loader = engine.layers[NAME].loader
+    assert loader.cache.resident_mask()[9] and not loader.ready_mask()[9]  # in flight
     engine.run(NAME, slot_kernel, x, w, ids)
     stats = layer_stats(engine)
     assert stats["admitted"] == 1  # the second call found the link busy
@@ -124,24 +129,26 @@ def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting():
 
 
 def test_cpu_with_an_emulated_host_is_held_to_the_slowdown():
-    host_seconds = []
+    # The host's computation is timed by a clock that only its kernel moves (1 ms a
+    # call): what is charged is 200 x that, however loaded the machine is.
+    timer = ManualClock()
 
-    def timed_host_kernel(*args):
-        start = time.perf_counter()
-        out = slot_kernel(*args)
-        host_seconds.append(time.perf_counter() - start)
-        return out
+    def host_kernel_of_one_ms(*args):
+        timer.advance(1e-3)
+        return slot_kernel(*args)
 
-    engine = make_engine(miss_policy="cpu", host_kernel=timed_host_kernel,
+    engine = make_engine(miss_policy="cpu", host_kernel=host_kernel_of_one_ms,
                          link={"bandwidth_gbps": 1.0, "host_slowdown": 200.0})
+    engine.layers[NAME].miss_context.host.timer = timer
     x, w, ids = routing(IDS)
     start = time.perf_counter()
     engine.run(NAME, slot_kernel, x, w, ids)
     elapsed = time.perf_counter() - start
-    # The host's result is usable 200 x the host kernel's own time after the call
-    # started (timed here, around the kernel): the call cannot have returned earlier.
-    assert len(host_seconds) == 1 and elapsed >= 200 * host_seconds[0]
-    assert layer_stats(engine)["host_s"] == pytest.approx(200 * host_seconds[0], rel=0.5)
+    assert timer.now() == 1e-3  # one host computation
+    assert layer_stats(engine)["host_s"] == pytest.approx(200 * 1e-3, rel=1e-9)
+    # The host's result is usable 200 ms after the call started: the call cannot have
+    # returned earlier (a lower bound that a loaded machine only moves away from).
+    assert elapsed >= 200 * 1e-3
 
 
 def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest():

@@ -1,12 +1,12 @@
 """Prediction, prefetch and speculative execution in the engine, without vLLM: a two-layer
 toy model whose layers route with softmax top-k over a random gate."""
 
-import time
 
 import numpy as np
 import pytest
 import torch
 from invariants import check_cache_invariants
+from manual_clock import ManualClock
 from moe_reference import make_loader, random_layer, reference_moe, slot_kernel
 
 from vllm_specexpert.config import LinkConfig, SpecExpertConfig
@@ -199,20 +199,21 @@ def test_prefetch_is_protected_until_the_layer_runs():
 
 
 def test_waiting_for_an_unfinished_prefetch_is_stall():
-    # 2 MB/s: a ~100 ms wait, so that host jitter stays within the 20 % compared below.
-    link = CpuLink(LinkConfig(bandwidth_gbps=0.002, latency_us=0))
+    # 2 MB/s: ~100 ms per expert, on a clock that moves only while the link is waited
+    # for (at once to when the copy lands): the wait is the copy's time, whatever the load.
+    clock = ManualClock()
+    link = CpuLink(LinkConfig(bandwidth_gbps=0.002, latency_us=0), clock)
     tensors = random_layer(num_experts=E, hidden=256, inter=128)  # 196 KB per expert
     loader = make_loader(tensors, num_slots=4, top_k=2, link=link)
     stats = PhaseStats()
     loader.prefetch(np.array([8]), stats)
-    start = time.perf_counter()
+    assert not loader.ready_mask()[8]  # in flight when the layer's call starts
     loader.begin_run(np.array([8]), stats)
     loader.acquire(np.array([8]), stats)
-    waited = time.perf_counter() - start
     expected = loader.cache.experts.expert_nbytes / (link.config.bandwidth_gbps * 1e9)
     assert stats.misses == 0 and stats.hits == 1
-    assert stats.stall_s == pytest.approx(waited, rel=0.2)
-    assert waited >= expected * 0.9
+    assert clock.now() == pytest.approx(expected, rel=1e-9)  # waited until it landed
+    assert stats.stall_s == pytest.approx(expected, rel=1e-9)  # and all of it is stall
     assert check_cache_invariants(loader) == 4  # 8 landed: all four slots compared
     link.close()
 
@@ -252,8 +253,9 @@ def test_planner_combines_tokens_that_predict_the_same_expert():
 
 
 def test_unneeded_prefetches_that_have_not_started_are_cancelled():
-    # ~100 ms per expert: a descheduled test thread cannot let 10 start before begin_run.
-    link = CpuLink(LinkConfig(bandwidth_gbps=0.002, latency_us=0))
+    # ~100 ms per expert, on a clock that stands still until the link is waited for: 10
+    # cannot start before begin_run, however long the test thread is descheduled.
+    link = CpuLink(LinkConfig(bandwidth_gbps=0.002, latency_us=0), ManualClock())
     tensors = random_layer(num_experts=E, hidden=256, inter=128)
     loader = make_loader(tensors, num_slots=4, top_k=2, link=link)
     stats = PhaseStats()

@@ -29,7 +29,13 @@ from __future__ import annotations
 import torch
 
 from vllm_specexpert.config import LinkConfig, SpecExpertConfigError
-from vllm_specexpert.tiers.link.base import ExpertCopy, Link, Transfer, sleep_until
+from vllm_specexpert.tiers.link.base import (
+    Clock,
+    ExpertCopy,
+    Link,
+    Transfer,
+    sleep_until,
+)
 from vllm_specexpert.tiers.link.cpu import CpuLink
 
 
@@ -48,4 +54,4 @@ def make_link(config: LinkConfig, device: torch.device) -> Link:
     return CpuLink(config)
 
 
-__all__ = ["CpuLink", "ExpertCopy", "Link", "Transfer", "make_link", "sleep_until"]
+__all__ = ["Clock", "CpuLink", "ExpertCopy", "Link", "Transfer", "make_link", "sleep_until"]

@@ -167,6 +167,18 @@ def insert(pending: deque, transfer: Transfer) -> None:
     pending.insert(position, transfer)
 
 
+class Clock:
+    """The time an emulated link holds its copies to: ``perf_counter`` seconds, and a
+    wait until a moment of it. Another clock (a test's, moved by hand) makes whether an
+    emulated copy has landed independent of how loaded the machine is."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep_until(self, deadline: float) -> None:
+        sleep_until(deadline)
+
+
 def sleep_until(deadline: float) -> None:
     # time.sleep overshoots by ~0.1 ms; spin for the last stretch so that emulated
     # copies of a few microseconds stay accurate.

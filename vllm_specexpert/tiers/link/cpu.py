@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 from vllm_specexpert.config import LinkConfig
 from vllm_specexpert.tiers.link.base import (
+    Clock,
     ExpertCopy,
     Link,
     StartCallback,
     Transfer,
     insert,
-    sleep_until,
 )
 
 
@@ -29,7 +29,7 @@ class _CpuTransfer(Transfer):
         self.copies = copy.copies
         self.prefetch = prefetch
         self.on_start = on_start
-        self.submitted_at = time.perf_counter()
+        self.submitted_at = link.clock.now()
         self.ready_at: float | None = None
         """Emulated completion time, set when the emulated link starts it."""
         self.error: BaseException | None = None
@@ -67,31 +67,34 @@ class _CpuTransfer(Transfer):
     def ready(self) -> bool:
         if self.done is not None and not self.done.is_set():
             return False
-        now = time.perf_counter()
+        now = self.link.clock.now()
         self.link._advance(now)
         return self.ready_at is not None and self.ready_at <= now
 
     def wait(self) -> float:
         if self.cancelled:  # it would never land: a bookkeeping bug, not a slow link
             raise RuntimeError("specexpert: waited for a cancelled expert copy")
-        start = time.perf_counter()
+        clock = self.link.clock
+        start = clock.now()
         self.perform()
         if self.error is not None:
             raise RuntimeError("specexpert: expert copy failed") from self.error
         while self.ready_at is None:  # queued behind others on the emulated link
-            self.link._advance(time.perf_counter())
+            self.link._advance(clock.now())
             if self.ready_at is None:
-                sleep_until(self.link._link_free_at)
-        sleep_until(self.ready_at)
-        return time.perf_counter() - start
+                clock.sleep_until(self.link._link_free_at)
+        clock.sleep_until(self.ready_at)
+        return clock.now() - start
 
 
 class CpuLink(Link):
-    """Copy worker thread with optional bandwidth/latency emulation (see module doc)."""
+    """Copy worker thread with optional bandwidth/latency emulation (see module doc).
+    ``clock``: the time transfers are submitted, start and land in (``perf_counter``)."""
 
-    def __init__(self, config: LinkConfig):
+    def __init__(self, config: LinkConfig, clock: Clock | None = None):
         super().__init__()
         self.config = config
+        self.clock = clock or Clock()
         self._bytes_per_s = (config.bandwidth_gbps or 0.0) * 1e9
         self._latency_s = config.latency_us * 1e-6
         self._link_free_at = 0.0
@@ -120,7 +123,7 @@ class CpuLink(Link):
         return transfer
 
     def cancel(self, transfer: Transfer) -> bool:
-        self._advance(time.perf_counter())
+        self._advance(self.clock.now())
         if transfer in self._pending:
             self._pending.remove(transfer)
             transfer.cancelled = True
@@ -135,7 +138,7 @@ class CpuLink(Link):
             transfer.perform()  # a waiter may overtake the copy thread: finish it first
 
     def idle(self) -> bool:
-        now = time.perf_counter()
+        now = self.clock.now()
         if self.config.emulated:
             self._advance(now)
             return not self._pending and self._link_free_at <= now
@@ -160,7 +163,7 @@ class CpuLink(Link):
             transfer = self._jobs.get()
             if transfer is None:
                 return
-            start = time.perf_counter()
+            start = time.perf_counter()  # (the real copy's cost, whatever the clock)
             if transfer.perform() and transfer.nbytes and not transfer.cancelled:
                 measured = (time.perf_counter() - start) / transfer.nbytes
                 self._seconds_per_byte = 0.9 * self._seconds_per_byte + 0.1 * measured
