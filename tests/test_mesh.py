@@ -8,11 +8,13 @@ vLLM bit for bit (``tests/test_exactness.py``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ import torch
 pytest.importorskip("ray", reason="the mesh extra is not installed: "
                     "pip install -e '.[mesh]' (make setup does)")
 
+from manual_clock import ManualClock
 from vllm import SamplingParams, TokensPrompt
 from vllm_harness import make_llm, shutdown
 
@@ -30,7 +33,7 @@ from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.layers.engines import _ENGINES
 from vllm_specexpert.tiers import peer as peer_module
 from vllm_specexpert.tiers import ray_cluster
-from vllm_specexpert.tiers.peer import PeerTier
+from vllm_specexpert.tiers.peer import CONTROL_GROUP, PeerState, PeerTier
 from vllm_specexpert.tiers.peer_shard import check_checkpoint
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path
 from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing
@@ -198,12 +201,16 @@ def test_a_hung_peer_leaves_and_rejoins(llm):
                                            "probe_interval_s": 0.2})
     mesh = engine().mesh
     slow = mesh.peers[1]
-    ray.get(slow.actor.set_delay.remote(1.0))
+    # Held, it answers nothing until released: every call to it outlasts the timeout,
+    # however slow the engine is to read the answers. (Released in a concurrency group
+    # of its own: the held calls take the actor's other threads.)
+    ray.get(slow.actor.hold.options(concurrency_group=CONTROL_GROUP).remote())
     try:
         assert generate_all(llm, 2, 16) == [16, 16]
         assert not slow.up and slow.reason == "hung" and slow.timeouts >= 1
     finally:
-        ray.get(slow.actor.set_delay.remote(0.0), timeout=30)
+        ray.get(slow.actor.release.options(concurrency_group=CONTROL_GROUP).remote(),
+                timeout=30)
     assert wait_for(lambda: (generate_all(llm, 1, 4) and slow.up), 60)
 
 
@@ -230,20 +237,6 @@ def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
     assert wait_for(lambda: (generate_all(llm, 1, 4) and far.up), 60)
 
 
-def test_a_round_trip_is_timed_when_the_answer_arrives_not_when_it_is_read(llm):
-    # Probes are read at layer calls; here each is read 200 ms after it was sent (an
-    # idle engine). Counted to the read, every peer would be over the 80 ms cap.
-    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 0.05})
-    mesh = engine().mesh
-    layer = next(iter(engine().layers.values())).index
-    for _ in range(4):
-        mesh.hosted(layer)  # reads the answers in, sends the next probes
-        time.sleep(0.2)
-    mesh.hosted(layer)
-    assert all(p.up for p in mesh.peers), [p.reason for p in mesh.peers]
-    assert all(len(p.rtts) >= 3 and np.median(p.rtts) < 0.08 for p in mesh.peers)
-
-
 def test_only_the_mode_and_timings_change_at_run_time(llm):
     with pytest.raises(SpecExpertConfigError) as error:
         vllm_specexpert.reconfigure(llm, mesh={"peers": 3})
@@ -263,6 +256,45 @@ def test_placement_partitions_the_cold_experts_and_keeps_the_hot_ones_local():
     hosts = tier._placement(spec, {4: np.array([2, 7])})[4]
     assert hosts.sum(axis=1).tolist() == [1, 1, 0, 1, 1, 1, 1, 0, 1, 1]
     assert hosts.sum(axis=0).tolist() == [3, 3, 2]  # spread over the three peers
+
+
+class AnsweredPings:
+    """A peer actor whose pings the test answers, as Ray's thread would: ``ping.remote()``
+    gives a ref whose ``future()`` completes when the test sets its result."""
+
+    def __init__(self):
+        self.answers: list[concurrent.futures.Future] = []
+
+    @property
+    def ping(self):
+        return self
+
+    def remote(self):
+        answer = concurrent.futures.Future()
+        self.answers.append(answer)
+        return SimpleNamespace(future=lambda: answer)
+
+
+def test_a_round_trip_is_timed_when_the_answer_arrives_not_when_it_is_read():
+    # Probes are read at layer calls; here each answer arrives 10 ms after its probe
+    # was sent and is read 200 ms later (an idle engine). Counted to the read, the
+    # peer would be over the 80 ms cap.
+    clock = ManualClock()
+    tier = PeerTier.__new__(PeerTier)
+    tier.mesh, tier.clock = MeshConfig(peers=1, probe_interval_s=0.05), clock
+    tier.hosts = {0: np.ones((4, 1), dtype=bool)}
+    actor = AnsweredPings()
+    tier.peers = [PeerState(rank=0, actor=actor, node="node", pid=42)]
+    tier._pings, tier._next_probe = [], 0.0
+    for _ in range(3):
+        tier.hosted(0)  # reads the answers in, sends the next probe
+        clock.advance(0.01)
+        actor.answers[-1].set_result(42)  # (the peer's process id: not restarted)
+        clock.advance(0.2)
+    tier.hosted(0)
+    assert len(actor.answers) == 4  # one probe a read, each answered before the next
+    assert list(tier.peers[0].rtts) == pytest.approx([0.01] * 3)
+    assert tier.peers[0].up, tier.peers[0].reason
 
 
 def test_a_checkpoint_a_peer_cannot_read_is_refused_at_start(tmp_path):

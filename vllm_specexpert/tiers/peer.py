@@ -33,6 +33,7 @@ import contextlib
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,9 @@ START_TIMEOUT_S = 300.0
 to answer its check)."""
 RTT_WINDOW = 5
 """Probe round trips a peer's RTT is the median of."""
+CONTROL_GROUP = "control"
+"""A peer actor's concurrency group of one thread for calls that control it (fault
+injection: ``release`` of a held peer, whose held calls take the default group)."""
 @dataclass
 class PeerState:
     """One peer: its actor, whether it is in rotation, and its counters."""
@@ -124,8 +128,11 @@ class PeerTier:
     """The engine's side of the mesh: placement, checks, calls, health (module doc)."""
 
     def __init__(self, mesh: MeshConfig, spec: ShardSpec, num_experts: int,
-                 reference: PairReference, local: dict[int, np.ndarray] | None = None):
+                 reference: PairReference, local: dict[int, np.ndarray] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.mesh = mesh
+        self.clock = clock
+        """Seconds that round trips and timeouts are measured in."""
         self.num_experts = num_experts
         self.spec = spec
         ray = require_ray()
@@ -168,7 +175,7 @@ class PeerTier:
 
         here = ray.get_runtime_context().get_node_id()
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
-        remote = ray.remote(ExpertPeer)
+        remote = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ExpertPeer)
         peers, waits = [], []
         for rank in range(self.mesh.peers):
             node = nodes[rank] if len(nodes) >= self.mesh.peers else here
@@ -254,7 +261,7 @@ class PeerTier:
             payload = x[torch.from_numpy(rows).to(x.device)].to("cpu").view(torch.int16).numpy()
             ref = peer.actor.compute.remote(layer, payload, local.astype(np.int64),
                                             experts[pairs].astype(np.int64))
-            sent.calls.append((peer, ref, pairs, time.perf_counter(), payload.nbytes))
+            sent.calls.append((peer, ref, pairs, self.clock(), payload.nbytes))
         return sent
 
     def receive(self, sent: Sent) -> tuple[torch.Tensor, np.ndarray]:
@@ -268,7 +275,7 @@ class PeerTier:
         for peer, ref, pairs, sent_at, nbytes in sent.calls:
             peer.calls += 1
             peer.bytes_sent += nbytes
-            remaining = max(0.0, sent_at + self.timeout_s - time.perf_counter())
+            remaining = max(0.0, sent_at + self.timeout_s - self.clock())
             try:
                 y, compute_s = ray.get(ref, timeout=remaining)
             except ray.exceptions.GetTimeoutError:
@@ -281,7 +288,7 @@ class PeerTier:
                 peer.failures += 1
                 peer.leave(f"failed: {first_line(error)}"[:200])
                 continue
-            peer.call_s += time.perf_counter() - sent_at
+            peer.call_s += self.clock() - sent_at
             peer.compute_s += compute_s
             peer.pairs += len(pairs)
             peer.bytes_received += y.nbytes
@@ -297,7 +304,7 @@ class PeerTier:
 
     def _probe(self) -> None:
         """Read the probes' answers that came in; send new ones when it is time."""
-        now = time.perf_counter()
+        now = self.clock()
         if self._pings:
             waiting = []
             for peer, answer, sent_at in self._pings:
@@ -310,7 +317,8 @@ class PeerTier:
                     waiting.append((peer, answer, sent_at))
             self._pings = waiting
         if not self._pings and now >= self._next_probe:
-            self._pings = [(peer, _timed(peer.actor.ping.remote()), now) for peer in self.peers]
+            self._pings = [(peer, _timed(peer.actor.ping.remote(), self.clock), now)
+                           for peer in self.peers]
             self._next_probe = now + self.mesh.probe_interval_s
 
     def _answered(self, peer: PeerState, answer, sent_at: float) -> None:
@@ -368,13 +376,14 @@ class PeerTier:
             ray.shutdown()
 
 
-def _timed(ref):
-    """``ref`` as a future that records when its answer arrived (``arrived_at``), from
-    Ray's own thread: the round trip does not wait for the engine's next layer call."""
+def _timed(ref, clock: Callable[[], float]):
+    """``ref`` as a future that records when its answer arrived (``arrived_at``, by
+    ``clock``), from Ray's own thread: the round trip does not wait for the engine's
+    next layer call."""
     answer = ref.future()
 
     def arrived(_future) -> None:
-        answer.arrived_at = time.perf_counter()
+        answer.arrived_at = clock()
 
     answer.add_done_callback(arrived)
     return answer

@@ -128,6 +128,9 @@ class ExpertPeer:
             self.local[layer] = local
         self.load_seconds = time.perf_counter() - started
         self.delay_s = 0.0
+        self._answering = threading.Event()
+        """Cleared by :meth:`hold`: calls wait until :meth:`release` sets it."""
+        self._answering.set()
         self._kernel_lock = threading.Lock()
         """The actor takes two calls at once (the next rows arrive while the current ones
         compute), but vLLM's CPU kernel shares its scratch space between calls: two
@@ -155,6 +158,17 @@ class ExpertPeer:
         a hung or far-away peer without a network between (the tests use it)."""
         self.delay_s = seconds
 
+    def hold(self) -> None:
+        """Answer no later call (computes and pings) until :meth:`release`: fault
+        injection, a hung peer, however long its caller waits (the tests use it). Send
+        ``release`` in the actor's concurrency group ``CONTROL_GROUP`` (:mod:`.peer`):
+        the held calls take every thread of the default one."""
+        self._answering.clear()
+
+    def release(self) -> None:
+        """Answer the held calls and every later one (see :meth:`hold`)."""
+        self._answering.set()
+
     def ready(self) -> dict:
         """Where this peer runs and what it holds (the engine's start-up check)."""
         import socket
@@ -165,6 +179,7 @@ class ExpertPeer:
 
     def ping(self) -> int:
         """A probe's answer: the process id (a restarted actor has a new one)."""
+        self._answering.wait()
         time.sleep(self.delay_s)
         return os.getpid()
 
@@ -172,6 +187,7 @@ class ExpertPeer:
                 experts: np.ndarray) -> tuple[np.ndarray, float]:
         """Expert ``experts[i]``'s output for row ``rows[i]`` of ``x`` (``[R, H]`` bf16
         as int16), unweighted, as ``[N, H]`` bf16 (int16); and the compute seconds."""
+        self._answering.wait()
         time.sleep(self.delay_s)
         started = time.perf_counter()
         inputs = torch.from_numpy(x).view(torch.bfloat16)[torch.from_numpy(rows)]
