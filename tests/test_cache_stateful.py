@@ -213,7 +213,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
     def reconfigure(self, budget, preload, emulated):
         self.engine.reconfigure(shared_config(budget, preload, emulated))
         self.budget = budget
-        assert self.engine.planner.preload == preload
+        assert self.engine.feature("step_demand").planner.preload == preload
 
     @invariant()
     def cache_invariants(self):

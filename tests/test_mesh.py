@@ -57,7 +57,7 @@ def llm():
 
 def engine():
     """The plugin's engine of this process (the engine core runs in-process here)."""
-    return next(entry[1] for entry in _ENGINES.values() if entry[1].mesh is not None)
+    return next(entry[1] for entry in _ENGINES.values() if entry[1].peer_tier is not None)
 
 
 def held_out_windows() -> list[list[int]]:
@@ -164,7 +164,7 @@ def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     # No probe during the run: the kill is found by the calls in flight.
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 600})
     vllm_specexpert.reset_stats(llm)
-    victim = engine().mesh.peers[0]
+    victim = engine().peer_tier.peers[0]
     pid = ray.get(victim.actor.ping.remote())
 
     def kill_when_busy():
@@ -199,7 +199,7 @@ def test_a_hung_peer_leaves_and_rejoins(llm):
 
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "timeout_ms": 300,
                                            "probe_interval_s": 0.2})
-    mesh = engine().mesh
+    mesh = engine().peer_tier
     slow = mesh.peers[1]
     # Held, it answers nothing until released: every call to it outlasts the timeout,
     # however slow the engine is to read the answers. (Released in a concurrency group
@@ -219,7 +219,7 @@ def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
 
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "rtt_cap_ms": 50,
                                            "probe_interval_s": 0.1})
-    mesh = engine().mesh
+    mesh = engine().peer_tier
     far = mesh.peers[0]
     ray.get(far.actor.set_delay.remote(0.1))  # answers 100 ms late, within timeout_ms
     try:

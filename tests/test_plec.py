@@ -266,7 +266,7 @@ def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(
                                                 {n: torch.ones(H) for n in NAMES}))
     engine.start()
     assert engine.pool is pool and pool.num_slots == LAYERS * 4
-    assert engine.predictor is not None and engine.predictor.name == "quasi_hidden"
+    assert engine.feature("prediction").predictor.name == "quasi_hidden"
     rng = np.random.default_rng(1)
     run_step(engine, {i: distinct(rng, 2) for i in range(LAYERS)}, None)
 
@@ -286,7 +286,7 @@ def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined():
                          top_k=K, index=index)
     engine.set_logit_head(identity_head(H))
     engine.start()
-    assert engine.quality is not None
+    assert engine.feature("quality") is not None
     assert all(engine.layers[name].cache.pool is engine.pool for name in NAMES)
     assert engine.pool.num_slots == sum(engine.layers[n].cache.num_slots for n in NAMES)
     for index, name in enumerate(NAMES):  # (drop: approximate, so no reference here)

@@ -43,7 +43,7 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
     approx = engine_of({**RANDOM, "quality": {"sample": 1.0}})
     reference = engine_of({**RANDOM})  # the mode alone
     fetch = engine_of({"budget": 0.25})
-    for batch in approx.quality.classes:
+    for batch in approx.feature("quality").monitor.classes:
         batch.exact = over_budget
     changed = 0
     for step in range(4):
@@ -52,7 +52,7 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
             served = approx.run(name, slot_kernel, x, w, ids)
             exact = fetch.run(name, slot_kernel, x, w, ids)
             mode = reference.run(name, slot_kernel, x, w, ids)
-            delta = approx.quality.deltas[index]
+            delta = approx.feature("quality").monitor.deltas[index]
             # The exact calls load their missing experts into the cache: from the second
             # step on the mode finds another cache than it does without a budget.
             if over_budget:  # served exactly; the mode's result sampled beside it

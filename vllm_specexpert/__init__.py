@@ -15,7 +15,7 @@ package is named here)::
     1  quant_formats    quantized checkpoints' packed experts: read, dequantize, quantize
     1  quant_config     a checkpoint's quantization_config -> its experts' format
     1  phases           which tokens of a forward pass are decode, which prefill
-    1  handoff          StepDemand: what the scheduler process hands the workers
+    1  handoff          what the scheduler process hands the workers: StepDemand, its counters
     1  stats            counters per layer and phase; the stats file
     1  metrics          /metrics: the snapshot directory and its collector
     1  log              vLLM's logger for the package
@@ -39,7 +39,9 @@ package is named here)::
                         early_fire (rows sent to mesh peers ahead of the router)
     5  execute          one layer call (LayerCall): survey, run a plan, token groups,
                         kernel launches; the one place that runs experts
-    6  engine           OffloadEngine: orchestration per layer call
+    6  engine           OffloadEngine: the exact spine per layer call, features around it
+    6  features/        EngineFeature hooks (base), the factory (__init__): prediction,
+                        quality, mesh (peers, early fire), step_demand (path score, PLEC)
     6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
     6  quality          the quality budget: shadow-exact samples, the switch per batch
     6  report           the stats dict, the summary line, the file writers
@@ -57,12 +59,17 @@ package is named here)::
 
 One decode step of layer l, following the router's ids::
 
-    vLLM MoERunner ─► layers.routed_experts (custom op) ─► engine.run: one LayerCall
-      ├─► predict: layer l+1's experts (read to the host with the router's ids)
-      ├─► planner.prefetch: what of them pays for its link time (submitted before the kernel)
-      ├─► planner.plec: the shared pool's lookahead from the step's demand (handoff)
-      └─► execute.survey ─► policy.plan (only if something is missing) ─► execute.run
-            ─► tiers.loader (loads) ─► the layer's kernel on the slots (tiers.cache)
+    vLLM MoERunner ─► layers.routed_experts (custom op) ─► engine.run: one DecodeCall
+      ├─ begin_call:  quality (exact while over budget), prediction (made for this
+      │               layer), mesh (early fire: rows sent to peers ahead)
+      ├─ before_read: prediction (speculate: run it instead; predict layer l+1)
+      ├─ one host read: the router's ids and the features' tensors
+      ├─ after_read:  prediction (score; prefetch before the kernel), mesh (no_stop
+      │               fires layer l+1), step_demand (score the path; PLEC plans)
+      ├─ resolve:     quality (samples the other result beside) around
+      │    execute.survey ─► policy.plan (only if something is missing) ─► execute.run
+      │      ─► tiers.loader (loads) ─► the kernel on the slots; peers, host, INT4 copies
+      └─ end_call:    step_demand (PLEC: the next group's lookahead)
 """
 
 from __future__ import annotations

@@ -31,27 +31,19 @@ import threading
 import numpy as np
 import torch
 
-from vllm_specexpert import execute, report
+from vllm_specexpert import execute, features, report
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.execute import ExpertKernel, LayerCall
+from vllm_specexpert.features import DecodeCall, EngineFeature
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
-from vllm_specexpert.planner.early_fire import EarlyFire
 from vllm_specexpert.planner.governor import Governor
 from vllm_specexpert.planner.lookahead import LookaheadPlanner
-from vllm_specexpert.planner.plec import PlecPlanner
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
-from vllm_specexpert.predict import (
-    PREDICTOR_CLASSES,
-    LayerState,
-    NextLayerRouting,
-    Prediction,
-    Predictor,
-    PredictorInputs,
-)
-from vllm_specexpert.quality import LogitHead, QualityMonitor
+from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
+from vllm_specexpert.quality import LogitHead
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.link import make_link
@@ -79,8 +71,6 @@ class OffloadEngine:
         # the vLLM adapter per layer call; ``None`` without one).
         self.step_demand: StepDemand | None = None
         self.layers: dict[str, OffloadedLayer] = {}
-        self.predictor_inputs = PredictorInputs()  # the calibration's, estimator's
-        self._predictions: dict[str, Prediction] = {}  # layer -> made earlier in the pass
         self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
         # ``lookahead``: the draft's routes as lookahead, its engine (set by
@@ -91,27 +81,28 @@ class OffloadEngine:
         self.governor: Governor | None = (Governor(config.lookahead.k_max, config.lookahead.k)
                                           if config.lookahead is not None else None)
         self.checkpoint: str | None = None  # the model's directory (mesh peers read it)
-        self.mesh: PeerTier | None = None  # the mesh peers (attach_mesh)
-        self.logit_head: LogitHead | None = None  # the model's (quality), set_logit_head
+        # What the vLLM adapter hands in, which features are built from:
+        self.predictor_inputs = PredictorInputs()  # the calibration's, estimator's
+        self.logit_head: LogitHead | None = None  # the model's final norm and LM head
+        self.peer_tier: PeerTier | None = None  # the mesh's peers (attach_mesh)
         self._select(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
-        """The miss policy, predictor, shared pool and its planner ``config`` names (a
-        new pool: caches made from now on join it)."""
+        """The miss policy, shared pool and features ``config`` names (a new pool: caches
+        made from now on join it)."""
         self.miss_policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
-        self._select_predictor(config)
         self.pool = SharedSlotPool(self.device) if config.cache_spec.shared_pool else None
         """The slot pool every layer shares (``plec``); ``None``: one per layer."""
-        self.planner = (PlecPlanner(self.pool, config.plec_preload)
-                        if self.pool is not None else None)
-        mesh = config.mesh
-        self.early_fire = EarlyFire(mesh.mode) if mesh and mesh.mode != "sync" else None
-        self.quality = QualityMonitor.of(config.quality, self.logit_head, self.layers)
+        self._build_features(config)
 
-    def _select_predictor(self, config: SpecExpertConfig) -> None:
-        predictor = PREDICTOR_CLASSES[config.predictor]
-        self.predictor: Predictor | None = (
-            None if predictor is None else predictor.build(self.predictor_inputs))
+    def _build_features(self, config: SpecExpertConfig) -> None:
+        self.features: list[EngineFeature] = features.build(config, self)
+        """In the order their hooks are called (:mod:`vllm_specexpert.features`)."""
+        self._sees_resident_calls = any(f.acts_on_resident_calls for f in self.features)
+
+    def feature(self, name: str) -> EngineFeature | None:
+        """The running feature called ``name``, if it is on."""
+        return next((f for f in self.features if f.name == name), None)
 
     # ------------------------------------------------------------------ setup
 
@@ -146,11 +137,12 @@ class OffloadEngine:
     def attach_mesh(self, tier: PeerTier, local: dict[int, np.ndarray]) -> None:
         """Serve the layers' missing experts from ``tier``'s peers; ``local``: per layer
         index, experts pinned in the device cache instead (``replicate_hot``)."""
-        self.mesh = tier
+        self.peer_tier = tier
         for layer in self.layers.values():
             layer.peers = LayerPeers(tier, layer.index)
             layer.local_experts = local.get(layer.index)
             layer.equip(self.config, self.link, self.device, self.pool)
+        self._build_features(self.config)
 
     def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
         """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
@@ -165,13 +157,13 @@ class OffloadEngine:
     def set_predictor_inputs(self, inputs: PredictorInputs) -> None:
         """What the artifacts give the predictors (see :class:`PredictorInputs`)."""
         self.predictor_inputs = inputs.to(self.device)
-        self._select_predictor(self.config)
+        self._build_features(self.config)
 
     def set_logit_head(self, head: LogitHead) -> None:
         """The model's final norm and LM head (``quality`` compares logits with them)."""
         self.logit_head = head
         # Not a new selection: its new shared pool would not hold the layers' caches.
-        self.quality = QualityMonitor.of(self.config.quality, head, self.layers)
+        self._build_features(self.config)
 
     def set_routing_statistics(self, coactivation: dict[str, np.ndarray],
                                tae_percentiles: dict[str, np.ndarray]) -> None:
@@ -229,7 +221,6 @@ class OffloadEngine:
             self.link.close()
             self.config = config
             self.link = make_link(config.link, self.device)
-            self._predictions.clear()
             for layer in self.layers.values():
                 # Free the old pools before the new ones.
                 layer.cache = layer.loader = layer.low_bit = None
@@ -242,8 +233,6 @@ class OffloadEngine:
                 self.governor = Governor(config.lookahead.k_max, config.lookahead.k)
             if self.lookahead is not None:
                 self.lookahead.demand = None
-            if self.mesh is not None:
-                self.mesh.mesh = config.mesh
         self.reset_stats()
         self.reporter.start(self.stats_file, config.stats_interval_s)
 
@@ -261,7 +250,7 @@ class OffloadEngine:
         """Routed-expert output of layer ``name`` for a pass's tokens. ``phases`` says
         which rows are decode tokens (default: all)."""
         layer = self.layers[name]
-        if x.shape[0] == 1 and layer.cache.identity and self.predictor is None:
+        if x.shape[0] == 1 and layer.cache.identity and not self._sees_resident_calls:
             return self._run_resident_token(layer, kernel, x, topk_weights, topk_ids, phases)
         if phases is None or phases.all_decode:
             return self._run_decode(layer, kernel, x, topk_weights, topk_ids)
@@ -297,83 +286,44 @@ class OffloadEngine:
 
     def _run_decode(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Decode tokens: prediction, prefetch, planning and the miss policy (module doc)."""
-        stats = layer.stats.decode.count_call(x.shape[0])
-        prediction = self._predictions.pop(layer.name, None)
-        if prediction is not None and prediction.num_tokens != x.shape[0]:
-            prediction = None
-        run_weights, run_ids = topk_weights, topk_ids
-        fired = (self.early_fire.at_call(layer.peers, layer.cache, x, prediction, stats)
-                 if self.early_fire is not None else None)
-        speculated = prediction is not None and (
-            (self.miss_policy.spec.speculates and self._speculative(layer))
-            or (fired is not None and self.early_fire.speculates))
-        exact = self.quality is not None and self.quality.exact_for(x.shape[0])  # over budget
-        if speculated:
-            run_weights, run_ids = prediction.routing_like(topk_weights, topk_ids)
-            stats.speculated_calls += not exact
-            stats.router_free_calls += prediction.router_free
-        # The next layer's prediction is made now, on the device, so that its ids come
-        # to the host in the same read as the router's.
-        upcoming = None
-        if self.predictor is not None and layer.next_name is not None:
-            state = LayerState(x, run_ids, run_weights)
-            upcoming = self.predictor.predict(state, layer.name, layer.next_routing)
-        router_ids, *predicted = self.reader.read(
-            [topk_ids, *(upcoming.device_reads() if upcoming else ())])
-        if upcoming is not None:
-            upcoming.set_host(*predicted)
-            if self.early_fire is not None:  # no_stop: the next layer's rows leave now
-                self.early_fire.predicted(self.layers[layer.next_name], upcoming, lambda: (
-                    self.predictor.next_router_input(state, layer.name, layer.next_routing)))
-        if prediction is not None and not prediction.router_free:
-            layer.prefetch.score(prediction, router_ids, stats)
-        call = LayerCall(x, run_weights, run_ids,
-                         prediction.host_ids if speculated else router_ids, kernel, stats,
-                         fired=fired)
-        if upcoming is not None:
-            call.before_kernel = lambda: self._prefetch(layer, upcoming)
-        demand = self.step_demand and self.step_demand.scored(layer.index, router_ids, stats)
-        if demand is not None and self.planner is not None:
-            self.planner.before_layer(demand, layer, list(self.layers.values()))
+        """Decode tokens: the features' hooks around one host read, the miss policy and
+        the executor (:mod:`vllm_specexpert.features`)."""
+        call = DecodeCall(layer, x, topk_weights, topk_ids, kernel,
+                          layer.stats.decode.count_call(x.shape[0]), topk_weights, topk_ids)
+        call.exact = any(f.forces_exact(call.num_tokens) for f in self.features)
+        for feature in self.features:
+            feature.begin_call(call)
+        for feature in self.features:
+            feature.before_read(call)
+        router_ids, *host = self.reader.read([topk_ids, *call.device_reads()])
+        call.router_host_ids = router_ids
+        call.deliver(host)
+        for feature in self.features:
+            feature.after_read(call)
         layer.miss_context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
-        out = (execute.resolve(layer.loader, call, self.miss_policy, layer.miss_context)
-               if self.quality is None else self.quality.resolve(
-                   layer, call, topk_weights, router_ids, self.miss_policy))
-        if demand is not None and self.planner is not None:
-            self.planner.after_layer(demand, layer)
+        out = self._resolve(0, call, call.layer_call())
+        for feature in self.features:
+            feature.end_call(call)
         return out
+
+    def _resolve(self, at: int, call: DecodeCall, run: LayerCall) -> torch.Tensor:
+        """Feature ``at``'s ``resolve`` around the later ones'; after the last, the miss
+        policy's plan, run by the executor."""
+        if at == len(self.features):
+            return execute.resolve(call.layer.loader, run, self.miss_policy,
+                                   call.layer.miss_context)
+        return self.features[at].resolve(
+            call, run, lambda c, r: self._resolve(at + 1, c, r))
 
     def router_free_routing(self, name: str, tokens: int
                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``router_free``: the routing a decode-only pass of ``tokens`` tokens at layer
-        ``name`` runs without calling its router (the estimator's prediction, which
-        ``speculate`` runs anyway), or ``None``: call the router."""
-        prediction = self._predictions.get(name)
-        if (not self.config.router_free or prediction is None or not prediction.by_estimator
-                or (self.quality is not None and self.quality.exact_for(tokens))
-                or prediction.num_tokens != tokens or not self.miss_policy.spec.speculates
-                or not self._speculative(self.layers[name])):
+        ``name`` runs without calling its router, or ``None``: call the router."""
+        if any(f.forces_exact(tokens) for f in self.features):
             return None
-        prediction.router_free = True
-        return prediction.topk_weights, prediction.topk_ids
-
-    def _speculative(self, layer: OffloadedLayer) -> bool:
-        exact_layers = self.config.exact_layers
-        if exact_layers is None:
-            return True  # the first MoE layer never has a prediction
-        return layer.index not in exact_layers
-
-    def _prefetch(self, layer: OffloadedLayer, prediction: Prediction) -> None:
-        """Record ``prediction`` for the next layer and submit its prefetch."""
-        self._predictions[layer.next_name] = prediction
-        nxt = self.layers[layer.next_name]
-        if self.mesh is not None:
-            return  # under a mesh, predictions fire rows at peers (EarlyFire), not copies
-        everything = self.config.prefetch_filter == "all" or (
-            self.miss_policy.spec.speculates and self._speculative(nxt))
-        nxt.prefetch.prefetch(prediction, nxt.loader, nxt.stats.decode,
-                              self.link.expert_seconds(nxt.cache.experts), everything)
+        layer = self.layers[name]
+        return next((routing for f in self.features
+                     if (routing := f.routing_for(layer, tokens)) is not None), None)
 
     # ---------------------------------------------------------------- statistics
 
@@ -396,5 +346,5 @@ class OffloadEngine:
     def close(self) -> None:
         self.reporter.close()
         self.link.close()
-        if self.mesh is not None:
-            self.mesh.close()
+        for feature in self.features:
+            feature.close()

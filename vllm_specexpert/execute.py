@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
-from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.loader import ExpertLoader

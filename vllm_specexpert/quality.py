@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +49,6 @@ from vllm_specexpert.config.sections import QualityConfig
 from vllm_specexpert.execute import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
-from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.staging import upload
 
@@ -227,27 +227,27 @@ class QualityMonitor:
         return self.rows
 
     def resolve(self, layer: OffloadedLayer, approx: LayerCall, router_weights: torch.Tensor,
-                router_ids: np.ndarray, policy: MissPolicy) -> torch.Tensor:
-        """The served output of a decode call: ``approx`` under ``policy`` (the mode),
-        or the call on the router's routing with every missing expert fetched while its
-        batch class is over budget; the other one is computed for the sampled rows
-        beside it."""
+                router_ids: np.ndarray, mode: Callable[[LayerCall], torch.Tensor]
+                ) -> torch.Tensor:
+        """The served output of a decode call: ``mode(approx)`` (the mode: its miss
+        policy's plan, run), or the call on the router's routing with every missing
+        expert fetched while its batch class is over budget; the other one is computed
+        for the sampled rows beside it."""
         rows = self.sampled_rows(layer.index, approx.x.shape[0])
         over_budget = self.exact_for(approx.x.shape[0])
         if rows is None and not over_budget:  # the common case: nothing more to do
-            return execute.resolve(layer.loader, approx, policy, layer.miss_context)
+            return mode(approx)
         exact = approx.routed(router_weights, router_ids)
         shadow = None
         if over_budget:  # the exact call starts the next layer's prefetch
             exact.before_kernel, approx.before_kernel = approx.before_kernel, None
             if rows is not None:  # before the exact call loads what the mode would miss
                 started = time.perf_counter()
-                shadow = execute.resolve(layer.loader, self._quiet(approx), policy,
-                                         layer.miss_context)[upload(rows, approx.x.device)]
+                shadow = mode(self._quiet(approx))[upload(rows, approx.x.device)]
                 self._charge(started)
             out = execute.run(layer.loader, exact, execute.survey(layer.loader, exact))
         else:
-            out = execute.resolve(layer.loader, approx, policy, layer.miss_context)
+            out = mode(approx)
             if rows is not None:  # ``exact`` shares ``before_kernel``: _quiet drops it
                 started = time.perf_counter()
                 shadow = execute.run_on_device(layer.loader, self._quiet(exact.rows(rows)))

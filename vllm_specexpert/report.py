@@ -154,10 +154,20 @@ def engine_stats(engine) -> dict[str, Any]:
             "total": total.to_dict(),
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
             "lookahead": lookahead_stats(engine),
-            "mesh": engine.mesh.stats() if engine.mesh is not None else None,
-            "quality": engine.quality.stats() if engine.quality is not None else None,
+            **feature_stats(engine),
             "scheduler": handoff.scheduler_stats(),
         }
+
+
+def feature_stats(engine) -> dict[str, Any]:
+    """Each feature's stats section by its name; ``mesh`` and ``quality`` are there
+    (``None``) when off."""
+    sections: dict[str, Any] = {"mesh": None, "quality": None}
+    for feature in engine.features:
+        section = feature.stats()
+        if section is not None:
+            sections[feature.name] = section
+    return sections
 
 
 def lookahead_stats(engine) -> dict[str, Any] | None:
@@ -188,17 +198,15 @@ def _draft_stats(draft) -> dict[str, Any]:
 
 
 def reset_counters(engine) -> None:
-    """Every counter of ``engine`` at zero: its layers', link's, governor's, peers',
-    quality monitor's and its draft engine's."""
+    """Every counter of ``engine`` at zero: its layers', link's, governor's, features'
+    and its draft engine's."""
     with engine.lock:
         for layer in engine.layers.values():
             layer.stats = LayerStats()
         if engine.governor is not None:
             engine.governor.reset_stats()
-        if engine.mesh is not None:
-            engine.mesh.reset_stats()
-        if engine.quality is not None:
-            engine.quality.reset_stats()
+        for feature in engine.features:
+            feature.reset_stats()
     engine.link.reset_counters()
     if engine.draft_engine is not None:
         engine.draft_engine.reset_stats()
@@ -230,25 +238,6 @@ def summary(engine) -> str:
         f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
         f"{engine.store.nbytes / 1e9:.3f} GB on the host"
         f"{' (pinned)' if engine.store.pin_memory else ''}; miss_policy {config.miss_policy} "
-        f"({engine.output}), predictor {config.predictor}{_estimator_summary(engine)}, "
-        f"cache {config.cache}"
-        f"{modeled}{_mesh_summary(engine)}"
+        f"({engine.output}), predictor {config.predictor}, cache {config.cache}"
+        f"{modeled}{''.join(feature.summary() for feature in engine.features)}"
     )
-
-
-def _estimator_summary(engine) -> str:
-    """``hybrid``: after which MoE layers it runs the estimator."""
-    layers = getattr(engine.predictor, "estimator_layers", None)
-    if engine.config.predictor != "hybrid" or layers is None:
-        return ""
-    chosen = sorted(engine.layers[name].index for name in layers)
-    return f" (estimator after MoE layers {chosen})"
-
-
-def _mesh_summary(engine) -> str:
-    mesh = engine.config.mesh
-    if engine.mesh is None:
-        return ""
-    up = sum(peer.up for peer in engine.mesh.peers)
-    return (f"; mesh {mesh.mode} ({engine.output}), {up} of {mesh.peers} peers in "
-            f"rotation, placement {mesh.placement}")

@@ -62,7 +62,8 @@ def install_final_tap(model: nn.Module, engine, decode_query_len: int) -> None:
 def _final_hidden_impl(hidden: torch.Tensor, residual: torch.Tensor | None,
                        key: str) -> torch.Tensor:
     engine, decode_query_len = _TAPS[key]
-    monitor = engine.quality
+    quality = engine.feature("quality")
+    monitor = quality.monitor if quality is not None else None
     if monitor is not None and monitor.pending:
         phases = current_phases(hidden.shape[0], decode_query_len)
         decode = (np.arange(hidden.shape[0]) if phases.all_decode else phases.decode)

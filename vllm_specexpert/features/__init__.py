@@ -1,0 +1,48 @@
+"""The engine's features (:mod:`.base`), built in order by one factory from the config.
+
+Adding a feature is a file here and a line in :func:`build`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.features.base import DecodeCall, EngineFeature, Resolve
+from vllm_specexpert.features.mesh import MeshFeature
+from vllm_specexpert.features.prediction import PredictionFeature
+from vllm_specexpert.features.quality import QualityFeature
+from vllm_specexpert.features.step_demand import StepDemandFeature
+from vllm_specexpert.planner.plec import PlecPlanner
+from vllm_specexpert.predict import PREDICTOR_CLASSES
+from vllm_specexpert.quality import QualityMonitor
+
+__all__ = ["DecodeCall", "EngineFeature", "Resolve", "build", "FEATURE_NAMES"]
+
+FEATURE_NAMES = ("quality", "prediction", "mesh", "step_demand")
+"""Every feature, in the order the engine calls them (each its stats section, ``None``
+when off)."""
+
+
+def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
+    """The features ``config`` turns on, in order, wired to ``engine``'s layers, link,
+    miss policy, shared pool and the inputs handed to it (predictor inputs, the model's
+    logit head, the mesh's peer tier). A feature whose inputs are not there yet is left
+    out (the engine builds again when they arrive)."""
+    features: list[EngineFeature] = []
+    monitor = QualityMonitor.of(config.quality, engine.logit_head, engine.layers)
+    if monitor is not None:
+        features.append(QualityFeature(monitor))
+    predictor = PREDICTOR_CLASSES[config.predictor]
+    if predictor is not None:
+        features.append(PredictionFeature(
+            predictor.build(engine.predictor_inputs), config, engine.miss_policy,
+            engine.layers.__getitem__, lambda: engine.link))
+    if engine.peer_tier is not None and config.mesh is not None:
+        features.append(MeshFeature(engine.peer_tier, config.mesh, engine.output,
+                                    engine.layers.__getitem__))
+    if config.path_predictor is not None or config.lookahead is not None:
+        planner = (PlecPlanner(engine.pool, config.plec_preload)
+                   if engine.pool is not None else None)
+        features.append(StepDemandFeature(lambda: engine.step_demand,
+                                          lambda: list(engine.layers.values()), planner))
+    return features

@@ -1,0 +1,168 @@
+"""What a feature of the engine is: hooks that default to nothing, and the decode call
+they act on.
+
+The engine (:mod:`vllm_specexpert.engine`) is the exact spine: per decode layer call it
+reads the router's ids to the host, surveys the cache, asks the miss policy about what
+is missing and hands the plan to the executor. Everything else (prediction and
+prefetch, a quality budget, mesh peers, PLEC) is an :class:`EngineFeature` in an ordered
+list that one factory builds from the config (:func:`vllm_specexpert.features.build`).
+Like vLLM's ``BaseOffloader``, a feature overrides only the hooks it needs; the base
+class is its own null object.
+
+One decode layer call, and the hooks the engine calls on every feature, in order::
+
+    begin_call(call)      before anything is read (what was predicted or fired for it)
+    before_read(call)     a feature may replace the routing to run, and ask for device
+                          tensors to come to the host in the call's one read (call.read)
+    -- the one host read: the router's ids and what features asked for --
+    after_read(call)      host values known: score, plan, add work before the kernel
+    resolve(call, run, rest)  around the miss policy and the executor (the first
+                          feature is the outermost); ``rest(call, run)`` runs the rest
+    end_call(call)        after the output exists
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.execute import ExpertKernel, LayerCall
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.stats import PhaseStats
+
+HostReads = Callable[[list[np.ndarray]], None]
+"""What a feature does with its device tensors once they are on the host."""
+
+
+@dataclass
+class DecodeCall:
+    """One decode call of one offloaded MoE layer, as the features see it."""
+
+    layer: OffloadedLayer
+    x: torch.Tensor
+    """``[T, H]`` the tokens' router input."""
+    router_weights: torch.Tensor
+    """``[T, K]`` the router's routing, on the device."""
+    router_ids: torch.Tensor
+    kernel: ExpertKernel
+    stats: PhaseStats
+    """The layer's decode counters."""
+    run_weights: torch.Tensor
+    """The routing to run: the router's unless a feature replaced it (:meth:`replace_routing`)."""
+    run_ids: torch.Tensor
+    run_host_ids: np.ndarray | None = None
+    """``run_ids`` on the host when a feature replaced the routing (else the router's
+    ids, once read)."""
+    exact: bool = False
+    """Set at ``begin_call``: the call runs exactly (fetch, the router's routing)."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """What one feature hands a later one within the call (named by the giver)."""
+    router_host_ids: np.ndarray | None = None
+    """The router's ids on the host (from ``after_read`` on)."""
+    before_kernel: list[Callable[[], None]] = field(default_factory=list)
+    """Work to start once the call's first launch has its experts, before it runs
+    (a prefetch then overlaps the layer's own expert compute)."""
+    fired: Any = None
+    """Pairs sent ahead to mesh peers for these tokens (Early Fire), if any."""
+    _reads: list[tuple[list[torch.Tensor], HostReads]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    def replace_routing(self, weights: torch.Tensor, ids: torch.Tensor,
+                        host_ids: np.ndarray) -> None:
+        """Run ``weights``/``ids`` (``host_ids`` on the host) instead of the router's."""
+        self.run_weights, self.run_ids, self.run_host_ids = weights, ids, host_ids
+
+    def read(self, tensors: list[torch.Tensor], then: HostReads) -> None:
+        """Bring ``tensors`` to the host in the call's one read; ``then`` gets them."""
+        self._reads.append((tensors, then))
+
+    def device_reads(self) -> list[torch.Tensor]:
+        return [t for tensors, _ in self._reads for t in tensors]
+
+    def deliver(self, host: list[np.ndarray]) -> None:
+        """Hand each feature its part of the read's results."""
+        at = 0
+        for tensors, then in self._reads:
+            then(host[at:at + len(tensors)])
+            at += len(tensors)
+
+    def layer_call(self) -> LayerCall:
+        """What the executor runs: the routing to run, on the host too, and the work
+        to start before the kernel."""
+        hooks = self.before_kernel
+
+        def before_kernel() -> None:
+            for hook in hooks:
+                hook()
+
+        host_ids = self.run_host_ids if self.run_host_ids is not None else self.router_host_ids
+        return LayerCall(self.x, self.run_weights, self.run_ids, host_ids, self.kernel,
+                         self.stats, fired=self.fired,
+                         before_kernel=before_kernel if hooks else None)
+
+
+Resolve = Callable[[DecodeCall, LayerCall], torch.Tensor]
+"""The rest of a decode call's resolution: (the call, what to run) -> its output."""
+
+
+class EngineFeature:
+    """One feature of the engine: every hook does nothing (module doc)."""
+
+    name = "feature"
+    """The feature's name, and its section in the engine's stats."""
+    acts_on_resident_calls = False
+    """Whether it must see a one-token call on a layer whose every expert is resident
+    (else the engine runs such a call without reading anything to the host)."""
+
+    def check(self, config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
+        """Raise a config error if ``config`` cannot run on the loaded ``layers``."""
+
+    def equip(self, layer: OffloadedLayer) -> None:
+        """Give a layer what the feature needs of it (after its cache is made)."""
+
+    def forces_exact(self, num_tokens: int) -> bool:
+        """Whether a decode call of ``num_tokens`` tokens must run exactly now."""
+        return False
+
+    def begin_call(self, call: DecodeCall) -> None:
+        """A decode call starts."""
+
+    def before_read(self, call: DecodeCall) -> None:
+        """Before the call's one host read."""
+
+    def after_read(self, call: DecodeCall) -> None:
+        """The router's ids (and what the features asked for) are on the host."""
+
+    def resolve(self, call: DecodeCall, run: LayerCall, rest: Resolve) -> torch.Tensor:
+        """Around the resolution of the call: ``rest(call, run)`` by default."""
+        return rest(call, run)
+
+    def end_call(self, call: DecodeCall) -> None:
+        """The call's output exists."""
+
+    def routing_for(self, layer: OffloadedLayer, num_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A routing the layer may run without calling its router (``router_free``)."""
+        return None
+
+    def stats(self) -> dict | None:
+        """The feature's section of the engine's stats (``None``: none)."""
+        return None
+
+    def summary(self) -> str:
+        """Its part of the engine's one-line summary (``""``: none)."""
+        return ""
+
+    def reset_stats(self) -> None:
+        """Its counters at zero."""
+
+    def close(self) -> None:
+        """Release what it holds (peers, threads)."""

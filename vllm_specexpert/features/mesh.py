@@ -1,0 +1,57 @@
+"""Experts on mesh peers as an engine feature: the peer tier's stats and lifetime, and
+Early Fire (``early_fire``, ``no_stop``: :mod:`vllm_specexpert.planner.early_fire`), which
+sends rows to the peers of predicted experts ahead of the router. Which entries go to a
+peer is the executor's (a layer's ``peers``, given at ``attach_mesh``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vllm_specexpert.config.sections import MeshConfig
+from vllm_specexpert.features.base import DecodeCall, EngineFeature
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.planner.early_fire import EarlyFire
+from vllm_specexpert.tiers.peer import PeerTier
+
+
+class MeshFeature(EngineFeature):
+    name = "mesh"
+
+    def __init__(self, tier: PeerTier, mesh: MeshConfig, output: str,
+                 layer: Callable[[str], OffloadedLayer]):
+        self.tier = tier
+        tier.mesh = mesh  # (mode and timings change with reconfigure)
+        self.output = output
+        self.layer = layer
+        self.early_fire = EarlyFire(mesh.mode) if mesh.mode != "sync" else None
+
+    def begin_call(self, call: DecodeCall) -> None:
+        if self.early_fire is None:
+            return
+        layer = call.layer
+        call.fired = self.early_fire.at_call(layer.peers, layer.cache, call.x,
+                                             call.shared.get("prediction"), call.stats)
+        if call.fired is not None and self.early_fire.speculates:
+            call.shared["run_prediction"] = True  # no_stop: run what was fired for
+
+    def after_read(self, call: DecodeCall) -> None:
+        upcoming = call.shared.get("upcoming")
+        if self.early_fire is not None and upcoming is not None:
+            # no_stop: the next layer's rows leave now.
+            self.early_fire.predicted(self.layer(call.layer.next_name), upcoming,
+                                      call.shared["next_router_input"])
+
+    def stats(self) -> dict:
+        return self.tier.stats()
+
+    def summary(self) -> str:
+        mesh = self.tier.mesh
+        up = sum(peer.up for peer in self.tier.peers)
+        return (f"; mesh {mesh.mode} ({self.output}), {up} of {mesh.peers} peers in "
+                f"rotation, placement {mesh.placement}")
+
+    def reset_stats(self) -> None:
+        self.tier.reset_stats()
+
+    def close(self) -> None:
+        self.tier.close()

@@ -1,0 +1,111 @@
+"""Next-layer prediction as an engine feature: at each decode call of layer l the
+predictor predicts layer l+1's experts (their ids come to the host in the call's one
+read); the prefetch of what is predicted starts just before layer l's kernel, so the copy
+overlaps its expert compute (:class:`~vllm_specexpert.planner.prefetch.PrefetchPlanner`).
+At layer l+1 the prediction is scored against the router, and run instead of it when the
+miss policy speculates (or a mesh peer computed it ahead, ``no_stop``). Under a mesh,
+predictions fire rows at peers instead of prefetching (:mod:`.mesh`).
+
+What it hands later features in ``DecodeCall.shared``: ``prediction`` (made for this
+call), ``upcoming`` (made at it for the next layer) and ``next_router_input`` (computes
+the next layer's estimated router input)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.features.base import DecodeCall, EngineFeature
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.policy import MissPolicy
+from vllm_specexpert.predict import LayerState, Prediction, Predictor
+from vllm_specexpert.tiers.link import Link
+
+
+class PredictionFeature(EngineFeature):
+    name = "prediction"
+    acts_on_resident_calls = True  # a layer with every expert resident still predicts
+
+    def __init__(self, predictor: Predictor, config: SpecExpertConfig, policy: MissPolicy,
+                 layers: Callable[[str], OffloadedLayer], link: Callable[[], Link]):
+        self.predictor = predictor
+        self.config = config
+        self.policy = policy
+        self.layer = layers
+        """Layer name -> its state."""
+        self.link = link
+        self.prefetches = config.mesh is None
+        """Under a mesh, predictions fire rows at peers, not copies."""
+        self.predictions: dict[str, Prediction] = {}
+        """Layer name -> the prediction made for it earlier in the pass."""
+
+    def speculative(self, layer: OffloadedLayer) -> bool:
+        """Whether the layer may run a prediction instead of its router's choice."""
+        exact_layers = self.config.exact_layers
+        return exact_layers is None or layer.index not in exact_layers
+
+    def begin_call(self, call: DecodeCall) -> None:
+        prediction = self.predictions.pop(call.layer.name, None)
+        if prediction is not None and prediction.num_tokens == call.num_tokens:
+            call.shared["prediction"] = prediction
+
+    def before_read(self, call: DecodeCall) -> None:
+        layer, prediction = call.layer, call.shared.get("prediction")
+        if prediction is not None and (
+                (self.policy.spec.speculates and self.speculative(layer))
+                or call.shared.get("run_prediction", False)):
+            call.replace_routing(*prediction.routing_like(call.router_weights,
+                                                          call.router_ids),
+                                 prediction.host_ids)
+            call.stats.speculated_calls += not call.exact
+            call.stats.router_free_calls += prediction.router_free
+        if layer.next_name is None:
+            return
+        # Made now, on the device, so that its ids come to the host in the same read as
+        # the router's.
+        state = LayerState(call.x, call.run_ids, call.run_weights)
+        upcoming = self.predictor.predict(state, layer.name, layer.next_routing)
+        call.read(upcoming.device_reads(), lambda host: upcoming.set_host(*host))
+        call.shared["upcoming"] = upcoming
+        call.shared["next_router_input"] = lambda: self.predictor.next_router_input(
+            state, layer.name, layer.next_routing)
+
+    def after_read(self, call: DecodeCall) -> None:
+        prediction = call.shared.get("prediction")
+        if prediction is not None and not prediction.router_free:
+            call.layer.prefetch.score(prediction, call.router_host_ids, call.stats)
+        upcoming = call.shared.get("upcoming")
+        if upcoming is not None:
+            call.before_kernel.append(lambda: self._prefetch(call.layer, upcoming))
+
+    def _prefetch(self, layer: OffloadedLayer, prediction: Prediction) -> None:
+        """Record ``prediction`` for the next layer and submit its prefetch."""
+        self.predictions[layer.next_name] = prediction
+        if not self.prefetches:
+            return
+        nxt = self.layer(layer.next_name)
+        everything = self.config.prefetch_filter == "all" or (
+            self.policy.spec.speculates and self.speculative(nxt))
+        nxt.prefetch.prefetch(prediction, nxt.loader, nxt.stats.decode,
+                              self.link().expert_seconds(nxt.cache.experts), everything)
+
+    def routing_for(self, layer: OffloadedLayer, num_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``router_free``: the estimator's prediction, which ``speculate`` runs anyway."""
+        prediction = self.predictions.get(layer.name)
+        if (not self.config.router_free or prediction is None or not prediction.by_estimator
+                or prediction.num_tokens != num_tokens or not self.policy.spec.speculates
+                or not self.speculative(layer)):
+            return None
+        prediction.router_free = True
+        return prediction.topk_weights, prediction.topk_ids
+
+    def summary(self) -> str:
+        """``hybrid``: after which MoE layers it runs the estimator."""
+        layers = getattr(self.predictor, "estimator_layers", None)
+        if self.config.predictor != "hybrid" or layers is None:
+            return ""
+        chosen = sorted(self.layer(name).index for name in layers)
+        return f"; hybrid: the estimator after MoE layers {chosen}"
