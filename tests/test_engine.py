@@ -8,6 +8,7 @@ import pytest
 import torch
 from invariants import check_cache_invariants
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
+from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
@@ -16,13 +17,11 @@ from vllm_specexpert.phases import PassPhases
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
 
 
-def make_engine(**config):
-    engine = OffloadEngine(SpecExpertConfig.from_dict(config), torch.device("cpu"))
+def make_engine(**config) -> tuple[OffloadEngine, dict]:
+    """This file's toy model (two layers of 16 experts, top-4) under ``config``, and its
+    layers' tensors."""
     layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
-    for index, (name, tensors) in enumerate(layers.items()):
-        engine.add_layer(name, tensors, top_k=4, index=index)
-    engine.start()
-    return engine, layers
+    return build_engine(config, layers, top_k=4), layers
 
 
 def test_engine_runs_layers_exactly_and_keeps_phases_apart():

@@ -6,7 +6,15 @@ only then), switching policies with ``reconfigure``.
 """
 
 import pytest
-from vllm_harness import PROMPTS, greedy, make_llm, shutdown, vanilla_reference
+from vllm_harness import (
+    PROMPTS,
+    agreement,
+    greedy,
+    make_llm,
+    shutdown,
+    token_ids,
+    vanilla_reference,
+)
 
 import vllm_specexpert
 from vllm_specexpert.config import SpecExpertConfigError
@@ -20,13 +28,6 @@ def llm():
     llm = make_llm(TRAINED_MODEL, specexpert={"budget": BUDGET, "miss_policy": "lowbit"})
     yield llm
     shutdown(llm)
-
-
-def agreement(outputs, reference) -> float:
-    """Share of generated positions equal to the reference's."""
-    pairs = [(a, b) for out, ref in zip(outputs, reference)
-             for a, b in zip(out.token_ids, ref.token_ids)]
-    return sum(a == b for a, b in pairs) / len(pairs)
 
 
 def test_fetch_on_a_lowbit_engine_is_exact(llm):
@@ -44,11 +45,11 @@ def test_fetch_on_a_lowbit_engine_is_exact(llm):
 def test_lowbit_runs_the_int4_copies(llm):
     reference = vanilla_reference(TRAINED_MODEL)
     vllm_specexpert.reconfigure(llm, miss_policy="drop")
-    dropped = agreement(greedy(llm), reference)
+    dropped = agreement(token_ids(greedy(llm)), token_ids(reference))
     vllm_specexpert.reconfigure(llm, miss_policy="lowbit")
     vllm_specexpert.reset_stats(llm)
     outputs = greedy(llm)
-    low_bit = agreement(outputs, reference)
+    low_bit = agreement(token_ids(outputs), token_ids(reference))
     print(f"agreement with vanilla: lowbit {low_bit:.3f}, drop {dropped:.3f}")
     # An INT4 copy is close to its expert: far closer to vanilla than leaving it out
     # (a copy computed wrong, or not at all, would not be).

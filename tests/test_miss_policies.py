@@ -9,8 +9,9 @@ import torch
 from invariants import check_cache_invariants
 from manual_clock import ManualClock
 from moe_reference import random_layer, reference_moe, slot_kernel
+from toy_engine import build_engine
 
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.policy import MissContext
@@ -23,10 +24,11 @@ TENSORS = random_layer(num_experts=E, hidden=H, seed=3)
 W13, W2 = TENSORS["w13_weight"], TENSORS["w2_weight"]
 
 
-def make_engine(coactivation=None, host_kernel=slot_kernel, **config):
-    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.5, **config}),
-                           torch.device("cpu"))
-    engine.add_layer(NAME, TENSORS, top_k=K, index=0, host_kernel=host_kernel)
+def make_engine(coactivation=None, host_kernel=slot_kernel, **config) -> OffloadEngine:
+    """This file's one toy layer at budget 0.5 (unless ``config`` says otherwise), with
+    the calibration's ``coactivation`` counts when given."""
+    engine = build_engine({"budget": 0.5, **config}, {NAME: TENSORS}, K,
+                          host_kernel=host_kernel, start=False)
     if coactivation is not None:
         engine.set_routing_statistics({NAME: coactivation}, {NAME: np.linspace(0, 1, 101)})
     engine.start()

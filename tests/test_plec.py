@@ -7,6 +7,7 @@ import pytest
 import torch
 from invariants import check_cache_invariants
 from moe_reference import random_layer, reference_moe, slot_kernel
+from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
@@ -18,16 +19,18 @@ NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
 LAYER_TENSORS = {name: random_layer(num_experts=E, hidden=H, seed=i) for i, name in enumerate(NAMES)}
 
 
-def make_engine(cache="plec", budget=0.25, plec_preload="next", **config):
-    preload = {"plec_preload": plec_preload} if cache == "plec" else {}
-    config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache, **preload,
-                                         "path_predictor": "/rpp", **config})
-    engine = OffloadEngine(config, torch.device("cpu"))
-    for index, name in enumerate(NAMES):
-        engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[name].items()},
-                         top_k=K, index=index)
-    engine.start()
-    return engine
+def layers() -> dict[str, dict[str, torch.Tensor]]:
+    """A copy of this file's toy layers for one engine."""
+    return {name: {k: v.clone() for k, v in LAYER_TENSORS[name].items()} for name in NAMES}
+
+
+def make_engine(cache="plec", budget=0.25, plec_preload="next", start=True,
+                **config) -> OffloadEngine:
+    """This file's toy model under ``cache``; ``plec_preload`` is given with plec only,
+    and not at all when ``None`` (its default)."""
+    preload = {"plec_preload": plec_preload} if cache == "plec" and plec_preload else {}
+    return build_engine({"budget": budget, "cache": cache, **preload,
+                         "path_predictor": "/rpp", **config}, layers(), K, start=start)
 
 
 def demand_of(routes: dict[int, np.ndarray], tokens: int, next_routes=None) -> StepDemand:
@@ -255,12 +258,8 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token():
 def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool():
     """The vLLM adapter hands the engine a calibration's vectors once every layer is
     loaded (and has joined the shared pool); that must not replace the pool."""
-    config = SpecExpertConfig.from_dict({"budget": 0.25, "cache": "plec", "path_predictor": "/p",
-                                         "predictor": "quasi_hidden", "calibration": "/c"})
-    engine = OffloadEngine(config, torch.device("cpu"))
-    for index, name in enumerate(NAMES):
-        engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[name].items()},
-                         top_k=K, index=index)
+    engine = make_engine(plec_preload=None, predictor="quasi_hidden", calibration="/c",
+                         start=False)
     pool = engine.pool
     engine.set_predictor_inputs(PredictorInputs({n: torch.zeros(E, H) for n in NAMES},
                                                 {n: torch.ones(H) for n in NAMES}))
@@ -277,13 +276,7 @@ def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined():
     # failed with an IndexError (issue 37).
     from test_quality import identity_head
 
-    config = SpecExpertConfig.from_dict({"budget": 0.25, "cache": "plec",
-                                         "path_predictor": "/rpp", "miss_policy": "drop",
-                                         "quality": {}})
-    engine = OffloadEngine(config, torch.device("cpu"))
-    for index, name in enumerate(NAMES):
-        engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[name].items()},
-                         top_k=K, index=index)
+    engine = make_engine(plec_preload=None, miss_policy="drop", quality={}, start=False)
     engine.set_logit_head(identity_head(H))
     engine.start()
     assert engine.feature("quality") is not None

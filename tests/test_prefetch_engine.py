@@ -8,8 +8,9 @@ import torch
 from invariants import check_cache_invariants
 from manual_clock import ManualClock
 from moe_reference import make_loader, random_layer, reference_moe, slot_kernel
+from toy_engine import build_engine
 
-from vllm_specexpert.config import LinkConfig, SpecExpertConfig
+from vllm_specexpert.config import LinkConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.predict import (
@@ -48,11 +49,11 @@ def toy():
     return gates, norms, layers
 
 
-def make_engine(toy, **config):
+def make_engine(toy, **config) -> OffloadEngine:
+    """The ``toy`` model's layers, the first linked to the second's router; not started
+    (a predictor's inputs may come later, as from the vLLM adapter)."""
     gates, norms, layers = toy
-    engine = OffloadEngine(SpecExpertConfig.from_dict(config), torch.device("cpu"))
-    for index, (name, tensors) in enumerate(layers.items()):
-        engine.add_layer(name, tensors, top_k=K, index=index)
+    engine = build_engine(config, layers, K, start=False)
     engine.link_layers(NAMES[0], NAMES[1], NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1])))
     return engine
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from moe_reference import random_layer, random_routing, slot_kernel
+from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import QualityConfig
@@ -24,10 +25,10 @@ def identity_head(hidden: int = 4) -> LogitHead:
 
 
 def engine_of(specexpert: dict, head: bool = True) -> OffloadEngine:
-    engine = OffloadEngine(SpecExpertConfig.from_dict(specexpert), torch.device("cpu"),
-                           reports=False)
-    for (index, name), seed in zip(((1, NAMES[0]), (3, NAMES[1])), (0, 1)):
-        engine.add_layer(name, random_layer(seed=seed, hidden=HIDDEN), top_k=4, index=index)
+    """This file's toy model (layers 1 and 3, top-4) under ``specexpert``, with the
+    identity logit head unless ``head`` is False."""
+    layers = {name: random_layer(seed=seed, hidden=HIDDEN) for name, seed in zip(NAMES, (0, 1))}
+    engine = build_engine(specexpert, layers, 4, indices=(1, 3), reports=False, start=False)
     if head:  # what wiring a model with a quality budget does
         engine.set_logit_head(identity_head(HIDDEN))
     engine.start()

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_specexpert.tools.fixtures import model_path
@@ -118,6 +119,22 @@ def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS,
             prompt_logprobs=prompt,
         ))
     return result
+
+
+def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
+    """Share of positions at which each token sequence of ``outputs`` equals its
+    reference's; the sequences must be as many and as long as the reference's (a run cut
+    short is an error, not a score)."""
+    lengths = [len(o) for o in outputs], [len(r) for r in reference]
+    assert lengths[0] == lengths[1], f"lengths {lengths[0]} against {lengths[1]}"
+    pairs = [(a, b) for out, ref in zip(outputs, reference) for a, b in zip(out, ref)]
+    assert pairs, "nothing to compare"
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def token_ids(completions: Sequence[Completion]) -> list[list[int]]:
+    """The generated tokens of each completion (what :func:`agreement` compares)."""
+    return [c.token_ids for c in completions]
 
 
 def cache_invariants(model) -> list[int]:

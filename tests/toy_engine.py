@@ -1,0 +1,30 @@
+"""The engine of the tests that do not start vLLM: an :class:`OffloadEngine` on the CPU
+over toy layers (``moe_reference.random_layer``). Each test file binds its own toy model
+(layers, top-k, default config) to :func:`build_engine`."""
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.tiers.host import HostKernel
+
+
+def build_engine(config: dict | SpecExpertConfig,
+                 layers: Mapping[str, dict[str, torch.Tensor]], top_k: int, *,
+                 indices: Sequence[int] | None = None, host_kernel: HostKernel | None = None,
+                 reports: bool = True, start: bool = True) -> OffloadEngine:
+    """An engine on the CPU with ``layers`` (name -> expert tensors) added in order, at
+    decoder-layer ``indices`` (default 0, 1, ...). Started unless ``start`` is False:
+    what the vLLM adapter wires between the layers and the start (routing statistics,
+    a logit head, predictor inputs, peers, the next layer's router) is the caller's."""
+    if not isinstance(config, SpecExpertConfig):
+        config = SpecExpertConfig.from_dict(config)
+    engine = OffloadEngine(config, torch.device("cpu"), reports=reports)
+    indices = range(len(layers)) if indices is None else indices
+    for index, (name, tensors) in zip(indices, layers.items(), strict=True):
+        engine.add_layer(name, tensors, top_k=top_k, index=index, host_kernel=host_kernel)
+    if start:
+        engine.start()
+    return engine
