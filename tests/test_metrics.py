@@ -165,7 +165,7 @@ def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
                            torch.device("cpu"))
     engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
     engine.start()
-    governor = engine.governor
+    governor = engine.feature("lookahead").governor
     for _ in range(7):  # the warm-up's round robin: k = 4, 3, 2, 1, 0, 4, 3
         k = governor.choose(["a", "b"])
         governor.drafted(2, k)

@@ -39,8 +39,6 @@ from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
-from vllm_specexpert.planner.governor import Governor
-from vllm_specexpert.planner.lookahead import LookaheadPlanner
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
 from vllm_specexpert.quality import LogitHead
@@ -73,18 +71,13 @@ class OffloadEngine:
         self.layers: dict[str, OffloadedLayer] = {}
         self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
-        # ``lookahead``: the draft's routes as lookahead, its engine (set by
-        # attach_draft), the draft length per step; a draft's engine: its target.
-        self.lookahead: LookaheadPlanner | None = None
-        self.draft_engine: OffloadEngine | None = None
-        self.target: OffloadEngine | None = None
-        self.governor: Governor | None = (Governor(config.lookahead.k_max, config.lookahead.k)
-                                          if config.lookahead is not None else None)
         self.checkpoint: str | None = None  # the model's directory (mesh peers read it)
         # What the vLLM adapter hands in, which features are built from:
         self.predictor_inputs = PredictorInputs()  # the calibration's, estimator's
         self.logit_head: LogitHead | None = None  # the model's final norm and LM head
         self.peer_tier: PeerTier | None = None  # the mesh's peers (attach_mesh)
+        self.draft_engine: OffloadEngine | None = None  # the lookahead draft's (attach_draft)
+        self.target: OffloadEngine | None = None  # a draft's engine: its target's
         self._select(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
@@ -128,11 +121,9 @@ class OffloadEngine:
 
     def attach_draft(self, draft: OffloadEngine) -> None:
         """``draft`` runs this engine's lookahead draft: its routes become this engine's
-        lookahead (:class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`)."""
+        lookahead (:mod:`vllm_specexpert.features.lookahead`)."""
         self.draft_engine, draft.target = draft, self
-        by_index = {layer.index: layer for layer in self.layers.values()}
-        num_experts = next(iter(by_index.values())).cache.num_experts
-        self.lookahead = LookaheadPlanner(num_experts, by_index.get)
+        self._build_features(self.config)
 
     def attach_mesh(self, tier: PeerTier, local: dict[int, np.ndarray]) -> None:
         """Serve the layers' missing experts from ``tier``'s peers; ``local``: per layer
@@ -143,11 +134,6 @@ class OffloadEngine:
             layer.local_experts = local.get(layer.index)
             layer.equip(self.config, self.link, self.device, self.pool)
         self._build_features(self.config)
-
-    def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
-        """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
-        with self.lock:
-            self.lookahead.draft_routed(layer_index, ids, weights)
 
     def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
         """``next_name`` is the MoE layer after ``name`` and routes by ``routing``."""
@@ -229,10 +215,6 @@ class OffloadEngine:
                 layer.equip(config, self.link, self.device, self.pool)
             if self.pool is not None:
                 self.pool.allocate()
-            if self.governor is not None:
-                self.governor = Governor(config.lookahead.k_max, config.lookahead.k)
-            if self.lookahead is not None:
-                self.lookahead.demand = None
         self.reset_stats()
         self.reporter.start(self.stats_file, config.stats_interval_s)
 
@@ -338,7 +320,7 @@ class OffloadEngine:
         return report.engine_stats(self)
 
     def reset_stats(self) -> None:
-        report.reset_counters(self)  # every layer's, the link's, governor's, peers', draft's
+        report.reset_counters(self)  # every layer's, the link's, the features'
 
     def write_stats(self) -> None:
         self.reporter.write_now()  # the stats file and the metrics snapshot, if any

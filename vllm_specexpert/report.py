@@ -153,16 +153,15 @@ def engine_stats(engine) -> dict[str, Any]:
             },
             "total": total.to_dict(),
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
-            "lookahead": lookahead_stats(engine),
             **feature_stats(engine),
             "scheduler": handoff.scheduler_stats(),
         }
 
 
 def feature_stats(engine) -> dict[str, Any]:
-    """Each feature's stats section by its name; ``mesh`` and ``quality`` are there
-    (``None``) when off."""
-    sections: dict[str, Any] = {"mesh": None, "quality": None}
+    """Each feature's stats section by its name; ``lookahead``, ``mesh`` and ``quality``
+    are there (``None``) when off."""
+    sections: dict[str, Any] = {"lookahead": None, "mesh": None, "quality": None}
     for feature in engine.features:
         section = feature.stats()
         if section is not None:
@@ -170,46 +169,15 @@ def feature_stats(engine) -> dict[str, Any]:
     return sections
 
 
-def lookahead_stats(engine) -> dict[str, Any] | None:
-    """The governor's counters (draft length per step, acceptance) and the draft's
-    memory and decodes; ``None`` without ``lookahead``."""
-    governor, draft = engine.governor, engine.draft_engine
-    if governor is None:
-        return None
-    result = governor.stats.to_dict()
-    result["k_max"], result["fixed_k"] = governor.k_max, governor.fixed_k
-    if draft is not None and draft.layers:
-        with draft.lock:
-            result["draft"] = _draft_stats(draft)
-    return result
-
-
-def _draft_stats(draft) -> dict[str, Any]:
-    # The target's writers run while the draft loads: skip a layer not yet equipped.
-    layers = [la for la in draft.layers.values() if la.cache is not None]
-    totals = LayerStats.sum(la.stats for la in layers)
-    return {
-        "int4_bytes": draft.store.nbytes,
-        "decoded_slot_bytes": sum(la.cache.num_slots * la.cache.experts.slot_nbytes
-                                  for la in layers),
-        "decodes": totals.decode.loads + totals.prefill.loads,
-        "decoded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
-    }
-
-
 def reset_counters(engine) -> None:
-    """Every counter of ``engine`` at zero: its layers', link's, governor's, features'
-    and its draft engine's."""
+    """Every counter of ``engine`` at zero: its layers', link's and features' (the
+    lookahead's: its draft engine's too)."""
     with engine.lock:
         for layer in engine.layers.values():
             layer.stats = LayerStats()
-        if engine.governor is not None:
-            engine.governor.reset_stats()
         for feature in engine.features:
             feature.reset_stats()
     engine.link.reset_counters()
-    if engine.draft_engine is not None:
-        engine.draft_engine.reset_stats()
 
 
 def summary(engine) -> str:

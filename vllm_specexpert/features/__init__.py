@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, Resolve
+from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.features.mesh import MeshFeature
 from vllm_specexpert.features.prediction import PredictionFeature
 from vllm_specexpert.features.quality import QualityFeature
@@ -18,7 +19,7 @@ from vllm_specexpert.quality import QualityMonitor
 
 __all__ = ["DecodeCall", "EngineFeature", "Resolve", "build", "FEATURE_NAMES"]
 
-FEATURE_NAMES = ("quality", "prediction", "mesh", "step_demand")
+FEATURE_NAMES = ("quality", "prediction", "mesh", "lookahead", "step_demand")
 """Every feature, in the order the engine calls them (each its stats section, ``None``
 when off)."""
 
@@ -26,7 +27,7 @@ when off)."""
 def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
     """The features ``config`` turns on, in order, wired to ``engine``'s layers, link,
     miss policy, shared pool and the inputs handed to it (predictor inputs, the model's
-    logit head, the mesh's peer tier). A feature whose inputs are not there yet is left
+    logit head, the mesh's peer tier, the lookahead draft's engine). A feature whose inputs are not there yet is left
     out (the engine builds again when they arrive)."""
     features: list[EngineFeature] = []
     monitor = QualityMonitor.of(config.quality, engine.logit_head, engine.layers)
@@ -40,9 +41,15 @@ def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
     if engine.peer_tier is not None and config.mesh is not None:
         features.append(MeshFeature(engine.peer_tier, config.mesh, engine.output,
                                     engine.layers.__getitem__))
+    demand = lambda: engine.step_demand  # noqa: E731 - the scheduler's, set per call
+    if config.lookahead is not None:
+        lookahead = LookaheadFeature(config.lookahead, list(engine.layers.values()),
+                                     engine.draft_engine, engine.lock)
+        features.append(lookahead)
+        demand = lookahead.demand
     if config.path_predictor is not None or config.lookahead is not None:
         planner = (PlecPlanner(engine.pool, config.plec_preload)
                    if engine.pool is not None else None)
-        features.append(StepDemandFeature(lambda: engine.step_demand,
-                                          lambda: list(engine.layers.values()), planner))
+        features.append(StepDemandFeature(demand, lambda: list(engine.layers.values()),
+                                          planner))
     return features

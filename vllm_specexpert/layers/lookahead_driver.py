@@ -26,10 +26,11 @@ import torch
 
 from vllm_specexpert import vllm_hooks
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.lookahead import LookaheadFeature
 
 _NOT_LOOKED_UP = object()
-_active = None
-"""The target engine whose drafting round runs now."""
+_active: LookaheadFeature | None = None
+"""The target engine's lookahead whose drafting round runs now."""
 
 
 def install() -> None:
@@ -37,29 +38,37 @@ def install() -> None:
     vllm_hooks.around_drafting(_first_pass, _propose)
 
 
-def _engine_of(runner):
+def _engine_of(runner) -> OffloadEngine | None:
     """The runner's target engine if it runs ``lookahead``, else ``None`` (cached)."""
     engine = getattr(runner, "_specexpert_lookahead", _NOT_LOOKED_UP)
     if engine is _NOT_LOOKED_UP:
         # The target model's offloaded layers hold its engine (the draft is apart).
         engine = next((m.engine for m in runner.get_model().modules()
                        if isinstance(getattr(m, "engine", None), OffloadEngine)), None)
-        if engine is None or engine.governor is None or engine.lookahead is None:
+        if engine is None or engine.config.lookahead is None:
             engine = None
         runner._specexpert_lookahead = engine
     return engine
 
 
-def _step_started(runner, scheduler_output) -> None:
+def _lookahead_of(runner) -> LookaheadFeature | None:
+    """The running lookahead feature of the runner's target engine (rebuilt by a
+    ``reconfigure``: looked up per step), once the draft is attached."""
     engine = _engine_of(runner)
-    if engine is not None:
+    feature = engine.feature("lookahead") if engine is not None else None
+    return feature if feature is not None and feature.planner is not None else None
+
+
+def _step_started(runner, scheduler_output) -> None:
+    lookahead = _lookahead_of(runner)
+    if lookahead is not None:
         for request in scheduler_output.finished_req_ids:
-            engine.governor.finished(request)
+            lookahead.governor.finished(request)
 
 
 def _first_pass(proposer, token_indices_to_sample) -> None:
     if _active is not None and token_indices_to_sample is not None:
-        _active.lookahead.buffer.first_rows = np.asarray(
+        _active.planner.buffer.first_rows = np.asarray(
             token_indices_to_sample.cpu().numpy(), dtype=np.int64)
 
 
@@ -79,10 +88,10 @@ def _verification(sampled: Any, spec_decode_metadata: Any,
 
 def _propose(runner, original, scheduler_output, *args, **kwargs):
     global _active
-    engine = _engine_of(runner)
-    if engine is None:
+    lookahead = _lookahead_of(runner)
+    if lookahead is None:
         return original(runner, scheduler_output, *args, **kwargs)
-    governor = engine.governor
+    engine, governor = _engine_of(runner), lookahead.governor
     requests = list(runner.input_batch.req_ids)
     sampled, spec_decode_metadata = args[0], args[5]
     last = getattr(runner, "_specexpert_round_start", None)
@@ -96,15 +105,15 @@ def _propose(runner, original, scheduler_output, *args, **kwargs):
     with engine.lock:
         governor.verified(verified, now - last if only_verified else None)
         k = governor.choose(requests)
-        engine.lookahead.round_started(None)
+        lookahead.planner.round_started(None)
     scheduler_output.num_spec_tokens_to_schedule = k
-    _active = engine
+    _active = lookahead
     try:
         drafts = original(runner, scheduler_output, *args, **kwargs)
     finally:
         _active = None
         with engine.lock:
-            engine.lookahead.round_ended()
+            lookahead.planner.round_ended()
     with engine.lock:
         governor.drafted(len(requests), k)
         keep = governor.drafting(requests, k)

@@ -223,12 +223,13 @@ class OffloadedRoutedExperts(RoutedExperts):
     ) -> torch.Tensor:
         self._tiles.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
         engine = self.engine
-        if self._draft and engine.target.lookahead.active:
-            # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
-            engine.target.draft_routed(self.layer_index, topk_ids.cpu().numpy(),
+        if self._draft:
+            lookahead = engine.target.feature("lookahead")
+            if lookahead is not None and lookahead.active:
+                # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
+                lookahead.draft_routed(self.layer_index, topk_ids.cpu().numpy(),
                                        topk_weights.float().cpu().numpy())
-        engine.step_demand = (engine.lookahead.demand if engine.lookahead is not None
-                              else handoff.current())
+        engine.step_demand = handoff.current()
         return engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
                           current_phases(x.shape[0], self._decode_query_len))
 

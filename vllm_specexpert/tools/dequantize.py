@@ -24,7 +24,11 @@ import torch
 
 from vllm_specexpert.quant_config import format_of
 from vllm_specexpert.tools.arguments import quantized_model_dir
-from vllm_specexpert.tools.quantize import check_checkpoint_out, read_checkpoint, write_checkpoint
+from vllm_specexpert.tools.quantize import (
+    check_checkpoint_out,
+    read_checkpoint,
+    write_checkpoint,
+)
 
 
 def dequantize_checkpoint(model: Path, out: Path) -> dict:

@@ -45,7 +45,12 @@ from vllm_specexpert.tools.arguments import (
     holding,
     positive_int,
 )
-from vllm_specexpert.tools.provenance import command_line, file_label, model_label, path_label
+from vllm_specexpert.tools.provenance import (
+    command_line,
+    file_label,
+    model_label,
+    path_label,
+)
 from vllm_specexpert.tools.trace import (
     add_data_arguments,
     file_documents,

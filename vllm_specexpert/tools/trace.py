@@ -193,7 +193,11 @@ def file_documents(paths: list[str]) -> Documents:
 
 def add_data_arguments(parser) -> None:
     """``MODEL`` and the text to run: ``--data FILE...`` or a corpus ``--split``."""
-    from vllm_specexpert.tools.arguments import data_file, positive_int, unquantized_model_dir
+    from vllm_specexpert.tools.arguments import (
+        data_file,
+        positive_int,
+        unquantized_model_dir,
+    )
 
     parser.add_argument("model", nargs="?", type=unquantized_model_dir,
                         help="model directory (default: the embedded model)")

@@ -317,9 +317,8 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_specexpert.tools.progress import progress_bar
-
     from vllm_specexpert.tools import corpus
+    from vllm_specexpert.tools.progress import progress_bar
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)

@@ -1,0 +1,78 @@
+"""The lookahead draft (MoE-SpeQ) as an engine feature: the governor that sets each
+step's draft length (:mod:`~vllm_specexpert.planner.governor`), and the target's planner
+of the draft's routes (:mod:`~vllm_specexpert.planner.lookahead`), whose buffer becomes
+the verification pass's demand (:mod:`.step_demand`). vLLM's speculative decoding runs
+the draft; ``layers/lookahead_driver.py`` opens and closes its rounds around vLLM's
+proposer, and the draft's layers hand their routes over (:meth:`draft_routed`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from vllm_specexpert.config.sections import LookaheadConfig
+from vllm_specexpert.features.base import EngineFeature
+from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.planner.governor import Governor
+from vllm_specexpert.planner.lookahead import LookaheadPlanner
+from vllm_specexpert.stats import LayerStats
+
+
+class LookaheadFeature(EngineFeature):
+    name = "lookahead"
+
+    def __init__(self, config: LookaheadConfig, layers: list[OffloadedLayer],
+                 draft: Any, lock: threading.Lock):
+        self.governor = Governor(config.k_max, config.k)
+        self.draft = draft
+        """The draft's engine (``None`` until vLLM has built the draft)."""
+        self.lock = lock
+        """The target engine's lock (the draft's routes arrive from its own layers)."""
+        by_index = {layer.index: layer for layer in layers}
+        self.planner = (LookaheadPlanner(layers[0].experts.num_experts, by_index.get)
+                        if draft is not None and layers else None)
+
+    @property
+    def active(self) -> bool:
+        """A drafting round runs (its routes are the target's lookahead)."""
+        return self.planner is not None and self.planner.active
+
+    def demand(self) -> StepDemand | None:
+        """The verification pass's demand: the last round's routes."""
+        return self.planner.demand if self.planner is not None else None
+
+    def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
+        """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
+        with self.lock:
+            self.planner.draft_routed(layer_index, ids, weights)
+
+    def stats(self) -> dict:
+        """The governor's counters (draft length per step, acceptance) and the draft's
+        memory and decodes."""
+        result = self.governor.stats.to_dict()
+        result["k_max"], result["fixed_k"] = self.governor.k_max, self.governor.fixed_k
+        if self.draft is not None and self.draft.layers:
+            with self.draft.lock:
+                result["draft"] = _draft_stats(self.draft)
+        return result
+
+    def reset_stats(self) -> None:
+        self.governor.reset_stats()
+        if self.draft is not None:
+            self.draft.reset_stats()
+
+
+def _draft_stats(draft: Any) -> dict[str, Any]:
+    # The target's writers run while the draft loads: skip a layer not yet equipped.
+    layers = [layer for layer in draft.layers.values() if layer.cache is not None]
+    totals = LayerStats.sum(layer.stats for layer in layers)
+    return {
+        "int4_bytes": draft.store.nbytes,
+        "decoded_slot_bytes": sum(layer.cache.num_slots * layer.cache.experts.slot_nbytes
+                                  for layer in layers),
+        "decodes": totals.decode.loads + totals.prefill.loads,
+        "decoded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
+    }
