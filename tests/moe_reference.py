@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from vllm_specexpert import execute
+from vllm_specexpert import execute, layer_call
 from vllm_specexpert.config import LinkConfig
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
@@ -58,7 +58,7 @@ def run_fetch(loader: ExpertLoader, x, topk_weights, topk_ids, stats: PhaseStats
               kernel=None) -> torch.Tensor:
     """One layer call under ``fetch`` (the exact path every prefill call takes): the
     executor surveys the cache and runs every entry on the device, loaded on demand."""
-    call = execute.LayerCall(x, topk_weights, topk_ids, topk_ids.numpy(),
+    call = layer_call.LayerCall(x, topk_weights, topk_ids, topk_ids.numpy(),
                              kernel or slot_kernel, stats)
     return execute.run(loader, call, execute.survey(loader, call))
 

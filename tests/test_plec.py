@@ -208,7 +208,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     The experts of the launch must stay where the kernel will read them."""
     from moe_reference import run_fetch  # noqa: F401 (the same executor path)
 
-    from vllm_specexpert import execute
+    from vllm_specexpert import execute, layer_call
     from vllm_specexpert.stats import PhaseStats
 
     engine = make_engine(plec_preload="none")
@@ -218,7 +218,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     stats = PhaseStats()
     # Victims of the upcoming layer's load: its own experts first, then the running
     # layer's (whose turn comes next-to-last), oldest first, then the last layer's.
-    call = execute.LayerCall(x, w, ids, ids.numpy(), slot_kernel, stats)
+    call = layer_call.LayerCall(x, w, ids, ids.numpy(), slot_kernel, stats)
     call.before_kernel = lambda: upcoming.loader.prefetch(np.arange(8, 16), stats)
     out = execute.run(running.loader, call, execute.survey(running.loader, call))
     t = LAYER_TENSORS[NAMES[0]]

@@ -33,15 +33,18 @@ package is named here)::
                         routing path); draft (the lookahead draft's routes, the ELB);
                         estimator (network, artifact, predictor), hybrid (its layers)
     4  policy/          miss policies that only decide (a MissPlan): base, context,
-                        fetch, speculate, cpu, substitute, drop, buddies, lowbit
+                        fetch, speculate, cpu, substitute, drop, buddies, lowbit, peers
     4  planner/         what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router)
-    5  execute          one layer call (LayerCall): survey, run a plan, token groups,
-                        kernel launches; the one place that runs experts
+    5  layer_call       LayerCall: one call's tokens, routing, kernel, counters
+    5  backends         where entries run besides the slots: host, INT4 copy, peer
+    5  execute          survey, run a plan over the device and the backends, token
+                        groups, kernel launches; the one place that runs experts
     6  engine           OffloadEngine: the exact spine per layer call, features around it
     6  features/        EngineFeature hooks (base), the factory (__init__): prediction,
-                        quality, mesh (peers, early fire), step_demand (path score, PLEC)
+                        quality, mesh (peers, early fire), lookahead (governor, the
+                        draft's routes), step_demand (path score, PLEC)
     6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
     6  quality          the quality budget: shadow-exact samples, the switch per batch
     6  report           the stats dict, the summary line, the file writers

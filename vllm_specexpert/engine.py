@@ -33,9 +33,9 @@ import torch
 
 from vllm_specexpert import execute, features, report
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.execute import ExpertKernel, LayerCall
 from vllm_specexpert.features import DecodeCall, EngineFeature
 from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
@@ -83,14 +83,17 @@ class OffloadEngine:
     def _select(self, config: SpecExpertConfig) -> None:
         """The miss policy, shared pool and features ``config`` names (a new pool: caches
         made from now on join it)."""
-        self.miss_policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
+        self._policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
         self.pool = SharedSlotPool(self.device) if config.cache_spec.shared_pool else None
         """The slot pool every layer shares (``plec``); ``None``: one per layer."""
         self._build_features(config)
 
     def _build_features(self, config: SpecExpertConfig) -> None:
+        self.miss_policy = self._policy  # (what the features are built with)
         self.features: list[EngineFeature] = features.build(config, self)
         """In the order their hooks are called (:mod:`vllm_specexpert.features`)."""
+        for feature in self.features:
+            self.miss_policy = feature.miss_policy(self.miss_policy)
         self._sees_resident_calls = any(f.acts_on_resident_calls for f in self.features)
 
     def feature(self, name: str) -> EngineFeature | None:

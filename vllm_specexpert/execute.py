@@ -20,85 +20,24 @@ launch changes, never the arithmetic of a token.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from vllm_specexpert.backends import placements
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
-from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.loader import ExpertLoader
-from vllm_specexpert.tiers.peer import Sent
 from vllm_specexpert.tiers.staging import upload
 from vllm_specexpert.tiers.store import LayerExperts
-
-ExpertKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None],
-    torch.Tensor,
-]
-"""``kernel(x, topk_weights, ids, slots, expert_map) -> out``: the layer's fused-experts
-kernel run on the slot tensors ``slots`` (name -> ``[num_slots, ...]``). ``ids`` are slot
-indices when ``expert_map`` is ``None``, else router expert ids that the kernel maps
-through ``expert_map`` (id -> slot, -1: not resident), as vLLM's fused MoE does for
-expert parallelism (see :meth:`ExpertCache.kernel_routing`)."""
 
 GROUP_SCAN_FACTOR = 4
 """A token group is grown from at most ``GROUP_SCAN_FACTOR * slots`` candidate tokens
 per round, bounding the host work of planning."""
-
-
-@dataclass
-class LayerCall:
-    """One call of one offloaded MoE layer on some tokens of a forward pass."""
-
-    x: torch.Tensor
-    """``[T, H]`` the tokens' router input."""
-    topk_weights: torch.Tensor
-    """``[T, K]`` the routing to run (the router's, or a prediction under ``speculate``)."""
-    topk_ids: torch.Tensor
-    """``[T, K]`` its expert ids, on the device."""
-    ids: np.ndarray | None
-    """The same ids on the host (``None`` only for :func:`run_resident_token`)."""
-    kernel: ExpertKernel
-    stats: PhaseStats
-    """Counters of the call's phase (decode or prefill)."""
-    fired: Sent | None = None
-    """Pairs of these tokens sent to mesh peers ahead of the router (Early Fire)."""
-    before_kernel: Callable[[], None] | None = None
-    """Called once, when the first launch's experts are resident and before it starts
-    (the engine submits the next layer's prefetch there, so that the copy overlaps this
-    layer's expert compute)."""
-
-    def rows(self, index: np.ndarray, weights: torch.Tensor | None = None,
-             ids: np.ndarray | None = None) -> LayerCall:
-        """The call on the tokens ``index`` (host row numbers); ``weights`` and ``ids``
-        (host), already of those rows, replace their routing if given."""
-        device_index = upload(index, self.x.device)
-        if ids is None:
-            ids, topk_ids = self.ids[index], self.topk_ids[device_index]
-        else:
-            topk_ids = upload(ids, self.x.device).to(self.topk_ids.dtype)
-        if weights is None:
-            weights = self.topk_weights[device_index]
-        return dataclasses.replace(self, x=self.x[device_index], topk_weights=weights,
-                                   topk_ids=topk_ids, ids=ids)
-
-    def routed(self, weights: torch.Tensor, ids: np.ndarray) -> LayerCall:
-        """The same tokens with another routing (``ids`` on the host)."""
-        return dataclasses.replace(
-            self, topk_weights=weights, ids=ids,
-            topk_ids=upload(ids, self.x.device).to(self.topk_ids.dtype))
-
-    def take_before_kernel(self) -> Callable[[], None] | None:
-        """``before_kernel``, once: later launches of the call get ``None``."""
-        hook, self.before_kernel = self.before_kernel, None
-        return hook
 
 
 @dataclass
@@ -129,43 +68,31 @@ def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True)
 
 def resolve(loader: ExpertLoader, call: LayerCall, policy: MissPolicy,
             context: MissContext) -> torch.Tensor:
-    """A decode call: survey it, ask ``policy`` about its missing entries (entries a
-    mesh peer in rotation holds go to the peer: the policy sees them as resident), run
-    the plan."""
+    """A decode call: survey it, ask ``policy`` about its missing entries, run the plan."""
     found = survey(loader, call, policy.spec.waits_for_copies)
-    plan, resident, remote = None, found.resident, None
-    if found.missed and context.peers is not None:
-        hosted = context.peers.hosted()
-        remote, resident = found.missing & hosted[call.ids], resident | hosted
-    if found.missed and not resident[call.ids].all():
-        plan = policy.plan(call.ids, resident, call.topk_weights, context)
-    if remote is not None and remote.any():
-        plan = plan or MissPlan(topk_ids=call.ids)
-        plan.on_peer = remote
+    plan = (policy.plan(call.ids, found.resident, call.topk_weights, context)
+            if found.missed else None)
     return run(loader, call, found, plan, context)
 
 
 def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | None = None,
         context: MissContext | None = None) -> torch.Tensor:
     """Routed-expert output of the call under ``plan`` (``None``: every entry on the
-    device, missing ones loaded on demand)."""
+    device, missing ones loaded on demand): the entries of the other places
+    (:mod:`vllm_specexpert.backends`) start first, the device's run, then each place
+    adds its results; entries a place could not compute run on the device, loaded."""
     if plan is None:
         call.stats.fetched_entries += found.missed
         return run_on_device(loader, call, found.needed)
     ids, stats = call.ids, call.stats
-    none = np.zeros(ids.shape, dtype=bool)
-    substituted = plan.substituted if plan.substituted is not None else none
-    on_host = plan.on_host if plan.on_host is not None else none
-    dropped = plan.dropped if plan.dropped is not None else none
-    low_bit = plan.low_bit if plan.low_bit is not None else none
-    on_peer = plan.on_peer if plan.on_peer is not None else none
-    on_device = ~(on_host | dropped | low_bit | on_peer)
-    stats.substituted_entries += int(np.count_nonzero(substituted))
-    stats.host_entries += int(np.count_nonzero(on_host))
-    stats.dropped_entries += int(np.count_nonzero(dropped))
-    stats.low_bit_entries += int(np.count_nonzero(low_bit))
-    stats.peer_entries += int(np.count_nonzero(on_peer))
-    fetched = found.missing & on_device & ~substituted
+    elsewhere = placements(plan, context) if context is not None else []
+    on_device = ~plan.dropped if plan.dropped is not None else np.ones(ids.shape, dtype=bool)
+    for _, entries in elsewhere:
+        on_device &= ~entries
+    plan.count(stats)
+    fetched = found.missing & on_device
+    if plan.substituted is not None:
+        fetched &= ~plan.substituted
     stats.fetched_entries += int(np.count_nonzero(fetched))
     # Missing experts that no device entry loads still count as requested and missed.
     unloaded = np.setdiff1d(ids[found.missing & ~fetched], plan.topk_ids[on_device])
@@ -173,90 +100,35 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
     stats.misses += len(unloaded)
 
     weights = call.topk_weights
-    device_mask = upload(on_device, call.x.device)
     if plan.renormalize:
-        kept = torch.where(device_mask, weights, 0.0).sum(-1, keepdim=True)
+        kept = torch.where(upload(on_device, call.x.device), weights, 0.0).sum(-1, keepdim=True)
         weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
-    started_at = time.perf_counter()
-    peer_job = (context.peers.stage(call.x, plan.topk_ids, on_peer, call.fired)
-                if on_peer.any() else None)
-    host_job = (context.host.stage(call.x, call.topk_weights, ids, on_host)
-                if on_host.any() else None)
+    planned = call.routed(weights, plan.topk_ids)
+    jobs = [(backend, backend.stage(planned, entries)) for backend, entries in elsewhere]
     if on_device.all():
-        out = run_on_device(loader, call.routed(weights, plan.topk_ids))
+        out = run_on_device(loader, planned)
     else:
-        # Masked entries point at one of their token's device experts, weight 0: the
-        # kernel has a fixed top-k, and adding 0 changes nothing.
-        rows = np.flatnonzero(on_device.any(axis=1))
-        mask = on_device[rows]
-        first = plan.topk_ids[rows, mask.argmax(axis=1)]
-        device_ids = np.where(mask, plan.topk_ids[rows], first[:, None])
         out = torch.zeros_like(call.x)
-        if len(rows):
-            index = upload(rows, call.x.device)
-            out[index] = run_on_device(loader, call.rows(
-                rows, torch.where(device_mask[index], weights[index], 0.0), device_ids))
+        if on_device.any():
+            index, part = planned.masked(on_device)
+            out[index] = run_on_device(loader, part)
         elif call.before_kernel is not None:
             loader.begin_run(np.zeros(0, dtype=np.int64), stats)
             call.take_before_kernel()()
-    if low_bit.any():
-        _run_low_bit(context.low_bit, call, low_bit, out)
-    if peer_job is not None:
-        waited_from = time.perf_counter()
-        stats.fired_used += peer_job.reused
-        failed = context.peers.finish(peer_job, out, weights, ids.shape)
-        stats.peer_wait_s += time.perf_counter() - waited_from
-        if failed.any():  # the peer left the rotation: its entries run here, loaded
+    for backend, job in jobs:
+        failed = backend.finish(job, out)
+        if failed is not None and failed.any():  # a peer left the rotation
             count = int(np.count_nonzero(failed))
             stats.peer_fallback_entries += count
             stats.fetched_entries += count
-            index, part = _masked_part(call.routed(weights, plan.topk_ids), failed)
+            index, part = planned.masked(failed)
+            part.before_kernel = None
             out[index] += run_on_device(loader, part)
-    if host_job is not None:
-        charged, waited = context.host.finish(host_job, out, started_at)
-        stats.host_experts += host_job.experts
-        stats.host_s += charged
-        stats.host_stall_s += waited
-    elsewhere = on_host | low_bit
-    if context is not None and context.admit_host_experts and elsewhere.any():
-        experts, counts = np.unique(ids[elsewhere], return_counts=True)
+    computed_elsewhere = plan.computed_elsewhere()
+    if context is not None and context.admit_host_experts and computed_elsewhere.any():
+        experts, counts = np.unique(ids[computed_elsewhere], return_counts=True)
         loader.admit(int(experts[np.argmax(counts)]), stats)
     return out
-
-
-def _masked_part(call: LayerCall, entries: np.ndarray) -> tuple[torch.Tensor, LayerCall]:
-    """The call on the rows that have some of ``entries`` ([T, K] mask), the other
-    entries of those rows pointing at one of the row's entries with weight 0 (the
-    kernel has a fixed top-k; adding 0 changes nothing); and those rows' device index."""
-    rows = np.flatnonzero(entries.any(axis=1))
-    mask = entries[rows]
-    first = call.ids[rows, mask.argmax(axis=1)]
-    index = upload(rows, call.x.device)
-    part = call.rows(rows, torch.where(upload(mask, call.x.device),
-                                       call.topk_weights[index], 0.0),
-                     np.where(mask, call.ids[rows], first[:, None]))
-    part.before_kernel = None
-    return index, part
-
-
-def _run_low_bit(low_bit: ExpertLoader, call: LayerCall, entries: np.ndarray,
-                 out: torch.Tensor) -> None:
-    """Add to ``out`` the ``entries`` ([T, K] mask) run from their experts' INT4 copies,
-    loaded (packed) into the low-bit slots; one kernel launch on those slots. Their
-    loads count as ``low_bit_*`` (and in ``bytes_loaded``), not as the cache's."""
-    ids, stats = call.ids, call.stats
-    scratch = PhaseStats()
-    low_bit.acquire(np.unique(ids[entries]), scratch)  # demand copies count at once
-    stats.low_bit_loads += scratch.loads
-    stats.low_bit_bytes += scratch.bytes_loaded
-    stats.bytes_loaded += scratch.bytes_loaded
-    stats.stall_s += scratch.stall_s
-    index, part = _masked_part(call, entries)
-    kernel_ids, expert_map = low_bit.cache.kernel_routing(part.topk_ids, part.ids)
-    out[index] += part.kernel(part.x, part.topk_weights, kernel_ids, low_bit.cache.slots,
-                              expert_map)
-    low_bit.kernel_launched(np.unique(ids[entries]))
-    stats.kernel_calls += 1
 
 
 def host_pairs(experts: LayerExperts, kernel: HostKernel | None, x: torch.Tensor,

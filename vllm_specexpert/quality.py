@@ -46,7 +46,7 @@ import torch
 
 from vllm_specexpert import execute
 from vllm_specexpert.config.sections import QualityConfig
-from vllm_specexpert.execute import LayerCall
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import PhaseStats

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.execute import ExpertKernel, LayerCall
+from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import PhaseStats
 
 HostReads = Callable[[list[np.ndarray]], None]
@@ -127,6 +128,11 @@ class EngineFeature:
 
     def equip(self, layer: OffloadedLayer) -> None:
         """Give a layer what the feature needs of it (after its cache is made)."""
+
+    def miss_policy(self, policy: MissPolicy) -> MissPolicy:
+        """The miss policy the engine runs, given the one before (a feature may wrap it:
+        the mesh sends its peers' experts to them first)."""
+        return policy
 
     def forces_exact(self, num_tokens: int) -> bool:
         """Whether a decode call of ``num_tokens`` tokens must run exactly now."""

@@ -1,7 +1,8 @@
 """Experts on mesh peers as an engine feature: the peer tier's stats and lifetime, and
 Early Fire (``early_fire``, ``no_stop``: :mod:`vllm_specexpert.planner.early_fire`), which
-sends rows to the peers of predicted experts ahead of the router. Which entries go to a
-peer is the executor's (a layer's ``peers``, given at ``attach_mesh``)."""
+sends rows to the peers of predicted experts ahead of the router. The entries of experts a
+peer holds go to it before the miss policy decides (:class:`~vllm_specexpert.policy.peers.
+PeersFirst`); a layer's ``peers`` are given at ``attach_mesh``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.features.base import DecodeCall, EngineFeature
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.early_fire import EarlyFire
+from vllm_specexpert.policy import MissPolicy, PeersFirst
 from vllm_specexpert.tiers.peer import PeerTier
 
 
@@ -24,6 +26,9 @@ class MeshFeature(EngineFeature):
         self.output = output
         self.layer = layer
         self.early_fire = EarlyFire(mesh.mode) if mesh.mode != "sync" else None
+
+    def miss_policy(self, policy: MissPolicy) -> MissPolicy:
+        return PeersFirst(policy)
 
     def begin_call(self, call: DecodeCall) -> None:
         if self.early_fire is None:

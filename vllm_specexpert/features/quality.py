@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_specexpert.execute import LayerCall
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, Resolve
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.quality import QualityMonitor
 
 

@@ -8,6 +8,7 @@ from vllm_specexpert.policy.cpu import AutoBuddyPolicy, AutoPolicy, CpuPolicy
 from vllm_specexpert.policy.drop import DropPolicy
 from vllm_specexpert.policy.fetch import FetchPolicy
 from vllm_specexpert.policy.lowbit import LowBitPolicy
+from vllm_specexpert.policy.peers import PeersFirst
 from vllm_specexpert.policy.speculate import SpeculatePolicy
 from vllm_specexpert.policy.substitute import BuddyPolicy, RandomPolicy
 
@@ -21,5 +22,5 @@ MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {
 
 __all__ = [
     "MISS_POLICY_CLASSES", "FetchPolicy", "MissContext", "MissPlan", "MissPolicy",
-    "SpeculatePolicy", "miss_context",
+    "PeersFirst", "SpeculatePolicy", "miss_context",
 ]

@@ -22,6 +22,7 @@ import torch
 
 from vllm_specexpert.config.modes import MISS_POLICIES, MissPolicySpec
 from vllm_specexpert.policy.context import MissContext
+from vllm_specexpert.stats import PhaseStats
 
 
 @dataclass
@@ -40,10 +41,27 @@ class MissPlan:
     low_bit: np.ndarray | None = None
     """Entries run from their expert's INT4 copy in the layer's low-bit slots."""
     on_peer: np.ndarray | None = None
-    """Entries computed by the mesh peer that holds their expert (set by the engine,
-    not by a policy: a policy sees those experts as resident)."""
+    """Entries computed by the mesh peer that holds their expert (:class:`~vllm_specexpert.
+    policy.peers.PeersFirst`: the policy it wraps sees those experts as resident)."""
     renormalize: bool = False
     """Scale each token's remaining weights so they sum to what all its weights did."""
+
+    def count(self, stats: PhaseStats) -> None:
+        """Add the plan's entries per kind to a phase's counters."""
+        for mask, counter in ((self.substituted, "substituted_entries"),
+                              (self.dropped, "dropped_entries"),
+                              (self.on_host, "host_entries"),
+                              (self.low_bit, "low_bit_entries"),
+                              (self.on_peer, "peer_entries")):
+            if mask is not None:
+                setattr(stats, counter, getattr(stats, counter) + int(np.count_nonzero(mask)))
+
+    def computed_elsewhere(self) -> np.ndarray:
+        """``[T, K]`` entries computed off the device's cache: on the host or from an
+        INT4 copy (what ``admit_host_experts`` may load)."""
+        none = np.zeros(self.topk_ids.shape, dtype=bool)
+        return ((self.on_host if self.on_host is not None else none)
+                | (self.low_bit if self.low_bit is not None else none))
 
 
 class MissPolicy:

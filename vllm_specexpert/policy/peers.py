@@ -1,0 +1,38 @@
+"""Entries whose expert a mesh peer in rotation holds go to that peer, before any miss
+policy decides: the policy it wraps sees those experts as resident and decides about the
+others (``mesh``; which peer holds what is :class:`~vllm_specexpert.tiers.peer.PeerTier`'s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_specexpert.policy.base import MissPlan, MissPolicy
+from vllm_specexpert.policy.context import MissContext
+
+
+class PeersFirst(MissPolicy):
+    """``policy`` with the entries of experts a peer holds sent to the peer."""
+
+    def __init__(self, policy: MissPolicy):
+        self.policy = policy
+
+    @property  # type: ignore[override]
+    def spec(self):  # noqa: ANN201 - the wrapped policy's traits
+        return self.policy.spec
+
+    def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
+             context: MissContext) -> MissPlan | None:
+        if context.peers is None:
+            return self.policy.plan(ids, resident, topk_weights, context)
+        hosted = context.peers.hosted()
+        remote = ~resident[ids] & hosted[ids]
+        resident = resident | hosted
+        plan = None
+        if not resident[ids].all():
+            plan = self.policy.plan(ids, resident, topk_weights, context)
+        if not remote.any():
+            return plan
+        plan = plan or MissPlan(topk_ids=ids)
+        plan.on_peer = remote
+        return plan
