@@ -1,27 +1,16 @@
-"""OffloadEngine: the per-worker orchestration of every offloaded MoE layer.
+"""OffloadEngine: the exact spine of every offloaded MoE layer's call, in one worker.
 
 One engine per worker process holds the slow tier (:class:`ExpertStore`), the link (one
-copy engine for all layers), per MoE layer an :class:`OffloadedLayer`, the miss policy,
-the predictor and the planners. It has no vLLM dependency: the vLLM adapter in
+copy engine for all layers), per MoE layer an :class:`OffloadedLayer`, the miss policy
+and the features the config turns on. It has no vLLM dependency: the vLLM adapter in
 ``layers/`` hands it host tensors, a kernel per layer, each layer's successor with its
 routing, and per forward pass which tokens are decode (:class:`PassPhases`).
 
-It only orchestrates. A layer call's tokens are split by phase; prefill tokens run
-exactly (the router's experts, loaded on demand). For decode tokens, per layer call:
-
-1. the prediction made for this layer at the previous one, if any, is scored against the
-   router's choice (and under ``speculate`` replaces it);
-2. the predictor predicts the next layer's experts (read to the host with the router's
-   ids, one read); their prefetch starts just before this layer's kernel
-   (:class:`~vllm_specexpert.planner.prefetch.PrefetchPlanner`): the copy overlaps this
-   layer's expert compute and the next layer's attention;
-3. with a step's predicted demand (``path_predictor``, or the ``lookahead`` draft's
-   routes), the PLEC planner plans the shared pool (:mod:`~vllm_specexpert.planner.plec`);
-4. the executor surveys the cache, the miss policy decides about the missing entries
-   (those a mesh peer holds go to it; predictions then fire rows at peers,
-   :mod:`~vllm_specexpert.planner.early_fire`, instead of prefetching), the executor
-   runs the plan (:mod:`vllm_specexpert.execute`), and under a ``quality`` budget its
-   monitor samples the exact result beside it (:mod:`vllm_specexpert.quality`).
+Prefill tokens run exactly (the router's experts, loaded on demand). A decode call is
+the spine: one host read of the router's ids, a survey of the cache, the miss policy's
+plan for what is missing, the executor (:mod:`vllm_specexpert.execute`). Everything else
+(prediction and prefetch, the quality budget, mesh peers, the lookahead draft, PLEC) is a
+feature whose hooks the engine calls around it in order (:mod:`vllm_specexpert.features`).
 """
 
 from __future__ import annotations
