@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         analyze,
         calibrate,
         capture,
+        composition,
         corpus,
         demo,
         dequantize,
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
              "train-tiny": train_tiny, "capture": capture, "calibrate": calibrate,
              "analyze": analyze, "train-path": train_path, "eval-path": eval_path,
              "quantize": quantize, "dequantize": dequantize, "mesh-demo": mesh_demo,
-             "train-estimator": train_estimator}
+             "train-estimator": train_estimator, "composition": composition}
     from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
     from vllm_specexpert.tools.arguments import UsageError
 

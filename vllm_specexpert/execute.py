@@ -100,8 +100,9 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
     stats.misses += len(unloaded)
 
     weights = call.topk_weights
-    if plan.renormalize:
-        kept = torch.where(upload(on_device, call.x.device), weights, 0.0).sum(-1, keepdim=True)
+    if plan.renormalize:  # over the entries that run, wherever they run
+        running = ~plan.dropped if plan.dropped is not None else np.ones(ids.shape, bool)
+        kept = torch.where(upload(running, call.x.device), weights, 0.0).sum(-1, keepdim=True)
         weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
     planned = call.routed(weights, plan.topk_ids)
     jobs = [(backend, backend.stage(planned, entries)) for backend, entries in elsewhere]

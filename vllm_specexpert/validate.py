@@ -227,7 +227,7 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     if config.estimator is not None or config.analysis is not None:
         _check_estimator(config, model_config)
     if config.lookahead is not None:
-        _check_draft(vllm_config, config, shape)
+        _check_draft(config, shape)
     if config.path_predictor is not None:
         from vllm_specexpert.predict.path import load_path_predictor
 
@@ -277,15 +277,9 @@ def _check_estimator(config: SpecExpertConfig, model_config) -> None:
                       hf_config=model_config.hf_config)
 
 
-def _check_draft(vllm_config, config: SpecExpertConfig, shape) -> None:
-    """``lookahead``'s draft: INT4 experts made at load need a bf16/fp16 checkpoint,
-    and its decoded slots must hold one token's experts."""
-    quantization = vllm_config.model_config.quantization
-    if quantization is not None:
-        raise SpecExpertConfigError(
-            "lookahead", f"the draft's INT4 experts are made at load from bf16/fp16 "
-            f"experts, and this is a {quantization} checkpoint (vLLM builds the draft "
-            "without its quantization)", "use the bf16/fp16 checkpoint, or remove lookahead")
+def _check_draft(config: SpecExpertConfig, shape) -> None:
+    """``lookahead``'s draft: its decoded slots must hold one token's experts (its INT4
+    experts need a bf16/fp16 checkpoint: :meth:`SpecExpertConfig.check_fits`)."""
     try:
         config.draft_config().slots_per_layer(shape.num_experts, shape.top_k)
     except SpecExpertConfigError as error:
