@@ -63,7 +63,8 @@ class SpecExpertConfig:
     Range: (0, 1] as a fraction, [2, 65536] as a count."""
 
     cache: Literal[tuple(CACHES)] = "lru"
-    """Eviction policy of the device cache: ``lru`` (least recently used), ``lfu``
+    """Eviction policy of the device cache (default ``lru``; ``plec`` under ``lookahead``,
+    whose draft predicts each step's demand): ``lru`` (least recently used), ``lfu``
     (least frequently used, ties by recency) or ``static`` (the first
     ``slots - top_k`` experts stay resident for good; the remaining ``top_k`` slots
     rotate, LRU, for the others): a fixed number of slots per layer. ``plec``
@@ -243,6 +244,10 @@ class SpecExpertConfig:
         for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh", "quality"):
             if key in raw and raw[key] is None:
                 del raw[key]  # null: the defaults (the optional sections: off)
+        if "lookahead" in raw and "cache" not in raw:
+            # The draft's routes are the step's demand: PLEC plans the pool by it (the
+            # default LRU moved 15 % fewer bytes than without a draft, PLEC 60 %).
+            raw["cache"] = "plec"
         try:
             config = cls(**raw)
         except ValidationError as error:
