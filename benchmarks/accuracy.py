@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     add_predictor_arguments,
     agreement,
     command_line,
@@ -52,7 +52,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 EXACT = {"predictor": "none", "miss_policy": "fetch"}
 SPECULATING = ("router", "quasi_hidden", "estimator", "hybrid")

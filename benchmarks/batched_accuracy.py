@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     RESULTS,
     add_predictor_arguments,
     command_line,
@@ -44,9 +44,9 @@ from common import (  # noqa: E402
     teacher_forced,
     write_result,
 )
-from miss_policies import DEFAULT_BUDDY  # noqa: E402
+from miss_policies import DEFAULT_BUDDY
 
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 PROMPT_TOKENS, FORCED_TOKENS = 16, 32
 MODES = {

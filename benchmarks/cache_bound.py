@@ -45,11 +45,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, command_line, held_out_prompts, write_result  # noqa: E402
+from common import RESULTS, command_line, held_out_prompts, write_result
 
-from vllm_specexpert.schedule.grouping import partition  # noqa: E402
-from vllm_specexpert.tools.fixtures import ASSETS, DEFAULT_MODEL, model_path  # noqa: E402
-from vllm_specexpert.tools.trace import _LayerHooks, load_model  # noqa: E402
+from vllm_specexpert.schedule.grouping import partition
+from vllm_specexpert.tools.fixtures import ASSETS, DEFAULT_MODEL, model_path
+from vllm_specexpert.tools.trace import _LayerHooks, load_model
 
 
 def record_routes(model_dir: str, prompts: list[str], max_tokens: int):

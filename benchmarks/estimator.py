@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     add_predictor_arguments,
     command_line,
     decode_figures,
@@ -43,7 +43,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 # The engine core and its worker in this process: the per-call timing runs in the
 # worker through ``apply_model`` (a function of this script, not importable there).

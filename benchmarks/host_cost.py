@@ -36,7 +36,7 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     command_line,
     default_calibration,
     held_out_prompts,
@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 MODES = {
     "budget 1.0": {"budget": 1.0, "miss_policy": "fetch", "predictor": "none"},

@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batched import plot, run  # noqa: E402
-from common import (  # noqa: E402
+from batched import plot, run
+from common import (
     RESULTS,
     add_engine_arguments,
     command_line,
@@ -44,8 +44,8 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.tools.fixtures import ASSETS  # noqa: E402
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.fixtures import ASSETS
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 K_MAX = 4
 

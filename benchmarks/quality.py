@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     RESULTS,
     command_line,
     default_calibration,
@@ -49,7 +49,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 PROMPT_TOKENS, FORCED_TOKENS = 16, 32
 MODES = {

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     RESULTS,
     add_engine_arguments,
     agreement,
@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.tools.harness import (  # noqa: E402
+from vllm_specexpert.tools.harness import (
     decode_seconds,
     start_engine,
     stop_engine,

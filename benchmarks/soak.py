@@ -28,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import command_line, held_out_prompts, write_result  # noqa: E402
+from common import command_line, held_out_prompts, write_result
 
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR  # noqa: E402
-from vllm_specexpert.tools.server import start_server, wait_healthy  # noqa: E402
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.server import start_server, wait_healthy
 
 
 class Client(threading.Thread):

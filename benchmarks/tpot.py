@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     RESULTS,
     command_line,
     decode_figures,
@@ -41,7 +41,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 PROMPTS = [
     "def parse_arguments(argv):\n    \"\"\"Parse the command line.\"\"\"\n",

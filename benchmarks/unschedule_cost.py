@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import command_line, held_out_prompts, model_of, write_result  # noqa: E402
+from common import command_line, held_out_prompts, model_of, write_result
 
-from vllm_specexpert.tools.fixtures import ASSETS  # noqa: E402
-from vllm_specexpert.tools.harness import start_engine, stop_engine  # noqa: E402
+from vllm_specexpert.tools.fixtures import ASSETS
+from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 
 def generate_seconds(llm, prompts: list[str], max_tokens: int) -> float:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "peer"))
 
-import run  # noqa: E402
+import run
 
 
 def test_a_difference_must_repeat_in_every_mode():

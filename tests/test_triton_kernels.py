@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from triton_aot import (
     ARCHITECTURES,
     SPECIALIZATIONS,

@@ -90,7 +90,7 @@ def _int_keys(steps):
     return [{int(t): lp for t, lp in step.items()} for step in steps]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vanilla_reference(arch: str, eager: bool = True, **engine) -> tuple[Completion, ...]:
     """Vanilla vLLM's greedy completions of PROMPTS, computed once per test session, by
     an engine with the ``engine`` settings of the engine it is compared with: where the
