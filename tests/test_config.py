@@ -192,7 +192,7 @@ def test_token_scheduler_settings():
     prepare_engine_args(args, config)
     assert args.scheduler_cls == SCHEDULER_CLS
     taken = SimpleNamespace(moe_backend="auto", worker_extension_cls="", scheduler_cls="my.Sched")
-    with pytest.raises(SpecExpertConfigError, match="field 'path_predictor'.*scheduler_cls"):
+    with pytest.raises(SpecExpertConfigError, match=r"field 'path_predictor'.*scheduler_cls"):
         prepare_engine_args(taken, config)
 
 

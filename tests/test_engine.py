@@ -124,7 +124,7 @@ def test_unwritable_stats_path_fails_at_start(tmp_path, where):
     blocker = tmp_path / "file"
     blocker.write_text("")
     path = blocker / "stats.json" if where == "under a regular file" else "/proc/x/stats.json"
-    with pytest.raises(SpecExpertConfigError, match="'stats_path'.*cannot write"):
+    with pytest.raises(SpecExpertConfigError, match=r"'stats_path'.*cannot write"):
         make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0)
 
 

@@ -70,9 +70,9 @@ def test_lowbit_runs_the_int4_copies(llm):
 
 
 def test_lowbit_needs_room_in_the_budget(llm):
-    with pytest.raises(SpecExpertConfigError, match="budget.*at least 8 slots"):
+    with pytest.raises(SpecExpertConfigError, match=r"budget.*at least 8 slots"):
         vllm_specexpert.reconfigure(llm, miss_policy="lowbit", budget=0.1)
-    with pytest.raises(SpecExpertConfigError, match="budget.*at least 8 slots"):
+    with pytest.raises(SpecExpertConfigError, match=r"budget.*at least 8 slots"):
         vllm_specexpert.reconfigure(llm, miss_policy="lowbit", budget=6)
 
 

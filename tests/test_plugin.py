@@ -210,5 +210,5 @@ def test_get_stats_of_an_llm_without_the_plugin_says_why(monkeypatch):
     with pytest.raises(RuntimeError, match="no 'specexpert' key"):
         vllm_specexpert.reset_stats(llm({}))
     monkeypatch.delenv("VLLM_PLUGINS")
-    with pytest.raises(RuntimeError, match="worker_extension_cls='my.Ext'"):
+    with pytest.raises(RuntimeError, match=r"worker_extension_cls='my\.Ext'"):
         vllm_specexpert.reconfigure(llm({"specexpert": {}}, "my.Ext"), budget=0.5)

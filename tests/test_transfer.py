@@ -57,7 +57,7 @@ def test_copy_errors_reach_the_waiter():
 
 
 def test_emulation_is_rejected_on_cuda():
-    with pytest.raises(SpecExpertConfigError, match="link.bandwidth_gbps"):
+    with pytest.raises(SpecExpertConfigError, match=r"link\.bandwidth_gbps"):
         make_link(LinkConfig(bandwidth_gbps=10), torch.device("cuda"))
 
 
