@@ -34,10 +34,12 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     assert held <= budget, f"{held} experts mapped to {budget} slots"
     for expert in mapped:
         slot = cache.expert_slot[expert]
-        assert cache.slot_expert[slot] == expert, f"expert {expert} -> slot {slot}, which holds {cache.slot_expert[slot]}"
+        assert cache.slot_expert[slot] == expert, (
+            f"expert {expert} -> slot {slot}, which holds {cache.slot_expert[slot]}")
     for slot, expert in enumerate(cache.slot_expert):
         if expert >= 0:
-            assert cache.expert_slot[expert] == slot, f"slot {slot} holds {expert}, mapped to {cache.expert_slot[expert]}"
+            assert cache.expert_slot[expert] == slot, (
+                f"slot {slot} holds {expert}, mapped to {cache.expert_slot[expert]}")
     assert np.array_equal(np.flatnonzero(cache.pool.owner == cache.index),
                           np.flatnonzero(cache.slot_expert >= 0)), "pool owner != slot map"
     compared = 0

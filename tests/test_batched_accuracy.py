@@ -49,7 +49,7 @@ def accuracy(llm, windows, **mode) -> float:
     vllm_specexpert.reconfigure(llm, **{"quality": None, **mode})
     top1 = teacher_forced(llm, windows, PROMPT, BATCH)["top1"]
     actual = [t for w in windows for t in w[PROMPT:]]
-    return sum(a == b for a, b in zip(top1, actual)) / len(actual)
+    return sum(a == b for a, b in zip(top1, actual, strict=True)) / len(actual)
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def test_tae_gate_protects_peaky_tokens():
     buddies = np.array([[1, 2], [0, 2], [0, 1], [0, 1], [0, 2]])
     ids = np.array([[1, 3], [1, 3]])
     tae = np.array([0.2, 0.9])
-    new, replaced = substitute(ids, resident, buddies, tae, BuddyGates(tau=0.5, beta=1.01, rho=8))
+    new, _ = substitute(ids, resident, buddies, tae, BuddyGates(tau=0.5, beta=1.01, rho=8))
     assert new.tolist() == [[1, 3], [0, 3]]  # the peaky first token keeps expert 1
     # per-token tau (layer-calibrated values broadcast per token) behaves the same
     new, _ = substitute(ids, resident, buddies, tae, BuddyGates(tau=np.array([0.1, 0.95]),

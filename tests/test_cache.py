@@ -7,7 +7,7 @@ from vllm_specexpert.stats import PhaseStats
 
 
 def resident(loader):
-    return set(int(e) for e in loader.cache.slot_expert if e >= 0)
+    return {int(e) for e in loader.cache.slot_expert if e >= 0}
 
 
 def test_pool_is_allocated_at_budget_and_warm():

@@ -12,7 +12,8 @@ from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 TEXTS = [
     ("a.py", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
              "        for name in files:\n            yield os.path.join(root, name)\n" * 3),
-    ("b.py", "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"),
+    ("b.py", "class Point:\n    def __init__(self, x, y):\n"
+             "        self.x = x\n        self.y = y\n"),
 ]
 
 
@@ -43,7 +44,7 @@ def test_manifest_and_shards_agree(captured):
     assert json.loads((out / "manifest.json").read_text()) == manifest
     rows = 0
     L, E, K, H = (manifest[k] for k in ("num_layers", "num_experts", "top_k", "hidden_size"))
-    for shard, meta in zip(reader.shards(), manifest["shards"]):
+    for shard, meta in zip(reader.shards(), manifest["shards"], strict=True):
         T = meta["tokens"]
         rows += T
         assert shard["router_logits"].shape == (T, L, E)

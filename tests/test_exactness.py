@@ -30,7 +30,8 @@ CASES = [(arch, True) for arch in MOE_ARCHS] + [
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'eager' if c[1] else 'compiled'}")
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: f"{c[0]}-{'eager' if c[1] else 'compiled'}")
 def engines(request):
     arch, eager = request.param
     reference = vanilla_reference(arch, eager)
@@ -58,7 +59,7 @@ def test_serving_starts_from_the_warm_start(engines):
     assert stats["total"]["prefill"]["requests"] == stats["total"]["decode"]["requests"] == 0
     resident = llm.apply_model(resident_experts)[0]
     assert len(resident) == num_moe_layers(arch)
-    for name, experts in zip(stats["layers"], resident):
+    for name, experts in zip(stats["layers"], resident, strict=True):
         assert experts == list(range(stats["slots_per_layer"][name]))
 
 

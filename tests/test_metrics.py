@@ -31,7 +31,7 @@ def run_engine(directory, monkeypatch) -> OffloadEngine:
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(directory))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
-    for (index, name), seed in zip(((1, NAMES[0]), (3, NAMES[1])), (0, 1)):
+    for index, name, seed in ((1, NAMES[0], 0), (3, NAMES[1], 1)):
         engine.add_layer(name, random_layer(seed=seed), top_k=4, index=index)
     engine.start()
     for step in range(3):

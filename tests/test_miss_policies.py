@@ -170,7 +170,7 @@ def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest
 
 
 def test_buddy_without_co_activation_counts_fails_at_start():
-    with pytest.raises(SpecExpertConfigError, match="field 'calibration'.*co-activation"):
+    with pytest.raises(SpecExpertConfigError, match=r"field 'calibration'.*co-activation"):
         make_engine(miss_policy="buddy", calibration="unused")
 
 
@@ -234,14 +234,15 @@ def test_host_cost_model_recovers_a_linear_cost():
 
 
 def test_torch_host_kernel_matches_the_reference():
-    x, w, ids = routing(IDS + [[3, 3, 5, 7]])  # a repeated expert within a token too
+    x, w, ids = routing([*IDS, [3, 3, 5, 7]])  # a repeated expert within a token too
     expected = reference_moe(x, w, ids, W13, W2)
     # The torch kernel keeps the intermediate activations in bf16 (as fused GPU kernels
     # do); the reference keeps them in fp32.
     scale = float(expected.abs().max())
     torch.testing.assert_close(torch_experts(x, w, ids, TENSORS), expected, rtol=0,
                                atol=2**-5 * scale)
-    swapped = {"w13_weight": W13.roll(W13.shape[1] // 2, dims=1), "w2_weight": W2}  # up and gate swapped
+    # up and gate swapped
+    swapped = {"w13_weight": W13.roll(W13.shape[1] // 2, dims=1), "w2_weight": W2}
     wrong = torch_experts(x, w, ids, swapped)
     assert float((wrong - expected).abs().max()) > 2**-5 * scale  # the check can fail
 

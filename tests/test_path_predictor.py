@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -79,7 +80,7 @@ def test_artifact_round_trips_and_is_checked_against_the_model(artifact, tmp_pat
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["model_fingerprint"]["router_sha256"] = "0" * 64
     (other / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(SpecExpertConfigError, match="path_predictor.*another model"):
+    with pytest.raises(SpecExpertConfigError, match=r"path_predictor.*another model"):
         load_path_predictor(other, model=str(TRAINED_MODEL_DIR))
 
 
@@ -140,6 +141,6 @@ def test_shipped_predictor_beats_the_papers_baselines_on_held_out_text():
                                                         "test.txt")]), 128, 3000):
         ids = t.topk_ids[:, 1:].numpy()  # [T, L-1, K]
         entries += ids.size
-        shared += sum(len(set(a) & set(b)) for now, before in zip(ids[1:], ids[:-1])
-                      for a, b in zip(now, before))
+        shared += sum(len(set(a) & set(b)) for before, now in pairwise(ids)
+                      for a, b in zip(now, before, strict=True))
     assert np.isclose(b_acc["tlp"][1], shared / entries)

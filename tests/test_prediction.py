@@ -139,8 +139,9 @@ def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
     # Same experts, other summation order: bf16 rounding differences that grow through
     # the layers, small against the logprobs themselves.
-    diffs = [abs(a[top] - b[top]) for out, ref in zip(outputs, reference)
-             for a, b in zip(out.logprobs, ref.logprobs) for top in [max(b, key=b.get)]]
+    diffs = [abs(a[top] - b[top]) for out, ref in zip(outputs, reference, strict=True)
+             for a, b in zip(out.logprobs, ref.logprobs, strict=True)
+             for top in [max(b, key=b.get)]]
     print(f"{policy}: |d logprob| mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f}")
     assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03
     stats = vllm_specexpert.get_stats(llm)[0]
@@ -179,7 +180,8 @@ def test_a_calibration_for_another_model_is_rejected_at_start(tmp_path):
     with pytest.raises(SpecExpertConfigError, match="field 'calibration': made for another model"):
         make_llm(TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(other)})
     with pytest.raises(SpecExpertConfigError, match="not a calibration directory"):
-        make_llm(TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(tmp_path)})
+        make_llm(TRAINED_MODEL,
+                 specexpert={"predictor": "quasi_hidden", "calibration": str(tmp_path)})
 
 
 def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):

@@ -54,7 +54,8 @@ def make_engine(toy, **config) -> OffloadEngine:
     (a predictor's inputs may come later, as from the vLLM adapter)."""
     gates, norms, layers = toy
     engine = build_engine(config, layers, K, start=False)
-    engine.link_layers(NAMES[0], NAMES[1], NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1])))
+    engine.link_layers(NAMES[0], NAMES[1],
+                       NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1])))
     return engine
 
 
@@ -65,7 +66,7 @@ def decode_stats(engine):
 def step(engine, toy, x0, phases=None):
     """Layer 0 routed by its router; layer 1's input is a fixed function of layer 0's
     output (stand-in for attention), routed by its router."""
-    gates, norms, layers = toy
+    gates, norms, _ = toy
     w0, ids0 = softmax_topk(gates[0])(x0)
     out0 = engine.run(NAMES[0], slot_kernel, x0, w0, ids0, phases)
     x1 = rms_norm(norms[1])((x0.float() + out0.float()).bfloat16())
@@ -98,14 +99,15 @@ def test_router_prefetch_keeps_fetch_exact_and_counts(toy):
 
 
 def test_speculate_runs_the_prediction_without_refetching(toy):
-    gates, norms, layers = toy
+    gates, _, layers = toy
     engine = make_engine(toy, budget=0.5, predictor="router", miss_policy="speculate")
     for s in range(6):
         x0 = tokens(2, s)
         _, (x1, _, _), out1 = step(engine, toy, x0)
-        w0, ids0 = softmax_topk(gates[0])(x0)
+        w0, _ = softmax_topk(gates[0])(x0)
         predicted_w, predicted_ids = softmax_topk(gates[1])(x0)  # router predictor: s_0
-        expected = reference_moe(x1, predicted_w.to(w0.dtype), predicted_ids, *layers[NAMES[1]].values())
+        expected = reference_moe(x1, predicted_w.to(w0.dtype), predicted_ids,
+                                 *layers[NAMES[1]].values())
         assert torch.equal(out1, expected)
     second = decode_stats(engine)[NAMES[1]]
     assert second["speculated_calls"] == second["calls"] == 6
@@ -166,7 +168,7 @@ def test_quasi_hidden_state_is_norm_of_estimated_residual_plus_default_vectors()
 
 
 def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
-    gates, norms, layers = toy
+    gates, norms, _ = toy
     engine = make_engine(toy, budget=0.5, predictor="quasi_hidden", calibration="unused")
     assert engine.stats()["predictor"] == "quasi_hidden"
     # Zero default vectors and unit scale: q = LN_1(s_0), the router predictor's input

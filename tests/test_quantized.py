@@ -43,7 +43,7 @@ def test_twin_differs_from_the_unquantized_model():
 
 @pytest.mark.parametrize("budget", [0.5, 0.25])
 def test_quantized_experts_match_vanilla_on_the_bf16_twin(engines, budget):
-    name, llm, reference = engines
+    _, llm, reference = engines
     vllm_specexpert.reconfigure(llm, budget=budget, miss_policy="fetch")
     vllm_specexpert.reset_stats(llm)
     outputs = greedy(llm)
@@ -61,9 +61,9 @@ def test_host_compute_dequantizes_packed_experts(engines):
     vllm_specexpert.reset_stats(llm)
     outputs = greedy(llm)
     compared, diffs = 0, []
-    for out, ref in zip(outputs, reference):
+    for out, ref in zip(outputs, reference, strict=True):
         for token, ref_token, lp, ref_lp in zip(out.token_ids, ref.token_ids, out.logprobs,
-                                                ref.logprobs):
+                                                ref.logprobs, strict=True):
             top, second = sorted(ref_lp.values(), reverse=True)[:2]
             if token != ref_token:
                 assert top - second < 0.05, (name, compared)  # a flip, not a near tie
@@ -99,10 +99,10 @@ def test_experts_move_packed(engines):
 
 
 def test_unsupported_quantizations_name_what_is_supported():
-    with pytest.raises(SpecExpertUnsupportedError, match="group_size 48.*32, 64, 128, -1"):
+    with pytest.raises(SpecExpertUnsupportedError, match=r"group_size 48.*32, 64, 128, -1"):
         quant_config.format_of({"quant_method": "awq", "bits": 4, "group_size": 48,
                                  "zero_point": True})
-    with pytest.raises(SpecExpertUnsupportedError, match="'mxfp4'.*awq \\(4-bit"):
+    with pytest.raises(SpecExpertUnsupportedError, match=r"'mxfp4'.*awq \(4-bit"):
         quant_config.format_of({"quant_method": "mxfp4"})
     with pytest.raises(SpecExpertUnsupportedError, match="gptq' bits=8"):
         quant_config.format_of({"quant_method": "gptq", "bits": 8, "group_size": 128})
@@ -133,7 +133,7 @@ def test_quantize_cli_refuses_a_group_size_that_does_not_divide(tmp_path):
     from vllm_specexpert.tools import quantize
 
     fmt = quantize.make_format("awq", group_size=128)
-    with pytest.raises(SystemExit, match="64 input features.*--group-size 128"):
+    with pytest.raises(SystemExit, match=r"64 input features.*--group-size 128"):
         quantize.quantize_checkpoint(model_path("qwen3_moe"), tmp_path / "q", fmt, "awq")
 
 
@@ -161,5 +161,5 @@ def test_an_unsupported_quantization_is_refused_at_start(tmp_path):
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"]["group_size"] = 48
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SpecExpertUnsupportedError, match="group_size 48.*32, 64, 128, -1"):
+    with pytest.raises(SpecExpertUnsupportedError, match=r"group_size 48.*32, 64, 128, -1"):
         start_engine(str(tmp_path), {"budget": 0.5}, max_model_len=256)

@@ -14,7 +14,7 @@ def test_packed_read_returns_each_tensor_and_survives_later_reads():
     weights = torch.rand(3, 4, generator=g)
     scalar = torch.tensor([7], dtype=torch.int32)
     first = reader.read([scalar, ids64, weights, ids32])
-    for got, tensor in zip(first, [scalar, ids64, weights, ids32]):
+    for got, tensor in zip(first, [scalar, ids64, weights, ids32], strict=True):
         assert got.dtype == tensor.numpy().dtype and got.shape == tuple(tensor.shape)
         assert np.array_equal(got, tensor.numpy())
     reader.read([torch.zeros(64, dtype=torch.int64)])  # overwrites the staging buffer

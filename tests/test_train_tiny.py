@@ -31,7 +31,8 @@ def test_padded_experts_equal_the_per_expert_loop(monkeypatch, capacity_factor):
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-    for (name, a), (_, b) in zip(eager.named_parameters(), padded.named_parameters()):
+    for (name, a), (_, b) in zip(eager.named_parameters(), padded.named_parameters(),
+                                 strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
     # The experts did receive gradient (a vacuous match of zeros would pass above).
     grad = padded.model.layers[0].mlp.experts.gate_up_proj.grad

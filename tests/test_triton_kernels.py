@@ -27,7 +27,8 @@ def _cuda_available() -> bool:
 def test_kernels_match_their_references_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "interpreted")],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(TESTS / "interpreted")],
         env=env, capture_output=True, text=True, timeout=900,
     )
     print(result.stdout[-3000:], result.stderr[-3000:])

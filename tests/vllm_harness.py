@@ -112,7 +112,8 @@ def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS,
         sample = output.outputs[0]
         prompt = None
         if prompt_logprobs:  # the first position has none
-            prompt = [{t: lp.logprob for t, lp in step.items()} for step in output.prompt_logprobs[1:]]
+            prompt = [{t: lp.logprob for t, lp in step.items()}
+                      for step in output.prompt_logprobs[1:]]
         result.append(Completion(
             token_ids=list(sample.token_ids),
             logprobs=[{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs],
@@ -127,7 +128,8 @@ def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int
     short is an error, not a score)."""
     lengths = [len(o) for o in outputs], [len(r) for r in reference]
     assert lengths[0] == lengths[1], f"lengths {lengths[0]} against {lengths[1]}"
-    pairs = [(a, b) for out, ref in zip(outputs, reference) for a, b in zip(out, ref)]
+    pairs = [(a, b) for out, ref in zip(outputs, reference, strict=True)
+             for a, b in zip(out, ref, strict=True)]
     assert pairs, "nothing to compare"
     return sum(a == b for a, b in pairs) / len(pairs)
 

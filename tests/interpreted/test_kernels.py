@@ -48,17 +48,17 @@ def predict_routing_reference(
 def _inputs(shape, dtype, seed=0):
     tokens, hidden, experts, experts_l, k, _ = shape
     g = torch.Generator().manual_seed(seed)
-    return dict(
-        router_input=torch.randn(tokens, hidden, generator=g).to(dtype),
-        gate_weight=(torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(dtype),
-        topk_ids=torch.stack([torch.randperm(experts_l, generator=g)[:k]
+    return {
+        "router_input": torch.randn(tokens, hidden, generator=g).to(dtype),
+        "gate_weight": (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(dtype),
+        "topk_ids": torch.stack([torch.randperm(experts_l, generator=g)[:k]
                               for _ in range(tokens)]).int(),
-        topk_weights=torch.rand(tokens, k, generator=g),
-        default_vectors=torch.randn(experts_l, hidden, generator=g),
-        residual_scale=torch.rand(hidden, generator=g) + 0.5,
-        norm_weight=(torch.rand(hidden, generator=g) + 0.5).to(dtype),
-        eps=1e-6,
-    )
+        "topk_weights": torch.rand(tokens, k, generator=g),
+        "default_vectors": torch.randn(experts_l, hidden, generator=g),
+        "residual_scale": torch.rand(hidden, generator=g) + 0.5,
+        "norm_weight": (torch.rand(hidden, generator=g) + 0.5).to(dtype),
+        "eps": 1e-6,
+    }
 
 
 def _call(function, inputs, top_k, renormalize):
@@ -164,7 +164,7 @@ def test_copy_experts_moves_whole_rows_of_both_tensors(dtype):
     slots = torch.tensor([2, 3, 0], dtype=torch.int32)
     # A block smaller than a row and not dividing it: masks and block offsets matter.
     copy_experts((w13, w2), (slots13, slots2), experts, slots, block=16)
-    for expert, slot in zip(experts.tolist(), slots.tolist()):
+    for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
         assert torch.equal(slots13[slot], w13[expert])
         assert torch.equal(slots2[slot], w2[expert])
     assert not slots13[1].any() and not slots2[1].any()             # untouched slot

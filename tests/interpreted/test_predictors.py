@@ -42,7 +42,8 @@ def test_fused_prediction_equals_the_torch_path(name, renormalize):
     g = torch.Generator().manual_seed(3)
     state = LayerState(
         router_input=torch.randn(TOKENS, HIDDEN, generator=g),
-        topk_ids=torch.stack([torch.randperm(16, generator=g)[:TOP_K] for _ in range(TOKENS)]).int(),
+        topk_ids=torch.stack([torch.randperm(16, generator=g)[:TOP_K]
+                              for _ in range(TOKENS)]).int(),
         topk_weights=torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), -1),
     )
     if name == "router":
@@ -69,7 +70,8 @@ def test_fused_estimator_equals_the_torch_path(renormalize):
     torch.manual_seed(5)
     state = LayerState(
         router_input=torch.randn(TOKENS, HIDDEN, generator=g),
-        topk_ids=torch.stack([torch.randperm(16, generator=g)[:TOP_K] for _ in range(TOKENS)]).int(),
+        topk_ids=torch.stack([torch.randperm(16, generator=g)[:TOP_K]
+                              for _ in range(TOKENS)]).int(),
         topk_weights=torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), -1),
     )
     network = ExpertEstimator(EstimatorShape(hidden_size=HIDDEN, num_transitions=3,
