@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from vllm_specexpert.config.sections import fields_of
+
 ADDITIONAL_CONFIG_KEY = "specexpert"
 """The plugin's key in vLLM's ``additional_config``."""
 
@@ -17,7 +19,7 @@ ADDITIONAL_CONFIG_KEY = "specexpert"
 class SpecExpertConfigError(ValueError):
     """A bad ``specexpert`` setting. The message names the field and how to fix it."""
 
-    def __init__(self, field_name: str, problem: str, fix: str):
+    def __init__(self, field_name: str, problem: str, fix: str) -> None:
         self.field_name, self.problem, self.fix = field_name, problem, fix
         super().__init__(f"specexpert config: field '{field_name}': {problem}. Fix: {fix}")
 
@@ -25,7 +27,7 @@ class SpecExpertConfigError(ValueError):
 class SpecExpertUnsupportedError(ValueError):
     """The model or engine setup is one the plugin cannot run (yet)."""
 
-    def __init__(self, what: str, why: str, fix: str):
+    def __init__(self, what: str, why: str, fix: str) -> None:
         super().__init__(f"specexpert: {what} is not supported: {why}. Fix: {fix}")
 
 
@@ -70,7 +72,7 @@ def shown(value: Any) -> str:
 
 def fix_from_docs(owner: type, name: str) -> str:
     """The field's range from its docstring ("Range: ..."), or its first sentence."""
-    info = owner.__pydantic_fields__.get(name)
+    info = fields_of(owner).get(name)
     doc = " ".join((info.description or "").split()) if info is not None else ""
     match = re.search(r"Range: (.+?)\.(?:\s|$)", doc)
     if match:

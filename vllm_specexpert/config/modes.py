@@ -6,10 +6,21 @@ above) take their traits from them. A name -> class table beside each implementa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Output = Literal["exact", "equivalent", "approximate"]
+
+MissPolicyName = Literal["fetch", "speculate", "cpu", "auto", "auto_buddy", "buddy", "random",
+                         "drop", "lowbit"]
+"""The names of :data:`MISS_POLICIES`, in its order, spelled out for the type checker
+(which cannot evaluate ``Literal[tuple(MISS_POLICIES)]``); checked against the table at
+import (:func:`_same_names`)."""
+CacheName = Literal["lru", "lfu", "static", "plec"]
+"""The names of :data:`CACHES`, in its order (as :data:`MissPolicyName`)."""
+PredictorName = Literal["none", "router", "quasi_hidden", "estimator", "hybrid"]
+"""The names of :data:`PREDICTORS`, in its order (as :data:`MissPolicyName`)."""
 
 MESH_OUTPUT: dict[str, Output] = {"sync": "equivalent", "early_fire": "equivalent",
                                   "no_stop": "approximate"}
@@ -19,7 +30,7 @@ device's apart (equivalent); ``no_stop`` runs predicted experts on a predicted i
 
 def worse_output(first: Output, second: Output | None) -> Output:
     """The output of two mechanisms together: the further from exact of the two."""
-    order = ("exact", "equivalent", "approximate")
+    order: tuple[Output, ...] = ("exact", "equivalent", "approximate")
     return first if second is None else order[max(order.index(first), order.index(second))]
 
 
@@ -116,3 +127,15 @@ PREDICTORS: dict[str, PredictorSpec] = {spec.name: spec for spec in (
     PredictorSpec("estimator", needs_calibration=True, needs_estimator=True),
     PredictorSpec("hybrid", needs_calibration=True, needs_estimator=True, needs_analysis=True),
 )}
+
+
+def _same_names(alias: object, table: Mapping[str, object], name: str) -> None:
+    """``alias`` (a ``Literal`` of names) lists the keys of ``table`` in their order: the
+    config's field accepts exactly the table's modes, and its errors list them in order."""
+    if get_args(alias) != tuple(table):
+        raise AssertionError(f"{name} lists {get_args(alias)}, the table has {tuple(table)}")
+
+
+_same_names(MissPolicyName, MISS_POLICIES, "MissPolicyName")
+_same_names(CacheName, CACHES, "CacheName")
+_same_names(PredictorName, PREDICTORS, "PredictorName")

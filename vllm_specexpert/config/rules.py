@@ -4,7 +4,7 @@ that must do something under the chosen mode (see :mod:`vllm_specexpert.config`)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Protocol
 
 from vllm_specexpert.config.errors import SpecExpertConfigError
 from vllm_specexpert.config.modes import (
@@ -13,34 +13,65 @@ from vllm_specexpert.config.modes import (
     MissPolicySpec,
     PredictorSpec,
 )
-from vllm_specexpert.config.sections import BuddyConfig, LinkConfig, default_of
+from vllm_specexpert.config.sections import (
+    BuddyConfig,
+    LinkConfig,
+    LookaheadConfig,
+    MeshConfig,
+    QualityConfig,
+    TokenSchedulerConfig,
+    default_of,
+)
 
 
 class Settings(Protocol):
     """What the rules read of a :class:`~vllm_specexpert.config.SpecExpertConfig` (the
-    config module imports this one, not the other way round)."""
+    config module imports this one, not the other way round). Read-only: the config's
+    fields may be narrower (a ``Literal`` of mode names where this says ``str``)."""
 
-    budget: float | int
-    miss_policy: str
-    predictor: str
-    cache: str
-    calibration: str | None
-    estimator: str | None
-    analysis: str | None
-    router_free: bool
-    path_predictor: str | None
-    token_scheduler: Any
-    lookahead: Any
-    mesh: Any
-    quality: Any
-    output: str
-    link: LinkConfig
-    buddy: BuddyConfig
-    stats_path: str | None
-    miss_policy_spec: MissPolicySpec
-    predictor_spec: PredictorSpec
-    cache_spec: CacheSpec
-    routing_statistics_need: str | None
+    @property
+    def budget(self) -> float | int: ...
+    @property
+    def miss_policy(self) -> str: ...
+    @property
+    def predictor(self) -> str: ...
+    @property
+    def cache(self) -> str: ...
+    @property
+    def calibration(self) -> str | None: ...
+    @property
+    def estimator(self) -> str | None: ...
+    @property
+    def analysis(self) -> str | None: ...
+    @property
+    def router_free(self) -> bool: ...
+    @property
+    def path_predictor(self) -> str | None: ...
+    @property
+    def token_scheduler(self) -> TokenSchedulerConfig | None: ...
+    @property
+    def lookahead(self) -> LookaheadConfig | None: ...
+    @property
+    def mesh(self) -> MeshConfig | None: ...
+    @property
+    def quality(self) -> QualityConfig | None: ...
+    @property
+    def output(self) -> str: ...
+    @property
+    def link(self) -> LinkConfig: ...
+    @property
+    def buddy(self) -> BuddyConfig: ...
+    @property
+    def stats_path(self) -> str | None: ...
+    @property
+    def miss_policy_spec(self) -> MissPolicySpec: ...
+    @property
+    def predictor_spec(self) -> PredictorSpec: ...
+    @property
+    def cache_spec(self) -> CacheSpec: ...
+    @property
+    def routing_statistics_need(self) -> str | None: ...
+
 
 CALIBRATE = "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\""
 

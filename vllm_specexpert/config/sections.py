@@ -8,7 +8,8 @@ import itertools
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
-from pydantic.dataclasses import dataclass
+from pydantic.dataclasses import dataclass, is_pydantic_dataclass
+from pydantic.fields import FieldInfo
 
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True,
                      frozen=True)
@@ -255,8 +256,17 @@ class QualityConfig:
         return self
 
 
+def fields_of(owner: type) -> dict[str, FieldInfo]:
+    """The fields of the config class ``owner`` (a pydantic dataclass) by name."""
+    if not is_pydantic_dataclass(owner):
+        raise TypeError(f"{owner.__name__} is not a pydantic dataclass")
+    return owner.__pydantic_fields__
+
+
 def default_of(owner: type, name: str) -> Any:
     """The default of field ``name`` of the config class ``owner`` (a section as the
     plain dict ``dataclasses.asdict`` gives)."""
-    value = owner.__pydantic_fields__[name].get_default(call_default_factory=True)
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    value = fields_of(owner)[name].get_default(call_default_factory=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value

@@ -20,9 +20,12 @@ from vllm_specexpert.config.modes import (
     MESH_OUTPUT,
     MISS_POLICIES,
     PREDICTORS,
+    CacheName,
     CacheSpec,
+    MissPolicyName,
     MissPolicySpec,
     Output,
+    PredictorName,
     PredictorSpec,
     worse_output,
 )
@@ -62,7 +65,7 @@ class SpecExpertConfig:
     experts. 1.0 keeps every expert resident (no transfers after warm-up).
     Range: (0, 1] as a fraction, [2, 65536] as a count."""
 
-    cache: Literal[tuple(CACHES)] = "lru"
+    cache: CacheName = "lru"
     """Eviction policy of the device cache (default ``lru``; ``plec`` under ``lookahead``,
     whose draft predicts each step's demand): ``lru`` (least recently used), ``lfu``
     (least frequently used, ties by recency) or ``static`` (the first
@@ -75,7 +78,7 @@ class SpecExpertConfig:
     then from the layer whose turn comes last, then the fewest predicted uses, then the
     least recently used. Exact under ``fetch``."""
 
-    miss_policy: Literal[tuple(MISS_POLICIES)] = "fetch"
+    miss_policy: MissPolicyName = "fetch"
     """What a layer does when the router picks a non-resident expert for a decode token
     (prefill tokens always fetch: they run exactly). Exact: ``fetch`` (load it on
     demand over the link, then run it: output identical to vanilla vLLM). Equivalent
@@ -92,7 +95,7 @@ class SpecExpertConfig:
     run the expert's INT4 copy from ``top_k`` of the layer's slots; bf16 models only,
     the copies are made at load when the engine starts with it)."""
 
-    predictor: Literal[tuple(PREDICTORS)] = "none"
+    predictor: PredictorName = "none"
     """How the next layer's experts are predicted, for prefetching (and for
     ``speculate``): ``none`` (no prefetch: on-demand loading only), ``router`` (next
     layer's router on this layer's router input s_l), ``quasi_hidden`` (next router on
@@ -338,7 +341,9 @@ class SpecExpertConfig:
     def draft_config(self) -> SpecExpertConfig:
         """The config of the ``lookahead`` draft's own engine: its INT4 experts decoded
         into ``lookahead.draft_budget`` of bf16 slots on demand, exactly (no link
-        emulation: decoding is device work, not a transfer)."""
+        emulation: decoding is device work, not a transfer). Only with ``lookahead``."""
+        if self.lookahead is None:
+            raise ValueError("draft_config: this config has no lookahead (no draft)")
         return SpecExpertConfig(budget=self.lookahead.draft_budget)
 
     # ------------------------------------------------------- model-dependent checks
