@@ -108,7 +108,7 @@ class ModelFingerprint(BaseModel):
         """The first size an artifact states (its shape) unlike this fingerprint's (the
         model it says it was made for), as ``"name X, the fingerprint's Y"``; ``None``
         when they agree or the fingerprint does not say."""
-        experts = {self.num_experts, self.num_local_experts} - {None}
+        experts = {n for n in (self.num_experts, self.num_local_experts) if n is not None}
         if num_experts is not None and experts and num_experts not in experts:
             return f"num_experts {num_experts}, the fingerprint's {sorted(experts)[0]}"
         for name, value, made_for in (("hidden_size", hidden_size, self.hidden_size),
@@ -137,6 +137,7 @@ class ArtifactManifest(MadeForModel):
 
 
 Schema = TypeVar("Schema", bound=BaseModel)
+Network = TypeVar("Network", bound=torch.nn.Module)
 
 
 def manifest_error(error: ValidationError, field: str, file: Path,
@@ -201,7 +202,7 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def check_matches_model(manifest: MadeForModel, model: str, hf_config=None,
+def check_matches_model(manifest: MadeForModel, model: str, hf_config: object | None = None,
                         field: str = "calibration", fix: str | None = None) -> None:
     """Raise a config error naming ``field`` unless ``manifest`` (checked against its
     schema) was made for ``model`` (a local directory: router weights compared by hash;
@@ -307,7 +308,7 @@ def save_network(out: Path, weights_file: str, network: torch.nn.Module,
 
 
 def load_network_weights(path: Path, field: str, weights_file: str,
-                         build: Callable[[], torch.nn.Module], fix: str) -> torch.nn.Module:
+                         build: Callable[[], Network], fix: str) -> Network:
     """The network ``build()`` makes (from its manifest's shape) with the artifact's
     weights, in eval mode. Its tensor shapes are first taken from a build on the meta
     device and compared with the file's header, so a manifest asking for a huge network

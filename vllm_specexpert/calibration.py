@@ -62,6 +62,7 @@ class CalibrationManifest(ArtifactManifest):
     def _the_fingerprints(cls, value: int, info: ValidationInfo) -> int:
         # The tensors' shapes follow these: they must be the model's it was made for.
         fingerprint = info.data.get("model_fingerprint")
+        assert info.field_name is not None  # a field validator's info names its field
         differs = fingerprint and fingerprint.disagreement(**{info.field_name: value})
         if differs:
             raise ValueError(differs)
@@ -106,7 +107,7 @@ TENSORS = {
 """Per MoE layer ``i``: ``layers.{i}.{name}`` and its shape for E experts, hidden size H."""
 
 
-def load_calibration(path: str | Path, model: str | None = None, hf_config=None,
+def load_calibration(path: str | Path, model: str | None = None, hf_config: object | None = None,
                      num_experts: int | None = None) -> Calibration:
     """Read a calibration directory and check all of it: the manifest, the model it was
     made for (``model``), every tensor present with the shape the manifest's (and, when

@@ -12,9 +12,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vllm_specexpert.predict.estimator import ExpertEstimator
+    from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms
 
 
 @dataclass
@@ -109,6 +114,7 @@ class Prediction:
     def _host(self) -> tuple[np.ndarray, np.ndarray]:
         if self.host_ids is None:  # not read by the engine (offline analysis): read now
             self.set_host(*(t.cpu().numpy() for t in self.device_reads()))
+        assert self.host_ids is not None and self.host_weights is not None  # set_host's
         return self.host_ids, self.host_weights
 
     def ranked(self) -> np.ndarray:
@@ -136,7 +142,7 @@ class PredictorInputs:
     """``[E, H]`` default vectors of each layer (the calibration; ``quasi_hidden``)."""
     residual_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     """``[H]`` scale turning ``s_l`` back into ``r_l`` (the calibration)."""
-    estimator: torch.nn.Module | None = None
+    estimator: ExpertEstimator | None = None
     """The neural expert estimator (``estimator``, ``hybrid``)."""
     estimator_layers: dict[str, int] = field(default_factory=dict)
     """Layer l's name -> the estimator's transition index, for every layer that has a
@@ -167,7 +173,8 @@ class Predictor(ABC):
         """``q [T, H]``, the estimate of ``s_{l+1}``; ``layer`` names layer l."""
 
     @abstractmethod
-    def fused_terms(self, state: LayerState, layer: str, fused: FusedRouting):
+    def fused_terms(self, state: LayerState, layer: str,
+                    fused: FusedRouting) -> QuasiHiddenTerms | None:
         """What :func:`~vllm_specexpert.triton_kernels.predict.predict_routing` adds to
         the router input: a ``QuasiHiddenTerms``, or ``None`` (the input as it is)."""
 

@@ -116,7 +116,7 @@ class EstimatorManifest(ArtifactManifest):
 class ExpertEstimator(nn.Module):
     """``q [T, H]`` and a transition index -> ``[T, E]`` router logits (module doc)."""
 
-    def __init__(self, shape: EstimatorShape, layer_indices: list[int] | None = None):
+    def __init__(self, shape: EstimatorShape, layer_indices: list[int] | None = None) -> None:
         super().__init__()
         self.shape = shape
         self.layer_indices = (layer_indices if layer_indices is not None
@@ -152,7 +152,7 @@ def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
         "moe_layer_indices": model.layer_indices, **manifest})
 
 
-def load_estimator(path: str | Path, model: str | None = None, hf_config=None,
+def load_estimator(path: str | Path, model: str | None = None, hf_config: object | None = None,
                    calibration: str | Path | None = None) -> ExpertEstimator:
     """Read a ``train-estimator`` directory, checking it against ``model`` and the
     ``calibration`` directory if given (one config error naming ``estimator`` for
@@ -209,7 +209,7 @@ class EstimatorPredictor(QuasiHiddenPredictor):
 
     name = "estimator"
 
-    def __init__(self, inputs: PredictorInputs, layers: dict[str, int]):
+    def __init__(self, inputs: PredictorInputs, layers: dict[str, int]) -> None:
         super().__init__(inputs.default_vectors, inputs.residual_scales)
         self.estimator = inputs.estimator
         self.estimator_layers = dict(layers)
@@ -223,6 +223,8 @@ class EstimatorPredictor(QuasiHiddenPredictor):
         transition = self.estimator_layers.get(layer)
         if transition is None:
             return super().predict(state, layer, nxt)
+        # Only layers with a transition of the estimator are in estimator_layers.
+        assert self.estimator is not None, "estimator_layers without an estimator"
         q = self.next_router_input(state, layer, nxt)
         if nxt.fused is not None:  # CUDA, plain softmax top-k: the network in one launch
             from vllm_specexpert.triton_kernels.estimate import estimate_routing
@@ -230,6 +232,7 @@ class EstimatorPredictor(QuasiHiddenPredictor):
             weights, ids = estimate_routing(q, self.estimator, transition, nxt.fused.top_k,
                                             nxt.fused.renormalize)
         else:
+            assert nxt.route_logits is not None, "no expert selection from logits given"
             with torch.no_grad():
                 logits = self.estimator(q.float(), transition)
             weights, ids = nxt.route_logits(q, logits)

@@ -87,13 +87,15 @@ class Analysis(MadeForModel):
     @classmethod
     def _the_fingerprints(cls, value: int | None, info: ValidationInfo) -> int | None:
         fingerprint = info.data.get("model_fingerprint")
+        assert info.field_name is not None  # a field validator's info names its field
         differs = fingerprint and fingerprint.disagreement(**{info.field_name: value})
         if differs:
             raise ValueError(differs)
         return value
 
 
-def read_analysis(path: str | Path, model: str | None = None, hf_config=None) -> dict:
+def read_analysis(path: str | Path, model: str | None = None,
+                  hf_config: object | None = None) -> dict:
     """``analysis.json`` of ``path``, checked against :class:`Analysis` (and made for
     ``model`` if given): one config error naming ``analysis`` for anything wrong, so
     :func:`hybrid_layers` and :func:`check_layers` can read it as it is."""

@@ -95,7 +95,8 @@ class PathPredictorManifest(ArtifactManifest):
 class RoutingPathPredictor(nn.Module):
     """``[B, W]`` token ids -> ``[B, L, E]`` routing logits (see module doc)."""
 
-    def __init__(self, shape: PathPredictorShape, layer_indices: list[int] | None = None):
+    def __init__(self, shape: PathPredictorShape,
+                 layer_indices: list[int] | None = None) -> None:
         super().__init__()
         self.shape = shape
         self.layer_indices = layer_indices if layer_indices is not None else list(
@@ -145,7 +146,7 @@ def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) 
 
 
 def load_path_predictor(path: str | Path, model: str | None = None,
-                        hf_config=None) -> RoutingPathPredictor:
+                        hf_config: object | None = None) -> RoutingPathPredictor:
     """Read a ``train-path`` directory, checking it against ``model`` if given (one
     config error naming ``path_predictor`` for anything wrong with it)."""
     path = Path(path)

@@ -19,6 +19,8 @@ across tokens, and LN_{l+1} only sees the ratio of ``d_l`` to ``r_l``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vllm_specexpert.predict.base import (
@@ -29,12 +31,15 @@ from vllm_specexpert.predict.base import (
     PredictorInputs,
 )
 
+if TYPE_CHECKING:
+    from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms
+
 
 class QuasiHiddenPredictor(Predictor):
     name = "quasi_hidden"
 
     def __init__(self, default_vectors: dict[str, torch.Tensor],
-                 residual_scales: dict[str, torch.Tensor]):
+                 residual_scales: dict[str, torch.Tensor]) -> None:
         self.default_vectors = {name: v.float() for name, v in default_vectors.items()}
         """Layer name -> ``[E, H]`` default vectors (on the compute device)."""
         self.residual_scales = {name: v.float() for name, v in residual_scales.items()}
@@ -51,7 +56,8 @@ class QuasiHiddenPredictor(Predictor):
         residual = state.router_input.float() * self.residual_scales[layer]
         return nxt.norm(d.squeeze(1).add_(residual)).to(state.router_input.dtype)
 
-    def fused_terms(self, state: LayerState, layer: str, fused: FusedRouting):
+    def fused_terms(self, state: LayerState, layer: str,
+                    fused: FusedRouting) -> QuasiHiddenTerms:
         from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms
 
         return QuasiHiddenTerms(state.topk_ids, state.topk_weights,

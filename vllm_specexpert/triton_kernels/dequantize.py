@@ -173,10 +173,11 @@ def dequantize_packed(fmt: PackedFormat, tensors: dict[str, torch.Tensor],
     for name, (shape, _) in fmt.tensor_shapes(out_features, in_features).items():
         given = tuple(tensors[name].shape) if name in tensors else shape
         assert given[len(given) - len(shape):] == shape, (name, given, shape)
-    fp8 = isinstance(fmt, Fp8Format)
-    if not fp8:
+    if isinstance(fmt, Fp8Format):
+        first = tensors["weight"]
+    else:
         codes, zeros, scales, constexprs = _int4_layout(fmt)
-    first = tensors["weight" if fp8 else codes]
+        first = tensors[codes]
     out = torch.empty(*first.shape[:-2], out_features, in_features, dtype=torch.bfloat16,
                       device=first.device)
     if out.numel() == 0:
@@ -184,7 +185,7 @@ def dequantize_packed(fmt: PackedFormat, tensors: dict[str, torch.Tensor],
     count = out.numel() // (out_features * in_features)
     assert count < 65536, "grid axis 2 holds at most 65535 weights per launch"
     grid = (triton.cdiv(out_features, BLOCK_O), triton.cdiv(in_features, BLOCK_I), count)
-    if fp8:
+    if isinstance(fmt, Fp8Format):
         # Per-tensor ([]) and per-channel ([out, 1]) scales are blocks of one weight or row.
         scale = tensors[fmt.scale_name]
         scale = scale.reshape(*scale.shape, 1, 1) if fmt.scales == "tensor" else scale

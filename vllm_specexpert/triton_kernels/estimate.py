@@ -18,11 +18,17 @@ row (``z`` is spread over the program's threads, a block of it is not addressabl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from vllm_specexpert.triton_kernels.predict import store_top_k
+
+if TYPE_CHECKING:
+    from vllm_specexpert.predict.estimator import ExpertEstimator
 
 TILE = 2048
 """Elements of a weight tile a program holds in registers (see ``predict.GATE_TILE``)."""
@@ -98,13 +104,14 @@ def blocks(latent: int, inner: int, hidden: int, experts: int) -> dict[str, int]
             "BLOCK_D": min(max(16, TILE // triton.next_power_of_2(experts)), latent)}
 
 
-def estimate_routing(q: torch.Tensor, network: torch.nn.Module, transition: int,
+def estimate_routing(q: torch.Tensor, network: ExpertEstimator, transition: int,
                      top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted ``(weights fp32 [T, top_k], ids int32 [T, top_k])`` of the next layer
     from ``q [T, H]`` by ``network`` (an ``ExpertEstimator`` in fp32) at
     ``transition``."""
     tokens, hidden = q.shape
-    up, down = network.mlp[0], network.mlp[2]
+    # The MLP's two linear layers (``Sequential`` indexes as a plain ``Module``).
+    up, down = cast(nn.Linear, network.mlp[0]), cast(nn.Linear, network.mlp[2])
     latent, inner = network.project.weight.shape[0], up.weight.shape[0]
     experts = network.head.weight.shape[0]
     assert latent == triton.next_power_of_2(latent), "latent width must be a power of 2"
