@@ -102,6 +102,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         if config.lookahead is not None:
             lookahead_driver.install()
         self._tiles = _TileConfigs()
+        self._call = _CallOutput()
         self.engine = engine_for(vllm_config, config, draft=self._draft)
         self._decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
         """Most tokens a decoding request is scheduled per pass (verification: 1 + k)."""
@@ -211,12 +212,32 @@ class OffloadedRoutedExperts(RoutedExperts):
     ):
         # Shared experts only reach the kernel with EP prepare/finalize (async), which
         # check_layer_supported rejects; the runner runs them itself otherwise.
+        if not torch.compiler.is_compiling():
+            # Eager: nothing to hide from a tracer, the op's dispatch would only add
+            # its cost.
+            return self._run(x, topk_weights, topk_ids, None)
         # The output buffer is allocated here, outside the op: on CUDA the op is a
         # splitting op between piecewise CUDA graphs, and the next graph reads the
         # address it was captured with.
         out = torch.empty_like(x)
         torch.ops.specexpert.routed_experts(x, topk_weights, topk_ids, out, self._context_key)
         return out
+
+    def _run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             out: torch.Tensor | None) -> torch.Tensor:
+        """The layer call (:meth:`run_from_cache`), into ``out`` if given (the op's
+        buffer): the call's first kernel launch on all of its tokens writes there
+        directly (see :class:`_CallOutput`), else its result is copied in."""
+        call = self._call
+        call.x, call.out = x, out
+        try:
+            result = self.run_from_cache(x, topk_weights, topk_ids)
+        finally:
+            call.x = call.out = None
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
 
     def run_from_cache(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -245,14 +266,27 @@ class OffloadedRoutedExperts(RoutedExperts):
         CPU build ``ids`` are slot indices; on CUDA they are the router's ids and
         ``expert_map`` finds their slots (-1: not resident, contributes zero)."""
         w13, w2 = slots["w13_weight"], slots["w2_weight"]
-        if "w13_bias" in slots:
+        biased = "w13_bias" in slots
+        if biased:
             self._point_biases_at(slots)
         experts = self._direct_experts()
         if experts is not None:
-            out = torch.empty_like(x)
-            experts.apply(out, x, w13, w2, topk_weights, ids, self.activation,
-                          w13.shape[0], None, None, None, _NO_WORKSPACE, _NO_WORKSPACE, None,
-                          False)
+            call = self._call
+            out = call.out
+            if out is None or x is not call.x:
+                out = torch.empty_like(x)
+            else:
+                call.out = None  # a later launch of the call must not overwrite it
+            fused_moe = self._fused_moe
+            if fused_moe is not None:  # what experts.apply runs, without its wrappers
+                op, activation, isa = fused_moe
+                op(out, x, w13, w2, experts.w1_bias if biased else None,
+                   experts.w2_bias if biased else None, topk_weights, ids, False,
+                   activation, isa)
+            else:
+                experts.apply(out, x, w13, w2, topk_weights, ids, self.activation,
+                              w13.shape[0], None, None, None, _NO_WORKSPACE, _NO_WORKSPACE,
+                              None, False)
             return out
         with self._vanilla_tile_config(x):
             return self.quant_method.moe_kernel.apply(
@@ -336,6 +370,14 @@ class OffloadedRoutedExperts(RoutedExperts):
                 and not self.apply_router_weight_on_input
             )
             self._direct = impl.fused_experts if direct else None
+            # ``apply`` of vLLM's CPU experts only hands its arguments to the
+            # ``cpu_fused_moe`` op through two Python wrappers: the op itself, with the
+            # same arguments, unless a subclass or zentorch runs something else.
+            self._fused_moe = (
+                (torch.ops._C.cpu_fused_moe.default, self.activation.value,
+                 self._direct.isa)
+                if direct and type(self._direct).apply is CPUUnquantizedExperts.apply
+                and not getattr(self._direct, "_use_zentorch", True) else None)
         return self._direct
 
 
@@ -356,6 +398,21 @@ class _TileConfigs:
         self.call_tokens = 0
 
 
+class _CallOutput:
+    """Per layer: the running call's input and the buffer its output goes to (the
+    custom op's ``out``, ``None`` in eager mode). The first kernel launch on the call's
+    whole input (``x`` itself, not rows of it) writes its result into the buffer
+    instead of a new tensor, and takes it: a later launch of the same call (a masked
+    part, a token group, a shadow of the exact result) gets a new tensor, so nothing the
+    engine still holds is overwritten. When the engine returns that launch's result
+    as the layer's (one launch: every budget-1.0 decode call), no copy is left to
+    make. On CUDA the modular kernel allocates its own output (no direct experts)."""
+
+    def __init__(self) -> None:
+        self.x: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+
+
 _NO_WORKSPACE = torch.empty(0)
 
 
@@ -374,8 +431,7 @@ def _routed_experts_impl(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
     layer_key: str,
 ) -> None:
-    layer = get_forward_context().no_compile_layers[layer_key]
-    out.copy_(layer.run_from_cache(x, topk_weights, topk_ids))
+    get_forward_context().no_compile_layers[layer_key]._run(x, topk_weights, topk_ids, out)
 
 
 def _routed_experts_fake(
