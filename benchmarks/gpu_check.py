@@ -124,12 +124,12 @@ def main() -> None:
     expert_gb = info["store_bytes"] / 1e9
     offloaders = {}
     for budget in (b for b in args.budgets if b < 1.0):
-        offloaders[f"vllm uva {budget}"] = dict(
-            offload_backend="uva", cpu_offload_gb=expert_gb * (1 - budget),
-            cpu_offload_params={"experts"})
-    offloaders["vllm prefetch"] = dict(
-        offload_backend="prefetch", offload_group_size=1, offload_num_in_group=1,
-        offload_prefetch_step=1, offload_params={"experts"})
+        offloaders[f"vllm uva {budget}"] = {
+            "offload_backend": "uva", "cpu_offload_gb": expert_gb * (1 - budget),
+            "cpu_offload_params": {"experts"}}
+    offloaders["vllm prefetch"] = {
+        "offload_backend": "prefetch", "offload_group_size": 1, "offload_num_in_group": 1,
+        "offload_prefetch_step": 1, "offload_params": {"experts"}}
     for name, engine_args in offloaders.items():
         llm = start_engine(model, None, eager=False, **engine_args)
         for batch in (1, 4):
@@ -179,7 +179,9 @@ def quantized_checks(model: str, prompts: list[str], max_tokens: int) -> list[di
                                         ("vanilla quantized", packed, None)):
             try:
                 llm = start_engine(str(path), specexpert, eager=False)
-            except Exception as error:  # vLLM may have no kernel for a format on this GPU
+            except (RuntimeError, ValueError) as error:
+                # vLLM may have no kernel for a format on this GPU (a config check: ValueError;
+                # the engine core's start: RuntimeError, NotImplementedError among them)
                 tokens[label] = f"{type(error).__name__}: {error}"[:300]
                 continue
             tokens[label] = greedy_tokens(llm, prompts, max_tokens)
