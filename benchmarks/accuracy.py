@@ -94,13 +94,15 @@ def main() -> None:
         exact = exact or {"tokens": tokens, "top1": forced["top1"]}
         stats = vllm_specexpert.get_stats(llm)[0]
         figures = decode_figures(stats)
-        nll = -sum(forced["logprobs"]) / len(actual)
+        top1, n = forced["top1"], len(actual)
+        nll = -sum(forced["logprobs"]) / n
         row = {"mode": name, "budget": mode["budget"], **agreement(tokens, exact["tokens"]),
-               "accuracy": sum(a == b for a, b in zip(forced["top1"], actual)) / len(actual),
-               "agree": sum(a == b for a, b in zip(forced["top1"], exact["top1"])) / len(actual),
-               "nll": nll, "perplexity": math.exp(nll), "positions": len(actual),
+               "accuracy": sum(a == b for a, b in zip(top1, actual, strict=True)) / n,
+               "agree": sum(a == b for a, b in zip(top1, exact["top1"], strict=True)) / n,
+               "nll": nll, "perplexity": math.exp(nll), "positions": n,
                "recall": figures["recall"],
-               "recall_per_layer": [layer["decode"]["recall"] for layer in stats["layers"].values()],
+               "recall_per_layer": [layer["decode"]["recall"]
+                                    for layer in stats["layers"].values()],
                "decode": figures}
         rows.append(row)
         print(f"{name}: acc {row['accuracy']:.4f} nll {nll:.3f} agreement {row['agreement']:.3f}",

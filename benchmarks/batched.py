@@ -22,9 +22,10 @@ Modes: vanilla; ``fetch`` (on-demand, LRU), ``cpu`` and ``auto``, each alone, "+
 Reports per run: output tok/s (prefill included, as ``vllm bench throughput``), decode
 steps, distinct (layer, expert) pairs requested per decode step, MB moved per decode
 token, decode hit rate (per request, and per distinct pair a call needs), and p50/p99
-of the per-request TPOT (vLLM's request timestamps). For the cache question it also reports the pairs a step needs and a floor
-on the loads any cache policy needs to serve them, ``max(0, needed - total slots)`` per
-step: how much a predictive cache (ExpertFlow's PLEC) could save at most against LRU.
+of the per-request TPOT (vLLM's request timestamps). For the cache question it also
+reports the pairs a step needs and a floor on the loads any cache policy needs to serve
+them, ``max(0, needed - total slots)`` per step: how much a predictive cache
+(ExpertFlow's PLEC) could save at most against LRU.
 Writes ``benchmarks/results/batched.json`` and ``batched.png``.
 """
 
@@ -160,7 +161,7 @@ def main() -> None:
     model = model_of(args)
     seqs = max(args.batches)
     prompts = held_out_prompts(seqs)
-    common = dict(eager=args.eager, max_num_seqs=seqs, disable_log_stats=False)
+    common = {"eager": args.eager, "max_num_seqs": seqs, "disable_log_stats": False}
     vanilla = start_engine(model, None, **common)
     plugin = start_engine(model, {"budget": 0.5}, **common)
     path_predictor = str(ASSETS / "tiny-qwen3-moe-path-predictor")

@@ -110,12 +110,12 @@ def main() -> None:
                 stats = vllm_specexpert.get_stats(llm)[0]
                 exact = exact or forced
                 n = len(actual)
-                accuracy = sum(a == b for a, b in zip(forced["top1"], actual)) / n
-                exact_accuracy = sum(a == b for a, b in zip(exact["top1"], actual)) / n
+                accuracy = sum(a == b for a, b in zip(forced["top1"], actual, strict=True)) / n
+                exact_accuracy = sum(a == b for a, b in zip(exact["top1"], actual, strict=True)) / n
                 row = {"split": split, "batch": batch, "mode": label, "output": stats["output"],
                        "accuracy": accuracy, "kept": accuracy / exact_accuracy,
                        "top1_equal_exact": sum(a == b for a, b in zip(
-                           forced["top1"], exact["top1"])) / n,
+                           forced["top1"], exact["top1"], strict=True)) / n,
                        "nll": -sum(forced["logprobs"]) / n,
                        "nll_delta": (sum(exact["logprobs"]) - sum(forced["logprobs"])) / n,
                        "positions": n, "seconds": forced["seconds"]}
@@ -162,7 +162,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     splits = list(dict.fromkeys(r["split"] for r in rows))
     fig, axes = plt.subplots(1, len(splits), figsize=(6.5 * len(splits), 4.5), squeeze=False)
-    for ax, split in zip(axes[0], splits):
+    for ax, split in zip(axes[0], splits, strict=True):
         ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 11 modes: tab10 would repeat
         for mode in dict.fromkeys(r["mode"] for r in rows):
             mine = sorted((r["batch"], r["kept"]) for r in rows

@@ -67,7 +67,7 @@ def record_routes(model_dir: str, prompts: list[str], max_tokens: int):
                 past, token = out.past_key_values, int(out.logits[0, -1].argmax())
                 steps, contexts = [], []
                 for _ in range(max_tokens - 1):
-                    ids = ids + [token]
+                    ids = [*ids, token]
                     contexts.append(list(ids))
                     out = model(input_ids=torch.tensor([[token]]), past_key_values=past,
                                 use_cache=True)
@@ -254,6 +254,26 @@ def true_sets(routes: list[np.ndarray], experts: int) -> list[np.ndarray]:
     return out
 
 
+def cache_counts(routes: list[np.ndarray], believed: dict[str, list[np.ndarray]],
+                 budget: float, experts: int, layers: int) -> dict:
+    """Each cache's loads on a schedule, by cache name: ``count(schedule, schedule_name)``
+    (the engine's caches are told the routes the schedule believed, the predicted ones
+    if it has none of its own)."""
+    per_layer = int(budget * experts)
+    return {
+        "lru (engine)": lambda s, name: engine_loads(
+            s, routes, believed.get(name, believed["predicted"]), "lru", budget, experts),
+        "plec (engine)": lambda s, name: engine_loads(
+            s, routes, believed.get(name, believed["predicted"]), "plec", budget, experts),
+        "plec (engine, true routes)": lambda s, name: engine_loads(
+            s, routes, believed["true"], "plec", budget, experts),
+        "lru once per call": lambda s, name: lru_loads(calls_of(s, routes), per_layer, True),
+        "global lru": lambda s, name: lru_loads(calls_of(s, routes), per_layer * layers,
+                                                False),
+        "belady": lambda s, name: min_loads(calls_of(s, routes), per_layer * layers),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64])
@@ -290,22 +310,7 @@ def main() -> None:
             schedules[f"verified (lookahead k={k})"] = schedule_verified(batch, steps, k)
             believed[f"verified (lookahead k={k})"] = draft_sets(routes, experts, k)
         for budget in args.budgets:
-            per_layer = int(budget * experts)
-            caches = {
-                "lru (engine)": lambda s, name: engine_loads(
-                    s, routes, believed.get(name, believed["predicted"]), "lru", budget,
-                    experts),
-                "plec (engine)": lambda s, name: engine_loads(
-                    s, routes, believed.get(name, believed["predicted"]), "plec", budget,
-                    experts),
-                "plec (engine, true routes)": lambda s, name: engine_loads(
-                    s, routes, believed["true"], "plec", budget, experts),
-                "lru once per call": lambda s, name: lru_loads(calls_of(s, routes),
-                                                               per_layer, True),
-                "global lru": lambda s, name: lru_loads(calls_of(s, routes),
-                                                        per_layer * layers, False),
-                "belady": lambda s, name: min_loads(calls_of(s, routes), per_layer * layers),
-            }
+            caches = cache_counts(routes, believed, budget, experts, layers)
             mine = []
             for schedule_name, schedule in schedules.items():
                 calls = calls_of(schedule, routes)
@@ -343,7 +348,7 @@ def plot(result: dict, path: Path) -> None:
 
     combos = [(b, c) for b in result["batches"] for c in result["budgets"]]
     fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4.5), squeeze=False)
-    for ax, (batch, budget) in zip(axes[0], combos):
+    for ax, (batch, budget) in zip(axes[0], combos, strict=True):
         rows = [r for r in result["rows"] if r["batch"] == batch and r["budget"] == budget]
         schedules = list(dict.fromkeys(r["schedule"] for r in rows))
         caches = list(dict.fromkeys(r["cache"] for r in rows))

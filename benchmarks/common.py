@@ -198,10 +198,11 @@ def greedy_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
 def agreement(candidate: list[list[int]], exact: list[list[int]]) -> dict:
     """Share of positions equal to ``exact``'s, and mean share before the first
     divergence."""
-    same = [sum(a == b for a, b in zip(c, e)) / len(e) for c, e in zip(candidate, exact)]
+    same = [sum(a == b for a, b in zip(c, e, strict=True)) / len(e)
+            for c, e in zip(candidate, exact, strict=True)]
     prefix = []
-    for c, e in zip(candidate, exact):
-        n = next((i for i, (a, b) in enumerate(zip(c, e)) if a != b), len(e))
+    for c, e in zip(candidate, exact, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(c, e, strict=True)) if a != b), len(e))
         prefix.append(n / len(e))
     return {"agreement": sum(same) / len(same), "prefix": sum(prefix) / len(prefix)}
 

@@ -52,12 +52,14 @@ PROMPT_TOKENS, FORCED_TOKENS = 16, 64
 
 def compare(candidate: dict, vanilla: dict) -> dict:
     forced, ref = candidate["forced"], vanilla["forced"]
-    deltas = [abs(a - b) for a, b in zip(forced["logprobs"], ref["logprobs"])]
-    identical = sum(c == v for c, v in zip(candidate["greedy"], vanilla["greedy"]))
+    deltas = [abs(a - b) for a, b in zip(forced["logprobs"], ref["logprobs"], strict=True)]
+    identical = sum(c == v
+                    for c, v in zip(candidate["greedy"], vanilla["greedy"], strict=True))
+    top1_agree = sum(a == b for a, b in zip(forced["top1"], ref["top1"], strict=True))
     return {
         **{f"greedy_{k}": v for k, v in agreement(candidate["greedy"], vanilla["greedy"]).items()},
         "greedy_identical_sequences": identical / len(vanilla["greedy"]),
-        "forced_top1_agree": sum(a == b for a, b in zip(forced["top1"], ref["top1"])) / len(deltas),
+        "forced_top1_agree": top1_agree / len(deltas),
         "forced_max_abs_dlogprob": max(deltas),
         "forced_mean_abs_dlogprob": sum(deltas) / len(deltas),
     }
@@ -124,7 +126,8 @@ def main() -> None:
           "| host entries / token |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['model']} | {r['budget']} | {r['mode']}{' (modeled link)' if r['modeled_link'] else ''} "
+        suffix = " (modeled link)" if r["modeled_link"] else ""
+        print(f"| {r['model']} | {r['budget']} | {r['mode']}{suffix} "
               f"| {r['greedy_agreement']:.3f} | {r['greedy_prefix']:.3f} "
               f"| {r['greedy_identical_sequences']:.3f} | {r['forced_top1_agree']:.4f} "
               f"| {r['forced_max_abs_dlogprob']:.4f} / {r['forced_mean_abs_dlogprob']:.5f} "

@@ -81,7 +81,7 @@ def main() -> None:
     model = model_of(args)
     seqs = max(args.batches)
     prompts = held_out_prompts(seqs)
-    common = dict(eager=args.eager, max_num_seqs=seqs, disable_log_stats=False)
+    common = {"eager": args.eager, "max_num_seqs": seqs, "disable_log_stats": False}
     vanilla = start_engine(model, None, **common)
     plugin = start_engine(model, {"budget": 0.5}, **common)
     path_predictor = str(ASSETS / "tiny-qwen3-moe-path-predictor")

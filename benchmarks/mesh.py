@@ -23,6 +23,7 @@ import json
 import math
 import os
 import statistics
+from itertools import pairwise
 
 import numpy as np
 from common import (
@@ -77,7 +78,7 @@ def break_even(rtts: list[float], mesh_s: list[float], local_s: float) -> float 
     log RTT); ``None`` when it is slower at every RTT, ``inf`` when faster at every RTT."""
     if mesh_s[0] >= local_s:
         return None
-    for (r0, s0), (r1, s1) in zip(zip(rtts, mesh_s), zip(rtts[1:], mesh_s[1:])):
+    for (r0, s0), (r1, s1) in pairwise(zip(rtts, mesh_s, strict=True)):
         if s0 < local_s <= s1:
             f = (local_s - s0) / (s1 - s0)
             return float(math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0))))
@@ -339,8 +340,9 @@ def plot(result: dict, args) -> None:
     import matplotlib.pyplot as plt
 
     rtts = result["rtts_ms"]
-    fig, axes = plt.subplots(1, len(result["batches"]) + 1, figsize=(5 * (len(result["batches"]) + 1), 4))
-    for ax, batch in zip(axes, result["batches"]):
+    panels = len(result["batches"]) + 1  # a batch each, then the extended simulation
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    for ax, batch in zip(axes[:-1], result["batches"], strict=True):
         local = result["local"][str(batch)]["decode_s"] if str(batch) in result["local"] \
             else result["local"][batch]["decode_s"]
         for mode, runs in result["runs"].items():

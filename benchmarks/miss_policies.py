@@ -16,17 +16,18 @@ Per mode:
 * teacher-forced decode (:mod:`vllm_specexpert.tools.teacher_forcing`): ``--windows`` held-out
   windows, each a 16-token prompt and a 96-token continuation forced one decode step at a
   time at batch 1, so every position runs the mode's real decode path (cache, misses,
-  link), after one warm-up window. ``accuracy`` = the model's top-1 is the actual next token; ``nll`` = its mean
-  negative log-likelihood; ``agree`` = top-1 equals exact's top-1 at the same position
-  (same context); ``tok/s`` = forced tokens / wall time of these runs (batch 1);
-  ``MB/token`` = bytes loaded in decode / decode tokens (prefill counted apart);
+  link), after one warm-up window. ``accuracy`` = the model's top-1 is the actual next
+  token; ``nll`` = its mean negative log-likelihood; ``agree`` = top-1 equals exact's
+  top-1 at the same position (same context); ``tok/s`` = forced tokens / wall time of
+  these runs (batch 1); ``MB/token`` = bytes loaded in decode / decode tokens (prefill
+  counted apart);
 * free-running greedy: ``--prompts`` held-out prompts, 48 tokens each, batched:
   ``greedy`` = share of positions equal to exact's, ``prefix`` = mean share before the
   first divergence.
 
-Table 1: every miss policy at ``--budgets`` (``lowbit``: HOBBIT's INT4 copies). Table 2: BuddyMoE's settings (its Tables 2-4)
-at ``--paper-budgets`` (the paper's cache rates c). Writes
-``benchmarks/results/miss_policies.json`` and ``.png``.
+Table 1: every miss policy at ``--budgets`` (``lowbit``: HOBBIT's INT4 copies). Table 2:
+BuddyMoE's settings (its Tables 2-4) at ``--paper-budgets`` (the paper's cache rates c).
+Writes ``benchmarks/results/miss_policies.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ def summarize(name: str, budget: float | None, m: dict, exact: dict, windows) ->
     n = len(actual)
     row = {
         "mode": name, "budget": budget,
-        "accuracy": sum(a == b for a, b in zip(top1, actual)) / n,
+        "accuracy": sum(a == b for a, b in zip(top1, actual, strict=True)) / n,
         "nll": -sum(m["forced"]["logprobs"]) / n,
-        "agree": sum(a == b for a, b in zip(top1, exact_top1)) / n,
+        "agree": sum(a == b for a, b in zip(top1, exact_top1, strict=True)) / n,
         "tok_s": n / m["forced"]["seconds"],
         **{f"greedy_{k}": v for k, v in agreement(m["greedy"], exact["greedy"]).items()},
     }
@@ -230,7 +231,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 6))
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, reverse=True)
-    markers = dict(zip(budgets, "os^v"))
+    markers = dict(zip(budgets, "os^v", strict=False))  # up to four budgets
     vanilla = next(r for r in rows if r["budget"] is None)  # one per budget, same run
     ax.axvline(vanilla["tok_s"], color="grey", ls=":", label="vanilla (all resident)")
     for r in rows:

@@ -82,13 +82,14 @@ def plot(cases: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4.5), squeeze=False)
-    for ax, case in zip(axes[0], cases):
+    for ax, case in zip(axes[0], cases, strict=True):
         names = [r["mode"] for r in case["rows"]]
         values = [r["tpot_ms"] for r in case["rows"]]
         bars = ax.bar(range(len(names)), values,
                       color=["#555", "#c44"] + ["#3b7dd8"] * 3 + ["#e39b2d"] * 2)
-        for bar, row in zip(bars, case["rows"]):
-            ax.annotate(f"{row['tpot_ms']:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        for bar, row in zip(bars, case["rows"], strict=True):
+            ax.annotate(f"{row['tpot_ms']:.1f}",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)
         floor = case["on_demand_tpot_ms"] - case["bound_ms"]
         ax.axhline(floor, color="green", linestyle="--", linewidth=1, label="on-demand − ΔT bound")
@@ -172,18 +173,20 @@ def summarize(batch: int, budget: float, samples: dict, per_layer: dict) -> dict
     rows = []
     for name, value in tpot.items():
         row = {"mode": name, "tpot_ms": value * 1e3, "tok_s": batch / value,
-               "speed_vs_vanilla": tpot["vanilla"] / value, "samples_ms": [v * 1e3 for v in samples[name]]}
+               "speed_vs_vanilla": tpot["vanilla"] / value,
+               "samples_ms": [v * 1e3 for v in samples[name]]}
         if name in per_layer:
             layers = per_layer[name]
-            predicted = sum(l["predicted"] for l in layers)
+            total = {key: sum(layer[key] for layer in layers) for key in layers[0]}
+            predicted = total["predicted"]
             row.update(
-                stall_ms_per_step=sum(l["stall_s"] for l in layers) * 1e3,
-                misses_per_step=sum(l["misses"] for l in layers),
-                prefetched_per_step=sum(l["prefetched"] for l in layers),
-                prefetch_used_per_step=sum(l["prefetch_used"] for l in layers),
-                prefetch_skipped_per_step=sum(l["prefetch_skipped"] for l in layers),
-                mb_per_step=sum(l["bytes_loaded"] for l in layers) / 1e6,
-                recall=(sum(l["predicted_correct"] for l in layers) / predicted) if predicted else None,
+                stall_ms_per_step=total["stall_s"] * 1e3,
+                misses_per_step=total["misses"],
+                prefetched_per_step=total["prefetched"],
+                prefetch_used_per_step=total["prefetch_used"],
+                prefetch_skipped_per_step=total["prefetch_skipped"],
+                mb_per_step=total["bytes_loaded"] / 1e6,
+                recall=(total["predicted_correct"] / predicted) if predicted else None,
                 saved_ms=(on_demand - value) * 1e3,
                 share_of_bound=((on_demand - value) / bound) if bound > 0 else None,
             )

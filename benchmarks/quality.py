@@ -91,7 +91,7 @@ def main() -> None:
     truth = [t for w in windows for t in w[PROMPT_TOKENS:]]
 
     def accuracy(top1: list[int]) -> float:
-        return sum(a == b for a, b in zip(top1, truth)) / len(truth)
+        return sum(a == b for a, b in zip(top1, truth, strict=True)) / len(truth)
 
     def passes(stats: dict) -> int:
         return max(max(la["decode"]["calls"] for la in stats["layers"].values()), 1)
@@ -105,8 +105,8 @@ def main() -> None:
                 vllm_specexpert.reconfigure(llm, **mode, quality=MEASURE_ONLY)
                 top1 = teacher_forced(llm, windows, PROMPT_TOKENS, batch)["top1"]
                 quality = vllm_specexpert.get_stats(llm)[0]["quality"]
-                row = {"batch": batch, "mode": name,
-                       "measured": sum(a != b for a, b in zip(top1, exact)) / len(exact),
+                flips = sum(a != b for a, b in zip(top1, exact, strict=True))
+                row = {"batch": batch, "mode": name, "measured": flips / len(exact),
                        "estimated": quality["top1_flip_rate"], "kl_mean": quality["kl_mean"],
                        "measured_accuracy_loss": 1 - accuracy(top1) / accuracy(exact),
                        "estimated_accuracy_loss": quality["accuracy_loss"],
@@ -175,10 +175,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
-    for ax, (measured, estimated, what) in zip(axes, (
-            ("measured", "estimated", "top-1 flip rate"),
-            ("measured_accuracy_loss", "estimated_accuracy_loss", "accuracy loss"))):
+    panels = (("measured", "estimated", "top-1 flip rate"),
+              ("measured_accuracy_loss", "estimated_accuracy_loss", "accuracy loss"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 5))
+    for ax, (measured, estimated, what) in zip(axes, panels, strict=True):
         for batch in sorted({r["batch"] for r in rows}):
             mine = [r for r in rows if r["batch"] == batch]
             ax.scatter([r[measured] for r in mine], [r[estimated] for r in mine],

@@ -161,11 +161,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     cases = sorted({(r["budget"], r["batch"]) for r in rows}, key=lambda c: (-c[0], c[1]))
     fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 4), squeeze=False)
-    for ax, (budget, batch) in zip(axes[0], cases):
+    for ax, (budget, batch) in zip(axes[0], cases, strict=True):
         case = [r for r in rows if r["budget"] == budget and r["batch"] == batch]
         bars = ax.bar([r["format"] for r in case], [r["tok_s"] for r in case],
                       color=["#555" if r["format"] == "bf16" else "#c44" for r in case])
-        for bar, r in zip(bars, case):
+        for bar, r in zip(bars, case, strict=True):
             ax.annotate(f"{r['speed_vs_bf16']:.2f}x\n{r['decode']['mb_per_token']:.2f} MB/t",
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)

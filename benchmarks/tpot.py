@@ -76,12 +76,12 @@ def plot(cases: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(cases), 1, figsize=(11, 4.2 * len(cases)), squeeze=False)
-    for ax, case in zip(axes[:, 0], cases):
+    for ax, case in zip(axes[:, 0], cases, strict=True):
         rows = case["rows"]
         colors = ["#555" if r["mode"] == "vanilla" else
                   "#c44" if "modeled" in r["mode"] else "#3b7dd8" for r in rows]
         bars = ax.bar(range(len(rows)), [r["tok_s"] for r in rows], color=colors)
-        for bar, row in zip(bars, rows):
+        for bar, row in zip(bars, rows, strict=True):
             ax.annotate(f"{row['speed_vs_vanilla']:.2f}x",
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=6)
@@ -197,8 +197,10 @@ def main() -> None:
               f"{'stall ms/tok':>13}{'host ms/tok':>12}")
         for r in case["rows"]:
             d = r.get("decode")
-            extra = (f"{d['hit_rate']:>9.2%}{d['mb_per_token']:>8.3f}"
-                     f"{d['stall_ms_per_token']:>13.3f}{d['host_ms_per_token']:>12.3f}") if d else ""
+            extra = ""
+            if d:
+                extra = (f"{d['hit_rate']:>9.2%}{d['mb_per_token']:>8.3f}"
+                         f"{d['stall_ms_per_token']:>13.3f}{d['host_ms_per_token']:>12.3f}")
             print(f"{r['mode']:<34}{r['tpot_ms']:>9.2f}{r['tok_s']:>8.1f}"
                   f"{r['speed_vs_vanilla']:>10.2f}x{r['first_token_ms']:>11.1f}{extra}")
         print("fastest exact/equivalent mode measured (no emulation), per budget: "

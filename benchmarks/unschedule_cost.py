@@ -59,7 +59,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read the scheduler's counters
     model = model_of(args)
     prompts = held_out_prompts(args.sequences)
-    common = dict(eager=args.eager, max_num_seqs=args.sequences)
+    common = {"eager": args.eager, "max_num_seqs": args.sequences}
     plain = start_engine(model, {"budget": 1.0}, **common)
     grouped = start_engine(model, {
         "budget": 1.0, "path_predictor": str(ASSETS / "tiny-qwen3-moe-path-predictor"),
