@@ -13,6 +13,7 @@ start here, and run end to end in their own tests (``test_lookahead``,
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +133,7 @@ def toy_engine(config: SpecExpertConfig):
                                    for n, t in LAYERS.items()}, K,
                           host_kernel=slot_kernel, reports=False, start=False)
     g = torch.Generator().manual_seed(3)
-    for index, (name, next_name) in enumerate(zip(NAMES, NAMES[1:])):
+    for index, (name, next_name) in enumerate(pairwise(NAMES)):
         engine.link_layers(name, next_name, toy_routing(index + 1))
     estimator = ExpertEstimator(EstimatorShape(H, len(NAMES) - 1, E, K, latent=8),
                                 list(range(len(NAMES)))).float()
@@ -141,7 +142,7 @@ def toy_engine(config: SpecExpertConfig):
         {n: torch.ones(H) for n in NAMES}, estimator,
         transitions_of(estimator, dict(enumerate(NAMES))), frozenset(NAMES[:1])))
     coactivation = np.eye(E, dtype=np.int64) * 10 + 1
-    engine.set_routing_statistics({n: coactivation for n in NAMES},
+    engine.set_routing_statistics(dict.fromkeys(NAMES, coactivation),
                                   {n: np.linspace(0, 1, 101) for n in NAMES})
     if config.quality is not None:
         engine.set_logit_head(identity_head(H))
@@ -158,7 +159,7 @@ def check_runs_with_its_label(config: SpecExpertConfig) -> None:
             g = torch.Generator().manual_seed(step)
             x = torch.randn(4, H, generator=g).bfloat16()
             routes = {}
-            for index, name in enumerate(NAMES):
+            for index in range(len(NAMES)):
                 w, ids = toy_routing(index).route(x)
                 routes[index] = ids.numpy()
             engine.step_demand = StepDemand(tokens=4, layers={
