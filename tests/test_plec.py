@@ -16,7 +16,8 @@ from vllm_specexpert.predict import PredictorInputs
 
 E, K, H, LAYERS = 16, 2, 32, 3
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
-LAYER_TENSORS = {name: random_layer(num_experts=E, hidden=H, seed=i) for i, name in enumerate(NAMES)}
+LAYER_TENSORS = {name: random_layer(num_experts=E, hidden=H, seed=i)
+                 for i, name in enumerate(NAMES)}
 
 
 def layers() -> dict[str, dict[str, torch.Tensor]]:
@@ -65,7 +66,7 @@ def distinct(rng, tokens) -> np.ndarray:
 
 
 def test_plec_needs_a_path_predictor_and_a_known_preload():
-    with pytest.raises(SpecExpertConfigError, match="'cache'.*path_predictor"):
+    with pytest.raises(SpecExpertConfigError, match=r"'cache'.*path_predictor"):
         SpecExpertConfig.from_dict({"cache": "plec"})
     with pytest.raises(SpecExpertConfigError, match="'plec_preload'"):
         SpecExpertConfig.from_dict({"cache": "plec", "path_predictor": "/rpp",
@@ -77,7 +78,7 @@ def test_one_pool_at_the_total_budget_shared_by_every_layer():
     caches = [engine.layers[n].cache for n in NAMES]
     assert all(c.pool is engine.pool for c in caches)
     assert engine.pool.num_slots == LAYERS * 4  # 0.25 x 16 experts, per layer, summed
-    for key, t in caches[0].slots.items():
+    for t in caches[0].slots.values():
         assert t.shape[0] == LAYERS * 4
     assert [len(resident(engine, i)) for i in range(LAYERS)] == [4, 4, 4]
     for c in caches:
