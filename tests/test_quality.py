@@ -1,7 +1,7 @@
 """The quality budget's monitor without vLLM (:mod:`vllm_specexpert.quality`): the
 sampled exact result is ``fetch``'s, flips, KL and the accuracy loss are counted from
-the logits, and the switch to exact and back happens on whole windows, per batch class. The engine test with the embedded
-model is ``test_quality_engine.py``."""
+the logits, and the switch to exact and back happens on whole windows, per batch class.
+The engine test with the embedded model is ``test_quality_engine.py``."""
 
 import numpy as np
 import pytest
@@ -27,7 +27,8 @@ def identity_head(hidden: int = 4) -> LogitHead:
 def engine_of(specexpert: dict, head: bool = True) -> OffloadEngine:
     """This file's toy model (layers 1 and 3, top-4) under ``specexpert``, with the
     identity logit head unless ``head`` is False."""
-    layers = {name: random_layer(seed=seed, hidden=HIDDEN) for name, seed in zip(NAMES, (0, 1))}
+    layers = {name: random_layer(seed=seed, hidden=HIDDEN)
+              for name, seed in zip(NAMES, (0, 1), strict=True)}
     engine = build_engine(specexpert, layers, 4, indices=(1, 3), reports=False, start=False)
     if head:  # what wiring a model with a quality budget does
         engine.set_logit_head(identity_head(HIDDEN))
@@ -49,7 +50,7 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
     changed = 0
     for step in range(4):
         x, w, ids = random_routing(8, 16, 4, hidden=HIDDEN, seed=step)
-        for name, index in zip(NAMES, (1, 3)):
+        for name, index in zip(NAMES, (1, 3), strict=True):
             served = approx.run(name, slot_kernel, x, w, ids)
             exact = fetch.run(name, slot_kernel, x, w, ids)
             mode = reference.run(name, slot_kernel, x, w, ids)
