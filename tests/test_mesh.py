@@ -79,10 +79,9 @@ def teacher_forced_top1(llm) -> list[int]:
         params.append(SamplingParams(temperature=0.0, max_tokens=FORCED, logprobs=1,
                                      ignore_eos=True,
                                      extra_args={FORCED_TOKENS: window[PROMPT_TOKENS:]}))
-    top1 = []
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        for step in out.outputs[0].logprobs:
-            top1.append(min(step.items(), key=lambda kv: kv[1].rank)[0])
+    top1 = [min(step.items(), key=lambda kv: kv[1].rank)[0]
+            for out in llm.generate(prompts, params, use_tqdm=False)
+            for step in out.outputs[0].logprobs]
     assert len(top1) == WINDOWS * FORCED
     return top1
 
@@ -429,7 +428,7 @@ def checkpoint_reference(spec: peer_module.ShardSpec, layer_offset: int = 0):
     def reference(layer, x, experts):
         name = spec.layers[layers[(layers.index(layer) + layer_offset) % len(layers)]][0]
         out = []
-        for row, expert in zip(x.float(), experts.tolist()):
+        for row, expert in zip(x.float(), experts.tolist(), strict=True):
             keys = expert_keys(index, name, expert)
             gate, up, down = (safe_open(index[k], "pt").get_tensor(k).float() for k in keys)
             out.append(down @ (torch.nn.functional.silu(gate @ row) * (up @ row)))
