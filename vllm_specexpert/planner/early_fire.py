@@ -28,22 +28,35 @@ Only pairs whose expert a peer in rotation holds and the device cache lacks are 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from vllm_specexpert.predict import Prediction
-from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.stats import LayerStats, PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.peer import Sent
+
+
+class PredictedLayer(Protocol):
+    """What :meth:`EarlyFire.predicted` uses of the predicted layer (an
+    ``OffloadedLayer``)."""
+
+    @property
+    def peers(self) -> LayerPeers | None: ...
+    @property
+    def cache(self) -> ExpertCache: ...
+    @property
+    def stats(self) -> LayerStats: ...
 
 
 class EarlyFire:
     """Sends predicted pairs ahead (module doc); one per engine under a mesh mode other
     than ``sync``."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str) -> None:
         self.mode = mode
         self.speculates = mode == "no_stop"
         """The layer runs the predicted routing when something was fired for it."""
@@ -73,13 +86,14 @@ class EarlyFire:
             return None
         return self.fire(peers, cache, x, prediction.host_ids, stats)
 
-    def predicted(self, nxt, prediction: Prediction,
+    def predicted(self, nxt: PredictedLayer, prediction: Prediction,
                   router_input: Callable[[], torch.Tensor]) -> None:
         """Layer l predicted layer ``nxt`` (an ``OffloadedLayer``): ``no_stop`` fires the
         estimate of its router input now (``router_input`` computes it when the
         prediction did not keep it)."""
         if not self.speculates or nxt.peers is None:
             return
+        assert prediction.host_ids is not None  # read with the router's ids (after_read)
         q = prediction.router_input if prediction.router_input is not None else router_input()
         sent = self.fire(nxt.peers, nxt.cache, q, prediction.host_ids, nxt.stats.decode)
         if sent is not None:

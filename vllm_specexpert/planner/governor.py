@@ -87,7 +87,7 @@ class GovernorStats:
 class Governor:
     """Chooses each step's draft length and drafting requests (module doc)."""
 
-    def __init__(self, k_max: int, fixed_k: int | None = None):
+    def __init__(self, k_max: int, fixed_k: int | None = None) -> None:
         self.k_max = k_max
         self.fixed_k = fixed_k
         self.acceptance: dict[str, float] = {}

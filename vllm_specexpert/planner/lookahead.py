@@ -34,7 +34,7 @@ from vllm_specexpert.predict.draft import ExpertLookaheadBuffer
 class LookaheadPlanner:
     """Prefetch and demand from the draft's routes (module doc)."""
 
-    def __init__(self, num_experts: int, layer_of: Callable[[int], PlannedLayer | None]):
+    def __init__(self, num_experts: int, layer_of: Callable[[int], PlannedLayer | None]) -> None:
         self.buffer = ExpertLookaheadBuffer(num_experts)
         self.layer_of = layer_of
         """Decoder-layer index -> the target's offloaded layer (``None``: not one)."""

@@ -27,7 +27,7 @@ from vllm_specexpert.tiers.slots import SharedSlotPool
 class PlecPlanner:
     """Keeps a :class:`SharedSlotPool`'s lookahead and preloads by it (module doc)."""
 
-    def __init__(self, pool: SharedSlotPool, preload: str):
+    def __init__(self, pool: SharedSlotPool, preload: str) -> None:
         self.pool = pool
         self.preload = preload
         """``plec_preload``: ``none``, ``step`` or ``next``."""

@@ -40,7 +40,7 @@ class PrefetchPlanner:
     """Per-layer precision of the predictions made for that layer, the time they had to
     land, and what of a new one to prefetch."""
 
-    def __init__(self, top_k: int):
+    def __init__(self, top_k: int) -> None:
         # Optimistic prior (one correct prediction per rank): prefetch at first, learn.
         self.correct = np.ones(top_k)
         self.total = np.ones(top_k)

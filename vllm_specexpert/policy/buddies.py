@@ -34,8 +34,8 @@ def buddy_lists(coactivation: np.ndarray, alpha: float, k_max: int) -> np.ndarra
         q = m[i] / totals[i]
         order = np.argsort(-q, kind="stable")
         order = order[q[order] > 0]
-        reached = np.searchsorted(np.cumsum(q[order]), alpha - 1e-12) + 1
-        size = int(min(max(reached, 1), k_max, len(order)))
+        reached = int(np.searchsorted(np.cumsum(q[order]), alpha - 1e-12)) + 1
+        size = min(max(reached, 1), k_max, len(order))
         out[i, :size] = order[:size]
     return out
 
@@ -64,7 +64,7 @@ class BuddyGates:
 def substitute(
     topk_ids: np.ndarray,
     resident: np.ndarray,
-    buddies: np.ndarray,
+    buddies: np.ndarray | None,
     tae: np.ndarray,
     gates: BuddyGates,
     rng: np.random.Generator | None = None,
@@ -100,6 +100,7 @@ def substitute(
             continue
         if buddies is None:
             # The random baseline: resident experts in a fresh random order per entry.
+            assert rng is not None, "the random baseline (no buddies) needs rng"
             order = np.argsort(rng.random((len(rows), len(resident_ids))), axis=1)
             candidates = resident_ids[order]
         else:

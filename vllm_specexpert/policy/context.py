@@ -70,7 +70,9 @@ def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: 
             if policy.uses_buddy_lists:
                 context.buddies = buddy_lists(coactivation, buddy.alpha, buddy.k_max)
             if tau is None:
+                assert tae_percentiles is not None  # the calibration's, with coactivation
                 tau = float(np.interp(buddy.tau_percentile, np.linspace(0, 100, 101),
                                       tae_percentiles))
+        assert tau is not None  # unset tau is a routing-statistics need: chosen above
         context.gates = BuddyGates(tau=tau, beta=buddy.beta, rho=buddy.rho)
     return context

@@ -33,6 +33,7 @@ class CpuPolicy(MissPolicy):
 def host_share(ids: np.ndarray, missing: np.ndarray, context: MissContext) -> np.ndarray:
     """``[T, K]`` mask of the missing entries whose expert the host should compute (see
     module doc for the cost model)."""
+    assert context.host is not None, "a host policy's context has its host experts"
     experts, rows = np.unique(ids[missing], return_counts=True)
     host_s = context.host.estimate(rows)
     order = np.argsort(host_s, kind="stable")

@@ -24,6 +24,7 @@ class LowBitPolicy(MissPolicy):
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
              context: MissContext) -> MissPlan:
+        assert context.low_bit is not None, "lowbit's context has its low-bit slots"
         missing = ~resident[ids]
         experts, rows = np.unique(ids[missing], return_counts=True)
         room = context.low_bit.cache.num_slots

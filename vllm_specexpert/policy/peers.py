@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specexpert.config.modes import MissPolicySpec
 from vllm_specexpert.policy.base import MissPlan, MissPolicy
 from vllm_specexpert.policy.context import MissContext
 
@@ -14,11 +15,12 @@ from vllm_specexpert.policy.context import MissContext
 class PeersFirst(MissPolicy):
     """``policy`` with the entries of experts a peer holds sent to the peer."""
 
-    def __init__(self, policy: MissPolicy):
+    def __init__(self, policy: MissPolicy) -> None:
         self.policy = policy
 
-    @property  # type: ignore[override]
-    def spec(self):  # noqa: ANN201 - the wrapped policy's traits
+    # The base's traits are a ClassVar; the wrapper's are its policy's, per instance.
+    @property
+    def spec(self) -> MissPolicySpec:  # type: ignore[override]  # (the wrapped policy's traits)
         return self.policy.spec
 
     def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,

@@ -16,6 +16,7 @@ from vllm_specexpert.policy.buddies import substitute, token_activating_entropy
 def substitution_plan(ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
                       context: MissContext, use_buddies: bool = True) -> MissPlan:
     """Entries substituted where the gates allow; the rest stay as routed."""
+    assert context.gates is not None, "a substituting policy's context has its gates"
     tae = token_activating_entropy(topk_weights).cpu().numpy()
     new_ids, replaced = substitute(
         ids, resident, context.buddies if use_buddies else None, tae, context.gates,

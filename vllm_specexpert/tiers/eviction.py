@@ -19,7 +19,7 @@ class EvictionPolicy:
     def name(self) -> str:
         return self.spec.name
 
-    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+    def __init__(self, num_experts: int, num_slots: int, top_k: int) -> None:
         self.last_used = np.zeros(num_experts, dtype=np.int64)
         self.pinned = np.zeros(num_experts, dtype=bool)
         """Experts that are never evicted once resident."""
@@ -42,7 +42,7 @@ class LRUPolicy(EvictionPolicy):
 class LFUPolicy(EvictionPolicy):
     spec = CACHES["lfu"]
 
-    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+    def __init__(self, num_experts: int, num_slots: int, top_k: int) -> None:
         super().__init__(num_experts, num_slots, top_k)
         self.uses = np.zeros(num_experts, dtype=np.int64)
 
@@ -60,7 +60,7 @@ class StaticPolicy(LRUPolicy):
 
     spec = CACHES["static"]
 
-    def __init__(self, num_experts: int, num_slots: int, top_k: int):
+    def __init__(self, num_experts: int, num_slots: int, top_k: int) -> None:
         super().__init__(num_experts, num_slots, top_k)
         self.pinned[: max(num_slots - top_k, 0)] = True
 

@@ -122,7 +122,7 @@ class HostExperts:
     """One layer's experts computed on the host (see module doc)."""
 
     def __init__(self, experts: LayerExperts, kernel: HostKernel, slowdown: float | None,
-                 timer: Callable[[], float] = time.perf_counter):
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         self.experts = experts
         self.kernel = kernel
         self.slowdown = slowdown

@@ -34,7 +34,7 @@ from vllm_specexpert.tiers.link import Link, Transfer
 class ExpertLoader:
     """Loads one layer's experts into its :class:`ExpertCache` (see module doc)."""
 
-    def __init__(self, cache: ExpertCache, link: Link):
+    def __init__(self, cache: ExpertCache, link: Link) -> None:
         self.cache = cache
         self.link = link
         self.prefetches: dict[int, Transfer] = {}
@@ -192,13 +192,13 @@ class ExpertLoader:
                 stats.bytes_prefetched += transfer.nbytes
                 stats.admitted += count if admitted else 0
 
-        after = ()
+        after: tuple[object, ...] = ()
         pool = self.cache.pool
-        if pool.last_write is not None:
-            after = {id(e): e for e in (*pool.last_write[slots], *pool.last_read[slots])
-                     if e is not None}.values()
+        if pool.last_write is not None and pool.last_read is not None:  # (CUDA: both)
+            after = tuple({id(e): e for e in (*pool.last_write[slots], *pool.last_read[slots])
+                           if e is not None}.values())
         transfer = self.link.submit(self.cache.copy_of(experts), prefetch=prefetch,
-                                    on_start=started, after=tuple(after))
+                                    on_start=started, after=after)
         if pool.last_write is not None:
             pool.last_write[slots] = transfer
         for slot in slots.tolist():

@@ -35,6 +35,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -61,7 +63,9 @@ class PeerState:
     """One peer: its actor, whether it is in rotation, and its counters."""
 
     rank: int
-    actor: object
+    actor: Any
+    """The Ray actor handle of its :class:`~.peer_shard.ExpertPeer` (methods are called
+    as ``actor.method.remote(...)``, attributes Ray makes at run time)."""
     node: str
     up: bool = True
     reason: str = ""
@@ -120,8 +124,18 @@ class Sent:
 
     tokens: np.ndarray
     experts: np.ndarray
-    calls: list[tuple[PeerState, object, np.ndarray, float, int]]
+    calls: list[tuple[PeerState, Any, np.ndarray, float, int]]
     """(peer, object ref, pair indices, send time, bytes sent)."""
+
+
+class TimedAnswer(Protocol):
+    """A probe's answer as :func:`_timed` makes it: a future that records when it
+    arrived."""
+
+    arrived_at: float
+
+    def done(self) -> bool: ...
+    def result(self, timeout: float | None = None) -> Any: ...
 
 
 class PeerTier:
@@ -129,7 +143,7 @@ class PeerTier:
 
     def __init__(self, mesh: MeshConfig, spec: ShardSpec, num_experts: int,
                  reference: PairReference, local: dict[int, np.ndarray] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.mesh = mesh
         self.clock = clock
         """Seconds that round trips and timeouts are measured in."""
@@ -150,7 +164,7 @@ class PeerTier:
             self.close()  # (this host cannot compute the check: no peer is left running)
             raise
         self._check_at_start()
-        self._pings: list[tuple[PeerState, object, float]] = []
+        self._pings: list[tuple[PeerState, TimedAnswer, float]] = []
         """Probes in flight: (peer, its answer as a future, send time)."""
         self._next_probe = 0.0
 
@@ -170,7 +184,7 @@ class PeerTier:
             hosts[layer] = mask
         return hosts
 
-    def _start_peers(self, ray, spec: ShardSpec) -> list[PeerState]:
+    def _start_peers(self, ray: ModuleType, spec: ShardSpec) -> list[PeerState]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = ray.get_runtime_context().get_node_id()
@@ -321,7 +335,7 @@ class PeerTier:
                            for peer in self.peers]
             self._next_probe = now + self.mesh.probe_interval_s
 
-    def _answered(self, peer: PeerState, answer, sent_at: float) -> None:
+    def _answered(self, peer: PeerState, answer: TimedAnswer, sent_at: float) -> None:
         try:
             pid = answer.result()
         except Exception as error:  # noqa: BLE001 - dead or restarting
@@ -376,13 +390,13 @@ class PeerTier:
             ray.shutdown()
 
 
-def _timed(ref, clock: Callable[[], float]):
+def _timed(ref: Any, clock: Callable[[], float]) -> TimedAnswer:
     """``ref`` as a future that records when its answer arrived (``arrived_at``, by
     ``clock``), from Ray's own thread: the round trip does not wait for the engine's
     next layer call."""
     answer = ref.future()
 
-    def arrived(_future) -> None:
+    def arrived(_future: object) -> None:
         answer.arrived_at = clock()
 
     answer.add_done_callback(arrived)

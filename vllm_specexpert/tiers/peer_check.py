@@ -79,9 +79,9 @@ def check_failure(checks: Iterable[PeerCheck], answers: Iterable,
             y, _ = answer.result(timeout=timeout)
         except Exception as error:  # noqa: BLE001 - died, timed out or raised
             return f"computing layer {check.layer}: {first_line(error)}"
-        error = check.error(y)
-        if not error <= CHECK_TOLERANCE:
+        relative = check.error(y)
+        if not relative <= CHECK_TOLERANCE:
             return (f"its experts {sorted(set(check.experts.tolist()))} of layer "
                     f"{check.layer} differ from this host's (relative error "
-                    f"{error:.3g} > {CHECK_TOLERANCE})")
+                    f"{relative:.3g} > {CHECK_TOLERANCE})")
     return None

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.tiers.host import torch_experts
 from vllm_specexpert.tiers.ray_cluster import first_line
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 """Per-expert tensor names (gate, up, down) of the checkpoint layouts a peer reads."""
@@ -80,9 +84,9 @@ def expert_keys(names: set[str] | dict[str, Path], layer: str,
     """The (gate, up, down) tensor names of one expert among the checkpoint's ``names``;
     ``KeyError`` naming what was looked for when the layout is not one a peer reads."""
     for projections in PROJECTIONS:
-        keys = tuple(f"{layer}.{expert}.{p}.weight" for p in projections)
-        if all(k in names for k in keys):
-            return keys
+        gate, up, down = (f"{layer}.{expert}.{p}.weight" for p in projections)
+        if all(k in names for k in (gate, up, down)):
+            return gate, up, down
     raise KeyError(f"{layer}.{expert}.gate_proj.weight (or .w1.weight) is not in the "
                    "checkpoint: a peer reads per-expert bf16 tensors only (no fused or "
                    "quantized experts)")
@@ -102,7 +106,7 @@ def checkpoint_key_index(checkpoint: str) -> dict[str, Path]:
 class ExpertPeer:
     """One peer: its shard of every MoE layer's experts, computed on request."""
 
-    def __init__(self, rank: int, spec: ShardSpec):
+    def __init__(self, rank: int, spec: ShardSpec) -> None:
         started = time.perf_counter()
         self.rank = rank
         self.spec = spec
@@ -136,17 +140,16 @@ class ExpertPeer:
         compute), but vLLM's CPU kernel shares its scratch space between calls: two
         computing together corrupted each other's output (measured). One at a time."""
 
-    def _read(self, handles, index, name: str, experts: tuple[int, ...]):
+    def _read(self, handles: dict[Path, safe_open], index: dict[str, Path], name: str,
+              experts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n, 2I_pad, H]`` and ``[n, H, I_pad]`` of ``experts``, zero-padded like the
         engine's slots."""
         padded, hidden = self.spec.w13_shape[0] // 2, self.spec.w13_shape[1]
-        w13 = w2 = None
+        w13 = torch.zeros(len(experts), 2 * padded, hidden, dtype=torch.bfloat16)
+        w2 = torch.zeros(len(experts), hidden, padded, dtype=torch.bfloat16)
         for i, expert in enumerate(experts):
             gate, up, down = (handles[index[k]].get_tensor(k)
                               for k in expert_keys(index, name, expert))
-            if w13 is None:
-                w13 = torch.zeros(len(experts), 2 * padded, hidden, dtype=torch.bfloat16)
-                w2 = torch.zeros(len(experts), hidden, padded, dtype=torch.bfloat16)
             inter = gate.shape[0]
             w13[i, :inter] = gate
             w13[i, padded:padded + inter] = up

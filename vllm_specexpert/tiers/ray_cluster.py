@@ -5,11 +5,12 @@ field for each failure."""
 from __future__ import annotations
 
 import socket
+from types import ModuleType
 
 from vllm_specexpert.config import SpecExpertConfigError
 
 
-def require_ray():
+def require_ray() -> ModuleType:
     try:
         import ray
     except ImportError:
@@ -19,7 +20,7 @@ def require_ray():
     return ray
 
 
-def init_ray(ray, address: str | None) -> bool:
+def init_ray(ray: ModuleType, address: str | None) -> bool:
     """Join the cluster at ``address`` (``None``: start a local Ray); whether this call
     started Ray (and so shuts it down on close)."""
     if ray.is_initialized():

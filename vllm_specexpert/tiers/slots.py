@@ -56,7 +56,7 @@ class SlotPool:
     shared: ClassVar[bool] = False
     """Slots move between layers."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.caches: list[PooledCache] = []
         self._shares: list[int] = []
@@ -152,7 +152,7 @@ class LayerSlotPool(SlotPool):
             return True
         pinned_resident = cache.policy.pinned & cache.resident_mask()
         outside = np.count_nonzero(~pinned_resident[experts])
-        return outside <= cache.num_slots - int(pinned_resident.sum())
+        return bool(outside <= cache.num_slots - int(pinned_resident.sum()))
 
     def capacity(self, cache: PooledCache) -> int:
         return cache.num_slots - int(np.count_nonzero(cache.policy.pinned
@@ -164,11 +164,12 @@ class SharedSlotPool(SlotPool):
 
     shared = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self.lookahead: np.ndarray | None = None
+        self.lookahead: np.ndarray = np.zeros((0, 0))
         """``[caches, experts]`` predicted uses still to come of each (layer, expert),
-        kept by the PLEC planner from the step's predicted demand; the fewest go first."""
+        kept by the PLEC planner from the step's predicted demand; the fewest go first.
+        Empty until :meth:`allocate`."""
 
     def allocate(self) -> None:
         super().allocate()
@@ -221,7 +222,7 @@ class SharedSlotPool(SlotPool):
 
     def capacity_for(self, cache: PooledCache, experts: np.ndarray) -> bool:
         missing = np.count_nonzero(cache.expert_slot[experts] < 0)
-        return missing <= self.available_for(cache, experts)
+        return bool(missing <= self.available_for(cache, experts))
 
     def capacity(self, cache: PooledCache) -> int:
         resident = np.flatnonzero(cache.resident_mask())

@@ -28,7 +28,7 @@ NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.
 class HostReader:
     """Reads several small device tensors to the host with one copy and one wait."""
 
-    def __init__(self, device: torch.device, packed: bool | None = None):
+    def __init__(self, device: torch.device, packed: bool | None = None) -> None:
         self.device = device
         self.packed = device.type != "cpu" if packed is None else packed
         """Whether reads go through one packed copy (CUDA; forced on CPU by tests)."""
@@ -50,7 +50,8 @@ class HostReader:
             self._event.record()
             self._event.synchronize()
         host = buffer.numpy()
-        out, offset = [], 0
+        out: list[np.ndarray] = []
+        offset = 0
         for tensor, size in zip(tensors, sizes):
             dtype = NUMPY_DTYPES[tensor.dtype]
             # A copy: the staging buffer is overwritten by the next read.

@@ -87,7 +87,7 @@ class LayerExperts:
 class ExpertStore:
     """Routed experts of every MoE layer of one worker, in the slow tier."""
 
-    def __init__(self, pin_memory: bool):
+    def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self.layers: dict[str, LayerExperts] = {}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_specexpert.tiers.store import ExpertDecoder
+from vllm_specexpert.tiers.store import ExpertDecoder, LayerExperts
 
 
 @dataclass
@@ -139,8 +139,8 @@ class Link(ABC):
         self.copies = 0
         self.stall_s = 0.0
 
-    def expert_seconds(self, experts) -> float:
-        """Expected link time of moving one expert of ``experts`` (a LayerExperts)."""
+    def expert_seconds(self, experts: LayerExperts) -> float:
+        """Expected link time of moving one expert of ``experts``."""
         return self.copy_seconds(experts.expert_nbytes, len(experts.tensors))
 
     def wait(self, transfer: Transfer) -> float:

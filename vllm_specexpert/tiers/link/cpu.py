@@ -22,7 +22,7 @@ from vllm_specexpert.tiers.link.base import (
 
 class _CpuTransfer(Transfer):
     def __init__(self, link: CpuLink, copy: ExpertCopy, prefetch: bool,
-                 on_start: StartCallback | None):
+                 on_start: StartCallback | None) -> None:
         self.link = link
         self.copy = copy
         self.nbytes = copy.nbytes
@@ -33,6 +33,8 @@ class _CpuTransfer(Transfer):
         self.ready_at: float | None = None
         """Emulated completion time, set when the emulated link starts it."""
         self.error: BaseException | None = None
+        self.claim: threading.Lock | None
+        self.done: threading.Event | None
         if prefetch:
             self.claim = threading.Lock()
             """Taken by whoever performs the real copy: the copy thread, or a waiter
@@ -55,7 +57,7 @@ class _CpuTransfer(Transfer):
     def perform(self) -> bool:
         """Do the real copy unless someone else claimed it (or it was a demand copy,
         done at submission); returns once it is done, True if this call did it."""
-        if self.claim is None:
+        if self.claim is None or self.done is None:  # (a demand copy: both None)
             return False
         if not self.claim.acquire(blocking=False):
             self.done.wait()
@@ -91,7 +93,7 @@ class CpuLink(Link):
     """Copy worker thread with optional bandwidth/latency emulation (see module doc).
     ``clock``: the time transfers are submitted, start and land in (``perf_counter``)."""
 
-    def __init__(self, config: LinkConfig, clock: Clock | None = None):
+    def __init__(self, config: LinkConfig, clock: Clock | None = None) -> None:
         super().__init__()
         self.config = config
         self.clock = clock or Clock()
@@ -102,7 +104,7 @@ class CpuLink(Link):
         """Emulated transfers not started yet, in link order."""
         self._seconds_per_byte = 1e-10
         """Measured memcpy cost (real copies without emulation), running mean."""
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_CpuTransfer | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._copy_loop, name="specexpert-copy", daemon=True
         )
@@ -124,7 +126,7 @@ class CpuLink(Link):
 
     def cancel(self, transfer: Transfer) -> bool:
         self._advance(self.clock.now())
-        if transfer in self._pending:
+        if isinstance(transfer, _CpuTransfer) and transfer in self._pending:
             self._pending.remove(transfer)
             transfer.cancelled = True
             # Skip the real copy if nobody started it, else let it finish, so that it
@@ -135,6 +137,7 @@ class CpuLink(Link):
 
     def retire(self, transfer: Transfer) -> None:
         if not self.cancel(transfer):
+            assert isinstance(transfer, _CpuTransfer), "a link retires its own transfers"
             transfer.perform()  # a waiter may overtake the copy thread: finish it first
 
     def idle(self) -> bool:

@@ -13,7 +13,8 @@ from vllm_specexpert.tiers.staging import upload
 
 
 class _CudaTransfer(Transfer):
-    def __init__(self, copy: ExpertCopy, prefetch: bool, on_start: StartCallback | None):
+    def __init__(self, copy: ExpertCopy, prefetch: bool,
+                 on_start: StartCallback | None) -> None:
         self.nbytes = copy.nbytes
         self.prefetch = prefetch
         self.on_start = on_start
@@ -41,12 +42,13 @@ class CudaLink(Link):
 
     cancellable = False
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
         # Lower number = higher priority: the copy a kernel is waiting for goes first
         # where both streams have work (copy_experts runs on SMs, so this matters).
-        low, high = torch.cuda.Stream.priority_range()
+        # (a static method; torch's stub declares it without @staticmethod)
+        low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         self.demand_stream = torch.cuda.Stream(device=device, priority=high)
         self.prefetch_stream = torch.cuda.Stream(device=device, priority=low)
         self._last: dict[bool, _CudaTransfer] = {}
@@ -63,7 +65,7 @@ class CudaLink(Link):
         transfer = _CudaTransfer(copy, prefetch, on_start)
         stream = self.prefetch_stream if prefetch else self.demand_stream
         for dependency in after:
-            event = dependency.event if isinstance(dependency, Transfer) else dependency
+            event = dependency.event if isinstance(dependency, _CudaTransfer) else dependency
             stream.wait_event(event)
         with torch.cuda.stream(stream):
             self._copy(copy)
@@ -91,8 +93,9 @@ class CudaLink(Link):
         from vllm_specexpert.triton_kernels.slots import copy_experts
 
         index = upload(np.stack([copy.experts, copy.slots]).astype(np.int32), self.device)
-        copy_experts(tuple(self._device_view(t) for t in copy.sources.values()),
-                     tuple(copy.destinations[k] for k in copy.sources), index[0], index[1])
+        src0, src1 = (self._device_view(t) for t in copy.sources.values())
+        dst0, dst1 = (copy.destinations[k] for k in copy.sources)
+        copy_experts((src0, src1), (dst0, dst1), index[0], index[1])
 
     def _device_view(self, host: torch.Tensor) -> torch.Tensor:
         view = self._device_views.get(host.data_ptr())
