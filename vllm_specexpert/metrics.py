@@ -172,7 +172,7 @@ def counter_name(field: str) -> str:
 class SnapshotCollector:
     """A prometheus_client collector over the workers' snapshot files."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
         self.fields = [f.name for f in dataclasses.fields(PhaseStats)]
         self.docs = {f.name: f.metadata["help"] for f in dataclasses.fields(PhaseStats)}
@@ -281,7 +281,7 @@ class SnapshotCollector:
 class _QualityFamilies:
     """The ``specexpert_quality_*`` series (module doc)."""
 
-    def __init__(self, base: list[str]):
+    def __init__(self, base: list[str]) -> None:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         batch = [*base, "batch"]
@@ -315,8 +315,8 @@ class _QualityFamilies:
                                 (self.rate, "last_window_flip_rate")):
                 if batch[key] is not None:
                     family.add_metric([*labels, label], batch[key])
-        for key, family in self.counters.items():
-            family.add_metric(labels, quality[key])
+        for key, counter in self.counters.items():
+            counter.add_metric(labels, quality[key])
         self.switches.add_metric([*labels, "exact"], quality["switches_to_exact"])
         self.switches.add_metric([*labels, "approximate"], quality["switches_to_approximate"])
         for index, layer in quality["layers"].items():

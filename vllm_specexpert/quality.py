@@ -172,7 +172,7 @@ def batch_classes(bounds: tuple[int, ...]) -> list[BatchClass]:
 class QualityMonitor:
     """One engine's quality budget (see module doc)."""
 
-    def __init__(self, config: QualityConfig, head: LogitHead, first_layer: int):
+    def __init__(self, config: QualityConfig, head: LogitHead, first_layer: int) -> None:
         self.config = config
         self.head = head
         self.first_layer = first_layer
@@ -253,6 +253,7 @@ class QualityMonitor:
                 shadow = execute.run_on_device(layer.loader, self._quiet(exact.rows(rows)))
                 self._charge(started)
         if shadow is not None:
+            assert rows is not None  # (a shadow is computed for sampled rows only)
             self.deltas[layer.index] = (shadow.float() - out[upload(rows, out.device)].float())
         return out
 

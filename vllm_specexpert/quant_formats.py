@@ -91,7 +91,8 @@ class PackedFormat(ABC):
 # --------------------------------------------------------------------- int4 helpers
 
 
-def _unpack_int4(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+def _unpack_int4(packed: torch.Tensor, dim: int,
+                 order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """Unsigned 4-bit values of int32 ``packed`` along ``dim`` (8 per int32; nibble ``i``
     is value ``order[i]`` of its group of eight)."""
     dim = dim % packed.dim()
@@ -106,7 +107,8 @@ def _shifts(order: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([4 * order.index(j) for j in range(8)], dtype=torch.int32)
 
 
-def _pack_int4(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+def _pack_int4(values: torch.Tensor, dim: int,
+               order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """Inverse of :func:`_unpack_int4` (values in [0, 15])."""
     dim = dim % values.dim()
     grouped = values.to(torch.int32).unflatten(dim, (-1, 8))
@@ -120,7 +122,8 @@ def _groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else in_features // group_size
 
 
-def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool, min_zero: int = 0):
+def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool,
+              min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit codes of ``weight [out, in]`` per input group: unsigned
     codes ``q [out, in]``, zero points ``z [out, groups]`` (at least ``min_zero``) and
     scales ``s [out, groups]`` (``w ~ (q - z) * s``)."""
@@ -164,15 +167,16 @@ class AwqFormat(PackedFormat):
                 "qzeros": ((groups, out_features // 8), torch.int32),
                 "scales": ((groups, out_features), torch.float16)}
 
-    def dequantize(self, tensors, out_features, in_features):
+    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
+                   in_features: int) -> torch.Tensor:
         q = _unpack_int4(tensors["qweight"], -1, AWQ_ORDER)              # [.., in, out]
         zero = _unpack_int4(tensors["qzeros"], -1, AWQ_ORDER)            # [.., g, out]
         return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
-    def features(self, tensors):
+    def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
         return tensors["qweight"].shape[-1] * 8, tensors["qweight"].shape[-2]
 
-    def quantize(self, weight):
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, zero, scale = _rtn_int4(weight, self.group_size, symmetric=False)
         return {"qweight": _pack_int4(q.T, -1, AWQ_ORDER),
                 "qzeros": _pack_int4(zero.T, -1, AWQ_ORDER),
@@ -190,15 +194,16 @@ class GptqFormat(PackedFormat):
                 "qzeros": ((groups, out_features // 8), torch.int32),
                 "scales": ((groups, out_features), torch.float16)}
 
-    def dequantize(self, tensors, out_features, in_features):
+    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
+                   in_features: int) -> torch.Tensor:
         q = _unpack_int4(tensors["qweight"], -2)                         # [.., in, out]
         zero = _unpack_int4(tensors["qzeros"], -1) + 1                   # v1: stored z - 1
         return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
-    def features(self, tensors):
+    def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
         return tensors["qweight"].shape[-1], tensors["qweight"].shape[-2] * 8
 
-    def quantize(self, weight):
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         # v1 stores z - 1 in four bits: a zero point of 0 cannot be stored.
         q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric, min_zero=1)
         in_features = weight.shape[1]
@@ -226,7 +231,8 @@ class PackQuantizedFormat(PackedFormat):
             shapes["weight_zero_point"] = ((out_features // 8, groups), torch.int32)
         return shapes
 
-    def dequantize(self, tensors, out_features, in_features):
+    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
+                   in_features: int) -> torch.Tensor:
         q = _unpack_int4(tensors["weight_packed"], -1)                   # [.., out, in]
         scale = tensors["weight_scale"]
         if self.symmetric:
@@ -235,11 +241,11 @@ class PackQuantizedFormat(PackedFormat):
             zero = _unpack_int4(tensors["weight_zero_point"], -2)
         return _dequantize(q, zero, scale, -1)
 
-    def features(self, tensors):
+    def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
         out_features, in_features = tensors["weight_shape"].reshape(-1, 2)[0].tolist()
         return int(out_features), int(in_features)
 
-    def quantize(self, weight):
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric)
         tensors = {"weight_packed": _pack_int4(q, -1),
                    "weight_scale": scale.to(torch.bfloat16),
@@ -282,14 +288,15 @@ class Fp8Format(PackedFormat):
             return scale.repeat_interleave(self.block[1], dim=-1)[..., :in_features]
         return scale if self.scales == "channel" else scale[..., None, None]
 
-    def dequantize(self, tensors, out_features, in_features):
+    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
+                   in_features: int) -> torch.Tensor:
         scale = self._expand(tensors[self.scale_name].float(), out_features, in_features)
         return (tensors["weight"].float() * scale).to(torch.bfloat16)
 
-    def features(self, tensors):
+    def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
         return tensors["weight"].shape[-2], tensors["weight"].shape[-1]
 
-    def quantize(self, weight):
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         out_features, in_features = weight.shape
         w = weight.float()
         if self.scales == "block":
