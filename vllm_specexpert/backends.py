@@ -13,7 +13,7 @@ that left the rotation), which the executor then runs on the device.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.host import HostExperts
 from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.loader import ExpertLoader
+
+
+T = TypeVar("T")
 
 
 class Backend(Protocol):
@@ -110,9 +113,16 @@ def placements(plan: MissPlan, context: MissContext) -> list[tuple[Backend, np.n
     finish (INT4 copies, peers, host: the order their outputs are added)."""
     chosen: list[tuple[Backend, np.ndarray]] = []
     if plan.low_bit is not None and plan.low_bit.any():
-        chosen.append((LowBitBackend(context.low_bit), plan.low_bit))
+        chosen.append((LowBitBackend(_present(context.low_bit, "INT4 copies")), plan.low_bit))
     if plan.on_peer is not None and plan.on_peer.any():
-        chosen.append((PeerBackend(context.peers), plan.on_peer))
+        chosen.append((PeerBackend(_present(context.peers, "peers")), plan.on_peer))
     if plan.on_host is not None and plan.on_host.any():
-        chosen.append((HostBackend(context.host), plan.on_host))
+        chosen.append((HostBackend(_present(context.host, "host compute")), plan.on_host))
     return chosen
+
+
+def _present(place: T | None, what: str) -> T:
+    """A policy gives entries only to the places its layer's context has."""
+    if place is None:
+        raise RuntimeError(f"a miss plan gave entries to {what}, which the layer lacks")
+    return place

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parsers = {}
     for name, module in tools.items():
-        parsers[name] = sub.add_parser(name, help=module.__doc__.split("\n")[0])
+        parsers[name] = sub.add_parser(name, help=(module.__doc__ or name).split("\n")[0])
         module.add_arguments(parsers[name])
 
     args = parser.parse_args(argv)

@@ -201,7 +201,7 @@ class OffloadEngine:
             self.link = make_link(config.link, self.device)
             for layer in self.layers.values():
                 # Free the old pools before the new ones.
-                layer.cache = layer.loader = layer.low_bit = None
+                layer.unequip()
             self._select(config)
             for layer in self.layers.values():
                 layer.equip(config, self.link, self.device, self.pool)
@@ -246,8 +246,8 @@ class OffloadEngine:
         prediction to make: nothing to decide, so nothing is read to the host."""
         phase = layer.stats.prefill if phases is not None and phases.all_prefill \
             else layer.stats.decode
-        call = LayerCall(x, topk_weights, topk_ids, None, kernel, phase.count_call(x.shape[0]))
-        return execute.run_resident_token(layer.cache, call)
+        return execute.run_resident_token(layer.cache, kernel, x, topk_weights, topk_ids,
+                                          phase.count_call(x.shape[0]))
 
     def _run_prefill(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -274,7 +274,9 @@ class OffloadEngine:
         call.deliver(host)
         for feature in self.features:
             feature.after_read(call)
-        layer.miss_context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
+        context = layer.miss_context
+        assert context is not None  # (the start refused a layer without one)
+        context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
         out = self._resolve(0, call, call.layer_call())
         for feature in self.features:
             feature.end_call(call)
@@ -284,8 +286,9 @@ class OffloadEngine:
         """Feature ``at``'s ``resolve`` around the later ones'; after the last, the miss
         policy's plan, run by the executor."""
         if at == len(self.features):
-            return execute.resolve(call.layer.loader, run, self.miss_policy,
-                                   call.layer.miss_context)
+            context = call.layer.miss_context
+            assert context is not None  # (the start refused a layer without one)
+            return execute.resolve(call.layer.loader, run, self.miss_policy, context)
         return self.features[at].resolve(
             call, run, lambda c, r: self._resolve(at + 1, c, r))
 

@@ -27,8 +27,9 @@ import torch
 
 from vllm_specexpert.backends import placements
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.loader import ExpertLoader
@@ -113,9 +114,9 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
         if on_device.any():
             index, part = planned.masked(on_device)
             out[index] = run_on_device(loader, part)
-        elif call.before_kernel is not None:
+        elif (hook := call.take_before_kernel()) is not None:
             loader.begin_run(np.zeros(0, dtype=np.int64), stats)
-            call.take_before_kernel()()
+            hook()
     for backend, job in jobs:
         failed = backend.finish(job, out)
         if failed is not None and failed.any():  # a peer left the rotation
@@ -146,18 +147,19 @@ def host_pairs(experts: LayerExperts, kernel: HostKernel | None, x: torch.Tensor
     return compute_on_host(experts, kernel, x, torch.ones(ids.shape, dtype=torch.float32), ids)
 
 
-def run_resident_token(cache: ExpertCache, call: LayerCall) -> torch.Tensor:
+def run_resident_token(cache: ExpertCache, kernel: ExpertKernel, x: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       stats: PhaseStats) -> torch.Tensor:
     """One token on a layer whose every expert sits in the slot of its id
     (``cache.identity``: budget 1.0): its top-k experts are distinct, all hits, and the
-    router's ids are the slot ids, so nothing is read to the host (``call.ids`` unused)."""
-    top_k = call.topk_ids.shape[1]
-    stats = call.stats
+    router's ids are the slot ids, so nothing is read to the host."""
+    top_k = topk_ids.shape[1]
     stats.requests += top_k
     stats.hits += top_k
     stats.experts_needed += top_k
     stats.kernel_calls += 1
-    kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, None)
-    return call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
+    kernel_ids, expert_map = cache.kernel_routing(topk_ids, None)
+    return kernel(x, topk_weights, kernel_ids, cache.slots, expert_map)
 
 
 def run_on_device(loader: ExpertLoader, call: LayerCall,

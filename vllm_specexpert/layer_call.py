@@ -36,8 +36,8 @@ class LayerCall:
     """``[T, K]`` the routing to run (the router's, or a prediction under ``speculate``)."""
     topk_ids: torch.Tensor
     """``[T, K]`` its expert ids, on the device."""
-    ids: np.ndarray | None
-    """The same ids on the host (``None`` only for :func:`run_resident_token`)."""
+    ids: np.ndarray
+    """The same ids on the host."""
     kernel: ExpertKernel
     stats: PhaseStats
     """Counters of the call's phase (decode or prefill)."""

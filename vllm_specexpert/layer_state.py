@@ -33,16 +33,16 @@ class OffloadedLayer:
     """Decoder-layer index in the model (``exact_layers`` refers to it)."""
     experts: LayerExperts
     """Its experts in the slow tier."""
-    cache: ExpertCache | None = None
+    cache: ExpertCache = field(init=False)
     """Set by :meth:`equip` (as are ``loader``, ``low_bit``, ``prefetch``)."""
-    loader: ExpertLoader | None = None
+    loader: ExpertLoader = field(init=False)
     stats: LayerStats = field(default_factory=LayerStats)
     host_kernel: HostKernel | None = None
     """Fused experts on host tensors (``cpu``/``auto`` miss policies)."""
     next_name: str | None = None
     """The next offloaded MoE layer, once :meth:`OffloadEngine.link_layers` ran."""
     next_routing: NextLayerRouting | None = None
-    prefetch: PrefetchPlanner | None = None
+    prefetch: PrefetchPlanner = field(init=False)
     """The predictions made for this layer: their precision, what to prefetch."""
     coactivation: np.ndarray | None = None
     """``[E, E]`` calibrated co-activation counts (buddy lists)."""
@@ -61,6 +61,19 @@ class OffloadedLayer:
     """Experts pinned in the device cache for good (``mesh.placement: replicate_hot``)."""
     router_skippable: bool = False
     """Its router can be skipped (``router_free``: wrappers installed at start)."""
+
+    @property
+    def equipped(self) -> bool:
+        """Whether :meth:`equip` gave it a cache (a draft's layers load after its target's
+        start; a rebuild drops them first)."""
+        return "cache" in self.__dict__
+
+    def unequip(self) -> None:
+        """Drop its cache, loader and low-bit slots (their memory is freed before a
+        rebuild makes new ones)."""
+        for name in ("cache", "loader"):
+            self.__dict__.pop(name, None)
+        self.low_bit = None
 
     def equip(self, config: SpecExpertConfig, link: Link, device: torch.device,
               pool: SlotPool | None) -> None:
@@ -83,7 +96,7 @@ class OffloadedLayer:
                 f"{error}", "use cache 'lru'") from error
         self.loader = ExpertLoader(self.cache, link)
         self.low_bit = None
-        if low_bit:
+        if low_bit and self.low_bit_experts is not None:
             self.low_bit = ExpertLoader(
                 ExpertCache(self.low_bit_experts, self.top_k, self.top_k, "lru", device), link)
         self.prefetch = PrefetchPlanner(self.top_k)
@@ -188,9 +201,11 @@ def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
             "mesh", "its peers and their shards are made when the engine starts; only "
             "mesh.mode, rtt_cap_ms, timeout_ms and probe_interval_s can change at run time",
             "start a new engine with the new 'mesh'")
-    before, after = current.lookahead, config.lookahead
-    if (before is None) != (after is None) or (before is not None and (
-            before.k_max, before.draft_budget) != (after.k_max, after.draft_budget)):
+    drafts = current.lookahead, config.lookahead
+    if (drafts[0] is None) != (drafts[1] is None) or (
+            drafts[0] is not None and drafts[1] is not None
+            and (drafts[0].k_max, drafts[0].draft_budget)
+            != (drafts[1].k_max, drafts[1].draft_budget)):
         raise SpecExpertConfigError(
             "lookahead", "is read when the engine starts (vLLM's speculative decoding and "
             "the draft are built then); only lookahead.k can change at run time",

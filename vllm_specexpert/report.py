@@ -84,11 +84,12 @@ class Reporter:
             self._stats_writer.close()
             self._stats_writer = None
         directory = os.environ.get(metrics.DIRECTORY_ENV)
-        if directory and self._metrics_writer is None:
+        snapshot = self.snapshot
+        if directory and self._metrics_writer is None and snapshot is not None:
             model_name = os.environ.get(metrics.MODEL_NAME_ENV, "")
             self._metrics_writer = StatsWriter(
                 metrics.snapshot_path(directory), metrics.SNAPSHOT_INTERVAL_S,
-                lambda: {**self.snapshot(), "model_name": model_name},
+                lambda: {**snapshot(), "model_name": model_name},
                 what="metrics snapshot", write_last=False)
         if stats_file:
             check_stats_path(stats_file)

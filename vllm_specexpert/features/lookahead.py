@@ -44,8 +44,16 @@ class LookaheadFeature(EngineFeature):
         """The verification pass's demand: the last round's routes."""
         return self.planner.demand if self.planner is not None else None
 
+    def first_rows(self, rows: np.ndarray) -> None:
+        """The rows of the draft's first pass that stand for its requests (the others
+        are the verified tokens' positions)."""
+        if self.planner is not None:
+            self.planner.buffer.first_rows = rows
+
     def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
         """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
+        if self.planner is None:
+            return  # (no draft attached: nothing routes)
         with self.lock:
             self.planner.draft_routed(layer_index, ids, weights)
 
@@ -67,7 +75,7 @@ class LookaheadFeature(EngineFeature):
 
 def _draft_stats(draft: Any) -> dict[str, Any]:
     # The target's writers run while the draft loads: skip a layer not yet equipped.
-    layers = [layer for layer in draft.layers.values() if layer.cache is not None]
+    layers = [layer for layer in draft.layers.values() if layer.equipped]
     totals = LayerStats.sum(layer.stats for layer in layers)
     return {
         "int4_bytes": draft.store.nbytes,

@@ -40,10 +40,10 @@ class MeshFeature(EngineFeature):
             call.shared["run_prediction"] = True  # no_stop: run what was fired for
 
     def after_read(self, call: DecodeCall) -> None:
-        upcoming = call.shared.get("upcoming")
-        if self.early_fire is not None and upcoming is not None:
+        upcoming, next_name = call.shared.get("upcoming"), call.layer.next_name
+        if self.early_fire is not None and upcoming is not None and next_name is not None:
             # no_stop: the next layer's rows leave now.
-            self.early_fire.predicted(self.layer(call.layer.next_name), upcoming,
+            self.early_fire.predicted(self.layer(next_name), upcoming,
                                       call.shared["next_router_input"])
 
     def stats(self) -> dict:

@@ -56,21 +56,20 @@ class PredictionFeature(EngineFeature):
         if prediction is not None and (
                 (self.policy.spec.speculates and self.speculative(layer))
                 or call.shared.get("run_prediction", False)):
-            call.replace_routing(*prediction.routing_like(call.router_weights,
-                                                          call.router_ids),
-                                 prediction.host_ids)
+            weights, ids = prediction.routing_like(call.router_weights, call.router_ids)
+            call.replace_routing(weights, ids, prediction.host_ids)
             call.stats.speculated_calls += not call.exact
             call.stats.router_free_calls += prediction.router_free
-        if layer.next_name is None:
+        if layer.next_name is None or layer.next_routing is None:
             return
         # Made now, on the device, so that its ids come to the host in the same read as
         # the router's.
-        state = LayerState(call.x, call.run_ids, call.run_weights)
-        upcoming = self.predictor.predict(state, layer.name, layer.next_routing)
+        state, routing = LayerState(call.x, call.run_ids, call.run_weights), layer.next_routing
+        upcoming = self.predictor.predict(state, layer.name, routing)
         call.read(upcoming.device_reads(), lambda host: upcoming.set_host(*host))
         call.shared["upcoming"] = upcoming
         call.shared["next_router_input"] = lambda: self.predictor.next_router_input(
-            state, layer.name, layer.next_routing)
+            state, layer.name, routing)
 
     def after_read(self, call: DecodeCall) -> None:
         prediction = call.shared.get("prediction")
@@ -82,6 +81,7 @@ class PredictionFeature(EngineFeature):
 
     def _prefetch(self, layer: OffloadedLayer, prediction: Prediction) -> None:
         """Record ``prediction`` for the next layer and submit its prefetch."""
+        assert layer.next_name is not None  # (a layer with a successor predicts)
         self.predictions[layer.next_name] = prediction
         if not self.prefetches:
             return

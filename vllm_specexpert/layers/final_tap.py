@@ -11,6 +11,8 @@ fusions, hence the last bits of the output, and exact modes have nothing to budg
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from vllm_specexpert.quality import LogitHead
 
 FINAL_HIDDEN_OP = "specexpert::final_hidden"
 """The op's qualified name (a CUDA-graph splitting op, see ``validate``)."""
-_TAPS: dict[str, tuple[object, int]] = {}
+_TAPS: dict[str, tuple[Any, int]] = {}
 """Tap key -> the OffloadEngine whose quality monitor it feeds, and the most tokens a
 decoding request is scheduled per pass."""
 
@@ -41,7 +43,7 @@ class FinalNormTap(nn.Module):
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)
 
 
-def install_final_tap(model: nn.Module, engine, decode_query_len: int) -> None:
+def install_final_tap(model: Any, engine: Any, decode_query_len: int) -> None:
     """Wrap ``model``'s final norm and give ``engine`` the model's :class:`LogitHead`."""
     norm = getattr(model.model, "norm", None)
     lm_head = getattr(model, "lm_head", None)

@@ -38,16 +38,17 @@ def install() -> None:
     vllm_hooks.around_drafting(_first_pass, _propose)
 
 
-def _engine_of(runner) -> OffloadEngine | None:
+def _engine_of(runner: Any) -> OffloadEngine | None:
     """The runner's target engine if it runs ``lookahead``, else ``None`` (cached)."""
-    engine = getattr(runner, "_specexpert_lookahead", _NOT_LOOKED_UP)
-    if engine is _NOT_LOOKED_UP:
-        # The target model's offloaded layers hold its engine (the draft is apart).
-        engine = next((m.engine for m in runner.get_model().modules()
-                       if isinstance(getattr(m, "engine", None), OffloadEngine)), None)
-        if engine is None or engine.config.lookahead is None:
-            engine = None
-        runner._specexpert_lookahead = engine
+    cached = getattr(runner, "_specexpert_lookahead", _NOT_LOOKED_UP)
+    if cached is not _NOT_LOOKED_UP:
+        return cached  # type: ignore[return-value]  # (what this function cached)
+    # The target model's offloaded layers hold its engine (the draft is apart).
+    engine = next((m.engine for m in runner.get_model().modules()
+                   if isinstance(getattr(m, "engine", None), OffloadEngine)), None)
+    if engine is not None and engine.config.lookahead is None:
+        engine = None
+    runner._specexpert_lookahead = engine
     return engine
 
 
@@ -56,7 +57,9 @@ def _lookahead_of(runner) -> LookaheadFeature | None:
     ``reconfigure``: looked up per step), once the draft is attached."""
     engine = _engine_of(runner)
     feature = engine.feature("lookahead") if engine is not None else None
-    return feature if feature is not None and feature.planner is not None else None
+    if not isinstance(feature, LookaheadFeature) or feature.planner is None:
+        return None
+    return feature
 
 
 def _step_started(runner, scheduler_output) -> None:
@@ -66,10 +69,9 @@ def _step_started(runner, scheduler_output) -> None:
             lookahead.governor.finished(request)
 
 
-def _first_pass(proposer, token_indices_to_sample) -> None:
+def _first_pass(proposer: Any, token_indices_to_sample: torch.Tensor | None) -> None:
     if _active is not None and token_indices_to_sample is not None:
-        _active.planner.buffer.first_rows = np.asarray(
-            token_indices_to_sample.cpu().numpy(), dtype=np.int64)
+        _active.first_rows(np.asarray(token_indices_to_sample.cpu().numpy(), dtype=np.int64))
 
 
 def _verification(sampled: Any, spec_decode_metadata: Any,

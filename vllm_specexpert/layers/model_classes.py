@@ -14,6 +14,7 @@ router), and hands it the calibration's default vectors and residual scales for
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +35,12 @@ from vllm_specexpert.predict import (
 
 logger = init_logger(__name__)
 
+VllmModule = Any
+"""One of vLLM's model modules: read by attribute (``mlp.experts``, ``post_attention_layernorm``,
+...), whose names differ by architecture: typed loosely on purpose."""
 
-def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
+
+def _routing_of(decoder_layer: VllmModule) -> NextLayerRouting:
     """Layer ``decoder_layer``'s routing for the predictor: its own gate and router, so
     scoring, grouping and renormalisation follow the model. The RMS norm is written out
     with plain tensor ops on the layer's weight (vLLM's module dispatches through
@@ -67,7 +72,7 @@ def _routing_of(decoder_layer: nn.Module) -> NextLayerRouting:
                             fused=_fused_routing(gate, norm, runner.router))
 
 
-def _fused_routing(gate: nn.Module, norm: nn.Module, router) -> FusedRouting | None:
+def _fused_routing(gate: VllmModule, norm: VllmModule, router: Any) -> FusedRouting | None:
     """The routing as tensors for the Triton predictor, when the device has Triton and the
     router is vLLM's plain softmax top-k (no groups, bias or custom function) on an
     unbiased gate."""
@@ -85,7 +90,8 @@ def _fused_routing(gate: nn.Module, norm: nn.Module, router) -> FusedRouting | N
                         renormalize=router.renormalize)
 
 
-def _offloaded_layers(model: nn.Module) -> list[tuple[int, nn.Module, OffloadedRoutedExperts]]:
+def _offloaded_layers(model: VllmModule
+                      ) -> list[tuple[int, VllmModule, OffloadedRoutedExperts]]:
     layers = model.model.layers
     found = []
     for index, layer in enumerate(layers):
@@ -96,7 +102,7 @@ def _offloaded_layers(model: nn.Module) -> list[tuple[int, nn.Module, OffloadedR
     return found
 
 
-def wire_model(model: nn.Module) -> None:
+def wire_model(model: VllmModule) -> None:
     """Connect consecutive offloaded MoE layers of a loaded model (see module doc)."""
     layers = _offloaded_layers(model)
     if not layers:
@@ -134,7 +140,7 @@ def wire_model(model: nn.Module) -> None:
     engine.start()
 
 
-def _estimator_inputs(config: SpecExpertConfig, layers, inputs: PredictorInputs
+def _estimator_inputs(config: SpecExpertConfig, layers: list, inputs: PredictorInputs
                       ) -> PredictorInputs:
     """``inputs`` with the estimator of ``config.estimator`` and the layers ``hybrid``
     runs it after (by ``config.analysis``), logged; all checked at engine start."""
@@ -161,7 +167,7 @@ def _estimator_inputs(config: SpecExpertConfig, layers, inputs: PredictorInputs
     return inputs
 
 
-def _attach_mesh(engine, layers, calibration) -> None:
+def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     """``mesh``: start the peers, each reading its shard of the checkpoint, and pin the
     hot experts of ``replicate_hot`` (by the calibration's routing counts)."""
     mesh = engine.config.mesh
@@ -193,11 +199,11 @@ def _attach_mesh(engine, layers, calibration) -> None:
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:
-    class Model(base):
+    class Model(base):  # type: ignore[valid-type,misc]  # (a class made per architecture)
         def __init__(self, *, vllm_config, prefix: str = ""):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             if SpecExpertConfig.from_additional_config(vllm_config.additional_config) is None:
-                self.__class__ = base  # not configured: exactly vLLM's model
+                self.__class__ = base  # type: ignore[assignment]  # not configured: vLLM's
 
         def process_weights_after_loading(self) -> None:
             parent = getattr(super(), "process_weights_after_loading", None)
@@ -210,7 +216,7 @@ def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:
     return Model
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[nn.Module]:
     """``vllm_specexpert.layers.model_classes:<Architecture>`` for vLLM's lazy model registry."""
     if name not in SUPPORTED_ARCHITECTURES:
         raise AttributeError(name)
@@ -221,7 +227,7 @@ def __getattr__(name: str):
     return cls
 
 
-def _register_routed_experts_of(module) -> None:
+def _register_routed_experts_of(module: Any) -> None:
     """vLLM instantiates pluggable layers by class name: a model module's own
     ``RoutedExperts`` subclass gets its offloaded variant registered under its name."""
     from vllm.model_executor.custom_op import op_registry_oot

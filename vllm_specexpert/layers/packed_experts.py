@@ -15,6 +15,7 @@ weights (on the CPU build: the kernel's prepacked layout).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ class PackedParameters:
                     dtype = torch.float32
                 param = torch.nn.Parameter(torch.zeros(*lead, *shape, dtype=dtype),
                                            requires_grad=False)
-                param.weight_loader = self._load
+                param.weight_loader = self._load  # type: ignore[attr-defined]  # vLLM's idiom
                 layer.register_parameter(f"{stem}_{name}", param)
 
     def _load(self, param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
@@ -80,7 +81,9 @@ class PackedParameters:
         tensors = {}
         for stem, shapes in self.shapes.items():
             for name in shapes:
-                tensor = layer._parameters.pop(f"{stem}_{name}").data
+                parameter = layer._parameters.pop(f"{stem}_{name}")
+                assert parameter is not None  # (registered by `create`)
+                tensor = parameter.data
                 if tensor.dtype == torch.float32:
                     tensor = _narrowest(tensor)
                 tensors[f"{stem}_{name}"] = tensor
@@ -161,7 +164,7 @@ def low_bit_parameters(layer_name: str, num_experts: int, hidden: int,
                             layer_name, num_experts, hidden, intermediate)
 
 
-def runtime_form(layer: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def runtime_form(layer: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """bf16 expert weights in vLLM's checkpoint layout -> the form ``layer``'s vanilla
     unquantized method leaves them in after loading: the same two steps of its
     ``_setup_kernel`` (kernel format, then the experts' own post-processing), on a
@@ -171,7 +174,7 @@ def runtime_form(layer: torch.nn.Module, weights: dict[str, torch.Tensor]) -> di
     )
     from vllm.model_executor.utils import replace_parameter
 
-    scratch = torch.nn.Module()
+    scratch: Any = torch.nn.Module()  # (given the attributes vLLM's format conversion reads)
     for name, tensor in weights.items():
         scratch.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
     scratch.moe_config, scratch.activation = layer.moe_config, layer.activation

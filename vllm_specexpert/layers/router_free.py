@@ -20,8 +20,9 @@ the last bits of exact modes' output. There ``router_free`` is refused at start.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
 from vllm_specexpert.layers.forward_phase import current_phases
 
@@ -29,7 +30,8 @@ from vllm_specexpert.layers.forward_phase import current_phases
 class RouterFreeHook:
     """Wraps one MoE layer's gate and expert selection (see module doc)."""
 
-    def __init__(self, runner: nn.Module, routed) -> None:
+    def __init__(self, runner: Any, routed: Any) -> None:
+        # (vLLM's MoERunner and the layer's OffloadedRoutedExperts, read by attribute)
         self.routed = routed  # the layer's OffloadedRoutedExperts
         routed.router_free_hook = self
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None

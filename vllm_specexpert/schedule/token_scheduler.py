@@ -60,6 +60,9 @@ class TokenGroupScheduler(Scheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
+        if config is None or config.path_predictor is None:
+            raise RuntimeError("specexpert: its scheduler class predicts with a path "
+                               "predictor, and the engine's config sets none")
         self.settings = config.token_scheduler
         self.path_predictor = load_path_predictor(config.path_predictor)
         self.waited: dict[str, int] = {}
@@ -133,6 +136,7 @@ class TokenGroupScheduler(Scheduler):
 
     def _hold_back_all_but_one_group(self) -> None:
         settings = self.settings
+        assert settings is not None  # (called under token_scheduler only)
         decoding = self._decoding()
         live = {r.request_id for r in decoding}
         self.waited = {k: v for k, v in self.waited.items() if k in live}
