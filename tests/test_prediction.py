@@ -9,6 +9,7 @@ import pytest
 from vllm_harness import (
     PROMPTS,
     cache_invariants,
+    fix_host_cost,
     greedy,
     make_llm,
     shutdown,
@@ -109,16 +110,6 @@ def test_speculate_with_every_layer_exact_is_vanilla(llm, eager):
                for layer in moe_layers_after_the_first(vllm_specexpert.get_stats(llm)[0]))
 
 
-def fix_host_cost(model) -> None:
-    """Worker side: every offloaded layer's host cost model fixed at 0.1 ms per expert."""
-    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
-
-    for module in model.modules():
-        if isinstance(module, OffloadedRoutedExperts):
-            host = module.engine.layers[module.layer_name].miss_context.host
-            host.cost.fix(1e-4, 0.0)
-
-
 SLOW_LINK = {"bandwidth_gbps": 0.02, "host_slowdown": 1.0}
 """A copy takes ~5 ms while the host computes an expert in well under that: ``auto``
 should compute misses on the host."""
@@ -133,7 +124,7 @@ def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
     # auto splits by the host's cost against the link's: the host's is fixed (0.1 ms per
     # expert, well under the emulated link's ~5 ms copy), not measured, so the split
     # (and every layer's host entries) does not depend on how loaded the machine is.
-    llm.apply_model(fix_host_cost)
+    fix_host_cost(llm, 1e-4)
     outputs = greedy(llm)
     reference = vanilla_reference(TRAINED_MODEL, eager)
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]

@@ -152,6 +152,25 @@ def cache_invariants(model) -> list[int]:
     ]
 
 
+
+def fix_host_cost(llm, per_expert: float, per_row: float = 0.0) -> None:
+    """Fix every offloaded layer's host cost model (seconds per expert and per row) so
+    that ``auto``'s host/link split is a function of the routing alone, not of how loaded
+    the machine is. Call it after :func:`vllm_specexpert.reconfigure`, which rebuilds the
+    layers' miss contexts."""
+
+    def fix(model) -> None:
+        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+        for module in model.modules():
+            if isinstance(module, OffloadedRoutedExperts):
+                host = module.engine.layers[module.layer_name].miss_context.host
+                if host is not None:  # a mode that computes on the host
+                    host.cost.fix(per_expert, per_row)
+
+    llm.apply_model(fix)
+
+
 if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
     from vllm import LLM
 
