@@ -6,7 +6,7 @@ The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model
 forward runs here), so the layer classes can be instrumented in place. Batch-1 greedy
 decode; every decode call of the offloaded layer (``OffloadedRoutedExperts.
 run_from_cache``, one token) is timed with ``perf_counter``, and so is the expert
-kernel inside it (``_slot_kernel``: the CPU kernel vanilla runs, on the slot pool).
+kernel inside it (``SlotKernel``: the CPU kernel vanilla runs, on the slot pool).
 *Host cost* = call - kernel: the plugin's bookkeeping, in Python, per layer call.
 With ``--eager``, vanilla's ``RoutedExperts.forward_modular`` is timed the same way for
 reference (its kernel plus vLLM's own Python around it; compiled, it is traced into the
@@ -173,6 +173,7 @@ def main() -> None:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+    from vllm_specexpert.layers.slot_kernel import SlotKernel
 
     model = model_of(args)
     calibration = args.calibration or default_calibration(model)
@@ -189,7 +190,7 @@ def main() -> None:
 
     timer = CallTimer()
     timer.wrap(OffloadedRoutedExperts, "run_from_cache")
-    timer.wrap_kernel(OffloadedRoutedExperts, "_slot_kernel")
+    timer.wrap_kernel(SlotKernel, "__call__")
     import vllm_specexpert
 
     llm = start_engine(model, {**MODES["budget 1.0"], "calibration": calibration},

@@ -165,11 +165,11 @@ def breakdown(request: dict) -> None:
     levels = {
         "vanilla: cpu_fused_moe op on the same weights": lambda: fused_moe(
             out, x, w13, w2, None, None, weights, ids, False, "silu", "vec"),
-        "plugin kernel (_slot_kernel: allocates its output)": lambda: layer._slot_kernel(
+        "plugin kernel (SlotKernel: allocates its output)": lambda: layer.slot_kernel(
             x, weights, ids, slots),
         "engine.run (with the pass's phases)": lambda: engine.run(
-            layer.layer_name, layer._slot_kernel, x, weights, ids,
-            current_phases(1, layer._decode_query_len)),
+            layer.layer_name, layer.slot_kernel, x, weights, ids,
+            current_phases(1, layer.decode_query_len)),
         "run_from_cache (the adapter's layer call)": lambda: layer.run_from_cache(
             x, weights, ids),
         "the custom op as the compiled graph calls it (buffer + op)": graph_call,

@@ -32,7 +32,7 @@ def kernel_isas(model) -> list[str]:
     """Worker side: the ISA of the CPU kernel each offloaded layer calls."""
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
-    return sorted({m._direct_experts().isa for m in model.modules()
+    return sorted({m.slot_kernel.direct_experts().isa for m in model.modules()
                    if isinstance(m, OffloadedRoutedExperts)})
 
 

@@ -113,7 +113,7 @@ def wire_model(model: VllmModule) -> None:
     if engine.config.quality is not None:
         from vllm_specexpert.layers.final_tap import install_final_tap
 
-        install_final_tap(model, engine, layers[0][2]._decode_query_len)
+        install_final_tap(model, engine, layers[0][2].decode_query_len)
     if engine.config.calibration is None:
         _attach_mesh(engine, layers, None)
         engine.start()
@@ -185,7 +185,7 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     if mesh.placement == "replicate_hot":  # (hot_count checked: SpecExpertConfig.check_fits)
         hot = {index: np.argsort(-calibration.counts[index].numpy(), kind="stable")
                [:mesh.hot_count] for index, _, _ in layers}
-    kernel = routed._direct_experts()
+    kernel = routed.slot_kernel.direct_experts()
     activation = getattr(routed.activation, "value", str(routed.activation))
     spec = ShardSpec(engine.checkpoint, names,
                      tuple(engine.store.layers[routed.layer_name].slot_shapes["w13_weight"][0]),

@@ -45,7 +45,7 @@ from vllm_specexpert.layers.packed_experts import (
     low_bit_parameters,
     runtime_form,
 )
-from vllm_specexpert.tiers.host import GATED_ACTIVATIONS, torch_experts
+from vllm_specexpert.layers.slot_kernel import SlotKernel
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 """Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
@@ -65,6 +65,9 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     vanilla_class: type[RoutedExperts] = RoutedExperts
     """The vLLM class this one offloads (a model's own subclass, see :func:`offloaded`)."""
+    w13_weight: torch.nn.Parameter
+    w2_weight: torch.nn.Parameter
+    """vLLM's expert parameters (``[E, ...]``; packed: a one-expert placeholder)."""
 
     def __init__(self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs):
         vllm_config = get_current_vllm_config()
@@ -101,10 +104,9 @@ class OffloadedRoutedExperts(RoutedExperts):
             vllm_hooks.keep_step_demand()
         if config.lookahead is not None:
             lookahead_driver.install()
-        self._tiles = _TileConfigs()
-        self._call = _CallOutput()
+        self.slot_kernel = SlotKernel(self)
         self.engine = engine_for(vllm_config, config, draft=self._draft)
-        self._decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
+        self.decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
         """Most tokens a decoding request is scheduled per pass (verification: 1 + k)."""
         self.layer_index = _layer_index(layer_name)
         self._context_key = layer_name + FORWARD_CONTEXT_SUFFIX
@@ -167,9 +169,9 @@ class OffloadedRoutedExperts(RoutedExperts):
         return method
 
     def _low_bit_copies(self) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
-        w13 = self.w13_weight.data
-        parameters = low_bit_parameters(self.layer_name, w13.shape[0], w13.shape[2],
-                                        w13.shape[1] // 2)
+        experts, twice_intermediate, hidden = self.w13_weight.shape
+        parameters = low_bit_parameters(self.layer_name, experts, hidden,
+                                        twice_intermediate // 2)
         weights = {name: getattr(self, name).data for name in EXPERT_TENSORS
                    if hasattr(self, name)}
         return parameters, parameters.quantize(weights)
@@ -194,12 +196,14 @@ class OffloadedRoutedExperts(RoutedExperts):
             decoder = PackedDecoder(parameters, form, slot_shapes)
             for name in slot_shapes:  # the kernel runs on slots: keep one expert's shape
                 getattr(self, name).data = getattr(self, name).data[:1].clone()
+        low_bit_store = None
         if low_bit is not None:
             parameters, copies = low_bit
-            low_bit = (copies, PackedDecoder(parameters, form, slot_shapes))
+            low_bit_store = (copies, PackedDecoder(parameters, form, slot_shapes))
         layer = self.engine.add_layer(self.layer_name, tensors, self.top_k,
-                                      index=self.layer_index, host_kernel=self._host_kernel(),
-                                      decoder=decoder, low_bit=low_bit)
+                                      index=self.layer_index,
+                                      host_kernel=self.slot_kernel.host_kernel(),
+                                      decoder=decoder, low_bit=low_bit_store)
         if packed is None:
             # The parameters now alias the store's (pinned) tensors instead of a copy.
             for name, tensor in layer.cache.experts.tensors.items():
@@ -227,13 +231,13 @@ class OffloadedRoutedExperts(RoutedExperts):
              out: torch.Tensor | None) -> torch.Tensor:
         """The layer call (:meth:`run_from_cache`), into ``out`` if given (the op's
         buffer): the call's first kernel launch on all of its tokens writes there
-        directly (see :class:`_CallOutput`), else its result is copied in."""
-        call = self._call
-        call.x, call.out = x, out
+        directly (see :attr:`SlotKernel.call_out`), else its result is copied in."""
+        kernel = self.slot_kernel
+        kernel.begin_call(x, out)
         try:
             result = self.run_from_cache(x, topk_weights, topk_ids)
         finally:
-            call.x = call.out = None
+            kernel.end_call()
         if out is not None and result is not out:
             out.copy_(result)
             return out
@@ -242,7 +246,7 @@ class OffloadedRoutedExperts(RoutedExperts):
     def run_from_cache(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        self._tiles.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
+        self.slot_kernel.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
         engine = self.engine
         if self._draft:
             lookahead = engine.target.feature("lookahead")
@@ -251,134 +255,8 @@ class OffloadedRoutedExperts(RoutedExperts):
                 lookahead.draft_routed(self.layer_index, topk_ids.cpu().numpy(),
                                        topk_weights.float().cpu().numpy())
         engine.step_demand = handoff.current()
-        return engine.run(self.layer_name, self._slot_kernel, x, topk_weights, topk_ids,
-                          current_phases(x.shape[0], self._decode_query_len))
-
-    def _slot_kernel(
-        self,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        ids: torch.Tensor,
-        slots: dict[str, torch.Tensor],
-        expert_map: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The layer's fused experts on the slot pool (see ``ExpertKernel``): on the
-        CPU build ``ids`` are slot indices; on CUDA they are the router's ids and
-        ``expert_map`` finds their slots (-1: not resident, contributes zero)."""
-        w13, w2 = slots["w13_weight"], slots["w2_weight"]
-        biased = "w13_bias" in slots
-        if biased:
-            self._point_biases_at(slots)
-        experts = self._direct_experts()
-        if experts is not None:
-            call = self._call
-            out = call.out
-            if out is None or x is not call.x:
-                out = torch.empty_like(x)
-            else:
-                call.out = None  # a later launch of the call must not overwrite it
-            fused_moe = self._fused_moe
-            if fused_moe is not None:  # what experts.apply runs, without its wrappers
-                op, activation, isa = fused_moe
-                op(out, x, w13, w2, experts.w1_bias if biased else None,
-                   experts.w2_bias if biased else None, topk_weights, ids, False,
-                   activation, isa)
-            else:
-                experts.apply(out, x, w13, w2, topk_weights, ids, self.activation,
-                              w13.shape[0], None, None, None, _NO_WORKSPACE, _NO_WORKSPACE,
-                              None, False)
-            return out
-        with self._vanilla_tile_config(x):
-            return self.quant_method.moe_kernel.apply(
-                hidden_states=x,
-                w1=w13,
-                w2=w2,
-                topk_weights=topk_weights,
-                topk_ids=ids,
-                activation=self.activation,
-                apply_router_weight_on_input=self.apply_router_weight_on_input,
-                global_num_experts=w13.shape[0] if expert_map is None else expert_map.numel(),
-                expert_map=expert_map,
-            )
-
-    def _point_biases_at(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The kernel reads expert biases from its quant config (vLLM hands it the
-        layer's ``[E, ...]`` bias parameters at load): point them at the biases of the
-        tensors it runs on now (slots, or the store's for host compute), indexed like
-        the weights."""
-        if not hasattr(self, "_bias_configs"):  # the kernel is built at load: look once
-            method = self.quant_method
-            self._bias_configs = list({id(c): c for c in (method.moe_quant_config, getattr(
-                method.moe_kernel.fused_experts, "quant_config", None)) if c}.values())
-        for config in self._bias_configs:
-            config._w1.bias, config._w2.bias = tensors["w13_bias"], tensors["w2_bias"]
-
-    def _vanilla_tile_config(self, x: torch.Tensor):
-        """On GPUs: the Triton tile config vanilla would pick for the whole layer call.
-        vLLM looks it up by the weights' expert count, which for the slot pool would be
-        the slot count: the layer's expert count and one expert's shape are vanilla's. And by the call's token count, not a token group's:
-        vanilla launches once on all of them, and a different tile (BLOCK_SIZE_K) would
-        sum a token's products in another order."""
-        if current_platform.is_cpu():
-            return contextlib.nullcontext()
-        from vllm.model_executor.layers.fused_moe import override_config
-        from vllm.model_executor.layers.fused_moe.fused_moe import (
-            try_get_optimal_moe_config,
-        )
-
-        tokens = max(self._tiles.call_tokens, x.shape[0])
-        configs = self._tiles.configs
-        config = configs.get(tokens)
-        if config is None:
-            # Every expert's shape (packed layers hold a one-expert placeholder).
-            experts = self.global_num_experts
-            config = configs[tokens] = try_get_optimal_moe_config(
-                (experts, *self.w13_weight.shape[1:]), (experts, *self.w2_weight.shape[1:]),
-                self.top_k,
-                self.quant_method.moe_quant_config.config_name(x.dtype), tokens)
-        return override_config(config)
-
-    def _host_kernel(self):
-        """Fused experts on the store's host tensors (``cpu``/``auto`` miss policies).
-        CPU build: vLLM's own CPU kernel (the store has the slots' layout). Elsewhere:
-        :func:`torch_experts` for the gated activations it implements, else ``None``."""
-        if current_platform.is_cpu():
-            return self._slot_kernel
-        activation = getattr(self.activation, "value", str(self.activation))
-        if activation not in GATED_ACTIVATIONS or self.apply_router_weight_on_input:
-            return None
-        return functools.partial(torch_experts, activation=activation)
-
-    def _direct_experts(self):
-        """vLLM's CPU experts object when the modular kernel around it would only add
-        Python overhead: no-DP/EP prepare/finalize (no input quantization, no router
-        weight on the input) and CPU experts that allocate their own scratch. Calling it
-        directly runs the same ``cpu_fused_moe`` on the same inputs. ``None`` elsewhere
-        (CUDA keeps the full modular kernel)."""
-        if not hasattr(self, "_direct"):
-            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
-                CPUUnquantizedExperts,
-            )
-            from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
-                MoEPrepareAndFinalizeNoDPEPModular,
-            )
-
-            impl = getattr(self.quant_method.moe_kernel, "impl", None)
-            direct = (
-                isinstance(getattr(impl, "fused_experts", None), CPUUnquantizedExperts)
-                and isinstance(impl.prepare_finalize, MoEPrepareAndFinalizeNoDPEPModular)
-                and not self.apply_router_weight_on_input
-            )
-            self._direct = impl.fused_experts if direct else None
-            # ``apply`` of vLLM's CPU experts only hands its arguments to the
-            # ``cpu_fused_moe`` op through two Python wrappers: the op itself, with the
-            # same arguments, unless a subclass or zentorch runs something else.
-            self._fused_moe = (
-                (torch.ops._C.cpu_fused_moe.default, self.activation.value,
-                 self._direct.isa)
-                if direct and type(self._direct).apply is CPUUnquantizedExperts.apply
-                and not getattr(self._direct, "_use_zentorch", True) else None)
-        return self._direct
+        return engine.run(self.layer_name, self.slot_kernel, x, topk_weights, topk_ids,
+                          current_phases(x.shape[0], self.decode_query_len))
 
 
 def offloaded(base: type[RoutedExperts]) -> type[OffloadedRoutedExperts]:
@@ -387,33 +265,6 @@ def offloaded(base: type[RoutedExperts]) -> type[OffloadedRoutedExperts]:
     offloaded layer's behaviour on top."""
     return type(f"Offloaded{base.__name__}", (OffloadedRoutedExperts, base),
                 {"vanilla_class": base, "__module__": __name__})
-
-
-class _TileConfigs:
-    """Per layer: vanilla's Triton tile configs by token count (CUDA), and the token
-    count of the running call (token groups launch on fewer, with the call's config)."""
-
-    def __init__(self) -> None:
-        self.configs: dict[int, dict] = {}
-        self.call_tokens = 0
-
-
-class _CallOutput:
-    """Per layer: the running call's input and the buffer its output goes to (the
-    custom op's ``out``, ``None`` in eager mode). The first kernel launch on the call's
-    whole input (``x`` itself, not rows of it) writes its result into the buffer
-    instead of a new tensor, and takes it: a later launch of the same call (a masked
-    part, a token group, a shadow of the exact result) gets a new tensor, so nothing the
-    engine still holds is overwritten. When the engine returns that launch's result
-    as the layer's (one launch: every budget-1.0 decode call), no copy is left to
-    make. On CUDA the modular kernel allocates its own output (no direct experts)."""
-
-    def __init__(self) -> None:
-        self.x: torch.Tensor | None = None
-        self.out: torch.Tensor | None = None
-
-
-_NO_WORKSPACE = torch.empty(0)
 
 
 def _layer_index(layer_name: str) -> int:

@@ -44,7 +44,7 @@ class RouterFreeHook:
 
     def routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         tokens = hidden.shape[0]
-        if not current_phases(tokens, self.routed._decode_query_len).all_decode:
+        if not current_phases(tokens, self.routed.decode_query_len).all_decode:
             return None
         return self.routed.engine.router_free_routing(self.routed.layer_name, tokens)
 

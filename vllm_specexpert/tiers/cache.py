@@ -151,7 +151,8 @@ class ExpertCache:
         """Write the dirty entries of ``expert_map`` (one small upload and one launch;
         nothing when residency has not changed since the last launch)."""
         changed = np.flatnonzero(self._map_dirty)
-        if not len(changed):
+        expert_map = self.expert_map
+        if not len(changed) or expert_map is None:
             return
         self._map_dirty[changed] = False
         update = upload(np.stack([changed, self.expert_slot[changed]]).astype(np.int32),
@@ -159,9 +160,9 @@ class ExpertCache:
         if self.device.type == "cuda":
             from vllm_specexpert.triton_kernels.slots import update_slot_map
 
-            update_slot_map(self.expert_map, update[0], update[1])
+            update_slot_map(expert_map, update[0], update[1])
         else:  # the device-map path exercised on the CPU (tests)
-            self.expert_map[update[0].long()] = update[1]
+            expert_map[update[0].long()] = update[1]
 
     def copy_of(self, experts: np.ndarray) -> ExpertCopy:
         """The transfer that fills the slots of ``experts`` (resident) from the slow tier."""
