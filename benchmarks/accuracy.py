@@ -76,15 +76,26 @@ def main() -> None:
     calibration = args.calibration or default_calibration(model)
     artifacts = estimator_artifacts(model, args)
     predictors = [p for p in SPECULATING if artifacts or p in ("router", "quasi_hidden")]
-    llm = start_engine(model, {"budget": args.budget[0], "predictor": "quasi_hidden",
-                               "calibration": calibration, **artifacts}, eager=True,
-                       max_model_len=512, logits_processors=[TeacherForcing])
+    llm = start_engine(
+        model,
+        {
+            "budget": args.budget[0],
+            "predictor": "quasi_hidden",
+            "calibration": calibration,
+            **artifacts,
+        },
+        eager=True,
+        max_model_len=512,
+        logits_processors=[TeacherForcing],
+    )
     prompts = held_out_prompts(args.prompts)
     windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS)
     actual = [t for w in windows for t in w[PROMPT_TOKENS:]]
     modes = [("exact (fetch)", {"budget": args.budget[0], **EXACT})] + [
         (f"speculate {p} @{b:g}", {"budget": b, "predictor": p, "miss_policy": "speculate"})
-        for b in args.budget for p in predictors]
+        for b in args.budget
+        for p in predictors
+    ]
     rows, exact = [], None
     for name, mode in modes:
         vllm_specexpert.reconfigure(llm, **mode)
@@ -96,36 +107,57 @@ def main() -> None:
         figures = decode_figures(stats)
         top1, n = forced["top1"], len(actual)
         nll = -sum(forced["logprobs"]) / n
-        row = {"mode": name, "budget": mode["budget"], **agreement(tokens, exact["tokens"]),
-               "accuracy": sum(a == b for a, b in zip(top1, actual, strict=True)) / n,
-               "agree": sum(a == b for a, b in zip(top1, exact["top1"], strict=True)) / n,
-               "nll": nll, "perplexity": math.exp(nll), "positions": n,
-               "recall": figures["recall"],
-               "recall_per_layer": [layer["decode"]["recall"]
-                                    for layer in stats["layers"].values()],
-               "decode": figures}
+        row = {
+            "mode": name,
+            "budget": mode["budget"],
+            **agreement(tokens, exact["tokens"]),
+            "accuracy": sum(a == b for a, b in zip(top1, actual, strict=True)) / n,
+            "agree": sum(a == b for a, b in zip(top1, exact["top1"], strict=True)) / n,
+            "nll": nll,
+            "perplexity": math.exp(nll),
+            "positions": n,
+            "recall": figures["recall"],
+            "recall_per_layer": [layer["decode"]["recall"] for layer in stats["layers"].values()],
+            "decode": figures,
+        }
         rows.append(row)
-        print(f"{name}: acc {row['accuracy']:.4f} nll {nll:.3f} agreement {row['agreement']:.3f}",
-              flush=True)
+        print(
+            f"{name}: acc {row['accuracy']:.4f} nll {nll:.3f} agreement {row['agreement']:.3f}",
+            flush=True,
+        )
     stop_engine(llm)
     base = rows[0]
     for row in rows:
         row["accuracy_delta"] = row["accuracy"] - base["accuracy"]
         row["kept"] = row["accuracy"] / base["accuracy"]
         row["nll_delta"] = row["nll"] - base["nll"]
-    path = write_result(args.name, {
-        "model": model, "calibration": calibration, **artifacts, "budgets": args.budget,
-        "prompts": len(prompts), "max_tokens": args.max_tokens, "windows": len(windows),
-        "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS, "modeled": None,
-        "rows": rows,
-    })
-    print(f"\n{'mode':<30}{'agreement':>10}{'prefix':>8}{'next-tok acc':>13}{'kept':>7}"
-          f"{'NLL':>7}{'ΔNLL':>7}{'top1=exact':>11}{'recall':>8}")
+    path = write_result(
+        args.name,
+        {
+            "model": model,
+            "calibration": calibration,
+            **artifacts,
+            "budgets": args.budget,
+            "prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "windows": len(windows),
+            "prompt_tokens": PROMPT_TOKENS,
+            "forced_tokens": FORCED_TOKENS,
+            "modeled": None,
+            "rows": rows,
+        },
+    )
+    print(
+        f"\n{'mode':<30}{'agreement':>10}{'prefix':>8}{'next-tok acc':>13}{'kept':>7}"
+        f"{'NLL':>7}{'ΔNLL':>7}{'top1=exact':>11}{'recall':>8}"
+    )
     for r in rows:
         recall = f"{r['recall']:.3f}" if r["recall"] is not None else "-"
-        print(f"{r['mode']:<30}{r['agreement']:>10.3f}{r['prefix']:>8.3f}{r['accuracy']:>13.4f}"
-              f"{r['kept']:>7.3f}{r['nll']:>7.3f}{r['nll_delta']:>+7.3f}"
-              f"{r['agree']:>11.3f}{recall:>8}")
+        print(
+            f"{r['mode']:<30}{r['agreement']:>10.3f}{r['prefix']:>8.3f}{r['accuracy']:>13.4f}"
+            f"{r['kept']:>7.3f}{r['nll']:>7.3f}{r['nll_delta']:>+7.3f}"
+            f"{r['agree']:>11.3f}{recall:>8}"
+        )
     print(f"wrote {path}\ncommand: {command_line()}")
 
 

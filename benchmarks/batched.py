@@ -67,10 +67,13 @@ def run(llm, prompts: list[str], max_tokens: int) -> dict:
     elapsed = time.perf_counter() - start
     tpots = sorted(
         (o.metrics.last_token_ts - o.metrics.first_token_ts) / (max_tokens - 1)
-        for o in outputs if o.metrics is not None and max_tokens > 1)
+        for o in outputs
+        if o.metrics is not None and max_tokens > 1
+    )
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
-        "tok_s": tokens / elapsed, "seconds": elapsed,
+        "tok_s": tokens / elapsed,
+        "seconds": elapsed,
         "tpot_p50_ms": statistics.median(tpots) * 1e3 if tpots else None,
         "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] * 1e3 if tpots else None,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
@@ -109,8 +112,9 @@ def cache_figures(llm) -> dict:
     }
 
 
-def plot(result: dict, path: Path, title: str,
-         per_token: str = "MB moved per decode token") -> None:
+def plot(
+    result: dict, path: Path, title: str, per_token: str = "MB moved per decode token"
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,19 +126,33 @@ def plot(result: dict, path: Path, title: str,
         rows = [r for r in result["rows"] if r["budget"] in (budget, None)]
         for mode in dict.fromkeys(r["mode"] for r in rows):
             mine = [r for r in rows if r["mode"] == mode]
-            axes[0][col].plot([r["batch"] for r in mine], [r["tok_s"] for r in mine],
-                              marker="o", label=mode)
+            axes[0][col].plot(
+                [r["batch"] for r in mine], [r["tok_s"] for r in mine], marker="o", label=mode
+            )
             if mode != "vanilla" and any(r["mb_per_token"] for r in mine):
-                axes[1][col].plot([r["batch"] for r in mine], [r["mb_per_token"] for r in mine],
-                                  marker="o", label=mode)
+                axes[1][col].plot(
+                    [r["batch"] for r in mine],
+                    [r["mb_per_token"] for r in mine],
+                    marker="o",
+                    label=mode,
+                )
             if mode == "fetch":
-                axes[1][col].plot([r["batch"] for r in mine],
-                                  [r["min_mb_per_token"] for r in mine], linestyle="--",
-                                  color="black", label="floor of any cache policy (fetch)")
-        axes[0][col].set(title=f"budget {budget}: output tok/s [modeled link]",
-                         xlabel="concurrent sequences", xscale="log", yscale="log")
-        axes[1][col].set(title=f"budget {budget}: {per_token}",
-                         xlabel="concurrent sequences", xscale="log")
+                axes[1][col].plot(
+                    [r["batch"] for r in mine],
+                    [r["min_mb_per_token"] for r in mine],
+                    linestyle="--",
+                    color="black",
+                    label="floor of any cache policy (fetch)",
+                )
+        axes[0][col].set(
+            title=f"budget {budget}: output tok/s [modeled link]",
+            xlabel="concurrent sequences",
+            xscale="log",
+            yscale="log",
+        )
+        axes[1][col].set(
+            title=f"budget {budget}: {per_token}", xlabel="concurrent sequences", xscale="log"
+        )
         for ax in (axes[0][col], axes[1][col]):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -157,7 +175,6 @@ def main() -> None:
 
     import vllm_specexpert
 
-
     model = model_of(args)
     seqs = max(args.batches)
     prompts = held_out_prompts(seqs)
@@ -165,22 +182,40 @@ def main() -> None:
     vanilla = start_engine(model, None, **common)
     plugin = start_engine(model, {"budget": 0.5}, **common)
     path_predictor = str(ASSETS / "tiny-qwen3-moe-path-predictor")
-    predicted = start_engine(model, {"budget": 0.5, "path_predictor": path_predictor},
-                             **common)
-    grouped = start_engine(model, {
-        "budget": 0.5, "path_predictor": path_predictor,
-        "token_scheduler": {"group_size": args.group_size,
-                            "max_wait_steps": args.max_wait_steps}}, **common)
+    predicted = start_engine(model, {"budget": 0.5, "path_predictor": path_predictor}, **common)
+    grouped = start_engine(
+        model,
+        {
+            "budget": 0.5,
+            "path_predictor": path_predictor,
+            "token_scheduler": {
+                "group_size": args.group_size,
+                "max_wait_steps": args.max_wait_steps,
+            },
+        },
+        **common,
+    )
     link, _, _ = link_like_a_gpu_box(vanilla, plugin, args)
-    modes = (("", plugin, "lru"), (" + LFU", plugin, "lfu"), (" + PLEC", predicted, "plec"),
-             (" + token scheduler", grouped, "lru"), (" + both", grouped, "plec"))
+    modes = (
+        ("", plugin, "lru"),
+        (" + LFU", plugin, "lfu"),
+        (" + PLEC", predicted, "plec"),
+        (" + token scheduler", grouped, "lru"),
+        (" + both", grouped, "plec"),
+    )
     rows = []
     for batch in args.batches:
         batch_prompts = prompts[:batch]
         run(vanilla, batch_prompts, 4)  # warm up this batch size
         reference = run(vanilla, batch_prompts, args.max_tokens)
-        rows.append({"mode": "vanilla", "batch": batch, "budget": None,
-                     **{k: v for k, v in reference.items() if k != "tokens"}})
+        rows.append(
+            {
+                "mode": "vanilla",
+                "batch": batch,
+                "budget": None,
+                **{k: v for k, v in reference.items() if k != "tokens"},
+            }
+        )
         print(rows[-1], flush=True)
         for budget in args.budgets:
             for policy in args.policies:
@@ -188,33 +223,46 @@ def main() -> None:
                     if cache == "lfu" and policy != "fetch":
                         continue  # the cache comparison is made under fetch
                     preload = {"plec_preload": args.plec_preload} if cache == "plec" else {}
-                    vllm_specexpert.reconfigure(llm, budget=budget, miss_policy=policy,
-                                                cache=cache, link=link, **preload)
+                    vllm_specexpert.reconfigure(
+                        llm, budget=budget, miss_policy=policy, cache=cache, link=link, **preload
+                    )
                     vllm_specexpert.reset_stats(llm)
                     result = run(llm, batch_prompts, args.max_tokens)
-                    row = {"mode": f"{policy}{name}", "batch": batch, "budget": budget,
-                           **{k: v for k, v in result.items() if k != "tokens"},
-                           **cache_figures(llm),
-                           "speed_vs_vanilla": result["tok_s"] / reference["tok_s"]}
+                    row = {
+                        "mode": f"{policy}{name}",
+                        "batch": batch,
+                        "budget": budget,
+                        **{k: v for k, v in result.items() if k != "tokens"},
+                        **cache_figures(llm),
+                        "speed_vs_vanilla": result["tok_s"] / reference["tok_s"],
+                    }
                     if policy == "fetch":  # exact: the same tokens as vanilla
                         row["identical_to_vanilla"] = result["tokens"] == reference["tokens"]
                     rows.append(row)
-                    print({k: (round(v, 4) if isinstance(v, float) else v)
-                           for k, v in row.items()}, flush=True)
+                    print(
+                        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+                        flush=True,
+                    )
     for llm in (vanilla, plugin, predicted, grouped):
         stop_engine(llm)
     result = {
-        "command": command_line(), "model": model, "batches": args.batches,
-        "budgets": args.budgets, "max_tokens": args.max_tokens,
+        "command": command_line(),
+        "model": model,
+        "batches": args.batches,
+        "budgets": args.budgets,
+        "max_tokens": args.max_tokens,
         "plec_preload": args.plec_preload,
-        "token_scheduler": {"group_size": args.group_size,
-                            "max_wait_steps": args.max_wait_steps},
-        "modeled": modeled(link, args.copy_compute_ratio), "rows": rows,
+        "token_scheduler": {"group_size": args.group_size, "max_wait_steps": args.max_wait_steps},
+        "modeled": modeled(link, args.copy_compute_ratio),
+        "rows": rows,
     }
     path = write_result(args.name, result)
-    plot(result, RESULTS / f"{args.name}.png",
-         f"{Path(model).name}, {args.max_tokens} tokens per sequence, "
-         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
+    plot(
+        result,
+        RESULTS / f"{args.name}.png",
+        f"{Path(model).name}, {args.max_tokens} tokens per sequence, "
+        f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}",
+    )
     print(f"wrote {path} and {args.name}.png\ncommand: {command_line()}")
 
 

@@ -74,11 +74,15 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", default=["validation", "test"])
     parser.add_argument("--windows", type=int, default=128)
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--modes", nargs="+", help="only these modes (the exact one is "
-                        "always run first)")
+    parser.add_argument(
+        "--modes", nargs="+", help="only these modes (the exact one is always run first)"
+    )
     parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
-    parser.add_argument("--quality", type=json.loads, help="a quality budget (JSON) for "
-                        "every mode that changes the output")
+    parser.add_argument(
+        "--quality",
+        type=json.loads,
+        help="a quality budget (JSON) for every mode that changes the output",
+    )
     args = parser.parse_args()
     name = "batched_accuracy_quality" if args.quality is not None else "batched_accuracy"
 
@@ -88,15 +92,27 @@ def main() -> None:
     model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     artifacts = estimator_artifacts(model, args)
-    modes = {name: mode for name, mode in MODES.items()
-             if name == "fetch (exact)" or (not args.modes or name in args.modes)}
+    modes = {
+        name: mode
+        for name, mode in MODES.items()
+        if name == "fetch (exact)" or (not args.modes or name in args.modes)
+    }
     if not artifacts:
         modes = {n: m for n, m in modes.items() if m["predictor"] not in ("estimator", "hybrid")}
-    llm = start_engine(model, {"budget": args.budget, "calibration": calibration,
-                               "miss_policy": "lowbit", **artifacts,
-                               "quality": args.quality},
-                       eager=args.eager, max_model_len=512, max_num_seqs=max(args.batches),
-                       logits_processors=[TeacherForcing])
+    llm = start_engine(
+        model,
+        {
+            "budget": args.budget,
+            "calibration": calibration,
+            "miss_policy": "lowbit",
+            **artifacts,
+            "quality": args.quality,
+        },
+        eager=args.eager,
+        max_model_len=512,
+        max_num_seqs=max(args.batches),
+        logits_processors=[TeacherForcing],
+    )
     rows = []
     for split in args.splits:
         windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS, split)
@@ -112,31 +128,55 @@ def main() -> None:
                 n = len(actual)
                 accuracy = sum(a == b for a, b in zip(forced["top1"], actual, strict=True)) / n
                 exact_accuracy = sum(a == b for a, b in zip(exact["top1"], actual, strict=True)) / n
-                row = {"split": split, "batch": batch, "mode": label, "output": stats["output"],
-                       "accuracy": accuracy, "kept": accuracy / exact_accuracy,
-                       "top1_equal_exact": sum(a == b for a, b in zip(
-                           forced["top1"], exact["top1"], strict=True)) / n,
-                       "nll": -sum(forced["logprobs"]) / n,
-                       "nll_delta": (sum(exact["logprobs"]) - sum(forced["logprobs"])) / n,
-                       "positions": n, "seconds": forced["seconds"]}
+                row = {
+                    "split": split,
+                    "batch": batch,
+                    "mode": label,
+                    "output": stats["output"],
+                    "accuracy": accuracy,
+                    "kept": accuracy / exact_accuracy,
+                    "top1_equal_exact": sum(
+                        a == b for a, b in zip(forced["top1"], exact["top1"], strict=True)
+                    )
+                    / n,
+                    "nll": -sum(forced["logprobs"]) / n,
+                    "nll_delta": (sum(exact["logprobs"]) - sum(forced["logprobs"])) / n,
+                    "positions": n,
+                    "seconds": forced["seconds"],
+                }
                 if quality is not None:
                     passes = max(la["decode"]["calls"] for la in stats["layers"].values())
                     row["exact_pass_share"] = stats["quality"]["exact_passes"] / max(passes, 1)
                 rows.append(row)
-                print(f"{split:<10} batch {batch:>3} {label:<24} acc {accuracy:.4f} kept "
-                      f"{row['kept']:.3f} top1=exact {row['top1_equal_exact']:.3f} "
-                      f"dNLL {row['nll_delta']:+.3f} ({forced['seconds']:.0f} s)"
-                      + (f" exact passes {row['exact_pass_share']:.2f}" if quality else ""),
-                      flush=True)
+                print(
+                    f"{split:<10} batch {batch:>3} {label:<24} acc {accuracy:.4f} kept "
+                    f"{row['kept']:.3f} top1=exact {row['top1_equal_exact']:.3f} "
+                    f"dNLL {row['nll_delta']:+.3f} ({forced['seconds']:.0f} s)"
+                    + (f" exact passes {row['exact_pass_share']:.2f}" if quality else ""),
+                    flush=True,
+                )
     stop_engine(llm)
-    payload = {"model": model, "calibration": calibration, **artifacts,
-               "budget": args.budget, "windows": args.windows,
-               "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS,
-               "eager": args.eager, "modeled": None, "quality": args.quality, "rows": rows}
+    payload = {
+        "model": model,
+        "calibration": calibration,
+        **artifacts,
+        "budget": args.budget,
+        "windows": args.windows,
+        "prompt_tokens": PROMPT_TOKENS,
+        "forced_tokens": FORCED_TOKENS,
+        "eager": args.eager,
+        "modeled": None,
+        "quality": args.quality,
+        "rows": rows,
+    }
     path = write_result(name, payload)
-    plot(rows, RESULTS / f"{name}.png", f"{Path(model).name}, budget "
-         f"{args.budget}, {args.windows} windows x {FORCED_TOKENS} forced tokens per split\n"
-         f"{command_line()}")
+    plot(
+        rows,
+        RESULTS / f"{name}.png",
+        f"{Path(model).name}, budget "
+        f"{args.budget}, {args.windows} windows x {FORCED_TOKENS} forced tokens per split\n"
+        f"{command_line()}",
+    )
     print_markdown(rows)
     print(f"wrote {path}\ncommand: {command_line()}")
 
@@ -148,9 +188,12 @@ def print_markdown(rows: list[dict]) -> None:
         print("| mode | " + " | ".join(f"batch {b}" for b in batches) + " |")
         print("|---|" + "---|" * len(batches))
         for mode in dict.fromkeys(r["mode"] for r in rows):
-            cells = {r["batch"]: f"{r['kept']:.3f} ({r['top1_equal_exact']:.3f})" + (
-                         f" [{r['exact_pass_share']:.2f}]" if "exact_pass_share" in r else "")
-                     for r in rows if r["split"] == split and r["mode"] == mode}
+            cells = {
+                r["batch"]: f"{r['kept']:.3f} ({r['top1_equal_exact']:.3f})"
+                + (f" [{r['exact_pass_share']:.2f}]" if "exact_pass_share" in r else "")
+                for r in rows
+                if r["split"] == split and r["mode"] == mode
+            }
             print(f"| {mode} | " + " | ".join(cells.get(b, "-") for b in batches) + " |")
 
 
@@ -165,12 +208,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for ax, split in zip(axes[0], splits, strict=True):
         ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 11 modes: tab10 would repeat
         for mode in dict.fromkeys(r["mode"] for r in rows):
-            mine = sorted((r["batch"], r["kept"]) for r in rows
-                          if r["split"] == split and r["mode"] == mode)
+            mine = sorted(
+                (r["batch"], r["kept"]) for r in rows if r["split"] == split and r["mode"] == mode
+            )
             ax.plot([b for b, _ in mine], [k for _, k in mine], marker="o", label=mode)
         ax.axhline(0.98, color="gray", linestyle="--", linewidth=1)
-        ax.set(xscale="log", xlabel="sequences per decode step",
-               ylabel="next-token accuracy / exact's", title=split)
+        ax.set(
+            xscale="log",
+            xlabel="sequences per decode step",
+            ylabel="next-token accuracy / exact's",
+            title=split,
+        )
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(title, fontsize=8)

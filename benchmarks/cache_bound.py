@@ -69,8 +69,9 @@ def record_routes(model_dir: str, prompts: list[str], max_tokens: int):
                 for _ in range(max_tokens - 1):
                     ids = [*ids, token]
                     contexts.append(list(ids))
-                    out = model(input_ids=torch.tensor([[token]]), past_key_values=past,
-                                use_cache=True)
+                    out = model(
+                        input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True
+                    )
                     past, token = out.past_key_values, int(out.logits[0, -1].argmax())
                     steps.append(hooks.stacked(1)["topk_ids"][0])  # [L, K]
             routes.append(torch.stack(steps).numpy())
@@ -90,8 +91,9 @@ def schedule_all(n: int, steps: int) -> list[Step]:
     return [([(i, s) for i in range(n)], None) for s in range(steps)]
 
 
-def schedule_grouped(route_sets: list[np.ndarray], steps: int, group_size: int,
-                     max_wait_steps: int) -> list[Step]:
+def schedule_grouped(
+    route_sets: list[np.ndarray], steps: int, group_size: int, max_wait_steps: int
+) -> list[Step]:
     """The token scheduler's rule on ``route_sets[i][s]`` (``[P]`` bool, the routes it
     believes request ``i``'s decode ``s`` takes)."""
     n = len(route_sets)
@@ -120,8 +122,10 @@ def schedule_grouped(route_sets: list[np.ndarray], steps: int, group_size: int,
 def schedule_verified(n: int, steps: int, k: int) -> list[Step]:
     """Draft lookahead with every drafted token accepted: each step runs ``k + 1``
     consecutive decode tokens of every request (one verification pass)."""
-    return [([(i, s) for i in range(n) for s in range(t, min(t + k + 1, steps))], None)
-            for t in range(0, steps, k + 1)]
+    return [
+        ([(i, s) for i in range(n) for s in range(t, min(t + k + 1, steps))], None)
+        for t in range(0, steps, k + 1)
+    ]
 
 
 def draft_sets(routes: list[np.ndarray], experts: int, k: int) -> list[np.ndarray]:
@@ -130,7 +134,7 @@ def draft_sets(routes: list[np.ndarray], experts: int, k: int) -> list[np.ndarra
     last (the draft never runs its last drafted token)."""
     sets = true_sets(routes, experts)
     for each in sets:
-        each[k::k + 1] = False
+        each[k :: k + 1] = False
     return sets
 
 
@@ -141,8 +145,9 @@ def needed_sets(run: list[tuple[int, int]], routes: list[np.ndarray], layer: int
 def calls_of(schedule: list[Step], routes: list[np.ndarray]) -> list[tuple[int, set]]:
     """The layer calls of a schedule, in order: ``(layer, {(layer, expert)})``."""
     layers = routes[0].shape[1]
-    return [(layer, needed_sets(run, routes, layer))
-            for run, _ in schedule for layer in range(layers)]
+    return [
+        (layer, needed_sets(run, routes, layer)) for run, _ in schedule for layer in range(layers)
+    ]
 
 
 def lru_loads(calls, slots: int, per_layer: bool) -> int:
@@ -188,9 +193,14 @@ def min_loads(calls, slots: int) -> int:
     return loads
 
 
-def engine_loads(schedule: list[Step], routes: list[np.ndarray],
-                 believed: list[np.ndarray], cache: str, budget: float,
-                 experts: int) -> int:
+def engine_loads(
+    schedule: list[Step],
+    routes: list[np.ndarray],
+    believed: list[np.ndarray],
+    cache: str,
+    budget: float,
+    experts: int,
+) -> int:
     """The plugin's own engine (``fetch``, no vLLM) replaying the schedule, as the
     scheduler would drive it: each step's ``StepDemand`` from the ``believed`` routes,
     every layer called with the step's true routes. Tiny random weights: only the loads
@@ -200,15 +210,22 @@ def engine_loads(schedule: list[Step], routes: list[np.ndarray],
     from vllm_specexpert.handoff import StepDemand
 
     layers, top_k = routes[0].shape[1], routes[0].shape[2]
-    config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache,
-                                         "path_predictor": "(replayed)"})
+    config = SpecExpertConfig.from_dict(
+        {"budget": budget, "cache": cache, "path_predictor": "(replayed)"}
+    )
     engine = OffloadEngine(config, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     names = [f"model.layers.{i}.mlp.experts" for i in range(layers)]
     for index, name in enumerate(names):
-        engine.add_layer(name, {"w13_weight": torch.randn(experts, 32, 16, generator=g).bfloat16(),
-                                "w2_weight": torch.randn(experts, 16, 16, generator=g).bfloat16()},
-                         top_k=top_k, index=index)
+        engine.add_layer(
+            name,
+            {
+                "w13_weight": torch.randn(experts, 32, 16, generator=g).bfloat16(),
+                "w2_weight": torch.randn(experts, 16, 16, generator=g).bfloat16(),
+            },
+            top_k=top_k,
+            index=index,
+        )
     engine.start()
 
     def counts(entries):
@@ -219,8 +236,9 @@ def engine_loads(schedule: list[Step], routes: list[np.ndarray],
         return torch.zeros_like(x)
 
     for run, expected in schedule:
-        engine.step_demand = StepDemand(tokens=len(run), layers=counts(run),
-                                        next_layers=counts(expected) if expected else None)
+        engine.step_demand = StepDemand(
+            tokens=len(run), layers=counts(run), next_layers=counts(expected) if expected else None
+        )
         for layer, name in enumerate(names):
             ids = torch.from_numpy(np.stack([routes[i][s, layer] for i, s in run])).to(torch.int32)
             x = torch.zeros(len(run), 16, dtype=torch.bfloat16)
@@ -254,22 +272,29 @@ def true_sets(routes: list[np.ndarray], experts: int) -> list[np.ndarray]:
     return out
 
 
-def cache_counts(routes: list[np.ndarray], believed: dict[str, list[np.ndarray]],
-                 budget: float, experts: int, layers: int) -> dict:
+def cache_counts(
+    routes: list[np.ndarray],
+    believed: dict[str, list[np.ndarray]],
+    budget: float,
+    experts: int,
+    layers: int,
+) -> dict:
     """Each cache's loads on a schedule, by cache name: ``count(schedule, schedule_name)``
     (the engine's caches are told the routes the schedule believed, the predicted ones
     if it has none of its own)."""
     per_layer = int(budget * experts)
     return {
         "lru (engine)": lambda s, name: engine_loads(
-            s, routes, believed.get(name, believed["predicted"]), "lru", budget, experts),
+            s, routes, believed.get(name, believed["predicted"]), "lru", budget, experts
+        ),
         "plec (engine)": lambda s, name: engine_loads(
-            s, routes, believed.get(name, believed["predicted"]), "plec", budget, experts),
+            s, routes, believed.get(name, believed["predicted"]), "plec", budget, experts
+        ),
         "plec (engine, true routes)": lambda s, name: engine_loads(
-            s, routes, believed["true"], "plec", budget, experts),
+            s, routes, believed["true"], "plec", budget, experts
+        ),
         "lru once per call": lambda s, name: lru_loads(calls_of(s, routes), per_layer, True),
-        "global lru": lambda s, name: lru_loads(calls_of(s, routes), per_layer * layers,
-                                                False),
+        "global lru": lambda s, name: lru_loads(calls_of(s, routes), per_layer * layers, False),
         "belady": lambda s, name: min_loads(calls_of(s, routes), per_layer * layers),
     }
 
@@ -281,9 +306,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-wait-steps", type=int, default=4)
-    parser.add_argument("--lookahead-k", type=int, nargs="*", default=[],
-                        help="also replay draft lookahead's verification schedule with "
-                             "these draft lengths (every drafted token accepted)")
+    parser.add_argument(
+        "--lookahead-k",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also replay draft lookahead's verification schedule with "
+        "these draft lengths (every drafted token accepted)",
+    )
     parser.add_argument("--name", default="cache_bound")
     args = parser.parse_args()
 
@@ -293,18 +323,22 @@ def main() -> None:
     hf = AutoConfig.from_pretrained(model_dir)
     experts, layers = hf.num_local_experts, hf.num_hidden_layers
     expert_mb = 3 * hf.hidden_size * hf.moe_intermediate_size * 2 / 1e6  # bf16
-    all_routes, all_tokens = record_routes(model_dir, held_out_prompts(max(args.batches)),
-                                           args.max_tokens)
+    all_routes, all_tokens = record_routes(
+        model_dir, held_out_prompts(max(args.batches)), args.max_tokens
+    )
     steps = args.max_tokens - 1
     rows = []
     for batch in args.batches:
         routes, tokens = all_routes[:batch], all_tokens[:batch]
-        believed = {"predicted": predicted_sets(tokens, layers, experts),
-                    "true": true_sets(routes, experts)}
+        believed = {
+            "predicted": predicted_sets(tokens, layers, experts),
+            "true": true_sets(routes, experts),
+        }
         schedules = {"all": schedule_all(batch, steps)}
         for name, sets in believed.items():
             schedules[f"grouped ({name} routes)"] = schedule_grouped(
-                sets, steps, args.group_size, args.max_wait_steps)
+                sets, steps, args.group_size, args.max_wait_steps
+            )
         for k in args.lookahead_k:
             # The engine's demand for these steps is the draft's (k of k + 1 tokens).
             schedules[f"verified (lookahead k={k})"] = schedule_verified(batch, steps, k)
@@ -317,22 +351,33 @@ def main() -> None:
                 needed = sum(len(need) for _, need in calls) / len(schedule)
                 for cache_name, count in caches.items():
                     loads = count(schedule, schedule_name)
-                    mine.append({
-                        "batch": batch, "budget": budget, "schedule": schedule_name,
-                        "cache": cache_name, "steps": len(schedule),
-                        "needed_per_step": needed, "loads": loads,
-                        "mb_per_token": loads * expert_mb / (batch * steps)})
+                    mine.append(
+                        {
+                            "batch": batch,
+                            "budget": budget,
+                            "schedule": schedule_name,
+                            "cache": cache_name,
+                            "steps": len(schedule),
+                            "needed_per_step": needed,
+                            "loads": loads,
+                            "mb_per_token": loads * expert_mb / (batch * steps),
+                        }
+                    )
             base = mine[0]["loads"]  # lru (engine) on all
             for row in mine:
                 row["vs_lru"] = row["loads"] / base
-                print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
-                      flush=True)
+                print(
+                    {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
+                    flush=True,
+                )
             rows += mine
     result = {
-        "model": model_dir, "batches": args.batches, "budgets": args.budgets,
-        "max_tokens": args.max_tokens, "expert_mb": expert_mb,
-        "token_scheduler": {"group_size": args.group_size,
-                            "max_wait_steps": args.max_wait_steps},
+        "model": model_dir,
+        "batches": args.batches,
+        "budgets": args.budgets,
+        "max_tokens": args.max_tokens,
+        "expert_mb": expert_mb,
+        "token_scheduler": {"group_size": args.group_size, "max_wait_steps": args.max_wait_steps},
         "rows": rows,
     }
     path = write_result(args.name, result)
@@ -354,14 +399,18 @@ def plot(result: dict, path: Path) -> None:
         caches = list(dict.fromkeys(r["cache"] for r in rows))
         width = 0.8 / len(caches)
         for j, cache in enumerate(caches):
-            values = [next(r["vs_lru"] for r in rows
-                           if r["schedule"] == s and r["cache"] == cache) for s in schedules]
+            values = [
+                next(r["vs_lru"] for r in rows if r["schedule"] == s and r["cache"] == cache)
+                for s in schedules
+            ]
             ax.bar(np.arange(len(schedules)) + j * width, values, width, label=cache)
         ax.axhline(0.8, color="black", linestyle="--", linewidth=1, label="-20 %")
         ax.set_xticks(np.arange(len(schedules)) + 0.4 - width / 2)
         ax.set_xticklabels(schedules, fontsize=7)
-        ax.set(title=f"{batch} sequences, budget {budget}",
-               ylabel="expert bytes per decode token / lru (engine), all")
+        ax.set(
+            title=f"{batch} sequences, budget {budget}",
+            ylabel="expert bytes per decode token / lru (engine), all",
+        )
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"recorded routes replayed; {command_line()}", fontsize=8)

@@ -70,9 +70,10 @@ def decode_figures(stats: dict) -> dict[str, Any]:
         "prefetched_per_token": d["prefetched"] / n,
         "prefetch_used_per_token": d["prefetch_used"] / n,
         "recall": d["recall"] if d["predicted"] else None,
-        "entries_per_token": {k: d[f"{k}_entries"] / n for k in
-                              ("missed", "fetched", "host", "substituted", "dropped",
-                               "low_bit")},
+        "entries_per_token": {
+            k: d[f"{k}_entries"] / n
+            for k in ("missed", "fetched", "host", "substituted", "dropped", "low_bit")
+        },
         "low_bit_mb_per_token": d["low_bit_bytes"] / n / 1e6,
     }
 
@@ -81,29 +82,43 @@ def prefill_figures(stats: dict) -> dict[str, Any]:
     """The prefill counters of the same stats, in totals (reported beside the decode
     figures, never mixed into them)."""
     p = stats["total"]["prefill"]
-    return {"prefill_tokens": stats["prefill_tokens"], "misses": p["misses"],
-            "loads": p["loads"], "mb": p["bytes_loaded"] / 1e6, "stall_ms": p["stall_s"] * 1e3,
-            "kernel_calls": p["kernel_calls"]}
+    return {
+        "prefill_tokens": stats["prefill_tokens"],
+        "misses": p["misses"],
+        "loads": p["loads"],
+        "mb": p["bytes_loaded"] / 1e6,
+        "stall_ms": p["stall_s"] * 1e3,
+        "kernel_calls": p["kernel_calls"],
+    }
 
 
-def modeled(link: dict, copy_compute_ratio: float, host_slowdown: float = 14.0,
-            **extra: Any) -> dict[str, Any]:
+def modeled(
+    link: dict, copy_compute_ratio: float, host_slowdown: float = 14.0, **extra: Any
+) -> dict[str, Any]:
     """The constants a modeled figure depends on, for the result file."""
-    return {"emulated_link": {"bandwidth_gbps": link["bandwidth_gbps"],
-                              "latency_us": link["latency_us"],
-                              "copy_compute_ratio": copy_compute_ratio},
-            "host_slowdown": host_slowdown, **extra}
+    return {
+        "emulated_link": {
+            "bandwidth_gbps": link["bandwidth_gbps"],
+            "latency_us": link["latency_us"],
+            "copy_compute_ratio": copy_compute_ratio,
+        },
+        "host_slowdown": host_slowdown,
+        **extra,
+    }
 
 
 def modeled_label(link: dict, copy_compute_ratio: float, host_slowdown: float = 14.0) -> str:
     """One line for plots: what the modeled figures assume."""
-    return (f"MODELED: emulated link {link['bandwidth_gbps']:.3g} GB/s + {link['latency_us']:g} "
-            f"us/copy (copy = {copy_compute_ratio:g}x one layer's decode compute), "
-            f"host_slowdown {host_slowdown:g}")
+    return (
+        f"MODELED: emulated link {link['bandwidth_gbps']:.3g} GB/s + {link['latency_us']:g} "
+        f"us/copy (copy = {copy_compute_ratio:g}x one layer's decode compute), "
+        f"host_slowdown {host_slowdown:g}"
+    )
 
 
-def emulated_link(layer_seconds: float, expert_bytes: int, copy_compute_ratio: float,
-                  latency_us: float) -> dict[str, float]:
+def emulated_link(
+    layer_seconds: float, expert_bytes: int, copy_compute_ratio: float, latency_us: float
+) -> dict[str, float]:
     """An emulated link on which one expert copy takes ``copy_compute_ratio`` times one
     MoE layer's decode compute (``layer_seconds``), so that a CPU run sees a GPU box's
     copy/compute ratio. The default ratio used by the benchmarks, 2.7, comes from a
@@ -127,10 +142,10 @@ def add_predictor_arguments(parser) -> None:
     """The model and the predictors' artifacts (defaults: the embedded model's)."""
     parser.add_argument("--model", help="model directory (default: the embedded model)")
     parser.add_argument("--calibration", help="calibration directory (default: made on first use)")
-    parser.add_argument("--estimator", help="estimator directory (default: the embedded "
-                        "model's)")
-    parser.add_argument("--analysis", help="analysis directory for hybrid (default: the "
-                        "embedded model's)")
+    parser.add_argument("--estimator", help="estimator directory (default: the embedded model's)")
+    parser.add_argument(
+        "--analysis", help="analysis directory for hybrid (default: the embedded model's)"
+    )
 
 
 def estimator_artifacts(model: str, args) -> dict:
@@ -146,8 +161,10 @@ def estimator_artifacts(model: str, args) -> dict:
     estimator = args.estimator or (str(TRAINED_ESTIMATOR_DIR) if embedded else None)
     analysis = args.analysis or (str(TRAINED_ANALYSIS_DIR) if embedded else None)
     if estimator is None or analysis is None:
-        print("estimator and hybrid left out: give --estimator (specexpert "
-              "train-estimator) and --analysis (specexpert analyze --estimator)")
+        print(
+            "estimator and hybrid left out: give --estimator (specexpert "
+            "train-estimator) and --analysis (specexpert analyze --estimator)"
+        )
         return {}
     return {"estimator": estimator, "analysis": analysis}
 
@@ -162,11 +179,14 @@ def link_like_a_gpu_box(vanilla, plugin, args) -> tuple[dict[str, float], float,
     step, _ = step_seconds(vanilla, prompt, 48, 2)
     info = vllm_specexpert.get_stats(plugin)[0]
     expert_bytes = next(iter(info["expert_bytes"].values()))
-    link = emulated_link(step / len(info["layers"]), expert_bytes, args.copy_compute_ratio,
-                         args.latency_us)
-    print(f"vanilla batch-1 step {step * 1e3:.2f} ms; emulated link "
-          f"{link['bandwidth_gbps']:.4f} GB/s + {args.latency_us} us/copy "
-          f"({expert_bytes / link['bandwidth_gbps'] / 1e3:.0f} us per expert)")
+    link = emulated_link(
+        step / len(info["layers"]), expert_bytes, args.copy_compute_ratio, args.latency_us
+    )
+    print(
+        f"vanilla batch-1 step {step * 1e3:.2f} ms; emulated link "
+        f"{link['bandwidth_gbps']:.4f} GB/s + {args.latency_us} us/copy "
+        f"({expert_bytes / link['bandwidth_gbps'] / 1e3:.0f} us per expert)"
+    )
     return link, step, expert_bytes
 
 
@@ -198,8 +218,10 @@ def greedy_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
 def agreement(candidate: list[list[int]], exact: list[list[int]]) -> dict:
     """Share of positions equal to ``exact``'s, and mean share before the first
     divergence."""
-    same = [sum(a == b for a, b in zip(c, e, strict=True)) / len(e)
-            for c, e in zip(candidate, exact, strict=True)]
+    same = [
+        sum(a == b for a, b in zip(c, e, strict=True)) / len(e)
+        for c, e in zip(candidate, exact, strict=True)
+    ]
     prefix = []
     for c, e in zip(candidate, exact, strict=True):
         n = next((i for i, (a, b) in enumerate(zip(c, e, strict=True)) if a != b), len(e))
@@ -232,8 +254,13 @@ def default_calibration(model: str, max_tokens: int = 65536) -> str:
         load_calibration(out, model=model)
     except SpecExpertConfigError:
         print(f"calibrating {model} on {max_tokens} train tokens -> {out}")
-        calibrate(model, corpus_documents("train"), out, max_tokens=max_tokens,
-                  description=f"corpus split train, first {max_tokens} tokens")
+        calibrate(
+            model,
+            corpus_documents("train"),
+            out,
+            max_tokens=max_tokens,
+            description=f"corpus split train, first {max_tokens} tokens",
+        )
     return str(out)
 
 

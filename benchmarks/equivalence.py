@@ -53,8 +53,7 @@ PROMPT_TOKENS, FORCED_TOKENS = 16, 64
 def compare(candidate: dict, vanilla: dict) -> dict:
     forced, ref = candidate["forced"], vanilla["forced"]
     deltas = [abs(a - b) for a, b in zip(forced["logprobs"], ref["logprobs"], strict=True)]
-    identical = sum(c == v
-                    for c, v in zip(candidate["greedy"], vanilla["greedy"], strict=True))
+    identical = sum(c == v for c, v in zip(candidate["greedy"], vanilla["greedy"], strict=True))
     top1_agree = sum(a == b for a, b in zip(forced["top1"], ref["top1"], strict=True))
     return {
         **{f"greedy_{k}": v for k, v in agreement(candidate["greedy"], vanilla["greedy"]).items()},
@@ -66,15 +65,21 @@ def compare(candidate: dict, vanilla: dict) -> dict:
 
 
 def run(llm, prompts, windows, max_tokens: int) -> dict:
-    return {"greedy": greedy_tokens(llm, prompts, max_tokens),
-            "forced": teacher_forced(llm, windows, PROMPT_TOKENS)}
+    return {
+        "greedy": greedy_tokens(llm, prompts, max_tokens),
+        "forced": teacher_forced(llm, windows, PROMPT_TOKENS),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_arguments(parser, "equivalence")
-    parser.add_argument("--models", nargs="+", default=["trained", "qwen3_moe"],
-                        help="fixture names (the embedded model is 'trained')")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["trained", "qwen3_moe"],
+        help="fixture names (the embedded model is 'trained')",
+    )
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -91,47 +96,66 @@ def main() -> None:
     for name in args.models:
         model = str(model_path(name) if name == "trained" else ensure_model(name))
         vanilla = start_engine(model, None, eager=args.eager, logits_processors=[TeacherForcing])
-        plugin = start_engine(model, {"budget": 1.0}, eager=args.eager,
-                              logits_processors=[TeacherForcing])
+        plugin = start_engine(
+            model, {"budget": 1.0}, eager=args.eager, logits_processors=[TeacherForcing]
+        )
         link, _, expert_bytes = link_like_a_gpu_box(vanilla, plugin, args)
         models_modeled[name] = modeled(link, args.copy_compute_ratio, expert_bytes=expert_bytes)
         reference = run(vanilla, prompts, windows, args.max_tokens)
         stop_engine(vanilla)
         for budget in args.budgets:
             for policy, policy_link in (("fetch", {}), ("cpu", {}), ("auto", link)):
-                vllm_specexpert.reconfigure(plugin, budget=budget, miss_policy=policy,
-                                            link=policy_link)
+                vllm_specexpert.reconfigure(
+                    plugin, budget=budget, miss_policy=policy, link=policy_link
+                )
                 vllm_specexpert.reset_stats(plugin)
                 measured = run(plugin, prompts, windows, args.max_tokens)
                 stats = vllm_specexpert.get_stats(plugin)[0]
-                row = {"model": name, "budget": budget, "mode": policy,
-                       "output": stats["output"], "modeled_link": bool(policy_link),
-                       **compare(measured, reference),
-                       "host_entries_per_token":
-                           decode_figures(stats)["entries_per_token"]["host"]}
+                row = {
+                    "model": name,
+                    "budget": budget,
+                    "mode": policy,
+                    "output": stats["output"],
+                    "modeled_link": bool(policy_link),
+                    **compare(measured, reference),
+                    "host_entries_per_token": decode_figures(stats)["entries_per_token"]["host"],
+                }
                 results.append(row)
                 print(row, flush=True)
         stop_engine(plugin)
 
-    path = write_result(args.name, {
-        "models": args.models, "budgets": args.budgets, "prompts": len(prompts),
-        "max_tokens": args.max_tokens, "windows": len(windows),
-        "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS,
-        "modeled": {"applies_to": "auto rows (the split follows modeled link and host times)",
-                    **models_modeled},
-        "rows": results,
-    })
-    print("\n| model | budget | mode | greedy tokens = vanilla | prefix before divergence "
-          "| identical sequences | teacher-forced top-1 = vanilla | max / mean abs dlogprob "
-          "| host entries / token |")
+    path = write_result(
+        args.name,
+        {
+            "models": args.models,
+            "budgets": args.budgets,
+            "prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "windows": len(windows),
+            "prompt_tokens": PROMPT_TOKENS,
+            "forced_tokens": FORCED_TOKENS,
+            "modeled": {
+                "applies_to": "auto rows (the split follows modeled link and host times)",
+                **models_modeled,
+            },
+            "rows": results,
+        },
+    )
+    print(
+        "\n| model | budget | mode | greedy tokens = vanilla | prefix before divergence "
+        "| identical sequences | teacher-forced top-1 = vanilla | max / mean abs dlogprob "
+        "| host entries / token |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         suffix = " (modeled link)" if r["modeled_link"] else ""
-        print(f"| {r['model']} | {r['budget']} | {r['mode']}{suffix} "
-              f"| {r['greedy_agreement']:.3f} | {r['greedy_prefix']:.3f} "
-              f"| {r['greedy_identical_sequences']:.3f} | {r['forced_top1_agree']:.4f} "
-              f"| {r['forced_max_abs_dlogprob']:.4f} / {r['forced_mean_abs_dlogprob']:.5f} "
-              f"| {r['host_entries_per_token']:.2f} |")
+        print(
+            f"| {r['model']} | {r['budget']} | {r['mode']}{suffix} "
+            f"| {r['greedy_agreement']:.3f} | {r['greedy_prefix']:.3f} "
+            f"| {r['greedy_identical_sequences']:.3f} | {r['forced_top1_agree']:.4f} "
+            f"| {r['forced_max_abs_dlogprob']:.4f} / {r['forced_mean_abs_dlogprob']:.5f} "
+            f"| {r['host_entries_per_token']:.2f} |"
+        )
     print(f"wrote {path}\ncommand: {command_line()}")
 
 

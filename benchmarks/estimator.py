@@ -76,8 +76,10 @@ def per_call_costs(model) -> dict:
     (_, _, routed), (_, layer, _) = layers[1], layers[2]
     engine = routed.engine
     inputs = engine.predictor_inputs
-    predictors = {"quasi_hidden": QuasiHiddenPredictor.build(inputs),
-                  "estimator": EstimatorPredictor.build(inputs)}
+    predictors = {
+        "quasi_hidden": QuasiHiddenPredictor.build(inputs),
+        "estimator": EstimatorPredictor.build(inputs),
+    }
     nxt = engine.layers[routed.layer_name].next_routing
     runner = layer.mlp.experts
     hook = getattr(layers[2][2], "router_free_hook", None)
@@ -105,10 +107,11 @@ def per_call_costs(model) -> dict:
         weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
         state = LayerState(x, ids.to(torch.int32), weights)
         with torch.no_grad():
-            row = {name: median_us(lambda p=p, s=state: p.predict(s, routed.layer_name, nxt))
-                   for name, p in predictors.items()}
-            row["router"] = median_us(lambda x=x: select(
-                hidden_states=x, router_logits=gate(x)[0]))
+            row = {
+                name: median_us(lambda p=p, s=state: p.predict(s, routed.layer_name, nxt))
+                for name, p in predictors.items()
+            }
+            row["router"] = median_us(lambda x=x: select(hidden_states=x, router_logits=gate(x)[0]))
         result[tokens] = row
     return result
 
@@ -130,8 +133,13 @@ def main() -> None:
     artifacts = estimator_artifacts(model, args)
     if not artifacts:
         sys.exit("benchmarks/estimator.py needs an estimator and an analysis")
-    config = {"budget": args.budget, "predictor": "estimator", "miss_policy": "speculate",
-              "calibration": args.calibration or default_calibration(model), **artifacts}
+    config = {
+        "budget": args.budget,
+        "predictor": "estimator",
+        "miss_policy": "speculate",
+        "calibration": args.calibration or default_calibration(model),
+        **artifacts,
+    }
     # One engine (the per-call timing needs it in this process, and a second in-process
     # engine cannot be stopped without taking the first's process groups): the link is
     # sized on its own budget-1.0 step, which is vanilla's within noise (tpot.json).
@@ -161,29 +169,48 @@ def main() -> None:
             decode = statistics.median(s[0] for s in samples[name])
             first = statistics.median(s[1] for s in samples[name])
             d = stats[name]["total"]["decode"]
-            rows.append({"batch": batch, "mode": name, "tpot_ms": decode * 1e3,
-                         "first_token_ms": first * 1e3,
-                         "router_free_calls": d["router_free_calls"],
-                         "speculated_calls": d["speculated_calls"],
-                         "decode": decode_figures(stats[name])})
+            rows.append(
+                {
+                    "batch": batch,
+                    "mode": name,
+                    "tpot_ms": decode * 1e3,
+                    "first_token_ms": first * 1e3,
+                    "router_free_calls": d["router_free_calls"],
+                    "speculated_calls": d["speculated_calls"],
+                    "decode": decode_figures(stats[name]),
+                }
+            )
         base = {r["mode"]: r["tpot_ms"] for r in rows if r["batch"] == batch}
         for r in rows:
             if r["batch"] == batch:
-                r["vs_without_router_free"] = r["tpot_ms"] / base[r["mode"].replace(
-                    " router_free", "")]
+                r["vs_without_router_free"] = (
+                    r["tpot_ms"] / base[r["mode"].replace(" router_free", "")]
+                )
     stop_engine(plugin)
-    path = write_result("estimator", {
-        "model": model, **artifacts, "budget": args.budget, "rounds": args.rounds,
-        "max_tokens": args.max_tokens, "budget_1_step_ms": full_step * 1e3,
-        "per_call_us": costs,
-        "modeled": modeled(link, args.copy_compute_ratio, note="TPOT rows only"),
-        "rows": rows})
-    print(f"\n{'batch':>5} {'mode':<24}{'TPOT ms':>9}{'vs no rf':>9}{'1st tok ms':>11}"
-          f"{'rf calls':>9}{'spec calls':>11}")
+    path = write_result(
+        "estimator",
+        {
+            "model": model,
+            **artifacts,
+            "budget": args.budget,
+            "rounds": args.rounds,
+            "max_tokens": args.max_tokens,
+            "budget_1_step_ms": full_step * 1e3,
+            "per_call_us": costs,
+            "modeled": modeled(link, args.copy_compute_ratio, note="TPOT rows only"),
+            "rows": rows,
+        },
+    )
+    print(
+        f"\n{'batch':>5} {'mode':<24}{'TPOT ms':>9}{'vs no rf':>9}{'1st tok ms':>11}"
+        f"{'rf calls':>9}{'spec calls':>11}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['mode']:<24}{r['tpot_ms']:>9.2f}"
-              f"{r['vs_without_router_free']:>9.3f}{r['first_token_ms']:>11.1f}"
-              f"{r['router_free_calls']:>9}{r['speculated_calls']:>11}")
+        print(
+            f"{r['batch']:>5} {r['mode']:<24}{r['tpot_ms']:>9.2f}"
+            f"{r['vs_without_router_free']:>9.3f}{r['first_token_ms']:>11.1f}"
+            f"{r['router_free_calls']:>9}{r['speculated_calls']:>11}"
+        )
     print(f"wrote {path}\ncommand: {command_line()}")
 
 

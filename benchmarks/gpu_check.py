@@ -61,8 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     problem = cuda_problem()
     if problem is not None:
-        print(f"gpu-check needs a CUDA machine with vLLM's CUDA build: {problem}",
-              file=sys.stderr)
+        print(f"gpu-check needs a CUDA machine with vLLM's CUDA build: {problem}", file=sys.stderr)
         sys.exit(2)
 
     from common import (
@@ -86,18 +85,23 @@ def main() -> None:
     plugin = start_engine(model, {"budget": 1.0, "calibration": calibration}, eager=False)
     info = vllm_specexpert.get_stats(plugin)[0]
     compilation = plugin.llm_engine.vllm_config.compilation_config
-    cuda_graphs = {"cudagraph_mode": compilation.cudagraph_mode.name,
-                   "splitting_ops": list(compilation.splitting_ops or [])}
+    cuda_graphs = {
+        "cudagraph_mode": compilation.cudagraph_mode.name,
+        "splitting_ops": list(compilation.splitting_ops or []),
+    }
 
     reference = greedy_tokens(vanilla, prompts, args.max_tokens)
     exactness = []
     for budget in args.budgets:
         for policy in ("fetch", "cpu"):
-            vllm_specexpert.reconfigure(plugin, budget=budget, miss_policy=policy,
-                                        predictor="none")
+            vllm_specexpert.reconfigure(plugin, budget=budget, miss_policy=policy, predictor="none")
             tokens = greedy_tokens(plugin, prompts, args.max_tokens)
-            row = {"budget": budget, "miss_policy": policy,
-                   "identical": tokens == reference, **agreement(tokens, reference)}
+            row = {
+                "budget": budget,
+                "miss_policy": policy,
+                "identical": tokens == reference,
+                **agreement(tokens, reference),
+            }
             exactness.append(row)
             print(row, flush=True)
 
@@ -125,11 +129,17 @@ def main() -> None:
     offloaders = {}
     for budget in (b for b in args.budgets if b < 1.0):
         offloaders[f"vllm uva {budget}"] = {
-            "offload_backend": "uva", "cpu_offload_gb": expert_gb * (1 - budget),
-            "cpu_offload_params": {"experts"}}
+            "offload_backend": "uva",
+            "cpu_offload_gb": expert_gb * (1 - budget),
+            "cpu_offload_params": {"experts"},
+        }
     offloaders["vllm prefetch"] = {
-        "offload_backend": "prefetch", "offload_group_size": 1, "offload_num_in_group": 1,
-        "offload_prefetch_step": 1, "offload_params": {"experts"}}
+        "offload_backend": "prefetch",
+        "offload_group_size": 1,
+        "offload_num_in_group": 1,
+        "offload_prefetch_step": 1,
+        "offload_params": {"experts"},
+    }
     for name, engine_args in offloaders.items():
         llm = start_engine(model, None, eager=False, **engine_args)
         for batch in (1, 4):
@@ -143,11 +153,18 @@ def main() -> None:
     vanilla_ms = {row["batch"]: row["tpot_ms"] for row in tpot if row["mode"] == "vanilla"}
     for row in tpot:
         row["speed_vs_vanilla"] = vanilla_ms[row["batch"]] / row["tpot_ms"]
-    path = write_result(args.name, {
-        "command": command_line(), "model": model, "cuda_graphs": cuda_graphs,
-        "device": __import__("torch").cuda.get_device_name(),
-        "exactness": exactness, "tpot": tpot, "quantized": quantized,
-    })
+    path = write_result(
+        args.name,
+        {
+            "command": command_line(),
+            "model": model,
+            "cuda_graphs": cuda_graphs,
+            "device": __import__("torch").cuda.get_device_name(),
+            "exactness": exactness,
+            "tpot": tpot,
+            "quantized": quantized,
+        },
+    )
     print(f"wrote {path}\ncommand: {command_line()}")
 
 
@@ -170,13 +187,14 @@ def quantized_checks(model: str, prompts: list[str], max_tokens: int) -> list[di
     rows = []
     for name in ("awq", "gptq", "w4a16", "fp8"):
         packed, twin = work / name, work / f"{name}-twin"
-        quantize.quantize_checkpoint(Path(model), packed, quantize.make_format(name, group),
-                                     name)
+        quantize.quantize_checkpoint(Path(model), packed, quantize.make_format(name, group), name)
         dequantize.dequantize_checkpoint(packed, twin)
         tokens = {}
-        for label, path, specexpert in (("plugin", packed, {"budget": 0.5}),
-                                        ("vanilla twin", twin, None),
-                                        ("vanilla quantized", packed, None)):
+        for label, path, specexpert in (
+            ("plugin", packed, {"budget": 0.5}),
+            ("vanilla twin", twin, None),
+            ("vanilla quantized", packed, None),
+        ):
             try:
                 llm = start_engine(str(path), specexpert, eager=False)
             except (RuntimeError, ValueError) as error:
@@ -189,11 +207,14 @@ def quantized_checks(model: str, prompts: list[str], max_tokens: int) -> list[di
         row = {"format": name, "group_size": group}
         for other in ("vanilla twin", "vanilla quantized"):
             if isinstance(tokens[other], str) or isinstance(tokens["plugin"], str):
-                row[other] = {"error": tokens[other] if isinstance(tokens[other], str)
-                              else tokens["plugin"]}
+                row[other] = {
+                    "error": tokens[other] if isinstance(tokens[other], str) else tokens["plugin"]
+                }
             else:
-                row[other] = {"identical": tokens["plugin"] == tokens[other],
-                              **agreement(tokens["plugin"], tokens[other])}
+                row[other] = {
+                    "identical": tokens["plugin"] == tokens[other],
+                    **agreement(tokens["plugin"], tokens[other]),
+                }
         rows.append(row)
         print(row, flush=True)
     return rows

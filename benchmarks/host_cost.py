@@ -50,8 +50,7 @@ from vllm_specexpert.tools.harness import start_engine, stop_engine
 MODES = {
     "budget 1.0": {"budget": 1.0, "miss_policy": "fetch", "predictor": "none"},
     "fetch 0.5": {"budget": 0.5, "miss_policy": "fetch", "predictor": "none"},
-    "fetch + prefetch 0.5": {"budget": 0.5, "miss_policy": "fetch",
-                             "predictor": "quasi_hidden"},
+    "fetch + prefetch 0.5": {"budget": 0.5, "miss_policy": "fetch", "predictor": "quasi_hidden"},
 }
 
 
@@ -103,9 +102,13 @@ class CallTimer:
         call = statistics.median(s for s, _ in decode)
         kernel = statistics.median(k for _, k in decode)
         host = statistics.median(s - k for s, k in decode)
-        return {"decode_calls": len(decode), "call_us": call * 1e6, "kernel_us": kernel * 1e6,
-                "host_us": host * 1e6,
-                "host_us_mean": statistics.fmean(s - k for s, k in decode) * 1e6}
+        return {
+            "decode_calls": len(decode),
+            "call_us": call * 1e6,
+            "kernel_us": kernel * 1e6,
+            "host_us": host * 1e6,
+            "host_us_mean": statistics.fmean(s - k for s, k in decode) * 1e6,
+        }
 
 
 def measure(llm, timer: CallTimer, prompt: list[str], max_tokens: int) -> dict:
@@ -121,9 +124,15 @@ def profile_shares(profiler: cProfile.Profile, top: int = 25) -> list[dict]:
     stats = pstats.Stats(profiler, stream=io.StringIO())
     total = sum(entry[2] for entry in stats.stats.values())  # tottime
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"function": f"{Path(file).name}:{line}({name})", "calls": entry[1],
-             "tottime_share": entry[2] / total, "cumtime_share": entry[3] / total}
-            for (file, line, name), entry in rows]
+    return [
+        {
+            "function": f"{Path(file).name}:{line}({name})",
+            "calls": entry[1],
+            "tottime_share": entry[2] / total,
+            "cumtime_share": entry[3] / total,
+        }
+        for (file, line, name), entry in rows
+    ]
 
 
 def engine_loop_us(num_experts: int = 64, top_k: int = 4, calls: int = 5000) -> float:
@@ -138,13 +147,17 @@ def engine_loop_us(num_experts: int = 64, top_k: int = 4, calls: int = 5000) -> 
     from vllm_specexpert.phases import PassPhases
 
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 1.0}), torch.device("cpu"))
-    tensors = {"w13_weight": torch.zeros(num_experts, 8, 4),
-               "w2_weight": torch.zeros(num_experts, 4, 4)}
+    tensors = {
+        "w13_weight": torch.zeros(num_experts, 8, 4),
+        "w2_weight": torch.zeros(num_experts, 4, 4),
+    }
     engine.add_layer("layer", tensors, top_k=top_k, index=0)
     engine.start()
     rng = np.random.default_rng(0)
-    routings = [torch.from_numpy(rng.choice(num_experts, top_k, replace=False)
-                                 .astype(np.int32))[None] for _ in range(1000)]
+    routings = [
+        torch.from_numpy(rng.choice(num_experts, top_k, replace=False).astype(np.int32))[None]
+        for _ in range(1000)
+    ]
     x, weights = torch.zeros(1, 4), torch.full((1, top_k), 1.0 / top_k)
     phases = PassPhases.decode_only(1)
 
@@ -184,8 +197,9 @@ def main() -> None:
         vanilla_timer = CallTimer()
         vanilla_timer.wrap(RoutedExperts, "forward_modular")
         vanilla = start_engine(model, None, eager=True)
-        results["vanilla forward_modular"] = measure(vanilla, vanilla_timer, prompt,
-                                                     args.max_tokens)
+        results["vanilla forward_modular"] = measure(
+            vanilla, vanilla_timer, prompt, args.max_tokens
+        )
         stop_engine(vanilla)
 
     timer = CallTimer()
@@ -193,8 +207,7 @@ def main() -> None:
     timer.wrap_kernel(SlotKernel, "__call__")
     import vllm_specexpert
 
-    llm = start_engine(model, {**MODES["budget 1.0"], "calibration": calibration},
-                       eager=args.eager)
+    llm = start_engine(model, {**MODES["budget 1.0"], "calibration": calibration}, eager=args.eager)
     for mode, config in MODES.items():
         vllm_specexpert.reconfigure(llm, **config)
         results[mode] = measure(llm, timer, prompt, args.max_tokens)
@@ -207,21 +220,34 @@ def main() -> None:
     stop_engine(llm)
 
     if "vanilla forward_modular" in results:
-        print(f"vanilla forward_modular per call: "
-              f"{results['vanilla forward_modular']['call_us']:.1f} us")
+        print(
+            f"vanilla forward_modular per call: "
+            f"{results['vanilla forward_modular']['call_us']:.1f} us"
+        )
     for row in shares[:15]:
-        print(f"  {row['tottime_share']:6.1%} self  {row['cumtime_share']:6.1%} cum  "
-              f"{row['calls']:>6} calls  {row['function']}")
+        print(
+            f"  {row['tottime_share']:6.1%} self  {row['cumtime_share']:6.1%} cum  "
+            f"{row['calls']:>6} calls  {row['function']}"
+        )
     loop_us = engine_loop_us()
     print(f"engine call in a tight loop outside vLLM (no-op kernel): {loop_us:.1f} us")
-    write_result(args.name, {
-        "command": command_line(), "model": model, "eager": args.eager,
-        "max_tokens": args.max_tokens, "batch": 1,
-        "per_layer_call": results,
-        "engine_loop_us": loop_us,
-        "profile_budget_1": {"note": "cProfile over budget-1.0 decode calls; shares of "
-                             "profiled time (kernel included)", "top": shares},
-    })
+    write_result(
+        args.name,
+        {
+            "command": command_line(),
+            "model": model,
+            "eager": args.eager,
+            "max_tokens": args.max_tokens,
+            "batch": 1,
+            "per_layer_call": results,
+            "engine_loop_us": loop_us,
+            "profile_budget_1": {
+                "note": "cProfile over budget-1.0 decode calls; shares of "
+                "profiled time (kernel included)",
+                "top": shares,
+            },
+        },
+    )
 
 
 if __name__ == "__main__":

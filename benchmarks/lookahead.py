@@ -57,14 +57,19 @@ def figures(llm, batch: int, result: dict) -> dict:
     stats = vllm_specexpert.get_stats(llm)[0]
     decode = stats["total"]["decode"]
     produced = max(sum(len(t) for t in result["tokens"]) - batch, 1)  # after the first
-    row = {"mb_per_token": decode["bytes_loaded"] / produced / 1e6,
-           "stall_ms_per_token": decode["stall_s"] / produced * 1e3,
-           "hit_rate": decode["hit_rate"]}
+    row = {
+        "mb_per_token": decode["bytes_loaded"] / produced / 1e6,
+        "stall_ms_per_token": decode["stall_s"] / produced * 1e3,
+        "hit_rate": decode["hit_rate"],
+    }
     lookahead = stats.get("lookahead")
     if lookahead:
-        row.update(acceptance=lookahead["acceptance"], steps_by_k=lookahead["steps_by_k"],
-                   demand_coverage=decode["path_covered"] / max(decode["path_needed"], 1),
-                   draft_decodes=lookahead.get("draft", {}).get("decodes"))
+        row.update(
+            acceptance=lookahead["acceptance"],
+            steps_by_k=lookahead["steps_by_k"],
+            demand_coverage=decode["path_covered"] / max(decode["path_needed"], 1),
+            draft_decodes=lookahead.get("draft", {}).get("decodes"),
+        )
     return row
 
 
@@ -85,26 +90,34 @@ def main() -> None:
     vanilla = start_engine(model, None, **common)
     plugin = start_engine(model, {"budget": 0.5}, **common)
     path_predictor = str(ASSETS / "tiny-qwen3-moe-path-predictor")
-    predicted = start_engine(model, {"budget": 0.5, "path_predictor": path_predictor},
-                             **common)
+    predicted = start_engine(model, {"budget": 0.5, "path_predictor": path_predictor}, **common)
     drafted = start_engine(model, {"budget": 0.5, "lookahead": {"k_max": K_MAX}}, **common)
     link, _, _ = link_like_a_gpu_box(vanilla, plugin, args)
-    modes = [("fetch + LRU", plugin, {"cache": "lru"}),
-             ("fetch + PLEC", predicted, {"cache": "plec"})]
-    modes += [(f"lookahead k={k}", drafted, {"cache": "lru", "lookahead": {"k_max": K_MAX,
-                                                                          "k": k}})
-              for k in (1, 2, 4)]
-    modes += [("lookahead governor", drafted, {"cache": "lru",
-                                               "lookahead": {"k_max": K_MAX}}),
-              ("lookahead governor + PLEC", drafted, {"cache": "plec",
-                                                      "lookahead": {"k_max": K_MAX}})]
+    modes = [
+        ("fetch + LRU", plugin, {"cache": "lru"}),
+        ("fetch + PLEC", predicted, {"cache": "plec"}),
+    ]
+    modes += [
+        (f"lookahead k={k}", drafted, {"cache": "lru", "lookahead": {"k_max": K_MAX, "k": k}})
+        for k in (1, 2, 4)
+    ]
+    modes += [
+        ("lookahead governor", drafted, {"cache": "lru", "lookahead": {"k_max": K_MAX}}),
+        ("lookahead governor + PLEC", drafted, {"cache": "plec", "lookahead": {"k_max": K_MAX}}),
+    ]
     rows = []
     for batch in args.batches:
         batch_prompts = prompts[:batch]
         run(vanilla, batch_prompts, 4)  # warm up this batch size
         reference = run(vanilla, batch_prompts, args.max_tokens)
-        rows.append({"mode": "vanilla", "batch": batch, "budget": None,
-                     **{k: v for k, v in reference.items() if k != "tokens"}})
+        rows.append(
+            {
+                "mode": "vanilla",
+                "batch": batch,
+                "budget": None,
+                **{k: v for k, v in reference.items() if k != "tokens"},
+            }
+        )
         print(rows[-1], flush=True)
         for budget in args.budgets:
             for name, llm, settings in modes:
@@ -113,32 +126,54 @@ def main() -> None:
                     run(llm, batch_prompts, 48)  # the governor measures each k twice
                 vllm_specexpert.reset_stats(llm)
                 result = run(llm, batch_prompts, args.max_tokens)
-                row = {"mode": name, "batch": batch, "budget": budget,
-                       **{k: v for k, v in result.items() if k != "tokens"},
-                       **figures(llm, batch, result),
-                       "speed_vs_vanilla": result["tok_s"] / reference["tok_s"],
-                       "identical_to_vanilla": result["tokens"] == reference["tokens"]}
+                row = {
+                    "mode": name,
+                    "batch": batch,
+                    "budget": budget,
+                    **{k: v for k, v in result.items() if k != "tokens"},
+                    **figures(llm, batch, result),
+                    "speed_vs_vanilla": result["tok_s"] / reference["tok_s"],
+                    "identical_to_vanilla": result["tokens"] == reference["tokens"],
+                }
                 rows.append(row)
-                print({k: (round(v, 4) if isinstance(v, float) else v)
-                       for k, v in row.items()}, flush=True)
+                print(
+                    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+                    flush=True,
+                )
     for llm in (vanilla, plugin, predicted, drafted):
         stop_engine(llm)
     for row in rows:  # ratios against fetch + LRU of the same batch and budget
-        lru = next((r for r in rows if r["mode"] == "fetch + LRU" and r["batch"] == row["batch"]
-                    and r["budget"] == row["budget"]), None)
+        lru = next(
+            (
+                r
+                for r in rows
+                if r["mode"] == "fetch + LRU"
+                and r["batch"] == row["batch"]
+                and r["budget"] == row["budget"]
+            ),
+            None,
+        )
         if lru is not None:
             row["tok_s_vs_lru"] = row["tok_s"] / lru["tok_s"]
             row["mb_vs_lru"] = row["mb_per_token"] / max(lru["mb_per_token"], 1e-12)
     result = {
-        "command": command_line(), "model": model, "batches": args.batches,
-        "budgets": args.budgets, "max_tokens": args.max_tokens, "k_max": K_MAX,
-        "modeled": modeled(link, args.copy_compute_ratio), "rows": rows,
+        "command": command_line(),
+        "model": model,
+        "batches": args.batches,
+        "budgets": args.budgets,
+        "max_tokens": args.max_tokens,
+        "k_max": K_MAX,
+        "modeled": modeled(link, args.copy_compute_ratio),
+        "rows": rows,
     }
     path = write_result(args.name, result)
-    plot(result, RESULTS / f"{args.name}.png",
-         f"{Path(model).name}, {args.max_tokens} tokens per sequence, "
-         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}",
-         per_token="MB moved per output token")
+    plot(
+        result,
+        RESULTS / f"{args.name}.png",
+        f"{Path(model).name}, {args.max_tokens} tokens per sequence, "
+        f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}",
+        per_token="MB moved per output token",
+    )
     print(f"wrote {path} and {args.name}.png\ncommand: {command_line()}")
 
 

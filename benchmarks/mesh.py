@@ -55,21 +55,33 @@ def measure(llm, prompts_by_batch: dict[int, list[str]], tokens: int, repeats: i
         decode, first = step_seconds(llm, prompts, tokens, repeats)
         stats = vllm_specexpert.get_stats(llm)[0]
         d = stats["total"]["decode"]
-        out[batch] = {"decode_s": decode, "prefill_s": first,
-                      "peer_entries_per_token": d["peer_entries"] / max(stats["decode_tokens"], 1),
-                      "fallback_entries": d["peer_fallback_entries"],
-                      "fired": d["fired_entries"], "fired_used": d["fired_used"],
-                      "peer_calls_per_layer_call": (
-                          sum(p["calls"] for p in stats["mesh"]["peers"]) / max(d["calls"], 1)
-                          if stats["mesh"] else 0.0),
-                      "peers_up": [p["up"] for p in (stats["mesh"] or {"peers": []})["peers"]],
-                      "fired_by_layer": {
-                          str(stats["layer_index"][name]): [s["decode"]["fired_used"],
-                                                            s["decode"]["fired_entries"]]
-                          for name, s in stats["layers"].items()}}
-        print(f"  batch {batch}: decode {decode * 1e3:.2f} ms/step, prefill "
-              f"{first * 1e3:.1f} ms, {out[batch]['peer_entries_per_token']:.1f} peer "
-              f"entries/token", flush=True)
+        out[batch] = {
+            "decode_s": decode,
+            "prefill_s": first,
+            "peer_entries_per_token": d["peer_entries"] / max(stats["decode_tokens"], 1),
+            "fallback_entries": d["peer_fallback_entries"],
+            "fired": d["fired_entries"],
+            "fired_used": d["fired_used"],
+            "peer_calls_per_layer_call": (
+                sum(p["calls"] for p in stats["mesh"]["peers"]) / max(d["calls"], 1)
+                if stats["mesh"]
+                else 0.0
+            ),
+            "peers_up": [p["up"] for p in (stats["mesh"] or {"peers": []})["peers"]],
+            "fired_by_layer": {
+                str(stats["layer_index"][name]): [
+                    s["decode"]["fired_used"],
+                    s["decode"]["fired_entries"],
+                ]
+                for name, s in stats["layers"].items()
+            },
+        }
+        print(
+            f"  batch {batch}: decode {decode * 1e3:.2f} ms/step, prefill "
+            f"{first * 1e3:.1f} ms, {out[batch]['peer_entries_per_token']:.1f} peer "
+            f"entries/token",
+            flush=True,
+        )
     return out
 
 
@@ -112,13 +124,20 @@ def simulate(runs: dict, rtts: list[float], layers: int, peers_range: list[int])
         y = np.array([s["decode_s"] for s in sync]) - layers * (a + np.array(rtts) / 1e3)
         c, r = max(float(np.mean(y)), 0.0) / (layers * n), 0.0
         m = statistics.mean(s["peer_entries_per_token"] for s in sync) * int(batch) / layers
-        fits[batch] = {"local_per_layer_s": a, "call_s": float(c), "rest_s": float(r),
-                       "calls_per_layer": n, "missed_entries_per_layer_call": m}
+        fits[batch] = {
+            "local_per_layer_s": a,
+            "call_s": float(c),
+            "rest_s": float(r),
+            "calls_per_layer": n,
+            "missed_entries_per_layer_call": m,
+        }
         measured = [runs["no_stop"][str(rtt)][batch]["decode_s"] for rtt in rtts]
         modeled = [step(fits[batch], layers, rtt / 1e3, n, "no_stop") for rtt in rtts]
-        checks[batch] = {"no_stop_measured_s": measured, "no_stop_model_s": modeled,
-                         "sync_model_s": [step(fits[batch], layers, rtt / 1e3, n, "sync")
-                                          for rtt in rtts]}
+        checks[batch] = {
+            "no_stop_measured_s": measured,
+            "no_stop_model_s": modeled,
+            "sync_model_s": [step(fits[batch], layers, rtt / 1e3, n, "sync") for rtt in rtts],
+        }
     extended = {}
     for batch, fit in fits.items():
         m = max(fit["missed_entries_per_layer_call"], 1.0)
@@ -128,23 +147,46 @@ def simulate(runs: dict, rtts: list[float], layers: int, peers_range: list[int])
             for rtt in rtts:
                 sync = step(fit, layers, rtt / 1e3, calls, "sync")
                 no_stop = step(fit, layers, rtt / 1e3, calls, "no_stop")
-                rows.append({"peers": peers, "rtt_ms": rtt, "calls_per_layer": calls,
-                             "sync_s": sync, "no_stop_s": no_stop,
-                             "hidden_share": 1 - no_stop / sync})
+                rows.append(
+                    {
+                        "peers": peers,
+                        "rtt_ms": rtt,
+                        "calls_per_layer": calls,
+                        "sync_s": sync,
+                        "no_stop_s": no_stop,
+                        "hidden_share": 1 - no_stop / sync,
+                    }
+                )
         extended[batch] = rows
     # MODELED: Qwen3-30B-A3B-like: 48 MoE layers, 0.14 ms of GPU work per layer at
     # batch 1, 0.05 ms of engine time per peer call, 4 peer calls per layer.
     gpu_fit = {"local_per_layer_s": 0.14e-3, "call_s": 0.05e-3, "rest_s": 0.0}
-    gpu = [{"rtt_ms": rtt, "sync_s": step(gpu_fit, 48, rtt / 1e3, 4, "sync"),
-            "no_stop_s": step(gpu_fit, 48, rtt / 1e3, 4, "no_stop")} for rtt in rtts]
+    gpu = [
+        {
+            "rtt_ms": rtt,
+            "sync_s": step(gpu_fit, 48, rtt / 1e3, 4, "sync"),
+            "no_stop_s": step(gpu_fit, 48, rtt / 1e3, 4, "no_stop"),
+        }
+        for rtt in rtts
+    ]
     for row in gpu:
         row["hidden_share"] = 1 - row["no_stop_s"] / row["sync_s"]
-    return {"fits": fits, "no_stop_check": checks, "extended": extended,
-            "gpu_box": {"modeled": {"moe_layers": 48, **gpu_fit, "calls_per_layer": 4,
-                                    "note": "per-layer batch-1 decode work of an RTX "
-                                            "4090-class GPU on Qwen3-30B-A3B and the "
-                                            "engine's time per call: estimates"},
-                        "rows": gpu}}
+    return {
+        "fits": fits,
+        "no_stop_check": checks,
+        "extended": extended,
+        "gpu_box": {
+            "modeled": {
+                "moe_layers": 48,
+                **gpu_fit,
+                "calls_per_layer": 4,
+                "note": "per-layer batch-1 decode work of an RTX "
+                "4090-class GPU on Qwen3-30B-A3B and the "
+                "engine's time per call: estimates",
+            },
+            "rows": gpu,
+        },
+    }
 
 
 def step(fit: dict, layers: int, rtt_s: float, calls: float, mode: str) -> float:
@@ -168,19 +210,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--simulate-only", action="store_true",
-                        help="refit the simulator to the result file's runs and redraw")
-    parser.add_argument("--accuracy-only", action="store_true",
-                        help="measure only the teacher-forced accuracy (and `cpu`'s on the "
-                             "same windows) into the result file")
+    parser.add_argument(
+        "--simulate-only",
+        action="store_true",
+        help="refit the simulator to the result file's runs and redraw",
+    )
+    parser.add_argument(
+        "--accuracy-only",
+        action="store_true",
+        help="measure only the teacher-forced accuracy (and `cpu`'s on the "
+        "same windows) into the result file",
+    )
     args = parser.parse_args()
     if args.simulate_only:
         from common import RESULTS
 
         path = RESULTS / f"{args.name}.json"
         result = json.loads(path.read_text())
-        result["simulation"] = simulate(result["runs"], result["rtts_ms"], result["layers"],
-                                        PEERS_SIMULATED)
+        result["simulation"] = simulate(
+            result["runs"], result["rtts_ms"], result["layers"], PEERS_SIMULATED
+        )
         path.write_text(json.dumps(result, indent=1))
         plot(result, args)
         print(f"refit {path} and {args.name}.png")
@@ -237,9 +286,18 @@ def run(args, cluster, model: str, calibration: str, prompts: dict) -> dict:
     mesh = {"ray_address": cluster.address, "peers": args.peers, "rtt_cap_ms": 10_000}
     runs: dict = {mode: {} for mode in (*MODES, "replicate_hot")}
     wire = {}
-    llm = start_engine(model, {**base, "link": link, "predictor": "quasi_hidden",
-                               "calibration": calibration, "mesh": mesh},
-                       eager=eager, logits_processors=[TeacherForcing])
+    llm = start_engine(
+        model,
+        {
+            **base,
+            "link": link,
+            "predictor": "quasi_hidden",
+            "calibration": calibration,
+            "mesh": mesh,
+        },
+        eager=eager,
+        logits_processors=[TeacherForcing],
+    )
     for rtt in args.rtts:
         cluster.set_rtt(rtt)
         wire[str(rtt)] = cluster.measure_rtt()
@@ -251,9 +309,16 @@ def run(args, cluster, model: str, calibration: str, prompts: dict) -> dict:
     accuracy = teacher_forced_accuracy(llm, mesh, args.windows)
     stop_engine(llm)
 
-    llm = start_engine(model, {**base, "link": link, "calibration": calibration,
-                               "mesh": {**mesh, "placement": "replicate_hot",
-                                        "hot_count": args.hot_count}}, eager=eager)
+    llm = start_engine(
+        model,
+        {
+            **base,
+            "link": link,
+            "calibration": calibration,
+            "mesh": {**mesh, "placement": "replicate_hot", "hot_count": args.hot_count},
+        },
+        eager=eager,
+    )
     for rtt in args.rtts:
         cluster.set_rtt(rtt)
         print(f"RTT {rtt} ms, replicate_hot:", flush=True)
@@ -266,17 +331,31 @@ def run(args, cluster, model: str, calibration: str, prompts: dict) -> dict:
             times = [runs[mode][str(r)][batch]["decode_s"] for r in args.rtts]
             table[f"{mode}@{batch}"] = {
                 "decode_ratio_to_local": [t / local[batch]["decode_s"] for t in times],
-                "break_even_rtt_ms": break_even(args.rtts, times, local[batch]["decode_s"])}
+                "break_even_rtt_ms": break_even(args.rtts, times, local[batch]["decode_s"]),
+            }
     runs["local_overhead_s"] = {b: overhead[b] for b in args.batches}
     sim = simulate(runs, args.rtts, layers, PEERS_SIMULATED)
-    return {"modeled": {"local_link_us_per_expert": copy_s * 1e6,
-                        "copy_compute_ratio": args.copy_compute_ratio,
-                        "note": "local fetch runs over the emulated link; the mesh's round "
-                                "trips are real (network namespaces + delay forwarder)"},
-            "budget": args.budget, "peers": args.peers, "layers": layers,
-            "vanilla_step_s": vanilla_step, "rtts_ms": args.rtts, "measured_rtt_ms": wire,
-            "batches": args.batches, "local": local, "all_resident_step_s": overhead,
-            "runs": runs, "table": table, "accuracy": accuracy, "simulation": sim}
+    return {
+        "modeled": {
+            "local_link_us_per_expert": copy_s * 1e6,
+            "copy_compute_ratio": args.copy_compute_ratio,
+            "note": "local fetch runs over the emulated link; the mesh's round "
+            "trips are real (network namespaces + delay forwarder)",
+        },
+        "budget": args.budget,
+        "peers": args.peers,
+        "layers": layers,
+        "vanilla_step_s": vanilla_step,
+        "rtts_ms": args.rtts,
+        "measured_rtt_ms": wire,
+        "batches": args.batches,
+        "local": local,
+        "all_resident_step_s": overhead,
+        "runs": runs,
+        "table": table,
+        "accuracy": accuracy,
+        "simulation": sim,
+    }
 
 
 def accuracy_run(args, cluster, model: str, calibration: str) -> dict:
@@ -288,17 +367,24 @@ def accuracy_run(args, cluster, model: str, calibration: str) -> dict:
 
     mesh = {"ray_address": cluster.address, "peers": args.peers, "rtt_cap_ms": 10_000}
     base = {"budget": args.budget, "calibration": calibration}
-    llm = start_engine(model, {**base, "predictor": "quasi_hidden", "mesh": mesh},
-                       eager=args.eager, logits_processors=[TeacherForcing])
+    llm = start_engine(
+        model,
+        {**base, "predictor": "quasi_hidden", "mesh": mesh},
+        eager=args.eager,
+        logits_processors=[TeacherForcing],
+    )
     out = teacher_forced_accuracy(llm, mesh, args.windows)
     stop_engine(llm)
-    llm = start_engine(model, {**base, "miss_policy": "cpu"}, eager=args.eager,
-                       logits_processors=[TeacherForcing])
+    llm = start_engine(
+        model, {**base, "miss_policy": "cpu"}, eager=args.eager, logits_processors=[TeacherForcing]
+    )
     reference = teacher_forced_reference(llm, args.windows)
     vllm_specexpert.reconfigure(llm, budget=args.budget)
     got = teacher_forced(llm, held_out_windows(args.windows, 64), 16)
-    out["cpu"] = {"top1_agreement": float(np.mean(np.equal(got["top1"], reference))),
-                  "mean_logprob": float(np.mean(got["logprobs"]))}
+    out["cpu"] = {
+        "top1_agreement": float(np.mean(np.equal(got["top1"], reference))),
+        "mean_logprob": float(np.mean(got["logprobs"])),
+    }
     print(f"  cpu: top-1 agreement {out['cpu']['top1_agreement']:.4f}", flush=True)
     stop_engine(llm)
     return out
@@ -322,13 +408,17 @@ def teacher_forced_accuracy(llm, mesh: dict, windows: int) -> dict:
     vllm_specexpert.reconfigure(llm, budget=1.0)
     reference = teacher_forced(llm, texts, 16)
     vllm_specexpert.reconfigure(llm, budget=budget)
-    out = {"positions": len(reference["top1"]),
-           "reference_logprob": float(np.mean(reference["logprobs"]))}
+    out = {
+        "positions": len(reference["top1"]),
+        "reference_logprob": float(np.mean(reference["logprobs"])),
+    }
     for mode in MODES:
         vllm_specexpert.reconfigure(llm, mesh={**mesh, "mode": mode})
         got = teacher_forced(llm, texts, 16)
-        out[mode] = {"top1_agreement": float(np.mean(np.equal(got["top1"], reference["top1"]))),
-                     "mean_logprob": float(np.mean(got["logprobs"]))}
+        out[mode] = {
+            "top1_agreement": float(np.mean(np.equal(got["top1"], reference["top1"]))),
+            "mean_logprob": float(np.mean(got["logprobs"])),
+        }
         print(f"  {mode}: top-1 agreement {out[mode]['top1_agreement']:.4f}", flush=True)
     return out
 
@@ -343,13 +433,18 @@ def plot(result: dict, args) -> None:
     panels = len(result["batches"]) + 1  # a batch each, then the extended simulation
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     for ax, batch in zip(axes[:-1], result["batches"], strict=True):
-        local = result["local"][str(batch)]["decode_s"] if str(batch) in result["local"] \
+        local = (
+            result["local"][str(batch)]["decode_s"]
+            if str(batch) in result["local"]
             else result["local"][batch]["decode_s"]
+        )
         for mode, runs in result["runs"].items():
             if mode == "local_overhead_s":
                 continue
-            ys = [(runs[str(r)].get(batch) or runs[str(r)][str(batch)])["decode_s"] * 1e3
-                  for r in rtts]
+            ys = [
+                (runs[str(r)].get(batch) or runs[str(r)][str(batch)])["decode_s"] * 1e3
+                for r in rtts
+            ]
             ax.plot(rtts, ys, marker="o", label=mode)
         ax.axhline(local * 1e3, color="k", ls="--", label="local fetch (MODELED link)")
         ax.set_xscale("log")
@@ -362,11 +457,19 @@ def plot(result: dict, args) -> None:
     for batch, rows in result["simulation"]["extended"].items():
         for peers in sorted({r["peers"] for r in rows}):
             pts = [r for r in rows if r["peers"] == peers]
-            ax.plot([r["rtt_ms"] for r in pts], [100 * r["hidden_share"] for r in pts],
-                    marker=".", label=f"batch {batch}, {peers} peers")
+            ax.plot(
+                [r["rtt_ms"] for r in pts],
+                [100 * r["hidden_share"] for r in pts],
+                marker=".",
+                label=f"batch {batch}, {peers} peers",
+            )
     gpu = result["simulation"]["gpu_box"]["rows"]
-    ax.plot([r["rtt_ms"] for r in gpu], [100 * r["hidden_share"] for r in gpu], "k--",
-            label="GPU box (MODELED)")
+    ax.plot(
+        [r["rtt_ms"] for r in gpu],
+        [100 * r["hidden_share"] for r in gpu],
+        "k--",
+        label="GPU box (MODELED)",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("round trip (ms)")
     ax.set_ylabel("decode step saved by no_stop vs sync (%)")

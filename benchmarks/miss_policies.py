@@ -83,18 +83,30 @@ marked; ``lowbit``'s top_k low-bit slots come out of the budget)."""
 PAPER_ROWS = {
     "original (fetch)": {"miss_policy": "fetch"},
     "random": {"miss_policy": "random", "buddy": {**UNGATED, "rho": 4}},
-    "buddy a=.75 |B|<=4": {"miss_policy": "buddy",
-                           "buddy": {**UNGATED, "alpha": 0.75, "k_max": 4, "rho": 4}},
-    "buddy a=.95 |B|<=16": {"miss_policy": "buddy",
-                            "buddy": {**UNGATED, "alpha": 0.95, "k_max": 16, "rho": 4}},
-    "buddy a=.95 |B|<=16 rho=3": {"miss_policy": "buddy",
-                                  "buddy": {**UNGATED, "alpha": 0.95, "k_max": 16, "rho": 3}},
+    "buddy a=.75 |B|<=4": {
+        "miss_policy": "buddy",
+        "buddy": {**UNGATED, "alpha": 0.75, "k_max": 4, "rho": 4},
+    },
+    "buddy a=.95 |B|<=16": {
+        "miss_policy": "buddy",
+        "buddy": {**UNGATED, "alpha": 0.95, "k_max": 16, "rho": 4},
+    },
+    "buddy a=.95 |B|<=16 rho=3": {
+        "miss_policy": "buddy",
+        "buddy": {**UNGATED, "alpha": 0.95, "k_max": 16, "rho": 3},
+    },
     "buddy gated (defaults)": {"miss_policy": "buddy"},
 }
 """Table 2: BuddyMoE's rows (CFT alpha, |B| = K_max, rho; no rho = all top-k)."""
 
-DEFAULT_BUDDY = {"alpha": 0.95, "k_max": 16, "tau": None, "tau_percentile": 15.0,
-                 "beta": 0.75, "rho": 1}
+DEFAULT_BUDDY = {
+    "alpha": 0.95,
+    "k_max": 16,
+    "tau": None,
+    "tau_percentile": 15.0,
+    "beta": 0.75,
+    "rho": 1,
+}
 
 
 def measure(llm, windows, prompts, plugin: bool) -> dict:
@@ -116,7 +128,8 @@ def summarize(name: str, budget: float | None, m: dict, exact: dict, windows) ->
     top1, exact_top1 = m["forced"]["top1"], exact["forced"]["top1"]
     n = len(actual)
     row = {
-        "mode": name, "budget": budget,
+        "mode": name,
+        "budget": budget,
         "accuracy": sum(a == b for a, b in zip(top1, actual, strict=True)) / n,
         "nll": -sum(m["forced"]["logprobs"]) / n,
         "agree": sum(a == b for a, b in zip(top1, exact_top1, strict=True)) / n,
@@ -127,8 +140,7 @@ def summarize(name: str, budget: float | None, m: dict, exact: dict, windows) ->
         # The counters cover the teacher-forced runs only (reset before them); per-token
         # figures are the decode counters over the decode tokens, prefill beside them.
         decode = decode_figures(m["stats"])
-        row.update(output=m["stats"]["output"], **decode,
-                   prefill=prefill_figures(m["stats"]))
+        row.update(output=m["stats"]["output"], **decode, prefill=prefill_figures(m["stats"]))
     return row
 
 
@@ -136,10 +148,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_arguments(parser, "miss_policies")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
-    parser.add_argument("--paper-budgets", type=float, nargs="*", default=[0.75, 0.5, 0.375],
-                        help="budgets of table 2 (none: skip it)")
-    parser.add_argument("--modes", nargs="+", help="run only these table-1 modes "
-                        "(the first must be the exact one)")
+    parser.add_argument(
+        "--paper-budgets",
+        type=float,
+        nargs="*",
+        default=[0.75, 0.5, 0.375],
+        help="budgets of table 2 (none: skip it)",
+    )
+    parser.add_argument(
+        "--modes", nargs="+", help="run only these table-1 modes (the first must be the exact one)"
+    )
     parser.add_argument("--windows", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=16)
     args = parser.parse_args()
@@ -154,16 +172,21 @@ def main() -> None:
     vanilla = start_engine(model, None, eager=args.eager, logits_processors=[TeacherForcing])
     # Started with lowbit: its INT4 copies are made at load only then (unused by the
     # other modes).
-    plugin = start_engine(model, {"budget": args.budgets[0], "calibration": calibration,
-                                  "miss_policy": "lowbit"},
-                          eager=args.eager, logits_processors=[TeacherForcing])
+    plugin = start_engine(
+        model,
+        {"budget": args.budgets[0], "calibration": calibration, "miss_policy": "lowbit"},
+        eager=args.eager,
+        logits_processors=[TeacherForcing],
+    )
     link, vanilla_step, expert_bytes = link_like_a_gpu_box(vanilla, plugin, args)
 
     vanilla_m = measure(vanilla, windows, prompts, plugin=False)
     tables: dict[str, list[dict]] = {"policies": [], "paper": []}
     policies = {n: m for n, m in POLICIES.items() if not args.modes or n in args.modes}
-    for table, budgets, modes in (("policies", args.budgets, policies),
-                                  ("paper", args.paper_budgets, PAPER_ROWS)):
+    for table, budgets, modes in (
+        ("policies", args.budgets, policies),
+        ("paper", args.paper_budgets, PAPER_ROWS),
+    ):
         for budget in budgets:
             results = {}
             for name, mode in modes.items():
@@ -171,13 +194,21 @@ def main() -> None:
                 # (given only where they apply), no host admission.
                 substitutes = mode["miss_policy"] in ("buddy", "auto_buddy", "random")
                 buddy = {**DEFAULT_BUDDY, **mode.get("buddy", {})} if substitutes else {}
-                vllm_specexpert.reconfigure(plugin, budget=budget, link=link, predictor="none",
-                                            **{"admit_host_experts": False, **mode, "buddy": buddy})
+                vllm_specexpert.reconfigure(
+                    plugin,
+                    budget=budget,
+                    link=link,
+                    predictor="none",
+                    **{"admit_host_experts": False, **mode, "buddy": buddy},
+                )
                 results[name] = measure(plugin, windows, prompts, plugin=True)
             exact = next(iter(results.values()))
             assert exact["forced"]["top1"] == vanilla_m["forced"]["top1"], "fetch must be exact"
-            rows = [summarize("vanilla", None, vanilla_m, exact, windows)] if table == "policies" \
+            rows = (
+                [summarize("vanilla", None, vanilla_m, exact, windows)]
+                if table == "policies"
                 else []
+            )
             rows += [summarize(name, budget, m, exact, windows) for name, m in results.items()]
             for row in rows:
                 print_row(table, budget, row)
@@ -186,41 +217,63 @@ def main() -> None:
     stop_engine(vanilla)
 
     payload = {
-        "model": model, "calibration": calibration, "eager": args.eager,
-        "windows": args.windows, "prompt_tokens": PROMPT_TOKENS, "forced_tokens": FORCED_TOKENS,
-        "greedy_prompts": args.prompts, "greedy_tokens": 48,
-        "modeled": modeled(link, args.copy_compute_ratio, expert_bytes=expert_bytes,
-                           vanilla_batch1_step_ms=vanilla_step * 1e3),
+        "model": model,
+        "calibration": calibration,
+        "eager": args.eager,
+        "windows": args.windows,
+        "prompt_tokens": PROMPT_TOKENS,
+        "forced_tokens": FORCED_TOKENS,
+        "greedy_prompts": args.prompts,
+        "greedy_tokens": 48,
+        "modeled": modeled(
+            link,
+            args.copy_compute_ratio,
+            expert_bytes=expert_bytes,
+            vanilla_batch1_step_ms=vanilla_step * 1e3,
+        ),
         **tables,
     }
     path = write_result(args.name, payload)
-    plot(tables["policies"], RESULTS / f"{args.name}.png",
-         f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; tok/s and MB/token are\n"
-         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
+    plot(
+        tables["policies"],
+        RESULTS / f"{args.name}.png",
+        f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; tok/s and MB/token are\n"
+        f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}",
+    )
     for table in ("policies", "paper"):
         print_markdown(tables[table])
     print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
 
 
 def print_row(table: str, budget: float, row: dict) -> None:
-    print(f"[{table} {budget}] {row['mode']}: acc {row['accuracy']:.4f} agree {row['agree']:.4f} "
-          f"greedy {row['greedy_agreement']:.3f} tok/s {row['tok_s']:.1f} "
-          f"MB/tok {row.get('mb_per_token', 0):.3f}", flush=True)
+    print(
+        f"[{table} {budget}] {row['mode']}: acc {row['accuracy']:.4f} agree {row['agree']:.4f} "
+        f"greedy {row['greedy_agreement']:.3f} tok/s {row['tok_s']:.1f} "
+        f"MB/tok {row.get('mb_per_token', 0):.3f}",
+        flush=True,
+    )
 
 
 def print_markdown(rows: list[dict]) -> None:
-    print("\n| budget | mode | next-token acc. | NLL | top-1 = exact | greedy agreement | prefix "
-          "| tok/s | MB/token | per token: fetched / host / substituted / dropped |")
+    print(
+        "\n| budget | mode | next-token acc. | NLL | top-1 = exact | greedy agreement | prefix "
+        "| tok/s | MB/token | per token: fetched / host / substituted / dropped |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e = r.get("entries_per_token")
-        entries = (f"{e['fetched']:.2f} / {e['host']:.2f} / {e['substituted']:.2f} / "
-                   f"{e['dropped']:.2f}") if e else ""
+        entries = (
+            (f"{e['fetched']:.2f} / {e['host']:.2f} / {e['substituted']:.2f} / {e['dropped']:.2f}")
+            if e
+            else ""
+        )
         mode = r["mode"].replace("|", "\\|")  # |B| in BuddyMoE's row names
-        print(f"| {r['budget'] if r['budget'] is not None else ''} | {mode} "
-              f"| {r['accuracy']:.4f} | {r['nll']:.3f} | {r['agree']:.3f} "
-              f"| {r['greedy_agreement']:.3f} | {r['greedy_prefix']:.3f} | {r['tok_s']:.1f} "
-              f"| {r.get('mb_per_token', 0):.3f} | {entries} |")
+        print(
+            f"| {r['budget'] if r['budget'] is not None else ''} | {mode} "
+            f"| {r['accuracy']:.4f} | {r['nll']:.3f} | {r['agree']:.3f} "
+            f"| {r['greedy_agreement']:.3f} | {r['greedy_prefix']:.3f} | {r['tok_s']:.1f} "
+            f"| {r.get('mb_per_token', 0):.3f} | {entries} |"
+        )
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -238,8 +291,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         if r["budget"] is None:
             continue
         ax.scatter(r["tok_s"], r["agree"], marker=markers[r["budget"]], s=40)
-        ax.annotate(f"{r['mode'].split(' ')[0]} {r['budget']}", (r["tok_s"], r["agree"]),
-                    fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(
+            f"{r['mode'].split(' ')[0]} {r['budget']}",
+            (r["tok_s"], r["agree"]),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     ax.set_xlabel("tokens/s, batch-1 decode, MODELED (emulated link and host; higher is better)")
     ax.set_ylabel("teacher-forced top-1 agreement with exact")
     ax.set_xscale("log")

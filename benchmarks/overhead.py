@@ -47,13 +47,18 @@ PLUGIN_CONFIG = {"budget": 1.0}
 MAX_MODEL_LEN = 1024
 FIGURES = {"decode": "tpot", "prefill": "prefill"}
 """Result key -> sample key: decode TPOT and prefill time (wall clock)."""
-ENVIRONMENT = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
-               "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS")
+ENVIRONMENT = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "OMP_NUM_THREADS",
+)
 
 
 # ------------------------------------------------------------------- engine process
 # Runs in the fresh process. Imports vLLM only: the vanilla engine must not import the
 # plugin (and nothing here does; the plugin engine loads it through vLLM's entry point).
+
 
 def serve(request: dict) -> None:
     """One engine; answers the parent's commands (one JSON line each) on the original
@@ -62,10 +67,19 @@ def serve(request: dict) -> None:
     os.dup2(2, 1)
     from vllm import LLM, SamplingParams
 
-    extra = ({"additional_config": {"specexpert": request["specexpert"]}}
-             if request["specexpert"] is not None else {})
-    llm = LLM(model=request["model"], dtype="bfloat16", enforce_eager=request["eager"],
-              max_model_len=MAX_MODEL_LEN, seed=0, **extra)
+    extra = (
+        {"additional_config": {"specexpert": request["specexpert"]}}
+        if request["specexpert"] is not None
+        else {}
+    )
+    llm = LLM(
+        model=request["model"],
+        dtype="bfloat16",
+        enforce_eager=request["eager"],
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        **extra,
+    )
 
     def generate(ids: list[int], tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -75,8 +89,10 @@ def serve(request: dict) -> None:
 
     generate(request["decode"], 8)
     generate(request["prefill"], 1)
-    info = {"plugin_imported_here": "vllm_specexpert" in sys.modules,
-            "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS")}
+    info = {
+        "plugin_imported_here": "vllm_specexpert" in sys.modules,
+        "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS"),
+    }
     replies.write(json.dumps({"ready": info}) + "\n")
     for line in sys.stdin:
         command = json.loads(line)
@@ -86,12 +102,22 @@ def serve(request: dict) -> None:
             import vllm_specexpert  # the plugin engine only
 
             stats = vllm_specexpert.get_stats(llm)[0]
-            replies.write(json.dumps({"stats": {
-                "output": stats["output"], "summary": stats["summary"],
-                "decode_tokens": stats["decode_tokens"],
-                "prefill_tokens": stats["prefill_tokens"],
-                "decode": stats["total"]["decode"], "prefill": stats["total"]["prefill"],
-            }}, default=str) + "\n")
+            replies.write(
+                json.dumps(
+                    {
+                        "stats": {
+                            "output": stats["output"],
+                            "summary": stats["summary"],
+                            "decode_tokens": stats["decode_tokens"],
+                            "prefill_tokens": stats["prefill_tokens"],
+                            "decode": stats["total"]["decode"],
+                            "prefill": stats["total"]["prefill"],
+                        }
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
             continue
         n = command["decode_tokens"]
         generate(request["decode"], 4)  # back in the caches after the other engine's turn
@@ -128,17 +154,29 @@ def breakdown(request: dict) -> None:
 
     def capture(layer, x, topk_weights, topk_ids):
         if x.shape[0] == 1 and not captured:
-            captured.update(context=get_forward_context(), layer=layer, x=x.clone(),
-                            weights=topk_weights.clone(), ids=topk_ids.clone())
+            captured.update(
+                context=get_forward_context(),
+                layer=layer,
+                x=x.clone(),
+                weights=topk_weights.clone(),
+                ids=topk_ids.clone(),
+            )
         return run_from_cache(layer, x, topk_weights, topk_ids)
 
     OffloadedRoutedExperts.run_from_cache = capture
-    llm = LLM(model=request["model"], dtype="bfloat16", enforce_eager=False,
-              max_model_len=MAX_MODEL_LEN, seed=0,
-              additional_config={"specexpert": PLUGIN_CONFIG})
-    llm.generate([{"prompt_token_ids": request["decode"]}],
-                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm = LLM(
+        model=request["model"],
+        dtype="bfloat16",
+        enforce_eager=False,
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        additional_config={"specexpert": PLUGIN_CONFIG},
+    )
+    llm.generate(
+        [{"prompt_token_ids": request["decode"]}],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     OffloadedRoutedExperts.run_from_cache = run_from_cache
     layer, x, weights, ids = (captured[k] for k in ("layer", "x", "weights", "ids"))
     engine = layer.engine
@@ -153,8 +191,10 @@ def breakdown(request: dict) -> None:
 
     # The routed-experts op's schema, registered as direct_register_custom_op does.
     library = torch.library.Library("specexpert_overhead", "FRAGMENT")
-    library.define("nothing(Tensor x, Tensor topk_weights, Tensor topk_ids, "
-                   "Tensor(a!) out, str layer_key) -> ()")
+    library.define(
+        "nothing(Tensor x, Tensor topk_weights, Tensor topk_ids, "
+        "Tensor(a!) out, str layer_key) -> ()"
+    )
     library.impl("nothing", nothing, "CPU")
     no_op = torch.ops.specexpert_overhead.nothing.default
 
@@ -164,17 +204,24 @@ def breakdown(request: dict) -> None:
 
     levels = {
         "vanilla: cpu_fused_moe op on the same weights": lambda: fused_moe(
-            out, x, w13, w2, None, None, weights, ids, False, "silu", "vec"),
+            out, x, w13, w2, None, None, weights, ids, False, "silu", "vec"
+        ),
         "plugin kernel (SlotKernel: allocates its output)": lambda: layer.slot_kernel(
-            x, weights, ids, slots),
+            x, weights, ids, slots
+        ),
         "engine.run (with the pass's phases)": lambda: engine.run(
-            layer.layer_name, layer.slot_kernel, x, weights, ids,
-            current_phases(1, layer.decode_query_len)),
-        "run_from_cache (the adapter's layer call)": lambda: layer.run_from_cache(
-            x, weights, ids),
+            layer.layer_name,
+            layer.slot_kernel,
+            x,
+            weights,
+            ids,
+            current_phases(1, layer.decode_query_len),
+        ),
+        "run_from_cache (the adapter's layer call)": lambda: layer.run_from_cache(x, weights, ids),
         "the custom op as the compiled graph calls it (buffer + op)": graph_call,
         "a Python custom op that does nothing (dispatch only)": lambda: no_op(
-            x, weights, ids, out, key),
+            x, weights, ids, out, key
+        ),
     }
     loops, rounds = request["breakdown_loops"], request["breakdown_rounds"]
     fastest = dict.fromkeys(levels, float("inf"))
@@ -191,6 +238,7 @@ def breakdown(request: dict) -> None:
 
 # ------------------------------------------------------------------------- parent
 
+
 class Engine:
     """A fresh process running :func:`serve`."""
 
@@ -199,8 +247,13 @@ class Engine:
         self.log = log
         with open(log, "w") as stderr:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
-                [sys.executable, __file__, "--serve", json.dumps(request)], env=env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
+                [sys.executable, __file__, "--serve", json.dumps(request)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
 
     def reply(self) -> dict:
         line = self.process.stdout.readline()
@@ -239,8 +292,14 @@ def engine_env(plugin: bool, in_process: bool) -> dict:
 
 def spread(values: list[float]) -> dict:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2],
-            "min": min(values), "max": max(values), "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "q1": q[0],
+        "q3": q[2],
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def best(rounds: list[dict], engine: str, key: str, decode_tokens: int) -> float:
@@ -248,6 +307,7 @@ def best(rounds: list[dict], engine: str, key: str, decode_tokens: int) -> float
     add time, so the fastest of many runs is the closest to the code's own cost. Decode:
     the fastest ``decode_tokens`` generation less the median one-token generation, per
     decode step (a min of the difference would reward a disturbed one-token run)."""
+
     def every(name):
         return [v for r in rounds for v in r[engine][name]]
 
@@ -264,11 +324,17 @@ def summarize(rounds: list[dict], key: str, decode_tokens: int) -> dict:
     figure = FIGURES[key]
     for engine in ("vanilla", "plugin"):
         samples = [v * 1e3 for r in rounds for v in r[engine][figure]]
-        out[engine] = {**spread(samples), "best": best(rounds, engine, key, decode_tokens),
-                       "round_medians": [statistics.median(r[engine][figure]) * 1e3
-                                         for r in rounds]}
-    paired = [p / v for p, v in zip(out["plugin"]["round_medians"],
-                                    out["vanilla"]["round_medians"], strict=True)]
+        out[engine] = {
+            **spread(samples),
+            "best": best(rounds, engine, key, decode_tokens),
+            "round_medians": [statistics.median(r[engine][figure]) * 1e3 for r in rounds],
+        }
+    paired = [
+        p / v
+        for p, v in zip(
+            out["plugin"]["round_medians"], out["vanilla"]["round_medians"], strict=True
+        )
+    ]
     out["ratio"] = out["plugin"]["median"] / out["vanilla"]["median"]
     out["best_ratio"] = out["plugin"]["best"] / out["vanilla"]["best"]
     out["paired_ratio"] = {**spread(paired), "per_round": paired}
@@ -281,9 +347,12 @@ def measure_mode(mode: str, model: str, prompts: dict, args, logs: Path) -> dict
     try:
         for name, config in (("vanilla", None), ("plugin", PLUGIN_CONFIG)):
             request = {"model": model, "eager": eager, "specexpert": config, **prompts}
-            engines[name] = Engine(f"{mode} {name}", request,
-                                   engine_env(config is not None, args.in_process),
-                                   logs / f"{args.name}-{mode}-{name}.log")
+            engines[name] = Engine(
+                f"{mode} {name}",
+                request,
+                engine_env(config is not None, args.in_process),
+                logs / f"{args.name}-{mode}-{name}.log",
+            )
         started = time.perf_counter()
         info = {name: engine.reply()["ready"] for name, engine in engines.items()}
         print(f"{mode}: both engines up in {time.perf_counter() - started:.0f} s", flush=True)
@@ -291,37 +360,54 @@ def measure_mode(mode: str, model: str, prompts: dict, args, logs: Path) -> dict
         rounds = []
         for index in range(args.rounds):
             order = ("vanilla", "plugin") if index % 2 == 0 else ("plugin", "vanilla")
-            result = {name: engines[name].ask({"op": "measure", "samples": args.samples,
-                                               "decode_tokens": args.decode_tokens})
-                      for name in order}
+            result = {
+                name: engines[name].ask(
+                    {"op": "measure", "samples": args.samples, "decode_tokens": args.decode_tokens}
+                )
+                for name in order
+            }
             rounds.append({"first": order[0], **result})
             v, p = (statistics.median(result[n]["tpot"]) * 1e3 for n in ("vanilla", "plugin"))
-            vp, pp = (statistics.median(result[n]["prefill"]) * 1e3
-                      for n in ("vanilla", "plugin"))
-            print(f"{mode} round {index + 1}/{args.rounds}: TPOT vanilla {v:.3f} ms, "
-                  f"plugin {p:.3f} ms ({p / v - 1:+.1%}); prefill {vp:.1f} / {pp:.1f} ms "
-                  f"({pp / vp - 1:+.1%})", flush=True)
+            vp, pp = (statistics.median(result[n]["prefill"]) * 1e3 for n in ("vanilla", "plugin"))
+            print(
+                f"{mode} round {index + 1}/{args.rounds}: TPOT vanilla {v:.3f} ms, "
+                f"plugin {p:.3f} ms ({p / v - 1:+.1%}); prefill {vp:.1f} / {pp:.1f} ms "
+                f"({pp / vp - 1:+.1%})",
+                flush=True,
+            )
         # The plugin ran every layer call (its counters), the vanilla process never
         # imported it (checked above; its engine processes start with VLLM_PLUGINS="").
         stats = engines["plugin"].ask({"op": "stats"})["stats"]
     finally:
         for engine in engines.values():
             engine.close()
-    return {"mode": mode, "engines": info, "plugin_stats": stats, "rounds": rounds,
-            **{key: summarize(rounds, key, args.decode_tokens) for key in FIGURES}}
+    return {
+        "mode": mode,
+        "engines": info,
+        "plugin_stats": stats,
+        "rounds": rounds,
+        **{key: summarize(rounds, key, args.decode_tokens) for key in FIGURES},
+    }
 
 
 def run_breakdown(model: str, prompts: dict, args, logs: Path) -> dict[str, float]:
     """:func:`breakdown` in a fresh plugin process."""
-    request = {"model": model, "decode": prompts["decode"],
-               "breakdown_loops": args.breakdown_loops,
-               "breakdown_rounds": args.breakdown_rounds}
+    request = {
+        "model": model,
+        "decode": prompts["decode"],
+        "breakdown_loops": args.breakdown_loops,
+        "breakdown_rounds": args.breakdown_rounds,
+    }
     env = engine_env(True, True)
     log = logs / f"{args.name}-breakdown.log"
     with open(log, "w") as stderr:
-        done = subprocess.run([sys.executable, __file__, "--breakdown-serve",
-                               json.dumps(request)], env=env, stdout=subprocess.PIPE,
-                              stderr=stderr, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--breakdown-serve", json.dumps(request)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     if done.returncode != 0:
         raise RuntimeError(f"breakdown failed ({log}):\n{log.read_text()[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -333,8 +419,9 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(FIGURES), len(results), figsize=(5.5 * len(results), 7),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(FIGURES), len(results), figsize=(5.5 * len(results), 7), squeeze=False
+    )
     labels = {"decode": "TPOT ms", "prefill": "prefill ms"}
     for column, result in enumerate(results):
         for row, key in enumerate(FIGURES):
@@ -342,11 +429,19 @@ def plot(results: list[dict], path: Path, title: str) -> None:
             summary = result[key]
             for engine, color in (("vanilla", "#555"), ("plugin", "#3b7dd8")):
                 values = summary[engine]["round_medians"]
-                ax.plot(range(1, len(values) + 1), values, "o-", color=color,
-                        label=f"{engine} (median {summary[engine]['median']:.3f})")
-            ax.set_title(f"{result['mode']} {key}: plugin/vanilla {summary['ratio']:.3f} "
-                         f"(paired {summary['paired_ratio']['min']:.3f}-"
-                         f"{summary['paired_ratio']['max']:.3f})", fontsize=8)
+                ax.plot(
+                    range(1, len(values) + 1),
+                    values,
+                    "o-",
+                    color=color,
+                    label=f"{engine} (median {summary[engine]['median']:.3f})",
+                )
+            ax.set_title(
+                f"{result['mode']} {key}: plugin/vanilla {summary['ratio']:.3f} "
+                f"(paired {summary['paired_ratio']['min']:.3f}-"
+                f"{summary['paired_ratio']['max']:.3f})",
+                fontsize=8,
+            )
             ax.set_xlabel("round")
             ax.set_ylabel(labels[key])
             ax.legend(fontsize=7)
@@ -358,16 +453,24 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: the embedded model)")
-    parser.add_argument("--modes", nargs="*", choices=("eager", "compiled"),
-                        default=["eager", "compiled"])
+    parser.add_argument(
+        "--modes", nargs="*", choices=("eager", "compiled"), default=["eager", "compiled"]
+    )
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--samples", type=int, default=3, help="per engine and round")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--in-process", action="store_true",
-                        help="engine core in the engine's process (default: vLLM's, its own)")
-    parser.add_argument("--breakdown-loops", type=int, default=1000,
-                        help="calls per timed loop of the layer-call breakdown (0: skip it)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="engine core in the engine's process (default: vLLM's, its own)",
+    )
+    parser.add_argument(
+        "--breakdown-loops",
+        type=int,
+        default=1000,
+        help="calls per timed loop of the layer-call breakdown (0: skip it)",
+    )
     parser.add_argument("--breakdown-rounds", type=int, default=30)
     parser.add_argument("--name", default="overhead", help="result file name")
     args = parser.parse_args()
@@ -385,8 +488,10 @@ def main() -> None:
     ids = tokenizer.encode(text).ids
     if len(ids) < args.prefill_tokens:
         raise SystemExit(f"the held-out text has {len(ids)} tokens < --prefill-tokens")
-    prompts = {"decode": tokenizer.encode(files[0].read()).ids[:32],
-               "prefill": ids[:args.prefill_tokens]}
+    prompts = {
+        "decode": tokenizer.encode(files[0].read()).ids[:32],
+        "prefill": ids[: args.prefill_tokens],
+    }
     logs = Path(tempfile.mkdtemp(prefix="specexpert-overhead-"))
     print(f"engine logs in {logs}", flush=True)
 
@@ -395,42 +500,60 @@ def main() -> None:
     if args.breakdown_loops:
         layer_call = run_breakdown(model, prompts, args, logs)
     payload = {
-        "model": model, "plugin_config": PLUGIN_CONFIG, "rounds": args.rounds,
-        "samples_per_round": args.samples, "decode_tokens": args.decode_tokens,
+        "model": model,
+        "plugin_config": PLUGIN_CONFIG,
+        "rounds": args.rounds,
+        "samples_per_round": args.samples,
+        "decode_tokens": args.decode_tokens,
         "decode_prompt_tokens": len(prompts["decode"]),
         "prefill_tokens": args.prefill_tokens,
         "engine_core": "in process" if args.in_process else "own process (vLLM default)",
         "environment": {name: os.environ.get(name) for name in ENVIRONMENT},
         "layer_call_breakdown_us": layer_call,
-        "ratios": {r["mode"]: {figure: {"ratio_of_medians": r[figure]["ratio"],
-                                        "ratio_of_best": r[figure]["best_ratio"],
-                                        "paired_median": r[figure]["paired_ratio"]["median"],
-                                        "paired_min": r[figure]["paired_ratio"]["min"],
-                                        "paired_max": r[figure]["paired_ratio"]["max"]}
-                               for figure in FIGURES}
-                   for r in results},
+        "ratios": {
+            r["mode"]: {
+                figure: {
+                    "ratio_of_medians": r[figure]["ratio"],
+                    "ratio_of_best": r[figure]["best_ratio"],
+                    "paired_median": r[figure]["paired_ratio"]["median"],
+                    "paired_min": r[figure]["paired_ratio"]["min"],
+                    "paired_max": r[figure]["paired_ratio"]["max"],
+                }
+                for figure in FIGURES
+            }
+            for r in results
+        },
         "results": results,
     }
     path = write_result(args.name, payload)
     if results:
-        plot(results, RESULTS / f"{args.name}.png",
-             f"{Path(model).name}: vanilla (no plugin) vs plugin at budget 1.0, batch 1, "
-             f"round medians\n{command_line()}")
+        plot(
+            results,
+            RESULTS / f"{args.name}.png",
+            f"{Path(model).name}: vanilla (no plugin) vs plugin at budget 1.0, batch 1, "
+            f"round medians\n{command_line()}",
+        )
 
-    print(f"\n{'mode':<10}{'figure':<9}{'vanilla ms':>11}{'plugin ms':>11}{'ratio':>7}"
-          f"{'paired median [min, max]':>27}{'vanilla IQR':>18}{'plugin IQR':>18}"
-          f"{'best: vanilla':>15}{'plugin':>8}{'ratio':>7}")
+    print(
+        f"\n{'mode':<10}{'figure':<9}{'vanilla ms':>11}{'plugin ms':>11}{'ratio':>7}"
+        f"{'paired median [min, max]':>27}{'vanilla IQR':>18}{'plugin IQR':>18}"
+        f"{'best: vanilla':>15}{'plugin':>8}{'ratio':>7}"
+    )
     for r in results:
         for key in FIGURES:
             s = r[key]
             v, p, pr = s["vanilla"], s["plugin"], s["paired_ratio"]
-            print(f"{r['mode']:<10}{key:<9}{v['median']:>11.3f}{p['median']:>11.3f}"
-                  f"{s['ratio']:>7.3f}{pr['median']:>11.3f} [{pr['min']:.3f}, {pr['max']:.3f}]"
-                  f"{v['q1']:>9.3f}-{v['q3']:<8.3f}{p['q1']:>9.3f}-{p['q3']:<8.3f}"
-                  f"{v['best']:>15.3f}{p['best']:>8.3f}{s['best_ratio']:>7.3f}")
+            print(
+                f"{r['mode']:<10}{key:<9}{v['median']:>11.3f}{p['median']:>11.3f}"
+                f"{s['ratio']:>7.3f}{pr['median']:>11.3f} [{pr['min']:.3f}, {pr['max']:.3f}]"
+                f"{v['q1']:>9.3f}-{v['q3']:<8.3f}{p['q1']:>9.3f}-{p['q3']:<8.3f}"
+                f"{v['best']:>15.3f}{p['best']:>8.3f}{s['best_ratio']:>7.3f}"
+            )
     if layer_call is not None:
-        print("\none budget-1.0 decode layer call, compiled, tight loop (fastest of "
-              f"{args.breakdown_rounds} x {args.breakdown_loops} calls):")
+        print(
+            "\none budget-1.0 decode layer call, compiled, tight loop (fastest of "
+            f"{args.breakdown_rounds} x {args.breakdown_loops} calls):"
+        )
         for name, us in layer_call.items():
             print(f"{us:8.2f} us  {name}")
     print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")

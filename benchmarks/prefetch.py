@@ -46,8 +46,11 @@ MODES = {
     "on-demand": {"predictor": "none", "miss_policy": "fetch"},
     "prefetch router": {"predictor": "router", "miss_policy": "fetch"},
     "prefetch quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "fetch"},
-    "prefetch quasi_hidden, all": {"predictor": "quasi_hidden", "miss_policy": "fetch",
-                                   "prefetch_filter": "all"},
+    "prefetch quasi_hidden, all": {
+        "predictor": "quasi_hidden",
+        "miss_policy": "fetch",
+        "prefetch_filter": "all",
+    },
     "speculate router": {"predictor": "router", "miss_policy": "speculate"},
     "speculate quasi_hidden": {"predictor": "quasi_hidden", "miss_policy": "speculate"},
 }
@@ -68,9 +71,19 @@ def decode_stats(llm, prompts, max_tokens: int) -> list[dict]:
     stats = vllm_specexpert.get_stats(llm)[0]
     steps = stats["decode_tokens"] / len(prompts)
     return [
-        {key: layer["decode"][key] / steps for key in (
-            "stall_s", "misses", "prefetched", "prefetch_used", "prefetch_skipped",
-            "bytes_loaded", "predicted", "predicted_correct")}
+        {
+            key: layer["decode"][key] / steps
+            for key in (
+                "stall_s",
+                "misses",
+                "prefetched",
+                "prefetch_used",
+                "prefetch_skipped",
+                "bytes_loaded",
+                "predicted",
+                "predicted_correct",
+            )
+        }
         for layer in stats["layers"].values()
     ]
 
@@ -85,12 +98,17 @@ def plot(cases: list[dict], path: Path, title: str) -> None:
     for ax, case in zip(axes[0], cases, strict=True):
         names = [r["mode"] for r in case["rows"]]
         values = [r["tpot_ms"] for r in case["rows"]]
-        bars = ax.bar(range(len(names)), values,
-                      color=["#555", "#c44"] + ["#3b7dd8"] * 3 + ["#e39b2d"] * 2)
+        bars = ax.bar(
+            range(len(names)), values, color=["#555", "#c44"] + ["#3b7dd8"] * 3 + ["#e39b2d"] * 2
+        )
         for bar, row in zip(bars, case["rows"], strict=True):
-            ax.annotate(f"{row['tpot_ms']:.1f}",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"{row['tpot_ms']:.1f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         floor = case["on_demand_tpot_ms"] - case["bound_ms"]
         ax.axhline(floor, color="green", linestyle="--", linewidth=1, label="on-demand − ΔT bound")
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
@@ -119,8 +137,11 @@ def main() -> None:
     model = model_of(args)
     calibration = args.calibration or default_calibration(model)
     vanilla = start_engine(model, None, eager=args.eager)
-    plugin = start_engine(model, {"budget": args.budgets[0], "predictor": "quasi_hidden",
-                                  "calibration": calibration}, eager=args.eager)
+    plugin = start_engine(
+        model,
+        {"budget": args.budgets[0], "predictor": "quasi_hidden", "calibration": calibration},
+        eager=args.eager,
+    )
     prompts = held_out_prompts(max(args.batches))
     link, vanilla_step, expert_bytes = link_like_a_gpu_box(vanilla, plugin, args)
 
@@ -132,14 +153,18 @@ def main() -> None:
             for round_index in range(args.rounds):
                 timed_generate(vanilla, batch_prompts, 4)
                 samples["vanilla"].append(
-                    step_seconds(vanilla, batch_prompts, args.max_tokens, args.repeats)[0])
+                    step_seconds(vanilla, batch_prompts, args.max_tokens, args.repeats)[0]
+                )
                 for name, mode in MODES.items():
                     vllm_specexpert.reconfigure(plugin, **config_of(budget, link, mode))
                     timed_generate(plugin, batch_prompts, 4)  # warm the rebuilt cache
                     samples.setdefault(name, []).append(
-                        step_seconds(plugin, batch_prompts, args.max_tokens, args.repeats)[0])
-                print(f"batch {batch} budget {budget} round {round_index + 1}: " + ", ".join(
-                    f"{n} {statistics.median(v) * 1e3:.2f}" for n, v in samples.items()))
+                        step_seconds(plugin, batch_prompts, args.max_tokens, args.repeats)[0]
+                    )
+                print(
+                    f"batch {batch} budget {budget} round {round_index + 1}: "
+                    + ", ".join(f"{n} {statistics.median(v) * 1e3:.2f}" for n, v in samples.items())
+                )
             per_layer = {}
             for name, mode in MODES.items():
                 vllm_specexpert.reconfigure(plugin, **config_of(budget, link, mode))
@@ -150,16 +175,27 @@ def main() -> None:
     stop_engine(vanilla)
 
     payload = {
-        "model": model, "calibration": calibration, "eager": args.eager,
-        "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
-        "modeled": modeled(link, args.copy_compute_ratio, expert_bytes=expert_bytes,
-                           vanilla_batch1_step_ms=vanilla_step * 1e3),
+        "model": model,
+        "calibration": calibration,
+        "eager": args.eager,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "modeled": modeled(
+            link,
+            args.copy_compute_ratio,
+            expert_bytes=expert_bytes,
+            vanilla_batch1_step_ms=vanilla_step * 1e3,
+        ),
         "cases": cases,
     }
     path = write_result(args.name, payload)
-    plot(cases, RESULTS / f"{args.name}.png",
-         f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; decode TPOT, "
-         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
+    plot(
+        cases,
+        RESULTS / f"{args.name}.png",
+        f"{Path(model).name}; {'eager' if args.eager else 'compiled'}; decode TPOT, "
+        f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}",
+    )
     print_table(cases)
     print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
 
@@ -172,9 +208,13 @@ def summarize(batch: int, budget: float, samples: dict, per_layer: dict) -> dict
     bound = sum(min(s, compute) for s in stall)
     rows = []
     for name, value in tpot.items():
-        row = {"mode": name, "tpot_ms": value * 1e3, "tok_s": batch / value,
-               "speed_vs_vanilla": tpot["vanilla"] / value,
-               "samples_ms": [v * 1e3 for v in samples[name]]}
+        row = {
+            "mode": name,
+            "tpot_ms": value * 1e3,
+            "tok_s": batch / value,
+            "speed_vs_vanilla": tpot["vanilla"] / value,
+            "samples_ms": [v * 1e3 for v in samples[name]],
+        }
         if name in per_layer:
             layers = per_layer[name]
             total = {key: sum(layer[key] for layer in layers) for key in layers[0]}
@@ -191,26 +231,39 @@ def summarize(batch: int, budget: float, samples: dict, per_layer: dict) -> dict
                 share_of_bound=((on_demand - value) / bound) if bound > 0 else None,
             )
         rows.append(row)
-    return {"batch": batch, "budget": budget, "on_demand_tpot_ms": on_demand * 1e3,
-            "on_demand_stall_ms_per_layer": [s * 1e3 for s in stall],
-            "compute_ms_per_layer": compute * 1e3, "bound_ms": bound * 1e3, "rows": rows}
+    return {
+        "batch": batch,
+        "budget": budget,
+        "on_demand_tpot_ms": on_demand * 1e3,
+        "on_demand_stall_ms_per_layer": [s * 1e3 for s in stall],
+        "compute_ms_per_layer": compute * 1e3,
+        "bound_ms": bound * 1e3,
+        "rows": rows,
+    }
 
 
 def print_table(cases: list[dict]) -> None:
     for case in cases:
-        print(f"\nbatch {case['batch']}, budget {case['budget']}: on-demand "
-              f"{case['on_demand_tpot_ms']:.2f} ms, bound ΔT {case['bound_ms']:.2f} ms")
-        print(f"{'mode':<24}{'TPOT ms':>9}{'tok/s':>8}{'vs vanilla':>11}{'stall ms':>10}"
-              f"{'recall':>8}{'saved ms':>10}{'of bound':>10}")
+        print(
+            f"\nbatch {case['batch']}, budget {case['budget']}: on-demand "
+            f"{case['on_demand_tpot_ms']:.2f} ms, bound ΔT {case['bound_ms']:.2f} ms"
+        )
+        print(
+            f"{'mode':<24}{'TPOT ms':>9}{'tok/s':>8}{'vs vanilla':>11}{'stall ms':>10}"
+            f"{'recall':>8}{'saved ms':>10}{'of bound':>10}"
+        )
         for r in case["rows"]:
             extra = ""
             if "stall_ms_per_step" in r:
                 recall = f"{r['recall']:.2f}" if r["recall"] is not None else "-"
                 share = f"{r['share_of_bound']:.0%}" if r["share_of_bound"] is not None else "-"
-                extra = (f"{r['stall_ms_per_step']:>10.2f}{recall:>8}{r['saved_ms']:>10.2f}"
-                         f"{share:>10}")
-            print(f"{r['mode']:<24}{r['tpot_ms']:>9.2f}{r['tok_s']:>8.1f}"
-                  f"{r['speed_vs_vanilla']:>10.2f}x{extra}")
+                extra = (
+                    f"{r['stall_ms_per_step']:>10.2f}{recall:>8}{r['saved_ms']:>10.2f}{share:>10}"
+                )
+            print(
+                f"{r['mode']:<24}{r['tpot_ms']:>9.2f}{r['tok_s']:>8.1f}"
+                f"{r['speed_vs_vanilla']:>10.2f}x{extra}"
+            )
 
 
 if __name__ == "__main__":

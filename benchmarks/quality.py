@@ -74,8 +74,12 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
-    parser.add_argument("--parts", nargs="+", default=["estimate", "fallback", "cost"],
-                        choices=["estimate", "fallback", "cost"])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["estimate", "fallback", "cost"],
+        choices=["estimate", "fallback", "cost"],
+    )
     args = parser.parse_args()
 
     import vllm_specexpert
@@ -83,10 +87,19 @@ def main() -> None:
 
     model = model_of(args)
     calibration = args.calibration or default_calibration(model)
-    llm = start_engine(model, {"budget": args.budget, "calibration": calibration,
-                               "miss_policy": "lowbit", "quality": MEASURE_ONLY},
-                       eager=args.eager, max_model_len=512, max_num_seqs=max(args.batches),
-                       logits_processors=[TeacherForcing])
+    llm = start_engine(
+        model,
+        {
+            "budget": args.budget,
+            "calibration": calibration,
+            "miss_policy": "lowbit",
+            "quality": MEASURE_ONLY,
+        },
+        eager=args.eager,
+        max_model_len=512,
+        max_num_seqs=max(args.batches),
+        logits_processors=[TeacherForcing],
+    )
     windows = held_out_windows(args.windows, PROMPT_TOKENS + FORCED_TOKENS, "validation")
     truth = [t for w in windows for t in w[PROMPT_TOKENS:]]
 
@@ -106,38 +119,54 @@ def main() -> None:
                 top1 = teacher_forced(llm, windows, PROMPT_TOKENS, batch)["top1"]
                 quality = vllm_specexpert.get_stats(llm)[0]["quality"]
                 flips = sum(a != b for a, b in zip(top1, exact, strict=True))
-                row = {"batch": batch, "mode": name, "measured": flips / len(exact),
-                       "estimated": quality["top1_flip_rate"], "kl_mean": quality["kl_mean"],
-                       "measured_accuracy_loss": 1 - accuracy(top1) / accuracy(exact),
-                       "estimated_accuracy_loss": quality["accuracy_loss"],
-                       "sampled_tokens": quality["sampled_tokens"], "positions": len(exact)}
+                row = {
+                    "batch": batch,
+                    "mode": name,
+                    "measured": flips / len(exact),
+                    "estimated": quality["top1_flip_rate"],
+                    "kl_mean": quality["kl_mean"],
+                    "measured_accuracy_loss": 1 - accuracy(top1) / accuracy(exact),
+                    "estimated_accuracy_loss": quality["accuracy_loss"],
+                    "sampled_tokens": quality["sampled_tokens"],
+                    "positions": len(exact),
+                }
                 estimate_rows.append(row)
-                print(f"batch {batch:>3} {name:<24} flips measured {row['measured']:.3f} "
-                      f"estimated {row['estimated']:.3f}; accuracy loss measured "
-                      f"{row['measured_accuracy_loss']:.3f} estimated "
-                      f"{row['estimated_accuracy_loss']:.3f} (KL {row['kl_mean']:.3f})",
-                      flush=True)
+                print(
+                    f"batch {batch:>3} {name:<24} flips measured {row['measured']:.3f} "
+                    f"estimated {row['estimated']:.3f}; accuracy loss measured "
+                    f"{row['measured_accuracy_loss']:.3f} estimated "
+                    f"{row['estimated_accuracy_loss']:.3f} (KL {row['kl_mean']:.3f})",
+                    flush=True,
+                )
             if "fallback" in args.parts:
                 vllm_specexpert.reconfigure(llm, **mode, quality=FALLBACK)
                 top1 = teacher_forced(llm, windows, PROMPT_TOKENS, batch)["top1"]
                 stats = vllm_specexpert.get_stats(llm)[0]
                 quality = stats["quality"]
-                row = {"batch": batch, "mode": name, "quality": FALLBACK,
-                       "kept": accuracy(top1) / accuracy(exact),
-                       "exact_pass_share": quality["exact_passes"] / passes(stats),
-                       "switches_to_exact": quality["switches_to_exact"],
-                       "switches_to_approximate": quality["switches_to_approximate"],
-                       "estimated_accuracy_loss": quality["accuracy_loss"]}
+                row = {
+                    "batch": batch,
+                    "mode": name,
+                    "quality": FALLBACK,
+                    "kept": accuracy(top1) / accuracy(exact),
+                    "exact_pass_share": quality["exact_passes"] / passes(stats),
+                    "switches_to_exact": quality["switches_to_exact"],
+                    "switches_to_approximate": quality["switches_to_approximate"],
+                    "estimated_accuracy_loss": quality["accuracy_loss"],
+                }
                 fallback_rows.append(row)
-                print(f"batch {batch:>3} {name:<24} with the budget: kept {row['kept']:.3f}, "
-                      f"exact passes {row['exact_pass_share']:.2f}", flush=True)
+                print(
+                    f"batch {batch:>3} {name:<24} with the budget: kept {row['kept']:.3f}, "
+                    f"exact passes {row['exact_pass_share']:.2f}",
+                    flush=True,
+                )
 
-    prompts_by_batch = {b: held_out_prompts(b) for b in args.batches
-                        if "cost" in args.parts}
+    prompts_by_batch = {b: held_out_prompts(b) for b in args.batches if "cost" in args.parts}
     cost_rows = []
-    settings = {"none": None, **{f"sample {s}": {**MEASURE_ONLY, "sample": s}
-                                 for s in args.samples},
-                "budget 0.02 (default)": {}}
+    settings = {
+        "none": None,
+        **{f"sample {s}": {**MEASURE_ONLY, "sample": s} for s in args.samples},
+        "budget 0.02 (default)": {},
+    }
     for batch, prompts in prompts_by_batch.items():
         for name, mode in MODES.items():
             base = None
@@ -147,25 +176,45 @@ def main() -> None:
                 stats = vllm_specexpert.get_stats(llm)[0]
                 base = base or decode
                 q = stats["quality"] or {}
-                row = {"batch": batch, "mode": name, "quality": label,
-                       "decode_step_ms": decode * 1e3, "first_token_ms": first * 1e3,
-                       "decode_ratio": decode / base,
-                       "exact_pass_share": q.get("exact_passes", 0) / passes(stats),
-                       "shadow_ms_per_pass": q.get("shadow_s", 0.0) * 1e3 / passes(stats)}
+                row = {
+                    "batch": batch,
+                    "mode": name,
+                    "quality": label,
+                    "decode_step_ms": decode * 1e3,
+                    "first_token_ms": first * 1e3,
+                    "decode_ratio": decode / base,
+                    "exact_pass_share": q.get("exact_passes", 0) / passes(stats),
+                    "shadow_ms_per_pass": q.get("shadow_s", 0.0) * 1e3 / passes(stats),
+                }
                 cost_rows.append(row)
-                print(f"batch {batch:>3} {name:<24} {label:<22} decode step "
-                      f"{row['decode_step_ms']:.2f} ms ({row['decode_ratio']:.2f}x), exact "
-                      f"passes {row['exact_pass_share']:.2f}", flush=True)
+                print(
+                    f"batch {batch:>3} {name:<24} {label:<22} decode step "
+                    f"{row['decode_step_ms']:.2f} ms ({row['decode_ratio']:.2f}x), exact "
+                    f"passes {row['exact_pass_share']:.2f}",
+                    flush=True,
+                )
     stop_engine(llm)
-    payload = {"model": model, "calibration": calibration, "budget": args.budget,
-               "windows": args.windows, "prompt_tokens": PROMPT_TOKENS,
-               "forced_tokens": FORCED_TOKENS, "eager": args.eager, "modeled": None,
-               "estimate": estimate_rows, "fallback": fallback_rows, "cost": cost_rows}
+    payload = {
+        "model": model,
+        "calibration": calibration,
+        "budget": args.budget,
+        "windows": args.windows,
+        "prompt_tokens": PROMPT_TOKENS,
+        "forced_tokens": FORCED_TOKENS,
+        "eager": args.eager,
+        "modeled": None,
+        "estimate": estimate_rows,
+        "fallback": fallback_rows,
+        "cost": cost_rows,
+    }
     path = write_result("quality", payload)
     if estimate_rows:
-        plot(estimate_rows, RESULTS / "quality.png",
-             f"{Path(model).name}, budget {args.budget}, {args.windows} windows x "
-             f"{FORCED_TOKENS} forced tokens\n{command_line()}")
+        plot(
+            estimate_rows,
+            RESULTS / "quality.png",
+            f"{Path(model).name}, budget {args.budget}, {args.windows} windows x "
+            f"{FORCED_TOKENS} forced tokens\n{command_line()}",
+        )
     print(f"wrote {path}\ncommand: {command_line()}")
 
 
@@ -175,20 +224,24 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("measured", "estimated", "top-1 flip rate"),
-              ("measured_accuracy_loss", "estimated_accuracy_loss", "accuracy loss"))
+    panels = (
+        ("measured", "estimated", "top-1 flip rate"),
+        ("measured_accuracy_loss", "estimated_accuracy_loss", "accuracy loss"),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 5))
     for ax, (measured, estimated, what) in zip(axes, panels, strict=True):
         for batch in sorted({r["batch"] for r in rows}):
             mine = [r for r in rows if r["batch"] == batch]
-            ax.scatter([r[measured] for r in mine], [r[estimated] for r in mine],
-                       label=f"{batch} sequences per step")
+            ax.scatter(
+                [r[measured] for r in mine],
+                [r[estimated] for r in mine],
+                label=f"{batch} sequences per step",
+            )
             for r in mine:
                 ax.annotate(r["mode"], (r[measured], r[estimated]), fontsize=7)
         values = [v for r in rows for v in (r[measured], r[estimated])]
         low, top = min(0.0, *values), max(values) * 1.1
-        ax.plot([low, top], [low, top], color="grey", linewidth=0.8,
-                label="estimate = measured")
+        ax.plot([low, top], [low, top], color="grey", linewidth=0.8, label="estimate = measured")
         ax.set_xlabel(f"measured {what} (teacher-forced, against fetch)")
         ax.set_ylabel(f"quality monitor's estimated {what}")
         ax.legend(fontsize=8)

@@ -64,14 +64,24 @@ def measure(llm, name: str, link: dict, prompts: dict[int, list[str]], args) -> 
             vllm_specexpert.reset_stats(llm)
             step, first = step_seconds(llm, batch_prompts, args.max_tokens, args.repeats)
             stats = vllm_specexpert.get_stats(llm)[0]
-            row = {"format": name, "budget": budget, "batch": batch,
-                   "tok_s": batch / step, "tpot_ms": step * 1e3, "first_token_ms": first * 1e3,
-                   "expert_bytes": next(iter(info["expert_bytes"].values())),
-                   "slot_bytes": next(iter(info["slot_bytes"].values())),
-                   "store_bytes": info["store_bytes"],
-                   "decode": decode_figures(stats), "prefill": prefill_figures(stats)}
-            print(f"{name} budget {budget} batch {batch}: {row['tok_s']:.1f} tok/s, "
-                  f"{row['decode']['mb_per_token']:.3f} MB/token", flush=True)
+            row = {
+                "format": name,
+                "budget": budget,
+                "batch": batch,
+                "tok_s": batch / step,
+                "tpot_ms": step * 1e3,
+                "first_token_ms": first * 1e3,
+                "expert_bytes": next(iter(info["expert_bytes"].values())),
+                "slot_bytes": next(iter(info["slot_bytes"].values())),
+                "store_bytes": info["store_bytes"],
+                "decode": decode_figures(stats),
+                "prefill": prefill_figures(stats),
+            }
+            print(
+                f"{name} budget {budget} batch {batch}: {row['tok_s']:.1f} tok/s, "
+                f"{row['decode']['mb_per_token']:.3f} MB/token",
+                flush=True,
+            )
             rows.append(row)
     return rows
 
@@ -107,8 +117,7 @@ def main() -> None:
     link, vanilla_step, bf16_bytes = link_like_a_gpu_box(vanilla, plugin, args)
     stop_engine(vanilla)
     rows = measure(plugin, "bf16", link, prompts, args)
-    quality = {"bf16": agreement(greedy_tokens(plugin, prompts[max(args.batches)], 32),
-                                 reference)}
+    quality = {"bf16": agreement(greedy_tokens(plugin, prompts[max(args.batches)], 32), reference)}
     dequantize = {"bf16": 0.0}
     stop_engine(plugin)
     for name in args.formats:
@@ -119,38 +128,60 @@ def main() -> None:
         rows += measure(llm, name, link, prompts, args)
         quality[name] = agreement(greedy_tokens(llm, prompts[max(args.batches)], 32), reference)
         dequantize[name] = llm.apply_model(decode_seconds)[0]
-        print(f"{name}: dequantize {dequantize[name] * 1e6:.0f} us per expert; greedy "
-              f"agreement with bf16 {quality[name]}", flush=True)
+        print(
+            f"{name}: dequantize {dequantize[name] * 1e6:.0f} us per expert; greedy "
+            f"agreement with bf16 {quality[name]}",
+            flush=True,
+        )
         stop_engine(llm)
 
     for row in rows:
-        base = next(r for r in rows if r["format"] == "bf16" and r["budget"] == row["budget"]
-                    and r["batch"] == row["batch"])
+        base = next(
+            r
+            for r in rows
+            if r["format"] == "bf16" and r["budget"] == row["budget"] and r["batch"] == row["batch"]
+        )
         row["speed_vs_bf16"] = row["tok_s"] / base["tok_s"]
         row["bytes_vs_bf16"] = row["expert_bytes"] / base["expert_bytes"]
-    payload = {"model": model, "eager": args.eager, "group_size": group,
-               "max_tokens": args.max_tokens,
-               "modeled": modeled(link, args.copy_compute_ratio, bf16_expert_bytes=bf16_bytes,
-                                  vanilla_batch1_step_ms=vanilla_step * 1e3),
-               "dequantize_us_per_expert": {k: v * 1e6 for k, v in dequantize.items()},
-               "greedy_agreement_with_bf16": quality, "rows": rows}
+    payload = {
+        "model": model,
+        "eager": args.eager,
+        "group_size": group,
+        "max_tokens": args.max_tokens,
+        "modeled": modeled(
+            link,
+            args.copy_compute_ratio,
+            bf16_expert_bytes=bf16_bytes,
+            vanilla_batch1_step_ms=vanilla_step * 1e3,
+        ),
+        "dequantize_us_per_expert": {k: v * 1e6 for k, v in dequantize.items()},
+        "greedy_agreement_with_bf16": quality,
+        "rows": rows,
+    }
     path = write_result(args.name, payload)
-    plot(rows, RESULTS / f"{args.name}.png",
-         f"{Path(model).name}; tok/s {modeled_label(link, args.copy_compute_ratio)}\n"
-         f"{command_line()}")
+    plot(
+        rows,
+        RESULTS / f"{args.name}.png",
+        f"{Path(model).name}; tok/s {modeled_label(link, args.copy_compute_ratio)}\n"
+        f"{command_line()}",
+    )
     print_markdown(rows, dequantize)
     print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
 
 
 def print_markdown(rows: list[dict], dequantize: dict[str, float]) -> None:
-    print("| format | budget | batch | bytes/expert | x bf16 | slow tier MB | tok/s (modeled) "
-          "| x bf16 | MB/decode token | dequantize us/expert |")
+    print(
+        "| format | budget | batch | bytes/expert | x bf16 | slow tier MB | tok/s (modeled) "
+        "| x bf16 | MB/decode token | dequantize us/expert |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['format']} | {r['budget']} | {r['batch']} | {r['expert_bytes']} | "
-              f"{r['bytes_vs_bf16']:.3f} | {r['store_bytes'] / 1e6:.1f} | {r['tok_s']:.1f} | "
-              f"{r['speed_vs_bf16']:.2f} | {r['decode']['mb_per_token']:.3f} | "
-              f"{dequantize[r['format']] * 1e6:.0f} |")
+        print(
+            f"| {r['format']} | {r['budget']} | {r['batch']} | {r['expert_bytes']} | "
+            f"{r['bytes_vs_bf16']:.3f} | {r['store_bytes'] / 1e6:.1f} | {r['tok_s']:.1f} | "
+            f"{r['speed_vs_bf16']:.2f} | {r['decode']['mb_per_token']:.3f} | "
+            f"{dequantize[r['format']] * 1e6:.0f} |"
+        )
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -163,12 +194,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 4), squeeze=False)
     for ax, (budget, batch) in zip(axes[0], cases, strict=True):
         case = [r for r in rows if r["budget"] == budget and r["batch"] == batch]
-        bars = ax.bar([r["format"] for r in case], [r["tok_s"] for r in case],
-                      color=["#555" if r["format"] == "bf16" else "#c44" for r in case])
+        bars = ax.bar(
+            [r["format"] for r in case],
+            [r["tok_s"] for r in case],
+            color=["#555" if r["format"] == "bf16" else "#c44" for r in case],
+        )
         for bar, r in zip(bars, case, strict=True):
-            ax.annotate(f"{r['speed_vs_bf16']:.2f}x\n{r['decode']['mb_per_token']:.2f} MB/t",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"{r['speed_vs_bf16']:.2f}x\n{r['decode']['mb_per_token']:.2f} MB/t",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         ax.set_title(f"budget {budget}, batch {batch}", fontsize=9)
         ax.set_ylabel("decode tok/s (MODELED link)")
     fig.suptitle(title, fontsize=7)

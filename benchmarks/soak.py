@@ -37,8 +37,7 @@ from vllm_specexpert.tools.server import start_server, wait_healthy
 class Client(threading.Thread):
     """Loops completions until ``stop``; records latency and tokens per request."""
 
-    def __init__(self, port: int, model: str, prompts: list[str], seed: int,
-                 stop: threading.Event):
+    def __init__(self, port: int, model: str, prompts: list[str], seed: int, stop: threading.Event):
         super().__init__(daemon=True)
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.model, self.prompts, self.stop = model, prompts, stop
@@ -52,9 +51,15 @@ class Client(threading.Thread):
 
         while not self.stop.is_set():
             stream = self.rng.random() < 0.5
-            body = {"model": self.model, "prompt": self.rng.choice(self.prompts),
-                    "max_tokens": self.rng.randint(8, 128), "temperature": 0.7,
-                    "seed": self.rng.randint(0, 2**31), "ignore_eos": True, "stream": stream}
+            body = {
+                "model": self.model,
+                "prompt": self.rng.choice(self.prompts),
+                "max_tokens": self.rng.randint(8, 128),
+                "temperature": 0.7,
+                "seed": self.rng.randint(0, 2**31),
+                "ignore_eos": True,
+                "stream": stream,
+            }
             if stream:
                 body["stream_options"] = {"include_usage": True}
             started = time.perf_counter()
@@ -128,27 +133,36 @@ def main() -> None:
 
     config = {"budget": args.budget, **json.loads(args.config)}
     log_path = Path("/tmp") / f"specexpert-soak-{args.port}.log"
-    server = start_server(TRAINED_MODEL_DIR, args.port, log_path, config,
-                          ["--max-model-len", "512"])
+    server = start_server(
+        TRAINED_MODEL_DIR, args.port, log_path, config, ["--max-model-len", "512"]
+    )
     samples = []
     try:
         wait_healthy(server, args.port, log_path)
         prompts = held_out_prompts(64)
         stop = threading.Event()
-        clients = [Client(args.port, str(TRAINED_MODEL_DIR), prompts, seed, stop)
-                   for seed in range(args.clients)]
+        clients = [
+            Client(args.port, str(TRAINED_MODEL_DIR), prompts, seed, stop)
+            for seed in range(args.clients)
+        ]
         started = time.monotonic()
         for client in clients:
             client.start()
         while time.monotonic() - started < args.minutes * 60:
-            time.sleep(min(args.sample_s, max(0.0, args.minutes * 60 -
-                                              (time.monotonic() - started))))
-            now = {"t_s": round(time.monotonic() - started, 1), **sample(server, args.port),
-                   "tokens": sum(c.tokens for c in clients),
-                   "errors": sum(len(c.errors) for c in clients)}
+            time.sleep(
+                min(args.sample_s, max(0.0, args.minutes * 60 - (time.monotonic() - started)))
+            )
+            now = {
+                "t_s": round(time.monotonic() - started, 1),
+                **sample(server, args.port),
+                "tokens": sum(c.tokens for c in clients),
+                "errors": sum(len(c.errors) for c in clients),
+            }
             samples.append(now)
-            print(json.dumps({**now, "rss_mb": {k: round(v) for k, v in now["rss_mb"].items()}}),
-                  flush=True)
+            print(
+                json.dumps({**now, "rss_mb": {k: round(v) for k, v in now["rss_mb"].items()}}),
+                flush=True,
+            )
             if server.poll() is not None:
                 break
         stop.set()
@@ -163,8 +177,12 @@ def main() -> None:
     errors = [e for c in clients for e in c.errors]
     first, last = samples[0]["rss_mb"], samples[-1]["rss_mb"]
     result = {
-        "config": config, "minutes": args.minutes, "clients": args.clients,
-        "server_alive_at_end": alive, "requests": len(latencies), "errors": len(errors),
+        "config": config,
+        "minutes": args.minutes,
+        "clients": args.clients,
+        "server_alive_at_end": alive,
+        "requests": len(latencies),
+        "errors": len(errors),
         "error_examples": errors[:5],
         "output_tok_s": sum(c.tokens for c in clients) / elapsed,
         "latency_p50_s": statistics.median(latencies) if latencies else None,

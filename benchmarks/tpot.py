@@ -44,7 +44,7 @@ from common import (
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 PROMPTS = [
-    "def parse_arguments(argv):\n    \"\"\"Parse the command line.\"\"\"\n",
+    'def parse_arguments(argv):\n    """Parse the command line."""\n',
     "import os\nimport sys\n\n",
     "class Stack:\n    def __init__(self):\n",
     "# Read a file and count its lines\n",
@@ -78,18 +78,28 @@ def plot(cases: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(cases), 1, figsize=(11, 4.2 * len(cases)), squeeze=False)
     for ax, case in zip(axes[:, 0], cases, strict=True):
         rows = case["rows"]
-        colors = ["#555" if r["mode"] == "vanilla" else
-                  "#c44" if "modeled" in r["mode"] else "#3b7dd8" for r in rows]
+        colors = [
+            "#555" if r["mode"] == "vanilla" else "#c44" if "modeled" in r["mode"] else "#3b7dd8"
+            for r in rows
+        ]
         bars = ax.bar(range(len(rows)), [r["tok_s"] for r in rows], color=colors)
         for bar, row in zip(bars, rows, strict=True):
-            ax.annotate(f"{row['speed_vs_vanilla']:.2f}x",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(range(len(rows)), [r["mode"] for r in rows], rotation=40, ha="right",
-                      fontsize=7)
+            ax.annotate(
+                f"{row['speed_vs_vanilla']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=6,
+            )
+        ax.set_xticks(
+            range(len(rows)), [r["mode"] for r in rows], rotation=40, ha="right", fontsize=7
+        )
         ax.set_ylabel(f"decode tok/s (batch {case['batch']})")
-        ax.set_title(f"batch {case['batch']}: blue measured on this CPU, red MODELED "
-                     "(emulated link and host)", fontsize=8)
+        ax.set_title(
+            f"batch {case['batch']}: blue measured on this CPU, red MODELED "
+            "(emulated link and host)",
+            fontsize=8,
+        )
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -114,24 +124,41 @@ def measure_batch(vanilla, plugin, prompts, modes, args) -> dict:
             decode.setdefault(name, []).append(step)
             first.setdefault(name, []).append(ttft)
             stats[name] = vllm_specexpert.get_stats(plugin)[0]  # the last round's
-        print(f"batch {len(prompts)} round {round_index + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {statistics.median(s) * 1e3:.2f} ms" for n, s in decode.items()), flush=True)
+        print(
+            f"batch {len(prompts)} round {round_index + 1}/{args.rounds}: "
+            + ", ".join(f"{n} {statistics.median(s) * 1e3:.2f} ms" for n, s in decode.items()),
+            flush=True,
+        )
     base = statistics.median(decode["vanilla"])
     rows = []
     for name, values in decode.items():
         step = statistics.median(values)
-        row = {"mode": name, "tpot_ms": step * 1e3, "tok_s": len(prompts) / step,
-               "speed_vs_vanilla": base / step, "tpot_samples_ms": [v * 1e3 for v in values],
-               "first_token_ms": statistics.median(first[name]) * 1e3}
+        row = {
+            "mode": name,
+            "tpot_ms": step * 1e3,
+            "tok_s": len(prompts) / step,
+            "speed_vs_vanilla": base / step,
+            "tpot_samples_ms": [v * 1e3 for v in values],
+            "first_token_ms": statistics.median(first[name]) * 1e3,
+        }
         if name in stats:
-            row.update(output=stats[name]["output"], modeled="modeled" in name,
-                       decode=decode_figures(stats[name]), prefill=prefill_figures(stats[name]))
+            row.update(
+                output=stats[name]["output"],
+                modeled="modeled" in name,
+                decode=decode_figures(stats[name]),
+                prefill=prefill_figures(stats[name]),
+            )
         rows.append(row)
     # Per budget, the fastest exact or equivalent mode on this machine (no emulation).
     fastest = {}
     for budget in args.budgets:
-        measured = [r for r in rows if r.get("output") in ("exact", "equivalent")
-                    and not r["modeled"] and r["mode"].endswith(f" {budget}")]
+        measured = [
+            r
+            for r in rows
+            if r.get("output") in ("exact", "equivalent")
+            and not r["modeled"]
+            and r["mode"].endswith(f" {budget}")
+        ]
         fastest[str(budget)] = max(measured, key=lambda r: r["tok_s"])["mode"]
     return {"batch": len(prompts), "rows": rows, "fastest_exact_or_equivalent_measured": fastest}
 
@@ -165,48 +192,75 @@ def main() -> None:
     expert_bytes = next(iter(info["expert_bytes"].values()))
     layer_s = vanilla_step / len(info["layers"])
     link = emulated_link(layer_s, expert_bytes, args.copy_compute_ratio, args.latency_us)
-    print(f"vanilla {vanilla_step * 1e3:.2f} ms/step, {layer_s * 1e6:.0f} us/layer; "
-          f"expert {expert_bytes} B -> emulated link {link['bandwidth_gbps']:.4f} GB/s "
-          f"+ {args.latency_us} us per copy", flush=True)
+    print(
+        f"vanilla {vanilla_step * 1e3:.2f} ms/step, {layer_s * 1e6:.0f} us/layer; "
+        f"expert {expert_bytes} B -> emulated link {link['bandwidth_gbps']:.4f} GB/s "
+        f"+ {args.latency_us} us per copy",
+        flush=True,
+    )
 
     modes = plugin_modes(args.budgets, link)
-    cases = [measure_batch(vanilla, plugin, (PROMPTS * batch)[:batch], modes, args)
-             for batch in args.batches]
+    cases = [
+        measure_batch(vanilla, plugin, (PROMPTS * batch)[:batch], modes, args)
+        for batch in args.batches
+    ]
     stop_engine(plugin)
     stop_engine(vanilla)
 
-    overhead = {case["batch"]: case["rows"][1]["tpot_ms"] / case["rows"][0]["tpot_ms"] - 1
-                for case in cases}
+    overhead = {
+        case["batch"]: case["rows"][1]["tpot_ms"] / case["rows"][0]["tpot_ms"] - 1 for case in cases
+    }
     payload = {
-        "model": model, "calibration": calibration, "eager": args.eager,
-        "max_tokens": args.max_tokens, "rounds": args.rounds, "repeats": args.repeats,
-        "modeled": modeled(link, args.copy_compute_ratio, expert_bytes=expert_bytes,
-                           vanilla_layer_us=layer_s * 1e6,
-                           applies_to="rows whose mode says [modeled link]"),
+        "model": model,
+        "calibration": calibration,
+        "eager": args.eager,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "modeled": modeled(
+            link,
+            args.copy_compute_ratio,
+            expert_bytes=expert_bytes,
+            vanilla_layer_us=layer_s * 1e6,
+            applies_to="rows whose mode says [modeled link]",
+        ),
         "plugin_overhead_at_budget_1": overhead,
         "cases": cases,
     }
     path = write_result(args.name, payload)
-    plot(cases, RESULTS / f"{args.name}.png",
-         f"{Path(model).name}, {'eager' if args.eager else 'compiled'}; red bars "
-         f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}")
+    plot(
+        cases,
+        RESULTS / f"{args.name}.png",
+        f"{Path(model).name}, {'eager' if args.eager else 'compiled'}; red bars "
+        f"{modeled_label(link, args.copy_compute_ratio)}\n{command_line()}",
+    )
 
     for case in cases:
-        print(f"\nbatch {case['batch']}\n{'mode':<34}{'TPOT ms':>9}{'tok/s':>8}"
-              f"{'vs vanilla':>11}{'1st tok ms':>11}{'hit rate':>9}{'MB/tok':>8}"
-              f"{'stall ms/tok':>13}{'host ms/tok':>12}")
+        print(
+            f"\nbatch {case['batch']}\n{'mode':<34}{'TPOT ms':>9}{'tok/s':>8}"
+            f"{'vs vanilla':>11}{'1st tok ms':>11}{'hit rate':>9}{'MB/tok':>8}"
+            f"{'stall ms/tok':>13}{'host ms/tok':>12}"
+        )
         for r in case["rows"]:
             d = r.get("decode")
             extra = ""
             if d:
-                extra = (f"{d['hit_rate']:>9.2%}{d['mb_per_token']:>8.3f}"
-                         f"{d['stall_ms_per_token']:>13.3f}{d['host_ms_per_token']:>12.3f}")
-            print(f"{r['mode']:<34}{r['tpot_ms']:>9.2f}{r['tok_s']:>8.1f}"
-                  f"{r['speed_vs_vanilla']:>10.2f}x{r['first_token_ms']:>11.1f}{extra}")
-        print("fastest exact/equivalent mode measured (no emulation), per budget: "
-              + ", ".join(case["fastest_exact_or_equivalent_measured"].values()))
-    print("\nplugin overhead at budget 1.0: "
-          + ", ".join(f"batch {b}: {v:+.1%}" for b, v in overhead.items()))
+                extra = (
+                    f"{d['hit_rate']:>9.2%}{d['mb_per_token']:>8.3f}"
+                    f"{d['stall_ms_per_token']:>13.3f}{d['host_ms_per_token']:>12.3f}"
+                )
+            print(
+                f"{r['mode']:<34}{r['tpot_ms']:>9.2f}{r['tok_s']:>8.1f}"
+                f"{r['speed_vs_vanilla']:>10.2f}x{r['first_token_ms']:>11.1f}{extra}"
+            )
+        print(
+            "fastest exact/equivalent mode measured (no emulation), per budget: "
+            + ", ".join(case["fastest_exact_or_equivalent_measured"].values())
+        )
+    print(
+        "\nplugin overhead at budget 1.0: "
+        + ", ".join(f"batch {b}: {v:+.1%}" for b, v in overhead.items())
+    )
     print(f"wrote {path} and {path.with_suffix('.png')}\ncommand: {command_line()}")
 
 

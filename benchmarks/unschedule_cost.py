@@ -61,11 +61,17 @@ def main() -> None:
     prompts = held_out_prompts(args.sequences)
     common = {"eager": args.eager, "max_num_seqs": args.sequences}
     plain = start_engine(model, {"budget": 1.0}, **common)
-    grouped = start_engine(model, {
-        "budget": 1.0, "path_predictor": str(ASSETS / "tiny-qwen3-moe-path-predictor"),
-        "token_scheduler": {"group_size": args.group_size, "max_wait_steps": 1000}}, **common)
+    grouped = start_engine(
+        model,
+        {
+            "budget": 1.0,
+            "path_predictor": str(ASSETS / "tiny-qwen3-moe-path-predictor"),
+            "token_scheduler": {"group_size": args.group_size, "max_wait_steps": 1000},
+        },
+        **common,
+    )
     scheduler = grouped.llm_engine.engine_core.engine_core.scheduler
-    chunks = [prompts[i:i + args.group_size] for i in range(0, len(prompts), args.group_size)]
+    chunks = [prompts[i : i + args.group_size] for i in range(0, len(prompts), args.group_size)]
     generate_seconds(plain, prompts[:4], 4)
     generate_seconds(grouped, prompts[:4], 4)
     samples = {"grouped": [], "plain": [], "steps": [], "scheduler_cpu_s": []}
@@ -75,8 +81,9 @@ def main() -> None:
         after = scheduler.token_scheduler_stats()
         samples["steps"].append(after["grouped_steps"] - before["grouped_steps"])
         samples["scheduler_cpu_s"].append(after["cpu_s"] - before["cpu_s"])
-        samples["plain"].append(sum(generate_seconds(plain, chunk, args.max_tokens)
-                                    for chunk in chunks))
+        samples["plain"].append(
+            sum(generate_seconds(plain, chunk, args.max_tokens) for chunk in chunks)
+        )
     stop_engine(plain)
     stop_engine(grouped)
     grouped_s = statistics.median(samples["grouped"])
@@ -84,9 +91,15 @@ def main() -> None:
     steps = statistics.median(samples["steps"])
     cpu_s = statistics.median(samples["scheduler_cpu_s"])
     result = {
-        "command": command_line(), "model": model, "sequences": args.sequences,
-        "group_size": args.group_size, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "samples": samples, "grouped_s": grouped_s, "plain_s": plain_s,
+        "command": command_line(),
+        "model": model,
+        "sequences": args.sequences,
+        "group_size": args.group_size,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "samples": samples,
+        "grouped_s": grouped_s,
+        "plain_s": plain_s,
         "grouped_steps": steps,
         "extra_ms_per_grouped_step": (grouped_s - plain_s) / max(steps, 1) * 1e3,
         "scheduler_cpu_ms_per_grouped_step": cpu_s / max(steps, 1) * 1e3,

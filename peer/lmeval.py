@@ -43,8 +43,11 @@ MODES = {
     "vanilla": None,
     "fetch": {"miss_policy": "fetch", "predictor": "quasi_hidden", "calibration": CALIBRATION},
     "cpu": {"miss_policy": "cpu"},
-    "speculate": {"miss_policy": "speculate", "predictor": "quasi_hidden",
-                  "calibration": CALIBRATION},
+    "speculate": {
+        "miss_policy": "speculate",
+        "predictor": "quasi_hidden",
+        "calibration": CALIBRATION,
+    },
     "buddy": {"miss_policy": "buddy", "calibration": CALIBRATION},
     "drop": {"miss_policy": "drop"},
 }
@@ -95,8 +98,9 @@ def write_tasks(prefix_chars: int = 1200, every: int = 20) -> Path:
     (Cutting inside a line, before a space, keeps the prompt's last token an ordinary one:
     a prompt ending in a bare newline is one this tokenizer never shows the model, since
     it merges a newline with the next line's indentation.)"""
-    files = [text for text in (MODEL / "heldout" / "test.txt").read_text().split(EOS)
-             if text.strip()]
+    files = [
+        text for text in (MODEL / "heldout" / "test.txt").read_text().split(EOS) if text.strip()
+    ]
     items = []
     for text in files:
         lines = text.split("\n")
@@ -113,7 +117,8 @@ def write_tasks(prefix_chars: int = 1200, every: int = 20) -> Path:
     (WORK / "lines.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
     (WORK / "code_ppl.yaml").write_text(PPL_TASK.format(files=WORK / "files.jsonl"))
     (WORK / "code_rest_of_line.yaml").write_text(
-        REST_OF_LINE_TASK.format(lines=WORK / "lines.jsonl"))
+        REST_OF_LINE_TASK.format(lines=WORK / "lines.jsonl")
+    )
     print(f"{len(files)} held-out files, {len(items)} rest-of-line items")
     return WORK
 
@@ -122,23 +127,30 @@ def evaluate(port: int, tasks_dir: Path, limit: int | None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    model_args = (f"model=tiny-qwen3-moe,base_url=http://127.0.0.1:{port}/v1/completions,"
-                  f"tokenizer_backend=huggingface,tokenizer={MODEL},max_length=1024,"
-                  # One request at a time: vLLM's numerics depend on what shares a
-                  # batch, so concurrent requests would make two runs of one mode differ.
-                  "num_concurrent=1,max_retries=1,timeout=600")
+    model_args = (
+        f"model=tiny-qwen3-moe,base_url=http://127.0.0.1:{port}/v1/completions,"
+        f"tokenizer_backend=huggingface,tokenizer={MODEL},max_length=1024,"
+        # One request at a time: vLLM's numerics depend on what shares a
+        # batch, so concurrent requests would make two runs of one mode differ.
+        "num_concurrent=1,max_retries=1,timeout=600"
+    )
     out = lm_eval.simple_evaluate(
-        model="local-completions", model_args=model_args,
+        model="local-completions",
+        model_args=model_args,
         tasks=["specexpert_code_ppl", "specexpert_code_rest_of_line"],
-        task_manager=TaskManager(include_path=str(tasks_dir)), limit=limit,
-        log_samples=False)
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        limit=limit,
+        log_samples=False,
+    )
     results = out["results"]
     ppl, lines = results["specexpert_code_ppl"], results["specexpert_code_rest_of_line"]
-    return {"word_perplexity": ppl["word_perplexity,none"],
-            "byte_perplexity": ppl["byte_perplexity,none"],
-            "bits_per_byte": ppl["bits_per_byte,none"],
-            "rest_of_line_exact_match": float(lines["exact_match,none"]),
-            "rest_of_line_chrf": float(lines["chrf,none"])}
+    return {
+        "word_perplexity": ppl["word_perplexity,none"],
+        "byte_perplexity": ppl["byte_perplexity,none"],
+        "bits_per_byte": ppl["bits_per_byte,none"],
+        "rest_of_line_exact_match": float(lines["exact_match,none"]),
+        "rest_of_line_chrf": float(lines["chrf,none"]),
+    }
 
 
 def main() -> None:
@@ -155,27 +167,50 @@ def main() -> None:
         config = None if MODES[mode] is None else {"budget": args.budget, **MODES[mode]}
         log = WORK / f"server-{mode}.log"
         print(f"\n=== {mode}: {json.dumps(config)}", flush=True)
-        with serving(MODEL, args.port, log, config,
-                     ["--max-model-len", "1024", "--served-model-name", "tiny-qwen3-moe"]):
+        with serving(
+            MODEL,
+            args.port,
+            log,
+            config,
+            ["--max-model-len", "1024", "--served-model-name", "tiny-qwen3-moe"],
+        ):
             started = time.monotonic()
             results[mode] = evaluate(args.port, tasks_dir, args.limit)
             results[mode]["minutes"] = round((time.monotonic() - started) / 60, 1)
         print(mode, results[mode], flush=True)
 
-    print(f"\n{'mode':10s} {'word ppl':>12s} {'byte ppl':>10s} {'bits/byte':>10s} "
-          f"{'rest EM':>13s} {'chrF':>7s}")
+    print(
+        f"\n{'mode':10s} {'word ppl':>12s} {'byte ppl':>10s} {'bits/byte':>10s} "
+        f"{'rest EM':>13s} {'chrF':>7s}"
+    )
     for mode, r in results.items():
-        print(f"{mode:10s} {r['word_perplexity']:12.6f} {r['byte_perplexity']:10.6f} "
-              f"{r['bits_per_byte']:10.6f} {r['rest_of_line_exact_match']:13.4f} "
-              f"{r['rest_of_line_chrf']:7.2f}")
+        print(
+            f"{mode:10s} {r['word_perplexity']:12.6f} {r['byte_perplexity']:10.6f} "
+            f"{r['bits_per_byte']:10.6f} {r['rest_of_line_exact_match']:13.4f} "
+            f"{r['rest_of_line_chrf']:7.2f}"
+        )
     command = "python peer/lmeval.py " + " ".join(sys.argv[1:])
     out = REPO / "benchmarks" / "results" / "lmeval.json"
-    out.write_text(json.dumps({"command": command.strip(), "budget": args.budget,
-                               "modes": {m: MODES[m] for m in args.modes},
-                               "results": results}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "command": command.strip(),
+                "budget": args.budget,
+                "modes": {m: MODES[m] for m in args.modes},
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}\n{command}")
-    metrics = ("word_perplexity", "byte_perplexity", "bits_per_byte", "rest_of_line_exact_match",
-               "rest_of_line_chrf")
+    metrics = (
+        "word_perplexity",
+        "byte_perplexity",
+        "bits_per_byte",
+        "rest_of_line_exact_match",
+        "rest_of_line_chrf",
+    )
     exact = [m for m in EXACT if m in results]
     if len({tuple(results[m][k] for k in metrics) for m in exact}) > 1:
         print(f"FAIL: the exact modes {exact} differ")

@@ -41,8 +41,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".peer-cache"
-SDIST_URL = ("https://files.pythonhosted.org/packages/d5/df/"
-             "5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz")
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/d5/df/"
+    "5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz"
+)
 SDIST_SHA256 = "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
 PATCH = REPO / "peer" / "vllm-0.32.0-openai.patch"
 ASSETS = REPO / "vllm_specexpert" / "assets"
@@ -71,8 +73,12 @@ SERVER_LINE_PREFIXES = ("(APIServer", "(EngineCore", "(Worker", "(VllmWorker", "
 
 MODES = {
     "vanilla": None,
-    "offload": {"budget": 0.25, "miss_policy": "fetch", "predictor": "quasi_hidden",
-                "calibration": str(ASSETS / "tiny-qwen3-moe-calibration")},
+    "offload": {
+        "budget": 0.25,
+        "miss_policy": "fetch",
+        "predictor": "quasi_hidden",
+        "calibration": str(ASSETS / "tiny-qwen3-moe-calibration"),
+    },
 }
 
 
@@ -91,35 +97,62 @@ def fetch_sources() -> Path:
     root = CACHE / "vllm-0.32.0"
     shutil.rmtree(root, ignore_errors=True)  # always a fresh tree, the patch applied once
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers()
-                   if m.name.startswith("vllm-0.32.0/tests/")
-                   or m.name == "vllm-0.32.0/pyproject.toml"]
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith("vllm-0.32.0/tests/") or m.name == "vllm-0.32.0/pyproject.toml"
+        ]
         tar.extractall(CACHE, members=members, filter="data")
     subprocess.run(["patch", "-p1", "--quiet", "-i", str(PATCH)], cwd=root, check=True)
     return root
 
 
-def run_mode(root: Path, mode: str, files: list[str], keyword: str | None,
-             run: str = "") -> None:
+def run_mode(root: Path, mode: str, files: list[str], keyword: str | None, run: str = "") -> None:
     """Runs the tests of ``files`` (paths or node ids) in ``mode``: junit report and full
     log in the cache, named by ``mode`` and ``run`` (``""``: the first run)."""
-    env = dict(os.environ, SPECEXPERT_PEER_MODEL=str(MODEL), SPECEXPERT_PEER_MAX_LEN="1024",
-               PYTHONPATH=str(REPO / "peer"), HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        SPECEXPERT_PEER_MODEL=str(MODEL),
+        SPECEXPERT_PEER_MAX_LEN="1024",
+        PYTHONPATH=str(REPO / "peer"),
+        HF_HUB_OFFLINE="1",
+    )
     env.pop("VLLM_PLUGINS", None)
     if MODES[mode] is not None:
         env["SPECEXPERT_PEER_CONFIG"] = json.dumps(MODES[mode])
     else:
         env.pop("SPECEXPERT_PEER_CONFIG", None)
     # -s: the servers' logs pass through, to count which ran the plugin (report()).
-    command = [sys.executable, "-m", "pytest", "-p", "specexpert_peer", "-q", "-s", "-rfE",
-               "-p", "no:cacheprovider", f"--junitxml={CACHE / f'junit-{mode}{run}.xml'}",
-               "--timeout=900", *files]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "specexpert_peer",
+        "-q",
+        "-s",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={CACHE / f'junit-{mode}{run}.xml'}",
+        "--timeout=900",
+        *files,
+    ]
     if keyword:
         command += ["-k", keyword]
     print(f"\n=== {mode}: {' '.join(command)}", flush=True)
-    with subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, errors="replace") as pytest, \
-            open(CACHE / f"pytest-{mode}{run}.log", "w") as log:
+    with (
+        subprocess.Popen(
+            command,
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        ) as pytest,
+        open(CACHE / f"pytest-{mode}{run}.log", "w") as log,
+    ):
         for line in pytest.stdout:
             log.write(line)
             if not line.startswith(SERVER_LINE_PREFIXES):  # the servers' lines: log only
@@ -134,13 +167,24 @@ def report(mode: str, run: str = "") -> tuple[dict[str, str], int, int, float | 
     for case in ElementTree.parse(CACHE / f"junit-{mode}{run}.xml").iter("testcase"):
         test_id = f"{case.get('classname')}::{case.get('name')}"
         children = {child.tag for child in case}
-        outcome = ("failed" if "failure" in children else "error" if "error" in children
-                   else "skipped" if "skipped" in children else "passed")
+        outcome = (
+            "failed"
+            if "failure" in children
+            else "error"
+            if "error" in children
+            else "skipped"
+            if "skipped" in children
+            else "passed"
+        )
         outcomes[test_id] = outcome
     log = (CACHE / f"pytest-{mode}{run}.log").read_text(errors="replace")
     seconds = re.findall(r" in ([0-9.]+)s", log)
-    return (outcomes, log.count("Launching RemoteOpenAIServer with:"),
-            log.count("MoE layers offloaded"), float(seconds[-1]) if seconds else None)
+    return (
+        outcomes,
+        log.count("Launching RemoteOpenAIServer with:"),
+        log.count("MoE layers offloaded"),
+        float(seconds[-1]) if seconds else None,
+    )
 
 
 def node_id(root: Path, test_id: str) -> str:
@@ -158,19 +202,25 @@ def node_id(root: Path, test_id: str) -> str:
 def differences(results: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
     """Test id -> outcome per mode, for the tests whose outcomes differ between modes."""
     test_ids = sorted(set().union(*results.values()))
-    return {t: {mode: results[mode].get(t, "absent") for mode in results} for t in test_ids
-            if len({results[mode].get(t, "absent") for mode in results}) > 1}
+    return {
+        t: {mode: results[mode].get(t, "absent") for mode in results}
+        for t in test_ids
+        if len({results[mode].get(t, "absent") for mode in results}) > 1
+    }
 
 
-def split_flaky(differing: dict[str, dict[str, str]], rerun: dict[str, dict[str, str]]
-                ) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, list[str]]]]:
+def split_flaky(
+    differing: dict[str, dict[str, str]], rerun: dict[str, dict[str, str]]
+) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, list[str]]]]:
     """``differing`` (test id -> first outcome per mode) split, by the outcomes of a
     second run (mode -> test id -> outcome), into the differences that repeated in
     every mode and the flaky tests (test id -> mode -> both outcomes)."""
     kept, flaky = {}, {}
     for test_id, first in differing.items():
-        runs = {mode: [outcome, rerun.get(mode, {}).get(test_id, "absent")]
-                for mode, outcome in first.items()}
+        runs = {
+            mode: [outcome, rerun.get(mode, {}).get(test_id, "absent")]
+            for mode, outcome in first.items()
+        }
         if any(a != b for a, b in runs.values()):
             flaky[test_id] = runs
         else:
@@ -183,8 +233,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--files", nargs="+", default=FILES)
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
-    parser.add_argument("--report-only", action="store_true",
-                        help="summarize the last run's reports and logs, run nothing")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="summarize the last run's reports and logs, run nothing",
+    )
     args = parser.parse_args()
 
     started = time.monotonic()
@@ -195,12 +248,19 @@ def main() -> None:
     results, servers = {}, {}
     for mode in args.modes:
         results[mode], started_servers, offloaded, seconds = report(mode)
-        servers[mode] = {"started": started_servers, "offloaded": offloaded,
-                         "pytest_seconds": seconds}
+        servers[mode] = {
+            "started": started_servers,
+            "offloaded": offloaded,
+            "pytest_seconds": seconds,
+        }
         print(f"{mode}: {started_servers} servers started, {offloaded} offloaded MoE layers")
-    counts = {mode: {kind: sum(1 for o in outcomes.values() if o == kind)
-                     for kind in ("passed", "failed", "error", "skipped")}
-              for mode, outcomes in results.items()}
+    counts = {
+        mode: {
+            kind: sum(1 for o in outcomes.values() if o == kind)
+            for kind in ("passed", "failed", "error", "skipped")
+        }
+        for mode, outcomes in results.items()
+    }
     test_ids = sorted(set().union(*results.values()))
     differing = differences(results)
     flaky: dict[str, dict[str, list[str]]] = {}
@@ -210,7 +270,8 @@ def main() -> None:
         for mode in args.modes:
             run_mode(root, mode, again, None, run="-again")
         differing, flaky = split_flaky(
-            differing, {mode: report(mode, "-again")[0] for mode in args.modes})
+            differing, {mode: report(mode, "-again")[0] for mode in args.modes}
+        )
 
     print(f"\n{len(args.files)} files, {len(test_ids)} tests")
     for mode, count in counts.items():
@@ -220,11 +281,17 @@ def main() -> None:
     for test_id, outcome in differing.items():
         print(f"  DIFFERS {test_id}: {outcome}")
     command = "python peer/run.py " + " ".join(a for a in sys.argv[1:] if a != "--report-only")
-    result = {"command": command.strip(), "files": args.files, "modes": MODES,
-              "counts": counts, "servers": servers, "differing": differing, "flaky": flaky,
-              "outcomes": results,
-              "minutes": None if args.report_only
-              else round((time.monotonic() - started) / 60, 1)}
+    result = {
+        "command": command.strip(),
+        "files": args.files,
+        "modes": MODES,
+        "counts": counts,
+        "servers": servers,
+        "differing": differing,
+        "flaky": flaky,
+        "outcomes": results,
+        "minutes": None if args.report_only else round((time.monotonic() - started) / 60, 1),
+    }
     out = REPO / "benchmarks" / "results" / "peer.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}\n{command}")
@@ -235,8 +302,10 @@ def main() -> None:
         # Each server must have had the plugin on (offload) or off (vanilla).
         wanted = count["started"] if MODES[mode] is not None else 0
         if count["started"] == 0 or count["offloaded"] != wanted:
-            print(f"FAIL: {mode}: {count['offloaded']} of {count['started']} servers "
-                  "offloaded MoE layers")
+            print(
+                f"FAIL: {mode}: {count['offloaded']} of {count['started']} servers "
+                "offloaded MoE layers"
+            )
             sys.exit(1)
     if not any(count["passed"] for count in counts.values()):
         print("FAIL: no test passed")

@@ -44,8 +44,12 @@ def adapt(model: str, args: list[str]) -> tuple[str, list[str]]:
             args[i + 1] = str(max_len)
     config = os.environ.get("SPECEXPERT_PEER_CONFIG")
     if config:
-        args += ["--plugins", "specexpert",
-                 "--additional-config", json.dumps({"specexpert": json.loads(config)})]
+        args += [
+            "--plugins",
+            "specexpert",
+            "--additional-config",
+            json.dumps({"specexpert": json.loads(config)}),
+        ]
     return (model if _is_local(model) else _model_dir()), args
 
 

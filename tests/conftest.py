@@ -48,8 +48,10 @@ def cpu_line() -> str:
     import torch
 
     amx = torch.cpu._is_amx_tile_supported()
-    return (f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()}, AMX tiles "
-            f"{'yes' if amx else 'no'}; vLLM's CPU MoE kernel ISA: {'amx' if amx else 'vec'}")
+    return (
+        f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()}, AMX tiles "
+        f"{'yes' if amx else 'no'}; vLLM's CPU MoE kernel ISA: {'amx' if amx else 'vec'}"
+    )
 
 
 def pytest_report_header(config) -> str:

@@ -25,8 +25,7 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     cache = loader.cache
     if settle:
         loader.wait_all()
-    budget = (sum(c.num_slots for c in cache.pool.caches) if cache.pool.shared
-              else cache.num_slots)
+    budget = sum(c.num_slots for c in cache.pool.caches) if cache.pool.shared else cache.num_slots
     for key, pool in cache.slots.items():
         assert pool.shape[0] == budget, (key, pool.shape, budget)
     mapped = np.flatnonzero(cache.expert_slot >= 0)
@@ -35,20 +34,24 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     for expert in mapped:
         slot = cache.expert_slot[expert]
         assert cache.slot_expert[slot] == expert, (
-            f"expert {expert} -> slot {slot}, which holds {cache.slot_expert[slot]}")
+            f"expert {expert} -> slot {slot}, which holds {cache.slot_expert[slot]}"
+        )
     for slot, expert in enumerate(cache.slot_expert):
         if expert >= 0:
             assert cache.expert_slot[expert] == slot, (
-                f"slot {slot} holds {expert}, mapped to {cache.expert_slot[expert]}")
-    assert np.array_equal(np.flatnonzero(cache.pool.owner == cache.index),
-                          np.flatnonzero(cache.slot_expert >= 0)), "pool owner != slot map"
+                f"slot {slot} holds {expert}, mapped to {cache.expert_slot[expert]}"
+            )
+    assert np.array_equal(
+        np.flatnonzero(cache.pool.owner == cache.index), np.flatnonzero(cache.slot_expert >= 0)
+    ), "pool owner != slot map"
     compared = 0
     for slot, expert in enumerate(cache.slot_expert):
         if expert < 0 or slot in loader.in_flight:
             continue
         for key, src in cache.experts.tensors.items():
-            assert torch.equal(cache.slots[key][slot].cpu(), src[expert]), \
+            assert torch.equal(cache.slots[key][slot].cpu(), src[expert]), (
                 f"slot {slot} does not hold expert {expert}'s {key}"
+            )
         compared += 1
     assert set(np.flatnonzero(cache.protected).tolist()) == set(loader.prefetches)
     assert all(cache.expert_slot[e] >= 0 for e in loader.prefetches)

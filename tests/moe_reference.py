@@ -43,23 +43,27 @@ def random_routing(tokens, num_experts, top_k, hidden=32, seed=0):
     return x, weights, ids.to(torch.int32)
 
 
-def make_loader(tensors, num_slots, top_k, policy="lru", link=None,
-                device_map=False) -> ExpertLoader:
+def make_loader(
+    tensors, num_slots, top_k, policy="lru", link=None, device_map=False
+) -> ExpertLoader:
     """A loader over a fresh cache of one layer (its ``.cache``), on the CPU link.
     ``device_map``: the CUDA way of finding slots (router ids + ``expert_map``)."""
     store = ExpertStore(pin_memory=False)
     experts = store.add_layer("layer", tensors)
-    cache = ExpertCache(experts, num_slots, top_k, policy, torch.device("cpu"),
-                        device_map=device_map)
+    cache = ExpertCache(
+        experts, num_slots, top_k, policy, torch.device("cpu"), device_map=device_map
+    )
     return ExpertLoader(cache, link or CpuLink(LinkConfig()))
 
 
-def run_fetch(loader: ExpertLoader, x, topk_weights, topk_ids, stats: PhaseStats,
-              kernel=None) -> torch.Tensor:
+def run_fetch(
+    loader: ExpertLoader, x, topk_weights, topk_ids, stats: PhaseStats, kernel=None
+) -> torch.Tensor:
     """One layer call under ``fetch`` (the exact path every prefill call takes): the
     executor surveys the cache and runs every entry on the device, loaded on demand."""
-    call = layer_call.LayerCall(x, topk_weights, topk_ids, topk_ids.numpy(),
-                             kernel or slot_kernel, stats)
+    call = layer_call.LayerCall(
+        x, topk_weights, topk_ids, topk_ids.numpy(), kernel or slot_kernel, stats
+    )
     return execute.run(loader, call, execute.survey(loader, call))
 
 

@@ -46,26 +46,38 @@ def nan_vectors(t):
 DAMAGE = {
     "truncated safetensors": (
         lambda d: (d / WEIGHTS_FILE).write_bytes((d / WEIGHTS_FILE).read_bytes()[:5000]),
-        "unreadable"),
-    "garbage safetensors": (lambda d: (d / WEIGHTS_FILE).write_bytes(b"\x00garbage" * 100),
-                            "unreadable"),
-    "manifest not JSON": (lambda d: (d / "manifest.json").write_text("{'format': 2"),
-                          "not JSON"),
+        "unreadable",
+    ),
+    "garbage safetensors": (
+        lambda d: (d / WEIGHTS_FILE).write_bytes(b"\x00garbage" * 100),
+        "unreadable",
+    ),
+    "manifest not JSON": (lambda d: (d / "manifest.json").write_text("{'format': 2"), "not JSON"),
     "manifest without moe_layer_indices": (
-        lambda d: edit_manifest(d, lambda m: m.pop("moe_layer_indices")), "moe_layer_indices"),
+        lambda d: edit_manifest(d, lambda m: m.pop("moe_layer_indices")),
+        "moe_layer_indices",
+    ),
     "manifest layer absent from the file": (
         lambda d: edit_manifest(d, lambda m: m["moe_layer_indices"].append(9)),
-        "no tensor layers.9.default_vectors"),
+        "no tensor layers.9.default_vectors",
+    ),
     "default vectors of the wrong shape": (
-        lambda d: edit_tensors(d, lambda t: t.update(
-            {"layers.2.default_vectors": torch.zeros(64, 128)})), r"shape \[64, 128\]"),
+        lambda d: edit_tensors(
+            d, lambda t: t.update({"layers.2.default_vectors": torch.zeros(64, 128)})
+        ),
+        r"shape \[64, 128\]",
+    ),
     "co-activation of the wrong shape": (
-        lambda d: edit_tensors(d, lambda t: t.update(
-            {"layers.0.coactivation": torch.zeros(32, 32, dtype=torch.int64)})),
-        r"layers.0.coactivation has shape \[32, 32\], expected \[64, 64\]"),
+        lambda d: edit_tensors(
+            d, lambda t: t.update({"layers.0.coactivation": torch.zeros(32, 32, dtype=torch.int64)})
+        ),
+        r"layers.0.coactivation has shape \[32, 32\], expected \[64, 64\]",
+    ),
     "NaN in the default vectors": (lambda d: edit_tensors(d, nan_vectors), "non-finite"),
     "manifest for another expert count": (
-        lambda d: edit_manifest(d, lambda m: m.update(num_experts=32)), "num_experts 32"),
+        lambda d: edit_manifest(d, lambda m: m.update(num_experts=32)),
+        "num_experts 32",
+    ),
 }
 
 
@@ -92,16 +104,19 @@ def test_the_shipped_path_predictor_loads():
     assert predictor.shape.num_experts == 64
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("truncated", "path_predictor.safetensors"),
-    ("nan", "non-finite"),
-    ("manifest", "manifest.json"),
-    # Issue 22 (4): the message stopped at "Error(s) in loading state_dict for
-    # RoutingPathPredictor:." without the tensor or the shapes.
-    ("shape", r"(\S+) has shape \[3, 5\], expected \[\d+(, \d+)*\]"),
-    ("extra", "unexpected tensor extra.weight"),
-    ("missing", "no tensor "),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncated", "path_predictor.safetensors"),
+        ("nan", "non-finite"),
+        ("manifest", "manifest.json"),
+        # Issue 22 (4): the message stopped at "Error(s) in loading state_dict for
+        # RoutingPathPredictor:." without the tensor or the shapes.
+        ("shape", r"(\S+) has shape \[3, 5\], expected \[\d+(, \d+)*\]"),
+        ("extra", "unexpected tensor extra.weight"),
+        ("missing", "no tensor "),
+    ],
+)
 def test_a_damaged_path_predictor_is_one_error_naming_the_field(tmp_path, damage, message):
     directory = tmp_path / "rpp"
     shutil.copytree(PATH_PREDICTOR, directory)

@@ -32,10 +32,17 @@ and ``drop`` loses less than half of the accuracy (26-34 % in the docs' tables).
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = make_llm(TRAINED_MODEL, specexpert={
-        "budget": 0.25, "calibration": str(TRAINED_CALIBRATION_DIR), "miss_policy": "drop",
-        "quality": FALLBACK},
-        max_num_seqs=BATCH, logits_processors=[TeacherForcing])
+    llm = make_llm(
+        TRAINED_MODEL,
+        specexpert={
+            "budget": 0.25,
+            "calibration": str(TRAINED_CALIBRATION_DIR),
+            "miss_policy": "drop",
+            "quality": FALLBACK,
+        },
+        max_num_seqs=BATCH,
+        logits_processors=[TeacherForcing],
+    )
     yield llm
     shutdown(llm)
 
@@ -67,11 +74,15 @@ def exact(llm, windows):
     return accuracy(llm, windows, miss_policy="fetch", predictor="none")
 
 
-@pytest.mark.parametrize("mode", [
-    {"miss_policy": "buddy"},
-    {"miss_policy": "auto_buddy"},
-    {"miss_policy": "speculate", "predictor": "quasi_hidden"},
-], ids=lambda m: m["miss_policy"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"miss_policy": "buddy"},
+        {"miss_policy": "auto_buddy"},
+        {"miss_policy": "speculate", "predictor": "quasi_hidden"},
+    ],
+    ids=lambda m: m["miss_policy"],
+)
 def test_an_approximate_mode_keeps_98_percent_in_a_batch(llm, windows, exact, mode):
     kept = accuracy(llm, windows, **mode) / exact
     print(f"{mode}: kept {kept:.3f} at {BATCH} sequences per step")

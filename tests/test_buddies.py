@@ -6,26 +6,28 @@ import numpy as np
 from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists, substitute
 
 # Co-activation of 5 experts. Row 0: peers 1 (6), 2 (3), 3 (1) -> q = .6, .3, .1.
-M = np.array([
-    [9, 6, 3, 1, 0],
-    [6, 9, 0, 0, 2],
-    [3, 0, 5, 0, 0],
-    [1, 0, 0, 1, 0],
-    [0, 2, 0, 0, 0],
-])
+M = np.array(
+    [
+        [9, 6, 3, 1, 0],
+        [6, 9, 0, 0, 2],
+        [3, 0, 5, 0, 0],
+        [1, 0, 0, 1, 0],
+        [0, 2, 0, 0, 0],
+    ]
+)
 
 
 def test_cft_takes_the_shortest_prefix_reaching_alpha():
-    assert buddy_lists(M, alpha=0.5, k_max=4)[0].tolist() == [1, -1, -1, -1]   # .6 >= .5
-    assert buddy_lists(M, alpha=0.8, k_max=4)[0].tolist() == [1, 2, -1, -1]    # .9 >= .8
-    assert buddy_lists(M, alpha=1.0, k_max=4)[0].tolist() == [1, 2, 3, -1]     # all peers
-    assert buddy_lists(M, alpha=1.0, k_max=2)[0].tolist() == [1, 2]            # K_max caps
+    assert buddy_lists(M, alpha=0.5, k_max=4)[0].tolist() == [1, -1, -1, -1]  # .6 >= .5
+    assert buddy_lists(M, alpha=0.8, k_max=4)[0].tolist() == [1, 2, -1, -1]  # .9 >= .8
+    assert buddy_lists(M, alpha=1.0, k_max=4)[0].tolist() == [1, 2, 3, -1]  # all peers
+    assert buddy_lists(M, alpha=1.0, k_max=2)[0].tolist() == [1, 2]  # K_max caps
 
 
 def test_every_active_expert_gets_a_buddy_and_inactive_ones_none():
     lists = buddy_lists(M, alpha=0.01, k_max=3)
-    assert lists[1].tolist() == [0, -1, -1]   # q(0|1) = 6/8
-    assert lists[4].tolist() == [1, -1, -1]   # only peer
+    assert lists[1].tolist() == [0, -1, -1]  # q(0|1) = 6/8
+    assert lists[4].tolist() == [1, -1, -1]  # only peer
     inactive = buddy_lists(np.diag([3, 3]), alpha=0.9, k_max=2)
     assert (inactive == -1).all()
 
@@ -68,8 +70,9 @@ def test_tae_gate_protects_peaky_tokens():
     new, _ = substitute(ids, resident, buddies, tae, BuddyGates(tau=0.5, beta=1.01, rho=8))
     assert new.tolist() == [[1, 3], [0, 3]]  # the peaky first token keeps expert 1
     # per-token tau (layer-calibrated values broadcast per token) behaves the same
-    new, _ = substitute(ids, resident, buddies, tae, BuddyGates(tau=np.array([0.1, 0.95]),
-                                                                beta=1.01, rho=8))
+    new, _ = substitute(
+        ids, resident, buddies, tae, BuddyGates(tau=np.array([0.1, 0.95]), beta=1.01, rho=8)
+    )
     assert new.tolist() == [[0, 3], [1, 3]]
 
 

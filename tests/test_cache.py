@@ -71,8 +71,8 @@ def test_hits_and_misses_are_counted_against_the_warm_start():
     tensors = random_layer(num_experts=16)
     loader = make_loader(tensors, num_slots=4, top_k=2)
     stats = PhaseStats()
-    loader.acquire(np.array([0, 1, 2]), stats)   # warm start holds 0-3: three hits
-    loader.acquire(np.array([3, 12]), stats)     # 3 hits, 12 misses
+    loader.acquire(np.array([0, 1, 2]), stats)  # warm start holds 0-3: three hits
+    loader.acquire(np.array([3, 12]), stats)  # 3 hits, 12 misses
     s = stats
     assert (s.hits, s.misses, s.loads) == (4, 1, 1)
     # The one load moved one expert's bytes: all its tensors, nothing more.

@@ -39,13 +39,17 @@ expert_sets = st.lists(st.integers(0, E - 1), min_size=1, max_size=6, unique=Tru
 
 
 def config(budget: int, policy: str, emulated: bool) -> SpecExpertConfig:
-    return SpecExpertConfig.from_dict({"budget": budget, "cache": policy,
-                                       "link": EMULATED if emulated else {}})
+    return SpecExpertConfig.from_dict(
+        {"budget": budget, "cache": policy, "link": EMULATED if emulated else {}}
+    )
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(budget=st.integers(K, 8), policy=st.sampled_from(["lru", "lfu", "static"]),
-                emulated=st.booleans())
+    @initialize(
+        budget=st.integers(K, 8),
+        policy=st.sampled_from(["lru", "lfu", "static"]),
+        emulated=st.booleans(),
+    )
     def start(self, budget, policy, emulated):
         self.engine = OffloadEngine(config(budget, policy, emulated), torch.device("cpu"))
         self.engine.add_layer(NAME, TENSORS, top_k=K, index=0)
@@ -115,8 +119,11 @@ class CacheMachine(RuleBasedStateMachine):
     def let_copies_progress(self):
         time.sleep(400e-6)
 
-    @rule(budget=st.integers(K, 8), policy=st.sampled_from(["lru", "lfu", "static"]),
-          emulated=st.booleans())
+    @rule(
+        budget=st.integers(K, 8),
+        policy=st.sampled_from(["lru", "lfu", "static"]),
+        emulated=st.booleans(),
+    )
     def reconfigure(self, budget, policy, emulated):
         self.engine.reconfigure(config(budget, policy, emulated))
         cache = self.loader.cache
@@ -131,25 +138,32 @@ class CacheMachine(RuleBasedStateMachine):
 
 LAYERS = 3
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
-LAYER_TENSORS = [random_layer(num_experts=E, hidden=32, inter=16, seed=10 + i)
-                 for i in range(LAYERS)]
+LAYER_TENSORS = [
+    random_layer(num_experts=E, hidden=32, inter=16, seed=10 + i) for i in range(LAYERS)
+]
 PRELOADS = st.sampled_from(["none", "step", "next"])
 
 
 def shared_config(budget: int, preload: str, emulated: bool) -> SpecExpertConfig:
-    return SpecExpertConfig.from_dict({"budget": budget, "cache": "plec",
-                                       "plec_preload": preload, "path_predictor": "/rpp",
-                                       "link": EMULATED if emulated else {}})
+    return SpecExpertConfig.from_dict(
+        {
+            "budget": budget,
+            "cache": "plec",
+            "plec_preload": preload,
+            "path_predictor": "/rpp",
+            "link": EMULATED if emulated else {},
+        }
+    )
 
 
 class SharedPoolMachine(RuleBasedStateMachine):
     @initialize(budget=st.integers(K, 6), preload=PRELOADS, emulated=st.booleans())
     def start(self, budget, preload, emulated):
-        self.engine = OffloadEngine(shared_config(budget, preload, emulated),
-                                    torch.device("cpu"))
+        self.engine = OffloadEngine(shared_config(budget, preload, emulated), torch.device("cpu"))
         for index, name in enumerate(NAMES):
-            self.engine.add_layer(name, {k: v.clone() for k, v in LAYER_TENSORS[index].items()},
-                                  top_k=K, index=index)
+            self.engine.add_layer(
+                name, {k: v.clone() for k, v in LAYER_TENSORS[index].items()}, top_k=K, index=index
+            )
         self.engine.start()
         self.budget = budget
         self.rng = np.random.default_rng(budget)
@@ -167,22 +181,30 @@ class SharedPoolMachine(RuleBasedStateMachine):
             check_cache_invariants(self.layer(index).loader, settle=settle)
         pool = self.engine.pool
         assert pool.num_slots == LAYERS * self.budget
-        held = sum(int(np.count_nonzero(self.layer(i).cache.expert_slot >= 0))
-                   for i in range(LAYERS))
+        held = sum(
+            int(np.count_nonzero(self.layer(i).cache.expert_slot >= 0)) for i in range(LAYERS)
+        )
         assert held <= pool.num_slots
 
-    @rule(index=st.integers(0, LAYERS - 1), experts=st.lists(
-              st.integers(0, E - 1), min_size=K, max_size=2 * K, unique=True),
-          tokens=st.integers(1, 3), predicted=st.booleans(), grouped=st.booleans())
+    @rule(
+        index=st.integers(0, LAYERS - 1),
+        experts=st.lists(st.integers(0, E - 1), min_size=K, max_size=2 * K, unique=True),
+        tokens=st.integers(1, 3),
+        predicted=st.booleans(),
+        grouped=st.booleans(),
+    )
     def decode_call(self, index, experts, tokens, predicted, grouped):
         """A decode call of one layer through the engine, in a step whose predicted
         demand (random here: right or wrong) plans the shared pool."""
         ids = np.stack([self.rng.choice(experts, K, replace=False) for _ in range(tokens)])
         if predicted:
+
             def demand():
                 return {i: self.rng.integers(0, 3, E) for i in range(LAYERS)}
-            self.engine.step_demand = StepDemand(tokens=tokens, layers=demand(),
-                                                 next_layers=demand() if grouped else None)
+
+            self.engine.step_demand = StepDemand(
+                tokens=tokens, layers=demand(), next_layers=demand() if grouped else None
+            )
         else:
             self.engine.step_demand = None
         g = torch.Generator().manual_seed(int(self.rng.integers(1 << 30)))
@@ -191,8 +213,9 @@ class SharedPoolMachine(RuleBasedStateMachine):
         topk_ids = torch.from_numpy(ids).to(torch.int32)
         out = self.engine.run(NAMES[index], slot_kernel, x, w, topk_ids)
         tensors = LAYER_TENSORS[index]
-        assert torch.equal(out, reference_moe(x, w, topk_ids, tensors["w13_weight"],
-                                              tensors["w2_weight"]))
+        assert torch.equal(
+            out, reference_moe(x, w, topk_ids, tensors["w13_weight"], tensors["w2_weight"])
+        )
 
     @rule(index=st.integers(0, LAYERS - 1), experts=expert_sets)
     def prefetch(self, index, experts):

@@ -10,10 +10,15 @@ from vllm_specexpert.tools.capture import CaptureReader, capture
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
 TEXTS = [
-    ("a.py", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
-             "        for name in files:\n            yield os.path.join(root, name)\n" * 3),
-    ("b.py", "class Point:\n    def __init__(self, x, y):\n"
-             "        self.x = x\n        self.y = y\n"),
+    (
+        "a.py",
+        "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
+        "        for name in files:\n            yield os.path.join(root, name)\n" * 3,
+    ),
+    (
+        "b.py",
+        "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    ),
 ]
 
 
@@ -68,8 +73,9 @@ def test_captured_tensors_are_consistent_with_the_model(captured, model):
         probs = torch.softmax(shard["router_logits"][:, i], -1)
         top = probs.topk(manifest["top_k"], -1)
         assert torch.equal(top.indices.sort(-1).values, shard["topk_ids"][:, i].sort(-1).values)
-        torch.testing.assert_close(shard["topk_weights"][:, i].sum(-1),
-                                   torch.ones(len(s)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            shard["topk_weights"][:, i].sum(-1), torch.ones(len(s)), rtol=1e-5, atol=1e-5
+        )
     # Windows restart positions: the first token of the second window has position 0.
     assert shard["positions"][manifest["window"]] == 0
 

@@ -19,8 +19,14 @@ from vllm_specexpert.tools.fixtures import (
     model_path,
 )
 
-TRANSFORMERS_TOOLS = ("calibrate", "analyze", "capture", "train_estimator", "train_path",
-                      "eval_path")
+TRANSFORMERS_TOOLS = (
+    "calibrate",
+    "analyze",
+    "capture",
+    "train_estimator",
+    "train_path",
+    "eval_path",
+)
 
 
 class Loaded(Exception):
@@ -30,8 +36,10 @@ class Loaded(Exception):
 @pytest.fixture(scope="module")
 def fixture_models():
     """The fixture models the tests use, built (by the tools patched below) first."""
-    return [model_path(name) for name in ("qwen3_moe", "qwen3_moe-awq", "qwen3_moe-awq-twin",
-                                          "qwen3_moe-fp8")]
+    return [
+        model_path(name)
+        for name in ("qwen3_moe", "qwen3_moe-awq", "qwen3_moe-awq-twin", "qwen3_moe-fp8")
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +52,15 @@ def no_work(monkeypatch, fixture_models):
         raise Loaded("the tool started its work")
 
     for name in TRANSFORMERS_TOOLS:
-        monkeypatch.setattr(importlib.import_module(f"vllm_specexpert.tools.{name}"),
-                            "load_model", loaded)
+        monkeypatch.setattr(
+            importlib.import_module(f"vllm_specexpert.tools.{name}"), "load_model", loaded
+        )
     for name in ("quantize", "dequantize"):
-        monkeypatch.setattr(importlib.import_module(f"vllm_specexpert.tools.{name}"),
-                            "read_checkpoint", loaded)
+        monkeypatch.setattr(
+            importlib.import_module(f"vllm_specexpert.tools.{name}"), "read_checkpoint", loaded
+        )
     for name, work in (("train_tiny", "train"), ("corpus", "describe")):
-        monkeypatch.setattr(importlib.import_module(f"vllm_specexpert.tools.{name}"), work,
-                            loaded)
+        monkeypatch.setattr(importlib.import_module(f"vllm_specexpert.tools.{name}"), work, loaded)
 
 
 @pytest.fixture
@@ -82,10 +91,19 @@ def started(argv: list[str]) -> None:
 # --------------------------------------------------------------- numbers
 
 
-@pytest.mark.parametrize("flag, value", [
-    ("--steps", "0"), ("--eval-every", "0"), ("--latent", "0"), ("--mlp-ratio", "0"),
-    ("--eval-tokens", "0"), ("--max-tokens", "-5"), ("--window", "0"), ("--steps", "2.5"),
-])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--steps", "0"),
+        ("--eval-every", "0"),
+        ("--latent", "0"),
+        ("--mlp-ratio", "0"),
+        ("--eval-tokens", "0"),
+        ("--max-tokens", "-5"),
+        ("--window", "0"),
+        ("--steps", "2.5"),
+    ],
+)
 def test_train_estimator_refuses_a_count_below_one(capsys, tmp_path, flag, value):
     out = tmp_path / "est"
     line = refused(capsys, ["train-estimator", "--out", str(out), flag, value], flag)
@@ -95,19 +113,23 @@ def test_train_estimator_refuses_a_count_below_one(capsys, tmp_path, flag, value
 
 def test_train_estimator_refuses_a_size_above_the_manifest_schema(capsys, tmp_path):
     # The estimator's shape schema caps latent: its manifest would be refused on read.
-    line = refused(capsys, ["train-estimator", "--out", str(tmp_path / "e"),
-                            "--latent", "100000"], "--latent")
+    line = refused(
+        capsys, ["train-estimator", "--out", str(tmp_path / "e"), "--latent", "100000"], "--latent"
+    )
     assert "100000" in line
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["calibrate", "--max-tokens", "0"], "--max-tokens"),
-    (["calibrate", "--window", "0"], "--window"),
-    (["capture", "--shard-tokens", "0"], "--shard-tokens"),
-    (["train-path", "--steps", "0"], "--steps"),
-    (["train-path", "--context", "0"], "--context"),
-    (["train-path", "--context", "5000"], "--context"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["calibrate", "--max-tokens", "0"], "--max-tokens"),
+        (["calibrate", "--window", "0"], "--window"),
+        (["capture", "--shard-tokens", "0"], "--shard-tokens"),
+        (["train-path", "--steps", "0"], "--steps"),
+        (["train-path", "--context", "0"], "--context"),
+        (["train-path", "--context", "5000"], "--context"),
+    ],
+)
 def test_data_tools_refuse_counts_out_of_range(capsys, tmp_path, argv, option):
     refused(capsys, [*argv, "--out", str(tmp_path / "out")], option)
     assert not (tmp_path / "out").exists()
@@ -115,10 +137,35 @@ def test_data_tools_refuse_counts_out_of_range(capsys, tmp_path, argv, option):
 
 def test_eval_path_refuses_a_batch_of_zero_and_one_above_the_tokens(capsys, tmp_path):
     predictor = str(ASSETS / "tiny-qwen3-moe-path-predictor")
-    refused(capsys, ["eval-path", "--path-predictor", predictor, "--out", str(tmp_path / "a"),
-                     "--batches", "1", "0"], "--batches")
-    refused(capsys, ["eval-path", "--path-predictor", predictor, "--out", str(tmp_path / "a"),
-                     "--batches", "64", "--max-tokens", "32"], "--batches")
+    refused(
+        capsys,
+        [
+            "eval-path",
+            "--path-predictor",
+            predictor,
+            "--out",
+            str(tmp_path / "a"),
+            "--batches",
+            "1",
+            "0",
+        ],
+        "--batches",
+    )
+    refused(
+        capsys,
+        [
+            "eval-path",
+            "--path-predictor",
+            predictor,
+            "--out",
+            str(tmp_path / "a"),
+            "--batches",
+            "64",
+            "--max-tokens",
+            "32",
+        ],
+        "--batches",
+    )
     assert not (tmp_path / "a").exists()
 
 
@@ -126,7 +173,11 @@ def test_eval_path_refuses_a_batch_of_zero_and_one_above_the_tokens(capsys, tmp_
 
 
 OUT_TOOLS = [
-    ["train-estimator"], ["calibrate"], ["analyze"], ["capture"], ["train-path"],
+    ["train-estimator"],
+    ["calibrate"],
+    ["analyze"],
+    ["capture"],
+    ["train-path"],
     ["eval-path", "--path-predictor", str(ASSETS / "tiny-qwen3-moe-path-predictor")],
 ]
 
@@ -147,14 +198,20 @@ def test_out_holding_other_things_is_refused(capsys, tmp_path, tool):
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
-@pytest.mark.parametrize("tool, artifact", [
-    (["calibrate"], TRAINED_CALIBRATION_DIR),
-    (["train-estimator"], TRAINED_ESTIMATOR_DIR),
-    (["analyze"], ASSETS / "tiny-qwen3-moe-analysis"),
-    (["train-path"], ASSETS / "tiny-qwen3-moe-path-predictor"),
-    (["eval-path", "--path-predictor", str(ASSETS / "tiny-qwen3-moe-path-predictor")],
-     ASSETS / "tiny-qwen3-moe-path-predictor"),
-], ids=lambda t: t[0] if isinstance(t, list) else "")
+@pytest.mark.parametrize(
+    "tool, artifact",
+    [
+        (["calibrate"], TRAINED_CALIBRATION_DIR),
+        (["train-estimator"], TRAINED_ESTIMATOR_DIR),
+        (["analyze"], ASSETS / "tiny-qwen3-moe-analysis"),
+        (["train-path"], ASSETS / "tiny-qwen3-moe-path-predictor"),
+        (
+            ["eval-path", "--path-predictor", str(ASSETS / "tiny-qwen3-moe-path-predictor")],
+            ASSETS / "tiny-qwen3-moe-path-predictor",
+        ),
+    ],
+    ids=lambda t: t[0] if isinstance(t, list) else "",
+)
 def test_out_that_the_tool_wrote_before_is_reused(tmp_path, tool, artifact):
     out = tmp_path / "again"
     shutil.copytree(artifact, out)
@@ -182,11 +239,26 @@ def test_capture_rewritten_keeps_no_old_shard(tmp_path, real_work):
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     out = tmp_path / "capture"
     for shard_tokens, shards in (("16", 2), ("64", 1)):  # a shard holds whole windows
-        cli.main(["capture", "--data", str(text), "--max-tokens", "64", "--window", "32",
-                  "--shard-tokens", shard_tokens, "--out", str(out)])
+        cli.main(
+            [
+                "capture",
+                "--data",
+                str(text),
+                "--max-tokens",
+                "64",
+                "--window",
+                "32",
+                "--shard-tokens",
+                shard_tokens,
+                "--out",
+                str(out),
+            ]
+        )
         assert len(list(out.glob("shard-*.safetensors"))) == shards
-    assert json.loads((out / "manifest.json").read_text())["model"] == \
-        "vllm_specexpert/assets/tiny-qwen3-moe"
+    assert (
+        json.loads((out / "manifest.json").read_text())["model"]
+        == "vllm_specexpert/assets/tiny-qwen3-moe"
+    )
 
 
 def test_out_under_a_file_is_refused(capsys, tmp_path):
@@ -204,8 +276,9 @@ def test_another_tools_artifact_is_not_reused(capsys, tmp_path):
 # ------------------------------------------------------------- inputs
 
 
-@pytest.mark.parametrize("tool", ["calibrate", "analyze", "capture", "train-estimator",
-                                  "train-path"])
+@pytest.mark.parametrize(
+    "tool", ["calibrate", "analyze", "capture", "train-estimator", "train-path"]
+)
 def test_a_model_that_is_missing_a_file_or_without_config_is_refused(capsys, tmp_path, tool):
     (tmp_path / "file").write_text("")
     (tmp_path / "empty").mkdir()
@@ -220,11 +293,14 @@ def test_data_files_must_exist_be_regular_and_not_empty(capsys, tmp_path):
     out = ["--out", str(tmp_path / "out")]
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "text.txt").write_text("x = 1\n")
-    for data, words in ((tmp_path / "nope.txt", "does not exist"),
-                        (tmp_path, "not a regular file"),
-                        (tmp_path / "empty.txt", "is empty")):
-        line = refused(capsys, ["calibrate", "--data", str(tmp_path / "text.txt"), str(data),
-                                *out], "--data")
+    for data, words in (
+        (tmp_path / "nope.txt", "does not exist"),
+        (tmp_path, "not a regular file"),
+        (tmp_path / "empty.txt", "is empty"),
+    ):
+        line = refused(
+            capsys, ["calibrate", "--data", str(tmp_path / "text.txt"), str(data), *out], "--data"
+        )
         assert words in line
     assert not (tmp_path / "out").exists()
     started(["calibrate", "--data", str(tmp_path / "text.txt"), *out])
@@ -239,21 +315,35 @@ def test_a_quantized_checkpoint_is_refused_with_its_bf16_twin_as_the_fix(capsys,
     started(["calibrate", str(model_path("qwen3_moe-awq-twin")), "--out", str(tmp_path / "o")])
 
 
-def test_the_calibration_of_the_bf16_twin_is_accepted_for_the_quantized_model(tmp_path,
-                                                                              real_work):
+def test_the_calibration_of_the_bf16_twin_is_accepted_for_the_quantized_model(tmp_path, real_work):
     """What the refusal above tells the user to do works."""
     from vllm_specexpert.calibration import load_calibration
 
     out = tmp_path / "twin-calibration"
-    cli.main(["calibrate", str(model_path("qwen3_moe-awq-twin")), "--split", "validation",
-              "--max-tokens", "64", "--window", "32", "--out", str(out)])
+    cli.main(
+        [
+            "calibrate",
+            str(model_path("qwen3_moe-awq-twin")),
+            "--split",
+            "validation",
+            "--max-tokens",
+            "64",
+            "--window",
+            "32",
+            "--out",
+            str(out),
+        ]
+    )
     for quantized in ("qwen3_moe-awq", "qwen3_moe-fp8"):
         load_calibration(out, model=str(model_path(quantized)))
 
 
 def test_an_estimator_without_calibration_is_refused(capsys, tmp_path):
-    refused(capsys, ["analyze", "--estimator", str(TRAINED_ESTIMATOR_DIR),
-                     "--out", str(tmp_path / "a")], "--estimator")
+    refused(
+        capsys,
+        ["analyze", "--estimator", str(TRAINED_ESTIMATOR_DIR), "--out", str(tmp_path / "a")],
+        "--estimator",
+    )
 
 
 def test_a_bad_calibration_is_one_line_before_the_model_runs(capsys, tmp_path):
@@ -261,21 +351,44 @@ def test_a_bad_calibration_is_one_line_before_the_model_runs(capsys, tmp_path):
     shutil.copytree(TRAINED_CALIBRATION_DIR, bad)
     (bad / "manifest.json").write_text("{not json")
     for tool in ("analyze", "train-estimator"):
-        line = refused(capsys, [tool, "--calibration", str(bad), "--out", str(tmp_path / "o")],
-                       "--calibration")
+        line = refused(
+            capsys, [tool, "--calibration", str(bad), "--out", str(tmp_path / "o")], "--calibration"
+        )
         assert "not JSON" in line and "Fix:" in line
     other = str(model_path("qwen3_moe"))
-    line = refused(capsys, ["analyze", other, "--calibration", str(TRAINED_CALIBRATION_DIR),
-                            "--out", str(tmp_path / "o")], "--calibration")
+    line = refused(
+        capsys,
+        [
+            "analyze",
+            other,
+            "--calibration",
+            str(TRAINED_CALIBRATION_DIR),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        "--calibration",
+    )
     assert "another model" in line
 
 
 def test_a_bad_calibration_is_no_traceback_in_a_real_process(tmp_path):
     bad = tmp_path / "cal"
     bad.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "vllm_specexpert.cli", "analyze",
-                           "--calibration", str(bad), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_specexpert.cli",
+            "analyze",
+            "--calibration",
+            str(bad),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
@@ -297,16 +410,36 @@ def test_a_config_error_raised_by_a_tool_is_one_line(capsys):
 
 def test_quantize_refuses_bad_sizes(capsys, tmp_path):
     model, out = str(model_path("qwen3_moe")), str(tmp_path / "q")
-    refused(capsys, ["quantize", model, out, "--format", "awq", "--group-size", "0"],
-            "--group-size")
-    refused(capsys, ["quantize", model, out, "--format", "awq", "--group-size", "48"],
-            "--group-size")
-    refused(capsys, ["quantize", model, out, "--format", "fp8", "--fp8-scales", "block",
-                     "--fp8-block", "0", "0"], "--fp8-block")
-    refused(capsys, ["quantize", model, out, "--format", "awq", "--fp8-block", "32", "32"],
-            "--fp8-block")
-    refused(capsys, ["quantize", model, out, "--format", "fp8", "--group-size", "32"],
-            "--group-size")
+    refused(
+        capsys, ["quantize", model, out, "--format", "awq", "--group-size", "0"], "--group-size"
+    )
+    refused(
+        capsys, ["quantize", model, out, "--format", "awq", "--group-size", "48"], "--group-size"
+    )
+    refused(
+        capsys,
+        [
+            "quantize",
+            model,
+            out,
+            "--format",
+            "fp8",
+            "--fp8-scales",
+            "block",
+            "--fp8-block",
+            "0",
+            "0",
+        ],
+        "--fp8-block",
+    )
+    refused(
+        capsys,
+        ["quantize", model, out, "--format", "awq", "--fp8-block", "32", "32"],
+        "--fp8-block",
+    )
+    refused(
+        capsys, ["quantize", model, out, "--format", "fp8", "--group-size", "32"], "--group-size"
+    )
     # 128 does not divide the down projection's 64 input features: found in the headers.
     line = refused(capsys, ["quantize", model, out, "--format", "awq"], "--group-size")
     assert "64 input features" in line
@@ -317,24 +450,63 @@ def test_quantize_refuses_an_output_that_is_or_holds_the_input(capsys, tmp_path)
     model = tmp_path / "model"
     shutil.copytree(model_path("qwen3_moe"), model)
     before = {p.name: p.read_bytes() for p in model.iterdir()}
-    for out, words in ((model, "input directory itself"), (model / "q", "inside the input"),
-                       (tmp_path, "contains the input")):
-        line = refused(capsys, ["quantize", str(model), str(out), "--format", "awq",
-                                "--group-size", "32"], "out")
+    for out, words in (
+        (model, "input directory itself"),
+        (model / "q", "inside the input"),
+        (tmp_path, "contains the input"),
+    ):
+        line = refused(
+            capsys,
+            ["quantize", str(model), str(out), "--format", "awq", "--group-size", "32"],
+            "out",
+        )
         assert words in line
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
 
 
 def test_quantize_refuses_a_quantized_checkpoint_and_a_foreign_output(capsys, tmp_path):
-    refused(capsys, ["quantize", str(model_path("qwen3_moe-awq")), str(tmp_path / "q"),
-                     "--format", "gptq", "--group-size", "32"], "model")
+    refused(
+        capsys,
+        [
+            "quantize",
+            str(model_path("qwen3_moe-awq")),
+            str(tmp_path / "q"),
+            "--format",
+            "gptq",
+            "--group-size",
+            "32",
+        ],
+        "model",
+    )
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text("{}")
-    refused(capsys, ["quantize", str(model_path("qwen3_moe")), str(tmp_path / "other"),
-                     "--format", "awq", "--group-size", "32"], "out")
+    refused(
+        capsys,
+        [
+            "quantize",
+            str(model_path("qwen3_moe")),
+            str(tmp_path / "other"),
+            "--format",
+            "awq",
+            "--group-size",
+            "32",
+        ],
+        "out",
+    )
     (tmp_path / "file").write_text("x")
-    line = refused(capsys, ["quantize", str(model_path("qwen3_moe")), str(tmp_path / "file"),
-                            "--format", "awq", "--group-size", "32"], "out")
+    line = refused(
+        capsys,
+        [
+            "quantize",
+            str(model_path("qwen3_moe")),
+            str(tmp_path / "file"),
+            "--format",
+            "awq",
+            "--group-size",
+            "32",
+        ],
+        "out",
+    )
     assert "not a directory" in line
 
 
@@ -347,8 +519,9 @@ def test_quantize_and_dequantize_rewrite_their_own_output(tmp_path, real_work, c
     assert stamp == {"made_by": "specexpert quantize", "format": "awq", "from": "qwen3_moe"}
     assert not (twin / "fixture.json").exists()
     # Not the other command's output.
-    line = refused(capsys, ["quantize", str(model), str(twin), "--format", "awq",
-                            "--group-size", "32"], "out")
+    line = refused(
+        capsys, ["quantize", str(model), str(twin), "--format", "awq", "--group-size", "32"], "out"
+    )
     assert "specexpert quantize" in line
 
 
@@ -359,8 +532,7 @@ def test_dequantize_refuses_a_truncated_checkpoint(capsys, tmp_path):
     os.truncate(weights, weights.stat().st_size // 2)
     line = refused(capsys, ["dequantize", str(model), str(tmp_path / "twin")], "model")
     assert "model.safetensors" in line and "cut short" in line
-    refused(capsys, ["dequantize", str(model_path("qwen3_moe")), str(tmp_path / "twin")],
-            "model")
+    refused(capsys, ["dequantize", str(model_path("qwen3_moe")), str(tmp_path / "twin")], "model")
     assert not (tmp_path / "twin").exists()
 
 
@@ -377,8 +549,13 @@ def test_progress_counts_the_total_and_writes_lines_off_a_terminal(capsys, real_
     documents = [("a.py", "def f(x):\n    return x + 1\n" * 8)]
     total = len(tokenizer(documents[0][1], add_special_tokens=False)["input_ids"])
     capsys.readouterr()
-    assert sum(len(t.token_ids) for t in trace(model, tokenizer, documents, window=16,
-                                               progress="calibrate")) == total
+    assert (
+        sum(
+            len(t.token_ids)
+            for t in trace(model, tokenizer, documents, window=16, progress="calibrate")
+        )
+        == total
+    )
     err = capsys.readouterr().err
     assert "\r" not in err
     lines = [line for line in err.splitlines() if line.startswith("calibrate: ")]
@@ -409,17 +586,36 @@ def test_shipped_artifacts_record_no_absolute_path():
 def test_the_shipped_estimator_loads_with_its_calibration():
     from vllm_specexpert.predict.estimator import load_estimator
 
-    load_estimator(TRAINED_ESTIMATOR_DIR, model=str(TRAINED_MODEL_DIR),
-                   calibration=TRAINED_CALIBRATION_DIR)
+    load_estimator(
+        TRAINED_ESTIMATOR_DIR, model=str(TRAINED_MODEL_DIR), calibration=TRAINED_CALIBRATION_DIR
+    )
 
 
 def test_written_artifacts_name_their_inputs_portably(tmp_path, real_work, capsys):
     text = tmp_path / "text.py"
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     estimator = tmp_path / "est"
-    cli.main(["train-estimator", "--data", str(text), "--max-tokens", "64", "--window", "32",
-              "--eval-tokens", "32", "--steps", "2", "--eval-every", "1", "--latent", "8",
-              "--out", str(estimator)])
+    cli.main(
+        [
+            "train-estimator",
+            "--data",
+            str(text),
+            "--max-tokens",
+            "64",
+            "--window",
+            "32",
+            "--eval-tokens",
+            "32",
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--latent",
+            "8",
+            "--out",
+            str(estimator),
+        ]
+    )
     manifest = json.loads((estimator / "manifest.json").read_text())
     assert manifest["model"] == "vllm_specexpert/assets/tiny-qwen3-moe"
     assert manifest["calibration"]["path"] == "vllm_specexpert/assets/tiny-qwen3-moe-calibration"

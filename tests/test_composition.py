@@ -47,7 +47,8 @@ def test_the_documented_table_is_the_tools():
     document = (Path(__file__).parent.parent / "docs" / "composition.md").read_text()
     assert composition.BEGIN in document and composition.END in document
     assert composition.with_table(document) == document, (
-        "docs/composition.md is stale: run `specexpert composition`")
+        "docs/composition.md is stale: run `specexpert composition`"
+    )
 
 
 @pytest.mark.parametrize("pair", composition.pairs(), ids=lambda p: f"{p[0]}+{p[1]}")
@@ -71,8 +72,7 @@ def test_each_feature_alone_runs_or_is_refused():
         verdict = composition.verdict(feature)
         assert verdict.runs, f"{feature}: {verdict.cell()}"
         if not made_by_vllm(feature):
-            check_runs_with_its_label(SpecExpertConfig.from_dict(
-                composition.settings(feature)[0]))
+            check_runs_with_its_label(SpecExpertConfig.from_dict(composition.settings(feature)[0]))
 
 
 # ----------------------------------------------------------------------- the toy run
@@ -83,8 +83,9 @@ def toy_routing(layer: int):
     gate, norm = torch.randn(E, H, generator=g), 1 + 0.1 * torch.randn(H, generator=g)
 
     def rms(h):
-        return (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-                * norm).to(h.dtype)
+        return (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm).to(
+            h.dtype
+        )
 
     def route_logits(h, logits):
         w, ids = torch.softmax(logits.float(), -1).topk(K, -1)
@@ -114,8 +115,9 @@ class InProcessPeers:
     def receive(self, sent: Sent):
         ones = torch.ones(len(sent.tokens), 1)
         ids = torch.from_numpy(sent.experts)[:, None]
-        y = torch_experts(sent.x[torch.from_numpy(sent.tokens)], ones, ids,
-                          LAYERS[NAMES[sent.layer]])
+        y = torch_experts(
+            sent.x[torch.from_numpy(sent.tokens)], ones, ids, LAYERS[NAMES[sent.layer]]
+        )
         return y.float(), np.ones(len(sent.tokens), dtype=bool)
 
     def stats(self) -> dict:
@@ -129,21 +131,33 @@ class InProcessPeers:
 
 
 def toy_engine(config: SpecExpertConfig):
-    engine = build_engine(config, {n: {k: v.clone() for k, v in t.items()}
-                                   for n, t in LAYERS.items()}, K,
-                          host_kernel=slot_kernel, reports=False, start=False)
+    engine = build_engine(
+        config,
+        {n: {k: v.clone() for k, v in t.items()} for n, t in LAYERS.items()},
+        K,
+        host_kernel=slot_kernel,
+        reports=False,
+        start=False,
+    )
     g = torch.Generator().manual_seed(3)
     for index, (name, next_name) in enumerate(pairwise(NAMES)):
         engine.link_layers(name, next_name, toy_routing(index + 1))
-    estimator = ExpertEstimator(EstimatorShape(H, len(NAMES) - 1, E, K, latent=8),
-                                list(range(len(NAMES)))).float()
-    engine.set_predictor_inputs(PredictorInputs(
-        {n: torch.randn(E, H, generator=g).bfloat16() for n in NAMES},
-        {n: torch.ones(H) for n in NAMES}, estimator,
-        transitions_of(estimator, dict(enumerate(NAMES))), frozenset(NAMES[:1])))
+    estimator = ExpertEstimator(
+        EstimatorShape(H, len(NAMES) - 1, E, K, latent=8), list(range(len(NAMES)))
+    ).float()
+    engine.set_predictor_inputs(
+        PredictorInputs(
+            {n: torch.randn(E, H, generator=g).bfloat16() for n in NAMES},
+            {n: torch.ones(H) for n in NAMES},
+            estimator,
+            transitions_of(estimator, dict(enumerate(NAMES))),
+            frozenset(NAMES[:1]),
+        )
+    )
     coactivation = np.eye(E, dtype=np.int64) * 10 + 1
-    engine.set_routing_statistics(dict.fromkeys(NAMES, coactivation),
-                                  {n: np.linspace(0, 1, 101) for n in NAMES})
+    engine.set_routing_statistics(
+        dict.fromkeys(NAMES, coactivation), {n: np.linspace(0, 1, 101) for n in NAMES}
+    )
     if config.quality is not None:
         engine.set_logit_head(identity_head(H))
     if config.mesh is not None:
@@ -162,19 +176,22 @@ def check_runs_with_its_label(config: SpecExpertConfig) -> None:
             for index in range(len(NAMES)):
                 w, ids = toy_routing(index).route(x)
                 routes[index] = ids.numpy()
-            engine.step_demand = StepDemand(tokens=4, layers={
-                i: np.bincount(r.ravel(), minlength=E) for i, r in routes.items()})
+            engine.step_demand = StepDemand(
+                tokens=4, layers={i: np.bincount(r.ravel(), minlength=E) for i, r in routes.items()}
+            )
             for index, name in enumerate(NAMES):
                 w, ids = toy_routing(index).route(x)
                 out = engine.run(name, slot_kernel, x, w, ids)
-                expected = reference_moe(x, w, ids, LAYERS[name]["w13_weight"],
-                                         LAYERS[name]["w2_weight"])
+                expected = reference_moe(
+                    x, w, ids, LAYERS[name]["w13_weight"], LAYERS[name]["w2_weight"]
+                )
                 assert out.shape == x.shape and torch.isfinite(out.float()).all()
                 if config.output == "exact":
                     assert torch.equal(out, expected), f"{name}, step {step}"
                 elif config.output == "equivalent":
                     torch.testing.assert_close(
-                        out, expected, rtol=0, atol=2 * 2**-8 * float(expected.abs().max()))
+                        out, expected, rtol=0, atol=2 * 2**-8 * float(expected.abs().max())
+                    )
                 x = (x.float() + out.float()).bfloat16()
         assert engine.stats()["output"] == config.output
     finally:

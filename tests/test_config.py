@@ -72,8 +72,14 @@ def test_not_an_object():
 
 @pytest.mark.parametrize(
     "budget, experts, top_k, slots",
-    [(1.0, 16, 4, 16), (0.5, 16, 4, 8), (0.25, 16, 4, 4), (0.3, 10, 2, 3), (6, 16, 2, 6),
-     (1, 8, 2, 8)],
+    [
+        (1.0, 16, 4, 16),
+        (0.5, 16, 4, 8),
+        (0.25, 16, 4, 4),
+        (0.3, 10, 2, 3),
+        (6, 16, 2, 6),
+        (1, 8, 2, 8),
+    ],
 )
 def test_slots_per_layer(budget, experts, top_k, slots):
     assert SpecExpertConfig.from_dict({"budget": budget}).slots_per_layer(experts, top_k) == slots
@@ -98,14 +104,27 @@ def test_link_parsing():
 
 
 def test_miss_policy_outputs_and_buddy_parsing():
-    outputs = {p: SpecExpertConfig.from_dict({"miss_policy": p, "calibration": "c",
-                                              "predictor": "router"}).output
-               for p in ("fetch", "cpu", "auto", "buddy", "random", "drop", "speculate")}
-    assert outputs == {"fetch": "exact", "cpu": "equivalent", "auto": "equivalent",
-                       "buddy": "approximate", "random": "approximate", "drop": "approximate",
-                       "speculate": "approximate"}
-    buddy = SpecExpertConfig.from_dict({"miss_policy": "random", "buddy": {
-        "tau": 0.5, "rho": 2, "beta": 1, "alpha": 0.9, "k_max": 4}}).buddy
+    outputs = {
+        p: SpecExpertConfig.from_dict(
+            {"miss_policy": p, "calibration": "c", "predictor": "router"}
+        ).output
+        for p in ("fetch", "cpu", "auto", "buddy", "random", "drop", "speculate")
+    }
+    assert outputs == {
+        "fetch": "exact",
+        "cpu": "equivalent",
+        "auto": "equivalent",
+        "buddy": "approximate",
+        "random": "approximate",
+        "drop": "approximate",
+        "speculate": "approximate",
+    }
+    buddy = SpecExpertConfig.from_dict(
+        {
+            "miss_policy": "random",
+            "buddy": {"tau": 0.5, "rho": 2, "beta": 1, "alpha": 0.9, "k_max": 4},
+        }
+    ).buddy
     assert (buddy.tau, buddy.rho, buddy.beta, buddy.alpha, buddy.k_max) == (0.5, 2, 1.0, 0.9, 4)
     link = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 1, "host_slowdown": 3}}).link
     assert link.host_slowdown == 3.0
@@ -149,9 +168,11 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
     from vllm_specexpert.validate import keep_piecewise_cuda_graphs
 
     attention = "vllm::unified_attention_with_output"
-    compiled = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
-                                 cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                                 splitting_ops=[attention])
+    compiled = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        splitting_ops=[attention],
+    )
     keep_piecewise_cuda_graphs(compiled)
     assert compiled.splitting_ops == [attention, ROUTED_EXPERTS_OP, FINAL_HIDDEN_OP]
     assert compiled.cudagraph_mode == CUDAGraphMode.PIECEWISE
@@ -162,8 +183,9 @@ def test_cuda_graphs_stay_piecewise_around_the_offloaded_op():
     keep_piecewise_cuda_graphs(uncompiled)
     assert uncompiled.cudagraph_mode == CUDAGraphMode.NONE
 
-    eager = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE,
-                              splitting_ops=[])
+    eager = CompilationConfig(
+        mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE, splitting_ops=[]
+    )
     keep_piecewise_cuda_graphs(eager)
     assert eager.splitting_ops == [] and eager.cudagraph_mode == CUDAGraphMode.NONE
 
@@ -177,13 +199,19 @@ def test_token_scheduler_settings():
     config = SpecExpertConfig.from_dict({"path_predictor": "/rpp", "token_scheduler": {}})
     assert (config.token_scheduler.group_size, config.token_scheduler.max_wait_steps) == (8, 4)
     assert SpecExpertConfig.from_dict({"token_scheduler": None}).token_scheduler is None
-    bad = [({"token_scheduler": {}}, "path_predictor"),
-           ({"path_predictor": "/rpp", "token_scheduler": {"group_size": 0}},
-            "token_scheduler.group_size"),
-           ({"path_predictor": "/rpp", "token_scheduler": {"max_wait_steps": 2.5}},
-            "token_scheduler.max_wait_steps"),
-           ({"path_predictor": "/rpp", "token_scheduler": {"group": 4}}, "token_scheduler.group"),
-           ({"path_predictor": "/rpp", "token_scheduler": []}, "token_scheduler")]
+    bad = [
+        ({"token_scheduler": {}}, "path_predictor"),
+        (
+            {"path_predictor": "/rpp", "token_scheduler": {"group_size": 0}},
+            "token_scheduler.group_size",
+        ),
+        (
+            {"path_predictor": "/rpp", "token_scheduler": {"max_wait_steps": 2.5}},
+            "token_scheduler.max_wait_steps",
+        ),
+        ({"path_predictor": "/rpp", "token_scheduler": {"group": 4}}, "token_scheduler.group"),
+        ({"path_predictor": "/rpp", "token_scheduler": []}, "token_scheduler"),
+    ]
     for raw, field_name in bad:
         with pytest.raises(SpecExpertConfigError, match=f"field '{field_name}'"):
             SpecExpertConfig.from_dict(raw)
@@ -198,20 +226,26 @@ def test_token_scheduler_settings():
 
 # Issue 13: no bad setting that passes start and then kills or hangs the engine.
 
-@pytest.mark.parametrize("text, field", [
-    # D2: JSON's Infinity and NaN pass json.loads; they used to reach the link's clock.
-    ('{"link": {"bandwidth_gbps": 1, "latency_us": Infinity}}', "link.latency_us"),
-    ('{"link": {"bandwidth_gbps": 1, "host_slowdown": Infinity}}', "link.host_slowdown"),
-    ('{"link": {"bandwidth_gbps": Infinity}}', "link.bandwidth_gbps"),
-    ('{"budget": NaN}', "budget"),
-    ('{"stats_interval_s": Infinity, "stats_path": "/tmp/s.json"}', "stats_interval_s"),
-    # D2: a link so slow the first miss never finishes.
-    ('{"link": {"bandwidth_gbps": 1e-12}}', "link.bandwidth_gbps"),
-    ('{"link": {"bandwidth_gbps": 1, "latency_us": 1e12}}', "link.latency_us"),
-    ('{"token_scheduler": {"group_size": 0}}', "token_scheduler.group_size"),
-    ('{"exact_layers": [-1], "miss_policy": "speculate", "predictor": "router"}',
-     "exact_layers"),
-])
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        # D2: JSON's Infinity and NaN pass json.loads; they used to reach the link's clock.
+        ('{"link": {"bandwidth_gbps": 1, "latency_us": Infinity}}', "link.latency_us"),
+        ('{"link": {"bandwidth_gbps": 1, "host_slowdown": Infinity}}', "link.host_slowdown"),
+        ('{"link": {"bandwidth_gbps": Infinity}}', "link.bandwidth_gbps"),
+        ('{"budget": NaN}', "budget"),
+        ('{"stats_interval_s": Infinity, "stats_path": "/tmp/s.json"}', "stats_interval_s"),
+        # D2: a link so slow the first miss never finishes.
+        ('{"link": {"bandwidth_gbps": 1e-12}}', "link.bandwidth_gbps"),
+        ('{"link": {"bandwidth_gbps": 1, "latency_us": 1e12}}', "link.latency_us"),
+        ('{"token_scheduler": {"group_size": 0}}', "token_scheduler.group_size"),
+        (
+            '{"exact_layers": [-1], "miss_policy": "speculate", "predictor": "router"}',
+            "exact_layers",
+        ),
+    ],
+)
 def test_non_finite_and_unphysical_numbers_are_rejected(text, field):
     with pytest.raises(SpecExpertConfigError) as info:
         SpecExpertConfig.from_dict(json.loads(text))
@@ -219,18 +253,28 @@ def test_non_finite_and_unphysical_numbers_are_rejected(text, field):
     assert "range is" in info.value.fix
 
 
-@pytest.mark.parametrize("raw, field, needs", [
-    # D4: settings that do nothing under the chosen mode.
-    ({"link": {"latency_us": 10}}, "link.latency_us", "bandwidth_gbps"),
-    ({"admit_host_experts": True}, "admit_host_experts", "cpu, auto, auto_buddy or lowbit"),
-    ({"buddy": {"alpha": 0.5}}, "buddy", "auto_buddy, buddy or random"),
-    ({"exact_layers": [1]}, "exact_layers", "speculate"),
-    ({"prefetch_filter": "all"}, "prefetch_filter", "predictor"),
-    ({"miss_policy": "buddy", "calibration": "c", "buddy": {"tau": 0.3, "tau_percentile": 20}},
-     "buddy.tau_percentile", "remove one"),
-    ({"plec_preload": "step"}, "plec_preload", "cache 'plec'"),
-    ({"stats_interval_s": 1}, "stats_interval_s", "stats_path"),
-])
+@pytest.mark.parametrize(
+    "raw, field, needs",
+    [
+        # D4: settings that do nothing under the chosen mode.
+        ({"link": {"latency_us": 10}}, "link.latency_us", "bandwidth_gbps"),
+        ({"admit_host_experts": True}, "admit_host_experts", "cpu, auto, auto_buddy or lowbit"),
+        ({"buddy": {"alpha": 0.5}}, "buddy", "auto_buddy, buddy or random"),
+        ({"exact_layers": [1]}, "exact_layers", "speculate"),
+        ({"prefetch_filter": "all"}, "prefetch_filter", "predictor"),
+        (
+            {
+                "miss_policy": "buddy",
+                "calibration": "c",
+                "buddy": {"tau": 0.3, "tau_percentile": 20},
+            },
+            "buddy.tau_percentile",
+            "remove one",
+        ),
+        ({"plec_preload": "step"}, "plec_preload", "cache 'plec'"),
+        ({"stats_interval_s": 1}, "stats_interval_s", "stats_path"),
+    ],
+)
 def test_a_setting_without_effect_is_an_error_naming_what_it_needs(raw, field, needs):
     with pytest.raises(SpecExpertConfigError) as info:
         SpecExpertConfig.from_dict(raw)
@@ -239,20 +283,33 @@ def test_a_setting_without_effect_is_an_error_naming_what_it_needs(raw, field, n
 
 
 def test_defaults_given_explicitly_are_not_settings_without_effect():
-    config = SpecExpertConfig.from_dict({"admit_host_experts": False, "prefetch_filter": "cost",
-                                         "buddy": {"alpha": 0.95}, "link": {"latency_us": 0}})
+    config = SpecExpertConfig.from_dict(
+        {
+            "admit_host_experts": False,
+            "prefetch_filter": "cost",
+            "buddy": {"alpha": 0.95},
+            "link": {"latency_us": 0},
+        }
+    )
     assert config == SpecExpertConfig.from_dict({})
 
 
-@pytest.mark.parametrize("raw", [
-    {"link": {"bandwidth_gbps": 10, "latency_us": 10}},
-    {"miss_policy": "cpu", "admit_host_experts": True},
-    {"miss_policy": "random", "buddy": {"tau": 0.0}},
-    {"miss_policy": "speculate", "predictor": "router", "exact_layers": [1],
-     "prefetch_filter": "all"},
-    {"cache": "plec", "plec_preload": "step", "path_predictor": "p"},
-    {"stats_path": "/tmp/s.json", "stats_interval_s": 1},
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"link": {"bandwidth_gbps": 10, "latency_us": 10}},
+        {"miss_policy": "cpu", "admit_host_experts": True},
+        {"miss_policy": "random", "buddy": {"tau": 0.0}},
+        {
+            "miss_policy": "speculate",
+            "predictor": "router",
+            "exact_layers": [1],
+            "prefetch_filter": "all",
+        },
+        {"cache": "plec", "plec_preload": "step", "path_predictor": "p"},
+        {"stats_path": "/tmp/s.json", "stats_interval_s": 1},
+    ],
+)
 def test_the_same_settings_with_their_mode_are_accepted_and_kept(raw):
     """The settings the "no effect" rule refuses alone are taken, as given, with the mode
     that uses them (a rule that refused them here would fail this test)."""
@@ -273,19 +330,38 @@ def test_a_change_is_checked_alone():
     assert config.changed({"budget": 0.25}).admit_host_experts
 
 
-@pytest.mark.parametrize("start, change, reset", [
-    # Issue 22 (6): settings kept from before that stop having an effect used to stay,
-    # so that the running config (get_stats()["config"]) no longer started an engine.
-    ({"cache": "plec", "plec_preload": "next", "path_predictor": "p"}, {"cache": "lru"},
-     {"plec_preload": "none"}),
-    ({"miss_policy": "cpu", "admit_host_experts": True}, {"miss_policy": "fetch"},
-     {"admit_host_experts": False}),
-    ({"miss_policy": "buddy", "calibration": "c", "buddy": {"rho": 2, "beta": 0.5}},
-     {"miss_policy": "fetch"}, {"buddy": {"rho": 1, "beta": 0.75}}),
-    ({"miss_policy": "speculate", "predictor": "router", "exact_layers": [1],
-      "prefetch_filter": "all"}, {"miss_policy": "fetch", "predictor": "none"},
-     {"exact_layers": None, "prefetch_filter": "cost"}),
-])
+@pytest.mark.parametrize(
+    "start, change, reset",
+    [
+        # Issue 22 (6): settings kept from before that stop having an effect used to stay,
+        # so that the running config (get_stats()["config"]) no longer started an engine.
+        (
+            {"cache": "plec", "plec_preload": "next", "path_predictor": "p"},
+            {"cache": "lru"},
+            {"plec_preload": "none"},
+        ),
+        (
+            {"miss_policy": "cpu", "admit_host_experts": True},
+            {"miss_policy": "fetch"},
+            {"admit_host_experts": False},
+        ),
+        (
+            {"miss_policy": "buddy", "calibration": "c", "buddy": {"rho": 2, "beta": 0.5}},
+            {"miss_policy": "fetch"},
+            {"buddy": {"rho": 1, "beta": 0.75}},
+        ),
+        (
+            {
+                "miss_policy": "speculate",
+                "predictor": "router",
+                "exact_layers": [1],
+                "prefetch_filter": "all",
+            },
+            {"miss_policy": "fetch", "predictor": "none"},
+            {"exact_layers": None, "prefetch_filter": "cost"},
+        ),
+    ],
+)
 def test_a_change_resets_kept_settings_it_leaves_without_effect(start, change, reset):
     config = SpecExpertConfig.from_dict(start).changed(change)
     for key, value in reset.items():
@@ -310,11 +386,14 @@ def test_a_huge_budget_is_reported_briefly():
     assert "1e+300" in str(info.value) and len(str(info.value)) < 200
 
 
-@pytest.mark.parametrize("raw, shown", [
-    # Issue 22 (6): 8.0 was shown as "8" (where a count is wanted, the float is the fault).
-    ({"token_scheduler": {"group_size": 8.0}, "path_predictor": "p"}, "got 8.0"),
-    ({"buddy": {"rho": 2.0}, "miss_policy": "buddy", "calibration": "c"}, "got 2.0"),
-])
+@pytest.mark.parametrize(
+    "raw, shown",
+    [
+        # Issue 22 (6): 8.0 was shown as "8" (where a count is wanted, the float is the fault).
+        ({"token_scheduler": {"group_size": 8.0}, "path_predictor": "p"}, "got 8.0"),
+        ({"buddy": {"rho": 2.0}, "miss_policy": "buddy", "calibration": "c"}, "got 2.0"),
+    ],
+)
 def test_a_rejected_value_is_shown_as_given(raw, shown):
     with pytest.raises(SpecExpertConfigError) as info:
         SpecExpertConfig.from_dict(raw)
@@ -342,5 +421,6 @@ def test_each_mode_table_has_one_class_per_name_and_the_class_takes_its_traits_f
         assert all(cls.spec is specs[name] for name, cls in classes.items())
     assert list(PREDICTOR_CLASSES) == list(PREDICTORS)
     assert [name for name, cls in PREDICTOR_CLASSES.items() if cls is None] == [
-        name for name, spec in PREDICTORS.items() if not spec.predicts]
+        name for name, spec in PREDICTORS.items() if not spec.predicts
+    ]
     assert all(cls.name == name for name, cls in PREDICTOR_CLASSES.items() if cls)

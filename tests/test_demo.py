@@ -15,7 +15,10 @@ def test_demo_prints_samples_and_an_exact_comparison_without_vllm_logs(tmp_path)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as from a shell
     result = subprocess.run(
         [sys.executable, "-m", "vllm_specexpert.cli", "demo", "--max-tokens", "24"],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     print(result.stdout, result.stderr[-3000:])
     assert result.returncode == 0

@@ -52,8 +52,10 @@ def test_mixed_pass_runs_each_phase_through_its_own_path():
     engine, layers = make_engine(budget=0.5, miss_policy="drop")
     w13, w2 = layers[NAMES[0]].values()
     # Resident after warm start: 0-7. Rows 0, 2 decode; rows 1, 3, 4 prefill (one prompt).
-    ids = torch.tensor([[0, 9, 1, 2], [0, 9, 1, 2], [3, 12, 13, 4], [12, 13, 14, 15],
-                        [5, 6, 7, 15]], dtype=torch.int32)
+    ids = torch.tensor(
+        [[0, 9, 1, 2], [0, 9, 1, 2], [3, 12, 13, 4], [12, 13, 14, 15], [5, 6, 7, 15]],
+        dtype=torch.int32,
+    )
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
     w = torch.softmax(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)), -1)
     phases = PassPhases(5, np.array([0, 2]), np.array([1, 3, 4]))
@@ -132,8 +134,9 @@ def test_stats_path_that_breaks_later_does_not_stop_the_engine(tmp_path):
     """Writable at start, then its directory is replaced by a file: writes fail, one
     warning is logged, and the engine keeps computing."""
     directory = tmp_path / "stats"
-    engine, layers = make_engine(budget=0.5, stats_path=str(directory / "s.json"),
-                                 stats_interval_s=0)
+    engine, layers = make_engine(
+        budget=0.5, stats_path=str(directory / "s.json"), stats_interval_s=0
+    )
     engine.write_stats()
     assert json.loads((directory / "s.json").read_text())["rank"] == 0
     shutil.rmtree(directory)
@@ -152,8 +155,9 @@ def test_stats_path_that_breaks_later_does_not_stop_the_engine(tmp_path):
     x, w, ids = random_routing(2, 16, 4)
     out = engine.run(NAMES[0], slot_kernel, x, w, ids)
     assert torch.equal(out, reference_moe(x, w, ids, *layers[NAMES[0]].values()))
-    assert [r.getMessage().startswith("specexpert: cannot write stats_path") for r in records] \
-        == [True]
+    assert [r.getMessage().startswith("specexpert: cannot write stats_path") for r in records] == [
+        True
+    ]
     engine.close()
 
 
@@ -213,8 +217,12 @@ def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(host_reads,
     assert reads == []
     monkeypatch.undo()
     first = engine.stats()["layers"][NAMES[0]]
-    assert (first["decode"]["calls"], first["decode"]["requests"], first["decode"]["hits"],
-            first["decode"]["misses"]) == (3, 12, 12, 0)
+    assert (
+        first["decode"]["calls"],
+        first["decode"]["requests"],
+        first["decode"]["hits"],
+        first["decode"]["misses"],
+    ) == (3, 12, 12, 0)
     assert (first["prefill"]["calls"], first["prefill"]["hits"]) == (1, 4)
     # An eviction ends the identity: experts 3 and 5 come back in each other's slots
     # (two-token batches take the general path), and a single token must then find 3

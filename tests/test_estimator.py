@@ -30,10 +30,16 @@ def routed_data(tokens: int, seed: int) -> dict:
 
 
 def test_distillation_learns_each_transitions_router():
-    shape = EstimatorShape(hidden_size=H, num_transitions=J, num_experts=E, top_k=K,
-                           latent=64)
-    model, curve = train(routed_data(4096, 0), routed_data(1024, 1), shape, steps=600,
-                         eval_every=100, batch=256, lr=3e-3)
+    shape = EstimatorShape(hidden_size=H, num_transitions=J, num_experts=E, top_k=K, latent=64)
+    model, curve = train(
+        routed_data(4096, 0),
+        routed_data(1024, 1),
+        shape,
+        steps=600,
+        eval_every=100,
+        batch=256,
+        lr=3e-3,
+    )
     assert curve[0]["recall"] < 0.3  # untrained: about K / E = 0.125
     assert curve[-1]["recall"] > 0.8 and curve[-1]["training_tokens"] == 600 * 256
     # The transition embedding matters: transition 0's inputs through transition 1's
@@ -50,8 +56,7 @@ def test_recall_counts_the_routers_experts_found():
 
 
 def make_artifact(tmp_path):
-    shape = EstimatorShape(hidden_size=H, num_transitions=J, num_experts=E, top_k=K,
-                           latent=16)
+    shape = EstimatorShape(hidden_size=H, num_transitions=J, num_experts=E, top_k=K, latent=16)
     model = ExpertEstimator(shape, layer_indices=[0, 2, 3, 5]).eval()
     save_estimator(tmp_path, model, {"model": "toy"})
     return model

@@ -20,22 +20,25 @@ from vllm_specexpert.tools.fixtures import (
 SCHEDULING = {"max_num_batched_tokens": 32}
 """A 32-token step budget: prompts are prefilled in chunks beside decoding requests
 (mixed passes, where the predictor's rows are fewer than the pass's)."""
-ARTIFACTS = {"calibration": str(TRAINED_CALIBRATION_DIR),
-             "estimator": str(TRAINED_ESTIMATOR_DIR), "analysis": str(TRAINED_ANALYSIS_DIR)}
+ARTIFACTS = {
+    "calibration": str(TRAINED_CALIBRATION_DIR),
+    "estimator": str(TRAINED_ESTIMATOR_DIR),
+    "analysis": str(TRAINED_ANALYSIS_DIR),
+}
 
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = make_llm(TRAINED_MODEL, specexpert={"budget": 0.25, "predictor": "hybrid",
-                                              **ARTIFACTS}, **SCHEDULING)
+    llm = make_llm(
+        TRAINED_MODEL, specexpert={"budget": 0.25, "predictor": "hybrid", **ARTIFACTS}, **SCHEDULING
+    )
     yield llm
     shutdown(llm)
 
 
 def decode_of(stats: dict) -> dict[int, dict]:
     """Decode counters by decoder-layer index."""
-    return {stats["layer_index"][name]: layer["decode"]
-            for name, layer in stats["layers"].items()}
+    return {stats["layer_index"][name]: layer["decode"] for name, layer in stats["layers"].items()}
 
 
 def chosen_layers() -> list[int]:
@@ -77,8 +80,9 @@ def test_the_estimator_predicts_better_than_quasi_hidden_online(llm):
         vllm_specexpert.reconfigure(llm, predictor=predictor, miss_policy="fetch")
         greedy(llm)
         layers = decode_of(vllm_specexpert.get_stats(llm)[0])
-        recall[predictor] = {i: d["predicted_correct"] / d["predicted"]
-                             for i, d in layers.items() if d["predicted"]}
+        recall[predictor] = {
+            i: d["predicted_correct"] / d["predicted"] for i, d in layers.items() if d["predicted"]
+        }
     # Layer l+1's prediction is counted at l+1; hybrid differs from quasi_hidden only
     # after its chosen layers.
     after = {i + 1 for i in chosen_layers()}
@@ -92,8 +96,9 @@ def test_the_estimator_predicts_better_than_quasi_hidden_online(llm):
 
 @pytest.mark.parametrize("predictor", ["estimator", "hybrid"])
 def test_router_free_skips_the_router_and_changes_nothing(llm, predictor):
-    vllm_specexpert.reconfigure(llm, predictor=predictor, miss_policy="speculate",
-                                router_free=False)
+    vllm_specexpert.reconfigure(
+        llm, predictor=predictor, miss_policy="speculate", router_free=False
+    )
     routed = greedy(llm)
     with_router = decode_of(vllm_specexpert.get_stats(llm)[0])
     vllm_specexpert.reconfigure(llm, router_free=True)
@@ -103,8 +108,11 @@ def test_router_free_skips_the_router_and_changes_nothing(llm, predictor):
     # The same tokens and log-probabilities: the router's choice was not used anyway.
     assert [c.token_ids for c in free] == [c.token_ids for c in routed]
     assert [c.logprobs for c in free] == [c.logprobs for c in routed]
-    after = ({i + 1 for i in chosen_layers()} if predictor == "hybrid"
-             else set(list(decode_of(stats))[1:]))
+    after = (
+        {i + 1 for i in chosen_layers()}
+        if predictor == "hybrid"
+        else set(list(decode_of(stats))[1:])
+    )
     for i, layer in decode_of(stats).items():
         assert layer["speculated_calls"] == with_router[i]["speculated_calls"]
         assert with_router[i]["router_free_calls"] == 0
@@ -119,26 +127,40 @@ def test_router_free_skips_the_router_and_changes_nothing(llm, predictor):
 
 
 def test_router_free_is_refused_where_it_would_do_nothing(llm):
-    for change, field in (({"predictor": "quasi_hidden", "router_free": True}, "router_free"),
-                          ({"predictor": "hybrid", "miss_policy": "fetch",
-                            "router_free": True}, "router_free"),
-                          ({"estimator": "/elsewhere"}, "estimator"),
-                          ({"analysis": None}, "analysis")):
+    for change, field in (
+        ({"predictor": "quasi_hidden", "router_free": True}, "router_free"),
+        ({"predictor": "hybrid", "miss_policy": "fetch", "router_free": True}, "router_free"),
+        ({"estimator": "/elsewhere"}, "estimator"),
+        ({"analysis": None}, "analysis"),
+    ):
         with pytest.raises(SpecExpertConfigError) as error:
             vllm_specexpert.reconfigure(llm, **change)
         assert error.value.field_name == field, change
 
 
-@pytest.mark.parametrize("raw, field", [
-    ({"predictor": "estimator", "calibration": "c"}, "estimator"),
-    ({"predictor": "hybrid", "calibration": "c", "estimator": "e"}, "analysis"),
-    ({"predictor": "estimator", "estimator": "e"}, "calibration"),
-    ({"predictor": "quasi_hidden", "calibration": "c", "router_free": True}, "router_free"),
-    ({"predictor": "estimator", "calibration": "c", "estimator": "e",
-      "router_free": True}, "router_free"),  # under fetch
-    ({"predictor": "hybrid", "calibration": "c", "estimator": "e", "analysis": "a",
-      "hybrid_threshold": 1.5}, "hybrid_threshold"),
-])
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"predictor": "estimator", "calibration": "c"}, "estimator"),
+        ({"predictor": "hybrid", "calibration": "c", "estimator": "e"}, "analysis"),
+        ({"predictor": "estimator", "estimator": "e"}, "calibration"),
+        ({"predictor": "quasi_hidden", "calibration": "c", "router_free": True}, "router_free"),
+        (
+            {"predictor": "estimator", "calibration": "c", "estimator": "e", "router_free": True},
+            "router_free",
+        ),  # under fetch
+        (
+            {
+                "predictor": "hybrid",
+                "calibration": "c",
+                "estimator": "e",
+                "analysis": "a",
+                "hybrid_threshold": 1.5,
+            },
+            "hybrid_threshold",
+        ),
+    ],
+)
 def test_config_errors_name_the_field(raw, field):
     with pytest.raises(SpecExpertConfigError) as error:
         SpecExpertConfig.from_dict(raw)
@@ -186,8 +208,7 @@ def test_an_estimator_trained_with_another_calibration_is_refused(tmp_path):
     assert error.value.field_name == "estimator" and "another calibration" in str(error.value)
 
 
-@pytest.mark.parametrize("damage", ["missing", "no_quasi_hidden", "no_fingerprint",
-                                    "other_model"])
+@pytest.mark.parametrize("damage", ["missing", "no_quasi_hidden", "no_fingerprint", "other_model"])
 def test_a_bad_analysis_is_one_error_naming_it(tmp_path, damage):
     from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
@@ -206,8 +227,10 @@ def test_a_bad_analysis_is_one_error_naming_it(tmp_path, damage):
 
 
 def test_hybrid_chooses_the_transitions_below_the_threshold():
-    rows = [{"from_layer": i, "to_layer": i + 1, "quasi_hidden": {"recall": r}}
-            for i, r in enumerate([0.9, 0.5, 0.8, 0.6])]
+    rows = [
+        {"from_layer": i, "to_layer": i + 1, "quasi_hidden": {"recall": r}}
+        for i, r in enumerate([0.9, 0.5, 0.8, 0.6])
+    ]
     assert hybrid_layers({"transitions": rows}, None) == ([1, 3], pytest.approx(0.7))
     assert hybrid_layers({"transitions": rows}, 0.85)[0] == [1, 2, 3]
     assert hybrid_layers({"transitions": rows}, 0.0)[0] == []
@@ -218,8 +241,11 @@ def test_compiled_mode_is_exact_under_fetch_and_refuses_router_free():
     """vLLM's default (compiled) mode traces the runner's gate and selection into the
     graph: no wrapper is installed (the graph stays vanilla's), and router_free, which
     would need one, is refused naming it."""
-    compiled = make_llm(TRAINED_MODEL, eager=False, specexpert={
-        "budget": 0.25, "predictor": "estimator", **ARTIFACTS})
+    compiled = make_llm(
+        TRAINED_MODEL,
+        eager=False,
+        specexpert={"budget": 0.25, "predictor": "estimator", **ARTIFACTS},
+    )
     try:
         outputs = greedy(compiled)
         reference = vanilla_reference(TRAINED_MODEL, eager=False)

@@ -30,8 +30,9 @@ CASES = [(arch, True) for arch in MOE_ARCHS] + [
 ]
 
 
-@pytest.fixture(scope="module", params=CASES,
-                ids=lambda c: f"{c[0]}-{'eager' if c[1] else 'compiled'}")
+@pytest.fixture(
+    scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'eager' if c[1] else 'compiled'}"
+)
 def engines(request):
     arch, eager = request.param
     reference = vanilla_reference(arch, eager)
@@ -44,9 +45,11 @@ def resident_experts(model) -> list[list[int]]:
     """Worker side: the experts each offloaded layer holds."""
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
-    return [sorted(int(e) for e in module.engine.layers[module.layer_name].cache.slot_expert
-                   if e >= 0)
-            for module in model.modules() if isinstance(module, OffloadedRoutedExperts)]
+    return [
+        sorted(int(e) for e in module.engine.layers[module.layer_name].cache.slot_expert if e >= 0)
+        for module in model.modules()
+        if isinstance(module, OffloadedRoutedExperts)
+    ]
 
 
 def test_serving_starts_from_the_warm_start(engines):
@@ -116,14 +119,16 @@ def offload_layout(model):
     for module in model.modules():
         if isinstance(module, OffloadedRoutedExperts):
             cache = module.engine.layers[module.layer_name].cache
-            rows.append({
-                "params_are_the_store": all(
-                    getattr(module, key).data_ptr() == tensor.data_ptr()
-                    for key, tensor in cache.experts.tensors.items()
-                ),
-                "pool_rows": sorted({t.shape[0] for t in cache.slots.values()}),
-                "num_slots": cache.num_slots,
-            })
+            rows.append(
+                {
+                    "params_are_the_store": all(
+                        getattr(module, key).data_ptr() == tensor.data_ptr()
+                        for key, tensor in cache.experts.tensors.items()
+                    ),
+                    "pool_rows": sorted({t.shape[0] for t in cache.slots.values()}),
+                    "num_slots": cache.num_slots,
+                }
+            )
     return rows
 
 

@@ -100,8 +100,9 @@ def test_device_map_path_is_exact_through_prefetches_and_cancellations(tokens):
         pool = np.setdiff1d(np.arange(16), ids.numpy()) if step % 2 else np.arange(16)
         loader.prefetch(rng.permutation(pool)[:3], stats)
         out = run_fetch(loader, x, w, ids, stats)
-        assert torch.equal(out, reference_moe(x, w, ids, tensors["w13_weight"],
-                                              tensors["w2_weight"]))
+        assert torch.equal(
+            out, reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"])
+        )
         # After a launch the device map is the host map, evictions included.
         assert torch.equal(cache.expert_map, torch.from_numpy(cache.expert_slot))
         check_cache_invariants(loader)

@@ -42,8 +42,10 @@ def test_small_cases_are_optimal():
     for trial in range(20):
         routes = rng.random((6, 24)) < 0.2
         groups = partition(routes, group_size=3, swap_passes=3)
-        best = min(union_size(routes, [np.array(a), np.setdiff1d(np.arange(6), a)])
-                   for a in itertools.combinations(range(6), 3))
+        best = min(
+            union_size(routes, [np.array(a), np.setdiff1d(np.arange(6), a)])
+            for a in itertools.combinations(range(6), 3)
+        )
         assert union_size(routes, groups) == best, trial
 
 

@@ -93,8 +93,10 @@ def test_masked_entries_add_nothing():
     masked_ids[:, 3] = ids[:, 0]
     masked_w = w.clone()
     masked_w[:, 3] = 0
-    assert torch.equal(run(x, masked_w, masked_ids, p13, p2),
-                       run(x, w[:, :3].contiguous(), ids[:, :3].contiguous(), p13, p2))
+    assert torch.equal(
+        run(x, masked_w, masked_ids, p13, p2),
+        run(x, w[:, :3].contiguous(), ids[:, :3].contiguous(), p13, p2),
+    )
 
 
 def test_torch_host_kernel_matches_vllm_cpu_kernel():

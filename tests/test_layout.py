@@ -27,15 +27,19 @@ def module_name(path: Path) -> str:
 
 def modules() -> dict[str, Path]:
     """Every module of the package by name (tools included), assets left out."""
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))
-            if "assets" not in p.relative_to(PACKAGE).parts}
+    return {
+        module_name(p): p
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if "assets" not in p.relative_to(PACKAGE).parts
+    }
 
 
 def _type_checking(node: ast.AST) -> bool:
     test = getattr(node, "test", None)
     return isinstance(node, ast.If) and (
         (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
 
 
 def imports_of(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
@@ -71,8 +75,10 @@ def imports_of(module: str, source: str, is_package: bool, known: set[str]) -> s
 def import_graph() -> dict[str, set[str]]:
     found = modules()
     known = set(found)
-    return {name: imports_of(name, path.read_text(), path.name == "__init__.py", known)
-            for name, path in found.items()}
+    return {
+        name: imports_of(name, path.read_text(), path.name == "__init__.py", known)
+        for name, path in found.items()
+    }
 
 
 def relation_map() -> dict[str, tuple[int, str]]:
@@ -162,8 +168,10 @@ def test_every_runtime_module_is_in_the_relation_map():
             # A runtime package's module: named in its package's line.
             top = parts[0] + "/"
             words = set(re.findall(r"[\w]+/?", entries[top][1]))
-            if any(part != "__init__" and part not in words and f"{part}/" not in words
-                   for part in parts[1:]):
+            if any(
+                part != "__init__" and part not in words and f"{part}/" not in words
+                for part in parts[1:]
+            ):
                 missing.append(module)
     assert missing == []
 
@@ -172,8 +180,11 @@ def test_the_readme_shows_the_same_map():
     """README's copy of the relation map is the package docstring's, line for line."""
     readme = (PACKAGE.parent / "README.md").read_text()
     shown = [line for line in readme.splitlines() if re.match(r"^\d  \S", line)]
-    mapped = [line[4:] for line in (vllm_specexpert.__doc__ or "").splitlines()
-              if re.match(r"^    \d  \S", line)]
+    mapped = [
+        line[4:]
+        for line in (vllm_specexpert.__doc__ or "").splitlines()
+        if re.match(r"^    \d  \S", line)
+    ]
     assert shown == mapped and len(mapped) > 20
 
 
@@ -191,24 +202,30 @@ def test_no_module_imports_from_a_layer_above_its_own():
     entries = relation_map()
     upward = sorted(
         f"{source} ({layer_of(source, entries)}) -> {target} ({layer_of(target, entries)})"
-        for source, targets in import_graph().items() for target in targets
-        if layer_of(target, entries) > layer_of(source, entries))
+        for source, targets in import_graph().items()
+        for target in targets
+        if layer_of(target, entries) > layer_of(source, entries)
+    )
     assert upward == []
 
 
-
 def test_no_runtime_docstring_points_outside_the_repository():
-    outside = [name for name, path in modules().items()
-               if "../shared" in path.read_text() or "shared/papers" in path.read_text()]
+    outside = [
+        name
+        for name, path in modules().items()
+        if "../shared" in path.read_text() or "shared/papers" in path.read_text()
+    ]
     assert outside == []
 
 
 def test_no_runtime_module_imports_the_tools():
     graph = import_graph()
     assert f"{ROOT}.engine" in graph and f"{ROOT}.layers.routed_experts" in graph
-    offenders = {name: sorted(t for t in targets if t.startswith(TOOLS))
-                 for name, targets in graph.items()
-                 if not name.startswith(TOOLS) and name != f"{ROOT}.cli"}
+    offenders = {
+        name: sorted(t for t in targets if t.startswith(TOOLS))
+        for name, targets in graph.items()
+        if not name.startswith(TOOLS) and name != f"{ROOT}.cli"
+    }
     # The specexpert command dispatches to tools by name, lazily; it is not the runtime.
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -216,14 +233,15 @@ def test_no_runtime_module_imports_the_tools():
 def test_the_scanner_sees_function_level_and_relative_imports(tmp_path):
     """The scanner would catch the imports the runtime must not have (checked on a
     module that lives outside the source tree)."""
-    source = ("def f():\n    from ..tools import fixtures\n"
-              "    import vllm_specexpert.tools.corpus\n"
-              "from typing import TYPE_CHECKING\n"
-              "if TYPE_CHECKING:\n    from vllm_specexpert import engine\n")
+    source = (
+        "def f():\n    from ..tools import fixtures\n"
+        "    import vllm_specexpert.tools.corpus\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from vllm_specexpert import engine\n"
+    )
     (tmp_path / "probe.py").write_text(source)
     known = set(modules())
-    names = imports_of(f"{ROOT}.layers.probe", (tmp_path / "probe.py").read_text(), False,
-                       known)
+    names = imports_of(f"{ROOT}.layers.probe", (tmp_path / "probe.py").read_text(), False, known)
     assert names == {f"{ROOT}.tools.fixtures", f"{ROOT}.tools.corpus"}
 
 

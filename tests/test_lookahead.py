@@ -40,9 +40,9 @@ def test_buffer_keeps_the_verified_rows_of_each_pass():
     buffer.begin(first_rows=np.array([2, 4]))
     ids = np.array([[0, 1], [0, 1], [2, 3], [0, 1], [4, 5]])
     weights = np.full(ids.shape, 0.5)
-    first = buffer.record(0, ids, weights)   # pass 0: rows 2 and 4 only
+    first = buffer.record(0, ids, weights)  # pass 0: rows 2 and 4 only
     assert first.draft_pass == 0 and first.ids.tolist() == [[2, 3], [4, 5]]
-    buffer.record(1, ids, weights)            # same pass, next layer
+    buffer.record(1, ids, weights)  # same pass, next layer
     second = buffer.record(0, np.array([[6, 7], [6, 1]]), np.full((2, 2), 0.5))
     assert second.draft_pass == 1 and buffer.passes == 2
     assert buffer.demand[0].tolist() == [0, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 0.5]
@@ -67,8 +67,11 @@ def _measure(governor, requests, cycle_of_k, acceptance, steps):
         k = governor.choose(requests)
         keep = governor.drafting(requests, k)
         governor.drafted(len(requests), k)
-        accepted = {r: (k, int(sum(acceptance[r] ** i for i in range(1, k + 1))))
-                    for r in requests if r in keep and k}
+        accepted = {
+            r: (k, int(sum(acceptance[r] ** i for i in range(1, k + 1))))
+            for r in requests
+            if r in keep and k
+        }
         governor.verified(accepted, cycle_of_k(k))
         chosen.append(k)
     return chosen
@@ -99,8 +102,16 @@ def test_a_noisy_cycle_is_shrunk_toward_the_other_draft_lengths():
     governor = Governor(k_max=2)
     # First samples dropped; then k = 0: 1.0, k = 2: 1.2 once each, k = 1: 1.1, 1.1 and
     # one slow outlier.
-    for k, cycle in [(0, 5.0), (1, 5.0), (2, 5.0), (0, 1.0), (2, 1.2),
-                     (1, 1.1), (1, 9.0), (1, 1.1)]:
+    for k, cycle in [
+        (0, 5.0),
+        (1, 5.0),
+        (2, 5.0),
+        (0, 1.0),
+        (2, 1.2),
+        (1, 1.1),
+        (1, 9.0),
+        (1, 1.1),
+    ]:
         governor.drafted(1, k)
         governor.verified({}, cycle)
     assert governor.cycle_s(1, 1) == pytest.approx(1.1)  # not the mean, 3.7
@@ -115,7 +126,7 @@ def test_governor_turns_drafting_off_when_it_does_not_pay():
     governor = Governor(k_max=4)
     # Each drafted token costs as much as a whole plain step, and half are rejected.
     chosen = _measure(governor, ["a"], lambda k: 1.0 + 1.0 * k, {"a": 0.5}, 40)
-    assert chosen[5 * WARM_UP_SAMPLES:].count(0) >= 25
+    assert chosen[5 * WARM_UP_SAMPLES :].count(0) >= 25
     assert governor.stats.steps_by_k[0] == chosen.count(0)
 
 
@@ -139,14 +150,17 @@ def test_fixed_k_is_kept():
 # ------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("raw, field", [
-    ({"lookahead": {"k_max": 9}}, "lookahead.k_max"),
-    ({"lookahead": {"k_max": 0}}, "lookahead.k_max"),
-    ({"lookahead": {"k_max": 2, "k": 3}}, "lookahead.k"),
-    ({"lookahead": {"draft_budget": 0}}, "lookahead.draft_budget"),
-    ({"lookahead": {"depth": 2}}, "lookahead.depth"),
-    ({"lookahead": {}, "token_scheduler": {}, "path_predictor": "x"}, "token_scheduler"),
-])
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"lookahead": {"k_max": 9}}, "lookahead.k_max"),
+        ({"lookahead": {"k_max": 0}}, "lookahead.k_max"),
+        ({"lookahead": {"k_max": 2, "k": 3}}, "lookahead.k"),
+        ({"lookahead": {"draft_budget": 0}}, "lookahead.draft_budget"),
+        ({"lookahead": {"depth": 2}}, "lookahead.depth"),
+        ({"lookahead": {}, "token_scheduler": {}, "path_predictor": "x"}, "token_scheduler"),
+    ],
+)
 def test_bad_lookahead_settings_name_their_field(raw, field):
     with pytest.raises(SpecExpertConfigError) as error:
         SpecExpertConfig.from_dict(raw)
@@ -160,23 +174,37 @@ def test_plec_takes_its_demand_from_the_draft():
         SpecExpertConfig.from_dict({"cache": "plec"})
 
 
-@pytest.mark.parametrize("model, specexpert, engine, field", [
-    ("qwen3_moe-awq", {"lookahead": {}}, {}, "lookahead"),
-    (TRAINED_MODEL, {"lookahead": {}}, {"speculative_config": {"method": "ngram",
-                                                              "num_speculative_tokens": 4}},
-     "lookahead"),
-    (TRAINED_MODEL, {"lookahead": {"k_max": 2}},
-     {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3}},
-     "lookahead"),
-    (TRAINED_MODEL, {"lookahead": {"draft_budget": 0.03}}, {}, "lookahead.draft_budget"),
-])
+@pytest.mark.parametrize(
+    "model, specexpert, engine, field",
+    [
+        ("qwen3_moe-awq", {"lookahead": {}}, {}, "lookahead"),
+        (
+            TRAINED_MODEL,
+            {"lookahead": {}},
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+            "lookahead",
+        ),
+        (
+            TRAINED_MODEL,
+            {"lookahead": {"k_max": 2}},
+            {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3}},
+            "lookahead",
+        ),
+        (TRAINED_MODEL, {"lookahead": {"draft_budget": 0.03}}, {}, "lookahead.draft_budget"),
+    ],
+)
 def test_lookahead_refuses_at_start(model, specexpert, engine, field):
     from vllm import EngineArgs
 
     from vllm_specexpert.tools.fixtures import model_path
 
-    args = EngineArgs(model=str(model_path(model)), max_model_len=512, enforce_eager=True,
-                      additional_config={"specexpert": specexpert}, **engine)
+    args = EngineArgs(
+        model=str(model_path(model)),
+        max_model_len=512,
+        enforce_eager=True,
+        additional_config={"specexpert": specexpert},
+        **engine,
+    )
     with pytest.raises(SpecExpertConfigError) as error:
         args.create_engine_config()
     assert error.value.field_name == field
@@ -189,9 +217,15 @@ def test_lookahead_refuses_at_start(model, specexpert, engine, field):
 def llm():
     # A 128-token step budget chunks prompts; 20 KV blocks of 32 tokens (640 tokens,
     # target and draft) cannot hold 32 running requests: vLLM preempts some.
-    llm = make_llm(TRAINED_MODEL, specexpert={"budget": BUDGET, "lookahead": {}},
-                   max_num_seqs=32, max_num_batched_tokens=128, block_size=32,
-                   num_gpu_blocks_override=20, disable_log_stats=False)
+    llm = make_llm(
+        TRAINED_MODEL,
+        specexpert={"budget": BUDGET, "lookahead": {}},
+        max_num_seqs=32,
+        max_num_batched_tokens=128,
+        block_size=32,
+        num_gpu_blocks_override=20,
+        disable_log_stats=False,
+    )
     yield llm
     shutdown(llm)
 
@@ -217,8 +251,7 @@ def test_lookahead_under_fetch_is_exact_at_one_sequence(llm):
     assert 0 < lookahead["steps"] < 23 - 5
 
 
-def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill_and_preemption(
-        llm):
+def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill_and_preemption(llm):
     # 32 prompts through a 128-token step budget: prompts are chunked, and passes mix
     # verification rows with prefill rows; the KV cache is too small for all of them.
     reference = greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=MANY)
@@ -253,8 +286,9 @@ def test_fixed_k_by_reconfigure(llm):
 
 
 def test_a_small_draft_pool_decodes_its_int4_experts_on_use():
-    llm = make_llm(TRAINED_MODEL, specexpert={"budget": BUDGET,
-                                              "lookahead": {"draft_budget": 0.25}})
+    llm = make_llm(
+        TRAINED_MODEL, specexpert={"budget": BUDGET, "lookahead": {"draft_budget": 0.25}}
+    )
     try:
         outputs = greedy(llm)
         assert _tokens(outputs) == _tokens(vanilla_reference(TRAINED_MODEL))

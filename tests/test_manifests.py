@@ -26,24 +26,38 @@ CALIBRATION = ASSETS / "tiny-qwen3-moe-calibration"
 
 # field -> (shipped directory, manifest file, loader with every check, remake command)
 ARTIFACTS = {
-    "estimator": (ASSETS / "tiny-qwen3-moe-estimator", "manifest.json",
-                  lambda d: load_estimator(d, model=MODEL, hf_config=HF_CONFIG,
-                                           calibration=CALIBRATION),
-                  "specexpert train-estimator"),
-    "calibration": (CALIBRATION, "manifest.json",
-                    lambda d: load_calibration(d, model=MODEL, hf_config=HF_CONFIG,
-                                               num_experts=64),
-                    "specexpert calibrate"),
-    "analysis": (ASSETS / "tiny-qwen3-moe-analysis", "analysis.json",
-                 lambda d: read_analysis(d, model=MODEL, hf_config=HF_CONFIG),
-                 "specexpert analyze"),
-    "path_predictor": (ASSETS / "tiny-qwen3-moe-path-predictor", "manifest.json",
-                       lambda d: load_path_predictor(d, model=MODEL, hf_config=HF_CONFIG),
-                       "specexpert train-path"),
+    "estimator": (
+        ASSETS / "tiny-qwen3-moe-estimator",
+        "manifest.json",
+        lambda d: load_estimator(d, model=MODEL, hf_config=HF_CONFIG, calibration=CALIBRATION),
+        "specexpert train-estimator",
+    ),
+    "calibration": (
+        CALIBRATION,
+        "manifest.json",
+        lambda d: load_calibration(d, model=MODEL, hf_config=HF_CONFIG, num_experts=64),
+        "specexpert calibrate",
+    ),
+    "analysis": (
+        ASSETS / "tiny-qwen3-moe-analysis",
+        "analysis.json",
+        lambda d: read_analysis(d, model=MODEL, hf_config=HF_CONFIG),
+        "specexpert analyze",
+    ),
+    "path_predictor": (
+        ASSETS / "tiny-qwen3-moe-path-predictor",
+        "manifest.json",
+        lambda d: load_path_predictor(d, model=MODEL, hf_config=HF_CONFIG),
+        "specexpert train-path",
+    ),
 }
 
-LOADERS = {"estimator": load_estimator, "calibration": load_calibration,
-           "analysis": read_analysis, "path_predictor": load_path_predictor}
+LOADERS = {
+    "estimator": load_estimator,
+    "calibration": load_calibration,
+    "analysis": read_analysis,
+    "path_predictor": load_path_predictor,
+}
 """The loaders themselves (no model, or one given by the test)."""
 
 
@@ -74,12 +88,14 @@ def refused(field: str, directory: Path, key: str) -> SpecExpertConfigError:
 
 def put(path: str, value):
     """A change setting ``a.b.0.c`` (dots, list indices) of a manifest to ``value``."""
+
     def change(manifest):
         *parents, last = path.split(".")
         node = manifest
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
         node[int(last) if isinstance(node, list) else last] = value
+
     return change
 
 
@@ -90,6 +106,7 @@ def drop(path: str):
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
         del node[last]
+
     return change
 
 
@@ -103,8 +120,9 @@ def test_the_shipped_artifacts_load(field):
 def test_unknown_keys_are_kept(tmp_path, field):
     # Older and newer writers add information keys: not a reason to refuse.
     directory = damaged(tmp_path, field, lambda m: m.update(written_by="a later version"))
-    directory = damaged(tmp_path / "deep", field,
-                        lambda m: m["model_fingerprint"].update(rope_theta=1e6))
+    directory = damaged(
+        tmp_path / "deep", field, lambda m: m["model_fingerprint"].update(rope_theta=1e6)
+    )
     assert ARTIFACTS[field][2](directory) is not None
 
 
@@ -114,9 +132,9 @@ CORRUPT = [
     ("estimator", put("model_fingerprint", ["Qwen3MoeForCausalLM"]), "model_fingerprint"),
     ("estimator", put("calibration", "tiny-qwen3-moe-calibration"), "calibration"),
     ("estimator", put("shape.latent", -5), "shape.latent"),
-    ("estimator", put("shape.latent", 2 ** 40), "shape.latent"),
+    ("estimator", put("shape.latent", 2**40), "shape.latent"),
     ("analysis", put("model_fingerprint", "Qwen3MoeForCausalLM"), "model_fingerprint"),
-    ("estimator", put("shape.mlp_ratio", 10 ** 9), "shape.mlp_ratio"),
+    ("estimator", put("shape.mlp_ratio", 10**9), "shape.mlp_ratio"),
     ("estimator", put("shape.hidden_size", "256"), "shape.hidden_size"),
     ("estimator", put("shape.num_experts", True), "shape.num_experts"),
     ("estimator", put("shape.top_k", 65), "shape.top_k"),
@@ -126,10 +144,12 @@ CORRUPT = [
     ("estimator", put("moe_layer_indices", [0, 1, 2, 3, 4, 5, 7, 6]), "moe_layer_indices"),
     ("estimator", put("calibration.sha256", 42), "calibration.sha256"),
     ("estimator", put("model_fingerprint.hidden_size", "256"), "model_fingerprint.hidden_size"),
-    ("estimator", put("model_fingerprint.router_sha256", "0"),
-     "model_fingerprint.router_sha256"),
-    ("estimator", put("model_fingerprint.architectures", "Qwen3MoeForCausalLM"),
-     "model_fingerprint.architectures"),
+    ("estimator", put("model_fingerprint.router_sha256", "0"), "model_fingerprint.router_sha256"),
+    (
+        "estimator",
+        put("model_fingerprint.architectures", "Qwen3MoeForCausalLM"),
+        "model_fingerprint.architectures",
+    ),
     ("calibration", put("model_fingerprint", []), "model_fingerprint"),
     ("calibration", drop("model_fingerprint"), "model_fingerprint"),
     ("calibration", put("num_experts", -64), "num_experts"),
@@ -140,22 +160,31 @@ CORRUPT = [
     ("calibration", put("moe_layer_indices", [0, 0, 1]), "moe_layer_indices"),
     ("path_predictor", put("model_fingerprint", 7), "model_fingerprint"),
     ("path_predictor", put("shape.vocab_size", -1), "shape.vocab_size"),
-    ("path_predictor", put("shape.hidden", 2 ** 40), "shape.hidden"),
+    ("path_predictor", put("shape.hidden", 2**40), "shape.hidden"),
     ("path_predictor", put("shape.window", "8"), "shape.window"),
     ("path_predictor", drop("moe_layer_indices"), "moe_layer_indices"),
     ("path_predictor", put("moe_layer_indices", [0, 1]), "moe_layer_indices"),
     # Issue 37 item 4: these passed read_analysis and failed in the worker (KeyError,
     # TypeError) or were accepted by a substring test.
     ("analysis", drop("transitions"), "transitions"),
-    ("analysis", put("transitions.2.quasi_hidden.recall", "0.63"),
-     "transitions.2.quasi_hidden.recall"),
+    (
+        "analysis",
+        put("transitions.2.quasi_hidden.recall", "0.63"),
+        "transitions.2.quasi_hidden.recall",
+    ),
     ("analysis", put("predictors", "quasi_hidden"), "predictors"),
     ("analysis", put("predictors", ["router"]), "predictors"),
     ("analysis", drop("transitions.0.quasi_hidden"), "transitions.0.quasi_hidden"),
-    ("analysis", put("transitions.1.quasi_hidden.recall", 1.5),
-     "transitions.1.quasi_hidden.recall"),
-    ("analysis", put("transitions.1.quasi_hidden.recall", float("nan")),
-     "transitions.1.quasi_hidden.recall"),
+    (
+        "analysis",
+        put("transitions.1.quasi_hidden.recall", 1.5),
+        "transitions.1.quasi_hidden.recall",
+    ),
+    (
+        "analysis",
+        put("transitions.1.quasi_hidden.recall", float("nan")),
+        "transitions.1.quasi_hidden.recall",
+    ),
     ("analysis", put("transitions.3.from_layer", None), "transitions.3.from_layer"),
     ("analysis", put("transitions.3", "layer 3"), "transitions.3"),
     ("analysis", put("transitions", []), "transitions"),
@@ -166,21 +195,27 @@ CORRUPT = [
 ]
 
 
-@pytest.mark.parametrize("field, change, key", CORRUPT,
-                         ids=[f"{f}-{k}-{i}" for i, (f, _, k) in enumerate(CORRUPT)])
-def test_a_corrupt_manifest_is_one_error_naming_field_file_key_and_fix(tmp_path, field,
-                                                                        change, key):
+@pytest.mark.parametrize(
+    "field, change, key", CORRUPT, ids=[f"{f}-{k}-{i}" for i, (f, _, k) in enumerate(CORRUPT)]
+)
+def test_a_corrupt_manifest_is_one_error_naming_field_file_key_and_fix(
+    tmp_path, field, change, key
+):
     refused(field, damaged(tmp_path, field, change), key)
 
 
 def test_sizes_are_checked_against_the_weights_file_before_anything_is_allocated(tmp_path):
     # Within the schema's bounds, but a network of 2.7e11 parameters (1.1 TB): the
     # header of the 0.4 MB weights file says otherwise, and that is read first.
-    directory = damaged(tmp_path, "estimator",
-                        lambda m: m["shape"].update(latent=1 << 16, mlp_ratio=64))
+    directory = damaged(
+        tmp_path, "estimator", lambda m: m["shape"].update(latent=1 << 16, mlp_ratio=64)
+    )
     started = time.perf_counter()
-    with pytest.raises(SpecExpertConfigError, match=r"has shape \[\d+(, \d+)*\], expected "
-                       r"\[\d+(, \d+)*\]") as info:
+    with pytest.raises(
+        SpecExpertConfigError,
+        match=r"has shape \[\d+(, \d+)*\], expected "
+        r"\[\d+(, \d+)*\]",
+    ) as info:
         ARTIFACTS["estimator"][2](directory)
     assert info.value.field_name == "estimator"
     assert time.perf_counter() - started < 10
@@ -198,11 +233,14 @@ def test_an_artifact_without_a_fingerprint_is_refused_when_checked_against_a_mod
     assert load_estimator(directory) is not None  # nothing to check it against
 
 
-@pytest.mark.parametrize("field, sizes", [
-    ("estimator", {"hidden_size": 128}),
-    ("path_predictor", {"vocab_size": 20000}),
-    ("calibration", {"num_local_experts": 32}),
-])
+@pytest.mark.parametrize(
+    "field, sizes",
+    [
+        ("estimator", {"hidden_size": 128}),
+        ("path_predictor", {"vocab_size": 20000}),
+        ("calibration", {"num_local_experts": 32}),
+    ],
+)
 def test_a_fingerprint_unlike_the_artifacts_own_sizes_is_refused(tmp_path, field, sizes):
     # The artifact claims a model (by its fingerprint) whose sizes are not its own.
     directory = damaged(tmp_path, field, lambda m: m["model_fingerprint"].update(sizes))
@@ -227,8 +265,11 @@ def test_a_hub_model_is_compared_by_its_config(field):
 def test_what_read_analysis_lets_through_the_worker_can_use(tmp_path):
     # The worker's readers (hybrid_layers, check_layers) work on any analysis the schema
     # accepts; with extra predictors and keys included.
-    directory = damaged(tmp_path, "analysis", lambda m: m["transitions"][0].update(
-        other_predictor={"recall": 0.1}, note="x"))
+    directory = damaged(
+        tmp_path,
+        "analysis",
+        lambda m: m["transitions"][0].update(other_predictor={"recall": 0.1}, note="x"),
+    )
     analysis = read_analysis(directory)
     chosen, threshold = hybrid_layers(analysis, None)
     assert 0 < threshold < 1 and set(chosen) <= set(range(7))

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("ray", reason="the mesh extra is not installed: "
-                    "pip install -e '.[mesh]' (make setup does)")
+pytest.importorskip(
+    "ray", reason="the mesh extra is not installed: pip install -e '.[mesh]' (make setup does)"
+)
 
 from manual_clock import ManualClock
 from toy_engine import build_engine
@@ -48,9 +49,16 @@ WINDOWS, PROMPT_TOKENS, FORCED = 8, 16, 48
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = make_llm(TRAINED_MODEL, specexpert={
-        "budget": BUDGET, "predictor": "quasi_hidden", "calibration": CALIBRATION,
-        "mesh": {"peers": 2}}, logits_processors=[TeacherForcing])
+    llm = make_llm(
+        TRAINED_MODEL,
+        specexpert={
+            "budget": BUDGET,
+            "predictor": "quasi_hidden",
+            "calibration": CALIBRATION,
+            "mesh": {"peers": 2},
+        },
+        logits_processors=[TeacherForcing],
+    )
     yield llm
     engine().close()
     shutdown(llm)
@@ -68,7 +76,7 @@ def held_out_windows() -> list[list[int]]:
     tokenizer = load_tokenizer()
     ids = [i for f in corpus.corpus_files("validation") for i in tokenizer.encode(f.read()).ids]
     size = PROMPT_TOKENS + FORCED
-    return [ids[i * 997 * size:][:size] for i in range(WINDOWS)]
+    return [ids[i * 997 * size :][:size] for i in range(WINDOWS)]
 
 
 def teacher_forced_top1(llm) -> list[int]:
@@ -76,12 +84,20 @@ def teacher_forced_top1(llm) -> list[int]:
     prompts, params = [], []
     for window in held_out_windows():
         prompts.append(TokensPrompt(prompt_token_ids=window[:PROMPT_TOKENS]))
-        params.append(SamplingParams(temperature=0.0, max_tokens=FORCED, logprobs=1,
-                                     ignore_eos=True,
-                                     extra_args={FORCED_TOKENS: window[PROMPT_TOKENS:]}))
-    top1 = [min(step.items(), key=lambda kv: kv[1].rank)[0]
-            for out in llm.generate(prompts, params, use_tqdm=False)
-            for step in out.outputs[0].logprobs]
+        params.append(
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=FORCED,
+                logprobs=1,
+                ignore_eos=True,
+                extra_args={FORCED_TOKENS: window[PROMPT_TOKENS:]},
+            )
+        )
+    top1 = [
+        min(step.items(), key=lambda kv: kv[1].rank)[0]
+        for out in llm.generate(prompts, params, use_tqdm=False)
+        for step in out.outputs[0].logprobs
+    ]
     assert len(top1) == WINDOWS * FORCED
     return top1
 
@@ -123,8 +139,10 @@ def test_exact_modes_run_the_routers_experts_on_the_peers(llm, reference, mode):
     else:
         assert decode["fired_entries"] == 0
     score = agreement([top1], [reference])
-    print(f"{mode}: teacher-forced top-1 agreement {score:.4f}, "
-          f"{decode['peer_entries']} peer entries, peers' kernel {KERNEL_ISA}")
+    print(
+        f"{mode}: teacher-forced top-1 agreement {score:.4f}, "
+        f"{decode['peer_entries']} peer entries, peers' kernel {KERNEL_ISA}"
+    )
     assert score >= 0.99
 
 
@@ -186,15 +204,14 @@ def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     assert stats["mesh"]["peers"][1]["up"]
     # Ray restarts the actor (it reloads its shard); a probe brings it back.
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 0.5})
-    assert wait_for(lambda: (generate_all(llm, 1, 4) and victim.up), 120), victim.reason
+    assert wait_for(lambda: generate_all(llm, 1, 4) and victim.up, 120), victim.reason
     assert victim.rejoined >= 1 and ray.get(victim.actor.ping.remote()) != pid
 
 
 def test_a_hung_peer_leaves_and_rejoins(llm):
     import ray
 
-    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "timeout_ms": 300,
-                                           "probe_interval_s": 0.2})
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "timeout_ms": 300, "probe_interval_s": 0.2})
     mesh = engine().peer_tier
     slow = mesh.peers[1]
     # Held, it answers nothing until released: every call to it outlasts the timeout,
@@ -205,21 +222,19 @@ def test_a_hung_peer_leaves_and_rejoins(llm):
         assert generate_all(llm, 2, 16) == [16, 16]
         assert not slow.up and slow.reason == "hung" and slow.timeouts >= 1
     finally:
-        ray.get(slow.actor.release.options(concurrency_group=CONTROL_GROUP).remote(),
-                timeout=30)
-    assert wait_for(lambda: (generate_all(llm, 1, 4) and slow.up), 60)
+        ray.get(slow.actor.release.options(concurrency_group=CONTROL_GROUP).remote(), timeout=30)
+    assert wait_for(lambda: generate_all(llm, 1, 4) and slow.up, 60)
 
 
 def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
     import ray
 
-    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "rtt_cap_ms": 50,
-                                           "probe_interval_s": 0.1})
+    vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "rtt_cap_ms": 50, "probe_interval_s": 0.1})
     mesh = engine().peer_tier
     far = mesh.peers[0]
     ray.get(far.actor.set_delay.remote(0.1))  # answers 100 ms late, within timeout_ms
     try:
-        assert wait_for(lambda: (generate_all(llm, 1, 8) and not far.up), 60)
+        assert wait_for(lambda: generate_all(llm, 1, 8) and not far.up, 60)
         assert far.reason == "rtt" and far.timeouts == 0
         vllm_specexpert.reset_stats(llm)
         generate_all(llm, 2, 16)
@@ -230,7 +245,7 @@ def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
         assert stats["total"]["decode"]["fetched_entries"] > 0
     finally:
         ray.get(far.actor.set_delay.remote(0.0), timeout=30)
-    assert wait_for(lambda: (generate_all(llm, 1, 4) and far.up), 60)
+    assert wait_for(lambda: generate_all(llm, 1, 4) and far.up, 60)
 
 
 def test_only_the_mode_and_timings_change_at_run_time(llm):
@@ -296,8 +311,10 @@ def test_a_round_trip_is_timed_when_the_answer_arrives_not_when_it_is_read():
 def test_a_checkpoint_a_peer_cannot_read_is_refused_at_start(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 8, 16)},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 8, 16)},
+        str(tmp_path / "model.safetensors"),
+    )
     with pytest.raises(SpecExpertConfigError) as error:
         check_checkpoint(str(tmp_path), {0: ("model.layers.0.mlp.experts", (0, 1))})
     assert error.value.field_name == "mesh" and "per expert" in str(error.value)
@@ -363,8 +380,7 @@ def test_peer_entries_are_added_with_their_weights_or_computed_here(fail):
         routing,
     )
 
-    engine = build_engine({"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4,
-                          start=False)
+    engine = build_engine({"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4, start=False)
     engine.attach_mesh(FakePeers(TENSORS, fail), {})
     engine.start()
     x, w, ids = routing(IDS)
@@ -390,8 +406,9 @@ def test_an_unreachable_ray_address_is_one_error_naming_it():
 def test_more_pinned_experts_than_the_budget_leaves_is_refused():
     from test_miss_policies import NAME, TENSORS
 
-    engine = build_engine({"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4,
-                          start=False)  # 8 of 16 slots
+    engine = build_engine(
+        {"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4, start=False
+    )  # 8 of 16 slots
     with pytest.raises(SpecExpertConfigError) as error:
         engine.attach_mesh(FakePeers(TENSORS, False), {0: np.arange(5)})  # 5 > 8 - 4
     assert error.value.field_name == "mesh.hot_count"
@@ -409,10 +426,13 @@ def shard_spec(isa: str | None, activation: str = "silu") -> peer_module.ShardSp
     padding for vLLM's CPU kernels)."""
     config = json.loads((model_path(TRAINED_MODEL) / "config.json").read_text())
     experts, inter = config["num_local_experts"], config["moe_intermediate_size"]
-    layers = {i: (f"model.layers.{i}.mlp.experts", tuple(range(experts)))
-              for i in range(config["num_hidden_layers"])}
-    return peer_module.ShardSpec(str(model_path(TRAINED_MODEL)), layers,
-                                 (2 * inter, config["hidden_size"]), isa, activation)
+    layers = {
+        i: (f"model.layers.{i}.mlp.experts", tuple(range(experts)))
+        for i in range(config["num_hidden_layers"])
+    }
+    return peer_module.ShardSpec(
+        str(model_path(TRAINED_MODEL)), layers, (2 * inter, config["hidden_size"]), isa, activation
+    )
 
 
 def checkpoint_reference(spec: peer_module.ShardSpec, layer_offset: int = 0):

@@ -22,8 +22,11 @@ def scrape(directory) -> dict:
     registry = CollectorRegistry()
     registry.register(metrics.SnapshotCollector(str(directory)))
     text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def run_engine(directory, monkeypatch) -> OffloadEngine:
@@ -54,15 +57,21 @@ def test_series_equal_the_engine_counters_per_layer_and_phase(tmp_path, monkeypa
     for name, index in (("model.layers.1.mlp.experts", "1"), ("model.layers.3.mlp.experts", "3")):
         layer = stats["layers"][name]
         for phase in ("decode", "prefill"):
-            for field, metric in (("hits", "hits"), ("misses", "misses"),
-                                  ("loads", "loads"), ("bytes_loaded", "bytes_loaded"),
-                                  ("stall_s", "stall_seconds")):
+            for field, metric in (
+                ("hits", "hits"),
+                ("misses", "misses"),
+                ("loads", "loads"),
+                ("bytes_loaded", "bytes_loaded"),
+                ("stall_s", "stall_seconds"),
+            ):
                 value = series[(f"specexpert_{metric}_total", labels(layer=index, phase=phase))]
                 assert value == layer[phase][field]
                 checked += value > 0
         assert series[("specexpert_slots", labels(layer=index))] == 4
-        assert series[("specexpert_resident_experts", labels(layer=index))] == \
-            stats["resident_per_layer"][name]
+        assert (
+            series[("specexpert_resident_experts", labels(layer=index))]
+            == stats["resident_per_layer"][name]
+        )
     assert checked > 0  # some counters moved: the comparison could fail
     info = [k for k in series if k[0] == "specexpert_info"]
     assert [dict(k[1])["output"] for k in info] == ["exact"]
@@ -75,8 +84,12 @@ def test_a_dead_workers_snapshot_is_not_served(tmp_path, monkeypatch):
     engine = run_engine(tmp_path, monkeypatch)
     snapshot = json.loads(next(tmp_path.glob("worker-*.json")).read_text())
     engine.close()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     (tmp_path / f"worker-{dead.stdout.strip()}.json").write_text(json.dumps(snapshot))
     assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_")]
 
@@ -89,8 +102,7 @@ def test_several_api_servers_serve_the_series_on_their_metrics_route(tmp_path, m
     from prometheus_client import multiprocess
     from vllm.entrypoints.serve.instrumentator.metrics import attach_router
 
-    monkeypatch.setattr(multiprocess, "MultiProcessCollector",
-                        multiprocess.MultiProcessCollector)
+    monkeypatch.setattr(multiprocess, "MultiProcessCollector", multiprocess.MultiProcessCollector)
     engine = run_engine(tmp_path / "snapshots", monkeypatch)
     multiproc = tmp_path / "prometheus"
     multiproc.mkdir()
@@ -101,12 +113,18 @@ def test_several_api_servers_serve_the_series_on_their_metrics_route(tmp_path, m
     app = FastAPI()
     attach_router(app)
     text = TestClient(app).get("/metrics").text
-    hits = [s for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "specexpert_hits_total"]
+    hits = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "specexpert_hits_total"
+    ]
     assert len(hits) == 2 * len(NAMES)  # per layer and phase, once
     assert sum(s.value for s in hits) == sum(
-        layer[phase]["hits"] for layer in engine.stats()["layers"].values()
-        for phase in ("decode", "prefill"))
+        layer[phase]["hits"]
+        for layer in engine.stats()["layers"].values()
+        for phase in ("decode", "prefill")
+    )
     engine.close()
 
 
@@ -115,12 +133,15 @@ def run_frontend(tmp_path, code: str = "") -> subprocess.CompletedProcess:
     (as the plugin does once an engine config passed its checks), then runs ``code``."""
     import os
 
-    script = ("from vllm_specexpert import metrics; metrics.prepare_frontend('m'); "
-              "import os; print(os.environ[metrics.DIRECTORY_ENV]); " + code)
+    script = (
+        "from vllm_specexpert import metrics; metrics.prepare_frontend('m'); "
+        "import os; print(os.environ[metrics.DIRECTORY_ENV]); " + code
+    )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop(metrics.DIRECTORY_ENV, None)
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def snapshot_directories(root) -> list[str]:
@@ -141,8 +162,12 @@ def test_the_snapshot_directory_is_removed_when_the_frontend_exits(tmp_path):
 def test_directories_of_killed_frontends_are_removed_by_the_next_one(tmp_path):
     import os
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     orphan = tmp_path / f"{metrics.DIRECTORY_PREFIX}{dead}-abc"
     live = tmp_path / f"{metrics.DIRECTORY_PREFIX}{os.getpid()}-abc"  # this process: alive
     for directory in (orphan, live):
@@ -161,8 +186,9 @@ def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
     tmp_path.mkdir(exist_ok=True)
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
-    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25, "lookahead": {}}),
-                           torch.device("cpu"))
+    engine = OffloadEngine(
+        SpecExpertConfig.from_dict({"budget": 0.25, "lookahead": {}}), torch.device("cpu")
+    )
     engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
     engine.start()
     governor = engine.feature("lookahead").governor
@@ -191,8 +217,9 @@ def test_an_engine_that_does_not_report_writes_no_snapshot(tmp_path, monkeypatch
     # The lookahead draft's engine shares its worker's pid with the target's: its own
     # snapshot would replace the target's on /metrics.
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
-    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"),
-                           reports=False)
+    engine = OffloadEngine(
+        SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"), reports=False
+    )
     engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
     engine.start()
     engine.write_stats()
@@ -205,9 +232,10 @@ def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
 
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
-    states = [PeerState(rank=0, actor=None, node="n0", calls=5, pairs=17, failures=1,
-                        compute_s=0.25),
-              PeerState(rank=1, actor=None, node="n1", calls=3, timeouts=2)]
+    states = [
+        PeerState(rank=0, actor=None, node="n0", calls=5, pairs=17, failures=1, compute_s=0.25),
+        PeerState(rank=1, actor=None, node="n1", calls=3, timeouts=2),
+    ]
     states[1].leave("hung")
     states[0].rtts.extend([0.010, 0.030, 0.020])
 
@@ -220,8 +248,9 @@ def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
         def stats(self):
             return {"peers": [p.stats() for p in states]}
 
-    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25, "mesh": {}}),
-                           torch.device("cpu"))
+    engine = OffloadEngine(
+        SpecExpertConfig.from_dict({"budget": 0.25, "mesh": {}}), torch.device("cpu")
+    )
     engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
     engine.attach_mesh(Peers(), {})
     engine.start()
@@ -240,8 +269,10 @@ def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
     assert value("specexpert_peer_left_total", 1) == 1
     assert value("specexpert_peer_up", 0) == 1 and value("specexpert_peer_up", 1) == 0
     assert value("specexpert_peer_rtt_seconds", 0) == 0.020  # the median
-    assert ("specexpert_peer_rtt_seconds", tuple(sorted(
-        {"model_name": "tiny", "engine": "0", "peer": "1"}.items()))) not in series
+    assert (
+        "specexpert_peer_rtt_seconds",
+        tuple(sorted({"model_name": "tiny", "engine": "0", "peer": "1"}.items())),
+    ) not in series
     engine_labels = tuple(sorted({"model_name": "tiny", "engine": "0"}.items()))
     assert series[("specexpert_mesh_peers_in_rotation", engine_labels)] == 1
     assert series[("specexpert_mesh_peers", engine_labels)] == 2
@@ -257,9 +288,17 @@ def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
     from vllm_specexpert import handoff
 
     monkeypatch.setattr(handoff, "_scheduler_stats", None)
-    counted = handoff.SchedulerStats(steps=40, grouped_steps=9, held=27, max_waited=2,
-                                     pairs_run=700, pairs_all=1100, pairs_in_order=780,
-                                     cpu_s=0.375, max_step_cpu_s=0.0625)
+    counted = handoff.SchedulerStats(
+        steps=40,
+        grouped_steps=9,
+        held=27,
+        max_waited=2,
+        pairs_run=700,
+        pairs_all=1100,
+        pairs_in_order=780,
+        cpu_s=0.375,
+        max_step_cpu_s=0.0625,
+    )
     step = SimpleNamespace()  # what the worker receives: the pickled SchedulerOutput
     handoff.attach_scheduler_stats(step, dataclasses.asdict(counted))
     handoff.receive(step)
@@ -267,15 +306,17 @@ def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
     assert engine.stats()["scheduler"] == dataclasses.asdict(counted)
     series = scrape(tmp_path)
     labels = tuple(sorted({"model_name": "tiny", "engine": "0"}.items()))
-    expected = {"specexpert_scheduler_steps_total": 40,
-                "specexpert_scheduler_grouped_steps_total": 9,
-                "specexpert_scheduler_held_total": 27,
-                "specexpert_scheduler_max_waited": 2,
-                "specexpert_scheduler_pairs_run_total": 700,
-                "specexpert_scheduler_pairs_all_total": 1100,
-                "specexpert_scheduler_pairs_in_order_total": 780,
-                "specexpert_scheduler_cpu_seconds_total": 0.375,
-                "specexpert_scheduler_max_step_cpu_seconds": 0.0625}
+    expected = {
+        "specexpert_scheduler_steps_total": 40,
+        "specexpert_scheduler_grouped_steps_total": 9,
+        "specexpert_scheduler_held_total": 27,
+        "specexpert_scheduler_max_waited": 2,
+        "specexpert_scheduler_pairs_run_total": 700,
+        "specexpert_scheduler_pairs_all_total": 1100,
+        "specexpert_scheduler_pairs_in_order_total": 780,
+        "specexpert_scheduler_cpu_seconds_total": 0.375,
+        "specexpert_scheduler_max_step_cpu_seconds": 0.0625,
+    }
     assert len(expected) == len(dataclasses.fields(handoff.SchedulerStats))  # all of them
     assert {name: series.get((name, labels)) for name in expected} == expected
     # A step of a scheduler without counters (vLLM's own) leaves none to report.

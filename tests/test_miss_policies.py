@@ -27,8 +27,9 @@ W13, W2 = TENSORS["w13_weight"], TENSORS["w2_weight"]
 def make_engine(coactivation=None, host_kernel=slot_kernel, **config) -> OffloadEngine:
     """This file's one toy layer at budget 0.5 (unless ``config`` says otherwise), with
     the calibration's ``coactivation`` counts when given."""
-    engine = build_engine({"budget": 0.5, **config}, {NAME: TENSORS}, K,
-                          host_kernel=host_kernel, start=False)
+    engine = build_engine(
+        {"budget": 0.5, **config}, {NAME: TENSORS}, K, host_kernel=host_kernel, start=False
+    )
     if coactivation is not None:
         engine.set_routing_statistics({NAME: coactivation}, {NAME: np.linspace(0, 1, 101)})
     engine.start()
@@ -117,8 +118,11 @@ def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting():
     # One copy takes ~30 ms on this link, and the link's clock stands still between the
     # calls (however long the machine takes): the admitted expert 9 has not landed when
     # the next call comes, so the host computes it again and nothing waits for the link.
-    engine = make_engine(miss_policy="cpu", admit_host_experts=True,
-                         link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
+    engine = make_engine(
+        miss_policy="cpu",
+        admit_host_experts=True,
+        link={"bandwidth_gbps": 1e-4, "host_slowdown": 1},
+    )
     engine.link.clock = ManualClock(engine.link.clock.now())
     x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])
     engine.run(NAME, slot_kernel, x, w, ids)
@@ -139,8 +143,11 @@ def test_cpu_with_an_emulated_host_is_held_to_the_slowdown():
         timer.advance(1e-3)
         return slot_kernel(*args)
 
-    engine = make_engine(miss_policy="cpu", host_kernel=host_kernel_of_one_ms,
-                         link={"bandwidth_gbps": 1.0, "host_slowdown": 200.0})
+    engine = make_engine(
+        miss_policy="cpu",
+        host_kernel=host_kernel_of_one_ms,
+        link={"bandwidth_gbps": 1.0, "host_slowdown": 200.0},
+    )
     engine.layers[NAME].miss_context.host.timer = timer
     x, w, ids = routing(IDS)
     start = time.perf_counter()
@@ -158,8 +165,12 @@ def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest
     # uses 0): no buddy qualifies, 10 is fetched. 11 has no co-activation at all.
     coactivation = np.zeros((E, E), dtype=np.int64)
     coactivation[9, 5], coactivation[9, 6], coactivation[10, 0] = 5, 3, 4
-    engine = make_engine(coactivation, miss_policy="buddy", calibration="unused",
-                         buddy={"alpha": 1.0, "tau": 0.0, "beta": 1.0})
+    engine = make_engine(
+        coactivation,
+        miss_policy="buddy",
+        calibration="unused",
+        buddy={"alpha": 1.0, "tau": 0.0, "beta": 1.0},
+    )
     x, w, ids = routing(IDS[:1])
     out = engine.run(NAME, slot_kernel, x, w, ids)
     expected_ids = torch.tensor([[0, 5, 10, 11]])
@@ -210,8 +221,7 @@ def test_auto_splits_misses_to_minimise_the_longer_of_link_and_host():
 
 def test_auto_in_the_engine_follows_the_costs():
     slow_link = make_engine(miss_policy="auto", link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
-    fast_link = make_engine(miss_policy="auto",
-                            link={"bandwidth_gbps": 1e3, "host_slowdown": 1000})
+    fast_link = make_engine(miss_policy="auto", link={"bandwidth_gbps": 1e3, "host_slowdown": 1000})
     # The host's cost is fixed (1 ms per expert), not measured: the split must not
     # depend on how loaded the machine is. The link's emulated cost is a formula.
     for engine in (slow_link, fast_link):
@@ -239,8 +249,9 @@ def test_torch_host_kernel_matches_the_reference():
     # The torch kernel keeps the intermediate activations in bf16 (as fused GPU kernels
     # do); the reference keeps them in fp32.
     scale = float(expected.abs().max())
-    torch.testing.assert_close(torch_experts(x, w, ids, TENSORS), expected, rtol=0,
-                               atol=2**-5 * scale)
+    torch.testing.assert_close(
+        torch_experts(x, w, ids, TENSORS), expected, rtol=0, atol=2**-5 * scale
+    )
     # up and gate swapped
     swapped = {"w13_weight": W13.roll(W13.shape[1] // 2, dims=1), "w2_weight": W2}
     wrong = torch_experts(x, w, ids, swapped)
@@ -250,8 +261,10 @@ def test_torch_host_kernel_matches_the_reference():
 def test_prefill_tokens_fetch_whatever_the_policy():
     engine = make_engine(miss_policy="drop")
     x, w, ids = routing(IDS)
-    assert torch.equal(engine.run(NAME, slot_kernel, x, w, ids, PassPhases.prefill_only(3)),
-                       reference_moe(x, w, ids, W13, W2))
+    assert torch.equal(
+        engine.run(NAME, slot_kernel, x, w, ids, PassPhases.prefill_only(3)),
+        reference_moe(x, w, ids, W13, W2),
+    )
     stats = engine.stats()["layers"][NAME]
     assert stats["prefill"]["dropped_entries"] == 0 and stats["prefill"]["fetched_entries"] == 7
     assert stats["decode"]["calls"] == 0

@@ -26,8 +26,9 @@ SHIPPED = ASSETS / "tiny-qwen3-moe-path-predictor"
 def test_windows_end_at_each_token_and_pad_before_the_start():
     ids = torch.tensor([5, 6, 7])
     assert sliding_windows(ids, 3, pad=9).tolist() == [[9, 9, 5], [9, 5, 6], [5, 6, 7]]
-    model = RoutingPathPredictor(PathPredictorShape(vocab_size=9, num_layers=1, num_experts=4,
-                                                    top_k=1, window=3))
+    model = RoutingPathPredictor(
+        PathPredictorShape(vocab_size=9, num_layers=1, num_experts=4, top_k=1, window=3)
+    )
     assert model.windows_of([[5, 6, 7], [5], []]).tolist() == [[5, 6, 7], [9, 9, 5], [9, 9, 9]]
 
 
@@ -39,10 +40,22 @@ def test_training_learns_a_routing_that_depends_on_the_last_two_tokens():
     tokens = torch.randint(vocab, (6000,), generator=g)
     windows = sliding_windows(tokens, 2, pad=vocab)
     previous = torch.cat([torch.tensor([0]), tokens[:-1]])
-    paths = torch.stack([torch.stack([tokens % 8, (tokens + 3) % 8], -1),
-                         torch.stack([previous % 8, (previous + 5) % 8], -1)], dim=1)
-    shape = PathPredictorShape(vocab_size=vocab, num_layers=2, num_experts=num_experts, top_k=2,
-                               window=2, embed_dim=16, hidden=64)
+    paths = torch.stack(
+        [
+            torch.stack([tokens % 8, (tokens + 3) % 8], -1),
+            torch.stack([previous % 8, (previous + 5) % 8], -1),
+        ],
+        dim=1,
+    )
+    shape = PathPredictorShape(
+        vocab_size=vocab,
+        num_layers=2,
+        num_experts=num_experts,
+        top_k=2,
+        window=2,
+        embed_dim=16,
+        hidden=64,
+    )
 
     def recall(model):
         predicted = routing_matrix(model.predict_topk(windows[1:]), num_experts)
@@ -61,11 +74,23 @@ def artifact(tmp_path_factory):
         config = json.load(f)
     from vllm_specexpert.artifacts import model_fingerprint
 
-    shape = PathPredictorShape(vocab_size=config["vocab_size"], num_layers=2, num_experts=64,
-                               top_k=4, embed_dim=8, hidden=16)
+    shape = PathPredictorShape(
+        vocab_size=config["vocab_size"],
+        num_layers=2,
+        num_experts=64,
+        top_k=4,
+        embed_dim=8,
+        hidden=16,
+    )
     model = RoutingPathPredictor(shape).eval()
-    save_path_predictor(out, model, {"model": str(TRAINED_MODEL_DIR),
-                                     "model_fingerprint": model_fingerprint(TRAINED_MODEL_DIR)})
+    save_path_predictor(
+        out,
+        model,
+        {
+            "model": str(TRAINED_MODEL_DIR),
+            "model_fingerprint": model_fingerprint(TRAINED_MODEL_DIR),
+        },
+    )
     return out, model
 
 
@@ -121,10 +146,18 @@ def test_shipped_predictor_beats_the_papers_baselines_on_held_out_text():
     from vllm_specexpert.tools.trace import file_documents
 
     docs = file_documents([str(TRAINED_MODEL_DIR / "heldout" / "test.txt")])
-    result = evaluate(TRAINED_MODEL_DIR, docs, SHIPPED, window=128, max_tokens=3000,
-                      batches=(1, 8, 32), samples=100)
-    b_acc = {m: {b: result["results"][m][str(b)]["b_acc"] for b in (1, 8, 32)}
-             for m in result["methods"]}
+    result = evaluate(
+        TRAINED_MODEL_DIR,
+        docs,
+        SHIPPED,
+        window=128,
+        max_tokens=3000,
+        batches=(1, 8, 32),
+        samples=100,
+    )
+    b_acc = {
+        m: {b: result["results"][m][str(b)]["b_acc"] for b in (1, 8, 32)} for m in result["methods"]
+    }
     for b in (8, 32):
         assert b_acc["rpp"][b] > max(b_acc["tlp"][b], b_acc["slp"][b]), b_acc
     # Chance at batch 1 is top_k / E per layer; every method must be well above it,
@@ -137,10 +170,18 @@ def test_shipped_predictor_beats_the_papers_baselines_on_held_out_text():
 
     model, tokenizer = load_model(TRAINED_MODEL_DIR)
     shared, entries = 0, 0
-    for t in trace(model, tokenizer, file_documents([str(TRAINED_MODEL_DIR / "heldout" /
-                                                        "test.txt")]), 128, 3000):
+    for t in trace(
+        model,
+        tokenizer,
+        file_documents([str(TRAINED_MODEL_DIR / "heldout" / "test.txt")]),
+        128,
+        3000,
+    ):
         ids = t.topk_ids[:, 1:].numpy()  # [T, L-1, K]
         entries += ids.size
-        shared += sum(len(set(a) & set(b)) for before, now in pairwise(ids)
-                      for a, b in zip(now, before, strict=True))
+        shared += sum(
+            len(set(a) & set(b))
+            for before, now in pairwise(ids)
+            for a, b in zip(now, before, strict=True)
+        )
     assert np.isclose(b_acc["tlp"][1], shared / entries)

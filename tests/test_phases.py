@@ -15,16 +15,21 @@ from vllm_harness import (
 import vllm_specexpert
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL
 
-ENGINE = {"max_num_batched_tokens": 32, "enable_chunked_prefill": True,
-          "enable_prefix_caching": False}
+ENGINE = {
+    "max_num_batched_tokens": 32,
+    "enable_chunked_prefill": True,
+    "enable_prefix_caching": False,
+}
 """32 tokens per step: the long prompt takes 4 steps, beside the short one's decodes."""
 SHORT = "import os\n"
-LONG = ("# Copyright (c) the authors. All rights reserved.\n"
-        "from __future__ import annotations\n\nimport collections\nimport functools\n"
-        "import itertools\n\n\ndef pairwise(iterable):\n    a, b = itertools.tee(iterable)\n"
-        "    next(b, None)\n    return zip(a, b)\n\n\nclass Registry(dict):\n"
-        "    def register(self, name):\n        def wrap(fn):\n            self[name] = fn\n"
-        "            return fn\n        return wrap\n")
+LONG = (
+    "# Copyright (c) the authors. All rights reserved.\n"
+    "from __future__ import annotations\n\nimport collections\nimport functools\n"
+    "import itertools\n\n\ndef pairwise(iterable):\n    a, b = itertools.tee(iterable)\n"
+    "    next(b, None)\n    return zip(a, b)\n\n\nclass Registry(dict):\n"
+    "    def register(self, name):\n        def wrap(fn):\n            self[name] = fn\n"
+    "            return fn\n        return wrap\n"
+)
 MAX_TOKENS = 8
 
 
@@ -72,8 +77,14 @@ def run(llm, policy):
 def test_fetch_in_mixed_passes_is_vanilla(llm):
     short, long, passes, _ = run(llm, "fetch")
     assert any(decode and prefill for decode, prefill in passes), passes  # mixed passes ran
-    reference = greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=[SHORT, LONG],
-                                        max_tokens=MAX_TOKENS, prompt_logprobs=True, **ENGINE)
+    reference = greedy_in_fresh_process(
+        TRAINED_MODEL,
+        plugins=False,
+        prompts=[SHORT, LONG],
+        max_tokens=MAX_TOKENS,
+        prompt_logprobs=True,
+        **ENGINE,
+    )
     ref_short, ref_long = reference["completions"]
     assert short.token_ids == ref_short.token_ids and short.logprobs == ref_short.logprobs
     assert long.prompt_logprobs == ref_long.prompt_logprobs

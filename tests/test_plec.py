@@ -16,8 +16,9 @@ from vllm_specexpert.predict import PredictorInputs
 
 E, K, H, LAYERS = 16, 2, 32, 3
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
-LAYER_TENSORS = {name: random_layer(num_experts=E, hidden=H, seed=i)
-                 for i, name in enumerate(NAMES)}
+LAYER_TENSORS = {
+    name: random_layer(num_experts=E, hidden=H, seed=i) for i, name in enumerate(NAMES)
+}
 
 
 def layers() -> dict[str, dict[str, torch.Tensor]]:
@@ -25,21 +26,31 @@ def layers() -> dict[str, dict[str, torch.Tensor]]:
     return {name: {k: v.clone() for k, v in LAYER_TENSORS[name].items()} for name in NAMES}
 
 
-def make_engine(cache="plec", budget=0.25, plec_preload="next", start=True,
-                **config) -> OffloadEngine:
+def make_engine(
+    cache="plec", budget=0.25, plec_preload="next", start=True, **config
+) -> OffloadEngine:
     """This file's toy model under ``cache``; ``plec_preload`` is given with plec only,
     and not at all when ``None`` (its default)."""
     preload = {"plec_preload": plec_preload} if cache == "plec" and plec_preload else {}
-    return build_engine({"budget": budget, "cache": cache, **preload,
-                         "path_predictor": "/rpp", **config}, layers(), K, start=start)
+    return build_engine(
+        {"budget": budget, "cache": cache, **preload, "path_predictor": "/rpp", **config},
+        layers(),
+        K,
+        start=start,
+    )
 
 
 def demand_of(routes: dict[int, np.ndarray], tokens: int, next_routes=None) -> StepDemand:
     """Per layer index the ``[tokens, K]`` ids -> tokens per expert."""
+
     def counts(r):
         return {i: np.bincount(ids.ravel(), minlength=E) for i, ids in r.items()}
-    return StepDemand(tokens=tokens, layers=counts(routes),
-                      next_layers=counts(next_routes) if next_routes else None)
+
+    return StepDemand(
+        tokens=tokens,
+        layers=counts(routes),
+        next_layers=counts(next_routes) if next_routes else None,
+    )
 
 
 def run_step(engine, routes: dict[int, np.ndarray], demand: StepDemand | None, seed=0):
@@ -69,8 +80,9 @@ def test_plec_needs_a_path_predictor_and_a_known_preload():
     with pytest.raises(SpecExpertConfigError, match=r"'cache'.*path_predictor"):
         SpecExpertConfig.from_dict({"cache": "plec"})
     with pytest.raises(SpecExpertConfigError, match="'plec_preload'"):
-        SpecExpertConfig.from_dict({"cache": "plec", "path_predictor": "/rpp",
-                                    "plec_preload": "all"})
+        SpecExpertConfig.from_dict(
+            {"cache": "plec", "path_predictor": "/rpp", "plec_preload": "all"}
+        )
 
 
 def test_one_pool_at_the_total_budget_shared_by_every_layer():
@@ -90,8 +102,11 @@ def test_slots_follow_the_predicted_demand_across_layers():
     starts (at layer 0, whose router has chosen), layer 1's are loaded into eight slots
     (a fixed per-layer pool holds 4), and the step runs with no miss because the
     prediction was right."""
-    routes = {0: np.array([[0, 1]] * 4), 1: np.arange(8).reshape(4, 2) + 4,
-              2: np.array([[2, 3]] * 4)}
+    routes = {
+        0: np.array([[0, 1]] * 4),
+        1: np.arange(8).reshape(4, 2) + 4,
+        2: np.array([[2, 3]] * 4),
+    }
     engine = make_engine()
     run_step(engine, routes, demand_of(routes, 4))
     assert resident(engine, 1) >= set(range(4, 12))
@@ -133,23 +148,34 @@ def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first()
     when theirs were used longer ago (plain LRU would take layer 0's, next but one)."""
     engine = make_engine(plec_preload="none")
     assert all(resident(engine, i) == {0, 1, 2, 3} for i in range(LAYERS))
-    run_step(engine, {0: np.array([[0, 1]]), 1: np.array([[0, 1], [2, 3]]),
-                      2: np.array([[2, 3]])}, None)
+    run_step(
+        engine, {0: np.array([[0, 1]]), 1: np.array([[0, 1], [2, 3]]), 2: np.array([[2, 3]])}, None
+    )
     engine.step_demand = None
     name = NAMES[1]
     ids = torch.tensor([[9, 10]], dtype=torch.int32)
-    engine.run(NAMES[0], slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K,
-               torch.tensor([[0, 1]], dtype=torch.int32))
+    engine.run(
+        NAMES[0],
+        slot_kernel,
+        torch.randn(1, H).bfloat16(),
+        torch.ones(1, K) / K,
+        torch.tensor([[0, 1]], dtype=torch.int32),
+    )
     engine.run(name, slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K, ids)
     assert resident(engine, 0) == {0, 1, 2, 3} and resident(engine, 2) == {0, 1, 2, 3}
     assert {9, 10} <= resident(engine, 1) and len(resident(engine, 1)) == 4
 
 
-@pytest.mark.parametrize("seed,link", [
-    (0, {}), (1, {}),
-    # Emulated: loads queue on the link, and a slot taken from a queued preload cancels
-    # that copy (an expert not copied must not stay resident).
-    (2, {"bandwidth_gbps": 0.05, "latency_us": 50})])
+@pytest.mark.parametrize(
+    "seed,link",
+    [
+        (0, {}),
+        (1, {}),
+        # Emulated: loads queue on the link, and a slot taken from a queued preload cancels
+        # that copy (an expert not copied must not stay resident).
+        (2, {"bandwidth_gbps": 0.05, "latency_us": 50}),
+    ],
+)
 def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(seed, link):
     rng = np.random.default_rng(seed)
     engine = make_engine(link=link)
@@ -158,8 +184,9 @@ def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(seed
         tokens = int(rng.integers(1, 6))
         routes = {i: distinct(rng, tokens) for i in range(LAYERS)}
         # Half right, half random predictions; a next group now and then.
-        guess = {i: routes[i] if rng.random() < 0.5 else distinct(rng, tokens)
-                 for i in range(LAYERS)}
+        guess = {
+            i: routes[i] if rng.random() < 0.5 else distinct(rng, tokens) for i in range(LAYERS)
+        }
         nxt = {i: distinct(rng, 3) for i in range(LAYERS)} if step % 3 == 0 else None
         run_step(engine, routes, demand_of(guess, tokens, nxt) if step % 5 else None, seed=step)
         for name in NAMES:
@@ -259,11 +286,11 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token():
 def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool():
     """The vLLM adapter hands the engine a calibration's vectors once every layer is
     loaded (and has joined the shared pool); that must not replace the pool."""
-    engine = make_engine(plec_preload=None, predictor="quasi_hidden", calibration="/c",
-                         start=False)
+    engine = make_engine(plec_preload=None, predictor="quasi_hidden", calibration="/c", start=False)
     pool = engine.pool
-    engine.set_predictor_inputs(PredictorInputs({n: torch.zeros(E, H) for n in NAMES},
-                                                {n: torch.ones(H) for n in NAMES}))
+    engine.set_predictor_inputs(
+        PredictorInputs({n: torch.zeros(E, H) for n in NAMES}, {n: torch.ones(H) for n in NAMES})
+    )
     engine.start()
     assert engine.pool is pool and pool.num_slots == LAYERS * 4
     assert engine.feature("prediction").predictor.name == "quasi_hidden"
@@ -285,7 +312,8 @@ def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined():
     assert engine.pool.num_slots == sum(engine.layers[n].cache.num_slots for n in NAMES)
     for index, name in enumerate(NAMES):  # (drop: approximate, so no reference here)
         ids = torch.from_numpy(distinct(np.random.default_rng(index), 3)).to(torch.int32)
-        out = engine.run(name, slot_kernel, torch.randn(3, H).bfloat16(),
-                         torch.full(ids.shape, 0.5), ids)
+        out = engine.run(
+            name, slot_kernel, torch.randn(3, H).bfloat16(), torch.full(ids.shape, 0.5), ids
+        )
         assert out.shape == (3, H) and torch.isfinite(out).all()
         check_cache_invariants(engine.layers[name].loader, settle=True)

@@ -11,12 +11,18 @@ VANILLA_MODEL = "vllm.model_executor.models.qwen3_moe.Qwen3MoeForCausalLM"
 OFFLOADED_CLASS = "vllm_specexpert.layers.routed_experts.OffloadedRoutedExperts"
 
 
-@pytest.mark.parametrize("arch, classes, model", [
-    ("qwen3_moe", [VANILLA_CLASS], VANILLA_MODEL),
-    # A model's own RoutedExperts subclass: its offloaded variant turns back into it.
-    ("gpt_oss", ["vllm.model_executor.models.gpt_oss.GptOssRoutedExperts"],
-     "vllm.model_executor.models.gpt_oss.GptOssForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "arch, classes, model",
+    [
+        ("qwen3_moe", [VANILLA_CLASS], VANILLA_MODEL),
+        # A model's own RoutedExperts subclass: its offloaded variant turns back into it.
+        (
+            "gpt_oss",
+            ["vllm.model_executor.models.gpt_oss.GptOssRoutedExperts"],
+            "vllm.model_executor.models.gpt_oss.GptOssForCausalLM",
+        ),
+    ],
+)
 def test_without_the_key_vllm_is_untouched(arch, classes, model):
     reference = greedy_in_fresh_process(arch, plugins=False)
     loaded = greedy_in_fresh_process(arch, plugins=True)  # loaded, no "specexpert"
@@ -32,8 +38,13 @@ def kernel_isas(model) -> list[str]:
     """Worker side: the ISA of the CPU kernel each offloaded layer calls."""
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
-    return sorted({m.slot_kernel.direct_experts().isa for m in model.modules()
-                   if isinstance(m, OffloadedRoutedExperts)})
+    return sorted(
+        {
+            m.slot_kernel.direct_experts().isa
+            for m in model.modules()
+            if isinstance(m, OffloadedRoutedExperts)
+        }
+    )
 
 
 def test_with_the_key_the_layer_is_offloaded():
@@ -44,7 +55,8 @@ def test_with_the_key_the_layer_is_offloaded():
     try:
         assert llm.apply_model(expert_layer_classes) == [[OFFLOADED_CLASS]]
         assert llm.apply_model(model_class) == [
-            "vllm_specexpert.layers.model_classes.Qwen3MoeForCausalLM"]
+            "vllm_specexpert.layers.model_classes.Qwen3MoeForCausalLM"
+        ]
         # The kernel exactness tests run the ISA the offloaded layers run.
         assert llm.apply_model(kernel_isas) == [[vllm_isa()]]
     finally:
@@ -55,7 +67,7 @@ def test_with_the_key_the_layer_is_offloaded():
     "specexpert, error, field",
     [
         ({"budget": 0.1}, SpecExpertConfigError, "budget"),  # 1 slot < top_k=4
-        ({"budget": 17}, SpecExpertConfigError, "budget"),   # more than 16 experts
+        ({"budget": 17}, SpecExpertConfigError, "budget"),  # more than 16 experts
         ({"cache": "fifo"}, SpecExpertConfigError, "cache"),
         ({"bugdet": 0.5}, SpecExpertConfigError, "bugdet"),
         ({"link": {"bandwidth_gbps": -1}}, SpecExpertConfigError, "link.bandwidth_gbps"),
@@ -91,8 +103,9 @@ def serve_parser(monkeypatch):
 def test_plugins_flag_parses_and_sets_vllm_plugins(serve_parser):
     import os
 
-    args = serve_parser.parse_args(["--plugins", "specexpert", "--model", "m",
-                                    "--additional-config", '{"specexpert": {}}'])
+    args = serve_parser.parse_args(
+        ["--plugins", "specexpert", "--model", "m", "--additional-config", '{"specexpert": {}}']
+    )
     assert args.plugins == ["specexpert"]
     assert os.environ["VLLM_PLUGINS"] == "specexpert"
     assert args.additional_config == {"specexpert": {}}
@@ -124,24 +137,33 @@ def test_a_config_for_a_plugin_left_out_is_an_error(monkeypatch):
 SPECEXPERT_CONFIG = ["--additional-config", '{"specexpert": {"budget": 0.5}}']
 
 
-@pytest.mark.parametrize("env, args", [
-    ({"VLLM_PLUGINS": "lora_filesystem_resolver"}, SPECEXPERT_CONFIG),
-    ({"VLLM_PLUGINS": ""}, SPECEXPERT_CONFIG),
-    # The flag used to fail as vLLM's "unrecognized arguments: --plugins", not naming
-    # VLLM_PLUGINS or the config.
-    ({}, ["--plugins", "lora_filesystem_resolver", *SPECEXPERT_CONFIG]),
-    ({}, ["--plugins=lora_filesystem_resolver", "--additional-config.specexpert.budget",
-          "0.5"]),
-])
+@pytest.mark.parametrize(
+    "env, args",
+    [
+        ({"VLLM_PLUGINS": "lora_filesystem_resolver"}, SPECEXPERT_CONFIG),
+        ({"VLLM_PLUGINS": ""}, SPECEXPERT_CONFIG),
+        # The flag used to fail as vLLM's "unrecognized arguments: --plugins", not naming
+        # VLLM_PLUGINS or the config.
+        ({}, ["--plugins", "lora_filesystem_resolver", *SPECEXPERT_CONFIG]),
+        (
+            {},
+            ["--plugins=lora_filesystem_resolver", "--additional-config.specexpert.budget", "0.5"],
+        ),
+    ],
+)
 def test_specexpert_serve_refuses_a_config_the_plugin_would_never_see(env, args, tmp_path):
     import os
     import subprocess
 
     from vllm_specexpert.tools.server import SPECEXPERT
 
-    proc = subprocess.run([*SPECEXPERT, "serve", str(tmp_path / "model"), *args],
-                          env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [*SPECEXPERT, "serve", str(tmp_path / "model"), *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr[-2000:]
@@ -155,8 +177,9 @@ def test_the_cli_takes_plugins_before_vllm_loads_them(monkeypatch):
     from vllm_specexpert.cli import take_plugins_flag
 
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
-    rest = take_plugins_flag(["serve", "m", "--plugins", "specexpert", "lora_hf_hub_resolver",
-                              "--port", "1"])
+    rest = take_plugins_flag(
+        ["serve", "m", "--plugins", "specexpert", "lora_hf_hub_resolver", "--port", "1"]
+    )
     assert rest == ["serve", "m", "--port", "1"]
     assert os.environ["VLLM_PLUGINS"] == "specexpert,lora_hf_hub_resolver"
     assert take_plugins_flag(["--plugins=specexpert", "x"]) == ["x"]
@@ -167,14 +190,17 @@ def test_the_cli_takes_plugins_before_vllm_loads_them(monkeypatch):
         take_plugins_flag(["--plugins", "--port", "1"])
 
 
-@pytest.mark.parametrize("args, configured", [
-    (['--additional-config', '{"specexpert": {}}'], True),
-    (['--additional_config={"specexpert": {"budget": 0.5}}'], True),
-    (['--additional-config.specexpert.budget', '0.5'], True),
-    (['--additional-config', '{"other": {}}'], False),
-    (['--additional-config', 'not json'], False),
-    (['--port', '1'], False),
-])
+@pytest.mark.parametrize(
+    "args, configured",
+    [
+        (["--additional-config", '{"specexpert": {}}'], True),
+        (['--additional_config={"specexpert": {"budget": 0.5}}'], True),
+        (["--additional-config.specexpert.budget", "0.5"], True),
+        (["--additional-config", '{"other": {}}'], False),
+        (["--additional-config", "not json"], False),
+        (["--port", "1"], False),
+    ],
+)
 def test_the_cli_sees_a_specexpert_config_in_each_form_vllm_accepts(args, configured):
     from vllm_specexpert.cli import configures_plugin
 
@@ -199,10 +225,14 @@ def test_get_stats_of_an_llm_without_the_plugin_says_why(monkeypatch):
     import vllm_specexpert
 
     def llm(additional_config, extension=""):
-        config = SimpleNamespace(additional_config=additional_config,
-                                 parallel_config=SimpleNamespace(worker_extension_cls=extension))
-        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config),
-                               collective_rpc=lambda *a, **k: pytest.fail("RPC was sent"))
+        config = SimpleNamespace(
+            additional_config=additional_config,
+            parallel_config=SimpleNamespace(worker_extension_cls=extension),
+        )
+        return SimpleNamespace(
+            llm_engine=SimpleNamespace(vllm_config=config),
+            collective_rpc=lambda *a, **k: pytest.fail("RPC was sent"),
+        )
 
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
     with pytest.raises(RuntimeError, match="VLLM_PLUGINS='lora_filesystem_resolver'"):

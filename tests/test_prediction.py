@@ -42,16 +42,22 @@ def calibration(tmp_path_factory):
     return str(out)
 
 
-@pytest.fixture(scope="module", params=[True, pytest.param(False, marks=pytest.mark.slow)],
-                ids=["eager", "compiled"])
+@pytest.fixture(
+    scope="module",
+    params=[True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["eager", "compiled"],
+)
 def eager(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
 def llm(eager, calibration):
-    llm = make_llm(TRAINED_MODEL, eager=eager, specexpert={
-        "budget": BUDGET, "predictor": "quasi_hidden", "calibration": calibration})
+    llm = make_llm(
+        TRAINED_MODEL,
+        eager=eager,
+        specexpert={"budget": BUDGET, "predictor": "quasi_hidden", "calibration": calibration},
+    )
     yield llm
     shutdown(llm)
 
@@ -101,13 +107,16 @@ def test_speculate_runs_predicted_experts_without_refetching(llm):
 
 
 def test_speculate_with_every_layer_exact_is_vanilla(llm, eager):
-    vllm_specexpert.reconfigure(llm, predictor="quasi_hidden", miss_policy="speculate",
-                                exact_layers=list(range(LAYERS)))
+    vllm_specexpert.reconfigure(
+        llm, predictor="quasi_hidden", miss_policy="speculate", exact_layers=list(range(LAYERS))
+    )
     outputs = greedy(llm)
     reference = vanilla_reference(TRAINED_MODEL, eager)
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
-    assert all(layer["speculated_calls"] == 0
-               for layer in moe_layers_after_the_first(vllm_specexpert.get_stats(llm)[0]))
+    assert all(
+        layer["speculated_calls"] == 0
+        for layer in moe_layers_after_the_first(vllm_specexpert.get_stats(llm)[0])
+    )
 
 
 SLOW_LINK = {"bandwidth_gbps": 0.02, "host_slowdown": 1.0}
@@ -119,8 +128,9 @@ should compute misses on the host."""
 def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
     # Without admission the host/device split depends on residency only, not on timing,
     # so the rounding (and the tokens) are repeatable.
-    vllm_specexpert.reconfigure(llm, predictor="none", miss_policy=policy, link=link,
-                                admit_host_experts=False)
+    vllm_specexpert.reconfigure(
+        llm, predictor="none", miss_policy=policy, link=link, admit_host_experts=False
+    )
     # auto splits by the host's cost against the link's: the host's is fixed (0.1 ms per
     # expert, well under the emulated link's ~5 ms copy), not measured, so the split
     # (and every layer's host entries) does not depend on how loaded the machine is.
@@ -130,9 +140,12 @@ def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
     # Same experts, other summation order: bf16 rounding differences that grow through
     # the layers, small against the logprobs themselves.
-    diffs = [abs(a[top] - b[top]) for out, ref in zip(outputs, reference, strict=True)
-             for a, b in zip(out.logprobs, ref.logprobs, strict=True)
-             for top in [max(b, key=b.get)]]
+    diffs = [
+        abs(a[top] - b[top])
+        for out, ref in zip(outputs, reference, strict=True)
+        for a, b in zip(out.logprobs, ref.logprobs, strict=True)
+        for top in [max(b, key=b.get)]
+    ]
     print(f"{policy}: |d logprob| mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f}")
     assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03
     stats = vllm_specexpert.get_stats(llm)[0]
@@ -146,13 +159,18 @@ def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
     llm.apply_model(cache_invariants)
 
 
-@pytest.mark.parametrize("policy, counter", [
-    ("buddy", "substituted_entries"), ("random", "substituted_entries"),
-    ("drop", "dropped_entries"),
-])
+@pytest.mark.parametrize(
+    "policy, counter",
+    [
+        ("buddy", "substituted_entries"),
+        ("random", "substituted_entries"),
+        ("drop", "dropped_entries"),
+    ],
+)
 def test_approximate_policies_change_outputs_and_say_so(llm, eager, policy, counter):
-    vllm_specexpert.reconfigure(llm, predictor="none", miss_policy=policy, link={},
-                                admit_host_experts=False)
+    vllm_specexpert.reconfigure(
+        llm, predictor="none", miss_policy=policy, link={}, admit_host_experts=False
+    )
     outputs = greedy(llm)
     reference = vanilla_reference(TRAINED_MODEL, eager)
     assert [c.logprobs for c in outputs] != [c.logprobs for c in reference]
@@ -171,20 +189,22 @@ def test_a_calibration_for_another_model_is_rejected_at_start(tmp_path):
     with pytest.raises(SpecExpertConfigError, match="field 'calibration': made for another model"):
         make_llm(TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(other)})
     with pytest.raises(SpecExpertConfigError, match="not a calibration directory"):
-        make_llm(TRAINED_MODEL,
-                 specexpert={"predictor": "quasi_hidden", "calibration": str(tmp_path)})
+        make_llm(
+            TRAINED_MODEL, specexpert={"predictor": "quasi_hidden", "calibration": str(tmp_path)}
+        )
 
 
 def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
     """Prediction and the miss policy follow vLLM's decode tokens, whatever their
     number (they used to switch off above 64 tokens per pass)."""
-    vllm_specexpert.reconfigure(llm, predictor="quasi_hidden", miss_policy="cpu", link={},
-                                admit_host_experts=False)
+    vllm_specexpert.reconfigure(
+        llm, predictor="quasi_hidden", miss_policy="cpu", link={}, admit_host_experts=False
+    )
     # Different text per sequence: a decode pass then needs more experts than the 16
     # slots (identical prompts decode identical tokens, which all route alike and may
     # all be prefetched in time, leaving no miss for the host to take).
     words = (TRAINED_MODEL_DIR / "heldout" / "test.txt").read_text().split()
-    prompts = [" ".join(words[i * 12:(i + 1) * 12]) for i in range(96)]
+    prompts = [" ".join(words[i * 12 : (i + 1) * 12]) for i in range(96)]
     max_tokens = 4
     outputs = greedy(llm, prompts=prompts, max_tokens=max_tokens)
     assert all(len(c.token_ids) == max_tokens for c in outputs)
@@ -203,13 +223,15 @@ def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
     assert total["prefill"]["host_entries"] == 0 and total["prefill"]["loads"] > 0
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"budget": 2.5}, "budget"),  # pydantic: a fraction above 1
-    ({"budget": 100}, "budget"),  # the engine: more than the layer's 64 experts
-    ({"admit_host_experts": True, "miss_policy": "fetch"}, "admit_host_experts"),
-])
-def test_a_rejected_reconfigure_is_one_error_and_leaves_the_engine_as_it_was(llm, change,
-                                                                              field):
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"budget": 2.5}, "budget"),  # pydantic: a fraction above 1
+        ({"budget": 100}, "budget"),  # the engine: more than the layer's 64 experts
+        ({"admit_host_experts": True, "miss_policy": "fetch"}, "admit_host_experts"),
+    ],
+)
+def test_a_rejected_reconfigure_is_one_error_and_leaves_the_engine_as_it_was(llm, change, field):
     """D5: a bad ``reconfigure`` raises the config error in the caller (it used to come
     back as an RPC failure, logged with a traceback by the worker and the engine core)
     and the engine keeps its config and keeps serving."""

@@ -1,7 +1,6 @@
 """Prediction, prefetch and speculative execution in the engine, without vLLM: a two-layer
 toy model whose layers route with softmax top-k over a random gate."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -28,8 +27,9 @@ NAMES = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
 def rms_norm(weight):
-    return lambda h: (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-                      * weight).to(h.dtype)
+    return lambda h: (
+        h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    ).to(h.dtype)
 
 
 def softmax_topk(gate):
@@ -37,6 +37,7 @@ def softmax_topk(gate):
         probs = torch.softmax(h.float() @ gate.T, -1)
         w, ids = probs.topk(K, -1)
         return (w / w.sum(-1, keepdim=True)), ids.to(torch.int32)
+
     return route
 
 
@@ -54,8 +55,9 @@ def make_engine(toy, **config) -> OffloadEngine:
     (a predictor's inputs may come later, as from the vLLM adapter)."""
     gates, norms, layers = toy
     engine = build_engine(config, layers, K, start=False)
-    engine.link_layers(NAMES[0], NAMES[1],
-                       NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1])))
+    engine.link_layers(
+        NAMES[0], NAMES[1], NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1]))
+    )
     return engine
 
 
@@ -106,8 +108,9 @@ def test_speculate_runs_the_prediction_without_refetching(toy):
         _, (x1, _, _), out1 = step(engine, toy, x0)
         w0, _ = softmax_topk(gates[0])(x0)
         predicted_w, predicted_ids = softmax_topk(gates[1])(x0)  # router predictor: s_0
-        expected = reference_moe(x1, predicted_w.to(w0.dtype), predicted_ids,
-                                 *layers[NAMES[1]].values())
+        expected = reference_moe(
+            x1, predicted_w.to(w0.dtype), predicted_ids, *layers[NAMES[1]].values()
+        )
         assert torch.equal(out1, expected)
     second = decode_stats(engine)[NAMES[1]]
     assert second["speculated_calls"] == second["calls"] == 6
@@ -118,8 +121,9 @@ def test_speculate_runs_the_prediction_without_refetching(toy):
 
 
 def test_exact_layers_keep_the_router(toy):
-    engine = make_engine(toy, budget=0.5, predictor="router", miss_policy="speculate",
-                         exact_layers=[0, 1])
+    engine = make_engine(
+        toy, budget=0.5, predictor="router", miss_policy="speculate", exact_layers=[0, 1]
+    )
     _, _, layers = toy
     _, (x1, w1, ids1), out1 = step(engine, toy, tokens(3, 0))
     assert torch.equal(out1, reference_moe(x1, w1, ids1, *layers[NAMES[1]].values()))
@@ -159,8 +163,9 @@ def test_quasi_hidden_state_is_norm_of_estimated_residual_plus_default_vectors()
     # has that RMS: here, give the predictor each token's own RMS in turn.
     d = torch.stack([sum(weights[t, k] * vectors[ids[t, k]] for k in range(2)) for t in range(3)])
     for t in range(3):
-        predictor = QuasiHiddenPredictor({"l": vectors},
-                                         {"l": residual_scale(own_norm, float(rms[t]))})
+        predictor = QuasiHiddenPredictor(
+            {"l": vectors}, {"l": residual_scale(own_norm, float(rms[t]))}
+        )
         state = LayerState(router_input=router_input, topk_ids=ids, topk_weights=weights)
         predictor.predict(state, "l", NextLayerRouting(rms_norm(next_norm), route))
         expected = rms_norm(next_norm)(d + residual)
@@ -173,9 +178,12 @@ def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
     assert engine.stats()["predictor"] == "quasi_hidden"
     # Zero default vectors and unit scale: q = LN_1(s_0), the router predictor's input
     # up to layer 1's norm.
-    engine.set_predictor_inputs(PredictorInputs(
-        {NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)},
-        {NAMES[0]: torch.ones(H), NAMES[1]: torch.ones(H)}))
+    engine.set_predictor_inputs(
+        PredictorInputs(
+            {NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)},
+            {NAMES[0]: torch.ones(H), NAMES[1]: torch.ones(H)},
+        )
+    )
     x0 = tokens(2, 1)
     _, (_, _, ids1), _ = step(engine, toy, x0)
     _, expected = softmax_topk(gates[1])(rms_norm(norms[1])(x0))

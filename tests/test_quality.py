@@ -20,15 +20,18 @@ HIDDEN = 32
 
 def identity_head(hidden: int = 4) -> LogitHead:
     """Logits = the RMS-normed hidden state: the top-1 token is the largest coordinate."""
-    return LogitHead(norm_weight=torch.ones(hidden), eps=1e-6, weight=torch.eye(hidden),
-                     vocab_size=hidden)
+    return LogitHead(
+        norm_weight=torch.ones(hidden), eps=1e-6, weight=torch.eye(hidden), vocab_size=hidden
+    )
 
 
 def engine_of(specexpert: dict, head: bool = True) -> OffloadEngine:
     """This file's toy model (layers 1 and 3, top-4) under ``specexpert``, with the
     identity logit head unless ``head`` is False."""
-    layers = {name: random_layer(seed=seed, hidden=HIDDEN)
-              for name, seed in zip(NAMES, (0, 1), strict=True)}
+    layers = {
+        name: random_layer(seed=seed, hidden=HIDDEN)
+        for name, seed in zip(NAMES, (0, 1), strict=True)
+    }
     engine = build_engine(specexpert, layers, 4, indices=(1, 3), reports=False, start=False)
     if head:  # what wiring a model with a quality budget does
         engine.set_logit_head(identity_head(HIDDEN))
@@ -36,8 +39,7 @@ def engine_of(specexpert: dict, head: bool = True) -> OffloadEngine:
     return engine
 
 
-RANDOM = {"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.0, "beta": 1.0,
-                                                            "rho": 4}}
+RANDOM = {"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.0, "beta": 1.0, "rho": 4}}
 
 
 @pytest.mark.parametrize("over_budget", [False, True], ids=["approximate", "exact"])
@@ -75,8 +77,11 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
 def monitor_of(window: int = 8, budget: float = 0.25, **config) -> QualityMonitor:
     """A monitor judging flips only, one batch class unless ``batch_classes`` is given."""
     config = {"max_accuracy_loss": None, "batch_classes": (), **config}
-    return QualityMonitor(QualityConfig(max_top1_flip=budget, sample=1.0, window=window,
-                                        **config), identity_head(), first_layer=0)
+    return QualityMonitor(
+        QualityConfig(max_top1_flip=budget, sample=1.0, window=window, **config),
+        identity_head(),
+        first_layer=0,
+    )
 
 
 def one_pass(monitor: QualityMonitor, flips: int, rows: int = 4) -> None:
@@ -129,8 +134,12 @@ def test_batch_classes_are_judged_and_switched_apart():
     assert not monitor.exact_for(2) and not monitor.exact_for(8) and not monitor.exact_for(9)
     stats = monitor.stats()
     assert stats["batches"]["1"]["exact"] and stats["batches"]["1"]["top1_flip_rate"] == 1
-    assert stats["batches"]["2-8"] == {**stats["batches"]["2-8"], "exact": False,
-                                       "top1_flip_rate": 0.0, "sampled_tokens": 8}
+    assert stats["batches"]["2-8"] == {
+        **stats["batches"]["2-8"],
+        "exact": False,
+        "top1_flip_rate": 0.0,
+        "sampled_tokens": 8,
+    }
     one_pass(monitor, flips=0, rows=1)
     assert stats["batches"]["1"]["exact_passes"] == 0
     assert monitor.stats()["batches"]["1"]["exact_passes"] == 1  # counted in its class
@@ -145,8 +154,11 @@ def logits_pass(monitor: QualityMonitor, served: torch.Tensor, exact: torch.Tens
 
 
 def test_the_accuracy_loss_is_what_the_exact_probabilities_give_the_served_token():
-    monitor = QualityMonitor(QualityConfig(max_accuracy_loss=0.1, sample=1.0, window=2,
-                                           batch_classes=()), identity_head(), 0)
+    monitor = QualityMonitor(
+        QualityConfig(max_accuracy_loss=0.1, sample=1.0, window=2, batch_classes=()),
+        identity_head(),
+        0,
+    )
     # A near tie: exact prefers token 0 by a hair, the served token is 1. A flip that
     # costs almost nothing: p[0] - p[1] is tiny.
     exact = torch.tensor([[1.0, 0.99, 0.0, 0.0]] * 2)
@@ -168,8 +180,9 @@ def test_the_accuracy_loss_is_what_the_exact_probabilities_give_the_served_token
 
 
 def test_a_window_that_cannot_end_under_budget_is_judged_at_once():
-    monitor = QualityMonitor(QualityConfig(sample=1.0, window=100, batch_classes=()),
-                             identity_head(), 0)  # max_accuracy_loss 0.02
+    monitor = QualityMonitor(
+        QualityConfig(sample=1.0, window=100, batch_classes=()), identity_head(), 0
+    )  # max_accuracy_loss 0.02
     confident, wrong = torch.tensor([8.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 8.0, 0.0, 0.0])
     # One confident flip in 8 tokens: 11 % lost so far, but 92 tokens that lose nothing
     # would bring the window under 0.02. No decision yet.
@@ -197,14 +210,19 @@ def test_kl_is_of_the_exact_distribution_against_the_approximate_one():
     other[:, 2] += 1.0
     head = identity_head()
     exact, approx = head.logits(other), head.logits(served)  # served approximately
-    expected = torch.nn.functional.kl_div(approx.log_softmax(-1), exact.log_softmax(-1),
-                                          log_target=True, reduction="sum")
+    expected = torch.nn.functional.kl_div(
+        approx.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="sum"
+    )
     assert monitor.stats()["kl_sum"] == pytest.approx(float(expected), rel=1e-5)
-    assert float(kl_divergence(exact, approx).sum()) == pytest.approx(float(expected),
-                                                                       rel=1e-5)
-    assert float(expected) != pytest.approx(float(torch.nn.functional.kl_div(
-        exact.log_softmax(-1), approx.log_softmax(-1), log_target=True, reduction="sum")),
-        rel=1e-3)  # the direction matters here: the check could fail
+    assert float(kl_divergence(exact, approx).sum()) == pytest.approx(float(expected), rel=1e-5)
+    assert float(expected) != pytest.approx(
+        float(
+            torch.nn.functional.kl_div(
+                exact.log_softmax(-1), approx.log_softmax(-1), log_target=True, reduction="sum"
+            )
+        ),
+        rel=1e-3,
+    )  # the direction matters here: the check could fail
 
 
 def test_rows_are_drawn_once_per_pass_at_the_sampled_share():
@@ -229,22 +247,22 @@ def test_quality_needs_a_mode_that_changes_the_output(policy):
 
 def test_quality_refuses_bad_sections_and_a_budget_where_nothing_misses():
     with pytest.raises(SpecExpertConfigError) as error:  # 16 of 16 experts resident
-        SpecExpertConfig.from_dict({"budget": 1.0, "miss_policy": "drop",
-                                    "quality": {}}).check_fits(16, 4)
+        SpecExpertConfig.from_dict(
+            {"budget": 1.0, "miss_policy": "drop", "quality": {}}
+        ).check_fits(16, 4)
     assert error.value.field_name == "quality"
     # speculate changes the output with every expert resident: its budget is useful.
-    SpecExpertConfig.from_dict({"budget": 1.0, "miss_policy": "speculate",
-                                "predictor": "router", "quality": {}}).check_fits(16, 4)
+    SpecExpertConfig.from_dict(
+        {"budget": 1.0, "miss_policy": "speculate", "predictor": "router", "quality": {}}
+    ).check_fits(16, 4)
     with pytest.raises(SpecExpertConfigError) as error:
         SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {"window": 0}})
     assert error.value.field_name == "quality.window"
     with pytest.raises(SpecExpertConfigError) as error:
-        SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {
-            "max_accuracy_loss": None}})
+        SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {"max_accuracy_loss": None}})
     assert error.value.field_name == "quality" and "nothing to judge" in str(error.value)
     with pytest.raises(SpecExpertConfigError) as error:
-        SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {
-            "batch_classes": [8, 8]}})
+        SpecExpertConfig.from_dict({"miss_policy": "drop", "quality": {"batch_classes": [8, 8]}})
     assert error.value.field_name == "quality.batch_classes"
 
 

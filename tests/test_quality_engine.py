@@ -24,8 +24,13 @@ BUDGET = 0.35
 prompts (4 sequences, budget 0.25), the fault 72 % served approximately and 44-94 % per
 window served exactly (the estimate follows the served trajectory, see
 :mod:`vllm_specexpert.quality`)."""
-QUALITY = {"max_top1_flip": BUDGET, "max_accuracy_loss": None, "sample": 1.0,
-           "window": WINDOW, "batch_classes": []}
+QUALITY = {
+    "max_top1_flip": BUDGET,
+    "max_accuracy_loss": None,
+    "sample": 1.0,
+    "window": WINDOW,
+    "batch_classes": [],
+}
 """Judged on flips, one batch class: every decode pass here has the 4 sequences."""
 WHOLE = (("batch", "1+"),)
 SEQUENCES = len(PROMPTS)
@@ -42,8 +47,9 @@ class WrongExperts(BuddyPolicy):
 
 
 def engine_of(model) -> OffloadEngine:
-    return next(m.engine for m in model.modules()
-                if isinstance(getattr(m, "engine", None), OffloadEngine))
+    return next(
+        m.engine for m in model.modules() if isinstance(getattr(m, "engine", None), OffloadEngine)
+    )
 
 
 def set_policy(llm, policy) -> None:
@@ -60,9 +66,16 @@ def metrics_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(metrics_dir):
-    llm = make_llm(TRAINED_MODEL, specexpert={
-        "budget": 0.25, "calibration": str(TRAINED_CALIBRATION_DIR), "miss_policy": "buddy",
-        "quality": QUALITY}, max_num_seqs=SEQUENCES)
+    llm = make_llm(
+        TRAINED_MODEL,
+        specexpert={
+            "budget": 0.25,
+            "calibration": str(TRAINED_CALIBRATION_DIR),
+            "miss_policy": "buddy",
+            "quality": QUALITY,
+        },
+        max_num_seqs=SEQUENCES,
+    )
     yield llm
     shutdown(llm)
 
@@ -77,9 +90,14 @@ def scrape(directory) -> dict:
     registry = CollectorRegistry()
     registry.register(metrics.SnapshotCollector(str(directory)))
     text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items()
-                                  if k not in ("model_name", "engine")))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (
+            s.name,
+            tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))),
+        ): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def tokens(completions) -> list[list[int]]:
@@ -117,8 +135,7 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
 
     # While exact, fresh requests get fetch's output, bit for bit (logprobs too).
     again = greedy(llm)
-    assert [(c.token_ids, c.logprobs) for c in again] == \
-        [(c.token_ids, c.logprobs) for c in exact]
+    assert [(c.token_ids, c.logprobs) for c in again] == [(c.token_ids, c.logprobs) for c in exact]
     assert quality(llm)["exact"]  # the fault is still there: its windows stay over
 
     # The fault gone: the first window under budget switches back.
@@ -134,9 +151,16 @@ def test_plec_under_a_quality_budget_starts_and_serves():
     # quality monitor got the model's logit head: IndexError, issue 37).
     from vllm_specexpert.tools.fixtures import ASSETS
 
-    llm = make_llm(TRAINED_MODEL, specexpert={
-        "budget": 0.25, "cache": "plec", "miss_policy": "drop", "quality": {},
-        "path_predictor": str(ASSETS / "tiny-qwen3-moe-path-predictor")})
+    llm = make_llm(
+        TRAINED_MODEL,
+        specexpert={
+            "budget": 0.25,
+            "cache": "plec",
+            "miss_policy": "drop",
+            "quality": {},
+            "path_predictor": str(ASSETS / "tiny-qwen3-moe-path-predictor"),
+        },
+    )
     try:
         outputs = greedy(llm, max_tokens=8)
         assert [len(c.token_ids) for c in outputs] == [8] * SEQUENCES

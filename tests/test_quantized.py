@@ -17,9 +17,14 @@ from vllm_specexpert import quant_config
 from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
 from vllm_specexpert.tools.fixtures import QUANTIZED_FIXTURES, TWIN_SUFFIX, model_path
 
-FORMATS = ["qwen3_moe-awq", "qwen3_moe-gptq", "qwen3_moe-w4a16", "qwen3_moe-fp8-block",
-           pytest.param("qwen3_moe-fp8", marks=pytest.mark.slow),
-           pytest.param("qwen3_moe-fp8-channel", marks=pytest.mark.slow)]
+FORMATS = [
+    "qwen3_moe-awq",
+    "qwen3_moe-gptq",
+    "qwen3_moe-w4a16",
+    "qwen3_moe-fp8-block",
+    pytest.param("qwen3_moe-fp8", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe-fp8-channel", marks=pytest.mark.slow),
+]
 BF16_EXPERT_BYTES = 3 * 64 * 128 * 2
 """One expert of the qwen3_moe fixture in bf16: three 64 x 128 projections."""
 
@@ -62,8 +67,9 @@ def test_host_compute_dequantizes_packed_experts(engines):
     outputs = greedy(llm)
     compared, diffs = 0, []
     for out, ref in zip(outputs, reference, strict=True):
-        for token, ref_token, lp, ref_lp in zip(out.token_ids, ref.token_ids, out.logprobs,
-                                                ref.logprobs, strict=True):
+        for token, ref_token, lp, ref_lp in zip(
+            out.token_ids, ref.token_ids, out.logprobs, ref.logprobs, strict=True
+        ):
             top, second = sorted(ref_lp.values(), reverse=True)[:2]
             if token != ref_token:
                 assert top - second < 0.05, (name, compared)  # a flip, not a near tie
@@ -100,8 +106,9 @@ def test_experts_move_packed(engines):
 
 def test_unsupported_quantizations_name_what_is_supported():
     with pytest.raises(SpecExpertUnsupportedError, match=r"group_size 48.*32, 64, 128, -1"):
-        quant_config.format_of({"quant_method": "awq", "bits": 4, "group_size": 48,
-                                 "zero_point": True})
+        quant_config.format_of(
+            {"quant_method": "awq", "bits": 4, "group_size": 48, "zero_point": True}
+        )
     with pytest.raises(SpecExpertUnsupportedError, match=r"'mxfp4'.*awq \(4-bit"):
         quant_config.format_of({"quant_method": "mxfp4"})
     with pytest.raises(SpecExpertUnsupportedError, match="gptq' bits=8"):
@@ -146,8 +153,9 @@ def test_quantized_config_lists_every_unquantized_module():
 
 def test_lowbit_refuses_an_already_quantized_checkpoint(engines):
     name, llm, _ = engines
-    fmt = {"w4a16": "pack-quantized"}.get(QUANTIZED_FIXTURES[name]["name"],
-                                          QUANTIZED_FIXTURES[name]["name"])
+    fmt = {"w4a16": "pack-quantized"}.get(
+        QUANTIZED_FIXTURES[name]["name"], QUANTIZED_FIXTURES[name]["name"]
+    )
     with pytest.raises(SpecExpertConfigError, match=f"miss_policy.*already {fmt}"):
         vllm_specexpert.reconfigure(llm, miss_policy="lowbit")
 

@@ -30,16 +30,27 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
     path: the whole engine behind vLLM's OpenAI server."""
     model = str(TRAINED_MODEL_DIR)
     stats_path = tmp_path / "stats.json"
-    config = offload_config(stats_path, predictor="hybrid", miss_policy="speculate",
-                            router_free=True, calibration=str(TRAINED_CALIBRATION_DIR),
-                            estimator=str(TRAINED_ESTIMATOR_DIR),
-                            analysis=str(TRAINED_ANALYSIS_DIR))
+    config = offload_config(
+        stats_path,
+        predictor="hybrid",
+        miss_policy="speculate",
+        router_free=True,
+        calibration=str(TRAINED_CALIBRATION_DIR),
+        estimator=str(TRAINED_ESTIMATOR_DIR),
+        analysis=str(TRAINED_ANALYSIS_DIR),
+    )
     port = free_port()
     temp = tmp_path / "tmp"  # the server's TMPDIR, to count what it leaves there
     temp.mkdir()
-    with serving(model, port, tmp_path / "server.log", config,
-                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300,
-                 env={**os.environ, "TMPDIR": str(temp)}):
+    with serving(
+        model,
+        port,
+        tmp_path / "server.log",
+        config,
+        ["--enforce-eager", "--max-model-len", "512"],
+        timeout_s=300,
+        env={**os.environ, "TMPDIR": str(temp)},
+    ):
         assert metrics_directories(temp)  # where the workers' snapshots go
         body = complete(port, model, "def main():", 16)
         assert body["usage"]["completion_tokens"] == 16
@@ -63,9 +74,14 @@ def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
     model = str(TRAINED_MODEL_DIR)
     stats_path = tmp_path / "stats.json"
     port = free_port()
-    with serving(model, port, tmp_path / "server.log",
-                 offload_config(stats_path, miss_policy="lowbit"),
-                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300):
+    with serving(
+        model,
+        port,
+        tmp_path / "server.log",
+        offload_config(stats_path, miss_policy="lowbit"),
+        ["--enforce-eager", "--max-model-len", "512"],
+        timeout_s=300,
+    ):
         complete(port, model, "import os\nimport sys\n", 24)
         stats = stats_after(stats_path, decode_tokens=23)
         assert stats["output"] == "approximate" and stats["miss_policy"] == "lowbit"
@@ -77,14 +93,17 @@ def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
         while True:
             metrics = scrape(port)
             stats = json.loads(stats_path.read_text())
-            low_bit = sum(v for k, v in metrics.items()
-                          if k[0] == "specexpert_low_bit_entries_total")
+            low_bit = sum(
+                v for k, v in metrics.items() if k[0] == "specexpert_low_bit_entries_total"
+            )
             if low_bit == stats["total"]["decode"]["low_bit_entries"] or (
-                    time.monotonic() > deadline):
+                time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.5)
         assert low_bit == stats["total"]["decode"]["low_bit_entries"], sorted(
-            {k[0] for k in metrics})
+            {k[0] for k in metrics}
+        )
         info = [dict(k[1]) for k in metrics if k[0] == "specexpert_info"]
         assert [(i["miss_policy"], i["output"]) for i in info] == [("lowbit", "approximate")]
 
@@ -95,26 +114,36 @@ def test_serve_runs_lookahead_and_reports_its_draft_lengths(tmp_path):
     model = str(TRAINED_MODEL_DIR)
     stats_path = tmp_path / "stats.json"
     port = free_port()
-    with serving(model, port, tmp_path / "server.log",
-                 offload_config(stats_path, lookahead={"k_max": 2}),
-                 ["--enforce-eager", "--max-model-len", "512"], timeout_s=300):
+    with serving(
+        model,
+        port,
+        tmp_path / "server.log",
+        offload_config(stats_path, lookahead={"k_max": 2}),
+        ["--enforce-eager", "--max-model-len", "512"],
+        timeout_s=300,
+    ):
         body = complete(port, model, "import os\nimport sys\n", 24)
         assert body["usage"]["completion_tokens"] == 24
         deadline = time.monotonic() + 10
         while True:  # the file and the snapshots are rewritten every 0.1 s and 1 s
             stats = json.loads(stats_path.read_text())
             metrics = scrape(port)
-            drafted = sum(v for k, v in metrics.items()
-                          if k[0] == "specexpert_lookahead_drafted_tokens_total")
-            if (stats["lookahead"]["drafted"] and drafted == stats["lookahead"]["drafted"]) \
-                    or time.monotonic() > deadline:
+            drafted = sum(
+                v for k, v in metrics.items() if k[0] == "specexpert_lookahead_drafted_tokens_total"
+            )
+            if (
+                stats["lookahead"]["drafted"] and drafted == stats["lookahead"]["drafted"]
+            ) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         lookahead = stats["lookahead"]
         assert lookahead["k_max"] == 2 and lookahead["drafted"] > 0
         assert drafted == lookahead["drafted"]
-        steps = {dict(k[1])["k"]: v for k, v in metrics.items()
-                 if k[0] == "specexpert_lookahead_steps_total"}
+        steps = {
+            dict(k[1])["k"]: v
+            for k, v in metrics.items()
+            if k[0] == "specexpert_lookahead_steps_total"
+        }
         assert steps == {k: float(n) for k, n in lookahead["steps_by_k"].items()}
         assert stats["output"] == "exact"
 
@@ -123,8 +152,13 @@ def complete(port: int, model: str, prompt: str, max_tokens: int) -> dict:
     """A greedy completion from the server (asserted to succeed)."""
     response = requests.post(
         f"http://127.0.0.1:{port}/v1/completions",
-        json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-              "temperature": 0, "ignore_eos": True},
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
         timeout=120,
     )
     assert response.status_code == 200, response.text
@@ -153,9 +187,12 @@ def scrape(port: int) -> dict[tuple, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name.startswith("specexpert_")}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("specexpert_")
+    }
 
 
 def check_metrics_match_stats(port: int, stats_path, model: str) -> None:
@@ -170,14 +207,19 @@ def check_metrics_match_stats(port: int, stats_path, model: str) -> None:
             index = str(stats["layer_index"][name])
             for phase in ("decode", "prefill"):
                 base = {"model_name": model, "engine": "0", "layer": index, "phase": phase}
-                for field, metric in (("hits", "hits"), ("misses", "misses"),
-                                      ("bytes_loaded", "bytes_loaded"),
-                                      ("speculated_calls", "speculated_calls"),
-                                      ("stall_s", "stall_seconds")):
+                for field, metric in (
+                    ("hits", "hits"),
+                    ("misses", "misses"),
+                    ("bytes_loaded", "bytes_loaded"),
+                    ("speculated_calls", "speculated_calls"),
+                    ("stall_s", "stall_seconds"),
+                ):
                     key = (f"specexpert_{metric}_total", tuple(sorted(base.items())))
                     expected[key] = layer[phase][field]
-            key = ("specexpert_resident_experts",
-                   tuple(sorted({"model_name": model, "engine": "0", "layer": index}.items())))
+            key = (
+                "specexpert_resident_experts",
+                tuple(sorted({"model_name": model, "engine": "0", "layer": index}.items())),
+            )
             expected[key] = stats["resident_per_layer"][name]
         found = {k: metrics.get(k) for k in expected}
         if found == expected or time.monotonic() > deadline:
@@ -194,12 +236,32 @@ def test_bench_throughput_runs_with_the_plugin(tmp_path):
     stats_path = tmp_path / "stats.json"
     result_path = tmp_path / "throughput.json"
     proc = subprocess.run(
-        [*SPECEXPERT, "vllm", "bench", "throughput", "--model", model,
-         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
-         "--num-prompts", "8", "--enforce-eager", "--max-model-len", "512",
-         "--additional-config", json.dumps({"specexpert": offload_config(stats_path)}),
-         "--output-json", str(result_path)],
-        capture_output=True, text=True, timeout=600,
+        [
+            *SPECEXPERT,
+            "vllm",
+            "bench",
+            "throughput",
+            "--model",
+            model,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "16",
+            "--num-prompts",
+            "8",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--additional-config",
+            json.dumps({"specexpert": offload_config(stats_path)}),
+            "--output-json",
+            str(result_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -212,9 +274,16 @@ def test_bench_throughput_runs_with_the_plugin(tmp_path):
 def test_cli_reports_a_bad_config_in_one_line(tmp_path):
     model = str(ensure_model("qwen3_moe"))
     proc = subprocess.run(
-        [*SPECEXPERT, "serve", model, "--additional-config",
-         json.dumps({"specexpert": {"budget": 0.1}})],
-        capture_output=True, text=True, timeout=300,
+        [
+            *SPECEXPERT,
+            "serve",
+            model,
+            "--additional-config",
+            json.dumps({"specexpert": {"budget": 0.1}}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 2

@@ -29,26 +29,58 @@ def closed_port() -> int:
 # The trained model: 64 experts per layer, top-4 (budget 0.25: 16 slots).
 CASES = {
     "lowbit with fewer than 2 x top_k slots": (
-        TRAINED_MODEL, {"budget": 7, "miss_policy": "lowbit"}, {}, "budget"),
+        TRAINED_MODEL,
+        {"budget": 7, "miss_policy": "lowbit"},
+        {},
+        "budget",
+    ),
     "lowbit on an AWQ checkpoint": (
-        "qwen3_moe-awq", {"budget": 0.5, "miss_policy": "lowbit"}, {}, "miss_policy"),
+        "qwen3_moe-awq",
+        {"budget": 0.5, "miss_policy": "lowbit"},
+        {},
+        "miss_policy",
+    ),
     "mesh on an AWQ checkpoint": ("qwen3_moe-awq", {"budget": 0.5, "mesh": {}}, {}, "mesh"),
     "mesh on fused experts": ("gpt_oss", {"budget": 0.5, "mesh": {}}, {}, "mesh"),
     "hot_count above the slots - top_k": (
-        TRAINED_MODEL, {"budget": 0.25, "calibration": CALIBRATION,
-                        "mesh": {"placement": "replicate_hot", "hot_count": 13}}, {},
-        "mesh.hot_count"),
+        TRAINED_MODEL,
+        {
+            "budget": 0.25,
+            "calibration": CALIBRATION,
+            "mesh": {"placement": "replicate_hot", "hot_count": 13},
+        },
+        {},
+        "mesh.hot_count",
+    ),
     "hot_count of every expert": (
-        TRAINED_MODEL, {"budget": 1.0, "calibration": CALIBRATION,
-                        "mesh": {"placement": "replicate_hot", "hot_count": 64}}, {},
-        "mesh.hot_count"),
+        TRAINED_MODEL,
+        {
+            "budget": 1.0,
+            "calibration": CALIBRATION,
+            "mesh": {"placement": "replicate_hot", "hot_count": 64},
+        },
+        {},
+        "mesh.hot_count",
+    ),
     "router_free in the compiled mode": (
-        TRAINED_MODEL, {"budget": 0.25, "predictor": "estimator", "miss_policy": "speculate",
-                        "router_free": True, "calibration": CALIBRATION,
-                        "estimator": str(TRAINED_ESTIMATOR_DIR)},
-        {"enforce_eager": False}, "router_free"),
+        TRAINED_MODEL,
+        {
+            "budget": 0.25,
+            "predictor": "estimator",
+            "miss_policy": "speculate",
+            "router_free": True,
+            "calibration": CALIBRATION,
+            "estimator": str(TRAINED_ESTIMATOR_DIR),
+        },
+        {"enforce_eager": False},
+        "router_free",
+    ),
     "quality where nothing can miss": (
-        TRAINED_MODEL, {"budget": 64, "miss_policy": "drop", "quality": {}}, {}, "quality"),
+        TRAINED_MODEL,
+        {"budget": 64, "miss_policy": "drop", "quality": {}},
+        {},
+        "quality",
+    ),
 }
 
 
@@ -58,8 +90,12 @@ def test_refused_where_the_engine_config_is_built(case):
 
     model, specexpert, engine, field = CASES[case]
     engine = {"enforce_eager": True, **engine}
-    args = EngineArgs(model=str(model_path(model)), max_model_len=512,
-                      additional_config={"specexpert": specexpert}, **engine)
+    args = EngineArgs(
+        model=str(model_path(model)),
+        max_model_len=512,
+        additional_config={"specexpert": specexpert},
+        **engine,
+    )
     with pytest.raises(SpecExpertConfigError) as error:
         args.create_engine_config()
     assert error.value.field_name == field, str(error.value)
@@ -70,9 +106,12 @@ def test_an_unreachable_ray_address_is_refused_before_ray_starts():
     from vllm import EngineArgs
 
     address = f"127.0.0.1:{closed_port()}"
-    args = EngineArgs(model=str(model_path(TRAINED_MODEL)), max_model_len=512,
-                      enforce_eager=True, additional_config={"specexpert": {
-                          "budget": 0.25, "mesh": {"ray_address": address}}})
+    args = EngineArgs(
+        model=str(model_path(TRAINED_MODEL)),
+        max_model_len=512,
+        enforce_eager=True,
+        additional_config={"specexpert": {"budget": 0.25, "mesh": {"ray_address": address}}},
+    )
     with pytest.raises(SpecExpertConfigError) as error:
         args.create_engine_config()
     assert error.value.field_name == "mesh.ray_address" and address in str(error.value)
@@ -103,13 +142,19 @@ def test_llm_raises_the_plugins_own_error(tmp_path):
     script = tmp_path / "start.py"
     script.write_text(LLM_SCRIPT)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(model_path(TRAINED_MODEL))],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model_path(TRAINED_MODEL))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 3 and "refused: budget" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-awq", "qwen3_moe-gptq", "qwen3_moe-w4a16",
-                                  "qwen3_moe-fp8-block"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe-awq", "qwen3_moe-gptq", "qwen3_moe-w4a16", "qwen3_moe-fp8-block"]
+)
 def test_a_group_size_unlike_the_tensors_is_refused_from_the_headers(name, tmp_path):
     import json
 
@@ -133,8 +178,12 @@ def test_a_group_size_unlike_the_tensors_is_refused_from_the_headers(name, tmp_p
     (tmp_path / "config.json").write_text(json.dumps(config))
     from vllm import EngineArgs
 
-    args = EngineArgs(model=str(tmp_path), max_model_len=512, enforce_eager=True,
-                      additional_config={"specexpert": {"budget": 0.5}})
+    args = EngineArgs(
+        model=str(tmp_path),
+        max_model_len=512,
+        enforce_eager=True,
+        additional_config={"specexpert": {"budget": 0.5}},
+    )
     with pytest.raises(SpecExpertUnsupportedError) as error:
         args.create_engine_config()
     assert "quantization_config" in str(error.value) and "expected" in str(error.value)

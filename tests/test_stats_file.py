@@ -27,8 +27,9 @@ def fifo(path):
 def null_device(path):
     """A copy of ``/dev/null`` (character device 1:3), as an operator would point at."""
     if os.geteuid() != 0:
-        pytest.skip("mknod of a character device needs root; the FIFO case covers "
-                    "special files without it")
+        pytest.skip(
+            "mknod of a character device needs root; the FIFO case covers special files without it"
+        )
     os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     return path
 
@@ -60,9 +61,13 @@ def test_a_path_that_is_not_a_regular_file_is_refused_at_start(tmp_path, make):
 def test_the_engine_refuses_it_too(tmp_path):
     # The engine checks its own rank's path when it starts (the plugin checks rank 0's).
     path = fifo(tmp_path / "stats-1.json")
-    engine = OffloadEngine(SpecExpertConfig.from_dict(
-        {"budget": 0.25, "stats_path": str(tmp_path / "stats-{rank}.json")}),
-        torch.device("cpu"), rank=1)
+    engine = OffloadEngine(
+        SpecExpertConfig.from_dict(
+            {"budget": 0.25, "stats_path": str(tmp_path / "stats-{rank}.json")}
+        ),
+        torch.device("cpu"),
+        rank=1,
+    )
     engine.add_layer("layer", random_layer(seed=0), top_k=4, index=0)
     with pytest.raises(SpecExpertConfigError, match="stats_path"):
         engine.start()
@@ -109,8 +114,9 @@ def test_a_removed_directory_is_not_made_again_by_a_write(tmp_path):
     that writes after that must not bring it back."""
     directory = tmp_path / "snapshots"
     directory.mkdir()
-    writer = StatsWriter(str(directory / "worker.json"), 3600, lambda: {}, what="snapshot",
-                         write_last=False)
+    writer = StatsWriter(
+        str(directory / "worker.json"), 3600, lambda: {}, what="snapshot", write_last=False
+    )
     directory.rmdir()
     writer.write()
     writer.close()

@@ -40,16 +40,19 @@ def heldout():
         assert hashlib.sha256(text.encode()).hexdigest() == entry["sha256"], entry["sample"]
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
         n = (len(ids) - 1) // WINDOW
-        samples[split] = (entry, torch.stack([ids[i * WINDOW : i * WINDOW + WINDOW + 1]
-                                              for i in range(n)]))
+        samples[split] = (
+            entry,
+            torch.stack([ids[i * WINDOW : i * WINDOW + WINDOW + 1] for i in range(n)]),
+        )
     return samples
 
 
 def hf_loss(model, windows: torch.Tensor) -> float:
     """Mean next-token NLL by transformers' loss: each window labelled with itself."""
     with torch.no_grad():
-        return sum(float(model(input_ids=w[None], labels=w[None]).loss)
-                   for w in windows) / len(windows)
+        return sum(float(model(input_ids=w[None], labels=w[None]).loss) for w in windows) / len(
+            windows
+        )
 
 
 def unigram_entropy(tokens: torch.Tensor) -> float:
@@ -84,8 +87,10 @@ def test_gate_packages_never_trained_on_are_predicted_well(model, heldout):
     tokens: the model uses context, across projects."""
     _, windows = heldout["test"]
     loss, unigram = hf_loss(model, windows), unigram_entropy(windows[:, 1:])
-    print(f"test-package sample: loss {loss:.3f}, unigram entropy {unigram:.3f}, "
-          f"ratio {loss / unigram:.3f}")
+    print(
+        f"test-package sample: loss {loss:.3f}, unigram entropy {unigram:.3f}, "
+        f"ratio {loss / unigram:.3f}"
+    )
     assert loss < 0.6 * unigram
 
 

@@ -18,14 +18,15 @@ GROUP = 8
 
 def prompts(count=32, words=24):
     text = (TRAINED_MODEL_DIR / "heldout" / "test.txt").read_text().split()
-    return [" ".join(text[i * words:(i + 1) * words]) for i in range(count)]
+    return [" ".join(text[i * words : (i + 1) * words]) for i in range(count)]
 
 
 def greedy(llm, max_tokens=24):
     from vllm import SamplingParams
 
-    outputs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                     ignore_eos=True))
+    outputs = llm.generate(
+        prompts(), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    )
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
 
 
@@ -40,9 +41,12 @@ def scheduler_series() -> list[tuple]:
     registry = CollectorRegistry()
     registry.register(metrics.environment_collector())
     text = generate_latest(registry).decode()
-    return [(s.name, s.labels["engine"], s.value)
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name.startswith("specexpert_scheduler_")]
+    return [
+        (s.name, s.labels["engine"], s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("specexpert_scheduler_")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +57,15 @@ def runs():
         vanilla = start_engine(str(TRAINED_MODEL_DIR), None, max_num_seqs=32)
         reference = greedy(vanilla)
         stop_engine(vanilla)
-        llm = start_engine(str(TRAINED_MODEL_DIR), {
-            "budget": 0.25, "path_predictor": str(PATH_PREDICTOR),
-            "token_scheduler": {"group_size": GROUP, "max_wait_steps": MAX_WAIT}},
-            max_num_seqs=32)
+        llm = start_engine(
+            str(TRAINED_MODEL_DIR),
+            {
+                "budget": 0.25,
+                "path_predictor": str(PATH_PREDICTOR),
+                "token_scheduler": {"group_size": GROUP, "max_wait_steps": MAX_WAIT},
+            },
+            max_num_seqs=32,
+        )
         import vllm_specexpert
 
         outputs = greedy(llm)

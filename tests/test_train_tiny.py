@@ -11,9 +11,16 @@ from vllm_specexpert.tools import train_tiny
 def tiny_model(implementation: str):
     from transformers import AutoModelForCausalLM
 
-    config = train_tiny.TrainConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                                    num_key_value_heads=1, head_dim=16, num_experts=8,
-                                    num_experts_per_tok=2, moe_intermediate_size=16).hf_config()
+    config = train_tiny.TrainConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    ).hf_config()
     config.vocab_size = 64
     config._experts_implementation = implementation
     torch.manual_seed(0)
@@ -31,8 +38,7 @@ def test_padded_experts_equal_the_per_expert_loop(monkeypatch, capacity_factor):
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-    for (name, a), (_, b) in zip(eager.named_parameters(), padded.named_parameters(),
-                                 strict=True):
+    for (name, a), (_, b) in zip(eager.named_parameters(), padded.named_parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
     # The experts did receive gradient (a vacuous match of zeros would pass above).
     grad = padded.model.layers[0].mlp.experts.gate_up_proj.grad

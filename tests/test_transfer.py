@@ -68,10 +68,10 @@ def test_demand_copies_overtake_queued_prefetches_and_prefetches_cancel():
     src = torch.ones(250_000)
     dsts = [torch.zeros_like(src) for _ in range(4)]
     started = []
-    busy = link.submit(whole(dsts[0], src), prefetch=True)      # starts at once
+    busy = link.submit(whole(dsts[0], src), prefetch=True)  # starts at once
     later = link.submit(whole(dsts[1], src), prefetch=True, on_start=started.append)  # queued
     dropped = link.submit(whole(dsts[2], src), prefetch=True, on_start=started.append)  # queued
-    demand = link.submit(whole(dsts[3], src))                   # goes before both
+    demand = link.submit(whole(dsts[3], src))  # goes before both
     assert link.cancel(dropped) and not link.cancel(busy)
     # The copy thread may have written the dropped slot's bytes ahead of the emulated
     # timeline; the contract is that nothing lands there once cancel() returned, since

@@ -27,9 +27,19 @@ def _cuda_available() -> bool:
 def test_kernels_match_their_references_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(TESTS / "interpreted")],
-        env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(TESTS / "interpreted"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     print(result.stdout[-3000:], result.stderr[-3000:])
     assert result.returncode == 0, "interpreted kernel tests failed (output above)"
@@ -63,13 +73,16 @@ def test_kernel_compiles_for_nvidia_target_without_spilling(specialization, arch
     assert usage["STACK"] == 0, f"registers spill: {usage}"
 
 
-@pytest.mark.skipif(_cuda_available(), reason="this machine has CUDA: `make gpu-check` "
-                    "runs the real check here instead of refusing")
+@pytest.mark.skipif(
+    _cuda_available(),
+    reason="this machine has CUDA: `make gpu-check` runs the real check here instead of refusing",
+)
 def test_gpu_check_refuses_a_machine_without_cuda():
     """`make gpu-check` is meant for a CUDA machine; here it must say why it cannot run
     (exit 2), not fail somewhere inside vLLM."""
     script = TESTS.parent / "benchmarks" / "gpu_check.py"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "gpu-check needs a CUDA machine" in result.stderr

@@ -11,10 +11,16 @@ from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.tiers.host import HostKernel
 
 
-def build_engine(config: dict | SpecExpertConfig,
-                 layers: Mapping[str, dict[str, torch.Tensor]], top_k: int, *,
-                 indices: Sequence[int] | None = None, host_kernel: HostKernel | None = None,
-                 reports: bool = True, start: bool = True) -> OffloadEngine:
+def build_engine(
+    config: dict | SpecExpertConfig,
+    layers: Mapping[str, dict[str, torch.Tensor]],
+    top_k: int,
+    *,
+    indices: Sequence[int] | None = None,
+    host_kernel: HostKernel | None = None,
+    reports: bool = True,
+    start: bool = True,
+) -> OffloadEngine:
     """An engine on the CPU with ``layers`` (name -> expert tensors) added in order, at
     decoder-layer ``indices`` (default 0, 1, ...). Started unless ``start`` is False:
     what the vLLM adapter wires between the layers and the start (routing statistics,

@@ -40,16 +40,18 @@ class Completion:
 
 def make_llm(arch: str, specexpert: dict, eager: bool = True, **kwargs):
     """A plugin engine in this process (in-process engine core, see conftest)."""
-    return start_engine(str(model_path(arch)), specexpert, eager=eager,
-                        max_model_len=512, **kwargs)
+    return start_engine(str(model_path(arch)), specexpert, eager=eager, max_model_len=512, **kwargs)
 
 
 def expert_layer_classes(model) -> list[str]:
     """Worker side: the classes of the model's routed-expert layers."""
-    return sorted({
-        f"{type(m).__module__}.{type(m).__qualname__}"
-        for m in model.modules() if type(m).__name__.endswith("RoutedExperts")
-    })
+    return sorted(
+        {
+            f"{type(m).__module__}.{type(m).__qualname__}"
+            for m in model.modules()
+            if type(m).__name__.endswith("RoutedExperts")
+        }
+    )
 
 
 def model_class(model) -> str:
@@ -57,9 +59,15 @@ def model_class(model) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
-def greedy_in_fresh_process(arch: str, plugins: bool, eager: bool = True,
-                            prompts=PROMPTS, max_tokens: int = MAX_TOKENS,
-                            prompt_logprobs: bool = False, **engine_kwargs) -> dict:
+def greedy_in_fresh_process(
+    arch: str,
+    plugins: bool,
+    eager: bool = True,
+    prompts=PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+    prompt_logprobs: bool = False,
+    **engine_kwargs,
+) -> dict:
     """Greedy completions of ``prompts`` from an engine started in a new Python process
     with no ``specexpert`` config; with ``plugins=False`` no vLLM plugin is ever loaded
     there. Engines of the test process share it with the plugin, so vanilla references
@@ -70,17 +78,29 @@ def greedy_in_fresh_process(arch: str, plugins: bool, eager: bool = True,
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if not plugins:
             env["VLLM_PLUGINS"] = ""
-        args = json.dumps({"arch": arch, "eager": eager, "out": out, "prompts": list(prompts),
-                           "max_tokens": max_tokens, "prompt_logprobs": prompt_logprobs,
-                           "engine": engine_kwargs})
-        proc = subprocess.run([sys.executable, __file__, args], env=env,
-                              capture_output=True, text=True, timeout=900)
+        args = json.dumps(
+            {
+                "arch": arch,
+                "eager": eager,
+                "out": out,
+                "prompts": list(prompts),
+                "max_tokens": max_tokens,
+                "prompt_logprobs": prompt_logprobs,
+                "engine": engine_kwargs,
+            }
+        )
+        proc = subprocess.run(
+            [sys.executable, __file__, args], env=env, capture_output=True, text=True, timeout=900
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         with open(out) as f:
             result = json.load(f)
     result["completions"] = [
-        Completion(c["token_ids"], _int_keys(c["logprobs"]),
-                   _int_keys(c["prompt_logprobs"]) if c["prompt_logprobs"] else None)
+        Completion(
+            c["token_ids"],
+            _int_keys(c["logprobs"]),
+            _int_keys(c["prompt_logprobs"]) if c["prompt_logprobs"] else None,
+        )
         for c in result["completions"]
     ]
     return result
@@ -96,29 +116,37 @@ def vanilla_reference(arch: str, eager: bool = True, **engine) -> tuple[Completi
     an engine with the ``engine`` settings of the engine it is compared with: where the
     scheduling differs (``max_num_batched_tokens``), so do the batches, and on a CPU
     with AMX a GEMM's result depends on the batch it is in."""
-    return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager,
-                                         **engine)["completions"])
+    return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager, **engine)["completions"])
 
 
-def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS,
-           prompt_logprobs: bool = False) -> list[Completion]:
+def greedy(
+    llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, prompt_logprobs: bool = False
+) -> list[Completion]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True,
-                            prompt_logprobs=5 if prompt_logprobs else None)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        logprobs=5,
+        ignore_eos=True,
+        prompt_logprobs=5 if prompt_logprobs else None,
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = []
     for output in outputs:
         sample = output.outputs[0]
         prompt = None
         if prompt_logprobs:  # the first position has none
-            prompt = [{t: lp.logprob for t, lp in step.items()}
-                      for step in output.prompt_logprobs[1:]]
-        result.append(Completion(
-            token_ids=list(sample.token_ids),
-            logprobs=[{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs],
-            prompt_logprobs=prompt,
-        ))
+            prompt = [
+                {t: lp.logprob for t, lp in step.items()} for step in output.prompt_logprobs[1:]
+            ]
+        result.append(
+            Completion(
+                token_ids=list(sample.token_ids),
+                logprobs=[{t: lp.logprob for t, lp in step.items()} for step in sample.logprobs],
+                prompt_logprobs=prompt,
+            )
+        )
     return result
 
 
@@ -128,8 +156,11 @@ def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int
     short is an error, not a score)."""
     lengths = [len(o) for o in outputs], [len(r) for r in reference]
     assert lengths[0] == lengths[1], f"lengths {lengths[0]} against {lengths[1]}"
-    pairs = [(a, b) for out, ref in zip(outputs, reference, strict=True)
-             for a, b in zip(out, ref, strict=True)]
+    pairs = [
+        (a, b)
+        for out, ref in zip(outputs, reference, strict=True)
+        for a, b in zip(out, ref, strict=True)
+    ]
     assert pairs, "nothing to compare"
     return sum(a == b for a, b in pairs) / len(pairs)
 
@@ -148,9 +179,9 @@ def cache_invariants(model) -> list[int]:
 
     return [
         check_cache_invariants(module.engine.layers[module.layer_name].loader, settle=True)
-        for module in model.modules() if isinstance(module, OffloadedRoutedExperts)
+        for module in model.modules()
+        if isinstance(module, OffloadedRoutedExperts)
     ]
-
 
 
 def fix_host_cost(llm, per_expert: float, per_row: float = 0.0) -> None:
@@ -175,10 +206,15 @@ if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
     from vllm import LLM
 
     request = json.loads(sys.argv[1])
-    llm = LLM(model=str(model_path(request["arch"])), dtype="bfloat16",
-              enforce_eager=request["eager"], max_model_len=512, seed=0, **request["engine"])
-    completions = greedy(llm, request["prompts"], request["max_tokens"],
-                         request["prompt_logprobs"])
+    llm = LLM(
+        model=str(model_path(request["arch"])),
+        dtype="bfloat16",
+        enforce_eager=request["eager"],
+        max_model_len=512,
+        seed=0,
+        **request["engine"],
+    )
+    completions = greedy(llm, request["prompts"], request["max_tokens"], request["prompt_logprobs"])
     result = {
         "completions": [dataclasses.asdict(c) for c in completions],
         "expert_layer_classes": llm.apply_model(expert_layer_classes)[0],

@@ -99,8 +99,10 @@ def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
 
     vllm_config = llm.llm_engine.vllm_config
     if ADDITIONAL_CONFIG_KEY not in (vllm_config.additional_config or {}):
-        raise RuntimeError("specexpert: this LLM runs without the plugin: its "
-                           "additional_config has no 'specexpert' key")
+        raise RuntimeError(
+            "specexpert: this LLM runs without the plugin: its "
+            "additional_config has no 'specexpert' key"
+        )
     extension = vllm_config.parallel_config.worker_extension_cls
     if extension != WORKER_EXTENSION:
         plugins = os.environ.get("VLLM_PLUGINS")
@@ -108,9 +110,12 @@ def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
             raise RuntimeError(
                 "specexpert: this LLM runs without the plugin although additional_config "
                 f"configures it: VLLM_PLUGINS={plugins!r} kept it from loading; add "
-                "specexpert to VLLM_PLUGINS, or unset it")
-        raise RuntimeError(f"specexpert: worker_extension_cls={extension!r} replaces the "
-                           "plugin's, so its RPCs are unavailable (stats_path still works)")
+                "specexpert to VLLM_PLUGINS, or unset it"
+            )
+        raise RuntimeError(
+            f"specexpert: worker_extension_cls={extension!r} replaces the "
+            "plugin's, so its RPCs are unavailable (stats_path still works)"
+        )
     return llm.collective_rpc(method, args=args)
 
 

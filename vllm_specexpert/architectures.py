@@ -26,18 +26,24 @@ class Architecture:
 
 
 SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
-    "Qwen3MoeForCausalLM": Architecture("num_experts", "num_experts_per_tok",
-                                        "vllm.model_executor.models.qwen3_moe"),
-    "Qwen2MoeForCausalLM": Architecture("num_experts", "num_experts_per_tok",
-                                        "vllm.model_executor.models.qwen2_moe"),
-    "MixtralForCausalLM": Architecture("num_local_experts", "num_experts_per_tok",
-                                       "vllm.model_executor.models.mixtral"),
-    "OlmoeForCausalLM": Architecture("num_experts", "num_experts_per_tok",
-                                     "vllm.model_executor.models.olmoe"),
-    "DeepseekV2ForCausalLM": Architecture("n_routed_experts", "num_experts_per_tok",
-                                          "vllm.model_executor.models.deepseek_v2"),
-    "GptOssForCausalLM": Architecture("num_local_experts", "num_experts_per_tok",
-                                      "vllm.model_executor.models.gpt_oss"),
+    "Qwen3MoeForCausalLM": Architecture(
+        "num_experts", "num_experts_per_tok", "vllm.model_executor.models.qwen3_moe"
+    ),
+    "Qwen2MoeForCausalLM": Architecture(
+        "num_experts", "num_experts_per_tok", "vllm.model_executor.models.qwen2_moe"
+    ),
+    "MixtralForCausalLM": Architecture(
+        "num_local_experts", "num_experts_per_tok", "vllm.model_executor.models.mixtral"
+    ),
+    "OlmoeForCausalLM": Architecture(
+        "num_experts", "num_experts_per_tok", "vllm.model_executor.models.olmoe"
+    ),
+    "DeepseekV2ForCausalLM": Architecture(
+        "n_routed_experts", "num_experts_per_tok", "vllm.model_executor.models.deepseek_v2"
+    ),
+    "GptOssForCausalLM": Architecture(
+        "num_local_experts", "num_experts_per_tok", "vllm.model_executor.models.gpt_oss"
+    ),
 }
 
 
@@ -57,7 +63,8 @@ def moe_shape(hf_config: Any) -> MoEShape:
         if arch in SUPPORTED_ARCHITECTURES:
             spec = SUPPORTED_ARCHITECTURES[arch]
             return MoEShape(
-                arch, int(getattr(hf_config, spec.experts_attr)),
+                arch,
+                int(getattr(hf_config, spec.experts_attr)),
                 int(getattr(hf_config, spec.top_k_attr)),
             )
     raise SpecExpertUnsupportedError(
@@ -82,7 +89,8 @@ def check_supported(vllm_config: Any) -> None:
                 f"quantization '{model_config.quantization}' of an unquantized checkpoint",
                 "offloaded experts are dequantized from a quantized checkpoint, not "
                 "quantized while loading",
-                "quantize it first (specexpert quantize), or drop --quantization")
+                "quantize it first (specexpert quantize), or drop --quantization",
+            )
         fmt = format_of(dict(checkpoint))
         if fmt is not None:
             check_packed_tensors(model_config.model, fmt)
@@ -111,7 +119,8 @@ def packed_format(vllm_config: Any, layer_name: str) -> PackedFormat | None:
 
 
 PACKED_EXPERT_TENSOR = re.compile(
-    r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))\.(\w+)$")
+    r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))\.(\w+)$"
+)
 """A tensor of one routed expert's projection: (module, tensor name)."""
 
 
@@ -144,15 +153,20 @@ def check_packed_tensors(model_dir: str, fmt: PackedFormat) -> None:
                 shape = f.get_slice(key).get_shape()
                 # Shapes are all a format needs, but a tiny tensor may be read for its
                 # values (compressed-tensors' weight_shape).
-                tensors[name] = (f.get_tensor(key) if torch.Size(shape).numel() <= 16
-                                 else torch.empty(shape, device="meta"))
+                tensors[name] = (
+                    f.get_tensor(key)
+                    if torch.Size(shape).numel() <= 16
+                    else torch.empty(shape, device="meta")
+                )
         problem = _packed_mismatch(fmt, tensors)
         if problem is not None:
             raise SpecExpertUnsupportedError(
-                f"{module} of {model_dir}", f"{problem}, where its quantization_config "
+                f"{module} of {model_dir}",
+                f"{problem}, where its quantization_config "
                 f"({fmt.name}{_group(fmt)}) gives other shapes",
                 "use a checkpoint quantized as its config says (or fix its "
-                "quantization_config, e.g. the group_size)")
+                "quantization_config, e.g. the group_size)",
+            )
 
 
 def _group(fmt: PackedFormat) -> str:
@@ -170,8 +184,8 @@ def _packed_mismatch(fmt: PackedFormat, tensors: dict) -> str | None:
         if name not in tensors:
             return f"has no tensor {name}"
         found = tuple(tensors[name].shape)
-        if (len(found) == len(shape) and found != tuple(shape)) or \
-                math.prod(found) != math.prod(shape):
+        if (len(found) == len(shape) and found != tuple(shape)) or math.prod(found) != math.prod(
+            shape
+        ):
             return f"has {name} of shape {list(found)} (expected {list(shape)})"
     return None
-

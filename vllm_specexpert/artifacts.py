@@ -29,9 +29,16 @@ from pydantic import (
 
 from vllm_specexpert.config import SpecExpertConfigError
 
-FINGERPRINT_CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "num_experts",
-                           "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                           "vocab_size")
+FINGERPRINT_CONFIG_KEYS = (
+    "architectures",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "vocab_size",
+)
 """Config keys of the fingerprint (transformers 5 writes Qwen3-MoE's expert count as
 ``num_local_experts``, older configs as ``num_experts``)."""
 
@@ -103,17 +110,24 @@ class ModelFingerprint(BaseModel):
         """Every key, as :func:`model_fingerprint` returns it (``None`` where absent)."""
         return {k: getattr(self, k) for k in (*FINGERPRINT_CONFIG_KEYS, "router_sha256")}
 
-    def disagreement(self, hidden_size: int | None = None, num_experts: int | None = None,
-                     top_k: int | None = None, vocab_size: int | None = None) -> str | None:
+    def disagreement(
+        self,
+        hidden_size: int | None = None,
+        num_experts: int | None = None,
+        top_k: int | None = None,
+        vocab_size: int | None = None,
+    ) -> str | None:
         """The first size an artifact states (its shape) unlike this fingerprint's (the
         model it says it was made for), as ``"name X, the fingerprint's Y"``; ``None``
         when they agree or the fingerprint does not say."""
         experts = {n for n in (self.num_experts, self.num_local_experts) if n is not None}
         if num_experts is not None and experts and num_experts not in experts:
             return f"num_experts {num_experts}, the fingerprint's {sorted(experts)[0]}"
-        for name, value, made_for in (("hidden_size", hidden_size, self.hidden_size),
-                                      ("top_k", top_k, self.num_experts_per_tok),
-                                      ("vocab_size", vocab_size, self.vocab_size)):
+        for name, value, made_for in (
+            ("hidden_size", hidden_size, self.hidden_size),
+            ("top_k", top_k, self.num_experts_per_tok),
+            ("vocab_size", vocab_size, self.vocab_size),
+        ):
             if value is not None and made_for is not None and value != made_for:
                 return f"{name} {value}, the fingerprint's {made_for}"
         return None
@@ -140,8 +154,9 @@ Schema = TypeVar("Schema", bound=BaseModel)
 Network = TypeVar("Network", bound=torch.nn.Module)
 
 
-def manifest_error(error: ValidationError, field: str, file: Path,
-                   fix: str) -> SpecExpertConfigError:
+def manifest_error(
+    error: ValidationError, field: str, file: Path, fix: str
+) -> SpecExpertConfigError:
     """Pydantic's first complaint about ``file`` as one config error naming ``field``,
     the file and the key (``shape.latent``, ``transitions.3.quasi_hidden.recall``)."""
     errors = error.errors(include_url=False)
@@ -165,8 +180,7 @@ def manifest_error(error: ValidationError, field: str, file: Path,
     return SpecExpertConfigError(field, problem, fix)
 
 
-def parse_manifest(schema: type[Schema], data: Any, field: str, file: Path,
-                   fix: str) -> Schema:
+def parse_manifest(schema: type[Schema], data: Any, field: str, file: Path, fix: str) -> Schema:
     """``data`` (a manifest read from ``file``) checked against ``schema``: one config
     error naming ``field`` for anything wrong."""
     try:
@@ -202,16 +216,24 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def check_matches_model(manifest: MadeForModel, model: str, hf_config: object | None = None,
-                        field: str = "calibration", fix: str | None = None) -> None:
+def check_matches_model(
+    manifest: MadeForModel,
+    model: str,
+    hf_config: object | None = None,
+    field: str = "calibration",
+    fix: str | None = None,
+) -> None:
     """Raise a config error naming ``field`` unless ``manifest`` (checked against its
     schema) was made for ``model`` (a local directory: router weights compared by hash;
     otherwise the shapes in ``hf_config`` only)."""
     fix = fix or f"run `specexpert calibrate {model} --out DIR` and point '{field}' at DIR"
     if manifest.model_fingerprint is None:
         raise SpecExpertConfigError(
-            field, "does not say which model it was made for (no model_fingerprint: made "
-            "by an older version, or by hand)", fix)
+            field,
+            "does not say which model it was made for (no model_fingerprint: made "
+            "by an older version, or by hand)",
+            fix,
+        )
     made_for = manifest.model_fingerprint.as_dict()
     if Path(model, "config.json").exists():
         actual = model_fingerprint(model)
@@ -230,34 +252,46 @@ def check_matches_model(manifest: MadeForModel, model: str, hf_config: object | 
         raise SpecExpertConfigError(
             field,
             f"made for another model (differs in {', '.join(different)}; made for "
-            f"{manifest.model or '?'})", fix)
+            f"{manifest.model or '?'})",
+            fix,
+        )
 
 
-def read_manifest(path: Path, field: str, weights_file: str, fmt: str, fix: str,
-                  schema: type[Schema]) -> Schema:
+def read_manifest(
+    path: Path, field: str, weights_file: str, fmt: str, fix: str, schema: type[Schema]
+) -> Schema:
     """The ``manifest.json`` of an artifact directory, its ``format`` checked, then the
     rest against ``schema``; anything wrong is one config error naming ``field``."""
     manifest_path = path / "manifest.json"
     if not manifest_path.exists() or not (path / weights_file).exists():
         raise SpecExpertConfigError(
-            field, f"{path} is not a {field} directory (no manifest.json or {weights_file})",
-            fix)
+            field, f"{path} is not a {field} directory (no manifest.json or {weights_file})", fix
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
         raise SpecExpertConfigError(field, f"{manifest_path}: not JSON ({exc})", fix) from None
     found = manifest.get("format") if isinstance(manifest, dict) else manifest
     if found != fmt:
-        raise SpecExpertConfigError(field, f"{manifest_path}: format {found!r}, expected "
-                                    f"{fmt!r}", f"recreate it with this version ({fix})")
+        raise SpecExpertConfigError(
+            field,
+            f"{manifest_path}: format {found!r}, expected {fmt!r}",
+            f"recreate it with this version ({fix})",
+        )
     return parse_manifest(schema, manifest, field, manifest_path, fix)
 
 
-def check_shapes(field: str, file: Path, shapes: dict[str, tuple[int, ...]],
-                 expected: dict[str, tuple[int, ...]], fix: str) -> None:
+def check_shapes(
+    field: str,
+    file: Path,
+    shapes: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    fix: str,
+) -> None:
     """Every tensor of ``expected`` present in ``shapes`` (name -> shape) with its shape,
     no other tensor: anything else is one config error naming ``field``, the tensor and,
     for a shape, both shapes."""
+
     def bad(problem: str) -> SpecExpertConfigError:
         return SpecExpertConfigError(field, f"{file}: {problem}", fix)
 
@@ -268,12 +302,19 @@ def check_shapes(field: str, file: Path, shapes: dict[str, tuple[int, ...]],
             raise bad(f"{key} has shape {list(shapes[key])}, expected {list(shape)}")
     unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
-        raise bad(f"unexpected tensor {unexpected[0]}"
-                  f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}")
+        raise bad(
+            f"unexpected tensor {unexpected[0]}"
+            f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}"
+        )
 
 
-def check_tensors(field: str, file: Path, tensors: dict[str, torch.Tensor],
-                  expected: dict[str, tuple[int, ...]], fix: str) -> None:
+def check_tensors(
+    field: str,
+    file: Path,
+    tensors: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    fix: str,
+) -> None:
     """:func:`check_shapes` of ``tensors``, and floating-point values finite."""
     check_shapes(field, file, {k: tuple(v.shape) for k, v in tensors.items()}, expected, fix)
     for key in expected:
@@ -293,22 +334,22 @@ def stored_shapes(field: str, file: Path, fix: str) -> dict[str, tuple[int, ...]
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as exc:  # noqa: BLE001 - truncated or not a safetensors file
         raise SpecExpertConfigError(
-            field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix) from None
+            field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix
+        ) from None
 
 
-def save_network(out: Path, weights_file: str, network: torch.nn.Module,
-                 manifest: dict) -> None:
+def save_network(out: Path, weights_file: str, network: torch.nn.Module, manifest: dict) -> None:
     """A trained network's artifact: its state dict and ``manifest.json``."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in network.state_dict().items()},
-              str(out / weights_file))
+    save_file({k: v.contiguous() for k, v in network.state_dict().items()}, str(out / weights_file))
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def load_network_weights(path: Path, field: str, weights_file: str,
-                         build: Callable[[], Network], fix: str) -> Network:
+def load_network_weights(
+    path: Path, field: str, weights_file: str, build: Callable[[], Network], fix: str
+) -> Network:
     """The network ``build()`` makes (from its manifest's shape) with the artifact's
     weights, in eval mode. Its tensor shapes are first taken from a build on the meta
     device and compared with the file's header, so a manifest asking for a huge network
@@ -324,7 +365,8 @@ def load_network_weights(path: Path, field: str, weights_file: str,
         state = load_file(str(file))
     except Exception as exc:  # noqa: BLE001 - changed or damaged since the header was read
         raise SpecExpertConfigError(
-            field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix) from None
+            field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix
+        ) from None
     check_tensors(field, file, state, expected, fix)
     network = build()
     network.load_state_dict(state)

@@ -63,8 +63,9 @@ class LowBitBackend:
         stats.stall_s += scratch.stall_s
         index, part = call.masked(entries)
         kernel_ids, expert_map = low_bit.cache.kernel_routing(part.topk_ids, part.ids)
-        out[index] += part.kernel(part.x, part.topk_weights, kernel_ids,
-                                  low_bit.cache.slots, expert_map)
+        out[index] += part.kernel(
+            part.x, part.topk_weights, kernel_ids, low_bit.cache.slots, expert_map
+        )
         low_bit.kernel_launched(np.unique(ids[entries]))
         stats.kernel_calls += 1
         return None
@@ -96,8 +97,11 @@ class HostBackend:
         self.host = host
 
     def stage(self, call: LayerCall, entries: np.ndarray) -> tuple[LayerCall, Any, float]:
-        return (call, self.host.stage(call.x, call.topk_weights, call.ids, entries),
-                time.perf_counter())
+        return (
+            call,
+            self.host.stage(call.x, call.topk_weights, call.ids, entries),
+            time.perf_counter(),
+        )
 
     def finish(self, job: tuple[LayerCall, Any, float], out: torch.Tensor) -> None:
         call, staged, started_at = job

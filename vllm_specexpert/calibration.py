@@ -107,8 +107,12 @@ TENSORS = {
 """Per MoE layer ``i``: ``layers.{i}.{name}`` and its shape for E experts, hidden size H."""
 
 
-def load_calibration(path: str | Path, model: str | None = None, hf_config: object | None = None,
-                     num_experts: int | None = None) -> Calibration:
+def load_calibration(
+    path: str | Path,
+    model: str | None = None,
+    hf_config: object | None = None,
+    num_experts: int | None = None,
+) -> Calibration:
     """Read a calibration directory and check all of it: the manifest, the model it was
     made for (``model``), every tensor present with the shape the manifest's (and, when
     given, the model's) expert count and hidden size imply, and finite values. Anything
@@ -118,14 +122,12 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config: obje
     path = Path(path)
     fix = REMAKE
     manifest_path = path / "manifest.json"
-    manifest = read_manifest(path, "calibration", WEIGHTS_FILE, FORMAT, fix,
-                             CalibrationManifest)
+    manifest = read_manifest(path, "calibration", WEIGHTS_FILE, FORMAT, fix, CalibrationManifest)
 
     def bad(problem: str) -> SpecExpertConfigError:
         return SpecExpertConfigError("calibration", problem, fix)
 
-    layers, experts, hidden = manifest.moe_layer_indices, manifest.num_experts, \
-        manifest.hidden_size
+    layers, experts, hidden = manifest.moe_layer_indices, manifest.num_experts, manifest.hidden_size
     if model is not None:
         check_matches_model(manifest, model, hf_config)
     if num_experts is not None and experts != num_experts:
@@ -137,8 +139,11 @@ def load_calibration(path: str | Path, model: str | None = None, hf_config: obje
         tensors = load_file(str(path / WEIGHTS_FILE))
     except Exception as exc:  # truncated or not a safetensors file
         raise bad(f"{path / WEIGHTS_FILE}: unreadable ({str(exc).splitlines()[0]})") from None
-    expected = {f"layers.{i}.{name}": shape_of(experts, hidden)
-                for i in layers for name, shape_of in TENSORS.items()}
+    expected = {
+        f"layers.{i}.{name}": shape_of(experts, hidden)
+        for i in layers
+        for name, shape_of in TENSORS.items()
+    }
     present = {k: v for k, v in tensors.items() if k in expected}  # other layers' are ignored
     check_tensors("calibration", path / WEIGHTS_FILE, present, expected, fix)
     for key, tensor in present.items():

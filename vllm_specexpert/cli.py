@@ -88,7 +88,8 @@ def configures_plugin(argv: list[str]) -> bool:
             except (OSError, yaml.YAMLError):
                 continue  # vLLM reports it
             if isinstance(loaded, dict) and any(
-                    has_key(loaded.get(k)) for k in ("additional-config", "additional_config")):
+                has_key(loaded.get(k)) for k in ("additional-config", "additional_config")
+            ):
                 return True
     return False
 
@@ -153,11 +154,22 @@ def main(argv: list[str] | None = None) -> None:
         train_tiny,
     )
 
-    tools = {"demo": demo, "corpus": corpus, "build-fixtures": fixtures,
-             "train-tiny": train_tiny, "capture": capture, "calibrate": calibrate,
-             "analyze": analyze, "train-path": train_path, "eval-path": eval_path,
-             "quantize": quantize, "dequantize": dequantize, "mesh-demo": mesh_demo,
-             "train-estimator": train_estimator, "composition": composition}
+    tools = {
+        "demo": demo,
+        "corpus": corpus,
+        "build-fixtures": fixtures,
+        "train-tiny": train_tiny,
+        "capture": capture,
+        "calibrate": calibrate,
+        "analyze": analyze,
+        "train-path": train_path,
+        "eval-path": eval_path,
+        "quantize": quantize,
+        "dequantize": dequantize,
+        "mesh-demo": mesh_demo,
+        "train-estimator": train_estimator,
+        "composition": composition,
+    }
     from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
     from vllm_specexpert.tools.arguments import UsageError
 

@@ -46,8 +46,9 @@ LOW_BIT_SUFFIX = ".int4"
 
 
 class OffloadEngine:
-    def __init__(self, config: SpecExpertConfig, device: torch.device, rank: int = 0,
-                 reports: bool = True):
+    def __init__(
+        self, config: SpecExpertConfig, device: torch.device, rank: int = 0, reports: bool = True
+    ):
         self.config = config
         self.device = device
         self.rank = rank
@@ -92,8 +93,13 @@ class OffloadEngine:
     # ------------------------------------------------------------------ setup
 
     def add_layer(
-        self, name: str, tensors: dict[str, torch.Tensor], top_k: int, index: int = -1,
-        host_kernel: HostKernel | None = None, decoder: ExpertDecoder | None = None,
+        self,
+        name: str,
+        tensors: dict[str, torch.Tensor],
+        top_k: int,
+        index: int = -1,
+        host_kernel: HostKernel | None = None,
+        decoder: ExpertDecoder | None = None,
         low_bit: tuple[dict[str, torch.Tensor], ExpertDecoder] | None = None,
     ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
@@ -104,9 +110,14 @@ class OffloadEngine:
         low_bit_experts = None
         if low_bit is not None:
             low_bit_experts = self.store.add_layer(name + LOW_BIT_SUFFIX, *low_bit)
-        layer = OffloadedLayer(name=name, top_k=top_k, index=index,
-                               experts=self.store.layers[name], host_kernel=host_kernel,
-                               low_bit_experts=low_bit_experts)
+        layer = OffloadedLayer(
+            name=name,
+            top_k=top_k,
+            index=index,
+            experts=self.store.layers[name],
+            host_kernel=host_kernel,
+            low_bit_experts=low_bit_experts,
+        )
         self.layers[name] = layer
         layer.equip(self.config, self.link, self.device, self.pool)
         return layer
@@ -143,8 +154,9 @@ class OffloadEngine:
         # Not a new selection: its new shared pool would not hold the layers' caches.
         self._build_features(self.config)
 
-    def set_routing_statistics(self, coactivation: dict[str, np.ndarray],
-                               tae_percentiles: dict[str, np.ndarray]) -> None:
+    def set_routing_statistics(
+        self, coactivation: dict[str, np.ndarray], tae_percentiles: dict[str, np.ndarray]
+    ) -> None:
         """Per layer name: calibrated co-activation counts and TAE percentiles."""
         for name, layer in self.layers.items():
             layer.coactivation = np.asarray(coactivation[name])
@@ -177,9 +189,11 @@ class OffloadEngine:
         check_change(self.config, config, self.layers.values(), self.predictor_inputs)
         if config.quality is not None and self.logit_head is None:
             raise SpecExpertConfigError(
-                "quality", "its monitor reads the model's final norm through a tap "
-                "installed when an engine starts with a quality budget", "start the "
-                "engine with 'quality' set (then it can change, or be turned off and on)")
+                "quality",
+                "its monitor reads the model's final norm through a tap "
+                "installed when an engine starts with a quality budget",
+                "start the engine with 'quality' set (then it can change, or be turned off and on)",
+            )
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 
@@ -233,37 +247,70 @@ class OffloadEngine:
         # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
         # that their prefetched experts are released by their own call.
         out = torch.empty_like(x)
-        for rows, run in ((phases.decode, self._run_decode),
-                          (phases.prefill, self._run_prefill)):
+        for rows, run in ((phases.decode, self._run_decode), (phases.prefill, self._run_prefill)):
             index = upload(rows, x.device)
             out[index] = run(layer, kernel, x[index], topk_weights[index], topk_ids[index])
         return out
 
-    def _run_resident_token(self, layer: OffloadedLayer, kernel: ExpertKernel,
-                            x: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor, phases: PassPhases | None) -> torch.Tensor:
+    def _run_resident_token(
+        self,
+        layer: OffloadedLayer,
+        kernel: ExpertKernel,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        phases: PassPhases | None,
+    ) -> torch.Tensor:
         """One token on a layer whose every expert is resident (budget 1.0), with no
         prediction to make: nothing to decide, so nothing is read to the host."""
-        phase = layer.stats.prefill if phases is not None and phases.all_prefill \
-            else layer.stats.decode
-        return execute.run_resident_token(layer.cache, kernel, x, topk_weights, topk_ids,
-                                          phase.count_call(x.shape[0]))
+        phase = (
+            layer.stats.prefill if phases is not None and phases.all_prefill else layer.stats.decode
+        )
+        return execute.run_resident_token(
+            layer.cache, kernel, x, topk_weights, topk_ids, phase.count_call(x.shape[0])
+        )
 
-    def _run_prefill(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
-                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def _run_prefill(
+        self,
+        layer: OffloadedLayer,
+        kernel: ExpertKernel,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
         """Prefill tokens: the router's experts, loaded on demand (exact). On CUDA the
         host read is the sync that on-demand loading cannot avoid: which experts to copy
         is only known once the router has run."""
-        call = LayerCall(x, topk_weights, topk_ids, topk_ids.cpu().numpy(), kernel,
-                         layer.stats.prefill.count_call(x.shape[0]))
+        call = LayerCall(
+            x,
+            topk_weights,
+            topk_ids,
+            topk_ids.cpu().numpy(),
+            kernel,
+            layer.stats.prefill.count_call(x.shape[0]),
+        )
         return execute.run(layer.loader, call, execute.survey(layer.loader, call))
 
-    def _run_decode(self, layer: OffloadedLayer, kernel: ExpertKernel, x: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def _run_decode(
+        self,
+        layer: OffloadedLayer,
+        kernel: ExpertKernel,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
         """Decode tokens: the features' hooks around one host read, the miss policy and
         the executor (:mod:`vllm_specexpert.features`)."""
-        call = DecodeCall(layer, x, topk_weights, topk_ids, kernel,
-                          layer.stats.decode.count_call(x.shape[0]), topk_weights, topk_ids)
+        call = DecodeCall(
+            layer,
+            x,
+            topk_weights,
+            topk_ids,
+            kernel,
+            layer.stats.decode.count_call(x.shape[0]),
+            topk_weights,
+            topk_ids,
+        )
         call.exact = any(f.forces_exact(call.num_tokens) for f in self.features)
         for feature in self.features:
             feature.begin_call(call)
@@ -289,18 +336,24 @@ class OffloadEngine:
             context = call.layer.miss_context
             assert context is not None  # (the start refused a layer without one)
             return execute.resolve(call.layer.loader, run, self.miss_policy, context)
-        return self.features[at].resolve(
-            call, run, lambda c, r: self._resolve(at + 1, c, r))
+        return self.features[at].resolve(call, run, lambda c, r: self._resolve(at + 1, c, r))
 
-    def router_free_routing(self, name: str, tokens: int
-                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def router_free_routing(
+        self, name: str, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``router_free``: the routing a decode-only pass of ``tokens`` tokens at layer
         ``name`` runs without calling its router, or ``None``: call the router."""
         if any(f.forces_exact(tokens) for f in self.features):
             return None
         layer = self.layers[name]
-        return next((routing for f in self.features
-                     if (routing := f.routing_for(layer, tokens)) is not None), None)
+        return next(
+            (
+                routing
+                for f in self.features
+                if (routing := f.routing_for(layer, tokens)) is not None
+            ),
+            None,
+        )
 
     # ---------------------------------------------------------------- statistics
 

@@ -67,17 +67,24 @@ def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True)
     return Survey(resident, missing, missed, needed)
 
 
-def resolve(loader: ExpertLoader, call: LayerCall, policy: MissPolicy,
-            context: MissContext) -> torch.Tensor:
+def resolve(
+    loader: ExpertLoader, call: LayerCall, policy: MissPolicy, context: MissContext
+) -> torch.Tensor:
     """A decode call: survey it, ask ``policy`` about its missing entries, run the plan."""
     found = survey(loader, call, policy.spec.waits_for_copies)
-    plan = (policy.plan(call.ids, found.resident, call.topk_weights, context)
-            if found.missed else None)
+    plan = (
+        policy.plan(call.ids, found.resident, call.topk_weights, context) if found.missed else None
+    )
     return run(loader, call, found, plan, context)
 
 
-def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | None = None,
-        context: MissContext | None = None) -> torch.Tensor:
+def run(
+    loader: ExpertLoader,
+    call: LayerCall,
+    found: Survey,
+    plan: MissPlan | None = None,
+    context: MissContext | None = None,
+) -> torch.Tensor:
     """Routed-expert output of the call under ``plan`` (``None``: every entry on the
     device, missing ones loaded on demand): the entries of the other places
     (:mod:`vllm_specexpert.backends`) start first, the device's run, then each place
@@ -133,23 +140,31 @@ def run(loader: ExpertLoader, call: LayerCall, found: Survey, plan: MissPlan | N
     return out
 
 
-def host_pairs(experts: LayerExperts, kernel: HostKernel | None, x: torch.Tensor,
-               pairs: np.ndarray) -> torch.Tensor:
+def host_pairs(
+    experts: LayerExperts, kernel: HostKernel | None, x: torch.Tensor, pairs: np.ndarray
+) -> torch.Tensor:
     """Expert ``pairs[i]`` of ``experts`` on row ``i`` of ``x``, unweighted, computed on
     the host from the slow tier: what a mesh peer's check is compared with
     (:mod:`vllm_specexpert.tiers.peer_check`)."""
     if kernel is None:
         raise SpecExpertConfigError(
-            "mesh", "a peer's check is compared with this host's result of the same "
+            "mesh",
+            "a peer's check is compared with this host's result of the same "
             "experts, and this model's expert layers have no host kernel",
-            "remove mesh (this layer type cannot compute experts on the host)")
+            "remove mesh (this layer type cannot compute experts on the host)",
+        )
     ids = torch.from_numpy(pairs.astype(np.int32))[:, None]
     return compute_on_host(experts, kernel, x, torch.ones(ids.shape, dtype=torch.float32), ids)
 
 
-def run_resident_token(cache: ExpertCache, kernel: ExpertKernel, x: torch.Tensor,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                       stats: PhaseStats) -> torch.Tensor:
+def run_resident_token(
+    cache: ExpertCache,
+    kernel: ExpertKernel,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    stats: PhaseStats,
+) -> torch.Tensor:
     """One token on a layer whose every expert sits in the slot of its id
     (``cache.identity``: budget 1.0): its top-k experts are distinct, all hits, and the
     router's ids are the slot ids, so nothing is read to the host."""
@@ -162,8 +177,9 @@ def run_resident_token(cache: ExpertCache, kernel: ExpertKernel, x: torch.Tensor
     return kernel(x, topk_weights, kernel_ids, cache.slots, expert_map)
 
 
-def run_on_device(loader: ExpertLoader, call: LayerCall,
-                  needed: np.ndarray | None = None) -> torch.Tensor:
+def run_on_device(
+    loader: ExpertLoader, call: LayerCall, needed: np.ndarray | None = None
+) -> torch.Tensor:
     """Output of the call's kernel on its routing, loading what is missing. ``needed``:
     ``np.unique(call.ids)`` if the caller has it."""
     cache, stats, ids = loader.cache, call.stats, call.ids
@@ -233,7 +249,7 @@ def next_token_group(cache: ExpertCache, ids: np.ndarray, remaining: np.ndarray)
     capacity = cache.capacity()
     missing = (~resident[ids[remaining]]).sum(axis=1)
     candidates = remaining[np.argsort(missing, kind="stable")][: GROUP_SCAN_FACTOR * capacity]
-    experts = ids[candidates]                                   # [C, K]
+    experts = ids[candidates]  # [C, K]
     position = np.broadcast_to(np.arange(len(candidates))[:, None], experts.shape)
     counted = ~pinned_resident[experts]
     first = np.full(cache.num_experts, len(candidates), dtype=np.int64)

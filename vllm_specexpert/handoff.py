@@ -44,23 +44,25 @@ class SchedulerStats:
 
     steps: int = counter("Scheduling steps (vLLM's schedule() calls).")
     grouped_steps: int = counter(
-        "Steps with more runnable decode sequences than token_scheduler.group_size "
-        "(one group ran).")
+        "Steps with more runnable decode sequences than token_scheduler.group_size (one group ran)."
+    )
     held: int = counter("Sequence-steps held back (a sequence held for 3 steps counts 3).")
-    max_waited: int = highest(
-        "Longest run of consecutive steps any sequence was held back.")
+    max_waited: int = highest("Longest run of consecutive steps any sequence was held back.")
     pairs_run: int = counter(
         "Predicted distinct (layer, expert) pairs of the groups that ran, summed over "
-        "grouped steps.")
+        "grouped steps."
+    )
     pairs_all: int = counter(
-        "Predicted distinct pairs had all runnable decode sequences run, same steps.")
+        "Predicted distinct pairs had all runnable decode sequences run, same steps."
+    )
     pairs_in_order: int = counter(
         "Predicted distinct pairs had the first group_size runnable sequences in "
         "vLLM's order run instead of the chosen group (a group of the same size, not "
-        "chosen by route), same steps.")
+        "chosen by route), same steps."
+    )
     cpu_s: float = seconds(
-        "Seconds the scheduler spent predicting and grouping (vLLM's own scheduling "
-        "not included).")
+        "Seconds the scheduler spent predicting and grouping (vLLM's own scheduling not included)."
+    )
     max_step_cpu_s: float = highest("Longest of those per step, seconds.", 0.0)
 
 

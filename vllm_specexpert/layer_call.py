@@ -48,8 +48,9 @@ class LayerCall:
     (the engine submits the next layer's prefetch there, so that the copy overlaps this
     layer's expert compute)."""
 
-    def rows(self, index: np.ndarray, weights: torch.Tensor | None = None,
-             ids: np.ndarray | None = None) -> LayerCall:
+    def rows(
+        self, index: np.ndarray, weights: torch.Tensor | None = None, ids: np.ndarray | None = None
+    ) -> LayerCall:
         """The call on the tokens ``index`` (host row numbers); ``weights`` and ``ids``
         (host), already of those rows, replace their routing if given."""
         device_index = upload(index, self.x.device)
@@ -59,14 +60,18 @@ class LayerCall:
             topk_ids = upload(ids, self.x.device).to(self.topk_ids.dtype)
         if weights is None:
             weights = self.topk_weights[device_index]
-        return dataclasses.replace(self, x=self.x[device_index], topk_weights=weights,
-                                   topk_ids=topk_ids, ids=ids)
+        return dataclasses.replace(
+            self, x=self.x[device_index], topk_weights=weights, topk_ids=topk_ids, ids=ids
+        )
 
     def routed(self, weights: torch.Tensor, ids: np.ndarray) -> LayerCall:
         """The same tokens with another routing (``ids`` on the host)."""
         return dataclasses.replace(
-            self, topk_weights=weights, ids=ids,
-            topk_ids=upload(ids, self.x.device).to(self.topk_ids.dtype))
+            self,
+            topk_weights=weights,
+            ids=ids,
+            topk_ids=upload(ids, self.x.device).to(self.topk_ids.dtype),
+        )
 
     def take_before_kernel(self) -> Callable[[], None] | None:
         """``before_kernel``, once: later launches of the call get ``None``."""
@@ -82,6 +87,9 @@ class LayerCall:
         mask = entries[rows]
         first = self.ids[rows, mask.argmax(axis=1)]
         index = upload(rows, self.x.device)
-        part = self.rows(rows, torch.where(upload(mask, self.x.device), weights[index], 0.0),
-                         np.where(mask, self.ids[rows], first[:, None]))
+        part = self.rows(
+            rows,
+            torch.where(upload(mask, self.x.device), weights[index], 0.0),
+            np.where(mask, self.ids[rows], first[:, None]),
+        )
         return index, part

@@ -75,30 +75,38 @@ class OffloadedLayer:
             self.__dict__.pop(name, None)
         self.low_bit = None
 
-    def equip(self, config: SpecExpertConfig, link: Link, device: torch.device,
-              pool: SlotPool | None) -> None:
+    def equip(
+        self, config: SpecExpertConfig, link: Link, device: torch.device, pool: SlotPool | None
+    ) -> None:
         """A cache (its own pool, or its share of the shared ``pool``, which the engine
         allocates once every layer joined), loader, low-bit slots and miss context for
         ``config``."""
         slots = config.slots_per_layer(self.experts.num_experts, self.top_k)
-        low_bit = (config.miss_policy_spec.low_bit and self.low_bit_experts is not None
-                   and slots >= 2 * self.top_k)  # else check_low_bit says why
+        low_bit = (
+            config.miss_policy_spec.low_bit
+            and self.low_bit_experts is not None
+            and slots >= 2 * self.top_k
+        )  # else check_low_bit says why
         if low_bit:  # the low-bit slots come out of the layer's budget
             slots -= self.top_k
         try:
-            self.cache = ExpertCache(self.experts, slots, self.top_k, config.cache, device,
-                                     pool=pool)
+            self.cache = ExpertCache(
+                self.experts, slots, self.top_k, config.cache, device, pool=pool
+            )
         except ValueError as error:
             if pool is None:
                 raise
             raise SpecExpertConfigError(
-                "cache", f"'{config.cache}' shares one slot pool between layers: "
-                f"{error}", "use cache 'lru'") from error
+                "cache",
+                f"'{config.cache}' shares one slot pool between layers: {error}",
+                "use cache 'lru'",
+            ) from error
         self.loader = ExpertLoader(self.cache, link)
         self.low_bit = None
         if low_bit and self.low_bit_experts is not None:
             self.low_bit = ExpertLoader(
-                ExpertCache(self.low_bit_experts, self.top_k, self.top_k, "lru", device), link)
+                ExpertCache(self.low_bit_experts, self.top_k, self.top_k, "lru", device), link
+            )
         self.prefetch = PrefetchPlanner(self.top_k)
         if self.local_experts is not None:
             self._pin(self.local_experts, slots)
@@ -108,66 +116,87 @@ class OffloadedLayer:
         """Load ``experts`` into the cache now and never evict them."""
         if len(experts) > slots - self.top_k:
             raise SpecExpertConfigError(
-                "mesh.hot_count", f"{len(experts)} pinned experts leave fewer than top_k "
+                "mesh.hot_count",
+                f"{len(experts)} pinned experts leave fewer than top_k "
                 f"({self.top_k}) of the layer's {slots} slots for the others",
-                f"use hot_count <= {slots - self.top_k}, or a larger budget")
+                f"use hot_count <= {slots - self.top_k}, or a larger budget",
+            )
         self.loader.acquire(np.asarray(experts), PhaseStats())
         self.loader.wait_all()
         self.cache.policy.pinned[experts] = True
 
     def set_miss_context(self, config: SpecExpertConfig, link: Link) -> None:
         self.miss_context = miss_context(
-            config, self.experts, link.expert_seconds(self.experts), self.host_kernel,
-            self.coactivation, self.tae_percentiles, self.low_bit, self.peers)
+            config,
+            self.experts,
+            link.expert_seconds(self.experts),
+            self.host_kernel,
+            self.coactivation,
+            self.tae_percentiles,
+            self.low_bit,
+            self.peers,
+        )
 
 
-def check_runnable(config: SpecExpertConfig, layers: Iterable[OffloadedLayer],
-                   inputs: PredictorInputs) -> None:
+def check_runnable(
+    config: SpecExpertConfig, layers: Iterable[OffloadedLayer], inputs: PredictorInputs
+) -> None:
     """Raise a config error when ``config`` needs what the loaded ``layers`` lack (at
     engine start and before a ``reconfigure``: never mid-generation)."""
     layers = list(layers)
     for layer in layers:
         decoder = layer.experts.decoder
-        config.check_fits(layer.experts.num_experts, layer.top_k,
-                          decoder.name if decoder is not None else None)
+        config.check_fits(
+            layer.experts.num_experts, layer.top_k, decoder.name if decoder is not None else None
+        )
     policy = config.miss_policy_spec
-    if policy.computes_on_host and any(
-        layer.host_kernel is None for layer in layers
-    ):
+    if policy.computes_on_host and any(layer.host_kernel is None for layer in layers):
         raise SpecExpertConfigError(
-            "miss_policy", f"'{policy.name}' computes experts on the host, and this "
+            "miss_policy",
+            f"'{policy.name}' computes experts on the host, and this "
             "model's expert layers have no host kernel",
-            "use 'fetch' (this layer type cannot compute experts on the host)")
+            "use 'fetch' (this layer type cannot compute experts on the host)",
+        )
     if config.routing_statistics_need is not None and any(
         layer.coactivation is None for layer in layers
     ):
         raise SpecExpertConfigError(
-            "calibration", f"miss_policy '{policy.name}' needs the calibration's "
+            "calibration",
+            f"miss_policy '{policy.name}' needs the calibration's "
             "co-activation counts and TAE percentiles, loaded at engine start",
             "start the engine with 'calibration' set to a directory from "
-            "`specexpert calibrate` for this model")
+            "`specexpert calibrate` for this model",
+        )
     if policy.low_bit:
         check_low_bit(config, layers)
     moe_layers = sorted(layer.index for layer in layers)
     unknown = sorted(set(config.exact_layers or ()) - set(moe_layers))
     if unknown:
         raise SpecExpertConfigError(
-            "exact_layers", f"{unknown} are not MoE layers of this model",
-            f"give indices among its MoE layers {moe_layers}")
+            "exact_layers",
+            f"{unknown} are not MoE layers of this model",
+            f"give indices among its MoE layers {moe_layers}",
+        )
     predictor = config.predictor_spec
     if predictor.needs_calibration and not inputs.default_vectors:
         raise SpecExpertConfigError(
-            "predictor", f"{config.predictor} needs the calibration's default vectors, "
-            "loaded at engine start", "start the engine with 'calibration' set")
+            "predictor",
+            f"{config.predictor} needs the calibration's default vectors, loaded at engine start",
+            "start the engine with 'calibration' set",
+        )
     if config.router_free and not any(layer.router_skippable for layer in layers):
         raise SpecExpertConfigError(
-            "router_free", "skips routers in Python per call, and this engine's MoE "
+            "router_free",
+            "skips routers in Python per call, and this engine's MoE "
             "runner is traced into torch.compile's graph (the CPU build's compiled mode)",
-            "start the engine with enforce_eager=True (--enforce-eager), or remove it")
+            "start the engine with enforce_eager=True (--enforce-eager), or remove it",
+        )
     if predictor.needs_estimator and inputs.estimator is None:
         raise SpecExpertConfigError(
-            "predictor", f"{config.predictor} needs the estimator, loaded at engine start",
-            "start the engine with 'estimator' set")
+            "predictor",
+            f"{config.predictor} needs the estimator, loaded at engine start",
+            "start the engine with 'estimator' set",
+        )
 
 
 def check_low_bit(config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
@@ -175,39 +204,62 @@ def check_low_bit(config: SpecExpertConfig, layers: list[OffloadedLayer]) -> Non
     :meth:`SpecExpertConfig.check_fits`)."""
     if any(layer.low_bit_experts is None for layer in layers):
         raise SpecExpertConfigError(
-            "miss_policy", "'lowbit' runs INT4 copies of the experts, made at load "
+            "miss_policy",
+            "'lowbit' runs INT4 copies of the experts, made at load "
             "only when the engine starts with miss_policy 'lowbit'",
             "start the engine with miss_policy 'lowbit' (reconfigure can then "
-            "switch to any other policy and back)")
+            "switch to any other policy and back)",
+        )
 
 
-def check_change(current: SpecExpertConfig, config: SpecExpertConfig,
-                 layers: Iterable[OffloadedLayer], inputs: PredictorInputs) -> None:
+def check_change(
+    current: SpecExpertConfig,
+    config: SpecExpertConfig,
+    layers: Iterable[OffloadedLayer],
+    inputs: PredictorInputs,
+) -> None:
     """Raise a config error unless the running engine can switch from ``current`` to
     ``config`` (``reconfigure``): the budget fits every layer, the artifacts read at
     start are the same, and the new mode can run on the loaded layers."""
     layers = list(layers)
-    for name in ("calibration", "estimator", "analysis", "hybrid_threshold",
-                 "path_predictor", "token_scheduler"):
+    for name in (
+        "calibration",
+        "estimator",
+        "analysis",
+        "hybrid_threshold",
+        "path_predictor",
+        "token_scheduler",
+    ):
         if getattr(config, name) != getattr(current, name):
             raise SpecExpertConfigError(
-                name, "is read when the engine starts and cannot change at run time",
-                f"start a new engine with the new '{name}'")
+                name,
+                "is read when the engine starts and cannot change at run time",
+                f"start a new engine with the new '{name}'",
+            )
     before, after = current.mesh, config.mesh
-    if (before is None) != (after is None) or (before is not None and any(
+    if (before is None) != (after is None) or (
+        before is not None
+        and any(
             getattr(before, f) != getattr(after, f)
-            for f in ("ray_address", "peers", "placement", "hot_count"))):
+            for f in ("ray_address", "peers", "placement", "hot_count")
+        )
+    ):
         raise SpecExpertConfigError(
-            "mesh", "its peers and their shards are made when the engine starts; only "
+            "mesh",
+            "its peers and their shards are made when the engine starts; only "
             "mesh.mode, rtt_cap_ms, timeout_ms and probe_interval_s can change at run time",
-            "start a new engine with the new 'mesh'")
+            "start a new engine with the new 'mesh'",
+        )
     drafts = current.lookahead, config.lookahead
     if (drafts[0] is None) != (drafts[1] is None) or (
-            drafts[0] is not None and drafts[1] is not None
-            and (drafts[0].k_max, drafts[0].draft_budget)
-            != (drafts[1].k_max, drafts[1].draft_budget)):
+        drafts[0] is not None
+        and drafts[1] is not None
+        and (drafts[0].k_max, drafts[0].draft_budget) != (drafts[1].k_max, drafts[1].draft_budget)
+    ):
         raise SpecExpertConfigError(
-            "lookahead", "is read when the engine starts (vLLM's speculative decoding and "
+            "lookahead",
+            "is read when the engine starts (vLLM's speculative decoding and "
             "the draft are built then); only lookahead.k can change at run time",
-            "start a new engine with the new 'lookahead'")
+            "start a new engine with the new 'lookahead'",
+        )
     check_runnable(config, layers, inputs)

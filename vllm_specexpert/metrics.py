@@ -65,24 +65,29 @@ MODEL_NAME_ENV = "SPECEXPERT_MODEL_NAME"
 """Served model name, the ``model_name`` label."""
 SNAPSHOT_INTERVAL_S = 1.0
 PEER_COUNTERS = {
-    "calls": "Calls answered by the peer.", "pairs": "(token, expert) pairs it computed.",
-    "bytes_sent": "Bytes of rows sent to it.", "bytes_received": "Bytes of outputs it sent.",
-    "compute_s": "Seconds it spent computing.", "failures": "Calls that failed (it died).",
+    "calls": "Calls answered by the peer.",
+    "pairs": "(token, expert) pairs it computed.",
+    "bytes_sent": "Bytes of rows sent to it.",
+    "bytes_received": "Bytes of outputs it sent.",
+    "compute_s": "Seconds it spent computing.",
+    "failures": "Calls that failed (it died).",
     "timeouts": "Calls not answered within mesh.timeout_ms.",
-    "left": "Times it left the rotation.", "rejoined": "Times it rejoined the rotation."}
+    "left": "Times it left the rotation.",
+    "rejoined": "Times it rejoined the rotation.",
+}
 """Per-peer counters of a mesh peer's stats (``PeerTier.stats``), by stats key."""
 QUALITY_COUNTERS = {
     "sampled_tokens": "Decode tokens recomputed exactly beside the served result.",
     "top1_flips": "Sampled tokens whose exact and approximate top-1 token differ.",
-    "kl_sum": "Sum over sampled tokens of KL(exact || approximate) of the final logits, "
-              "nats.",
+    "kl_sum": "Sum over sampled tokens of KL(exact || approximate) of the final logits, nats.",
     "accuracy_loss_sum": "Sum over sampled tokens of p[exact top-1] - p[approximate "
-                         "top-1], p the exact next-token probabilities.",
+    "top-1], p the exact next-token probabilities.",
     "exact_confidence_sum": "Sum over sampled tokens of p[exact top-1] (the accuracy "
-                            "loss's denominator).",
+    "loss's denominator).",
     "exact_passes": "Decode passes run exactly because of the budget.",
     "shadow_s": "Seconds spent on the shadow computations.",
-    "shadow_bytes": "Bytes the shadow computations loaded."}
+    "shadow_bytes": "Bytes the shadow computations loaded.",
+}
 """Counters of the quality monitor (``QualityMonitor.stats``), by stats key."""
 PREFIX = "specexpert_"
 
@@ -136,7 +141,7 @@ def remove_orphaned_directories(root: str | None = None) -> list[str]:
         for entry in os.scandir(root):
             if not (entry.name.startswith(DIRECTORY_PREFIX) and entry.is_dir()):
                 continue
-            pid = entry.name[len(DIRECTORY_PREFIX):].split("-", 1)[0]
+            pid = entry.name[len(DIRECTORY_PREFIX) :].split("-", 1)[0]
             if pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
@@ -199,41 +204,67 @@ class SnapshotCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         base = ["model_name", "engine"]
-        counters = {f: CounterMetricFamily(counter_name(f), self.docs.get(f, f),
-                                           labels=[*base, "layer", "phase"])
-                    for f in self.fields}
-        resident = GaugeMetricFamily(f"{PREFIX}resident_experts", "Experts resident on the "
-                                     "device now, per MoE layer.", labels=[*base, "layer"])
-        slots = GaugeMetricFamily(f"{PREFIX}slots", "Device cache slots of the MoE layer "
-                                  "(its share of the pool under cache: plec).",
-                                  labels=[*base, "layer"])
-        info = GaugeMetricFamily(f"{PREFIX}info", "The running configuration (value 1).",
-                                 labels=[*base, "miss_policy", "cache", "predictor", "output"])
-        steps = CounterMetricFamily(f"{PREFIX}lookahead_steps", "Steps per draft length "
-                                    "the lookahead governor chose.", labels=[*base, "k"])
-        draft_length = GaugeMetricFamily(f"{PREFIX}lookahead_draft_length", "The draft "
-                                         "length chosen last.", labels=base)
-        drafted = CounterMetricFamily(f"{PREFIX}lookahead_drafted_tokens", "Drafted tokens "
-                                      "verified by the target.", labels=base)
-        accepted = CounterMetricFamily(f"{PREFIX}lookahead_accepted_tokens", "Drafted "
-                                       "tokens the target accepted.", labels=base)
+        counters = {
+            f: CounterMetricFamily(
+                counter_name(f), self.docs.get(f, f), labels=[*base, "layer", "phase"]
+            )
+            for f in self.fields
+        }
+        resident = GaugeMetricFamily(
+            f"{PREFIX}resident_experts",
+            "Experts resident on the device now, per MoE layer.",
+            labels=[*base, "layer"],
+        )
+        slots = GaugeMetricFamily(
+            f"{PREFIX}slots",
+            "Device cache slots of the MoE layer (its share of the pool under cache: plec).",
+            labels=[*base, "layer"],
+        )
+        info = GaugeMetricFamily(
+            f"{PREFIX}info",
+            "The running configuration (value 1).",
+            labels=[*base, "miss_policy", "cache", "predictor", "output"],
+        )
+        steps = CounterMetricFamily(
+            f"{PREFIX}lookahead_steps",
+            "Steps per draft length the lookahead governor chose.",
+            labels=[*base, "k"],
+        )
+        draft_length = GaugeMetricFamily(
+            f"{PREFIX}lookahead_draft_length", "The draft length chosen last.", labels=base
+        )
+        drafted = CounterMetricFamily(
+            f"{PREFIX}lookahead_drafted_tokens",
+            "Drafted tokens verified by the target.",
+            labels=base,
+        )
+        accepted = CounterMetricFamily(
+            f"{PREFIX}lookahead_accepted_tokens", "Drafted tokens the target accepted.", labels=base
+        )
         peer = [*base, "peer"]
-        peer_counters = {key: CounterMetricFamily(counter_name(f"peer_{key}"), doc, labels=peer)
-                         for key, doc in PEER_COUNTERS.items()}
-        peer_up = GaugeMetricFamily(f"{PREFIX}peer_up", "1 while the mesh peer is in "
-                                    "rotation.", labels=peer)
-        peer_rtt = GaugeMetricFamily(f"{PREFIX}peer_rtt_seconds", "The mesh peer's median "
-                                     "probe round trip.", labels=peer)
-        in_rotation = GaugeMetricFamily(f"{PREFIX}mesh_peers_in_rotation", "Mesh peers in "
-                                        "rotation (the others' experts are computed here).",
-                                        labels=base)
-        peers_started = GaugeMetricFamily(f"{PREFIX}mesh_peers", "Mesh peers started.",
-                                          labels=base)
+        peer_counters = {
+            key: CounterMetricFamily(counter_name(f"peer_{key}"), doc, labels=peer)
+            for key, doc in PEER_COUNTERS.items()
+        }
+        peer_up = GaugeMetricFamily(
+            f"{PREFIX}peer_up", "1 while the mesh peer is in rotation.", labels=peer
+        )
+        peer_rtt = GaugeMetricFamily(
+            f"{PREFIX}peer_rtt_seconds", "The mesh peer's median probe round trip.", labels=peer
+        )
+        in_rotation = GaugeMetricFamily(
+            f"{PREFIX}mesh_peers_in_rotation",
+            "Mesh peers in rotation (the others' experts are computed here).",
+            labels=base,
+        )
+        peers_started = GaugeMetricFamily(f"{PREFIX}mesh_peers", "Mesh peers started.", labels=base)
         quality = _QualityFamilies(base)
-        scheduler = {f.name: (GaugeMetricFamily if f.metadata.get("gauge") else
-                              CounterMetricFamily)(counter_name(f"scheduler_{f.name}"),
-                                                   f.metadata["help"], labels=base)
-                     for f in dataclasses.fields(SchedulerStats)}
+        scheduler = {
+            f.name: (GaugeMetricFamily if f.metadata.get("gauge") else CounterMetricFamily)(
+                counter_name(f"scheduler_{f.name}"), f.metadata["help"], labels=base
+            )
+            for f in dataclasses.fields(SchedulerStats)
+        }
         for snapshot in self.snapshots():
             labels = [snapshot.get("model_name", ""), str(snapshot.get("rank", 0))]
             quality.add(labels, snapshot.get("quality"))
@@ -265,12 +296,19 @@ class SnapshotCollector:
                 for phase in ("decode", "prefill"):
                     for f in self.fields:
                         counters[f].add_metric([*labels, layer_label, phase], layer[phase][f])
-                resident.add_metric([*labels, layer_label],
-                                    snapshot["resident_per_layer"][name])
+                resident.add_metric([*labels, layer_label], snapshot["resident_per_layer"][name])
                 slots.add_metric([*labels, layer_label], snapshot["slots_per_layer"][name])
             config = snapshot["config"]
-            info.add_metric([*labels, snapshot["miss_policy"], config["cache"],
-                             snapshot["predictor"], snapshot["output"]], 1)
+            info.add_metric(
+                [
+                    *labels,
+                    snapshot["miss_policy"],
+                    config["cache"],
+                    snapshot["predictor"],
+                    snapshot["output"],
+                ],
+                1,
+            )
         yield from counters.values()
         yield from (resident, slots, info, steps, draft_length, drafted, accepted)
         yield from (*peer_counters.values(), peer_up, peer_rtt, in_rotation, peers_started)
@@ -285,34 +323,52 @@ class _QualityFamilies:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         batch = [*base, "batch"]
-        self.exact = GaugeMetricFamily(f"{PREFIX}quality_exact", "1 while the decode "
-                                       "passes of this batch class run exactly because "
-                                       "the quality budget was exceeded.", labels=batch)
-        self.loss = GaugeMetricFamily(f"{PREFIX}quality_window_accuracy_loss", "Estimated "
-                                      "accuracy loss of the batch class's last completed "
-                                      "window.", labels=batch)
-        self.rate = GaugeMetricFamily(f"{PREFIX}quality_window_flip_rate", "Top-1 flip "
-                                      "rate of the batch class's last completed window.",
-                                      labels=batch)
-        self.counters = {key: CounterMetricFamily(counter_name(f"quality_{key}"), doc,
-                                                  labels=base)
-                         for key, doc in QUALITY_COUNTERS.items()}
-        self.switches = CounterMetricFamily(f"{PREFIX}quality_switches", "Switches to the "
-                                            "exact policy and back.", labels=[*base, "to"])
+        self.exact = GaugeMetricFamily(
+            f"{PREFIX}quality_exact",
+            "1 while the decode "
+            "passes of this batch class run exactly because "
+            "the quality budget was exceeded.",
+            labels=batch,
+        )
+        self.loss = GaugeMetricFamily(
+            f"{PREFIX}quality_window_accuracy_loss",
+            "Estimated accuracy loss of the batch class's last completed window.",
+            labels=batch,
+        )
+        self.rate = GaugeMetricFamily(
+            f"{PREFIX}quality_window_flip_rate",
+            "Top-1 flip rate of the batch class's last completed window.",
+            labels=batch,
+        )
+        self.counters = {
+            key: CounterMetricFamily(counter_name(f"quality_{key}"), doc, labels=base)
+            for key, doc in QUALITY_COUNTERS.items()
+        }
+        self.switches = CounterMetricFamily(
+            f"{PREFIX}quality_switches",
+            "Switches to the exact policy and back.",
+            labels=[*base, "to"],
+        )
         self.layer_flips = CounterMetricFamily(
-            f"{PREFIX}quality_layer_top1_flips", "Sampled tokens whose top-1 token that "
-            "layer's difference alone flips.", labels=[*base, "layer"])
+            f"{PREFIX}quality_layer_top1_flips",
+            "Sampled tokens whose top-1 token that layer's difference alone flips.",
+            labels=[*base, "layer"],
+        )
         self.layer_tokens = CounterMetricFamily(
-            f"{PREFIX}quality_layer_tokens", "Sampled tokens whose result that layer "
-            "changed.", labels=[*base, "layer"])
+            f"{PREFIX}quality_layer_tokens",
+            "Sampled tokens whose result that layer changed.",
+            labels=[*base, "layer"],
+        )
 
     def add(self, labels: list[str], quality: dict | None) -> None:
         if not quality:
             return
         for label, batch in quality["batches"].items():
             self.exact.add_metric([*labels, label], float(batch["exact"]))
-            for family, key in ((self.loss, "last_window_accuracy_loss"),
-                                (self.rate, "last_window_flip_rate")):
+            for family, key in (
+                (self.loss, "last_window_accuracy_loss"),
+                (self.rate, "last_window_flip_rate"),
+            ):
                 if batch[key] is not None:
                     family.add_metric([*labels, label], batch[key])
         for key, counter in self.counters.items():
@@ -324,5 +380,12 @@ class _QualityFamilies:
             self.layer_tokens.add_metric([*labels, str(index)], layer["tokens"])
 
     def families(self) -> Iterator:
-        yield from (self.exact, self.loss, self.rate, *self.counters.values(), self.switches,
-                    self.layer_flips, self.layer_tokens)
+        yield from (
+            self.exact,
+            self.loss,
+            self.rate,
+            *self.counters.values(),
+            self.switches,
+            self.layer_flips,
+            self.layer_tokens,
+        )

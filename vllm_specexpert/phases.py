@@ -43,8 +43,9 @@ class PassPhases:
         return cls(num_tokens, _NO_ROWS, np.arange(num_tokens, dtype=np.int64))
 
     @classmethod
-    def from_query_lens(cls, query_lens: np.ndarray, num_tokens: int,
-                        decode_query_len: int = 1) -> PassPhases:
+    def from_query_lens(
+        cls, query_lens: np.ndarray, num_tokens: int, decode_query_len: int = 1
+    ) -> PassPhases:
         """The split of a pass whose requests are scheduled ``query_lens`` tokens each,
         in row order (as in vLLM's ``query_start_loc``). A request with at most
         ``decode_query_len`` tokens is decoding (vLLM's own split,

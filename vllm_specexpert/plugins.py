@@ -43,8 +43,7 @@ def register() -> None:
 
         RoutedExperts.register_oot(OffloadedRoutedExperts, name="RoutedExperts")
         register_models()
-    vllm_hooks.around_engine_config(validate.before_engine_config,
-                                    validate.after_engine_config)
+    vllm_hooks.around_engine_config(validate.before_engine_config, validate.after_engine_config)
     vllm_hooks.after_warm_up(restart_caches)
     vllm_hooks.add_engine_arguments(add_plugins_argument)
     vllm_hooks.add_to_multiprocess_registries(metrics.environment_collector)
@@ -52,8 +51,7 @@ def register() -> None:
 
 def restart_caches(executor) -> None:
     """After vLLM's warm-up: every worker's caches back to their warm start."""
-    if SpecExpertConfig.from_additional_config(
-            executor.vllm_config.additional_config) is not None:
+    if SpecExpertConfig.from_additional_config(executor.vllm_config.additional_config) is not None:
         executor.collective_rpc("specexpert_restart")
 
 
@@ -72,7 +70,11 @@ class PluginsAction(argparse.Action):
 def add_plugins_argument(parser) -> None:
     if "--plugins" not in parser._option_string_actions:
         parser.add_argument(
-            "--plugins", nargs="+", action=PluginsAction, metavar="NAME",
+            "--plugins",
+            nargs="+",
+            action=PluginsAction,
+            metavar="NAME",
             help="vLLM general plugins to load in the engine processes (sets "
-                 "VLLM_PLUGINS), e.g. --plugins specexpert. Added by the specexpert "
-                 "plugin; installed: " + ", ".join(validate.installed_plugins()))
+            "VLLM_PLUGINS), e.g. --plugins specexpert. Added by the specexpert "
+            "plugin; installed: " + ", ".join(validate.installed_plugins()),
+        )

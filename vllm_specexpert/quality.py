@@ -70,8 +70,8 @@ class LogitHead:
     def logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of pre-norm final hidden states ``[R, H]``."""
         normed = torch.nn.functional.rms_norm(
-            final_hidden.float(), (final_hidden.shape[-1],), self.norm_weight.float(),
-            self.eps)
+            final_hidden.float(), (final_hidden.shape[-1],), self.norm_weight.float(), self.eps
+        )
         logits = (normed.to(self.weight.dtype) @ self.weight[: self.vocab_size].T).float()
         if self.soft_cap is not None:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
@@ -155,12 +155,15 @@ class BatchClass:
 
     def stats(self) -> dict:
         last = self.last_window
-        return {"exact": self.exact, "sampled_tokens": self.total.tokens,
-                "top1_flip_rate": self.total.flip_rate,
-                "accuracy_loss": self.total.accuracy_loss_share,
-                "exact_passes": self.exact_passes,
-                "last_window_flip_rate": last.flip_rate if last else None,
-                "last_window_accuracy_loss": last.accuracy_loss_share if last else None}
+        return {
+            "exact": self.exact,
+            "sampled_tokens": self.total.tokens,
+            "top1_flip_rate": self.total.flip_rate,
+            "accuracy_loss": self.total.accuracy_loss_share,
+            "exact_passes": self.exact_passes,
+            "last_window_flip_rate": last.flip_rate if last else None,
+            "last_window_accuracy_loss": last.accuracy_loss_share if last else None,
+        }
 
 
 def batch_classes(bounds: tuple[int, ...]) -> list[BatchClass]:
@@ -193,8 +196,9 @@ class QualityMonitor:
         """Counters of the shadow computations (kept apart from the mode's)."""
 
     @classmethod
-    def of(cls, config: QualityConfig | None, head: LogitHead | None,
-           layers: dict[str, OffloadedLayer]) -> QualityMonitor | None:
+    def of(
+        cls, config: QualityConfig | None, head: LogitHead | None, layers: dict[str, OffloadedLayer]
+    ) -> QualityMonitor | None:
         """The monitor of ``config`` (``None`` without a budget, or before the model's
         head is known)."""
         if config is None or head is None or not layers:
@@ -226,9 +230,14 @@ class QualityMonitor:
             self.rows = None  # not the pass the rows were drawn for
         return self.rows
 
-    def resolve(self, layer: OffloadedLayer, approx: LayerCall, router_weights: torch.Tensor,
-                router_ids: np.ndarray, mode: Callable[[LayerCall], torch.Tensor]
-                ) -> torch.Tensor:
+    def resolve(
+        self,
+        layer: OffloadedLayer,
+        approx: LayerCall,
+        router_weights: torch.Tensor,
+        router_ids: np.ndarray,
+        mode: Callable[[LayerCall], torch.Tensor],
+    ) -> torch.Tensor:
         """The served output of a decode call: ``mode(approx)`` (the mode: its miss
         policy's plan, run), or the call on the router's routing with every missing
         expert fetched while its batch class is over budget; the other one is computed
@@ -254,7 +263,7 @@ class QualityMonitor:
                 self._charge(started)
         if shadow is not None:
             assert rows is not None  # (a shadow is computed for sampled rows only)
-            self.deltas[layer.index] = (shadow.float() - out[upload(rows, out.device)].float())
+            self.deltas[layer.index] = shadow.float() - out[upload(rows, out.device)].float()
         return out
 
     def _quiet(self, call: LayerCall) -> LayerCall:
@@ -284,7 +293,8 @@ class QualityMonitor:
         flips, kl, loss, confidence = self._compare(served_logits, self.head.logits(other))
         counters = self.counters
         flip_count, kl_sum, loss_sum, confidence_sum = torch.stack(  # one device read
-            [flips.sum().float(), kl.sum(), loss.sum(), confidence.sum()]).tolist()
+            [flips.sum().float(), kl.sum(), loss.sum(), confidence.sum()]
+        ).tolist()
         counters.kl_sum += kl_sum
         judged = Judged(len(flips), int(flip_count), loss_sum, confidence_sum)
         for into in (self.total, self.pass_class.total, self.pass_class.window):
@@ -294,11 +304,14 @@ class QualityMonitor:
             if not bool(changed.any()):
                 continue
             layer_flips, layer_kl, layer_loss, _ = self._compare(
-                served_logits[changed], self.head.logits(served[changed] + delta[changed]))
-            for key, value in (("layer_tokens", int(changed.sum())),
-                               ("layer_flips", int(layer_flips.sum())),
-                               ("layer_kl_sum", float(layer_kl.sum())),
-                               ("layer_accuracy_loss_sum", float(layer_loss.sum()))):
+                served_logits[changed], self.head.logits(served[changed] + delta[changed])
+            )
+            for key, value in (
+                ("layer_tokens", int(changed.sum())),
+                ("layer_flips", int(layer_flips.sum())),
+                ("layer_kl_sum", float(layer_kl.sum())),
+                ("layer_accuracy_loss_sum", float(layer_loss.sum())),
+            ):
                 per_layer = getattr(counters, key)
                 per_layer[index] = per_layer.get(index, 0) + value
         self.deltas = {}
@@ -314,8 +327,12 @@ class QualityMonitor:
         probs = exact.softmax(-1)
         confidence = probs.gather(-1, exact_top1).squeeze(-1)
         loss = confidence - probs.gather(-1, approx_top1).squeeze(-1)
-        return ((exact_top1 != approx_top1).squeeze(-1), kl_divergence(exact, approx),
-                loss, confidence)
+        return (
+            (exact_top1 != approx_top1).squeeze(-1),
+            kl_divergence(exact, approx),
+            loss,
+            confidence,
+        )
 
     def over_budget(self, judged: Judged, remaining: int = 0) -> str | None:
         """Why ``judged`` is over budget (the figure and its limit), or ``None``. With
@@ -323,12 +340,17 @@ class QualityMonitor:
         whatever they are (each adds a loss of at least 0 to a confidence of at most 1,
         and at least 0 flips)."""
         config = self.config
-        loss = (judged.accuracy_loss / (judged.exact_confidence + remaining)
-                if judged.exact_confidence + remaining else None)
+        loss = (
+            judged.accuracy_loss / (judged.exact_confidence + remaining)
+            if judged.exact_confidence + remaining
+            else None
+        )
         flips = judged.flips / (judged.tokens + remaining) if judged.tokens else None
         bound = "at least " if remaining else ""
-        for figure, value, limit in (("accuracy loss", loss, config.max_accuracy_loss),
-                                     ("top-1 flip rate", flips, config.max_top1_flip)):
+        for figure, value, limit in (
+            ("accuracy loss", loss, config.max_accuracy_loss),
+            ("top-1 flip rate", flips, config.max_top1_flip),
+        ):
             if limit is not None and value is not None and value > limit:
                 return f"{figure} {bound}{value:.3f} > {limit:.3f}"
         return None
@@ -347,17 +369,27 @@ class QualityMonitor:
         if not batch.exact and over is not None:
             batch.exact = True
             self.counters.switches_to_exact += 1
-            logger.warning("specexpert: quality: decode passes of %s sequence(s): %s over "
-                           "the last %d sampled tokens: running them exactly (fetch) until "
-                           "a window is under budget", batch.label, over, window.tokens)
+            logger.warning(
+                "specexpert: quality: decode passes of %s sequence(s): %s over "
+                "the last %d sampled tokens: running them exactly (fetch) until "
+                "a window is under budget",
+                batch.label,
+                over,
+                window.tokens,
+            )
         elif batch.exact and over is None:
             batch.exact = False
             self.counters.switches_to_approximate += 1
-            logger.warning("specexpert: quality: decode passes of %s sequence(s): the "
-                           "approximate mode is within budget over the last %d sampled "
-                           "tokens (accuracy loss %.3f, top-1 flip rate %.3f): running it "
-                           "again", batch.label, window.tokens, window.accuracy_loss_share,
-                           window.flip_rate)
+            logger.warning(
+                "specexpert: quality: decode passes of %s sequence(s): the "
+                "approximate mode is within budget over the last %d sampled "
+                "tokens (accuracy loss %.3f, top-1 flip rate %.3f): running it "
+                "again",
+                batch.label,
+                window.tokens,
+                window.accuracy_loss_share,
+                window.flip_rate,
+            )
 
     # ------------------------------------------------------------ statistics
 
@@ -365,21 +397,28 @@ class QualityMonitor:
         counters, total = self.counters, self.total
         return {
             "exact": any(c.exact for c in self.classes),
-            **{key: getattr(self.config, key) for key in (
-                "max_accuracy_loss", "max_top1_flip", "sample", "window")},
-            "sampled_tokens": total.tokens, "top1_flips": total.flips,
+            **{
+                key: getattr(self.config, key)
+                for key in ("max_accuracy_loss", "max_top1_flip", "sample", "window")
+            },
+            "sampled_tokens": total.tokens,
+            "top1_flips": total.flips,
             "accuracy_loss_sum": total.accuracy_loss,
             "exact_confidence_sum": total.exact_confidence,
             "top1_flip_rate": total.flip_rate,
             "kl_mean": counters.kl_sum / total.tokens if total.tokens else None,
             "accuracy_loss": total.accuracy_loss_share,
-            **{k: v for k, v in dataclasses.asdict(counters).items()
-               if not k.startswith("layer_")},
+            **{k: v for k, v in dataclasses.asdict(counters).items() if not k.startswith("layer_")},
             "batches": {c.label: c.stats() for c in self.classes},
-            "layers": {index: {"tokens": tokens, "top1_flips": counters.layer_flips[index],
-                               "kl_sum": counters.layer_kl_sum[index],
-                               "accuracy_loss_sum": counters.layer_accuracy_loss_sum[index]}
-                       for index, tokens in sorted(counters.layer_tokens.items())},
+            "layers": {
+                index: {
+                    "tokens": tokens,
+                    "top1_flips": counters.layer_flips[index],
+                    "kl_sum": counters.layer_kl_sum[index],
+                    "accuracy_loss_sum": counters.layer_accuracy_loss_sum[index],
+                }
+                for index, tokens in sorted(counters.layer_tokens.items())
+            },
         }
 
     def reset_stats(self) -> None:

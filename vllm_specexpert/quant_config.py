@@ -17,34 +17,50 @@ from vllm_specexpert.quant_formats import (
     PackQuantizedFormat,
 )
 
-SUPPORTED = ("awq (4-bit, zero point)", "gptq (4-bit)",
-             "compressed-tensors pack-quantized W4A16", "compressed-tensors FP8 weights",
-             "fp8 (per-tensor or block scales)")
+SUPPORTED = (
+    "awq (4-bit, zero point)",
+    "gptq (4-bit)",
+    "compressed-tensors pack-quantized W4A16",
+    "compressed-tensors FP8 weights",
+    "fp8 (per-tensor or block scales)",
+)
 
 
 def _unsupported(what: str, why: str) -> SpecExpertUnsupportedError:
     return SpecExpertUnsupportedError(
-        f"quantization {what}", why,
+        f"quantization {what}",
+        why,
         "offloaded experts can be " + ", ".join(SUPPORTED) + f" with group sizes "
-        f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}; or use a bf16 checkpoint")
+        f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}; or use a bf16 checkpoint",
+    )
 
 
-MALFORMED_FIX = ("correct quantization_config in the checkpoint's config.json (as its "
-                 "quantizer writes it), or use a bf16 checkpoint")
+MALFORMED_FIX = (
+    "correct quantization_config in the checkpoint's config.json (as its "
+    "quantizer writes it), or use a bf16 checkpoint"
+)
 
 
 def _malformed(where: str, key: str, value: Any, expected: str) -> SpecExpertUnsupportedError:
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
     return SpecExpertUnsupportedError(
         f"quantization_config {f'{where}{key}=' if key else ''}{shown}",
-        f"it must be {expected}", MALFORMED_FIX)
+        f"it must be {expected}",
+        MALFORMED_FIX,
+    )
 
 
 _REQUIRED = object()
 
 
-def _value(config: dict[str, Any], keys: tuple[str, ...], kind: type, expected: str,
-           default: Any = _REQUIRED, where: str = "") -> Any:
+def _value(
+    config: dict[str, Any],
+    keys: tuple[str, ...],
+    kind: type,
+    expected: str,
+    default: Any = _REQUIRED,
+    where: str = "",
+) -> Any:
     """The value of the first of ``keys`` in ``config`` (a quantizer's spelling, then
     another's), of type ``kind``: a checkpoint's config is read, never coerced (vLLM
     would compute with a string group size), and one clear error says what is wrong."""
@@ -57,13 +73,12 @@ def _value(config: dict[str, Any], keys: tuple[str, ...], kind: type, expected: 
             return value
     if default is _REQUIRED:
         raise SpecExpertUnsupportedError(
-            f"quantization_config without {where}{keys[0]}", f"it must be {expected}",
-            MALFORMED_FIX)
+            f"quantization_config without {where}{keys[0]}", f"it must be {expected}", MALFORMED_FIX
+        )
     return default
 
 
-def _int(config: dict[str, Any], *keys: str, default: Any = _REQUIRED,
-         where: str = "") -> int:
+def _int(config: dict[str, Any], *keys: str, default: Any = _REQUIRED, where: str = "") -> int:
     return _value(config, keys, int, "an integer", default, where)
 
 
@@ -107,35 +122,45 @@ def format_of(config: dict[str, Any] | None) -> PackedFormat | None:
             raise _unsupported(f"'awq' bits={bits}", "only 4-bit AWQ with zero points")
         if not _flag(config, "zero_point", True):
             # Symmetric AWQ checkpoints have no qzeros; the dequantizer reads them.
-            raise _unsupported("'awq' without zero points (zero_point: false)",
-                               "only 4-bit AWQ with zero points")
-        return AwqFormat("awq", _names(config, "modules_to_not_convert"),
-                         _group_size(method, _int(config, "group_size", "q_group_size",
-                                                  default=-1)))
+            raise _unsupported(
+                "'awq' without zero points (zero_point: false)", "only 4-bit AWQ with zero points"
+            )
+        return AwqFormat(
+            "awq",
+            _names(config, "modules_to_not_convert"),
+            _group_size(method, _int(config, "group_size", "q_group_size", default=-1)),
+        )
     if method == "gptq":
         bits = _int(config, "bits")
         fmt = _value(config, ("checkpoint_format",), str, "a string", "gptq")
         if bits != 4 or fmt != "gptq":
-            raise _unsupported(f"'gptq' bits={bits} format={config.get('checkpoint_format')}",
-                               "only 4-bit GPTQ in the v1 checkpoint format")
+            raise _unsupported(
+                f"'gptq' bits={bits} format={config.get('checkpoint_format')}",
+                "only 4-bit GPTQ in the v1 checkpoint format",
+            )
         group_size = _int(config, "group_size", default=-1)
         if _flag(config, "desc_act", False) and group_size != -1:
-            raise _unsupported("'gptq' desc_act=true", "vLLM 0.32 refuses activation "
-                               "ordering (and so does the offloaded layer)")
-        skip = tuple("re:" + k.removeprefix("-:") for k in _dict(config, "dynamic")
-                     if k.startswith("-:"))
-        return GptqFormat("gptq", skip, _group_size(method, group_size),
-                          _flag(config, "sym", True))
+            raise _unsupported(
+                "'gptq' desc_act=true",
+                "vLLM 0.32 refuses activation ordering (and so does the offloaded layer)",
+            )
+        skip = tuple(
+            "re:" + k.removeprefix("-:") for k in _dict(config, "dynamic") if k.startswith("-:")
+        )
+        return GptqFormat("gptq", skip, _group_size(method, group_size), _flag(config, "sym", True))
     if method == "fp8":
         block = _value(config, ("weight_block_size",), list, "a list of two sizes", None)
         scheme = _value(config, ("activation_scheme",), str, "a string", "dynamic")
         if scheme != "dynamic":
-            raise _unsupported("'fp8' with static activation scales",
-                               "experts run with bf16 activations (weight-only)")
+            raise _unsupported(
+                "'fp8' with static activation scales",
+                "experts run with bf16 activations (weight-only)",
+            )
         skip = _names(config, "ignored_layers", "modules_to_not_convert")
         if block:
-            if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool)
-                                          and b > 0 for b in block):
+            if len(block) != 2 or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
+            ):
                 raise _malformed("", "weight_block_size", block, "a list of two sizes")
             return Fp8Format("fp8", skip, scales="block", block=(block[0], block[1]))
         return Fp8Format("fp8", skip, scales="tensor")
@@ -147,15 +172,19 @@ def format_of(config: dict[str, Any] | None) -> PackedFormat | None:
 def _compressed_tensors_format(config: dict[str, Any]) -> PackedFormat:
     groups = _dict(config, "config_groups")
     if len(groups) != 1:
-        raise _unsupported(f"compressed-tensors with {len(groups)} config groups",
-                           "one scheme for every quantized module is supported")
+        raise _unsupported(
+            f"compressed-tensors with {len(groups)} config groups",
+            "one scheme for every quantized module is supported",
+        )
     name, scheme = next(iter(groups.items()))
     if not isinstance(scheme, dict):
         raise _malformed("config_groups.", name, scheme, "an object")
     weights = _dict(scheme, "weights", where=f"config_groups.{name}.")
     if scheme.get("input_activations"):
-        raise _unsupported("compressed-tensors with quantized activations",
-                           "experts run with bf16 activations (weight-only)")
+        raise _unsupported(
+            "compressed-tensors with quantized activations",
+            "experts run with bf16 activations (weight-only)",
+        )
     skip = _names(config, "ignore")
     fmt = scheme.get("format") or config.get("format")
     where = f"config_groups.{name}.weights."
@@ -163,12 +192,18 @@ def _compressed_tensors_format(config: dict[str, Any]) -> PackedFormat:
     bits = _int(weights, "num_bits", default=0, where=where)
     strategy = _value(weights, ("strategy",), str, "a string", None, where)
     if fmt == "pack-quantized" and kind == "int" and bits == 4:
-        group_size = _int(weights, "group_size", default=-1, where=where) \
-            if strategy == "group" else -1
-        return PackQuantizedFormat("pack-quantized", skip,
-                                   _group_size("compressed-tensors", group_size),
-                                   _flag(weights, "symmetric", True, where))
+        group_size = (
+            _int(weights, "group_size", default=-1, where=where) if strategy == "group" else -1
+        )
+        return PackQuantizedFormat(
+            "pack-quantized",
+            skip,
+            _group_size("compressed-tensors", group_size),
+            _flag(weights, "symmetric", True, where),
+        )
     if kind == "float" and bits == 8 and strategy in ("tensor", "channel"):
         return Fp8Format("fp8", skip, scales=strategy)
-    raise _unsupported(f"compressed-tensors {fmt} {kind}{bits} ({strategy})",
-                       "the offloaded layer has no dequantizer for it")
+    raise _unsupported(
+        f"compressed-tensors {fmt} {kind}{bits} ({strategy})",
+        "the offloaded layer has no dequantizer for it",
+    )

@@ -65,8 +65,9 @@ class PackedFormat(ABC):
         """Checkpoint tensor name -> (shape, dtype) of one projection."""
 
     @abstractmethod
-    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
-                   in_features: int) -> torch.Tensor:
+    def dequantize(
+        self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
+    ) -> torch.Tensor:
         """``[..., out, in]`` bf16 weight of packed ``tensors`` (one rounding)."""
 
     @abstractmethod
@@ -79,20 +80,24 @@ class PackedFormat(ABC):
 
     def skips(self, module: str) -> bool:
         """Whether the checkpoint leaves ``module`` unquantized."""
-        return any(re.match(p[3:], module) if p.startswith("re:") else p in module
-                   for p in self.skip)
+        return any(
+            re.match(p[3:], module) if p.startswith("re:") else p in module for p in self.skip
+        )
 
     def bytes_per_weight(self, out_features: int, in_features: int) -> int:
         """Bytes one projection occupies packed."""
-        return sum(math.prod(shape) * dtype.itemsize
-                   for shape, dtype in self.tensor_shapes(out_features, in_features).values())
+        return sum(
+            math.prod(shape) * dtype.itemsize
+            for shape, dtype in self.tensor_shapes(out_features, in_features).values()
+        )
 
 
 # --------------------------------------------------------------------- int4 helpers
 
 
-def _unpack_int4(packed: torch.Tensor, dim: int,
-                 order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+def _unpack_int4(
+    packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))
+) -> torch.Tensor:
     """Unsigned 4-bit values of int32 ``packed`` along ``dim`` (8 per int32; nibble ``i``
     is value ``order[i]`` of its group of eight)."""
     dim = dim % packed.dim()
@@ -107,12 +112,13 @@ def _shifts(order: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([4 * order.index(j) for j in range(8)], dtype=torch.int32)
 
 
-def _pack_int4(values: torch.Tensor, dim: int,
-               order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+def _pack_int4(
+    values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))
+) -> torch.Tensor:
     """Inverse of :func:`_unpack_int4` (values in [0, 15])."""
     dim = dim % values.dim()
     grouped = values.to(torch.int32).unflatten(dim, (-1, 8))
-    packed = torch.zeros(grouped.shape[:dim + 1] + grouped.shape[dim + 2:], dtype=torch.int32)
+    packed = torch.zeros(grouped.shape[: dim + 1] + grouped.shape[dim + 2 :], dtype=torch.int32)
     for nibble, column in enumerate(order):
         packed |= grouped.select(dim + 1, column) << (4 * nibble)
     return packed
@@ -122,8 +128,9 @@ def _groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else in_features // group_size
 
 
-def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool,
-              min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rtn_int4(
+    weight: torch.Tensor, group_size: int, symmetric: bool, min_zero: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit codes of ``weight [out, in]`` per input group: unsigned
     codes ``q [out, in]``, zero points ``z [out, groups]`` (at least ``min_zero``) and
     scales ``s [out, groups]`` (``w ~ (q - z) * s``)."""
@@ -141,16 +148,16 @@ def _rtn_int4(weight: torch.Tensor, group_size: int, symmetric: bool,
     return q.reshape(out_features, in_features).to(torch.int32), zero.to(torch.int32), scale
 
 
-def _dequantize(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
-                dim: int) -> torch.Tensor:
+def _dequantize(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
     """The one rounding: ``(q - z) * s`` in fp32, rounded to bf16. ``zero`` and ``scale``
     hold one value per group of ``q``'s axis ``dim`` (consecutive entries), where ``q``
     has one per entry."""
     dim = dim % q.dim()
     groups = zero.shape[dim]
     # q - z is a small integer: exact in int32 and in fp32 alike.
-    w = (q.unflatten(dim, (groups, -1)) - zero.unsqueeze(dim + 1)).float() \
-        * scale.unsqueeze(dim + 1).float()
+    w = (q.unflatten(dim, (groups, -1)) - zero.unsqueeze(dim + 1)).float() * scale.unsqueeze(
+        dim + 1
+    ).float()
     return w.to(torch.bfloat16).flatten(dim, dim + 1)
 
 
@@ -163,14 +170,17 @@ class AwqFormat(PackedFormat):
 
     def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
         groups = _groups(in_features, self.group_size)
-        return {"qweight": ((in_features, out_features // 8), torch.int32),
-                "qzeros": ((groups, out_features // 8), torch.int32),
-                "scales": ((groups, out_features), torch.float16)}
+        return {
+            "qweight": ((in_features, out_features // 8), torch.int32),
+            "qzeros": ((groups, out_features // 8), torch.int32),
+            "scales": ((groups, out_features), torch.float16),
+        }
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
-                   in_features: int) -> torch.Tensor:
-        q = _unpack_int4(tensors["qweight"], -1, AWQ_ORDER)              # [.., in, out]
-        zero = _unpack_int4(tensors["qzeros"], -1, AWQ_ORDER)            # [.., g, out]
+    def dequantize(
+        self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
+    ) -> torch.Tensor:
+        q = _unpack_int4(tensors["qweight"], -1, AWQ_ORDER)  # [.., in, out]
+        zero = _unpack_int4(tensors["qzeros"], -1, AWQ_ORDER)  # [.., g, out]
         return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
     def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -178,9 +188,11 @@ class AwqFormat(PackedFormat):
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, zero, scale = _rtn_int4(weight, self.group_size, symmetric=False)
-        return {"qweight": _pack_int4(q.T, -1, AWQ_ORDER),
-                "qzeros": _pack_int4(zero.T, -1, AWQ_ORDER),
-                "scales": scale.T.to(torch.float16).contiguous()}
+        return {
+            "qweight": _pack_int4(q.T, -1, AWQ_ORDER),
+            "qzeros": _pack_int4(zero.T, -1, AWQ_ORDER),
+            "scales": scale.T.to(torch.float16).contiguous(),
+        }
 
 
 @dataclass(frozen=True)
@@ -190,14 +202,17 @@ class GptqFormat(PackedFormat):
 
     def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
         groups = _groups(in_features, self.group_size)
-        return {"qweight": ((in_features // 8, out_features), torch.int32),
-                "qzeros": ((groups, out_features // 8), torch.int32),
-                "scales": ((groups, out_features), torch.float16)}
+        return {
+            "qweight": ((in_features // 8, out_features), torch.int32),
+            "qzeros": ((groups, out_features // 8), torch.int32),
+            "scales": ((groups, out_features), torch.float16),
+        }
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
-                   in_features: int) -> torch.Tensor:
-        q = _unpack_int4(tensors["qweight"], -2)                         # [.., in, out]
-        zero = _unpack_int4(tensors["qzeros"], -1) + 1                   # v1: stored z - 1
+    def dequantize(
+        self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
+    ) -> torch.Tensor:
+        q = _unpack_int4(tensors["qweight"], -2)  # [.., in, out]
+        zero = _unpack_int4(tensors["qzeros"], -1) + 1  # v1: stored z - 1
         return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
     def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -208,10 +223,12 @@ class GptqFormat(PackedFormat):
         q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric, min_zero=1)
         in_features = weight.shape[1]
         size = in_features if self.group_size == -1 else self.group_size
-        return {"qweight": _pack_int4(q.T, -2),
-                "qzeros": _pack_int4(zero.T - 1, -1),
-                "scales": scale.T.to(torch.float16).contiguous(),
-                "g_idx": (torch.arange(in_features) // size).to(torch.int32)}
+        return {
+            "qweight": _pack_int4(q.T, -2),
+            "qzeros": _pack_int4(zero.T - 1, -1),
+            "scales": scale.T.to(torch.float16).contiguous(),
+            "g_idx": (torch.arange(in_features) // size).to(torch.int32),
+        }
 
 
 @dataclass(frozen=True)
@@ -226,14 +243,16 @@ class PackQuantizedFormat(PackedFormat):
         shapes: TensorShapes = {
             "weight_packed": ((out_features, in_features // 8), torch.int32),
             "weight_scale": ((out_features, groups), torch.bfloat16),
-            "weight_shape": ((2,), torch.int64)}
+            "weight_shape": ((2,), torch.int64),
+        }
         if not self.symmetric:
             shapes["weight_zero_point"] = ((out_features // 8, groups), torch.int32)
         return shapes
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
-                   in_features: int) -> torch.Tensor:
-        q = _unpack_int4(tensors["weight_packed"], -1)                   # [.., out, in]
+    def dequantize(
+        self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
+    ) -> torch.Tensor:
+        q = _unpack_int4(tensors["weight_packed"], -1)  # [.., out, in]
         scale = tensors["weight_scale"]
         if self.symmetric:
             zero = torch.full_like(scale, 8, dtype=torch.int32)
@@ -247,9 +266,11 @@ class PackQuantizedFormat(PackedFormat):
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric)
-        tensors = {"weight_packed": _pack_int4(q, -1),
-                   "weight_scale": scale.to(torch.bfloat16),
-                   "weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
+        tensors = {
+            "weight_packed": _pack_int4(q, -1),
+            "weight_scale": scale.to(torch.bfloat16),
+            "weight_shape": torch.tensor(weight.shape, dtype=torch.int64),
+        }
         if not self.symmetric:
             tensors["weight_zero_point"] = _pack_int4(zero, -2)
         return tensors
@@ -279,8 +300,10 @@ class Fp8Format(PackedFormat):
         return (out_features, 1) if self.scales == "channel" else ()
 
     def tensor_shapes(self, out_features: int, in_features: int) -> TensorShapes:
-        return {"weight": ((out_features, in_features), torch.float8_e4m3fn),
-                self.scale_name: (self._scale_shape(out_features, in_features), torch.float32)}
+        return {
+            "weight": ((out_features, in_features), torch.float8_e4m3fn),
+            self.scale_name: (self._scale_shape(out_features, in_features), torch.float32),
+        }
 
     def _expand(self, scale: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
         if self.scales == "block":
@@ -288,8 +311,9 @@ class Fp8Format(PackedFormat):
             return scale.repeat_interleave(self.block[1], dim=-1)[..., :in_features]
         return scale if self.scales == "channel" else scale[..., None, None]
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], out_features: int,
-                   in_features: int) -> torch.Tensor:
+    def dequantize(
+        self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
+    ) -> torch.Tensor:
         scale = self._expand(tensors[self.scale_name].float(), out_features, in_features)
         return (tensors["weight"].float() * scale).to(torch.bfloat16)
 
@@ -301,7 +325,9 @@ class Fp8Format(PackedFormat):
         w = weight.float()
         if self.scales == "block":
             bo, bi = self.block
-            padded = torch.zeros(math.ceil(out_features / bo) * bo, math.ceil(in_features / bi) * bi)
+            padded = torch.zeros(
+                math.ceil(out_features / bo) * bo, math.ceil(in_features / bi) * bi
+            )
             padded[:out_features, :in_features] = w.abs()
             amax = padded.unflatten(0, (-1, bo)).unflatten(2, (-1, bi)).amax(dim=(1, 3))
         elif self.scales == "channel":

@@ -26,8 +26,14 @@ class StatsWriter:
     MIN_INTERVAL_S = 0.1
     """Shortest period between writes (``stats_interval_s: 0`` writes at this rate)."""
 
-    def __init__(self, path: str, interval_s: float, snapshot: Callable[[], dict],
-                 what: str = "stats_path", write_last: bool = True):
+    def __init__(
+        self,
+        path: str,
+        interval_s: float,
+        snapshot: Callable[[], dict],
+        what: str = "stats_path",
+        write_last: bool = True,
+    ):
         self.path = path
         self.what = what
         """What the file is, for the log line of a failed write."""
@@ -37,8 +43,7 @@ class StatsWriter:
         self.snapshot = snapshot
         self._stop = threading.Event()
         self._warned = False
-        self._thread = threading.Thread(target=self._loop, name="specexpert-stats",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="specexpert-stats", daemon=True)
         self._thread.start()
         atexit.register(self.close)
 
@@ -47,8 +52,7 @@ class StatsWriter:
             write_json_atomic(self.path, self.snapshot())
         except OSError as error:
             if not self._warned:
-                logger.warning("specexpert: cannot write %s %s: %s", self.what, self.path,
-                               error)
+                logger.warning("specexpert: cannot write %s %s: %s", self.what, self.path, error)
                 self._warned = True
 
     def _loop(self) -> None:
@@ -88,9 +92,12 @@ class Reporter:
         if directory and self._metrics_writer is None and snapshot is not None:
             model_name = os.environ.get(metrics.MODEL_NAME_ENV, "")
             self._metrics_writer = StatsWriter(
-                metrics.snapshot_path(directory), metrics.SNAPSHOT_INTERVAL_S,
+                metrics.snapshot_path(directory),
+                metrics.SNAPSHOT_INTERVAL_S,
                 lambda: {**snapshot(), "model_name": model_name},
-                what="metrics snapshot", write_last=False)
+                what="metrics snapshot",
+                write_last=False,
+            )
         if stats_file:
             check_stats_path(stats_file)
             self._stats_writer = StatsWriter(stats_file, interval_s, self.snapshot)
@@ -144,9 +151,12 @@ def engine_stats(engine) -> dict[str, Any]:
             "store_bytes": engine.store.nbytes,
             "pinned": engine.store.pin_memory,
             "modeled": {
-                "bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
+                "bandwidth_gbps": link.bandwidth_gbps,
+                "latency_us": link.latency_us,
                 "host_slowdown": link.host_slowdown,
-            } if link.emulated else None,
+            }
+            if link.emulated
+            else None,
             "link": {
                 "bytes": engine.link.bytes_copied,
                 "copies": engine.link.copies,
@@ -188,21 +198,31 @@ def summary(engine) -> str:
     experts = sorted({layer.cache.num_experts for layer in layers})
     config = engine.config
     link = config.link
-    modeled = (f", emulated link {link.bandwidth_gbps:g} GB/s + {link.latency_us:g} us/copy,"
-               f" host_slowdown {link.host_slowdown:g}" if link.emulated else "")
-    residency = (f"{'/'.join(map(str, slots))} of {'/'.join(map(str, experts))} "
-                 "experts resident per layer")
+    modeled = (
+        f", emulated link {link.bandwidth_gbps:g} GB/s + {link.latency_us:g} us/copy,"
+        f" host_slowdown {link.host_slowdown:g}"
+        if link.emulated
+        else ""
+    )
+    residency = (
+        f"{'/'.join(map(str, slots))} of {'/'.join(map(str, experts))} experts resident per layer"
+    )
     first = next(iter(layers)).cache.experts
-    moved = (f"{first.format} experts of {first.expert_nbytes / 1e3:.1f} kB moved"
-             + (f" into {first.slot_nbytes / 1e3:.1f} kB slots" if first.decoder else ""))
+    moved = f"{first.format} experts of {first.expert_nbytes / 1e3:.1f} kB moved" + (
+        f" into {first.slot_nbytes / 1e3:.1f} kB slots" if first.decoder else ""
+    )
     low_bit = next(iter(layers)).low_bit
     if low_bit is not None:
-        moved += (f", their {low_bit.cache.experts.format} copies "
-                  f"({low_bit.cache.experts.expert_nbytes / 1e3:.1f} kB) into "
-                  f"{low_bit.cache.num_slots} low-bit slots per layer")
+        moved += (
+            f", their {low_bit.cache.experts.format} copies "
+            f"({low_bit.cache.experts.expert_nbytes / 1e3:.1f} kB) into "
+            f"{low_bit.cache.num_slots} low-bit slots per layer"
+        )
     if config.cache_spec.shared_pool:
-        residency = (f"one pool of {sum(la.cache.num_slots for la in layers)}"
-                     f" slots shared by their {'/'.join(map(str, experts))} experts each")
+        residency = (
+            f"one pool of {sum(la.cache.num_slots for la in layers)}"
+            f" slots shared by their {'/'.join(map(str, experts))} experts each"
+        )
     return (
         f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
         f"{engine.store.nbytes / 1e9:.3f} GB on the host"

@@ -43,102 +43,127 @@ class PhaseStats:
     one request)."""
 
     calls: int = counter(
-        "Layer calls with tokens of this phase (one per forward pass that has "
-        "some).")
+        "Layer calls with tokens of this phase (one per forward pass that has some)."
+    )
     tokens: int = counter("Tokens of this phase that went through the layer.")
     requests: int = counter("Distinct experts asked for, summed over kernel calls.")
     path_needed: int = counter(
         "Distinct experts of decode calls that had a step-level prediction from "
-        "the path predictor (``path_predictor``), summed over calls.")
+        "the path predictor (``path_predictor``), summed over calls."
+    )
     path_covered: int = counter(
         "Of those, experts the step's prediction contained: ``path_covered / "
         "path_needed`` is the predictor's batch-level accuracy (ExpertFlow's "
-        "B_acc) at the running batch size, measured online.")
+        "B_acc) at the running batch size, measured online."
+    )
     experts_needed: int = counter(
         "Distinct experts the router chose per layer call (before any miss "
         "policy), summed over calls: the demand a cache must meet, whatever the "
-        "token groups.")
+        "token groups."
+    )
     hits: int = counter(
         "Requests found resident in the device cache (experts still in flight "
-        "from a prefetch count as hits: nothing new is loaded for them).")
+        "from a prefetch count as hits: nothing new is loaded for them)."
+    )
     misses: int = counter("Requests that were not resident.")
     loads: int = counter("Experts whose copy into a slot started (on demand or prefetched).")
     evictions: int = counter("Resident experts evicted to make room.")
     bytes_loaded: int = counter("Bytes of those copies (including prefetches).")
     stall_s: float = seconds(
         "Seconds the compute waited on this layer's copies (on-demand loads, and "
-        "prefetches not finished when the layer needed them).")
+        "prefetches not finished when the layer needed them)."
+    )
     prefetched: int = counter(
-        "Experts whose prefetch copy started: predicted at the previous layer, or "
-        "``admitted``.")
+        "Experts whose prefetch copy started: predicted at the previous layer, or ``admitted``."
+    )
     admitted: int = counter(
         "Of those, experts computed on the host and then loaded in the background "
-        "on an idle link (``admit_host_experts``).")
+        "on an idle link (``admit_host_experts``)."
+    )
     bytes_prefetched: int = counter("Bytes of those prefetches (included in ``bytes_loaded``).")
     prefetch_used: int = counter("Prefetched experts the layer then asked for.")
     prefetch_unused: int = counter(
         "Prefetched experts the layer did not ask for and that had already "
-        "started moving (wasted link time).")
+        "started moving (wasted link time)."
+    )
     prefetch_cancelled: int = counter(
         "Prefetches the layer did not ask for that had not started when it ran: "
         "dropped from the link queue, no link time spent (never counted in "
-        "``prefetched``).")
+        "``prefetched``)."
+    )
     prefetch_skipped: int = counter(
         "Predicted, non-resident experts not prefetched because their measured "
-        "chance of use did not pay for the copy (``prefetch_filter: cost``).")
+        "chance of use did not pay for the copy (``prefetch_filter: cost``)."
+    )
     predicted: int = counter(
         "Router-chosen (token, expert) pairs checked against a prediction made at "
-        "the previous layer.")
+        "the previous layer."
+    )
     predicted_correct: int = counter(
         "Of those, pairs the prediction contained: ``predicted_correct / "
-        "predicted`` is the online recall@k of the predictor for this layer.")
+        "predicted`` is the online recall@k of the predictor for this layer."
+    )
     speculated_calls: int = counter(
         "Layer calls that ran the predicted experts with the predicted weights "
-        "instead of the router's (miss policy ``speculate``; output not exact).")
+        "instead of the router's (miss policy ``speculate``; output not exact)."
+    )
     router_free_calls: int = counter(
         "Speculated calls that skipped the router, the estimator having predicted the "
-        "layer (``router_free``); their prediction is not scored.")
+        "layer (``router_free``); their prediction is not scored."
+    )
     missed_entries: int = counter(
         "Router-chosen (token, expert) entries whose expert was not resident when "
-        "the layer call started; each was resolved in one of the next six ways.")
-    fetched_entries: int = counter("Missed entries whose expert was loaded on demand (``fetch``, fallbacks).")
+        "the layer call started; each was resolved in one of the next six ways."
+    )
+    fetched_entries: int = counter(
+        "Missed entries whose expert was loaded on demand (``fetch``, fallbacks)."
+    )
     host_entries: int = counter(
-        "Missed entries computed on the host from the slow tier (``cpu``, "
-        "``auto``).")
+        "Missed entries computed on the host from the slow tier (``cpu``, ``auto``)."
+    )
     substituted_entries: int = counter(
         "Missed entries run with a resident substitute instead (``buddy``, "
-        "``random``, ``auto_buddy``; output not exact).")
+        "``random``, ``auto_buddy``; output not exact)."
+    )
     dropped_entries: int = counter("Missed entries not run at all (``drop``; output not exact).")
     low_bit_entries: int = counter(
-        "Missed entries run from the expert's INT4 copy (``lowbit``; output not exact).")
+        "Missed entries run from the expert's INT4 copy (``lowbit``; output not exact)."
+    )
     low_bit_loads: int = counter(
         "INT4 copies moved into the layer's low-bit slots (packed; also counted in "
-        "``bytes_loaded``, not in ``loads``).")
+        "``bytes_loaded``, not in ``loads``)."
+    )
     low_bit_bytes: int = counter("Bytes of those INT4 copies.")
     peer_entries: int = counter(
-        "Missed entries computed by a mesh peer that holds the expert (``mesh``).")
+        "Missed entries computed by a mesh peer that holds the expert (``mesh``)."
+    )
     peer_fallback_entries: int = counter(
         "Entries sent to a peer that failed or did not answer in time, computed "
-        "locally instead (loaded on demand; also counted in ``fetched_entries``).")
+        "locally instead (loaded on demand; also counted in ``fetched_entries``)."
+    )
     fired_entries: int = counter(
         "(token, expert) entries sent to peers ahead of the layer's router, by the "
-        "previous layer's prediction (``mesh.mode`` ``early_fire``, ``no_stop``).")
+        "previous layer's prediction (``mesh.mode`` ``early_fire``, ``no_stop``)."
+    )
     fired_used: int = counter(
         "Of those, entries the layer then ran: ``fired_used / fired_entries`` is "
-        "Early Fire's hit rate.")
+        "Early Fire's hit rate."
+    )
     peer_wait_s: float = seconds(
-        "Seconds layer calls waited for peers' answers after their device work was "
-        "done.")
+        "Seconds layer calls waited for peers' answers after their device work was done."
+    )
     host_experts: int = counter("Distinct experts computed on the host, summed over layer calls.")
     host_s: float = seconds(
         "Seconds of host expert compute (modeled seconds with an emulated link: "
-        "measured time x ``link.host_slowdown``).")
+        "measured time x ``link.host_slowdown``)."
+    )
     host_stall_s: float = seconds(
-        "Seconds layer calls waited for the host after their device work was "
-        "done.")
+        "Seconds layer calls waited for the host after their device work was done."
+    )
     kernel_calls: int = counter(
         "Expert kernel launches on the device (more than ``calls`` when a batch "
-        "needed more experts than there are slots and ran in token groups).")
+        "needed more experts than there are slots and ran in token groups)."
+    )
 
     @property
     def hit_rate(self) -> float:
@@ -197,7 +222,9 @@ def _refuse_special(target: str) -> None:
     except OSError:
         return  # nothing there (or no way there: opening it reports that)
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        kind = (
+            "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        )
         raise NotARegularFile(errno.EEXIST, f"{target} is {kind}")
 
 
@@ -230,9 +257,11 @@ def check_stats_path(path: str) -> None:
         _refuse_special(target)
     except NotARegularFile as error:
         raise SpecExpertConfigError(
-            "stats_path", f"{error.strerror}; stats are written by replacing the file",
+            "stats_path",
+            f"{error.strerror}; stats are written by replacing the file",
             "give the path of a file (it is created or replaced), or remove stats_path "
-            "to write none") from None
+            "to write none",
+        ) from None
     probe = f"{target}.probe.{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -241,5 +270,7 @@ def check_stats_path(path: str) -> None:
         os.remove(probe)
     except OSError as error:
         raise SpecExpertConfigError(
-            "stats_path", f"cannot write {path}: {error.strerror or error}",
-            "give a path in a writable directory, or remove stats_path") from None
+            "stats_path",
+            f"cannot write {path}: {error.strerror or error}",
+            "give a path in a writable directory, or remove stats_path",
+        ) from None

@@ -63,8 +63,10 @@ def plugin_names(values: list[str]) -> list[str]:
     installed = installed_plugins()
     unknown = [n for n in names if n not in installed]
     if not names or unknown:
-        raise ValueError(f"unknown plugin {', '.join(unknown) or '(none)'}; installed vLLM "
-                         f"general plugins: {', '.join(installed) or 'none'}")
+        raise ValueError(
+            f"unknown plugin {', '.join(unknown) or '(none)'}; installed vLLM "
+            f"general plugins: {', '.join(installed) or 'none'}"
+        )
     return names
 
 
@@ -75,10 +77,12 @@ def check_plugin_enabled(where: str = "the engine processes") -> None:
     names = os.environ.get("VLLM_PLUGINS")
     if names is not None and PLUGIN_NAME not in names.split(","):
         raise SpecExpertConfigError(
-            ADDITIONAL_CONFIG_KEY, f"additional_config configures the plugin, but "
+            ADDITIONAL_CONFIG_KEY,
+            f"additional_config configures the plugin, but "
             f"VLLM_PLUGINS={names!r} leaves it out of {where}",
             f"add {PLUGIN_NAME} to --plugins (or to VLLM_PLUGINS, or unset VLLM_PLUGINS), "
-            f"or remove the {ADDITIONAL_CONFIG_KEY} key")
+            f"or remove the {ADDITIONAL_CONFIG_KEY} key",
+        )
 
 
 def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> None:
@@ -94,9 +98,11 @@ def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> 
     if engine_args.worker_extension_cls in ("", None):
         engine_args.worker_extension_cls = WORKER_EXTENSION
     elif engine_args.worker_extension_cls != WORKER_EXTENSION:
-        logger.warning("specexpert: worker_extension_cls=%s is set, so the "
-                       "specexpert_stats RPC is unavailable (stats_path still works)",
-                       engine_args.worker_extension_cls)
+        logger.warning(
+            "specexpert: worker_extension_cls=%s is set, so the "
+            "specexpert_stats RPC is unavailable (stats_path still works)",
+            engine_args.worker_extension_cls,
+        )
 
 
 def _install_scheduler(engine_args) -> None:
@@ -109,8 +115,10 @@ def _install_scheduler(engine_args) -> None:
     current = getattr(engine_args, "scheduler_cls", None)
     if current not in (None, SCHEDULER_CLS):
         raise SpecExpertConfigError(
-            "path_predictor", f"runs in the plugin's scheduler class, and scheduler_cls="
-            f"{current!r} is set", "remove --scheduler-cls, or remove path_predictor")
+            "path_predictor",
+            f"runs in the plugin's scheduler class, and scheduler_cls={current!r} is set",
+            "remove --scheduler-cls, or remove path_predictor",
+        )
     engine_args.scheduler_cls = SCHEDULER_CLS
 
 
@@ -120,8 +128,7 @@ def _configure_draft(engine_args: Any, lookahead: LookaheadConfig) -> None:
     scheduling is turned off: the governor sets each step's draft length in the worker,
     after the step's verification."""
     k_max = lookahead.k_max
-    wanted = {"method": "draft_model", "model": engine_args.model,
-              "num_speculative_tokens": k_max}
+    wanted = {"method": "draft_model", "model": engine_args.model, "num_speculative_tokens": k_max}
     given = engine_args.speculative_config
     if given is None:
         engine_args.speculative_config = wanted
@@ -129,20 +136,26 @@ def _configure_draft(engine_args: Any, lookahead: LookaheadConfig) -> None:
         if not isinstance(given, dict):
             given = {name: getattr(given, name, None) for name in wanted}
         method = given.get("method") or ("draft_model" if given.get("model") else None)
-        conflicts = [f"{name}={given.get(name)!r}" for name, value in wanted.items()
-                     if name in given and given.get(name) is not None
-                     and given.get(name) != value]
+        conflicts = [
+            f"{name}={given.get(name)!r}"
+            for name, value in wanted.items()
+            if name in given and given.get(name) is not None and given.get(name) != value
+        ]
         if method != "draft_model" or conflicts:
             raise SpecExpertConfigError(
-                "lookahead", "drafts with vLLM's speculative decoding (method "
+                "lookahead",
+                "drafts with vLLM's speculative decoding (method "
                 f"'draft_model', the same model, num_speculative_tokens = k_max = {k_max}),"
                 f" and speculative_config sets {', '.join(conflicts) or repr(method)}",
-                "remove speculative_config (the plugin sets it), or remove lookahead")
+                "remove speculative_config (the plugin sets it), or remove lookahead",
+            )
     if getattr(engine_args, "async_scheduling", None):
         raise SpecExpertConfigError(
-            "lookahead", "sets each step's draft length in the worker after the step's "
+            "lookahead",
+            "sets each step's draft length in the worker after the step's "
             "verification, and async_scheduling is on",
-            "remove --async-scheduling, or remove lookahead")
+            "remove --async-scheduling, or remove lookahead",
+        )
     engine_args.async_scheduling = False
 
 
@@ -155,8 +168,10 @@ def _pin_triton_moe_backend(engine_args) -> None:
         engine_args.moe_backend = "triton"
     elif backend != "triton":
         raise SpecExpertUnsupportedError(
-            f"moe_backend={backend!r}", "offloaded experts run on vLLM's Triton fused-MoE "
-            "kernel, from the slot pool", "leave --moe-backend unset (auto) or set 'triton'")
+            f"moe_backend={backend!r}",
+            "offloaded experts run on vLLM's Triton fused-MoE kernel, from the slot pool",
+            "leave --moe-backend unset (auto) or set 'triton'",
+        )
 
 
 def keep_piecewise_cuda_graphs(compilation_config) -> None:
@@ -175,9 +190,12 @@ def keep_piecewise_cuda_graphs(compilation_config) -> None:
     if mode is None or mode == CUDAGraphMode.NONE:
         return
     if compilation_config.mode != CompilationMode.VLLM_COMPILE:
-        logger.warning("specexpert: cudagraph_mode %s -> NONE: without piecewise "
-                       "compilation a graph would capture the offloaded experts' "
-                       "data-dependent copies", mode.name)
+        logger.warning(
+            "specexpert: cudagraph_mode %s -> NONE: without piecewise "
+            "compilation a graph would capture the offloaded experts' "
+            "data-dependent copies",
+            mode.name,
+        )
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         return
     if compilation_config.splitting_ops is None:
@@ -186,8 +204,11 @@ def keep_piecewise_cuda_graphs(compilation_config) -> None:
         if op not in compilation_config.splitting_ops:
             compilation_config.splitting_ops.append(op)
     if mode.has_full_cudagraphs():
-        logger.warning("specexpert: cudagraph_mode %s -> PIECEWISE: a full graph would "
-                       "capture the offloaded experts' data-dependent copies", mode.name)
+        logger.warning(
+            "specexpert: cudagraph_mode %s -> PIECEWISE: a full graph would "
+            "capture the offloaded experts' data-dependent copies",
+            mode.name,
+        )
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
@@ -207,9 +228,11 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     config.check_fits(shape.num_experts, shape.top_k, _packed_experts(model_config))
     if config.router_free and not runner_is_eager(vllm_config):
         raise SpecExpertConfigError(
-            "router_free", "skips routers in Python per call, and this engine's MoE "
+            "router_free",
+            "skips routers in Python per call, and this engine's MoE "
             "runner is traced into torch.compile's graph (the CPU build's compiled mode)",
-            "start the engine with enforce_eager=True (--enforce-eager), or remove it")
+            "start the engine with enforce_eager=True (--enforce-eager), or remove it",
+        )
     if config.mesh is not None:
         _check_mesh(config.mesh, model_config)
     if config.stats_path is not None:
@@ -219,13 +242,20 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     layers = getattr(model_config.hf_config, "num_hidden_layers", None)
     if config.exact_layers and layers is not None and max(config.exact_layers) >= layers:
         raise SpecExpertConfigError(
-            "exact_layers", f"layer {max(config.exact_layers)} does not exist: the model has "
-            f"{layers} decoder layers", f"give indices of its MoE layers, below {layers}")
+            "exact_layers",
+            f"layer {max(config.exact_layers)} does not exist: the model has "
+            f"{layers} decoder layers",
+            f"give indices of its MoE layers, below {layers}",
+        )
     if config.calibration is not None:
         from vllm_specexpert.calibration import load_calibration
 
-        load_calibration(config.calibration, model=model_config.model,
-                         hf_config=model_config.hf_config, num_experts=shape.num_experts)
+        load_calibration(
+            config.calibration,
+            model=model_config.model,
+            hf_config=model_config.hf_config,
+            num_experts=shape.num_experts,
+        )
     if config.estimator is not None or config.analysis is not None:
         _check_estimator(config, model_config)
     if config.lookahead is not None:
@@ -233,8 +263,9 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
     if config.path_predictor is not None:
         from vllm_specexpert.predict.path import load_path_predictor
 
-        load_path_predictor(config.path_predictor, model=model_config.model,
-                            hf_config=model_config.hf_config)
+        load_path_predictor(
+            config.path_predictor, model=model_config.model, hf_config=model_config.hf_config
+        )
 
 
 def _packed_experts(model_config) -> str | None:
@@ -268,15 +299,20 @@ def _check_estimator(config: SpecExpertConfig, model_config) -> None:
 
     if config.estimator is None:
         raise SpecExpertConfigError(
-            "analysis", "only chooses the layers after which predictor 'hybrid' runs the "
+            "analysis",
+            "only chooses the layers after which predictor 'hybrid' runs the "
             "estimator, and no estimator is set (one cannot be added at run time)",
-            "also set \"estimator\" (from `specexpert train-estimator MODEL --out DIR`), "
-            "or remove analysis")
-    load_estimator(config.estimator, model=model_config.model,
-                   hf_config=model_config.hf_config, calibration=config.calibration)
+            'also set "estimator" (from `specexpert train-estimator MODEL --out DIR`), '
+            "or remove analysis",
+        )
+    load_estimator(
+        config.estimator,
+        model=model_config.model,
+        hf_config=model_config.hf_config,
+        calibration=config.calibration,
+    )
     if config.analysis is not None:
-        read_analysis(config.analysis, model=model_config.model,
-                      hf_config=model_config.hf_config)
+        read_analysis(config.analysis, model=model_config.model, hf_config=model_config.hf_config)
 
 
 def _check_draft(config: SpecExpertConfig, shape) -> None:
@@ -285,5 +321,6 @@ def _check_draft(config: SpecExpertConfig, shape) -> None:
     try:
         config.draft_config().slots_per_layer(shape.num_experts, shape.top_k)
     except SpecExpertConfigError as error:
-        raise SpecExpertConfigError("lookahead.draft_budget", error.problem,
-                                    error.fix.replace("budget", "draft_budget")) from None
+        raise SpecExpertConfigError(
+            "lookahead.draft_budget", error.problem, error.fix.replace("budget", "draft_budget")
+        ) from None

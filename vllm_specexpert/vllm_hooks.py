@@ -45,8 +45,9 @@ def wrap_once(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> N
     setattr(owner, name, wrapper)
 
 
-def around_engine_config(before: Callable[[Any], Any],
-                         after: Callable[[Any, Any, Any], None]) -> None:
+def around_engine_config(
+    before: Callable[[Any], Any], after: Callable[[Any, Any, Any], None]
+) -> None:
     """``before(engine_args)`` runs before vLLM builds the engine config and returns a
     state (``None``: nothing to do after); ``after(engine_args, vllm_config, state)``
     runs once it is built."""
@@ -59,6 +60,7 @@ def around_engine_config(before: Callable[[Any], Any],
             if state is not None:
                 after(self, vllm_config, state)
             return vllm_config
+
         return create_engine_config
 
     wrap_once(EngineArgs, "create_engine_config", wrap)
@@ -74,6 +76,7 @@ def after_warm_up(callback: Callable[[Any], None]) -> None:
             result = original(self, *args, **kwargs)
             callback(self)
             return result
+
         return compile_or_warm_up_model
 
     wrap_once(Executor, "compile_or_warm_up_model", wrap)
@@ -90,6 +93,7 @@ def add_engine_arguments(add: Callable[[Any], None]) -> None:
             parser = original(parser, *args, **kwargs)
             add(parser)
             return parser
+
         return add_cli_args
 
     wrap_once(EngineArgs, "add_cli_args", wrap)
@@ -111,6 +115,7 @@ def at_step_start(callback: Callable[[Any, Any], None]) -> None:
             for each in _STEP_STARTS:
                 each(self, scheduler_output)
             return original(self, scheduler_output, *args, **kwargs)
+
         return execute_model
 
     wrap_once(GPUModelRunner, "execute_model", wrap)
@@ -126,8 +131,7 @@ def keep_step_demand() -> None:
     at_step_start(_receive_demand)
 
 
-def around_drafting(first_pass: Callable[[Any, Any], None],
-                    propose: Callable[..., Any]) -> None:
+def around_drafting(first_pass: Callable[[Any, Any], None], propose: Callable[..., Any]) -> None:
     """Speculative decoding's draft, in the worker: ``first_pass(proposer,
     token_indices_to_sample)`` once the proposer has laid out its first pass (those rows
     are the tokens verified next); ``propose(model_runner, original, scheduler_output,
@@ -141,11 +145,13 @@ def around_drafting(first_pass: Callable[[Any, Any], None],
             result = original(self, *args, **kwargs)
             first_pass(self, result[1])
             return result
+
         return set_inputs_first_pass
 
     def wrap_propose(original):
         def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
             return propose(self, original, scheduler_output, *args, **kwargs)
+
         return propose_draft_token_ids
 
     wrap_once(SpecDecodeBaseProposer, "set_inputs_first_pass", wrap_first_pass)

@@ -35,7 +35,7 @@ def predict_routing_reference(
     x = router_input.float()
     q = quasi_hidden
     if q is not None:
-        chosen = q.default_vectors.float()[q.topk_ids.long()]                # [T, K, H]
+        chosen = q.default_vectors.float()[q.topk_ids.long()]  # [T, K, H]
         x = x * q.residual_scale.float() + (q.topk_weights.float().unsqueeze(-1) * chosen).sum(1)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q.eps) * q.norm_weight.float()
     probs = torch.softmax(x @ gate_weight.float().t(), dim=-1)
@@ -50,9 +50,10 @@ def _inputs(shape, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {
         "router_input": torch.randn(tokens, hidden, generator=g).to(dtype),
-        "gate_weight": (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(dtype),
-        "topk_ids": torch.stack([torch.randperm(experts_l, generator=g)[:k]
-                              for _ in range(tokens)]).int(),
+        "gate_weight": (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype),
+        "topk_ids": torch.stack(
+            [torch.randperm(experts_l, generator=g)[:k] for _ in range(tokens)]
+        ).int(),
         "topk_weights": torch.rand(tokens, k, generator=g),
         "default_vectors": torch.randn(experts_l, hidden, generator=g),
         "residual_scale": torch.rand(hidden, generator=g) + 0.5,
@@ -66,8 +67,13 @@ def _call(function, inputs, top_k, renormalize):
     has the default vectors, else ``router``."""
     terms = None
     if "default_vectors" in inputs:
-        terms = QuasiHiddenTerms(**{key: value for key, value in inputs.items()
-                                    if key not in ("router_input", "gate_weight")})
+        terms = QuasiHiddenTerms(
+            **{
+                key: value
+                for key, value in inputs.items()
+                if key not in ("router_input", "gate_weight")
+            }
+        )
     return function(inputs["router_input"], inputs["gate_weight"], top_k, renormalize, terms)
 
 
@@ -104,8 +110,10 @@ def test_bf16_semantics_by_casting():
     bf16-rounded values given as fp32 must predict what the reference predicts from the
     bf16 tensors themselves."""
     inputs = _inputs(SHAPES[0], torch.bfloat16)
-    widened = {key: value.float() if torch.is_tensor(value) and value.dtype == torch.bfloat16
-               else value for key, value in inputs.items()}
+    widened = {
+        key: value.float() if torch.is_tensor(value) and value.dtype == torch.bfloat16 else value
+        for key, value in inputs.items()
+    }
     weights, ids = _call(predict_routing, widened, 4, True)
     ref_weights, ref_ids, _ = _call(predict_routing_reference, inputs, 4, True)
     assert torch.equal(ids, ref_ids)
@@ -134,7 +142,7 @@ def test_no_tokens():
 
 
 def test_slot_map_update_writes_admissions_and_evictions_only():
-    slot_map = torch.arange(40, dtype=torch.int32) % 7 - 1          # arbitrary prior state
+    slot_map = torch.arange(40, dtype=torch.int32) % 7 - 1  # arbitrary prior state
     before = slot_map.clone()
     experts = torch.tensor([3, 39, 0, 17], dtype=torch.int32)
     slots = torch.tensor([5, -1, 2, -1], dtype=torch.int32)
@@ -156,8 +164,8 @@ def test_slot_map_update_of_more_entries_than_one_block():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_copy_experts_moves_whole_rows_of_both_tensors(dtype):
     g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(12, 6, 10, generator=g).to(dtype)        # 60 per row
-    w2 = torch.randn(12, 10, 3, generator=g).to(dtype)         # 30 per row
+    w13 = torch.randn(12, 6, 10, generator=g).to(dtype)  # 60 per row
+    w2 = torch.randn(12, 10, 3, generator=g).to(dtype)  # 30 per row
     slots13 = torch.zeros(4, 6, 10, dtype=dtype)
     slots2 = torch.zeros(4, 10, 3, dtype=dtype)
     experts = torch.tensor([11, 0, 7], dtype=torch.int32)
@@ -167,7 +175,7 @@ def test_copy_experts_moves_whole_rows_of_both_tensors(dtype):
     for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
         assert torch.equal(slots13[slot], w13[expert])
         assert torch.equal(slots2[slot], w2[expert])
-    assert not slots13[1].any() and not slots2[1].any()             # untouched slot
+    assert not slots13[1].any() and not slots2[1].any()  # untouched slot
 
 
 # --------------------------------------------------------------------- dequantize
@@ -195,8 +203,9 @@ DEQUANTIZE_CASES = [
 def _case_id(case):
     fmt, out_features, in_features, batch = case
     detail = getattr(fmt, "scales", None) or (
-        f"g{fmt.group_size}" + ("" if isinstance(fmt, AwqFormat)
-                                else "-sym" if fmt.symmetric else "-asym"))
+        f"g{fmt.group_size}"
+        + ("" if isinstance(fmt, AwqFormat) else "-sym" if fmt.symmetric else "-asym")
+    )
     if getattr(fmt, "scales", None) == "block":
         detail += f"{fmt.block[0]}x{fmt.block[1]}"
     return f"{fmt.name}-{detail}-{out_features}x{in_features}-b{'x'.join(map(str, batch)) or 1}"
@@ -205,11 +214,14 @@ def _case_id(case):
 def _quantized(fmt, out_features, in_features, batch, seed=0):
     """``fmt.quantize`` of random ``[out, in]`` weights, stacked into ``batch``."""
     g = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(out_features, in_features, generator=g) * 0.05
-               for _ in range(math.prod(batch))]
+    weights = [
+        torch.randn(out_features, in_features, generator=g) * 0.05 for _ in range(math.prod(batch))
+    ]
     packed = [fmt.quantize(w) for w in weights]
-    return {key: torch.stack([p[key] for p in packed]).reshape(*batch, *packed[0][key].shape)
-            for key in packed[0]}
+    return {
+        key: torch.stack([p[key] for p in packed]).reshape(*batch, *packed[0][key].shape)
+        for key in packed[0]
+    }
 
 
 def _bits(weight):
@@ -238,18 +250,24 @@ def test_dequantize_reads_strides_not_layouts(case):
     """Every tensor stored with its last two dimensions swapped (a view, as a transposed
     checkpoint tensor would be): the kernel must follow the strides it is given."""
     fmt, out_features, in_features, batch = case
-    tensors = {key: value.mT.contiguous().mT if value.dim() >= 2 else value
-               for key, value in _quantized(fmt, out_features, in_features, batch, 1).items()}
+    tensors = {
+        key: value.mT.contiguous().mT if value.dim() >= 2 else value
+        for key, value in _quantized(fmt, out_features, in_features, batch, 1).items()
+    }
     assert any(not value.is_contiguous() for value in tensors.values())
     _check_dequantize(fmt, tensors, out_features, in_features)
 
 
-@pytest.mark.parametrize("fmt", [
-    AwqFormat("awq", group_size=32),
-    GptqFormat("gptq", group_size=32, symmetric=False),
-    PackQuantizedFormat("pack-quantized", group_size=32, symmetric=False),
-    PackQuantizedFormat("pack-quantized", group_size=-1, symmetric=True),
-], ids=lambda f: f"{f.name}-g{f.group_size}")
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        AwqFormat("awq", group_size=32),
+        GptqFormat("gptq", group_size=32, symmetric=False),
+        PackQuantizedFormat("pack-quantized", group_size=32, symmetric=False),
+        PackQuantizedFormat("pack-quantized", group_size=-1, symmetric=True),
+    ],
+    ids=lambda f: f"{f.name}-g{f.group_size}",
+)
 def test_dequantize_of_arbitrary_words(fmt):
     """Random 32-bit words, not just what ``quantize`` writes: every nibble value in every
     position, the sign bit set (an arithmetic shift), GPTQ's stored zero 15 (zero 16),
@@ -260,11 +278,12 @@ def test_dequantize_of_arbitrary_words(fmt):
     for name, (shape, dtype) in fmt.tensor_shapes(out_features, in_features).items():
         shape = (*batch, *shape)
         if dtype == torch.int32:
-            words = torch.randint(-2**31, 2**31, shape, generator=g, dtype=torch.int64)
+            words = torch.randint(-(2**31), 2**31, shape, generator=g, dtype=torch.int64)
             tensors[name] = words.int()
         elif dtype.is_floating_point:
-            tensors[name] = (torch.randn(shape, generator=g) * 10.0 ** torch.randint(
-                -4, 3, shape, generator=g)).to(dtype)
+            tensors[name] = (
+                torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 3, shape, generator=g)
+            ).to(dtype)
     assert (tensors[next(iter(tensors))] < 0).any()
     _check_dequantize(fmt, tensors, out_features, in_features)
 
@@ -276,11 +295,13 @@ def test_dequantize_fp8_every_code_and_rounding_ties():
     fmt = Fp8Format("fp8", scales="channel")
     weight = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(1, 256)
     scales = torch.tensor([1.0, 1 + 2**-4 + 2**-8, 3 * 2**-8 + 1, 2**-3 + 2**-9, 1e-3])
-    tensors = {"weight": weight.expand(len(scales), 256).contiguous(),
-               "weight_scale": scales.reshape(-1, 1)}
+    tensors = {
+        "weight": weight.expand(len(scales), 256).contiguous(),
+        "weight_scale": scales.reshape(-1, 1),
+    }
     products = tensors["weight"].float() * tensors["weight_scale"]
     low = products.view(torch.int32) & 0xFFFF
-    assert (low == 0x8000).sum() > 10                                      # ties present
+    assert (low == 0x8000).sum() > 10  # ties present
     expected = fmt.dequantize(tensors, len(scales), 256)
     got = dequantize_packed(fmt, tensors, len(scales), 256)
     nan = products.isnan()
@@ -294,8 +315,10 @@ def test_dequantize_int4_rounding_ties():
     fmt = GptqFormat("gptq", group_size=-1)
     scales = [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-10, -(1 + 3 * 2**-8)] * 2
     rounded = [1.0, 1 + 2**-6, 1 + 2**-7, -(1 + 2**-6)] * 2
-    tensors = {"qweight": torch.full((2, 8), 0x22222222, dtype=torch.int32),   # q = 2
-               "qzeros": torch.zeros(1, 1, dtype=torch.int32),                 # z = 0 + 1
-               "scales": torch.tensor([scales], dtype=torch.float16)}
+    tensors = {
+        "qweight": torch.full((2, 8), 0x22222222, dtype=torch.int32),  # q = 2
+        "qzeros": torch.zeros(1, 1, dtype=torch.int32),  # z = 0 + 1
+        "scales": torch.tensor([scales], dtype=torch.float16),
+    }
     got = _check_dequantize(fmt, tensors, 8, 16)
     assert torch.equal(got, torch.tensor(rounded, dtype=torch.bfloat16)[:, None].expand(8, 16))

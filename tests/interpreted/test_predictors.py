@@ -17,7 +17,7 @@ TOKENS, HIDDEN, EXPERTS, TOP_K = 7, 80, 24, 4
 
 
 def _next_layer(generator, renormalize):
-    gate = torch.randn(EXPERTS, HIDDEN, generator=generator) / HIDDEN ** 0.5
+    gate = torch.randn(EXPERTS, HIDDEN, generator=generator) / HIDDEN**0.5
     norm_weight = torch.rand(HIDDEN, generator=generator) + 0.5
     eps = 1e-6
 
@@ -31,8 +31,9 @@ def _next_layer(generator, renormalize):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, ids.int()
 
-    fused = FusedRouting(gate_weight=gate, norm_weight=norm_weight, eps=eps, top_k=TOP_K,
-                         renormalize=renormalize)
+    fused = FusedRouting(
+        gate_weight=gate, norm_weight=norm_weight, eps=eps, top_k=TOP_K, renormalize=renormalize
+    )
     return NextLayerRouting(norm=norm, route=route), fused
 
 
@@ -42,8 +43,9 @@ def test_fused_prediction_equals_the_torch_path(name, renormalize):
     g = torch.Generator().manual_seed(3)
     state = LayerState(
         router_input=torch.randn(TOKENS, HIDDEN, generator=g),
-        topk_ids=torch.stack([torch.randperm(16, generator=g)[:TOP_K]
-                              for _ in range(TOKENS)]).int(),
+        topk_ids=torch.stack(
+            [torch.randperm(16, generator=g)[:TOP_K] for _ in range(TOKENS)]
+        ).int(),
         topk_weights=torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), -1),
     )
     if name == "router":
@@ -51,7 +53,8 @@ def test_fused_prediction_equals_the_torch_path(name, renormalize):
     else:
         this_norm = torch.rand(HIDDEN, generator=g) + 0.5
         predictor = QuasiHiddenPredictor(
-            {"l": torch.randn(16, HIDDEN, generator=g)}, {"l": residual_scale(this_norm, 3.0)})
+            {"l": torch.randn(16, HIDDEN, generator=g)}, {"l": residual_scale(this_norm, 3.0)}
+        )
     torch_path, fused = _next_layer(g, renormalize)
     expected = predictor.predict(state, "l", torch_path)
     got = predictor.predict(state, "l", NextLayerRouting(torch_path.norm, torch_path.route, fused))
@@ -70,18 +73,27 @@ def test_fused_estimator_equals_the_torch_path(renormalize):
     torch.manual_seed(5)
     state = LayerState(
         router_input=torch.randn(TOKENS, HIDDEN, generator=g),
-        topk_ids=torch.stack([torch.randperm(16, generator=g)[:TOP_K]
-                              for _ in range(TOKENS)]).int(),
+        topk_ids=torch.stack(
+            [torch.randperm(16, generator=g)[:TOP_K] for _ in range(TOKENS)]
+        ).int(),
         topk_weights=torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), -1),
     )
-    network = ExpertEstimator(EstimatorShape(hidden_size=HIDDEN, num_transitions=3,
-                                             num_experts=EXPERTS, top_k=TOP_K, latent=32))
+    network = ExpertEstimator(
+        EstimatorShape(
+            hidden_size=HIDDEN, num_transitions=3, num_experts=EXPERTS, top_k=TOP_K, latent=32
+        )
+    )
     for p in network.parameters():  # trained-looking values, not the init's zeros
         p.data = torch.randn(p.shape, generator=g) * 0.3
     this_norm = torch.rand(HIDDEN, generator=g) + 0.5
-    predictor = EstimatorPredictor(PredictorInputs(
-        {"l": torch.randn(16, HIDDEN, generator=g)}, {"l": residual_scale(this_norm, 3.0)},
-        network.eval()), {"l": 2})
+    predictor = EstimatorPredictor(
+        PredictorInputs(
+            {"l": torch.randn(16, HIDDEN, generator=g)},
+            {"l": residual_scale(this_norm, 3.0)},
+            network.eval(),
+        ),
+        {"l": 2},
+    )
     torch_path, fused = _next_layer(g, renormalize)
 
     def route_logits(x, logits):

@@ -35,7 +35,16 @@ from vllm_specexpert.config.sections import (
 from vllm_specexpert.config.specexpert import MAX_EXPERTS, SpecExpertConfig
 
 __all__ = [
-    "ADDITIONAL_CONFIG_KEY", "CACHES", "MAX_EXPERTS", "MISS_POLICIES", "PREDICTORS",
-    "BuddyConfig", "LinkConfig", "LookaheadConfig", "SpecExpertConfig", "SpecExpertConfigError",
-    "SpecExpertUnsupportedError", "TokenSchedulerConfig",
+    "ADDITIONAL_CONFIG_KEY",
+    "CACHES",
+    "MAX_EXPERTS",
+    "MISS_POLICIES",
+    "PREDICTORS",
+    "BuddyConfig",
+    "LinkConfig",
+    "LookaheadConfig",
+    "SpecExpertConfig",
+    "SpecExpertConfigError",
+    "SpecExpertUnsupportedError",
+    "TokenSchedulerConfig",
 ]

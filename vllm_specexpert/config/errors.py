@@ -31,8 +31,9 @@ class SpecExpertUnsupportedError(ValueError):
         super().__init__(f"specexpert: {what} is not supported: {why}. Fix: {fix}")
 
 
-def config_error(error: ValidationError, cls: type,
-                 sections: dict[str, type]) -> SpecExpertConfigError:
+def config_error(
+    error: ValidationError, cls: type, sections: dict[str, type]
+) -> SpecExpertConfigError:
     """The first of pydantic's errors for ``cls`` (whose nested sections are
     ``sections``: key -> class) as one :class:`SpecExpertConfigError`."""
     first = error.errors(include_url=False)[0]
@@ -42,8 +43,9 @@ def config_error(error: ValidationError, cls: type,
     kind, value = first["type"], first.get("input")
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         known = ", ".join(f.name for f in dataclasses.fields(owner))
-        return SpecExpertConfigError(field_name, "unknown key",
-                                     f"remove it; known keys here are {known}")
+        return SpecExpertConfigError(
+            field_name, "unknown key", f"remove it; known keys here are {known}"
+        )
     if kind == "value_error":
         problem = str(first["ctx"]["error"])
     else:
@@ -51,13 +53,15 @@ def config_error(error: ValidationError, cls: type,
     if kind == "literal_error":
         return SpecExpertConfigError(field_name, problem, "use one of those values")
     if kind in ("dataclass_type", "dict_type", "model_type"):
-        return SpecExpertConfigError(field_name, problem, "give a JSON object ({} for the "
-                                     "defaults)")
+        return SpecExpertConfigError(
+            field_name, problem, "give a JSON object ({} for the defaults)"
+        )
     if kind == "bool_type":
         return SpecExpertConfigError(field_name, problem, "give true or false")
     if kind in ("string_type", "string_too_short"):
-        return SpecExpertConfigError(field_name, problem, "give a path (a non-empty string), "
-                                     "or null")
+        return SpecExpertConfigError(
+            field_name, problem, "give a path (a non-empty string), or null"
+        )
     return SpecExpertConfigError(field_name, problem, fix_from_docs(owner, loc[-1]))
 
 
@@ -65,8 +69,9 @@ def shown(value: Any) -> str:
     """A rejected value as the user wrote it: ``8.0`` stays ``8.0`` (a float where a count
     is wanted), ``1e300`` is ``1e+300``, not 301 digits."""
     if isinstance(value, float) and math.isfinite(value):
-        return repr(value) if abs(value) < 1e16 and value == float(f"{value:.6g}") \
-            else f"{value:.6g}"
+        return (
+            repr(value) if abs(value) < 1e16 and value == float(f"{value:.6g}") else f"{value:.6g}"
+        )
     return repr(value)
 
 

@@ -11,8 +11,7 @@ from vllm_specexpert.config.errors import SpecExpertConfigError
 from vllm_specexpert.config.rules import Settings
 
 
-def check_fits(config: Settings, num_experts: int, top_k: int,
-               packed: str | None = None) -> int:
+def check_fits(config: Settings, num_experts: int, top_k: int, packed: str | None = None) -> int:
     """The slots per MoE layer, once every setting that depends on the model's
     routing shape and on how its experts are stored (``packed``: their quantized
     format, ``None``: bf16/fp16) is checked. Needs only the model's config: run in
@@ -22,41 +21,61 @@ def check_fits(config: Settings, num_experts: int, top_k: int,
     if config.miss_policy_spec.low_bit:
         if packed is not None:
             raise SpecExpertConfigError(
-                "miss_policy", f"'lowbit' runs INT4 copies of bf16 experts, and this "
+                "miss_policy",
+                f"'lowbit' runs INT4 copies of bf16 experts, and this "
                 f"checkpoint's experts are already {packed}: there is no lower-bit copy "
-                "to run", "use 'fetch', 'cpu' or 'auto'")
+                "to run",
+                "use 'fetch', 'cpu' or 'auto'",
+            )
         if slots < 2 * top_k:
             raise SpecExpertConfigError(
-                "budget", f"'lowbit' keeps top_k ({top_k}) of each layer's {slots} "
+                "budget",
+                f"'lowbit' keeps top_k ({top_k}) of each layer's {slots} "
                 "slots for INT4 copies, leaving fewer than top_k for the rest",
-                f"give a budget of at least {2 * top_k} slots per layer")
+                f"give a budget of at least {2 * top_k} slots per layer",
+            )
     if config.lookahead is not None and packed is not None:
         raise SpecExpertConfigError(
-            "lookahead", f"the draft's INT4 experts are made at load from bf16/fp16 "
+            "lookahead",
+            f"the draft's INT4 experts are made at load from bf16/fp16 "
             f"experts, and this checkpoint's experts are {packed} (vLLM builds the draft "
-            "without its quantization)", "use the bf16 checkpoint, or remove lookahead")
+            "without its quantization)",
+            "use the bf16 checkpoint, or remove lookahead",
+        )
     mesh = config.mesh
     if mesh is not None:
         if packed is not None:
             raise SpecExpertConfigError(
-                "mesh", f"a peer reads per-expert bf16/fp16 tensors from the checkpoint, "
+                "mesh",
+                f"a peer reads per-expert bf16/fp16 tensors from the checkpoint, "
                 f"and this checkpoint's experts are {packed}",
-                "use the bf16 checkpoint (`specexpert dequantize`), or remove mesh")
+                "use the bf16 checkpoint (`specexpert dequantize`), or remove mesh",
+            )
         if mesh.placement == "replicate_hot" and mesh.hot_count >= num_experts:
             raise SpecExpertConfigError(
-                "mesh.hot_count", f"{mesh.hot_count} is not fewer than the model's "
-                f"{num_experts} experts per layer", f"use hot_count < {num_experts}")
+                "mesh.hot_count",
+                f"{mesh.hot_count} is not fewer than the model's {num_experts} experts per layer",
+                f"use hot_count < {num_experts}",
+            )
         if mesh.placement == "replicate_hot" and mesh.hot_count > slots - top_k:
             raise SpecExpertConfigError(
-                "mesh.hot_count", f"{mesh.hot_count} pinned experts leave fewer than "
+                "mesh.hot_count",
+                f"{mesh.hot_count} pinned experts leave fewer than "
                 f"top_k ({top_k}) of the layer's {slots} slots for the others",
-                f"use hot_count <= {slots - top_k}, or a larger budget")
-    if (config.quality is not None and slots == num_experts
-            and not config.miss_policy_spec.speculates):
+                f"use hot_count <= {slots - top_k}, or a larger budget",
+            )
+    if (
+        config.quality is not None
+        and slots == num_experts
+        and not config.miss_policy_spec.speculates
+    ):
         raise SpecExpertConfigError(
-            "quality", f"the budget holds all {num_experts} experts of a layer: nothing "
+            "quality",
+            f"the budget holds all {num_experts} experts of a layer: nothing "
             f"misses, so miss_policy '{config.miss_policy}' runs exactly and there is "
-            "nothing to budget", "remove quality, or give a smaller budget")
+            "nothing to budget",
+            "remove quality, or give a smaller budget",
+        )
     return slots
 
 

@@ -12,8 +12,9 @@ from typing import Literal, get_args
 
 Output = Literal["exact", "equivalent", "approximate"]
 
-MissPolicyName = Literal["fetch", "speculate", "cpu", "auto", "auto_buddy", "buddy", "random",
-                         "drop", "lowbit"]
+MissPolicyName = Literal[
+    "fetch", "speculate", "cpu", "auto", "auto_buddy", "buddy", "random", "drop", "lowbit"
+]
 """The names of :data:`MISS_POLICIES`, in its order, spelled out for the type checker
 (which cannot evaluate ``Literal[tuple(MISS_POLICIES)]``); checked against the table at
 import (:func:`_same_names`)."""
@@ -22,8 +23,11 @@ CacheName = Literal["lru", "lfu", "static", "plec"]
 PredictorName = Literal["none", "router", "quasi_hidden", "estimator", "hybrid"]
 """The names of :data:`PREDICTORS`, in its order (as :data:`MissPolicyName`)."""
 
-MESH_OUTPUT: dict[str, Output] = {"sync": "equivalent", "early_fire": "equivalent",
-                                  "no_stop": "approximate"}
+MESH_OUTPUT: dict[str, Output] = {
+    "sync": "equivalent",
+    "early_fire": "equivalent",
+    "no_stop": "approximate",
+}
 """What each ``mesh.mode`` does to the output: a peer's results are added to the
 device's apart (equivalent); ``no_stop`` runs predicted experts on a predicted input."""
 
@@ -69,22 +73,31 @@ class MissPolicySpec:
         return self.computes_on_host or self.low_bit
 
 
-MISS_POLICIES: dict[str, MissPolicySpec] = {spec.name: spec for spec in (
-    MissPolicySpec("fetch", "exact"),
-    MissPolicySpec("speculate", "approximate", needs_predictor=True, speculates=True),
-    # vLLM's kernel rounds each launch's sum to bf16: the device's and the host's partial
-    # sums are rounded before they are added.
-    MissPolicySpec("cpu", "equivalent", computes_on_host=True, waits_for_copies=False),
-    MissPolicySpec("auto", "equivalent", computes_on_host=True, waits_for_copies=False),
-    MissPolicySpec("auto_buddy", "approximate", computes_on_host=True,
-                   waits_for_copies=False, substitutes=True, uses_buddy_lists=True),
-    MissPolicySpec("buddy", "approximate", substitutes=True, uses_buddy_lists=True),
-    MissPolicySpec("random", "approximate", substitutes=True),
-    MissPolicySpec("drop", "approximate"),
-    # An INT4 copy (group-wise round-to-nearest) runs instead of the expert: the output
-    # changes.
-    MissPolicySpec("lowbit", "approximate", waits_for_copies=False, low_bit=True),
-)}
+MISS_POLICIES: dict[str, MissPolicySpec] = {
+    spec.name: spec
+    for spec in (
+        MissPolicySpec("fetch", "exact"),
+        MissPolicySpec("speculate", "approximate", needs_predictor=True, speculates=True),
+        # vLLM's kernel rounds each launch's sum to bf16: the device's and the host's partial
+        # sums are rounded before they are added.
+        MissPolicySpec("cpu", "equivalent", computes_on_host=True, waits_for_copies=False),
+        MissPolicySpec("auto", "equivalent", computes_on_host=True, waits_for_copies=False),
+        MissPolicySpec(
+            "auto_buddy",
+            "approximate",
+            computes_on_host=True,
+            waits_for_copies=False,
+            substitutes=True,
+            uses_buddy_lists=True,
+        ),
+        MissPolicySpec("buddy", "approximate", substitutes=True, uses_buddy_lists=True),
+        MissPolicySpec("random", "approximate", substitutes=True),
+        MissPolicySpec("drop", "approximate"),
+        # An INT4 copy (group-wise round-to-nearest) runs instead of the expert: the output
+        # changes.
+        MissPolicySpec("lowbit", "approximate", waits_for_copies=False, low_bit=True),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -99,10 +112,15 @@ class CacheSpec:
     """Whether it plans by the step's predicted demand (``path_predictor``)."""
 
 
-CACHES: dict[str, CacheSpec] = {spec.name: spec for spec in (
-    CacheSpec("lru"), CacheSpec("lfu"), CacheSpec("static"),
-    CacheSpec("plec", shared_pool=True, needs_path_predictor=True),
-)}
+CACHES: dict[str, CacheSpec] = {
+    spec.name: spec
+    for spec in (
+        CacheSpec("lru"),
+        CacheSpec("lfu"),
+        CacheSpec("static"),
+        CacheSpec("plec", shared_pool=True, needs_path_predictor=True),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -120,13 +138,16 @@ class PredictorSpec:
     """Whether it chooses its layers by ``specexpert analyze``'s recall (``analysis``)."""
 
 
-PREDICTORS: dict[str, PredictorSpec] = {spec.name: spec for spec in (
-    PredictorSpec("none", predicts=False),
-    PredictorSpec("router"),
-    PredictorSpec("quasi_hidden", needs_calibration=True),
-    PredictorSpec("estimator", needs_calibration=True, needs_estimator=True),
-    PredictorSpec("hybrid", needs_calibration=True, needs_estimator=True, needs_analysis=True),
-)}
+PREDICTORS: dict[str, PredictorSpec] = {
+    spec.name: spec
+    for spec in (
+        PredictorSpec("none", predicts=False),
+        PredictorSpec("router"),
+        PredictorSpec("quasi_hidden", needs_calibration=True),
+        PredictorSpec("estimator", needs_calibration=True, needs_estimator=True),
+        PredictorSpec("hybrid", needs_calibration=True, needs_estimator=True, needs_analysis=True),
+    )
+}
 
 
 def _same_names(alias: object, table: Mapping[str, object], name: str) -> None:

@@ -73,7 +73,7 @@ class Settings(Protocol):
     def routing_statistics_need(self) -> str | None: ...
 
 
-CALIBRATE = "run `specexpert calibrate MODEL --out DIR` and set \"calibration\": \"DIR\""
+CALIBRATE = 'run `specexpert calibrate MODEL --out DIR` and set "calibration": "DIR"'
 
 
 def _policies_with(trait: str) -> str:
@@ -87,54 +87,72 @@ def check_combination(config: Settings) -> None:
     policy = config.miss_policy_spec
     if policy.needs_predictor and not config.predictor_spec.predicts:
         raise SpecExpertConfigError(
-            "miss_policy", f"'{policy.name}' runs predicted experts, but 'predictor' is "
-            f"'{config.predictor}'", 'set "predictor": "router" or "quasi_hidden"',
+            "miss_policy",
+            f"'{policy.name}' runs predicted experts, but 'predictor' is '{config.predictor}'",
+            'set "predictor": "router" or "quasi_hidden"',
         )
     why = config.routing_statistics_need
     if why is not None and config.calibration is None:
         raise SpecExpertConfigError(
-            "calibration", f"miss_policy '{config.miss_policy}' needs a calibration: {why}",
-            CALIBRATE)
+            "calibration",
+            f"miss_policy '{config.miss_policy}' needs a calibration: {why}",
+            CALIBRATE,
+        )
     if config.predictor_spec.needs_calibration and config.calibration is None:
         raise SpecExpertConfigError(
-            "calibration", f"predictor '{config.predictor}' needs default vectors, and none "
-            "is set",
-            CALIBRATE)
+            "calibration",
+            f"predictor '{config.predictor}' needs default vectors, and none is set",
+            CALIBRATE,
+        )
     predictor = config.predictor_spec
     if predictor.needs_estimator and config.estimator is None:
         raise SpecExpertConfigError(
-            "estimator", f"predictor '{config.predictor}' runs the neural expert estimator, "
-            "and none is set", "run `specexpert train-estimator MODEL --out DIR` and set "
-            "\"estimator\": \"DIR\"")
+            "estimator",
+            f"predictor '{config.predictor}' runs the neural expert estimator, and none is set",
+            'run `specexpert train-estimator MODEL --out DIR` and set "estimator": "DIR"',
+        )
     if predictor.needs_analysis and config.analysis is None:
         raise SpecExpertConfigError(
-            "analysis", f"predictor '{config.predictor}' chooses its estimator layers by "
+            "analysis",
+            f"predictor '{config.predictor}' chooses its estimator layers by "
             "the recall `specexpert analyze` measured, and no analysis is set",
             "run `specexpert analyze MODEL --calibration DIR --out ADIR` and set "
-            "\"analysis\": \"ADIR\", or use predictor 'estimator'")
-    if (config.cache_spec.needs_path_predictor and config.path_predictor is None
-            and config.lookahead is None):
+            '"analysis": "ADIR", or use predictor \'estimator\'',
+        )
+    if (
+        config.cache_spec.needs_path_predictor
+        and config.path_predictor is None
+        and config.lookahead is None
+    ):
         raise SpecExpertConfigError(
-            "cache", f"'{config.cache}' allocates slots by the predicted demand of each "
+            "cache",
+            f"'{config.cache}' allocates slots by the predicted demand of each "
             "step, and neither a path predictor nor a lookahead draft predicts it",
-            "set \"path_predictor\": \"DIR\" (from `specexpert train-path MODEL --out "
-            "DIR`) or \"lookahead\": {}, or use cache 'lru'")
+            'set "path_predictor": "DIR" (from `specexpert train-path MODEL --out '
+            "DIR`) or \"lookahead\": {}, or use cache 'lru'",
+        )
     lookahead = config.lookahead
     if lookahead is not None and lookahead.k is not None and lookahead.k > lookahead.k_max:
         raise SpecExpertConfigError(
-            "lookahead.k", f"{lookahead.k} exceeds lookahead.k_max={lookahead.k_max}",
-            f"use k <= {lookahead.k_max}, or raise k_max")
+            "lookahead.k",
+            f"{lookahead.k} exceeds lookahead.k_max={lookahead.k_max}",
+            f"use k <= {lookahead.k_max}, or raise k_max",
+        )
     if lookahead is not None and config.token_scheduler is not None:
         raise SpecExpertConfigError(
-            "token_scheduler", "does not combine with lookahead yet (a held-back request "
-            "would leave its drafted tokens unverified)", "remove one of the two")
+            "token_scheduler",
+            "does not combine with lookahead yet (a held-back request "
+            "would leave its drafted tokens unverified)",
+            "remove one of the two",
+        )
     _check_mesh(config)
     _check_quality(config)
     if config.token_scheduler is not None and config.path_predictor is None:
         raise SpecExpertConfigError(
-            "path_predictor", "token_scheduler groups sequences by predicted route, and no "
-            "path predictor is set",
-            "run `specexpert train-path MODEL --out DIR` and set \"path_predictor\": \"DIR\"")
+            "path_predictor",
+            "token_scheduler groups sequences by predicted route, and no path predictor is set",
+            'run `specexpert train-path MODEL --out DIR` and set "path_predictor": "DIR"',
+        )
 
 
 def _check_quality(config: Settings) -> None:
@@ -142,14 +160,19 @@ def _check_quality(config: Settings) -> None:
         return
     if config.miss_policy_spec.output != "approximate":
         raise SpecExpertConfigError(
-            "quality", f"miss_policy '{config.miss_policy}' is "
+            "quality",
+            f"miss_policy '{config.miss_policy}' is "
             f"{config.miss_policy_spec.output}: there is nothing to budget",
             "remove quality, or use a miss_policy that changes the output "
-            f"({_policies_with_output('approximate')})")
+            f"({_policies_with_output('approximate')})",
+        )
     if config.mesh is not None:
         raise SpecExpertConfigError(
-            "quality", "does not combine with mesh yet (no_stop's rows leave before the "
-            "exact result could be sampled)", "remove one of the two")
+            "quality",
+            "does not combine with mesh yet (no_stop's rows leave before the "
+            "exact result could be sampled)",
+            "remove one of the two",
+        )
 
 
 def _policies_with_output(output: str) -> str:
@@ -163,17 +186,24 @@ def _check_mesh(config: Settings) -> None:
         return
     if mesh.mode != "sync" and not config.predictor_spec.predicts:
         raise SpecExpertConfigError(
-            "mesh.mode", f"'{mesh.mode}' sends rows ahead to the peers of predicted experts, "
+            "mesh.mode",
+            f"'{mesh.mode}' sends rows ahead to the peers of predicted experts, "
             f"but 'predictor' is '{config.predictor}'",
-            'set "predictor": "quasi_hidden" or "router", or use mesh mode "sync"')
+            'set "predictor": "quasi_hidden" or "router", or use mesh mode "sync"',
+        )
     if mesh.placement == "replicate_hot" and config.calibration is None:
         raise SpecExpertConfigError(
-            "calibration", "mesh placement 'replicate_hot' ranks each layer's experts by "
-            "the calibration's routing counts, and none is set", CALIBRATE)
+            "calibration",
+            "mesh placement 'replicate_hot' ranks each layer's experts by "
+            "the calibration's routing counts, and none is set",
+            CALIBRATE,
+        )
     if config.lookahead is not None:
         raise SpecExpertConfigError(
-            "mesh", "does not combine with lookahead yet (the draft's engine has no peers)",
-            "remove one of the two")
+            "mesh",
+            "does not combine with lookahead yet (the draft's engine has no peers)",
+            "remove one of the two",
+        )
 
 
 def check_effect(config: Settings, explicit: set[str]) -> None:
@@ -198,43 +228,71 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
 
     if not config.link.emulated:
         for key in ("link.latency_us", "link.host_slowdown"):
-            needs(key, "without an emulated link (link.bandwidth_gbps is unset)",
-                  "set link.bandwidth_gbps too, or remove it")
+            needs(
+                key,
+                "without an emulated link (link.bandwidth_gbps is unset)",
+                "set link.bandwidth_gbps too, or remove it",
+            )
     if not policy.computes_elsewhere:
-        needs("admit_host_experts", f"under miss_policy '{config.miss_policy}' (it admits "
-              "experts computed on the host or from INT4 copies)",
-              f"use miss_policy {_policies_with('computes_elsewhere')}, or remove it")
+        needs(
+            "admit_host_experts",
+            f"under miss_policy '{config.miss_policy}' (it admits "
+            "experts computed on the host or from INT4 copies)",
+            f"use miss_policy {_policies_with('computes_elsewhere')}, or remove it",
+        )
     if not policy.substitutes:
-        needs("buddy", f"under miss_policy '{config.miss_policy}' (it tunes substitution)",
-              f"use miss_policy {_policies_with('substitutes')}, or remove it")
+        needs(
+            "buddy",
+            f"under miss_policy '{config.miss_policy}' (it tunes substitution)",
+            f"use miss_policy {_policies_with('substitutes')}, or remove it",
+        )
     if given("buddy.tau") and given("buddy.tau_percentile") and config.buddy.tau is not None:
         raise SpecExpertConfigError(
-            "buddy.tau_percentile", "has no effect when buddy.tau is set (the percentile "
-            "only chooses tau when it is unset)", "remove one of the two")
+            "buddy.tau_percentile",
+            "has no effect when buddy.tau is set (the percentile "
+            "only chooses tau when it is unset)",
+            "remove one of the two",
+        )
     if not policy.speculates:
-        needs("exact_layers", f"under miss_policy '{config.miss_policy}' (only speculate "
-              "runs predicted experts)", f"use miss_policy {_policies_with('speculates')}, or remove it")
+        needs(
+            "exact_layers",
+            f"under miss_policy '{config.miss_policy}' (only speculate runs predicted experts)",
+            f"use miss_policy {_policies_with('speculates')}, or remove it",
+        )
     if not config.predictor_spec.predicts:
-        needs("prefetch_filter", "with predictor 'none' (nothing is prefetched)",
-              "set predictor 'router' or 'quasi_hidden', or remove it")
+        needs(
+            "prefetch_filter",
+            "with predictor 'none' (nothing is prefetched)",
+            "set predictor 'router' or 'quasi_hidden', or remove it",
+        )
     # estimator, analysis and hybrid_threshold are read at start, like calibration,
     # whatever the predictor: reconfigure may switch to estimator or hybrid later.
     if not config.predictor_spec.needs_estimator:
-        needs("router_free", f"with predictor '{config.predictor}' (only estimator and "
-              "hybrid predict with the estimator)", "set predictor 'estimator' or "
-              "'hybrid', or remove it")
+        needs(
+            "router_free",
+            f"with predictor '{config.predictor}' (only estimator and "
+            "hybrid predict with the estimator)",
+            "set predictor 'estimator' or 'hybrid', or remove it",
+        )
     if not policy.speculates:
-        needs("router_free", f"under miss_policy '{config.miss_policy}' (only speculate "
-              "runs the predicted routing instead of the router's)",
-              "use miss_policy 'speculate', or remove it")
+        needs(
+            "router_free",
+            f"under miss_policy '{config.miss_policy}' (only speculate "
+            "runs the predicted routing instead of the router's)",
+            "use miss_policy 'speculate', or remove it",
+        )
     if not config.cache_spec.shared_pool:
         needs("plec_preload", f"with cache '{config.cache}'", "use cache 'plec', or remove it")
-    if config.mesh is not None and config.mesh.placement != "replicate_hot" and \
-            "mesh" in explicit and config.mesh.hot_count != default_of(
-                type(config.mesh), "hot_count"):
+    if (
+        config.mesh is not None
+        and config.mesh.placement != "replicate_hot"
+        and "mesh" in explicit
+        and config.mesh.hot_count != default_of(type(config.mesh), "hot_count")
+    ):
         raise SpecExpertConfigError(
-            "mesh.hot_count", f"has no effect with placement '{config.mesh.placement}'",
-            "set mesh.placement to 'replicate_hot', or remove it")
+            "mesh.hot_count",
+            f"has no effect with placement '{config.mesh.placement}'",
+            "set mesh.placement to 'replicate_hot', or remove it",
+        )
     if config.stats_path is None:
         needs("stats_interval_s", "without stats_path", "set stats_path, or remove it")
-

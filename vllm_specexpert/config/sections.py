@@ -11,8 +11,7 @@ from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic.dataclasses import dataclass, is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 
-STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True,
-                     frozen=True)
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True, frozen=True)
 """Unknown keys, NaN and infinities are errors; docstrings are the fields' docs."""
 
 Number = Annotated[float, Strict()]
@@ -251,8 +250,10 @@ class QualityConfig:
     @model_validator(mode="after")
     def _a_budget(self) -> QualityConfig:
         if self.max_accuracy_loss is None and self.max_top1_flip is None:
-            raise ValueError("max_accuracy_loss and max_top1_flip are both null: nothing "
-                             "to judge; set one of them")
+            raise ValueError(
+                "max_accuracy_loss and max_top1_flip are both null: nothing "
+                "to judge; set one of them"
+            )
         return self
 
 

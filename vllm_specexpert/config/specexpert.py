@@ -45,9 +45,14 @@ from vllm_specexpert.config.sections import (
     default_of,
 )
 
-SECTIONS = {"link": LinkConfig, "buddy": BuddyConfig, "token_scheduler": TokenSchedulerConfig,
-            "lookahead": LookaheadConfig, "mesh": MeshConfig,
-            "quality": QualityConfig}
+SECTIONS = {
+    "link": LinkConfig,
+    "buddy": BuddyConfig,
+    "token_scheduler": TokenSchedulerConfig,
+    "lookahead": LookaheadConfig,
+    "mesh": MeshConfig,
+    "quality": QualityConfig,
+}
 """The nested sections, by key."""
 MAX_EXPERTS = 65536
 """The largest budget count accepted (no model has more routed experts per layer)."""
@@ -241,8 +246,10 @@ class SpecExpertConfig:
         have an effect under the chosen mode (``reconfigure`` passes its changes only)."""
         if not isinstance(raw, dict):
             raise SpecExpertConfigError(
-                ADDITIONAL_CONFIG_KEY, f"must be a JSON object, got {type(raw).__name__}",
-                'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)')
+                ADDITIONAL_CONFIG_KEY,
+                f"must be a JSON object, got {type(raw).__name__}",
+                'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)',
+            )
         raw = dict(raw)
         for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh", "quality"):
             if key in raw and raw[key] is None:
@@ -256,8 +263,9 @@ class SpecExpertConfig:
         except ValidationError as error:
             raise config_error(error, cls, SECTIONS) from None
         except TypeError as error:  # a nested object given as something else
-            raise SpecExpertConfigError(ADDITIONAL_CONFIG_KEY, str(error),
-                                        "give each section as a JSON object") from None
+            raise SpecExpertConfigError(
+                ADDITIONAL_CONFIG_KEY, str(error), "give each section as a JSON object"
+            ) from None
         check_combination(config)
         check_effect(config, set(raw) if explicit is None else explicit)
         return config
@@ -291,8 +299,9 @@ class SpecExpertConfig:
         """``exact``, ``equivalent`` or ``approximate``: the miss policy's ``output``,
         or the mesh's when that changes more (peers' results are summed apart from the
         device's: at best equivalent; ``no_stop`` is approximate)."""
-        return worse_output(self.miss_policy_spec.output,
-                            None if self.mesh is None else MESH_OUTPUT[self.mesh.mode])
+        return worse_output(
+            self.miss_policy_spec.output, None if self.mesh is None else MESH_OUTPUT[self.mesh.mode]
+        )
 
     @property
     def exact(self) -> bool:
@@ -319,8 +328,11 @@ class SpecExpertConfig:
         ``plec_preload`` after ``cache: lru``) goes back to its default, so that the
         result is a config that would also pass at engine start."""
         if not isinstance(changes, dict):
-            raise SpecExpertConfigError(ADDITIONAL_CONFIG_KEY, "changes must be keyword "
-                                        "arguments", "e.g. reconfigure(llm, budget=0.25)")
+            raise SpecExpertConfigError(
+                ADDITIONAL_CONFIG_KEY,
+                "changes must be keyword arguments",
+                "e.g. reconfigure(llm, budget=0.25)",
+            )
         merged = {**self.to_dict(), **changes}
         for _ in range(len(merged) + 1):
             config = self.from_dict(merged, explicit=set(changes))
@@ -332,8 +344,7 @@ class SpecExpertConfig:
                 if section in changes:
                     raise
                 if name:
-                    merged[section] = {**merged[section],
-                                       name: default_of(SECTIONS[section], name)}
+                    merged[section] = {**merged[section], name: default_of(SECTIONS[section], name)}
                 else:
                     merged[section] = default_of(SpecExpertConfig, section)
         raise AssertionError("unreachable: every reset removes one setting")

@@ -35,21 +35,27 @@ def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
         features.append(QualityFeature(monitor))
     predictor = PREDICTOR_CLASSES[config.predictor]
     if predictor is not None:
-        features.append(PredictionFeature(
-            predictor.build(engine.predictor_inputs), config, engine.miss_policy,
-            engine.layers.__getitem__, lambda: engine.link))
+        features.append(
+            PredictionFeature(
+                predictor.build(engine.predictor_inputs),
+                config,
+                engine.miss_policy,
+                engine.layers.__getitem__,
+                lambda: engine.link,
+            )
+        )
     if engine.peer_tier is not None and config.mesh is not None:
-        features.append(MeshFeature(engine.peer_tier, config.mesh, engine.output,
-                                    engine.layers.__getitem__))
+        features.append(
+            MeshFeature(engine.peer_tier, config.mesh, engine.output, engine.layers.__getitem__)
+        )
     demand = lambda: engine.step_demand  # noqa: E731 - the scheduler's, set per call
     if config.lookahead is not None:
-        lookahead = LookaheadFeature(config.lookahead, list(engine.layers.values()),
-                                     engine.draft_engine, engine.lock)
+        lookahead = LookaheadFeature(
+            config.lookahead, list(engine.layers.values()), engine.draft_engine, engine.lock
+        )
         features.append(lookahead)
         demand = lookahead.demand
     if config.path_predictor is not None or config.lookahead is not None:
-        planner = (PlecPlanner(engine.pool, config.plec_preload)
-                   if engine.pool is not None else None)
-        features.append(StepDemandFeature(demand, lambda: list(engine.layers.values()),
-                                          planner))
+        planner = PlecPlanner(engine.pool, config.plec_preload) if engine.pool is not None else None
+        features.append(StepDemandFeature(demand, lambda: list(engine.layers.values()), planner))
     return features

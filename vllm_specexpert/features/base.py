@@ -76,8 +76,9 @@ class DecodeCall:
     def num_tokens(self) -> int:
         return self.x.shape[0]
 
-    def replace_routing(self, weights: torch.Tensor, ids: torch.Tensor,
-                        host_ids: np.ndarray) -> None:
+    def replace_routing(
+        self, weights: torch.Tensor, ids: torch.Tensor, host_ids: np.ndarray
+    ) -> None:
         """Run ``weights``/``ids`` (``host_ids`` on the host) instead of the router's."""
         self.run_weights, self.run_ids, self.run_host_ids = weights, ids, host_ids
 
@@ -92,7 +93,7 @@ class DecodeCall:
         """Hand each feature its part of the read's results."""
         at = 0
         for tensors, then in self._reads:
-            then(host[at:at + len(tensors)])
+            then(host[at : at + len(tensors)])
             at += len(tensors)
 
     def layer_call(self) -> LayerCall:
@@ -105,9 +106,16 @@ class DecodeCall:
                 hook()
 
         host_ids = self.run_host_ids if self.run_host_ids is not None else self.router_host_ids
-        return LayerCall(self.x, self.run_weights, self.run_ids, host_ids, self.kernel,
-                         self.stats, fired=self.fired,
-                         before_kernel=before_kernel if hooks else None)
+        return LayerCall(
+            self.x,
+            self.run_weights,
+            self.run_ids,
+            host_ids,
+            self.kernel,
+            self.stats,
+            fired=self.fired,
+            before_kernel=before_kernel if hooks else None,
+        )
 
 
 Resolve = Callable[[DecodeCall, LayerCall], torch.Tensor]
@@ -154,8 +162,9 @@ class EngineFeature:
     def end_call(self, call: DecodeCall) -> None:
         """The call's output exists."""
 
-    def routing_for(self, layer: OffloadedLayer, num_tokens: int
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def routing_for(
+        self, layer: OffloadedLayer, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A routing the layer may run without calling its router (``router_free``)."""
         return None
 

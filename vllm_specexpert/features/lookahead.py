@@ -24,16 +24,24 @@ from vllm_specexpert.stats import LayerStats
 class LookaheadFeature(EngineFeature):
     name = "lookahead"
 
-    def __init__(self, config: LookaheadConfig, layers: list[OffloadedLayer],
-                 draft: Any, lock: threading.Lock):
+    def __init__(
+        self,
+        config: LookaheadConfig,
+        layers: list[OffloadedLayer],
+        draft: Any,
+        lock: threading.Lock,
+    ):
         self.governor = Governor(config.k_max, config.k)
         self.draft = draft
         """The draft's engine (``None`` until vLLM has built the draft)."""
         self.lock = lock
         """The target engine's lock (the draft's routes arrive from its own layers)."""
         by_index = {layer.index: layer for layer in layers}
-        self.planner = (LookaheadPlanner(layers[0].experts.num_experts, by_index.get)
-                        if draft is not None and layers else None)
+        self.planner = (
+            LookaheadPlanner(layers[0].experts.num_experts, by_index.get)
+            if draft is not None and layers
+            else None
+        )
 
     @property
     def active(self) -> bool:
@@ -79,8 +87,9 @@ def _draft_stats(draft: Any) -> dict[str, Any]:
     totals = LayerStats.sum(layer.stats for layer in layers)
     return {
         "int4_bytes": draft.store.nbytes,
-        "decoded_slot_bytes": sum(layer.cache.num_slots * layer.cache.experts.slot_nbytes
-                                  for layer in layers),
+        "decoded_slot_bytes": sum(
+            layer.cache.num_slots * layer.cache.experts.slot_nbytes for layer in layers
+        ),
         "decodes": totals.decode.loads + totals.prefill.loads,
         "decoded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
     }

@@ -19,8 +19,9 @@ from vllm_specexpert.tiers.peer import PeerTier
 class MeshFeature(EngineFeature):
     name = "mesh"
 
-    def __init__(self, tier: PeerTier, mesh: MeshConfig, output: str,
-                 layer: Callable[[str], OffloadedLayer]):
+    def __init__(
+        self, tier: PeerTier, mesh: MeshConfig, output: str, layer: Callable[[str], OffloadedLayer]
+    ):
         self.tier = tier
         tier.mesh = mesh  # (mode and timings change with reconfigure)
         self.output = output
@@ -34,8 +35,9 @@ class MeshFeature(EngineFeature):
         if self.early_fire is None:
             return
         layer = call.layer
-        call.fired = self.early_fire.at_call(layer.peers, layer.cache, call.x,
-                                             call.shared.get("prediction"), call.stats)
+        call.fired = self.early_fire.at_call(
+            layer.peers, layer.cache, call.x, call.shared.get("prediction"), call.stats
+        )
         if call.fired is not None and self.early_fire.speculates:
             call.shared["run_prediction"] = True  # no_stop: run what was fired for
 
@@ -43,8 +45,9 @@ class MeshFeature(EngineFeature):
         upcoming, next_name = call.shared.get("upcoming"), call.layer.next_name
         if self.early_fire is not None and upcoming is not None and next_name is not None:
             # no_stop: the next layer's rows leave now.
-            self.early_fire.predicted(self.layer(next_name), upcoming,
-                                      call.shared["next_router_input"])
+            self.early_fire.predicted(
+                self.layer(next_name), upcoming, call.shared["next_router_input"]
+            )
 
     def stats(self) -> dict:
         return self.tier.stats()
@@ -52,8 +55,10 @@ class MeshFeature(EngineFeature):
     def summary(self) -> str:
         mesh = self.tier.mesh
         up = sum(peer.up for peer in self.tier.peers)
-        return (f"; mesh {mesh.mode} ({self.output}), {up} of {mesh.peers} peers in "
-                f"rotation, placement {mesh.placement}")
+        return (
+            f"; mesh {mesh.mode} ({self.output}), {up} of {mesh.peers} peers in "
+            f"rotation, placement {mesh.placement}"
+        )
 
     def reset_stats(self) -> None:
         self.tier.reset_stats()

@@ -28,8 +28,14 @@ class PredictionFeature(EngineFeature):
     name = "prediction"
     acts_on_resident_calls = True  # a layer with every expert resident still predicts
 
-    def __init__(self, predictor: Predictor, config: SpecExpertConfig, policy: MissPolicy,
-                 layers: Callable[[str], OffloadedLayer], link: Callable[[], Link]):
+    def __init__(
+        self,
+        predictor: Predictor,
+        config: SpecExpertConfig,
+        policy: MissPolicy,
+        layers: Callable[[str], OffloadedLayer],
+        link: Callable[[], Link],
+    ):
         self.predictor = predictor
         self.config = config
         self.policy = policy
@@ -54,8 +60,9 @@ class PredictionFeature(EngineFeature):
     def before_read(self, call: DecodeCall) -> None:
         layer, prediction = call.layer, call.shared.get("prediction")
         if prediction is not None and (
-                (self.policy.spec.speculates and self.speculative(layer))
-                or call.shared.get("run_prediction", False)):
+            (self.policy.spec.speculates and self.speculative(layer))
+            or call.shared.get("run_prediction", False)
+        ):
             weights, ids = prediction.routing_like(call.router_weights, call.router_ids)
             call.replace_routing(weights, ids, prediction.host_ids)
             call.stats.speculated_calls += not call.exact
@@ -69,7 +76,8 @@ class PredictionFeature(EngineFeature):
         call.read(upcoming.device_reads(), lambda host: upcoming.set_host(*host))
         call.shared["upcoming"] = upcoming
         call.shared["next_router_input"] = lambda: self.predictor.next_router_input(
-            state, layer.name, routing)
+            state, layer.name, routing
+        )
 
     def after_read(self, call: DecodeCall) -> None:
         prediction = call.shared.get("prediction")
@@ -87,17 +95,29 @@ class PredictionFeature(EngineFeature):
             return
         nxt = self.layer(layer.next_name)
         everything = self.config.prefetch_filter == "all" or (
-            self.policy.spec.speculates and self.speculative(nxt))
-        nxt.prefetch.prefetch(prediction, nxt.loader, nxt.stats.decode,
-                              self.link().expert_seconds(nxt.cache.experts), everything)
+            self.policy.spec.speculates and self.speculative(nxt)
+        )
+        nxt.prefetch.prefetch(
+            prediction,
+            nxt.loader,
+            nxt.stats.decode,
+            self.link().expert_seconds(nxt.cache.experts),
+            everything,
+        )
 
-    def routing_for(self, layer: OffloadedLayer, num_tokens: int
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def routing_for(
+        self, layer: OffloadedLayer, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``router_free``: the estimator's prediction, which ``speculate`` runs anyway."""
         prediction = self.predictions.get(layer.name)
-        if (not self.config.router_free or prediction is None or not prediction.by_estimator
-                or prediction.num_tokens != num_tokens or not self.policy.spec.speculates
-                or not self.speculative(layer)):
+        if (
+            not self.config.router_free
+            or prediction is None
+            or not prediction.by_estimator
+            or prediction.num_tokens != num_tokens
+            or not self.policy.spec.speculates
+            or not self.speculative(layer)
+        ):
             return None
         prediction.router_free = True
         return prediction.topk_weights, prediction.topk_ids

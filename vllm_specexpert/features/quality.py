@@ -21,8 +21,13 @@ class QualityFeature(EngineFeature):
         return self.monitor.exact_for(num_tokens)
 
     def resolve(self, call: DecodeCall, run: LayerCall, rest: Resolve) -> torch.Tensor:
-        return self.monitor.resolve(call.layer, run, call.router_weights,
-                                    call.router_host_ids, lambda mode: rest(call, mode))
+        return self.monitor.resolve(
+            call.layer,
+            run,
+            call.router_weights,
+            call.router_host_ids,
+            lambda mode: rest(call, mode),
+        )
 
     def stats(self) -> dict:
         return self.monitor.stats()

@@ -16,8 +16,12 @@ from vllm_specexpert.planner.plec import PlecPlanner
 class StepDemandFeature(EngineFeature):
     name = "step_demand"
 
-    def __init__(self, demand: Callable[[], StepDemand | None],
-                 layers: Callable[[], list[OffloadedLayer]], planner: PlecPlanner | None):
+    def __init__(
+        self,
+        demand: Callable[[], StepDemand | None],
+        layers: Callable[[], list[OffloadedLayer]],
+        planner: PlecPlanner | None,
+    ):
         self.demand = demand
         """The running step's demand (set per layer call by the vLLM adapter)."""
         self.layers = layers
@@ -27,8 +31,7 @@ class StepDemandFeature(EngineFeature):
 
     def after_read(self, call: DecodeCall) -> None:
         demand = self.demand()
-        self._scored = demand and demand.scored(call.layer.index, call.router_host_ids,
-                                                call.stats)
+        self._scored = demand and demand.scored(call.layer.index, call.router_host_ids, call.stats)
         if self._scored is not None and self.planner is not None:
             self.planner.before_layer(self._scored, call.layer, self.layers())
 

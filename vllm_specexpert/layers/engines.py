@@ -40,8 +40,10 @@ def engine_for(vllm_config, config: SpecExpertConfig, draft: bool = False) -> Of
     if draft:
         target = _TARGET() if _TARGET is not None else None
         if target is None or target.config.lookahead is None:
-            raise RuntimeError("specexpert: a draft model was built without a target "
-                               "engine configured for lookahead")
+            raise RuntimeError(
+                "specexpert: a draft model was built without a target "
+                "engine configured for lookahead"
+            )
         engine = OffloadEngine(config.draft_config(), device, rank=rank, reports=False)
         target.attach_draft(engine)
     else:

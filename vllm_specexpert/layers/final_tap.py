@@ -50,25 +50,35 @@ def install_final_tap(model: Any, engine: Any, decode_query_len: int) -> None:
     weight = getattr(lm_head, "weight", None)
     if norm is None or weight is None or not hasattr(norm, "variance_epsilon"):
         raise SpecExpertConfigError(
-            "quality", f"{type(model).__name__} has no final RMS norm and LM head where "
-            "the quality monitor reads them (model.norm, lm_head)", "remove quality")
+            "quality",
+            f"{type(model).__name__} has no final RMS norm and LM head where "
+            "the quality monitor reads them (model.norm, lm_head)",
+            "remove quality",
+        )
     processor = getattr(model, "logits_processor", None)
     vocab_size = getattr(processor, "org_vocab_size", None) or model.config.vocab_size
-    engine.set_logit_head(LogitHead(
-        norm_weight=norm.weight.data, eps=norm.variance_epsilon, weight=weight.data,
-        vocab_size=vocab_size, scale=float(getattr(processor, "scale", 1.0) or 1.0),
-        soft_cap=getattr(processor, "soft_cap", None)))
+    engine.set_logit_head(
+        LogitHead(
+            norm_weight=norm.weight.data,
+            eps=norm.variance_epsilon,
+            weight=weight.data,
+            vocab_size=vocab_size,
+            scale=float(getattr(processor, "scale", 1.0) or 1.0),
+            soft_cap=getattr(processor, "soft_cap", None),
+        )
+    )
     model.model.norm = FinalNormTap(norm, engine, f"{id(engine)}", decode_query_len)
 
 
-def _final_hidden_impl(hidden: torch.Tensor, residual: torch.Tensor | None,
-                       key: str) -> torch.Tensor:
+def _final_hidden_impl(
+    hidden: torch.Tensor, residual: torch.Tensor | None, key: str
+) -> torch.Tensor:
     engine, decode_query_len = _TAPS[key]
     quality = engine.feature("quality")
     monitor = quality.monitor if quality is not None else None
     if monitor is not None and monitor.pending:
         phases = current_phases(hidden.shape[0], decode_query_len)
-        decode = (np.arange(hidden.shape[0]) if phases.all_decode else phases.decode)
+        decode = np.arange(hidden.shape[0]) if phases.all_decode else phases.decode
         if len(decode) == monitor.num_rows:
             tokens = torch.from_numpy(decode[monitor.rows]).to(hidden.device)
             final = hidden[tokens].float()
@@ -79,8 +89,9 @@ def _final_hidden_impl(hidden: torch.Tensor, residual: torch.Tensor | None,
     return hidden.clone()
 
 
-def _final_hidden_fake(hidden: torch.Tensor, residual: torch.Tensor | None,
-                       key: str) -> torch.Tensor:
+def _final_hidden_fake(
+    hidden: torch.Tensor, residual: torch.Tensor | None, key: str
+) -> torch.Tensor:
     return torch.empty_like(hidden)
 
 

@@ -39,9 +39,10 @@ def _read_phases(attn_metadata, num_tokens: int, decode_query_len: int = 1) -> P
     if not attn_metadata:
         return PassPhases.prefill_only(num_tokens)
     metadata = next(iter(attn_metadata.values()))
-    if getattr(metadata, "max_query_len", None) == 1 and getattr(
-        metadata, "num_actual_tokens", num_tokens
-    ) == num_tokens:
+    if (
+        getattr(metadata, "max_query_len", None) == 1
+        and getattr(metadata, "num_actual_tokens", num_tokens) == num_tokens
+    ):
         return PassPhases.decode_only(num_tokens)  # the common case: no host work
     start = getattr(metadata, "query_start_loc_cpu", None)
     if start is None:

@@ -44,8 +44,14 @@ def _engine_of(runner: Any) -> OffloadEngine | None:
     if cached is not _NOT_LOOKED_UP:
         return cached  # type: ignore[return-value]  # (what this function cached)
     # The target model's offloaded layers hold its engine (the draft is apart).
-    engine = next((m.engine for m in runner.get_model().modules()
-                   if isinstance(getattr(m, "engine", None), OffloadEngine)), None)
+    engine = next(
+        (
+            m.engine
+            for m in runner.get_model().modules()
+            if isinstance(getattr(m, "engine", None), OffloadEngine)
+        ),
+        None,
+    )
     if engine is not None and engine.config.lookahead is None:
         engine = None
     runner._specexpert_lookahead = engine
@@ -74,8 +80,9 @@ def _first_pass(proposer: Any, token_indices_to_sample: torch.Tensor | None) -> 
         _active.first_rows(np.asarray(token_indices_to_sample.cpu().numpy(), dtype=np.int64))
 
 
-def _verification(sampled: Any, spec_decode_metadata: Any,
-                  requests: list[str]) -> dict[str, tuple[int, int]]:
+def _verification(
+    sampled: Any, spec_decode_metadata: Any, requests: list[str]
+) -> dict[str, tuple[int, int]]:
     """Request -> (drafted, accepted) tokens of the pass that just ran."""
     if spec_decode_metadata is None:
         return {}
@@ -84,8 +91,9 @@ def _verification(sampled: Any, spec_decode_metadata: Any,
         produced = (sampled != -1).sum(dim=1).tolist()  # rejected positions are -1
     else:
         produced = [len(tokens) for tokens in sampled]
-    return {request: (d, max(p - 1, 0))
-            for request, d, p in zip(requests, drafted, produced) if d > 0}
+    return {
+        request: (d, max(p - 1, 0)) for request, d, p in zip(requests, drafted, produced) if d > 0
+    }
 
 
 def _propose(runner, original, scheduler_output, *args, **kwargs):
@@ -101,9 +109,12 @@ def _propose(runner, original, scheduler_output, *args, **kwargs):
     verified = _verification(sampled, spec_decode_metadata, requests)
     # The time since the last round started is that round's cycle only if this pass
     # ran each request's sampled token and drafts, nothing more (no prompt or chunk).
-    only_verified = (last is not None and spec_decode_metadata is not None
-                     and scheduler_output.total_num_scheduled_tokens
-                     == len(requests) + sum(spec_decode_metadata.num_draft_tokens))
+    only_verified = (
+        last is not None
+        and spec_decode_metadata is not None
+        and scheduler_output.total_num_scheduled_tokens
+        == len(requests) + sum(spec_decode_metadata.num_draft_tokens)
+    )
     with engine.lock:
         governor.verified(verified, now - last if only_verified else None)
         k = governor.choose(requests)
@@ -119,8 +130,12 @@ def _propose(runner, original, scheduler_output, *args, **kwargs):
     with engine.lock:
         governor.drafted(len(requests), k)
         keep = governor.drafting(requests, k)
-    if k and len(keep) < len(requests) and not runner.use_async_scheduling \
-            and isinstance(drafts, torch.Tensor):
+    if (
+        k
+        and len(keep) < len(requests)
+        and not runner.use_async_scheduling
+        and isinstance(drafts, torch.Tensor)
+    ):
         rows = drafts.tolist()
         drafts = [row if request in keep else [] for request, row in zip(requests, rows)]
     return drafts

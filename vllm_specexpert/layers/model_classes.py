@@ -54,22 +54,29 @@ def _routing_of(decoder_layer: VllmModule) -> NextLayerRouting:
 
     def rms_norm(hidden: torch.Tensor) -> torch.Tensor:
         shape = (hidden.shape[-1],)
-        return torch.nn.functional.rms_norm(hidden.float(), shape, norm_weight, eps).to(hidden.dtype)
+        return torch.nn.functional.rms_norm(hidden.float(), shape, norm_weight, eps).to(
+            hidden.dtype
+        )
 
     # The gate and selection as vLLM built them: ``router_free`` wraps the instance's
     # later, for the layer's own calls only (these are the previous layer's).
     gate_forward, select_experts = gate.forward, runner.router.select_experts
 
-    def route_logits(hidden: torch.Tensor, logits: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route_logits(
+        hidden: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts(hidden_states=hidden, router_logits=logits)
 
     def route(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = gate_forward(hidden)  # the module's: on CPU its weight is prepacked for oneDNN
         return route_logits(hidden, logits[0] if isinstance(logits, tuple) else logits)
 
-    return NextLayerRouting(norm=rms_norm, route=route, route_logits=route_logits,
-                            fused=_fused_routing(gate, norm, runner.router))
+    return NextLayerRouting(
+        norm=rms_norm,
+        route=route,
+        route_logits=route_logits,
+        fused=_fused_routing(gate, norm, runner.router),
+    )
 
 
 def _fused_routing(gate: VllmModule, norm: VllmModule, router: Any) -> FusedRouting | None:
@@ -81,17 +88,25 @@ def _fused_routing(gate: VllmModule, norm: VllmModule, router: Any) -> FusedRout
     )
 
     weight = getattr(gate, "weight", None)
-    if (not current_platform.is_cuda() or type(router) is not FusedTopKRouter
-            or router.scoring_func != "softmax" or weight is None or weight.dim() != 2
-            or getattr(gate, "bias", None) is not None):
+    if (
+        not current_platform.is_cuda()
+        or type(router) is not FusedTopKRouter
+        or router.scoring_func != "softmax"
+        or weight is None
+        or weight.dim() != 2
+        or getattr(gate, "bias", None) is not None
+    ):
         return None
-    return FusedRouting(gate_weight=weight.data, norm_weight=norm.weight.data,
-                        eps=norm.variance_epsilon, top_k=router.top_k,
-                        renormalize=router.renormalize)
+    return FusedRouting(
+        gate_weight=weight.data,
+        norm_weight=norm.weight.data,
+        eps=norm.variance_epsilon,
+        top_k=router.top_k,
+        renormalize=router.renormalize,
+    )
 
 
-def _offloaded_layers(model: VllmModule
-                      ) -> list[tuple[int, VllmModule, OffloadedRoutedExperts]]:
+def _offloaded_layers(model: VllmModule) -> list[tuple[int, VllmModule, OffloadedRoutedExperts]]:
     layers = model.model.layers
     found = []
     for index, layer in enumerate(layers):
@@ -125,23 +140,38 @@ def wire_model(model: VllmModule) -> None:
         for _, layer, routed in layers[1:]:  # router_free can be switched on at run time
             RouterFreeHook(layer.mlp.experts, routed)
             engine.layers[routed.layer_name].router_skippable = True
-    engine.set_predictor_inputs(_estimator_inputs(engine.config, layers, PredictorInputs(
-        {routed.layer_name: calibration.default_vectors[index] for index, _, routed in layers},
-        {routed.layer_name: residual_scale(layer.post_attention_layernorm.weight.data,
-                                           calibration.residual_rms[index])
-         for index, layer, routed in layers},
-    )))
+    engine.set_predictor_inputs(
+        _estimator_inputs(
+            engine.config,
+            layers,
+            PredictorInputs(
+                {
+                    routed.layer_name: calibration.default_vectors[index]
+                    for index, _, routed in layers
+                },
+                {
+                    routed.layer_name: residual_scale(
+                        layer.post_attention_layernorm.weight.data, calibration.residual_rms[index]
+                    )
+                    for index, layer, routed in layers
+                },
+            ),
+        )
+    )
     engine.set_routing_statistics(
         {routed.layer_name: calibration.coactivation[index].numpy() for index, _, routed in layers},
-        {routed.layer_name: calibration.tae_percentiles[index].numpy()
-         for index, _, routed in layers},
+        {
+            routed.layer_name: calibration.tae_percentiles[index].numpy()
+            for index, _, routed in layers
+        },
     )
     _attach_mesh(engine, layers, calibration)
     engine.start()
 
 
-def _estimator_inputs(config: SpecExpertConfig, layers: list, inputs: PredictorInputs
-                      ) -> PredictorInputs:
+def _estimator_inputs(
+    config: SpecExpertConfig, layers: list, inputs: PredictorInputs
+) -> PredictorInputs:
     """``inputs`` with the estimator of ``config.estimator`` and the layers ``hybrid``
     runs it after (by ``config.analysis``), logged; all checked at engine start."""
     if config.estimator is None:
@@ -161,9 +191,13 @@ def _estimator_inputs(config: SpecExpertConfig, layers: list, inputs: PredictorI
         check_layers(analysis, sorted(names))
         chosen, threshold = hybrid_layers(analysis, config.hybrid_threshold)
         inputs.hybrid_layers = frozenset(names[i] for i in chosen if i in names)
-        logger.info("specexpert: hybrid runs the estimator after MoE layers %s (their "
-                    "quasi_hidden recall below %.3f in %s), quasi_hidden after the others",
-                    chosen, threshold, config.analysis)
+        logger.info(
+            "specexpert: hybrid runs the estimator after MoE layers %s (their "
+            "quasi_hidden recall below %.3f in %s), quasi_hidden after the others",
+            chosen,
+            threshold,
+            config.analysis,
+        )
     return inputs
 
 
@@ -183,13 +217,19 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     check_checkpoint(engine.checkpoint, names)
     hot = {}
     if mesh.placement == "replicate_hot":  # (hot_count checked: SpecExpertConfig.check_fits)
-        hot = {index: np.argsort(-calibration.counts[index].numpy(), kind="stable")
-               [:mesh.hot_count] for index, _, _ in layers}
+        hot = {
+            index: np.argsort(-calibration.counts[index].numpy(), kind="stable")[: mesh.hot_count]
+            for index, _, _ in layers
+        }
     kernel = routed.slot_kernel.direct_experts()
     activation = getattr(routed.activation, "value", str(routed.activation))
-    spec = ShardSpec(engine.checkpoint, names,
-                     tuple(engine.store.layers[routed.layer_name].slot_shapes["w13_weight"][0]),
-                     kernel.isa if kernel is not None else None, activation)
+    spec = ShardSpec(
+        engine.checkpoint,
+        names,
+        tuple(engine.store.layers[routed.layer_name].slot_shapes["w13_weight"][0]),
+        kernel.isa if kernel is not None else None,
+        activation,
+    )
     by_index = {layer.index: layer for layer in engine.layers.values()}
 
     def reference(index: int, x: torch.Tensor, pairs: np.ndarray) -> torch.Tensor:
@@ -234,9 +274,12 @@ def _register_routed_experts_of(module: Any) -> None:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     for value in vars(module).values():
-        if (isinstance(value, type) and issubclass(value, RoutedExperts)
-                and value.__module__ == module.__name__
-                and value.__name__ not in op_registry_oot):
+        if (
+            isinstance(value, type)
+            and issubclass(value, RoutedExperts)
+            and value.__module__ == module.__name__
+            and value.__name__ not in op_registry_oot
+        ):
             RoutedExperts.register_oot(offloaded(value), name=value.__name__)
 
 

@@ -33,12 +33,15 @@ class PackedParameters:
     (created, loaded, taken off the layer), or quantized from bf16 (``lowbit``); and
     their dequantize."""
 
-    def __init__(self, fmt: PackedFormat, layer_name: str, num_experts: int, hidden: int,
-                 intermediate: int):
+    def __init__(
+        self, fmt: PackedFormat, layer_name: str, num_experts: int, hidden: int, intermediate: int
+    ):
         self.format = fmt
         self.layer_name = layer_name
-        self.shapes = {"w13": fmt.tensor_shapes(intermediate, hidden),
-                       "w2": fmt.tensor_shapes(hidden, intermediate)}
+        self.shapes = {
+            "w13": fmt.tensor_shapes(intermediate, hidden),
+            "w2": fmt.tensor_shapes(hidden, intermediate),
+        }
         self.features = {"w13": (intermediate, hidden), "w2": (hidden, intermediate)}
         self.num_experts = num_experts
 
@@ -46,8 +49,9 @@ class PackedParameters:
         """Register ``w13_<name>``/``w2_<name>`` on ``layer`` (host memory), in place of
         the one-expert bf16 ``w13_weight``/``w2_weight`` (an FP8 checkpoint's packed
         tensor has that name too); :meth:`take` puts those back."""
-        self.placeholders = {name: layer._parameters.pop(name)
-                             for name in ("w13_weight", "w2_weight")}
+        self.placeholders = {
+            name: layer._parameters.pop(name) for name in ("w13_weight", "w2_weight")
+        }
         for stem, shapes in self.shapes.items():
             lead = (self.num_experts, 2) if stem == "w13" else (self.num_experts,)
             for name, (shape, dtype) in shapes.items():
@@ -55,22 +59,33 @@ class PackedParameters:
                 # and narrowed after, see `take`.
                 if dtype.is_floating_point and name != "weight":
                     dtype = torch.float32
-                param = torch.nn.Parameter(torch.zeros(*lead, *shape, dtype=dtype),
-                                           requires_grad=False)
+                param = torch.nn.Parameter(
+                    torch.zeros(*lead, *shape, dtype=dtype), requires_grad=False
+                )
                 param.weight_loader = self._load  # type: ignore[attr-defined]  # vLLM's idiom
                 layer.register_parameter(f"{stem}_{name}", param)
 
-    def _load(self, param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
-              shard_id: str, expert_id: int, return_success: bool = False) -> bool | None:
+    def _load(
+        self,
+        param: torch.nn.Parameter,
+        loaded_weight: torch.Tensor,
+        weight_name: str,
+        shard_id: str,
+        expert_id: int,
+        return_success: bool = False,
+    ) -> bool | None:
         _, index = PROJECTIONS[shard_id]
         target = param.data[expert_id] if index is None else param.data[expert_id, index]
         if loaded_weight.numel() != target.numel() or (
-                loaded_weight.dim() == target.dim() and loaded_weight.shape != target.shape):
+            loaded_weight.dim() == target.dim() and loaded_weight.shape != target.shape
+        ):
             raise SpecExpertUnsupportedError(
                 f"{self.layer_name}: checkpoint tensor {weight_name} (expert {expert_id}, "
-                f"{shard_id})", f"has shape {list(loaded_weight.shape)} where the model's "
+                f"{shard_id})",
+                f"has shape {list(loaded_weight.shape)} where the model's "
                 f"config and '{self.format.name}' quantization give {list(target.shape)}",
-                "use a checkpoint quantized for this config (or fix its quantization_config)")
+                "use a checkpoint quantized for this config (or fix its quantization_config)",
+            )
         target.copy_(loaded_weight.reshape(target.shape))
         return True if return_success else None
 
@@ -98,12 +113,15 @@ class PackedParameters:
         for stem in self.shapes:
             weight = weights[f"{stem}_weight"]
             for expert in range(weight.shape[0]):
-                parts = weight[expert].unflatten(0, (2, -1)) if stem == "w13" else weight[expert, None]
+                parts = (
+                    weight[expert].unflatten(0, (2, -1)) if stem == "w13" else weight[expert, None]
+                )
                 packed = [self.format.quantize(part) for part in parts]
                 for name in self.shapes[stem]:
                     stacked = torch.stack([p[name] for p in packed])
                     tensors.setdefault(f"{stem}_{name}", []).append(
-                        stacked if stem == "w13" else stacked[0])
+                        stacked if stem == "w13" else stacked[0]
+                    )
         result = {name: torch.stack(parts) for name, parts in tensors.items()}
         result.update({name: weights[name].clone() for name in BIASES if name in weights})
         return result
@@ -120,8 +138,9 @@ class PackedParameters:
         return weights
 
 
-def dequantize(fmt: PackedFormat, parts: dict[str, torch.Tensor], out_features: int,
-               in_features: int) -> torch.Tensor:
+def dequantize(
+    fmt: PackedFormat, parts: dict[str, torch.Tensor], out_features: int, in_features: int
+) -> torch.Tensor:
     """The format's dequantize: torch ops on the host, the project's Triton kernel on a
     CUDA device (the same bits; not run on a GPU yet)."""
     if next(iter(parts.values())).is_cuda:
@@ -143,9 +162,12 @@ class PackedDecoder:
     """Packed experts -> slot contents (see module doc). ``runtime_form`` is vLLM's
     post-processing of bf16 expert weights, given by the layer."""
 
-    def __init__(self, parameters: PackedParameters,
-                 runtime_form: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-                 slot_shapes: SlotShapes):
+    def __init__(
+        self,
+        parameters: PackedParameters,
+        runtime_form: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+        slot_shapes: SlotShapes,
+    ):
         self.name = parameters.format.name
         self.parameters = parameters
         self.runtime_form = runtime_form
@@ -155,13 +177,19 @@ class PackedDecoder:
         return self.runtime_form(self.parameters.dequantize(packed))
 
 
-def low_bit_parameters(layer_name: str, num_experts: int, hidden: int,
-                       intermediate: int) -> PackedParameters:
+def low_bit_parameters(
+    layer_name: str, num_experts: int, hidden: int, intermediate: int
+) -> PackedParameters:
     """The INT4 format of ``lowbit``'s copies: asymmetric round-to-nearest in groups of
     128 input features (64 or 32 where 128 does not divide both projections' inputs)."""
     group = next((g for g in (128, 64, 32) if hidden % g == 0 and intermediate % g == 0), -1)
-    return PackedParameters(PackQuantizedFormat("int4", (), group, symmetric=False),
-                            layer_name, num_experts, hidden, intermediate)
+    return PackedParameters(
+        PackQuantizedFormat("int4", (), group, symmetric=False),
+        layer_name,
+        num_experts,
+        hidden,
+        intermediate,
+    )
 
 
 def runtime_form(layer: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -180,8 +208,12 @@ def runtime_form(layer: Any, weights: dict[str, torch.Tensor]) -> dict[str, torc
     scratch.moe_config, scratch.activation = layer.moe_config, layer.activation
     method = layer.quant_method
     w13, w2 = convert_to_unquantized_kernel_format(
-        method.unquantized_backend, layer.moe_config, scratch.w13_weight,
-        scratch.w2_weight, layer=scratch)
+        method.unquantized_backend,
+        layer.moe_config,
+        scratch.w13_weight,
+        scratch.w2_weight,
+        layer=scratch,
+    )
     replace_parameter(scratch, "w13_weight", w13)
     replace_parameter(scratch, "w2_weight", w2)
     method.moe_kernel.fused_experts.process_weights_after_loading(scratch)

@@ -53,6 +53,7 @@ EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
 
+
 def _host_allocation():
     """Where the layer's parameters are allocated: host on GPU platforms."""
     if current_platform.is_cpu():
@@ -76,8 +77,9 @@ class OffloadedRoutedExperts(RoutedExperts):
             # Not configured: become exactly vLLM's layer.
             vanilla = self.vanilla_class
             self.__class__ = vanilla
-            vanilla.__init__(self, layer_name, params_dtype, moe_config, quant_config, *args,
-                             **kwargs)
+            vanilla.__init__(
+                self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs
+            )
             return
 
         check_supported(vllm_config)
@@ -97,9 +99,11 @@ class OffloadedRoutedExperts(RoutedExperts):
             raise SpecExpertUnsupportedError(
                 f"lookahead with {self._packed_format.name} experts",
                 "the draft's INT4 experts are made at load from bf16/fp16 experts",
-                "use the bf16 checkpoint, or remove lookahead")
+                "use the bf16 checkpoint, or remove lookahead",
+            )
         (config.draft_config() if self._draft else config).slots_per_layer(
-            self.global_num_experts, self.top_k)  # fail early
+            self.global_num_experts, self.top_k
+        )  # fail early
         if config.path_predictor is not None:
             vllm_hooks.keep_step_demand()
         if config.lookahead is not None:
@@ -135,17 +139,23 @@ class OffloadedRoutedExperts(RoutedExperts):
         # allocates stays on the device), and post-process them there.
         create_weights = method.create_weights
 
-        def create_weights_on_host(layer, num_experts, hidden_size,
-                                   intermediate_size_per_partition, **kwargs):
+        def create_weights_on_host(
+            layer, num_experts, hidden_size, intermediate_size_per_partition, **kwargs
+        ):
             with _host_allocation():
                 if self._packed_format is None:
-                    return create_weights(layer, num_experts, hidden_size,
-                                          intermediate_size_per_partition, **kwargs)
+                    return create_weights(
+                        layer, num_experts, hidden_size, intermediate_size_per_partition, **kwargs
+                    )
                 # One expert of bf16 parameters (vLLM's kernel setup), all experts packed.
-                create_weights(layer, 1, hidden_size, intermediate_size_per_partition,
-                               **kwargs)
-                self._packed = PackedParameters(self._packed_format, prefix, num_experts,
-                                                hidden_size, intermediate_size_per_partition)
+                create_weights(layer, 1, hidden_size, intermediate_size_per_partition, **kwargs)
+                self._packed = PackedParameters(
+                    self._packed_format,
+                    prefix,
+                    num_experts,
+                    hidden_size,
+                    intermediate_size_per_partition,
+                )
                 self._packed.create(layer)
 
         method.create_weights = create_weights_on_host
@@ -170,14 +180,13 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     def _low_bit_copies(self) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
         experts, twice_intermediate, hidden = self.w13_weight.shape
-        parameters = low_bit_parameters(self.layer_name, experts, hidden,
-                                        twice_intermediate // 2)
-        weights = {name: getattr(self, name).data for name in EXPERT_TENSORS
-                   if hasattr(self, name)}
+        parameters = low_bit_parameters(self.layer_name, experts, hidden, twice_intermediate // 2)
+        weights = {name: getattr(self, name).data for name in EXPERT_TENSORS if hasattr(self, name)}
         return parameters, parameters.quantize(weights)
 
     def _move_experts_to_store(
-        self, packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None,
+        self,
+        packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None,
         low_bit: tuple[PackedParameters, dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """Hand the runtime-format expert tensors (or the ``packed`` ones: a quantized
@@ -185,8 +194,11 @@ class OffloadedRoutedExperts(RoutedExperts):
         INT4 copies if made; keep only views (packed: a one-expert placeholder). An
         expert is its weights and, where the model has them, its biases."""
         # What a slot holds: the runtime form of one expert.
-        slot_shapes = {name: (tuple(getattr(self, name).shape[1:]), getattr(self, name).dtype)
-                       for name in EXPERT_TENSORS if hasattr(self, name)}
+        slot_shapes = {
+            name: (tuple(getattr(self, name).shape[1:]), getattr(self, name).dtype)
+            for name in EXPERT_TENSORS
+            if hasattr(self, name)
+        }
         form = functools.partial(runtime_form, self)
         if packed is None:
             tensors = {name: getattr(self, name).data for name in slot_shapes}
@@ -200,10 +212,15 @@ class OffloadedRoutedExperts(RoutedExperts):
         if low_bit is not None:
             parameters, copies = low_bit
             low_bit_store = (copies, PackedDecoder(parameters, form, slot_shapes))
-        layer = self.engine.add_layer(self.layer_name, tensors, self.top_k,
-                                      index=self.layer_index,
-                                      host_kernel=self.slot_kernel.host_kernel(),
-                                      decoder=decoder, low_bit=low_bit_store)
+        layer = self.engine.add_layer(
+            self.layer_name,
+            tensors,
+            self.top_k,
+            index=self.layer_index,
+            host_kernel=self.slot_kernel.host_kernel(),
+            decoder=decoder,
+            low_bit=low_bit_store,
+        )
         if packed is None:
             # The parameters now alias the store's (pinned) tensors instead of a copy.
             for name, tensor in layer.cache.experts.tensors.items():
@@ -227,8 +244,13 @@ class OffloadedRoutedExperts(RoutedExperts):
         torch.ops.specexpert.routed_experts(x, topk_weights, topk_ids, out, self._context_key)
         return out
 
-    def _run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-             out: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The layer call (:meth:`run_from_cache`), into ``out`` if given (the op's
         buffer): the call's first kernel launch on all of its tokens writes there
         directly (see :attr:`SlotKernel.call_out`), else its result is copied in."""
@@ -252,19 +274,29 @@ class OffloadedRoutedExperts(RoutedExperts):
             lookahead = engine.target.feature("lookahead")
             if lookahead is not None and lookahead.active:
                 # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
-                lookahead.draft_routed(self.layer_index, topk_ids.cpu().numpy(),
-                                       topk_weights.float().cpu().numpy())
+                lookahead.draft_routed(
+                    self.layer_index, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy()
+                )
         engine.step_demand = handoff.current()
-        return engine.run(self.layer_name, self.slot_kernel, x, topk_weights, topk_ids,
-                          current_phases(x.shape[0], self.decode_query_len))
+        return engine.run(
+            self.layer_name,
+            self.slot_kernel,
+            x,
+            topk_weights,
+            topk_ids,
+            current_phases(x.shape[0], self.decode_query_len),
+        )
 
 
 def offloaded(base: type[RoutedExperts]) -> type[OffloadedRoutedExperts]:
     """The offloaded layer for a model's own ``RoutedExperts`` subclass (GPT-OSS loads
     its fused expert tensors in one): vLLM's class for everything it defines, the
     offloaded layer's behaviour on top."""
-    return type(f"Offloaded{base.__name__}", (OffloadedRoutedExperts, base),
-                {"vanilla_class": base, "__module__": __name__})
+    return type(
+        f"Offloaded{base.__name__}",
+        (OffloadedRoutedExperts, base),
+        {"vanilla_class": base, "__module__": __name__},
+    )
 
 
 def _layer_index(layer_name: str) -> int:
@@ -279,14 +311,20 @@ ROUTED_EXPERTS_OP = "specexpert::routed_experts"
 
 
 def _routed_experts_impl(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
     layer_key: str,
 ) -> None:
     get_forward_context().no_compile_layers[layer_key]._run(x, topk_weights, topk_ids, out)
 
 
 def _routed_experts_fake(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
     layer_key: str,
 ) -> None:
     return None

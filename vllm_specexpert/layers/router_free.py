@@ -59,8 +59,9 @@ class RouterFreeHook:
         routing = self.pending if self.gate is not None else self.routing(hidden_states)
         self.pending = None
         if routing is None:
-            return self.select_experts(hidden_states=hidden_states,
-                                       router_logits=router_logits, **kwargs)
+            return self.select_experts(
+                hidden_states=hidden_states, router_logits=router_logits, **kwargs
+            )
         return routing
 
 

@@ -80,13 +80,37 @@ class SlotKernel:
                 self.call_out = None  # a later launch of the call must not overwrite it
             if self._fused_moe is not None:  # what experts.apply runs, without wrappers
                 op, activation, isa = self._fused_moe
-                op(out, x, w13, w2, experts.w1_bias if biased else None,
-                   experts.w2_bias if biased else None, topk_weights, ids, False,
-                   activation, isa)
+                op(
+                    out,
+                    x,
+                    w13,
+                    w2,
+                    experts.w1_bias if biased else None,
+                    experts.w2_bias if biased else None,
+                    topk_weights,
+                    ids,
+                    False,
+                    activation,
+                    isa,
+                )
             else:
-                experts.apply(out, x, w13, w2, topk_weights, ids, self.layer.activation,
-                              w13.shape[0], None, None, None, _NO_WORKSPACE, _NO_WORKSPACE,
-                              None, False)
+                experts.apply(
+                    out,
+                    x,
+                    w13,
+                    w2,
+                    topk_weights,
+                    ids,
+                    self.layer.activation,
+                    w13.shape[0],
+                    None,
+                    None,
+                    None,
+                    _NO_WORKSPACE,
+                    _NO_WORKSPACE,
+                    None,
+                    False,
+                )
             return out
         layer = self.layer
         with self._vanilla_tile_config(x):
@@ -144,10 +168,16 @@ class SlotKernel:
         # ``apply`` of vLLM's CPU experts only hands its arguments to the ``cpu_fused_moe``
         # op through two Python wrappers: the op itself, with the same arguments, unless
         # a subclass or zentorch runs something else.
-        if (direct and type(self._direct).apply is CPUUnquantizedExperts.apply
-                and not getattr(self._direct, "_use_zentorch", True)):
-            self._fused_moe = (torch.ops._C.cpu_fused_moe.default, layer.activation.value,
-                               self._direct.isa)
+        if (
+            direct
+            and type(self._direct).apply is CPUUnquantizedExperts.apply
+            and not getattr(self._direct, "_use_zentorch", True)
+        ):
+            self._fused_moe = (
+                torch.ops._C.cpu_fused_moe.default,
+                layer.activation.value,
+                self._direct.isa,
+            )
         self._resolved = True
 
     def _point_biases_at(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -157,8 +187,10 @@ class SlotKernel:
         the weights."""
         if self._bias_configs is None:  # the kernel is built at load: look once
             method = self.layer.quant_method
-            configs = (method.moe_quant_config,
-                       getattr(method.moe_kernel.fused_experts, "quant_config", None))
+            configs = (
+                method.moe_quant_config,
+                getattr(method.moe_kernel.fused_experts, "quant_config", None),
+            )
             self._bias_configs = list({id(c): c for c in configs if c}.values())
         for config in self._bias_configs:
             config._w1.bias, config._w2.bias = tensors["w13_bias"], tensors["w2_bias"]
@@ -185,8 +217,12 @@ class SlotKernel:
             experts = layer.global_num_experts
             quant_config = layer.quant_method.moe_quant_config
             config = self._tile_configs[tokens] = try_get_optimal_moe_config(
-                (experts, *layer.w13_weight.shape[1:]), (experts, *layer.w2_weight.shape[1:]),
-                layer.top_k, quant_config.config_name(x.dtype), tokens)
+                (experts, *layer.w13_weight.shape[1:]),
+                (experts, *layer.w2_weight.shape[1:]),
+                layer.top_k,
+                quant_config.config_name(x.dtype),
+                tokens,
+            )
         return override_config(config)
 
 

@@ -63,8 +63,14 @@ class EarlyFire:
         self._ahead: dict[int, Sent] = {}
         """``no_stop``: layer index -> what layer l fired for it."""
 
-    def fire(self, peers: LayerPeers, cache: ExpertCache, x: torch.Tensor,
-             ids: np.ndarray, stats: PhaseStats) -> Sent | None:
+    def fire(
+        self,
+        peers: LayerPeers,
+        cache: ExpertCache,
+        x: torch.Tensor,
+        ids: np.ndarray,
+        stats: PhaseStats,
+    ) -> Sent | None:
         """Send rows ``x`` for the predicted ``ids`` ([T, K], host) whose expert a peer
         in rotation holds and ``cache`` lacks; counted in the target layer's ``stats``."""
         wanted = peers.hosted()[ids] & (cache.expert_slot[ids] < 0)
@@ -74,8 +80,14 @@ class EarlyFire:
         stats.fired_entries += len(tokens)
         return peers.send(x, tokens, ids[tokens, cols])
 
-    def at_call(self, peers: LayerPeers | None, cache: ExpertCache, x: torch.Tensor,
-                prediction: Prediction | None, stats: PhaseStats) -> Sent | None:
+    def at_call(
+        self,
+        peers: LayerPeers | None,
+        cache: ExpertCache,
+        x: torch.Tensor,
+        prediction: Prediction | None,
+        stats: PhaseStats,
+    ) -> Sent | None:
         """At the start of a layer's decode call: what is fired for its tokens."""
         if peers is None:
             return None
@@ -86,8 +98,9 @@ class EarlyFire:
             return None
         return self.fire(peers, cache, x, prediction.host_ids, stats)
 
-    def predicted(self, nxt: PredictedLayer, prediction: Prediction,
-                  router_input: Callable[[], torch.Tensor]) -> None:
+    def predicted(
+        self, nxt: PredictedLayer, prediction: Prediction, router_input: Callable[[], torch.Tensor]
+    ) -> None:
         """Layer l predicted layer ``nxt`` (an ``OffloadedLayer``): ``no_stop`` fires the
         estimate of its router input now (``router_input`` computes it when the
         prediction did not keep it)."""

@@ -53,7 +53,7 @@ FIT_WEIGHT = 2.0
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a verification yields for a draft of ``k`` (the target's own included)."""
-    return sum(acceptance ** i for i in range(k + 1))
+    return sum(acceptance**i for i in range(k + 1))
 
 
 def _bucket(batch: int) -> int:
@@ -76,12 +76,15 @@ class GovernorStats:
     """Request-steps without drafts because the request's drafts did not pay."""
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps,
-                "steps_by_k": {str(k): n for k, n in sorted(self.steps_by_k.items())},
-                "last_k": self.last_k,
-                "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": self.accepted / self.drafted if self.drafted else None,
-                "stopped_request_steps": self.stopped_request_steps}
+        return {
+            "steps": self.steps,
+            "steps_by_k": {str(k): n for k, n in sorted(self.steps_by_k.items())},
+            "last_k": self.last_k,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.accepted / self.drafted if self.drafted else None,
+            "stopped_request_steps": self.stopped_request_steps,
+        }
 
 
 class Governor:
@@ -144,8 +147,7 @@ class Governor:
         if not mine:
             return None
         median = float(np.median(mine))
-        points = [(j, np.median(ts)) for (b, j), ts in self.samples.items()
-                  if b == bucket and ts]
+        points = [(j, np.median(ts)) for (b, j), ts in self.samples.items() if b == bucket and ts]
         if len(points) < 2:
             return median
         ks, ts = np.array(points, dtype=np.float64).T
@@ -180,8 +182,7 @@ class Governor:
                     return k
         best = max(range(self.k_max + 1), key=lambda k: self.throughput(requests, k))
         if self._step % PROBE_EVERY == 0:
-            return max(0, min(self.k_max, best + (1 if (self._step // PROBE_EVERY) % 2
-                                                    else -1)))
+            return max(0, min(self.k_max, best + (1 if (self._step // PROBE_EVERY) % 2 else -1)))
         return best
 
     def throughput(self, requests: list[str], k: int) -> float:
@@ -190,8 +191,15 @@ class Governor:
         if not cycle:
             return 0.0
         drafting = self._drafting(requests, k)
-        return sum(expected_tokens(self.acceptance.get(r, PRIOR_ACCEPTANCE), k)
-                   if r in drafting else 1.0 for r in requests) / cycle
+        return (
+            sum(
+                expected_tokens(self.acceptance.get(r, PRIOR_ACCEPTANCE), k)
+                if r in drafting
+                else 1.0
+                for r in requests
+            )
+            / cycle
+        )
 
     def break_even(self, batch: int, k: int) -> float | None:
         """Acceptance ``a*`` with ``E(k, a*) = T(k) / T(0)`` (``None``: not measured)."""

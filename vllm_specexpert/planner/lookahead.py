@@ -58,8 +58,11 @@ class LookaheadPlanner:
         if layer is None or not routes.ids.size:
             return
         cache = layer.cache
-        mass = np.bincount(routes.ids.ravel(), routes.weights.ravel().astype(np.float64),
-                           minlength=cache.num_experts)
+        mass = np.bincount(
+            routes.ids.ravel(),
+            routes.weights.ravel().astype(np.float64),
+            minlength=cache.num_experts,
+        )
         predicted = np.flatnonzero(mass)
         resident = predicted[cache.expert_slot[predicted] >= 0]
         if len(resident):

@@ -34,8 +34,9 @@ class PlecPlanner:
         self._planned: StepDemand | None = None
         """The step demand the pool was last planned for."""
 
-    def before_layer(self, demand: StepDemand, layer: PlannedLayer,
-                     layers: Sequence[PlannedLayer]) -> None:
+    def before_layer(
+        self, demand: StepDemand, layer: PlannedLayer, layers: Sequence[PlannedLayer]
+    ) -> None:
         """A decode call of ``layer`` (of ``layers``, in order) starts in the step of
         ``demand``: plan the step if it is the step's first call."""
         if demand is self._planned:
@@ -45,7 +46,7 @@ class PlecPlanner:
             row = demand.layers.get(each.index)
             self.pool.lookahead[each.cache.index] = 0 if row is None else row
         if self.preload != "none":
-            self._preload(layers[list(layers).index(layer) + 1:])
+            self._preload(layers[list(layers).index(layer) + 1 :])
 
     def after_layer(self, demand: StepDemand, layer: PlannedLayer) -> None:
         """``layer`` ran its step: plan for the group expected next step."""

@@ -47,8 +47,14 @@ class PrefetchPlanner:
         self.window_s: float | None = None
         """Running mean of the time from a prediction for this layer to its use."""
 
-    def prefetch(self, prediction: Prediction, loader: ExpertLoader, stats: PhaseStats,
-                 copy_s: float, everything: bool) -> None:
+    def prefetch(
+        self,
+        prediction: Prediction,
+        loader: ExpertLoader,
+        stats: PhaseStats,
+        copy_s: float,
+        everything: bool,
+    ) -> None:
         """Submit the prefetch of ``prediction`` (made for this layer) to its
         ``loader``: every predicted expert if ``everything``, else those whose chance of
         use pays for their link time ``copy_s`` (the others count as skipped)."""
@@ -69,16 +75,18 @@ class PrefetchPlanner:
         window = time.perf_counter() - prediction.made_at
         self.window_s = window if self.window_s is None else 0.9 * self.window_s + 0.1 * window
         stats.predicted += router_ids.size
-        stats.predicted_correct += self.observe(prediction.ranked(), router_ids,
-                                                prediction.considered)
+        stats.predicted_correct += self.observe(
+            prediction.ranked(), router_ids, prediction.considered
+        )
 
     @property
     def precision(self) -> np.ndarray:
         """``[top_k]``: P(router chose it | predicted at rank j)."""
         return self.correct / self.total
 
-    def observe(self, predicted_ranked: np.ndarray, chosen: np.ndarray,
-                considered: np.ndarray | None = None) -> int:
+    def observe(
+        self, predicted_ranked: np.ndarray, chosen: np.ndarray, considered: np.ndarray | None = None
+    ) -> int:
         """Account one forward pass: ``predicted_ranked [T, K]`` (ids by predicted
         weight, best first) against the router's ``chosen [T, K]``; the precision only
         learns from the ``considered [T, K]`` entries (default: all). Returns the number
@@ -89,8 +97,9 @@ class PrefetchPlanner:
         self.total = DECAY * self.total + mask.sum(axis=0)
         return int(hit.sum())
 
-    def plan(self, predicted_ranked: np.ndarray, threshold: float | None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def plan(
+        self, predicted_ranked: np.ndarray, threshold: float | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(wanted, skipped)``: the distinct predicted experts above ``threshold``
         (``None``: all), most likely needed first, and the others."""
         experts, index = np.unique(predicted_ranked, return_inverse=True)

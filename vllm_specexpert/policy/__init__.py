@@ -14,13 +14,28 @@ from vllm_specexpert.policy.substitute import BuddyPolicy, RandomPolicy
 
 MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {
     cls.spec.name: cls
-    for cls in (FetchPolicy, SpeculatePolicy, CpuPolicy, AutoPolicy, AutoBuddyPolicy,
-                BuddyPolicy, RandomPolicy, DropPolicy, LowBitPolicy)
+    for cls in (
+        FetchPolicy,
+        SpeculatePolicy,
+        CpuPolicy,
+        AutoPolicy,
+        AutoBuddyPolicy,
+        BuddyPolicy,
+        RandomPolicy,
+        DropPolicy,
+        LowBitPolicy,
+    )
 }
 """Every miss policy by its config name (``miss_policy``)."""
 
 
 __all__ = [
-    "MISS_POLICY_CLASSES", "FetchPolicy", "MissContext", "MissPlan", "MissPolicy",
-    "PeersFirst", "SpeculatePolicy", "miss_context",
+    "MISS_POLICY_CLASSES",
+    "FetchPolicy",
+    "MissContext",
+    "MissPlan",
+    "MissPolicy",
+    "PeersFirst",
+    "SpeculatePolicy",
+    "miss_context",
 ]

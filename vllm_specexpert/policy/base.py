@@ -48,11 +48,13 @@ class MissPlan:
 
     def count(self, stats: PhaseStats) -> None:
         """Add the plan's entries per kind to a phase's counters."""
-        for mask, counter in ((self.substituted, "substituted_entries"),
-                              (self.dropped, "dropped_entries"),
-                              (self.on_host, "host_entries"),
-                              (self.low_bit, "low_bit_entries"),
-                              (self.on_peer, "peer_entries")):
+        for mask, counter in (
+            (self.substituted, "substituted_entries"),
+            (self.dropped, "dropped_entries"),
+            (self.on_host, "host_entries"),
+            (self.low_bit, "low_bit_entries"),
+            (self.on_peer, "peer_entries"),
+        ):
             if mask is not None:
                 setattr(stats, counter, getattr(stats, counter) + int(np.count_nonzero(mask)))
 
@@ -60,8 +62,9 @@ class MissPlan:
         """``[T, K]`` entries computed off the device's cache: on the host or from an
         INT4 copy (what ``admit_host_experts`` may load)."""
         none = np.zeros(self.topk_ids.shape, dtype=bool)
-        return ((self.on_host if self.on_host is not None else none)
-                | (self.low_bit if self.low_bit is not None else none))
+        return (self.on_host if self.on_host is not None else none) | (
+            self.low_bit if self.low_bit is not None else none
+        )
 
 
 class MissPolicy:
@@ -75,7 +78,10 @@ class MissPolicy:
         return self.spec.name
 
     def plan(
-        self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
         context: MissContext,
     ) -> MissPlan | None:
         """Decide about the entries of the routing ``ids`` ([T, K]) whose expert is not

@@ -104,7 +104,7 @@ def substitute(
             order = np.argsort(rng.random((len(rows), len(resident_ids))), axis=1)
             candidates = resident_ids[order]
         else:
-            candidates = buddies[ids[tokens[rows], k]]            # [R, K_max], -1 padded
+            candidates = buddies[ids[tokens[rows], k]]  # [R, K_max], -1 padded
         valid = candidates >= 0
         safe = np.where(valid, candidates, 0)
         valid &= resident[safe] & ~np.take_along_axis(used[rows], safe, axis=1)

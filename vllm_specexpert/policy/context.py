@@ -38,12 +38,16 @@ class MissContext:
     """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
 
 
-def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: float,
-                 host_kernel: HostKernel | None = None,
-                 coactivation: np.ndarray | None = None,
-                 tae_percentiles: np.ndarray | None = None,
-                 low_bit: ExpertLoader | None = None,
-                 peers: LayerPeers | None = None) -> MissContext | None:
+def miss_context(
+    config: SpecExpertConfig,
+    experts: LayerExperts,
+    copy_seconds: float,
+    host_kernel: HostKernel | None = None,
+    coactivation: np.ndarray | None = None,
+    tae_percentiles: np.ndarray | None = None,
+    low_bit: ExpertLoader | None = None,
+    peers: LayerPeers | None = None,
+) -> MissContext | None:
     """A layer's context under ``config``'s miss policy; ``None`` while something it
     needs is missing (a host kernel, the calibration's routing statistics: the engine
     reports it when it starts)."""
@@ -53,8 +57,9 @@ def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: 
         if host_kernel is None:
             return None
         link = config.link
-        context.host = HostExperts(experts, host_kernel,
-                                   link.host_slowdown if link.emulated else None)
+        context.host = HostExperts(
+            experts, host_kernel, link.host_slowdown if link.emulated else None
+        )
         context.admit_host_experts = config.admit_host_experts
     if policy.low_bit:
         if low_bit is None:
@@ -71,8 +76,9 @@ def miss_context(config: SpecExpertConfig, experts: LayerExperts, copy_seconds: 
                 context.buddies = buddy_lists(coactivation, buddy.alpha, buddy.k_max)
             if tau is None:
                 assert tae_percentiles is not None  # the calibration's, with coactivation
-                tau = float(np.interp(buddy.tau_percentile, np.linspace(0, 100, 101),
-                                      tae_percentiles))
+                tau = float(
+                    np.interp(buddy.tau_percentile, np.linspace(0, 100, 101), tae_percentiles)
+                )
         assert tau is not None  # unset tau is a routing-statistics need: chosen above
         context.gates = BuddyGates(tau=tau, beta=buddy.beta, rho=buddy.rho)
     return context

@@ -25,8 +25,13 @@ from vllm_specexpert.policy.substitute import substitution_plan
 class CpuPolicy(MissPolicy):
     spec = MISS_POLICIES["cpu"]
 
-    def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
-             context: MissContext) -> MissPlan:
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan:
         return MissPlan(topk_ids=ids, on_host=~resident[ids])
 
 
@@ -46,8 +51,13 @@ def host_share(ids: np.ndarray, missing: np.ndarray, context: MissContext) -> np
 class AutoPolicy(MissPolicy):
     spec = MISS_POLICIES["auto"]
 
-    def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
-             context: MissContext) -> MissPlan | None:
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan | None:
         plan = MissPlan(topk_ids=ids)
         if self.spec.substitutes:
             plan = substitution_plan(ids, resident, topk_weights, context)

@@ -13,6 +13,11 @@ from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 class DropPolicy(MissPolicy):
     spec = MISS_POLICIES["drop"]
 
-    def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
-             context: MissContext) -> MissPlan:
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan:
         return MissPlan(topk_ids=ids, dropped=~resident[ids], renormalize=True)

@@ -22,8 +22,13 @@ from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 class LowBitPolicy(MissPolicy):
     spec = MISS_POLICIES["lowbit"]
 
-    def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
-             context: MissContext) -> MissPlan:
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan:
         assert context.low_bit is not None, "lowbit's context has its low-bit slots"
         missing = ~resident[ids]
         experts, rows = np.unique(ids[missing], return_counts=True)

@@ -23,8 +23,13 @@ class PeersFirst(MissPolicy):
     def spec(self) -> MissPolicySpec:  # type: ignore[override]  # (the wrapped policy's traits)
         return self.policy.spec
 
-    def plan(self, ids: np.ndarray, resident: np.ndarray, topk_weights: torch.Tensor,
-             context: MissContext) -> MissPlan | None:
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan | None:
         if context.peers is None:
             return self.policy.plan(ids, resident, topk_weights, context)
         hosted = context.peers.hosted()

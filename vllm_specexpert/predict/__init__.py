@@ -14,8 +14,11 @@ from vllm_specexpert.predict.quasi_hidden import QuasiHiddenPredictor, residual_
 from vllm_specexpert.predict.router import RouterPredictor
 
 PREDICTOR_CLASSES: dict[str, type[Predictor] | None] = {
-    "none": None, "router": RouterPredictor, "quasi_hidden": QuasiHiddenPredictor,
-    "estimator": EstimatorPredictor, "hybrid": HybridPredictor,
+    "none": None,
+    "router": RouterPredictor,
+    "quasi_hidden": QuasiHiddenPredictor,
+    "estimator": EstimatorPredictor,
+    "hybrid": HybridPredictor,
 }
 """Every next-layer predictor by its config name (``predictor``; ``none``: no class),
 the keys of :data:`~vllm_specexpert.config.modes.PREDICTORS`."""

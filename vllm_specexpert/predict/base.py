@@ -61,8 +61,9 @@ class NextLayerRouting:
     fused: FusedRouting | None = None
     """Set when the routing is plain softmax top-k on a device with Triton (CUDA): the
     predictor then runs as one kernel launch instead of ``norm`` and ``route``."""
-    route_logits: Callable[[torch.Tensor, torch.Tensor],
-                           tuple[torch.Tensor, torch.Tensor]] | None = None
+    route_logits: (
+        Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
     """``(router input [T, H], router logits [T, E]) -> (topk_weights, topk_ids)``: the
     model's expert selection from logits someone else computed (``estimator``)."""
 
@@ -98,8 +99,9 @@ class Prediction:
     def num_tokens(self) -> int:
         return self.topk_ids.shape[0]
 
-    def routing_like(self, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def routing_like(
+        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The predicted routing in the router's dtypes: what a layer runs instead of
         its router's (``speculate``, mesh ``no_stop``)."""
         return self.topk_weights.to(topk_weights.dtype), self.topk_ids.to(topk_ids.dtype)
@@ -155,7 +157,9 @@ class PredictorInputs:
             {n: v.to(device) for n, v in self.default_vectors.items()},
             {n: v.to(device) for n, v in self.residual_scales.items()},
             None if self.estimator is None else self.estimator.to(device),
-            dict(self.estimator_layers), self.hybrid_layers)
+            dict(self.estimator_layers),
+            self.hybrid_layers,
+        )
 
 
 class Predictor(ABC):
@@ -169,12 +173,15 @@ class Predictor(ABC):
         return cls()
 
     @abstractmethod
-    def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
+    def next_router_input(
+        self, state: LayerState, layer: str, nxt: NextLayerRouting
+    ) -> torch.Tensor:
         """``q [T, H]``, the estimate of ``s_{l+1}``; ``layer`` names layer l."""
 
     @abstractmethod
-    def fused_terms(self, state: LayerState, layer: str,
-                    fused: FusedRouting) -> QuasiHiddenTerms | None:
+    def fused_terms(
+        self, state: LayerState, layer: str, fused: FusedRouting
+    ) -> QuasiHiddenTerms | None:
         """What :func:`~vllm_specexpert.triton_kernels.predict.predict_routing` adds to
         the router input: a ``QuasiHiddenTerms``, or ``None`` (the input as it is)."""
 
@@ -184,8 +191,12 @@ class Predictor(ABC):
 
             fused = nxt.fused
             weights, ids = predict_routing(
-                state.router_input, fused.gate_weight, fused.top_k, fused.renormalize,
-                self.fused_terms(state, layer, fused))
+                state.router_input,
+                fused.gate_weight,
+                fused.top_k,
+                fused.renormalize,
+                self.fused_terms(state, layer, fused),
+            )
         else:
             q = self.next_router_input(state, layer, nxt)
             weights, ids = nxt.route(q)

@@ -104,12 +104,15 @@ class EstimatorManifest(ArtifactManifest):
 
     @field_validator("moe_layer_indices")
     @classmethod
-    def _one_transition_per_pair_of_layers(cls, layers: list[int],
-                                           info: ValidationInfo) -> list[int]:
+    def _one_transition_per_pair_of_layers(
+        cls, layers: list[int], info: ValidationInfo
+    ) -> list[int]:
         shape = info.data.get("shape")
         if shape is not None and len(layers) != shape.num_transitions + 1:
-            raise ValueError(f"{len(layers)} layers for shape.num_transitions "
-                             f"{shape.num_transitions} (one more layer than transitions)")
+            raise ValueError(
+                f"{len(layers)} layers for shape.num_transitions "
+                f"{shape.num_transitions} (one more layer than transitions)"
+            )
         return layers
 
 
@@ -119,22 +122,23 @@ class ExpertEstimator(nn.Module):
     def __init__(self, shape: EstimatorShape, layer_indices: list[int] | None = None) -> None:
         super().__init__()
         self.shape = shape
-        self.layer_indices = (layer_indices if layer_indices is not None
-                              else list(range(shape.num_transitions + 1)))
+        self.layer_indices = (
+            layer_indices if layer_indices is not None else list(range(shape.num_transitions + 1))
+        )
         """The model's decoder-layer index of every MoE layer (transition j predicts
         ``layer_indices[j + 1]`` from ``layer_indices[j]``)."""
         d = shape.latent
         self.project = nn.Linear(shape.hidden_size, d)
         self.transition = nn.Embedding(shape.num_transitions, d)
-        self.mlp = nn.Sequential(nn.Linear(d, shape.mlp_ratio * d), nn.SiLU(),
-                                 nn.Linear(shape.mlp_ratio * d, d))
+        self.mlp = nn.Sequential(
+            nn.Linear(d, shape.mlp_ratio * d), nn.SiLU(), nn.Linear(shape.mlp_ratio * d, d)
+        )
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, shape.num_experts)
 
     def forward(self, q: torch.Tensor, transition: int | torch.Tensor) -> torch.Tensor:
         if isinstance(transition, int):
-            transition = torch.full((q.shape[0],), transition, dtype=torch.long,
-                                    device=q.device)
+            transition = torch.full((q.shape[0],), transition, dtype=torch.long, device=q.device)
         x = self.project(q) + self.transition(transition)
         return self.head(self.norm(x + self.mlp(x)))
 
@@ -142,18 +146,31 @@ class ExpertEstimator(nn.Module):
 def distillation_loss(logits: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
     """KL(router || estimator) over the experts, averaged over tokens."""
     target = torch.log_softmax(router_logits.float(), dim=-1)
-    return torch.nn.functional.kl_div(torch.log_softmax(logits.float(), dim=-1), target,
-                                      log_target=True, reduction="batchmean")
+    return torch.nn.functional.kl_div(
+        torch.log_softmax(logits.float(), dim=-1), target, log_target=True, reduction="batchmean"
+    )
 
 
 def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
-    save_network(out, WEIGHTS_FILE, model, {
-        "format": FORMAT, "shape": asdict(model.shape),
-        "moe_layer_indices": model.layer_indices, **manifest})
+    save_network(
+        out,
+        WEIGHTS_FILE,
+        model,
+        {
+            "format": FORMAT,
+            "shape": asdict(model.shape),
+            "moe_layer_indices": model.layer_indices,
+            **manifest,
+        },
+    )
 
 
-def load_estimator(path: str | Path, model: str | None = None, hf_config: object | None = None,
-                   calibration: str | Path | None = None) -> ExpertEstimator:
+def load_estimator(
+    path: str | Path,
+    model: str | None = None,
+    hf_config: object | None = None,
+    calibration: str | Path | None = None,
+) -> ExpertEstimator:
     """Read a ``train-estimator`` directory, checking it against ``model`` and the
     ``calibration`` directory if given (one config error naming ``estimator`` for
     anything wrong with it)."""
@@ -163,29 +180,45 @@ def load_estimator(path: str | Path, model: str | None = None, hf_config: object
     manifest_path = path / "manifest.json"
     manifest = read_manifest(path, "estimator", WEIGHTS_FILE, FORMAT, REMAKE, EstimatorManifest)
     if model is not None:
-        check_matches_model(manifest, model, hf_config, field="estimator",
-                            fix=f"run `specexpert train-estimator {model} --out DIR`")
+        check_matches_model(
+            manifest,
+            model,
+            hf_config,
+            field="estimator",
+            fix=f"run `specexpert train-estimator {model} --out DIR`",
+        )
     shape = manifest.shape
     if manifest.model_fingerprint is not None:
-        differs = manifest.model_fingerprint.disagreement(shape.hidden_size, shape.num_experts,
-                                                          shape.top_k)
+        differs = manifest.model_fingerprint.disagreement(
+            shape.hidden_size, shape.num_experts, shape.top_k
+        )
         if differs:
-            raise SpecExpertConfigError("estimator", f"{manifest_path}: key shape: {differs}",
-                                        REMAKE)
+            raise SpecExpertConfigError(
+                "estimator", f"{manifest_path}: key shape: {differs}", REMAKE
+            )
     if calibration is not None and (Path(calibration) / CALIBRATION_FILE).exists():
         trained_with = manifest.calibration
-        if trained_with is None or \
-                trained_with.sha256 != file_sha256(Path(calibration) / CALIBRATION_FILE):
+        if trained_with is None or trained_with.sha256 != file_sha256(
+            Path(calibration) / CALIBRATION_FILE
+        ):
             raise SpecExpertConfigError(
-                "estimator", f"trained on q_l made with another calibration "
+                "estimator",
+                f"trained on q_l made with another calibration "
                 f"({trained_with.path if trained_with else '?'}), not {calibration}: q_l "
-                "depends on its default vectors", f"set \"calibration\" to the one it was "
+                "depends on its default vectors",
+                f'set "calibration" to the one it was '
                 f"trained with, or run `specexpert train-estimator MODEL --calibration "
-                f"{calibration} --out DIR`")
+                f"{calibration} --out DIR`",
+            )
     layer_indices = list(manifest.moe_layer_indices)
     # fp32 whatever the default dtype (vLLM sets the model's while it loads).
-    return load_network_weights(path, "estimator", WEIGHTS_FILE,
-                                lambda: ExpertEstimator(shape, layer_indices).float(), REMAKE)
+    return load_network_weights(
+        path,
+        "estimator",
+        WEIGHTS_FILE,
+        lambda: ExpertEstimator(shape, layer_indices).float(),
+        REMAKE,
+    )
 
 
 def transitions_of(network: ExpertEstimator, layers: dict[int, str]) -> dict[str, int]:
@@ -197,9 +230,11 @@ def transitions_of(network: ExpertEstimator, layers: dict[int, str]) -> dict[str
     pairs = list(pairwise(indices))
     if any(pair not in known for pair in pairs):
         raise SpecExpertConfigError(
-            "estimator", f"trained for MoE layers {network.layer_indices}, and the "
+            "estimator",
+            f"trained for MoE layers {network.layer_indices}, and the "
             f"offloaded MoE layers are {indices}",
-            "run `specexpert train-estimator MODEL --out DIR` for this model")
+            "run `specexpert train-estimator MODEL --out DIR` for this model",
+        )
     return {layers[a]: known[(a, b)] for a, b in pairs}
 
 
@@ -229,15 +264,15 @@ class EstimatorPredictor(QuasiHiddenPredictor):
         if nxt.fused is not None:  # CUDA, plain softmax top-k: the network in one launch
             from vllm_specexpert.triton_kernels.estimate import estimate_routing
 
-            weights, ids = estimate_routing(q, self.estimator, transition, nxt.fused.top_k,
-                                            nxt.fused.renormalize)
+            weights, ids = estimate_routing(
+                q, self.estimator, transition, nxt.fused.top_k, nxt.fused.renormalize
+            )
         else:
             assert nxt.route_logits is not None, "no expert selection from logits given"
             with torch.no_grad():
                 logits = self.estimator(q.float(), transition)
             weights, ids = nxt.route_logits(q, logits)
-        return Prediction(topk_weights=weights, topk_ids=ids, router_input=q,
-                          by_estimator=True)
+        return Prediction(topk_weights=weights, topk_ids=ids, router_input=q, by_estimator=True)
 
 
 class HybridPredictor(EstimatorPredictor):
@@ -248,5 +283,11 @@ class HybridPredictor(EstimatorPredictor):
 
     @classmethod
     def build(cls, inputs: PredictorInputs) -> HybridPredictor:
-        return cls(inputs, {name: j for name, j in inputs.estimator_layers.items()
-                            if name in inputs.hybrid_layers})
+        return cls(
+            inputs,
+            {
+                name: j
+                for name, j in inputs.estimator_layers.items()
+                if name in inputs.hybrid_layers
+            },
+        )

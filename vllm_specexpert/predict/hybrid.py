@@ -30,8 +30,10 @@ from vllm_specexpert.artifacts import (
 from vllm_specexpert.config import SpecExpertConfigError
 
 ANALYSIS_FILE = "analysis.json"
-FIX = ("run `specexpert analyze MODEL --calibration DIR --out ADIR` for this model and "
-       "set \"analysis\": \"ADIR\"")
+FIX = (
+    "run `specexpert analyze MODEL --calibration DIR --out ADIR` for this model and "
+    'set "analysis": "ADIR"'
+)
 
 Recall = Annotated[float, Strict(), Field(ge=0, le=1)]
 
@@ -70,8 +72,9 @@ class Analysis(MadeForModel):
     @classmethod
     def _with_quasi_hidden(cls, predictors: list[str]) -> list[str]:
         if "quasi_hidden" not in predictors:
-            raise ValueError(f"{predictors} has no quasi_hidden (analyze ran without "
-                             "--calibration)")
+            raise ValueError(
+                f"{predictors} has no quasi_hidden (analyze ran without --calibration)"
+            )
         return predictors
 
     @field_validator("transitions")
@@ -94,8 +97,9 @@ class Analysis(MadeForModel):
         return value
 
 
-def read_analysis(path: str | Path, model: str | None = None,
-                  hf_config: object | None = None) -> dict:
+def read_analysis(
+    path: str | Path, model: str | None = None, hf_config: object | None = None
+) -> dict:
     """``analysis.json`` of ``path``, checked against :class:`Analysis` (and made for
     ``model`` if given): one config error naming ``analysis`` for anything wrong, so
     :func:`hybrid_layers` and :func:`check_layers` can read it as it is."""
@@ -114,8 +118,7 @@ def hybrid_layers(analysis: dict, threshold: float | None) -> tuple[list[int], f
     """The decoder indices of the layers l after which the estimator runs (those whose
     transition l -> l+1 has ``quasi_hidden`` recall below ``threshold``), and the
     threshold used (``None``: the mean recall)."""
-    recall = {row["from_layer"]: row["quasi_hidden"]["recall"]
-              for row in analysis["transitions"]}
+    recall = {row["from_layer"]: row["quasi_hidden"]["recall"] for row in analysis["transitions"]}
     if threshold is None:
         threshold = sum(recall.values()) / max(len(recall), 1)
     return sorted(layer for layer, r in recall.items() if r < threshold), threshold
@@ -126,5 +129,7 @@ def check_layers(analysis: dict, layers: list[int]) -> None:
     measured = [(row["from_layer"], row["to_layer"]) for row in analysis["transitions"]]
     if measured != list(pairwise(layers)):
         raise SpecExpertConfigError(
-            "analysis", f"measured the transitions {measured}, and the offloaded MoE "
-            f"layers are {layers}", FIX)
+            "analysis",
+            f"measured the transitions {measured}, and the offloaded MoE layers are {layers}",
+            FIX,
+        )

@@ -95,12 +95,12 @@ class PathPredictorManifest(ArtifactManifest):
 class RoutingPathPredictor(nn.Module):
     """``[B, W]`` token ids -> ``[B, L, E]`` routing logits (see module doc)."""
 
-    def __init__(self, shape: PathPredictorShape,
-                 layer_indices: list[int] | None = None) -> None:
+    def __init__(self, shape: PathPredictorShape, layer_indices: list[int] | None = None) -> None:
         super().__init__()
         self.shape = shape
-        self.layer_indices = layer_indices if layer_indices is not None else list(
-            range(shape.num_layers))
+        self.layer_indices = (
+            layer_indices if layer_indices is not None else list(range(shape.num_layers))
+        )
         """The model's decoder-layer index of each predicted MoE layer."""
         self.embed = nn.Embedding(shape.vocab_size + 1, shape.embed_dim)  # + padding id
         self.mlp = nn.Sequential(
@@ -128,7 +128,7 @@ class RoutingPathPredictor(nn.Module):
         for row, ids in enumerate(sequences):
             tail = ids[-w:]
             if tail:
-                out[row, w - len(tail):] = tail
+                out[row, w - len(tail) :] = tail
         return torch.from_numpy(out)
 
 
@@ -140,28 +140,50 @@ def sliding_windows(token_ids: torch.Tensor, window: int, pad: int) -> torch.Ten
 
 
 def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) -> None:
-    save_network(out, WEIGHTS_FILE, model, {
-        "format": FORMAT, "shape": asdict(model.shape),
-        "moe_layer_indices": model.layer_indices, **manifest})
+    save_network(
+        out,
+        WEIGHTS_FILE,
+        model,
+        {
+            "format": FORMAT,
+            "shape": asdict(model.shape),
+            "moe_layer_indices": model.layer_indices,
+            **manifest,
+        },
+    )
 
 
-def load_path_predictor(path: str | Path, model: str | None = None,
-                        hf_config: object | None = None) -> RoutingPathPredictor:
+def load_path_predictor(
+    path: str | Path, model: str | None = None, hf_config: object | None = None
+) -> RoutingPathPredictor:
     """Read a ``train-path`` directory, checking it against ``model`` if given (one
     config error naming ``path_predictor`` for anything wrong with it)."""
     path = Path(path)
-    manifest = read_manifest(path, "path_predictor", WEIGHTS_FILE, FORMAT, REMAKE,
-                             PathPredictorManifest)
+    manifest = read_manifest(
+        path, "path_predictor", WEIGHTS_FILE, FORMAT, REMAKE, PathPredictorManifest
+    )
     if model is not None:
-        check_matches_model(manifest, model, hf_config, field="path_predictor",
-                            fix=f"run `specexpert train-path {model} --out DIR`")
+        check_matches_model(
+            manifest,
+            model,
+            hf_config,
+            field="path_predictor",
+            fix=f"run `specexpert train-path {model} --out DIR`",
+        )
     shape = manifest.shape
     if manifest.model_fingerprint is not None:
         differs = manifest.model_fingerprint.disagreement(
-            num_experts=shape.num_experts, top_k=shape.top_k, vocab_size=shape.vocab_size)
+            num_experts=shape.num_experts, top_k=shape.top_k, vocab_size=shape.vocab_size
+        )
         if differs:
             raise SpecExpertConfigError(
-                "path_predictor", f"{path / 'manifest.json'}: key shape: {differs}", REMAKE)
+                "path_predictor", f"{path / 'manifest.json'}: key shape: {differs}", REMAKE
+            )
     layer_indices = list(manifest.moe_layer_indices)
-    return load_network_weights(path, "path_predictor", WEIGHTS_FILE,
-                                lambda: RoutingPathPredictor(shape, layer_indices), REMAKE)
+    return load_network_weights(
+        path,
+        "path_predictor",
+        WEIGHTS_FILE,
+        lambda: RoutingPathPredictor(shape, layer_indices),
+        REMAKE,
+    )

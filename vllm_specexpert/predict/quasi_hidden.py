@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 class QuasiHiddenPredictor(Predictor):
     name = "quasi_hidden"
 
-    def __init__(self, default_vectors: dict[str, torch.Tensor],
-                 residual_scales: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, default_vectors: dict[str, torch.Tensor], residual_scales: dict[str, torch.Tensor]
+    ) -> None:
         self.default_vectors = {name: v.float() for name, v in default_vectors.items()}
         """Layer name -> ``[E, H]`` default vectors (on the compute device)."""
         self.residual_scales = {name: v.float() for name, v in residual_scales.items()}
@@ -49,20 +50,26 @@ class QuasiHiddenPredictor(Predictor):
     def build(cls, inputs: PredictorInputs) -> QuasiHiddenPredictor:
         return cls(inputs.default_vectors, inputs.residual_scales)
 
-    def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
+    def next_router_input(
+        self, state: LayerState, layer: str, nxt: NextLayerRouting
+    ) -> torch.Tensor:
         tokens, top_k = state.topk_ids.shape
         chosen = self.default_vectors[layer].index_select(0, state.topk_ids.reshape(-1))
         d = torch.bmm(state.topk_weights.float().unsqueeze(1), chosen.view(tokens, top_k, -1))
         residual = state.router_input.float() * self.residual_scales[layer]
         return nxt.norm(d.squeeze(1).add_(residual)).to(state.router_input.dtype)
 
-    def fused_terms(self, state: LayerState, layer: str,
-                    fused: FusedRouting) -> QuasiHiddenTerms:
+    def fused_terms(self, state: LayerState, layer: str, fused: FusedRouting) -> QuasiHiddenTerms:
         from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms
 
-        return QuasiHiddenTerms(state.topk_ids, state.topk_weights,
-                                self.default_vectors[layer], self.residual_scales[layer],
-                                fused.norm_weight, fused.eps)
+        return QuasiHiddenTerms(
+            state.topk_ids,
+            state.topk_weights,
+            self.default_vectors[layer],
+            self.residual_scales[layer],
+            fused.norm_weight,
+            fused.eps,
+        )
 
 
 def residual_scale(norm_weight: torch.Tensor, residual_rms: float) -> torch.Tensor:

@@ -16,7 +16,9 @@ from vllm_specexpert.predict.base import (
 class RouterPredictor(Predictor):
     name = "router"
 
-    def next_router_input(self, state: LayerState, layer: str, nxt: NextLayerRouting) -> torch.Tensor:
+    def next_router_input(
+        self, state: LayerState, layer: str, nxt: NextLayerRouting
+    ) -> torch.Tensor:
         return state.router_input
 
     def fused_terms(self, state: LayerState, layer: str, fused: FusedRouting) -> None:

@@ -30,8 +30,13 @@ def union_size(routes: np.ndarray, groups: list[np.ndarray]) -> int:
     return int(sum(routes[g].any(axis=0).sum() for g in groups if len(g)))
 
 
-def partition(routes: np.ndarray, group_size: int, priority: np.ndarray | None = None,
-              required: np.ndarray | None = None, swap_passes: int = 2) -> list[np.ndarray]:
+def partition(
+    routes: np.ndarray,
+    group_size: int,
+    priority: np.ndarray | None = None,
+    required: np.ndarray | None = None,
+    swap_passes: int = 2,
+) -> list[np.ndarray]:
     """Split the rows of ``routes`` (``[N, P]`` bool) into groups of at most
     ``group_size`` (the first one larger only if more rows are ``required``), minimizing
     :func:`union_size`. ``priority`` (higher first, default row order) chooses seeds;
@@ -65,8 +70,9 @@ def partition(routes: np.ndarray, group_size: int, priority: np.ndarray | None =
     return _refine(routes, groups, len(first_seeds), swap_passes)
 
 
-def _refine(routes: np.ndarray, groups: list[np.ndarray], pinned: int,
-            passes: int) -> list[np.ndarray]:
+def _refine(
+    routes: np.ndarray, groups: list[np.ndarray], pinned: int, passes: int
+) -> list[np.ndarray]:
     """Swap members between groups while it shrinks the total union; the first
     ``pinned`` members of the first group never move."""
     if len(groups) < 2:
@@ -82,8 +88,9 @@ def _refine(routes: np.ndarray, groups: list[np.ndarray], pinned: int,
     return groups
 
 
-def _swap_between(routes: np.ndarray, groups: list[np.ndarray], a: int, b: int,
-                  pinned: int) -> bool:
+def _swap_between(
+    routes: np.ndarray, groups: list[np.ndarray], a: int, b: int, pinned: int
+) -> bool:
     """Best improving swaps between groups ``a`` and ``b``, one at a time. The union
     sizes after every possible swap come from two small matrix products: removing
     member i loses the pairs only it covers; adding j gains its pairs that the rest of
@@ -92,8 +99,8 @@ def _swap_between(routes: np.ndarray, groups: list[np.ndarray], a: int, b: int,
     while True:
         ga, gb = groups[a], groups[b]
         ra, rb = routes[ga], routes[gb]
-        after_a = _sizes_after_swap(ra, rb)          # [len(ga), len(gb)]
-        after_b = _sizes_after_swap(rb, ra).T        # [len(ga), len(gb)]
+        after_a = _sizes_after_swap(ra, rb)  # [len(ga), len(gb)]
+        after_b = _sizes_after_swap(rb, ra).T  # [len(ga), len(gb)]
         base = ra.any(0).sum() + rb.any(0).sum()
         gain = base - (after_a + after_b)
         gain[:pinned] = 0
@@ -107,9 +114,9 @@ def _swap_between(routes: np.ndarray, groups: list[np.ndarray], a: int, b: int,
 def _sizes_after_swap(own: np.ndarray, other: np.ndarray) -> np.ndarray:
     """``[len(own), len(other)]``: the union size of ``own`` with member i replaced by
     ``other``'s member j."""
-    counts = own.sum(0)                                   # [P]
-    rest_uncovered = (counts[None, :] - own) == 0         # [I, P]: not covered without i
+    counts = own.sum(0)  # [P]
+    rest_uncovered = (counts[None, :] - own) == 0  # [I, P]: not covered without i
     union = (counts > 0).sum()
-    lost = (rest_uncovered & own).sum(1)                  # pairs only i covered
+    lost = (rest_uncovered & own).sum(1)  # pairs only i covered
     gained = rest_uncovered.astype(np.float32) @ other.T.astype(np.float32)  # [I, J]
     return union - lost[:, None] + gained.astype(np.int64)

@@ -61,8 +61,10 @@ class TokenGroupScheduler(Scheduler):
         super().__init__(vllm_config, *args, **kwargs)
         config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
         if config is None or config.path_predictor is None:
-            raise RuntimeError("specexpert: its scheduler class predicts with a path "
-                               "predictor, and the engine's config sets none")
+            raise RuntimeError(
+                "specexpert: its scheduler class predicts with a path "
+                "predictor, and the engine's config sets none"
+            )
         self.settings = config.token_scheduler
         self.path_predictor = load_path_predictor(config.path_predictor)
         self.waited: dict[str, int] = {}
@@ -74,8 +76,11 @@ class TokenGroupScheduler(Scheduler):
         self.stats = SchedulerStats()
         handoff.forget_scheduler_stats()
         if self.settings is not None:
-            logger.info("specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
-                        self.settings.group_size, self.settings.max_wait_steps)
+            logger.info(
+                "specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
+                self.settings.group_size,
+                self.settings.max_wait_steps,
+            )
 
     def schedule(self, *args, **kwargs):
         started = time.perf_counter()
@@ -104,22 +109,29 @@ class TokenGroupScheduler(Scheduler):
         shape = predictor.shape
         new = [r for r in requests if r.request_id not in self._step_routes]
         if new:
-            windows = predictor.windows_of([r.all_token_ids[-shape.window:] for r in new])
-            routes = torch.zeros(len(new), shape.num_layers, shape.num_experts,
-                                 dtype=torch.bool)
+            windows = predictor.windows_of([r.all_token_ids[-shape.window :] for r in new])
+            routes = torch.zeros(len(new), shape.num_layers, shape.num_experts, dtype=torch.bool)
             routes.scatter_(-1, predictor.predict_topk(windows), True)
             self._step_routes.update(zip((r.request_id for r in new), routes))
         return torch.stack([self._step_routes[r.request_id] for r in requests])
 
     def _attach_demand(self, output) -> None:
         """The scheduled decode requests' predicted experts, for the workers."""
-        decoding = [self.requests[req_id] for req_id, n in output.num_scheduled_tokens.items()
-                    if n == 1 and self.requests[req_id].num_output_tokens > 0]
+        decoding = [
+            self.requests[req_id]
+            for req_id, n in output.num_scheduled_tokens.items()
+            if n == 1 and self.requests[req_id].num_output_tokens > 0
+        ]
         if not decoding:
             return
-        handoff.attach(output, StepDemand(
-            tokens=len(decoding), layers=self._demand_of(decoding),
-            next_layers=self._demand_of(self._next_group) if self._next_group else None))
+        handoff.attach(
+            output,
+            StepDemand(
+                tokens=len(decoding),
+                layers=self._demand_of(decoding),
+                next_layers=self._demand_of(self._next_group) if self._next_group else None,
+            ),
+        )
 
     def _demand_of(self, requests: list) -> dict[int, np.ndarray]:
         """Decoder-layer index -> ``[E]`` predicted tokens per expert of ``requests``."""
@@ -130,9 +142,13 @@ class TokenGroupScheduler(Scheduler):
         """Running requests whose next step is a one-token decode (prompt computed,
         and not held back already by someone else)."""
         step = self.current_step + 1  # schedule() increments it first
-        return [r for r in self.running
-                if r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
-                and r.next_decode_eligible_step <= step]
+        return [
+            r
+            for r in self.running
+            if r.num_output_tokens > 0
+            and r.num_tokens - r.num_computed_tokens == 1
+            and r.next_decode_eligible_step <= step
+        ]
 
     def _hold_back_all_but_one_group(self) -> None:
         settings = self.settings
@@ -147,22 +163,22 @@ class TokenGroupScheduler(Scheduler):
         self.stats.grouped_steps += 1
         routes = self._predicted_routes(decoding).flatten(1).numpy()
         waited = np.array([self.waited.get(r.request_id, 0) for r in decoding], dtype=np.int64)
-        groups = partition(routes, settings.group_size, priority=waited,
-                           required=waited >= settings.max_wait_steps)
+        groups = partition(
+            routes, settings.group_size, priority=waited, required=waited >= settings.max_wait_steps
+        )
         run = np.zeros(len(decoding), dtype=bool)
         run[groups[0]] = True
         if len(groups) > 1:
             self._next_group = [decoding[i] for i in groups[1]]
         self.stats.pairs_run += int(routes[run].any(0).sum())
         self.stats.pairs_all += int(routes.any(0).sum())
-        self.stats.pairs_in_order += int(routes[:len(groups[0])].any(0).sum())
+        self.stats.pairs_in_order += int(routes[: len(groups[0])].any(0).sum())
         hold_until = self.current_step + 2  # skipped by the coming schedule() only
         for request, runs, wait in zip(decoding, run, waited):
             if runs:
                 self.waited.pop(request.request_id, None)
                 continue
-            request.next_decode_eligible_step = max(request.next_decode_eligible_step,
-                                                    hold_until)
+            request.next_decode_eligible_step = max(request.next_decode_eligible_step, hold_until)
             self.waited[request.request_id] = int(wait) + 1
             self.stats.held += 1
             self.stats.max_waited = max(self.stats.max_waited, int(wait) + 1)

@@ -81,8 +81,8 @@ class ExpertCache:
         if device_map is None:
             device_map = device.type != "cpu"
         self.expert_map: torch.Tensor | None = (
-            torch.full((num_experts,), -1, dtype=torch.int32, device=device)
-            if device_map else None)
+            torch.full((num_experts,), -1, dtype=torch.int32, device=device) if device_map else None
+        )
         """``int32 [E]`` id -> slot map on the device (``device_map``, see module doc);
         ``None`` where ids are mapped on the host."""
         self._map_dirty = np.zeros(num_experts, dtype=bool)
@@ -100,7 +100,7 @@ class ExpertCache:
         self.slot_expert = np.full(self.pool.num_slots, -1, dtype=np.int64)
         self.assign(np.arange(count), np.arange(offset, offset + count))
         for key, src in self.experts.decoded(slice(0, count)).items():
-            self.slots[key][offset:offset + count].copy_(src)
+            self.slots[key][offset : offset + count].copy_(src)
         self.identity = count == self.num_experts and not self.pool.shared
 
     @property
@@ -155,8 +155,9 @@ class ExpertCache:
         if not len(changed) or expert_map is None:
             return
         self._map_dirty[changed] = False
-        update = upload(np.stack([changed, self.expert_slot[changed]]).astype(np.int32),
-                        self.device)
+        update = upload(
+            np.stack([changed, self.expert_slot[changed]]).astype(np.int32), self.device
+        )
         if self.device.type == "cuda":
             from vllm_specexpert.triton_kernels.slots import update_slot_map
 
@@ -166,8 +167,13 @@ class ExpertCache:
 
     def copy_of(self, experts: np.ndarray) -> ExpertCopy:
         """The transfer that fills the slots of ``experts`` (resident) from the slow tier."""
-        return ExpertCopy(self.experts.tensors, self.slots, experts,
-                          self.expert_slot[experts].astype(np.int64), self.experts.decoder)
+        return ExpertCopy(
+            self.experts.tensors,
+            self.slots,
+            experts,
+            self.expert_slot[experts].astype(np.int64),
+            self.experts.decoder,
+        )
 
     # ---------------------------------------------------------------- changes
 
@@ -187,8 +193,9 @@ class ExpertCache:
                 f"{self.experts.name}: cannot free {need} slots (capacity check skipped?)"
             )
         owners, victims = owners[:need], candidates[:need]
-        freed = [self.pool.caches[owner].release(victims[owners == owner])
-                 for owner in np.unique(owners)]
+        freed = [
+            self.pool.caches[owner].release(victims[owners == owner]) for owner in np.unique(owners)
+        ]
         return np.concatenate([free, *freed]), victims
 
     def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:

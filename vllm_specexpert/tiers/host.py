@@ -70,8 +70,13 @@ def torch_experts(
     return out.to(x.dtype)
 
 
-def compute_on_host(experts: LayerExperts, kernel: HostKernel, x: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def compute_on_host(
+    experts: LayerExperts,
+    kernel: HostKernel,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
     """``kernel`` on the slow tier's ``experts``; packed experts are decoded first (part
     of the host's work, so measured with it)."""
     if experts.decoder is None:
@@ -121,8 +126,13 @@ class HostCostModel:
 class HostExperts:
     """One layer's experts computed on the host (see module doc)."""
 
-    def __init__(self, experts: LayerExperts, kernel: HostKernel, slowdown: float | None,
-                 timer: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        experts: LayerExperts,
+        kernel: HostKernel,
+        slowdown: float | None,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.experts = experts
         self.kernel = kernel
         self.slowdown = slowdown
@@ -171,9 +181,14 @@ class HostExperts:
         store = next(iter(self.experts.tensors.values())).device
         index = torch.from_numpy(rows).to(x.device)
         weights = torch.where(torch.from_numpy(mask).to(x.device), topk_weights[index], 0.0)
-        return HostJob(index=index, x=x[index].to(store), weights=weights.to(store),
-                       ids=torch.from_numpy(host_ids.astype(np.int32)),
-                       experts=len(np.unique(ids[on_host])), entries=int(mask.sum()))
+        return HostJob(
+            index=index,
+            x=x[index].to(store),
+            weights=weights.to(store),
+            ids=torch.from_numpy(host_ids.astype(np.int32)),
+            experts=len(np.unique(ids[on_host])),
+            entries=int(mask.sum()),
+        )
 
     def finish(self, job: HostJob, out: torch.Tensor, started_at: float) -> tuple[float, float]:
         """Compute ``job`` and add it to ``out``. ``started_at`` is when the layer call

@@ -35,8 +35,9 @@ class LayerPeers:
     def send(self, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray) -> Sent:
         return self.tier.send(self.layer, x, tokens, experts)
 
-    def stage(self, x: torch.Tensor, ids: np.ndarray, entries: np.ndarray,
-              fired: Sent | None = None) -> PeerJob:
+    def stage(
+        self, x: torch.Tensor, ids: np.ndarray, entries: np.ndarray, fired: Sent | None = None
+    ) -> PeerJob:
         """Send the ``entries`` ([T, K] mask over ``ids``) of rows ``x``, taking those
         whose (row, expert) pair was ``fired`` ahead from there instead."""
         rows, cols = np.nonzero(entries)
@@ -57,8 +58,9 @@ class LayerPeers:
             job.sources.append((sent, rows, cols, np.arange(len(rows))))
         return job
 
-    def finish(self, job: PeerJob, out: torch.Tensor, weights: torch.Tensor,
-               shape: tuple[int, int]) -> np.ndarray:
+    def finish(
+        self, job: PeerJob, out: torch.Tensor, weights: torch.Tensor, shape: tuple[int, int]
+    ) -> np.ndarray:
         """Add the job's answers, times the entries' ``weights`` ([T, K]), to ``out``;
         return the ``[T, K]`` mask of entries no peer answered."""
         failed = np.zeros(shape, dtype=bool)
@@ -69,7 +71,10 @@ class LayerPeers:
             failed[rows[~ok], cols[~ok]] = True
             if ok.any():
                 r, c = (torch.from_numpy(a[ok]).to(out.device) for a in (rows, cols))
-                acc.index_add_(0, r, y[torch.from_numpy(pairs[ok])].to(out.device)
-                               * weights[r, c].float()[:, None])
+                acc.index_add_(
+                    0,
+                    r,
+                    y[torch.from_numpy(pairs[ok])].to(out.device) * weights[r, c].float()[:, None],
+                )
         out.copy_((out.float() + acc).to(out.dtype))
         return failed

@@ -60,8 +60,9 @@ class ExpertLoader:
 
     # ------------------------------------------------------------------ loading
 
-    def acquire(self, experts: np.ndarray, stats: PhaseStats,
-                future_demand: np.ndarray | None = None) -> None:
+    def acquire(
+        self, experts: np.ndarray, stats: PhaseStats, future_demand: np.ndarray | None = None
+    ) -> None:
         """Make every expert of ``experts`` (distinct ids, which must fit, see
         :meth:`ExpertCache.capacity_for`) resident and usable, loading the missing ones,
         and count the request. Part of a layer call: :meth:`begin_run` has released the
@@ -91,12 +92,13 @@ class ExpertLoader:
         missing = experts[cache.expert_slot[experts] < 0]
         if not len(missing):
             return 0
-        missing = missing[:cache.pool.prefetch_room(cache, experts)]
+        missing = missing[: cache.pool.prefetch_room(cache, experts)]
         if not len(missing):
             return 0
         slots = self._take_slots(len(missing), experts, stats)
-        self.prefetches.update(zip(missing.tolist(),
-                                   self._load_ahead(missing, slots, stats, admitted)))
+        self.prefetches.update(
+            zip(missing.tolist(), self._load_ahead(missing, slots, stats, admitted))
+        )
         cache.protected[missing] = True
         return len(missing)
 
@@ -164,8 +166,9 @@ class ExpertLoader:
 
     # ----------------------------------------------------------------- internals
 
-    def _take_slots(self, count: int, keep: np.ndarray, stats: PhaseStats,
-                    demand: np.ndarray | None = None) -> np.ndarray:
+    def _take_slots(
+        self, count: int, keep: np.ndarray, stats: PhaseStats, demand: np.ndarray | None = None
+    ) -> np.ndarray:
         slots, evicted = self.cache.take_slots(count, keep, demand)
         stats.evictions += len(evicted)
         self._retire(slots)
@@ -178,8 +181,14 @@ class ExpertLoader:
             if old is not None:
                 self.link.retire(old)
 
-    def _load(self, experts: np.ndarray, slots: np.ndarray, stats: PhaseStats,
-              prefetch: bool, admitted: bool = False) -> Transfer:
+    def _load(
+        self,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        stats: PhaseStats,
+        prefetch: bool,
+        admitted: bool = False,
+    ) -> Transfer:
         """Copy ``experts`` into ``slots`` (free), one transfer."""
         self.cache.assign(experts, slots)
         count = len(experts)
@@ -195,26 +204,36 @@ class ExpertLoader:
         after: tuple[object, ...] = ()
         pool = self.cache.pool
         if pool.last_write is not None and pool.last_read is not None:  # (CUDA: both)
-            after = tuple({id(e): e for e in (*pool.last_write[slots], *pool.last_read[slots])
-                           if e is not None}.values())
-        transfer = self.link.submit(self.cache.copy_of(experts), prefetch=prefetch,
-                                    on_start=started, after=after)
+            after = tuple(
+                {
+                    id(e): e
+                    for e in (*pool.last_write[slots], *pool.last_read[slots])
+                    if e is not None
+                }.values()
+            )
+        transfer = self.link.submit(
+            self.cache.copy_of(experts), prefetch=prefetch, on_start=started, after=after
+        )
         if pool.last_write is not None:
             pool.last_write[slots] = transfer
         for slot in slots.tolist():
             self.in_flight[slot] = transfer
         return transfer
 
-    def _load_ahead(self, experts: np.ndarray, slots: np.ndarray, stats: PhaseStats,
-                    admitted: bool = False) -> list[Transfer]:
+    def _load_ahead(
+        self, experts: np.ndarray, slots: np.ndarray, stats: PhaseStats, admitted: bool = False
+    ) -> list[Transfer]:
         """Queue a load of ``experts`` into ``slots`` ahead of use; returns each
         expert's transfer. Where the link can cancel a queued transfer, one per expert:
         retiring one expert's slot must not cancel the others' copies."""
         if self.link.cancellable:
-            return [self._load(experts[i:i + 1], slots[i:i + 1], stats, prefetch=True,
-                               admitted=admitted) for i in range(len(experts))]
-        return [self._load(experts, slots, stats, prefetch=True,
-                           admitted=admitted)] * len(experts)
+            return [
+                self._load(
+                    experts[i : i + 1], slots[i : i + 1], stats, prefetch=True, admitted=admitted
+                )
+                for i in range(len(experts))
+            ]
+        return [self._load(experts, slots, stats, prefetch=True, admitted=admitted)] * len(experts)
 
     def _wait_for(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """Block until the slots of ``experts`` hold their data (no-op when nothing

@@ -58,6 +58,8 @@ RTT_WINDOW = 5
 CONTROL_GROUP = "control"
 """A peer actor's concurrency group of one thread for calls that control it (fault
 injection: ``release`` of a held peer, whose held calls take the default group)."""
+
+
 @dataclass
 class PeerState:
     """One peer: its actor, whether it is in rotation, and its counters."""
@@ -97,24 +99,41 @@ class PeerState:
         if self.up:
             self.up, self.reason = False, reason
             self.left += 1
-            logger.warning("specexpert: mesh peer %d (node %s) left the rotation: %s; its "
-                           "experts are computed here until it answers probes again",
-                           self.rank, self.node[:12], reason)
+            logger.warning(
+                "specexpert: mesh peer %d (node %s) left the rotation: %s; its "
+                "experts are computed here until it answers probes again",
+                self.rank,
+                self.node[:12],
+                reason,
+            )
 
     def rejoin(self) -> None:
         self.up, self.reason = True, ""
         self.rejoined += 1
-        logger.info("specexpert: mesh peer %d (node %s) is back in rotation",
-                    self.rank, self.node[:12])
+        logger.info(
+            "specexpert: mesh peer %d (node %s) is back in rotation", self.rank, self.node[:12]
+        )
 
     def stats(self) -> dict:
         rtt = float(np.median(self.rtts)) * 1e3 if self.rtts else None
-        return {"rank": self.rank, "node": self.node, "up": self.up, "reason": self.reason,
-                "isa": self.isa, "rtt_ms": rtt, "calls": self.calls, "pairs": self.pairs,
-                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "compute_s": self.compute_s, "call_s": self.call_s,
-                "failures": self.failures, "timeouts": self.timeouts, "left": self.left,
-                "rejoined": self.rejoined}
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "up": self.up,
+            "reason": self.reason,
+            "isa": self.isa,
+            "rtt_ms": rtt,
+            "calls": self.calls,
+            "pairs": self.pairs,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "compute_s": self.compute_s,
+            "call_s": self.call_s,
+            "failures": self.failures,
+            "timeouts": self.timeouts,
+            "left": self.left,
+            "rejoined": self.rejoined,
+        }
 
 
 @dataclass
@@ -141,9 +160,15 @@ class TimedAnswer(Protocol):
 class PeerTier:
     """The engine's side of the mesh: placement, checks, calls, health (module doc)."""
 
-    def __init__(self, mesh: MeshConfig, spec: ShardSpec, num_experts: int,
-                 reference: PairReference, local: dict[int, np.ndarray] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        mesh: MeshConfig,
+        spec: ShardSpec,
+        num_experts: int,
+        reference: PairReference,
+        local: dict[int, np.ndarray] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.mesh = mesh
         self.clock = clock
         """Seconds that round trips and timeouts are measured in."""
@@ -155,10 +180,18 @@ class PeerTier:
         """Layer -> ``[E, peers]`` bool: which peers hold each expert (hot ones: none)."""
         self.peers = self._start_peers(ray, spec)
         try:
-            self.checks = {peer.rank: checks_of(
-                spec, {layer: np.flatnonzero(held[:, peer.rank])
-                       for layer, held in self.hosts.items()}, peer.rank, reference)
-                for peer in self.peers}
+            self.checks = {
+                peer.rank: checks_of(
+                    spec,
+                    {
+                        layer: np.flatnonzero(held[:, peer.rank])
+                        for layer, held in self.hosts.items()
+                    },
+                    peer.rank,
+                    reference,
+                )
+                for peer in self.peers
+            }
             """Rank -> the pairs it computes to prove it works (at start, after a restart)."""
         except BaseException:
             self.close()  # (this host cannot compute the check: no peer is left running)
@@ -193,12 +226,21 @@ class PeerTier:
         peers, waits = [], []
         for rank in range(self.mesh.peers):
             node = nodes[rank] if len(nodes) >= self.mesh.peers else here
-            shard = ShardSpec(spec.checkpoint, {
-                layer: (name, tuple(int(e) for e in np.flatnonzero(self.hosts[layer][:, rank])))
-                for layer, (name, _) in spec.layers.items()}, spec.w13_shape, spec.isa,
-                spec.activation)
+            shard = ShardSpec(
+                spec.checkpoint,
+                {
+                    layer: (name, tuple(int(e) for e in np.flatnonzero(self.hosts[layer][:, rank])))
+                    for layer, (name, _) in spec.layers.items()
+                },
+                spec.w13_shape,
+                spec.isa,
+                spec.activation,
+            )
             actor = remote.options(
-                num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=2,
+                num_cpus=0,
+                max_restarts=-1,
+                max_task_retries=0,
+                max_concurrency=2,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(rank, shard)
             peers.append(PeerState(rank=rank, actor=actor, node=node))
@@ -210,10 +252,12 @@ class PeerTier:
             except Exception as error:  # noqa: BLE001 - any failure is the same fix
                 self.close()
                 raise SpecExpertConfigError(
-                    "mesh", f"peer {peer.rank} (node {peer.node[:12]}) could not load its "
+                    "mesh",
+                    f"peer {peer.rank} (node {peer.node[:12]}) could not load its "
                     f"shard of {spec.checkpoint}: {first_line(error)}",
                     "put the checkpoint at the same path on every node of the Ray "
-                    "cluster, with this package installed") from None
+                    "cluster, with this package installed",
+                ) from None
             peer.pid, peer.isa = ready["pid"], ready["isa"]
         return peers
 
@@ -221,29 +265,40 @@ class PeerTier:
 
     def _send_check(self, peer: PeerState) -> list:
         """The peer's check calls, as futures."""
-        return [peer.actor.compute.remote(c.layer, c.x, c.rows, c.experts).future()
-                for c in self.checks[peer.rank]]
+        return [
+            peer.actor.compute.remote(c.layer, c.x, c.rows, c.experts).future()
+            for c in self.checks[peer.rank]
+        ]
 
     def _check_at_start(self) -> None:
         """Every peer answers its check, or the start is refused with its reason."""
         sent = [(peer, self._send_check(peer)) for peer in self.peers]
         deadline = time.perf_counter() + START_TIMEOUT_S
         for peer, answers in sent:
-            failure = check_failure(self.checks[peer.rank], answers,
-                                    max(0.0, deadline - time.perf_counter()))
+            failure = check_failure(
+                self.checks[peer.rank], answers, max(0.0, deadline - time.perf_counter())
+            )
             if failure is not None:
                 self.close()
                 raise SpecExpertConfigError(
-                    "mesh", f"peer {peer.rank} (node {peer.node[:12]}, kernel "
+                    "mesh",
+                    f"peer {peer.rank} (node {peer.node[:12]}, kernel "
                     f"{peer.isa or 'torch'}) failed its check: {failure}",
                     "give every node the same checkpoint at the same path and the same "
                     "vLLM build (the peer's own log is in Ray's session directory, "
-                    "logs/worker-*.err), or remove mesh")
+                    "logs/worker-*.err), or remove mesh",
+                )
             pairs = sum(len(c.experts) for c in self.checks[peer.rank])
-            logger.info("specexpert: mesh peer %d (node %s, pid %d, kernel %s) checked: "
-                        "%d pairs of %d layers as computed here", peer.rank,
-                        peer.node[:12], peer.pid, peer.isa or "torch", pairs,
-                        len(self.checks[peer.rank]))
+            logger.info(
+                "specexpert: mesh peer %d (node %s, pid %d, kernel %s) checked: "
+                "%d pairs of %d layers as computed here",
+                peer.rank,
+                peer.node[:12],
+                peer.pid,
+                peer.isa or "torch",
+                pairs,
+                len(self.checks[peer.rank]),
+            )
 
     # ------------------------------------------------------------- rotation
 
@@ -261,8 +316,7 @@ class PeerTier:
 
     # ----------------------------------------------------------------- calls
 
-    def send(self, layer: int, x: torch.Tensor, tokens: np.ndarray,
-             experts: np.ndarray) -> Sent:
+    def send(self, layer: int, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray) -> Sent:
         """Start computing expert ``experts[i]`` on row ``tokens[i]`` of ``x`` at the
         peers that hold them (pairs whose experts no peer in rotation holds are not
         sent: :meth:`receive` reports them failed)."""
@@ -273,8 +327,9 @@ class PeerTier:
             pairs = np.flatnonzero(owner == rank)
             rows, local = np.unique(tokens[pairs], return_inverse=True)
             payload = x[torch.from_numpy(rows).to(x.device)].to("cpu").view(torch.int16).numpy()
-            ref = peer.actor.compute.remote(layer, payload, local.astype(np.int64),
-                                            experts[pairs].astype(np.int64))
+            ref = peer.actor.compute.remote(
+                layer, payload, local.astype(np.int64), experts[pairs].astype(np.int64)
+            )
             sent.calls.append((peer, ref, pairs, self.clock(), payload.nbytes))
         return sent
 
@@ -331,8 +386,9 @@ class PeerTier:
                     waiting.append((peer, answer, sent_at))
             self._pings = waiting
         if not self._pings and now >= self._next_probe:
-            self._pings = [(peer, _timed(peer.actor.ping.remote(), self.clock), now)
-                           for peer in self.peers]
+            self._pings = [
+                (peer, _timed(peer.actor.ping.remote(), self.clock), now) for peer in self.peers
+            ]
             self._next_probe = now + self.mesh.probe_interval_s
 
     def _answered(self, peer: PeerState, answer: TimedAnswer, sent_at: float) -> None:
@@ -356,8 +412,12 @@ class PeerTier:
             failure = check_failure(self.checks[peer.rank], answers)
             if failure is not None:
                 peer.failed_pid, peer.reason = checked_pid, f"check: {failure}"[:200]
-                logger.warning("specexpert: mesh peer %d (node %s) restarted and failed "
-                               "its check: %s", peer.rank, peer.node[:12], failure)
+                logger.warning(
+                    "specexpert: mesh peer %d (node %s) restarted and failed its check: %s",
+                    peer.rank,
+                    peer.node[:12],
+                    failure,
+                )
                 return
             peer.pid = checked_pid
         peer.rtts.append(answer.arrived_at - sent_at)
@@ -368,14 +428,26 @@ class PeerTier:
             peer.rejoin()
 
     def stats(self) -> dict:
-        return {"peers": [p.stats() for p in self.peers], "mode": self.mesh.mode,
-                "placement": self.mesh.placement, "rtt_cap_ms": self.mesh.rtt_cap_ms}
+        return {
+            "peers": [p.stats() for p in self.peers],
+            "mode": self.mesh.mode,
+            "placement": self.mesh.placement,
+            "rtt_cap_ms": self.mesh.rtt_cap_ms,
+        }
 
     def reset_stats(self) -> None:
         self._next_probe = 0.0  # (probe_interval_s may have changed)
         for p in self.peers:
-            for name in ("calls", "pairs", "bytes_sent", "bytes_received", "failures",
-                         "timeouts", "left", "rejoined"):
+            for name in (
+                "calls",
+                "pairs",
+                "bytes_sent",
+                "bytes_received",
+                "failures",
+                "timeouts",
+                "left",
+                "rejoined",
+            ):
                 setattr(p, name, 0)
             p.compute_s = p.call_s = 0.0
 

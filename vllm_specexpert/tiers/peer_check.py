@@ -51,8 +51,9 @@ class PeerCheck:
         return float(((got - self.expected).norm(dim=1) / scale).max())
 
 
-def checks_of(spec: ShardSpec, held: dict[int, np.ndarray], seed: int,
-              reference: PairReference) -> list[PeerCheck]:
+def checks_of(
+    spec: ShardSpec, held: dict[int, np.ndarray], seed: int, reference: PairReference
+) -> list[PeerCheck]:
     """Per layer of ``spec``, :data:`CHECK_ROWS` rows (drawn from ``seed``) by the first
     and last of the experts ``held`` there, and ``reference``'s result of those pairs."""
     generator = torch.Generator().manual_seed(seed)
@@ -70,8 +71,9 @@ def checks_of(spec: ShardSpec, held: dict[int, np.ndarray], seed: int,
     return checks
 
 
-def check_failure(checks: Iterable[PeerCheck], answers: Iterable,
-                  timeout: float | None = None) -> str | None:
+def check_failure(
+    checks: Iterable[PeerCheck], answers: Iterable, timeout: float | None = None
+) -> str | None:
     """Why a peer's ``answers`` (futures of its compute calls, one per check) fail the
     ``checks``, or ``None`` when every pair matches this host's."""
     for check, answer in zip(checks, answers):
@@ -81,7 +83,9 @@ def check_failure(checks: Iterable[PeerCheck], answers: Iterable,
             return f"computing layer {check.layer}: {first_line(error)}"
         relative = check.error(y)
         if not relative <= CHECK_TOLERANCE:
-            return (f"its experts {sorted(set(check.experts.tolist()))} of layer "
-                    f"{check.layer} differ from this host's (relative error "
-                    f"{relative:.3g} > {CHECK_TOLERANCE})")
+            return (
+                f"its experts {sorted(set(check.experts.tolist()))} of layer "
+                f"{check.layer} differ from this host's (relative error "
+                f"{relative:.3g} > {CHECK_TOLERANCE})"
+            )
     return None

@@ -79,17 +79,18 @@ def checkpoint_files(checkpoint: str) -> list[Path]:
     return files
 
 
-def expert_keys(names: set[str] | dict[str, Path], layer: str,
-                expert: int) -> tuple[str, str, str]:
+def expert_keys(names: set[str] | dict[str, Path], layer: str, expert: int) -> tuple[str, str, str]:
     """The (gate, up, down) tensor names of one expert among the checkpoint's ``names``;
     ``KeyError`` naming what was looked for when the layout is not one a peer reads."""
     for projections in PROJECTIONS:
         gate, up, down = (f"{layer}.{expert}.{p}.weight" for p in projections)
         if all(k in names for k in (gate, up, down)):
             return gate, up, down
-    raise KeyError(f"{layer}.{expert}.gate_proj.weight (or .w1.weight) is not in the "
-                   "checkpoint: a peer reads per-expert bf16 tensors only (no fused or "
-                   "quantized experts)")
+    raise KeyError(
+        f"{layer}.{expert}.gate_proj.weight (or .w1.weight) is not in the "
+        "checkpoint: a peer reads per-expert bf16 tensors only (no fused or "
+        "quantized experts)"
+    )
 
 
 def checkpoint_key_index(checkpoint: str) -> dict[str, Path]:
@@ -140,19 +141,25 @@ class ExpertPeer:
         compute), but vLLM's CPU kernel shares its scratch space between calls: two
         computing together corrupted each other's output (measured). One at a time."""
 
-    def _read(self, handles: dict[Path, safe_open], index: dict[str, Path], name: str,
-              experts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(
+        self,
+        handles: dict[Path, safe_open],
+        index: dict[str, Path],
+        name: str,
+        experts: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n, 2I_pad, H]`` and ``[n, H, I_pad]`` of ``experts``, zero-padded like the
         engine's slots."""
         padded, hidden = self.spec.w13_shape[0] // 2, self.spec.w13_shape[1]
         w13 = torch.zeros(len(experts), 2 * padded, hidden, dtype=torch.bfloat16)
         w2 = torch.zeros(len(experts), hidden, padded, dtype=torch.bfloat16)
         for i, expert in enumerate(experts):
-            gate, up, down = (handles[index[k]].get_tensor(k)
-                              for k in expert_keys(index, name, expert))
+            gate, up, down = (
+                handles[index[k]].get_tensor(k) for k in expert_keys(index, name, expert)
+            )
             inter = gate.shape[0]
             w13[i, :inter] = gate
-            w13[i, padded:padded + inter] = up
+            w13[i, padded : padded + inter] = up
             w2[i, :, :inter] = down
         return w13, w2
 
@@ -176,9 +183,15 @@ class ExpertPeer:
         """Where this peer runs and what it holds (the engine's start-up check)."""
         import socket
 
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "isa": self.isa, "layers": len(self.tensors), "load_s": self.load_seconds,
-                "experts": sum(len(e) for _, e in self.spec.layers.values())}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "isa": self.isa,
+            "layers": len(self.tensors),
+            "load_s": self.load_seconds,
+            "experts": sum(len(e) for _, e in self.spec.layers.values()),
+        }
 
     def ping(self) -> int:
         """A probe's answer: the process id (a restarted actor has a new one)."""
@@ -186,8 +199,9 @@ class ExpertPeer:
         time.sleep(self.delay_s)
         return os.getpid()
 
-    def compute(self, layer: int, x: np.ndarray, rows: np.ndarray,
-                experts: np.ndarray) -> tuple[np.ndarray, float]:
+    def compute(
+        self, layer: int, x: np.ndarray, rows: np.ndarray, experts: np.ndarray
+    ) -> tuple[np.ndarray, float]:
         """Expert ``experts[i]``'s output for row ``rows[i]`` of ``x`` (``[R, H]`` bf16
         as int16), unweighted, as ``[N, H]`` bf16 (int16); and the compute seconds."""
         self._answering.wait()
@@ -196,9 +210,11 @@ class ExpertPeer:
         inputs = torch.from_numpy(x).view(torch.bfloat16)[torch.from_numpy(rows)]
         ids = torch.from_numpy(self.local[layer][experts]).to(torch.int32)[:, None]
         if (ids < 0).any():
-            raise ValueError(f"peer {self.rank} does not hold experts "
-                             f"{sorted(set(experts[(ids[:, 0] < 0).numpy()].tolist()))} "
-                             f"of layer {layer}")
+            raise ValueError(
+                f"peer {self.rank} does not hold experts "
+                f"{sorted(set(experts[(ids[:, 0] < 0).numpy()].tolist()))} "
+                f"of layer {layer}"
+            )
         weights = torch.ones(ids.shape, dtype=torch.float32)
         tensors = self.tensors[layer]
         with self._kernel_lock:
@@ -206,9 +222,19 @@ class ExpertPeer:
                 out = torch_experts(inputs, weights, ids, tensors, self.spec.activation)
             else:
                 out = torch.empty_like(inputs)
-                self._fused_moe(out, inputs, tensors["w13_weight"], tensors["w2_weight"],
-                                None, None, weights, ids, self.spec.activation, self.isa,
-                                False)
+                self._fused_moe(
+                    out,
+                    inputs,
+                    tensors["w13_weight"],
+                    tensors["w2_weight"],
+                    None,
+                    None,
+                    weights,
+                    ids,
+                    self.spec.activation,
+                    self.isa,
+                    False,
+                )
         return out.view(torch.int16).numpy(), time.perf_counter() - started
 
 
@@ -227,8 +253,10 @@ def check_checkpoint_layout(checkpoint: str) -> None:
     except (FileNotFoundError, OSError) as error:
         raise _unreadable(first_line(error)) from None
     if not any(PER_EXPERT_KEY.search(key) for key in index):
-        raise _unreadable("it has no per-expert tensors (*.experts.N.gate_proj.weight or "
-                          "*.experts.N.w1.weight): fused or quantized experts")
+        raise _unreadable(
+            "it has no per-expert tensors (*.experts.N.gate_proj.weight or "
+            "*.experts.N.w1.weight): fused or quantized experts"
+        )
 
 
 def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ...]]]) -> None:
@@ -244,6 +272,8 @@ def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ..
 
 def _unreadable(problem: str) -> SpecExpertConfigError:
     return SpecExpertConfigError(
-        "mesh", f"a peer cannot read this model's experts: {problem}",
+        "mesh",
+        f"a peer cannot read this model's experts: {problem}",
         "use a bf16 checkpoint with one tensor per expert (Qwen3-MoE, Qwen2-MoE, OLMoE, "
-        "DeepSeek-V2, Mixtral), or remove mesh")
+        "DeepSeek-V2, Mixtral), or remove mesh",
+    )

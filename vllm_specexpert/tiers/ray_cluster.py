@@ -15,8 +15,10 @@ def require_ray() -> ModuleType:
         import ray
     except ImportError:
         raise SpecExpertConfigError(
-            "mesh", "needs Ray, which is not installed",
-            "pip install 'vllm-specexpert[mesh]' (or remove mesh)") from None
+            "mesh",
+            "needs Ray, which is not installed",
+            "pip install 'vllm-specexpert[mesh]' (or remove mesh)",
+        ) from None
     return ray
 
 
@@ -33,10 +35,10 @@ def init_ray(ray: ModuleType, address: str | None) -> bool:
             ray.init(address=address, log_to_driver=False, logging_level="WARNING")
     except Exception as error:  # noqa: BLE001 - ConnectionError and Ray's own kinds
         raise SpecExpertConfigError(
-            "mesh.ray_address", f"cannot join the Ray cluster at {address!r}: "
-            f"{first_line(error)}",
-            "start it (`ray start --head`) and give its address, or null for a local "
-            "Ray") from None
+            "mesh.ray_address",
+            f"cannot join the Ray cluster at {address!r}: {first_line(error)}",
+            "start it (`ray start --head`) and give its address, or null for a local Ray",
+        ) from None
     return True
 
 
@@ -55,9 +57,11 @@ def check_reachable(address: str | None) -> None:
         socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
     except OSError as error:
         raise SpecExpertConfigError(
-            "mesh.ray_address", f"nothing answers at {address!r}: {first_line(error)}",
+            "mesh.ray_address",
+            f"nothing answers at {address!r}: {first_line(error)}",
             "start the cluster (`ray start --head`) and give its GCS address, or null "
-            "for a local Ray") from None
+            "for a local Ray",
+        ) from None
 
 
 def first_line(error: BaseException) -> str:

@@ -82,8 +82,10 @@ class SlotPool:
         if self.caches:
             first = self.caches[0].experts
             if first.slot_shapes != cache.experts.slot_shapes:
-                raise ValueError(f"{cache.experts.name}: experts shaped unlike those of "
-                                 f"{first.name} cannot share a slot pool")
+                raise ValueError(
+                    f"{cache.experts.name}: experts shaped unlike those of "
+                    f"{first.name} cannot share a slot pool"
+                )
         self.caches.append(cache)
         self._shares.append(share)
         return len(self.caches) - 1
@@ -92,8 +94,10 @@ class SlotPool:
         """Allocate the slots (the sum of the shares) and warm-start every cache."""
         total = sum(self._shares)
         shapes = self.caches[0].experts.slot_shapes
-        self.tensors = {key: torch.empty((total, *shape), dtype=dtype, device=self.device)
-                        for key, (shape, dtype) in shapes.items()}
+        self.tensors = {
+            key: torch.empty((total, *shape), dtype=dtype, device=self.device)
+            for key, (shape, dtype) in shapes.items()
+        }
         self.owner = np.full(total, -1, dtype=np.int32)
         self.in_flight.clear()
         if self.device.type == "cuda":
@@ -107,8 +111,9 @@ class SlotPool:
     def free_slots(self) -> np.ndarray:
         return np.flatnonzero(self.owner < 0)
 
-    def victims(self, requester: PooledCache, keep: np.ndarray,
-                demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def victims(
+        self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(cache indices, experts)`` that may be evicted now to make room for
         ``requester``, the first to go first; never ``keep`` (of ``requester``), pinned
         or protected experts. ``demand``: the requester's per-expert count of later uses
@@ -129,7 +134,6 @@ class SlotPool:
         of the :meth:`victims`."""
         return len(self.free_slots()) + len(self.victims(cache, keep)[1])
 
-
     def prefetch_room(self, cache: PooledCache, keep: np.ndarray) -> int:
         """How many experts of ``cache`` a prefetch (protected until its layer runs) may
         load now without evicting ``keep``."""
@@ -139,8 +143,9 @@ class SlotPool:
 class LayerSlotPool(SlotPool):
     """One layer's own pool: its eviction policy's order, the least demanded first."""
 
-    def victims(self, requester: PooledCache, keep: np.ndarray,
-                demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def victims(
+        self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         candidates = requester.policy.order(requester.evictable(keep))
         if demand is not None:
             # Stable sort keeps the policy order among equal demand.
@@ -155,8 +160,7 @@ class LayerSlotPool(SlotPool):
         return bool(outside <= cache.num_slots - int(pinned_resident.sum()))
 
     def capacity(self, cache: PooledCache) -> int:
-        return cache.num_slots - int(np.count_nonzero(cache.policy.pinned
-                                                      & cache.resident_mask()))
+        return cache.num_slots - int(np.count_nonzero(cache.policy.pinned & cache.resident_mask()))
 
 
 class SharedSlotPool(SlotPool):
@@ -185,8 +189,9 @@ class SharedSlotPool(SlotPool):
             spare += int(np.count_nonzero(self.lookahead[cache.index][candidates] == 0))
         return spare
 
-    def victims(self, requester: PooledCache, keep: np.ndarray,
-                demand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def victims(
+        self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Every layer's evictable experts: those with no predicted use still to come
         first, then (Belady's rule, the next use known only by layer) the layer whose
         turn comes last, the fewest predicted uses, the least recently used."""
@@ -204,12 +209,10 @@ class SharedSlotPool(SlotPool):
             # last goes first (the requester's own, a whole step away: 0 here), Belady's
             # rule on the cyclic layer order. Recency alone would evict the layers that
             # ran longest ago, the next ones to run.
-            turns.append(np.full(len(candidates),
-                                 (requester.index - cache.index) % layers))
+            turns.append(np.full(len(candidates), (requester.index - cache.index) % layers))
             recency.append(cache.policy.last_used[candidates])
         scores = np.concatenate(scores)
-        order = np.lexsort((np.concatenate(recency), scores, np.concatenate(turns),
-                            scores > 0))
+        order = np.lexsort((np.concatenate(recency), scores, np.concatenate(turns), scores > 0))
         return np.concatenate(owners)[order], np.concatenate(experts)[order]
 
     def prefetch_room(self, cache: PooledCache, keep: np.ndarray) -> int:

@@ -1,6 +1,6 @@
 """Host <-> device staging on the decode path: one read back, uploads that do not block.
 
-**Reads.** 
+**Reads.**
 The host decides which experts to copy, so a decode layer call must see the router's
 ids (and the prediction for the next layer) on the host. On CUDA every separate
 ``.cpu()`` is a synchronization with the compute stream; :class:`HostReader` packs the
@@ -20,8 +20,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
-                torch.float16: np.float16, torch.uint8: np.uint8, torch.bool: np.bool_}
+NUMPY_DTYPES = {
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
 """The dtypes a read returns (numpy has no bfloat16: convert weights first)."""
 
 
@@ -55,15 +61,14 @@ class HostReader:
         for tensor, size in zip(tensors, sizes):
             dtype = NUMPY_DTYPES[tensor.dtype]
             # A copy: the staging buffer is overwritten by the next read.
-            out.append(host[offset:offset + size].view(dtype).reshape(tensor.shape).copy())
+            out.append(host[offset : offset + size].view(dtype).reshape(tensor.shape).copy())
             offset += size
         return out
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < nbytes:
             size = max(nbytes, 4096, 2 * (0 if self._buffer is None else self._buffer.numel()))
-            self._buffer = torch.empty(size, dtype=torch.uint8,
-                                       pin_memory=self._event is not None)
+            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self._event is not None)
         return self._buffer
 
 

@@ -49,8 +49,9 @@ class LayerExperts:
         # Read on every layer call (link time estimates): computed once, the tensors
         # of a layer never change shape.
         self.num_experts: int = next(iter(self.tensors.values())).shape[0]
-        self.expert_nbytes: int = sum(t[0].numel() * t.element_size()
-                                      for t in self.tensors.values())
+        self.expert_nbytes: int = sum(
+            t[0].numel() * t.element_size() for t in self.tensors.values()
+        )
         """Bytes of one expert (all its tensors): what the link moves."""
 
     @property
@@ -63,8 +64,7 @@ class LayerExperts:
     @property
     def slot_nbytes(self) -> int:
         """Bytes of one slot (what one expert takes on the device)."""
-        return sum(math.prod(shape) * dtype.itemsize
-                   for shape, dtype in self.slot_shapes.values())
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.slot_shapes.values())
 
     @property
     def slot_shapes(self) -> SlotShapes:
@@ -91,8 +91,9 @@ class ExpertStore:
         self.pin_memory = pin_memory
         self.layers: dict[str, LayerExperts] = {}
 
-    def add_layer(self, name: str, tensors: dict[str, torch.Tensor],
-                  decoder: ExpertDecoder | None = None) -> LayerExperts:
+    def add_layer(
+        self, name: str, tensors: dict[str, torch.Tensor], decoder: ExpertDecoder | None = None
+    ) -> LayerExperts:
         """Take ownership of a layer's expert tensors (moved to host, pinned on CUDA);
         ``decoder`` for packed ones."""
         if name in self.layers:
@@ -137,7 +138,8 @@ def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
     # Portable: usable from every device's context; mapped: a device pointer exists
     # for it (the UVA view that copy_experts reads).
     error = torch.cuda.cudart().cudaHostRegister(
-        tensor.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        tensor.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+    )
     if int(error) != 0:
         return tensor.pin_memory()
     return tensor

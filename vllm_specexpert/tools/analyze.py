@@ -67,16 +67,18 @@ def hf_routing(decoder_layer) -> NextLayerRouting:
         _, weights, ids = gate(hidden)
         return weights, ids
 
-    def route_logits(hidden: torch.Tensor, logits: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route_logits(
+        hidden: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The gate's selection (softmax top-k, renormalized) on given logits.
         weights, ids = torch.softmax(logits.float(), dim=-1).topk(gate.top_k, dim=-1)
         if gate.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    return NextLayerRouting(norm=decoder_layer.post_attention_layernorm, route=route,
-                            route_logits=route_logits)
+    return NextLayerRouting(
+        norm=decoder_layer.post_attention_layernorm, route=route, route_logits=route_logits
+    )
 
 
 def hf_quasi_hidden(model, model_dir, calibration_dir) -> QuasiHiddenPredictor:
@@ -86,8 +88,14 @@ def hf_quasi_hidden(model, model_dir, calibration_dir) -> QuasiHiddenPredictor:
     layers = moe_layer_indices(model)
     return QuasiHiddenPredictor(
         {str(i): calibration.default_vectors[i] for i in layers},
-        {str(i): residual_scale(model.model.layers[i].post_attention_layernorm.weight.data,
-                                calibration.residual_rms[i]) for i in layers})
+        {
+            str(i): residual_scale(
+                model.model.layers[i].post_attention_layernorm.weight.data,
+                calibration.residual_rms[i],
+            )
+            for i in layers
+        },
+    )
 
 
 class _Sums:
@@ -101,32 +109,50 @@ class _Sums:
 
     def add(self, pred_w, pred_ids, true_w, true_ids, estimate, truth) -> None:
         self.tokens += len(true_ids)
-        self.recall += float((true_ids.unsqueeze(-1) == pred_ids.unsqueeze(-2)).any(-1).float().mean(-1).sum())
-        self.cosine += float(torch.nn.functional.cosine_similarity(estimate.float(), truth.float(), dim=-1).sum())
+        self.recall += float(
+            (true_ids.unsqueeze(-1) == pred_ids.unsqueeze(-2)).any(-1).float().mean(-1).sum()
+        )
+        self.cosine += float(
+            torch.nn.functional.cosine_similarity(estimate.float(), truth.float(), dim=-1).sum()
+        )
         pred_ranked = pred_ids.gather(1, pred_w.argsort(-1, descending=True))
         true_ranked = true_ids.gather(1, true_w.argsort(-1, descending=True))
         self.rank_hits += (pred_ranked == true_ranked).double().sum(0)
 
     def result(self) -> dict:
         n = max(self.tokens, 1)
-        return {"recall": self.recall / n, "cosine": self.cosine / n,
-                "rank_alignment": (self.rank_hits / n).tolist()}
+        return {
+            "recall": self.recall / n,
+            "cosine": self.cosine / n,
+            "rank_alignment": (self.rank_hits / n).tolist(),
+        }
 
 
-def hf_estimator(quasi_hidden: QuasiHiddenPredictor, estimator_dir, model_dir,
-                 calibration_dir, layers: list[int]) -> EstimatorPredictor:
+def hf_estimator(
+    quasi_hidden: QuasiHiddenPredictor, estimator_dir, model_dir, calibration_dir, layers: list[int]
+) -> EstimatorPredictor:
     """The ``estimator`` predictor after every layer (layer names as in
     :func:`hf_quasi_hidden`)."""
     from vllm_specexpert.predict.estimator import load_estimator, transitions_of
 
     network = load_estimator(estimator_dir, model=str(model_dir), calibration=calibration_dir)
-    inputs = PredictorInputs(quasi_hidden.default_vectors, quasi_hidden.residual_scales,
-                             network, transitions_of(network, {i: str(i) for i in layers}))
+    inputs = PredictorInputs(
+        quasi_hidden.default_vectors,
+        quasi_hidden.residual_scales,
+        network,
+        transitions_of(network, {i: str(i) for i in layers}),
+    )
     return EstimatorPredictor.build(inputs)
 
 
-def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
-            max_tokens: int | None = None, estimator_dir=None) -> dict:
+def analyze(
+    model_dir,
+    documents,
+    calibration_dir=None,
+    window: int = 256,
+    max_tokens: int | None = None,
+    estimator_dir=None,
+) -> dict:
     from vllm_specexpert.artifacts import model_fingerprint
 
     model, tokenizer = load_model(model_dir)
@@ -136,35 +162,53 @@ def analyze(model_dir, documents, calibration_dir=None, window: int = 256,
     if calibration_dir is not None:
         predictors["quasi_hidden"] = hf_quasi_hidden(model, model_dir, calibration_dir)
     if estimator_dir is not None:
-        predictors["estimator"] = hf_estimator(predictors["quasi_hidden"], estimator_dir,
-                                               model_dir, calibration_dir, layers)
+        predictors["estimator"] = hf_estimator(
+            predictors["quasi_hidden"], estimator_dir, model_dir, calibration_dir, layers
+        )
     routing = {i: hf_routing(model.model.layers[i]) for i in layers}
     sums = {(j, name): _Sums(top_k) for j in range(len(layers) - 1) for name in predictors}
     tokens = 0
     for t in trace(model, tokenizer, documents, window, max_tokens, progress="analyze"):
         tokens += len(t.token_ids)
         for j in range(len(layers) - 1):
-            state = LayerState(router_input=t.router_input[:, j], topk_ids=t.topk_ids[:, j],
-                               topk_weights=t.topk_weights[:, j])
+            state = LayerState(
+                router_input=t.router_input[:, j],
+                topk_ids=t.topk_ids[:, j],
+                topk_weights=t.topk_weights[:, j],
+            )
             nxt = routing[layers[j + 1]]
             for name, predictor in predictors.items():
                 with torch.no_grad():
                     predicted = predictor.predict(state, str(layers[j]), nxt)
                     estimate = predicted.router_input
                     pred_w, pred_ids = predicted.topk_weights, predicted.topk_ids
-                sums[(j, name)].add(pred_w, pred_ids, t.topk_weights[:, j + 1],
-                                    t.topk_ids[:, j + 1], estimate, t.router_input[:, j + 1])
+                sums[(j, name)].add(
+                    pred_w,
+                    pred_ids,
+                    t.topk_weights[:, j + 1],
+                    t.topk_ids[:, j + 1],
+                    estimate,
+                    t.router_input[:, j + 1],
+                )
     transitions = [
-        {"from_layer": layers[j], "to_layer": layers[j + 1],
-         **{name: sums[(j, name)].result() for name in predictors}}
+        {
+            "from_layer": layers[j],
+            "to_layer": layers[j + 1],
+            **{name: sums[(j, name)].result() for name in predictors},
+        }
         for j in range(len(layers) - 1)
     ]
     if "estimator" in predictors:
         add_hybrid(transitions)
-    return {"model": model_label(model_dir), "model_fingerprint": model_fingerprint(model_dir),
-            "tokens": tokens, "top_k": top_k, "num_experts": model.config.num_experts,
-            "predictors": [*predictors, *(["hybrid"] if "estimator" in predictors else [])],
-            "transitions": transitions}
+    return {
+        "model": model_label(model_dir),
+        "model_fingerprint": model_fingerprint(model_dir),
+        "tokens": tokens,
+        "top_k": top_k,
+        "num_experts": model.config.num_experts,
+        "predictors": [*predictors, *(["hybrid"] if "estimator" in predictors else [])],
+        "transitions": transitions,
+    }
 
 
 def add_hybrid(transitions: list[dict]) -> None:
@@ -174,8 +218,10 @@ def add_hybrid(transitions: list[dict]) -> None:
 
     chosen, _ = hybrid_layers({"transitions": transitions}, None)
     for row in transitions:
-        row["hybrid"] = {**row["estimator" if row["from_layer"] in chosen else "quasi_hidden"],
-                         "uses_estimator": row["from_layer"] in chosen}
+        row["hybrid"] = {
+            **row["estimator" if row["from_layer"] in chosen else "quasi_hidden"],
+            "uses_estimator": row["from_layer"] in chosen,
+        }
 
 
 def plot(result: dict, path: Path, title: str) -> None:
@@ -192,11 +238,17 @@ def plot(result: dict, path: Path, title: str) -> None:
         axes[1].plot(x, [r[name]["cosine"] for r in rows], marker="o", label=name)
         ranks = torch.tensor([r[name]["rank_alignment"] for r in rows]).mean(0)
         axes[2].plot(range(1, len(ranks) + 1), ranks, marker="o", label=name)
-    axes[0].set(title=f"recall@{result['top_k']} of layer l+1's experts", xlabel="predicted layer l+1",
-                ylim=(0, 1))
+    axes[0].set(
+        title=f"recall@{result['top_k']} of layer l+1's experts",
+        xlabel="predicted layer l+1",
+        ylim=(0, 1),
+    )
     axes[1].set(title="cosine(estimate, s_{l+1})", xlabel="predicted layer l+1", ylim=(0, 1))
-    axes[2].set(title="rank alignment (mean over layers)", xlabel="expert rank by routing weight",
-                ylim=(0, 1))
+    axes[2].set(
+        title="rank alignment (mean over layers)",
+        xlabel="expert rank by routing weight",
+        ylim=(0, 1),
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
@@ -209,17 +261,24 @@ def print_table(result: dict) -> None:
     names = result["predictors"]
     print(f"{'l -> l+1':<10}" + "".join(f"{'recall ' + n:>20}{'cos ' + n:>18}" for n in names))
     for r in result["transitions"]:
-        print(f"{r['from_layer']:>3} -> {r['to_layer']:<4}" + "".join(
-            f"{r[n]['recall']:>20.3f}{r[n]['cosine']:>18.3f}" for n in names))
+        print(
+            f"{r['from_layer']:>3} -> {r['to_layer']:<4}"
+            + "".join(f"{r[n]['recall']:>20.3f}{r[n]['cosine']:>18.3f}" for n in names)
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
-    parser.add_argument("--calibration", type=existing_dir,
-                        help="calibration directory (adds quasi_hidden)")
-    parser.add_argument("--estimator", type=existing_dir, help="estimator directory (`specexpert "
-                        "train-estimator`, with the same calibration; adds estimator and "
-                        "hybrid)")
+    parser.add_argument(
+        "--calibration", type=existing_dir, help="calibration directory (adds quasi_hidden)"
+    )
+    parser.add_argument(
+        "--estimator",
+        type=existing_dir,
+        help="estimator directory (`specexpert "
+        "train-estimator`, with the same calibration; adds estimator and "
+        "hybrid)",
+    )
     parser.add_argument("--out", required=True, type=Path)
 
 
@@ -227,22 +286,36 @@ def run(args: argparse.Namespace) -> None:
     from vllm_specexpert.predict.estimator import load_estimator
 
     if args.estimator and not args.calibration:
-        raise UsageError("--estimator", "needs --calibration (the estimator maps "
-                         "quasi_hidden's q_l, made with the calibration's default vectors)")
+        raise UsageError(
+            "--estimator",
+            "needs --calibration (the estimator maps "
+            "quasi_hidden's q_l, made with the calibration's default vectors)",
+        )
     check_output_dir(args.out, "--out", holding("analysis.json"), "an analysis")
     model, docs, description = resolve_data_arguments(args, default_split="validation")
     if args.calibration:
         check_artifact("--calibration", lambda: load_calibration(args.calibration, model=model))
     if args.estimator:
-        check_artifact("--estimator", lambda: load_estimator(
-            args.estimator, model=model, calibration=args.calibration))
-    result = analyze(model, docs, args.calibration, window=args.window,
-                     max_tokens=args.max_tokens, estimator_dir=args.estimator)
+        check_artifact(
+            "--estimator",
+            lambda: load_estimator(args.estimator, model=model, calibration=args.calibration),
+        )
+    result = analyze(
+        model,
+        docs,
+        args.calibration,
+        window=args.window,
+        max_tokens=args.max_tokens,
+        estimator_dir=args.estimator,
+    )
     command = command_line()
     result.update(data=description, command=command)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "analysis.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / "analysis.png", f"{result['model']}, {result['tokens']:,} tokens "
-         f"({description})\n{command}")
+    plot(
+        result,
+        args.out / "analysis.png",
+        f"{result['model']}, {result['tokens']:,} tokens ({description})\n{command}",
+    )
     print_table(result)
     print(f"wrote {args.out / 'analysis.json'} and analysis.png\ncommand: {command}")

@@ -96,7 +96,8 @@ def _checkpoint_config(text: str, safetensors: bool = False) -> dict:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise argparse.ArgumentTypeError(
-            f"{text} holds no config.json: not a Hugging Face model directory")
+            f"{text} holds no config.json: not a Hugging Face model directory"
+        )
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
@@ -112,7 +113,8 @@ def _checkpoint_config(text: str, safetensors: bool = False) -> dict:
                 pass
         except Exception as exc:  # noqa: BLE001 - safetensors' own error types
             raise argparse.ArgumentTypeError(
-                f"{weights}: unreadable ({str(exc).splitlines()[0]}; cut short?)") from None
+                f"{weights}: unreadable ({str(exc).splitlines()[0]}; cut short?)"
+            ) from None
     return config
 
 
@@ -135,7 +137,8 @@ def unquantized_model_dir(text: str) -> str:
             f"transformers, which cannot load it. Fix: run it on its bf16 twin (`specexpert "
             f"dequantize {text} TWIN`): the routers are the same, so what it makes for TWIN "
             "(calibration, estimator, path predictor, analysis) has the quantized model's "
-            "fingerprint and is accepted for it")
+            "fingerprint and is accepted for it"
+        )
     return text
 
 
@@ -150,8 +153,9 @@ def quantized_model_dir(text: str) -> str:
     except SpecExpertUnsupportedError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if fmt is None:
-        raise argparse.ArgumentTypeError(f"{text} is not quantized (no quantization_config "
-                                         "in its config.json)")
+        raise argparse.ArgumentTypeError(
+            f"{text} is not quantized (no quantization_config in its config.json)"
+        )
     return text
 
 
@@ -159,8 +163,10 @@ def bf16_model_dir(text: str) -> str:
     """A checkpoint to quantize: not quantized already."""
     config = _checkpoint_config(text, safetensors=True)
     if config.get("quantization_config"):
-        raise argparse.ArgumentTypeError(f"{text} is quantized already (quantization_config "
-                                         "in its config.json); give its bf16 checkpoint")
+        raise argparse.ArgumentTypeError(
+            f"{text} is quantized already (quantization_config "
+            "in its config.json); give its bf16 checkpoint"
+        )
     return text
 
 
@@ -189,8 +195,9 @@ def holding(*names: str) -> Callable[[Path], bool]:
     return lambda path: any((path / name).is_file() for name in names)
 
 
-def check_output_dir(path: str | Path, option: str, reusable: Callable[[Path], bool],
-                     what: str) -> Path:
+def check_output_dir(
+    path: str | Path, option: str, reusable: Callable[[Path], bool], what: str
+) -> Path:
     """``path`` as an output directory: absent (made by the tool, under a directory or
     nothing), empty, or one that ``reusable`` recognises as ``what`` written before (so
     rewriting it loses nothing else). A regular file, or a directory holding other
@@ -200,8 +207,11 @@ def check_output_dir(path: str | Path, option: str, reusable: Callable[[Path], b
         if not path.is_dir():
             raise UsageError(option, f"{path} exists and is not a directory")
         if any(path.iterdir()) and not reusable(path):
-            raise UsageError(option, f"{path} is a directory that holds other things than "
-                             f"{what}; give a new or empty directory (or one this tool wrote)")
+            raise UsageError(
+                option,
+                f"{path} is a directory that holds other things than "
+                f"{what}; give a new or empty directory (or one this tool wrote)",
+            )
         return path
     parent = path.absolute().parent
     while not parent.exists():
@@ -211,8 +221,9 @@ def check_output_dir(path: str | Path, option: str, reusable: Callable[[Path], b
     return path
 
 
-def check_output_file(path: str | Path, option: str, reusable: Callable[[Path], bool],
-                      what: str) -> Path:
+def check_output_file(
+    path: str | Path, option: str, reusable: Callable[[Path], bool], what: str
+) -> Path:
     """``path`` as an output file: absent (under a directory or nothing), or ``what``
     written before."""
     path = Path(path)
@@ -237,11 +248,13 @@ def check_apart(source: str | Path, out: str | Path, option: str) -> None:
     if a == b:
         raise UsageError(option, f"{out} is the input directory itself; give another")
     if a in b.parents:
-        raise UsageError(option, f"{out} lies inside the input directory {source}; give "
-                         "one outside it")
+        raise UsageError(
+            option, f"{out} lies inside the input directory {source}; give one outside it"
+        )
     if b in a.parents:
-        raise UsageError(option, f"{out} contains the input directory {source}; give one "
-                         "outside it")
+        raise UsageError(
+            option, f"{out} contains the input directory {source}; give one outside it"
+        )
 
 
 def check_shape(schema: type, arguments: dict[str, tuple[str, int]], **others) -> None:

@@ -49,8 +49,14 @@ from vllm_specexpert.tools.trace import (
 )
 
 
-def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | None = None,
-              description: str = "") -> Calibration:
+def calibrate(
+    model_dir,
+    documents,
+    out,
+    window: int = 256,
+    max_tokens: int | None = None,
+    description: str = "",
+) -> Calibration:
     model, tokenizer = load_model(model_dir)
     layers = moe_layer_indices(model)
     E, H = model.config.num_experts, model.config.hidden_size
@@ -85,10 +91,19 @@ def calibrate(model_dir, documents, out, window: int = 256, max_tokens: int | No
         "model": model_label(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
         "data": {"description": description, "sha256": data_hash.hexdigest(), "tokens": tokens},
-        "moe_layer_indices": layers, "num_experts": E, "hidden_size": H, "window": window,
+        "moe_layer_indices": layers,
+        "num_experts": E,
+        "hidden_size": H,
+        "window": window,
     }
-    result = Calibration(manifest, vectors, counts, coactivation, tae,
-                         {i: rms_sums[i] / max(tokens, 1) for i in layers})
+    result = Calibration(
+        manifest,
+        vectors,
+        counts,
+        coactivation,
+        tae,
+        {i: rms_sums[i] / max(tokens, 1) for i in layers},
+    )
     save(Path(out), result)
     return result
 
@@ -101,7 +116,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     check_output_dir(args.out, "--out", artifact_of(FORMAT), "a calibration")
     model, docs, description = resolve_data_arguments(args, default_split="train")
-    result = calibrate(model, docs, args.out, window=args.window, max_tokens=args.max_tokens,
-                       description=description)
-    print(f"calibrated {len(result.default_vectors)} MoE layers on "
-          f"{result.manifest['data']['tokens']:,} tokens ({description}) -> {args.out}")
+    result = calibrate(
+        model,
+        docs,
+        args.out,
+        window=args.window,
+        max_tokens=args.max_tokens,
+        description=description,
+    )
+    print(
+        f"calibrated {len(result.default_vectors)} MoE layers on "
+        f"{result.manifest['data']['tokens']:,} tokens ({description}) -> {args.out}"
+    )

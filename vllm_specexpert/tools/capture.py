@@ -53,8 +53,15 @@ from vllm_specexpert.tools.trace import (
 )
 
 FORMAT = "specexpert-capture/1"
-STORED = ("token_ids", "positions", "router_logits", "topk_ids", "topk_weights",
-          "residual", "router_input")
+STORED = (
+    "token_ids",
+    "positions",
+    "router_logits",
+    "topk_ids",
+    "topk_weights",
+    "residual",
+    "router_input",
+)
 
 
 def capture(
@@ -76,12 +83,19 @@ def capture(
     store_dtype = getattr(torch, dtype)
     layers = moe_layer_indices(model)
     manifest = {
-        "format": FORMAT, "model": model_label(model_dir),
+        "format": FORMAT,
+        "model": model_label(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
-        "num_layers": len(layers), "moe_layer_indices": layers,
-        "num_experts": config.num_experts, "top_k": config.num_experts_per_tok,
-        "hidden_size": config.hidden_size, "dtype": dtype, "window": window,
-        "shards": [], "documents": [], "tokens": 0,
+        "num_layers": len(layers),
+        "moe_layer_indices": layers,
+        "num_experts": config.num_experts,
+        "top_k": config.num_experts_per_tok,
+        "hidden_size": config.hidden_size,
+        "dtype": dtype,
+        "window": window,
+        "shards": [],
+        "documents": [],
+        "tokens": 0,
     }
     buffer: dict[str, list[torch.Tensor]] = {k: [] for k in STORED}
     buffered = 0
@@ -131,7 +145,9 @@ class CaptureReader:
             raise FileNotFoundError(f"{self.path} is not a capture (no manifest.json)")
         self.manifest = json.loads(manifest_path.read_text())
         if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{self.path}: format {self.manifest.get('format')!r}, expected {FORMAT}")
+            raise ValueError(
+                f"{self.path}: format {self.manifest.get('format')!r}, expected {FORMAT}"
+            )
 
     @property
     def tokens(self) -> int:
@@ -157,7 +173,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     check_output_dir(args.out, "--out", artifact_of(FORMAT), "a capture")
     model, docs, _ = resolve_data_arguments(args, default_split="validation")
-    manifest = capture(model, docs, args.out, window=args.window, shard_tokens=args.shard_tokens,
-                       dtype=args.dtype, max_tokens=args.max_tokens)
-    print(f"captured {manifest['tokens']:,} tokens x {manifest['num_layers']} layers "
-          f"in {len(manifest['shards'])} shard(s) -> {args.out}")
+    manifest = capture(
+        model,
+        docs,
+        args.out,
+        window=args.window,
+        shard_tokens=args.shard_tokens,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+    )
+    print(
+        f"captured {manifest['tokens']:,} tokens x {manifest['num_layers']} layers "
+        f"in {len(manifest['shards'])} shard(s) -> {args.out}"
+    )

@@ -30,8 +30,17 @@ MODEL_EXPERTS, MODEL_TOP_K = 16, 2
 """The routing shape the pairs are checked on (the test's toy model)."""
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "miss_policy": ("fetch", "speculate", "cpu", "auto", "buddy", "auto_buddy", "random",
-                    "drop", "lowbit"),
+    "miss_policy": (
+        "fetch",
+        "speculate",
+        "cpu",
+        "auto",
+        "buddy",
+        "auto_buddy",
+        "random",
+        "drop",
+        "lowbit",
+    ),
     "cache": ("lru", "lfu", "static", "plec"),
     "predictor": ("none", "router", "quasi_hidden", "estimator", "hybrid"),
     "lookahead": (None, "on"),
@@ -42,8 +51,12 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
 }
 """Each dimension's values, the default first."""
 
-ARTIFACTS = {"calibration": "CALIBRATION", "estimator": "ESTIMATOR",
-             "analysis": "ANALYSIS", "path_predictor": "PATH_PREDICTOR"}
+ARTIFACTS = {
+    "calibration": "CALIBRATION",
+    "estimator": "ESTIMATOR",
+    "analysis": "ANALYSIS",
+    "path_predictor": "PATH_PREDICTOR",
+}
 """Placeholders of the artifact directories (the start checks read them; the config
 does not)."""
 
@@ -79,8 +92,7 @@ def features() -> list[Setting]:
 
 def pairs() -> list[tuple[Setting, Setting]]:
     """Every two non-default values of two dimensions."""
-    return [(a, b) for a, b in itertools.combinations(features(), 2)
-            if a.dimension != b.dimension]
+    return [(a, b) for a, b in itertools.combinations(features(), 2) if a.dimension != b.dimension]
 
 
 def settings(*chosen: Setting) -> tuple[dict[str, Any], str | None]:
@@ -115,9 +127,9 @@ def settings(*chosen: Setting) -> tuple[dict[str, Any], str | None]:
         raw["estimator"] = ARTIFACTS["estimator"]
     if predictor.needs_analysis:
         raw["analysis"] = ARTIFACTS["analysis"]
-    if ("token_scheduler" in given
-            or (CACHES[raw.get("cache", "lru")].needs_path_predictor
-                and "lookahead" not in given)):
+    if "token_scheduler" in given or (
+        CACHES[raw.get("cache", "lru")].needs_path_predictor and "lookahead" not in given
+    ):
         raw["path_predictor"] = ARTIFACTS["path_predictor"]
     return raw, packed
 
@@ -154,8 +166,12 @@ def with_table(document: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("docs/composition.md"),
-                        help="the document whose table is rewritten (between its markers)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("docs/composition.md"),
+        help="the document whose table is rewritten (between its markers)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:

@@ -39,11 +39,25 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-SKIP_DIRS = frozenset({
-    "__pycache__", "test", "tests", "testing", "idlelib", "lib2to3", "encodings",
-    "_vendor", "vendor", "vendored", "_vendored", "third_party", "externals", "_distutils",
-    "site-packages",
-})
+SKIP_DIRS = frozenset(
+    {
+        "__pycache__",
+        "test",
+        "tests",
+        "testing",
+        "idlelib",
+        "lib2to3",
+        "encodings",
+        "_vendor",
+        "vendor",
+        "vendored",
+        "_vendored",
+        "third_party",
+        "externals",
+        "_distutils",
+        "site-packages",
+    }
+)
 """Directory names whose files are skipped: test suites (huge and repetitive), two CPython
 tools, codec tables, vendored copies of other packages, and (inside the stdlib root) the
 third-party tree, which is scanned on its own."""
@@ -117,10 +131,14 @@ def scan() -> tuple[CorpusFile, ...]:
             digest = hashlib.sha256(data).hexdigest()
             if digest in found:
                 continue
-            package = "stdlib" if source == "stdlib" else (
-                rel.parts[0] if len(rel.parts) > 1 else rel.stem)
-            found[digest] = CorpusFile(path, f"{source}/{rel.as_posix()}", package, len(data),
-                                       digest)
+            package = (
+                "stdlib"
+                if source == "stdlib"
+                else (rel.parts[0] if len(rel.parts) > 1 else rel.stem)
+            )
+            found[digest] = CorpusFile(
+                path, f"{source}/{rel.as_posix()}", package, len(data), digest
+            )
     return tuple(sorted(found.values(), key=lambda f: f.relpath))
 
 
@@ -152,9 +170,8 @@ def describe() -> dict:
     return {
         # The roots by what they are, not where: a path names only the making machine.
         "source": f"CPython {sys.version.split()[0]} standard library and the site-packages "
-                  "of the environment that ran it",
-        "roots": {"stdlib": "sysconfig path 'stdlib'", "site-packages": "sysconfig path "
-                  "'purelib'"},
+        "of the environment that ran it",
+        "roots": {"stdlib": "sysconfig path 'stdlib'", "site-packages": "sysconfig path 'purelib'"},
         "fingerprint": fingerprint(files),
         "files": {s: len(v) for s, v in by_split.items()},
         "bytes": {s: sum(f.size for f in v) for s, v in by_split.items()},
@@ -206,8 +223,9 @@ def _encode_split(split: str, tokenizer_json: Path, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as out:
-        for start in progress_bar(f"tokenize {split}", iterable=range(0, len(files), 256),
-                                  unit="x256 files"):
+        for start in progress_bar(
+            f"tokenize {split}", iterable=range(0, len(files), 256), unit="x256 files"
+        ):
             chunk = files[start : start + 256]
             for encoding in tokenizer.encode_batch([f.read() for f in chunk]):
                 np.asarray(encoding.ids + [eos], dtype=np.uint16).tofile(out)
@@ -218,8 +236,9 @@ def _encode_split(split: str, tokenizer_json: Path, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, help="also write the manifest (every file with its "
-                        "split) as JSON here")
+    parser.add_argument(
+        "--out", type=Path, help="also write the manifest (every file with its split) as JSON here"
+    )
 
 
 def _is_manifest(path: Path) -> bool:
@@ -239,9 +258,22 @@ def run(args: argparse.Namespace) -> None:
     print(json.dumps(info, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            **info, "files_list": [
-                {"relpath": f.relpath, "package": f.package, "size": f.size,
-                 "sha256": f.sha256, "split": f.split} for f in corpus_files()],
-        }, indent=0))
+        args.out.write_text(
+            json.dumps(
+                {
+                    **info,
+                    "files_list": [
+                        {
+                            "relpath": f.relpath,
+                            "package": f.package,
+                            "size": f.size,
+                            "sha256": f.sha256,
+                            "split": f.split,
+                        }
+                        for f in corpus_files()
+                    ],
+                },
+                indent=0,
+            )
+        )
         print(f"wrote {args.out}")

@@ -66,10 +66,12 @@ def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
         from vllm_specexpert.tools.harness import start_engine, stop_engine
 
         llm = start_engine(model, specexpert, eager=not args.compile)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                repetition_penalty=REPETITION_PENALTY)
-        llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4),
-                     use_tqdm=False)  # warm-up
+        params = SamplingParams(
+            temperature=0.0, max_tokens=args.max_tokens, repetition_penalty=REPETITION_PENALTY
+        )
+        llm.generate(
+            PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
+        )  # warm-up
         if specexpert:
             from vllm_specexpert import reset_stats
 
@@ -90,19 +92,27 @@ def _generate(model: str, args: argparse.Namespace, specexpert: dict | None):
 
 def _print_stats(stats: dict) -> None:
     """Per layer, the decode counters (prefill in one line below them)."""
-    print(f"\ndecode ({stats['decode_tokens']} tokens)\n{'layer':<34}{'slots':>6}{'hit rate':>10}"
-          f"{'recall':>8}{'loads':>7}{'prefetched':>11}{'used':>6}{'host':>6}{'MB moved':>10}"
-          f"{'stall ms':>10}")
-    rows = [(name, stats["slots_per_layer"][name], layer["decode"])
-            for name, layer in stats["layers"].items()]
+    print(
+        f"\ndecode ({stats['decode_tokens']} tokens)\n{'layer':<34}{'slots':>6}{'hit rate':>10}"
+        f"{'recall':>8}{'loads':>7}{'prefetched':>11}{'used':>6}{'host':>6}{'MB moved':>10}"
+        f"{'stall ms':>10}"
+    )
+    rows = [
+        (name, stats["slots_per_layer"][name], layer["decode"])
+        for name, layer in stats["layers"].items()
+    ]
     for name, slots, layer in rows + [("total", "", stats["total"]["decode"])]:
         recall = f"{layer['recall']:.2f}" if layer["predicted"] else "-"
-        print(f"{name:<34}{slots:>6}{layer['hit_rate']:>10.2%}{recall:>8}{layer['loads']:>7}"
-              f"{layer['prefetched']:>11}{layer['prefetch_used']:>6}{layer['host_entries']:>6}"
-              f"{layer['bytes_loaded'] / 1e6:>10.2f}{layer['stall_s'] * 1e3:>10.1f}")
+        print(
+            f"{name:<34}{slots:>6}{layer['hit_rate']:>10.2%}{recall:>8}{layer['loads']:>7}"
+            f"{layer['prefetched']:>11}{layer['prefetch_used']:>6}{layer['host_entries']:>6}"
+            f"{layer['bytes_loaded'] / 1e6:>10.2f}{layer['stall_s'] * 1e3:>10.1f}"
+        )
     prefill = stats["total"]["prefill"]
-    print(f"prefill ({stats['prefill_tokens']} tokens): {prefill['loads']} loads, "
-          f"{prefill['bytes_loaded'] / 1e6:.2f} MB, {prefill['stall_s'] * 1e3:.1f} ms stalled")
+    print(
+        f"prefill ({stats['prefill_tokens']} tokens): {prefill['loads']} loads, "
+        f"{prefill['bytes_loaded'] / 1e6:.2f} MB, {prefill['stall_s'] * 1e3:.1f} ms stalled"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -117,19 +127,25 @@ def run(args: argparse.Namespace) -> None:
     )
 
     model = args.model or str(model_path(DEFAULT_MODEL))
-    specexpert = {"budget": args.budget, "cache": args.cache, "predictor": args.predictor,
-                  "miss_policy": args.miss_policy}
+    specexpert = {
+        "budget": args.budget,
+        "cache": args.cache,
+        "predictor": args.predictor,
+        "miss_policy": args.miss_policy,
+    }
     calibration = args.calibration or (str(TRAINED_CALIBRATION_DIR) if not args.model else None)
     if args.predictor == "quasi_hidden":
         specexpert["calibration"] = calibration
     if args.bandwidth_gbps:
-        specexpert["link"] = {"bandwidth_gbps": args.bandwidth_gbps,
-                              "latency_us": args.latency_us}
+        specexpert["link"] = {"bandwidth_gbps": args.bandwidth_gbps, "latency_us": args.latency_us}
     from vllm_specexpert.config import SpecExpertConfig
 
     SpecExpertConfig.from_dict(specexpert)  # the settings' own errors, before any engine
-    print(f"model: {model}\nspecexpert: {json.dumps(specexpert)}"
-          + (f"\n(vLLM's logs: {args.log}; --verbose shows them)" if args.log else ""), flush=True)
+    print(
+        f"model: {model}\nspecexpert: {json.dumps(specexpert)}"
+        + (f"\n(vLLM's logs: {args.log}; --verbose shows them)" if args.log else ""),
+        flush=True,
+    )
     try:
         texts, tokens, tok_s, stats = _generate(model, args, specexpert)
     except Exception:
@@ -147,8 +163,10 @@ def run(args: argparse.Namespace) -> None:
         same = sum(a == b for v, o in zip(vanilla_tokens, tokens) for a, b in zip(v, o))
         total = sum(map(len, vanilla_tokens))
         identical = vanilla_tokens == tokens
-        print(f"vanilla vLLM: {vanilla_tok_s:.1f} tok/s; greedy tokens identical: {same}/{total}"
-              f"{' (the whole output)' if identical else ''}; mode output: {stats['output']}")
+        print(
+            f"vanilla vLLM: {vanilla_tok_s:.1f} tok/s; greedy tokens identical: {same}/{total}"
+            f"{' (the whole output)' if identical else ''}; mode output: {stats['output']}"
+        )
         if stats["output"] == "exact" and not identical:
             sys.exit(1)  # an exact mode that is not: a bug
 
@@ -162,24 +180,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         positive_int,
     )
 
-    parser.add_argument("--model", type=model_dir,
-                        help="model directory (default: the embedded model)")
+    parser.add_argument(
+        "--model", type=model_dir, help="model directory (default: the embedded model)"
+    )
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--cache", default="lru")
-    parser.add_argument("--miss-policy", default="fetch", choices=["fetch", "cpu", "auto"],
-                        help="an exact (fetch) or equivalent (cpu, auto) miss policy")
-    parser.add_argument("--predictor", default="none",
-                        choices=["none", "router", "quasi_hidden"],
-                        help="next-layer prediction for prefetch")
-    parser.add_argument("--calibration", type=existing_dir,
-                        help="calibration directory (default: the embedded model's)")
-    parser.add_argument("--bandwidth-gbps", type=positive_float, default=None,
-                        help="emulate a link of this many GB/s (CPU)")
+    parser.add_argument(
+        "--miss-policy",
+        default="fetch",
+        choices=["fetch", "cpu", "auto"],
+        help="an exact (fetch) or equivalent (cpu, auto) miss policy",
+    )
+    parser.add_argument(
+        "--predictor",
+        default="none",
+        choices=["none", "router", "quasi_hidden"],
+        help="next-layer prediction for prefetch",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=existing_dir,
+        help="calibration directory (default: the embedded model's)",
+    )
+    parser.add_argument(
+        "--bandwidth-gbps",
+        type=positive_float,
+        default=None,
+        help="emulate a link of this many GB/s (CPU)",
+    )
     parser.add_argument("--latency-us", type=non_negative_float, default=10.0)
     parser.add_argument("--max-tokens", type=positive_int, default=64)
-    parser.add_argument("--compile", action="store_true",
-                        help="use vLLM's default torch.compile mode (slower start)")
-    parser.add_argument("--no-compare", dest="compare", action="store_false",
-                        help="skip the vanilla vLLM run")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="use vLLM's default torch.compile mode (slower start)",
+    )
+    parser.add_argument(
+        "--no-compare", dest="compare", action="store_false", help="skip the vanilla vLLM run"
+    )
     parser.add_argument("--verbose", action="store_true", help="show vLLM's logs")
     parser.set_defaults(log=None)

@@ -54,8 +54,9 @@ def dequantize_checkpoint(model: Path, out: Path) -> dict:
         # Other quantization metadata (GPTQ's g_idx) goes; a bias stays.
         result.update({f"{prefix}.{k}": t for k, t in parts.items() if k == "bias"})
         dequantized += 1
-    write_checkpoint(model, out, result, None,
-                     {"made_by": "specexpert dequantize", "format": fmt.name})
+    write_checkpoint(
+        model, out, result, None, {"made_by": "specexpert dequantize", "format": fmt.name}
+    )
     return {"format": fmt.name, "dequantized": dequantized, "out": str(out)}
 
 

@@ -71,9 +71,17 @@ def _one_hot(ids: torch.Tensor, num_experts: int, valid: torch.Tensor | None = N
     return out.numpy()
 
 
-def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: int = 256,
-             max_tokens: int | None = None, batches=(1, 8, 32), samples: int = 400,
-             seed: int = 0) -> dict:
+def evaluate(
+    model_dir,
+    documents,
+    predictor_dir,
+    calibration_dir=None,
+    window: int = 256,
+    max_tokens: int | None = None,
+    batches=(1, 8, 32),
+    samples: int = 400,
+    seed: int = 0,
+) -> dict:
     """Per method and batch size: per-layer batch-level accuracy and its mean over
     layers 1..L-1 (see module doc)."""
     model, tokenizer = load_model(model_dir)
@@ -96,8 +104,11 @@ def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: 
         truth = t.topk_ids  # [T, L, K]
         tokens, num_layers = truth.shape[:2]
         parts["truth"].append(_one_hot(truth, num_experts))
-        parts["rpp"].append(_one_hot(rpp.predict_topk(sliding_windows(t.token_ids, rpp.shape.window,
-                                                                      pad)), num_experts))
+        parts["rpp"].append(
+            _one_hot(
+                rpp.predict_topk(sliding_windows(t.token_ids, rpp.shape.window, pad)), num_experts
+            )
+        )
         first_token = torch.ones(tokens, num_layers, dtype=torch.bool)
         first_token[0] = False
         parts["tlp"].append(_one_hot(truth.roll(1, 0), num_experts, first_token))
@@ -116,8 +127,10 @@ def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: 
     data = {m: np.concatenate(v) for m, v in parts.items()}
     truth = data.pop("truth")
     if max(batches) > len(truth):
-        raise UsageError("--batches", f"a batch of {max(batches)} sequences is more than the "
-                         f"{len(truth)} tokens run")
+        raise UsageError(
+            "--batches",
+            f"a batch of {max(batches)} sequences is more than the {len(truth)} tokens run",
+        )
     rng = np.random.default_rng(seed)
     results: dict[str, dict] = {m: {} for m in data}
     for b in batches:
@@ -130,13 +143,22 @@ def evaluate(model_dir, documents, predictor_dir, calibration_dir=None, window: 
         for method, predicted in data.items():
             hit = (true_or & predicted[groups].any(axis=1)).sum(-1)
             per_layer = (hit / np.maximum(active, 1)).mean(0)
-            results[method][str(b)] = {"per_layer": per_layer.tolist(),
-                                       "b_acc": float(per_layer[1:].mean())}
-    return {"model": model_label(model_dir), "path_predictor": str(predictor_dir),
-            "tokens": len(truth),
-            "moe_layer_indices": layers, "num_experts": num_experts, "top_k": top_k,
-            "batches": list(batches), "samples": samples, "methods": list(data),
-            "results": results}
+            results[method][str(b)] = {
+                "per_layer": per_layer.tolist(),
+                "b_acc": float(per_layer[1:].mean()),
+            }
+    return {
+        "model": model_label(model_dir),
+        "path_predictor": str(predictor_dir),
+        "tokens": len(truth),
+        "moe_layer_indices": layers,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "batches": list(batches),
+        "samples": samples,
+        "methods": list(data),
+        "results": results,
+    }
 
 
 def plot(result: dict, path: Path, title: str) -> None:
@@ -151,10 +173,12 @@ def plot(result: dict, path: Path, title: str) -> None:
     for ax, b in zip(axes[0], batches):
         for method in result["methods"]:
             row = result["results"][method][str(b)]
-            ax.plot(layers, row["per_layer"], marker="o",
-                    label=f"{method} (B_acc {row['b_acc']:.3f})")
-        ax.set(title=f"batch {b}", xlabel="MoE layer", ylabel="batch-level accuracy",
-               ylim=(0, 1.02))
+            ax.plot(
+                layers, row["per_layer"], marker="o", label=f"{method} (B_acc {row['b_acc']:.3f})"
+            )
+        ax.set(
+            title=f"batch {b}", xlabel="MoE layer", ylabel="batch-level accuracy", ylim=(0, 1.02)
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=8)
@@ -166,15 +190,21 @@ def print_table(result: dict) -> None:
     batches = result["batches"]
     print(f"{'method':<14}" + "".join(f"{'B_acc@' + str(b):>12}" for b in batches))
     for method in result["methods"]:
-        print(f"{method:<14}" + "".join(
-            f"{result['results'][method][str(b)]['b_acc']:>12.3f}" for b in batches))
+        print(
+            f"{method:<14}"
+            + "".join(f"{result['results'][method][str(b)]['b_acc']:>12.3f}" for b in batches)
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.add_argument("--path-predictor", required=True, type=existing_dir)
-    parser.add_argument("--calibration", type=existing_dir, help="calibration directory "
-                        "(adds quasi_hidden; default: the shipped one for the embedded model)")
+    parser.add_argument(
+        "--calibration",
+        type=existing_dir,
+        help="calibration directory "
+        "(adds quasi_hidden; default: the shipped one for the embedded model)",
+    )
     parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--samples", type=positive_int, default=400)
     parser.add_argument("--out", type=Path, help="default: the path-predictor directory")
@@ -194,11 +224,17 @@ def run(args: argparse.Namespace) -> None:
     )
 
     predictor = Path(args.path_predictor)
-    out = check_output_dir(args.out or predictor, "--out", lambda p: holding("path_eval.json")(p)
-                           or artifact_of(FORMAT)(p), "a path evaluation")
+    out = check_output_dir(
+        args.out or predictor,
+        "--out",
+        lambda p: holding("path_eval.json")(p) or artifact_of(FORMAT)(p),
+        "a path evaluation",
+    )
     if args.max_tokens is not None and max(args.batches) > args.max_tokens:
-        raise UsageError("--batches", f"a batch of {max(args.batches)} sequences is more than "
-                         f"--max-tokens {args.max_tokens}")
+        raise UsageError(
+            "--batches",
+            f"a batch of {max(args.batches)} sequences is more than --max-tokens {args.max_tokens}",
+        )
     model, docs, description = resolve_data_arguments(args, default_split="validation")
     held_out = Path(model, "heldout", "validation.txt")
     if not args.data and args.split is None and held_out.exists():
@@ -209,13 +245,24 @@ def run(args: argparse.Namespace) -> None:
     check_artifact("--path-predictor", lambda: load_path_predictor(predictor, model=model))
     if calibration is not None:
         check_artifact("--calibration", lambda: load_calibration(calibration, model=model))
-    result = evaluate(model, docs, predictor, calibration, window=args.window,
-                      max_tokens=args.max_tokens, batches=args.batches, samples=args.samples)
+    result = evaluate(
+        model,
+        docs,
+        predictor,
+        calibration,
+        window=args.window,
+        max_tokens=args.max_tokens,
+        batches=args.batches,
+        samples=args.samples,
+    )
     command = command_line()
     result.update(path_predictor=path_label(predictor, out), data=description, command=command)
     out.mkdir(parents=True, exist_ok=True)
     (out / "path_eval.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "path_eval.png", f"{result['model']}: {result['tokens']:,} held-out "
-         f"tokens ({description})\n{command}")
+    plot(
+        result,
+        out / "path_eval.png",
+        f"{result['model']}: {result['tokens']:,} held-out tokens ({description})\n{command}",
+    )
     print_table(result)
     print(f"wrote {out / 'path_eval.json'} and path_eval.png")

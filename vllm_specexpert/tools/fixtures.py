@@ -56,42 +56,76 @@ COMMON = dict(
 ARCHITECTURES: dict[str, dict] = {
     # Fine-grained, Qwen3-30B-A3B-like routing: 16 experts, top-4.
     "qwen3_moe": dict(
-        cls="Qwen3MoeConfig", head_dim=32, intermediate_size=256,
-        moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        cls="Qwen3MoeConfig",
+        head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     ),
     # Mixtral-like: 8 large experts, top-2.
     "mixtral": dict(
-        cls="MixtralConfig", intermediate_size=128, num_local_experts=8,
+        cls="MixtralConfig",
+        intermediate_size=128,
+        num_local_experts=8,
         num_experts_per_tok=2,
     ),
     # OLMoE-like: 16 experts, top-2, no renormalization of the top-k weights.
     "olmoe": dict(
-        cls="OlmoeConfig", intermediate_size=64, num_experts=16, num_experts_per_tok=2,
+        cls="OlmoeConfig",
+        intermediate_size=64,
+        num_experts=16,
+        num_experts_per_tok=2,
         norm_topk_prob=False,
     ),
     # Qwen2-MoE-like: routed experts plus a gated shared expert that stays resident.
     "qwen2_moe": dict(
-        cls="Qwen2MoeConfig", intermediate_size=256, moe_intermediate_size=64,
-        shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        cls="Qwen2MoeConfig",
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     ),
     # DeepSeek-V2-Lite-like: MLA attention, a dense first layer, 2 shared experts.
     "deepseek_v2": dict(
-        cls="DeepseekV2Config", intermediate_size=256, moe_intermediate_size=64,
-        n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=2,
+        cls="DeepseekV2Config",
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        n_routed_experts=16,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
         # vLLM's CPU MLA kernel only compiles kv_lora_rank + rope = 512 + 64.
-        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, head_dim=64,
-        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
-        n_group=1, topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        head_dim=64,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
     ),
     # GPT-OSS-like: expert biases, SWIGLUOAI (clamped), a biased router, attention sinks
     # and alternating sliding-window layers. Fused [E, ...] expert tensors on disk.
     "gpt_oss": dict(
-        cls="GptOssConfig", head_dim=32, intermediate_size=64, num_local_experts=16,
-        num_experts_per_tok=4, sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"] * 2, random_biases=True,
+        cls="GptOssConfig",
+        head_dim=32,
+        intermediate_size=64,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        random_biases=True,
     ),
 }
 
@@ -168,8 +202,11 @@ def train_tokenizer(path: Path) -> None:
 
     from vllm_specexpert.tools import corpus
 
-    sample = (f.read() for f in corpus.corpus_files("train")
-              if corpus.bucket(f.relpath, salt="tokenizer") < TOKENIZER_SAMPLE_PERCENT)
+    sample = (
+        f.read()
+        for f in corpus.corpus_files("train")
+        if corpus.bucket(f.relpath, salt="tokenizer") < TOKENIZER_SAMPLE_PERCENT
+    )
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -251,8 +288,7 @@ def ensure_model(arch: str, out: Path = DEFAULT_OUT) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--arch", nargs="*", default=list(ALL_FIXTURES),
-                        choices=list(ALL_FIXTURES))
+    parser.add_argument("--arch", nargs="*", default=list(ALL_FIXTURES), choices=list(ALL_FIXTURES))
     parser.add_argument("--retrain-tokenizer", action="store_true")
 
 

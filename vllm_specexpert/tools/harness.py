@@ -49,8 +49,15 @@ def start_engine(
     register()
     extra = {"additional_config": {"specexpert": specexpert}} if specexpert is not None else {}
     with plugins_enabled(specexpert is not None if plugins is None else plugins):
-        return LLM(model=model, dtype="bfloat16", enforce_eager=eager,
-                   max_model_len=max_model_len, seed=0, **extra, **kwargs)
+        return LLM(
+            model=model,
+            dtype="bfloat16",
+            enforce_eager=eager,
+            max_model_len=max_model_len,
+            seed=0,
+            **extra,
+            **kwargs,
+        )
 
 
 def stop_engine(llm) -> None:

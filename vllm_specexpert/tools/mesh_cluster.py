@@ -92,6 +92,7 @@ def _kill(sids: set[int], nets: list[str], grace_s: float = 1.0) -> None:
     of its own and all Ray processes of its node stay in it (Ray renames its processes, which
     clobbers /proc/<pid>/environ: an env marker would not do). Never `ray stop`: it kills
     every Ray process of the machine, other people's too."""
+
     def find() -> set[int]:
         pids = {int(p) for n in nets for p in _ip("netns", "pids", n, check=False).split()}
         for d in filter(str.isdigit, os.listdir("/proc")):
@@ -103,6 +104,7 @@ def _kill(sids: set[int], nets: list[str], grace_s: float = 1.0) -> None:
             if int(sid) in sids and state != "Z":
                 pids.add(int(d))
         return pids - {os.getpid()}
+
     end = time.monotonic() + grace_s
     while (pids := find()) and time.monotonic() < end + 3:
         for pid in pids:
@@ -145,16 +147,25 @@ class MeshCluster:
     most Linux hosts: this machine's default, BBR, paces the short app-limited replies of actor
     calls at its low bandwidth estimate (measured: 64 KB at 20 ms took 31 ms, not 22)."""
 
-    def __init__(self, peers: int, rtt_ms: float = 0.1, cpus_per_peer: int = 1,
-                 head_cpus: int = 1, mtu: int = 1500, object_store_mb: int = 200,
-                 congestion: str | None = "cubic") -> None:
+    def __init__(
+        self,
+        peers: int,
+        rtt_ms: float = 0.1,
+        cpus_per_peer: int = 1,
+        head_cpus: int = 1,
+        mtu: int = 1500,
+        object_store_mb: int = 200,
+        congestion: str | None = "cubic",
+    ) -> None:
         self.peers, self.rtt_ms, self.mtu, self.store_mb = peers, rtt_ms, mtu, object_store_mb
         self.congestion = congestion
         self.cpus_per_peer, self.head_cpus = cpus_per_peer, head_cpus
         self.tag = f"{os.getpid()}{chr(ord('a') + next(_counter) % 26)}"
         self.temp_dir = f"/tmp/sxr{self.tag}"  # short: Ray's Unix socket paths live under it
-        self.env: dict[str, str] = {"RAY_AUTH_MODE": "token",
-                                    "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.env: dict[str, str] = {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        }
         """Environment variables a driver process must have to join (token auth)."""
         self.peer_resources: list[str] = [f"specexpert_peer_{i}" for i in range(peers)]
         """A custom Ray resource per worker node: ``resources={name: 1}`` pins an actor there."""
@@ -189,20 +200,51 @@ class MeshCluster:
             self._add_peer(i)
         # The GCS and every head port with a fixed default on free ports: no collision with a
         # local ray.init() of someone else (peers have their own port spaces).
-        port, names = _free_port(), ["node-manager", "object-manager", "ray-client-server",
-                                     "dashboard-agent-grpc", "dashboard-agent-listen",
-                                     "metrics-export", "runtime-env-agent"]
-        self._ray_start((["--head", f"--node-ip-address={head_ip}", f"--port={port}",
-                          f"--num-cpus={self.head_cpus}", "--include-dashboard=false",
-                          *[f"--{n}-port={_free_port()}" for n in names]], self.temp_dir, None))
+        port, names = (
+            _free_port(),
+            [
+                "node-manager",
+                "object-manager",
+                "ray-client-server",
+                "dashboard-agent-grpc",
+                "dashboard-agent-listen",
+                "metrics-export",
+                "runtime-env-agent",
+            ],
+        )
+        self._ray_start(
+            (
+                [
+                    "--head",
+                    f"--node-ip-address={head_ip}",
+                    f"--port={port}",
+                    f"--num-cpus={self.head_cpus}",
+                    "--include-dashboard=false",
+                    *[f"--{n}-port={_free_port()}" for n in names],
+                ],
+                self.temp_dir,
+                None,
+            )
+        )
         self.address = f"{head_ip}:{port}"
         # A --temp-dir per worker: else `ray start` writes /tmp/ray/ray_current_cluster (which
         # a later plain ray.init() on this machine would try to join), and nodes started at
         # once in one session dir pick the same socket names.
-        self._ray_start(*[([f"--address={self.address}", f"--node-ip-address={ip}",
-                            f"--num-cpus={self.cpus_per_peer}", f"--resources={json.dumps({r: 1})}"],
-                           f"{self.temp_dir}/p{i}", f"sxn{self.tag}p{i}")
-                          for i, (ip, r) in enumerate(zip(self._peer_ips, self.peer_resources))])
+        self._ray_start(
+            *[
+                (
+                    [
+                        f"--address={self.address}",
+                        f"--node-ip-address={ip}",
+                        f"--num-cpus={self.cpus_per_peer}",
+                        f"--resources={json.dumps({r: 1})}",
+                    ],
+                    f"{self.temp_dir}/p{i}",
+                    f"sxn{self.tag}p{i}",
+                )
+                for i, (ip, r) in enumerate(zip(self._peer_ips, self.peer_resources))
+            ]
+        )
         self._wait_nodes()
 
     def _ray_start(self, *nodes: tuple[list[str], str, str | None]) -> None:
@@ -211,11 +253,24 @@ class MeshCluster:
         exe = exe if os.path.exists(exe) else shutil.which("ray") or "ray"
         procs = []
         for args, temp_dir, ns in nodes:
-            cmd = [exe, "start", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-                   f"--object-store-memory={self.store_mb << 20}", *args]
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *cmd] if ns else cmd,
-                                          env=self._ray_env(), start_new_session=True, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            cmd = [
+                exe,
+                "start",
+                "--disable-usage-stats",
+                f"--temp-dir={temp_dir}",
+                f"--object-store-memory={self.store_mb << 20}",
+                *args,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, *cmd] if ns else cmd,
+                    env=self._ray_env(),
+                    start_new_session=True,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
             self._sids.add(procs[-1].pid)  # `ip netns exec` execs: same pid, same session
             with open(f"{self.temp_dir}/sids", "w") as f:  # for cleanup_stale after a crash
                 f.write(" ".join(map(str, self._sids)))
@@ -253,10 +308,22 @@ class MeshCluster:
             _ip("route", "add", "default", "dev", b, "src", ns_ip, *cc, ns=ns)
             # By path, not -m: no need to import the package (and torch). -P: the tools/ dir
             # (it has a trace.py) does not shadow the stdlib.
-            self._forwarders.append(subprocess.Popen(
-                [sys.executable, "-P", os.path.abspath(__file__), "--forward", str(fd_a),
-                 str(fd_b), str(self.rtt_ms)], pass_fds=(fd_a, fd_b), stdin=subprocess.PIPE,
-                start_new_session=True))
+            self._forwarders.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-P",
+                        os.path.abspath(__file__),
+                        "--forward",
+                        str(fd_a),
+                        str(fd_b),
+                        str(self.rtt_ms),
+                    ],
+                    pass_fds=(fd_a, fd_b),
+                    stdin=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            )
         finally:
             os.close(fd_a)
             os.close(fd_b)
@@ -265,14 +332,18 @@ class MeshCluster:
     def _wait_nodes(self, timeout_s: float = 120) -> None:
         # In a child process: Ray reads RAY_AUTH_* once per process, and the caller's process
         # must stay free to ray.init() as it likes.
-        code = ("import sys,time; from ray._raylet import GcsClient\n"
-                "from ray.core.generated.gcs_pb2 import GcsNodeInfo\n"
-                "c, end = GcsClient(address=sys.argv[1]), time.time() + float(sys.argv[3])\n"
-                "while len(c.get_all_node_info(timeout=10, state_filter="
-                "GcsNodeInfo.GcsNodeState.ALIVE)) < int(sys.argv[2]):\n"
-                "    assert time.time() < end, 'nodes did not come up'; time.sleep(0.2)\n")
-        _run([sys.executable, "-c", code, self.address, str(self.peers + 1), str(timeout_s)],
-             env=self._ray_env())
+        code = (
+            "import sys,time; from ray._raylet import GcsClient\n"
+            "from ray.core.generated.gcs_pb2 import GcsNodeInfo\n"
+            "c, end = GcsClient(address=sys.argv[1]), time.time() + float(sys.argv[3])\n"
+            "while len(c.get_all_node_info(timeout=10, state_filter="
+            "GcsNodeInfo.GcsNodeState.ALIVE)) < int(sys.argv[2]):\n"
+            "    assert time.time() < end, 'nodes did not come up'; time.sleep(0.2)\n"
+        )
+        _run(
+            [sys.executable, "-c", code, self.address, str(self.peers + 1), str(timeout_s)],
+            env=self._ray_env(),
+        )
 
     def __exit__(self, *exc: object) -> None:
         """Stop every Ray process of this cluster and the forwarders; delete the namespaces,
@@ -360,8 +431,13 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: start a cluster, print its address and measured RTTs, wait for Ctrl-C, clean up.
     (``--forward FD_A FD_B RTT_MS`` runs a forwarder: internal.)"""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in [("peers", 2), ("rtt-ms", 0.1), ("cpus-per-peer", 1), ("head-cpus", 1),
-                          ("mtu", 1500)]:
+    for name, default in [
+        ("peers", 2),
+        ("rtt-ms", 0.1),
+        ("cpus-per-peer", 1),
+        ("head-cpus", 1),
+        ("mtu", 1500),
+    ]:
         p.add_argument(f"--{name}", type=type(default), default=default)
     p.add_argument("--forward", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

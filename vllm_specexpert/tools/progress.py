@@ -32,8 +32,7 @@ class _Lines:
         self.stream.flush()
 
 
-def progress_bar(desc: str, total: int | None = None, unit: str = "it", iterable=None,
-                 **kwargs):
+def progress_bar(desc: str, total: int | None = None, unit: str = "it", iterable=None, **kwargs):
     """A tqdm bar on stderr (see module doc), over ``iterable`` if given; ``total``
     ``None`` (and no sized iterable): a count without end. A postfix set with
     ``refresh=False`` shows at the next redraw."""
@@ -41,7 +40,24 @@ def progress_bar(desc: str, total: int | None = None, unit: str = "it", iterable
 
     stream = sys.stderr
     if stream.isatty():
-        return tqdm(iterable, desc=desc, total=total, unit=unit, file=stream,
-                    mininterval=TERMINAL_INTERVAL_S, dynamic_ncols=True, **kwargs)
-    return tqdm(iterable, desc=desc, total=total, unit=unit, file=_Lines(stream), ncols=100,
-                mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S, **kwargs)
+        return tqdm(
+            iterable,
+            desc=desc,
+            total=total,
+            unit=unit,
+            file=stream,
+            mininterval=TERMINAL_INTERVAL_S,
+            dynamic_ncols=True,
+            **kwargs,
+        )
+    return tqdm(
+        iterable,
+        desc=desc,
+        total=total,
+        unit=unit,
+        file=_Lines(stream),
+        ncols=100,
+        mininterval=LOG_INTERVAL_S,
+        maxinterval=LOG_INTERVAL_S,
+        **kwargs,
+    )

@@ -30,7 +30,7 @@ def model_label(model_dir: str | Path) -> str:
     resolved = Path(model_dir).resolve()
     parts = resolved.parts
     for i, part in enumerate(parts):
-        if part.startswith("models--") and parts[i + 1:i + 2] == ("snapshots",):
+        if part.startswith("models--") and parts[i + 1 : i + 2] == ("snapshots",):
             return part.removeprefix("models--").replace("--", "/")
     return _package_path(resolved) or resolved.name
 
@@ -39,8 +39,10 @@ def path_label(path: str | Path, relative_to: str | Path) -> str:
     """A path recorded in a file of the directory ``relative_to``: its package path (a
     shipped artifact or file), or else relative to that directory."""
     resolved = Path(path).resolve()
-    return _package_path(resolved) or Path(
-        os.path.relpath(resolved, Path(relative_to).resolve())).as_posix()
+    return (
+        _package_path(resolved)
+        or Path(os.path.relpath(resolved, Path(relative_to).resolve())).as_posix()
+    )
 
 
 def file_label(path: str | Path) -> str:

@@ -50,8 +50,12 @@ STAMP = "specexpert-checkpoint.json"
 "format"}``; an ``OUT`` holding it from the same command may be written again."""
 
 
-def make_format(name: str, group_size: int = 128, fp8_scales: str = "tensor",
-                fp8_block: tuple[int, int] = (128, 128)) -> PackedFormat:
+def make_format(
+    name: str,
+    group_size: int = 128,
+    fp8_scales: str = "tensor",
+    fp8_block: tuple[int, int] = (128, 128),
+) -> PackedFormat:
     if name == "awq":
         return AwqFormat("awq", (), group_size)
     if name == "gptq":
@@ -65,33 +69,67 @@ def quantization_config(fmt: PackedFormat, unquantized: list[str]) -> dict:
     """``quantization_config`` as vLLM (and the format's own tooling) reads it; the
     ``unquantized`` modules (full checkpoint names) are left out."""
     if isinstance(fmt, AwqFormat):
-        return {"quant_method": "awq", "bits": 4, "group_size": fmt.group_size,
-                "zero_point": True, "version": "gemm", "modules_to_not_convert": unquantized}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": fmt.group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": unquantized,
+        }
     if isinstance(fmt, GptqFormat):
-        return {"quant_method": "gptq", "bits": 4, "group_size": fmt.group_size,
-                "sym": fmt.symmetric, "desc_act": False, "checkpoint_format": "gptq",
-                "lm_head": False}
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": fmt.group_size,
+            "sym": fmt.symmetric,
+            "desc_act": False,
+            "checkpoint_format": "gptq",
+            "lm_head": False,
+        }
     if isinstance(fmt, Fp8Format) and fmt.scales != "channel":
-        config = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                  "ignored_layers": unquantized}
+        config = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "ignored_layers": unquantized,
+        }
         if fmt.scales == "block":
             config["weight_block_size"] = list(fmt.block)
         return config
     if isinstance(fmt, Fp8Format):
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
-                   "dynamic": False}
+        weights = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "channel",
+            "dynamic": False,
+        }
         kind = "float-quantized"
     else:
-        weights = {"num_bits": 4, "type": "int", "symmetric": fmt.symmetric,
-                   "strategy": "group" if fmt.group_size != -1 else "channel",
-                   "group_size": None if fmt.group_size == -1 else fmt.group_size,
-                   "dynamic": False}
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": fmt.symmetric,
+            "strategy": "group" if fmt.group_size != -1 else "channel",
+            "group_size": None if fmt.group_size == -1 else fmt.group_size,
+            "dynamic": False,
+        }
         kind = "pack-quantized"
-    return {"quant_method": "compressed-tensors", "format": kind,
-            "quantization_status": "compressed", "ignore": unquantized,
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None,
-                                          "output_activations": None, "format": kind}}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": kind,
+        "quantization_status": "compressed",
+        "ignore": unquantized,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": kind,
+            }
+        },
+    }
 
 
 def read_checkpoint(model: Path) -> dict[str, torch.Tensor]:
@@ -107,11 +145,13 @@ def read_checkpoint(model: Path) -> dict[str, torch.Tensor]:
 
 def written_by(command: str):
     """Whether a directory holds a checkpoint ``specexpert COMMAND`` wrote (its stamp)."""
+
     def check(path: Path) -> bool:
         try:
             return json.loads((path / STAMP).read_text()).get("made_by") == f"specexpert {command}"
         except (OSError, ValueError, AttributeError):
             return False
+
     return check
 
 
@@ -122,16 +162,21 @@ def check_checkpoint_out(model: Path, out: Path, command: str) -> None:
     check_output_dir(out, "out", written_by(command), f"a checkpoint of `specexpert {command}`")
 
 
-def write_checkpoint(model: Path, out: Path, tensors: dict[str, torch.Tensor],
-                     quantization: dict | None, stamp: dict) -> None:
+def write_checkpoint(
+    model: Path, out: Path, tensors: dict[str, torch.Tensor], quantization: dict | None, stamp: dict
+) -> None:
     """``out``: ``model``'s files (tokenizer, generation config, ...) with these tensors,
     ``quantization_config`` (``None``: none) and the :data:`STAMP` ``stamp``."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     for path in model.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in (
-                "config.json", "model.safetensors.index.json", "fixture.json", STAMP):
+        if (
+            path.is_file()
+            and path.suffix != ".safetensors"
+            and path.name
+            not in ("config.json", "model.safetensors.index.json", "fixture.json", STAMP)
+        ):
             shutil.copy2(path, out / path.name)
     config = json.loads((model / "config.json").read_text())
     config.pop("quantization_config", None)
@@ -139,8 +184,11 @@ def write_checkpoint(model: Path, out: Path, tensors: dict[str, torch.Tensor],
         config["quantization_config"] = quantization
     config["torch_dtype"] = config["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: t.contiguous() for k, t in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / STAMP).write_text(json.dumps({**stamp, "from": model_label(model)}, indent=1))
 
 
@@ -159,13 +207,19 @@ def check_quantizable(model: Path, fmt: PackedFormat) -> int:
                     continue
                 in_features = f.get_slice(name).get_shape()[-1]
                 if size != -1 and in_features % size:
-                    raise UsageError("--group-size", f"{name} has {in_features} input features, "
-                                     f"not a multiple of --group-size {size}; pick one that "
-                                     "divides it")
+                    raise UsageError(
+                        "--group-size",
+                        f"{name} has {in_features} input features, "
+                        f"not a multiple of --group-size {size}; pick one that "
+                        "divides it",
+                    )
                 experts += 1
     if not experts:
-        raise UsageError("model", f"{model} has no per-expert projection weights "
-                         "(experts.N.gate_proj/up_proj/down_proj or w1/w2/w3)")
+        raise UsageError(
+            "model",
+            f"{model} has no per-expert projection weights "
+            "(experts.N.gate_proj/up_proj/down_proj or w1/w2/w3)",
+        )
     return experts
 
 
@@ -190,8 +244,13 @@ def quantize_checkpoint(model: Path, out: Path, fmt: PackedFormat, kind: str) ->
         for key, packed in fmt.quantize(tensor).items():
             result[f"{match.group(1)}.{key}"] = packed
         experts += 1
-    write_checkpoint(model, out, result, quantization_config(fmt, sorted(unquantized)),
-                     {"made_by": "specexpert quantize", "format": kind})
+    write_checkpoint(
+        model,
+        out,
+        result,
+        quantization_config(fmt, sorted(unquantized)),
+        {"made_by": "specexpert quantize", "format": kind},
+    )
     return {"format": kind, "projections": experts, "out": str(out)}
 
 
@@ -199,14 +258,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=bf16_model_dir, help="bf16 checkpoint directory")
     parser.add_argument("out", type=Path, help="output directory")
     parser.add_argument("--format", choices=FORMATS, required=True)
-    parser.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
-                        help="INT4 group size (32, 64, 128, or -1 for one per channel; "
-                        "default 128)")
-    parser.add_argument("--fp8-scales", choices=("tensor", "channel", "block"), default=None,
-                        help="FP8 scales (default: tensor)")
-    parser.add_argument("--fp8-block", type=positive_int, nargs=2, default=None,
-                        metavar=("OUT", "IN"),
-                        help="block shape [out, in] of --fp8-scales block (default 128 128)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        choices=SUPPORTED_GROUP_SIZES,
+        default=None,
+        help="INT4 group size (32, 64, 128, or -1 for one per channel; default 128)",
+    )
+    parser.add_argument(
+        "--fp8-scales",
+        choices=("tensor", "channel", "block"),
+        default=None,
+        help="FP8 scales (default: tensor)",
+    )
+    parser.add_argument(
+        "--fp8-block",
+        type=positive_int,
+        nargs=2,
+        default=None,
+        metavar=("OUT", "IN"),
+        help="block shape [out, in] of --fp8-scales block (default 128 128)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -218,7 +290,11 @@ def run(args: argparse.Namespace) -> None:
     if args.fp8_block is not None and args.fp8_scales != "block":
         raise UsageError("--fp8-block", "sets the block of --fp8-scales block")
     check_checkpoint_out(model, args.out, "quantize")
-    fmt = make_format(args.format, 128 if args.group_size is None else args.group_size,
-                      args.fp8_scales or "tensor", tuple(args.fp8_block or (128, 128)))
+    fmt = make_format(
+        args.format,
+        128 if args.group_size is None else args.group_size,
+        args.fp8_scales or "tensor",
+        tuple(args.fp8_block or (128, 128)),
+    )
     check_quantizable(model, fmt)
     print(json.dumps(quantize_checkpoint(model, args.out, fmt, args.format)))

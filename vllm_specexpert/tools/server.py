@@ -24,29 +24,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | Path, port: int, log_path: Path, config: dict | None = None,
-                 args: Sequence[str] = (), env: dict[str, str] | None = None
-                 ) -> subprocess.Popen:
+def start_server(
+    model: str | Path,
+    port: int,
+    log_path: Path,
+    config: dict | None = None,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     """``specexpert serve model`` on 127.0.0.1:``port``, output to ``log_path``; with
     ``--plugins specexpert`` and ``config`` as ``additional_config["specexpert"]``, or
     vanilla vLLM if ``config`` is None. ``env``: the server's environment (default:
     this process's)."""
-    command = [*SPECEXPERT, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-               *args]
+    command = [*SPECEXPERT, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     if config is not None:
-        command += ["--plugins", "specexpert",
-                    "--additional-config", json.dumps({"specexpert": config})]
+        command += [
+            "--plugins",
+            "specexpert",
+            "--additional-config",
+            json.dumps({"specexpert": config}),
+        ]
     from vllm_specexpert import metrics
 
     # A new frontend: not the caller's metrics directory (an in-process LLM made one).
-    env = {k: v for k, v in (os.environ if env is None else env).items()
-           if k not in (metrics.DIRECTORY_ENV, metrics.MODEL_NAME_ENV)}
+    env = {
+        k: v
+        for k, v in (os.environ if env is None else env).items()
+        if k not in (metrics.DIRECTORY_ENV, metrics.MODEL_NAME_ENV)
+    }
     with open(log_path, "w") as log:  # the child keeps its own descriptor
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def wait_healthy(server: subprocess.Popen, port: int, log_path: Path,
-                 timeout_s: float = 600) -> None:
+def wait_healthy(
+    server: subprocess.Popen, port: int, log_path: Path, timeout_s: float = 600
+) -> None:
     """Returns when ``/health`` answers 200; raises RuntimeError with the log's tail if
     the server exits or does not come up in ``timeout_s``."""
     import requests
@@ -59,16 +71,24 @@ def wait_healthy(server: subprocess.Popen, port: int, log_path: Path,
         except requests.ConnectionError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"server did not come up in {timeout_s:.0f} s:\n"
-                               + Path(log_path).read_text()[-3000:])
+            raise RuntimeError(
+                f"server did not come up in {timeout_s:.0f} s:\n"
+                + Path(log_path).read_text()[-3000:]
+            )
         time.sleep(1)
     raise RuntimeError("server exited:\n" + Path(log_path).read_text()[-3000:])
 
 
 @contextlib.contextmanager
-def serving(model: str | Path, port: int, log_path: Path, config: dict | None = None,
-            args: Sequence[str] = (), timeout_s: float = 600,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+def serving(
+    model: str | Path,
+    port: int,
+    log_path: Path,
+    config: dict | None = None,
+    args: Sequence[str] = (),
+    timeout_s: float = 600,
+    env: dict[str, str] | None = None,
+) -> Iterator[subprocess.Popen]:
     """The server of :func:`start_server`, healthy, for the ``with`` block; then stopped
     (SIGTERM, as an operator or a supervisor stops it)."""
     server = start_server(model, port, log_path, config, args, env)

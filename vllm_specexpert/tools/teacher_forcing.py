@@ -48,8 +48,7 @@ class TeacherForcing(LogitsProcessor):
         return logits
 
 
-def held_out_windows(count: int, length: int = 256,
-                     split: str = "validation") -> list[list[int]]:
+def held_out_windows(count: int, length: int = 256, split: str = "validation") -> list[list[int]]:
     """``count`` windows of ``length`` held-out tokens, spread over the ``split`` files
     (``validation``, or ``test``: whole packages held out)."""
     from vllm_specexpert.tools import corpus
@@ -64,8 +63,7 @@ def held_out_windows(count: int, length: int = 256,
     return windows[::step][:count]
 
 
-def teacher_forced(llm, windows: list[list[int]], prompt_tokens: int,
-                   batch: int = 1) -> dict:
+def teacher_forced(llm, windows: list[list[int]], prompt_tokens: int, batch: int = 1) -> dict:
     """Teacher-forced decode, ``batch`` windows at a time (submitted together, they
     decode together: ``batch`` sequences per decode step): the first ``prompt_tokens``
     of each window are the prompt, the rest is forced one decode step at a time (the
@@ -79,11 +77,18 @@ def teacher_forced(llm, windows: list[list[int]], prompt_tokens: int,
     top1, logprobs = [], []
     start = time.perf_counter()
     for first in range(0, len(windows), batch):
-        group = windows[first:first + batch]
+        group = windows[first : first + batch]
         prompts = [TokensPrompt(prompt_token_ids=w[:prompt_tokens]) for w in group]
-        params = [SamplingParams(temperature=0.0, max_tokens=len(w) - prompt_tokens,
-                                 logprobs=1, ignore_eos=True,
-                                 extra_args={KEY: w[prompt_tokens:]}) for w in group]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=len(w) - prompt_tokens,
+                logprobs=1,
+                ignore_eos=True,
+                extra_args={KEY: w[prompt_tokens:]},
+            )
+            for w in group
+        ]
         for window, out in zip(group, llm.generate(prompts, params, use_tqdm=False)):
             forced, sample = window[prompt_tokens:], out.outputs[0]
             assert list(sample.token_ids) == forced, "teacher forcing did not hold"

@@ -50,19 +50,23 @@ class _LayerHooks:
             raise ValueError(f"{type(model).__name__}: no MoE layer with a `mlp.gate` router found")
         for i in self.moe_layers:
             layer = layers[i]
-            self.handles.append(layer.post_attention_layernorm.register_forward_hook(self._norm_hook(i)))
+            self.handles.append(
+                layer.post_attention_layernorm.register_forward_hook(self._norm_hook(i))
+            )
             self.handles.append(layer.mlp.gate.register_forward_hook(self._gate_hook(i)))
 
     def _norm_hook(self, i: int):
         def hook(module, args, output):
             self.residual[i] = args[0].detach()
             self.router_input[i] = output.detach()
+
         return hook
 
     def _gate_hook(self, i: int):
         def hook(module, args, output):
             logits, weights, ids = output
             self.router[i] = (logits.detach(), weights.detach(), ids.detach())
+
         return hook
 
     def stacked(self, tokens: int) -> dict[str, torch.Tensor]:
@@ -100,15 +104,18 @@ def _tokens(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def count_tokens(tokenizer, documents: Iterable[tuple[str, str]],
-                 max_tokens: int | None = None, progress: str | None = None) -> int:
+def count_tokens(
+    tokenizer,
+    documents: Iterable[tuple[str, str]],
+    max_tokens: int | None = None,
+    progress: str | None = None,
+) -> int:
     """How many tokens :func:`trace` runs of ``documents`` (a re-iterable: it runs them
     again), ``max_tokens`` at most. Tokenizing is a small fraction of a forward pass."""
     from vllm_specexpert.tools.progress import progress_bar
 
     total = 0
-    with progress_bar(f"{progress}: count tokens", unit="tok",
-                      disable=progress is None) as bar:
+    with progress_bar(f"{progress}: count tokens", unit="tok", disable=progress is None) as bar:
         for _, text in documents:
             n = len(_tokens(tokenizer, text))
             if max_tokens is not None:
@@ -199,14 +206,21 @@ def add_data_arguments(parser) -> None:
         unquantized_model_dir,
     )
 
-    parser.add_argument("model", nargs="?", type=unquantized_model_dir,
-                        help="model directory (default: the embedded model)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        type=unquantized_model_dir,
+        help="model directory (default: the embedded model)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data", nargs="+", type=data_file, help="text files to run")
-    source.add_argument("--split", choices=["train", "validation", "test"], default=None,
-                        help="corpus split (`specexpert corpus`) to run when --data is not given")
-    parser.add_argument("--window", type=positive_int, default=256,
-                        help="tokens per forward pass")
+    source.add_argument(
+        "--split",
+        choices=["train", "validation", "test"],
+        default=None,
+        help="corpus split (`specexpert corpus`) to run when --data is not given",
+    )
+    parser.add_argument("--window", type=positive_int, default=256, help="tokens per forward pass")
     parser.add_argument("--max-tokens", type=positive_int, default=None)
 
 

@@ -57,8 +57,9 @@ from vllm_specexpert.tools.trace import (
 )
 
 
-def capture(model_dir, documents, calibration_dir, window: int, max_tokens: int,
-            progress: str) -> dict:
+def capture(
+    model_dir, documents, calibration_dir, window: int, max_tokens: int, progress: str
+) -> dict:
     """``q [N, J, H]`` (float32) and ``router_logits [N, J, E]`` of layer l+1 for every
     token and transition j, the quasi-hidden predictor's top-k ids of layer l+1
     ``qh_ids [N, J, K]`` and the router's ``true_ids [N, J, K]``, ``max_tokens`` in all."""
@@ -74,8 +75,11 @@ def capture(model_dir, documents, calibration_dir, window: int, max_tokens: int,
         digest.update(t.token_ids.numpy().tobytes())
         qs, qh = [], []
         for j in range(len(layers) - 1):
-            state = LayerState(router_input=t.router_input[:, j], topk_ids=t.topk_ids[:, j],
-                               topk_weights=t.topk_weights[:, j])
+            state = LayerState(
+                router_input=t.router_input[:, j],
+                topk_ids=t.topk_ids[:, j],
+                topk_weights=t.topk_weights[:, j],
+            )
             nxt = routing[layers[j + 1]]
             with torch.no_grad():
                 q = predictor.next_router_input(state, str(layers[j]), nxt)
@@ -86,10 +90,13 @@ def capture(model_dir, documents, calibration_dir, window: int, max_tokens: int,
         out["router_logits"].append(t.router_logits[:, 1:].float())
         out["true_ids"].append(t.topk_ids[:, 1:])
     data = {k: torch.cat(v) for k, v in out.items()}
-    data["info"] = {"moe_layer_indices": layers, "hidden_size": model.config.hidden_size,
-                    "num_experts": model.config.num_experts,
-                    "top_k": model.config.num_experts_per_tok,
-                    "tokens_sha256": digest.hexdigest()}
+    data["info"] = {
+        "moe_layer_indices": layers,
+        "hidden_size": model.config.hidden_size,
+        "num_experts": model.config.num_experts,
+        "top_k": model.config.num_experts_per_tok,
+        "tokens_sha256": digest.hexdigest(),
+    }
     return data
 
 
@@ -101,17 +108,24 @@ def recall(pred_ids: torch.Tensor, true_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def estimator_recall(model: ExpertEstimator, q: torch.Tensor, true_ids: torch.Tensor
-                     ) -> torch.Tensor:
+def estimator_recall(
+    model: ExpertEstimator, q: torch.Tensor, true_ids: torch.Tensor
+) -> torch.Tensor:
     k = true_ids.shape[-1]
-    ids = torch.stack([model(q[:, j], j).topk(k, dim=-1).indices
-                       for j in range(q.shape[1])], dim=1)
+    ids = torch.stack([model(q[:, j], j).topk(k, dim=-1).indices for j in range(q.shape[1])], dim=1)
     return recall(ids, true_ids)
 
 
-def train(data: dict, held: dict, shape: EstimatorShape, steps: int, eval_every: int,
-          batch: int = 1024, lr: float = 2e-3, seed: int = 0
-          ) -> tuple[ExpertEstimator, list[dict]]:
+def train(
+    data: dict,
+    held: dict,
+    shape: EstimatorShape,
+    steps: int,
+    eval_every: int,
+    batch: int = 1024,
+    lr: float = 2e-3,
+    seed: int = 0,
+) -> tuple[ExpertEstimator, list[dict]]:
     """Fit the estimator on ``data``; the curve: its mean held-out recall every
     ``eval_every`` steps, against the training tokens seen."""
     g = torch.Generator().manual_seed(seed)
@@ -119,7 +133,8 @@ def train(data: dict, held: dict, shape: EstimatorShape, steps: int, eval_every:
     model = ExpertEstimator(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     n, transitions = data["q"].shape[:2]
     curve = []
     bar = progress_bar("train estimator", total=steps, unit="step")
@@ -127,9 +142,14 @@ def train(data: dict, held: dict, shape: EstimatorShape, steps: int, eval_every:
         if step % eval_every == 0 or step == steps:
             model.eval()
             per_layer = estimator_recall(model, held["q"], held["true_ids"])
-            curve.append({"step": step, "training_tokens": step * batch,
-                          "recall": float(per_layer.mean()),
-                          "recall_per_transition": per_layer.tolist()})
+            curve.append(
+                {
+                    "step": step,
+                    "training_tokens": step * batch,
+                    "recall": float(per_layer.mean()),
+                    "recall_per_transition": per_layer.tolist(),
+                }
+            )
             bar.set_postfix(recall=f"{curve[-1]['recall']:.3f}", refresh=False)
             model.train()
         if step == steps:
@@ -150,12 +170,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.set_defaults(max_tokens=200_000)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--calibration", type=existing_dir, help="calibration directory "
-                        "(default: the embedded model's)")
+    parser.add_argument(
+        "--calibration",
+        type=existing_dir,
+        help="calibration directory (default: the embedded model's)",
+    )
     parser.add_argument("--steps", type=positive_int, default=2000)
     parser.add_argument("--eval-every", type=positive_int, default=200)
-    parser.add_argument("--eval-tokens", type=positive_int, default=16384,
-                        help="held-out validation tokens for the recall curve")
+    parser.add_argument(
+        "--eval-tokens",
+        type=positive_int,
+        default=16384,
+        help="held-out validation tokens for the recall curve",
+    )
     parser.add_argument("--latent", type=positive_int, default=EstimatorShape.latent)
     parser.add_argument("--mlp-ratio", type=positive_int, default=EstimatorShape.mlp_ratio)
 
@@ -167,54 +194,81 @@ def run(args: argparse.Namespace) -> None:
     from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR
 
     check_output_dir(args.out, "--out", artifact_of(FORMAT), "an estimator")
-    check_shape(EstimatorShape, {"--latent": ("latent", args.latent),
-                                 "--mlp-ratio": ("mlp_ratio", args.mlp_ratio)},
-                hidden_size=1, num_transitions=1, num_experts=1, top_k=1)
+    check_shape(
+        EstimatorShape,
+        {"--latent": ("latent", args.latent), "--mlp-ratio": ("mlp_ratio", args.mlp_ratio)},
+        hidden_size=1,
+        num_transitions=1,
+        num_experts=1,
+        top_k=1,
+    )
     model_dir, documents, description = resolve_data_arguments(args, default_split="train")
     calibration = args.calibration or str(TRAINED_CALIBRATION_DIR)
     check_artifact("--calibration", lambda: load_calibration(calibration, model=model_dir))
     started = time.perf_counter()
-    data = capture(model_dir, documents, calibration, args.window, args.max_tokens,
-                   "capture q_l")
-    held = capture(model_dir, corpus_documents("validation"), calibration, args.window,
-                   args.eval_tokens, "capture held-out")
+    data = capture(model_dir, documents, calibration, args.window, args.max_tokens, "capture q_l")
+    held = capture(
+        model_dir,
+        corpus_documents("validation"),
+        calibration,
+        args.window,
+        args.eval_tokens,
+        "capture held-out",
+    )
     info = data.pop("info")
     held.pop("info")
-    shape = EstimatorShape(hidden_size=info["hidden_size"],
-                           num_transitions=len(info["moe_layer_indices"]) - 1,
-                           num_experts=info["num_experts"], top_k=info["top_k"],
-                           latent=args.latent, mlp_ratio=args.mlp_ratio)
+    shape = EstimatorShape(
+        hidden_size=info["hidden_size"],
+        num_transitions=len(info["moe_layer_indices"]) - 1,
+        num_experts=info["num_experts"],
+        top_k=info["top_k"],
+        latent=args.latent,
+        mlp_ratio=args.mlp_ratio,
+    )
     estimator, curve = train(data, held, shape, args.steps, args.eval_every)
     estimator.layer_indices = info["moe_layer_indices"]
     quasi_hidden = recall(held["qh_ids"], held["true_ids"])
     result = {
         "command": command_line(),
         "parameters": sum(p.numel() for p in estimator.parameters()),
-        "held_out_tokens": len(held["q"]), "curve": curve,
+        "held_out_tokens": len(held["q"]),
+        "curve": curve,
         "quasi_hidden_recall_per_transition": quasi_hidden.tolist(),
         "estimator_recall_per_transition": curve[-1]["recall_per_transition"],
         "seconds": time.perf_counter() - started,
     }
-    save_estimator(args.out, estimator, {
-        "model": model_label(model_dir), "model_fingerprint": model_fingerprint(model_dir),
-        # q_l depends on the calibration's default vectors: the engine refuses another
-        # (by the sha256; the path is for people).
-        "calibration": {"path": path_label(calibration, args.out),
-                        "sha256": file_sha256(Path(calibration) / calibration_file)},
-        "data": {"description": description, "tokens": len(data["q"]),
-                 "sha256": info["tokens_sha256"]},
-        "training": {k: result[k] for k in ("parameters", "held_out_tokens", "seconds")},
-    })
+    save_estimator(
+        args.out,
+        estimator,
+        {
+            "model": model_label(model_dir),
+            "model_fingerprint": model_fingerprint(model_dir),
+            # q_l depends on the calibration's default vectors: the engine refuses another
+            # (by the sha256; the path is for people).
+            "calibration": {
+                "path": path_label(calibration, args.out),
+                "sha256": file_sha256(Path(calibration) / calibration_file),
+            },
+            "data": {
+                "description": description,
+                "tokens": len(data["q"]),
+                "sha256": info["tokens_sha256"],
+            },
+            "training": {k: result[k] for k in ("parameters", "held_out_tokens", "seconds")},
+        },
+    )
     (args.out / "training.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "training.png")
-    print(f"estimator: {result['parameters'] / 1e6:.2f} M parameters; held-out recall@k "
-          f"{curve[-1]['recall']:.3f} (quasi_hidden {float(quasi_hidden.mean()):.3f}); "
-          f"{result['seconds']:.0f} s -> {args.out}")
-    for j, (est, qh) in enumerate(zip(result["estimator_recall_per_transition"],
-                                      result["quasi_hidden_recall_per_transition"])):
+    print(
+        f"estimator: {result['parameters'] / 1e6:.2f} M parameters; held-out recall@k "
+        f"{curve[-1]['recall']:.3f} (quasi_hidden {float(quasi_hidden.mean()):.3f}); "
+        f"{result['seconds']:.0f} s -> {args.out}"
+    )
+    for j, (est, qh) in enumerate(
+        zip(result["estimator_recall_per_transition"], result["quasi_hidden_recall_per_transition"])
+    ):
         layers = info["moe_layer_indices"]
-        print(f"  layer {layers[j]} -> {layers[j + 1]}: estimator {est:.3f}, "
-              f"quasi_hidden {qh:.3f}")
+        print(f"  layer {layers[j]} -> {layers[j + 1]}: estimator {est:.3f}, quasi_hidden {qh:.3f}")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -225,15 +279,26 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     curve = result["curve"]
-    left.plot([c["training_tokens"] / 1e6 for c in curve], [c["recall"] for c in curve],
-              marker="o", label="estimator")
-    left.axhline(sum(result["quasi_hidden_recall_per_transition"])
-                 / len(result["quasi_hidden_recall_per_transition"]), color="k", ls="--",
-                 label="quasi_hidden")
+    left.plot(
+        [c["training_tokens"] / 1e6 for c in curve],
+        [c["recall"] for c in curve],
+        marker="o",
+        label="estimator",
+    )
+    left.axhline(
+        sum(result["quasi_hidden_recall_per_transition"])
+        / len(result["quasi_hidden_recall_per_transition"]),
+        color="k",
+        ls="--",
+        label="quasi_hidden",
+    )
     left.set_xlabel("training samples (M token-transitions)")
     left.set_ylabel("held-out recall@k (mean over transitions)")
     left.legend()
-    est, qh = result["estimator_recall_per_transition"], result["quasi_hidden_recall_per_transition"]
+    est, qh = (
+        result["estimator_recall_per_transition"],
+        result["quasi_hidden_recall_per_transition"],
+    )
     xs = range(1, len(est) + 1)
     right.bar([x - 0.2 for x in xs], qh, width=0.4, label="quasi_hidden")
     right.bar([x + 0.2 for x in xs], est, width=0.4, label="estimator")

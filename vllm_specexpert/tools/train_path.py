@@ -51,8 +51,9 @@ from vllm_specexpert.tools.trace import (
 )
 
 
-def capture_paths(model_dir, documents, window: int, max_tokens: int, context: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def capture_paths(
+    model_dir, documents, window: int, max_tokens: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(windows [N, context] int64, paths [N, L, K] int64, info)`` for every token of
     ``documents`` (``(name, text)`` pairs), ``max_tokens`` in all."""
     model, tokenizer = load_model(model_dir)
@@ -64,9 +65,14 @@ def capture_paths(model_dir, documents, window: int, max_tokens: int, context: i
         digest.update(t.token_ids.numpy().tobytes())
         windows.append(sliding_windows(t.token_ids, context, pad))
         paths.append(t.topk_ids)
-    info = {"vocab_size": config.vocab_size, "num_layers": len(moe_layer_indices(model)),
-            "num_experts": config.num_experts, "top_k": config.num_experts_per_tok,
-            "moe_layer_indices": moe_layer_indices(model), "tokens_sha256": digest.hexdigest()}
+    info = {
+        "vocab_size": config.vocab_size,
+        "num_layers": len(moe_layer_indices(model)),
+        "num_experts": config.num_experts,
+        "top_k": config.num_experts_per_tok,
+        "moe_layer_indices": moe_layer_indices(model),
+        "tokens_sha256": digest.hexdigest(),
+    }
     return torch.cat(windows), torch.cat(paths), info
 
 
@@ -76,18 +82,26 @@ def routing_matrix(paths: torch.Tensor, num_experts: int) -> torch.Tensor:
     return out.scatter_(-1, paths, 1.0)
 
 
-def train(windows: torch.Tensor, paths: torch.Tensor, shape: PathPredictorShape, steps: int,
-          batch: int = 512, lr: float = 3e-3, seed: int = 0) -> tuple[RoutingPathPredictor, dict]:
+def train(
+    windows: torch.Tensor,
+    paths: torch.Tensor,
+    shape: PathPredictorShape,
+    steps: int,
+    batch: int = 512,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> tuple[RoutingPathPredictor, dict]:
     """Fit the predictor; returns it (eval mode) and its losses."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     order = torch.randperm(len(windows), generator=g)
     held = order[: max(len(order) // 50, 1)]
-    fit = order[len(held):]
+    fit = order[len(held) :]
     model = RoutingPathPredictor(shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        optimizer, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     loss_fn = torch.nn.BCEWithLogitsLoss()
     started = time.perf_counter()
     bar = progress_bar("train path predictor", total=steps, unit="step")
@@ -108,10 +122,17 @@ def train(windows: torch.Tensor, paths: torch.Tensor, shape: PathPredictorShape,
     with torch.no_grad():
         held_loss = sum(
             float(loss_fn(model(windows[chunk]), routing_matrix(paths[chunk], shape.num_experts)))
-            * len(chunk) for chunk in held.split(4096)) / len(held)
-    return model, {"train_bce": float(loss), "held_out_bce": held_loss, "steps": steps,
-                   "batch": batch, "seconds": time.perf_counter() - started,
-                   "windows": len(windows)}
+            * len(chunk)
+            for chunk in held.split(4096)
+        ) / len(held)
+    return model, {
+        "train_bce": float(loss),
+        "held_out_bce": held_loss,
+        "steps": steps,
+        "batch": batch,
+        "seconds": time.perf_counter() - started,
+        "windows": len(windows),
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,41 +140,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(max_tokens=600_000)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--steps", type=positive_int, default=3000)
-    parser.add_argument("--context", type=positive_int, default=PathPredictorShape.window,
-                        help="token ids the predictor reads (the current one included)")
-    parser.add_argument("--hidden", type=positive_int, default=PathPredictorShape.hidden,
-                        help="width of the MLP's hidden layers")
+    parser.add_argument(
+        "--context",
+        type=positive_int,
+        default=PathPredictorShape.window,
+        help="token ids the predictor reads (the current one included)",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=positive_int,
+        default=PathPredictorShape.hidden,
+        help="width of the MLP's hidden layers",
+    )
     parser.add_argument("--embed-dim", type=positive_int, default=PathPredictorShape.embed_dim)
-    parser.add_argument("--no-eval", action="store_true",
-                        help="skip the evaluation on the model's held-out text")
+    parser.add_argument(
+        "--no-eval", action="store_true", help="skip the evaluation on the model's held-out text"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     check_output_dir(args.out, "--out", artifact_of(FORMAT), "a path predictor")
-    check_shape(PathPredictorShape, {"--context": ("window", args.context),
-                                     "--hidden": ("hidden", args.hidden),
-                                     "--embed-dim": ("embed_dim", args.embed_dim)},
-                vocab_size=1, num_layers=1, num_experts=1, top_k=1)
+    check_shape(
+        PathPredictorShape,
+        {
+            "--context": ("window", args.context),
+            "--hidden": ("hidden", args.hidden),
+            "--embed-dim": ("embed_dim", args.embed_dim),
+        },
+        vocab_size=1,
+        num_layers=1,
+        num_experts=1,
+        top_k=1,
+    )
     model_dir, documents, description = resolve_data_arguments(args, default_split="train")
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    windows, paths, info = capture_paths(model_dir, documents, args.window, args.max_tokens,
-                                         args.context)
-    shape = PathPredictorShape(vocab_size=info["vocab_size"], num_layers=info["num_layers"],
-                               num_experts=info["num_experts"], top_k=info["top_k"],
-                               window=args.context, embed_dim=args.embed_dim,
-                               hidden=args.hidden)
+    windows, paths, info = capture_paths(
+        model_dir, documents, args.window, args.max_tokens, args.context
+    )
+    shape = PathPredictorShape(
+        vocab_size=info["vocab_size"],
+        num_layers=info["num_layers"],
+        num_experts=info["num_experts"],
+        top_k=info["top_k"],
+        window=args.context,
+        embed_dim=args.embed_dim,
+        hidden=args.hidden,
+    )
     predictor, training = train(windows, paths, shape, args.steps)
     predictor.layer_indices = info["moe_layer_indices"]
     manifest = {
-        "model": model_label(model_dir), "model_fingerprint": model_fingerprint(model_dir),
-        "data": {"description": description, "tokens": len(windows),
-                 "sha256": info["tokens_sha256"]},
+        "model": model_label(model_dir),
+        "model_fingerprint": model_fingerprint(model_dir),
+        "data": {
+            "description": description,
+            "tokens": len(windows),
+            "sha256": info["tokens_sha256"],
+        },
         "training": training,
     }
     save_path_predictor(args.out, predictor, manifest)
-    print(f"path predictor: {sum(p.numel() for p in predictor.parameters()) / 1e6:.2f} M "
-          f"parameters, held-out BCE {training['held_out_bce']:.4f}, "
-          f"{training['seconds']:.0f} s of training -> {args.out}")
+    print(
+        f"path predictor: {sum(p.numel() for p in predictor.parameters()) / 1e6:.2f} M "
+        f"parameters, held-out BCE {training['held_out_bce']:.4f}, "
+        f"{training['seconds']:.0f} s of training -> {args.out}"
+    )
     if not args.no_eval:
         from vllm_specexpert.tools import eval_path
 

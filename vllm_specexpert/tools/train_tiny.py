@@ -123,28 +123,33 @@ def padded_bmm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     order = torch.argsort(flat, stable=True)
     expert_sorted = flat[order]
     counts = torch.bincount(flat, minlength=num_experts)
-    capacity = max(1, min(int(counts.max()),
-                          int(CAPACITY_FACTOR * flat.numel() / num_experts) + 1))
+    capacity = max(1, min(int(counts.max()), int(CAPACITY_FACTOR * flat.numel() / num_experts) + 1))
     starts = torch.cumsum(counts, 0) - counts
-    within = torch.arange(flat.numel(), device=flat.device) - torch.repeat_interleave(starts, counts)
+    within = torch.arange(flat.numel(), device=flat.device) - torch.repeat_interleave(
+        starts, counts
+    )
     token_of = order // top_k
     weights = top_k_weights.reshape(-1)[order]
     fits = within < capacity
     slot = (expert_sorted * capacity + within)[fits]
     x = hidden_states.new_zeros(num_experts * capacity, hidden).index_put(
-        (slot,), hidden_states[token_of[fits]])
-    h = self._apply_gate(torch.bmm(x.view(num_experts, capacity, hidden),
-                                   self.gate_up_proj.transpose(1, 2)))
+        (slot,), hidden_states[token_of[fits]]
+    )
+    h = self._apply_gate(
+        torch.bmm(x.view(num_experts, capacity, hidden), self.gate_up_proj.transpose(1, 2))
+    )
     y = torch.bmm(h, self.down_proj.transpose(1, 2)).view(num_experts * capacity, hidden)[slot]
     out = hidden_states.new_zeros(tokens, hidden).index_add(
-        0, token_of[fits], y * weights[fits, None].to(y.dtype))
+        0, token_of[fits], y * weights[fits, None].to(y.dtype)
+    )
     if not bool(fits.all()):
         over = ~fits
         for expert in torch.unique(expert_sorted[over]).tolist():
             chosen = over & (expert_sorted == expert)
             rows = token_of[chosen]
-            he = self._apply_gate(torch.nn.functional.linear(hidden_states[rows],
-                                                             self.gate_up_proj[expert]))
+            he = self._apply_gate(
+                torch.nn.functional.linear(hidden_states[rows], self.gate_up_proj[expert])
+            )
             ye = torch.nn.functional.linear(he, self.down_proj[expert])
             out = out.index_add(0, rows, ye * weights[chosen, None].to(ye.dtype))
     return out
@@ -216,7 +221,8 @@ def heldout_sample(split: str, budget: int = HELDOUT_BYTES) -> tuple[str, list[s
             chosen.append(f)
             size += f.size
     return "<|endoftext|>".join(f.read() for f in chosen) + "<|endoftext|>", [
-        f.relpath for f in chosen]
+        f.relpath for f in chosen
+    ]
 
 
 # ----------------------------------------------------------------------- losses
@@ -255,8 +261,11 @@ def evaluate_loss(model, windows, batch: int = 16) -> EvalResult:
         for i in range(0, len(windows), batch):
             chunk = windows[i : i + batch]
             logits = model(input_ids=chunk[:, :-1]).logits.float()
-            total += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"))
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+                )
+            )
             count += chunk[:, 1:].numel()
     return EvalResult(total / count, count)
 
@@ -280,8 +289,10 @@ def routing_metrics(model, windows) -> list[dict]:
     import torch
 
     with torch.no_grad():
-        outs = [model(input_ids=windows[i : i + 16, :-1], output_router_logits=True).router_logits
-                for i in range(0, len(windows), 16)]
+        outs = [
+            model(input_ids=windows[i : i + 16, :-1], output_router_logits=True).router_logits
+            for i in range(0, len(windows), 16)
+        ]
     top_k = model.config.num_experts_per_tok
     per_layer: list[dict] = []
     for layer in range(len(outs[0])):
@@ -291,15 +302,17 @@ def routing_metrics(model, windows) -> list[dict]:
         counts = torch.bincount(probs.topk(top_k, -1).indices.reshape(-1), minlength=num_experts)
         load = counts.double() / counts.sum()
         fair = load * num_experts
-        per_layer.append({
-            "layer": layer,
-            "router_entropy": token_entropy,
-            "router_entropy_ratio": token_entropy / math.log(num_experts),
-            "load_entropy": float(-(load[load > 0] * load[load > 0].log()).sum()),
-            "log_num_experts": math.log(num_experts),
-            "min_fair_share": float(fair.min()),
-            "max_fair_share": float(fair.max()),
-        })
+        per_layer.append(
+            {
+                "layer": layer,
+                "router_entropy": token_entropy,
+                "router_entropy_ratio": token_entropy / math.log(num_experts),
+                "load_entropy": float(-(load[load > 0] * load[load > 0].log()).sum()),
+                "log_num_experts": math.log(num_experts),
+                "min_fair_share": float(fair.min()),
+                "max_fair_share": float(fair.max()),
+            }
+        )
     return per_layer
 
 
@@ -330,20 +343,28 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     needed = cfg.steps * cfg.batch_size
     if needed > len(starts):
         raise SystemExit(f"{needed} windows needed, the train split has {len(starts)}")
-    print(f"corpus: {len(train_tokens):,} train tokens; this run sees "
-          f"{needed * cfg.seq_len:,} of them, each once", flush=True)
+    print(
+        f"corpus: {len(train_tokens):,} train tokens; this run sees "
+        f"{needed * cfg.seq_len:,} of them, each once",
+        flush=True,
+    )
 
     register_padded_experts()
     config = cfg.hf_config()
     config._experts_implementation = "padded_bmm"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "gate.weight" not in n]
-    no_decay = [p for n, p in model.named_parameters()
-                if not (p.dim() >= 2 and "gate.weight" not in n)]
+    no_decay = [
+        p for n, p in model.named_parameters() if not (p.dim() >= 2 and "gate.weight" not in n)
+    ]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), fused=True,
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        fused=True,
     )
     forward = torch.compile(model, dynamic=True)
     history: list[dict] = []
@@ -361,7 +382,8 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
         batch = torch.stack([train_tokens[s : s + window] for s in batch_starts])
         output = forward(input_ids=batch[:, :-1], output_router_logits=True)
         ce = torch.nn.functional.cross_entropy(
-            output.logits.float().reshape(-1, output.logits.shape[-1]), batch[:, 1:].reshape(-1))
+            output.logits.float().reshape(-1, output.logits.shape[-1]), batch[:, 1:].reshape(-1)
+        )
         balance = balance_loss(output.router_logits, cfg.num_experts_per_tok)
         loss = ce + cfg.balance_coef * balance
         optimizer.zero_grad(set_to_none=True)
@@ -373,10 +395,21 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
         if step % 20 == 0 or step == cfg.steps - 1:
             tok_s = window_tokens / (time.perf_counter() - window_start)
             window_start, window_tokens = time.perf_counter(), 0
-            history.append({"step": step, "loss": float(ce), "balance": float(balance),
-                            "lr": lr_at(step, cfg), "tok_s": tok_s})
-            bar.set_postfix(loss=f"{float(ce):.3f}", bal=f"{float(balance):.3f}",
-                            tok_s=f"{tok_s:.0f}", refresh=False)
+            history.append(
+                {
+                    "step": step,
+                    "loss": float(ce),
+                    "balance": float(balance),
+                    "lr": lr_at(step, cfg),
+                    "tok_s": tok_s,
+                }
+            )
+            bar.set_postfix(
+                loss=f"{float(ce):.3f}",
+                bal=f"{float(balance):.3f}",
+                tok_s=f"{tok_s:.0f}",
+                refresh=False,
+            )
     bar.close()
     train_seconds = time.time() - started
     tokens_seen = steps_done * cfg.batch_size * cfg.seq_len
@@ -387,13 +420,22 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     from vllm_specexpert.tools.fixtures import save_tokenizer
 
     save_tokenizer(out)
-    metrics = evaluate(out, command, {
-        "train_config": asdict(cfg), "corpus": corpus.describe(),
-        "train_corpus_tokens": len(train_tokens), "steps_done": steps_done,
-        "train_tokens_seen": tokens_seen, "train_seconds": train_seconds,
-        "train_tokens_per_second": tokens_seen / train_seconds, "history": history,
-        "train_windows": starts[:needed],
-    }, train_tokens)
+    metrics = evaluate(
+        out,
+        command,
+        {
+            "train_config": asdict(cfg),
+            "corpus": corpus.describe(),
+            "train_corpus_tokens": len(train_tokens),
+            "steps_done": steps_done,
+            "train_tokens_seen": tokens_seen,
+            "train_seconds": train_seconds,
+            "train_tokens_per_second": tokens_seen / train_seconds,
+            "history": history,
+            "train_windows": starts[:needed],
+        },
+        train_tokens,
+    )
     plot_loss(history, out / "loss.png", metrics["validation"]["loss"])
     return metrics
 
@@ -405,15 +447,20 @@ def evaluate(out: Path, command: str, run: dict, train_tokens) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     train_windows = run.pop("train_windows")
-    seen = torch.stack([train_tokens[s : s + EVAL_SEQ_LEN + 1] for s in train_windows[:EVAL_WINDOWS]])
+    seen = torch.stack(
+        [train_tokens[s : s + EVAL_SEQ_LEN + 1] for s in train_windows[:EVAL_WINDOWS]]
+    )
     splits = {"train (seen windows)": seen}
     for split in ("validation", "test"):
         splits[split] = spread_windows(split_tokens(split), EVAL_WINDOWS)
     losses = {}
     for name, windows in splits.items():
         result = evaluate_loss(model, windows)
-        losses[name] = {"loss": result.loss, "tokens": result.tokens,
-                        "unigram_entropy": unigram_entropy(windows[:, 1:])}
+        losses[name] = {
+            "loss": result.loss,
+            "tokens": result.tokens,
+            "unigram_entropy": unigram_entropy(windows[:, 1:]),
+        }
     heldout = {}
     shutil.rmtree(out / "heldout", ignore_errors=True)  # no stale samples of an older model
     (out / "heldout").mkdir()
@@ -423,17 +470,24 @@ def evaluate(out: Path, command: str, run: dict, train_tokens) -> dict:
         (out / path).write_text(text, encoding="utf-8")
         windows = text_windows(text)
         result = evaluate_loss(model, windows)
-        heldout[split] = {"sample": path, "files": files,
-                          "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                          "loss": result.loss, "tokens": result.tokens,
-                          "unigram_entropy": unigram_entropy(windows[:, 1:])}
-    heldout_routing = routing_metrics(model, text_windows(
-        (out / heldout["validation"]["sample"]).read_text(encoding="utf-8")))
+        heldout[split] = {
+            "sample": path,
+            "files": files,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "loss": result.loss,
+            "tokens": result.tokens,
+            "unigram_entropy": unigram_entropy(windows[:, 1:]),
+        }
+    heldout_routing = routing_metrics(
+        model, text_windows((out / heldout["validation"]["sample"]).read_text(encoding="utf-8"))
+    )
     metrics = {
-        "command": command, **run,
+        "command": command,
+        **run,
         "parameters": sum(p.numel() for p in model.parameters()),
         "checkpoint_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
-        "validation": losses["validation"], "test": losses["test"],
+        "validation": losses["validation"],
+        "test": losses["test"],
         "train": losses["train (seen windows)"],
         "heldout": heldout,
         "routing": routing_metrics(model, splits["validation"][:128]),
@@ -451,17 +505,29 @@ def quality_gates(heldout: dict, routing: list[dict]) -> list[dict]:
     ``tests/test_tiny_model.py`` checks them (there recomputed with transformers' loss)."""
     test = heldout["test"]
     gates = [
-        ("test-package loss / unigram entropy (`heldout/test.txt`)",
-         test["loss"] / test["unigram_entropy"], "< 0.6", test["loss"] < 0.6 * test["unigram_entropy"]),
-        ("router entropy / log E, worst layer (`heldout/validation.txt`)",
-         max(r["router_entropy_ratio"] for r in routing), "< 0.9",
-         all(r["router_entropy_ratio"] < 0.9 for r in routing)),
-        ("least-used expert's share of its fair share, worst layer (`heldout/validation.txt`)",
-         min(r["min_fair_share"] for r in routing), ">= 0.1",
-         all(r["min_fair_share"] >= 0.1 for r in routing)),
+        (
+            "test-package loss / unigram entropy (`heldout/test.txt`)",
+            test["loss"] / test["unigram_entropy"],
+            "< 0.6",
+            test["loss"] < 0.6 * test["unigram_entropy"],
+        ),
+        (
+            "router entropy / log E, worst layer (`heldout/validation.txt`)",
+            max(r["router_entropy_ratio"] for r in routing),
+            "< 0.9",
+            all(r["router_entropy_ratio"] < 0.9 for r in routing),
+        ),
+        (
+            "least-used expert's share of its fair share, worst layer (`heldout/validation.txt`)",
+            min(r["min_fair_share"] for r in routing),
+            ">= 0.1",
+            all(r["min_fair_share"] >= 0.1 for r in routing),
+        ),
     ]
-    return [{"gate": name, "value": value, "limit": limit, "passed": passed}
-            for name, value, limit, passed in gates]
+    return [
+        {"gate": name, "value": value, "limit": limit, "passed": passed}
+        for name, value, limit, passed in gates
+    ]
 
 
 def greedy_samples(model, max_new_tokens: int = 64) -> list[dict]:
@@ -474,11 +540,17 @@ def greedy_samples(model, max_new_tokens: int = 64) -> list[dict]:
     for prompt in SAMPLE_PROMPTS:
         ids = torch.tensor([tokenizer.encode(prompt).ids])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 repetition_penalty=REPETITION_PENALTY,
-                                 pad_token_id=1, eos_token_id=0)
-        samples.append({"prompt": prompt,
-                        "completion": tokenizer.decode(out[0, ids.shape[1]:].tolist())})
+            out = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                repetition_penalty=REPETITION_PENALTY,
+                pad_token_id=1,
+                eos_token_id=0,
+            )
+        samples.append(
+            {"prompt": prompt, "completion": tokenizer.decode(out[0, ids.shape[1] :].tolist())}
+        )
     return samples
 
 
@@ -510,49 +582,55 @@ def model_card(m: dict) -> str:
         for r in m["routing"]
     )
     samples = "\n\n".join(f"```python\n{s['prompt']}{s['completion']}\n```" for s in m["samples"])
-    largest = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in corpus["largest_train_packages"].items())
-    gate_rows = "\n".join(f"| {g['gate']} | {g['value']:.3f} | {g['limit']} | "
-                          f"{'yes' if g['passed'] else '**NO**'} |" for g in m["gates"])
+    largest = ", ".join(
+        f"{k} {v / 1e6:.1f} MB" for k, v in corpus["largest_train_packages"].items()
+    )
+    gate_rows = "\n".join(
+        f"| {g['gate']} | {g['value']:.3f} | {g['limit']} | {'yes' if g['passed'] else '**NO**'} |"
+        for g in m["gates"]
+    )
 
     def loss_row(name: str, r: dict) -> str:
-        return (f"| {name} | {r['loss']:.4f} | {r['unigram_entropy']:.4f} | "
-                f"{r['loss'] / r['unigram_entropy']:.3f} | {r['tokens']:,} |")
+        return (
+            f"| {name} | {r['loss']:.4f} | {r['unigram_entropy']:.4f} | "
+            f"{r['loss'] / r['unigram_entropy']:.3f} | {r['tokens']:,} |"
+        )
 
     return f"""# tiny-qwen3-moe
 
-A {m['parameters'] / 1e6:.1f} M-parameter Qwen3-MoE ({c['num_hidden_layers']} layers, hidden
-{c['hidden_size']}, {c['num_experts']} routed experts per layer, top-{c['num_experts_per_tok']},
-expert width {c['moe_intermediate_size']}, tied embeddings, vocab 10,240 byte-level BPE;
-{m['checkpoint_bytes'] / 1e6:.1f} MB in bf16), trained from scratch on a 2-core CPU on Python
+A {m["parameters"] / 1e6:.1f} M-parameter Qwen3-MoE ({c["num_hidden_layers"]} layers, hidden
+{c["hidden_size"]}, {c["num_experts"]} routed experts per layer, top-{c["num_experts_per_tok"]},
+expert width {c["moe_intermediate_size"]}, tied embeddings, vocab 10,240 byte-level BPE;
+{m["checkpoint_bytes"] / 1e6:.1f} MB in bf16), trained from scratch on a 2-core CPU on Python
 source code. It is vllm-specexpert's embedded default model and the yardstick for its routing
 predictors and expert scheduling. It writes Python-looking code; it is not a useful code model.
 
-Made by: `{m['command']}` (torch {m['torch']}): {m['steps_done']} steps of
-{c['batch_size']} x {c['seq_len']} tokens in {m['train_seconds'] / 60:.1f} min of training,
-{m['train_tokens_per_second']:.0f} tokens/s.
+Made by: `{m["command"]}` (torch {m["torch"]}): {m["steps_done"]} steps of
+{c["batch_size"]} x {c["seq_len"]} tokens in {m["train_seconds"] / 60:.1f} min of training,
+{m["train_tokens_per_second"]:.0f} tokens/s.
 
 ## Data
-{corpus['source']} ({corpus['train_packages']} training packages; largest: {largest}).
+{corpus["source"]} ({corpus["train_packages"]} training packages; largest: {largest}).
 Filtered and deduplicated as `specexpert corpus` documents (tests, vendored copies, generated
 files and files over 1 MB dropped). Splits by sha256: the package-level **test** split holds
-whole packages never trained on: {', '.join(corpus['test_packages'])}
-({corpus['files']['test']} files, {corpus['bytes']['test'] / 1e6:.1f} MB); **validation** is 2 %
-of the other files ({corpus['files']['validation']} files); **train** the rest
-({corpus['files']['train']} files, {corpus['bytes']['train'] / 1e6:.1f} MB,
-{m['train_corpus_tokens']:,} tokens). Corpus fingerprint: `{corpus['fingerprint']}`.
-Tokens seen in training: {m['train_tokens_seen']:,}, each once (distinct non-overlapping
+whole packages never trained on: {", ".join(corpus["test_packages"])}
+({corpus["files"]["test"]} files, {corpus["bytes"]["test"] / 1e6:.1f} MB); **validation** is 2 %
+of the other files ({corpus["files"]["validation"]} files); **train** the rest
+({corpus["files"]["train"]} files, {corpus["bytes"]["train"] / 1e6:.1f} MB,
+{m["train_corpus_tokens"]:,} tokens). Corpus fingerprint: `{corpus["fingerprint"]}`.
+Tokens seen in training: {m["train_tokens_seen"]:,}, each once (distinct non-overlapping
 windows).
 
 ## Results (bf16 checkpoint, fp32 compute, {EVAL_WINDOWS} windows of {EVAL_SEQ_LEN} tokens spread over each split)
 | split | loss (nats/token) | unigram entropy of the same tokens | ratio | tokens |
 |---|---|---|---|---|
-{loss_row('train (windows it was trained on)', m['train'])}
-{loss_row('validation', m['validation'])}
-{loss_row('test (held-out packages)', m['test'])}
+{loss_row("train (windows it was trained on)", m["train"])}
+{loss_row("validation", m["validation"])}
+{loss_row("test (held-out packages)", m["test"])}
 
 Shipped held-out samples (`heldout/`, whole files; `tests/test_tiny_model.py` recomputes these
 with transformers' own loss and checks the quality gates on them):
-{loss_row_table(m['heldout'])}
+{loss_row_table(m["heldout"])}
 
 Quality gates, on the shipped samples (mean per-token router entropy below 0.9 x log E and every
 expert at least 10 % of its fair share of the top-k assignments, in every layer):
@@ -577,11 +655,16 @@ Fair share: an expert's share of the assignments x E (1.0 = perfectly balanced).
 
 
 def loss_row_table(heldout: dict) -> str:
-    lines = ["| sample | files | loss | unigram entropy | ratio | tokens |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| sample | files | loss | unigram entropy | ratio | tokens |",
+        "|---|---|---|---|---|---|",
+    ]
     for split, r in heldout.items():
-        lines.append(f"| `{r['sample']}` | {len(r['files'])} | {r['loss']:.4f} | "
-                     f"{r['unigram_entropy']:.4f} | {r['loss'] / r['unigram_entropy']:.3f} | "
-                     f"{r['tokens']:,} |")
+        lines.append(
+            f"| `{r['sample']}` | {len(r['files'])} | {r['loss']:.4f} | "
+            f"{r['unigram_entropy']:.4f} | {r['loss'] / r['unigram_entropy']:.3f} | "
+            f"{r['tokens']:,} |"
+        )
     return "\n".join(lines)
 
 
@@ -593,8 +676,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=TrainConfig.batch_size)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--max-minutes", type=positive_float, default=TrainConfig.max_minutes)
-    parser.add_argument("--retrain-tokenizer", action="store_true",
-                        help="retrain the shared tokenizer on the train split first")
+    parser.add_argument(
+        "--retrain-tokenizer",
+        action="store_true",
+        help="retrain the shared tokenizer on the train split first",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -606,13 +692,16 @@ def run(args: argparse.Namespace) -> None:
         from vllm_specexpert.tools.fixtures import TOKENIZER_JSON, train_tokenizer
 
         train_tokenizer(TOKENIZER_JSON)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed,
-                      max_minutes=args.max_minutes)
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seed=args.seed, max_minutes=args.max_minutes
+    )
     command = " ".join(["specexpert", *sys.argv[1:]]) if sys.argv else "specexpert train-tiny"
     metrics = train(cfg, args.out, command)
     v, t = metrics["validation"], metrics["test"]
-    print(f"validation loss {v['loss']:.4f} (unigram {v['unigram_entropy']:.4f}), test-package "
-          f"loss {t['loss']:.4f} (unigram {t['unigram_entropy']:.4f}); wrote {args.out}")
+    print(
+        f"validation loss {v['loss']:.4f} (unigram {v['unigram_entropy']:.4f}), test-package "
+        f"loss {t['loss']:.4f} (unigram {t['unigram_entropy']:.4f}); wrote {args.out}"
+    )
     failed = [g["gate"] for g in metrics["gates"] if not g["passed"]]
     if failed:
         print("quality gates NOT passed (see the model card): " + "; ".join(failed))

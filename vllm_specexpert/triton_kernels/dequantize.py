@@ -75,15 +75,26 @@ def _e4m3(byte):
 
 @triton.jit
 def dequantize_int4_kernel(
-    q_ptr, stride_qb, stride_qo, stride_qi,   # int32 codes, 8 per word along o or i
-    z_ptr, stride_zb, stride_zo, stride_zg,   # int32 zero points, 8 per word along o
-    s_ptr, stride_sb, stride_so, stride_sg,   # scales [out, groups] (any float dtype)
-    out_ptr,                                  # bf16 [B, out, in], contiguous
-    out_features, in_features, group,         # group: input rows per group
-    PACKED_IN: tl.constexpr,                  # codes packed along in (gptq, pack-quantized)
-    AWQ: tl.constexpr,                        # AutoAWQ's nibble order (codes and zeros)
-    HAS_ZERO: tl.constexpr,                   # zero points stored, else ZERO_BIAS alone
-    ZERO_BIAS: tl.constexpr,                  # added to a stored zero (gptq v1: 1)
+    q_ptr,
+    stride_qb,
+    stride_qo,
+    stride_qi,  # int32 codes, 8 per word along o or i
+    z_ptr,
+    stride_zb,
+    stride_zo,
+    stride_zg,  # int32 zero points, 8 per word along o
+    s_ptr,
+    stride_sb,
+    stride_so,
+    stride_sg,  # scales [out, groups] (any float dtype)
+    out_ptr,  # bf16 [B, out, in], contiguous
+    out_features,
+    in_features,
+    group,  # group: input rows per group
+    PACKED_IN: tl.constexpr,  # codes packed along in (gptq, pack-quantized)
+    AWQ: tl.constexpr,  # AutoAWQ's nibble order (codes and zeros)
+    HAS_ZERO: tl.constexpr,  # zero points stored, else ZERO_BIAS alone
+    ZERO_BIAS: tl.constexpr,  # added to a stored zero (gptq v1: 1)
     BLOCK_O: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -115,10 +126,19 @@ def dequantize_int4_kernel(
 
 @triton.jit
 def dequantize_fp8_kernel(
-    w_ptr, stride_wb, stride_wo, stride_wi,   # e4m3fn weight [B, out, in] as uint8
-    s_ptr, stride_sb, stride_so, stride_si,   # fp32 scale of each [block_o, block_i] block
-    out_ptr,                                  # bf16 [B, out, in], contiguous
-    out_features, in_features, block_o, block_i,
+    w_ptr,
+    stride_wb,
+    stride_wo,
+    stride_wi,  # e4m3fn weight [B, out, in] as uint8
+    s_ptr,
+    stride_sb,
+    stride_so,
+    stride_si,  # fp32 scale of each [block_o, block_i] block
+    out_ptr,  # bf16 [B, out, in], contiguous
+    out_features,
+    in_features,
+    block_o,
+    block_i,
     BLOCK_O: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -154,32 +174,38 @@ def _batched(tensor: torch.Tensor, transposed: bool = False) -> list:
 def _int4_layout(fmt: PackedFormat) -> tuple[str, str | None, str, dict]:
     """Codes, zero points (``None``: fixed) and scales of an INT4 format, and the
     kernel's constexprs for it."""
-    if isinstance(fmt, AwqFormat):   # qweight [in, out/8], qzeros [g, out/8], scales [g, out]
+    if isinstance(fmt, AwqFormat):  # qweight [in, out/8], qzeros [g, out/8], scales [g, out]
         return "qweight", "qzeros", "scales", {"PACKED_IN": False, "AWQ": True, "ZERO_BIAS": 0}
     if isinstance(fmt, GptqFormat):  # qweight [in/8, out]; zeros stored minus one
         return "qweight", "qzeros", "scales", {"PACKED_IN": True, "AWQ": False, "ZERO_BIAS": 1}
     if isinstance(fmt, PackQuantizedFormat):  # [out, in/8]; zeros [out/8, g], or 8 (offset)
         zeros = None if fmt.symmetric else "weight_zero_point"
-        return "weight_packed", zeros, "weight_scale", {
-            "PACKED_IN": True, "AWQ": False, "ZERO_BIAS": 8 if fmt.symmetric else 0}
+        return (
+            "weight_packed",
+            zeros,
+            "weight_scale",
+            {"PACKED_IN": True, "AWQ": False, "ZERO_BIAS": 8 if fmt.symmetric else 0},
+        )
     raise NotImplementedError(f"no dequantize kernel for {type(fmt).__name__}")
 
 
-def dequantize_packed(fmt: PackedFormat, tensors: dict[str, torch.Tensor],
-                      out_features: int, in_features: int) -> torch.Tensor:
+def dequantize_packed(
+    fmt: PackedFormat, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
+) -> torch.Tensor:
     """``fmt.dequantize(tensors, out_features, in_features)`` on the tensors' device: the
     bf16 ``[..., out, in]`` weight (contiguous) of one projection's packed tensors, with
     their leading batch dimensions; the same bits."""
     for name, (shape, _) in fmt.tensor_shapes(out_features, in_features).items():
         given = tuple(tensors[name].shape) if name in tensors else shape
-        assert given[len(given) - len(shape):] == shape, (name, given, shape)
+        assert given[len(given) - len(shape) :] == shape, (name, given, shape)
     if isinstance(fmt, Fp8Format):
         first = tensors["weight"]
     else:
         codes, zeros, scales, constexprs = _int4_layout(fmt)
         first = tensors[codes]
-    out = torch.empty(*first.shape[:-2], out_features, in_features, dtype=torch.bfloat16,
-                      device=first.device)
+    out = torch.empty(
+        *first.shape[:-2], out_features, in_features, dtype=torch.bfloat16, device=first.device
+    )
     if out.numel() == 0:
         return out
     count = out.numel() // (out_features * in_features)
@@ -190,9 +216,16 @@ def dequantize_packed(fmt: PackedFormat, tensors: dict[str, torch.Tensor],
         scale = tensors[fmt.scale_name]
         scale = scale.reshape(*scale.shape, 1, 1) if fmt.scales == "tensor" else scale
         block = fmt.block if fmt.scales == "block" else (1, 1)
-        dequantize_fp8_kernel[grid](*_batched(tensors["weight"].view(torch.uint8)),
-                                    *_batched(scale), out, out_features, in_features, *block,
-                                    BLOCK_O=BLOCK_O, BLOCK_I=BLOCK_I)
+        dequantize_fp8_kernel[grid](
+            *_batched(tensors["weight"].view(torch.uint8)),
+            *_batched(scale),
+            out,
+            out_features,
+            in_features,
+            *block,
+            BLOCK_O=BLOCK_O,
+            BLOCK_I=BLOCK_I,
+        )
         return out
     transposed = not isinstance(fmt, PackQuantizedFormat)  # awq, gptq: [in-like, out-like]
     q = _batched(tensors[codes], transposed)
@@ -200,7 +233,17 @@ def dequantize_packed(fmt: PackedFormat, tensors: dict[str, torch.Tensor],
     # Without stored zero points the pointer is never read (HAS_ZERO=False prunes it).
     z = _batched(tensors[zeros], transposed) if zeros else [s[0], 0, 0, 0]
     group = in_features // tensors[scales].shape[-2 if transposed else -1]
-    dequantize_int4_kernel[grid](*q, *z, *s, out, out_features, in_features, group,
-                                 HAS_ZERO=zeros is not None, **constexprs,
-                                 BLOCK_O=BLOCK_O, BLOCK_I=BLOCK_I)
+    dequantize_int4_kernel[grid](
+        *q,
+        *z,
+        *s,
+        out,
+        out_features,
+        in_features,
+        group,
+        HAS_ZERO=zeros is not None,
+        **constexprs,
+        BLOCK_O=BLOCK_O,
+        BLOCK_I=BLOCK_I,
+    )
     return out

@@ -36,16 +36,26 @@ TILE = 2048
 
 @triton.jit
 def estimate_routing_kernel(
-    q_ptr, stride_q,               # [T, H] q_l
-    proj_w_ptr, proj_b_ptr,        # [D, H], [D]
-    embedding_ptr,                 # [D] the transition's embedding
-    up_w_ptr, up_b_ptr,            # [M, D], [M]
-    down_w_ptr, down_b_ptr,        # [D, M], [D]
-    norm_w_ptr, norm_b_ptr,        # [D], [D]
-    head_w_ptr, head_b_ptr,        # [E, D], [E]
-    scratch_ptr,                   # [T, D] fp32
-    out_ids_ptr, out_weights_ptr,  # [T, TOPK] int32, fp32
-    H, M, E, eps,
+    q_ptr,
+    stride_q,  # [T, H] q_l
+    proj_w_ptr,
+    proj_b_ptr,  # [D, H], [D]
+    embedding_ptr,  # [D] the transition's embedding
+    up_w_ptr,
+    up_b_ptr,  # [M, D], [M]
+    down_w_ptr,
+    down_b_ptr,  # [D, M], [D]
+    norm_w_ptr,
+    norm_b_ptr,  # [D], [D]
+    head_w_ptr,
+    head_b_ptr,  # [E, D], [E]
+    scratch_ptr,  # [T, D] fp32
+    out_ids_ptr,
+    out_weights_ptr,  # [T, TOPK] int32, fp32
+    H,
+    M,
+    E,
+    eps,
     D: tl.constexpr,
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
@@ -89,23 +99,28 @@ def estimate_routing_kernel(
     for d0 in range(0, D, BLOCK_D):
         block = d0 + tl.arange(0, BLOCK_D)
         zb = tl.load(scratch_ptr + t * D + block)
-        w = tl.load(head_w_ptr + experts[:, None].to(tl.int64) * D + block[None, :],
-                    mask=expert_mask[:, None], other=0.0)
+        w = tl.load(
+            head_w_ptr + experts[:, None].to(tl.int64) * D + block[None, :],
+            mask=expert_mask[:, None],
+            other=0.0,
+        )
         logits += tl.sum(w * zb[None, :], axis=1)
     logits = tl.where(expert_mask, logits, float("-inf"))
-    store_top_k(logits, t, out_ids_ptr, out_weights_ptr, TOPK, TOPK_PAD, BLOCK_E,
-                RENORMALIZE)
+    store_top_k(logits, t, out_ids_ptr, out_weights_ptr, TOPK, TOPK_PAD, BLOCK_E, RENORMALIZE)
 
 
 def blocks(latent: int, inner: int, hidden: int, experts: int) -> dict[str, int]:
     """The tile widths of :func:`estimate_routing_kernel` for a network's shape."""
-    return {"BLOCK_H": min(max(16, TILE // latent), triton.next_power_of_2(hidden)),
-            "BLOCK_M": min(max(16, TILE // latent), triton.next_power_of_2(inner)),
-            "BLOCK_D": min(max(16, TILE // triton.next_power_of_2(experts)), latent)}
+    return {
+        "BLOCK_H": min(max(16, TILE // latent), triton.next_power_of_2(hidden)),
+        "BLOCK_M": min(max(16, TILE // latent), triton.next_power_of_2(inner)),
+        "BLOCK_D": min(max(16, TILE // triton.next_power_of_2(experts)), latent),
+    }
 
 
-def estimate_routing(q: torch.Tensor, network: ExpertEstimator, transition: int,
-                     top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def estimate_routing(
+    q: torch.Tensor, network: ExpertEstimator, transition: int, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted ``(weights fp32 [T, top_k], ids int32 [T, top_k])`` of the next layer
     from ``q [T, H]`` by ``network`` (an ``ExpertEstimator`` in fp32) at
     ``transition``."""
@@ -122,14 +137,26 @@ def estimate_routing(q: torch.Tensor, network: ExpertEstimator, transition: int,
         return out_weights, out_ids
     scratch = torch.empty(tokens, latent, dtype=torch.float32, device=q.device)
     estimate_routing_kernel[(tokens,)](
-        q, q.stride(0),
-        network.project.weight, network.project.bias,
+        q,
+        q.stride(0),
+        network.project.weight,
+        network.project.bias,
         network.transition.weight[transition],
-        up.weight, up.bias, down.weight, down.bias,
-        network.norm.weight, network.norm.bias,
-        network.head.weight, network.head.bias,
-        scratch, out_ids, out_weights,
-        hidden, inner, experts, network.norm.eps,
+        up.weight,
+        up.bias,
+        down.weight,
+        down.bias,
+        network.norm.weight,
+        network.norm.bias,
+        network.head.weight,
+        network.head.bias,
+        scratch,
+        out_ids,
+        out_weights,
+        hidden,
+        inner,
+        experts,
+        network.norm.eps,
         D=latent,
         TOPK=top_k,
         TOPK_PAD=triton.next_power_of_2(top_k),

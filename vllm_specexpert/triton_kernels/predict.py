@@ -32,14 +32,21 @@ import triton.language as tl
 
 @triton.jit
 def predict_routing_kernel(
-    s_ptr, stride_s,                 # [T, H] layer l's router input
-    ids_ptr, weights_ptr, stride_k,  # [T, K] layer l's experts and gate weights
-    vectors_ptr,                     # [E_l, H] fp32 default vectors
-    scale_ptr,                       # [H] fp32 rho_l / w_l
-    norm_ptr,                        # [H] LN_{l+1} weight
-    gate_ptr, stride_gate,           # [E, H] layer l+1's gate
-    out_ids_ptr, out_weights_ptr,    # [T, TOPK] int32, fp32
-    H, E, eps,
+    s_ptr,
+    stride_s,  # [T, H] layer l's router input
+    ids_ptr,
+    weights_ptr,
+    stride_k,  # [T, K] layer l's experts and gate weights
+    vectors_ptr,  # [E_l, H] fp32 default vectors
+    scale_ptr,  # [H] fp32 rho_l / w_l
+    norm_ptr,  # [H] LN_{l+1} weight
+    gate_ptr,
+    stride_gate,  # [E, H] layer l+1's gate
+    out_ids_ptr,
+    out_weights_ptr,  # [T, TOPK] int32, fp32
+    H,
+    E,
+    eps,
     K: tl.constexpr,
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
@@ -75,13 +82,20 @@ def predict_routing_kernel(
         logits = logits / tl.sqrt(tl.sum(squares, axis=0) / H + eps)
     logits = tl.where(expert_mask, logits, float("-inf"))
 
-    store_top_k(logits, t, out_ids_ptr, out_weights_ptr, TOPK, TOPK_PAD, BLOCK_E,
-                RENORMALIZE)
+    store_top_k(logits, t, out_ids_ptr, out_weights_ptr, TOPK, TOPK_PAD, BLOCK_E, RENORMALIZE)
 
 
 @triton.jit
-def store_top_k(logits, t, out_ids_ptr, out_weights_ptr, TOPK: tl.constexpr,
-                TOPK_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+def store_top_k(
+    logits,
+    t,
+    out_ids_ptr,
+    out_weights_ptr,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
     """Softmax over the ``[BLOCK_E]`` logits (entries past E are ``-inf``), top-k,
     optionally renormalized, stored as token ``t``'s row of the outputs."""
     experts = tl.arange(0, BLOCK_E)
@@ -164,12 +178,21 @@ def predict_routing(
     ids, weights, vectors, scale, norm = terms
     assert router_input.stride(1) == 1 and gate_weight.stride(1) == 1
     predict_routing_kernel[(tokens,)](
-        router_input, router_input.stride(0),
-        ids, weights, stride_k,
-        vectors, scale, norm,
-        gate_weight, gate_weight.stride(0),
-        out_ids, out_weights,
-        hidden, experts, eps,
+        router_input,
+        router_input.stride(0),
+        ids,
+        weights,
+        stride_k,
+        vectors,
+        scale,
+        norm,
+        gate_weight,
+        gate_weight.stride(0),
+        out_ids,
+        out_weights,
+        hidden,
+        experts,
+        eps,
         K=k,
         TOPK=top_k,
         TOPK_PAD=triton.next_power_of_2(top_k),

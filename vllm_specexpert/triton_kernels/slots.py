@@ -45,10 +45,15 @@ def update_slot_map(slot_map: torch.Tensor, experts: torch.Tensor, slots: torch.
 
 @triton.jit
 def copy_experts_kernel(
-    src0_ptr, dst0_ptr, row0,        # first weight tensor: [E, ...] -> [slots, ...]
-    src1_ptr, dst1_ptr, row1,        # second weight tensor (w2), same experts
-    experts_ptr, slots_ptr,
-    blocks0,                         # programs along axis 1 that copy tensor 0
+    src0_ptr,
+    dst0_ptr,
+    row0,  # first weight tensor: [E, ...] -> [slots, ...]
+    src1_ptr,
+    dst1_ptr,
+    row1,  # second weight tensor (w2), same experts
+    experts_ptr,
+    slots_ptr,
+    blocks0,  # programs along axis 1 that copy tensor 0
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -89,7 +94,14 @@ def copy_experts(
     blocks0 = triton.cdiv(rows[0], block)
     grid = (n, blocks0 + triton.cdiv(rows[1], block))
     copy_experts_kernel[grid](
-        sources[0], destinations[0], rows[0],
-        sources[1], destinations[1], rows[1],
-        experts, slots, blocks0, BLOCK=block,
+        sources[0],
+        destinations[0],
+        rows[0],
+        sources[1],
+        destinations[1],
+        rows[1],
+        experts,
+        slots,
+        blocks0,
+        BLOCK=block,
     )

@@ -2,7 +2,6 @@
 (:class:`Transfer`) and the copy engine (:class:`Link`); backends in :mod:`.cpu` and
 :mod:`.cuda`."""
 
-
 from __future__ import annotations
 
 import time
@@ -35,7 +34,8 @@ class ExpertCopy:
 
     def __post_init__(self) -> None:
         self.nbytes = len(self.experts) * sum(
-            t[0].numel() * t.element_size() for t in self.sources.values())
+            t[0].numel() * t.element_size() for t in self.sources.values()
+        )
 
     @property
     def copies(self) -> int:
@@ -105,8 +105,13 @@ class Link(ABC):
         """Seconds callers waited in :meth:`wait`."""
 
     @abstractmethod
-    def submit(self, copy: ExpertCopy, prefetch: bool = False,
-               on_start: StartCallback | None = None, after: Sequence = ()) -> Transfer:
+    def submit(
+        self,
+        copy: ExpertCopy,
+        prefetch: bool = False,
+        on_start: StartCallback | None = None,
+        after: Sequence = (),
+    ) -> Transfer:
         """Queue ``copy``; returns at once. Demand transfers go ahead of prefetches that
         have not started. ``on_start(transfer)`` is called when the copy starts moving
         (the link is the one that observes it). ``after``: transfers retired from the

@@ -21,8 +21,9 @@ from vllm_specexpert.tiers.link.base import (
 
 
 class _CpuTransfer(Transfer):
-    def __init__(self, link: CpuLink, copy: ExpertCopy, prefetch: bool,
-                 on_start: StartCallback | None) -> None:
+    def __init__(
+        self, link: CpuLink, copy: ExpertCopy, prefetch: bool, on_start: StartCallback | None
+    ) -> None:
         self.link = link
         self.copy = copy
         self.nbytes = copy.nbytes
@@ -105,13 +106,16 @@ class CpuLink(Link):
         self._seconds_per_byte = 1e-10
         """Measured memcpy cost (real copies without emulation), running mean."""
         self._jobs: queue.SimpleQueue[_CpuTransfer | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._copy_loop, name="specexpert-copy", daemon=True
-        )
+        self._thread = threading.Thread(target=self._copy_loop, name="specexpert-copy", daemon=True)
         self._thread.start()
 
-    def submit(self, copy: ExpertCopy, prefetch: bool = False,
-               on_start: StartCallback | None = None, after: Sequence = ()) -> Transfer:
+    def submit(
+        self,
+        copy: ExpertCopy,
+        prefetch: bool = False,
+        on_start: StartCallback | None = None,
+        after: Sequence = (),
+    ) -> Transfer:
         transfer = _CpuTransfer(self, copy, prefetch, on_start)
         if self.config.emulated:
             self._advance(transfer.submitted_at)

@@ -13,8 +13,7 @@ from vllm_specexpert.tiers.staging import upload
 
 
 class _CudaTransfer(Transfer):
-    def __init__(self, copy: ExpertCopy, prefetch: bool,
-                 on_start: StartCallback | None) -> None:
+    def __init__(self, copy: ExpertCopy, prefetch: bool, on_start: StartCallback | None) -> None:
         self.nbytes = copy.nbytes
         self.prefetch = prefetch
         self.on_start = on_start
@@ -60,8 +59,13 @@ class CudaLink(Link):
         # One launch per transfer: the per-copy cost is a launch, not a memcpy call.
         return 5e-6 + nbytes / (CUDA_ASSUMED_GBPS * 1e9)
 
-    def submit(self, copy: ExpertCopy, prefetch: bool = False,
-               on_start: StartCallback | None = None, after: Sequence = ()) -> Transfer:
+    def submit(
+        self,
+        copy: ExpertCopy,
+        prefetch: bool = False,
+        on_start: StartCallback | None = None,
+        after: Sequence = (),
+    ) -> Transfer:
         transfer = _CudaTransfer(copy, prefetch, on_start)
         stream = self.prefetch_stream if prefetch else self.demand_stream
         for dependency in after:
