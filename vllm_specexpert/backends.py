@@ -25,7 +25,6 @@ from vllm_specexpert.tiers.host import HostExperts
 from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.loader import ExpertLoader
 
-
 T = TypeVar("T")
 
 

@@ -137,7 +137,7 @@ def load_calibration(
         raise bad(f"{manifest_path}: hidden_size {hidden}, the model has {model_hidden}")
     try:
         tensors = load_file(str(path / WEIGHTS_FILE))
-    except Exception as exc:  # truncated or not a safetensors file
+    except Exception as exc:  # noqa: BLE001 - truncated or not a safetensors file
         raise bad(f"{path / WEIGHTS_FILE}: unreadable ({str(exc).splitlines()[0]})") from None
     expected = {
         f"layers.{i}.{name}": shape_of(experts, hidden)

@@ -5,7 +5,7 @@
     specexpert train-estimator [MODEL] --out DIR  # the neural expert estimator (q_l -> next logits)
     specexpert serve MODEL [ARGS]    # = vllm serve, usable on the CPU build of vLLM
     specexpert vllm SUBCOMMAND ...   # any vllm CLI subcommand (bench, serve, ...)
-    specexpert corpus [--out F]      # the Python corpus of this environment: files, splits, fingerprint
+    specexpert corpus [--out F]      # this environment's Python corpus: files, splits
     specexpert build-fixtures        # tiny random MoE models of every supported architecture
     specexpert train-tiny            # retrain the embedded default model (about 90 min, CPU)
     specexpert capture [MODEL] --out DIR   # per-token routing traces (router logits, r_l, s_l)

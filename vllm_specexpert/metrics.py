@@ -53,8 +53,9 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from vllm_specexpert.handoff import SchedulerStats
 from vllm_specexpert.stats import PhaseStats

@@ -169,7 +169,7 @@ class BatchClass:
 def batch_classes(bounds: tuple[int, ...]) -> list[BatchClass]:
     """The classes of ``quality.batch_classes``' upper bounds."""
     lows = (1, *(b + 1 for b in bounds))
-    return [BatchClass(low, high) for low, high in zip(lows, (*bounds, None))]
+    return [BatchClass(low, high) for low, high in zip(lows, (*bounds, None), strict=True)]
 
 
 class QualityMonitor:

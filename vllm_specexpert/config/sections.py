@@ -1,5 +1,6 @@
 """The nested sections of the ``specexpert`` config (``link``, ``buddy``,
-``token_scheduler``, ``lookahead``, ``mesh``, ``quality``) and the strict field types every config class uses."""
+``token_scheduler``, ``lookahead``, ``mesh``, ``quality``) and the strict field types
+every config class uses."""
 
 from __future__ import annotations
 

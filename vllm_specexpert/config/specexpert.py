@@ -189,13 +189,13 @@ class SpecExpertConfig:
     admit_host_experts: Flag = False
     """Under ``cpu``, ``auto``, ``auto_buddy`` and ``lowbit``: after a layer call computed
     missing experts on the host (or from INT4 copies), load the one with the most tokens
-    into the cache in the background if the link is idle (evicting by ``cache`` policy), so that the cache keeps
-    following the routing as it does under ``fetch``. Off by default: on the embedded
-    model it cut host entries by 20-40 % but its effect on tok/s stayed within run-to-run
-    noise (-10 % to +5 %, ``benchmarks/results/miss_policies.json`` and one earlier run),
-    and it makes the host/device split, hence the rounding, depend on timing. Off, the
-    cache keeps its warm-start experts under ``cpu`` (static placement, as in
-    llama.cpp/KTransformers)."""
+    into the cache in the background if the link is idle (evicting by ``cache`` policy),
+    so that the cache keeps following the routing as it does under ``fetch``. Off by
+    default: on the embedded model it cut host entries by 20-40 % but its effect on
+    tok/s stayed within run-to-run noise (-10 % to +5 %,
+    ``benchmarks/results/miss_policies.json`` and one earlier run), and it makes the
+    host/device split, hence the rounding, depend on timing. Off, the cache keeps its
+    warm-start experts under ``cpu`` (static placement, as in llama.cpp/KTransformers)."""
 
     buddy: BuddyConfig = Field(default_factory=BuddyConfig)
     """Substitution settings of ``buddy``, ``auto_buddy`` and ``random``, see

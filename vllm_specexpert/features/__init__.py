@@ -17,7 +17,7 @@ from vllm_specexpert.planner.plec import PlecPlanner
 from vllm_specexpert.predict import PREDICTOR_CLASSES
 from vllm_specexpert.quality import QualityMonitor
 
-__all__ = ["DecodeCall", "EngineFeature", "Resolve", "build", "FEATURE_NAMES"]
+__all__ = ["FEATURE_NAMES", "DecodeCall", "EngineFeature", "Resolve", "build"]
 
 FEATURE_NAMES = ("quality", "prediction", "mesh", "lookahead", "step_demand")
 """Every feature, in the order the engine calls them (each its stats section, ``None``
@@ -27,8 +27,8 @@ when off)."""
 def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
     """The features ``config`` turns on, in order, wired to ``engine``'s layers, link,
     miss policy, shared pool and the inputs handed to it (predictor inputs, the model's
-    logit head, the mesh's peer tier, the lookahead draft's engine). A feature whose inputs are not there yet is left
-    out (the engine builds again when they arrive)."""
+    logit head, the mesh's peer tier, the lookahead draft's engine). A feature whose
+    inputs are not there yet is left out (the engine builds again when they arrive)."""
     features: list[EngineFeature] = []
     monitor = QualityMonitor.of(config.quality, engine.logit_head, engine.layers)
     if monitor is not None:
@@ -48,7 +48,7 @@ def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
         features.append(
             MeshFeature(engine.peer_tier, config.mesh, engine.output, engine.layers.__getitem__)
         )
-    demand = lambda: engine.step_demand  # noqa: E731 - the scheduler's, set per call
+    demand = lambda: engine.step_demand
     if config.lookahead is not None:
         lookahead = LookaheadFeature(
             config.lookahead, list(engine.layers.values()), engine.draft_engine, engine.lock

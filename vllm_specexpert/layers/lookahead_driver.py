@@ -92,7 +92,9 @@ def _verification(
     else:
         produced = [len(tokens) for tokens in sampled]
     return {
-        request: (d, max(p - 1, 0)) for request, d, p in zip(requests, drafted, produced) if d > 0
+        request: (d, max(p - 1, 0))
+        for request, d, p in zip(requests, drafted, produced, strict=True)
+        if d > 0
     }
 
 
@@ -137,5 +139,7 @@ def _propose(runner, original, scheduler_output, *args, **kwargs):
         and isinstance(drafts, torch.Tensor)
     ):
         rows = drafts.tolist()
-        drafts = [row if request in keep else [] for request, row in zip(requests, rows)]
+        drafts = [
+            row if request in keep else [] for request, row in zip(requests, rows, strict=True)
+        ]
     return drafts

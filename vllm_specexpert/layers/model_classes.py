@@ -14,6 +14,7 @@ router), and hands it the calibration's default vectors and residual scales for
 from __future__ import annotations
 
 import importlib
+import itertools
 from typing import Any
 
 import numpy as np
@@ -123,7 +124,7 @@ def wire_model(model: VllmModule) -> None:
     if not layers:
         return
     engine = layers[0][2].engine
-    for (_, _, routed), (_, next_layer, next_routed) in zip(layers, layers[1:]):
+    for (_, _, routed), (_, next_layer, next_routed) in itertools.pairwise(layers):
         engine.link_layers(routed.layer_name, next_routed.layer_name, _routing_of(next_layer))
     if engine.config.quality is not None:
         from vllm_specexpert.layers.final_tap import install_final_tap

@@ -4,11 +4,10 @@ Every expert of a bf16 model also has an INT4 copy in the slow tier, made at loa
 decode entry whose expert is missing runs that copy instead: moved packed (about a
 quarter of the bytes) into the layer's low-bit slots, dequantized there, and computed
 with the same kernel. With ``admit_host_experts`` the bf16 expert is then loaded in the
-background when the link is idle (HOBBIT's cache update; measured: it keeps the link busy
-at batch 1, see the docs). The low-bit slots are a few of the layer's own (``top_k``, out of its budget), so
-a call's missing experts beyond them are fetched in bf16 as usual, the most used first
-kept for the low-bit slots.
-"""
+background when the link is idle (HOBBIT's cache update; measured: it keeps the link
+busy at batch 1, see the docs). The low-bit slots are a few of the layer's own
+(``top_k``, out of its budget), so a call's missing experts beyond them are fetched in
+bf16 as usual, the most used first kept for the low-bit slots."""
 
 from __future__ import annotations
 

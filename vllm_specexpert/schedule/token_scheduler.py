@@ -112,7 +112,7 @@ class TokenGroupScheduler(Scheduler):
             windows = predictor.windows_of([r.all_token_ids[-shape.window :] for r in new])
             routes = torch.zeros(len(new), shape.num_layers, shape.num_experts, dtype=torch.bool)
             routes.scatter_(-1, predictor.predict_topk(windows), True)
-            self._step_routes.update(zip((r.request_id for r in new), routes))
+            self._step_routes.update(zip((r.request_id for r in new), routes, strict=True))
         return torch.stack([self._step_routes[r.request_id] for r in requests])
 
     def _attach_demand(self, output) -> None:
@@ -174,7 +174,7 @@ class TokenGroupScheduler(Scheduler):
         self.stats.pairs_all += int(routes.any(0).sum())
         self.stats.pairs_in_order += int(routes[: len(groups[0])].any(0).sum())
         hold_until = self.current_step + 2  # skipped by the coming schedule() only
-        for request, runs, wait in zip(decoding, run, waited):
+        for request, runs, wait in zip(decoding, run, waited, strict=True):
             if runs:
                 self.waited.pop(request.request_id, None)
                 continue

@@ -85,8 +85,8 @@ class ExpertLoader:
         """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use, in
         that order: one transfer each where the link can cancel a queued transfer, else
         one for all (one launch on CUDA). Resident ones are skipped; at most as many as
-        the pool leaves room for (:meth:`SlotPool.prefetch_room`; the least wanted are dropped). Loaded
-        experts are protected from eviction until the layer's next call starts
+        the pool leaves room for (:meth:`SlotPool.prefetch_room`; the least wanted are
+        dropped). Loaded experts are protected from eviction until the layer's next call starts
         (:meth:`begin_run`). Returns how many experts were queued."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
@@ -97,7 +97,7 @@ class ExpertLoader:
             return 0
         slots = self._take_slots(len(missing), experts, stats)
         self.prefetches.update(
-            zip(missing.tolist(), self._load_ahead(missing, slots, stats, admitted))
+            zip(missing.tolist(), self._load_ahead(missing, slots, stats, admitted), strict=True)
         )
         cache.protected[missing] = True
         return len(missing)

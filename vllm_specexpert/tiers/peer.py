@@ -246,7 +246,7 @@ class PeerTier:
             peers.append(PeerState(rank=rank, actor=actor, node=node))
             waits.append(actor.ready.remote())
         self.peers = peers  # (close() kills them on a failure below)
-        for peer, wait in zip(peers, waits):
+        for peer, wait in zip(peers, waits, strict=True):
             try:
                 ready = ray.get(wait, timeout=START_TIMEOUT_S)
             except Exception as error:  # noqa: BLE001 - any failure is the same fix

@@ -76,7 +76,7 @@ def check_failure(
 ) -> str | None:
     """Why a peer's ``answers`` (futures of its compute calls, one per check) fail the
     ``checks``, or ``None`` when every pair matches this host's."""
-    for check, answer in zip(checks, answers):
+    for check, answer in zip(checks, answers, strict=True):
         try:
             y, _ = answer.result(timeout=timeout)
         except Exception as error:  # noqa: BLE001 - died, timed out or raised

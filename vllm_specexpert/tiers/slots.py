@@ -104,7 +104,7 @@ class SlotPool:
             self.last_write = np.full(total, None, dtype=object)
             self.last_read = np.full(total, None, dtype=object)
         offset = 0
-        for cache, share in zip(self.caches, self._shares):
+        for cache, share in zip(self.caches, self._shares, strict=True):
             cache.warm_start(offset, share)
             offset += share
 

@@ -58,7 +58,7 @@ class HostReader:
         host = buffer.numpy()
         out: list[np.ndarray] = []
         offset = 0
-        for tensor, size in zip(tensors, sizes):
+        for tensor, size in zip(tensors, sizes, strict=True):
             dtype = NUMPY_DTYPES[tensor.dtype]
             # A copy: the staging buffer is overwritten by the next read.
             out.append(host[offset : offset + size].view(dtype).reshape(tensor.shape).copy())

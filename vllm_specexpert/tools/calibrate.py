@@ -63,7 +63,7 @@ def calibrate(
     sums = {i: torch.zeros(E, H, dtype=torch.float64) for i in layers}
     coactivation = {i: torch.zeros(E, E, dtype=torch.int64) for i in layers}
     entropies: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-    rms_sums = {i: 0.0 for i in layers}
+    rms_sums = dict.fromkeys(layers, 0.0)
     data_hash = hashlib.sha256()
     tokens = 0
     for t in trace(model, tokenizer, documents, window, max_tokens, progress="calibrate"):

@@ -228,7 +228,7 @@ def _encode_split(split: str, tokenizer_json: Path, path: Path) -> None:
         ):
             chunk = files[start : start + 256]
             for encoding in tokenizer.encode_batch([f.read() for f in chunk]):
-                np.asarray(encoding.ids + [eos], dtype=np.uint16).tofile(out)
+                np.asarray([*encoding.ids, eos], dtype=np.uint16).tofile(out)
     tmp.replace(path)
 
 

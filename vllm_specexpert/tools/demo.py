@@ -101,7 +101,7 @@ def _print_stats(stats: dict) -> None:
         (name, stats["slots_per_layer"][name], layer["decode"])
         for name, layer in stats["layers"].items()
     ]
-    for name, slots, layer in rows + [("total", "", stats["total"]["decode"])]:
+    for name, slots, layer in [*rows, ("total", "", stats["total"]["decode"])]:
         recall = f"{layer['recall']:.2f}" if layer["predicted"] else "-"
         print(
             f"{name:<34}{slots:>6}{layer['hit_rate']:>10.2%}{recall:>8}{layer['loads']:>7}"
@@ -151,16 +151,21 @@ def run(args: argparse.Namespace) -> None:
     except Exception:
         if args.log:
             print(f"the engine failed; the end of {args.log}:", file=sys.stderr)
-            print(open(args.log).read()[-4000:], file=sys.stderr)
+            with open(args.log) as log:
+                print(log.read()[-4000:], file=sys.stderr)
         raise
     print(f"specexpert: {stats['summary']}")
-    for prompt, text in zip(PROMPTS, texts):
+    for prompt, text in zip(PROMPTS, texts, strict=True):
         print(f"\n--- {prompt!r}\n{prompt}{text}")
     _print_stats(stats)
     print(f"\noffloaded: {tok_s:.1f} tok/s (batch {len(PROMPTS)})")
     if args.compare:
         _, vanilla_tokens, vanilla_tok_s, _ = _generate(model, args, None)
-        same = sum(a == b for v, o in zip(vanilla_tokens, tokens) for a, b in zip(v, o))
+        same = sum(
+            a == b
+            for v, o in zip(vanilla_tokens, tokens, strict=True)
+            for a, b in zip(v, o, strict=False)  # one may stop early (EOS)
+        )
         total = sum(map(len, vanilla_tokens))
         identical = vanilla_tokens == tokens
         print(

@@ -170,7 +170,7 @@ def plot(result: dict, path: Path, title: str) -> None:
     batches = result["batches"]
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     layers = list(range(len(result["moe_layer_indices"])))
-    for ax, b in zip(axes[0], batches):
+    for ax, b in zip(axes[0], batches, strict=True):
         for method in result["methods"]:
             row = result["results"][method][str(b)]
             ax.plot(

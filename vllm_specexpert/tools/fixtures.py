@@ -5,12 +5,12 @@ every supported architecture.
 
 Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors,
 tokenizer) that vLLM and transformers load natively. Weights come from a fixed seed, so
-the same command rebuilds the same bytes. The tokenizer is a byte-level BPE with
-10,240 tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on a
-fixed quarter of the corpus's train split (:mod:`vllm_specexpert.tools.corpus`) and
-shipped as ``vllm_specexpert/assets/tokenizer.json``; ``--retrain-tokenizer`` rebuilds it. Models are cached under ``$SPECEXPERT_CACHE``
-(default ``~/.cache/vllm-specexpert``) and rebuilt when this file or the tokenizer change.
-"""
+the same command rebuilds the same bytes. The tokenizer is a byte-level BPE with 10,240
+tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on a fixed
+quarter of the corpus's train split (:mod:`vllm_specexpert.tools.corpus`) and shipped as
+``vllm_specexpert/assets/tokenizer.json``; ``--retrain-tokenizer`` rebuilds it. Models
+are cached under ``$SPECEXPERT_CACHE`` (default ``~/.cache/vllm-specexpert``) and
+rebuilt when this file or the tokenizer change."""
 
 from __future__ import annotations
 
@@ -42,108 +42,108 @@ SEED = 1234
 
 # Shared shape: small enough to start in seconds, aligned for vLLM's CPU MoE kernel
 # (hidden and intermediate sizes divisible by 32).
-COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-    initializer_range=0.05,
-)
+COMMON = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.05,
+}
 
 ARCHITECTURES: dict[str, dict] = {
     # Fine-grained, Qwen3-30B-A3B-like routing: 16 experts, top-4.
-    "qwen3_moe": dict(
-        cls="Qwen3MoeConfig",
-        head_dim=32,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    ),
+    "qwen3_moe": {
+        "cls": "Qwen3MoeConfig",
+        "head_dim": 32,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
     # Mixtral-like: 8 large experts, top-2.
-    "mixtral": dict(
-        cls="MixtralConfig",
-        intermediate_size=128,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-    ),
+    "mixtral": {
+        "cls": "MixtralConfig",
+        "intermediate_size": 128,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
     # OLMoE-like: 16 experts, top-2, no renormalization of the top-k weights.
-    "olmoe": dict(
-        cls="OlmoeConfig",
-        intermediate_size=64,
-        num_experts=16,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-    ),
+    "olmoe": {
+        "cls": "OlmoeConfig",
+        "intermediate_size": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+    },
     # Qwen2-MoE-like: routed experts plus a gated shared expert that stays resident.
-    "qwen2_moe": dict(
-        cls="Qwen2MoeConfig",
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=128,
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    ),
+    "qwen2_moe": {
+        "cls": "Qwen2MoeConfig",
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
     # DeepSeek-V2-Lite-like: MLA attention, a dense first layer, 2 shared experts.
-    "deepseek_v2": dict(
-        cls="DeepseekV2Config",
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        n_routed_experts=16,
-        n_shared_experts=2,
-        num_experts_per_tok=2,
+    "deepseek_v2": {
+        "cls": "DeepseekV2Config",
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 16,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
         # vLLM's CPU MLA kernel only compiles kv_lora_rank + rope = 512 + 64.
-        first_k_dense_replace=1,
-        q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=64,
-        v_head_dim=32,
-        head_dim=64,
-        topk_method="greedy",
-        norm_topk_prob=False,
-        routed_scaling_factor=1.0,
-        n_group=1,
-        topk_group=1,
-    ),
+        "first_k_dense_replace": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "head_dim": 64,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+    },
     # GPT-OSS-like: expert biases, SWIGLUOAI (clamped), a biased router, attention sinks
     # and alternating sliding-window layers. Fused [E, ...] expert tensors on disk.
-    "gpt_oss": dict(
-        cls="GptOssConfig",
-        head_dim=32,
-        intermediate_size=64,
-        num_local_experts=16,
-        num_experts_per_tok=4,
-        sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        random_biases=True,
-    ),
+    "gpt_oss": {
+        "cls": "GptOssConfig",
+        "head_dim": 32,
+        "intermediate_size": 64,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 4,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "random_biases": True,
+    },
 }
 
 DENSE_ARCHITECTURES: dict[str, dict] = {
     # A dense model, for the "unsupported model" error path.
-    "qwen3_dense": dict(cls="Qwen3Config", head_dim=32, intermediate_size=256),
+    "qwen3_dense": {"cls": "Qwen3Config", "head_dim": 32, "intermediate_size": 256},
 }
 ALL_FIXTURES = {**ARCHITECTURES, **DENSE_ARCHITECTURES}
 
 QUANTIZED_FIXTURES: dict[str, dict] = {
     # The qwen3_moe fixture's experts quantized by `specexpert quantize` (group size 32:
     # the down projection has 64 input features). Each has a bf16 twin, NAME + "-twin".
-    "qwen3_moe-awq": dict(name="awq", group_size=32),
-    "qwen3_moe-gptq": dict(name="gptq", group_size=32),
-    "qwen3_moe-w4a16": dict(name="w4a16", group_size=32),
-    "qwen3_moe-fp8": dict(name="fp8", fp8_scales="tensor"),
-    "qwen3_moe-fp8-channel": dict(name="fp8", fp8_scales="channel"),
-    "qwen3_moe-fp8-block": dict(name="fp8", fp8_scales="block", fp8_block=(32, 32)),
+    "qwen3_moe-awq": {"name": "awq", "group_size": 32},
+    "qwen3_moe-gptq": {"name": "gptq", "group_size": 32},
+    "qwen3_moe-w4a16": {"name": "w4a16", "group_size": 32},
+    "qwen3_moe-fp8": {"name": "fp8", "fp8_scales": "tensor"},
+    "qwen3_moe-fp8-channel": {"name": "fp8", "fp8_scales": "channel"},
+    "qwen3_moe-fp8-block": {"name": "fp8", "fp8_scales": "block", "fp8_block": (32, 32)},
 }
 TWIN_SUFFIX = "-twin"
 

@@ -242,7 +242,7 @@ class MeshCluster:
                     f"{self.temp_dir}/p{i}",
                     f"sxn{self.tag}p{i}",
                 )
-                for i, (ip, r) in enumerate(zip(self._peer_ips, self.peer_resources))
+                for i, (ip, r) in enumerate(zip(self._peer_ips, self.peer_resources, strict=True))
             ]
         )
         self._wait_nodes()

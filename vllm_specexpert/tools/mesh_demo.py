@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             texts = complete(port, args.max_tokens)
             seconds = time.perf_counter() - started
-            for prompt, text in zip(PROMPTS, texts):
+            for prompt, text in zip(PROMPTS, texts, strict=True):
                 print(f"--- {prompt!r} -> {text!r}")
             print(f"{len(PROMPTS)} completions of {args.max_tokens} tokens in {seconds:.1f} s")
             time.sleep(1.0)  # the next periodic write of the stats file

@@ -89,10 +89,10 @@ def teacher_forced(llm, windows: list[list[int]], prompt_tokens: int, batch: int
             )
             for w in group
         ]
-        for window, out in zip(group, llm.generate(prompts, params, use_tqdm=False)):
+        for window, out in zip(group, llm.generate(prompts, params, use_tqdm=False), strict=True):
             forced, sample = window[prompt_tokens:], out.outputs[0]
             assert list(sample.token_ids) == forced, "teacher forcing did not hold"
-            for token, step in zip(forced, sample.logprobs):
+            for token, step in zip(forced, sample.logprobs, strict=True):
                 top1.append(min(step.items(), key=lambda kv: kv[1].rank)[0])
                 logprobs.append(step[token].logprob)
     return {"top1": top1, "logprobs": logprobs, "seconds": time.perf_counter() - start}

@@ -265,7 +265,11 @@ def run(args: argparse.Namespace) -> None:
         f"{result['seconds']:.0f} s -> {args.out}"
     )
     for j, (est, qh) in enumerate(
-        zip(result["estimator_recall_per_transition"], result["quasi_hidden_recall_per_transition"])
+        zip(
+            result["estimator_recall_per_transition"],
+            result["quasi_hidden_recall_per_transition"],
+            strict=True,
+        )
     ):
         layers = info["moe_layer_indices"]
         print(f"  layer {layers[j]} -> {layers[j + 1]}: estimator {est:.3f}, quasi_hidden {qh:.3f}")

@@ -659,12 +659,12 @@ def loss_row_table(heldout: dict) -> str:
         "| sample | files | loss | unigram entropy | ratio | tokens |",
         "|---|---|---|---|---|---|",
     ]
-    for split, r in heldout.items():
-        lines.append(
-            f"| `{r['sample']}` | {len(r['files'])} | {r['loss']:.4f} | "
-            f"{r['unigram_entropy']:.4f} | {r['loss'] / r['unigram_entropy']:.3f} | "
-            f"{r['tokens']:,} |"
-        )
+    lines.extend(
+        f"| `{r['sample']}` | {len(r['files'])} | {r['loss']:.4f} | "
+        f"{r['unigram_entropy']:.4f} | {r['loss'] / r['unigram_entropy']:.3f} | "
+        f"{r['tokens']:,} |"
+        for r in heldout.values()
+    )
     return "\n".join(lines)
 
 

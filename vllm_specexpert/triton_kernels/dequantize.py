@@ -58,7 +58,7 @@ def _bf16(x):
     sign bit)."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)  # x != x: NaN  # noqa: PLR0124
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # x != x: NaN
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
@@ -165,9 +165,9 @@ def _batched(tensor: torch.Tensor, transposed: bool = False) -> list:
     and the input dimension (``transposed``: ``a`` runs along the input). A dimension of
     size one gets stride 0: a scale shared by a whole row or weight."""
     tensor = tensor.reshape(-1, *tensor.shape[-2:])
-    strides = [s if n > 1 else 0 for s, n in zip(tensor.stride(), tensor.shape)]
+    strides = [s if n > 1 else 0 for s, n in zip(tensor.stride(), tensor.shape, strict=True)]
     # The kernels offset within one weight in int32.
-    assert sum((n - 1) * s for n, s in zip(tensor.shape[1:], strides[1:])) < 2**31
+    assert sum((n - 1) * s for n, s in zip(tensor.shape[1:], strides[1:], strict=True)) < 2**31
     return [tensor, strides[0], *((strides[2], strides[1]) if transposed else strides[1:])]
 
 

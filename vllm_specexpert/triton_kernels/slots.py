@@ -87,7 +87,7 @@ def copy_experts(
     if n == 0:
         return
     rows = []
-    for src, dst in zip(sources, destinations):
+    for src, dst in zip(sources, destinations, strict=True):
         assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
         assert src[0].numel() == dst[0].numel(), "a slot row differs from an expert row"
         rows.append(src[0].numel())

@@ -46,7 +46,7 @@ class ExpertCopy:
         """``(slot view, slow-tier view)`` per expert and tensor (undecoded copies)."""
         return [
             (self.destinations[key][slot], src[expert])
-            for expert, slot in zip(self.experts.tolist(), self.slots.tolist())
+            for expert, slot in zip(self.experts.tolist(), self.slots.tolist(), strict=True)
             for key, src in self.sources.items()
         ]
 
@@ -153,7 +153,7 @@ class Link(ABC):
         self.stall_s += stalled
         return stalled
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a hook: most links hold nothing to release
         """Release the link's resources (threads, streams)."""
 
     def _started(self, transfer: Transfer, copies: int) -> None:

@@ -52,7 +52,7 @@ class _CpuTransfer(Transfer):
         try:
             if not self.cancelled:
                 self.copy.run()
-        except BaseException as exc:  # surfaced to the waiter
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the waiter
             self.error = exc
 
     def perform(self) -> bool:
