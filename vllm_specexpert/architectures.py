@@ -137,7 +137,7 @@ def check_packed_tensors(model_dir: str, fmt: PackedFormat) -> None:
     modules: dict[str, dict[str, tuple[str, Path]]] = {}
     for path in files:
         with safe_open(str(path), "pt") as f:
-            for key in f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 match = PACKED_EXPERT_TENSOR.match(key)
                 if match and not fmt.skips(match[1]):
                     modules.setdefault(match[1], {})[match[2]] = (key, path)

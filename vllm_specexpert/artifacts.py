@@ -331,7 +331,7 @@ def stored_shapes(field: str, file: Path, fix: str) -> dict[str, tuple[int, ...]
 
     try:
         with safe_open(str(file), "pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f}
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     except Exception as exc:  # noqa: BLE001 - truncated or not a safetensors file
         raise SpecExpertConfigError(
             field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix

@@ -202,7 +202,7 @@ def check_quantizable(model: Path, fmt: PackedFormat) -> int:
     experts = 0
     for path in sorted(model.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if EXPERT_WEIGHT.match(name) is None:
                     continue
                 in_features = f.get_slice(name).get_shape()[-1]
