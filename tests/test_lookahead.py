@@ -37,7 +37,8 @@ MANY = [f"{PROMPTS[i % len(PROMPTS)]}# {i}\n" for i in range(32)]
 
 def test_buffer_keeps_the_verified_rows_of_each_pass():
     buffer = ExpertLookaheadBuffer(num_experts=8)
-    buffer.begin(first_rows=np.array([2, 4]))
+    buffer.begin()
+    buffer.first_rows = np.array([2, 4])  # as vLLM's first pass lays them out
     ids = np.array([[0, 1], [0, 1], [2, 3], [0, 1], [4, 5]])
     weights = np.full(ids.shape, 0.5)
     first = buffer.record(0, ids, weights)  # pass 0: rows 2 and 4 only

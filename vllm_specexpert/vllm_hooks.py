@@ -26,8 +26,11 @@ import functools
 import importlib.metadata
 import inspect
 import os
+import typing
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from vllm_specexpert import handoff
 
@@ -131,26 +134,87 @@ def keep_step_demand() -> None:
     at_step_start(_receive_demand)
 
 
-def around_drafting(first_pass: Callable[[Any, Any], None], propose: Callable[..., Any]) -> None:
+def returns_indices_second(annotation: Any) -> bool:
+    """Whether a return annotation is vLLM 0.32's ``set_inputs_first_pass``'s, ``tuple[int,
+    torch.Tensor, CommonAttentionMetadata]`` (its second item, the token indices it lays
+    out, is read by position)."""
+    if isinstance(annotation, str):  # postponed annotations
+        return annotation.replace(" ", "").startswith("tuple[int,torch.Tensor,")
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) is tuple and len(args) == 3 and args[1] is torch.Tensor
+
+
+DRAFTING_SIGNATURES: dict[str, tuple[tuple[str, ...], Callable[[Any], bool] | None]] = {
+    "SpecDecodeBaseProposer.set_inputs_first_pass": ((), returns_indices_second),
+    "GPUModelRunner.propose_draft_token_ids": (
+        ("scheduler_output", "sampled_token_ids", "spec_decode_metadata"),
+        None,
+    ),
+}
+"""What the lookahead reads of vLLM's private drafting methods: parameters by name, and
+a return's shape. Checked when the hooks are installed (:func:`check_signature`), so a
+vLLM that changed them fails at engine start, not mid-generation."""
+
+
+def check_signature(function: Callable) -> None:
+    """Raise one clear error if vLLM's ``function`` lacks what
+    :data:`DRAFTING_SIGNATURES` reads of it."""
+    from vllm_specexpert.config import SpecExpertUnsupportedError
+
+    qualname = function.__qualname__
+    names, returns = DRAFTING_SIGNATURES[qualname]
+    signature = inspect.signature(function)
+    problems = [f"no parameter {name}" for name in names if name not in signature.parameters]
+    if returns is not None and not returns(signature.return_annotation):
+        problems.append(f"it returns {signature.return_annotation}")
+    if problems:
+        raise SpecExpertUnsupportedError(
+            f"lookahead on this vLLM ({qualname}: {'; '.join(problems)})",
+            "the draft's rounds read vLLM 0.32's drafting methods",
+            "use vLLM 0.32, or remove lookahead",
+        )
+
+
+def around_drafting(
+    first_pass: Callable[[Any, Any], None],
+    propose: Callable[[Any, Callable[[], Any], Any, Any, Any], Any],
+) -> None:
     """Speculative decoding's draft, in the worker: ``first_pass(proposer,
     token_indices_to_sample)`` once the proposer has laid out its first pass (those rows
-    are the tokens verified next); ``propose(model_runner, original, scheduler_output,
-    *args, **kwargs)`` instead of the runner's ``propose_draft_token_ids`` (it calls
-    ``original``)."""
+    are the tokens verified next); ``propose(model_runner, draft, scheduler_output,
+    sampled_token_ids, spec_decode_metadata)`` instead of the runner's
+    ``propose_draft_token_ids``, where ``draft()`` runs vLLM's (its arguments bound by
+    name, :data:`DRAFTING_SIGNATURES`)."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for method in (
+        SpecDecodeBaseProposer.set_inputs_first_pass,
+        GPUModelRunner.propose_draft_token_ids,
+    ):
+        original = getattr(method, "__wrapped__", method)  # (already wrapped: vLLM's own)
+        check_signature(original)
 
     def wrap_first_pass(original):
         def set_inputs_first_pass(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            first_pass(self, result[1])
+            first_pass(self, result[1])  # the indices it laid out (returns_indices_second)
             return result
 
         return set_inputs_first_pass
 
     def wrap_propose(original):
-        def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-            return propose(self, original, scheduler_output, *args, **kwargs)
+        signature = inspect.signature(original)
+
+        def propose_draft_token_ids(self, *args, **kwargs):
+            arguments = signature.bind(self, *args, **kwargs).arguments
+            return propose(
+                self,
+                lambda: original(self, *args, **kwargs),
+                arguments["scheduler_output"],
+                arguments["sampled_token_ids"],
+                arguments.get("spec_decode_metadata"),
+            )
 
         return propose_draft_token_ids
 

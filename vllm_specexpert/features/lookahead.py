@@ -52,6 +52,32 @@ class LookaheadFeature(EngineFeature):
         """The verification pass's demand: the last round's routes."""
         return self.planner.demand if self.planner is not None else None
 
+    def begin_round(
+        self, requests: list[str], verified: dict[str, tuple[int, int]], cycle_s: float | None
+    ) -> int:
+        """A drafting round starts for ``requests``, after a pass that verified
+        ``verified`` (request -> drafted, accepted tokens) in a cycle of ``cycle_s``
+        seconds (``None``: not a round's cycle). Returns the round's draft length."""
+        with self.lock:
+            self.governor.verified(verified, cycle_s)
+            k = self.governor.choose(requests)
+            if self.planner is not None:
+                self.planner.round_started()
+        return k
+
+    def end_round(self) -> None:
+        """The round's draft has run (or failed): its routes are the next demand."""
+        if self.planner is not None:
+            with self.lock:
+                self.planner.round_ended()
+
+    def drafted(self, requests: list[str], k: int) -> set[str]:
+        """The round drafted ``k`` tokens for ``requests``: the requests whose drafts
+        the governor keeps."""
+        with self.lock:
+            self.governor.drafted(len(requests), k)
+            return self.governor.drafting(requests, k)
+
     def first_rows(self, rows: np.ndarray) -> None:
         """The rows of the draft's first pass that stand for its requests (the others
         are the verified tokens' positions)."""

@@ -19,6 +19,7 @@ proposer (:func:`vllm_specexpert.vllm_hooks.around_drafting`) this module:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -98,40 +99,41 @@ def _verification(
     }
 
 
-def _propose(runner, original, scheduler_output, *args, **kwargs):
+def _propose(
+    runner: Any,
+    draft: Callable[[], Any],
+    scheduler_output: Any,
+    sampled: Any,
+    spec_decode_metadata: Any,
+) -> Any:
+    """One drafting round (see module doc); ``draft()`` runs vLLM's proposer."""
     global _active
     lookahead = _lookahead_of(runner)
     if lookahead is None:
-        return original(runner, scheduler_output, *args, **kwargs)
-    engine, governor = _engine_of(runner), lookahead.governor
+        return draft()
     requests = list(runner.input_batch.req_ids)
-    sampled, spec_decode_metadata = args[0], args[5]
     last = getattr(runner, "_specexpert_round_start", None)
     now = runner._specexpert_round_start = time.perf_counter()
     verified = _verification(sampled, spec_decode_metadata, requests)
     # The time since the last round started is that round's cycle only if this pass
     # ran each request's sampled token and drafts, nothing more (no prompt or chunk).
-    only_verified = (
+    cycle_s = None
+    if (
         last is not None
         and spec_decode_metadata is not None
         and scheduler_output.total_num_scheduled_tokens
         == len(requests) + sum(spec_decode_metadata.num_draft_tokens)
-    )
-    with engine.lock:
-        governor.verified(verified, now - last if only_verified else None)
-        k = governor.choose(requests)
-        lookahead.planner.round_started(None)
+    ):
+        cycle_s = now - last
+    k = lookahead.begin_round(requests, verified, cycle_s)
     scheduler_output.num_spec_tokens_to_schedule = k
     _active = lookahead
     try:
-        drafts = original(runner, scheduler_output, *args, **kwargs)
+        drafts = draft()
     finally:
         _active = None
-        with engine.lock:
-            lookahead.planner.round_ended()
-    with engine.lock:
-        governor.drafted(len(requests), k)
-        keep = governor.drafting(requests, k)
+        lookahead.end_round()
+    keep = lookahead.drafted(requests, k)
     if (
         k
         and len(keep) < len(requests)

@@ -43,8 +43,9 @@ class LookaheadPlanner:
         self.active = False
         """A round runs (the draft's passes outside one, vLLM's warm-up, are ignored)."""
 
-    def round_started(self, first_rows: np.ndarray | None) -> None:
-        self.buffer.begin(first_rows)
+    def round_started(self) -> None:
+        """A drafting round starts (its first pass's rows come later: ``first_rows``)."""
+        self.buffer.begin()
         self.demand = None
         self.active = True
 

@@ -42,9 +42,10 @@ class ExpertLookaheadBuffer:
     """Decoder-layer index -> ``[E]`` router weight mass per expert over the round."""
     _last_layer: int = -1
 
-    def begin(self, first_rows: np.ndarray | None) -> None:
-        """A drafting round starts; ``first_rows`` as in the module doc."""
-        self.first_rows = first_rows
+    def begin(self) -> None:
+        """A drafting round starts; its first pass's rows (``first_rows``, see module
+        doc) are set once vLLM has laid that pass out."""
+        self.first_rows = None
         self.passes = 0
         self.demand = {}
         self._last_layer = -1
