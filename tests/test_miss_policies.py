@@ -211,12 +211,12 @@ def test_auto_splits_misses_to_minimise_the_longer_of_link_and_host():
     # j=0: max(0, 3)=3; j=1: max(.1, 2)=2; j=2: max(.5, 1)=1; j=3: max(3.4, 0)=3.4 -> j=2.
     ids = np.array([[9, 10, 0, 1]] + [[10, 11, 2, 3]] * 3 + [[11, 0, 1, 2]] * 26)
     missing = ids >= 8
-    context = MissContext(copy_seconds=1.0, host=FixedHost(0.1))
+    context = MissContext(lambda: 1.0, host=FixedHost(0.1))
     on_host = host_share(ids, missing, context)
     assert set(ids[on_host].tolist()) == {9, 10}
     assert not on_host[missing & (ids == 11)].any() and not on_host[~missing].any()
     # At 0.03 s per copy, fetching everything is best: j=0: .09 < j=1: max(.1, .06).
-    assert not host_share(ids, missing, MissContext(copy_seconds=0.03, host=FixedHost(0.1))).any()
+    assert not host_share(ids, missing, MissContext(lambda: 0.03, host=FixedHost(0.1))).any()
 
 
 def test_auto_in_the_engine_follows_the_costs():

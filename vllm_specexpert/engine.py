@@ -321,9 +321,6 @@ class OffloadEngine:
         call.deliver(host)
         for feature in self.features:
             feature.after_read(call)
-        context = layer.miss_context
-        assert context is not None  # (the start refused a layer without one)
-        context.copy_seconds = self.link.expert_seconds(layer.cache.experts)
         out = self._resolve(0, call, call.layer_call())
         for feature in self.features:
             feature.end_call(call)

@@ -3,6 +3,7 @@ layers."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -129,7 +130,7 @@ class OffloadedLayer:
         self.miss_context = miss_context(
             config,
             self.experts,
-            link.expert_seconds(self.experts),
+            functools.partial(link.expert_seconds, self.experts),
             self.host_kernel,
             self.coactivation,
             self.tae_percentiles,

@@ -3,6 +3,7 @@ from the config and the calibration."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,8 +20,9 @@ from vllm_specexpert.tiers.store import LayerExperts
 class MissContext:
     """What a policy may consult about one layer, besides its cache."""
 
-    copy_seconds: float
-    """Expected link time of one of the layer's experts."""
+    expert_copy_seconds: Callable[[], float]
+    """Expected link time of one of the layer's experts, asked when a plan needs it (a
+    link's estimate may follow what it measures)."""
     host: HostExperts | None = None
     """Host compute of the layer's experts (``cpu``, ``auto``)."""
     buddies: np.ndarray | None = None
@@ -37,11 +39,15 @@ class MissContext:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
 
+    @property
+    def copy_seconds(self) -> float:
+        return self.expert_copy_seconds()
+
 
 def miss_context(
     config: SpecExpertConfig,
     experts: LayerExperts,
-    copy_seconds: float,
+    expert_copy_seconds: Callable[[], float],
     host_kernel: HostKernel | None = None,
     coactivation: np.ndarray | None = None,
     tae_percentiles: np.ndarray | None = None,
@@ -52,7 +58,7 @@ def miss_context(
     needs is missing (a host kernel, the calibration's routing statistics: the engine
     reports it when it starts)."""
     policy = config.miss_policy_spec
-    context = MissContext(copy_seconds=copy_seconds, peers=peers)
+    context = MissContext(expert_copy_seconds, peers=peers)
     if policy.computes_on_host:
         if host_kernel is None:
             return None
