@@ -53,7 +53,7 @@ class LowBitBackend:
 
     def finish(self, job: tuple[LayerCall, np.ndarray], out: torch.Tensor) -> None:
         call, entries = job
-        ids, stats, low_bit = call.ids, call.stats, self.loader
+        ids, stats, low_bit = call.host_ids, call.stats, self.loader
         scratch = PhaseStats()
         low_bit.acquire(np.unique(ids[entries]), scratch)  # demand copies count at once
         stats.low_bit_loads += scratch.loads
@@ -61,7 +61,7 @@ class LowBitBackend:
         stats.bytes_loaded += scratch.bytes_loaded
         stats.stall_s += scratch.stall_s
         index, part = call.masked(entries)
-        kernel_ids, expert_map = low_bit.cache.kernel_routing(part.topk_ids, part.ids)
+        kernel_ids, expert_map = low_bit.cache.kernel_routing(part.topk_ids, part.host_ids)
         out[index] += part.kernel(
             part.x, part.topk_weights, kernel_ids, low_bit.cache.slots, expert_map
         )
@@ -78,13 +78,13 @@ class PeerBackend:
         self.peers = peers
 
     def stage(self, call: LayerCall, entries: np.ndarray) -> tuple[LayerCall, Any]:
-        return call, self.peers.stage(call.x, call.ids, entries, call.fired)
+        return call, self.peers.stage(call.x, call.host_ids, entries, call.fired)
 
     def finish(self, job: tuple[LayerCall, Any], out: torch.Tensor) -> np.ndarray:
         call, staged = job
         waited_from = time.perf_counter()
         call.stats.fired_used += staged.reused
-        failed = self.peers.finish(staged, out, call.topk_weights, call.ids.shape)
+        failed = self.peers.finish(staged, out, call.topk_weights, call.host_ids.shape)
         call.stats.peer_wait_s += time.perf_counter() - waited_from
         return failed
 
@@ -98,7 +98,7 @@ class HostBackend:
     def stage(self, call: LayerCall, entries: np.ndarray) -> tuple[LayerCall, Any, float]:
         return (
             call,
-            self.host.stage(call.x, call.topk_weights, call.ids, entries),
+            self.host.stage(call.x, call.topk_weights, call.host_ids, entries),
             time.perf_counter(),
         )
 

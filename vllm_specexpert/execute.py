@@ -59,11 +59,11 @@ class Survey:
 def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True) -> Survey:
     """The call's missing entries and distinct experts, counted."""
     resident = loader.cache.resident_mask() if waits_for_copies else loader.ready_mask()
-    missing = ~resident[call.ids]
+    missing = ~resident[call.host_ids]
     missed = int(np.count_nonzero(missing))
     call.stats.missed_entries += missed
-    needed = np.unique(call.ids) if call.ids.shape[0] > 1 else None
-    call.stats.experts_needed += call.ids.shape[1] if needed is None else len(needed)
+    needed = np.unique(call.host_ids) if call.host_ids.shape[0] > 1 else None
+    call.stats.experts_needed += call.host_ids.shape[1] if needed is None else len(needed)
     return Survey(resident, missing, missed, needed)
 
 
@@ -73,7 +73,9 @@ def resolve(
     """A decode call: survey it, ask ``policy`` about its missing entries, run the plan."""
     found = survey(loader, call, policy.spec.waits_for_copies)
     plan = (
-        policy.plan(call.ids, found.resident, call.topk_weights, context) if found.missed else None
+        policy.plan(call.host_ids, found.resident, call.topk_weights, context)
+        if found.missed
+        else None
     )
     return run(loader, call, found, plan, context)
 
@@ -92,7 +94,7 @@ def run(
     if plan is None:
         call.stats.fetched_entries += found.missed
         return run_on_device(loader, call, found.needed)
-    ids, stats = call.ids, call.stats
+    ids, stats = call.host_ids, call.stats
     elsewhere = placements(plan, context) if context is not None else []
     on_device = ~plan.dropped if plan.dropped is not None else np.ones(ids.shape, dtype=bool)
     for _, entries in elsewhere:
@@ -181,8 +183,8 @@ def run_on_device(
     loader: ExpertLoader, call: LayerCall, needed: np.ndarray | None = None
 ) -> torch.Tensor:
     """Output of the call's kernel on its routing, loading what is missing. ``needed``:
-    ``np.unique(call.ids)`` if the caller has it."""
-    cache, stats, ids = loader.cache, call.stats, call.ids
+    ``np.unique(call.host_ids)`` if the caller has it."""
+    cache, stats, ids = loader.cache, call.stats, call.host_ids
     if ids.shape[0] == 1 and not loader.in_flight and not loader.prefetches:
         # One token whose experts are all resident and landed (batch-1 decode hits):
         # what the general path below does, without its set operations.
@@ -230,7 +232,7 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
             hook()
         finally:
             cache.in_use[experts] = False
-    kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.ids)
+    kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.host_ids)
     out = call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1

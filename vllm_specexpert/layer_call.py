@@ -36,7 +36,7 @@ class LayerCall:
     """``[T, K]`` the routing to run (the router's, or a prediction under ``speculate``)."""
     topk_ids: torch.Tensor
     """``[T, K]`` its expert ids, on the device."""
-    ids: np.ndarray
+    host_ids: np.ndarray
     """The same ids on the host."""
     kernel: ExpertKernel
     stats: PhaseStats
@@ -55,13 +55,13 @@ class LayerCall:
         (host), already of those rows, replace their routing if given."""
         device_index = upload(index, self.x.device)
         if ids is None:
-            ids, topk_ids = self.ids[index], self.topk_ids[device_index]
+            ids, topk_ids = self.host_ids[index], self.topk_ids[device_index]
         else:
             topk_ids = upload(ids, self.x.device).to(self.topk_ids.dtype)
         if weights is None:
             weights = self.topk_weights[device_index]
         return dataclasses.replace(
-            self, x=self.x[device_index], topk_weights=weights, topk_ids=topk_ids, ids=ids
+            self, x=self.x[device_index], topk_weights=weights, topk_ids=topk_ids, host_ids=ids
         )
 
     def routed(self, weights: torch.Tensor, ids: np.ndarray) -> LayerCall:
@@ -69,7 +69,7 @@ class LayerCall:
         return dataclasses.replace(
             self,
             topk_weights=weights,
-            ids=ids,
+            host_ids=ids,
             topk_ids=upload(ids, self.x.device).to(self.topk_ids.dtype),
         )
 
@@ -85,11 +85,11 @@ class LayerCall:
         weights = self.topk_weights
         rows = np.flatnonzero(entries.any(axis=1))
         mask = entries[rows]
-        first = self.ids[rows, mask.argmax(axis=1)]
+        first = self.host_ids[rows, mask.argmax(axis=1)]
         index = upload(rows, self.x.device)
         part = self.rows(
             rows,
             torch.where(upload(mask, self.x.device), weights[index], 0.0),
-            np.where(mask, self.ids[rows], first[:, None]),
+            np.where(mask, self.host_ids[rows], first[:, None]),
         )
         return index, part

@@ -2,13 +2,13 @@
 predicted demand of each step (:class:`~vllm_specexpert.handoff.StepDemand`).
 
 * When a step starts (its first decode layer call), every layer's predicted demand
-  becomes the pool's lookahead, the victim order's first key
+  becomes the pool's predicted uses, the victim order's first key
   (:class:`~vllm_specexpert.tiers.slots.SharedSlotPool`); with ``plec_preload`` ``step``
   or ``next``, the predicted experts of the layers after the first (whose router has
   already chosen) are loaded, the nearest layers first and each layer's most demanded
   first, into slots that hold nothing predicted.
 * After a layer ran, what it will be asked next is the group the token scheduler runs
-  next step: its predicted experts become the layer's lookahead and, with
+  next step: its predicted experts become the layer's predicted uses and, with
   ``plec_preload: next``, are loaded now (group g+1's loads overlap group g's compute).
   Without such a prediction the same requests run next, and the step's demand stays.
 """
@@ -25,7 +25,7 @@ from vllm_specexpert.tiers.slots import SharedSlotPool
 
 
 class PlecPlanner:
-    """Keeps a :class:`SharedSlotPool`'s lookahead and preloads by it (module doc)."""
+    """Keeps a :class:`SharedSlotPool`'s predicted uses and preloads by them (module doc)."""
 
     def __init__(self, pool: SharedSlotPool, preload: str) -> None:
         self.pool = pool
@@ -44,7 +44,7 @@ class PlecPlanner:
         self._planned = demand
         for each in layers:
             row = demand.layers.get(each.index)
-            self.pool.lookahead[each.cache.index] = 0 if row is None else row
+            self.pool.predicted_uses[each.cache.index] = 0 if row is None else row
         if self.preload != "none":
             self._preload(layers[list(layers).index(layer) + 1 :])
 
@@ -53,7 +53,7 @@ class PlecPlanner:
         if demand.next_layers is None:
             return
         row = demand.next_layers.get(layer.index)
-        self.pool.lookahead[layer.cache.index] = 0 if row is None else row
+        self.pool.predicted_uses[layer.cache.index] = 0 if row is None else row
         if self.preload == "next":
             self._preload([layer])
 
@@ -64,7 +64,7 @@ class PlecPlanner:
         for layer in layers:
             if room <= 0:
                 return
-            row = self.pool.lookahead[layer.cache.index]
+            row = self.pool.predicted_uses[layer.cache.index]
             wanted = np.flatnonzero((row > 0) & (layer.cache.expert_slot < 0))
             wanted = wanted[np.argsort(-row[wanted], kind="stable")][:room]
             layer.loader.preload(wanted, layer.stats.decode)  # predictions are for decode

@@ -10,7 +10,7 @@ Two strategies decide whose experts a load may evict:
 * :class:`SharedSlotPool`: every layer's slots in one pool (``plec``, ExpertFlow §3.4): a
   layer holds as many slots as its experts win; the victim of a load may belong to
   another layer, chosen by the predicted uses still to come (:attr:`SharedSlotPool.
-  lookahead`, kept by the PLEC planner), the layer whose turn comes last, the least
+  predicted_uses`, kept by the PLEC planner), the layer whose turn comes last, the least
   recently used.
 """
 
@@ -170,14 +170,14 @@ class SharedSlotPool(SlotPool):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self.lookahead: np.ndarray = np.zeros((0, 0))
+        self.predicted_uses: np.ndarray = np.zeros((0, 0))
         """``[caches, experts]`` predicted uses still to come of each (layer, expert),
         kept by the PLEC planner from the step's predicted demand; the fewest go first.
         Empty until :meth:`allocate`."""
 
     def allocate(self) -> None:
         super().allocate()
-        self.lookahead = np.zeros((len(self.caches), self.caches[0].num_experts))
+        self.predicted_uses = np.zeros((len(self.caches), self.caches[0].num_experts))
 
     def spare(self) -> int:
         """Slots that hold nothing predicted to be used: free ones, and those of evictable
@@ -186,7 +186,7 @@ class SharedSlotPool(SlotPool):
         spare = len(self.free_slots())
         for cache in self.caches:
             candidates = cache.evictable(NO_EXPERTS)
-            spare += int(np.count_nonzero(self.lookahead[cache.index][candidates] == 0))
+            spare += int(np.count_nonzero(self.predicted_uses[cache.index][candidates] == 0))
         return spare
 
     def victims(
@@ -199,7 +199,7 @@ class SharedSlotPool(SlotPool):
         layers = len(self.caches)
         for cache in self.caches:
             candidates = cache.evictable(keep if cache is requester else NO_EXPERTS)
-            score = self.lookahead[cache.index][candidates]
+            score = self.predicted_uses[cache.index][candidates]
             if cache is requester and demand is not None:
                 score = score + demand[candidates] * 1e9  # needed by this very call
             owners.append(np.full(len(candidates), cache.index, dtype=np.int32))
