@@ -584,7 +584,7 @@ def test_shipped_artifacts_record_no_absolute_path():
 
 
 def test_the_shipped_estimator_loads_with_its_calibration():
-    from vllm_specexpert.predict.estimator import load_estimator
+    from vllm_specexpert.predict.estimator_network import load_estimator
 
     load_estimator(
         TRAINED_ESTIMATOR_DIR, model=str(TRAINED_MODEL_DIR), calibration=TRAINED_CALIBRATION_DIR

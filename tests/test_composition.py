@@ -27,7 +27,11 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
-from vllm_specexpert.predict.estimator import EstimatorShape, ExpertEstimator, transitions_of
+from vllm_specexpert.predict.estimator_network import (
+    EstimatorShape,
+    ExpertEstimator,
+    transitions_of,
+)
 from vllm_specexpert.tiers.host import torch_experts
 from vllm_specexpert.tiers.peer import Sent
 from vllm_specexpert.tools import composition

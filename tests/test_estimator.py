@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.predict.estimator import (
+from vllm_specexpert.predict.estimator_network import (
     WEIGHTS_FILE,
     EstimatorShape,
     ExpertEstimator,

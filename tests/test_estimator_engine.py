@@ -195,7 +195,7 @@ def test_a_bad_artifact_is_refused_at_engine_start(tmp_path, bad):
 def test_an_estimator_trained_with_another_calibration_is_refused(tmp_path):
     import shutil
 
-    from vllm_specexpert.predict.estimator import load_estimator
+    from vllm_specexpert.predict.estimator_network import load_estimator
 
     other = tmp_path / "calibration"
     shutil.copytree(TRAINED_CALIBRATION_DIR, other)

@@ -87,7 +87,7 @@ def relation_map() -> dict[str, tuple[int, str]]:
     entries: dict[str, tuple[int, str]] = {}
     current = None
     for line in (vllm_specexpert.__doc__ or "").splitlines():
-        match = re.match(r"^    (\d)  (\S+)\s+(.*)$", line)
+        match = re.match(r"^    ([ \d]\d)  (\S+)\s+(.*)$", line)
         if match:
             current = match.group(2)
             entries[current] = (int(match.group(1)), match.group(3))
@@ -99,11 +99,33 @@ def relation_map() -> dict[str, tuple[int, str]]:
     return entries
 
 
+def entry_of(module: str) -> str:
+    """``module``'s top-level entry in the map (``tiers/`` for ``vllm_specexpert.tiers.cache``)."""
+    parts = module.split(".")[1:] or ["__init__"]
+    return parts[0] + ("/" if len(parts) > 1 or (PACKAGE / parts[0]).is_dir() else "")
+
+
 def layer_of(module: str, entries: dict[str, tuple[int, str]]) -> int:
     """The layer of ``module``: that of its top-level entry in the map."""
-    parts = module.split(".")[1:] or ["__init__"]
-    top = parts[0] + ("/" if len(parts) > 1 or (PACKAGE / parts[0]).is_dir() else "")
-    return entries[top][0]
+    return entries[entry_of(module)][0]
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each map entry's floor in ``graph`` with packages counted as one: 1 if it imports
+    no other entry, else one above the highest it imports."""
+    imports: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        entry = entry_of(source)
+        imports.setdefault(entry, set()).update(entry_of(t) for t in targets)
+        imports[entry].discard(entry)
+    found: dict[str, int] = {}
+
+    def floor(entry: str) -> int:
+        if entry not in found:
+            found[entry] = 1 + max((floor(t) for t in imports.get(entry, ())), default=0)
+        return found[entry]
+
+    return {entry: floor(entry) for entry in imports}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -176,14 +198,15 @@ def test_every_runtime_module_is_in_the_relation_map():
     assert missing == []
 
 
-def test_the_readme_shows_the_same_map():
-    """README's copy of the relation map is the package docstring's, line for line."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    shown = [line for line in readme.splitlines() if re.match(r"^\d  \S", line)]
+def test_the_design_doc_shows_the_same_map():
+    """docs/design.md's copy of the relation map is the package docstring's, line for
+    line."""
+    readme = (PACKAGE.parent / "docs" / "design.md").read_text()
+    shown = [line for line in readme.splitlines() if re.match(r"^[ \d]\d  \S", line)]
     mapped = [
         line[4:]
         for line in (vllm_specexpert.__doc__ or "").splitlines()
-        if re.match(r"^    \d  \S", line)
+        if re.match(r"^    [ \d]\d  \S", line)
     ]
     assert shown == mapped and len(mapped) > 20
 
@@ -207,6 +230,28 @@ def test_no_module_imports_from_a_layer_above_its_own():
         if layer_of(target, entries) > layer_of(source, entries)
     )
     assert upward == []
+
+
+def test_each_layer_of_the_map_is_its_entrys_floor():
+    """The map tells the truth: a module that starts importing from a higher layer (or
+    stops) moves its entry, in the map too."""
+    entries = relation_map()
+    wrong = sorted(
+        f"{entry}: map {entries[entry][0]}, floor {floor}"
+        for entry, floor in floors(import_graph()).items()
+        if entries[entry][0] != floor
+    )
+    assert wrong == []
+
+
+def test_floors_count_a_package_as_one_and_follow_chains():
+    graph = {
+        f"{ROOT}.a": {f"{ROOT}.b"},
+        f"{ROOT}.b": {f"{ROOT}.tiers.cache"},
+        f"{ROOT}.tiers.cache": {f"{ROOT}.tiers.store"},  # inside one entry: no floor
+        f"{ROOT}.tiers.store": set(),
+    }
+    assert floors(graph) == {"a": 3, "b": 2, "tiers/": 1}
 
 
 def test_no_runtime_docstring_points_outside_the_repository():

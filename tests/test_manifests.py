@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from vllm_specexpert.artifacts import FINGERPRINT_CONFIG_KEYS, ModelFingerprint
 from vllm_specexpert.calibration import load_calibration
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.predict.estimator import load_estimator
+from vllm_specexpert.predict.estimator_network import load_estimator
 from vllm_specexpert.predict.hybrid import check_layers, hybrid_layers, read_analysis
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL_DIR

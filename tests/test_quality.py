@@ -47,7 +47,7 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
     approx = engine_of({**RANDOM, "quality": {"sample": 1.0}})
     reference = engine_of({**RANDOM})  # the mode alone
     fetch = engine_of({"budget": 0.25})
-    for batch in approx.feature("quality").monitor.classes:
+    for batch in approx.feature("quality").monitor.budget.classes:
         batch.exact = over_budget
     changed = 0
     for step in range(4):
@@ -105,7 +105,7 @@ def test_switches_on_a_whole_window_over_budget_and_back_under_it():
     assert not monitor.exact_for(4)  # half a window, and it could still end under
     one_pass(monitor, flips=3)
     assert monitor.exact_for(4)  # 4 of 8 > 0.25
-    assert monitor.classes[0].last_window.flip_rate == 0.5
+    assert monitor.budget.classes[0].last_window.flip_rate == 0.5
     one_pass(monitor, flips=2)
     one_pass(monitor, flips=0)
     assert monitor.exact_for(4) is False  # 2 of 8 <= 0.25
@@ -124,7 +124,7 @@ def test_switches_on_a_whole_window_over_budget_and_back_under_it():
 
 def test_batch_classes_are_judged_and_switched_apart():
     monitor = monitor_of(window=8, budget=0.25, batch_classes=(1, 8))
-    assert [c.label for c in monitor.classes] == ["1", "2-8", "9+"]
+    assert [c.label for c in monitor.budget.classes] == ["1", "2-8", "9+"]
     for _ in range(8):  # one-token passes: every token flips
         one_pass(monitor, flips=1, rows=1)
         if monitor.exact_for(1):
@@ -173,7 +173,7 @@ def test_the_accuracy_loss_is_what_the_exact_probabilities_give_the_served_token
     confident = torch.tensor([[8.0, 0.0, 0.0, 0.0]] * 2)
     wrong = torch.tensor([[0.0, 8.0, 0.0, 0.0]] * 2)
     logits_pass(monitor, wrong, confident)
-    window = monitor.classes[0].last_window
+    window = monitor.budget.classes[0].last_window
     p = torch.softmax(identity_head().logits(confident), -1)[0]
     assert window.accuracy_loss_share == pytest.approx(float((p[0] - p[1]) / p[0]), rel=1e-4)
     assert window.accuracy_loss_share > 0.5 and monitor.exact_for(2)
@@ -188,10 +188,10 @@ def test_a_window_that_cannot_end_under_budget_is_judged_at_once():
     # would bring the window under 0.02. No decision yet.
     logits_pass(monitor, torch.stack([wrong] + [confident] * 7), torch.stack([confident] * 8))
     assert not monitor.exact_for(8)
-    assert monitor.classes[0].window.accuracy_loss_share > 0.1
+    assert monitor.budget.classes[0].window.accuracy_loss_share > 0.1
     # Eight more: now no 84 tokens could bring it under. Exact after 16 of 100 tokens.
     logits_pass(monitor, torch.stack([wrong] * 8), torch.stack([confident] * 8))
-    assert monitor.exact_for(8) and monitor.classes[0].last_window.tokens == 16
+    assert monitor.exact_for(8) and monitor.budget.classes[0].last_window.tokens == 16
     # Running exactly, the way back waits for a whole window.
     for _ in range(12):
         logits_pass(monitor, torch.stack([confident] * 8), torch.stack([confident] * 8))

@@ -3,63 +3,73 @@
 Enable with ``VLLM_PLUGINS=specexpert`` (or no VLLM_PLUGINS at all) and
 ``additional_config={"specexpert": {...}}``; see :class:`SpecExpertConfig`.
 
-The relation map. Layers from the bottom; a module imports only from its own layer or
-below, without cycles (``tests/test_layout.py`` checks both, and that every module of the
-package is named here)::
+The relation map. Layers from the bottom, each a floor: a module's layer is one above
+the highest it imports (a package counts as one), so nothing imports from above and
+there is no cycle. ``tests/test_layout.py`` checks that every module is named here, at
+its floor::
 
-    1  config/          every setting and its checks: specexpert, sections, rules, errors,
-                        modes (each mode's traits, as data), fit (what it needs of the model)
-    1  artifacts        manifest and tensors of an artifact directory, model fingerprint
-    1  calibration      default vectors, co-activation, TAE percentiles (an artifact)
-    1  architectures    the supported MoE architectures and their routing shape
-    1  quant_formats    quantized checkpoints' packed experts: read, dequantize, quantize
-    1  quant_config     a checkpoint's quantization_config -> its experts' format
-    1  phases           which tokens of a forward pass are decode, which prefill
-    1  handoff          what the scheduler process hands the workers: StepDemand, its counters
-    1  stats            counters per layer and phase; the stats file
-    1  metrics          /metrics: the snapshot directory and its collector
-    1  log              vLLM's logger for the package
-    1  vllm_hooks       every patch of vLLM's code, behaviour given as callbacks
-    1  triton_kernels/  CUDA kernels: predict (next-layer routing), slots (map, copies),
+     1  config/         every setting and its checks: specexpert, sections, rules,
+                        errors, modes (each mode's traits, as data), fit (what it needs
+                        of the model)
+     1  quant_formats   quantized checkpoints' packed experts: read, dequantize,
+                        quantize
+     1  phases          which tokens of a forward pass are decode, which prefill
+     1  log             vLLM's logger for the package
+     2  artifacts       manifest and tensors of an artifact directory, model fingerprint
+     2  quant_config    a checkpoint's quantization_config -> its experts' format
+     2  stats           counters per layer and phase; the stats file
+     2  triton_kernels/ CUDA kernels: predict (next-layer routing), slots (map, copies),
                         dequantize (packed experts to bf16), estimate (the estimator)
-    2  tiers/           where experts live and how they move: store (slow tier), slots
+     3  calibration     default vectors, co-activation, TAE percentiles (an artifact)
+     3  architectures   the supported MoE architectures and their routing shape
+     3  handoff         what the scheduler process hands the workers: StepDemand, its
+                        counters
+     3  tiers/          where experts live and how they move: store (slow tier), slots
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
                         host (experts computed on the host), staging (host <-> device),
                         peer (mesh peers on Ray: calls, health), peer_check (a peer's
                         proof that it computes), layer_peers (one layer's view),
-                        peer_shard (a peer's experts and kernel), ray_cluster (joining Ray)
-    3  predict/         next-layer predictors: base, router, quasi_hidden; path (a step's
-                        routing path); draft (the lookahead draft's routes, the ELB);
-                        estimator (network, artifact, predictor), hybrid (its layers)
-    4  policy/          miss policies that only decide (a MissPlan): base, context,
+                        peer_shard (a peer's experts and kernel), ray_cluster (joining
+                        Ray)
+     4  metrics         /metrics: the snapshot directory and its collector
+     4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
+     4  predict/        next-layer predictors: base, router, quasi_hidden; path (a
+                        step's routing path); draft (the lookahead draft's routes, the
+                        ELB); estimator_network (the network, its artifact), estimator
+                        (its predictors), hybrid (its layers)
+     4  policy/         miss policies that only decide (a MissPlan): base, context,
                         fetch, speculate, cpu, substitute, drop, buddies, lowbit, peers
-    4  planner/         what to load ahead: prefetch, plec (shared pool), lookahead (the
+     4  layer_call      LayerCall: one call's tokens, routing, kernel, counters
+     5  planner/        what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router)
-    5  layer_call       LayerCall: one call's tokens, routing, kernel, counters
-    5  backends         where entries run besides the slots: host, INT4 copy, peer
-    5  execute          survey, run a plan over the device and the backends, token
+     5  backends        where entries run besides the slots: host, INT4 copy, peer
+     5  report          the stats dict, the summary line, the file writers
+     5  schedule/       vLLM adapter in the scheduler: token_scheduler, grouping
+     6  execute         survey, run a plan over the device and the backends, token
                         groups, kernel launches; the one place that runs experts
-    6  engine           OffloadEngine: the exact spine per layer call, features around it
-    6  features/        EngineFeature hooks (base), the factory (__init__): prediction,
+     6  layer_state     OffloadedLayer, and what a config needs of the loaded layers
+     7  quality/        the quality budget: logits (the model's head, two results
+                        compared), budget (batch classes, windows, switches), monitor
+                        (sampled rows, their differences, judged at the final norm)
+     8  features/       EngineFeature hooks (base), the factory (__init__): prediction,
                         quality, mesh (peers, early fire), lookahead (governor, the
                         draft's routes), step_demand (path score, PLEC)
-    6  layer_state      OffloadedLayer, and what a config needs of the loaded layers
-    6  quality          the quality budget: shadow-exact samples, the switch per batch
-    6  report           the stats dict, the summary line, the file writers
-    7  layers/          vLLM adapter in the worker: routed_experts (the layer, the custom
-                        op), slot_kernel (vLLM's kernel on slots), engines, packed_experts,
-                        model_classes (wiring after load), forward_phase,
-                        lookahead_driver (the draft's rounds), router_free, final_tap
-    7  schedule/        vLLM adapter in the scheduler: token_scheduler, grouping
-    7  worker           the RPCs behind get_stats, reconfigure, reset_stats
-    8  validate         engine-config checks where vLLM builds the engine config
-    8  plugins          the vllm.general_plugins entry point and --plugins
-    8  __init__         the user API: get_stats, reconfigure, reset_stats
-    9  cli              the specexpert command (serve, vllm, and the tools by name)
-    9  tools/           training, corpus, fixtures, harness, offline passes, demo,
-                        server: never imported by layers 1-8
+     9  engine          OffloadEngine: the exact spine per layer call, features around
+                        it
+    10  layers/         vLLM adapter in the worker: routed_experts (the layer, the
+                        custom op), slot_kernel (vLLM's kernel on slots), engines,
+                        packed_experts, model_classes (wiring after load),
+                        forward_phase, lookahead_driver (the draft's rounds),
+                        router_free, final_tap
+    11  worker          the RPCs behind get_stats, reconfigure, reset_stats
+    12  validate        engine-config checks where vLLM builds the engine config
+    12  __init__        the user API: get_stats, reconfigure, reset_stats
+    13  plugins         the vllm.general_plugins entry point and --plugins
+    14  tools/          training, corpus, fixtures, harness, offline passes, demo,
+                        server: never imported by the runtime (layers 1-13)
+    15  cli             the specexpert command (serve, vllm, and the tools by name)
 
 One decode step of layer l, following the router's ids::
 
@@ -73,8 +83,7 @@ One decode step of layer l, following the router's ids::
       ├─ resolve:     quality (samples the other result beside) around
       │    execute.survey ─► policy.plan (only if something is missing) ─► execute.run
       │      ─► tiers.loader (loads) ─► the kernel on the slots; peers, host, INT4 copies
-      └─ end_call:    step_demand (PLEC: the next group's lookahead)
-"""
+      └─ end_call:    step_demand (PLEC: the next group's lookahead)"""
 
 from __future__ import annotations
 

@@ -294,7 +294,7 @@ def _check_estimator(config: SpecExpertConfig, model_config) -> None:
     (their MoE layers are checked when the model is wired). An analysis without an
     estimator is refused: it only chooses where ``hybrid`` runs the estimator, and the
     estimator cannot be added at run time, so it could never be used."""
-    from vllm_specexpert.predict.estimator import load_estimator
+    from vllm_specexpert.predict.estimator_network import load_estimator
     from vllm_specexpert.predict.hybrid import read_analysis
 
     if config.estimator is None:

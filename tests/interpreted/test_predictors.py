@@ -67,7 +67,7 @@ def test_fused_estimator_equals_the_torch_path(renormalize):
     """The estimator's one launch (network, softmax, top-k) against the network in torch
     and the torch selection, on q_l of quasi_hidden."""
     from vllm_specexpert.predict import EstimatorPredictor, PredictorInputs
-    from vllm_specexpert.predict.estimator import EstimatorShape, ExpertEstimator
+    from vllm_specexpert.predict.estimator_network import EstimatorShape, ExpertEstimator
 
     g = torch.Generator().manual_seed(5)
     torch.manual_seed(5)

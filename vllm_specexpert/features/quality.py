@@ -1,14 +1,20 @@
 """The quality budget as an engine feature: while a decode batch class is over budget its
 calls run exactly, and a sampled share of tokens is recomputed beside the served result
-(the monitor, :class:`~vllm_specexpert.quality.QualityMonitor`)."""
+(the shadow computation, here) for the monitor to compare at the final norm
+(:class:`~vllm_specexpert.quality.QualityMonitor`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 
+from vllm_specexpert import execute
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, Resolve
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.quality import QualityMonitor
+from vllm_specexpert.tiers.staging import upload
 
 
 class QualityFeature(EngineFeature):
@@ -21,13 +27,38 @@ class QualityFeature(EngineFeature):
         return self.monitor.exact_for(num_tokens)
 
     def resolve(self, call: DecodeCall, run: LayerCall, rest: Resolve) -> torch.Tensor:
-        return self.monitor.resolve(
-            call.layer,
-            run,
-            call.router_weights,
-            call.router_host_ids,
-            lambda mode: rest(call, mode),
-        )
+        """The served output: the mode's (``rest``), or, while the call's batch class is
+        over budget, the call on the router's routing with every missing expert fetched;
+        the other one is computed for the sampled rows beside it."""
+        monitor, layer = self.monitor, call.layer
+        rows = monitor.sampled_rows(layer.index, call.num_tokens)
+        over_budget = monitor.exact_for(call.num_tokens)
+        if rows is None and not over_budget:  # the common case: nothing more to do
+            return rest(call, run)
+        exact = run.routed(call.router_weights, call.router_host_ids)
+        shadow = None
+        started = time.perf_counter()
+        if over_budget:  # the exact call starts the next layer's prefetch
+            exact.before_kernel, run.before_kernel = run.before_kernel, None
+            if rows is not None:  # before the exact call loads what the mode would miss
+                shadow = rest(call, self._quiet(run))[upload(rows, run.x.device)]
+                monitor.charge(started)
+            out = execute.run(layer.loader, exact, execute.survey(layer.loader, exact))
+        else:
+            out = rest(call, run)
+            if rows is not None:  # ``exact`` shares ``before_kernel``: _quiet drops it
+                started = time.perf_counter()
+                shadow = execute.run_on_device(layer.loader, self._quiet(exact.rows(rows)))
+                monitor.charge(started)
+        if shadow is not None:
+            assert rows is not None  # (a shadow is computed for sampled rows only)
+            monitor.shadowed(layer.index, shadow, out[upload(rows, out.device)])
+        return out
+
+    def _quiet(self, run: LayerCall) -> LayerCall:
+        """``run`` counted apart from the mode's counters, starting no prefetch and
+        sending nothing to peers: a shadow computation."""
+        return dataclasses.replace(run, stats=self.monitor.scratch, before_kernel=None, fired=None)
 
     def stats(self) -> dict:
         return self.monitor.stats()

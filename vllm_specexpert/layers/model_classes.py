@@ -177,7 +177,7 @@ def _estimator_inputs(
     runs it after (by ``config.analysis``), logged; all checked at engine start."""
     if config.estimator is None:
         return inputs
-    from vllm_specexpert.predict.estimator import load_estimator, transitions_of
+    from vllm_specexpert.predict.estimator_network import load_estimator, transitions_of
     from vllm_specexpert.predict.hybrid import (
         check_layers,
         hybrid_layers,

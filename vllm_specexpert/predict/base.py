@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from vllm_specexpert.predict.estimator import ExpertEstimator
+    from vllm_specexpert.predict.estimator_network import ExpertEstimator
     from vllm_specexpert.triton_kernels.predict import QuasiHiddenTerms
 
 

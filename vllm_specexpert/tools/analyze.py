@@ -133,7 +133,7 @@ def hf_estimator(
 ) -> EstimatorPredictor:
     """The ``estimator`` predictor after every layer (layer names as in
     :func:`hf_quasi_hidden`)."""
-    from vllm_specexpert.predict.estimator import load_estimator, transitions_of
+    from vllm_specexpert.predict.estimator_network import load_estimator, transitions_of
 
     network = load_estimator(estimator_dir, model=str(model_dir), calibration=calibration_dir)
     inputs = PredictorInputs(
@@ -283,7 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from vllm_specexpert.predict.estimator import load_estimator
+    from vllm_specexpert.predict.estimator_network import load_estimator
 
     if args.estimator and not args.calibration:
         raise UsageError(

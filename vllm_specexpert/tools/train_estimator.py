@@ -7,7 +7,7 @@
    and layer transition l -> l+1 it keeps the quasi-hidden state q_l (the
    ``quasi_hidden`` predictor's estimate of layer l+1's router input, with the
    calibration's default vectors) and layer l+1's router logits.
-2. Train :class:`~vllm_specexpert.predict.estimator.ExpertEstimator` by KL distillation
+2. Train :class:`~vllm_specexpert.predict.estimator_network.ExpertEstimator` by KL distillation
    against the router's logits (AdamW, cosine schedule), one network for every
    transition; every ``--eval-every`` steps its recall@k is measured on the model's
    held-out validation text (``--eval-tokens``) beside ``quasi_hidden``'s on the same
@@ -31,7 +31,7 @@ import torch
 
 from vllm_specexpert.artifacts import file_sha256, model_fingerprint
 from vllm_specexpert.predict import LayerState
-from vllm_specexpert.predict.estimator import (
+from vllm_specexpert.predict.estimator_network import (
     EstimatorShape,
     ExpertEstimator,
     distillation_loss,
@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from vllm_specexpert.calibration import WEIGHTS_FILE as calibration_file
     from vllm_specexpert.calibration import load_calibration
-    from vllm_specexpert.predict.estimator import FORMAT
+    from vllm_specexpert.predict.estimator_network import FORMAT
     from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR
 
     check_output_dir(args.out, "--out", artifact_of(FORMAT), "an estimator")

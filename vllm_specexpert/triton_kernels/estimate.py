@@ -1,7 +1,7 @@
 """The neural expert estimator's routing in one launch (``estimator``, ``hybrid`` on CUDA).
 
 For every token t (one program per token), with the network of
-:class:`~vllm_specexpert.predict.estimator.ExpertEstimator` at transition j:
+:class:`~vllm_specexpert.predict.estimator_network.ExpertEstimator` at transition j:
 
     x = A q_t + a + e_j                       (D = latent width)
     z = x + C SiLU(B x + b) + c               (inner width M)
@@ -18,7 +18,7 @@ row (``z`` is spread over the program's threads, a block of it is not addressabl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 import triton
@@ -27,8 +27,17 @@ from torch import nn
 
 from vllm_specexpert.triton_kernels.predict import store_top_k
 
-if TYPE_CHECKING:
-    from vllm_specexpert.predict.estimator import ExpertEstimator
+
+class EstimatorNetwork(Protocol):
+    """The parts of the estimator's network the kernel reads (its ``nn.Module``, of the
+    predictor layer above: named here, not imported)."""
+
+    project: nn.Linear
+    transition: nn.Embedding
+    mlp: nn.Sequential
+    norm: nn.LayerNorm
+    head: nn.Linear
+
 
 TILE = 2048
 """Elements of a weight tile a program holds in registers (see ``predict.GATE_TILE``)."""
@@ -119,7 +128,7 @@ def blocks(latent: int, inner: int, hidden: int, experts: int) -> dict[str, int]
 
 
 def estimate_routing(
-    q: torch.Tensor, network: ExpertEstimator, transition: int, top_k: int, renormalize: bool
+    q: torch.Tensor, network: EstimatorNetwork, transition: int, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted ``(weights fp32 [T, top_k], ids int32 [T, top_k])`` of the next layer
     from ``q [T, H]`` by ``network`` (an ``ExpertEstimator`` in fp32) at

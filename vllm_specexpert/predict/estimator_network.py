@@ -1,0 +1,227 @@
+"""The neural expert estimator (speculating-experts §6.1, Appendix A): a shallow network
+that maps the quasi-hidden state q_l to layer l+1's router logits.
+
+    q_l [T, H] -> A (H -> d) + embedding of the transition l -> l+1
+              -> x + C(SiLU(B x))  (d -> m*d -> d, residual)
+              -> LayerNorm -> head (d -> E)  = predicted router logits of layer l+1
+
+One network serves every layer transition (the learned embedding tells them apart); it is
+trained by KL distillation against the true router's logits (``specexpert
+train-estimator``). Artifacts: ``estimator.safetensors`` and ``manifest.json`` (format,
+the model's fingerprint, shapes, the MoE layer indices, and the calibration it was
+trained on, since q_l depends on its default vectors), refused when made for another
+model or calibration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from itertools import pairwise
+from pathlib import Path
+from typing import Annotated
+
+import torch
+from pydantic import BaseModel, Field, Strict, ValidationInfo, field_validator
+from pydantic.dataclasses import dataclass
+from torch import nn
+
+from vllm_specexpert.artifacts import (
+    MANIFEST,
+    MAX_LAYERS,
+    SHAPE,
+    ArtifactManifest,
+    ExpertCount,
+    HiddenSize,
+    LayerIndices,
+    Sha256,
+    Str,
+    TopK,
+    check_matches_model,
+    file_sha256,
+    load_network_weights,
+    read_manifest,
+    save_network,
+    top_k_of,
+)
+from vllm_specexpert.config import SpecExpertConfigError
+
+FORMAT = "specexpert-estimator/1"
+WEIGHTS_FILE = "estimator.safetensors"
+REMAKE = "remake it with `specexpert train-estimator MODEL --calibration DIR --out EDIR`"
+
+
+@dataclass(config=SHAPE)
+class EstimatorShape:
+    """What the network looks like (all in the manifest), with its ranges: checked when
+    it is made, so a corrupt manifest is refused before a network is built from it."""
+
+    hidden_size: HiddenSize
+    """The model's hidden size H (q_l's width)."""
+    num_transitions: Annotated[int, Strict(), Field(ge=1, lt=MAX_LAYERS)]
+    """Layer transitions l -> l+1 it predicts (MoE layers - 1)."""
+    num_experts: ExpertCount
+    """Routed experts per layer E."""
+    top_k: TopK
+    latent: Annotated[int, Strict(), Field(ge=1, le=1 << 16)] = 128
+    """The reduced width d after the projection A."""
+    mlp_ratio: Annotated[int, Strict(), Field(ge=1, le=64)] = 2
+    """The MLP's inner width is ``mlp_ratio * latent`` (the paper's m)."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_of_the_experts(cls, top_k: int, info: ValidationInfo) -> int:
+        return top_k_of(top_k, info)
+
+
+class TrainedWith(BaseModel):
+    """The estimator manifest's ``calibration``: the one whose default vectors made the
+    q_l it was trained on."""
+
+    model_config = MANIFEST
+
+    path: Str | None = None
+    sha256: Sha256
+
+
+class EstimatorManifest(ArtifactManifest):
+    """``manifest.json`` of a ``train-estimator`` directory (format, shape, MoE layers;
+    the fingerprint and the calibration, refused at engine start when absent)."""
+
+    shape: EstimatorShape
+    moe_layer_indices: LayerIndices
+    calibration: TrainedWith | None = None
+
+    @field_validator("moe_layer_indices")
+    @classmethod
+    def _one_transition_per_pair_of_layers(
+        cls, layers: list[int], info: ValidationInfo
+    ) -> list[int]:
+        shape = info.data.get("shape")
+        if shape is not None and len(layers) != shape.num_transitions + 1:
+            raise ValueError(
+                f"{len(layers)} layers for shape.num_transitions "
+                f"{shape.num_transitions} (one more layer than transitions)"
+            )
+        return layers
+
+
+class ExpertEstimator(nn.Module):
+    """``q [T, H]`` and a transition index -> ``[T, E]`` router logits (module doc)."""
+
+    def __init__(self, shape: EstimatorShape, layer_indices: list[int] | None = None) -> None:
+        super().__init__()
+        self.shape = shape
+        self.layer_indices = (
+            layer_indices if layer_indices is not None else list(range(shape.num_transitions + 1))
+        )
+        """The model's decoder-layer index of every MoE layer (transition j predicts
+        ``layer_indices[j + 1]`` from ``layer_indices[j]``)."""
+        d = shape.latent
+        self.project = nn.Linear(shape.hidden_size, d)
+        self.transition = nn.Embedding(shape.num_transitions, d)
+        self.mlp = nn.Sequential(
+            nn.Linear(d, shape.mlp_ratio * d), nn.SiLU(), nn.Linear(shape.mlp_ratio * d, d)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, shape.num_experts)
+
+    def forward(self, q: torch.Tensor, transition: int | torch.Tensor) -> torch.Tensor:
+        if isinstance(transition, int):
+            transition = torch.full((q.shape[0],), transition, dtype=torch.long, device=q.device)
+        x = self.project(q) + self.transition(transition)
+        return self.head(self.norm(x + self.mlp(x)))
+
+
+def distillation_loss(logits: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """KL(router || estimator) over the experts, averaged over tokens."""
+    target = torch.log_softmax(router_logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(
+        torch.log_softmax(logits.float(), dim=-1), target, log_target=True, reduction="batchmean"
+    )
+
+
+def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
+    save_network(
+        out,
+        WEIGHTS_FILE,
+        model,
+        {
+            "format": FORMAT,
+            "shape": asdict(model.shape),
+            "moe_layer_indices": model.layer_indices,
+            **manifest,
+        },
+    )
+
+
+def load_estimator(
+    path: str | Path,
+    model: str | None = None,
+    hf_config: object | None = None,
+    calibration: str | Path | None = None,
+) -> ExpertEstimator:
+    """Read a ``train-estimator`` directory, checking it against ``model`` and the
+    ``calibration`` directory if given (one config error naming ``estimator`` for
+    anything wrong with it)."""
+    from vllm_specexpert.calibration import WEIGHTS_FILE as CALIBRATION_FILE
+
+    path = Path(path)
+    manifest_path = path / "manifest.json"
+    manifest = read_manifest(path, "estimator", WEIGHTS_FILE, FORMAT, REMAKE, EstimatorManifest)
+    if model is not None:
+        check_matches_model(
+            manifest,
+            model,
+            hf_config,
+            field="estimator",
+            fix=f"run `specexpert train-estimator {model} --out DIR`",
+        )
+    shape = manifest.shape
+    if manifest.model_fingerprint is not None:
+        differs = manifest.model_fingerprint.disagreement(
+            shape.hidden_size, shape.num_experts, shape.top_k
+        )
+        if differs:
+            raise SpecExpertConfigError(
+                "estimator", f"{manifest_path}: key shape: {differs}", REMAKE
+            )
+    if calibration is not None and (Path(calibration) / CALIBRATION_FILE).exists():
+        trained_with = manifest.calibration
+        if trained_with is None or trained_with.sha256 != file_sha256(
+            Path(calibration) / CALIBRATION_FILE
+        ):
+            raise SpecExpertConfigError(
+                "estimator",
+                f"trained on q_l made with another calibration "
+                f"({trained_with.path if trained_with else '?'}), not {calibration}: q_l "
+                "depends on its default vectors",
+                f'set "calibration" to the one it was '
+                f"trained with, or run `specexpert train-estimator MODEL --calibration "
+                f"{calibration} --out DIR`",
+            )
+    layer_indices = list(manifest.moe_layer_indices)
+    # fp32 whatever the default dtype (vLLM sets the model's while it loads).
+    return load_network_weights(
+        path,
+        "estimator",
+        WEIGHTS_FILE,
+        lambda: ExpertEstimator(shape, layer_indices).float(),
+        REMAKE,
+    )
+
+
+def transitions_of(network: ExpertEstimator, layers: dict[int, str]) -> dict[str, int]:
+    """Layer l's name -> the network's transition index, for every consecutive pair of
+    the model's MoE ``layers`` (decoder index -> name); a pair the network was not
+    trained on is a config error naming ``estimator``."""
+    indices = sorted(layers)
+    known = {(a, b): j for j, (a, b) in enumerate(pairwise(network.layer_indices))}
+    pairs = list(pairwise(indices))
+    if any(pair not in known for pair in pairs):
+        raise SpecExpertConfigError(
+            "estimator",
+            f"trained for MoE layers {network.layer_indices}, and the "
+            f"offloaded MoE layers are {indices}",
+            "run `specexpert train-estimator MODEL --out DIR` for this model",
+        )
+    return {layers[a]: known[(a, b)] for a, b in pairs}

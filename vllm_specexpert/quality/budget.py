@@ -1,0 +1,165 @@
+"""The quality budget's decisions: sampled tokens' figures summed per decode batch class,
+judged per window against the limits, and the switch of a class to exact and back
+(each logged once). See :mod:`vllm_specexpert.quality`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_specexpert.config.sections import QualityConfig
+from vllm_specexpert.log import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class Judged:
+    """Sampled tokens' figures summed: over a window, a batch class or everything."""
+
+    tokens: int = 0
+    flips: int = 0
+    accuracy_loss: float = 0.0
+    """Sum of ``p[exact top-1] - p[approximate top-1]``."""
+    exact_confidence: float = 0.0
+    """Sum of ``p[exact top-1]`` (the accuracy loss's denominator)."""
+
+    def add(self, other: Judged) -> None:
+        self.tokens += other.tokens
+        self.flips += other.flips
+        self.accuracy_loss += other.accuracy_loss
+        self.exact_confidence += other.exact_confidence
+
+    @property
+    def flip_rate(self) -> float | None:
+        return self.flips / self.tokens if self.tokens else None
+
+    @property
+    def accuracy_loss_share(self) -> float | None:
+        return self.accuracy_loss / self.exact_confidence if self.exact_confidence else None
+
+
+@dataclass
+class BatchClass:
+    """The decode passes of ``low``..``high`` sequences, judged and switched apart."""
+
+    low: int
+    high: int | None
+    """``None``: no upper bound."""
+    exact: bool = False
+    """Whether these passes run exactly because a window was over budget."""
+    window: Judged = field(default_factory=Judged)
+    total: Judged = field(default_factory=Judged)
+    last_window: Judged | None = None
+    exact_passes: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.high is None:
+            return f"{self.low}+"
+        return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
+
+    def stats(self) -> dict:
+        last = self.last_window
+        return {
+            "exact": self.exact,
+            "sampled_tokens": self.total.tokens,
+            "top1_flip_rate": self.total.flip_rate,
+            "accuracy_loss": self.total.accuracy_loss_share,
+            "exact_passes": self.exact_passes,
+            "last_window_flip_rate": last.flip_rate if last else None,
+            "last_window_accuracy_loss": last.accuracy_loss_share if last else None,
+        }
+
+
+def batch_classes(bounds: tuple[int, ...]) -> list[BatchClass]:
+    """The classes of ``quality.batch_classes``' upper bounds."""
+    lows = (1, *(b + 1 for b in bounds))
+    return [BatchClass(low, high) for low, high in zip(lows, (*bounds, None), strict=True)]
+
+
+class Budget:
+    """One engine's batch classes under ``quality``'s limits (see module doc)."""
+
+    def __init__(self, config: QualityConfig) -> None:
+        self.config = config
+        self.classes = batch_classes(config.batch_classes)
+        self.windows = 0
+        self.switches_to_exact = 0
+        self.switches_to_approximate = 0
+
+    def class_of(self, num_rows: int) -> BatchClass:
+        """The batch class of a decode pass of ``num_rows`` sequences."""
+        return next(c for c in self.classes if c.high is None or num_rows <= c.high)
+
+    def exact_for(self, num_rows: int) -> bool:
+        """Whether a decode pass of ``num_rows`` sequences runs exactly (over budget)."""
+        return self.class_of(num_rows).exact
+
+    def over_budget(self, judged: Judged, remaining: int = 0) -> str | None:
+        """Why ``judged`` is over budget (the figure and its limit), or ``None``. With
+        ``remaining`` tokens still to come in its window: whether it will be over
+        whatever they are (each adds a loss of at least 0 to a confidence of at most 1,
+        and at least 0 flips)."""
+        config = self.config
+        loss = (
+            judged.accuracy_loss / (judged.exact_confidence + remaining)
+            if judged.exact_confidence + remaining
+            else None
+        )
+        flips = judged.flips / (judged.tokens + remaining) if judged.tokens else None
+        bound = "at least " if remaining else ""
+        for figure, value, limit in (
+            ("accuracy loss", loss, config.max_accuracy_loss),
+            ("top-1 flip rate", flips, config.max_top1_flip),
+        ):
+            if limit is not None and value is not None and value > limit:
+                return f"{figure} {bound}{value:.3f} > {limit:.3f}"
+        return None
+
+    def judge(self, batch: BatchClass) -> None:
+        """Ends the class's window when it is full, or, while the mode runs, as soon as
+        it cannot end under budget (a mode far over budget is caught in a fraction of a
+        window); switches if the window says so."""
+        window = batch.window
+        remaining = self.config.window - window.tokens
+        if remaining > 0 and (batch.exact or self.over_budget(window, remaining) is None):
+            return
+        batch.last_window, batch.window = window, Judged()
+        self.windows += 1
+        over = self.over_budget(window, max(remaining, 0))
+        if not batch.exact and over is not None:
+            batch.exact = True
+            self.switches_to_exact += 1
+            logger.warning(
+                "specexpert: quality: decode passes of %s sequence(s): %s over "
+                "the last %d sampled tokens: running them exactly (fetch) until "
+                "a window is under budget",
+                batch.label,
+                over,
+                window.tokens,
+            )
+        elif batch.exact and over is None:
+            batch.exact = False
+            self.switches_to_approximate += 1
+            logger.warning(
+                "specexpert: quality: decode passes of %s sequence(s): the "
+                "approximate mode is within budget over the last %d sampled "
+                "tokens (accuracy loss %.3f, top-1 flip rate %.3f): running it "
+                "again",
+                batch.label,
+                window.tokens,
+                window.accuracy_loss_share,
+                window.flip_rate,
+            )
+
+    def stats(self) -> dict:
+        return {
+            "windows": self.windows,
+            "switches_to_exact": self.switches_to_exact,
+            "switches_to_approximate": self.switches_to_approximate,
+        }
+
+    def reset_stats(self) -> None:
+        self.windows = self.switches_to_exact = self.switches_to_approximate = 0
+        for batch in self.classes:
+            batch.total, batch.exact_passes = Judged(), 0
