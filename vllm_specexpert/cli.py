@@ -63,7 +63,7 @@ def configures_plugin(argv: list[str]) -> bool:
     ``--additional-config.specexpert.budget 0.5``, or a ``--config`` YAML file."""
     from vllm_specexpert.config import ADDITIONAL_CONFIG_KEY as KEY
 
-    def has_key(value) -> bool:
+    def has_key(value: object) -> bool:
         if isinstance(value, str):
             try:
                 value = json.loads(value)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from vllm_specexpert import metrics, validate, vllm_hooks
 from vllm_specexpert.config import SpecExpertConfig
@@ -49,7 +50,7 @@ def register() -> None:
     vllm_hooks.add_to_multiprocess_registries(metrics.environment_collector)
 
 
-def restart_caches(executor) -> None:
+def restart_caches(executor: Any) -> None:
     """After vLLM's warm-up: every worker's caches back to their warm start."""
     if SpecExpertConfig.from_additional_config(executor.vllm_config.additional_config) is not None:
         executor.collective_rpc("specexpert_restart")
@@ -58,7 +59,13 @@ def restart_caches(executor) -> None:
 class PluginsAction(argparse.Action):
     """``--plugins a,b`` (or ``--plugins a b``): check the names, set ``VLLM_PLUGINS``."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,  # a list of str (nargs="+")
+        option_string: str | None = None,
+    ) -> None:
         try:
             names = validate.plugin_names(values)
         except ValueError as error:
@@ -67,7 +74,7 @@ class PluginsAction(argparse.Action):
         setattr(namespace, self.dest, names)
 
 
-def add_plugins_argument(parser) -> None:
+def add_plugins_argument(parser: argparse.ArgumentParser) -> None:
     if "--plugins" not in parser._option_string_actions:
         parser.add_argument(
             "--plugins",

@@ -9,11 +9,14 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_specexpert import handoff, metrics
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import LayerStats, check_stats_path, write_json_atomic
+
+if TYPE_CHECKING:
+    from vllm_specexpert.engine import OffloadEngine  # (it imports this module)
 
 logger = init_logger(__name__)
 
@@ -119,7 +122,7 @@ class Reporter:
             self._metrics_writer = None
 
 
-def engine_stats(engine) -> dict[str, Any]:
+def engine_stats(engine: OffloadEngine) -> dict[str, Any]:
     """Per-layer counters of ``engine`` (an ``OffloadEngine``) by phase, their totals,
     link counters, the configuration and, with a ``path_predictor``, the scheduler's
     counters as of the latest step (:func:`vllm_specexpert.handoff.scheduler_stats`).
@@ -169,7 +172,7 @@ def engine_stats(engine) -> dict[str, Any]:
         }
 
 
-def feature_stats(engine) -> dict[str, Any]:
+def feature_stats(engine: OffloadEngine) -> dict[str, Any]:
     """Each feature's stats section by its name; ``lookahead``, ``mesh`` and ``quality``
     are there (``None``) when off."""
     sections: dict[str, Any] = {"lookahead": None, "mesh": None, "quality": None}
@@ -180,7 +183,7 @@ def feature_stats(engine) -> dict[str, Any]:
     return sections
 
 
-def reset_counters(engine) -> None:
+def reset_counters(engine: OffloadEngine) -> None:
     """Every counter of ``engine`` at zero: its layers', link's and features' (the
     lookahead's: its draft engine's too)."""
     with engine.lock:
@@ -191,7 +194,7 @@ def reset_counters(engine) -> None:
     engine.link.reset_counters()
 
 
-def summary(engine) -> str:
+def summary(engine: OffloadEngine) -> str:
     """One line: MoE layers, slots per layer, slow tier, policy, predictor."""
     layers = engine.layers.values()
     slots = sorted({layer.cache.num_slots for layer in layers})

@@ -7,7 +7,7 @@ so that a bad setting fails once, clearly, before any engine process starts
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_specexpert import metrics
 from vllm_specexpert.config import (
@@ -20,6 +20,9 @@ from vllm_specexpert.config.sections import LookaheadConfig, MeshConfig
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.worker import WORKER_EXTENSION
 
+if TYPE_CHECKING:
+    from vllm_specexpert.architectures import MoEShape
+
 logger = init_logger(__name__)
 
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -27,7 +30,7 @@ PLUGIN_NAME = "specexpert"
 """This plugin's entry point name in :data:`PLUGIN_GROUP`."""
 
 
-def before_engine_config(engine_args) -> SpecExpertConfig | None:
+def before_engine_config(engine_args: Any) -> SpecExpertConfig | None:
     """Before vLLM builds the engine config: the plugin's config (``None``: not
     configured, nothing to do), checked, and the engine settings it needs."""
     config = SpecExpertConfig.from_additional_config(engine_args.additional_config)
@@ -41,7 +44,7 @@ def before_engine_config(engine_args) -> SpecExpertConfig | None:
     return config
 
 
-def after_engine_config(engine_args, vllm_config, config: SpecExpertConfig) -> None:
+def after_engine_config(engine_args: Any, vllm_config: Any, config: SpecExpertConfig) -> None:
     """Once the engine config is built: the model-dependent checks, then (only for a
     start they let through) the metrics directory the engine processes will write to."""
     validate_engine_config(vllm_config, config)
@@ -85,7 +88,7 @@ def check_plugin_enabled(where: str = "the engine processes") -> None:
         )
 
 
-def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> None:
+def prepare_engine_args(engine_args: Any, config: SpecExpertConfig | None = None) -> None:
     """Engine settings the offloaded layer needs, applied before the config is built."""
     from vllm.platforms import current_platform
 
@@ -105,7 +108,7 @@ def prepare_engine_args(engine_args, config: SpecExpertConfig | None = None) -> 
         )
 
 
-def _install_scheduler(engine_args) -> None:
+def _install_scheduler(engine_args: Any) -> None:
     """With a ``path_predictor``, vLLM's scheduler class is replaced by the plugin's
     subclass, which predicts each step's experts (and groups decode sequences under
     ``token_scheduler``). It runs in the engine-core process, where general plugins are
@@ -159,7 +162,7 @@ def _configure_draft(engine_args: Any, lookahead: LookaheadConfig) -> None:
     engine_args.async_scheduling = False
 
 
-def _pin_triton_moe_backend(engine_args) -> None:
+def _pin_triton_moe_backend(engine_args: Any) -> None:
     """The offloaded layer runs vLLM's Triton fused-MoE kernel on its slot pool. vLLM's
     backend oracle would otherwise pick FlashInfer's kernels on some GPUs (monolithic
     ones take the router logits and every expert's weights, not a slot pool)."""
@@ -174,7 +177,7 @@ def _pin_triton_moe_backend(engine_args) -> None:
         )
 
 
-def keep_piecewise_cuda_graphs(compilation_config) -> None:
+def keep_piecewise_cuda_graphs(compilation_config: Any) -> None:
     """Which experts to copy is decided on the host from the router's output, so the
     offloaded op must never be captured in a CUDA graph (a replay would repeat one
     step's copies forever). It becomes a splitting op: piecewise graphs keep
@@ -212,7 +215,7 @@ def keep_piecewise_cuda_graphs(compilation_config) -> None:
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
-def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
+def validate_engine_config(vllm_config: Any, config: SpecExpertConfig) -> None:
     """Model-dependent checks, in the process that builds the engine config, and the
     CUDA-graph settings the offloaded op needs."""
     from vllm.platforms import current_platform
@@ -268,7 +271,7 @@ def validate_engine_config(vllm_config, config: SpecExpertConfig) -> None:
         )
 
 
-def _packed_experts(model_config) -> str | None:
+def _packed_experts(model_config: Any) -> str | None:
     """The format the checkpoint's routed experts are packed in (``None``: bf16/fp16)."""
     from vllm_specexpert.quant_config import format_of
 
@@ -289,7 +292,7 @@ def _check_mesh(mesh: MeshConfig, model_config: Any) -> None:
     check_checkpoint_layout(model_config.model)
 
 
-def _check_estimator(config: SpecExpertConfig, model_config) -> None:
+def _check_estimator(config: SpecExpertConfig, model_config: Any) -> None:
     """The estimator (and ``hybrid``'s analysis) made for this model and calibration
     (their MoE layers are checked when the model is wired). An analysis without an
     estimator is refused: it only chooses where ``hybrid`` runs the estimator, and the
@@ -315,7 +318,7 @@ def _check_estimator(config: SpecExpertConfig, model_config) -> None:
         read_analysis(config.analysis, model=model_config.model, hf_config=model_config.hf_config)
 
 
-def _check_draft(config: SpecExpertConfig, shape) -> None:
+def _check_draft(config: SpecExpertConfig, shape: MoEShape) -> None:
     """``lookahead``'s draft: its decoded slots must hold one token's experts (its INT4
     experts need a bf16/fp16 checkpoint: :meth:`SpecExpertConfig.check_fits`)."""
     try:

@@ -28,11 +28,14 @@ import inspect
 import os
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_specexpert import handoff
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 
 def wrap_once(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> None:
@@ -56,8 +59,8 @@ def around_engine_config(
     runs once it is built."""
     from vllm.engine.arg_utils import EngineArgs
 
-    def wrap(original):
-        def create_engine_config(self, *args, **kwargs):
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
             state = before(self)
             vllm_config = original(self, *args, **kwargs)
             if state is not None:
@@ -74,8 +77,8 @@ def after_warm_up(callback: Callable[[Any], None]) -> None:
     before the engine reports ready."""
     from vllm.v1.executor.abstract import Executor
 
-    def wrap(original):
-        def compile_or_warm_up_model(self, *args, **kwargs):
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
             callback(self)
             return result
@@ -91,8 +94,8 @@ def add_engine_arguments(add: Callable[[Any], None]) -> None:
     parser, so the arguments are there when it parses)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    def wrap(original):
-        def add_cli_args(parser, *args, **kwargs):
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
             parser = original(parser, *args, **kwargs)
             add(parser)
             return parser
@@ -113,8 +116,8 @@ def at_step_start(callback: Callable[[Any, Any], None]) -> None:
     if callback not in _STEP_STARTS:
         _STEP_STARTS.append(callback)
 
-    def wrap(original):
-        def execute_model(self, scheduler_output, *args, **kwargs):
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             for each in _STEP_STARTS:
                 each(self, scheduler_output)
             return original(self, scheduler_output, *args, **kwargs)
@@ -124,7 +127,7 @@ def at_step_start(callback: Callable[[Any, Any], None]) -> None:
     wrap_once(GPUModelRunner, "execute_model", wrap)
 
 
-def _receive_demand(model_runner, scheduler_output) -> None:
+def _receive_demand(model_runner: Any, scheduler_output: Any) -> None:
     handoff.receive(scheduler_output)
 
 
@@ -195,18 +198,18 @@ def around_drafting(
         original = getattr(method, "__wrapped__", method)  # (already wrapped: vLLM's own)
         check_signature(original)
 
-    def wrap_first_pass(original):
-        def set_inputs_first_pass(self, *args, **kwargs):
+    def wrap_first_pass(original: Callable[..., Any]) -> Callable[..., Any]:
+        def set_inputs_first_pass(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
             first_pass(self, result[1])  # the indices it laid out (returns_indices_second)
             return result
 
         return set_inputs_first_pass
 
-    def wrap_propose(original):
+    def wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
 
-        def propose_draft_token_ids(self, *args, **kwargs):
+        def propose_draft_token_ids(self: Any, *args: Any, **kwargs: Any) -> Any:
             arguments = signature.bind(self, *args, **kwargs).arguments
             return propose(
                 self,
@@ -237,9 +240,11 @@ def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:
     class MultiProcessCollector(base):  # type: ignore[valid-type,misc]  # (patched in)
         _specexpert = True
 
-        def __init__(self, registry, path=None):
+        def __init__(self, registry: CollectorRegistry | None, path: str | None = None) -> None:
             super().__init__(registry, path)
-            collector = make_collector() if registry is not None else None
+            if registry is None:  # (prometheus_client allows it: nothing to register in)
+                return
+            collector = make_collector()
             if collector is not None:
                 registry.register(collector)
 

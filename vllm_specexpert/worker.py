@@ -6,9 +6,12 @@ so ``llm.collective_rpc("specexpert_stats")`` works (see :func:`vllm_specexpert.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_specexpert.config import SpecExpertConfigError
+
+if TYPE_CHECKING:
+    from vllm_specexpert.engine import OffloadEngine
 
 WORKER_EXTENSION = "vllm_specexpert.worker.SpecExpertWorkerExtension"
 """This class, as vLLM's ``worker_extension_cls`` (set by the plugin)."""
@@ -17,7 +20,9 @@ CONFIG_ERROR = "specexpert_config_error"
 
 
 class SpecExpertWorkerExtension:
-    def _specexpert_engine(self):
+    model_runner: Any  # the vLLM worker's, whose class this one extends (annotation only)
+
+    def _specexpert_engine(self) -> OffloadEngine:
         from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
         for module in self.model_runner.get_model().modules():

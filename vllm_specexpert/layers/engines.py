@@ -8,6 +8,7 @@ after its target, from a config of its own: the draft's layers get an engine of 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from vllm.platforms import current_platform
@@ -28,7 +29,7 @@ DRAFT_PREFIX = "draft_model."
 """Prefix of the layer names of vLLM's draft model (``DraftModelProposer``)."""
 
 
-def engine_for(vllm_config, config: SpecExpertConfig, draft: bool = False) -> OffloadEngine:
+def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) -> OffloadEngine:
     """The engine of ``vllm_config``'s model; a draft model's engine (``draft``) runs
     the draft's INT4 experts and is attached to its target's engine."""
     global _TARGET
@@ -52,7 +53,7 @@ def engine_for(vllm_config, config: SpecExpertConfig, draft: bool = False) -> Of
         _TARGET = weakref.ref(engine)
     key = id(vllm_config)
 
-    def forget(_ref) -> None:
+    def forget(_ref: weakref.ref) -> None:
         _ENGINES.pop(key, None)
         engine.close()
 

@@ -11,7 +11,7 @@ fusions, hence the last bits of the output, and exact modes have nothing to budg
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.quality import LogitHead
+
+if TYPE_CHECKING:
+    from vllm_specexpert.engine import OffloadEngine
 
 FINAL_HIDDEN_OP = "specexpert::final_hidden"
 """The op's qualified name (a CUDA-graph splitting op, see ``validate``)."""
@@ -32,13 +35,18 @@ decoding request is scheduled per pass."""
 class FinalNormTap(nn.Module):
     """Wraps the model's final norm (see module doc)."""
 
-    def __init__(self, norm: nn.Module, engine, key: str, decode_query_len: int):
+    def __init__(
+        self, norm: nn.Module, engine: OffloadEngine, key: str, decode_query_len: int
+    ) -> None:
         super().__init__()
         self.norm = norm
         self.key = key
         _TAPS[key] = (engine, decode_query_len)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # (the norm's own result: with a residual, the normed hidden and the new residual)
         hidden = torch.ops.specexpert.final_hidden(hidden, residual, self.key)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)
 

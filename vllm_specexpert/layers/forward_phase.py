@@ -11,6 +11,8 @@ they run exactly. The split is computed once per pass and kept in the forward co
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
@@ -33,7 +35,11 @@ def current_phases(num_tokens: int, decode_query_len: int = 1) -> PassPhases:
     return phases
 
 
-def _read_phases(attn_metadata, num_tokens: int, decode_query_len: int = 1) -> PassPhases:
+def _read_phases(
+    attn_metadata: dict[str, Any] | list[dict[str, Any]] | None,
+    num_tokens: int,
+    decode_query_len: int = 1,
+) -> PassPhases:
     if isinstance(attn_metadata, list):  # micro-batches: not used with the plugin
         attn_metadata = attn_metadata[0] if attn_metadata else None
     if not attn_metadata:

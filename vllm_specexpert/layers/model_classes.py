@@ -241,7 +241,7 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:
     class Model(base):  # type: ignore[valid-type,misc]  # (a class made per architecture)
-        def __init__(self, *, vllm_config, prefix: str = ""):
+        def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             if SpecExpertConfig.from_additional_config(vllm_config.additional_config) is None:
                 self.__class__ = base  # type: ignore[assignment]  # not configured: vLLM's

@@ -48,14 +48,18 @@ class RouterFreeHook:
             return None
         return self.routed.engine.router_free_routing(self.routed.layer_name, tokens)
 
-    def gate_call(self, hidden: torch.Tensor, *args, **kwargs):
+    def gate_call(
+        self, hidden: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.pending = self.routing(hidden)
         if self.pending is None:
             return self.gate_forward(hidden, *args, **kwargs)
         # The runner passes the logits on to the selection, which ignores them.
         return hidden.new_empty(hidden.shape[0], self.gate.weight.shape[0]), None
 
-    def select(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, **kwargs):
+    def select(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         routing = self.pending if self.gate is not None else self.routing(hidden_states)
         self.pending = None
         if routing is None:
@@ -65,7 +69,7 @@ class RouterFreeHook:
         return routing
 
 
-def runner_is_eager(vllm_config=None) -> bool:
+def runner_is_eager(vllm_config: Any = None) -> bool:
     """Whether vLLM runs the MoE runner's Python per call under ``vllm_config`` (the
     current one by default; see module doc)."""
     from vllm.config import CompilationMode, get_current_vllm_config
