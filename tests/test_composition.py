@@ -149,8 +149,8 @@ def toy_engine(config: SpecExpertConfig):
     estimator = ExpertEstimator(
         EstimatorShape(H, len(NAMES) - 1, E, K, latent=8), list(range(len(NAMES)))
     ).float()
-    engine.set_predictor_inputs(
-        PredictorInputs(
+    engine.provide(
+        predictor_inputs=PredictorInputs(
             {n: torch.randn(E, H, generator=g).bfloat16() for n in NAMES},
             {n: torch.ones(H) for n in NAMES},
             estimator,
@@ -163,9 +163,9 @@ def toy_engine(config: SpecExpertConfig):
         dict.fromkeys(NAMES, coactivation), {n: np.linspace(0, 1, 101) for n in NAMES}
     )
     if config.quality is not None:
-        engine.set_logit_head(identity_head(H))
+        engine.provide(logit_head=identity_head(H))
     if config.mesh is not None:
-        engine.attach_mesh(InProcessPeers(), {})
+        engine.provide(peer_tier=InProcessPeers())
     engine.start()
     return engine
 

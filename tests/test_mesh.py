@@ -66,7 +66,7 @@ def llm():
 
 def engine():
     """The plugin's engine of this process (the engine core runs in-process here)."""
-    return next(entry[1] for entry in _ENGINES.values() if entry[1].peer_tier is not None)
+    return next(entry[1] for entry in _ENGINES.values() if entry[1].inputs.peer_tier is not None)
 
 
 def held_out_windows() -> list[list[int]]:
@@ -178,7 +178,7 @@ def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     # No probe during the run: the kill is found by the calls in flight.
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 600})
     vllm_specexpert.reset_stats(llm)
-    victim = engine().peer_tier.peers[0]
+    victim = engine().inputs.peer_tier.peers[0]
     pid = ray.get(victim.actor.ping.remote())
 
     def kill_when_busy():
@@ -212,7 +212,7 @@ def test_a_hung_peer_leaves_and_rejoins(llm):
     import ray
 
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "timeout_ms": 300, "probe_interval_s": 0.2})
-    mesh = engine().peer_tier
+    mesh = engine().inputs.peer_tier
     slow = mesh.peers[1]
     # Held, it answers nothing until released: every call to it outlasts the timeout,
     # however slow the engine is to read the answers. (Released in a concurrency group
@@ -230,7 +230,7 @@ def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
     import ray
 
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "rtt_cap_ms": 50, "probe_interval_s": 0.1})
-    mesh = engine().peer_tier
+    mesh = engine().inputs.peer_tier
     far = mesh.peers[0]
     ray.get(far.actor.set_delay.remote(0.1))  # answers 100 ms late, within timeout_ms
     try:
@@ -381,7 +381,7 @@ def test_peer_entries_are_added_with_their_weights_or_computed_here(fail):
     )
 
     engine = build_engine({"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4, start=False)
-    engine.attach_mesh(FakePeers(TENSORS, fail), {})
+    engine.provide(peer_tier=FakePeers(TENSORS, fail))
     engine.start()
     x, w, ids = routing(IDS)
     out = engine.run(NAME, slot_kernel, x, w, ids)
@@ -410,9 +410,11 @@ def test_more_pinned_experts_than_the_budget_leaves_is_refused():
         {"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4, start=False
     )  # 8 of 16 slots
     with pytest.raises(SpecExpertConfigError) as error:
-        engine.attach_mesh(FakePeers(TENSORS, False), {0: np.arange(5)})  # 5 > 8 - 4
+        engine.provide(
+            peer_tier=FakePeers(TENSORS, False), hot_experts={0: np.arange(5)}
+        )  # 5 > 8 - 4
     assert error.value.field_name == "mesh.hot_count"
-    engine.attach_mesh(FakePeers(TENSORS, False), {0: np.array([9, 12, 15, 3])})
+    engine.provide(peer_tier=FakePeers(TENSORS, False), hot_experts={0: np.array([9, 12, 15, 3])})
     cache = engine.layers[NAME].cache
     assert cache.resident_mask()[[9, 12, 15, 3]].all()
     assert cache.policy.pinned[[9, 12, 15, 3]].all() and cache.policy.pinned.sum() == 4

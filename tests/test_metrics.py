@@ -252,7 +252,7 @@ def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
         SpecExpertConfig.from_dict({"budget": 0.25, "mesh": {}}), torch.device("cpu")
     )
     engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
-    engine.attach_mesh(Peers(), {})
+    engine.provide(peer_tier=Peers())
     engine.start()
     engine.write_stats()
     series = scrape(tmp_path)

@@ -288,8 +288,10 @@ def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(
     loaded (and has joined the shared pool); that must not replace the pool."""
     engine = make_engine(plec_preload=None, predictor="quasi_hidden", calibration="/c", start=False)
     pool = engine.pool
-    engine.set_predictor_inputs(
-        PredictorInputs({n: torch.zeros(E, H) for n in NAMES}, {n: torch.ones(H) for n in NAMES})
+    engine.provide(
+        predictor_inputs=PredictorInputs(
+            {n: torch.zeros(E, H) for n in NAMES}, {n: torch.ones(H) for n in NAMES}
+        )
     )
     engine.start()
     assert engine.pool is pool and pool.num_slots == LAYERS * 4
@@ -305,7 +307,7 @@ def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined():
     from test_quality import identity_head
 
     engine = make_engine(plec_preload=None, miss_policy="drop", quality={}, start=False)
-    engine.set_logit_head(identity_head(H))
+    engine.provide(logit_head=identity_head(H))
     engine.start()
     assert engine.feature("quality") is not None
     assert all(engine.layers[name].cache.pool is engine.pool for name in NAMES)

@@ -178,8 +178,8 @@ def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
     assert engine.stats()["predictor"] == "quasi_hidden"
     # Zero default vectors and unit scale: q = LN_1(s_0), the router predictor's input
     # up to layer 1's norm.
-    engine.set_predictor_inputs(
-        PredictorInputs(
+    engine.provide(
+        predictor_inputs=PredictorInputs(
             {NAMES[0]: torch.zeros(E, H), NAMES[1]: torch.zeros(E, H)},
             {NAMES[0]: torch.ones(H), NAMES[1]: torch.ones(H)},
         )

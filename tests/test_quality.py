@@ -34,7 +34,7 @@ def engine_of(specexpert: dict, head: bool = True) -> OffloadEngine:
     }
     engine = build_engine(specexpert, layers, 4, indices=(1, 3), reports=False, start=False)
     if head:  # what wiring a model with a quality budget does
-        engine.set_logit_head(identity_head(HIDDEN))
+        engine.provide(logit_head=identity_head(HIDDEN))
     engine.start()
     return engine
 

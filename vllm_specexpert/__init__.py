@@ -53,9 +53,10 @@ its floor::
      7  quality/        the quality budget: logits (the model's head, two results
                         compared), budget (batch classes, windows, switches), monitor
                         (sampled rows, their differences, judged at the final norm)
-     8  features/       EngineFeature hooks (base), the factory (__init__): prediction,
-                        quality, mesh (peers, early fire), lookahead (governor, the
-                        draft's routes), step_demand (path score, PLEC)
+     8  features/       EngineFeature hooks (base), what the adapter hands in (inputs),
+                        the factory (__init__): prediction, quality, mesh (peers, early
+                        fire), lookahead (governor, the draft's routes), step_demand (path
+                        score, PLEC)
      9  engine          OffloadEngine: the exact spine per layer call, features around
                         it
     10  layers/         vLLM adapter in the worker: routed_experts (the layer, the

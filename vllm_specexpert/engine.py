@@ -15,34 +15,30 @@ feature whose hooks the engine calls around it in order (:mod:`vllm_specexpert.f
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Any
 
 import numpy as np
 import torch
 
 from vllm_specexpert import execute, features, report
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.features import DecodeCall, EngineFeature
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.features import DecodeCall, EngineFeature, FeatureInputs
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
-from vllm_specexpert.layer_state import OffloadedLayer, check_change, check_runnable
+from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
-from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
-from vllm_specexpert.quality import LogitHead
+from vllm_specexpert.predict import NextLayerRouting
 from vllm_specexpert.tiers.host import HostKernel
-from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.link import make_link
-from vllm_specexpert.tiers.peer import PeerTier
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertStore
 
 logger = init_logger(__name__)
-
-LOW_BIT_SUFFIX = ".int4"
-"""Store name of a layer's INT4 copies (``lowbit``)."""
 
 
 class OffloadEngine:
@@ -62,29 +58,35 @@ class OffloadEngine:
         self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
         self.checkpoint: str | None = None  # the model's directory (mesh peers read it)
-        # What the vLLM adapter hands in, which features are built from:
-        self.predictor_inputs = PredictorInputs()  # the calibration's, estimator's
-        self.logit_head: LogitHead | None = None  # the model's final norm and LM head
-        self.peer_tier: PeerTier | None = None  # the mesh's peers (attach_mesh)
-        self.draft_engine: OffloadEngine | None = None  # the lookahead draft's (attach_draft)
-        self.target: OffloadEngine | None = None  # a draft's engine: its target's
+        self.inputs = FeatureInputs()
+        """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
         self._select(config)
+        self._build_features(config)
 
     def _select(self, config: SpecExpertConfig) -> None:
-        """The miss policy, shared pool and features ``config`` names (a new pool: caches
-        made from now on join it)."""
+        """The miss policy and shared pool ``config`` names (a new pool: caches made from
+        now on join it)."""
         self._policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
         self.pool = SharedSlotPool(self.device) if config.cache_spec.shared_pool else None
         """The slot pool every layer shares (``plec``); ``None``: one per layer."""
-        self._build_features(config)
 
     def _build_features(self, config: SpecExpertConfig) -> None:
+        """The features ``config`` turns on, each equipping the layers there are."""
         self.miss_policy = self._policy  # (what the features are built with)
         self.features: list[EngineFeature] = features.build(config, self)
         """In the order their hooks are called (:mod:`vllm_specexpert.features`)."""
         for feature in self.features:
             self.miss_policy = feature.miss_policy(self.miss_policy)
+            for layer in self.layers.values():
+                if layer.equipped:
+                    feature.equip(layer)
         self._sees_resident_calls = any(f.acts_on_resident_calls for f in self.features)
+
+    def provide(self, **inputs: Any) -> None:
+        """Inputs of the features, as the adapter gets them (:class:`FeatureInputs`'
+        fields by name): the features are built again with them."""
+        self.inputs = dataclasses.replace(self.inputs, **inputs)
+        self._build_features(self.config)
 
     def feature(self, name: str) -> EngineFeature | None:
         """The running feature called ``name``, if it is on."""
@@ -100,59 +102,23 @@ class OffloadEngine:
         index: int = -1,
         host_kernel: HostKernel | None = None,
         decoder: ExpertDecoder | None = None,
-        low_bit: tuple[dict[str, torch.Tensor], ExpertDecoder] | None = None,
     ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
         ``host_kernel`` computes experts in slot form (``cpu``/``auto``); ``decoder``
-        turns packed (quantized) experts into slot form; ``low_bit``: the packed INT4
-        copies of a bf16 layer and their decoder (``lowbit``)."""
+        turns packed (quantized) experts into slot form. What the store already holds
+        beside them (:meth:`OffloadedLayer.of`) comes with the layer."""
         self.store.add_layer(name, tensors, decoder)
-        low_bit_experts = None
-        if low_bit is not None:
-            low_bit_experts = self.store.add_layer(name + LOW_BIT_SUFFIX, *low_bit)
-        layer = OffloadedLayer(
-            name=name,
-            top_k=top_k,
-            index=index,
-            experts=self.store.layers[name],
-            host_kernel=host_kernel,
-            low_bit_experts=low_bit_experts,
-        )
+        layer = OffloadedLayer.of(self.store, name, top_k, index, host_kernel)
         self.layers[name] = layer
         layer.equip(self.config, self.link, self.device, self.pool)
+        for feature in self.features:
+            feature.equip(layer)
         return layer
-
-    def attach_draft(self, draft: OffloadEngine) -> None:
-        """``draft`` runs this engine's lookahead draft: its routes become this engine's
-        lookahead (:mod:`vllm_specexpert.features.lookahead`)."""
-        self.draft_engine, draft.target = draft, self
-        self._build_features(self.config)
-
-    def attach_mesh(self, tier: PeerTier, local: dict[int, np.ndarray]) -> None:
-        """Serve the layers' missing experts from ``tier``'s peers; ``local``: per layer
-        index, experts pinned in the device cache instead (``replicate_hot``)."""
-        self.peer_tier = tier
-        for layer in self.layers.values():
-            layer.peers = LayerPeers(tier, layer.index)
-            layer.local_experts = local.get(layer.index)
-            layer.equip(self.config, self.link, self.device, self.pool)
-        self._build_features(self.config)
 
     def link_layers(self, name: str, next_name: str, routing: NextLayerRouting) -> None:
         """``next_name`` is the MoE layer after ``name`` and routes by ``routing``."""
         self.layers[name].next_name = next_name
         self.layers[name].next_routing = routing
-
-    def set_predictor_inputs(self, inputs: PredictorInputs) -> None:
-        """What the artifacts give the predictors (see :class:`PredictorInputs`)."""
-        self.predictor_inputs = inputs.to(self.device)
-        self._build_features(self.config)
-
-    def set_logit_head(self, head: LogitHead) -> None:
-        """The model's final norm and LM head (``quality`` compares logits with them)."""
-        self.logit_head = head
-        # Not a new selection: its new shared pool would not hold the layers' caches.
-        self._build_features(self.config)
 
     def set_routing_statistics(
         self, coactivation: dict[str, np.ndarray], tae_percentiles: dict[str, np.ndarray]
@@ -167,7 +133,7 @@ class OffloadEngine:
         """Every layer is loaded and wired: check that the configuration can run (fail
         at engine start, not mid-generation), allocate a shared slot pool, start the
         stats writers, and log one line that sums up the offload."""
-        check_runnable(self.config, self.layers.values(), self.predictor_inputs)
+        features.check_start(self.config, self.layers.values(), self.inputs)
         if self.pool is not None and not self.pool.tensors:
             self.pool.allocate()
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
@@ -186,14 +152,7 @@ class OffloadEngine:
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch modes without reloading weights (checked first); caches rebuilt, counters
         restarted."""
-        check_change(self.config, config, self.layers.values(), self.predictor_inputs)
-        if config.quality is not None and self.logit_head is None:
-            raise SpecExpertConfigError(
-                "quality",
-                "its monitor reads the model's final norm through a tap "
-                "installed when an engine starts with a quality budget",
-                "start the engine with 'quality' set (then it can change, or be turned off and on)",
-            )
+        features.check_reconfigure(self.config, config, self.layers.values(), self.inputs)
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 
@@ -202,8 +161,8 @@ class OffloadEngine:
         counters at zero) once vLLM's warm-up passes are over: what they loaded would
         decide the first requests' hits (:func:`vllm_specexpert.plugins.restart_caches`)."""
         self._rebuild(self.config)
-        if self.draft_engine is not None:
-            self.draft_engine.restart()
+        for feature in self.features:
+            feature.restart()
 
     def _rebuild(self, config: SpecExpertConfig) -> None:
         """Every cache rebuilt for ``config`` (warm start), a new link, counters at zero."""
@@ -219,6 +178,7 @@ class OffloadEngine:
             self._select(config)
             for layer in self.layers.values():
                 layer.equip(config, self.link, self.device, self.pool)
+            self._build_features(config)
             if self.pool is not None:
                 self.pool.allocate()
         self.reset_stats()

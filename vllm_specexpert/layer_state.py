@@ -21,7 +21,11 @@ from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.link import Link
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.slots import SlotPool
-from vllm_specexpert.tiers.store import LayerExperts
+from vllm_specexpert.tiers.store import ExpertStore, LayerExperts
+
+LOW_BIT_SUFFIX = ".int4"
+"""Store name of a layer's INT4 copies beside its experts (``lowbit``): the adapter adds
+them as ``name + LOW_BIT_SUFFIX`` before the layer."""
 
 
 @dataclass
@@ -62,6 +66,27 @@ class OffloadedLayer:
     """Experts pinned in the device cache for good (``mesh.placement: replicate_hot``)."""
     router_skippable: bool = False
     """Its router can be skipped (``router_free``: wrappers installed at start)."""
+    _equipped_for: tuple[SpecExpertConfig, Link] = field(init=False, repr=False)
+    """The config and link of the last :meth:`equip` (a later miss context's)."""
+
+    @classmethod
+    def of(
+        cls,
+        store: ExpertStore,
+        name: str,
+        top_k: int,
+        index: int,
+        host_kernel: HostKernel | None = None,
+    ) -> OffloadedLayer:
+        """Layer ``name`` of ``store``, with its INT4 copies if the store has them."""
+        return cls(
+            name=name,
+            top_k=top_k,
+            index=index,
+            experts=store.layers[name],
+            host_kernel=host_kernel,
+            low_bit_experts=store.layers.get(name + LOW_BIT_SUFFIX),
+        )
 
     @property
     def equipped(self) -> bool:
@@ -109,9 +134,19 @@ class OffloadedLayer:
                 ExpertCache(self.low_bit_experts, self.top_k, self.top_k, "lru", device), link
             )
         self.prefetch = PrefetchPlanner(self.top_k)
+        self._equipped_for = (config, link)
         if self.local_experts is not None:
             self._pin(self.local_experts, slots)
         self.set_miss_context(config, link)
+
+    def join_peers(self, peers: LayerPeers, local: np.ndarray | None) -> None:
+        """Ask ``peers`` for the layer's missing experts (``mesh``), with ``local``
+        experts pinned in the device cache instead (``replicate_hot``); kept through
+        every later :meth:`equip`."""
+        self.peers, self.local_experts = peers, local
+        if local is not None:
+            self._pin(local, self.cache.num_slots)
+        self.set_miss_context(*self._equipped_for)
 
     def _pin(self, experts: np.ndarray, slots: int) -> None:
         """Load ``experts`` into the cache now and never evict them."""

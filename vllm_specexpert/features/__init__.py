@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, Resolve
+from vllm_specexpert.features.inputs import FeatureInputs, check_reconfigure, check_start
 from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.features.mesh import MeshFeature
 from vllm_specexpert.features.prediction import PredictionFeature
@@ -17,7 +18,16 @@ from vllm_specexpert.planner.plec import PlecPlanner
 from vllm_specexpert.predict import PREDICTOR_CLASSES
 from vllm_specexpert.quality import QualityMonitor
 
-__all__ = ["FEATURE_NAMES", "DecodeCall", "EngineFeature", "Resolve", "build"]
+__all__ = [
+    "FEATURE_NAMES",
+    "DecodeCall",
+    "EngineFeature",
+    "FeatureInputs",
+    "Resolve",
+    "build",
+    "check_reconfigure",
+    "check_start",
+]
 
 FEATURE_NAMES = ("quality", "prediction", "mesh", "lookahead", "step_demand")
 """Every feature, in the order the engine calls them (each its stats section, ``None``
@@ -26,32 +36,39 @@ when off)."""
 
 def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
     """The features ``config`` turns on, in order, wired to ``engine``'s layers, link,
-    miss policy, shared pool and the inputs handed to it (predictor inputs, the model's
-    logit head, the mesh's peer tier, the lookahead draft's engine). A feature whose
-    inputs are not there yet is left out (the engine builds again when they arrive)."""
+    miss policy, shared pool and the inputs handed to it (:class:`FeatureInputs`). A
+    feature whose inputs are not there yet is left out (the engine builds again when
+    they arrive)."""
     features: list[EngineFeature] = []
-    monitor = QualityMonitor.of(config.quality, engine.logit_head, engine.layers)
+    inputs: FeatureInputs = engine.inputs
+    monitor = QualityMonitor.of(config.quality, inputs.logit_head, engine.layers)
     if monitor is not None:
         features.append(QualityFeature(monitor))
     predictor = PREDICTOR_CLASSES[config.predictor]
     if predictor is not None:
         features.append(
             PredictionFeature(
-                predictor.build(engine.predictor_inputs),
+                predictor.build(inputs.predictor_inputs),
                 config,
                 engine.miss_policy,
                 engine.layers.__getitem__,
                 lambda: engine.link,
             )
         )
-    if engine.peer_tier is not None and config.mesh is not None:
+    if inputs.peer_tier is not None and config.mesh is not None:
         features.append(
-            MeshFeature(engine.peer_tier, config.mesh, engine.output, engine.layers.__getitem__)
+            MeshFeature(
+                inputs.peer_tier,
+                inputs.hot_experts,
+                config.mesh,
+                engine.output,
+                engine.layers.__getitem__,
+            )
         )
     demand = lambda: engine.step_demand
     if config.lookahead is not None:
         lookahead = LookaheadFeature(
-            config.lookahead, list(engine.layers.values()), engine.draft_engine, engine.lock
+            config.lookahead, list(engine.layers.values()), inputs.draft, engine.lock
         )
         features.append(lookahead)
         demand = lookahead.demand

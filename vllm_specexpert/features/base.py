@@ -135,7 +135,8 @@ class EngineFeature:
         """Raise a config error if ``config`` cannot run on the loaded ``layers``."""
 
     def equip(self, layer: OffloadedLayer) -> None:
-        """Give a layer what the feature needs of it (after its cache is made)."""
+        """Give a layer what the feature needs of it (after its cache is made: when the
+        feature is built, and for a layer added later)."""
 
     def miss_policy(self, policy: MissPolicy) -> MissPolicy:
         """The miss policy the engine runs, given the one before (a feature may wrap it:
@@ -178,6 +179,9 @@ class EngineFeature:
 
     def reset_stats(self) -> None:
         """Its counters at zero."""
+
+    def restart(self) -> None:
+        """The engine went back to its start state (after vLLM's warm-up passes)."""
 
     def close(self) -> None:
         """Release what it holds (peers, threads)."""

@@ -101,6 +101,10 @@ class LookaheadFeature(EngineFeature):
                 result["draft"] = _draft_stats(self.draft)
         return result
 
+    def restart(self) -> None:
+        if self.draft is not None:
+            self.draft.restart()
+
     def reset_stats(self) -> None:
         self.governor.reset_stats()
         if self.draft is not None:

@@ -2,17 +2,20 @@
 Early Fire (``early_fire``, ``no_stop``: :mod:`vllm_specexpert.planner.early_fire`), which
 sends rows to the peers of predicted experts ahead of the router. The entries of experts a
 peer holds go to it before the miss policy decides (:class:`~vllm_specexpert.policy.peers.
-PeersFirst`); a layer's ``peers`` are given at ``attach_mesh``."""
+PeersFirst`); each layer joins its peers when the feature equips it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import numpy as np
 
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.features.base import DecodeCall, EngineFeature
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.early_fire import EarlyFire
 from vllm_specexpert.policy import MissPolicy, PeersFirst
+from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.peer import PeerTier
 
 
@@ -20,13 +23,23 @@ class MeshFeature(EngineFeature):
     name = "mesh"
 
     def __init__(
-        self, tier: PeerTier, mesh: MeshConfig, output: str, layer: Callable[[str], OffloadedLayer]
+        self,
+        tier: PeerTier,
+        hot: dict[int, np.ndarray],
+        mesh: MeshConfig,
+        output: str,
+        layer: Callable[[str], OffloadedLayer],
     ):
         self.tier = tier
+        self.hot = hot
+        """Per layer index: experts pinned on the device instead (``replicate_hot``)."""
         tier.mesh = mesh  # (mode and timings change with reconfigure)
         self.output = output
         self.layer = layer
         self.early_fire = EarlyFire(mesh.mode) if mesh.mode != "sync" else None
+
+    def equip(self, layer: OffloadedLayer) -> None:
+        layer.join_peers(LayerPeers(self.tier, layer.index), self.hot.get(layer.index))
 
     def miss_policy(self, policy: MissPolicy) -> MissPolicy:
         return PeersFirst(policy)

@@ -21,6 +21,9 @@ _ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
 in one process). Keyed by ``id`` and checked by weak reference, since ids are reused."""
 
 
+_TARGETS: weakref.WeakKeyDictionary[OffloadEngine, OffloadEngine] = weakref.WeakKeyDictionary()
+"""A draft's engine -> its target's."""
+
 _TARGET: weakref.ref | None = None
 """The engine of the last target model built in this process: vLLM builds the draft
 (``lookahead``) right after its target, and the draft's engine hands it its routes."""
@@ -46,7 +49,8 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
                 "engine configured for lookahead"
             )
         engine = OffloadEngine(config.draft_config(), device, rank=rank, reports=False)
-        target.attach_draft(engine)
+        _TARGETS[engine] = target
+        target.provide(draft=engine)  # its routes become the target's lookahead
     else:
         engine = OffloadEngine(config, device, rank=rank)
         engine.checkpoint = vllm_config.model_config.model
@@ -59,3 +63,8 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
 
     _ENGINES[key] = (weakref.ref(vllm_config, forget), engine)
     return engine
+
+
+def target_of(draft: OffloadEngine) -> OffloadEngine:
+    """The target engine whose lookahead the ``draft`` engine's routes are."""
+    return _TARGETS[draft]

@@ -65,8 +65,8 @@ def install_final_tap(model: Any, engine: Any, decode_query_len: int) -> None:
         )
     processor = getattr(model, "logits_processor", None)
     vocab_size = getattr(processor, "org_vocab_size", None) or model.config.vocab_size
-    engine.set_logit_head(
-        LogitHead(
+    engine.provide(
+        logit_head=LogitHead(
             norm_weight=norm.weight.data,
             eps=norm.variance_epsilon,
             weight=weight.data,

@@ -141,8 +141,8 @@ def wire_model(model: VllmModule) -> None:
         for _, layer, routed in layers[1:]:  # router_free can be switched on at run time
             RouterFreeHook(layer.mlp.experts, routed)
             engine.layers[routed.layer_name].router_skippable = True
-    engine.set_predictor_inputs(
-        _estimator_inputs(
+    engine.provide(
+        predictor_inputs=_estimator_inputs(
             engine.config,
             layers,
             PredictorInputs(
@@ -157,7 +157,7 @@ def wire_model(model: VllmModule) -> None:
                     for index, layer, routed in layers
                 },
             ),
-        )
+        ).to(engine.device)
     )
     engine.set_routing_statistics(
         {routed.layer_name: calibration.coactivation[index].numpy() for index, _, routed in layers},
@@ -236,7 +236,9 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     def reference(index: int, x: torch.Tensor, pairs: np.ndarray) -> torch.Tensor:
         return host_pairs(by_index[index].experts, by_index[index].host_kernel, x, pairs)
 
-    engine.attach_mesh(PeerTier(mesh, spec, num_experts, reference, local=hot), hot)
+    engine.provide(
+        peer_tier=PeerTier(mesh, spec, num_experts, reference, local=hot), hot_experts=hot
+    )
 
 
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:

@@ -36,8 +36,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm_specexpert import handoff, vllm_hooks
 from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
+from vllm_specexpert.features.lookahead import LookaheadFeature
+from vllm_specexpert.layer_state import LOW_BIT_SUFFIX
 from vllm_specexpert.layers import lookahead_driver
-from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for
+from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.packed_experts import (
     PackedDecoder,
@@ -208,10 +210,13 @@ class OffloadedRoutedExperts(RoutedExperts):
             decoder = PackedDecoder(parameters, form, slot_shapes)
             for name in slot_shapes:  # the kernel runs on slots: keep one expert's shape
                 getattr(self, name).data = getattr(self, name).data[:1].clone()
-        low_bit_store = None
-        if low_bit is not None:
+        if low_bit is not None:  # beside the layer's experts, found there by the layer
             parameters, copies = low_bit
-            low_bit_store = (copies, PackedDecoder(parameters, form, slot_shapes))
+            self.engine.store.add_layer(
+                self.layer_name + LOW_BIT_SUFFIX,
+                copies,
+                PackedDecoder(parameters, form, slot_shapes),
+            )
         layer = self.engine.add_layer(
             self.layer_name,
             tensors,
@@ -219,7 +224,6 @@ class OffloadedRoutedExperts(RoutedExperts):
             index=self.layer_index,
             host_kernel=self.slot_kernel.host_kernel(),
             decoder=decoder,
-            low_bit=low_bit_store,
         )
         if packed is None:
             # The parameters now alias the store's (pinned) tensors instead of a copy.
@@ -271,8 +275,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         self.slot_kernel.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
         engine = self.engine
         if self._draft:
-            lookahead = engine.target.feature("lookahead")
-            if lookahead is not None and lookahead.active:
+            lookahead = target_of(engine).feature("lookahead")
+            if isinstance(lookahead, LookaheadFeature) and lookahead.active:
                 # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
                 lookahead.draft_routed(
                     self.layer_index, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy()
