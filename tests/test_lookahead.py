@@ -178,7 +178,6 @@ def test_plec_takes_its_demand_from_the_draft():
 @pytest.mark.parametrize(
     "model, specexpert, engine, field",
     [
-        ("qwen3_moe-awq", {"lookahead": {}}, {}, "lookahead"),
         (
             TRAINED_MODEL,
             {"lookahead": {}},

@@ -82,6 +82,40 @@ def test_host_compute_dequantizes_packed_experts(engines):
     assert decode["host_entries"] > 0 and decode["loads"] == 0
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_moe-w4a16",
+        "qwen3_moe-fp8-block",
+        pytest.param("qwen3_moe-awq", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe-gptq", marks=pytest.mark.slow),
+    ],
+)
+def test_lookahead_drafts_from_the_checkpoints_experts_and_stays_exact(name):
+    # The draft's INT4 experts: a 4-bit checkpoint's own (the draft is the checkpoint,
+    # and accepts every token), an FP8 checkpoint's quantized again to INT4. vLLM builds
+    # the draft's layers under its own prefix: the checkpoint's list of unquantized
+    # modules (exact names for compressed-tensors and FP8) must still name them.
+    reference = vanilla_reference(name + TWIN_SUFFIX)
+    llm = make_llm(name, specexpert={"budget": 0.5, "lookahead": {}})
+    try:
+        outputs = greedy(llm)
+        assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+        assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
+        stats = vllm_specexpert.get_stats(llm)[0]
+        lookahead = stats["lookahead"]
+        assert lookahead["drafted"] > 0 and lookahead["acceptance"] > 0.5
+        draft_bytes = lookahead["draft"]["int4_bytes"]
+        if QUANTIZED_FIXTURES[name]["name"] == "fp8":
+            assert draft_bytes < 0.6 * stats["store_bytes"]
+            assert lookahead["acceptance"] < 1.0  # (another rounding than the target's)
+        else:
+            assert draft_bytes == stats["store_bytes"]
+            assert lookahead["acceptance"] == 1.0
+    finally:
+        shutdown(llm)
+
+
 def test_experts_move_packed(engines):
     name, llm, _ = engines
     vllm_specexpert.reconfigure(llm, budget=0.25, miss_policy="fetch")

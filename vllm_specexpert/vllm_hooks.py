@@ -13,6 +13,8 @@ process (:func:`wrap_once`).
   :mod:`vllm_specexpert.handoff`, and times the step for the lookahead governor;
 * :func:`around_drafting`: the speculative-decoding proposer's first pass and the
   runner's ``propose_draft_token_ids`` (the lookahead draft's rounds);
+* :func:`quantize_by_checkpoint_names`: a model's quantization config (the lookahead
+  draft's layers are quantized as the checkpoint names them, without vLLM's prefix);
 * :func:`add_to_multiprocess_registries`: prometheus_client's ``MultiProcessCollector``
   (what ``/metrics`` serves with several API servers);
 * :func:`patch_version_lookup`: ``importlib.metadata.version("vllm")`` on the CPU build.
@@ -223,6 +225,24 @@ def around_drafting(
 
     wrap_once(SpecDecodeBaseProposer, "set_inputs_first_pass", wrap_first_pass)
     wrap_once(GPUModelRunner, "propose_draft_token_ids", wrap_propose)
+
+
+def quantize_by_checkpoint_names(quant_config: Any, model_prefix: str) -> None:
+    """``quant_config`` chooses each layer's quantization by the layer's name without
+    ``model_prefix``. vLLM builds a speculative-decoding draft's layers under a prefix
+    (``draft_model.``) and matches a checkpoint's list of unquantized modules against
+    those names; FP8's ``ignored_layers`` and compressed-tensors' ``ignore`` hold exact
+    names, so a draft on the target's checkpoint would take its unquantized routers and
+    attention for quantized ones (and fail to load them)."""
+    original = quant_config.get_quant_method
+    if getattr(original, "_specexpert_wrapped", False):
+        return
+
+    def get_quant_method(layer, prefix: str = ""):
+        return original(layer, prefix=prefix.removeprefix(model_prefix))
+
+    setattr(get_quant_method, "_specexpert_wrapped", True)  # noqa: B010 - a function's attribute
+    quant_config.get_quant_method = get_quant_method
 
 
 def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:

@@ -34,14 +34,6 @@ def check_fits(config: Settings, num_experts: int, top_k: int, packed: str | Non
                 "slots for INT4 copies, leaving fewer than top_k for the rest",
                 f"give a budget of at least {2 * top_k} slots per layer",
             )
-    if config.lookahead is not None and packed is not None:
-        raise SpecExpertConfigError(
-            "lookahead",
-            f"the draft's INT4 experts are made at load from bf16/fp16 "
-            f"experts, and this checkpoint's experts are {packed} (vLLM builds the draft "
-            "without its quantization)",
-            "use the bf16 checkpoint, or remove lookahead",
-        )
     mesh = config.mesh
     if mesh is not None:
         if packed is not None:

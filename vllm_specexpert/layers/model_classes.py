@@ -22,8 +22,10 @@ import torch
 from torch import nn
 from vllm.platforms import current_platform
 
+from vllm_specexpert import vllm_hooks
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.layers.engines import DRAFT_PREFIX
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts, offloaded
 from vllm_specexpert.layers.router_free import RouterFreeHook, runner_is_eager
 from vllm_specexpert.log import init_logger
@@ -244,8 +246,17 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
 def _offload_aware(base: type[nn.Module]) -> type[nn.Module]:
     class Model(base):  # type: ignore[valid-type,misc]  # (a class made per architecture)
         def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+            configured = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
+            if (
+                configured is not None
+                and configured.lookahead is not None
+                and vllm_config.quant_config is not None
+            ):
+                # The lookahead draft is the target's checkpoint: its layers are
+                # quantized as the checkpoint names them, without the draft's prefix.
+                vllm_hooks.quantize_by_checkpoint_names(vllm_config.quant_config, DRAFT_PREFIX)
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-            if SpecExpertConfig.from_additional_config(vllm_config.additional_config) is None:
+            if configured is None:
                 self.__class__ = base  # type: ignore[assignment]  # not configured: vLLM's
 
         def process_weights_after_loading(self) -> None:

@@ -126,6 +126,18 @@ class PackedParameters:
         result.update({name: weights[name].clone() for name in BIASES if name in weights})
         return result
 
+    def requantize(
+        self, packed: dict[str, torch.Tensor], target: PackedParameters
+    ) -> dict[str, torch.Tensor]:
+        """Packed tensors of every expert in ``target``'s format, from ``packed`` ones in
+        this format: each expert dequantized, then quantized again (one expert's bf16
+        weights at a time, not the whole layer's)."""
+        experts = [
+            target.quantize(self.dequantize({name: t[e : e + 1] for name, t in packed.items()}))
+            for e in range(self.num_experts)
+        ]
+        return {name: torch.cat([e[name] for e in experts]) for name in experts[0]}
+
     def dequantize(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """bf16 ``w13_weight [n, 2I, H]`` and ``w2_weight [n, H, I]`` in vLLM's checkpoint
         layout (before its post-processing); biases pass through."""
@@ -175,6 +187,10 @@ class PackedDecoder:
 
     def __call__(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.runtime_form(self.parameters.dequantize(packed))
+
+
+LOW_BIT_BITS = 4
+"""Bits per weight of ``lowbit``'s copies and of the lookahead draft's experts."""
 
 
 def low_bit_parameters(

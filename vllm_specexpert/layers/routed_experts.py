@@ -42,6 +42,7 @@ from vllm_specexpert.layers import lookahead_driver
 from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.packed_experts import (
+    LOW_BIT_BITS,
     PackedDecoder,
     PackedParameters,
     low_bit_parameters,
@@ -85,7 +86,8 @@ class OffloadedRoutedExperts(RoutedExperts):
             return
 
         check_supported(vllm_config)
-        self._packed_format = packed_format(vllm_config, layer_name)
+        # The draft's layers are the checkpoint's modules under vLLM's draft prefix.
+        self._packed_format = packed_format(vllm_config, layer_name.removeprefix(DRAFT_PREFIX))
         self._packed: PackedParameters | None = None
         if moe_config.has_bias and self._packed_format is not None:
             raise SpecExpertUnsupportedError(
@@ -97,12 +99,6 @@ class OffloadedRoutedExperts(RoutedExperts):
 
         self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None
         """This layer is the lookahead draft's: INT4 experts, its routes to the target."""
-        if self._draft and self._packed_format is not None:
-            raise SpecExpertUnsupportedError(
-                f"lookahead with {self._packed_format.name} experts",
-                "the draft's INT4 experts are made at load from bf16/fp16 experts",
-                "use the bf16 checkpoint, or remove lookahead",
-            )
         (config.draft_config() if self._draft else config).slots_per_layer(
             self.global_num_experts, self.top_k
         )  # fail early
@@ -171,7 +167,7 @@ class OffloadedRoutedExperts(RoutedExperts):
             # lowbit's beside the experts, or the lookahead draft's instead of them.
             low_bit = None
             if self._draft:
-                packed = self._low_bit_copies()
+                packed = self._draft_experts(packed)
             elif packed is None and self.engine.config.miss_policy_spec.low_bit:
                 low_bit = self._low_bit_copies()
             post_process(layer)
@@ -180,7 +176,29 @@ class OffloadedRoutedExperts(RoutedExperts):
         method.process_weights_after_loading = process_weights_after_loading
         return method
 
-    def _low_bit_copies(self) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
+    def _draft_experts(
+        self, packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None
+    ) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
+        """The lookahead draft's INT4 experts: a 4-bit checkpoint's own ``packed``
+        experts as they are (already as small as an INT4 copy, and quantizing them again
+        would only add error), else INT4 copies of the bf16 experts or of a wider
+        checkpoint's (FP8)."""
+        if packed is not None and packed[0].format.bits <= LOW_BIT_BITS:
+            return packed
+        return self._low_bit_copies(packed)
+
+    def _low_bit_copies(
+        self, packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None = None
+    ) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
+        """INT4 copies (``lowbit``'s format) of the layer's bf16 experts, or of a
+        quantized checkpoint's ``packed`` ones."""
+        if packed is not None:
+            source, tensors = packed
+            hidden, intermediate = source.features["w2"]
+            parameters = low_bit_parameters(
+                self.layer_name, source.num_experts, hidden, intermediate
+            )
+            return parameters, source.requantize(tensors, parameters)
         experts, twice_intermediate, hidden = self.w13_weight.shape
         parameters = low_bit_parameters(self.layer_name, experts, hidden, twice_intermediate // 2)
         weights = {name: getattr(self, name).data for name in EXPERT_TENSORS if hasattr(self, name)}
