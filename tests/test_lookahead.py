@@ -1,10 +1,16 @@
 """``lookahead`` (MoE-SpeQ): an INT4 draft drafts tokens through vLLM's speculative
 decoding, its routes prefetch the target's experts, a governor picks the draft length.
 
-Unit tests of the lookahead buffer and the governor, config errors, and one engine on
+Unit tests of the lookahead buffer, its planner and the governor (also under a token
+scheduler that runs one group of requests per step), config errors, and one engine on
 the trained model at budget 0.25 (``fetch``: exact) compared token for token with
-vanilla vLLM at 1 and 32 sequences, with chunked prefill.
+vanilla vLLM at 1 and 32 sequences, with chunked prefill; engines of their own with the
+token scheduler (16 sequences in groups of 4) and with a small draft pool. Lookahead on
+quantized checkpoints is in ``test_quantized``.
 """
+
+import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,29 +31,55 @@ from vllm_specexpert.planner.governor import (
     Governor,
     expected_tokens,
 )
+from vllm_specexpert.planner.lookahead import LookaheadPlanner
 from vllm_specexpert.predict.draft import ExpertLookaheadBuffer
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL
+from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL
 
 BUDGET = 0.25
+PATH_PREDICTOR = ASSETS / "tiny-qwen3-moe-path-predictor"
 MANY = [f"{PROMPTS[i % len(PROMPTS)]}# {i}\n" for i in range(32)]
 
 
 # ------------------------------------------------------------------ lookahead buffer
 
 
-def test_buffer_keeps_the_verified_rows_of_each_pass():
+def test_buffer_keeps_the_verified_rows_of_each_pass_per_request():
     buffer = ExpertLookaheadBuffer(num_experts=8)
-    buffer.begin()
-    buffer.first_rows = np.array([2, 4])  # as vLLM's first pass lays them out
+    buffer.begin(["a", "b"], first_rows=np.array([2, 4]))
     ids = np.array([[0, 1], [0, 1], [2, 3], [0, 1], [4, 5]])
     weights = np.full(ids.shape, 0.5)
     first = buffer.record(0, ids, weights)  # pass 0: rows 2 and 4 only
     assert first.draft_pass == 0 and first.ids.tolist() == [[2, 3], [4, 5]]
     buffer.record(1, ids, weights)  # same pass, next layer
-    second = buffer.record(0, np.array([[6, 7], [6, 1]]), np.full((2, 2), 0.5))
+    # Pass 1: one row per request, and a row that pads the batch (not a request's).
+    second = buffer.record(0, np.array([[6, 7], [6, 1], [0, 0]]), np.full((3, 2), 0.5))
     assert second.draft_pass == 1 and buffer.passes == 2
-    assert buffer.demand[0].tolist() == [0, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 0.5]
-    assert buffer.demand[1].tolist() == [0, 0, 0.5, 0.5, 0.5, 0.5, 0, 0]
+    routes = buffer.by_request()
+    assert routes["a"][0].tolist() == [0, 0, 0.5, 0.5, 0, 0, 0.5, 0.5]
+    assert routes["b"][0].tolist() == [0, 0.5, 0, 0, 0.5, 0.5, 0.5, 0]
+    assert routes["b"][1].tolist() == [0, 0, 0, 0, 0.5, 0.5, 0, 0]
+
+
+def test_a_pass_demands_the_routes_of_its_requests_and_loads_a_returning_ones_ahead():
+    prefetched = []
+    layer = SimpleNamespace(  # the target's layer 0: expert 1 resident, nothing else
+        cache=SimpleNamespace(expert_slot=np.array([-1, 0, -1, -1]), touch=lambda experts: None),
+        loader=SimpleNamespace(prefetch=lambda experts, _: prefetched.append(experts.tolist())),
+        stats=SimpleNamespace(decode=None),
+    )
+    planner = LookaheadPlanner(4, {0: layer}.get)
+    for requests, ids in [(["a", "b"], [[0], [1]]), (["c"], [[2]])]:  # a round per group
+        planner.round_started(requests)
+        planner.draft_routed(0, np.array(ids), np.ones((len(ids), 1)))
+        planner.round_ended()
+    prefetched.clear()
+    # The next pass runs "a" and "b" (their drafts made a round ago), "c" waits; "b"
+    # has since finished.
+    planner.pass_started(["a", "b"], gone=["b"])
+    assert planner.demand.layers[0].tolist() == [1, 0, 0, 0]
+    assert prefetched == [[0]]  # "a" sat out the last round: its expert loads again
+    planner.pass_started(["c"], gone=[])
+    assert planner.demand.layers[0].tolist() == [0, 0, 1, 0] and prefetched == [[0]]
 
 
 # ----------------------------------------------------------------------- governor
@@ -67,13 +99,13 @@ def _measure(governor, requests, cycle_of_k, acceptance, steps):
     for _ in range(steps):
         k = governor.choose(requests)
         keep = governor.drafting(requests, k)
-        governor.drafted(len(requests), k)
+        governor.drafted(requests, k, 0.0)  # (the whole cycle is the pass's, below)
         accepted = {
             r: (k, int(sum(acceptance[r] ** i for i in range(1, k + 1))))
             for r in requests
             if r in keep and k
         }
-        governor.verified(accepted, cycle_of_k(k))
+        governor.verified(accepted, requests, cycle_of_k(k))
         chosen.append(k)
     return chosen
 
@@ -113,13 +145,13 @@ def test_a_noisy_cycle_is_shrunk_toward_the_other_draft_lengths():
         (1, 9.0),
         (1, 1.1),
     ]:
-        governor.drafted(1, k)
-        governor.verified({}, cycle)
+        governor.drafted(["a"], k, 0.0)
+        governor.verified({}, ["a"], cycle)
     assert governor.cycle_s(1, 1) == pytest.approx(1.1)  # not the mean, 3.7
     # The single samples sit on the line through the medians: the order is kept.
     assert governor.cycle_s(1, 0) < governor.cycle_s(1, 1) < governor.cycle_s(1, 2)
-    governor.drafted(1, 2)
-    governor.verified({}, 3.0)  # one slow k = 2 sample is pulled toward the line
+    governor.drafted(["a"], 2, 0.0)
+    governor.verified({}, ["a"], 3.0)  # one slow k = 2 sample is pulled toward the line
     assert governor.cycle_s(1, 2) < (1.2 + 3.0) / 2
 
 
@@ -142,6 +174,73 @@ def test_governor_stops_a_request_whose_drafts_do_not_pay_and_probes_it():
     assert steps // 2 < governor.stats.stopped_request_steps < steps
 
 
+def _alternate(governor, groups, draft_s, pass_s, acceptance, steps):
+    """Run ``steps`` steps of a token scheduler that runs one of ``groups`` per step, in
+    turn: each pass verifies the drafts its group made when it last ran (the pass takes
+    ``pass_s(k)`` for drafts of ``k``, a round ``draft_s(k)``). Returns, per request,
+    which of its own steps it drafted in."""
+    drafts: dict[str, int] = {}
+    own_steps = dict.fromkeys(acceptance, 0)
+    drafted_in: dict[str, list[int]] = {r: [] for r in acceptance}
+    for step in range(steps):
+        group = groups[step % len(groups)]
+        verified_k = max((drafts.get(r, 0) for r in group), default=0)
+        results = {
+            r: (drafts[r], int(sum(acceptance[r] ** i for i in range(1, drafts[r] + 1))))
+            for r in group
+            if drafts.get(r)
+        }
+        governor.verified(results, group, pass_s(verified_k))
+        k = governor.choose(group)
+        keep = governor.drafting(group, k)
+        governor.drafted(group, k, draft_s(k))
+        drafts.update({r: k if r in keep else 0 for r in group})
+        for r in group:
+            if k and r in keep:
+                drafted_in[r].append(own_steps[r])
+            own_steps[r] += 1
+    return drafted_in
+
+
+def test_under_a_token_scheduler_a_pass_pairs_with_the_round_that_drafted_its_tokens():
+    # Two groups in turn: the pass after a round verifies the other group's drafts. A
+    # cycle is the round's draft plus the pass that verifies that round, 1 + 0.3 k here;
+    # pairing a round with the pass right after it would mix two draft lengths.
+    governor = Governor(k_max=3)
+    groups = [["a1", "a2"], ["b1", "b2"]]
+    acceptance = dict.fromkeys(["a1", "a2", "b1", "b2"], 1.0)
+    _alternate(governor, groups, lambda k: 0.1 * k, lambda k: 1.0 + 0.2 * k, acceptance, 80)
+    for k in range(4):  # every k measured (its warm-up over) and each cycle right
+        assert governor.cycle_s(2, k) == pytest.approx(1.0 + 0.3 * k)
+
+
+def test_a_pass_of_drafts_of_different_lengths_is_no_cycle_sample():
+    governor = Governor(k_max=2)
+    governor.drafted(["a"], 1, 0.1)
+    governor.drafted(["b"], 2, 0.1)
+    governor.verified({}, ["a", "b"], 1.0)
+    assert governor.taken == {}
+    governor.verified({}, ["b"], 1.0)
+    assert governor.taken == {(1, 2): 1}
+
+
+def test_a_held_back_request_is_probed_every_so_many_of_its_own_steps():
+    # "bad" runs every other step: stopped, it drafts again once per PROBE_EVERY of its
+    # own steps (not of the engine's).
+    governor = Governor(k_max=2)
+    drafted_in = _alternate(
+        governor,
+        [["good", "bad"], ["good 2", "good 3"]],
+        lambda k: 0.0,
+        lambda k: 1.0 + 0.4 * k,
+        {"good": 1.0, "bad": 0.0, "good 2": 1.0, "good 3": 1.0},
+        12 * PROBE_EVERY,
+    )
+    assert set(governor.stopped) == {"bad"}
+    probes = drafted_in["bad"][-4:]
+    assert [b - a for a, b in itertools.pairwise(probes)] == [PROBE_EVERY] * 3
+
+
 def test_fixed_k_is_kept():
     governor = Governor(k_max=4, fixed_k=2)
     assert _measure(governor, ["a"], lambda k: 1.0, {"a": 0.0}, 10) == [2] * 10
@@ -159,7 +258,6 @@ def test_fixed_k_is_kept():
         ({"lookahead": {"k_max": 2, "k": 3}}, "lookahead.k"),
         ({"lookahead": {"draft_budget": 0}}, "lookahead.draft_budget"),
         ({"lookahead": {"depth": 2}}, "lookahead.depth"),
-        ({"lookahead": {}, "token_scheduler": {}, "path_predictor": "x"}, "token_scheduler"),
     ],
 )
 def test_bad_lookahead_settings_name_their_field(raw, field):
@@ -251,15 +349,22 @@ def test_lookahead_under_fetch_is_exact_at_one_sequence(llm):
     assert 0 < lookahead["steps"] < 23 - 5
 
 
-def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill_and_preemption(llm):
+@pytest.fixture(scope="module")
+def many_reference():
+    """Vanilla vLLM's greedy completions of MANY."""
+    return greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=MANY)["completions"]
+
+
+def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill_and_preemption(
+    llm, many_reference
+):
     # 32 prompts through a 128-token step budget: prompts are chunked, and passes mix
     # verification rows with prefill rows; the KV cache is too small for all of them.
-    reference = greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=MANY)
     vllm_specexpert.reset_stats(llm)
     preempted = _preemptions(llm)
     outputs = greedy(llm, MANY)
     assert _preemptions(llm) > preempted
-    assert _tokens(outputs) == _tokens(reference["completions"])
+    assert _tokens(outputs) == _tokens(many_reference)
     assert all(len(c.token_ids) == 24 for c in outputs)  # every request finished
     stats = vllm_specexpert.get_stats(llm)[0]
     decode = stats["total"]["decode"]
@@ -283,6 +388,55 @@ def test_fixed_k_by_reconfigure(llm):
     vllm_specexpert.reconfigure(llm, lookahead={})
     with pytest.raises(SpecExpertConfigError, match="lookahead"):
         vllm_specexpert.reconfigure(llm, lookahead={"k_max": 2})
+
+
+def test_under_the_token_scheduler_held_back_drafts_are_verified_and_exact(many_reference):
+    # 16 decoding sequences in groups of 4: each step runs one group and holds the others
+    # back, with the tokens their last round drafted; vLLM keeps those until it
+    # schedules the request again, and verifies them then.
+    llm = make_llm(
+        TRAINED_MODEL,
+        specexpert={
+            "budget": BUDGET,
+            "lookahead": {},
+            "path_predictor": str(PATH_PREDICTOR),
+            "token_scheduler": {"group_size": 4, "max_wait_steps": 2},
+        },
+    )
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # (in this process)
+        late_verifications = _count_late_verifications(scheduler)
+        outputs = greedy(llm, MANY[:16])
+        assert _tokens(outputs) == _tokens(many_reference[:16])
+        stats = vllm_specexpert.get_stats(llm)[0]
+        assert stats["scheduler"]["grouped_steps"] > 0 and stats["scheduler"]["held"] > 0
+        assert late_verifications() > 0
+        lookahead = stats["lookahead"]
+        assert lookahead["drafted"] > 0 and lookahead["acceptance"] > 0.5
+        # The governor measured every draft length in the groups (a cycle pairs a pass
+        # with the round that drafted what it verifies: none would stall its warm-up).
+        assert set(lookahead["steps_by_k"]) == {"0", "1", "2", "3", "4"}
+        # A pass's demand is its own group's routes, not those of the group drafted last.
+        decode = stats["total"]["decode"]
+        assert decode["path_covered"] > 0.8 * decode["path_needed"]
+    finally:
+        shutdown(llm)
+
+
+def _count_late_verifications(scheduler):
+    """Counts, from now on, the requests ``scheduler`` schedules with drafted tokens
+    after a step it held them back in (their tokens were drafted before that step)."""
+    schedule, last, count = scheduler.schedule, set(), [0]
+
+    def counted(*args, **kwargs):
+        nonlocal last
+        output = schedule(*args, **kwargs)
+        count[0] += sum(r not in last for r in output.scheduled_spec_decode_tokens)
+        last = set(output.num_scheduled_tokens)
+        return output
+
+    scheduler.schedule = counted
+    return lambda: count[0]
 
 
 def test_a_small_draft_pool_decodes_its_int4_experts_on_use():

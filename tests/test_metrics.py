@@ -194,8 +194,8 @@ def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
     governor = engine.feature("lookahead").governor
     for _ in range(7):  # the warm-up's round robin: k = 4, 3, 2, 1, 0, 4, 3
         k = governor.choose(["a", "b"])
-        governor.drafted(2, k)
-        governor.verified({"a": (k, k // 2), "b": (k, k)} if k else {}, 1.0)
+        governor.drafted(["a", "b"], k, 0.1)
+        governor.verified({"a": (k, k // 2), "b": (k, k)} if k else {}, ["a", "b"], 0.9)
     engine.write_stats()
     stats = engine.stats()["lookahead"]
     series = scrape(tmp_path)

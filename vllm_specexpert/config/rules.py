@@ -138,13 +138,6 @@ def check_combination(config: Settings) -> None:
             f"{lookahead.k} exceeds lookahead.k_max={lookahead.k_max}",
             f"use k <= {lookahead.k_max}, or raise k_max",
         )
-    if lookahead is not None and config.token_scheduler is not None:
-        raise SpecExpertConfigError(
-            "token_scheduler",
-            "does not combine with lookahead yet (a held-back request "
-            "would leave its drafted tokens unverified)",
-            "remove one of the two",
-        )
     _check_mesh(config)
     _check_quality(config)
     if config.token_scheduler is not None and config.path_predictor is None:

@@ -8,6 +8,7 @@ proposer, and the draft's layers hand their routes over (:meth:`draft_routed`)."
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -49,20 +50,20 @@ class LookaheadFeature(EngineFeature):
         return self.planner is not None and self.planner.active
 
     def demand(self) -> StepDemand | None:
-        """The verification pass's demand: the last round's routes."""
+        """The running pass's demand: its requests' routes in their last rounds."""
         return self.planner.demand if self.planner is not None else None
 
     def begin_round(
-        self, requests: list[str], verified: dict[str, tuple[int, int]], cycle_s: float | None
+        self, requests: list[str], verified: dict[str, tuple[int, int]], pass_s: float | None
     ) -> int:
-        """A drafting round starts for ``requests``, after a pass that verified
-        ``verified`` (request -> drafted, accepted tokens) in a cycle of ``cycle_s``
-        seconds (``None``: not a round's cycle). Returns the round's draft length."""
+        """A drafting round starts for ``requests``, after a target pass that verified
+        ``verified`` (request -> drafted, accepted tokens) in ``pass_s`` seconds
+        (``None``: not a verifying pass alone). Returns the round's draft length."""
         with self.lock:
-            self.governor.verified(verified, cycle_s)
+            self.governor.verified(verified, requests, pass_s)
             k = self.governor.choose(requests)
             if self.planner is not None:
-                self.planner.round_started()
+                self.planner.round_started(requests)
         return k
 
     def end_round(self) -> None:
@@ -71,12 +72,19 @@ class LookaheadFeature(EngineFeature):
             with self.lock:
                 self.planner.round_ended()
 
-    def drafted(self, requests: list[str], k: int) -> set[str]:
-        """The round drafted ``k`` tokens for ``requests``: the requests whose drafts
-        the governor keeps."""
+    def drafted(self, requests: list[str], k: int, draft_s: float) -> set[str]:
+        """The round drafted ``k`` tokens for ``requests`` in ``draft_s`` seconds: the
+        requests whose drafts the governor keeps."""
         with self.lock:
-            self.governor.drafted(len(requests), k)
+            self.governor.drafted(requests, k, draft_s)
             return self.governor.drafting(requests, k)
+
+    def pass_started(self, requests: Iterable[str], gone: Iterable[str]) -> None:
+        """A target pass of ``requests`` starts; ``gone`` finished or were preempted
+        since the last one."""
+        if self.planner is not None:
+            with self.lock:
+                self.planner.pass_started(requests, gone)
 
     def first_rows(self, rows: np.ndarray) -> None:
         """The rows of the draft's first pass that stand for its requests (the others

@@ -5,7 +5,8 @@ drafted tokens), then its draft proposer (``propose_draft_token_ids``). Around t
 proposer (:func:`vllm_specexpert.vllm_hooks.around_drafting`) this module:
 
 1. reads the verification's outcome per request (drafted and accepted tokens) and the
-   last round's cycle (from its start to this one's), for the governor;
+   time of the pass that verified it (from the end of the last round to the start of
+   this one; with the rounds' own times, the governor's cycles), for the governor;
 2. asks the governor for this step's draft length ``k`` and sets it as the step's
    ``num_spec_tokens_to_schedule`` (what vLLM's dynamic speculative decoding sets), so
    the draft runs ``k`` tokens;
@@ -14,6 +15,17 @@ proposer (:func:`vllm_specexpert.vllm_hooks.around_drafting`) this module:
    closes it after;
 4. drops the drafted tokens of the requests the governor stopped (a ragged list, as
    vLLM's n-gram proposer returns; async scheduling is off under ``lookahead``).
+
+At each step's start the pass's requests are handed to the lookahead (their routes are
+its demand), with the requests finished or preempted since.
+
+A request the token scheduler holds back is not scheduled, so it leaves the runner's
+batch: the draft drafts nothing for it while it waits, and vLLM's scheduler keeps the
+drafted tokens it has (``request.spec_token_ids``) until it schedules it again, then
+verifies them as any others (the draft's KV cache at their positions is written by its
+first pass over the verification's tokens, as at every step). Nothing is lost or
+verified twice; the governor pairs the pass's time with the rounds that drafted what it
+verifies.
 """
 
 from __future__ import annotations
@@ -74,6 +86,8 @@ def _step_started(runner, scheduler_output) -> None:
     if lookahead is not None:
         for request in scheduler_output.finished_req_ids:
             lookahead.governor.finished(request)
+        gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+        lookahead.pass_started(scheduler_output.num_scheduled_tokens, gone)
 
 
 def _first_pass(proposer: Any, token_indices_to_sample: torch.Tensor | None) -> None:
@@ -112,20 +126,20 @@ def _propose(
     if lookahead is None:
         return draft()
     requests = list(runner.input_batch.req_ids)
-    last = getattr(runner, "_specexpert_round_start", None)
-    now = runner._specexpert_round_start = time.perf_counter()
+    last_end = getattr(runner, "_specexpert_round_end", None)
+    start = time.perf_counter()
     verified = _verification(sampled, spec_decode_metadata, requests)
-    # The time since the last round started is that round's cycle only if this pass
-    # ran each request's sampled token and drafts, nothing more (no prompt or chunk).
-    cycle_s = None
+    # The time since the last round ended is the verifying pass's only if the pass ran
+    # each request's sampled token and drafts, nothing more (no prompt or chunk).
+    pass_s = None
     if (
-        last is not None
+        last_end is not None
         and spec_decode_metadata is not None
         and scheduler_output.total_num_scheduled_tokens
         == len(requests) + sum(spec_decode_metadata.num_draft_tokens)
     ):
-        cycle_s = now - last
-    k = lookahead.begin_round(requests, verified, cycle_s)
+        pass_s = start - last_end
+    k = lookahead.begin_round(requests, verified, pass_s)
     scheduler_output.num_spec_tokens_to_schedule = k
     _active = lookahead
     try:
@@ -133,7 +147,8 @@ def _propose(
     finally:
         _active = None
         lookahead.end_round()
-    keep = lookahead.drafted(requests, k)
+    end = runner._specexpert_round_end = time.perf_counter()
+    keep = lookahead.drafted(requests, k, end - start)
     if (
         k
         and len(keep) < len(requests)

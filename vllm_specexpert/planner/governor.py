@@ -7,10 +7,15 @@ profiled offline:
 * ``E[tokens](k)`` per request is ``sum_{i=0..k} a^i``, with ``a`` the request's
   per-token acceptance, an EMA of (accepted drafted tokens) / (drafted tokens tested
   up to the first rejection) over its verifications.
-* ``T(k)`` is the step's cycle time with draft length ``k``: the wall time from the
-  start of one draft round to the start of the next, i.e. the draft's ``k`` tokens, the
-  engine's bookkeeping and scheduling, and the target pass that verifies them, expert
-  fetch stalls included (the amortization roofline's I/O term is in the measurement).
+* ``T(k)`` is the step's cycle time with draft length ``k``: a draft round's ``k``
+  tokens, plus the time from the end of the round before the target pass that verifies
+  them to the start of the next round (the engine's bookkeeping and scheduling, the
+  pass, its expert fetch stalls: the amortization roofline's I/O term is in the
+  measurement). When each pass verifies the round just before it, that is the wall time
+  from one round's start to the next. The token scheduler runs a group of the requests
+  per step, so a pass verifies drafts made some rounds before it: its time is paired
+  with the time of the rounds that drafted them, and a pass whose requests drafted at
+  different ``k`` (or in rounds of different batch-size buckets) is not a sample.
   One cycle varies a lot with the cache's state, so per (batch-size bucket, ``k``) the
   estimate is the median of the last ``WINDOW`` samples, shrunk toward a straight line
   fitted to the bucket's medians of every ``k`` (the paper models the draft's time as
@@ -23,10 +28,11 @@ profiled offline:
 
 Cascade-style utility gating: a request whose acceptance is below the break-even
 ``a*`` at which drafting ``k`` pays, ``E(k, a*) = T(k) / T(0)``, stops drafting (its
-drafts are dropped, it decodes one token per step); every ``PROBE_EVERY`` steps it
-drafts once more so that its acceptance is measured again. If no ``k > 0`` beats
-``k = 0`` the whole step drafts nothing (the draft still runs once on the step's
-tokens: vLLM keeps its KV cache in step).
+drafts are dropped, it decodes one token per step); every ``PROBE_EVERY`` of its own
+steps (a request the token scheduler holds back takes none) it drafts once more so that
+its acceptance is measured again. If no ``k > 0`` beats ``k = 0`` the whole step drafts
+nothing (the draft still runs once on the step's tokens: vLLM keeps its KV cache in
+step).
 """
 
 from __future__ import annotations
@@ -58,6 +64,17 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 def _bucket(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """One draft round (its time is half of a cycle sample, module doc)."""
+
+    bucket: int
+    """Batch-size bucket of the round's requests."""
+    k: int
+    seconds: float
+    """The draft's time."""
 
 
 @dataclass
@@ -101,22 +118,28 @@ class Governor:
         self._estimates: dict[tuple[int, int], float | None] = {}
         """:meth:`cycle_s` until the next sample (a step's choice asks it many times)."""
         self.stopped: dict[str, int] = {}
-        """Request -> the step it stopped drafting at."""
+        """Request -> its steps since it stopped drafting."""
         self.stats = GovernorStats()
         self._step = 0
-        self._pending: tuple[int, int] | None = None
-        """(bucket, k) of the round whose verification comes next."""
+        self._rounds: dict[int, DraftRound] = {}
+        """Round number -> a round whose drafts some request has still to verify."""
+        self._round_of: dict[str, int] = {}
+        """Request -> the round it drafted in last."""
+        self._next_round = 0
 
     def reset_stats(self) -> None:
         self.stats = GovernorStats()
 
     # ------------------------------------------------------------- measurements
 
-    def verified(self, results: dict[str, tuple[int, int]], cycle_s: float | None) -> None:
-        """A target pass verified the last round: ``results`` maps each request to
-        (drafted tokens, accepted tokens); ``cycle_s`` is the round's cycle (module
-        doc), ``None`` when the pass did more than verify (a prompt, a chunk: the time
-        is not the round's, and the round is not counted)."""
+    def verified(
+        self, results: dict[str, tuple[int, int]], requests: list[str], pass_s: float | None
+    ) -> None:
+        """A target pass of ``requests`` verified their drafts: ``results`` maps each
+        request with drafts to (drafted tokens, accepted tokens); ``pass_s`` is the time
+        from the end of the last round to now (module doc), ``None`` when the pass did
+        more than verify (a prompt, a chunk: the time is not a cycle's, and nothing is
+        sampled)."""
         for request, (drafted, accepted) in results.items():
             if drafted <= 0:
                 continue
@@ -126,13 +149,18 @@ class Governor:
             self.acceptance[request] = (1 - EMA) * old + EMA * rate
             self.stats.drafted += drafted
             self.stats.accepted += accepted
-        if self._pending is not None and cycle_s is not None:
-            key = self._pending
-            self.taken[key] = self.taken.get(key, 0) + 1
-            if self.taken[key] > 1:  # the first, on a cold cache, is dropped
-                self.samples.setdefault(key, deque(maxlen=WINDOW)).append(cycle_s)
-                self._estimates.clear()
-        self._pending = None
+        numbers = {self._round_of.get(request) for request in requests}
+        if pass_s is None or not requests or None in numbers:
+            return
+        rounds = [self._rounds[n] for n in numbers if n is not None]
+        if len({(r.bucket, r.k) for r in rounds}) > 1:
+            return  # (drafts of different lengths or batch sizes: no one k's cycle)
+        key = (rounds[0].bucket, rounds[0].k)
+        self.taken[key] = self.taken.get(key, 0) + 1
+        if self.taken[key] > 1:  # the first, on a cold cache, is dropped
+            draft_s = sum(r.seconds for r in rounds) / len(rounds)
+            self.samples.setdefault(key, deque(maxlen=WINDOW)).append(draft_s + pass_s)
+            self._estimates.clear()
 
     def cycle_s(self, batch: int, k: int) -> float | None:
         """Estimated cycle seconds at draft length ``k`` for ``batch`` requests (module
@@ -155,13 +183,19 @@ class Governor:
         fitted = max(intercept + slope * k, 1e-9)
         return (len(mine) * median + FIT_WEIGHT * fitted) / (len(mine) + FIT_WEIGHT)
 
-    def drafted(self, batch: int, k: int) -> None:
-        """The draft ran for ``k`` tokens on ``batch`` requests."""
-        self._pending = (_bucket(batch), k)
+    def drafted(self, requests: list[str], k: int, seconds: float) -> None:
+        """The draft ran a round of ``k`` tokens for ``requests`` in ``seconds``."""
+        number = self._next_round
+        self._next_round += 1
+        self._rounds[number] = DraftRound(_bucket(len(requests)), k, seconds)
+        self._round_of.update(dict.fromkeys(requests, number))
+        live = set(self._round_of.values())
+        self._rounds = {n: r for n, r in self._rounds.items() if n in live}
 
     def finished(self, request: str) -> None:
         self.acceptance.pop(request, None)
         self.stopped.pop(request, None)
+        self._round_of.pop(request, None)
 
     # ------------------------------------------------------------------ choices
 
@@ -229,8 +263,8 @@ class Governor:
             return set(requests)
         drafting = set()
         for request in requests:
-            stopped_at = self.stopped.get(request)
-            if stopped_at is not None and (self._step - stopped_at) % PROBE_EVERY == 0:
+            steps = self.stopped.get(request)
+            if steps is not None and (steps + 1) % PROBE_EVERY == 0:
                 drafting.add(request)  # probe
             elif self.acceptance.get(request, PRIOR_ACCEPTANCE) >= threshold:
                 drafting.add(request)
@@ -242,10 +276,13 @@ class Governor:
         chosen = self._drafting(requests, k)
         threshold = self.break_even(len(requests), k) or 0.0
         for request in requests:
-            if request in chosen:
-                if self.acceptance.get(request, PRIOR_ACCEPTANCE) >= threshold:
-                    self.stopped.pop(request, None)
-            else:
-                self.stopped.setdefault(request, self._step)
+            steps = self.stopped.get(request)
+            if request in chosen and self.acceptance.get(request, PRIOR_ACCEPTANCE) >= threshold:
+                self.stopped.pop(request, None)
+            elif steps is not None:
+                self.stopped[request] = steps + 1  # (a probe's step included)
+            elif request not in chosen:
+                self.stopped[request] = 0
+            if request not in chosen:
                 self.stats.stopped_request_steps += 1
         return chosen

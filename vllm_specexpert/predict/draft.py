@@ -3,11 +3,13 @@ routes the tokens it drafts to, per MoE layer, with the router's weight as confi
 
 vLLM's draft proposer runs the draft once on the step's tokens (the first pass: its
 rows ``first_rows`` are the tokens the target verifies next, one per request) and then
-once per further drafted token (one row per request). The draft's layers call
-:meth:`ExpertLookaheadBuffer.record` in model order, so a layer index that does not
-increase starts the next pass. The routes of the first pass's other rows (tokens the
-target has already run) are not kept. The last drafted token is never run by the draft,
-so a round of ``k`` drafted tokens covers ``k`` of the ``k + 1`` tokens verified next.
+once per further drafted token (one row per request, in the batch's order). The draft's
+layers call :meth:`ExpertLookaheadBuffer.record` in model order, so a layer index that
+does not increase starts the next pass. The routes of the first pass's other rows (tokens
+the target has already run) are not kept. The last drafted token is never run by the
+draft, so a round of ``k`` drafted tokens covers ``k`` of the ``k + 1`` tokens verified
+next. The routes are kept per request: the request's next verification may come steps
+later (the token scheduler holds requests back).
 """
 
 from __future__ import annotations
@@ -34,21 +36,34 @@ class ExpertLookaheadBuffer:
     """The routes of one drafting round (module doc)."""
 
     num_experts: int
+    requests: list[str] = field(default_factory=list)
+    """The round's requests, in the batch's order (one row each per pass)."""
     first_rows: np.ndarray | None = None
-    """Rows of the first pass that are tokens verified next (``None``: every row)."""
+    """Rows of the first pass that are tokens verified next (``None``: the first rows,
+    one per request)."""
     passes: int = 0
     """Passes recorded so far in this round."""
-    demand: dict[int, np.ndarray] = field(default_factory=dict)
-    """Decoder-layer index -> ``[E]`` router weight mass per expert over the round."""
+    masses: dict[int, np.ndarray] = field(default_factory=dict)
+    """Decoder-layer index -> ``[R, E]`` router weight mass per request and expert over
+    the round."""
     _last_layer: int = -1
 
-    def begin(self) -> None:
-        """A drafting round starts; its first pass's rows (``first_rows``, see module
-        doc) are set once vLLM has laid that pass out."""
-        self.first_rows = None
+    def begin(self, requests: list[str], first_rows: np.ndarray | None = None) -> None:
+        """A drafting round of ``requests`` starts; ``first_rows`` as in the module doc
+        (vLLM's proposer lays its first pass out once the round has started)."""
+        self.requests = requests
+        self.first_rows = first_rows
         self.passes = 0
-        self.demand = {}
+        self.masses = {}
         self._last_layer = -1
+
+    def by_request(self) -> dict[str, dict[int, np.ndarray]]:
+        """Request -> decoder-layer index -> ``[E]``: its router weight mass per expert
+        over the round."""
+        return {
+            request: {layer: mass[row] for layer, mass in self.masses.items()}
+            for row, request in enumerate(self.requests)
+        }
 
     def record(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> DraftRoutes:
         """The draft's layer ``layer_index`` routed its pass's rows to ``ids`` with
@@ -60,8 +75,10 @@ class ExpertLookaheadBuffer:
         if draft_pass == 0 and self.first_rows is not None:
             rows = self.first_rows[self.first_rows < len(ids)]
             ids, weights = ids[rows], weights[rows]
-        row = self.demand.get(layer_index)
-        if row is None:
-            row = self.demand[layer_index] = np.zeros(self.num_experts)
-        np.add.at(row, ids.ravel(), weights.ravel())
+        # (Rows past the requests' pad a batch to a captured graph's size.)
+        ids, weights = ids[: len(self.requests)], weights[: len(self.requests)]
+        mass = self.masses.get(layer_index)
+        if mass is None:
+            mass = self.masses[layer_index] = np.zeros((len(self.requests), self.num_experts))
+        np.add.at(mass, (np.arange(len(ids))[:, None], ids), weights)
         return DraftRoutes(draft_pass, ids, weights)
