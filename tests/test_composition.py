@@ -71,6 +71,25 @@ def test_every_pair_runs_with_its_label_or_is_refused_with_a_reason(pair):
     check_runs_with_its_label(config)
 
 
+@pytest.mark.parametrize(
+    "other",
+    [composition.Setting("token_scheduler", "on"), composition.Setting("checkpoint", "awq")],
+)
+def test_lookahead_runs_exactly_with_the_token_scheduler_and_a_quantized_checkpoint(other):
+    # Run end to end, greedy-identical to vanilla vLLM: test_lookahead (the token
+    # scheduler holds back requests with drafted tokens) and test_quantized.
+    lookahead = composition.Setting("lookahead", "on")
+    assert composition.verdict(lookahead, other) == composition.Verdict(True, output="exact")
+
+
+def test_lookahead_with_a_mesh_is_refused_for_what_the_draft_does_not_the_draft():
+    verdict = composition.verdict(
+        composition.Setting("lookahead", "on"), composition.Setting("mesh", "sync")
+    )
+    assert not verdict.runs and verdict.field == "mesh"
+    assert "prefetching over the link" in verdict.reason and "no peers" not in verdict.reason
+
+
 def test_each_feature_alone_runs_or_is_refused():
     for feature in composition.features():
         verdict = composition.verdict(feature)

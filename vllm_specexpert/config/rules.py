@@ -192,9 +192,12 @@ def _check_mesh(config: Settings) -> None:
             CALIBRATE,
         )
     if config.lookahead is not None:
+        # (The draft itself needs no peers: its INT4 experts are all on the engine.)
         raise SpecExpertConfigError(
             "mesh",
-            "does not combine with lookahead yet (the draft's engine has no peers)",
+            "does not combine with lookahead yet (the draft's routes act by prefetching "
+            "over the link, and under a mesh a missing expert is computed by its peer, not "
+            "loaded; sending the verification pass's rows to the peers ahead is not built)",
             "remove one of the two",
         )
 
