@@ -238,7 +238,7 @@ def quantize_by_checkpoint_names(quant_config: Any, model_prefix: str) -> None:
     if getattr(original, "_specexpert_wrapped", False):
         return
 
-    def get_quant_method(layer, prefix: str = ""):
+    def get_quant_method(layer: Any, prefix: str = "") -> Any:
         return original(layer, prefix=prefix.removeprefix(model_prefix))
 
     setattr(get_quant_method, "_specexpert_wrapped", True)  # noqa: B010 - a function's attribute

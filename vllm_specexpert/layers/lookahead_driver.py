@@ -71,7 +71,7 @@ def _engine_of(runner: Any) -> OffloadEngine | None:
     return engine
 
 
-def _lookahead_of(runner) -> LookaheadFeature | None:
+def _lookahead_of(runner: Any) -> LookaheadFeature | None:
     """The running lookahead feature of the runner's target engine (rebuilt by a
     ``reconfigure``: looked up per step), once the draft is attached."""
     engine = _engine_of(runner)
@@ -81,7 +81,7 @@ def _lookahead_of(runner) -> LookaheadFeature | None:
     return feature
 
 
-def _step_started(runner, scheduler_output) -> None:
+def _step_started(runner: Any, scheduler_output: Any) -> None:
     lookahead = _lookahead_of(runner)
     if lookahead is not None:
         for request in scheduler_output.finished_req_ids:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -57,7 +58,7 @@ FORWARD_CONTEXT_SUFFIX = ".specexpert"
 """Key suffix under which a layer registers in vLLM's static forward context."""
 
 
-def _host_allocation():
+def _host_allocation() -> contextlib.AbstractContextManager:
     """Where the layer's parameters are allocated: host on GPU platforms."""
     if current_platform.is_cpu():
         return contextlib.nullcontext()
@@ -73,13 +74,21 @@ class OffloadedRoutedExperts(RoutedExperts):
     w2_weight: torch.nn.Parameter
     """vLLM's expert parameters (``[E, ...]``; packed: a one-expert placeholder)."""
 
-    def __init__(self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs):
+    def __init__(
+        self,
+        layer_name: str,
+        params_dtype: torch.dtype,
+        moe_config: Any,
+        quant_config: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         vllm_config = get_current_vllm_config()
         config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
         if config is None:
             # Not configured: become exactly vLLM's layer.
             vanilla = self.vanilla_class
-            self.__class__ = vanilla
+            self.__class__ = vanilla  # type: ignore[assignment]  # (becoming vLLM's class)
             vanilla.__init__(
                 self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs
             )
@@ -119,7 +128,7 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     # ------------------------------------------------------------------ loading
 
-    def _get_quant_method(self, prefix, quant_config, moe_config):
+    def _get_quant_method(self, prefix: str, quant_config: Any, moe_config: Any) -> Any:
         # Packed experts are dequantized into bf16 slots: vLLM's unquantized method runs
         # them (its quantized MoE methods have no kernel on most CPUs).
         if self._packed_format is not None:
@@ -134,12 +143,18 @@ class OffloadedRoutedExperts(RoutedExperts):
                 "use vLLM's default (Triton/CPU) MoE backend",
             )
         # Allocate the expert weights on the host (only them: whatever else the layer
-        # allocates stays on the device), and post-process them there.
+        # allocates stays on the device), and post-process them there: the method's
+        # own instance is patched (typed Any: mypy forbids assigning to a method).
+        patched: Any = method
         create_weights = method.create_weights
 
         def create_weights_on_host(
-            layer, num_experts, hidden_size, intermediate_size_per_partition, **kwargs
-        ):
+            layer: Any,
+            num_experts: int,
+            hidden_size: int,
+            intermediate_size_per_partition: int,
+            **kwargs: Any,
+        ) -> None:
             with _host_allocation():
                 if self._packed_format is None:
                     return create_weights(
@@ -156,11 +171,11 @@ class OffloadedRoutedExperts(RoutedExperts):
                 )
                 self._packed.create(layer)
 
-        method.create_weights = create_weights_on_host
-        method.requires_device_loading = False
+        patched.create_weights = create_weights_on_host
+        patched.requires_device_loading = False
         post_process = method.process_weights_after_loading
 
-        def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        def process_weights_after_loading(layer: Any) -> None:
             packed = (self._packed, self._packed.take(layer)) if self._packed is not None else None
             # INT4 copies are made from vLLM's checkpoint layout, before its
             # post-processing (on CPU a prepacked layout: groups of it would mix rows):
@@ -173,7 +188,7 @@ class OffloadedRoutedExperts(RoutedExperts):
             post_process(layer)
             self._move_experts_to_store(packed, low_bit)
 
-        method.process_weights_after_loading = process_weights_after_loading
+        patched.process_weights_after_loading = process_weights_after_loading
         return method
 
     def _draft_experts(
@@ -251,8 +266,13 @@ class OffloadedRoutedExperts(RoutedExperts):
     # ---------------------------------------------------------------- execution
 
     def forward_modular(
-        self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None
-    ):
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any = None,
+        shared_experts_input: Any = None,
+    ) -> torch.Tensor:
         # Shared experts only reach the kernel with EP prepare/finalize (async), which
         # check_layer_supported rejects; the runner runs them itself otherwise.
         if not torch.compiler.is_compiling():

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ class TokenGroupScheduler(Scheduler):
     """vLLM's scheduler that predicts each step's experts for the workers and, under
     ``token_scheduler``, runs decode sequences in route-consolidated groups."""
 
-    def __init__(self, vllm_config, *args, **kwargs) -> None:
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
         if config is None or config.path_predictor is None:
@@ -82,7 +83,7 @@ class TokenGroupScheduler(Scheduler):
                 self.settings.max_wait_steps,
             )
 
-    def schedule(self, *args, **kwargs):
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         self.stats.steps += 1
         self._step_routes, self._next_group = {}, []
@@ -115,7 +116,7 @@ class TokenGroupScheduler(Scheduler):
             self._step_routes.update(zip((r.request_id for r in new), routes, strict=True))
         return torch.stack([self._step_routes[r.request_id] for r in requests])
 
-    def _attach_demand(self, output) -> None:
+    def _attach_demand(self, output: Any) -> None:
         """The scheduled decode requests' predicted experts, for the workers."""
         decoding = [
             self.requests[req_id]
