@@ -9,16 +9,33 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
 
 from vllm_specexpert import handoff, metrics
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import LayerStats, check_stats_path, write_json_atomic
 
-if TYPE_CHECKING:
-    from vllm_specexpert.engine import OffloadEngine  # (it imports this module)
-
 logger = init_logger(__name__)
+
+
+class ReportedEngine(Protocol):
+    """What reporting reads of an ``OffloadEngine`` (which imports this module: named
+    here, not imported). The layers, store, link and features are read by attribute."""
+
+    config: Any
+    layers: dict[str, Any]
+    lock: threading.Lock
+    rank: int
+    device: torch.device
+    miss_policy: Any
+    store: Any
+    link: Any
+    features: list[Any]
+
+    @property
+    def output(self) -> str: ...
 
 
 class StatsWriter:
@@ -122,8 +139,8 @@ class Reporter:
             self._metrics_writer = None
 
 
-def engine_stats(engine: OffloadEngine) -> dict[str, Any]:
-    """Per-layer counters of ``engine`` (an ``OffloadEngine``) by phase, their totals,
+def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
+    """Per-layer counters of ``engine`` by phase, their totals,
     link counters, the configuration and, with a ``path_predictor``, the scheduler's
     counters as of the latest step (:func:`vllm_specexpert.handoff.scheduler_stats`).
     Safe to call from another thread."""
@@ -172,7 +189,7 @@ def engine_stats(engine: OffloadEngine) -> dict[str, Any]:
         }
 
 
-def feature_stats(engine: OffloadEngine) -> dict[str, Any]:
+def feature_stats(engine: ReportedEngine) -> dict[str, Any]:
     """Each feature's stats section by its name; ``lookahead``, ``mesh`` and ``quality``
     are there (``None``) when off."""
     sections: dict[str, Any] = {"lookahead": None, "mesh": None, "quality": None}
@@ -183,7 +200,7 @@ def feature_stats(engine: OffloadEngine) -> dict[str, Any]:
     return sections
 
 
-def reset_counters(engine: OffloadEngine) -> None:
+def reset_counters(engine: ReportedEngine) -> None:
     """Every counter of ``engine`` at zero: its layers', link's and features' (the
     lookahead's: its draft engine's too)."""
     with engine.lock:
@@ -194,7 +211,7 @@ def reset_counters(engine: OffloadEngine) -> None:
     engine.link.reset_counters()
 
 
-def summary(engine: OffloadEngine) -> str:
+def summary(engine: ReportedEngine) -> str:
     """One line: MoE layers, slots per layer, slow tier, policy, predictor."""
     layers = engine.layers.values()
     slots = sorted({layer.cache.num_slots for layer in layers})
