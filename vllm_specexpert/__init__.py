@@ -75,6 +75,7 @@ its floor::
 One decode step of layer l, following the router's ids::
 
     vLLM MoERunner ─► layers.routed_experts (custom op) ─► engine.run: one DecodeCall
+      ├─ forces_exact: quality (its batch class over budget)
       ├─ begin_call:  quality (exact while over budget), prediction (made for this
       │               layer), mesh (early fire: rows sent to peers ahead)
       ├─ before_read: prediction (speculate: run it instead; predict layer l+1)
@@ -83,8 +84,9 @@ One decode step of layer l, following the router's ids::
       │               fires layer l+1), step_demand (score the path; PLEC plans)
       ├─ resolve:     quality (samples the other result beside) around
       │    execute.survey ─► policy.plan (only if something is missing) ─► execute.run
-      │      ─► tiers.loader (loads) ─► the kernel on the slots; peers, host, INT4 copies
-      └─ end_call:    step_demand (PLEC: the next group's lookahead)"""
+      │      ─► tiers.loader (loads) ─► layers.slot_kernel (vLLM's kernel on the
+      │      slots); backends: peers (mesh, via PeersFirst), host, INT4 copies
+      └─ end_call:    step_demand (PLEC: the next group's predicted uses)"""
 
 from __future__ import annotations
 
