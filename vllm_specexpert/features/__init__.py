@@ -65,7 +65,7 @@ def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:
                 engine.layers.__getitem__,
             )
         )
-    demand = lambda: engine.step_demand
+    demand = lambda: engine.step_demand  # the scheduler's, set per layer call
     if config.lookahead is not None:
         lookahead = LookaheadFeature(
             config.lookahead, list(engine.layers.values()), inputs.draft, engine.lock

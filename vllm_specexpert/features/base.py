@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.policy import MissPolicy
@@ -130,9 +129,6 @@ class EngineFeature:
     acts_on_resident_calls = False
     """Whether it must see a one-token call on a layer whose every expert is resident
     (else the engine runs such a call without reading anything to the host)."""
-
-    def check(self, config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
-        """Raise a config error if ``config`` cannot run on the loaded ``layers``."""
 
     def equip(self, layer: OffloadedLayer) -> None:
         """Give a layer what the feature needs of it (after its cache is made: when the
