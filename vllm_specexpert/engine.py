@@ -8,9 +8,9 @@ routing, and per forward pass which tokens are decode (:class:`PassPhases`).
 
 Prefill tokens run exactly (the router's experts, loaded on demand). A decode call is
 the spine: one host read of the router's ids, a survey of the cache, the miss policy's
-plan for what is missing, the executor (:mod:`vllm_specexpert.execute`). Everything else
-(prediction and prefetch, the quality budget, mesh peers, the lookahead draft, PLEC) is a
-feature whose hooks the engine calls around it in order (:mod:`vllm_specexpert.features`).
+plan for what is missing, the executor (:mod:`vllm_specexpert.execute`). Everything
+else is a feature whose hooks the engine calls around it in order, built by one factory
+from the config and the inputs the adapter provides (:mod:`vllm_specexpert.features`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class OffloadEngine:
         self.layers: dict[str, OffloadedLayer] = {}
         self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
-        self.checkpoint: str | None = None  # the model's directory (mesh peers read it)
+        self.checkpoint: str | None = None  # the model's directory (processes that load it again)
         self.inputs = FeatureInputs()
         """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
         self._select(config)
