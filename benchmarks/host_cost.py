@@ -4,8 +4,8 @@
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model's
 forward runs here), so the layer classes can be instrumented in place. Batch-1 greedy
-decode; every decode call of the offloaded layer (``OffloadedRoutedExperts.
-run_from_cache``, one token) is timed with ``perf_counter``, and so is the expert
+decode; every decode call of the offloaded layer (``OffloadedRoutedExperts._run``,
+one token) is timed with ``perf_counter``, and so is the expert
 kernel inside it (``SlotKernel``: the CPU kernel vanilla runs, on the slot pool).
 *Host cost* = call - kernel: the plugin's bookkeeping, in Python, per layer call.
 With ``--eager``, vanilla's ``RoutedExperts.forward_modular`` is timed the same way for
@@ -203,7 +203,7 @@ def main() -> None:
         stop_engine(vanilla)
 
     timer = CallTimer()
-    timer.wrap(OffloadedRoutedExperts, "run_from_cache")
+    timer.wrap(OffloadedRoutedExperts, "_run")
     timer.wrap_kernel(SlotKernel, "__call__")
     import vllm_specexpert
 

@@ -146,13 +146,12 @@ def breakdown(request: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.forward_context import get_forward_context, override_forward_context
 
-    from vllm_specexpert.layers.forward_phase import current_phases
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
     captured: dict = {}
-    run_from_cache = OffloadedRoutedExperts.run_from_cache
+    layer_call = OffloadedRoutedExperts._run
 
-    def capture(layer, x, topk_weights, topk_ids):
+    def capture(layer, x, topk_weights, topk_ids, out):
         if x.shape[0] == 1 and not captured:
             captured.update(
                 context=get_forward_context(),
@@ -161,9 +160,9 @@ def breakdown(request: dict) -> None:
                 weights=topk_weights.clone(),
                 ids=topk_ids.clone(),
             )
-        return run_from_cache(layer, x, topk_weights, topk_ids)
+        return layer_call(layer, x, topk_weights, topk_ids, out)
 
-    OffloadedRoutedExperts.run_from_cache = capture
+    OffloadedRoutedExperts._run = capture
     llm = LLM(
         model=request["model"],
         dtype="bfloat16",
@@ -177,7 +176,7 @@ def breakdown(request: dict) -> None:
         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
         use_tqdm=False,
     )
-    OffloadedRoutedExperts.run_from_cache = run_from_cache
+    OffloadedRoutedExperts._run = layer_call
     layer, x, weights, ids = (captured[k] for k in ("layer", "x", "weights", "ids"))
     engine = layer.engine
     slots = engine.layers[layer.layer_name].cache.slots
@@ -209,15 +208,10 @@ def breakdown(request: dict) -> None:
         "plugin kernel (SlotKernel: allocates its output)": lambda: layer.slot_kernel(
             x, weights, ids, slots
         ),
-        "engine.run (with the pass's phases)": lambda: engine.run(
-            layer.layer_name,
-            layer.slot_kernel,
-            x,
-            weights,
-            ids,
-            current_phases(1, layer.decode_query_len),
+        "engine.run_resident_token (the engine's path for it)": lambda: engine.run_resident_token(
+            layer.layer_name, layer.slot_kernel, x, weights, ids
         ),
-        "run_from_cache (the adapter's layer call)": lambda: layer.run_from_cache(x, weights, ids),
+        "the adapter's layer call (into the op's buffer)": lambda: layer._run(x, weights, ids, out),
         "the custom op as the compiled graph calls it (buffer + op)": graph_call,
         "a Python custom op that does nothing (dispatch only)": lambda: no_op(
             x, weights, ids, out, key

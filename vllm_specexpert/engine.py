@@ -197,9 +197,12 @@ class OffloadEngine:
     ) -> torch.Tensor:
         """Routed-expert output of layer ``name`` for a pass's tokens. ``phases`` says
         which rows are decode tokens (default: all)."""
+        if x.shape[0] == 1:
+            prefill = phases is not None and phases.all_prefill
+            out = self.run_resident_token(name, kernel, x, topk_weights, topk_ids, prefill)
+            if out is not None:
+                return out
         layer = self.layers[name]
-        if x.shape[0] == 1 and layer.cache.identity and not self._sees_resident_calls:
-            return self._run_resident_token(layer, kernel, x, topk_weights, topk_ids, phases)
         if phases is None or phases.all_decode:
             return self._run_decode(layer, kernel, x, topk_weights, topk_ids)
         if phases.all_prefill:
@@ -212,22 +215,28 @@ class OffloadEngine:
             out[index] = run(layer, kernel, x[index], topk_weights[index], topk_ids[index])
         return out
 
-    def _run_resident_token(
+    def run_resident_token(
         self,
-        layer: OffloadedLayer,
+        name: str,
         kernel: ExpertKernel,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        phases: PassPhases | None,
-    ) -> torch.Tensor:
-        """One token on a layer whose every expert is resident (budget 1.0), with no
-        prediction to make: nothing to decide, so nothing is read to the host."""
-        phase = (
-            layer.stats.prefill if phases is not None and phases.all_prefill else layer.stats.decode
-        )
+        prefill: bool = False,
+    ) -> torch.Tensor | None:
+        """One token on layer ``name`` when its every expert is resident (budget 1.0)
+        and no feature acts on such a call: nothing to decide, so nothing is read to the
+        host. ``None`` when the call needs the full path (:meth:`run`). The layer's
+        entry tries this first, without the pass's phases: at batch-1 decode this path's
+        cost is the plugin's whole cost over vanilla. Counted as decode unless
+        ``prefill`` (by vLLM's own split a one-token pass decodes; the passes without
+        attention metadata, profile and warm-up runs, end before the counters restart)."""
+        layer = self.layers[name]
+        if self._sees_resident_calls or not layer.cache.identity:
+            return None
+        phase = layer.stats.prefill if prefill else layer.stats.decode
         return execute.run_resident_token(
-            layer.cache, kernel, x, topk_weights, topk_ids, phase.count_call(x.shape[0])
+            layer.cache, kernel, x, topk_weights, topk_ids, phase.count_call(1)
         )
 
     def _run_prefill(

@@ -293,13 +293,21 @@ class OffloadedRoutedExperts(RoutedExperts):
         topk_ids: torch.Tensor,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The layer call (:meth:`run_from_cache`), into ``out`` if given (the op's
-        buffer): the call's first kernel launch on all of its tokens writes there
-        directly (see :attr:`SlotKernel.call_out`), else its result is copied in."""
+        """The layer call, into ``out`` if given (the op's buffer): the call's first
+        kernel launch on all of its tokens writes there directly (see
+        :attr:`SlotKernel.call_out`), else its result is copied in. A resident token
+        takes the engine's shortest path first (:meth:`OffloadEngine.run_resident_token`):
+        the draft's layers never do, their routes are the target's lookahead."""
         kernel = self.slot_kernel
         kernel.begin_call(x, out)
         try:
-            result = self.run_from_cache(x, topk_weights, topk_ids)
+            result = None
+            if x.shape[0] == 1 and not self._draft:
+                result = self.engine.run_resident_token(
+                    self.layer_name, kernel, x, topk_weights, topk_ids
+                )
+            if result is None:
+                result = self._run_full(x, topk_weights, topk_ids)
         finally:
             kernel.end_call()
         if out is not None and result is not out:
@@ -307,10 +315,9 @@ class OffloadedRoutedExperts(RoutedExperts):
             return out
         return result
 
-    def run_from_cache(
+    def _run_full(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        self.slot_kernel.call_tokens = x.shape[0]  # (a plain object: Module.__setattr__ is slow)
         engine = self.engine
         if self._draft:
             lookahead = target_of(engine).feature("lookahead")

@@ -26,8 +26,8 @@ from vllm_specexpert.tiers.host import GATED_ACTIVATIONS, HostKernel, torch_expe
 
 class SlotKernel:
     """The fused experts of ``layer`` (a vLLM ``RoutedExperts``) on given expert tensors
-    (see module doc). Per layer call, the layer sets :attr:`call_tokens` and, with
-    :meth:`begin_call`, the call's input and the buffer its output may go to."""
+    (see module doc). Per layer call, the layer sets, with :meth:`begin_call`, the
+    call's input, its token count and the buffer its output may go to."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
@@ -52,7 +52,7 @@ class SlotKernel:
         self._resolved = False
 
     def begin_call(self, x: torch.Tensor, out: torch.Tensor | None) -> None:
-        self.call_x, self.call_out = x, out
+        self.call_x, self.call_out, self.call_tokens = x, out, x.shape[0]
 
     def end_call(self) -> None:
         self.call_x = self.call_out = None
