@@ -72,13 +72,13 @@ class LowBitBackend:
 
 class PeerBackend:
     """Entries computed by the mesh peers that hold their experts; pairs fired ahead
-    (Early Fire) are taken from what was sent then."""
+    (Early Fire, :attr:`LayerPeers.fired`) are taken from what was sent then."""
 
     def __init__(self, peers: LayerPeers):
         self.peers = peers
 
     def stage(self, call: LayerCall, entries: np.ndarray) -> tuple[LayerCall, Any]:
-        return call, self.peers.stage(call.x, call.host_ids, entries, call.fired)
+        return call, self.peers.stage(call.x, call.host_ids, entries)
 
     def finish(self, job: tuple[LayerCall, Any], out: torch.Tensor) -> np.ndarray:
         call, staged = job

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from vllm_specexpert.stats import PhaseStats
-from vllm_specexpert.tiers.peer import Sent
 from vllm_specexpert.tiers.staging import upload
 
 ExpertKernel = Callable[
@@ -41,8 +40,6 @@ class LayerCall:
     kernel: ExpertKernel
     stats: PhaseStats
     """Counters of the call's phase (decode or prefill)."""
-    fired: Sent | None = None
-    """Pairs of these tokens sent to mesh peers ahead of the router (Early Fire)."""
     before_kernel: Callable[[], None] | None = None
     """Called once, when the first launch's experts are resident and before it starts
     (the engine submits the next layer's prefetch there, so that the copy overlaps this

@@ -67,8 +67,6 @@ class DecodeCall:
     before_kernel: list[Callable[[], None]] = field(default_factory=list)
     """Work to start once the call's first launch has its experts, before it runs
     (a prefetch then overlaps the layer's own expert compute)."""
-    fired: Any = None
-    """Pairs sent ahead to mesh peers for these tokens (Early Fire), if any."""
     _reads: list[tuple[list[torch.Tensor], HostReads]] = field(default_factory=list)
 
     @property
@@ -112,7 +110,6 @@ class DecodeCall:
             host_ids,
             self.kernel,
             self.stats,
-            fired=self.fired,
             before_kernel=before_kernel if hooks else None,
         )
 

@@ -48,11 +48,17 @@ class MeshFeature(EngineFeature):
         if self.early_fire is None:
             return
         layer = call.layer
-        call.fired = self.early_fire.at_call(
+        fired = self.early_fire.at_call(
             layer.peers, layer.cache, call.x, call.shared.get("prediction"), call.stats
         )
-        if call.fired is not None and self.early_fire.speculates:
+        if layer.peers is not None:
+            layer.peers.fired = fired
+        if fired is not None and self.early_fire.speculates:
             call.shared["run_prediction"] = True  # no_stop: run what was fired for
+
+    def end_call(self, call: DecodeCall) -> None:
+        if call.layer.peers is not None:
+            call.layer.peers.fired = None  # sent for this call's rows only
 
     def after_read(self, call: DecodeCall) -> None:
         upcoming, next_name = call.shared.get("upcoming"), call.layer.next_name

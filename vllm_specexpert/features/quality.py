@@ -56,9 +56,9 @@ class QualityFeature(EngineFeature):
         return out
 
     def _quiet(self, run: LayerCall) -> LayerCall:
-        """``run`` counted apart from the mode's counters, starting no prefetch and
-        sending nothing to peers: a shadow computation."""
-        return dataclasses.replace(run, stats=self.monitor.scratch, before_kernel=None, fired=None)
+        """``run`` counted apart from the mode's counters and starting no prefetch: a
+        shadow computation (on the device: nothing goes to peers)."""
+        return dataclasses.replace(run, stats=self.monitor.scratch, before_kernel=None)
 
     def stats(self) -> dict:
         return self.monitor.stats()

@@ -28,6 +28,10 @@ class LayerPeers:
     tier: PeerTier
     layer: int
     """Decoder-layer index."""
+    fired: Sent | None = None
+    """Pairs of the running call's rows sent ahead of the router (Early Fire): set at
+    the call's start by whoever fires, taken by :meth:`stage` instead of sending them
+    again."""
 
     def hosted(self) -> np.ndarray:
         return self.tier.hosted(self.layer)
@@ -35,13 +39,13 @@ class LayerPeers:
     def send(self, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray) -> Sent:
         return self.tier.send(self.layer, x, tokens, experts)
 
-    def stage(
-        self, x: torch.Tensor, ids: np.ndarray, entries: np.ndarray, fired: Sent | None = None
-    ) -> PeerJob:
-        """Send the ``entries`` ([T, K] mask over ``ids``) of rows ``x``, taking those
-        whose (row, expert) pair was ``fired`` ahead from there instead."""
+    def stage(self, x: torch.Tensor, ids: np.ndarray, entries: np.ndarray) -> PeerJob:
+        """Send the ``entries`` ([T, K] mask over ``ids``) of the call's rows ``x``,
+        taking those whose (row, expert) pair was :attr:`fired` ahead from there
+        instead."""
         rows, cols = np.nonzero(entries)
         job = PeerJob([])
+        fired = self.fired
         if fired is not None and len(fired.tokens):
             num = max(int(ids.max()), int(fired.experts.max())) + 1
             keys = fired.tokens * num + fired.experts
