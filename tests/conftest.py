@@ -42,6 +42,29 @@ def host_reads(monkeypatch):
     return reads
 
 
+@pytest.fixture
+def toy_engines():
+    """``toy_engine.build_engine`` for one test: the same arguments, the same engine, and
+    every engine it built is closed when the test ends, passed or failed (its link's copy
+    thread, its stats writer, its features' peers; closing twice is harmless, so a test
+    may close one itself). Each test file's toy model is a fixture on this one."""
+    import functools
+
+    from toy_engine import build_engine
+
+    built = []
+
+    @functools.wraps(build_engine)
+    def build(*args, **kwargs):
+        engine = build_engine(*args, **kwargs)
+        built.append(engine)
+        return engine
+
+    yield build
+    for engine in reversed(built):
+        engine.close()
+
+
 def cpu_line() -> str:
     """The CPU features the engine tests ran on: vLLM's CPU MoE kernel (the engine's and
     the mesh peers') takes AMX where the CPU has it, and results differ between them."""

@@ -6,7 +6,6 @@ The engine itself is not touched, and a feature that only watches changes nothin
 import pytest
 import torch
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
-from toy_engine import build_engine
 
 from vllm_specexpert import features
 from vllm_specexpert.config import SpecExpertConfig
@@ -66,6 +65,18 @@ def tracers(monkeypatch) -> list[CallTracer]:
     return built
 
 
+@pytest.fixture
+def make_engine(toy_engines):
+    """This file's toy model (two layers of 16 experts, top-4): ``make_engine(budget)`` is
+    an engine at ``budget`` and its layers' tensors."""
+
+    def make(budget: float):
+        layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
+        return toy_engines({"budget": budget}, layers, top_k=4), layers
+
+    return make
+
+
 def run_steps(engine, layers, steps: int = 3, tokens: int = 2) -> list[torch.Tensor]:
     outs = []
     for step in range(steps):
@@ -76,9 +87,10 @@ def run_steps(engine, layers, steps: int = 3, tokens: int = 2) -> list[torch.Ten
 
 
 @pytest.mark.parametrize("budget", [0.25, 1.0])
-def test_a_tracer_sees_every_decode_call_in_hook_order_and_changes_nothing(tracers, budget):
-    layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
-    engine = build_engine({"budget": budget}, layers, top_k=4)
+def test_a_tracer_sees_every_decode_call_in_hook_order_and_changes_nothing(
+    make_engine, tracers, budget
+):
+    engine, layers = make_engine(budget)
     tokens = 1 if budget == 1.0 else 2  # one token at 1.0: the resident fast path's case
     outs = run_steps(engine, layers, tokens=tokens)
     tracer = tracers[-1]
@@ -107,18 +119,16 @@ def test_a_tracer_sees_every_decode_call_in_hook_order_and_changes_nothing(trace
     engine.close()
 
 
-def test_prefill_calls_do_not_reach_decode_hooks(tracers):
-    layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
-    engine = build_engine({"budget": 0.25}, layers, top_k=4)
+def test_prefill_calls_do_not_reach_decode_hooks(make_engine, tracers):
+    engine, _ = make_engine(0.25)
     x, w, ids = random_routing(5, 16, 4, seed=9)
     engine.run(NAMES[0], slot_kernel, x, w, ids, PassPhases.prefill_only(5))
     assert tracers[-1].events == []
     engine.close()
 
 
-def test_a_reconfigure_builds_the_features_again(tracers):
-    layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
-    engine = build_engine({"budget": 0.25}, layers, top_k=4)
+def test_a_reconfigure_builds_the_features_again(make_engine, tracers):
+    engine, layers = make_engine(0.25)
     run_steps(engine, layers, steps=1)
     first = engine.feature("tracer")
     engine.reconfigure(SpecExpertConfig.from_dict({"budget": 0.25, "miss_policy": "drop"}))

@@ -21,7 +21,6 @@ import pytest
 import torch
 from moe_reference import random_layer, reference_moe, slot_kernel
 from test_quality import identity_head
-from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
@@ -56,7 +55,7 @@ def test_the_documented_table_is_the_tools():
 
 
 @pytest.mark.parametrize("pair", composition.pairs(), ids=lambda p: f"{p[0]}+{p[1]}")
-def test_every_pair_runs_with_its_label_or_is_refused_with_a_reason(pair):
+def test_every_pair_runs_with_its_label_or_is_refused_with_a_reason(make_engine, pair):
     verdict = composition.verdict(*pair)
     raw, packed = composition.settings(*pair)
     if not verdict.runs:
@@ -68,7 +67,7 @@ def test_every_pair_runs_with_its_label_or_is_refused_with_a_reason(pair):
     assert config.output == verdict.output
     if made_by_vllm(*pair):
         return  # (run end to end in their own tests)
-    check_runs_with_its_label(config)
+    check_runs_with_its_label(make_engine, config)
 
 
 @pytest.mark.parametrize(
@@ -90,12 +89,14 @@ def test_lookahead_with_a_mesh_is_refused_for_what_the_draft_does_not_the_draft(
     assert "prefetching over the link" in verdict.reason and "no peers" not in verdict.reason
 
 
-def test_each_feature_alone_runs_or_is_refused():
+def test_each_feature_alone_runs_or_is_refused(make_engine):
     for feature in composition.features():
         verdict = composition.verdict(feature)
         assert verdict.runs, f"{feature}: {verdict.cell()}"
         if not made_by_vllm(feature):
-            check_runs_with_its_label(SpecExpertConfig.from_dict(composition.settings(feature)[0]))
+            check_runs_with_its_label(
+                make_engine, SpecExpertConfig.from_dict(composition.settings(feature)[0])
+            )
 
 
 # ----------------------------------------------------------------------- the toy run
@@ -153,44 +154,51 @@ class InProcessPeers:
         pass
 
 
-def toy_engine(config: SpecExpertConfig):
-    engine = build_engine(
-        config,
-        {n: {k: v.clone() for k, v in t.items()} for n, t in LAYERS.items()},
-        K,
-        host_kernel=slot_kernel,
-        reports=False,
-        start=False,
-    )
-    g = torch.Generator().manual_seed(3)
-    for index, (name, next_name) in enumerate(pairwise(NAMES)):
-        engine.link_layers(name, next_name, toy_routing(index + 1))
-    estimator = ExpertEstimator(
-        EstimatorShape(H, len(NAMES) - 1, E, K, latent=8), list(range(len(NAMES)))
-    ).float()
-    engine.provide(
-        predictor_inputs=PredictorInputs(
-            {n: torch.randn(E, H, generator=g).bfloat16() for n in NAMES},
-            {n: torch.ones(H) for n in NAMES},
-            estimator,
-            transitions_of(estimator, dict(enumerate(NAMES))),
-            frozenset(NAMES[:1]),
+@pytest.fixture
+def make_engine(toy_engines):
+    """This file's toy model: ``make_engine(config)`` is an engine under ``config`` with
+    every input a feature needs wired in (module doc), started."""
+
+    def make(config: SpecExpertConfig):
+        engine = toy_engines(
+            config,
+            {n: {k: v.clone() for k, v in t.items()} for n, t in LAYERS.items()},
+            K,
+            host_kernel=slot_kernel,
+            reports=False,
+            start=False,
         )
-    )
-    coactivation = np.eye(E, dtype=np.int64) * 10 + 1
-    engine.set_routing_statistics(
-        dict.fromkeys(NAMES, coactivation), {n: np.linspace(0, 1, 101) for n in NAMES}
-    )
-    if config.quality is not None:
-        engine.provide(logit_head=identity_head(H))
-    if config.mesh is not None:
-        engine.provide(peer_tier=InProcessPeers())
-    engine.start()
-    return engine
+        g = torch.Generator().manual_seed(3)
+        for index, (name, next_name) in enumerate(pairwise(NAMES)):
+            engine.link_layers(name, next_name, toy_routing(index + 1))
+        estimator = ExpertEstimator(
+            EstimatorShape(H, len(NAMES) - 1, E, K, latent=8), list(range(len(NAMES)))
+        ).float()
+        engine.provide(
+            predictor_inputs=PredictorInputs(
+                {n: torch.randn(E, H, generator=g).bfloat16() for n in NAMES},
+                {n: torch.ones(H) for n in NAMES},
+                estimator,
+                transitions_of(estimator, dict(enumerate(NAMES))),
+                frozenset(NAMES[:1]),
+            )
+        )
+        coactivation = np.eye(E, dtype=np.int64) * 10 + 1
+        engine.set_routing_statistics(
+            dict.fromkeys(NAMES, coactivation), {n: np.linspace(0, 1, 101) for n in NAMES}
+        )
+        if config.quality is not None:
+            engine.provide(logit_head=identity_head(H))
+        if config.mesh is not None:
+            engine.provide(peer_tier=InProcessPeers())
+        engine.start()
+        return engine
+
+    return make
 
 
-def check_runs_with_its_label(config: SpecExpertConfig) -> None:
-    engine = toy_engine(config)
+def check_runs_with_its_label(make_engine, config: SpecExpertConfig) -> None:
+    engine = make_engine(config)
     try:
         for step in range(3):
             g = torch.Generator().manual_seed(step)

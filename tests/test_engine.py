@@ -8,7 +8,6 @@ import pytest
 import torch
 from invariants import check_cache_invariants
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
-from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
@@ -17,14 +16,19 @@ from vllm_specexpert.phases import PassPhases
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
 
 
-def make_engine(**config) -> tuple[OffloadEngine, dict]:
-    """This file's toy model (two layers of 16 experts, top-4) under ``config``, and its
-    layers' tensors."""
-    layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
-    return build_engine(config, layers, top_k=4), layers
+@pytest.fixture
+def make_engine(toy_engines):
+    """This file's toy model (two layers of 16 experts, top-4): ``make_engine(**config)``
+    is an engine under ``config`` and its layers' tensors."""
+
+    def make(**config) -> tuple[OffloadEngine, dict]:
+        layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
+        return toy_engines(config, layers, top_k=4), layers
+
+    return make
 
 
-def test_engine_runs_layers_exactly_and_keeps_phases_apart():
+def test_engine_runs_layers_exactly_and_keeps_phases_apart(make_engine):
     engine, layers = make_engine(budget=0.25)
     for step in range(4):
         for name, tensors in layers.items():
@@ -46,7 +50,7 @@ def test_engine_runs_layers_exactly_and_keeps_phases_apart():
     engine.close()
 
 
-def test_mixed_pass_runs_each_phase_through_its_own_path():
+def test_mixed_pass_runs_each_phase_through_its_own_path(make_engine):
     """Decode rows go through the miss policy (``drop``: approximate), prefill rows run
     exactly; the rows of each phase are interleaved as vLLM may order them."""
     engine, layers = make_engine(budget=0.5, miss_policy="drop")
@@ -71,7 +75,7 @@ def test_mixed_pass_runs_each_phase_through_its_own_path():
     engine.close()
 
 
-def test_reconfigure_resizes_caches_and_validates_first():
+def test_reconfigure_resizes_caches_and_validates_first(make_engine):
     engine, _ = make_engine(budget=0.25)
     engine.reconfigure(SpecExpertConfig.from_dict({"budget": 0.5, "cache": "lfu"}))
     assert set(engine.stats()["slots_per_layer"].values()) == {8}
@@ -84,7 +88,7 @@ def test_reconfigure_resizes_caches_and_validates_first():
     engine.close()
 
 
-def test_restart_returns_to_the_warm_start():
+def test_restart_returns_to_the_warm_start(make_engine):
     """What the plugin does after vLLM's warm-up passes: whatever they loaded, serving
     starts from the warm-start experts (0-3 of 16 here) with every counter at zero."""
     engine, layers = make_engine(budget=0.25)
@@ -104,7 +108,7 @@ def test_restart_returns_to_the_warm_start():
     engine.close()
 
 
-def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(tmp_path):
+def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(make_engine, tmp_path):
     path = tmp_path / "stats-{rank}.json"
     written = tmp_path / "stats-0.json"
     engine, _ = make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0.1)
@@ -120,7 +124,7 @@ def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["under a regular file", "in /proc"])
-def test_unwritable_stats_path_fails_at_start(tmp_path, where):
+def test_unwritable_stats_path_fails_at_start(make_engine, tmp_path, where):
     """D1: a stats_path that cannot be written is a config error when the engine starts,
     not a crash at the first periodic write."""
     blocker = tmp_path / "file"
@@ -130,7 +134,7 @@ def test_unwritable_stats_path_fails_at_start(tmp_path, where):
         make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0)
 
 
-def test_stats_path_that_breaks_later_does_not_stop_the_engine(tmp_path):
+def test_stats_path_that_breaks_later_does_not_stop_the_engine(make_engine, tmp_path):
     """Writable at start, then its directory is replaced by a file: writes fail, one
     warning is logged, and the engine keeps computing."""
     directory = tmp_path / "stats"
@@ -161,7 +165,7 @@ def test_stats_path_that_breaks_later_does_not_stop_the_engine(tmp_path):
     engine.close()
 
 
-def test_exact_layers_that_are_not_moe_layers_fail_at_start():
+def test_exact_layers_that_are_not_moe_layers_fail_at_start(make_engine):
     """D4: ``exact_layers: [100]`` on a model with fewer layers was accepted silently."""
     with pytest.raises(SpecExpertConfigError, match=r"'exact_layers'.*\[100\] are not MoE"):
         make_engine(miss_policy="speculate", predictor="router", exact_layers=[1, 100])
@@ -182,7 +186,7 @@ def test_phases_from_query_lens():
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_hits_refresh_lru_recency(tokens):
+def test_hits_refresh_lru_recency(make_engine, tokens):
     """A call whose experts are all resident still counts as their use: with 8 of 16
     resident (0-7, never used), using 0-3 and then loading 8-11 must evict 4-7, the
     least recently used. Batch 1 runs the single-token hit path, batch 2 the general one."""
@@ -201,7 +205,9 @@ def test_hits_refresh_lru_recency(tokens):
     engine.close()
 
 
-def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(host_reads, monkeypatch):
+def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(
+    make_engine, host_reads, monkeypatch
+):
     # Budget 1.0: every expert sits in the slot of its own id, so a single token needs
     # no host decision. Counted like the general path would (top-k distinct experts,
     # all hits), exact, and without a single host read of a tensor.
@@ -238,3 +244,24 @@ def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(host_reads,
     out = engine.run(NAMES[0], slot_kernel, x[:1], w[:1], ids, PassPhases.decode_only(1))
     assert torch.equal(out, reference_moe(x[:1], w[:1], ids, *layers[NAMES[0]].values()))
     engine.close()
+
+
+LEFT_OPEN: list[OffloadEngine] = []
+"""The engine the next test leaves open, for the test after it to look at."""
+
+
+def test_an_engine_its_test_leaves_open_runs_threads(make_engine, tmp_path):
+    engine, _ = make_engine(budget=0.5, stats_path=str(tmp_path / "s.json"), stats_interval_s=60)
+    assert engine.link._thread.is_alive()  # the copy thread
+    assert engine.reporter._stats_writer._thread.is_alive()  # the stats writer
+    LEFT_OPEN.append(engine)
+
+
+def test_is_closed_when_that_test_ends():
+    """conftest's ``toy_engines`` closed the engine the previous test built and left
+    open: none of its threads runs on into the tests after it."""
+    if not LEFT_OPEN:
+        pytest.skip("looks at what test_an_engine_its_test_leaves_open_runs_threads left")
+    engine = LEFT_OPEN.pop()
+    assert not engine.link._thread.is_alive()
+    assert not engine.reporter._stats_writer._thread.is_alive()

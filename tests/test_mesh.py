@@ -25,7 +25,6 @@ pytest.importorskip(
 )
 
 from manual_clock import ManualClock
-from toy_engine import build_engine
 from vllm import SamplingParams, TokensPrompt
 from vllm_harness import agreement, make_llm, shutdown
 
@@ -368,7 +367,7 @@ class FakePeers:
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["peers answer", "peers dead"])
-def test_peer_entries_are_added_with_their_weights_or_computed_here(fail):
+def test_peer_entries_are_added_with_their_weights_or_computed_here(toy_engines, fail):
     from moe_reference import reference_moe, slot_kernel
     from test_miss_policies import (
         IDS,
@@ -380,7 +379,7 @@ def test_peer_entries_are_added_with_their_weights_or_computed_here(fail):
         routing,
     )
 
-    engine = build_engine({"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4, start=False)
+    engine = toy_engines({"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4, start=False)
     engine.provide(peer_tier=FakePeers(TENSORS, fail))
     engine.start()
     x, w, ids = routing(IDS)
@@ -403,10 +402,10 @@ def test_an_unreachable_ray_address_is_one_error_naming_it():
     assert error.value.field_name == "mesh.ray_address"
 
 
-def test_more_pinned_experts_than_the_budget_leaves_is_refused():
+def test_more_pinned_experts_than_the_budget_leaves_is_refused(toy_engines):
     from test_miss_policies import NAME, TENSORS
 
-    engine = build_engine(
+    engine = toy_engines(
         {"budget": 0.5, "mesh": {"peers": 1}}, {NAME: TENSORS}, 4, start=False
     )  # 8 of 16 slots
     with pytest.raises(SpecExpertConfigError) as error:

@@ -9,7 +9,6 @@ import torch
 from invariants import check_cache_invariants
 from manual_clock import ManualClock
 from moe_reference import random_layer, reference_moe, slot_kernel
-from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
@@ -24,16 +23,22 @@ TENSORS = random_layer(num_experts=E, hidden=H, seed=3)
 W13, W2 = TENSORS["w13_weight"], TENSORS["w2_weight"]
 
 
-def make_engine(coactivation=None, host_kernel=slot_kernel, **config) -> OffloadEngine:
-    """This file's one toy layer at budget 0.5 (unless ``config`` says otherwise), with
-    the calibration's ``coactivation`` counts when given."""
-    engine = build_engine(
-        {"budget": 0.5, **config}, {NAME: TENSORS}, K, host_kernel=host_kernel, start=False
-    )
-    if coactivation is not None:
-        engine.set_routing_statistics({NAME: coactivation}, {NAME: np.linspace(0, 1, 101)})
-    engine.start()
-    return engine
+@pytest.fixture
+def make_engine(toy_engines):
+    """This file's one toy layer: ``make_engine(coactivation=None, host_kernel=slot_kernel,
+    **config)`` is an engine at budget 0.5 (unless ``config`` says otherwise), with the
+    calibration's ``coactivation`` counts when given."""
+
+    def make(coactivation=None, host_kernel=slot_kernel, **config) -> OffloadEngine:
+        engine = toy_engines(
+            {"budget": 0.5, **config}, {NAME: TENSORS}, K, host_kernel=host_kernel, start=False
+        )
+        if coactivation is not None:
+            engine.set_routing_statistics({NAME: coactivation}, {NAME: np.linspace(0, 1, 101)})
+        engine.start()
+        return engine
+
+    return make
 
 
 def routing(ids, seed=0):
@@ -59,7 +64,7 @@ def layer_stats(engine):
     return engine.stats()["layers"][NAME]["decode"]
 
 
-def test_drop_runs_resident_experts_with_renormalised_weights():
+def test_drop_runs_resident_experts_with_renormalised_weights(make_engine):
     engine = make_engine(miss_policy="drop")
     x, w, ids = routing(IDS)
     out = engine.run(NAME, slot_kernel, x, w, ids)
@@ -75,7 +80,7 @@ def test_drop_runs_resident_experts_with_renormalised_weights():
     assert engine.stats()["output"] == "approximate" and not engine.stats()["exact"]
 
 
-def test_cpu_computes_misses_on_the_host_equal_to_fetch():
+def test_cpu_computes_misses_on_the_host_equal_to_fetch(make_engine):
     cpu = make_engine(miss_policy="cpu")  # no admission: the cache never changes
     fetch = make_engine(miss_policy="fetch")
     for step in range(3):
@@ -94,7 +99,7 @@ def test_cpu_computes_misses_on_the_host_equal_to_fetch():
     assert fetched["fetched_entries"] == fetched["missed_entries"] >= 7 and fetched["loads"] >= 7
 
 
-def test_cpu_admits_the_most_used_host_expert_on_an_idle_link():
+def test_cpu_admits_the_most_used_host_expert_on_an_idle_link(make_engine):
     engine = make_engine(miss_policy="cpu", admit_host_experts=True)
     x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])  # 9 serves two tokens
     first = engine.run(NAME, slot_kernel, x, w, ids)
@@ -114,7 +119,7 @@ def test_cpu_admits_the_most_used_host_expert_on_an_idle_link():
     check_cache_invariants(loader, settle=True)
 
 
-def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting():
+def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting(make_engine):
     # One copy takes ~30 ms on this link, and the link's clock stands still between the
     # calls (however long the machine takes): the admitted expert 9 has not landed when
     # the next call comes, so the host computes it again and nothing waits for the link.
@@ -134,7 +139,7 @@ def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting():
     assert stats["host_entries"] == 4 + 4 and stats["stall_s"] == 0
 
 
-def test_cpu_with_an_emulated_host_is_held_to_the_slowdown():
+def test_cpu_with_an_emulated_host_is_held_to_the_slowdown(make_engine):
     # The host's computation is timed by a clock that only its kernel moves (1 ms a
     # call): what is charged is 200 x that, however loaded the machine is.
     timer = ManualClock()
@@ -160,7 +165,7 @@ def test_cpu_with_an_emulated_host_is_held_to_the_slowdown():
     assert elapsed >= 200 * 1e-3
 
 
-def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest():
+def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest(make_engine):
     # Expert 9's strongest peers: 5, then 6. Expert 10's only peer is 0 (token 0 already
     # uses 0): no buddy qualifies, 10 is fetched. 11 has no co-activation at all.
     coactivation = np.zeros((E, E), dtype=np.int64)
@@ -180,12 +185,12 @@ def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest
     assert stats["loads"] == 2
 
 
-def test_buddy_without_co_activation_counts_fails_at_start():
+def test_buddy_without_co_activation_counts_fails_at_start(make_engine):
     with pytest.raises(SpecExpertConfigError, match=r"field 'calibration'.*co-activation"):
         make_engine(miss_policy="buddy", calibration="unused")
 
 
-def test_random_substitutes_resident_unused_experts_repeatably():
+def test_random_substitutes_resident_unused_experts_repeatably(make_engine):
     runs = []
     for _ in range(2):
         engine = make_engine(miss_policy="random", buddy={"tau": 0.0, "beta": 1.0, "rho": 4})
@@ -219,7 +224,7 @@ def test_auto_splits_misses_to_minimise_the_longer_of_link_and_host():
     assert not host_share(ids, missing, MissContext(lambda: 0.03, host=FixedHost(0.1))).any()
 
 
-def test_auto_in_the_engine_follows_the_costs():
+def test_auto_in_the_engine_follows_the_costs(make_engine):
     slow_link = make_engine(miss_policy="auto", link={"bandwidth_gbps": 1e-4, "host_slowdown": 1})
     fast_link = make_engine(miss_policy="auto", link={"bandwidth_gbps": 1e3, "host_slowdown": 1000})
     # The host's cost is fixed (1 ms per expert), not measured: the split must not
@@ -258,7 +263,7 @@ def test_torch_host_kernel_matches_the_reference():
     assert float((wrong - expected).abs().max()) > 2**-5 * scale  # the check can fail
 
 
-def test_prefill_tokens_fetch_whatever_the_policy():
+def test_prefill_tokens_fetch_whatever_the_policy(make_engine):
     engine = make_engine(miss_policy="drop")
     x, w, ids = routing(IDS)
     assert torch.equal(

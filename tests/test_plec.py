@@ -7,7 +7,6 @@ import pytest
 import torch
 from invariants import check_cache_invariants
 from moe_reference import random_layer, reference_moe, slot_kernel
-from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
@@ -26,18 +25,22 @@ def layers() -> dict[str, dict[str, torch.Tensor]]:
     return {name: {k: v.clone() for k, v in LAYER_TENSORS[name].items()} for name in NAMES}
 
 
-def make_engine(
-    cache="plec", budget=0.25, plec_preload="next", start=True, **config
-) -> OffloadEngine:
-    """This file's toy model under ``cache``; ``plec_preload`` is given with plec only,
-    and not at all when ``None`` (its default)."""
-    preload = {"plec_preload": plec_preload} if cache == "plec" and plec_preload else {}
-    return build_engine(
-        {"budget": budget, "cache": cache, **preload, "path_predictor": "/rpp", **config},
-        layers(),
-        K,
-        start=start,
-    )
+@pytest.fixture
+def make_engine(toy_engines):
+    """This file's toy model: ``make_engine(cache="plec", budget=0.25,
+    plec_preload="next", start=True, **config)`` is an engine under ``cache``;
+    ``plec_preload`` is given with plec only, and not at all when ``None`` (its default)."""
+
+    def make(cache="plec", budget=0.25, plec_preload="next", start=True, **config) -> OffloadEngine:
+        preload = {"plec_preload": plec_preload} if cache == "plec" and plec_preload else {}
+        return toy_engines(
+            {"budget": budget, "cache": cache, **preload, "path_predictor": "/rpp", **config},
+            layers(),
+            K,
+            start=start,
+        )
+
+    return make
 
 
 def demand_of(routes: dict[int, np.ndarray], tokens: int, next_routes=None) -> StepDemand:
@@ -85,7 +88,7 @@ def test_plec_needs_a_path_predictor_and_a_known_preload():
         )
 
 
-def test_one_pool_at_the_total_budget_shared_by_every_layer():
+def test_one_pool_at_the_total_budget_shared_by_every_layer(make_engine):
     engine = make_engine()
     caches = [engine.layers[n].cache for n in NAMES]
     assert all(c.pool is engine.pool for c in caches)
@@ -97,7 +100,7 @@ def test_one_pool_at_the_total_budget_shared_by_every_layer():
         assert check_cache_invariants(engine.layers[NAMES[c.index]].loader) == 4
 
 
-def test_slots_follow_the_predicted_demand_across_layers():
+def test_slots_follow_the_predicted_demand_across_layers(make_engine):
     """Layer 1 is predicted to need 8 experts, layers 0 and 2 two each: when the step
     starts (at layer 0, whose router has chosen), layer 1's are loaded into eight slots
     (a fixed per-layer pool holds 4), and the step runs with no miss because the
@@ -125,7 +128,7 @@ def test_slots_follow_the_predicted_demand_across_layers():
         assert other.stats()["total"]["decode"]["misses"] > 0
 
 
-def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert():
+def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert(make_engine):
     """Experts 0, 1 of layer 2 are predicted for this step and least recently used; a
     mispredicted miss in layer 1 must take an unpredicted slot instead."""
     engine = make_engine()
@@ -142,7 +145,7 @@ def test_a_miss_evicts_what_no_prediction_needs_before_an_older_predicted_expert
     assert layer2.misses == 0
 
 
-def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first():
+def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first(make_engine):
     """Layers run 0, 1, 2, 0, ...: with no prediction, a miss in layer 1 takes its own
     unused slots (its turn is a whole step away) before those of layers 2 and 0, even
     when theirs were used longer ago (plain LRU would take layer 0's, next but one)."""
@@ -176,7 +179,9 @@ def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first()
         (2, {"bandwidth_gbps": 0.05, "latency_us": 50}),
     ],
 )
-def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(seed, link):
+def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(
+    make_engine, seed, link
+):
     rng = np.random.default_rng(seed)
     engine = make_engine(link=link)
     shares = set()
@@ -197,7 +202,7 @@ def test_exact_and_within_budget_through_random_steps_and_wrong_predictions(seed
     assert stats["prefetched"] > 0 and stats["misses"] > 0
 
 
-def test_next_group_is_loaded_after_its_layer_ran():
+def test_next_group_is_loaded_after_its_layer_ran(make_engine):
     """With the token scheduler's next group in the demand, each layer loads that
     group's predicted experts once it has run this step."""
     engine = make_engine()
@@ -211,7 +216,7 @@ def test_next_group_is_loaded_after_its_layer_ran():
     assert engine.stats()["total"]["decode"]["misses"] == 0
 
 
-def test_reconfigure_between_plec_and_lru_keeps_outputs_exact():
+def test_reconfigure_between_plec_and_lru_keeps_outputs_exact(make_engine):
     engine = make_engine()
     rng = np.random.default_rng(3)
     routes = {i: distinct(rng, 2) for i in range(LAYERS)}
@@ -230,7 +235,7 @@ def test_reconfigure_between_plec_and_lru_keeps_outputs_exact():
     assert [layers[n]["decode"]["misses"] for n in NAMES[1:]] == [0, 0]
 
 
-def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_to_run():
+def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_to_run(make_engine):
     """The next layer's prefetch is submitted after a call acquired its experts and
     before its kernel starts; in a shared pool its victims may be the running layer's.
     The experts of the launch must stay where the kernel will read them."""
@@ -256,7 +261,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
         check_cache_invariants(layer.loader, settle=True)
 
 
-def test_prefetches_of_other_layers_always_leave_room_for_one_token():
+def test_prefetches_of_other_layers_always_leave_room_for_one_token(make_engine):
     """In a shared pool, protected prefetches of other layers could fill every slot a
     call can take; a prefetch leaves top_k of them, so one token of any layer runs."""
     engine = make_engine(plec_preload="none")
@@ -283,7 +288,7 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token():
         check_cache_invariants(engine.layers[name].loader, settle=True)
 
 
-def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool():
+def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(make_engine):
     """The vLLM adapter hands the engine a calibration's vectors once every layer is
     loaded (and has joined the shared pool); that must not replace the pool."""
     engine = make_engine(plec_preload=None, predictor="quasi_hidden", calibration="/c", start=False)
@@ -300,7 +305,7 @@ def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(
     run_step(engine, {i: distinct(rng, 2) for i in range(LAYERS)}, None)
 
 
-def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined():
+def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined(make_engine):
     # The vLLM adapter's order: layers added, the model's logit head given (quality),
     # then start. Handing the head over once rebuilt the shared pool, empty: start
     # failed with an IndexError (issue 37).

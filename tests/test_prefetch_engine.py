@@ -7,7 +7,6 @@ import torch
 from invariants import check_cache_invariants
 from manual_clock import ManualClock
 from moe_reference import make_loader, random_layer, reference_moe, slot_kernel
-from toy_engine import build_engine
 
 from vllm_specexpert.config import LinkConfig
 from vllm_specexpert.engine import OffloadEngine
@@ -50,15 +49,21 @@ def toy():
     return gates, norms, layers
 
 
-def make_engine(toy, **config) -> OffloadEngine:
-    """The ``toy`` model's layers, the first linked to the second's router; not started
-    (a predictor's inputs may come later, as from the vLLM adapter)."""
-    gates, norms, layers = toy
-    engine = build_engine(config, layers, K, start=False)
-    engine.link_layers(
-        NAMES[0], NAMES[1], NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1]))
-    )
-    return engine
+@pytest.fixture
+def make_engine(toy_engines, toy):
+    """``make_engine(**config)``: the ``toy`` model's layers under ``config``, the first
+    linked to the second's router; not started (a predictor's inputs may come later, as
+    from the vLLM adapter)."""
+
+    def make(**config) -> OffloadEngine:
+        gates, norms, layers = toy
+        engine = toy_engines(config, layers, K, start=False)
+        engine.link_layers(
+            NAMES[0], NAMES[1], NextLayerRouting(rms_norm(norms[1]), softmax_topk(gates[1]))
+        )
+        return engine
+
+    return make
 
 
 def decode_stats(engine):
@@ -81,8 +86,8 @@ def tokens(n, seed):
     return torch.randn(n, H, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-def test_router_prefetch_keeps_fetch_exact_and_counts(toy):
-    engine = make_engine(toy, budget=0.5, predictor="router")
+def test_router_prefetch_keeps_fetch_exact_and_counts(make_engine, toy):
+    engine = make_engine(budget=0.5, predictor="router")
     _, _, layers = toy
     for s in range(6):
         _, (x1, w1, ids1), out1 = step(engine, toy, tokens(2, s))
@@ -100,9 +105,9 @@ def test_router_prefetch_keeps_fetch_exact_and_counts(toy):
     engine.close()
 
 
-def test_speculate_runs_the_prediction_without_refetching(toy):
+def test_speculate_runs_the_prediction_without_refetching(make_engine, toy):
     gates, _, layers = toy
-    engine = make_engine(toy, budget=0.5, predictor="router", miss_policy="speculate")
+    engine = make_engine(budget=0.5, predictor="router", miss_policy="speculate")
     for s in range(6):
         x0 = tokens(2, s)
         _, (x1, _, _), out1 = step(engine, toy, x0)
@@ -120,9 +125,9 @@ def test_speculate_runs_the_prediction_without_refetching(toy):
     engine.close()
 
 
-def test_exact_layers_keep_the_router(toy):
+def test_exact_layers_keep_the_router(make_engine, toy):
     engine = make_engine(
-        toy, budget=0.5, predictor="router", miss_policy="speculate", exact_layers=[0, 1]
+        budget=0.5, predictor="router", miss_policy="speculate", exact_layers=[0, 1]
     )
     _, _, layers = toy
     _, (x1, w1, ids1), out1 = step(engine, toy, tokens(3, 0))
@@ -131,8 +136,8 @@ def test_exact_layers_keep_the_router(toy):
     engine.close()
 
 
-def test_prefill_tokens_are_not_predicted_decode_tokens_are_whatever_their_number(toy):
-    engine = make_engine(toy, budget=0.5, predictor="router")
+def test_prefill_tokens_are_not_predicted_decode_tokens_are_whatever_their_number(make_engine, toy):
+    engine = make_engine(budget=0.5, predictor="router")
     step(engine, toy, tokens(5, 0), PassPhases.prefill_only(5))
     assert engine.stats()["layers"][NAMES[1]]["prefill"]["predicted"] == 0
     step(engine, toy, tokens(96, 0), PassPhases.decode_only(96))
@@ -172,9 +177,9 @@ def test_quasi_hidden_state_is_norm_of_estimated_residual_plus_default_vectors()
         torch.testing.assert_close(captured["q"][t], expected[t], rtol=1e-4, atol=1e-4)
 
 
-def test_quasi_hidden_engine_predicts_from_the_router_input(toy):
+def test_quasi_hidden_engine_predicts_from_the_router_input(make_engine, toy):
     gates, norms, _ = toy
-    engine = make_engine(toy, budget=0.5, predictor="quasi_hidden", calibration="unused")
+    engine = make_engine(budget=0.5, predictor="quasi_hidden", calibration="unused")
     assert engine.stats()["predictor"] == "quasi_hidden"
     # Zero default vectors and unit scale: q = LN_1(s_0), the router predictor's input
     # up to layer 1's norm.
@@ -283,14 +288,14 @@ def test_unneeded_prefetches_that_have_not_started_are_cancelled():
     link.close()
 
 
-def test_a_decode_layer_call_reads_the_device_once(toy, host_reads):
+def test_a_decode_layer_call_reads_the_device_once(make_engine, toy, host_reads):
     # On CUDA every host read of a device tensor synchronizes with the compute stream.
     # The packed reader (the CUDA path) run on the CPU: router ids, the prediction for
     # the next layer and its weights must come back in one read, with misses, hits and
     # prefetches along the way.
     from vllm_specexpert.tiers.staging import HostReader
 
-    engine = make_engine(toy, budget=0.5, predictor="router")
+    engine = make_engine(budget=0.5, predictor="router")
     engine.reader = HostReader(torch.device("cpu"), packed=True)
     gates, norms, _ = toy
     reads = host_reads

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 from moe_reference import random_layer, random_routing, slot_kernel
-from toy_engine import build_engine
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import QualityConfig
@@ -25,25 +24,31 @@ def identity_head(hidden: int = 4) -> LogitHead:
     )
 
 
-def engine_of(specexpert: dict, head: bool = True) -> OffloadEngine:
-    """This file's toy model (layers 1 and 3, top-4) under ``specexpert``, with the
-    identity logit head unless ``head`` is False."""
-    layers = {
-        name: random_layer(seed=seed, hidden=HIDDEN)
-        for name, seed in zip(NAMES, (0, 1), strict=True)
-    }
-    engine = build_engine(specexpert, layers, 4, indices=(1, 3), reports=False, start=False)
-    if head:  # what wiring a model with a quality budget does
-        engine.provide(logit_head=identity_head(HIDDEN))
-    engine.start()
-    return engine
+@pytest.fixture
+def engine_of(toy_engines):
+    """This file's toy model (layers 1 and 3, top-4): ``engine_of(specexpert, head=True)``
+    is an engine under ``specexpert``, with the identity logit head unless ``head`` is
+    False."""
+
+    def make(specexpert: dict, head: bool = True) -> OffloadEngine:
+        layers = {
+            name: random_layer(seed=seed, hidden=HIDDEN)
+            for name, seed in zip(NAMES, (0, 1), strict=True)
+        }
+        engine = toy_engines(specexpert, layers, 4, indices=(1, 3), reports=False, start=False)
+        if head:  # what wiring a model with a quality budget does
+            engine.provide(logit_head=identity_head(HIDDEN))
+        engine.start()
+        return engine
+
+    return make
 
 
 RANDOM = {"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.0, "beta": 1.0, "rho": 4}}
 
 
 @pytest.mark.parametrize("over_budget", [False, True], ids=["approximate", "exact"])
-def test_the_sampled_other_result_is_fetchs_or_the_modes(over_budget):
+def test_the_sampled_other_result_is_fetchs_or_the_modes(engine_of, over_budget):
     approx = engine_of({**RANDOM, "quality": {"sample": 1.0}})
     reference = engine_of({**RANDOM})  # the mode alone
     fetch = engine_of({"budget": 0.25})
@@ -266,7 +271,7 @@ def test_quality_refuses_bad_sections_and_a_budget_where_nothing_misses():
     assert error.value.field_name == "quality.batch_classes"
 
 
-def test_quality_cannot_be_turned_on_in_an_engine_started_without_it():
+def test_quality_cannot_be_turned_on_in_an_engine_started_without_it(engine_of):
     engine = engine_of(RANDOM, head=False)
     with pytest.raises(SpecExpertConfigError) as error:
         engine.reconfigure(engine.config.changed({"quality": {}}))

@@ -1,6 +1,10 @@
 """The engine of the tests that do not start vLLM: an :class:`OffloadEngine` on the CPU
-over toy layers (``moe_reference.random_layer``). Each test file binds its own toy model
-(layers, top-k, default config) to :func:`build_engine`."""
+over toy layers (``moe_reference.random_layer``). Tests build it through conftest's
+``toy_engines`` fixture, which takes :func:`build_engine`'s arguments and closes every
+engine it built when the test ends (each engine holds a link's copy thread, and a stats
+writer's with a ``stats_path``); each test file binds its own toy model (layers, top-k,
+default config) in a fixture on it. :func:`build_engine` is the plain function under
+that fixture, for code that is not a test; what it returns is the caller's to close."""
 
 from collections.abc import Mapping, Sequence
 
@@ -24,13 +28,19 @@ def build_engine(
     """An engine on the CPU with ``layers`` (name -> expert tensors) added in order, at
     decoder-layer ``indices`` (default 0, 1, ...). Started unless ``start`` is False:
     what the vLLM adapter wires between the layers and the start (routing statistics,
-    a logit head, predictor inputs, peers, the next layer's router) is the caller's."""
+    a logit head, predictor inputs, peers, the next layer's router) is the caller's.
+    An engine that fails to be built (a layer refused, a failed start) is closed here:
+    no caller gets it to close."""
     if not isinstance(config, SpecExpertConfig):
         config = SpecExpertConfig.from_dict(config)
     engine = OffloadEngine(config, torch.device("cpu"), reports=reports)
-    indices = range(len(layers)) if indices is None else indices
-    for index, (name, tensors) in zip(indices, layers.items(), strict=True):
-        engine.add_layer(name, tensors, top_k=top_k, index=index, host_kernel=host_kernel)
-    if start:
-        engine.start()
+    try:
+        indices = range(len(layers)) if indices is None else indices
+        for index, (name, tensors) in zip(indices, layers.items(), strict=True):
+            engine.add_layer(name, tensors, top_k=top_k, index=index, host_kernel=host_kernel)
+        if start:
+            engine.start()
+    except BaseException:
+        engine.close()
+        raise
     return engine
