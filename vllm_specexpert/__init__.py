@@ -31,7 +31,9 @@ its floor::
                         peer (mesh peers on Ray: calls, health), peer_check (a peer's
                         proof that it computes), layer_peers (one layer's view),
                         peer_shard (a peer's experts and kernel), ray_cluster (joining
-                        Ray)
+                        Ray), disk_reader (whole-record reads at a queue depth,
+                        O_DIRECT), expert_pack (the disk's expert-major file),
+                        checkpoint_experts (one expert read from a checkpoint)
      4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
      4  predict/        next-layer predictors: base, router, quasi_hidden; path (a

@@ -148,10 +148,12 @@ def main(argv: list[str] | None = None) -> None:
         eval_path,
         fixtures,
         mesh_demo,
+        pack,
         quantize,
         train_estimator,
         train_path,
         train_tiny,
+        widen,
     )
 
     tools = {
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         "mesh-demo": mesh_demo,
         "train-estimator": train_estimator,
         "composition": composition,
+        "pack": pack,
+        "widen": widen,
     }
     from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
     from vllm_specexpert.tools.arguments import UsageError

@@ -221,6 +221,15 @@ def check_output_dir(
     return path
 
 
+def existing_ancestor(path: str | Path) -> Path:
+    """``path`` if it exists, else its nearest existing parent (whose filesystem an
+    output made there would land on)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
 def check_output_file(
     path: str | Path, option: str, reusable: Callable[[Path], bool], what: str
 ) -> Path:
