@@ -48,8 +48,9 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     for slot, expert in enumerate(cache.slot_expert):
         if expert < 0 or slot in loader.in_flight:
             continue
-        for key, src in cache.experts.tensors.items():
-            assert torch.equal(cache.slots[key][slot].cpu(), src[expert]), (
+        # What the slow tier holds of it, in slot form (decoded, read from disk).
+        for key, src in cache.experts.decoded(np.array([expert])).items():
+            assert torch.equal(cache.slots[key][slot].cpu(), src[0]), (
                 f"slot {slot} does not hold expert {expert}'s {key}"
             )
         compared += 1

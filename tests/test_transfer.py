@@ -6,18 +6,23 @@ import torch
 
 from vllm_specexpert.config import LinkConfig, SpecExpertConfigError
 from vllm_specexpert.tiers.link import CpuLink, ExpertCopy, make_link
+from vllm_specexpert.tiers.store import LayerExperts
 
 
 def whole(dst, src) -> ExpertCopy:
     """A transfer of the whole of ``src`` into ``dst`` (one expert of one tensor)."""
-    return ExpertCopy({"w": src[None]}, {"w": dst[None]}, np.array([0]), np.array([0]))
+    return ExpertCopy(
+        LayerExperts("w", {"w": src[None]}), {"w": dst[None]}, np.array([0]), np.array([0])
+    )
 
 
 def test_copies_are_real():
     link = CpuLink(LinkConfig())
     src = torch.randn(4, 100)
     dst = torch.zeros(4, 100)
-    t = link.submit(ExpertCopy({"w": src}, {"w": dst}, np.arange(4), np.arange(4)))
+    t = link.submit(
+        ExpertCopy(LayerExperts("w", {"w": src}), {"w": dst}, np.arange(4), np.arange(4))
+    )
     link.wait(t)
     assert torch.equal(dst, src)
     assert link.bytes_copied == src.numel() * 4 and link.copies == 4

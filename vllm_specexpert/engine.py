@@ -32,11 +32,12 @@ from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.predict import NextLayerRouting
+from vllm_specexpert.tiers.disk import Disk
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
-from vllm_specexpert.tiers.store import ExpertDecoder, ExpertStore
+from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, ExpertStore
 
 logger = init_logger(__name__)
 
@@ -58,6 +59,9 @@ class OffloadEngine:
         self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
         self.checkpoint: str | None = None  # the model's directory (processes that load it again)
+        self.disk: Disk | None = None
+        """The disk tier the layers' experts are read from (``disk``), opened by the
+        adapter with the engine."""
         self.inputs = FeatureInputs()
         """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
         self._select(config)
@@ -97,17 +101,22 @@ class OffloadEngine:
     def add_layer(
         self,
         name: str,
-        tensors: dict[str, torch.Tensor],
+        experts: dict[str, torch.Tensor] | ExpertSource,
         top_k: int,
         index: int = -1,
         host_kernel: HostKernel | None = None,
         decoder: ExpertDecoder | None = None,
     ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
-        ``host_kernel`` computes experts in slot form (``cpu``/``auto``); ``decoder``
-        turns packed (quantized) experts into slot form. What the store already holds
-        beside them (:meth:`OffloadedLayer.of`) comes with the layer."""
-        self.store.add_layer(name, tensors, decoder)
+        ``experts``: its tensors (``[E, ...]`` each, moved into host memory) or where
+        they are already (on disk). ``host_kernel`` computes experts in slot form
+        (``cpu``/``auto``); ``decoder`` turns packed (quantized) tensors into slot form.
+        What the store already holds beside them (:meth:`OffloadedLayer.of`) comes with
+        the layer."""
+        if isinstance(experts, dict):
+            self.store.add_layer(name, experts, decoder)
+        else:
+            self.store.add(experts)
         layer = OffloadedLayer.of(self.store, name, top_k, index, host_kernel)
         self.layers[name] = layer
         layer.equip(self.config, self.link, self.device, self.pool)
@@ -342,5 +351,7 @@ class OffloadEngine:
     def close(self) -> None:
         self.reporter.close()
         self.link.close()
+        if self.disk is not None:
+            self.disk.close()
         for feature in self.features:
             feature.close()

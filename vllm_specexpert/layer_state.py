@@ -21,7 +21,7 @@ from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.link import Link
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.slots import SlotPool
-from vllm_specexpert.tiers.store import ExpertStore, LayerExperts
+from vllm_specexpert.tiers.store import ExpertSource, ExpertStore
 
 LOW_BIT_SUFFIX = ".int4"
 """Store name of a layer's INT4 copies beside its experts (``lowbit``): the adapter adds
@@ -36,7 +36,7 @@ class OffloadedLayer:
     top_k: int
     index: int
     """Decoder-layer index in the model (``exact_layers`` refers to it)."""
-    experts: LayerExperts
+    experts: ExpertSource
     """Its experts in the slow tier."""
     cache: ExpertCache = field(init=False)
     """Set by :meth:`equip` (as are ``loader``, ``low_bit``, ``prefetch``)."""
@@ -55,7 +55,7 @@ class OffloadedLayer:
     """``[101]`` calibrated percentiles of the Token Activating Entropy (tau)."""
     miss_context: MissContext | None = None
     """What the miss policy consults about this layer for decode tokens."""
-    low_bit_experts: LayerExperts | None = None
+    low_bit_experts: ExpertSource | None = None
     """INT4 copies of the layer's experts in the slow tier (made at load for
     ``lowbit``)."""
     low_bit: ExpertLoader | None = None

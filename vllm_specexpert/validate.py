@@ -238,6 +238,8 @@ def validate_engine_config(vllm_config: Any, config: SpecExpertConfig) -> None:
         )
     if config.mesh is not None:
         _check_mesh(config.mesh, model_config)
+    if config.disk is not None:
+        _check_disk(config, model_config)
     if config.stats_path is not None:
         from vllm_specexpert.stats import check_stats_path
 
@@ -290,6 +292,30 @@ def _check_mesh(mesh: MeshConfig, model_config: Any) -> None:
 
     check_reachable(mesh.ray_address)
     check_checkpoint_layout(model_config.model)
+
+
+def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
+    """The disk tier on the CPU build, a bf16 checkpoint, and its pack: made now when
+    absent (before any worker starts), else checked against the checkpoint."""
+    from vllm.platforms import current_platform
+
+    from vllm_specexpert.tiers.disk import prepare_pack
+
+    assert config.disk is not None
+    if not current_platform.is_cpu():
+        raise SpecExpertConfigError(
+            "disk",
+            "the disk tier is built for the CPU build (on a GPU the host-memory cache "
+            "between the disk and the device is not built yet)",
+            "remove disk",
+        )
+    if _packed_experts(model_config) is not None:
+        raise SpecExpertConfigError(
+            "disk",
+            "the pack holds bf16 experts (quantized experts on disk are not built yet)",
+            "use the bf16 checkpoint, or remove disk",
+        )
+    prepare_pack(config.disk.path, model_config.model)
 
 
 def _check_estimator(config: SpecExpertConfig, model_config: Any) -> None:

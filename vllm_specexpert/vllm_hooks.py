@@ -15,6 +15,8 @@ process (:func:`wrap_once`).
   runner's ``propose_draft_token_ids`` (the lookahead draft's rounds);
 * :func:`quantize_by_checkpoint_names`: a model's quantization config (the lookahead
   draft's layers are quantized as the checkpoint names them, without vLLM's prefix);
+* :func:`skip_routed_experts_when`: the default loader reads no routed expert's weight
+  tensor from the checkpoint when asked (the disk tier serves them from its pack);
 * :func:`add_to_multiprocess_registries`: prometheus_client's ``MultiProcessCollector``
   (what ``/metrics`` serves with several API servers);
 * :func:`patch_version_lookup`: ``importlib.metadata.version("vllm")`` on the CPU build.
@@ -243,6 +245,26 @@ def quantize_by_checkpoint_names(quant_config: Any, model_prefix: str) -> None:
 
     setattr(get_quant_method, "_specexpert_wrapped", True)  # noqa: B010 - a function's attribute
     quant_config.get_quant_method = get_quant_method
+
+
+def skip_routed_experts_when(asked: Callable[[Any], bool]) -> None:
+    """When ``asked(vllm_config)`` for the model being loaded, vLLM's default loader
+    skips every per-expert weight tensor (``.experts.N....weight``) before reading it:
+    the filter vLLM has for expert parallelism (a rank reads only its experts), with no
+    expert local. The layer's expert parameters are then never written."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init_ep_weight_filter(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if asked(get_current_vllm_config()):
+                self.local_expert_ids = set()
+            return result
+
+        return init_ep_weight_filter
+
+    wrap_once(DefaultModelLoader, "_init_ep_weight_filter", wrap)
 
 
 def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:

@@ -15,6 +15,7 @@ from vllm_specexpert.config.modes import (
 )
 from vllm_specexpert.config.sections import (
     BuddyConfig,
+    DiskConfig,
     LinkConfig,
     LookaheadConfig,
     MeshConfig,
@@ -55,6 +56,8 @@ class Settings(Protocol):
     def mesh(self) -> MeshConfig | None: ...
     @property
     def quality(self) -> QualityConfig | None: ...
+    @property
+    def disk(self) -> DiskConfig | None: ...
     @property
     def output(self) -> str: ...
     @property
@@ -140,6 +143,7 @@ def check_combination(config: Settings) -> None:
         )
     _check_mesh(config)
     _check_quality(config)
+    _check_disk(config)
     if config.token_scheduler is not None and config.path_predictor is None:
         raise SpecExpertConfigError(
             "path_predictor",
@@ -166,6 +170,50 @@ def _check_quality(config: Settings) -> None:
             "exact result could be sampled)",
             "remove one of the two",
         )
+
+
+def _check_disk(config: Settings) -> None:
+    """What the disk tier does not combine with yet, and why."""
+    if config.disk is None:
+        return
+    policy = config.miss_policy_spec
+    refusals = [
+        (
+            policy.computes_on_host,
+            "miss_policy",
+            f"'{config.miss_policy}' computes missing experts on the host from host "
+            "memory, and under the disk tier they are on disk (computing them where they "
+            "are is not built)",
+        ),
+        (
+            policy.low_bit,
+            "miss_policy",
+            "'lowbit' keeps an INT4 copy of every expert in memory, made from the loaded "
+            "weights, which the disk tier never loads (INT4 copies on disk are not built)",
+        ),
+        (
+            config.lookahead is not None,
+            "lookahead",
+            "the draft's INT4 experts are made from the loaded weights, which the disk "
+            "tier never loads (a draft from the pack is not built)",
+        ),
+        (
+            config.mesh is not None,
+            "mesh",
+            "the peers load their shards from the checkpoint and the engine keeps the hot "
+            "experts in memory (a mesh over the disk tier is not built)",
+        ),
+        (
+            config.link.emulated,
+            "link.bandwidth_gbps",
+            "the disk is the real link: its reads take what they take",
+        ),
+    ]
+    for refused, field, why in refusals:
+        if refused:
+            raise SpecExpertConfigError(
+                field, f"does not combine with disk: {why}", "remove one of the two"
+            )
 
 
 def _policies_with_output(output: str) -> str:

@@ -138,6 +138,29 @@ class LookaheadConfig:
 
 
 @dataclass(config=STRICT)
+class DiskConfig:
+    """The disk tier: routed experts read whole from an expert pack on disk, for models
+    whose experts do not fit in memory (``disk: {"path": DIR}``). On the CPU build the
+    slots (``budget``) are the only tier above the disk.
+
+    ``path`` is the pack's directory: made from the checkpoint on the first start when
+    it is absent (``specexpert pack MODEL --out DIR`` makes it ahead), reused when it
+    matches the checkpoint, refused when it does not (another model, or a checkpoint
+    changed since)."""
+
+    path: Path
+    """The expert pack's directory."""
+
+    queue_depth: Annotated[int, Field(ge=1, le=64)] = 4
+    """Reads in flight at once (a thread each). Range: [1, 64]."""
+
+    direct: bool = True
+    """Read with ``O_DIRECT`` (no page cache: the slots are the cache). Where the
+    filesystem refuses it, reads go through the page cache and the start line says so;
+    ``false`` asks for the page cache."""
+
+
+@dataclass(config=STRICT)
 class MeshConfig:
     """Experts across machines on Ray (``mesh: {}`` for these defaults). Peers are Ray
     actors; each holds a shard of every MoE layer's routed experts, read from the

@@ -34,6 +34,7 @@ from vllm_specexpert.config.sections import (
     STRICT,
     BuddyConfig,
     Count,
+    DiskConfig,
     Flag,
     LinkConfig,
     LookaheadConfig,
@@ -52,6 +53,7 @@ SECTIONS = {
     "lookahead": LookaheadConfig,
     "mesh": MeshConfig,
     "quality": QualityConfig,
+    "disk": DiskConfig,
 }
 """The nested sections, by key."""
 MAX_EXPERTS = 65536
@@ -181,6 +183,10 @@ class SpecExpertConfig:
     """A quality budget for a mode that changes the output (see :class:`QualityConfig`;
     ``{}`` for its defaults). ``None`` (default): off."""
 
+    disk: DiskConfig | None = None
+    """The disk tier (see :class:`DiskConfig`; ``{"path": DIR}``). ``None`` (default):
+    the experts are held in memory."""
+
     exact_layers: tuple[Annotated[Count, Field(ge=0)], ...] | None = None
     """Decoder-layer indices that always run their router's experts under
     ``speculate``. ``None`` (default): the first MoE layer only (it has no previous
@@ -251,7 +257,7 @@ class SpecExpertConfig:
                 'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)',
             )
         raw = dict(raw)
-        for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh", "quality"):
+        for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh", "quality", "disk"):
             if key in raw and raw[key] is None:
                 del raw[key]  # null: the defaults (the optional sections: off)
         if "lookahead" in raw and "cache" not in raw:

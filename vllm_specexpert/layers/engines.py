@@ -15,6 +15,7 @@ from vllm.platforms import current_platform
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.tiers.disk import open_disk
 
 _ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
 """One engine per live vLLM config (one per worker process, unless several engines run
@@ -54,6 +55,13 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
     else:
         engine = OffloadEngine(config, device, rank=rank)
         engine.checkpoint = vllm_config.model_config.model
+        if config.disk is not None:
+            engine.disk = open_disk(
+                config.disk.path,
+                engine.checkpoint,
+                config.disk.queue_depth,
+                config.disk.direct,
+            )
         _TARGET = weakref.ref(engine)
     key = id(vllm_config)
 

@@ -50,6 +50,8 @@ from vllm_specexpert.layers.packed_experts import (
     runtime_form,
 )
 from vllm_specexpert.layers.slot_kernel import SlotKernel
+from vllm_specexpert.tiers.disk import DiskExperts
+from vllm_specexpert.tiers.store import FormDecoder, LayerExperts
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 """Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
@@ -104,6 +106,10 @@ class OffloadedRoutedExperts(RoutedExperts):
                 "biased experts are offloaded in bf16 only for now",
                 "use the bf16 checkpoint",
             )
+        self._on_disk = config.disk is not None
+        """The experts are read from the disk tier's pack: vLLM loads none of them."""
+        if self._on_disk:
+            vllm_hooks.skip_routed_experts_when(_serves_experts_from_disk)
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
         self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None
@@ -156,6 +162,11 @@ class OffloadedRoutedExperts(RoutedExperts):
             **kwargs: Any,
         ) -> None:
             with _host_allocation():
+                if self._on_disk:
+                    # One expert (vLLM's kernel setup): the pack holds them all.
+                    return create_weights(
+                        layer, 1, hidden_size, intermediate_size_per_partition, **kwargs
+                    )
                 if self._packed_format is None:
                     return create_weights(
                         layer, num_experts, hidden_size, intermediate_size_per_partition, **kwargs
@@ -235,11 +246,17 @@ class OffloadedRoutedExperts(RoutedExperts):
             if hasattr(self, name)
         }
         form = functools.partial(runtime_form, self)
-        if packed is None:
-            tensors = {name: getattr(self, name).data for name in slot_shapes}
+        experts: dict[str, torch.Tensor] | DiskExperts
+        if self._on_disk:
+            disk = self.engine.disk
+            assert disk is not None  # (opened with the engine when the config has a disk)
+            experts = disk.layer(self.layer_name, FormDecoder("bfloat16", form, slot_shapes))
+            decoder = None
+        elif packed is None:
+            experts = {name: getattr(self, name).data for name in slot_shapes}
             decoder = None
         else:
-            parameters, tensors = packed
+            parameters, experts = packed
             decoder = PackedDecoder(parameters, form, slot_shapes)
             for name in slot_shapes:  # the kernel runs on slots: keep one expert's shape
                 getattr(self, name).data = getattr(self, name).data[:1].clone()
@@ -252,15 +269,15 @@ class OffloadedRoutedExperts(RoutedExperts):
             )
         layer = self.engine.add_layer(
             self.layer_name,
-            tensors,
+            experts,
             self.top_k,
             index=self.layer_index,
             host_kernel=self.slot_kernel.host_kernel(),
             decoder=decoder,
         )
-        if packed is None:
+        if packed is None and isinstance(layer.experts, LayerExperts):
             # The parameters now alias the store's (pinned) tensors instead of a copy.
-            for name, tensor in layer.cache.experts.tensors.items():
+            for name, tensor in layer.experts.tensors.items():
                 getattr(self, name).data = tensor
 
     # ---------------------------------------------------------------- execution
@@ -346,6 +363,11 @@ def offloaded(base: type[RoutedExperts]) -> type[OffloadedRoutedExperts]:
         (OffloadedRoutedExperts, base),
         {"vanilla_class": base, "__module__": __name__},
     )
+
+
+def _serves_experts_from_disk(vllm_config: Any) -> bool:
+    config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
+    return config is not None and config.disk is not None
 
 
 def _layer_index(layer_name: str) -> int:

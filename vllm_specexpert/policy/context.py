@@ -13,7 +13,7 @@ from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
 from vllm_specexpert.tiers.host import HostExperts, HostKernel
 from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.loader import ExpertLoader
-from vllm_specexpert.tiers.store import LayerExperts
+from vllm_specexpert.tiers.store import ExpertSource, LayerExperts
 
 
 @dataclass
@@ -46,7 +46,7 @@ class MissContext:
 
 def miss_context(
     config: SpecExpertConfig,
-    experts: LayerExperts,
+    experts: ExpertSource,
     expert_copy_seconds: Callable[[], float],
     host_kernel: HostKernel | None = None,
     coactivation: np.ndarray | None = None,
@@ -60,8 +60,8 @@ def miss_context(
     policy = config.miss_policy_spec
     context = MissContext(expert_copy_seconds, peers=peers)
     if policy.computes_on_host:
-        if host_kernel is None:
-            return None
+        if host_kernel is None or not isinstance(experts, LayerExperts):
+            return None  # (host compute reads the experts where they are: in host memory)
         link = config.link
         context.host = HostExperts(
             experts, host_kernel, link.host_slowdown if link.emulated else None

@@ -32,7 +32,7 @@ from vllm_specexpert.tiers.eviction import CACHE_CLASSES
 from vllm_specexpert.tiers.link import ExpertCopy
 from vllm_specexpert.tiers.slots import LayerSlotPool, SlotPool
 from vllm_specexpert.tiers.staging import upload
-from vllm_specexpert.tiers.store import LayerExperts
+from vllm_specexpert.tiers.store import ExpertSource
 
 
 class ExpertCache:
@@ -40,7 +40,7 @@ class ExpertCache:
 
     def __init__(
         self,
-        experts: LayerExperts,
+        experts: ExpertSource,
         num_slots: int,
         top_k: int,
         policy: str,
@@ -168,11 +168,7 @@ class ExpertCache:
     def copy_of(self, experts: np.ndarray) -> ExpertCopy:
         """The transfer that fills the slots of ``experts`` (resident) from the slow tier."""
         return ExpertCopy(
-            self.experts.tensors,
-            self.slots,
-            experts,
-            self.expert_slot[experts].astype(np.int64),
-            self.experts.decoder,
+            self.experts, self.slots, experts, self.expert_slot[experts].astype(np.int64)
         )
 
     # ---------------------------------------------------------------- changes

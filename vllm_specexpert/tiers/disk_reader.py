@@ -64,7 +64,7 @@ class DiskFile:
         probe = aligned_buffer(ALIGN)
         try:  # some filesystems accept the flag at open and refuse the read
             if self.size:
-                os.preadv(fd, [memoryview(probe.numpy())], 0)
+                os.preadv(fd, [probe.numpy().data], 0)
         except OSError as error:
             os.close(fd)
             if error.errno != errno.EINVAL:
@@ -78,7 +78,7 @@ class DiskFile:
         :func:`aligned_buffer` of at least ``aligned(length)`` bytes; ``offset`` aligned).
         Raises ``OSError`` on an I/O error and ``EOFError`` on a file that ends
         before the record does."""
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data
         want = aligned(length) if self.direct else length
         done = 0
         while done < length:
@@ -123,6 +123,12 @@ class ReadStats:
             self.bytes += nbytes
             if self._in_flight == 0:
                 self.busy_s += time.perf_counter() - self._busy_since
+
+    def reset(self) -> None:
+        """Counters at zero; reads in flight count from now."""
+        with self._lock:
+            self.reads, self.bytes, self.busy_s = 0, 0, 0.0
+            self._busy_since = time.perf_counter()
 
     @property
     def throughput_gbps(self) -> float:

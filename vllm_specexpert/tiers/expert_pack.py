@@ -286,7 +286,7 @@ class ExpertPack:
         """Raise ``CorruptRecord`` unless ``buffer`` holds ``expert``'s record as written
         (its CRC-32)."""
         data = buffer[: layer.data_bytes].numpy()
-        if zlib.crc32(data) != layer.crc32[expert]:
+        if zlib.crc32(data.data) != layer.crc32[expert]:
             raise CorruptRecord(
                 f"{self.path / RECORDS_FILE}: {layer.name} expert {expert} does not match "
                 "its checksum (the file was changed or the disk returned bad data)"

@@ -23,7 +23,7 @@ import torch
 
 from vllm_specexpert.tiers.eviction import EvictionPolicy
 from vllm_specexpert.tiers.link import Transfer
-from vllm_specexpert.tiers.store import LayerExperts
+from vllm_specexpert.tiers.store import ExpertSource
 
 NO_EXPERTS = np.zeros(0, dtype=np.int64)
 
@@ -32,7 +32,7 @@ class PooledCache(Protocol):
     """What a pool uses of the caches that join it (an
     :class:`~vllm_specexpert.tiers.cache.ExpertCache`, which imports this module)."""
 
-    experts: LayerExperts
+    experts: ExpertSource
     num_experts: int
     num_slots: int
     top_k: int

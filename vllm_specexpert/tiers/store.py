@@ -13,9 +13,11 @@ A quantized checkpoint's experts stay packed here (and move packed): the layer's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 SlotShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -31,6 +33,58 @@ class ExpertDecoder(Protocol):
     slot_shapes: SlotShapes
 
     def __call__(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+class ExpertSource(Protocol):
+    """One layer's routed experts in the slow tier, wherever they live (host RAM:
+    :class:`LayerExperts`; disk: :class:`~vllm_specexpert.tiers.disk.DiskExperts`):
+    what the cache, the loader and the link need of them."""
+
+    name: str
+    num_experts: int
+    expert_nbytes: int
+    """Bytes of one expert as the slow tier holds it: what the link moves."""
+    num_tensors: int
+    decoder: ExpertDecoder | None
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def slot_shapes(self) -> SlotShapes: ...
+
+    @property
+    def slot_nbytes(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
+        """``experts``' tensors as the slow tier holds them (packed), ``[n, ...]`` each."""
+        ...
+
+    def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
+        """Slot contents of ``experts``, ``[n, ...]`` per slot tensor."""
+        ...
+
+
+class FormDecoder:
+    """Experts held in the checkpoint's layout (an expert pack's bf16) -> what a slot
+    holds: the kernel's runtime form (``form``, the layer's post-processing), made on
+    arrival."""
+
+    def __init__(
+        self,
+        name: str,
+        form: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+        slot_shapes: SlotShapes,
+    ) -> None:
+        self.name = name
+        self.form = form
+        self.slot_shapes = slot_shapes
+
+    def __call__(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.form(packed)
 
 
 @dataclass
@@ -53,6 +107,7 @@ class LayerExperts:
             t[0].numel() * t.element_size() for t in self.tensors.values()
         )
         """Bytes of one expert (all its tensors): what the link moves."""
+        self.num_tensors: int = len(self.tensors)
 
     @property
     def format(self) -> str:
@@ -73,7 +128,11 @@ class LayerExperts:
             return self.decoder.slot_shapes
         return {key: (tuple(t.shape[1:]), t.dtype) for key, t in self.tensors.items()}
 
-    def decoded(self, experts: torch.Tensor | slice) -> dict[str, torch.Tensor]:
+    def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
+        index = torch.from_numpy(np.asarray(experts, dtype=np.int64))
+        return {key: t.index_select(0, index) for key, t in self.tensors.items()}
+
+    def decoded(self, experts: torch.Tensor | np.ndarray | slice) -> dict[str, torch.Tensor]:
         """Slot contents of ``experts`` (ids or a slice), ``[n, ...]`` per slot tensor:
         views of the store when it holds them as they are, else decoded copies."""
         packed = {key: t[experts] for key, t in self.tensors.items()}
@@ -89,7 +148,7 @@ class ExpertStore:
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self.layers: dict[str, LayerExperts] = {}
+        self.layers: dict[str, ExpertSource] = {}
 
     def add_layer(
         self, name: str, tensors: dict[str, torch.Tensor], decoder: ExpertDecoder | None = None
@@ -115,6 +174,13 @@ class ExpertStore:
             host[key] = tensor
         layer = LayerExperts(name=name, tensors=host, decoder=decoder)
         self.layers[name] = layer
+        return layer
+
+    def add(self, layer: ExpertSource) -> ExpertSource:
+        """A layer whose experts live elsewhere (on disk)."""
+        if layer.name in self.layers:
+            raise ValueError(f"layer {layer.name} is already in the expert store")
+        self.layers[layer.name] = layer
         return layer
 
     @property

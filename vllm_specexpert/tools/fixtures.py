@@ -147,6 +147,13 @@ QUANTIZED_FIXTURES: dict[str, dict] = {
 }
 TWIN_SUFFIX = "-twin"
 
+WIDENED_FIXTURES: dict[str, int] = {
+    # The embedded trained model with its experts widened (`specexpert widen`): its
+    # routing, 2.5x its expert bytes, an intermediate size the CPU kernel pads (160).
+    "tiny-wide": 160,
+}
+"""Name -> the new intermediate size."""
+
 
 def model_path(name: str) -> Path:
     """Directory of a named model: the embedded trained model, a random fixture, or a
@@ -155,7 +162,28 @@ def model_path(name: str) -> Path:
         return TRAINED_MODEL_DIR
     if name.removesuffix(TWIN_SUFFIX) in QUANTIZED_FIXTURES:
         return ensure_quantized(name)
+    if name in WIDENED_FIXTURES:
+        return ensure_widened(name)
     return ensure_model(name)
+
+
+def ensure_widened(name: str, out: Path = DEFAULT_OUT) -> Path:
+    """A widened fixture of the trained model, rebuilt when the model or the tool
+    changes."""
+    from vllm_specexpert.tools import widen
+
+    with open(TRAINED_MODEL_DIR / "model.safetensors", "rb") as f:
+        h = hashlib.sha256(f.read(1 << 20))
+    h.update(Path(widen.__file__).read_bytes())
+    h.update(str(WIDENED_FIXTURES[name]).encode())
+    fingerprint = h.hexdigest()[:16]
+    target = out / name
+    stamp = target / "fixture.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
+        return target
+    widen.widen_checkpoint(TRAINED_MODEL_DIR, target, WIDENED_FIXTURES[name])
+    stamp.write_text(json.dumps({"fingerprint": fingerprint, "arch": name}))
+    return target
 
 
 def ensure_quantized(name: str, out: Path = DEFAULT_OUT) -> Path:
@@ -185,7 +213,7 @@ def ensure_quantized(name: str, out: Path = DEFAULT_OUT) -> Path:
 
 
 def num_moe_layers(name: str) -> int:
-    if name == TRAINED_MODEL:
+    if name == TRAINED_MODEL or name in WIDENED_FIXTURES:
         return json.loads((TRAINED_MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
     spec = ARCHITECTURES[name]
     return COMMON["num_hidden_layers"] - spec.get("first_k_dense_replace", 0)

@@ -57,6 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     model, out = Path(args.model), Path(args.out)
     check_checkpoint_out(model, out, "widen")
+    widen_checkpoint(model, out, args.intermediate, args.expert_mib, int(args.shard_gib * 2**30))
+
+
+def widen_checkpoint(
+    model: Path,
+    out: Path,
+    intermediate: int | None = None,
+    expert_mib: float | None = None,
+    shard_bytes: int = 4 << 30,
+) -> None:
+    """Write ``model`` with its experts widened to ``intermediate`` (or to ``expert_mib``
+    MiB each) to ``out`` (module doc); a ``UsageError`` before any work for what cannot
+    be done."""
     config = json.loads((model / "config.json").read_text())
     key = _intermediate_key(config)
     old = int(config[key])
@@ -66,10 +79,12 @@ def run(args: argparse.Namespace) -> None:
         raise UsageError("model", f"{model}: no routed expert projections found")
     hidden = int(config["hidden_size"])
     itemsize = torch.tensor([], dtype=plan[experts[0]][1]).element_size()
-    if args.intermediate is not None:
-        new = args.intermediate
+    if intermediate is not None:
+        new = intermediate
+    elif expert_mib is not None:
+        new = max(1, round(expert_mib * 2**20 / (3 * hidden * itemsize)))
     else:
-        new = max(1, round(args.expert_mib * 2**20 / (3 * hidden * itemsize)))
+        raise UsageError("--intermediate", "give the new intermediate size or --expert-mib")
     if new < old:
         raise UsageError("--intermediate", f"{new} is below the model's intermediate size {old}")
     widened = {
@@ -101,7 +116,7 @@ def run(args: argparse.Namespace) -> None:
             shutil.copy2(path, out / path.name)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
-    shards = _shards(widened, int(args.shard_gib * 2**30))
+    shards = _shards(widened, shard_bytes)
     weight_map = {}
     sources = {name: file for file, names in _where(model).items() for name in names}
     handles = {file: safe_open(str(model / file), "pt") for file in set(sources.values())}

@@ -13,58 +13,69 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_specexpert.tiers.store import ExpertDecoder, LayerExperts
+from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, LayerExperts
 
 
 @dataclass
 class ExpertCopy:
     """What one transfer moves: experts of one layer from the slow tier into slots."""
 
-    sources: dict[str, torch.Tensor]
-    """Tensor name -> ``[E, ...]`` slow-tier tensor."""
+    source: ExpertSource
+    """The layer's experts in the slow tier (host RAM or disk)."""
     destinations: dict[str, torch.Tensor]
     """Tensor name -> ``[slots, ...]`` slot pool (the same names, unless decoded)."""
     experts: np.ndarray
     """Expert ids to copy."""
     slots: np.ndarray
     """Their destination slots (distinct)."""
-    decoder: ExpertDecoder | None = None
-    """Packed experts: decoded on arrival (the link moves the packed bytes)."""
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.nbytes = len(self.experts) * sum(
-            t[0].numel() * t.element_size() for t in self.sources.values()
-        )
+        self.nbytes = len(self.experts) * self.source.expert_nbytes
+
+    @property
+    def decoder(self) -> ExpertDecoder | None:
+        """Packed experts: decoded on arrival (the link moves the packed bytes)."""
+        return self.source.decoder
+
+    @property
+    def sources(self) -> dict[str, torch.Tensor] | None:
+        """Tensor name -> ``[E, ...]`` slow-tier tensor, where the experts are in host
+        memory (``None``: they are read from disk by :meth:`run`)."""
+        return self.source.tensors if isinstance(self.source, LayerExperts) else None
 
     @property
     def copies(self) -> int:
         """Tensor copies it takes one at a time: one per expert and tensor."""
-        return len(self.experts) * len(self.sources)
+        return len(self.experts) * self.source.num_tensors
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(slot view, slow-tier view)`` per expert and tensor (undecoded copies)."""
+        """``(slot view, slow-tier view)`` per expert and tensor (undecoded copies of
+        experts in host memory)."""
+        sources = self.sources
+        assert sources is not None
         return [
             (self.destinations[key][slot], src[expert])
             for expert, slot in zip(self.experts.tolist(), self.slots.tolist(), strict=True)
-            for key, src in self.sources.items()
+            for key, src in sources.items()
         ]
 
     def run(self, staging: torch.device | None = None) -> None:
         """Perform the copy (blocking on the host; issued on the current stream on
-        CUDA). Packed experts are gathered, moved packed (onto ``staging``, the device,
-        when given) and decoded into their slots there."""
-        if self.decoder is None:
+        CUDA). Experts in host memory as the slots hold them are copied slice by slice;
+        others are gathered (read, from disk), moved as they are (onto ``staging``, the
+        device, when given) and decoded into their slots there."""
+        if self.decoder is None and self.sources is not None:
             for dst, src in self.pairs():
                 dst.copy_(src, non_blocking=staging is not None)
             return
-        index = torch.from_numpy(self.experts)
-        packed = {key: src.index_select(0, index) for key, src in self.sources.items()}
+        packed = self.source.gather(self.experts)
         if staging is not None:
             packed = {key: t.to(staging, non_blocking=True) for key, t in packed.items()}
         slots = torch.from_numpy(self.slots).to(next(iter(self.destinations.values())).device)
-        for key, decoded in self.decoder(packed).items():
-            self.destinations[key].index_copy_(0, slots, decoded)
+        decoded = packed if self.decoder is None else self.decoder(packed)
+        for key, tensor in decoded.items():
+            self.destinations[key].index_copy_(0, slots, tensor)
 
 
 StartCallback = Callable[["Transfer"], None]
@@ -144,9 +155,9 @@ class Link(ABC):
         self.copies = 0
         self.stall_s = 0.0
 
-    def expert_seconds(self, experts: LayerExperts) -> float:
+    def expert_seconds(self, experts: ExpertSource) -> float:
         """Expected link time of moving one expert of ``experts``."""
-        return self.copy_seconds(experts.expert_nbytes, len(experts.tensors))
+        return self.copy_seconds(experts.expert_nbytes, experts.num_tensors)
 
     def wait(self, transfer: Transfer) -> float:
         stalled = transfer.wait()

@@ -91,14 +91,15 @@ class CudaLink(Link):
         """One launch for every expert and tensor of ``copy`` where the layer has the
         two tensors of a fused MoE (w13, w2); packed experts are gathered on the host,
         moved packed and decoded on the copy stream; else one async memcpy per pair."""
-        if copy.decoder is not None or len(copy.sources) != 2:
+        sources = copy.sources
+        if copy.decoder is not None or sources is None or len(sources) != 2:
             copy.run(staging=self.device)
             return
         from vllm_specexpert.triton_kernels.slots import copy_experts
 
         index = upload(np.stack([copy.experts, copy.slots]).astype(np.int32), self.device)
-        src0, src1 = (self._device_view(t) for t in copy.sources.values())
-        dst0, dst1 = (copy.destinations[k] for k in copy.sources)
+        src0, src1 = (self._device_view(t) for t in sources.values())
+        dst0, dst1 = (copy.destinations[k] for k in sources)
         copy_experts((src0, src1), (dst0, dst1), index[0], index[1])
 
     def _device_view(self, host: torch.Tensor) -> torch.Tensor:

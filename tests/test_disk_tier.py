@@ -1,0 +1,99 @@
+"""The disk tier end to end: a model's experts read from its expert pack (made on the
+first start), never loaded by vLLM, and greedy output identical to vanilla vLLM's under
+``fetch`` with a quarter of the experts in the slots. A pack that is not this model's,
+or not whole, is refused at start naming ``disk.path``."""
+
+import os
+import shutil
+
+import pytest
+from vllm_harness import PROMPTS, cache_invariants, greedy, make_llm, shutdown, vanilla_reference
+
+import vllm_specexpert
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path, num_moe_layers
+from vllm_specexpert.tools.harness import start_engine
+
+MODEL = "tiny-wide"
+
+
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("disk") / "pack"
+
+
+@pytest.fixture(scope="module")
+def engine(pack_dir):
+    reference = vanilla_reference(MODEL)
+    assert not pack_dir.exists()  # the first start makes it
+    llm = make_llm(MODEL, specexpert={"budget": 0.25, "disk": {"path": str(pack_dir)}})
+    yield llm, reference
+    shutdown(llm)
+
+
+def expert_parameters(model) -> list[tuple[int, str]]:
+    """Worker side: per offloaded layer, how many experts its vLLM parameter holds and
+    where the engine reads its experts from."""
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+    return [
+        (m.w13_weight.shape[0], type(m.engine.layers[m.layer_name].experts).__name__)
+        for m in model.modules()
+        if isinstance(m, OffloadedRoutedExperts)
+    ]
+
+
+def test_the_first_start_made_the_pack_and_vllm_loaded_no_expert(engine, pack_dir):
+    llm, _ = engine
+    assert (pack_dir / "manifest.json").is_file()
+    layers = num_moe_layers(MODEL)
+    assert llm.apply_model(expert_parameters)[0] == [(1, "DiskExperts")] * layers
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_fetch_from_disk_is_identical_to_vanilla(engine, budget):
+    llm, reference = engine
+    vllm_specexpert.reconfigure(llm, budget=budget)
+    outputs = greedy(llm)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["output"] == "exact"
+    disk = stats["disk"]
+    decode = stats["total"]["decode"]
+    prefill = stats["total"]["prefill"]
+    # Every expert loaded came from the disk: one read per expert moved.
+    assert decode["misses"] > 0
+    assert disk["reads"] == decode["loads"] + prefill["loads"]
+    assert disk["bytes"] == decode["bytes_loaded"] + prefill["bytes_loaded"]
+    assert llm.apply_model(cache_invariants)[0]
+
+
+def test_a_pack_of_another_model_is_refused_at_start(pack_dir):
+    # The widened model's pack is not the trained model's (same layer names, other
+    # checkpoint files, shapes and bytes).
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*another model"):
+        start_engine(
+            str(model_path(TRAINED_MODEL)), {"budget": 0.25, "disk": {"path": str(pack_dir)}}
+        )
+
+
+def test_a_truncated_pack_is_refused_at_start(pack_dir, tmp_path):
+    copy = tmp_path / "pack"
+    shutil.copytree(pack_dir, copy)
+    records = copy / "experts.bin"
+    os.truncate(records, records.stat().st_size - 4096)
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*truncated"):
+        start_engine(str(model_path(MODEL)), {"budget": 0.25, "disk": {"path": str(copy)}})
+
+
+def test_a_directory_of_other_files_is_not_taken_for_a_pack(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*holds other things"):
+        start_engine(str(model_path(MODEL)), {"budget": 0.25, "disk": {"path": str(tmp_path)}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_prompts_are_not_degenerate(engine):
+    _, reference = engine
+    assert len({tuple(c.token_ids) for c in reference}) == len(PROMPTS)

@@ -1,0 +1,275 @@
+"""The disk tier: routed experts read whole from an expert pack (:mod:`.expert_pack`),
+for models whose experts do not fit in memory.
+
+A :class:`DiskExperts` is one layer's slow tier when the disk is on: what the link copies
+into slots is read from the pack at the reader's queue depth, into page-aligned buffers
+that are reused, checked against its record's CRC-32 the first time it is read, and
+turned into what a slot holds by the layer's decoder (the CPU kernel's prepacked layout,
+made on arrival). Nothing of a layer's experts stays in memory outside the slots: on the
+CPU build the slots are the only tier above the disk.
+
+:class:`Disk` is the tier itself, shared by the layers of one engine: the pack, one
+reader (one queue of reads for the whole model, as one disk serves them), the buffers,
+and the counters (reads, bytes, seconds waited, records checked).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_specexpert.artifacts import model_fingerprint
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.log import init_logger
+from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
+from vllm_specexpert.tiers.disk_reader import (
+    DiskFile,
+    DiskReader,
+    aligned,
+    aligned_buffer,
+)
+from vllm_specexpert.tiers.expert_pack import (
+    DTYPES,
+    FIELD,
+    RECORDS_FILE,
+    ExpertPack,
+    PackLayer,
+    checkpoint_files,
+    write_pack,
+)
+from vllm_specexpert.tiers.store import ExpertDecoder, SlotShapes
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class DiskStats:
+    reads: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    """Seconds the copies spent waiting for reads (real I/O)."""
+    checked: int = 0
+    """Records whose checksum was verified (each once, at its first read)."""
+
+
+class Disk:
+    """The pack one engine reads experts from, its reader and buffers (module doc)."""
+
+    def __init__(self, pack: ExpertPack, depth: int, direct: bool = True) -> None:
+        self.pack = pack
+        self.reader = DiskReader(DiskFile(pack.path / RECORDS_FILE, direct=direct), depth)
+        self.stats = DiskStats()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._checked = {
+            name: np.zeros(layer.num_experts, dtype=bool) for name, layer in pack.layers.items()
+        }
+
+    @property
+    def direct(self) -> bool:
+        return self.reader.file.direct
+
+    def layer(self, name: str, decoder: ExpertDecoder | None) -> DiskExperts:
+        """Layer ``name``'s experts on this disk."""
+        layer = self.pack.layers.get(name)
+        if layer is None:
+            raise SpecExpertConfigError(
+                FIELD,
+                f"{self.pack.path} has no experts of {name} (a pack of another model?)",
+                f"remove {self.pack.path}: the plugin makes the pack again on the next start",
+            )
+        return DiskExperts(self, layer, decoder)
+
+    def read(self, layer: PackLayer, experts: np.ndarray) -> list[torch.Tensor]:
+        """The records of ``experts`` (distinct ids of ``layer``), each in a buffer the
+        caller gives back with :meth:`release`. All reads are queued at once, so the
+        reader keeps its queue depth; a failed read raises here."""
+        buffers = [self._buffer(layer.record_bytes) for _ in range(len(experts))]
+        started = time.perf_counter()
+        jobs = []
+        for expert, buffer in zip(experts.tolist(), buffers, strict=True):
+            offset, length = layer.record(expert)
+            jobs.append(self.reader.submit(buffer, offset, length))
+        try:
+            for job in jobs:
+                job.result()
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            for job in jobs:
+                if not job.cancelled():
+                    job.exception()  # wait: a buffer must not be reused while read into
+            self.release(buffers)
+            raise
+        checked = self._checked[layer.name]
+        with self._lock:
+            self.stats.reads += len(experts)
+            self.stats.bytes += len(experts) * layer.data_bytes
+            self.stats.wait_s += time.perf_counter() - started
+        for expert, buffer in zip(experts.tolist(), buffers, strict=True):
+            if not checked[expert]:
+                self.pack.check_record(layer, expert, buffer)
+                checked[expert] = True
+                with self._lock:
+                    self.stats.checked += 1
+        return buffers
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return aligned_buffer(nbytes)
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = DiskStats()
+        self.reader.stats.reset()
+
+    def stats_dict(self) -> dict:
+        """The disk's counters: reads, bytes, seconds the copies waited for them, the
+        throughput the disk gave while it was read (``busy``: at least one read in
+        flight) and while a copy waited, and the records checked."""
+        stats, reader = self.stats, self.reader.stats
+        return {
+            "path": str(self.pack.path),
+            "direct": self.direct,
+            "queue_depth": self.reader.depth,
+            "reads": stats.reads,
+            "bytes": stats.bytes,
+            "wait_s": stats.wait_s,
+            "waited_gbps": stats.bytes / stats.wait_s / 1e9 if stats.wait_s else 0.0,
+            "busy_s": reader.busy_s,
+            "busy_gbps": reader.throughput_gbps,
+            "checked": stats.checked,
+        }
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class DiskExperts:
+    """One layer's routed experts in the disk tier: the slow tier's interface
+    (:class:`~vllm_specexpert.tiers.store.ExpertSource`) over the pack's records."""
+
+    def __init__(self, disk: Disk, layer: PackLayer, decoder: ExpertDecoder | None) -> None:
+        self.disk = disk
+        self.record = layer
+        self.name = layer.name
+        self.decoder = decoder
+        self.num_experts = layer.num_experts
+        self.expert_nbytes = layer.data_bytes
+        """Bytes of one expert as read (the record's data)."""
+        self.num_tensors = len(layer.tensors)
+
+    @property
+    def format(self) -> str:
+        if self.decoder is not None:
+            return self.decoder.name
+        return self.record.tensors[0].dtype
+
+    @property
+    def slot_shapes(self) -> SlotShapes:
+        if self.decoder is not None:
+            return self.decoder.slot_shapes
+        return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
+
+    @property
+    def slot_nbytes(self) -> int:
+        return sum(
+            int(np.prod(shape)) * dtype.itemsize for shape, dtype in self.slot_shapes.values()
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_nbytes * self.num_experts
+
+    def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
+        """``experts``' tensors as the pack holds them, ``[n, ...]`` each (read now)."""
+        buffers = self.disk.read(self.record, experts)
+        try:
+            parts = [self.disk.pack.unpack(self.record, buffer) for buffer in buffers]
+            return {t.name: torch.stack([p[t.name] for p in parts]) for t in self.record.tensors}
+        finally:
+            self.disk.release(buffers)
+
+    def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
+        """Slot contents of ``experts`` (ids or a slice of them)."""
+        if isinstance(experts, slice):
+            experts = np.arange(self.num_experts)[experts]
+        packed = self.gather(np.asarray(experts))
+        return packed if self.decoder is None else self.decoder(packed)
+
+
+def prepare_pack(path: str, model: str) -> ExpertPack:
+    """The pack at ``path`` for the checkpoint ``model`` (a local directory): made when
+    ``path`` holds none (absent, empty, or a write that was interrupted), checked
+    against the checkpoint when it does. Runs where the engine config is built, before
+    any worker starts."""
+
+    target = Path(path)
+    if not Path(model, "config.json").is_file():
+        raise SpecExpertConfigError(
+            "disk", f"the checkpoint {model} is not a local directory", "give its local path"
+        )
+    if (target / "manifest.json").is_file():
+        return ExpertPack(target, model=model)
+    if target.exists() and not target.is_dir():
+        raise SpecExpertConfigError(FIELD, f"{target} is not a directory", "give a directory")
+    others = [p.name for p in target.iterdir() if p.name != RECORDS_FILE] if target.is_dir() else []
+    if others:
+        raise SpecExpertConfigError(
+            FIELD,
+            f"{target} holds other things than an expert pack ({', '.join(sorted(others)[:3])})",
+            "give a new or empty directory",
+        )
+    try:
+        source = CheckpointExperts(model)
+    except ValueError as error:
+        raise SpecExpertConfigError("disk", str(error), "give a bf16 checkpoint") from None
+    layers = source.layers()
+    need = sum(count * aligned(source.expert_nbytes(name)) for name, count in layers)
+    ancestor = target.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    free = shutil.disk_usage(ancestor).free
+    if need > free:
+        raise SpecExpertConfigError(
+            FIELD,
+            f"the pack of {model} needs {need / 1e9:.2f} GB, {ancestor} has "
+            f"{free / 1e9:.2f} GB free",
+            "give a directory on a disk with room",
+        )
+    logger.info(
+        "specexpert: writing the expert pack of %s to %s (%.2f GB)", model, target, need / 1e9
+    )
+    started = time.perf_counter()
+    write_pack(
+        target,
+        layers,
+        source,
+        {
+            "model": str(model),
+            "model_fingerprint": model_fingerprint(model),
+            "checkpoint_files": checkpoint_files(model),
+        },
+    )
+    logger.info("specexpert: expert pack written in %.1f s", time.perf_counter() - started)
+    return ExpertPack(target, model=model)
+
+
+def open_disk(path: str, model: str, queue_depth: int, direct: bool) -> Disk:
+    """The disk tier of a worker: the pack (checked again: the caller's check may be a
+    while ago) and a reader."""
+    return Disk(ExpertPack(path, model=model), queue_depth, direct)
