@@ -38,7 +38,7 @@ from vllm_specexpert.tools import composition
 E, K, H = composition.MODEL_EXPERTS, composition.MODEL_TOP_K, 32
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(3)]
 LAYERS = {name: random_layer(num_experts=E, hidden=H, seed=i) for i, name in enumerate(NAMES)}
-MADE_BY_VLLM = {"lookahead", "token_scheduler"}
+MADE_BY_VLLM = {"lookahead", "token_scheduler", "disk"}
 """Dimensions whose pairs run end to end in their own tests (module doc)."""
 
 

@@ -69,6 +69,37 @@ def test_fetch_from_disk_is_identical_to_vanilla(engine, budget):
     assert llm.apply_model(cache_invariants)[0]
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [{"predictor": "router"}, {"cache": "lfu"}, {"cache": "static"}],
+    ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()),
+)
+def test_exact_modes_read_ahead_from_disk_and_stay_identical(engine, mode):
+    llm, reference = engine
+    vllm_specexpert.reconfigure(llm, budget=0.25, miss_policy="fetch", **mode)
+    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
+    stats = vllm_specexpert.get_stats(llm)[0]
+    loads = stats["total"]["decode"]["loads"] + stats["total"]["prefill"]["loads"]
+    assert stats["output"] == "exact" and stats["disk"]["reads"] == loads > 0
+    if "predictor" in mode:  # its prefetches are disk reads too
+        assert stats["total"]["decode"]["prefetched"] > 0
+
+
+def test_an_approximate_mode_runs_from_disk_and_says_so(engine):
+    llm, reference = engine
+    vllm_specexpert.reconfigure(llm, budget=0.25, miss_policy="drop", cache="lru")
+    outputs = greedy(llm)
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["output"] == "approximate" and stats["total"]["decode"]["misses"] > 0
+    assert len(outputs) == len(reference)
+
+
+def test_the_disk_cannot_change_at_run_time(engine, tmp_path):
+    llm, _ = engine
+    with pytest.raises(SpecExpertConfigError, match=r"disk.*opened and checked"):
+        vllm_specexpert.reconfigure(llm, disk={"path": str(tmp_path)})
+
+
 def test_a_pack_of_another_model_is_refused_at_start(pack_dir):
     # The widened model's pack is not the trained model's (same layer names, other
     # checkpoint files, shapes and bytes).

@@ -31,7 +31,8 @@ its floor::
                         peer (mesh peers on Ray: calls, health), peer_check (a peer's
                         proof that it computes), layer_peers (one layer's view),
                         peer_shard (a peer's experts and kernel), ray_cluster (joining
-                        Ray), disk_reader (whole-record reads at a queue depth,
+                        Ray), disk (the disk tier: a layer's experts read from its
+                        pack), disk_reader (whole-record reads at a queue depth,
                         O_DIRECT), expert_pack (the disk's expert-major file),
                         checkpoint_experts (one expert read from a checkpoint)
      4  metrics         /metrics: the snapshot directory and its collector

@@ -181,10 +181,7 @@ def check_runnable(
     engine start and before a ``reconfigure``: never mid-generation)."""
     layers = list(layers)
     for layer in layers:
-        decoder = layer.experts.decoder
-        config.check_fits(
-            layer.experts.num_experts, layer.top_k, decoder.name if decoder is not None else None
-        )
+        config.check_fits(layer.experts.num_experts, layer.top_k, layer.experts.packed_format)
     policy = config.miss_policy_spec
     if policy.computes_on_host and any(layer.host_kernel is None for layer in layers):
         raise SpecExpertConfigError(
@@ -272,6 +269,12 @@ def check_change(
                 "is read when the engine starts and cannot change at run time",
                 f"start a new engine with the new '{name}'",
             )
+    if config.disk != current.disk:
+        raise SpecExpertConfigError(
+            "disk",
+            "the pack is opened and checked when the engine starts",
+            "start a new engine with the new 'disk'",
+        )
     before, after = current.mesh, config.mesh
     if (before is None) != (after is None) or (
         before is not None

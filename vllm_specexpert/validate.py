@@ -295,8 +295,9 @@ def _check_mesh(mesh: MeshConfig, model_config: Any) -> None:
 
 
 def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
-    """The disk tier on the CPU build, a bf16 checkpoint, and its pack: made now when
-    absent (before any worker starts), else checked against the checkpoint."""
+    """The disk tier on the CPU build, and its pack: made now when absent (before any
+    worker starts), else checked against the checkpoint (a quantized checkpoint is
+    refused by ``check_fits``)."""
     from vllm.platforms import current_platform
 
     from vllm_specexpert.tiers.disk import prepare_pack
@@ -308,12 +309,6 @@ def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
             "the disk tier is built for the CPU build (on a GPU the host-memory cache "
             "between the disk and the device is not built yet)",
             "remove disk",
-        )
-    if _packed_experts(model_config) is not None:
-        raise SpecExpertConfigError(
-            "disk",
-            "the pack holds bf16 experts (quantized experts on disk are not built yet)",
-            "use the bf16 checkpoint, or remove disk",
         )
     prepare_pack(config.disk.path, model_config.model)
 

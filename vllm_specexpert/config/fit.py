@@ -34,6 +34,13 @@ def check_fits(config: Settings, num_experts: int, top_k: int, packed: str | Non
                 "slots for INT4 copies, leaving fewer than top_k for the rest",
                 f"give a budget of at least {2 * top_k} slots per layer",
             )
+    if config.disk is not None and packed is not None:
+        raise SpecExpertConfigError(
+            "disk",
+            f"the expert pack holds bf16 experts, and this checkpoint's experts are "
+            f"{packed} (quantized experts on disk are not built yet)",
+            "use the bf16 checkpoint (`specexpert dequantize`), or remove disk",
+        )
     mesh = config.mesh
     if mesh is not None:
         if packed is not None:

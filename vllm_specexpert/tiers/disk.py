@@ -180,6 +180,10 @@ class DiskExperts:
         return self.record.tensors[0].dtype
 
     @property
+    def packed_format(self) -> str | None:
+        return None  # (a pack holds the checkpoint's bf16/fp16 experts)
+
+    @property
     def slot_shapes(self) -> SlotShapes:
         if self.decoder is not None:
             return self.decoder.slot_shapes

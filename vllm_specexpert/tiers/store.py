@@ -51,6 +51,11 @@ class ExpertSource(Protocol):
     def format(self) -> str: ...
 
     @property
+    def packed_format(self) -> str | None:
+        """The quantized format the experts are held in (``None``: bf16/fp16)."""
+        ...
+
+    @property
     def slot_shapes(self) -> SlotShapes: ...
 
     @property
@@ -115,6 +120,10 @@ class LayerExperts:
         if self.decoder is not None:
             return self.decoder.name
         return str(next(iter(self.tensors.values())).dtype).removeprefix("torch.")
+
+    @property
+    def packed_format(self) -> str | None:
+        return self.decoder.name if self.decoder is not None else None
 
     @property
     def slot_nbytes(self) -> int:

@@ -5,9 +5,10 @@ refused at start with its reason.
 
 A pair is two non-default values of two dimensions (:data:`DIMENSIONS`: the miss policy,
 the cache, the predictor, the lookahead draft, the token scheduler, the mesh, the
-quality budget, a quantized checkpoint). Each is completed with what it needs and nothing
-else (:func:`settings`: a predictor for ``speculate``, a calibration for ``buddy``, a
-path predictor for ``plec``, an approximate policy under ``quality``, ...), then checked as
+quality budget, a quantized checkpoint, the disk tier). Each is completed with what it
+needs and nothing else (:func:`settings`: a predictor for ``speculate``, a calibration
+for ``buddy``, a path predictor for ``plec``, an approximate policy under ``quality``,
+...), then checked as
 the engine's start checks it: the config's rules, and what it needs of the model
 (:meth:`~vllm_specexpert.config.SpecExpertConfig.check_fits`, on a model of
 :data:`MODEL_EXPERTS` experts, top-:data:`MODEL_TOP_K`). ``tests/test_composition.py``
@@ -48,6 +49,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "mesh": (None, "sync", "early_fire", "no_stop"),
     "quality": (None, "on"),
     "checkpoint": ("bf16", "awq"),
+    "disk": (None, "on"),
 }
 """Each dimension's values, the default first."""
 
@@ -110,6 +112,8 @@ def settings(*chosen: Setting) -> tuple[dict[str, Any], str | None]:
         raw["token_scheduler"] = {}
     if "mesh" in given:
         raw["mesh"] = {"mode": given["mesh"]}
+    if "disk" in given:
+        raw["disk"] = {"path": "PACK"}
     if "quality" in given:
         raw["quality"] = {}
         raw.setdefault("miss_policy", "drop")  # a mode that changes the output
