@@ -2,19 +2,19 @@
 by queue depth and expert size, through the disk tier's own reader
 (:mod:`vllm_specexpert.tiers.disk_reader`). Real I/O, nothing modeled.
 
-    python benchmarks/disk_read.py [--dir DIR] [--file-gib 6] [--seconds 4]
+    python benchmarks/disk_read.py [--dir DIR] [--file-gib 8] [--seconds 4]
                                    [--depths 1 2 4 8 16] [--expert-mib 9.0 2.25]
                                    [--name disk_read]
 
 Writes a scratch file of ``--file-gib`` GiB of random bytes under ``--dir`` (default:
 the temporary directory; removed at the end), then, per expert size, mode and
 queue depth, reads records of that size at uniformly random aligned offsets for
-``--seconds``, keeping ``depth`` reads in flight. Expert sizes: Qwen3-30B-A3B's bf16
+``--seconds`` (or until every record of the file was read once), keeping ``depth``
+reads in flight; no record is read twice in a run. Expert sizes: Qwen3-30B-A3B's bf16
 expert (3 x 768 x 2048 x 2 bytes = 9.0 MiB) and an INT4 one (a quarter). Buffered reads
 start cold: the file's pages are dropped from the page cache before each run
-(``posix_fadvise(DONTNEED)``; no root needed), and the run's own reads may hit pages
-an earlier read of the same run brought in (random offsets over a file larger than the
-reads of one run, so rarely). Writes ``benchmarks/results/<name>.json`` and ``.png``.
+(``posix_fadvise(DONTNEED)``; no root needed).
+Writes ``benchmarks/results/<name>.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -68,16 +68,16 @@ def run(path: Path, direct: bool, depth: int, record: int, seconds: float, seed:
         raise SystemExit(f"{path}: O_DIRECT was refused by its filesystem")
     reader = DiskReader(file, depth)
     buffers = [aligned_buffer(record) for _ in range(depth)]
-    slots = (file.size - aligned(record)) // ALIGN
-    rng = random.Random(seed)
+    # Distinct records in random order: no read finds what an earlier one brought in.
+    offsets = [i * aligned(record) for i in range(file.size // aligned(record))]
+    random.Random(seed).shuffle(offsets)
     pending = {}
     latencies = []
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds or pending:
-        while len(pending) < depth and time.perf_counter() - start < seconds:
+    while (offsets and time.perf_counter() - start < seconds) or pending:
+        while offsets and len(pending) < depth and time.perf_counter() - start < seconds:
             buffer = next(b for b in buffers if all(b is not p[0] for p in pending.values()))
-            offset = rng.randrange(slots) * ALIGN
-            pending[reader.submit(buffer, offset, record)] = (buffer, time.perf_counter())
+            pending[reader.submit(buffer, offsets.pop(), record)] = (buffer, time.perf_counter())
         done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
         for future in done:
             future.result()
@@ -129,7 +129,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
-    parser.add_argument("--file-gib", type=float, default=6.0)
+    parser.add_argument("--file-gib", type=float, default=8.0)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--expert-mib", type=float, nargs="+", default=[9.0, 2.25])
