@@ -28,6 +28,9 @@ Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
   :data:`QUALITY_COUNTERS` (``specexpert_quality_sampled_tokens_total``, ...),
   ``specexpert_quality_switches_total{to}`` and per MoE layer
   ``specexpert_quality_layer_top1_flips_total{layer}`` and ``..._layer_tokens_total``.
+- ``disk``: the counters of :data:`DISK_COUNTERS` (``specexpert_disk_reads_total``,
+  ``..._bytes_total``, ``..._wait_seconds_total``, ``..._busy_seconds_total``,
+  ``..._checked_total``).
 - ``path_predictor``: the scheduler's counters (:class:`~vllm_specexpert.handoff.
   SchedulerStats`), counted in the engine-core process and carried to the worker with
   every step (:mod:`vllm_specexpert.handoff`), so its snapshot has them (the plugin runs
@@ -259,6 +262,10 @@ class SnapshotCollector:
             labels=base,
         )
         peers_started = GaugeMetricFamily(f"{PREFIX}mesh_peers", "Mesh peers started.", labels=base)
+        disk = {
+            key: CounterMetricFamily(counter_name(f"disk_{key}"), doc, labels=base)
+            for key, doc in DISK_COUNTERS.items()
+        }
         quality = _QualityFamilies(base)
         scheduler = {
             f.name: (GaugeMetricFamily if f.metadata.get("gauge") else CounterMetricFamily)(
@@ -272,6 +279,9 @@ class SnapshotCollector:
             if snapshot.get("scheduler"):
                 for key, family in scheduler.items():
                     family.add_metric(labels, snapshot["scheduler"][key])
+            if snapshot.get("disk"):
+                for key, family in disk.items():
+                    family.add_metric(labels, snapshot["disk"][key])
             mesh = snapshot.get("mesh")
             if mesh:
                 in_rotation.add_metric(labels, sum(p["up"] for p in mesh["peers"]))
@@ -315,6 +325,17 @@ class SnapshotCollector:
         yield from (*peer_counters.values(), peer_up, peer_rtt, in_rotation, peers_started)
         yield from quality.families()
         yield from scheduler.values()
+        yield from disk.values()
+
+
+DISK_COUNTERS = {
+    "reads": "Experts read from the disk tier's pack.",
+    "bytes": "Bytes read from the disk tier's pack.",
+    "wait_s": "Seconds expert copies waited for disk reads.",
+    "busy_s": "Seconds at least one disk read was in flight.",
+    "checked": "Records checked against their checksum (each once, at its first read).",
+}
+"""The disk tier's counters on ``/metrics`` (``specexpert_disk_<key>_total``)."""
 
 
 class _QualityFamilies:

@@ -240,10 +240,16 @@ class ExpertLoader:
         is in flight, the common case)."""
         if not self.in_flight:
             return
-        transfers: dict[int, Transfer] = {}
+        transfers: dict[int, tuple[Transfer, list[int]]] = {}
         for slot in self.cache.expert_slot[experts].tolist():
             transfer = self.in_flight.pop(slot, None)
             if transfer is not None:
-                transfers[id(transfer)] = transfer
-        for transfer in transfers.values():
-            stats.stall_s += self.link.wait(transfer)
+                transfers.setdefault(id(transfer), (transfer, []))[1].append(slot)
+        for transfer, slots in transfers.values():
+            try:
+                stats.stall_s += self.link.wait(transfer)
+            except BaseException:
+                # A failed copy (a disk read error, a corrupt record): its slots hold no
+                # expert, so that no later call runs what it left there.
+                self.cache.release(self.cache.slot_expert[slots])
+                raise
