@@ -41,11 +41,17 @@ from common import RESULTS, command_line, held_out_prompts, timed_generate, writ
 MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch, LFU": {"miss_policy": "fetch", "cache": "lfu", "predictor": "none"},
-    "fetch + router prefetch": {
+    "fetch + router prefetch, all": {
         "miss_policy": "fetch",
         "cache": "lru",
         "predictor": "router",
         "prefetch_filter": "all",
+    },
+    "fetch + router prefetch, cost filter": {
+        "miss_policy": "fetch",
+        "cache": "lru",
+        "predictor": "router",
+        "prefetch_filter": "cost",
     },
     "drop (approximate)": {"miss_policy": "drop", "cache": "lru", "predictor": "none"},
 }

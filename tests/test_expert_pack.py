@@ -206,7 +206,7 @@ def test_the_pack_command_writes_a_pack_the_tier_accepts(tmp_path, capsys):
     "case, message",
     [
         ("inside", "lies inside the input directory"),
-        ("full", "the pack needs 0.05 GB"),
+        ("full", "needs 0.05 GB"),
         ("other", "holds other things than an expert pack"),
     ],
 )

@@ -15,7 +15,6 @@ and the counters (reads, bytes, seconds waited, records checked).
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -24,24 +23,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.log import init_logger
-from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
 from vllm_specexpert.tiers.disk_reader import (
     DiskFile,
     DiskReader,
-    aligned,
     aligned_buffer,
 )
 from vllm_specexpert.tiers.expert_pack import (
     DTYPES,
     FIELD,
     RECORDS_FILE,
+    CorruptRecord,
     ExpertPack,
     PackLayer,
-    checkpoint_files,
-    write_pack,
+    pack_checkpoint,
 )
 from vllm_specexpert.tiers.store import ExpertDecoder, SlotShapes
 
@@ -112,12 +108,16 @@ class Disk:
             self.stats.reads += len(experts)
             self.stats.bytes += len(experts) * layer.data_bytes
             self.stats.wait_s += time.perf_counter() - started
-        for expert, buffer in zip(experts.tolist(), buffers, strict=True):
-            if not checked[expert]:
-                self.pack.check_record(layer, expert, buffer)
-                checked[expert] = True
-                with self._lock:
-                    self.stats.checked += 1
+        try:
+            for expert, buffer in zip(experts.tolist(), buffers, strict=True):
+                if not checked[expert]:
+                    self.pack.check_record(layer, expert, buffer)
+                    checked[expert] = True
+                    with self._lock:
+                        self.stats.checked += 1
+        except CorruptRecord:
+            self.release(buffers)
+            raise
         return buffers
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -221,7 +221,6 @@ def prepare_pack(path: str, model: str) -> ExpertPack:
     ``path`` holds none (absent, empty, or a write that was interrupted), checked
     against the checkpoint when it does. Runs where the engine config is built, before
     any worker starts."""
-
     target = Path(path)
     if not Path(model, "config.json").is_file():
         raise SpecExpertConfigError(
@@ -238,38 +237,14 @@ def prepare_pack(path: str, model: str) -> ExpertPack:
             f"{target} holds other things than an expert pack ({', '.join(sorted(others)[:3])})",
             "give a new or empty directory",
         )
-    try:
-        source = CheckpointExperts(model)
-    except ValueError as error:
-        raise SpecExpertConfigError("disk", str(error), "give a bf16 checkpoint") from None
-    layers = source.layers()
-    need = sum(count * aligned(source.expert_nbytes(name)) for name, count in layers)
-    ancestor = target.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    free = shutil.disk_usage(ancestor).free
-    if need > free:
-        raise SpecExpertConfigError(
-            FIELD,
-            f"the pack of {model} needs {need / 1e9:.2f} GB, {ancestor} has "
-            f"{free / 1e9:.2f} GB free",
-            "give a directory on a disk with room",
-        )
-    logger.info(
-        "specexpert: writing the expert pack of %s to %s (%.2f GB)", model, target, need / 1e9
-    )
+    logger.info("specexpert: writing the expert pack of %s to %s", model, target)
     started = time.perf_counter()
-    write_pack(
-        target,
-        layers,
-        source,
-        {
-            "model": str(model),
-            "model_fingerprint": model_fingerprint(model),
-            "checkpoint_files": checkpoint_files(model),
-        },
+    manifest = pack_checkpoint(model, target)
+    logger.info(
+        "specexpert: expert pack written: %.2f GB in %.1f s",
+        manifest.records_bytes / 1e9,
+        time.perf_counter() - started,
     )
-    logger.info("specexpert: expert pack written in %.1f s", time.perf_counter() - started)
     return ExpertPack(target, model=model)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -28,8 +29,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, NonNegativeInt, PositiveInt
 
-from vllm_specexpert.artifacts import MANIFEST, MadeForModel, read_manifest
+from vllm_specexpert.artifacts import MANIFEST, MadeForModel, model_fingerprint, read_manifest
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
 from vllm_specexpert.tiers.disk_reader import ALIGN, aligned
 
 PACK_FORMAT = "specexpert-expert-pack/1"
@@ -297,4 +299,55 @@ class CorruptRecord(OSError):
     """A record read from a pack is not what was written there."""
 
 
-__all__ = ["ALIGN", "CorruptRecord", "ExpertPack", "PackLayer", "checkpoint_files", "write_pack"]
+def pack_checkpoint(
+    model: str | Path, target: str | Path, out_field: str = FIELD, model_field: str = "disk"
+) -> PackManifest:
+    """Write the pack of the checkpoint ``model`` to the directory ``target``: its MoE
+    layers' experts, read and written one at a time. Refused before anything is written,
+    with a config error naming ``model_field`` or ``out_field``, when the checkpoint
+    cannot be read expert by expert or ``target``'s filesystem lacks the room (a pack
+    already there counts as room: it is written over)."""
+    target = Path(target)
+    try:
+        source = CheckpointExperts(model)
+    except ValueError as error:
+        raise SpecExpertConfigError(model_field, str(error), "give a bf16 checkpoint") from None
+    layers = source.layers()
+    if not layers:
+        raise SpecExpertConfigError(
+            model_field, f"{model}: no routed expert tensors found", "give an MoE checkpoint"
+        )
+    need = sum(count * aligned(source.expert_nbytes(name)) for name, count in layers)
+    ancestor = target.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    records = target / RECORDS_FILE
+    free = shutil.disk_usage(ancestor).free + (records.stat().st_size if records.exists() else 0)
+    if need > free:
+        raise SpecExpertConfigError(
+            out_field,
+            f"the pack of {model} needs {need / 1e9:.2f} GB, {ancestor} has "
+            f"{free / 1e9:.2f} GB free",
+            "give a directory on a disk with room",
+        )
+    return write_pack(
+        target,
+        layers,
+        source,
+        {
+            "model": str(model),
+            "model_fingerprint": model_fingerprint(model),
+            "checkpoint_files": checkpoint_files(model),
+        },
+    )
+
+
+__all__ = [
+    "ALIGN",
+    "CorruptRecord",
+    "ExpertPack",
+    "PackLayer",
+    "checkpoint_files",
+    "pack_checkpoint",
+    "write_pack",
+]

@@ -14,24 +14,16 @@ size. Prints what it wrote and how fast.
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 
-from vllm_specexpert.artifacts import model_fingerprint
-from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
-from vllm_specexpert.tiers.disk_reader import aligned
-from vllm_specexpert.tiers.expert_pack import (
-    PACK_FORMAT,
-    checkpoint_files,
-    write_pack,
-)
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.tiers.expert_pack import PACK_FORMAT, pack_checkpoint
 from vllm_specexpert.tools.arguments import (
     UsageError,
     artifact_of,
     bf16_model_dir,
     check_apart,
     check_output_dir,
-    existing_ancestor,
 )
 
 
@@ -43,34 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     out = check_output_dir(args.out, "--out", artifact_of(PACK_FORMAT), "an expert pack")
     check_apart(args.model, out, "--out")
-    try:
-        source = CheckpointExperts(args.model)
-    except ValueError as error:
-        raise UsageError("model", str(error)) from None
-    layers = source.layers()
-    if not layers:
-        raise UsageError("model", f"{args.model}: no routed expert tensors found")
-    need = sum(count * aligned(source.expert_nbytes(name)) for name, count in layers)
-    existing = out / "experts.bin"
-    have = shutil.disk_usage(existing_ancestor(out)).free
-    have += existing.stat().st_size if existing.exists() else 0
-    if need > have:
-        raise UsageError(
-            "--out",
-            f"the pack needs {need / 1e9:.2f} GB, {existing_ancestor(out)} has "
-            f"{have / 1e9:.2f} GB free; give a directory on a disk with room",
-        )
     start = time.perf_counter()
-    manifest = write_pack(
-        out,
-        layers,
-        source,
-        {
-            "model": str(args.model),
-            "model_fingerprint": model_fingerprint(args.model),
-            "checkpoint_files": checkpoint_files(args.model),
-        },
-    )
+    try:
+        manifest = pack_checkpoint(args.model, out, out_field="--out", model_field="model")
+    except SpecExpertConfigError as error:  # (checked before anything is written)
+        raise UsageError(error.field_name, f"{error.problem}; {error.fix}") from None
     seconds = time.perf_counter() - start
     experts = sum(layer.num_experts for layer in manifest.layers)
     print(
