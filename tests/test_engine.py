@@ -88,6 +88,27 @@ def test_reconfigure_resizes_caches_and_validates_first(make_engine):
     engine.close()
 
 
+@pytest.mark.parametrize("cache", ["lru", "plec"])
+def test_a_rebuild_frees_the_old_slots_before_it_allocates_new_ones(make_engine, cache):
+    # The caches and their pool refer to each other: dropped as they are, their slot
+    # tensors would live until the garbage collector's next pass, so a rebuild would
+    # hold two pools at once (on a GPU, twice the budget). Collection is off here, so
+    # only freeing them explicitly lets them go.
+    import gc
+    import weakref
+
+    extra = {"path_predictor": "/rpp"} if cache == "plec" else {}
+    engine, _ = make_engine(budget=0.25, cache=cache, **extra)
+    old = [weakref.ref(layer.cache.slots["w13_weight"]) for layer in engine.layers.values()]
+    gc.disable()
+    try:
+        engine.reconfigure(engine.config.changed({"budget": 0.5}))
+        assert [ref() for ref in old] == [None] * len(old)
+    finally:
+        gc.enable()
+    engine.close()
+
+
 def test_restart_returns_to_the_warm_start(make_engine):
     """What the plugin does after vLLM's warm-up passes: whatever they loaded, serving
     starts from the warm-start experts (0-3 of 16 here) with every counter at zero."""

@@ -184,6 +184,8 @@ class OffloadEngine:
             for layer in self.layers.values():
                 # Free the old pools before the new ones.
                 layer.unequip()
+            if self.pool is not None:
+                self.pool.release()
             self._select(config)
             for layer in self.layers.values():
                 layer.equip(config, self.link, self.device, self.pool)

@@ -95,8 +95,12 @@ class OffloadedLayer:
         return "cache" in self.__dict__
 
     def unequip(self) -> None:
-        """Drop its cache, loader and low-bit slots (their memory is freed before a
-        rebuild makes new ones)."""
+        """Drop its cache, loader and low-bit slots, their own pools' memory at once
+        (freed before a rebuild makes new ones; a shared pool is the engine's)."""
+        caches = [self.__dict__.get("cache"), self.low_bit.cache if self.low_bit else None]
+        for cache in caches:
+            if cache is not None and not cache.pool.shared:
+                cache.pool.release()
         for name in ("cache", "loader"):
             self.__dict__.pop(name, None)
         self.low_bit = None

@@ -108,6 +108,15 @@ class SlotPool:
             cache.warm_start(offset, share)
             offset += share
 
+    def release(self) -> None:
+        """Drop the slot tensors now (a rebuild frees the old pool before it allocates
+        the new one: the caches that joined it and the pool refer to each other, and
+        their cycle would keep the tensors until the garbage collector's next pass,
+        holding two pools at once)."""
+        self.tensors = {}
+        self.in_flight.clear()
+        self.last_write = self.last_read = None
+
     def free_slots(self) -> np.ndarray:
         return np.flatnonzero(self.owner < 0)
 
