@@ -4,6 +4,7 @@ stats and on ``/metrics``; a failing read is an error, never zeros in a slot."""
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
@@ -95,3 +96,12 @@ def test_a_changed_record_is_caught_at_its_first_read(engine, pack):
     assert engine.layers[name].cache.expert_slot[9] < 0
     with pytest.raises(RuntimeError, match="expert copy failed"):
         engine.run(name, slot_kernel, x, w, ids, PassPhases.decode_only(1))
+
+
+def test_a_large_gather_keeps_only_a_few_buffers(pack):
+    disk = Disk(pack, depth=2)
+    layer = pack.layers[NAMES[0]]
+    buffers = disk.read(layer, np.arange(10))
+    disk.release(buffers)
+    assert [len(free) for free in disk._free.values()] == [4]  # twice the depth
+    disk.close()

@@ -128,9 +128,15 @@ class Disk:
         return aligned_buffer(nbytes)
 
     def release(self, buffers: list[torch.Tensor]) -> None:
+        """Give buffers back: up to twice the queue depth of each size are kept for
+        the next reads, the others unmapped (a large gather's buffers would otherwise
+        stay, outside every budget)."""
+        keep = 2 * self.reader.depth
         with self._lock:
             for buffer in buffers:
-                self._free.setdefault(buffer.numel(), []).append(buffer)
+                free = self._free.setdefault(buffer.numel(), [])
+                if len(free) < keep:
+                    free.append(buffer)
 
     def reset_stats(self) -> None:
         with self._lock:
