@@ -162,13 +162,9 @@ def check_checkpoint_out(model: Path, out: Path, command: str) -> None:
     check_output_dir(out, "out", written_by(command), f"a checkpoint of `specexpert {command}`")
 
 
-def write_checkpoint(
-    model: Path, out: Path, tensors: dict[str, torch.Tensor], quantization: dict | None, stamp: dict
-) -> None:
-    """``out``: ``model``'s files (tokenizer, generation config, ...) with these tensors,
-    ``quantization_config`` (``None``: none) and the :data:`STAMP` ``stamp``."""
-    from safetensors.torch import save_file
-
+def copy_model_files(model: Path, out: Path) -> None:
+    """``model``'s files besides its weights, config and stamps (tokenizer, generation
+    config, ...) into ``out`` (made if absent): what a rewritten checkpoint keeps."""
     out.mkdir(parents=True, exist_ok=True)
     for path in model.iterdir():
         if (
@@ -178,6 +174,16 @@ def write_checkpoint(
             not in ("config.json", "model.safetensors.index.json", "fixture.json", STAMP)
         ):
             shutil.copy2(path, out / path.name)
+
+
+def write_checkpoint(
+    model: Path, out: Path, tensors: dict[str, torch.Tensor], quantization: dict | None, stamp: dict
+) -> None:
+    """``out``: ``model``'s files (tokenizer, generation config, ...) with these tensors,
+    ``quantization_config`` (``None``: none) and the :data:`STAMP` ``stamp``."""
+    from safetensors.torch import save_file
+
+    copy_model_files(model, out)
     config = json.loads((model / "config.json").read_text())
     config.pop("quantization_config", None)
     if quantization is not None:

@@ -36,7 +36,12 @@ from vllm_specexpert.tools.arguments import (
     positive_float,
     positive_int,
 )
-from vllm_specexpert.tools.quantize import EXPERT_WEIGHT, STAMP, check_checkpoint_out
+from vllm_specexpert.tools.quantize import (
+    EXPERT_WEIGHT,
+    STAMP,
+    check_checkpoint_out,
+    copy_model_files,
+)
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 INTERMEDIATE_KEYS = ("moe_intermediate_size",)
@@ -101,19 +106,7 @@ def widen_checkpoint(
         raise UsageError(
             "out", f"the widened checkpoint needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    for path in model.iterdir():
-        if (
-            path.is_file()
-            and path.suffix != ".safetensors"
-            and path.name
-            not in (
-                "config.json",
-                "model.safetensors.index.json",
-                STAMP,
-            )
-        ):
-            shutil.copy2(path, out / path.name)
+    copy_model_files(model, out)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
     shards = _shards(widened, shard_bytes)
