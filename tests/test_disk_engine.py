@@ -38,9 +38,9 @@ def engine(pack, tmp_path, monkeypatch):
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path / "metrics"))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
-    engine.disk = Disk(pack, depth=2)
+    engine.store.disk = Disk(pack, depth=2)
     for index, name in enumerate(NAMES):
-        engine.add_layer(name, engine.disk.layer(name, None), top_k=4, index=index)
+        engine.add_layer(name, engine.store.disk.layer(name, None), top_k=4, index=index)
     engine.start()
     yield engine
     engine.close()

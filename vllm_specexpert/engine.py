@@ -32,7 +32,6 @@ from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.predict import NextLayerRouting
-from vllm_specexpert.tiers.disk import Disk
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.slots import SharedSlotPool
@@ -59,9 +58,6 @@ class OffloadEngine:
         self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
         self.checkpoint: str | None = None  # the model's directory (processes that load it again)
-        self.disk: Disk | None = None
-        """The disk tier the layers' experts are read from (``disk``), opened by the
-        adapter with the engine."""
         self.inputs = FeatureInputs()
         """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
         self._select(config)
@@ -353,7 +349,6 @@ class OffloadEngine:
     def close(self) -> None:
         self.reporter.close()
         self.link.close()
-        if self.disk is not None:
-            self.disk.close()
+        self.store.close()
         for feature in self.features:
             feature.close()

@@ -32,7 +32,6 @@ class ReportedEngine(Protocol):
     miss_policy: Any
     store: Any
     link: Any
-    disk: Any
     features: list[Any]
 
     @property
@@ -183,7 +182,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
                 "copies": engine.link.copies,
                 "stall_s": engine.link.stall_s,
             },
-            "disk": engine.disk.stats_dict() if engine.disk is not None else None,
+            "disk": engine.store.disk.stats_dict() if engine.store.disk is not None else None,
             "total": total.to_dict(),
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
             **feature_stats(engine),
@@ -211,8 +210,8 @@ def reset_counters(engine: ReportedEngine) -> None:
         for feature in engine.features:
             feature.reset_stats()
     engine.link.reset_counters()
-    if engine.disk is not None:
-        engine.disk.reset_stats()
+    if engine.store.disk is not None:
+        engine.store.disk.reset_stats()
 
 
 def summary(engine: ReportedEngine) -> str:
@@ -247,16 +246,10 @@ def summary(engine: ReportedEngine) -> str:
             f"one pool of {sum(la.cache.num_slots for la in layers)}"
             f" slots shared by their {'/'.join(map(str, experts))} experts each"
         )
-    disk = engine.disk
-    where = (
-        f"on disk ({disk.pack.path}, {'O_DIRECT' if disk.direct else 'through the page cache'}"
-        f", queue depth {disk.reader.depth})"
-        if disk is not None
-        else f"on the host{' (pinned)' if engine.store.pin_memory else ''}"
-    )
     return (
         f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
-        f"{engine.store.nbytes / 1e9:.3f} GB {where}; miss_policy {config.miss_policy} "
+        f"{engine.store.nbytes / 1e9:.3f} GB {engine.store.where()}; "
+        f"miss_policy {config.miss_policy} "
         f"({engine.output}), predictor {config.predictor}, cache {config.cache}"
         f"{modeled}{''.join(feature.summary() for feature in engine.features)}"
     )

@@ -56,7 +56,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
         engine = OffloadEngine(config, device, rank=rank)
         engine.checkpoint = vllm_config.model_config.model
         if config.disk is not None:
-            engine.disk = open_disk(
+            engine.store.disk = open_disk(
                 config.disk.path,
                 engine.checkpoint,
                 config.disk.queue_depth,

@@ -50,7 +50,7 @@ from vllm_specexpert.layers.packed_experts import (
     runtime_form,
 )
 from vllm_specexpert.layers.slot_kernel import SlotKernel
-from vllm_specexpert.tiers.disk import DiskExperts
+from vllm_specexpert.tiers.disk import Disk, DiskExperts
 from vllm_specexpert.tiers.store import FormDecoder, LayerExperts
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
@@ -248,8 +248,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         form = functools.partial(runtime_form, self)
         experts: dict[str, torch.Tensor] | DiskExperts
         if self._on_disk:
-            disk = self.engine.disk
-            assert disk is not None  # (opened with the engine when the config has a disk)
+            disk = self.engine.store.disk
+            assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
             experts = disk.layer(self.layer_name, FormDecoder("bfloat16", form, slot_shapes))
             decoder = None
         elif packed is None:

@@ -71,6 +71,10 @@ class Disk:
     def direct(self) -> bool:
         return self.reader.file.direct
 
+    def where(self) -> str:
+        how = "O_DIRECT" if self.direct else "through the page cache"
+        return f"on disk ({self.pack.path}, {how}, queue depth {self.reader.depth})"
+
     def layer(self, name: str, decoder: ExpertDecoder | None) -> DiskExperts:
         """Layer ``name``'s experts on this disk."""
         layer = self.pack.layers.get(name)

@@ -73,6 +73,21 @@ class ExpertSource(Protocol):
         ...
 
 
+class DiskTier(Protocol):
+    """The disk under the store, when its layers' experts are read from disk
+    (:class:`~vllm_specexpert.tiers.disk.Disk`, which imports this module)."""
+
+    def where(self) -> str:
+        """Where the experts are, for the start line."""
+        ...
+
+    def stats_dict(self) -> dict: ...
+
+    def reset_stats(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class FormDecoder:
     """Experts held in the checkpoint's layout (an expert pack's bf16) -> what a slot
     holds: the kernel's runtime form (``form``, the layer's post-processing), made on
@@ -158,6 +173,8 @@ class ExpertStore:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self.layers: dict[str, ExpertSource] = {}
+        self.disk: DiskTier | None = None
+        """The disk the layers' experts are read from (``disk``), opened by the adapter."""
 
     def add_layer(
         self, name: str, tensors: dict[str, torch.Tensor], decoder: ExpertDecoder | None = None
@@ -195,6 +212,16 @@ class ExpertStore:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers.values())
+
+    def where(self) -> str:
+        """Where the experts are, for the start line."""
+        if self.disk is not None:
+            return self.disk.where()
+        return f"on the host{' (pinned)' if self.pin_memory else ''}"
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
 
 
 CUDA_HOST_REGISTER_PORTABLE = 0x01
