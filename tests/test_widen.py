@@ -90,3 +90,48 @@ def test_not_enough_disk_is_refused_before_any_work(tmp_path, monkeypatch, capsy
         main(["widen", str(MODEL), str(tmp_path / "out"), "--intermediate", "128"])
     assert exit_.value.code == 2 and "needs 0.11 GB" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+CALIBRATION = MODEL.parent / "tiny-qwen3-moe-calibration"
+
+
+def test_carried_artifacts_are_accepted_for_the_widened_model_only(tmp_path):
+    from vllm_specexpert.calibration import load_calibration
+    from vllm_specexpert.config import SpecExpertConfigError
+
+    out = tmp_path / "model"
+    main(["widen", str(MODEL), str(out), "--intermediate", "96", "--carry", str(CALIBRATION)])
+    carried = out / "artifacts" / CALIBRATION.name
+    # the original is refused for the widened model (its fingerprint names I = 64) ...
+    with pytest.raises(SpecExpertConfigError, match="moe_intermediate_size"):
+        load_calibration(CALIBRATION, str(out))
+    # ... the carried copy is accepted, holds the same tensors, and is refused for the
+    # model it came from
+    assert load_calibration(carried, str(out)).manifest["num_experts"] == 64
+    assert (carried / "calibration.safetensors").read_bytes() == (
+        CALIBRATION / "calibration.safetensors"
+    ).read_bytes()
+    with pytest.raises(SpecExpertConfigError, match="made for another model"):
+        load_calibration(carried, str(MODEL))
+
+
+def test_an_artifact_of_another_model_is_not_carried(tmp_path, capsys):
+    stale = tmp_path / "stale"
+    shutil.copytree(CALIBRATION, stale)
+    manifest = json.loads((stale / "manifest.json").read_text())
+    manifest["model_fingerprint"]["router_sha256"] = "0" * 64
+    (stale / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            [
+                "widen",
+                str(MODEL),
+                str(tmp_path / "out"),
+                "--intermediate",
+                "96",
+                "--carry",
+                str(stale),
+            ]
+        )
+    assert exit_.value.code == 2 and "was not made for" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,6 +1,7 @@
 """Widen a bf16 MoE checkpoint's routed experts: the same model, bigger experts.
 
     specexpert widen MODEL OUT (--intermediate N | --expert-mib M) [--shard-gib 4]
+                               [--carry ARTIFACT_DIR ...]
 
 Each routed expert's intermediate dimension grows from ``I`` to ``N`` (or to what makes
 one expert weigh ``M`` MiB) with zero rows in its gate and up projections and zero
@@ -15,6 +16,11 @@ Written as it is read: one tensor at a time, into safetensors shards of at most
 ``--shard-gib`` GiB with a ``model.safetensors.index.json``, so memory stays at one
 tensor whatever the size. ``OUT``: new, empty, or written by this command before; apart
 from ``MODEL``; with room for the result (checked before any work).
+
+``--carry``: artifact directories made for ``MODEL`` (calibration, estimator, path
+predictor) copied to ``OUT/artifacts/<name>`` and stamped for the widened model. What
+they hold (routes, router inputs, predictors of them) widening leaves as it was; each is
+checked to have been made for ``MODEL`` first, so that a stale one is not carried.
 """
 
 from __future__ import annotations
@@ -57,12 +63,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--intermediate", type=positive_int, help="new intermediate size")
     size.add_argument("--expert-mib", type=positive_float, help="new size of one expert")
     parser.add_argument("--shard-gib", type=positive_float, default=4.0)
+    parser.add_argument(
+        "--carry",
+        nargs="+",
+        default=[],
+        metavar="ARTIFACT_DIR",
+        help="artifact directories made for MODEL to copy for the widened model",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     model, out = Path(args.model), Path(args.out)
     check_checkpoint_out(model, out, "widen")
+    carried = [Path(d) for d in args.carry]
+    _check_carried(model, carried)
     widen_checkpoint(model, out, args.intermediate, args.expert_mib, int(args.shard_gib * 2**30))
+    for path in carry_artifacts(model, out, carried):
+        print(f"carried {path}")
 
 
 def widen_checkpoint(
@@ -143,6 +160,45 @@ def widen_checkpoint(
         f"wrote {out}: {len(experts) // 3} experts of {expert_mib:.2f} MiB "
         f"(intermediate {old} -> {new}), {total / 1e9:.2f} GB in {len(shards)} shard(s)"
     )
+
+
+def carry_artifacts(model: Path, out: Path, artifacts: list[Path]) -> list[Path]:
+    """Each artifact directory (made for ``model``) copied to ``out/artifacts/<name>``
+    with its manifest stamped for ``out``, the widened ``model``; the copies."""
+    from vllm_specexpert.artifacts import model_fingerprint
+
+    _check_carried(model, artifacts)
+    fingerprint = model_fingerprint(out) if artifacts else {}
+    copies = []
+    for source in artifacts:
+        target = out / "artifacts" / source.name
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target)
+        manifest = json.loads((target / "manifest.json").read_text())
+        manifest.update(
+            model=str(out),
+            model_fingerprint=fingerprint,
+            widened_from={"model": str(model), "artifact": str(source)},
+        )
+        (target / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        copies.append(target)
+    return copies
+
+
+def _check_carried(model: Path, artifacts: list[Path]) -> None:
+    from vllm_specexpert.artifacts import model_fingerprint
+
+    expected = model_fingerprint(model) if artifacts else {}
+    for source in artifacts:
+        path = source / "manifest.json"
+        try:
+            made_for = json.loads(path.read_text()).get("model_fingerprint")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise UsageError("--carry", f"{path}: not an artifact's manifest ({exc})") from None
+        if made_for != expected:
+            raise UsageError(
+                "--carry", f"{source} was not made for {model} (its model_fingerprint differs)"
+            )
 
 
 def _intermediate_key(config: dict) -> str:
