@@ -1,13 +1,22 @@
 """The disk tier end to end: a model's experts read from its expert pack (made on the
 first start), never loaded by vLLM, and greedy output identical to vanilla vLLM's under
 ``fetch`` with a quarter of the experts in the slots. A pack that is not this model's,
-or not whole, is refused at start naming ``disk.path``."""
+or not whole, is refused at start naming ``disk.path``; a read error mid-generation fails
+the requests that needed the expert, and only those."""
 
 import os
 import shutil
 
 import pytest
-from vllm_harness import PROMPTS, cache_invariants, greedy, make_llm, shutdown, vanilla_reference
+from vllm_harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    cache_invariants,
+    greedy,
+    make_llm,
+    shutdown,
+    vanilla_reference,
+)
 
 import vllm_specexpert
 from vllm_specexpert.config import SpecExpertConfigError
@@ -93,6 +102,58 @@ def test_an_approximate_mode_runs_from_disk_and_says_so(engine):
     stats = vllm_specexpert.get_stats(llm)[0]
     assert stats["output"] == "approximate" and stats["total"]["decode"]["misses"] > 0
     assert len(outputs) == len(reference)
+
+
+def fail_reads_of(layer_index: int, expert: int | None):
+    """Worker side (``apply_model``): reads of ``expert`` of the ``layer_index``-th MoE
+    layer fail from now on with an I/O error (``None``: no read fails)."""
+
+    def install(model) -> None:
+        import errno
+
+        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+        layers = [m for m in model.modules() if isinstance(m, OffloadedRoutedExperts)]
+        disk = layers[0].engine.store.disk
+        file = disk.reader.file
+        read = getattr(file, "unbroken_read_into", file.read_into)
+        file.unbroken_read_into = read
+        if expert is None:
+            file.read_into = read
+            return
+        bad, _ = disk.pack.layers[layers[layer_index].layer_name].record(expert)
+
+        def read_into(buffer, offset, length):
+            if offset == bad:
+                raise OSError(errno.EIO, "Input/output error (injected by the test)")
+            read(buffer, offset, length)
+
+        file.read_into = read_into
+
+    return install
+
+
+def test_a_read_error_fails_only_the_requests_that_needed_the_expert(engine):
+    from vllm import SamplingParams
+
+    llm, reference = engine
+    vllm_specexpert.reconfigure(llm, budget=0.25, miss_policy="fetch", cache="lru")
+    # An expert of the last layer that some prompts' tokens route to and others' do not
+    # (checked below: both kinds must occur), not resident after the reconfigure.
+    llm.apply_model(fail_reads_of(num_moe_layers(MODEL) - 1, 20))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        llm.apply_model(fail_reads_of(0, None))
+    failed = [o.finish_reason == "error" for o in outputs]
+    assert any(failed) and not all(failed), failed
+    for output, expected, error in zip(outputs, reference, failed, strict=True):
+        if not error:  # the others ran exactly, as vanilla did
+            assert list(output.token_ids) == expected.token_ids
+    assert vllm_specexpert.get_stats(llm)[0]["disk"]["failed"] > 0
+    # The engine is up, and the expert is read again when next needed.
+    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 
 def test_the_disk_cannot_change_at_run_time(engine, tmp_path):

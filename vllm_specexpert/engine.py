@@ -11,6 +11,12 @@ the spine: one host read of the router's ids, a survey of the cache, the miss po
 plan for what is missing, the executor (:mod:`vllm_specexpert.execute`). Everything
 else is a feature whose hooks the engine calls around it in order, built by one factory
 from the config and the inputs the adapter provides (:mod:`vllm_specexpert.features`).
+
+Experts the slow tier cannot supply mid-generation (:class:`ExpertsUnreadable`: a disk
+read error, a record whose checksum fails) do not stop the pass: the call runs again
+without them (their entries masked out, every other token exact), the cause is logged
+once per expert, and the rows that needed them are kept (:meth:`take_failed_rows`) for
+the adapter, which fails those rows' requests. They are read again when next needed.
 """
 
 from __future__ import annotations
@@ -30,13 +36,19 @@ from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
-from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
+from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPlan, MissPolicy
 from vllm_specexpert.predict import NextLayerRouting
+from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
-from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, ExpertStore
+from vllm_specexpert.tiers.store import (
+    ExpertDecoder,
+    ExpertSource,
+    ExpertStore,
+    ExpertsUnreadable,
+)
 
 logger = init_logger(__name__)
 
@@ -60,6 +72,9 @@ class OffloadEngine:
         self.checkpoint: str | None = None  # the model's directory (processes that load it again)
         self.inputs = FeatureInputs()
         """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
+        self._failed_rows: set[int] = set()
+        """Rows of the running pass that needed an expert the slow tier could not supply."""
+        self._logged_unreadable: set[tuple[str, int]] = set()
         self._select(config)
         self._build_features(config)
 
@@ -204,6 +219,20 @@ class OffloadEngine:
     ) -> torch.Tensor:
         """Routed-expert output of layer ``name`` for a pass's tokens. ``phases`` says
         which rows are decode tokens (default: all)."""
+        try:
+            return self._run(name, kernel, x, topk_weights, topk_ids, phases)
+        except ExpertsUnreadable as error:
+            return self._run_without(self.layers[name], kernel, x, topk_weights, topk_ids, error)
+
+    def _run(
+        self,
+        name: str,
+        kernel: ExpertKernel,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        phases: PassPhases | None,
+    ) -> torch.Tensor:
         if x.shape[0] == 1:
             prefill = phases is not None and phases.all_prefill
             out = self.run_resident_token(name, kernel, x, topk_weights, topk_ids, prefill)
@@ -297,10 +326,61 @@ class OffloadEngine:
         call.deliver(host)
         for feature in self.features:
             feature.after_read(call)
-        out = self._resolve(0, call, call.layer_call())
-        for feature in self.features:
-            feature.end_call(call)
-        return out
+        try:
+            return self._resolve(0, call, call.layer_call())
+        finally:  # (also when an expert could not be read: the call runs again without)
+            for feature in self.features:
+                feature.end_call(call)
+
+    def _run_without(
+        self,
+        layer: OffloadedLayer,
+        kernel: ExpertKernel,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        error: ExpertsUnreadable,
+    ) -> torch.Tensor:
+        """The pass's call again, exactly, with the entries of experts that could not be
+        read masked out (weight 0), and of any more that fail while it runs; the rows
+        that needed them are kept for :meth:`take_failed_rows` (module doc). Counted
+        apart from the phases' counters (the call already counted once)."""
+        host_ids = topk_ids.cpu().numpy()
+        unreadable: set[int] = set()
+        while True:
+            if unreadable.issuperset(error.experts):  # masked out, and still read: a bug
+                raise RuntimeError(f"specexpert: {error} again, with them masked out")
+            self._log_unreadable(error)
+            unreadable.update(error.experts)
+            dropped = np.isin(host_ids, sorted(unreadable))
+            call = LayerCall(x, topk_weights, topk_ids, host_ids, kernel, PhaseStats())
+            found = execute.survey(layer.loader, call)
+            try:
+                out = execute.run(layer.loader, call, found, MissPlan(host_ids, dropped=dropped))
+            except ExpertsUnreadable as again:
+                error = again
+                continue
+            self._failed_rows.update(np.flatnonzero(dropped.any(axis=1)).tolist())
+            return out
+
+    def _log_unreadable(self, error: ExpertsUnreadable) -> None:
+        new = [e for e in error.experts if (error.layer, e) not in self._logged_unreadable]
+        if new:
+            self._logged_unreadable.update((error.layer, e) for e in new)
+            logger.error(
+                "specexpert: %s: experts %s could not be read (%s); the requests that "
+                "need them fail with an error, the others go on (read again when next "
+                "needed; logged once per expert)",
+                error.layer,
+                new,
+                error.cause,
+            )
+
+    def take_failed_rows(self) -> list[int]:
+        """Rows (token indices of the forward pass) whose output lacks an expert that
+        could not be read, since the last call; the adapter fails their requests."""
+        rows, self._failed_rows = sorted(self._failed_rows), set()
+        return rows
 
     def _resolve(self, at: int, call: DecodeCall, run: LayerCall) -> torch.Tensor:
         """Feature ``at``'s ``resolve`` around the later ones'; after the last, the miss

@@ -1,5 +1,6 @@
 """What the scheduler process hands the workers each step: the decode tokens of the step
-and the experts a path predictor expects them to use, and the scheduler's counters.
+and the experts a path predictor expects them to use, and the scheduler's counters; and
+what the workers hand back: the requests that needed an expert that could not be read.
 
 With a ``path_predictor``, the plugin's scheduler (engine-core process,
 :mod:`vllm_specexpert.schedule.token_scheduler`) attaches a :class:`StepDemand` to vLLM's
@@ -15,6 +16,11 @@ The scheduler's counters (:class:`SchedulerStats`) ride along every step the sam
 snapshot) carry them as their ``scheduler`` section. Every scheduled step reaches the
 worker before any later RPC, so ``get_stats`` sees the scheduler's counters as of its
 last step, exactly.
+
+Back the other way, a worker attaches the ids of the requests whose step lacked an
+expert the slow tier could not read to the step's ``ModelRunnerOutput``
+(:func:`attach_failed`, a copy of it); the plugin's scheduler reads them in
+``update_from_output`` (:func:`failed_requests`) and fails those requests.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ ATTRIBUTE = "specexpert_demand"
 """Name of the attribute on ``SchedulerOutput``."""
 STATS_ATTRIBUTE = "specexpert_scheduler_stats"
 """Name of the scheduler's counters' attribute on ``SchedulerOutput``."""
+FAILED_ATTRIBUTE = "specexpert_failed_requests"
+"""Name of the failed requests' attribute on ``ModelRunnerOutput``."""
 
 
 def highest(doc: str, default: float = 0) -> Any:
@@ -129,3 +137,18 @@ def scheduler_stats() -> dict[str, Any] | None:
 def current() -> StepDemand | None:
     """The running step's demand (``None``: no prediction for it)."""
     return _current
+
+
+def attach_failed(model_runner_output: Any, request_ids: list[str]) -> Any:
+    """Worker side: a copy of the step's output that carries ``request_ids`` (the
+    output may be vLLM's shared empty one, never written to)."""
+    import copy
+
+    output = copy.copy(model_runner_output)
+    setattr(output, FAILED_ATTRIBUTE, list(request_ids))
+    return output
+
+
+def failed_requests(model_runner_output: Any) -> list[str]:
+    """Scheduler side: the requests a step's output says failed (none: ``[]``)."""
+    return list(getattr(model_runner_output, FAILED_ATTRIBUTE, None) or ())

@@ -334,6 +334,7 @@ DISK_COUNTERS = {
     "wait_s": "Seconds expert copies waited for disk reads.",
     "busy_s": "Seconds at least one disk read was in flight.",
     "checked": "Records checked against their checksum (each once, at its first read).",
+    "failed": "Expert reads that failed (I/O error or checksum); their requests failed.",
 }
 """The disk tier's counters on ``/metrics`` (``specexpert_disk_<key>_total``)."""
 

@@ -92,8 +92,8 @@ def prepare_engine_args(engine_args: Any, config: SpecExpertConfig | None = None
     """Engine settings the offloaded layer needs, applied before the config is built."""
     from vllm.platforms import current_platform
 
-    if config is not None and config.path_predictor is not None:
-        _install_scheduler(engine_args)
+    if config is not None and (config.path_predictor is not None or config.disk is not None):
+        _install_scheduler(engine_args, config)
     if config is not None and config.lookahead is not None:
         _configure_draft(engine_args, config.lookahead)
     if current_platform.is_cuda_alike():
@@ -108,21 +108,29 @@ def prepare_engine_args(engine_args: Any, config: SpecExpertConfig | None = None
         )
 
 
-def _install_scheduler(engine_args: Any) -> None:
-    """With a ``path_predictor``, vLLM's scheduler class is replaced by the plugin's
-    subclass, which predicts each step's experts (and groups decode sequences under
+def _install_scheduler(engine_args: Any, config: SpecExpertConfig) -> None:
+    """vLLM's scheduler class is replaced by the plugin's subclass: with the disk tier,
+    one that fails the requests whose experts could not be read
+    (:mod:`vllm_specexpert.schedule.scheduler`); with a ``path_predictor``, its subclass
+    that also predicts each step's experts (and groups decode sequences under
     ``token_scheduler``). It runs in the engine-core process, where general plugins are
     loaded first."""
-    from vllm_specexpert.schedule.token_scheduler import SCHEDULER_CLS
+    from vllm_specexpert.schedule import scheduler, token_scheduler
 
+    wanted = (
+        token_scheduler.SCHEDULER_CLS
+        if config.path_predictor is not None
+        else scheduler.SCHEDULER_CLS
+    )
+    field = "path_predictor" if config.path_predictor is not None else "disk"
     current = getattr(engine_args, "scheduler_cls", None)
-    if current not in (None, SCHEDULER_CLS):
+    if current not in (None, wanted):
         raise SpecExpertConfigError(
-            "path_predictor",
+            field,
             f"runs in the plugin's scheduler class, and scheduler_cls={current!r} is set",
-            "remove --scheduler-cls, or remove path_predictor",
+            f"remove --scheduler-cls, or remove {field}",
         )
-    engine_args.scheduler_cls = SCHEDULER_CLS
+    engine_args.scheduler_cls = wanted
 
 
 def _configure_draft(engine_args: Any, lookahead: LookaheadConfig) -> None:

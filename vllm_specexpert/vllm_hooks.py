@@ -11,6 +11,8 @@ process (:func:`wrap_once`).
 * :func:`at_step_start` (and :func:`keep_step_demand` on it): the model runner's
   ``execute_model`` hands each step's predicted demand to
   :mod:`vllm_specexpert.handoff`, and times the step for the lookahead governor;
+* :func:`at_step_end`: the runner's ``execute_model`` / ``sample_tokens`` output
+  carries back the requests whose experts could not be read;
 * :func:`around_drafting`: the speculative-decoding proposer's first pass and the
   runner's ``propose_draft_token_ids`` (the lookahead draft's rounds);
 * :func:`quantize_by_checkpoint_names`: a model's quantization config (the lookahead
@@ -110,25 +112,61 @@ def add_engine_arguments(add: Callable[[Any], None]) -> None:
 
 
 _STEP_STARTS: list[Callable[[Any, Any], None]] = []
+_STEP_ENDS: list[Callable[[Any, Any, Any], Any]] = []
+STEP_ATTRIBUTE = "_specexpert_scheduler_output"
+"""The model runner's attribute holding the running step's ``SchedulerOutput``."""
 
 
 def at_step_start(callback: Callable[[Any, Any], None]) -> None:
     """``callback(model_runner, scheduler_output)`` as vLLM's model runner starts a step
     (``execute_model``), once per distinct callback."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
     if callback not in _STEP_STARTS:
         _STEP_STARTS.append(callback)
+    _wrap_execute_model()
+
+
+def at_step_end(callback: Callable[[Any, Any, Any], Any]) -> None:
+    """``output = callback(model_runner, scheduler_output, output)`` on each step's
+    ``ModelRunnerOutput`` as the runner returns it (from ``execute_model``, or from
+    ``sample_tokens`` when the step samples there), once per distinct callback. The
+    output may be vLLM's shared empty one: a callback that writes to it copies it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if callback not in _STEP_ENDS:
+        _STEP_ENDS.append(callback)
+    _wrap_execute_model()
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _step_end(self, original(self, *args, **kwargs))
+
+        return sample_tokens
+
+    wrap_once(GPUModelRunner, "sample_tokens", wrap)
+
+
+def _wrap_execute_model() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            setattr(self, STEP_ATTRIBUTE, scheduler_output)
             for each in _STEP_STARTS:
                 each(self, scheduler_output)
-            return original(self, scheduler_output, *args, **kwargs)
+            output = original(self, scheduler_output, *args, **kwargs)
+            return None if output is None else _step_end(self, output)
 
         return execute_model
 
     wrap_once(GPUModelRunner, "execute_model", wrap)
+
+
+def _step_end(runner: Any, output: Any) -> Any:
+    if not hasattr(output, "req_ids"):  # not a ModelRunnerOutput (a pipeline stage's)
+        return output
+    for each in _STEP_ENDS:
+        output = each(runner, getattr(runner, STEP_ATTRIBUTE, None), output)
+    return output
 
 
 def _receive_demand(model_runner: Any, scheduler_output: Any) -> None:

@@ -37,9 +37,9 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
     """The engine of ``vllm_config``'s model; a draft model's engine (``draft``) runs
     the draft's INT4 experts and is attached to its target's engine."""
     global _TARGET
-    entry = _ENGINES.get(id(vllm_config))
-    if entry is not None and entry[0]() is vllm_config:
-        return entry[1]
+    existing = engine_of(vllm_config)
+    if existing is not None:
+        return existing
     device = torch.device(current_platform.device_type)
     rank = vllm_config.parallel_config.rank
     if draft:
@@ -71,6 +71,12 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
 
     _ENGINES[key] = (weakref.ref(vllm_config, forget), engine)
     return engine
+
+
+def engine_of(vllm_config: Any) -> OffloadEngine | None:
+    """The engine built for ``vllm_config`` in this process, if any."""
+    entry = _ENGINES.get(id(vllm_config))
+    return entry[1] if entry is not None and entry[0]() is vllm_config else None
 
 
 def target_of(draft: OffloadEngine) -> OffloadEngine:

@@ -39,7 +39,7 @@ from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.layer_state import LOW_BIT_SUFFIX
-from vllm_specexpert.layers import lookahead_driver
+from vllm_specexpert.layers import failed_requests, lookahead_driver
 from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.packed_experts import (
@@ -110,6 +110,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         """The experts are read from the disk tier's pack: vLLM loads none of them."""
         if self._on_disk:
             vllm_hooks.skip_routed_experts_when(_serves_experts_from_disk)
+            failed_requests.install()
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
         self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None

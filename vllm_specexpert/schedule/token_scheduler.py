@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
@@ -47,6 +46,7 @@ from vllm_specexpert.handoff import SchedulerStats, StepDemand
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.schedule.grouping import partition
+from vllm_specexpert.schedule.scheduler import SpecExpertScheduler
 
 logger = init_logger(__name__)
 
@@ -54,7 +54,7 @@ SCHEDULER_CLS = f"{__name__}.TokenGroupScheduler"
 """What the plugin sets as vLLM's ``scheduler_cls``."""
 
 
-class TokenGroupScheduler(Scheduler):
+class TokenGroupScheduler(SpecExpertScheduler):
     """vLLM's scheduler that predicts each step's experts for the workers and, under
     ``token_scheduler``, runs decode sequences in route-consolidated groups."""
 

@@ -39,7 +39,7 @@ from vllm_specexpert.tiers.expert_pack import (
     PackLayer,
     pack_checkpoint,
 )
-from vllm_specexpert.tiers.store import ExpertDecoder, SlotShapes
+from vllm_specexpert.tiers.store import ExpertDecoder, ExpertsUnreadable, SlotShapes
 
 logger = init_logger(__name__)
 
@@ -52,6 +52,8 @@ class DiskStats:
     """Seconds the copies spent waiting for reads (real I/O)."""
     checked: int = 0
     """Records whose checksum was verified (each once, at its first read)."""
+    failed: int = 0
+    """Expert reads that failed (an I/O error, a record whose checksum failed)."""
 
 
 class Disk:
@@ -96,32 +98,34 @@ class Disk:
         for expert, buffer in zip(experts.tolist(), buffers, strict=True):
             offset, length = layer.record(expert)
             jobs.append(self.reader.submit(buffer, offset, length))
-        try:
-            for job in jobs:
-                job.result()
-        except BaseException:
-            for job in jobs:
-                job.cancel()
-            for job in jobs:
-                if not job.cancelled():
-                    job.exception()  # wait: a buffer must not be reused while read into
-            self.release(buffers)
-            raise
+        # Every read is waited for, failed or not: a buffer must not be reused while
+        # a read still fills it, and the experts that failed are named one by one.
+        errors = {e: job.exception() for e, job in zip(experts.tolist(), jobs, strict=True)}
         checked = self._checked[layer.name]
         with self._lock:
             self.stats.reads += len(experts)
             self.stats.bytes += len(experts) * layer.data_bytes
             self.stats.wait_s += time.perf_counter() - started
-        try:
-            for expert, buffer in zip(experts.tolist(), buffers, strict=True):
-                if not checked[expert]:
-                    self.pack.check_record(layer, expert, buffer)
-                    checked[expert] = True
-                    with self._lock:
-                        self.stats.checked += 1
-        except CorruptRecord:
+        for expert, buffer in zip(experts.tolist(), buffers, strict=True):
+            if errors[expert] is not None or checked[expert]:
+                continue
+            try:
+                self.pack.check_record(layer, expert, buffer)
+            except CorruptRecord as corrupt:
+                errors[expert] = corrupt
+                continue
+            checked[expert] = True
+            with self._lock:
+                self.stats.checked += 1
+        failed = {e: error for e, error in errors.items() if error is not None}
+        if failed:
             self.release(buffers)
-            raise
+            with self._lock:
+                self.stats.failed += len(failed)
+            first = next(iter(failed.values()))
+            raise ExpertsUnreadable(
+                layer.name, sorted(failed), f"{type(first).__name__}: {first}"
+            ) from first
         return buffers
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -150,7 +154,7 @@ class Disk:
     def stats_dict(self) -> dict:
         """The disk's counters: reads, bytes, seconds the copies waited for them, the
         throughput the disk gave while it was read (``busy``: at least one read in
-        flight) and while a copy waited, and the records checked."""
+        flight) and while a copy waited, the records checked and the reads that failed."""
         stats, reader = self.stats, self.reader.stats
         return {
             "path": str(self.pack.path),
@@ -163,6 +167,7 @@ class Disk:
             "busy_s": reader.busy_s,
             "busy_gbps": reader.throughput_gbps,
             "checked": stats.checked,
+            "failed": stats.failed,
         }
 
     def close(self) -> None:

@@ -245,11 +245,15 @@ class ExpertLoader:
             transfer = self.in_flight.pop(slot, None)
             if transfer is not None:
                 transfers.setdefault(id(transfer), (transfer, []))[1].append(slot)
+        failure: BaseException | None = None
         for transfer, slots in transfers.values():
             try:
                 stats.stall_s += self.link.wait(transfer)
-            except BaseException:
+            except Exception as error:  # noqa: BLE001 - any failed copy, raised below
                 # A failed copy (a disk read error, a corrupt record): its slots hold no
-                # expert, so that no later call runs what it left there.
+                # expert, so that no later call runs what it left there. The others are
+                # still waited for: their slots are not in flight any more.
                 self.cache.release(self.cache.slot_expert[slots])
-                raise
+                failure = failure or error
+        if failure is not None:
+            raise failure

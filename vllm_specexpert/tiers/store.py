@@ -24,6 +24,18 @@ SlotShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 """Slot tensor name -> (shape of one slot, dtype)."""
 
 
+class ExpertsUnreadable(RuntimeError):
+    """Experts of one layer the slow tier could not supply mid-generation (a disk read
+    error, a record whose checksum fails): raised from a copy, so that the engine runs
+    the call without them and the requests that needed them fail, the others go on."""
+
+    def __init__(self, layer: str, experts: list[int], cause: str) -> None:
+        super().__init__(f"{layer}: experts {experts} could not be read: {cause}")
+        self.layer = layer
+        self.experts = experts
+        self.cause = cause
+
+
 class ExpertDecoder(Protocol):
     """Turns packed experts (slices ``[n, ...]`` of a layer's store tensors) into the
     slot tensors the kernel runs on (``[n, ...]`` each, :attr:`slot_shapes`)."""

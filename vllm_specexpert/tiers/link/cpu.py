@@ -18,6 +18,7 @@ from vllm_specexpert.tiers.link.base import (
     Transfer,
     insert,
 )
+from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 
 class _CpuTransfer(Transfer):
@@ -80,6 +81,8 @@ class _CpuTransfer(Transfer):
         clock = self.link.clock
         start = clock.now()
         self.perform()
+        if isinstance(self.error, ExpertsUnreadable):
+            raise self.error  # the engine runs the call without those experts
         if self.error is not None:
             raise RuntimeError("specexpert: expert copy failed") from self.error
         while self.ready_at is None:  # queued behind others on the emulated link

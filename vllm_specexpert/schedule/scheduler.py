@@ -1,0 +1,65 @@
+"""The plugin's scheduler: vLLM's V1 scheduler that fails the requests whose experts
+could not be read.
+
+A worker whose slow tier could not supply an expert mid-generation (a disk read error,
+a record whose checksum fails) ran the step without it, exactly for every other token,
+and names the requests that needed it on the step's output
+(:func:`vllm_specexpert.handoff.failed_requests`). Here, after vLLM has processed that
+output, each of those requests ends with ``FinishReason.ERROR``, and the token the step
+sampled for it is not sent (the API server answers an error; ``LLM()`` returns the output
+with ``finish_reason == "error"``). Every other request goes on; the engine stays up.
+
+Installed as ``scheduler_config.scheduler_cls`` when the disk tier is on (the token
+scheduler, :mod:`.token_scheduler`, is a subclass: with a ``path_predictor`` it is
+installed instead).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import RequestStatus
+
+from vllm_specexpert import handoff
+
+SCHEDULER_CLS = f"{__name__}.SpecExpertScheduler"
+"""What the plugin sets as vLLM's ``scheduler_cls`` (with the disk tier)."""
+
+
+class SpecExpertScheduler(Scheduler):
+    """vLLM's scheduler that fails the requests a worker could not run (module doc)."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        failed = handoff.failed_requests(model_runner_output)
+        if failed:
+            fail(self, failed, outputs)
+        return outputs
+
+
+def fail(
+    scheduler: Scheduler, request_ids: list[str], outputs: dict[int, EngineCoreOutputs]
+) -> None:
+    """End ``request_ids`` with an error in ``outputs`` (this step's, per client): the
+    step's output of each is replaced by an error one; those still running are finished
+    (their KV blocks freed) with ``FINISHED_ERROR``."""
+    failed = set(request_ids)
+    answered: set[str] = set()
+    for engine_outputs in outputs.values():
+        for i, output in enumerate(engine_outputs.outputs):
+            if output.request_id in failed:
+                engine_outputs.outputs[i] = error_output(output.request_id)
+                answered.add(output.request_id)
+    for request in scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR):
+        if request.request_id not in answered:
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
+                error_output(request.request_id)
+            )
+
+
+def error_output(request_id: str) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR
+    )
