@@ -23,7 +23,7 @@ its floor::
      3  calibration     default vectors, co-activation, TAE percentiles (an artifact)
      3  architectures   the supported MoE architectures and their routing shape
      3  handoff         what the scheduler process hands the workers: StepDemand, its
-                        counters
+                        counters; and back: the requests whose experts were unreadable
      3  tiers/          where experts live and how they move: store (slow tier), slots
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
@@ -49,7 +49,8 @@ its floor::
                         early_fire (rows sent to mesh peers ahead of the router)
      5  backends        where entries run besides the slots: host, INT4 copy, peer
      5  report          the stats dict, the summary line, the file writers
-     5  schedule/       vLLM adapter in the scheduler: token_scheduler, grouping
+     5  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
+                        whose experts could not be read), token_scheduler, grouping
      6  execute         survey, run a plan over the device and the backends, token
                         groups, kernel launches; the one place that runs experts
      6  layer_state     OffloadedLayer, and what a config needs of the loaded layers
@@ -66,7 +67,7 @@ its floor::
                         custom op), slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, model_classes (wiring after load),
                         forward_phase, lookahead_driver (the draft's rounds),
-                        router_free, final_tap
+                        router_free, final_tap, failed_requests (rows -> requests)
     11  worker          the RPCs behind get_stats, reconfigure, reset_stats
     12  validate        engine-config checks where vLLM builds the engine config
     12  __init__        the user API: get_stats, reconfigure, reset_stats
