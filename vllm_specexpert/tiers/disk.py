@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +51,8 @@ class DiskStats:
     reads: int = 0
     bytes: int = 0
     wait_s: float = 0.0
-    """Seconds the copies spent waiting for reads (real I/O)."""
+    """Seconds the copies spent waiting for reads (real I/O), and for the decoding of
+    what was read, which runs on the reader's threads as each read arrives."""
     checked: int = 0
     """Records whose checksum was verified (each once, at its first read)."""
     failed: int = 0
@@ -90,43 +93,79 @@ class Disk:
 
     def read(self, layer: PackLayer, experts: np.ndarray) -> list[torch.Tensor]:
         """The records of ``experts`` (distinct ids of ``layer``), each in a buffer the
-        caller gives back with :meth:`release`. All reads are queued at once, so the
-        reader keeps its queue depth; a failed read raises here."""
-        buffers = [self._buffer(layer.record_bytes) for _ in range(len(experts))]
+        caller gives back with :meth:`release` (see :meth:`read_each`)."""
+        return self._read(layer, experts, None)
+
+    def read_each(
+        self,
+        layer: PackLayer,
+        experts: np.ndarray,
+        arrived: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        """Read the records of ``experts``, calling ``arrived(i, buffer)`` on each as
+        soon as it is read and checked (``i``: its position in ``experts``), on the
+        reader's thread that read it: what is done with one record overlaps the reads
+        of the others and runs on up to ``queue_depth`` cores. The buffers are then
+        reused."""
+        self.release(self._read(layer, experts, arrived))
+
+    def _read(
+        self,
+        layer: PackLayer,
+        experts: np.ndarray,
+        arrived: Callable[[int, torch.Tensor], None] | None,
+    ) -> list[torch.Tensor]:
+        """All reads are queued at once, so the reader keeps its queue depth. Every read
+        is waited for, failed or not (a buffer must not be reused while a read still
+        fills it); each record is checked against its CRC-32 at its first read. The
+        experts whose read, check or ``arrived`` failed are named one by one in one
+        :class:`ExpertsUnreadable`, raised once all are done (the buffers released)."""
+        ids = experts.tolist()
+        buffers = [self._buffer(layer.record_bytes) for _ in ids]
+
+        def then(i: int) -> None:
+            error = self._check(layer, ids[i], buffers[i])
+            if error is not None:
+                raise error
+            if arrived is not None:
+                arrived(i, buffers[i])
+
         started = time.perf_counter()
         jobs = []
-        for expert, buffer in zip(experts.tolist(), buffers, strict=True):
+        for i, expert in enumerate(ids):
             offset, length = layer.record(expert)
-            jobs.append(self.reader.submit(buffer, offset, length))
-        # Every read is waited for, failed or not: a buffer must not be reused while
-        # a read still fills it, and the experts that failed are named one by one.
-        errors = {e: job.exception() for e, job in zip(experts.tolist(), jobs, strict=True)}
-        checked = self._checked[layer.name]
+            jobs.append(self.reader.submit(buffers[i], offset, length, partial(then, i)))
+        errors = {
+            expert: error
+            for expert, job in zip(ids, jobs, strict=True)
+            if (error := job.exception()) is not None
+        }
         with self._lock:
-            self.stats.reads += len(experts)
-            self.stats.bytes += len(experts) * layer.data_bytes
+            self.stats.reads += len(ids)
+            self.stats.bytes += len(ids) * layer.data_bytes
             self.stats.wait_s += time.perf_counter() - started
-        for expert, buffer in zip(experts.tolist(), buffers, strict=True):
-            if errors[expert] is not None or checked[expert]:
-                continue
-            try:
-                self.pack.check_record(layer, expert, buffer)
-            except CorruptRecord as corrupt:
-                errors[expert] = corrupt
-                continue
-            checked[expert] = True
-            with self._lock:
-                self.stats.checked += 1
-        failed = {e: error for e, error in errors.items() if error is not None}
-        if failed:
+            self.stats.failed += len(errors)
+        if errors:
             self.release(buffers)
-            with self._lock:
-                self.stats.failed += len(failed)
-            first = next(iter(failed.values()))
+            first = next(iter(errors.values()))
             raise ExpertsUnreadable(
-                layer.name, sorted(failed), f"{type(first).__name__}: {first}"
+                layer.name, sorted(errors), f"{type(first).__name__}: {first}"
             ) from first
         return buffers
+
+    def _check(self, layer: PackLayer, expert: int, buffer: torch.Tensor) -> BaseException | None:
+        """The record's CRC-32 at its first read: ``CorruptRecord`` if it fails."""
+        checked = self._checked[layer.name]
+        if checked[expert]:
+            return None
+        try:
+            self.pack.check_record(layer, expert, buffer)
+        except CorruptRecord as corrupt:
+            return corrupt
+        checked[expert] = True
+        with self._lock:
+            self.stats.checked += 1
+        return None
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         with self._lock:
@@ -229,6 +268,23 @@ class DiskExperts:
             experts = np.arange(self.num_experts)[experts]
         packed = self.gather(np.asarray(experts))
         return packed if self.decoder is None else self.decoder(packed)
+
+    def fill(
+        self, experts: np.ndarray, slots: np.ndarray, destinations: dict[str, torch.Tensor]
+    ) -> None:
+        """Each expert decoded into its slot as soon as its read arrives, on the reader's
+        thread, while the others are still being read: the decode (the CPU kernel's
+        prepacking, about as slow per byte as this disk) overlaps the reads and runs on
+        several cores, and no stacked copy of all of them is made."""
+        targets = slots.tolist()
+
+        def arrived(i: int, buffer: torch.Tensor) -> None:
+            one = {k: t.unsqueeze(0) for k, t in self.disk.pack.unpack(self.record, buffer).items()}
+            decoded = one if self.decoder is None else self.decoder(one)
+            for key, tensor in decoded.items():
+                destinations[key][targets[i]].copy_(tensor[0])
+
+        self.disk.read_each(self.record, np.asarray(experts), arrived)
 
 
 def prepare_pack(path: str, model: str) -> ExpertPack:

@@ -18,6 +18,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -146,12 +147,26 @@ class DiskReader:
         self.stats = ReadStats()
         self._pool = ThreadPoolExecutor(depth, thread_name_prefix="specexpert-disk")
 
-    def submit(self, buffer: torch.Tensor, offset: int, length: int) -> Future[None]:
-        """Queue a read of ``length`` bytes at ``offset`` into ``buffer``; the future
-        raises what the read raised."""
-        return self._pool.submit(self._read, buffer, offset, length)
+    def submit(
+        self,
+        buffer: torch.Tensor,
+        offset: int,
+        length: int,
+        then: Callable[[], None] | None = None,
+    ) -> Future[None]:
+        """Queue a read of ``length`` bytes at ``offset`` into ``buffer``, and ``then()``
+        on the same thread once it is read (work on the record overlaps the other
+        reads, and runs on as many cores as the queue has threads); the future raises
+        what the read or ``then`` raised."""
+        return self._pool.submit(self._read, buffer, offset, length, then)
 
-    def _read(self, buffer: torch.Tensor, offset: int, length: int) -> None:
+    def _read(
+        self,
+        buffer: torch.Tensor,
+        offset: int,
+        length: int,
+        then: Callable[[], None] | None,
+    ) -> None:
         self.stats.started()
         done = 0
         try:
@@ -159,6 +174,8 @@ class DiskReader:
             done = length
         finally:
             self.stats.finished(done)
+        if then is not None:
+            then()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

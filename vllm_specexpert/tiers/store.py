@@ -84,6 +84,28 @@ class ExpertSource(Protocol):
         """Slot contents of ``experts``, ``[n, ...]`` per slot tensor."""
         ...
 
+    def fill(
+        self, experts: np.ndarray, slots: np.ndarray, destinations: dict[str, torch.Tensor]
+    ) -> None:
+        """Write the slot contents of ``experts`` into ``slots`` of the ``destinations``
+        pools (on the host: the CPU build's slots)."""
+        ...
+
+
+def fill_from(
+    source: ExpertSource,
+    experts: np.ndarray,
+    slots: np.ndarray,
+    destinations: dict[str, torch.Tensor],
+) -> None:
+    """:meth:`ExpertSource.fill` by gathering all of ``experts`` at once, decoding them
+    and copying them into their slots."""
+    index = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    packed = source.gather(experts)
+    decoded = packed if source.decoder is None else source.decoder(packed)
+    for key, tensor in decoded.items():
+        destinations[key].index_copy_(0, index, tensor)
+
 
 class DiskTier(Protocol):
     """The disk under the store, when its layers' experts are read from disk
@@ -173,6 +195,11 @@ class LayerExperts:
         views of the store when it holds them as they are, else decoded copies."""
         packed = {key: t[experts] for key, t in self.tensors.items()}
         return packed if self.decoder is None else self.decoder(packed)
+
+    def fill(
+        self, experts: np.ndarray, slots: np.ndarray, destinations: dict[str, torch.Tensor]
+    ) -> None:
+        fill_from(self, experts, slots, destinations)
 
     @property
     def nbytes(self) -> int:

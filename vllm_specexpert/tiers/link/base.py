@@ -63,15 +63,18 @@ class ExpertCopy:
     def run(self, staging: torch.device | None = None) -> None:
         """Perform the copy (blocking on the host; issued on the current stream on
         CUDA). Experts in host memory as the slots hold them are copied slice by slice;
-        others are gathered (read, from disk), moved as they are (onto ``staging``, the
-        device, when given) and decoded into their slots there."""
+        others are filled in by their source on the host (from disk: each decoded as
+        its read arrives), or gathered, moved as they are onto ``staging`` (the device)
+        and decoded into their slots there."""
         if self.decoder is None and self.sources is not None:
             for dst, src in self.pairs():
                 dst.copy_(src, non_blocking=staging is not None)
             return
+        if staging is None:
+            self.source.fill(self.experts, self.slots, self.destinations)
+            return
         packed = self.source.gather(self.experts)
-        if staging is not None:
-            packed = {key: t.to(staging, non_blocking=True) for key, t in packed.items()}
+        packed = {key: t.to(staging, non_blocking=True) for key, t in packed.items()}
         slots = torch.from_numpy(self.slots).to(next(iter(self.destinations.values())).device)
         decoded = packed if self.decoder is None else self.decoder(packed)
         for key, tensor in decoded.items():
