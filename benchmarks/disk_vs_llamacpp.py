@@ -1,0 +1,700 @@
+"""A model bigger than this machine's memory, side by side in one run: llama.cpp on a GGUF
+(mmap, as its users run it, then with both cores), vanilla vLLM, and the plugin's disk
+tier in several modes, at 1, 8 and 32 sequences. Real I/O; nothing modeled.
+
+    python benchmarks/disk_vs_llamacpp.py [--work DIR] [--ram-ratio 1.25] [--host-ratio 0.5]
+                                          [--batches 1 8 32] [--keep] [--name disk_vs_llamacpp]
+
+``make bench-disk`` installs llama-cpp-python (built from source for this CPU) and gguf,
+then runs this.
+
+The model: the embedded model with its experts widened (``specexpert widen``) until the
+checkpoint weighs ``--ram-ratio`` times this machine's RAM (MemTotal). Its routing is the
+small trained model's; its bytes, reads and expert multiplies are a large model's.
+
+Each phase runs in its own process, one after the other, so that each starts from the
+same memory and its peak RSS is its own:
+
+1. ``reference``: vanilla vLLM's greedy tokens on the trained model (the check of the
+   GGUF conversion, below).
+2. ``llamacpp``: a GGUF of the trained model, whose greedy tokens are compared with
+   vanilla's (the conversion is checked before it is measured); then the widened GGUF
+   (written from the trained model, padded as ``widen`` pads), measured with
+   llama-cpp-python's defaults and with ``n_threads=2``; then deleted (the disk cannot hold
+   it beside the checkpoint and the pack).
+3. ``vanilla``: the widened checkpoint written; vanilla vLLM started on it in a child with
+   ``oom_score_adj`` 1000 (if the kernel must kill, it kills that child): what happens.
+4. ``plugin``: the pack written (timed), one engine with ``disk`` and a host budget of
+   ``--host-ratio`` of RAM, each mode by ``reconfigure``.
+5. ``serve``: ``specexpert serve`` on the same model and pack, 1 then 32 concurrent
+   completions; the server's RSS and its ``/metrics`` disk counters.
+
+Per run: decode tok/s (decode steps only: llama.cpp's timed one by one, the plugin's as
+``(t(tokens) - t(1)) / (tokens - 1)``), the prefill's seconds, GB the process read from
+storage per decode token (``/proc/<pid>/io`` ``read_bytes``: page faults and ``O_DIRECT``
+alike), peak RSS, and the page cache's growth. The page cache is dropped before each
+engine starts (``/proc/sys/vm/drop_caches``, when allowed; the JSON says whether it was).
+Writes ``benchmarks/results/<name>.json``, ``.png``, and ``.md`` (the table for the docs);
+removes what it wrote under ``--work`` unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, command_line, write_result
+
+HERE = Path(__file__).resolve()
+PHASES = ("reference", "llamacpp", "vanilla", "plugin", "serve")
+TOKENS = {1: 16, 8: 8, 32: 5}
+"""Tokens generated per sequence at each batch (bigger batches read more per step)."""
+PROMPT_TOKENS = 32
+
+LARGER_HOST_RATIO = 0.75
+"""Also run with the host cache at this share of RAM: about what llama.cpp's page cache
+holds on this machine once vLLM and the KV cache have theirs."""
+LARGER_MODES = ("fetch, LRU", "fetch + estimator prefetch", "plec + path predictor")
+
+ARTIFACTS = {
+    "calibration": "tiny-qwen3-moe-calibration",
+    "estimator": "tiny-qwen3-moe-estimator",
+    "path_predictor": "tiny-qwen3-moe-path-predictor",
+}
+"""The trained model's artifacts, carried to the widened model by ``widen``: read at
+start (the modes below switch what uses them)."""
+
+MODES = {
+    "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
+    "fetch + router prefetch (cost filter)": {
+        "miss_policy": "fetch",
+        "cache": "lru",
+        "predictor": "router",
+        "prefetch_filter": "cost",
+    },
+    "fetch + quasi_hidden prefetch": {
+        "miss_policy": "fetch",
+        "cache": "lru",
+        "predictor": "quasi_hidden",
+    },
+    "fetch + estimator prefetch": {
+        "miss_policy": "fetch",
+        "cache": "lru",
+        "predictor": "estimator",
+    },
+    "plec + path predictor": {
+        "miss_policy": "fetch",
+        "cache": "plec",
+        "predictor": "none",
+    },
+}
+
+
+# --- measuring a process -----------------------------------------------------------------
+
+
+def kib(path: str, key: str) -> int:
+    """A ``key: N kB`` line of a ``/proc`` file."""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    return 0
+
+
+def read_bytes(pid: int | str = "self") -> int:
+    """Bytes ``pid`` has caused to be read from storage (page faults and ``O_DIRECT``)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def memory(pid: int | str = "self") -> dict[str, float]:
+    status = f"/proc/{pid}/status"
+    return {
+        "rss_gb": kib(status, "VmRSS") / 1e6,
+        "rss_anon_gb": kib(status, "RssAnon") / 1e6,
+        "rss_file_gb": kib(status, "RssFile") / 1e6,
+        "peak_rss_gb": kib(status, "VmHWM") / 1e6,
+    }
+
+
+def drop_page_cache() -> bool:
+    """Drop clean page-cache pages (root only); whether it was done."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
+class Window:
+    """What one timed run read and grew: ``read_bytes`` and ``Cached`` before and after."""
+
+    def __enter__(self) -> Window:
+        self.read0 = read_bytes()
+        self.cached0 = kib("/proc/meminfo", "Cached")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.read = read_bytes() - self.read0
+        self.cached = (kib("/proc/meminfo", "Cached") - self.cached0) * 1000
+
+
+# --- the model and its prompts ---------------------------------------------------------
+
+
+def prompt_ids(count: int) -> list[list[int]]:
+    """``count`` held-out prompts of ``PROMPT_TOKENS`` token ids each."""
+    from vllm_specexpert.tools import corpus
+    from vllm_specexpert.tools.fixtures import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
+    ids = [tokenizer.encode(f.read()).ids[:PROMPT_TOKENS] for f in files]
+    ids = [p for p in ids if len(p) == PROMPT_TOKENS]
+    return [ids[i % len(ids)] for i in range(count)]
+
+
+def intermediate_for(ram_ratio: float) -> int:
+    """The expert intermediate size whose widened checkpoint weighs ``ram_ratio`` x RAM."""
+    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+
+    config = json.loads((TRAINED_MODEL_DIR / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    experts = config.get("num_experts") or config["num_local_experts"]
+    target = ram_ratio * kib("/proc/meminfo", "MemTotal") * 1024
+    return round(target / (layers * experts * 3 * hidden * 2))
+
+
+def tokens_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=False)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+# --- phases ----------------------------------------------------------------------------
+
+
+def phase_reference(args, work: Path) -> dict:
+    from vllm import SamplingParams
+
+    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.harness import start_engine
+
+    llm = start_engine(str(TRAINED_MODEL_DIR), None, eager=False, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(8)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+def phase_llamacpp(args, work: Path) -> dict:
+    from llamacpp import LlamaCppDecoder, write_gguf
+
+    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+
+    reference = json.loads((work / "part-reference.json").read_text())["tokens"]
+    small = work / "trained.gguf"
+    write_gguf(TRAINED_MODEL_DIR, small)
+    decoder = LlamaCppDecoder(small, n_ctx=2048, n_seq_max=8, n_threads=2)
+    check = decoder.generate(prompt_ids(8), 16)["tokens"]
+    decoder.close()
+    small.unlink()
+    result: dict = {"conversion_agreement_with_vanilla_vllm": tokens_agreement(check, reference)}
+    print(
+        f"llama.cpp on the trained model's GGUF: "
+        f"{result['conversion_agreement_with_vanilla_vllm']:.3f} of greedy tokens equal "
+        "to vanilla vLLM's",
+        flush=True,
+    )
+
+    big = work / "model.gguf"
+    started = time.perf_counter()
+    result["gguf_bytes"] = write_gguf(TRAINED_MODEL_DIR, big, args.intermediate)
+    result["gguf_write_s"] = time.perf_counter() - started
+    print(
+        f"wrote {big}: {result['gguf_bytes'] / 1e9:.1f} GB in {result['gguf_write_s']:.0f} s",
+        flush=True,
+    )
+    batch_max = max(args.batches)
+    runs = {}
+    # llama-cpp-python's default is n_threads = cores // 2; llama-cli's, the physical
+    # cores (here both, and the faster of the two).
+    for setting, threads in (("mmap, n_threads=1", 1), ("mmap, n_threads=2", 2)):
+        dropped = drop_page_cache()
+        cached0 = kib("/proc/meminfo", "Cached")
+        decoder = LlamaCppDecoder(
+            big, n_ctx=batch_max * 128, n_seq_max=batch_max, n_threads=threads
+        )
+        rows: dict = {"n_threads": decoder.n_threads, "page_cache_dropped": dropped}
+        for batch in args.batches:
+            prompts = prompt_ids(batch)
+            with Window() as window:
+                out = decoder.generate(prompts, TOKENS[batch])
+            steps = sorted(out["step_s"])
+            step = steps[len(steps) // 2]
+            decode_read = window.read  # prefill's reads included: apportioned below
+            rows[str(batch)] = {
+                "decode_tok_s": batch / step,
+                "decode_s_per_step": step,
+                "prefill_s": out["prefill_s"],
+                "gb_read_per_decode_token_upper": decode_read / (batch * (TOKENS[batch] - 1)) / 1e9,
+                "gb_read_total": window.read / 1e9,
+                **memory(),
+            }
+            print(
+                f"llama.cpp {setting:18s} {batch:2d} seq: decode {batch / step:6.3f} tok/s, "
+                f"prefill {out['prefill_s']:.1f} s, read {window.read / 1e9:.1f} GB",
+                flush=True,
+            )
+        rows["page_cache_growth_gb"] = (kib("/proc/meminfo", "Cached") - cached0) / 1e6
+        runs[setting] = rows
+        decoder.close()
+    big.unlink()
+    result["runs"] = runs
+    result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    return result
+
+
+def phase_vanilla(args, work: Path) -> dict:
+    model = widened(args, work)
+    drop_page_cache()
+    started = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, str(HERE), "--phase", "vanilla-child", "--work", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: Path("/proc/self/oom_score_adj").write_text("1000"),
+    )
+    peak, least_available = 0.0, float("inf")
+    while child.poll() is None:
+        with contextlib.suppress(OSError):  # (the child just exited)
+            peak = max(peak, kib(f"/proc/{child.pid}/status", "VmRSS") / 1e6)
+        least_available = min(least_available, kib("/proc/meminfo", "MemAvailable") / 1e6)
+        time.sleep(0.5)
+    tail = (child.stdout.read() if child.stdout else "").strip().splitlines()[-12:]
+    code = child.returncode
+    outcome = (
+        f"killed by signal {-code}" if code < 0 else "generated" if code == 0 else f"exit {code}"
+    )
+    print(
+        f"vanilla vLLM on {model.name}: {outcome} after "
+        f"{time.perf_counter() - started:.0f} s, peak RSS {peak:.1f} GB",
+        flush=True,
+    )
+    return {
+        "outcome": outcome,
+        "returncode": code,
+        "seconds": time.perf_counter() - started,
+        "peak_rss_gb_sampled": peak,
+        "least_mem_available_gb": least_available,
+        "output_tail": tail,
+        "dmesg_oom": _oom_lines(),
+    }
+
+
+def _oom_lines() -> list[str]:
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in out.splitlines() if "oom" in line.lower()][-4:]
+
+
+def vanilla_child(work: Path) -> None:
+    from vllm import SamplingParams
+
+    from vllm_specexpert.tools.harness import start_engine
+
+    llm = start_engine(str(work / "model"), None, eager=False, max_model_len=512)
+    out = llm.generate([{"prompt_token_ids": prompt_ids(1)[0]}], SamplingParams(max_tokens=4))
+    print("generated", out[0].outputs[0].token_ids)
+
+
+def widened(args, work: Path) -> Path:
+    from vllm_specexpert.tools.fixtures import (
+        TRAINED_CALIBRATION_DIR,
+        TRAINED_ESTIMATOR_DIR,
+        TRAINED_MODEL_DIR,
+        TRAINED_PATH_PREDICTOR_DIR,
+    )
+    from vllm_specexpert.tools.widen import carry_artifacts, widen_checkpoint
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        widen_checkpoint(TRAINED_MODEL_DIR, model, intermediate=args.intermediate)
+        carry_artifacts(
+            TRAINED_MODEL_DIR,
+            model,
+            [TRAINED_CALIBRATION_DIR, TRAINED_ESTIMATOR_DIR, TRAINED_PATH_PREDICTOR_DIR],
+        )
+    return model
+
+
+def host_cache(stats: dict) -> dict:
+    """The slots per layer and their bytes in all, from an engine's stats."""
+    slots = stats["slots_per_layer"]
+    return {
+        "slots_per_layer": next(iter(slots.values())),
+        "gb": sum(stats["slot_bytes"][n] * count for n, count in slots.items()) / 1e9,
+    }
+
+
+def host_budget(args, work: Path, ratio: float | None = None) -> float:
+    """The budget fraction whose slots weigh ``ratio`` (default ``--host-ratio``) of RAM."""
+    config = json.loads((work / "model" / "config.json").read_text())
+    experts = config.get("num_experts") or config["num_local_experts"]
+    expert = 3 * config["hidden_size"] * config["moe_intermediate_size"] * 2
+    slots = int(
+        (ratio or args.host_ratio)
+        * kib("/proc/meminfo", "MemTotal")
+        * 1024
+        / (config["num_hidden_layers"] * expert)
+    )
+    return max(1, min(slots, experts)) / experts
+
+
+def phase_plugin(args, work: Path) -> dict:
+    import vllm_specexpert
+    from vllm_specexpert.tiers.expert_pack import pack_checkpoint
+    from vllm_specexpert.tools.harness import start_engine
+
+    model = widened(args, work)
+    pack = work / "pack"
+    started = time.perf_counter()
+    if not (pack / "manifest.json").exists():
+        pack_checkpoint(str(model), pack, "disk.path", "model")
+    pack_s = time.perf_counter() - started
+    budget = host_budget(args, work)
+    dropped = drop_page_cache()
+    cached0 = kib("/proc/meminfo", "Cached")
+    started = time.perf_counter()
+    llm = start_engine(
+        str(model),
+        {
+            "budget": budget,
+            "disk": {"path": str(pack)},
+            **{k: str(model / "artifacts" / v) for k, v in ARTIFACTS.items()},
+        },
+        eager=False,
+        max_model_len=512,
+        max_num_seqs=max(args.batches),
+    )
+    start_s = time.perf_counter() - started
+    results: dict = {}
+    budgets: dict = {}
+    larger = host_budget(args, work, LARGER_HOST_RATIO)
+    runs = [(mode, budget, settings) for mode, settings in MODES.items()]
+    runs += [
+        (f"{mode}, host cache {LARGER_HOST_RATIO:g} x RAM", larger, MODES[mode])
+        for mode in LARGER_MODES
+    ]
+    for mode, mode_budget, settings in runs:
+        vllm_specexpert.reconfigure(llm, budget=mode_budget, **settings)
+        budgets[mode] = host_cache(vllm_specexpert.get_stats(llm)[0])
+        rows: dict = {}
+        for batch in args.batches:
+            rows[str(batch)] = plugin_run(llm, batch)
+            row = rows[str(batch)]
+            print(
+                f"plugin {mode:38s} {batch:2d} seq: decode {row['decode_tok_s']:6.3f} "
+                f"tok/s, {row['gb_read_per_decode_token']:.3f} GB/token, hit "
+                f"{row['hit_rate']:.2f}, disk {row['disk_gbps_while_waited']:.2f} GB/s "
+                "while waited",
+                flush=True,
+            )
+        results[mode] = rows
+    stats = vllm_specexpert.get_stats(llm)[0]
+    return {
+        "pack_write_s": pack_s,
+        "pack_bytes": sum(f.stat().st_size for f in pack.iterdir()),
+        "budget": budget,
+        "host_cache_per_mode": budgets,
+        "summary": stats["summary"],
+        "engine_start_s": start_s,
+        "page_cache_dropped": dropped,
+        "page_cache_growth_gb": (kib("/proc/meminfo", "Cached") - cached0) / 1e6,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "modes": results,
+        "not_run": {
+            "lookahead + plec": "refused with disk: the draft's INT4 experts are made "
+            "from loaded weights (a draft from the pack is not built)",
+            "token scheduler": "not run here (see docs/limits.md)",
+        },
+    }
+
+
+class RouteRecorder:
+    """The engine's calls, recorded in this process (the engine core runs in it): per
+    layer, the experts each call needs and whether it decodes; replayed by
+    :mod:`clairvoyant` at the engine's slots per layer."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[np.ndarray, bool]]] = {}
+        self.on = False
+        self.installed = False
+
+    @contextlib.contextmanager
+    def recording(self):
+        if not self.installed:
+            self._install()
+        self.calls, self.on = {}, True
+        try:
+            yield
+        finally:
+            self.on = False
+
+    def _install(self) -> None:
+        from vllm_specexpert.engine import OffloadEngine
+
+        original = OffloadEngine.run
+        recorder = self
+
+        def run(engine, name, kernel, x, topk_weights, topk_ids, phases=None):
+            if recorder.on:
+                ids = topk_ids.cpu().numpy()
+                calls = recorder.calls.setdefault(name, [])
+                if phases is None or phases.all_decode or phases.all_prefill:
+                    calls.append((ids, phases is None or phases.all_decode))
+                else:  # the engine runs a mixed pass's decode rows first
+                    calls.append((ids[phases.decode], True))
+                    calls.append((ids[phases.prefill], False))
+            return original(engine, name, kernel, x, topk_weights, topk_ids, phases)
+
+        OffloadEngine.run = run
+        self.installed = True
+
+    def bounds(self, stats: dict, decode_tokens: int) -> dict:
+        """GB per decode token that Belady's MIN and LRU would read on the recorded
+        calls at the engine's slots per layer (each layer's cache starts empty)."""
+        from clairvoyant import belady_misses, flatten, lru_misses
+
+        best = lru = 0
+        for name, calls in self.calls.items():
+            sequence, decode = flatten(calls)
+            slots = stats["slots_per_layer"][name]
+            expert = stats["expert_bytes"][name]
+            best += belady_misses(sequence, decode, slots) * expert
+            lru += lru_misses(sequence, decode, slots) * expert
+        return {
+            "clairvoyant_gb_per_decode_token": best / decode_tokens / 1e9,
+            "lru_replayed_gb_per_decode_token": lru / decode_tokens / 1e9,
+        }
+
+
+ROUTES = RouteRecorder()
+
+
+def plugin_run(llm, batch: int) -> dict:
+    from common import timed_generate
+
+    import vllm_specexpert
+
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch)]
+    tokens = TOKENS[batch]
+    timed_generate(llm, prompts[:1], 2)  # warm after the rebuild
+    vllm_specexpert.reset_stats(llm)
+    with Window() as window, ROUTES.recording():
+        full = timed_generate(llm, prompts, tokens)
+    first = timed_generate(llm, prompts, 1)
+    stats = vllm_specexpert.get_stats(llm)[0]
+    decode_s = (full - first) / (tokens - 1)
+    d, n = stats["total"]["decode"], max(stats["decode_tokens"], 1)
+    return {
+        **ROUTES.bounds(stats, n),
+        "decode_tok_s": batch / decode_s if decode_s > 0 else float("nan"),
+        "decode_s_per_step": decode_s,
+        "prefill_s": first,
+        "hit_rate": d["hit_rate"],
+        "gb_read_per_decode_token": d["bytes_loaded"] / n / 1e9,
+        "stall_s_per_decode_token": d["stall_s"] / n,
+        "prefetched_per_decode_token": d["prefetched"] / n,
+        "prefetch_used_per_decode_token": d["prefetch_used"] / n,
+        "disk_gbps_while_waited": stats["disk"]["waited_gbps"],
+        "disk_gbps_while_reading": stats["disk"]["busy_gbps"],
+        "os_read_gb_full_run": window.read / 1e9,
+        "page_cache_growth_gb_full_run": window.cached / 1e9,
+        "disk": stats["disk"],
+        **memory(),
+    }
+
+
+def phase_serve(args, work: Path) -> dict:
+    import psutil
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_specexpert.tools.server import free_port, serving
+
+    model, pack = work / "model", work / "pack"
+    budget = host_budget(args, work)
+    port = free_port()
+    log = work / "serve.log"
+    config = {"budget": budget, "disk": {"path": str(pack)}}
+    result: dict = {}
+    with serving(
+        model, port, log, config, ["--max-model-len", "512", "--max-num-seqs", "32"]
+    ) as server:
+        url = f"http://127.0.0.1:{port}"
+
+        def complete(ids: list[int]) -> int:
+            body = {
+                "model": str(model),
+                "prompt": ids,
+                "max_tokens": 4,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            reply = requests.post(f"{url}/v1/completions", json=body, timeout=1800)
+            reply.raise_for_status()
+            return reply.json()["usage"]["completion_tokens"]
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        for batch in (1, 32):
+            started = time.perf_counter()
+            with ThreadPoolExecutor(batch) as pool:
+                done = list(pool.map(complete, prompt_ids(batch)))
+            root = psutil.Process(server.pid)
+            rss = max(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 1e9
+            result[str(batch)] = {
+                "completions": len(done),
+                "tokens": sum(done),
+                "seconds": time.perf_counter() - started,
+                "largest_process_rss_gb": rss,
+            }
+        text = requests.get(f"{url}/metrics", timeout=30).text
+        disk = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("specexpert_disk"):
+                    disk[sample.name] = disk.get(sample.name, 0.0) + sample.value
+        result["metrics_disk"] = disk
+    return result
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def run_phase(phase: str, args, work: Path) -> dict:
+    command = [
+        sys.executable,
+        str(HERE),
+        "--phase",
+        phase,
+        "--work",
+        str(work),
+        "--intermediate",
+        str(args.intermediate),
+        "--host-ratio",
+        str(args.host_ratio),
+        "--batches",
+        *map(str, args.batches),
+    ]
+    print(f"--- {phase}", flush=True)
+    subprocess.run(command, check=True)
+    return json.loads((work / f"part-{phase}.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_work = Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "specexpert"))
+    parser.add_argument("--work", type=Path, default=default_work / "disk-vs-llamacpp")
+    parser.add_argument("--ram-ratio", type=float, default=1.25)
+    parser.add_argument("--host-ratio", type=float, default=0.5)
+    parser.add_argument("--intermediate", type=int, default=None, help="(instead of --ram-ratio)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--keep", action="store_true", help="keep the model and pack")
+    parser.add_argument("--name", default="disk_vs_llamacpp")
+    args = parser.parse_args()
+    work = args.work
+    if args.phase:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if args.phase == "vanilla-child":
+            vanilla_child(work)
+            return
+        result = globals()[f"phase_{args.phase}"](args, work)
+        (work / f"part-{args.phase}.json").write_text(json.dumps(result, indent=1))
+        return
+    if args.intermediate is None:
+        args.intermediate = intermediate_for(args.ram_ratio)
+    work.mkdir(parents=True, exist_ok=True)
+    command = command_line()
+    parts = {phase: run_phase(phase, args, work) for phase in args.phases}
+    for phase in PHASES:  # a rerun of some phases keeps the others' results
+        earlier = work / f"part-{phase}.json"
+        if phase not in parts and earlier.exists():
+            parts[phase] = {**json.loads(earlier.read_text()), "from_an_earlier_run": True}
+    parts = {phase: parts[phase] for phase in PHASES if phase in parts}
+    payload = {
+        "real_io": True,
+        "modeled": None,
+        "intermediate": args.intermediate,
+        "expert_mib": 3 * 256 * args.intermediate * 2 / 2**20,
+        "ram_gb": kib("/proc/meminfo", "MemTotal") / 1e6,
+        "host_ratio": args.host_ratio,
+        "batches": args.batches,
+        "tokens_per_batch": TOKENS,
+        **parts,
+    }
+    out = write_result(args.name, payload)
+    table = markdown(payload, command)
+    (RESULTS / f"{args.name}.md").write_text(table)
+    print(table)
+    if not args.keep:
+        shutil.rmtree(work / "model", ignore_errors=True)
+        shutil.rmtree(work / "pack", ignore_errors=True)
+        print(f"removed {work / 'model'} and {work / 'pack'} (--keep keeps them)")
+    print(f"wrote {out}")
+    print(f"command: {command}")
+
+
+def markdown(payload: dict, command: str) -> str:
+    batches = payload["batches"]
+    lines = [
+        f"Decode tok/s (real I/O), `{command}`:",
+        "",
+        "| engine | " + " | ".join(f"{b} seq" for b in batches) + " |",
+        "|---|" + "---|" * len(batches),
+    ]
+    for setting, rows in payload.get("llamacpp", {}).get("runs", {}).items():
+        lines.append(
+            f"| llama.cpp, {setting} | "
+            + " | ".join(
+                f"{rows[str(b)]['decode_tok_s']:.3f}" if str(b) in rows else "-" for b in batches
+            )
+            + " |"
+        )
+    if "vanilla" in payload:
+        lines.append(
+            f"| vanilla vLLM | {payload['vanilla']['outcome']} |" + " |" * (len(batches) - 1)
+        )
+    for mode, rows in payload.get("plugin", {}).get("modes", {}).items():
+        lines.append(
+            f"| plugin, {mode} | "
+            + " | ".join(
+                f"{rows[str(b)]['decode_tok_s']:.3f}" if str(b) in rows else "-" for b in batches
+            )
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

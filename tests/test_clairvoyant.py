@@ -1,0 +1,44 @@
+"""The clairvoyant bound the disk benchmark compares its caches with: Belady's MIN and
+LRU on hand-worked sequences, and MIN never above LRU on random ones."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+spec = importlib.util.spec_from_file_location(
+    "clairvoyant", Path(__file__).parent.parent / "benchmarks" / "clairvoyant.py"
+)
+assert spec is not None and spec.loader is not None
+clairvoyant = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(clairvoyant)
+
+
+def test_belady_and_lru_on_a_worked_sequence():
+    # Capacity 2. MIN: 1m 2m 3m (evict 2: next used at 4, 1 at 3) 1h 2m (evict 3: never
+    # used again) 4m (evict 2: never again; 1 is, at 6) 1h -> 5 misses.
+    # LRU: 1m 2m 3m (evict 1) 1m (evict 2) 2m (evict 3) 4m (evict 1) 1m -> 7 misses.
+    sequence = [1, 2, 3, 1, 2, 4, 1]
+    counted = [True] * len(sequence)
+    assert clairvoyant.belady_misses(sequence, counted, 2) == 5
+    assert clairvoyant.lru_misses(sequence, counted, 2) == 7
+
+
+def test_only_counted_positions_count_and_a_call_loads_an_expert_once():
+    sequence, decode = clairvoyant.flatten(
+        [(np.array([[3, 1], [1, 3]]), False), (np.array([[1, 2]]), True)]
+    )
+    assert sequence == [1, 3, 1, 2] and decode == [False, False, True, True]
+    # Capacity 2, MIN: 1m 3m | 1h 2m(counted) -> 1 counted miss.
+    assert clairvoyant.belady_misses(sequence, decode, 2) == 1
+
+
+@given(st.lists(st.integers(0, 9), max_size=60), st.integers(1, 6))
+def test_min_is_never_above_lru(sequence, capacity):
+    counted = [True] * len(sequence)
+    distinct = len(set(sequence))
+    best = clairvoyant.belady_misses(sequence, counted, capacity)
+    # Every expert is loaded once at least; no cache of that size loads fewer than MIN.
+    assert distinct <= best <= clairvoyant.lru_misses(sequence, counted, capacity)
