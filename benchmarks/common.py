@@ -31,6 +31,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def kib(path: str, key: str) -> int:
+    """A ``key: N kB`` line of a ``/proc`` file (``/proc/meminfo``, ``/proc/<pid>/status``)."""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    return 0
+
+
+def work_dir(name: str) -> Path:
+    """Where a benchmark keeps what it makes: ``$SPECEXPERT_CACHE/name`` (default
+    ``~/.cache/specexpert/name``)."""
+    return Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "specexpert")) / name
+
+
 def command_line() -> str:
     """The command that is running, quoted so that it can be pasted into a shell."""
     return shlex.join([Path(sys.executable).name, *sys.argv])

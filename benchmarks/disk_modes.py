@@ -36,7 +36,15 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, command_line, held_out_prompts, timed_generate, write_result
+from common import (
+    RESULTS,
+    command_line,
+    held_out_prompts,
+    kib,
+    timed_generate,
+    work_dir,
+    write_result,
+)
 
 MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
@@ -58,14 +66,6 @@ MODES = {
 """What runs without artifacts made for the widened model (the calibration, estimator
 and path predictor are checked against the model they were made for, whose expert size
 differs)."""
-
-
-def kib(path: str, key: str) -> int:
-    """A ``key: N kB`` line of a ``/proc`` file."""
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1])
-    return 0
 
 
 def widened_model(work: Path, expert_mib: float) -> Path:
@@ -138,8 +138,7 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_work = Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "specexpert"))
-    parser.add_argument("--work", type=Path, default=default_work / "disk-bench")
+    parser.add_argument("--work", type=Path, default=work_dir("disk-bench"))
     parser.add_argument("--expert-mib", type=float, default=9.0)
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])

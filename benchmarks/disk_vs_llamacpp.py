@@ -55,7 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, command_line, write_result
+from common import RESULTS, command_line, kib, work_dir, write_result
 
 HERE = Path(__file__).resolve()
 PHASES = ("reference", "llamacpp", "vanilla", "plugin", "serve")
@@ -103,14 +103,6 @@ MODES = {
 
 
 # --- measuring a process -----------------------------------------------------------------
-
-
-def kib(path: str, key: str) -> int:
-    """A ``key: N kB`` line of a ``/proc`` file."""
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1])
-    return 0
 
 
 def read_bytes(pid: int | str = "self") -> int:
@@ -246,12 +238,12 @@ def phase_llamacpp(args, work: Path) -> dict:
                 out = decoder.generate(prompts, TOKENS[batch])
             steps = sorted(out["step_s"])
             step = steps[len(steps) // 2]
-            decode_read = window.read  # prefill's reads included: apportioned below
+            decode_tokens = batch * (TOKENS[batch] - 1)
             rows[str(batch)] = {
                 "decode_tok_s": batch / step,
                 "decode_s_per_step": step,
                 "prefill_s": out["prefill_s"],
-                "gb_read_per_decode_token_upper": decode_read / (batch * (TOKENS[batch] - 1)) / 1e9,
+                "gb_read_per_decode_token": out["decode_read_bytes"] / decode_tokens / 1e9,
                 "gb_read_total": window.read / 1e9,
                 **memory(),
             }
@@ -612,8 +604,7 @@ def run_phase(phase: str, args, work: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_work = Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "specexpert"))
-    parser.add_argument("--work", type=Path, default=default_work / "disk-vs-llamacpp")
+    parser.add_argument("--work", type=Path, default=work_dir("disk-vs-llamacpp"))
     parser.add_argument("--ram-ratio", type=float, default=1.25)
     parser.add_argument("--host-ratio", type=float, default=0.5)
     parser.add_argument("--intermediate", type=int, default=None, help="(instead of --ram-ratio)")

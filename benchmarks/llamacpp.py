@@ -26,6 +26,14 @@ import torch
 from safetensors import safe_open
 
 
+def storage_read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (``/proc/self/io``)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _bf16(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
@@ -196,7 +204,8 @@ class LlamaCppDecoder:
 
     def generate(self, prompts: list[list[int]], tokens: int) -> dict:
         """Greedy ``tokens`` tokens for every prompt at once: the prefill's seconds, each
-        decode step's, and the tokens."""
+        decode step's, the tokens, and the bytes this process read from storage while
+        it decoded (page faults of the mmap)."""
         import llama_cpp
 
         ctx = self.ctx
@@ -209,6 +218,7 @@ class LlamaCppDecoder:
             start = time.perf_counter()
             nxt = self._prefill(batch, prompts)
             prefill_s = time.perf_counter() - start
+            read_after_prefill = storage_read_bytes()
             out = [[t] for t in nxt]
             steps = []
             positions = [len(p) for p in prompts]
@@ -224,7 +234,12 @@ class LlamaCppDecoder:
                 steps.append(time.perf_counter() - start)
         finally:
             llama_cpp.llama_batch_free(batch)
-        return {"prefill_s": prefill_s, "step_s": steps, "tokens": out}
+        return {
+            "prefill_s": prefill_s,
+            "step_s": steps,
+            "tokens": out,
+            "decode_read_bytes": storage_read_bytes() - read_after_prefill,
+        }
 
     def _prefill(self, batch, prompts: list[list[int]]) -> list[int]:
         """Every prompt in chunks of at most ``n_batch`` tokens; each prompt's greedy next
