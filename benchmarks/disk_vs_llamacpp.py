@@ -613,7 +613,11 @@ def main() -> None:
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help="keep the model and pack")
     parser.add_argument("--name", default="disk_vs_llamacpp")
+    parser.add_argument("--report", action="store_true", help="print an earlier run's tables")
     args = parser.parse_args()
+    if args.report:
+        report(args.name)
+        return
     work = args.work
     if args.phase:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -657,34 +661,50 @@ def main() -> None:
 
 
 def markdown(payload: dict, command: str) -> str:
+    """The tables for the docs: decode tok/s, then GB read per decode token (with the
+    clairvoyant bound beside the plugin's), per engine and batch."""
     batches = payload["batches"]
+    llama = payload.get("llamacpp", {}).get("runs", {})
+    plugin = payload.get("plugin", {}).get("modes", {})
+
+    def table(title: str, key: str, digits: int, bounds: bool = False) -> list[str]:
+        head = "| engine | " + " | ".join(f"{b} seq" for b in batches) + " |"
+        lines = [title, "", head, "|---|" + "---|" * len(batches)]
+
+        def row(name: str, rows: dict, field: str) -> None:
+            cells = [
+                f"{rows[str(b)][field]:.{digits}f}" if field in rows.get(str(b), {}) else "-"
+                for b in batches
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+        for setting, rows in llama.items():
+            row(f"llama.cpp, {setting}", rows, key)
+        if "vanilla" in payload:
+            outcome = payload["vanilla"]["outcome"]
+            lines.append(f"| vanilla vLLM | {outcome} |" + " |" * (len(batches) - 1))
+        for mode, rows in plugin.items():
+            row(f"plugin, {mode}", rows, key)
+            if bounds and mode == "fetch, LRU":
+                row("  LRU replayed on its calls", rows, "lru_replayed_gb_per_decode_token")
+                row("  Belady's MIN on the same calls", rows, "clairvoyant_gb_per_decode_token")
+        return [*lines, ""]
+
     lines = [
-        f"Decode tok/s (real I/O), `{command}`:",
+        f"Real I/O, nothing modeled. `{command}`",
         "",
-        "| engine | " + " | ".join(f"{b} seq" for b in batches) + " |",
-        "|---|" + "---|" * len(batches),
+        *table("Decode tok/s:", "decode_tok_s", 3),
+        *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
     ]
-    for setting, rows in payload.get("llamacpp", {}).get("runs", {}).items():
-        lines.append(
-            f"| llama.cpp, {setting} | "
-            + " | ".join(
-                f"{rows[str(b)]['decode_tok_s']:.3f}" if str(b) in rows else "-" for b in batches
-            )
-            + " |"
-        )
-    if "vanilla" in payload:
-        lines.append(
-            f"| vanilla vLLM | {payload['vanilla']['outcome']} |" + " |" * (len(batches) - 1)
-        )
-    for mode, rows in payload.get("plugin", {}).get("modes", {}).items():
-        lines.append(
-            f"| plugin, {mode} | "
-            + " | ".join(
-                f"{rows[str(b)]['decode_tok_s']:.3f}" if str(b) in rows else "-" for b in batches
-            )
-            + " |"
-        )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+def report(name: str) -> None:
+    """The tables of an earlier run's result file, printed and written beside it."""
+    payload = json.loads((RESULTS / f"{name}.json").read_text())
+    table = markdown(payload, payload["command"])
+    (RESULTS / f"{name}.md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":
