@@ -362,6 +362,7 @@ def host_budget(args, work: Path, ratio: float | None = None) -> float:
 
 def phase_plugin(args, work: Path) -> dict:
     import vllm_specexpert
+    from vllm_specexpert.config import SpecExpertConfigError
     from vllm_specexpert.tiers.expert_pack import pack_checkpoint
     from vllm_specexpert.tools.harness import start_engine
 
@@ -396,7 +397,12 @@ def phase_plugin(args, work: Path) -> dict:
         for mode in LARGER_MODES
     ]
     for mode, mode_budget, settings in runs:
-        vllm_specexpert.reconfigure(llm, budget=mode_budget, **settings)
+        try:
+            vllm_specexpert.reconfigure(llm, budget=mode_budget, **settings)
+        except SpecExpertConfigError as error:  # (said at start, never mid-generation)
+            results[mode] = {"refused": str(error)}
+            print(f"plugin {mode}: refused: {error}", flush=True)
+            continue
         budgets[mode] = host_cache(vllm_specexpert.get_stats(llm)[0])
         rows: dict = {}
         for batch in args.batches:
@@ -684,6 +690,10 @@ def markdown(payload: dict, command: str) -> str:
             outcome = payload["vanilla"]["outcome"]
             lines.append(f"| vanilla vLLM | {outcome} |" + " |" * (len(batches) - 1))
         for mode, rows in plugin.items():
+            if "refused" in rows:
+                refusal = rows["refused"].split(": ", 1)[-1].split(".")[0]
+                lines.append(f"| plugin, {mode} | refused: {refusal} |" + " |" * (len(batches) - 1))
+                continue
             row(f"plugin, {mode}", rows, key)
             if bounds and mode == "fetch, LRU":
                 row("  LRU replayed on its calls", rows, "lru_replayed_gb_per_decode_token")

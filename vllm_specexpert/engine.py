@@ -33,7 +33,7 @@ from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features import DecodeCall, EngineFeature, FeatureInputs
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
-from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.layer_state import OffloadedLayer, check_pool_reach
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPlan, MissPolicy
@@ -154,10 +154,15 @@ class OffloadEngine:
         at engine start, not mid-generation), allocate a shared slot pool, start the
         stats writers, and log one line that sums up the offload."""
         features.check_start(self.config, self.layers.values(), self.inputs)
+        self._check_pool_reach(self.config)
         if self.pool is not None and not self.pool.tensors:
             self.pool.allocate()
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
         logger.info("specexpert: %s", self.summary())
+
+    def _check_pool_reach(self, config: SpecExpertConfig) -> None:
+        if self.device.type == "cpu":  # (the CUDA path runs Triton's kernel)
+            check_pool_reach(config, self.layers.values())
 
     def summary(self) -> str:  # MoE layers, slots, slow tier, policy, predictor
         return report.summary(self)
@@ -173,6 +178,7 @@ class OffloadEngine:
         """Switch modes without reloading weights (checked first); caches rebuilt, counters
         restarted."""
         features.check_reconfigure(self.config, config, self.layers.values(), self.inputs)
+        self._check_pool_reach(config)
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 

@@ -4,6 +4,7 @@ layers."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -176,6 +177,42 @@ class OffloadedLayer:
             self.low_bit,
             self.peers,
         )
+
+
+CPU_KERNEL_REACH = 2**31 - 1
+"""Elements of one weight tensor vLLM's CPU fused-MoE kernel can address: it computes
+an expert's offset in 32 bits and reads past this (checked: a pool of 110 slots of
+Qwen3-style experts widened to ``I = 40960`` crashes at slot 105, not at slot 50)."""
+
+
+def check_pool_reach(config: SpecExpertConfig, layers: Iterable[OffloadedLayer]) -> None:
+    """Raise a config error when a slot pool ``config`` would make is a tensor larger
+    than the CPU kernel can address (:data:`CPU_KERNEL_REACH`): one pool per layer, or
+    one for all layers under a shared-pool ``cache`` (``plec``)."""
+    layers = list(layers)
+    if not layers:
+        return
+    slots = [config.slots_per_layer(la.experts.num_experts, la.top_k) for la in layers]
+    widest = max(math.prod(shape) for la in layers for shape, _ in la.experts.slot_shapes.values())
+    pooled = sum(slots) if config.cache_spec.shared_pool else max(slots)
+    if pooled * widest <= CPU_KERNEL_REACH:
+        return
+    reach = CPU_KERNEL_REACH // widest
+    if config.cache_spec.shared_pool:
+        raise SpecExpertConfigError(
+            "cache",
+            f"'{config.cache}' puts all {len(layers)} layers' {sum(slots)} slots in one "
+            f"pool of {pooled * widest / 1e9:.2f} G elements per tensor, and vLLM's CPU "
+            "expert kernel addresses at most 2^31 (32-bit offsets)",
+            f"use a per-layer cache (lru, lfu, static), or a budget of at most "
+            f"{reach} slots in all ({reach // len(layers)} per layer)",
+        )
+    raise SpecExpertConfigError(
+        "budget",
+        f"{pooled} slots per layer make a pool of {pooled * widest / 1e9:.2f} G elements "
+        "per tensor, and vLLM's CPU expert kernel addresses at most 2^31 (32-bit offsets)",
+        f"a budget of at most {reach} slots per layer",
+    )
 
 
 def check_runnable(

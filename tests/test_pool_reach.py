@@ -1,0 +1,52 @@
+"""A slot pool vLLM's CPU kernel cannot address is refused before it is made: the kernel
+computes an expert's offset in 32 bits (a pool of 110 slots of 40960-wide experts
+crashed the process at slot 105, not at slot 50)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.layer_state import check_pool_reach
+from vllm_specexpert.tools.fixtures import TRAINED_PATH_PREDICTOR_DIR as PATH_PREDICTOR
+
+# The disk benchmark's widened Qwen3-style expert: w13 [2 x 40176, 256] is 20,570,112
+# elements per slot; w2 [256, 40176] fewer.
+SHAPES = {
+    "w13_weight": ((2 * 40176, 256), torch.bfloat16),
+    "w2_weight": ((256, 40176), torch.bfloat16),
+}
+LAYERS = [
+    SimpleNamespace(experts=SimpleNamespace(num_experts=64, slot_shapes=SHAPES), top_k=4)
+    for _ in range(8)
+]
+
+
+def test_per_layer_pools_of_the_benchmark_fit():
+    # 25 slots x 20,570,112 = 514 M elements per layer's pool < 2^31.
+    check_pool_reach(SpecExpertConfig.from_dict({"budget": 25}), LAYERS)
+
+
+def test_one_shared_pool_of_all_layers_is_refused_naming_what_fits():
+    # 8 x 25 = 200 slots x 20,570,112 = 4.11 G > 2^31 - 1; 2^31 - 1 // 20,570,112 = 104.
+    def plec(budget: int) -> SpecExpertConfig:
+        return SpecExpertConfig.from_dict(
+            {"budget": budget, "cache": "plec", "path_predictor": str(PATH_PREDICTOR)}
+        )
+
+    config = plec(25)
+    with pytest.raises(
+        SpecExpertConfigError, match=r"'cache'.*4\.11 G.*at most 104 slots in all \(13 per layer\)"
+    ):
+        check_pool_reach(config, LAYERS)
+    # 13 per layer: 104 slots fit.
+    check_pool_reach(plec(13), LAYERS)
+
+
+def test_a_per_layer_pool_past_the_reach_names_the_budget():
+    wide = {"w13_weight": ((2 * 14336, 4096), torch.bfloat16)}  # Mixtral's: 117 M a slot
+    layers = [SimpleNamespace(experts=SimpleNamespace(num_experts=64, slot_shapes=wide), top_k=2)]
+    with pytest.raises(SpecExpertConfigError, match=r"'budget'.*at most 18 slots per layer"):
+        check_pool_reach(SpecExpertConfig.from_dict({"budget": 19}), layers)
+    check_pool_reach(SpecExpertConfig.from_dict({"budget": 18}), layers)
