@@ -134,3 +134,19 @@ def test_a_large_gather_keeps_only_a_few_buffers(pack):
     disk.release(buffers)
     assert [len(free) for free in disk._free.values()] == [4]  # twice the depth
     disk.close()
+
+
+def test_a_large_transfer_holds_twice_the_queue_depth_of_buffers(pack):
+    disk = Disk(pack, depth=2)
+    layer = pack.layers[NAMES[0]]
+    seen: dict[int, torch.Tensor] = {}
+    arrived: list[int] = []
+
+    def arrive(i: int, buffer: torch.Tensor) -> None:
+        seen[buffer.data_ptr()] = buffer
+        arrived.append(i)
+
+    disk.read_each(layer, np.arange(12), arrive)
+    assert sorted(arrived) == list(range(12))  # every expert, by its position
+    assert len(seen) <= 4  # twice the depth, reused, not one buffer per expert
+    disk.close()

@@ -105,9 +105,25 @@ class Disk:
         """Read the records of ``experts``, calling ``arrived(i, buffer)`` on each as
         soon as it is read and checked (``i``: its position in ``experts``), on the
         reader's thread that read it: what is done with one record overlaps the reads
-        of the others and runs on up to ``queue_depth`` cores. The buffers are then
-        reused."""
-        self.release(self._read(layer, experts, arrived))
+        of the others and runs on up to ``queue_depth`` cores. At most twice the queue
+        depth are read at a time, so that a large transfer (a warm start: a layer's
+        every slot) holds that many buffers, not one per expert; the buffers are then
+        reused. One :class:`ExpertsUnreadable` names every expert that failed."""
+        window = 2 * self.reader.depth
+        failed: list[int] = []
+        first: ExpertsUnreadable | None = None
+        for start in range(0, len(experts), window):
+
+            def shifted(i: int, buffer: torch.Tensor, start: int = start) -> None:
+                arrived(start + i, buffer)
+
+            try:
+                self.release(self._read(layer, experts[start : start + window], shifted))
+            except ExpertsUnreadable as error:
+                failed += error.experts
+                first = first or error
+        if first is not None:
+            raise ExpertsUnreadable(layer.name, sorted(failed), first.cause) from first.__cause__
 
     def _read(
         self,
