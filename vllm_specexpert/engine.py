@@ -12,8 +12,8 @@ plan for what is missing, the executor (:mod:`vllm_specexpert.execute`). Everyth
 else is a feature whose hooks the engine calls around it in order, built by one factory
 from the config and the inputs the adapter provides (:mod:`vllm_specexpert.features`).
 
-Experts the slow tier cannot supply mid-generation (:class:`ExpertsUnreadable`: a disk
-read error, a record whose checksum fails) do not stop the pass: the call runs again
+Experts the slow tier cannot supply mid-generation (:class:`ExpertsUnreadable`: a read
+error, a record whose checksum fails) do not stop the pass: the call runs again
 without them (their entries masked out, every other token exact), the cause is logged
 once per expert, and the rows that needed them are kept (:meth:`take_failed_rows`) for
 the adapter, which fails those rows' requests. They are read again when next needed.
@@ -119,9 +119,9 @@ class OffloadEngine:
         decoder: ExpertDecoder | None = None,
     ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
-        ``experts``: its tensors (``[E, ...]`` each, moved into host memory) or where
-        they are already (on disk). ``host_kernel`` computes experts in slot form
-        (``cpu``/``auto``); ``decoder`` turns packed (quantized) tensors into slot form.
+        ``experts``: its tensors (``[E, ...]`` each, moved into host memory) or the
+        ``ExpertSource`` that already holds them. ``host_kernel`` computes experts in
+        slot form (``cpu``/``auto``); ``decoder`` turns packed (quantized) tensors into slot form.
         What the store already holds beside them (:meth:`OffloadedLayer.of`) comes with
         the layer."""
         if isinstance(experts, dict):
