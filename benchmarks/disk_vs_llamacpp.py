@@ -265,7 +265,7 @@ def phase_llamacpp(args, work: Path) -> dict:
 def phase_vanilla(args, work: Path) -> dict:
     model = widened(args, work)
     drop_page_cache()
-    started = time.perf_counter()
+    started, booted = time.perf_counter(), uptime_s()
     child = subprocess.Popen(
         [sys.executable, str(HERE), "--phase", "vanilla-child", "--work", str(work)],
         stdout=subprocess.PIPE,
@@ -296,16 +296,30 @@ def phase_vanilla(args, work: Path) -> dict:
         "peak_rss_gb_sampled": peak,
         "least_mem_available_gb": least_available,
         "output_tail": tail,
-        "dmesg_oom": _oom_lines(),
+        "dmesg_oom": _oom_lines(booted),
     }
 
 
-def _oom_lines() -> list[str]:
+def uptime_s() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def _oom_lines(since_uptime_s: float) -> list[str]:
+    """The kernel's last OOM lines logged after ``since_uptime_s`` (dmesg's clock)."""
     try:
         out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [line for line in out.splitlines() if "oom" in line.lower()][-4:]
+    lines = []
+    for line in out.splitlines():
+        stamp = line[1 : line.find("]")].strip() if line.startswith("[") else ""
+        try:
+            recent = float(stamp) >= since_uptime_s
+        except ValueError:
+            recent = False
+        if recent and "oom" in line.lower():
+            lines.append(line)
+    return lines[-4:]
 
 
 def vanilla_child(work: Path) -> None:
@@ -391,13 +405,13 @@ def phase_plugin(args, work: Path) -> dict:
     start_s = time.perf_counter() - started
     results: dict = {}
     budgets: dict = {}
-    larger = host_budget(args, work, LARGER_HOST_RATIO)
+    larger = host_budget(args, work, args.larger_host_ratio or None)
     chosen = [m for m in MODES if not args.modes or m in args.modes]
     runs = [(mode, budget, MODES[mode]) for mode in chosen]
     runs += [
-        (f"{mode}, host cache {LARGER_HOST_RATIO:g} x RAM", larger, MODES[mode])
+        (f"{mode}, host cache {args.larger_host_ratio:g} x RAM", larger, MODES[mode])
         for mode in LARGER_MODES
-        if mode in chosen
+        if mode in chosen and args.larger_host_ratio > 0
     ]
     for mode, mode_budget, settings in runs:
         try:
@@ -539,6 +553,12 @@ def plugin_run(llm, batch: int) -> dict:
 
 
 def phase_serve(args, work: Path) -> dict:
+    """``specexpert serve`` on the model and pack: 1 then 32 concurrent completions, the
+    largest process's RSS sampled throughout, and ``/metrics``: the disk's counters, the
+    hits and misses, and the slots (the host cache's bytes, against its budget)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     import psutil
     import requests
     from prometheus_client.parser import text_string_to_metric_families
@@ -546,14 +566,35 @@ def phase_serve(args, work: Path) -> dict:
     from vllm_specexpert.tools.server import free_port, serving
 
     model, pack = work / "model", work / "pack"
+    config_json = json.loads((model / "config.json").read_text())
+    expert_bytes = 3 * config_json["hidden_size"] * config_json["moe_intermediate_size"] * 2
     budget = host_budget(args, work)
     port = free_port()
     log = work / "serve.log"
     config = {"budget": budget, "disk": {"path": str(pack)}}
-    result: dict = {}
+    result: dict = {"budget": budget, "log": str(log)}
+    peak = {"rss_gb": 0.0}
+    done_sampling = threading.Event()
+
+    def sample(root: psutil.Process) -> None:
+        while not done_sampling.wait(0.5):
+            with contextlib.suppress(psutil.Error):
+                processes = [root, *root.children(recursive=True)]
+                rss = max(p.memory_info().rss for p in processes) / 1e9
+                peak["rss_gb"] = max(peak["rss_gb"], rss)
+
+    started = time.perf_counter()
     with serving(
-        model, port, log, config, ["--max-model-len", "512", "--max-num-seqs", "32"]
+        model,
+        port,
+        log,
+        config,
+        ["--max-model-len", "512", "--max-num-seqs", "32"],
+        timeout_s=1800,
     ) as server:
+        result["start_s"] = time.perf_counter() - started
+        sampler = threading.Thread(target=sample, args=(psutil.Process(server.pid),))
+        sampler.start()
         url = f"http://127.0.0.1:{port}"
 
         def complete(ids: list[int]) -> int:
@@ -568,27 +609,38 @@ def phase_serve(args, work: Path) -> dict:
             reply.raise_for_status()
             return reply.json()["usage"]["completion_tokens"]
 
-        from concurrent.futures import ThreadPoolExecutor
-
-        for batch in (1, 32):
-            started = time.perf_counter()
-            with ThreadPoolExecutor(batch) as pool:
-                done = list(pool.map(complete, prompt_ids(batch)))
-            root = psutil.Process(server.pid)
-            rss = max(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 1e9
-            result[str(batch)] = {
-                "completions": len(done),
-                "tokens": sum(done),
-                "seconds": time.perf_counter() - started,
-                "largest_process_rss_gb": rss,
-            }
-        text = requests.get(f"{url}/metrics", timeout=30).text
-        disk = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith("specexpert_disk"):
-                    disk[sample.name] = disk.get(sample.name, 0.0) + sample.value
-        result["metrics_disk"] = disk
+        try:
+            for batch in (1, 32):
+                begun = time.perf_counter()
+                with ThreadPoolExecutor(batch) as pool:
+                    done = list(pool.map(complete, prompt_ids(batch)))
+                result[str(batch)] = {
+                    "completions": len(done),
+                    "tokens": sum(done),
+                    "seconds": time.perf_counter() - begun,
+                }
+                print(f"serve {batch:2d} concurrent: {result[str(batch)]}", flush=True)
+            text = requests.get(f"{url}/metrics", timeout=30).text
+        finally:
+            done_sampling.set()
+            sampler.join()
+    metrics: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample_ in family.samples:
+            name = sample_.name
+            if name.startswith("specexpert_disk") or name in (
+                "specexpert_hits_total",
+                "specexpert_misses_total",
+                "specexpert_slots",
+            ):
+                metrics[name] = metrics.get(name, 0.0) + sample_.value
+    layers = config_json["num_hidden_layers"]
+    experts = config_json.get("num_experts") or config_json["num_local_experts"]
+    result["metrics"] = metrics
+    result["host_cache_gb"] = metrics.get("specexpert_slots", 0.0) * expert_bytes / 1e9
+    result["host_budget_gb"] = budget * experts * layers * expert_bytes / 1e9
+    result["largest_process_peak_rss_gb_sampled"] = peak["rss_gb"]
+    print(f"serve: {result}", flush=True)
     return result
 
 
@@ -596,6 +648,8 @@ def phase_serve(args, work: Path) -> dict:
 
 
 def run_phase(phase: str, args, work: Path) -> dict:
+    """One phase in its own process. A phase that dies (the OOM killer) is a result: what
+    it kept of its part file, and how it ended; the next phase still runs."""
     command = [
         sys.executable,
         str(HERE),
@@ -609,11 +663,24 @@ def run_phase(phase: str, args, work: Path) -> dict:
         str(args.host_ratio),
         "--batches",
         *map(str, args.batches),
+        "--larger-host-ratio",
+        str(args.larger_host_ratio),
         *(["--modes", *args.modes] if args.modes else []),
     ]
     print(f"--- {phase}", flush=True)
-    subprocess.run(command, check=True)
-    return json.loads((work / f"part-{phase}.json").read_text())
+    part = work / f"part-{phase}.json"
+    part.unlink(missing_ok=True)
+    started, booted = time.time(), uptime_s()
+    ended = subprocess.run(command)
+    result = json.loads(part.read_text()) if part.exists() else {}
+    if ended.returncode != 0:
+        result["died"] = {
+            "returncode": ended.returncode,
+            "after_s": time.time() - started,
+            "dmesg_oom": _oom_lines(booted),
+        }
+        print(f"--- {phase} died: {result['died']}", flush=True)
+    return result
 
 
 def main() -> None:
@@ -621,6 +688,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=work_dir("disk-vs-llamacpp"))
     parser.add_argument("--ram-ratio", type=float, default=1.25)
     parser.add_argument("--host-ratio", type=float, default=0.5)
+    parser.add_argument(
+        "--larger-host-ratio",
+        type=float,
+        default=LARGER_HOST_RATIO,
+        help="also run LARGER_MODES with this host cache (0: not)",
+    )
     parser.add_argument("--intermediate", type=int, default=None, help="(instead of --ram-ratio)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
