@@ -11,7 +11,7 @@ from vllm_specexpert.config import (
 
 def test_defaults_are_valid():
     config = SpecExpertConfig.from_dict({})
-    assert config.budget == 0.5
+    assert config.budget == "auto"
     assert config.cache == "lru"
     assert config.miss_policy == "fetch"
     assert config.link == LinkConfig()

@@ -4,6 +4,7 @@ first start), never loaded by vLLM, and greedy output identical to vanilla vLLM'
 or not whole, is refused at start naming ``disk.path``; a read error mid-generation fails
 the requests that needed the expert, and only those."""
 
+import json
 import os
 import shutil
 
@@ -153,6 +154,78 @@ def test_a_read_error_fails_only_the_requests_that_needed_the_expert(engine):
             assert list(output.token_ids) == expected.token_ids
     assert vllm_specexpert.get_stats(llm)[0]["disk"]["failed"] > 0
     # The engine is up, and the expert is read again when next needed.
+    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
+
+
+def report_free(free_bytes: int | None):
+    """Worker side (``apply_model``): the engine's memory report says ``free_bytes`` of
+    RAM are free from now on, the slots a reconfigure frees included (``None``: what
+    the machine says)."""
+
+    def install(model) -> None:
+        import dataclasses
+
+        import vllm_specexpert.engine as engine_module
+        from vllm_specexpert.tiers import memory
+
+        if free_bytes is None:
+            engine_module.memory_report = memory.memory_report
+            return
+
+        def report(device, settings, freed_bytes=0):
+            real = memory.memory_report(device, settings, freed_bytes)
+            return dataclasses.replace(real, free_bytes=free_bytes, freed_bytes=0)
+
+        engine_module.memory_report = report
+
+    return install
+
+
+def test_auto_fits_the_slots_under_free_ram_smaller_than_the_model(engine):
+    GiB = 1 << 30
+    llm, reference = engine
+    stats = vllm_specexpert.get_stats(llm)[0]
+    start = stats["budget"]  # the memory plan made at start, on this machine's memory
+    assert start["kv_bytes"] == GiB  # (VLLM_CPU_KVCACHE_SPACE=1: conftest)
+    # The workspace holds the disk's read buffers: at least 2 x queue depth experts.
+    expert = next(iter(stats["expert_bytes"].values()))
+    assert start["workspace_bytes"] >= 2 * stats["config"]["disk"]["queue_depth"] * expert
+    experts = stats["store_bytes"]  # (every expert of every layer, in the pack)
+    # Now the machine has, past the reserve (1 GiB), free RAM for 0.4 of the experts (the
+    # KV cache and workspace are in use since start): the model is bigger than its RAM.
+    free = GiB + int(0.4 * experts)
+    llm.apply_model(report_free(free))
+    try:
+        config = vllm_specexpert.reconfigure(llm, budget="auto")
+    finally:
+        llm.apply_model(report_free(None))
+    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
+    stats = vllm_specexpert.get_stats(llm)[0]
+    fit = stats["budget"]
+    assert fit["room_bytes"] == free and fit["reserve_bytes"] == GiB
+    assert fit["slot_bytes"] <= fit["space_bytes"] == free - GiB
+    slots = next(iter(stats["slots_per_layer"].values()))
+    experts_per_layer = next(iter(stats["experts_per_layer"].values()))
+    top_k = json.loads((model_path(MODEL) / "config.json").read_text())["num_experts_per_tok"]
+    assert top_k <= slots < experts_per_layer
+    assert config["budget"] == slots / experts_per_layer
+    assert stats["total"]["decode"]["misses"] > 0
+    assert fit["reason"].startswith(f"budget auto: {slots} of {experts_per_layer} experts")
+
+
+def test_an_explicit_budget_beyond_free_ram_is_refused_and_the_engine_keeps_running(engine):
+    llm, reference = engine
+    vllm_specexpert.reconfigure(llm, budget=0.25)
+    experts = vllm_specexpert.get_stats(llm)[0]["store_bytes"]
+    llm.apply_model(report_free((1 << 30) + int(0.3 * experts)))  # 0.3 past the reserve
+    try:
+        with pytest.raises(SpecExpertConfigError, match="do not fit") as err:
+            vllm_specexpert.reconfigure(llm, budget=0.5)
+        assert err.value.field_name == "budget"
+    finally:
+        llm.apply_model(report_free(None))
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["config"]["budget"] == 0.25  # as it was
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 

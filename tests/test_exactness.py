@@ -102,6 +102,20 @@ def test_fetch_is_identical_to_vanilla(engines, budget):
     assert llm.apply_model(cache_invariants)[0] == slots
 
 
+def test_auto_holds_every_expert_of_a_model_that_fits(engines):
+    # Each of these models' experts take a few MB; this machine's free RAM holds them.
+    _, llm, reference = engines
+    config = vllm_specexpert.reconfigure(llm, budget="auto")
+    assert config["budget"] == 1.0
+    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["slots_per_layer"] == stats["experts_per_layer"]
+    assert stats["total"]["decode"]["misses"] == stats["total"]["prefill"]["misses"] == 0
+    fit = stats["budget"]
+    assert fit["reason"].startswith("budget auto: ") and "every expert fits" in fit["reason"]
+    assert fit["basis"] in stats["summary"]  # (the start line)
+
+
 @pytest.mark.parametrize("cache", ["lfu", "static"])
 def test_other_cache_policies_are_identical(engines, cache):
     _, llm, reference = engines

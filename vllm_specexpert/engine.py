@@ -30,6 +30,7 @@ import torch
 
 from vllm_specexpert import execute, features, report
 from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.config.sizing import BudgetFit, SizingSettings, fit_budget
 from vllm_specexpert.features import DecodeCall, EngineFeature, FeatureInputs
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
@@ -41,6 +42,7 @@ from vllm_specexpert.predict import NextLayerRouting
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
+from vllm_specexpert.tiers.memory import memory_report
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
 from vllm_specexpert.tiers.store import (
@@ -72,6 +74,12 @@ class OffloadEngine:
         self.checkpoint: str | None = None  # the model's directory (processes that load it again)
         self.inputs = FeatureInputs()
         """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
+        self.sizing = SizingSettings()
+        """What sizing the budget needs of vLLM's settings (the adapter fills it)."""
+        self.budget_fit: BudgetFit | None = None
+        """What the budget came to and why, once the first layer is added."""
+        self._memory_plan: dict[str, float] | None = None
+        """The memory sizing found at start (:func:`fit_budget`'s parts), a rebuild's."""
         self._failed_rows: set[int] = set()
         """Rows of the running pass that needed an expert the slow tier could not supply."""
         self._logged_unreadable: set[tuple[str, int]] = set()
@@ -129,6 +137,9 @@ class OffloadEngine:
         else:
             self.store.add(experts)
         layer = OffloadedLayer.of(self.store, name, top_k, index, host_kernel)
+        if not self.layers:
+            # The weights are loaded and no slot is made yet: the memory sizing reads.
+            self.config, self.budget_fit = self._fit_budget(self.config, layer)
         self.layers[name] = layer
         layer.equip(self.config, self.link, self.device, self.pool)
         for feature in self.features:
@@ -174,11 +185,52 @@ class OffloadEngine:
         output = self.config.output
         return "equivalent" if output == "exact" and self.device.type != "cpu" else output
 
+    def _fit_budget(
+        self, config: SpecExpertConfig, layer: OffloadedLayer, rebuild: bool = False
+    ) -> tuple[SpecExpertConfig, BudgetFit | None]:
+        """``config`` with its budget sized (a size, ``auto``) and checked against the
+        memory free now, and what it came to. A ``rebuild`` counts the slots it frees as
+        free, and keeps the start's memory plan (its KV cache and workspace are in use
+        by then). Without a count of the model's MoE layers (an engine built without
+        vLLM), a fraction or count is taken as it is."""
+        if config.budget_sized and self.sizing.moe_layers == 0:
+            return config, None
+        experts = layer.experts
+        shapes = self.sizing.shapes(
+            experts.num_experts, layer.top_k, experts.slot_nbytes, experts.staging_nbytes
+        )
+        memory = memory_report(self.device, self.sizing, self._slot_bytes() if rebuild else 0)
+        fit = fit_budget(
+            config.budget,
+            shapes,
+            memory,
+            config.allow_budget_beyond_memory,
+            self._memory_plan if rebuild else None,
+        )
+        if not rebuild:
+            self._memory_plan = fit.parts
+        if config.budget_sized:
+            return config, fit
+        return config.sized(fit.slots_per_layer, experts.num_experts), fit
+
+    def _slot_bytes(self) -> int:
+        """Bytes of every layer's slots (their pools', freed by a rebuild)."""
+        return sum(
+            la.cache.num_slots * la.experts.slot_nbytes
+            for la in self.layers.values()
+            if la.equipped
+        )
+
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch modes without reloading weights (checked first); caches rebuilt, counters
         restarted."""
+        first = next(iter(self.layers.values()), None)
+        fit = self.budget_fit
+        if first is not None:
+            config, fit = self._fit_budget(config, first, rebuild=True)
         features.check_reconfigure(self.config, config, self.layers.values(), self.inputs)
         self._check_pool_reach(config)
+        self.budget_fit = fit
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 

@@ -17,6 +17,9 @@ Series (vLLM's label convention: ``model_name``, ``engine`` = worker rank):
   seconds as ``specexpert_<name>_seconds_total``. They restart at zero after
   ``reconfigure`` or ``reset_stats`` (Prometheus reads that as a counter reset).
 - ``specexpert_resident_experts{layer}``, ``specexpert_slots{layer}``: gauges.
+- ``specexpert_budget_bytes{part}``: the slots' bytes over all MoE layers (``slots``)
+  and what sizing found free and left out (``room``, ``kv``, ``workspace``, ``reserve``,
+  ``space``).
 - ``specexpert_info{miss_policy, cache, predictor, output}``: 1.
 - ``mesh``: ``specexpert_mesh_peers_in_rotation`` (and ``specexpert_mesh_peers``, all
   of them), ``specexpert_peer_up{peer}`` (1: in rotation), ``specexpert_peer_rtt_seconds
@@ -94,6 +97,8 @@ QUALITY_COUNTERS = {
 }
 """Counters of the quality monitor (``QualityMonitor.stats``), by stats key."""
 PREFIX = "specexpert_"
+BUDGET_PARTS = ("room", "kv", "workspace", "reserve", "space")
+"""The parts of ``specexpert_budget_bytes`` beside ``slots`` (:mod:`.config.sizing`)."""
 
 _lock = threading.Lock()
 _collector: SnapshotCollector | None = None
@@ -224,6 +229,13 @@ class SnapshotCollector:
             "Device cache slots of the MoE layer (its share of the pool under cache: plec).",
             labels=[*base, "layer"],
         )
+        budget = GaugeMetricFamily(
+            f"{PREFIX}budget_bytes",
+            "What the budget was sized from, in bytes (part: slots, the device tier's "
+            "slots over all MoE layers; room, kv, workspace, reserve, space: the memory "
+            "sizing found and what it left out).",
+            labels=[*base, "part"],
+        )
         info = GaugeMetricFamily(
             f"{PREFIX}info",
             "The running configuration (value 1).",
@@ -309,6 +321,12 @@ class SnapshotCollector:
                         counters[f].add_metric([*labels, layer_label, phase], layer[phase][f])
                 resident.add_metric([*labels, layer_label], snapshot["resident_per_layer"][name])
                 slots.add_metric([*labels, layer_label], snapshot["slots_per_layer"][name])
+            fit = snapshot.get("budget")
+            if fit:
+                budget.add_metric([*labels, "slots"], fit["slot_bytes"])
+                for part in BUDGET_PARTS:
+                    if f"{part}_bytes" in fit:
+                        budget.add_metric([*labels, part], fit[f"{part}_bytes"])
             config = snapshot["config"]
             info.add_metric(
                 [
@@ -321,7 +339,7 @@ class SnapshotCollector:
                 1,
             )
         yield from counters.values()
-        yield from (resident, slots, info, steps, draft_length, drafted, accepted)
+        yield from (resident, slots, budget, info, steps, draft_length, drafted, accepted)
         yield from (*peer_counters.values(), peer_up, peer_rtt, in_rotation, peers_started)
         yield from quality.families()
         yield from scheduler.values()

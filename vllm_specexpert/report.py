@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from vllm_specexpert import handoff, metrics
+from vllm_specexpert.config.sizing import gib
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import LayerStats, check_stats_path, write_json_atomic
 
@@ -33,6 +34,7 @@ class ReportedEngine(Protocol):
     store: Any
     link: Any
     features: list[Any]
+    budget_fit: Any
 
     @property
     def output(self) -> str: ...
@@ -168,6 +170,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "expert_bytes": {n: la.cache.experts.expert_nbytes for n, la in layers.items()},
             "expert_format": {n: la.cache.experts.format for n, la in layers.items()},
             "slot_bytes": {n: la.cache.experts.slot_nbytes for n, la in layers.items()},
+            "budget": None if engine.budget_fit is None else engine.budget_fit.to_dict(),
             "store_bytes": engine.store.nbytes,
             "pinned": engine.store.pin_memory,
             "modeled": {
@@ -246,6 +249,9 @@ def summary(engine: ReportedEngine) -> str:
             f"one pool of {sum(la.cache.num_slots for la in layers)}"
             f" slots shared by their {'/'.join(map(str, experts))} experts each"
         )
+    fit = engine.budget_fit
+    if fit is not None:
+        residency += f", {gib(fit.slot_bytes)} ({fit.basis})"
     return (
         f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
         f"{engine.store.nbytes / 1e9:.3f} GB {engine.store.where()}; "

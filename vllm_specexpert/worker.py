@@ -39,7 +39,7 @@ class SpecExpertWorkerExtension:
     def specexpert_reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Apply config ``changes`` (e.g. ``{"budget": 0.25}``) to the running engine:
         caches are rebuilt at the new budget without reloading the model. Returns the
-        new config."""
+        new config (a size or ``auto`` as the fraction it came to)."""
 
         engine = self._specexpert_engine()
         try:
@@ -49,7 +49,7 @@ class SpecExpertWorkerExtension:
             # Returned, not raised: a raise here would be logged with its traceback by
             # the worker and again by the engine core, for a user's typo.
             return {CONFIG_ERROR: [error.field_name, error.problem, error.fix]}
-        return config.to_dict()
+        return engine.config.to_dict()
 
     def specexpert_restart(self) -> None:
         """Caches back to their warm start and counters to zero (after vLLM's warm-up,

@@ -11,13 +11,16 @@ from vllm_specexpert.config.errors import SpecExpertConfigError
 from vllm_specexpert.config.rules import Settings
 
 
-def check_fits(config: Settings, num_experts: int, top_k: int, packed: str | None = None) -> int:
+def check_fits(
+    config: Settings, num_experts: int, top_k: int, packed: str | None = None
+) -> int | None:
     """The slots per MoE layer, once every setting that depends on the model's
     routing shape and on how its experts are stored (``packed``: their quantized
     format, ``None``: bf16/fp16) is checked. Needs only the model's config: run in
     the calling process (``validate_engine_config``) and again by the worker
-    (start, ``reconfigure``)."""
-    slots = slots_per_layer(config, num_experts, top_k)
+    (start, ``reconfigure``). A budget not sized yet (a size, ``auto``) gives ``None``,
+    and what depends on the slots is checked once the engine has sized it."""
+    slots = None if isinstance(config.budget, str) else slots_per_layer(config, num_experts, top_k)
     if config.miss_policy_spec.low_bit:
         if packed is not None:
             raise SpecExpertConfigError(
@@ -27,7 +30,7 @@ def check_fits(config: Settings, num_experts: int, top_k: int, packed: str | Non
                 "to run",
                 "use 'fetch', 'cpu' or 'auto'",
             )
-        if slots < 2 * top_k:
+        if slots is not None and slots < 2 * top_k:
             raise SpecExpertConfigError(
                 "budget",
                 f"'lowbit' keeps top_k ({top_k}) of each layer's {slots} "
@@ -56,7 +59,11 @@ def check_fits(config: Settings, num_experts: int, top_k: int, packed: str | Non
                 f"{mesh.hot_count} is not fewer than the model's {num_experts} experts per layer",
                 f"use hot_count < {num_experts}",
             )
-        if mesh.placement == "replicate_hot" and mesh.hot_count > slots - top_k:
+        if (
+            mesh.placement == "replicate_hot"
+            and slots is not None
+            and mesh.hot_count > slots - top_k
+        ):
             raise SpecExpertConfigError(
                 "mesh.hot_count",
                 f"{mesh.hot_count} pinned experts leave fewer than "
@@ -80,13 +87,22 @@ def check_fits(config: Settings, num_experts: int, top_k: int, packed: str | Non
 
 def slots_per_layer(config: Settings, num_experts: int, top_k: int) -> int:
     """Number of device cache slots per MoE layer for a model with ``num_experts``
-    routed experts per layer and ``top_k`` experts per token."""
-    if isinstance(config.budget, int):
-        slots = config.budget
-        given = f"budget {config.budget}"
+    routed experts per layer and ``top_k`` experts per token. Only for a sized budget
+    (a fraction or a count): the engine sizes a size or ``auto``
+    (:func:`~vllm_specexpert.config.sizing.fit_budget`) before it makes any slot."""
+    if isinstance(config.budget, str):
+        raise RuntimeError(f"budget {config.budget!r} is not sized yet (fit_budget)")
+    return budget_slots(config.budget, num_experts, top_k)
+
+
+def budget_slots(budget: float | int, num_experts: int, top_k: int) -> int:
+    """Slots per layer of a fraction or a count, checked against the layer's shape."""
+    if isinstance(budget, int):
+        slots = budget
+        given = f"budget {budget}"
     else:
-        slots = math.floor(config.budget * num_experts + 1e-9)
-        given = f"budget {config.budget} x {num_experts} experts = {slots} slots"
+        slots = math.floor(budget * num_experts + 1e-9)
+        given = f"budget {budget} x {num_experts} experts = {slots} slots"
     if slots > num_experts:
         raise SpecExpertConfigError(
             "budget",

@@ -31,7 +31,9 @@ class Settings(Protocol):
     fields may be narrower (a ``Literal`` of mode names where this says ``str``)."""
 
     @property
-    def budget(self) -> float | int: ...
+    def budget(self) -> float | int | str: ...
+    @property
+    def allow_budget_beyond_memory(self) -> bool: ...
     @property
     def miss_policy(self) -> str: ...
     @property
@@ -270,6 +272,12 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
         if given(key):
             raise SpecExpertConfigError(key, f"has no effect {what}", fix)
 
+    if config.budget == "auto":
+        needs(
+            "allow_budget_beyond_memory",
+            "with budget 'auto' (it only lets an explicit budget exceed what fits)",
+            "give an explicit budget, or remove it",
+        )
     if not config.link.emulated:
         for key in ("link.latency_us", "link.host_slowdown"):
             needs(

@@ -45,6 +45,7 @@ from vllm_specexpert.config.sections import (
     TokenSchedulerConfig,
     default_of,
 )
+from vllm_specexpert.config.sizing import parse_size
 
 SECTIONS = {
     "link": LinkConfig,
@@ -64,13 +65,23 @@ MAX_EXPERTS = 65536
 class SpecExpertConfig:
     """Configuration of the offload-aware MoE layer. Every field has a safe default."""
 
-    budget: float | int = 0.5
-    """How many routed experts of each MoE layer may be resident on the device.
-    A float in (0, 1] is a fraction of the layer's routed experts (rounded down);
-    an int >= 2 is a count per layer (``1`` reads as 1.0, all experts). Must leave room
-    for at least ``top_k`` experts (one token's experts) and cannot exceed the number of
-    experts. 1.0 keeps every expert resident (no transfers after warm-up).
-    Range: (0, 1] as a fraction, [2, 65536] as a count."""
+    budget: float | int | str = "auto"
+    """How many routed experts of each MoE layer may be resident on the device (on the
+    CPU build: in the RAM slots, the disk tier's cache). ``"auto"`` (default): as many
+    as the memory free once the weights are loaded holds, after a KV cache floor, the
+    passes' workspace and a 1 GiB reserve (docs/configuration.md: the formula), clamped
+    to ``[top_k, experts]``; a start where even ``top_k`` do not fit is refused. A size
+    (``"12GiB"``, ``"800MB"``): the tier's bytes over all MoE layers, split evenly across
+    them (pooled under ``plec``). A float in (0, 1]: a fraction of the layer's routed
+    experts (rounded down). An int >= 2: a count per layer (``1`` reads as 1.0, all
+    experts). Every budget leaves room for ``top_k`` experts and is refused at start when
+    it does not fit the memory (``allow_budget_beyond_memory``). The start line and
+    ``get_stats`` (``budget``) say what was chosen and why.
+    Range: (0, 1] as a fraction, [2, 65536] as a count, a positive size, or 'auto'."""
+
+    allow_budget_beyond_memory: Flag = False
+    """Start with an explicit ``budget`` larger than what sizing finds free (the OS
+    may then kill the process mid-generation). Default ``false``: refused at start."""
 
     cache: CacheName = "lru"
     """Eviction policy of the device cache (default ``lru``; ``plec`` under ``lookahead``,
@@ -222,9 +233,16 @@ class SpecExpertConfig:
 
     @field_validator("budget", mode="before")
     @classmethod
-    def _budget(cls, value: Any) -> float | int:
+    def _budget(cls, value: Any) -> float | int | str:
+        if isinstance(value, str):
+            if value.strip().lower() == "auto":
+                return "auto"
+            parse_size(value)  # (a ValueError says what a size looks like)
+            return value.strip()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"must be a number, got {value!r}")
+            raise ValueError(
+                f"must be a fraction, a count, a size such as '12GiB', or 'auto', got {value!r}"
+            )
         if not math.isfinite(value):
             raise ValueError(f"must be finite, got {value}")
         if isinstance(value, float) and value.is_integer() and value > 1:
@@ -365,12 +383,24 @@ class SpecExpertConfig:
 
     # ------------------------------------------------------- model-dependent checks
 
-    def check_fits(self, num_experts: int, top_k: int, packed: str | None = None) -> int:
+    def check_fits(self, num_experts: int, top_k: int, packed: str | None = None) -> int | None:
         """The slots per MoE layer once every setting that depends on the model is
-        checked (:func:`~vllm_specexpert.config.fit.check_fits`)."""
+        checked (:func:`~vllm_specexpert.config.fit.check_fits`); ``None`` for a budget
+        not sized yet."""
         return fit.check_fits(self, num_experts, top_k, packed)
 
     def slots_per_layer(self, num_experts: int, top_k: int) -> int:
         """Device cache slots per MoE layer for ``num_experts`` routed experts per layer
         and ``top_k`` per token (:func:`~vllm_specexpert.config.fit.slots_per_layer`)."""
         return fit.slots_per_layer(self, num_experts, top_k)
+
+    @property
+    def budget_sized(self) -> bool:
+        """Whether ``budget`` gives the slots by itself (a fraction or a count), not
+        from the model's bytes or the memory (a size, ``auto``)."""
+        return not isinstance(self.budget, str)
+
+    def sized(self, slots_per_layer: int, num_experts: int) -> SpecExpertConfig:
+        """This config with the budget a size or ``auto`` came to (the same slots, as
+        a fraction of the layer's experts)."""
+        return dataclasses.replace(self, budget=slots_per_layer / num_experts)

@@ -15,6 +15,7 @@ from vllm.platforms import current_platform
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.layers.sizing import sizing_settings
 from vllm_specexpert.tiers.disk import open_disk
 
 _ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
@@ -63,6 +64,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
                 config.disk.direct,
             )
         _TARGET = weakref.ref(engine)
+    engine.sizing = sizing_settings(vllm_config)
     key = id(vllm_config)
 
     def forget(_ref: weakref.ref) -> None:

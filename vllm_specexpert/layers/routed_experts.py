@@ -115,15 +115,16 @@ class OffloadedRoutedExperts(RoutedExperts):
 
         self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None
         """This layer is the lookahead draft's: INT4 experts, its routes to the target."""
-        (config.draft_config() if self._draft else config).slots_per_layer(
-            self.global_num_experts, self.top_k
-        )  # fail early
+        own = config.draft_config() if self._draft else config
+        if own.budget_sized:  # fail early (a size or auto is sized at the first layer)
+            own.slots_per_layer(self.global_num_experts, self.top_k)
         if config.path_predictor is not None:
             vllm_hooks.keep_step_demand()
         if config.lookahead is not None:
             lookahead_driver.install()
         self.slot_kernel = SlotKernel(self)
         self.engine = engine_for(vllm_config, config, draft=self._draft)
+        self.engine.sizing.count_layer(moe_config.intermediate_size_per_partition)
         self.decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
         """Most tokens a decoding request is scheduled per pass (verification: 1 + k)."""
         self.layer_index = _layer_index(layer_name)

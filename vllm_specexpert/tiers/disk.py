@@ -269,6 +269,13 @@ class DiskExperts:
     def nbytes(self) -> int:
         return self.expert_nbytes * self.num_experts
 
+    @property
+    def staging_nbytes(self) -> int:
+        """A transfer's window of read buffers (:meth:`Disk.read_each`) and, per reader
+        thread, an expert being decoded."""
+        depth = self.disk.reader.depth
+        return 2 * depth * self.expert_nbytes + depth * self.slot_nbytes
+
     def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
         """``experts``' tensors as the pack holds them, ``[n, ...]`` each (read now)."""
         buffers = self.disk.read(self.record, experts)

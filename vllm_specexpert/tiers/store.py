@@ -76,6 +76,12 @@ class ExpertSource(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def staging_nbytes(self) -> int:
+        """Memory its reads take beside the slots while they run (buffers read into,
+        experts being decoded): 0 for experts in RAM."""
+        ...
+
     def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
         """``experts``' tensors as the slow tier holds them (packed), ``[n, ...]`` each."""
         ...
@@ -204,6 +210,10 @@ class LayerExperts:
     @property
     def nbytes(self) -> int:
         return self.expert_nbytes * self.num_experts
+
+    @property
+    def staging_nbytes(self) -> int:
+        return 0
 
 
 class ExpertStore:

@@ -1,0 +1,199 @@
+"""Budget sizing (``config/sizing.py``): each slot count below is worked out by hand in
+the comment beside it, from the published shapes of Qwen3-30B-A3B, Mixtral-8x7B and
+GPT-OSS-20B (experts as the slots hold them: bf16), not from the code's output.
+
+The shared assumptions: vLLM serves 16 sequences of 4096 tokens, 2048 tokens per pass;
+on a GPU it may use 0.9 of the memory and sizes the KV cache from it; on the CPU build
+the KV cache is explicit (1 GiB, the plugin's ``VLLM_CPU_KVCACHE_SPACE`` default)."""
+
+import pytest
+
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config.sizing import (
+    MemoryReport,
+    ModelShapes,
+    fit_budget,
+    parse_size,
+)
+
+GiB = 1 << 30
+
+
+def qwen3_30b(**extra) -> ModelShapes:
+    # 48 MoE layers, 128 experts, top_k 8; an expert 3 x 2048 x 768 bf16 = 9,437,184 B;
+    # KV 2 x 48 layers x 4 heads x 128 x 2 B = 98,304 B a token.
+    return ModelShapes(48, 128, 8, 9_437_184, 768, 98_304, 16, 4096, 2048, **extra)
+
+
+def mixtral_8x7b() -> ModelShapes:
+    # 32 MoE layers, 8 experts, top_k 2; an expert 3 x 4096 x 14336 bf16 = 352,321,536 B;
+    # KV 2 x 32 x 8 heads x 128 x 2 B = 131,072 B a token.
+    return ModelShapes(32, 8, 2, 352_321_536, 14336, 131_072, 16, 4096, 2048)
+
+
+def gpt_oss_20b() -> ModelShapes:
+    # 24 MoE layers, 32 experts, top_k 4; an expert (3 x 2880 x 2880 + 3 x 2880 biases)
+    # bf16 = 49,783,680 B; KV 2 x 24 x 8 heads x 64 x 2 B = 49,152 B a token.
+    return ModelShapes(24, 32, 4, 49_783_680, 2880, 49_152, 16, 4096, 2048)
+
+
+def gpu(total_gib: float, free_gib: float, freed: int = 0) -> MemoryReport:
+    return MemoryReport(int(total_gib * GiB), int(free_gib * GiB), 0.9, None, freed)
+
+
+def cpu(total_gib: float, free_gib: float) -> MemoryReport:
+    return MemoryReport(int(total_gib * GiB), int(free_gib * GiB), 1.0, GiB)
+
+
+# --- GPUs -------------------------------------------------------------------------
+
+
+def test_an_8_gib_gpu_holds_top_k_of_qwen3_30b():
+    # free 6.8 GiB once 1.2 GiB of weights and context are in; room = 6.8 - 0.1 x 8 = 6.0
+    # KV: full 16 x 4096 x 98,304 = 6.0 GiB, capped at 0.25 x 6.0 = 1.5 GiB
+    # workspace 2048 x 8 x 768 x 4 = 0.046875 GiB; reserve 1 GiB
+    # space 6.0 - 1.5 - 0.046875 - 1 = 3.453125 GiB; a slot in every layer 48 x 9,437,184
+    # = 452,984,832 B; 3.453125 GiB / that = 8.19 -> 8 slots per layer.
+    fit = fit_budget("auto", qwen3_30b(), gpu(8, 6.8))
+    assert fit.slots_per_layer == 8
+    assert fit.slot_bytes == 8 * 452_984_832
+    assert "budget auto: 8 of 128 experts per layer" in fit.reason
+    assert "KV floor 1.5 GiB" in fit.reason
+
+
+def test_a_24_gib_gpu_and_qwen3_30b():
+    # free 22.3 GiB; room 22.3 - 2.4 = 19.9; KV min(6.0, 0.25 x 19.9 = 4.975) = 4.975
+    # space 19.9 - 4.975 - 0.046875 - 1 = 13.878125 GiB -> / 452,984,832 B = 32.9 -> 32.
+    assert fit_budget("auto", qwen3_30b(), gpu(24, 22.3)).slots_per_layer == 32
+
+
+def test_an_80_gib_gpu_holds_five_of_mixtrals_eight_experts():
+    # free 78 GiB; room 78 - 8 = 70; KV min(16 x 4096 x 131,072 = 8 GiB, 17.5) = 8 GiB
+    # workspace 2048 x 2 x 14336 x 4 = 0.21875 GiB; space 70 - 8 - 0.21875 - 1 = 60.78 GiB
+    # a slot in every layer: 32 x 352,321,536 B = 10.5 GiB -> 5.79 -> 5 slots.
+    assert fit_budget("auto", mixtral_8x7b(), gpu(80, 78)).slots_per_layer == 5
+
+
+def test_an_80_gib_gpu_holds_every_expert_of_gpt_oss_20b():
+    # room 70; KV full 16 x 4096 x 49,152 = 3 GiB; workspace 2048 x 4 x 2880 x 4 = 0.088
+    # space 65.9 GiB / (24 x 49,783,680 B = 1.11 GiB) = 59 > 32 experts -> all 32.
+    fit = fit_budget("auto", gpt_oss_20b(), gpu(80, 78))
+    assert fit.slots_per_layer == 32
+    assert "every expert fits" in fit.reason
+
+
+def test_mixtral_on_a_24_gib_gpu_is_refused_naming_what_is_missing():
+    # room 22 - 2.4 = 19.6; KV min(8, 4.9) = 4.9; space 19.6 - 4.9 - 0.21875 - 1
+    # = 13.48 GiB; top_k = 2 slots in every layer = 21 GiB: 7.52 GiB missing.
+    with pytest.raises(SpecExpertConfigError, match=r"top_k \(2\).*7\.5 GiB is missing") as err:
+        fit_budget("auto", mixtral_8x7b(), gpu(24, 22))
+    assert err.value.field_name == "budget"
+
+
+def test_a_reconfigure_keeps_the_start_plan_and_counts_the_slots_it_frees():
+    # At start (above): 32 slots per layer, 32 x 452,984,832 B = 13.5 GiB, space
+    # 13.878125 GiB. Since then the KV cache (4.975 GiB) is allocated: free now
+    # 22.3 - 13.5 - 4.975 = 3.825 GiB. The rebuild frees the 13.5 GiB of slots: room
+    # 3.825 + 13.5 - 2.4 = 14.925 GiB, minus the reserve 13.925 >= the start's space, so
+    # the start's 13.878125 GiB (the KV cache is not taken twice): 32 slots again.
+    start = fit_budget("auto", qwen3_30b(), gpu(24, 22.3))
+    slots = 32 * 452_984_832
+    now = gpu(24, 22.3 - 13.5 - 4.975, freed=slots)
+    assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 32
+    # Another process took 2 GiB since: room 12.925 - 1 = 11.925 GiB -> 28.3 -> 28.
+    now = gpu(24, 22.3 - 13.5 - 4.975 - 2, freed=slots)
+    assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 28
+    # Without the plan, the KV cache in use would be taken twice: 14.925 - 0.25 x 14.925
+    # - 0.046875 - 1 = 10.147 GiB -> 24 slots.
+    now = gpu(24, 22.3 - 13.5 - 4.975, freed=slots)
+    assert fit_budget("auto", qwen3_30b(), now).slots_per_layer == 24
+
+
+# --- CPU boxes (the disk tier under the RAM slots) ---------------------------------
+
+
+def disk_staging() -> int:
+    # 2 x queue depth 4 read buffers and 4 experts being decoded: 12 x 9,437,184 B.
+    return 12 * 9_437_184
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "slots"),
+    [
+        # space = free - KV 1 - workspace 0.046875 - staging 0.10546875 - reserve 1
+        (16, 13.8, 27),  # 11.648 GiB / 452,984,832 B = 27.6
+        (24, 21.8, 46),  # 19.648 GiB -> 46.6
+        (128, 125.8, 128),  # 123.6 GiB -> 293: every expert, 128
+    ],
+)
+def test_cpu_boxes_size_the_ram_slots_over_the_disk(total, free, slots):
+    shapes = qwen3_30b(staging_bytes=disk_staging())
+    assert fit_budget("auto", shapes, cpu(total, free)).slots_per_layer == slots
+
+
+def test_a_cpu_box_without_room_for_top_k_is_refused():
+    # 4 GiB box, 2.5 GiB free: space 2.5 - 1 - 0.15234375 - 1 = 0.348 GiB, and top_k
+    # slots need 8 x 452,984,832 B = 3.375 GiB: 3.03 GiB missing.
+    with pytest.raises(SpecExpertConfigError, match=r"top_k \(8\).*3\.0 GiB is missing"):
+        fit_budget("auto", qwen3_30b(staging_bytes=disk_staging()), cpu(4, 2.5))
+
+
+# --- explicit budgets ----------------------------------------------------------------
+
+
+def test_a_byte_budget_is_split_across_the_layers():
+    # 12 GiB / (48 layers x 9,437,184 B) = 28.4 -> 28 slots per layer.
+    assert fit_budget("12GiB", qwen3_30b(), None).slots_per_layer == 28
+    # 800 MB buys 1 slot per layer, fewer than top_k: refused with the least that works.
+    with pytest.raises(SpecExpertConfigError, match=r"fewer than top_k.*3\.4 GiB"):
+        fit_budget("800MB", qwen3_30b(), None)
+    # More than every expert: all of them (32 of GPT-OSS's, 38.2 GB).
+    assert fit_budget("100GB", gpt_oss_20b(), None).slots_per_layer == 32
+
+
+def test_an_explicit_budget_beyond_the_memory_is_refused_unless_insisted():
+    # 24 GiB GPU: room for 32 slots per layer (above); a fraction 0.5 is 64.
+    with pytest.raises(SpecExpertConfigError, match=r"at most 32 slots per layer") as err:
+        fit_budget(0.5, qwen3_30b(), gpu(24, 22.3))
+    assert err.value.field_name == "budget"
+    assert fit_budget(0.5, qwen3_30b(), gpu(24, 22.3), True).slots_per_layer == 64
+    assert fit_budget(32, qwen3_30b(), gpu(24, 22.3)).slots_per_layer == 32
+    with pytest.raises(SpecExpertConfigError):
+        fit_budget("16GiB", qwen3_30b(), gpu(24, 22.3))  # 37 slots per layer
+
+
+# --- the config's sizes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("12GiB", 12 * GiB), ("800MB", 800_000_000), ("1.5 TiB", 3 * 2**39), ("64kb", 64_000)],
+)
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("budget", "says"),
+    [
+        ("12 GB of stuff", "is not a size"),
+        ("0GiB", "not a positive size"),
+        ("-1GB", "is not a size"),
+        ("12", "is not a size"),
+        (1.5, r"fraction must be in \(0, 1\]"),
+        (0, r"count must be in \[2,"),
+        ([12], "must be a fraction, a count, a size"),
+    ],
+)
+def test_a_bad_budget_names_the_field(budget, says):
+    with pytest.raises(SpecExpertConfigError, match=says) as err:
+        SpecExpertConfig.from_dict({"budget": budget})
+    assert err.value.field_name == "budget"
+
+
+def test_auto_is_the_default_and_the_insisting_key_needs_an_explicit_budget():
+    assert SpecExpertConfig.from_dict({}).budget == "auto"
+    with pytest.raises(SpecExpertConfigError, match="has no effect with budget 'auto'"):
+        SpecExpertConfig.from_dict({"allow_budget_beyond_memory": True})
+    given = {"budget": "12GiB", "allow_budget_beyond_memory": True}
+    assert SpecExpertConfig.from_dict(given).allow_budget_beyond_memory

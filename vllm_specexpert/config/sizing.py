@@ -1,0 +1,301 @@
+"""How many slots a budget buys on this machine: one pure function of a memory report
+and the model's shapes (:func:`fit_budget`), and the sizes a budget may be written in
+(:func:`parse_size`).
+
+A budget is a fraction of each layer's experts, a count per layer, a size (``"12GiB"``,
+``"800MB"``: the tier's bytes over all MoE layers, split evenly across them, or pooled
+under ``plec``), or ``"auto"``. ``auto`` takes the memory free once the weights are
+loaded and leaves, before any slot::
+
+    room      = free - (1 - utilization) * total
+    kv        = the explicit KV cache size, else min(max_num_seqs * max_model_len *
+                KV bytes per token, KV_SHARE * room)
+    workspace = max_num_batched_tokens * top_k * moe_intermediate_size * WORKSPACE_BYTES
+                + the slow tier's read buffers
+    slots     = (room - kv - workspace - RESERVE_BYTES) / (MoE layers * expert bytes),
+                clamped to [top_k, experts]; below top_k the start is refused.
+
+A rebuild (``reconfigure``) counts the slots it frees as free, and keeps the start's
+space: the KV cache and the workspace are in use by then, so what is free is only
+compared with it (``room - RESERVE_BYTES``, if another process took memory since).
+
+``utilization`` is vLLM's ``gpu_memory_utilization`` where vLLM sizes the KV cache from
+it (CUDA, and the CPU build without an explicit KV size), else 1. An explicit budget is
+checked against the same space: more is refused unless ``allow_budget_beyond_memory``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from vllm_specexpert.config.errors import SpecExpertConfigError
+from vllm_specexpert.config.fit import budget_slots
+
+GiB = 1 << 30
+
+RESERVE_BYTES = GiB
+"""Left free beyond everything counted (llama.cpp's ``--fit`` keeps the same 1 GiB margin)."""
+
+KV_SHARE = 0.25
+"""Without an explicit KV cache size, the KV floor is a full-length cache for
+``max_num_seqs`` sequences, or this share of the room, whichever is smaller."""
+
+WORKSPACE_BYTES = 4
+"""Scratch bytes of a fused-MoE pass per token, per routed expert, per intermediate
+channel: vLLM's CPU kernel measured 2.2 (bf16 gate/up output) on this machine
+(``T=4096, top_k=8, I=8192``); 4 bounds it, and covers an fp32 intermediate."""
+
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``"12GiB"``, ``"800MB"`` or ``"1.5 TiB"`` (units: B, KB,
+    MB, GB, TB in powers of 10; KiB, MiB, GiB, TiB in powers of 2; any case). Raises
+    ``ValueError`` for anything else, and for a size that is not positive."""
+    match = _SIZE.match(text)
+    unit = match and UNITS.get(match.group(2).lower())
+    if match is None or unit is None:
+        raise ValueError(
+            f"{text!r} is not a size: give a number and a unit, e.g. '12GiB' or '800MB' "
+            "(units: B, KB, MB, GB, TB; KiB, MiB, GiB, TiB)"
+        )
+    size = int(float(match.group(1)) * unit)
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a positive size")
+    return size
+
+
+def gib(size: float) -> str:
+    """``size`` bytes in GiB, or MiB below one GiB."""
+    return f"{size / GiB:.1f} GiB" if abs(size) >= GiB else f"{size / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """The memory of the tier being sized, when the weights are loaded: GPU memory on
+    CUDA, RAM on the CPU build."""
+
+    total_bytes: int
+    free_bytes: int
+    """Free now (``cudaMemGetInfo``; ``MemAvailable`` on the CPU build)."""
+    utilization: float = 1.0
+    """The share of ``total_bytes`` vLLM may use, where it sizes the KV cache from it."""
+    kv_cache_bytes: int | None = None
+    """The KV cache's explicit size, if given (``kv_cache_memory_bytes``,
+    ``VLLM_CPU_KVCACHE_SPACE``)."""
+    freed_bytes: int = 0
+    """Slots that are freed before the new ones are made (``reconfigure``)."""
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What sizing needs of the model and of vLLM's settings."""
+
+    moe_layers: int
+    num_experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    expert_bytes: int
+    """One slot's bytes (an expert in the kernel's form)."""
+    moe_intermediate_size: int
+    kv_bytes_per_token: int
+    """KV cache bytes of one token over all layers."""
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    staging_bytes: int = 0
+    """Buffers the slow tier reads into (the disk's: ``2 x queue_depth`` experts)."""
+
+
+@dataclass
+class SizingSettings:
+    """What vLLM's settings tell sizing (the adapter fills it from the vLLM config, and
+    counts the MoE layers as the model builds them). An engine built without vLLM has
+    none of them: no KV cache, no batched tokens, and its MoE layers given."""
+
+    moe_layers: int = 0
+    moe_intermediate_size: int = 0
+    utilization: float = 1.0
+    """:attr:`MemoryReport.utilization`."""
+    kv_cache_bytes: int | None = None
+    kv_bytes_per_token: int = 0
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 0
+
+    def count_layer(self, moe_intermediate_size: int) -> None:
+        """One more MoE layer was built."""
+        self.moe_layers += 1
+        self.moe_intermediate_size = max(self.moe_intermediate_size, moe_intermediate_size)
+
+    def shapes(
+        self, num_experts: int, top_k: int, expert_bytes: int, staging_bytes: int = 0
+    ) -> ModelShapes:
+        if self.moe_layers <= 0:
+            raise RuntimeError("sizing a budget needs the model's MoE layers: none were counted")
+        return ModelShapes(
+            moe_layers=self.moe_layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_bytes=expert_bytes,
+            moe_intermediate_size=self.moe_intermediate_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            staging_bytes=staging_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """What a budget chose: slots per MoE layer, and why (the start line, the stats)."""
+
+    slots_per_layer: int
+    num_experts: int
+    slot_bytes: int
+    """All layers' slots."""
+    basis: str
+    """What the slots came from: ``budget auto: <the memory's accounting>``, ``budget 12GiB``."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """The numbers behind ``basis`` (bytes): room, kv, workspace, reserve, space."""
+
+    @property
+    def reason(self) -> str:
+        """E.g. ``budget auto: 37 of 64 experts per layer (4.2 GiB): 23.6 GiB free, ...``."""
+        source, _, accounting = self.basis.partition(": ")
+        chosen = (
+            f"{source}: {self.slots_per_layer} of {self.num_experts} experts per layer "
+            f"({gib(self.slot_bytes)})"
+        )
+        return f"{chosen}: {accounting}" if accounting else chosen
+
+    def to_dict(self) -> dict:
+        return {
+            "slots_per_layer": self.slots_per_layer,
+            "slot_bytes": self.slot_bytes,
+            "reason": self.reason,
+            "basis": self.basis,
+            **{f"{k}_bytes": v for k, v in self.parts.items()},
+        }
+
+
+def space_for_slots(
+    memory: MemoryReport, shapes: ModelShapes, planned: dict[str, float] | None = None
+) -> dict[str, float]:
+    """The bytes the slots may take, and the parts it leaves out (module doc).
+    ``planned``: the parts sized at engine start, for a rebuild: its KV cache and
+    workspace are in use by then (not free, so not taken again), and its space is the
+    start's unless less is free now (another process grew)."""
+    room = memory.free_bytes + memory.freed_bytes - (1 - memory.utilization) * memory.total_bytes
+    if planned is not None:
+        space = min(planned["space"], room - RESERVE_BYTES)
+        return {**planned, "room": room, "reserve": float(RESERVE_BYTES), "space": space}
+    if memory.kv_cache_bytes is not None:
+        kv = float(memory.kv_cache_bytes)
+    else:
+        full = shapes.max_num_seqs * shapes.max_model_len * shapes.kv_bytes_per_token
+        kv = min(float(full), KV_SHARE * max(room, 0.0))
+    workspace = (
+        shapes.max_num_batched_tokens
+        * shapes.top_k
+        * shapes.moe_intermediate_size
+        * WORKSPACE_BYTES
+        + shapes.staging_bytes
+    )
+    space = room - kv - workspace - RESERVE_BYTES
+    return {
+        "room": room,
+        "kv": kv,
+        "workspace": float(workspace),
+        "reserve": float(RESERVE_BYTES),
+        "space": space,
+    }
+
+
+def fit_budget(
+    budget: float | int | str,
+    shapes: ModelShapes,
+    memory: MemoryReport | None,
+    allow_beyond_memory: bool = False,
+    planned: dict[str, float] | None = None,
+) -> BudgetFit:
+    """Slots per MoE layer for ``budget`` (module doc). ``memory``: ``None`` where the
+    memory cannot be known (a fraction, count or size is then not checked against it;
+    ``auto`` needs it). ``planned``: the start's parts, for a rebuild
+    (:func:`space_for_slots`)."""
+    per_expert_layer = shapes.moe_layers * shapes.expert_bytes
+    parts = space_for_slots(memory, shapes, planned) if memory is not None else {}
+    if budget == "auto":
+        if memory is None:
+            raise SpecExpertConfigError(
+                "budget",
+                "'auto' sizes the slots from the memory, and this engine has no memory report",
+                "give a fraction, a count or a size",
+            )
+        fits = math.floor(max(parts["space"], 0.0) / per_expert_layer)
+        if fits < shapes.top_k:
+            need = shapes.top_k * per_expert_layer - parts["space"]
+            raise SpecExpertConfigError(
+                "budget",
+                f"auto: even top_k ({shapes.top_k}) slots per layer "
+                f"({gib(shapes.top_k * per_expert_layer)}) do not fit: {_accounting(parts)}; "
+                f"{gib(need)} is missing",
+                "free memory (a smaller max_num_seqs, max_model_len or KV cache), or "
+                "use a machine with more memory",
+            )
+        slots = min(fits, shapes.num_experts)
+        every = "; every expert fits" if fits >= shapes.num_experts else ""
+        return _fit(slots, shapes, f"budget auto: {_accounting(parts)}{every}", parts)
+    if isinstance(budget, str):
+        size = parse_size(budget)
+        fits = size // per_expert_layer
+        if fits < shapes.top_k:
+            raise SpecExpertConfigError(
+                "budget",
+                f"{budget} buys {fits} slots per layer ({shapes.moe_layers} MoE layers of "
+                f"{shapes.expert_bytes / 2**20:.1f} MiB experts), fewer than top_k "
+                f"({shapes.top_k})",
+                f"give at least {gib(shapes.top_k * per_expert_layer)}",
+            )
+        slots = min(fits, shapes.num_experts)
+        basis = f"budget {budget}" + ("; every expert" if fits >= shapes.num_experts else "")
+    else:
+        slots = budget_slots(budget, shapes.num_experts, shapes.top_k)
+        basis = f"budget {budget}"
+    fit = _fit(slots, shapes, basis, parts)
+    if memory is not None and slots * per_expert_layer > parts["space"] and not allow_beyond_memory:
+        fits = max(0, math.floor(parts["space"] / per_expert_layer))
+        raise SpecExpertConfigError(
+            "budget",
+            f"{fit.reason} do not fit: {_accounting(parts)}",
+            f"a budget of at most {fits} slots per layer, or 'auto' (or "
+            "allow_budget_beyond_memory: true, and the OS may kill the process)",
+        )
+    return fit
+
+
+def _fit(slots: int, shapes: ModelShapes, basis: str, parts: dict[str, float]) -> BudgetFit:
+    slot_bytes = slots * shapes.moe_layers * shapes.expert_bytes
+    return BudgetFit(slots, shapes.num_experts, slot_bytes, basis, parts)
+
+
+def _accounting(parts: dict[str, float]) -> str:
+    return (
+        f"{gib(parts['room'])} free, KV floor {gib(parts['kv'])}, workspace "
+        f"{gib(parts['workspace'])}, reserve {gib(parts['reserve'])}: "
+        f"{gib(max(parts['space'], 0.0))} for slots"
+    )

@@ -1,0 +1,35 @@
+"""What sizing a budget needs of vLLM's settings (:class:`SizingSettings`), read from a
+vLLM config: the KV cache's explicit size or the share of memory vLLM sizes it from,
+the KV bytes of a token, and the sequences and tokens a pass may hold. The MoE layers
+are counted as the model builds them (:meth:`SizingSettings.count_layer`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+from vllm_specexpert.config.sizing import SizingSettings
+
+
+def sizing_settings(vllm_config: Any) -> SizingSettings:
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
+    kv_dtype = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model)
+    kv_per_token = (
+        2
+        * model.get_num_layers(parallel)
+        * model.get_num_kv_heads(parallel)
+        * model.get_head_size()
+        * kv_dtype.itemsize
+    )
+    explicit = cache.kv_cache_memory_bytes
+    return SizingSettings(
+        # vLLM sizes the KV cache from its share of memory unless given a size.
+        utilization=1.0 if explicit is not None else cache.gpu_memory_utilization,
+        kv_cache_bytes=explicit,
+        kv_bytes_per_token=kv_per_token,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_model_len=model.max_model_len,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+    )
