@@ -59,6 +59,34 @@ def timed_generate(llm, prompts: list, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def stepped_generate(llm, prompts: list, max_tokens: int) -> tuple[float, list[float]]:
+    """``(prefill, decode)``: greedy generation driven one engine step at a time (the
+    engine core in this process), each step timed: the seconds of the steps until every
+    request has its first token, and each later (decode) step's seconds. Unlike the
+    difference of two runs (:func:`step_seconds`), nothing depends on the state a second
+    run meets (a cache that the first run warmed)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = llm.llm_engine
+    tag = f"stepped-{time.monotonic_ns()}"
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    started: set[str] = set()
+    prefill, decode = 0.0, []
+    while engine.has_unfinished_requests():
+        decoding = len(started) == len(prompts)
+        begun = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - begun
+        started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
+        if decoding:
+            decode.append(seconds)
+        else:
+            prefill += seconds
+    return prefill, decode
+
+
 def step_seconds(llm, prompts: list, max_tokens: int, repeats: int) -> tuple[float, float]:
     """``(decode, first)``: median seconds per decode step, ``(time for max_tokens - time
     for 1 token) / (max_tokens - 1)`` so that prefill and request overheads cancel out,
