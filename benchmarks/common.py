@@ -59,10 +59,11 @@ def timed_generate(llm, prompts: list, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def stepped_generate(llm, prompts: list, max_tokens: int) -> tuple[float, list[float]]:
+def stepped_generate(llm, prompts: list, max_tokens: int) -> tuple[float, list[tuple[float, int]]]:
     """``(prefill, decode)``: greedy generation driven one engine step at a time (the
     engine core in this process), each step timed: the seconds of the steps until every
-    request has its first token, and each later (decode) step's seconds. Unlike the
+    request has its first token, and each later (decode) step's seconds and the tokens
+    it made (fewer than the requests when a scheduler holds some back). Unlike the
     difference of two runs (:func:`step_seconds`), nothing depends on the state a second
     run meets (a cache that the first run warmed)."""
     from vllm import SamplingParams
@@ -72,16 +73,19 @@ def stepped_generate(llm, prompts: list, max_tokens: int) -> tuple[float, list[f
     tag = f"stepped-{time.monotonic_ns()}"
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
-    started: set[str] = set()
+    made: dict[str, int] = {}
     prefill, decode = 0.0, []
     while engine.has_unfinished_requests():
-        decoding = len(started) == len(prompts)
+        decoding = len(made) == len(prompts)
+        before = sum(made.values())
         begun = time.perf_counter()
         outputs = engine.step()
         seconds = time.perf_counter() - begun
-        started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
+        for output in outputs:
+            if output.outputs and output.outputs[0].token_ids:
+                made[output.request_id] = len(output.outputs[0].token_ids)
         if decoding:
-            decode.append(seconds)
+            decode.append((seconds, sum(made.values()) - before))
         else:
             prefill += seconds
     return prefill, decode

@@ -26,11 +26,16 @@ same memory and its peak RSS is its own:
    ``oom_score_adj`` 1000 (if the kernel must kill, it kills that child): what happens.
 4. ``plugin``: the pack written (timed), one engine with ``disk`` and a host budget of
    ``--host-ratio`` of RAM, each mode by ``reconfigure``.
-5. ``serve``: ``specexpert serve`` on the same model and pack, 1 then 32 concurrent
+5. ``scheduler``: the token scheduler (groups of 8, the path predictor) in an engine of
+   its own at the same budget, at the batches above 8.
+6. ``sweep``: ``fetch`` + LRU started with ``budget: "auto"``, then at fixed host caches
+   of 0.5, 0.4 and 0.3 of RAM (budgets fitted to the machine).
+7. ``serve``: ``specexpert serve`` on the same model and pack, 1 then 32 concurrent
    completions; the server's RSS and its ``/metrics`` disk counters.
 
-Per run: decode tok/s (decode steps only: llama.cpp's timed one by one, the plugin's as
-``(t(tokens) - t(1)) / (tokens - 1)``), the prefill's seconds, GB the process read from
+Per run: decode tok/s (decode steps only, each timed: llama.cpp's median step; the
+plugin's engine stepped one step at a time in this process, the decode steps' tokens
+over their seconds), the prefill's seconds, GB the process read from
 storage per decode token (``/proc/<pid>/io`` ``read_bytes``: page faults and ``O_DIRECT``
 alike), peak RSS, and the page cache's growth. The page cache is dropped before each
 engine starts (``/proc/sys/vm/drop_caches``, when allowed; the JSON says whether it was).
@@ -58,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, command_line, kib, work_dir, write_result
 
 HERE = Path(__file__).resolve()
-PHASES = ("reference", "llamacpp", "vanilla", "plugin", "serve")
+PHASES = ("reference", "llamacpp", "vanilla", "plugin", "scheduler", "sweep", "serve")
 TOKENS = {1: 16, 8: 8, 32: 5}
 """Tokens generated per sequence at each batch (bigger batches read more per step)."""
 PROMPT_TOKENS = 32
@@ -70,9 +75,6 @@ machine 0.75 and 0.65 (16 GB of slots) were killed by the OOM killer: the proces
 about 5 GB besides the slots (vLLM, the KV cache, the passes' scratch). The budget's
 memory check now refuses them at ``reconfigure``, unless ``allow_budget_beyond_memory``."""
 
-AUTO_MODE = "fetch, LRU, budget auto"
-"""``fetch`` + LRU with the host cache sized by ``budget: "auto"`` (issue 40), beside the
-fixed ``--host-ratio``."""
 
 ARTIFACTS = {
     "calibration": "tiny-qwen3-moe-calibration",
@@ -413,8 +415,6 @@ def phase_plugin(args, work: Path) -> dict:
     larger = host_budget(args, work, args.larger_host_ratio or None)
     chosen = [m for m in MODES if not args.modes or m in args.modes]
     runs = [(mode, budget, MODES[mode]) for mode in chosen]
-    if not args.modes or AUTO_MODE in args.modes:
-        runs.append((AUTO_MODE, "auto", MODES["fetch, LRU"]))
     runs += [
         (f"{mode}, host cache {args.larger_host_ratio:g} x RAM", larger, MODES[mode])
         for mode in LARGER_MODES
@@ -459,8 +459,97 @@ def phase_plugin(args, work: Path) -> dict:
         "not_run": {
             "lookahead + plec": "refused with disk: the draft's INT4 experts are made "
             "from loaded weights (a draft from the pack is not built)",
-            "token scheduler": "not run here (see docs/limits.md)",
         },
+    }
+
+
+SWEEP_RATIOS = (0.5, 0.4, 0.3)
+"""Fixed host caches (shares of RAM) that ``budget: "auto"`` is compared with, largest
+first (a ``reconfigure`` may keep or shrink what runs); 0.65 and 0.75 were killed out
+of memory on this machine."""
+
+
+def phase_sweep(args, work: Path) -> dict:
+    """``fetch`` + LRU in an engine started with ``budget: "auto"`` (as a user starts
+    it), then at fixed host caches of :data:`SWEEP_RATIOS` of RAM, each by
+    ``reconfigure``."""
+    import vllm_specexpert
+    from vllm_specexpert.config import SpecExpertConfigError
+    from vllm_specexpert.tools.harness import start_engine
+
+    model, pack = work / "model", work / "pack"
+    drop_page_cache()
+    llm = start_engine(
+        str(model),
+        {"budget": "auto", "disk": {"path": str(pack)}},
+        eager=False,
+        max_model_len=512,
+        max_num_seqs=max(args.batches),
+    )
+    budgets = [(f"{r:g} x RAM", host_budget(args, work, r)) for r in SWEEP_RATIOS]
+    results: dict = {}
+    for label, budget in [("auto", None), *budgets]:
+        if budget is not None:
+            try:
+                vllm_specexpert.reconfigure(llm, budget=budget)
+            except SpecExpertConfigError as error:
+                results[label] = {"refused": str(error)}
+                continue
+        stats = vllm_specexpert.get_stats(llm)[0]
+        rows: dict = {"host_cache": host_cache(stats), "budget": stats["budget"]}
+        for batch in args.batches:
+            rows[str(batch)] = row = plugin_run(llm, batch)
+            print(
+                f"sweep {label:10s} {rows['host_cache']['slots_per_layer']} slots "
+                f"{batch:2d} seq: decode {row['decode_tok_s']:6.3f} tok/s",
+                flush=True,
+            )
+        results[label] = rows
+        (work / "part-sweep.json").write_text(json.dumps({"complete": False, "runs": results}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    return {"runs": results, "peak_rss_gb": peak}
+
+
+SCHEDULER_MODE = "fetch, LRU + token scheduler (groups of 8)"
+
+
+def phase_scheduler(args, work: Path) -> dict:
+    """The token scheduler on the disk tier: an engine of its own (it replaces vLLM's
+    scheduler class at start), the same host cache, at the batches above its group size
+    (it holds requests back only when more than ``group_size`` decode)."""
+    import vllm_specexpert
+    from vllm_specexpert.tools.harness import start_engine
+
+    model, pack = work / "model", work / "pack"
+    budget = host_budget(args, work)
+    drop_page_cache()
+    llm = start_engine(
+        str(model),
+        {
+            "budget": budget,
+            "disk": {"path": str(pack)},
+            "path_predictor": str(model / "artifacts" / ARTIFACTS["path_predictor"]),
+            "token_scheduler": {"group_size": 8},
+        },
+        eager=False,
+        max_model_len=512,
+        max_num_seqs=max(args.batches),
+    )
+    rows = {}
+    for batch in (b for b in args.batches if b > 8):
+        rows[str(batch)] = row = plugin_run(llm, batch)
+        print(
+            f"plugin {SCHEDULER_MODE} {batch:2d} seq: decode {row['decode_tok_s']:6.3f} tok/s, "
+            f"{row['gb_read_per_decode_token']:.3f} GB/token, hit {row['hit_rate']:.2f}",
+            flush=True,
+        )
+    stats = vllm_specexpert.get_stats(llm)[0]
+    return {
+        "budget": budget,
+        "summary": stats["summary"],
+        "scheduler": stats["scheduler"],
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "modes": {SCHEDULER_MODE: rows},
     }
 
 
@@ -537,13 +626,14 @@ def plugin_run(llm, batch: int) -> dict:
     with Window() as window, ROUTES.recording():
         first, steps = stepped_generate(llm, prompts, tokens)
     stats = vllm_specexpert.get_stats(llm)[0]
-    decode_s = sum(steps) / len(steps)
+    # Per token made: a scheduler that holds requests back makes fewer than ``batch``.
+    decode_s, made = sum(s for s, _ in steps), sum(n for _, n in steps)
     d, n = stats["total"]["decode"], max(stats["decode_tokens"], 1)
     return {
         **ROUTES.bounds(stats, n),
-        "decode_tok_s": batch / decode_s if decode_s > 0 else float("nan"),
-        "decode_s_per_step": decode_s,
-        "decode_step_s": steps,
+        "decode_tok_s": made / decode_s if decode_s > 0 else float("nan"),
+        "decode_s": decode_s,
+        "decode_steps": [{"s": s, "tokens": n} for s, n in steps],
         "prefill_s": first,
         "hit_rate": d["hit_rate"],
         "gb_read_per_decode_token": d["bytes_loaded"] / n / 1e9,
@@ -706,7 +796,7 @@ def main() -> None:
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help="keep the model and pack")
-    parser.add_argument("--modes", nargs="+", choices=[*MODES, AUTO_MODE], help="(default: all)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), help="(default: all)")
     parser.add_argument("--name", default="disk_vs_llamacpp")
     parser.add_argument("--report", action="store_true", help="print an earlier run's tables")
     args = parser.parse_args()
@@ -746,6 +836,7 @@ def main() -> None:
     out = write_result(args.name, payload)
     table = markdown(payload, command)
     (RESULTS / f"{args.name}.md").write_text(table)
+    plot(payload, RESULTS / f"{args.name}.png")
     print(table)
     if not args.keep:
         shutil.rmtree(work / "model", ignore_errors=True)
@@ -755,12 +846,20 @@ def main() -> None:
     print(f"command: {command}")
 
 
+def plugin_modes(payload: dict) -> dict:
+    """The plugin's modes: the plugin phase's and the scheduler phase's."""
+    return {
+        **payload.get("plugin", {}).get("modes", {}),
+        **payload.get("scheduler", {}).get("modes", {}),
+    }
+
+
 def markdown(payload: dict, command: str) -> str:
     """The tables for the docs: decode tok/s, then GB read per decode token (with the
     clairvoyant bound beside the plugin's), per engine and batch."""
     batches = payload["batches"]
     llama = payload.get("llamacpp", {}).get("runs", {})
-    plugin = payload.get("plugin", {}).get("modes", {})
+    plugin = plugin_modes(payload)
 
     def table(title: str, key: str, digits: int, bounds: bool = False) -> list[str]:
         head = "| engine | " + " | ".join(f"{b} seq" for b in batches) + " |"
@@ -795,14 +894,85 @@ def markdown(payload: dict, command: str) -> str:
         *table("Decode tok/s:", "decode_tok_s", 3),
         *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
     ]
+    sweep = payload.get("sweep", {}).get("runs", {})
+    if sweep:
+        lines += [
+            "`fetch` + LRU by host cache, decode tok/s:",
+            "",
+            "| host cache | slots per layer (GB) | "
+            + " | ".join(f"{b} seq" for b in batches)
+            + " |",
+            "|---|---|" + "---|" * len(batches),
+        ]
+        for label, rows in sweep.items():
+            if "refused" in rows:
+                lines.append(f"| {label} | refused | " + " | ".join("" for _ in batches) + " |")
+                continue
+            cache = rows["host_cache"]
+            cells = [
+                f"{rows[str(b)]['decode_tok_s']:.3f}" if str(b) in rows else "-" for b in batches
+            ]
+            lines.append(
+                f"| {label} | {cache['slots_per_layer']} ({cache['gb']:.1f}) | "
+                + " | ".join(cells)
+                + " |"
+            )
     return "\n".join(lines)
 
 
+def plot(payload: dict, path: Path) -> None:
+    """Decode tok/s per engine at each batch, and the plugin's GB read per decode token
+    beside LRU replayed and Belady's MIN on the same calls."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = payload["batches"]
+
+    def tok_s(runs: dict) -> list[float]:
+        return [runs.get(str(b), {}).get("decode_tok_s", 0) for b in batches]
+
+    rows = {
+        f"llama.cpp, {setting}": tok_s(runs)
+        for setting, runs in payload.get("llamacpp", {}).get("runs", {}).items()
+    }
+    for mode, runs in plugin_modes(payload).items():
+        if "refused" not in runs:
+            rows[f"plugin, {mode}"] = tok_s(runs)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / max(len(rows), 1)
+    for i, (name, values) in enumerate(rows.items()):
+        left.bar([b + i * width for b in range(len(batches))], values, width, label=name)
+    ticks = [f"{b} seq" for b in batches]
+    left.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], ticks)
+    left.set_ylabel("decode tok/s")
+    left.set_title("Decode, a model 1.28x RAM (real I/O)")
+    left.legend(fontsize=7)
+    lru = payload.get("plugin", {}).get("modes", {}).get("fetch, LRU", {})
+    series = {
+        "plugin, fetch + LRU": "gb_read_per_decode_token",
+        "LRU replayed on its calls": "lru_replayed_gb_per_decode_token",
+        "Belady's MIN on its calls": "clairvoyant_gb_per_decode_token",
+    }
+    for i, (name, key) in enumerate(series.items()):
+        values = [lru.get(str(b), {}).get(key, 0) for b in batches]
+        right.bar([b + i * 0.27 for b in range(len(batches))], values, 0.27, label=name)
+    right.set_xticks([b + 0.27 for b in range(len(batches))], ticks)
+    right.set_ylabel("GB read per decode token")
+    right.set_title("The host cache's reads against the clairvoyant bound")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(name: str) -> None:
-    """The tables of an earlier run's result file, printed and written beside it."""
+    """The tables and plot of an earlier run's result file, written beside it."""
     payload = json.loads((RESULTS / f"{name}.json").read_text())
     table = markdown(payload, payload["command"])
     (RESULTS / f"{name}.md").write_text(table)
+    plot(payload, RESULTS / f"{name}.png")
     print(table)
 
 

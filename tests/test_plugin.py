@@ -47,11 +47,13 @@ def kernel_isas(model) -> list[str]:
     )
 
 
-def test_with_the_key_the_layer_is_offloaded():
+def test_with_the_key_the_layer_is_offloaded_and_sized_from_the_machine():
     from moe_reference import vllm_isa
-    from vllm_harness import expert_layer_classes, model_class, shutdown
+    from vllm_harness import expert_layer_classes, greedy, model_class, shutdown
 
-    llm = make_llm("qwen3_moe", specexpert={"budget": 0.5})
+    import vllm_specexpert
+
+    llm = make_llm("qwen3_moe", specexpert={})  # the defaults: budget auto
     try:
         assert llm.apply_model(expert_layer_classes) == [[OFFLOADED_CLASS]]
         assert llm.apply_model(model_class) == [
@@ -59,6 +61,14 @@ def test_with_the_key_the_layer_is_offloaded():
         ]
         # The kernel exactness tests run the ISA the offloaded layers run.
         assert llm.apply_model(kernel_isas) == [[vllm_isa()]]
+        # The fixture's experts (a few MB) fit this machine's free RAM: all resident,
+        # and the start line says so and why.
+        greedy(llm)
+        stats = vllm_specexpert.get_stats(llm)[0]
+        assert stats["slots_per_layer"] == stats["experts_per_layer"]
+        assert stats["decode_tokens"] > 0 and stats["total"]["decode"]["misses"] == 0
+        assert stats["config"]["budget"] == 1.0
+        assert "(budget auto: " in stats["summary"] and "every expert fits" in stats["summary"]
     finally:
         shutdown(llm)
 

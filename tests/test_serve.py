@@ -221,6 +221,10 @@ def check_metrics_match_stats(port: int, stats_path, model: str) -> None:
                 tuple(sorted({"model_name": model, "engine": "0", "layer": index}.items())),
             )
             expected[key] = stats["resident_per_layer"][name]
+        for part in ("slots", "room", "kv", "workspace", "reserve", "space"):
+            labels = {"model_name": model, "engine": "0", "part": part}
+            key = ("specexpert_budget_bytes", tuple(sorted(labels.items())))
+            expected[key] = stats["budget"]["slot_bytes" if part == "slots" else f"{part}_bytes"]
         found = {k: metrics.get(k) for k in expected}
         if found == expected or time.monotonic() > deadline:
             break

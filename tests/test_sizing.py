@@ -90,23 +90,28 @@ def test_mixtral_on_a_24_gib_gpu_is_refused_naming_what_is_missing():
     assert err.value.field_name == "budget"
 
 
-def test_a_reconfigure_keeps_the_start_plan_and_counts_the_slots_it_frees():
-    # At start (above): 32 slots per layer, 32 x 452,984,832 B = 13.5 GiB, space
-    # 13.878125 GiB. Since then the KV cache (4.975 GiB) is allocated: free now
-    # 22.3 - 13.5 - 4.975 = 3.825 GiB. The rebuild frees the 13.5 GiB of slots: room
-    # 3.825 + 13.5 - 2.4 = 14.925 GiB, minus the reserve 13.925 >= the start's space, so
-    # the start's 13.878125 GiB (the KV cache is not taken twice): 32 slots again.
+def test_a_reconfigure_grows_only_into_memory_free_beyond_the_workspace():
+    # At start (above): space 13.878125 GiB, 32 slots per layer; a slot in every layer
+    # is 452,984,832 B = 0.421875 GiB. Now 24 slots run (10.125 GiB) and the KV cache
+    # (4.975 GiB) is allocated: free 22.3 - 10.125 - 4.975 = 7.2 GiB. The rebuild frees
+    # the slots: room 7.2 + 10.125 - 2.4 = 14.925 GiB, less the workspace 0.046875 and
+    # the reserve 1 = 13.878 GiB beyond what runs (the KV cache is not taken twice),
+    # capped at the start's 13.878125 GiB: 32 slots.
     start = fit_budget("auto", qwen3_30b(), gpu(24, 22.3))
-    slots = 32 * 452_984_832
-    now = gpu(24, 22.3 - 13.5 - 4.975, freed=slots)
+    running = int(10.125 * GiB)
+    now = gpu(24, 7.2, freed=running)
     assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 32
-    # Another process took 2 GiB since: room 12.925 - 1 = 11.925 GiB -> 28.3 -> 28.
-    now = gpu(24, 22.3 - 13.5 - 4.975 - 2, freed=slots)
+    # The process grew by 2 GiB since: 11.878 GiB -> 28.2 -> 28 slots.
+    now = gpu(24, 5.2, freed=running)
     assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 28
+    # It grew by 6 GiB: 7.878 GiB, less than runs now; it keeps the 24 slots it has.
+    now = gpu(24, 1.2, freed=running)
+    assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 24
+    with pytest.raises(SpecExpertConfigError, match="at most 24 slots per layer"):
+        fit_budget(28, qwen3_30b(), now, planned=start.parts)
     # Without the plan, the KV cache in use would be taken twice: 14.925 - 0.25 x 14.925
     # - 0.046875 - 1 = 10.147 GiB -> 24 slots.
-    now = gpu(24, 22.3 - 13.5 - 4.975, freed=slots)
-    assert fit_budget("auto", qwen3_30b(), now).slots_per_layer == 24
+    assert fit_budget("auto", qwen3_30b(), gpu(24, 7.2, freed=running)).slots_per_layer == 24
 
 
 # --- CPU boxes (the disk tier under the RAM slots) ---------------------------------

@@ -189,10 +189,11 @@ class OffloadEngine:
         self, config: SpecExpertConfig, layer: OffloadedLayer, rebuild: bool = False
     ) -> tuple[SpecExpertConfig, BudgetFit | None]:
         """``config`` with its budget sized (a size, ``auto``) and checked against the
-        memory free now, and what it came to. A ``rebuild`` counts the slots it frees as
-        free, and keeps the start's memory plan (its KV cache and workspace are in use
-        by then). Without a count of the model's MoE layers (an engine built without
-        vLLM), a fraction or count is taken as it is."""
+        memory free now, and what it came to. A ``rebuild`` is sized within the start's
+        memory plan, the slots it frees counted as free
+        (:func:`~vllm_specexpert.config.sizing.space_for_slots`). Without a count of the
+        model's MoE layers (an engine built without vLLM), a fraction or count is taken
+        as it is."""
         if config.budget_sized and self.sizing.moe_layers == 0:
             return config, None
         experts = layer.experts

@@ -15,9 +15,15 @@ loaded and leaves, before any slot::
     slots     = (room - kv - workspace - RESERVE_BYTES) / (MoE layers * expert bytes),
                 clamped to [top_k, experts]; below top_k the start is refused.
 
-A rebuild (``reconfigure``) counts the slots it frees as free, and keeps the start's
-space: the KV cache and the workspace are in use by then, so what is free is only
-compared with it (``room - RESERVE_BYTES``, if another process took memory since).
+A rebuild (``reconfigure``) never takes more than the start's space, and within it::
+
+    space = max(the slots it frees, room - workspace - RESERVE_BYTES)
+
+(``room`` counting the freed slots as free): it may keep what runs now, and grow only
+where the memory free beyond the slots still covers the passes' workspace and the
+reserve. The KV cache is allocated by then (not free, so not taken again); the rest of
+the process is measured, not planned: on the 1.28x-RAM disk model it grew by 2-3 GB over
+four reconfigures, and a rebuild sized by the start's plan alone was killed out of memory.
 
 ``utilization`` is vLLM's ``gpu_memory_utilization`` where vLLM sizes the KV cache from
 it (CUDA, and the CPU build without an explicit KV size), else 1. An explicit budget is
@@ -197,12 +203,11 @@ def space_for_slots(
     memory: MemoryReport, shapes: ModelShapes, planned: dict[str, float] | None = None
 ) -> dict[str, float]:
     """The bytes the slots may take, and the parts it leaves out (module doc).
-    ``planned``: the parts sized at engine start, for a rebuild: its KV cache and
-    workspace are in use by then (not free, so not taken again), and its space is the
-    start's unless less is free now (another process grew)."""
+    ``planned``: the parts sized at engine start, for a rebuild (module doc)."""
     room = memory.free_bytes + memory.freed_bytes - (1 - memory.utilization) * memory.total_bytes
     if planned is not None:
-        space = min(planned["space"], room - RESERVE_BYTES)
+        fresh = room - planned["workspace"] - RESERVE_BYTES
+        space = min(planned["space"], max(float(memory.freed_bytes), fresh))
         return {**planned, "room": room, "reserve": float(RESERVE_BYTES), "space": space}
     if memory.kv_cache_bytes is not None:
         kv = float(memory.kv_cache_bytes)
