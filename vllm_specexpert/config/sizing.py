@@ -10,7 +10,7 @@ loaded and leaves, before any slot::
     room      = free - (1 - utilization) * total
     kv        = the explicit KV cache size, else min(max_num_seqs * max_model_len *
                 KV bytes per token, KV_SHARE * room)
-    workspace = max_num_batched_tokens * top_k * moe_intermediate_size * WORKSPACE_BYTES
+    workspace = max_num_batched_tokens * top_k * moe_intermediate_size * WORKSPACE_BYTES (8)
                 + the slow tier's read buffers
     slots     = (room - kv - workspace - RESERVE_BYTES) / (MoE layers * expert bytes),
                 clamped to [top_k, experts]; below top_k the start is refused.
@@ -48,10 +48,15 @@ KV_SHARE = 0.25
 """Without an explicit KV cache size, the KV floor is a full-length cache for
 ``max_num_seqs`` sequences, or this share of the room, whichever is smaller."""
 
-WORKSPACE_BYTES = 4
-"""Scratch bytes of a fused-MoE pass per token, per routed expert, per intermediate
-channel: vLLM's CPU kernel measured 2.2 (bf16 gate/up output) on this machine
-(``T=4096, top_k=8, I=8192``); 4 bounds it, and covers an fp32 intermediate."""
+WORKSPACE_BYTES = 8
+"""Memory a pass takes per token, per routed expert, per intermediate channel. vLLM's CPU
+kernel's scratch measured 2.2 bytes here (its bf16 gate/up output; ``T=4096, top_k=8,
+I=8192``), and the allocator keeps a pass's scratch after it, so a later pass needs as
+much again. On the 1.28x-RAM disk model (``I=40176``, 2048 tokens a pass) the process
+grew by 6.5 GB after sizing (the KV cache's 1 GiB, 4 GB held after vLLM's warm-up pass,
+2.5 GB more at its peak); 4 bytes (3.3 GB with the disk's buffers) let ``auto`` take 17.8
+GB of slots and the process reach 22.9 GB of 24.7. 8 bytes (6.0 GB) leaves room for
+that growth."""
 
 UNITS = {
     "b": 1,
