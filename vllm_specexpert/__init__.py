@@ -10,7 +10,7 @@ its floor::
 
      1  config/         every setting and its checks: specexpert, sections, rules,
                         errors, modes (each mode's traits, as data), fit (what it needs
-                        of the model)
+                        of the model), sizing (a budget's slots from the memory)
      1  quant_formats   quantized checkpoints' packed experts: read, dequantize,
                         quantize
      1  phases          which tokens of a forward pass are decode, which prefill
@@ -34,7 +34,8 @@ its floor::
                         Ray), disk (the disk tier: a layer's experts read from its
                         pack), disk_reader (whole-record reads at a queue depth,
                         O_DIRECT), expert_pack (the disk's expert-major file),
-                        checkpoint_experts (one expert read from a checkpoint)
+                        checkpoint_experts (one expert read from a checkpoint),
+                        memory (what the sized tier has free)
      4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
      4  predict/        next-layer predictors: base, router, quasi_hidden; path (a
@@ -67,7 +68,8 @@ its floor::
                         custom op), slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, model_classes (wiring after load),
                         forward_phase, lookahead_driver (the draft's rounds),
-                        router_free, final_tap, failed_requests (rows -> requests)
+                        router_free, final_tap, failed_requests (rows -> requests),
+                        sizing (what budget sizing needs of vLLM's settings)
     11  worker          the RPCs behind get_stats, reconfigure, reset_stats
     12  validate        engine-config checks where vLLM builds the engine config
     12  __init__        the user API: get_stats, reconfigure, reset_stats
