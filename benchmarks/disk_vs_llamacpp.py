@@ -68,14 +68,6 @@ TOKENS = {1: 16, 8: 8, 32: 5}
 """Tokens generated per sequence at each batch (bigger batches read more per step)."""
 PROMPT_TOKENS = 32
 
-LARGER_MODES = ("fetch, LRU", "fetch + estimator prefetch")
-"""Run again with the host cache at ``--larger-host-ratio`` of RAM (default: not), nearer
-what llama.cpp's page cache holds (its mapped file pages: 17-21 GB). On this 24.7 GB
-machine 0.75 and 0.65 (16 GB of slots) were killed by the OOM killer: the process holds
-about 5 GB besides the slots (vLLM, the KV cache, the passes' scratch). The budget's
-memory check now refuses them at ``reconfigure``, unless ``allow_budget_beyond_memory``."""
-
-
 ARTIFACTS = {
     "calibration": "tiny-qwen3-moe-calibration",
     "estimator": "tiny-qwen3-moe-estimator",
@@ -412,17 +404,9 @@ def phase_plugin(args, work: Path) -> dict:
     start_s = time.perf_counter() - started
     results: dict = {}
     budgets: dict = {}
-    larger = host_budget(args, work, args.larger_host_ratio or None)
-    chosen = [m for m in MODES if not args.modes or m in args.modes]
-    runs = [(mode, budget, MODES[mode]) for mode in chosen]
-    runs += [
-        (f"{mode}, host cache {args.larger_host_ratio:g} x RAM", larger, MODES[mode])
-        for mode in LARGER_MODES
-        if mode in chosen and args.larger_host_ratio > 0
-    ]
-    for mode, mode_budget, settings in runs:
+    for mode in (m for m in MODES if not args.modes or m in args.modes):
         try:
-            vllm_specexpert.reconfigure(llm, budget=mode_budget, **settings)
+            vllm_specexpert.reconfigure(llm, budget=budget, **MODES[mode])
         except SpecExpertConfigError as error:  # (said at start, never mid-generation)
             results[mode] = {"refused": str(error)}
             print(f"plugin {mode}: refused: {error}", flush=True)
@@ -760,8 +744,6 @@ def run_phase(phase: str, args, work: Path) -> dict:
         str(args.host_ratio),
         "--batches",
         *map(str, args.batches),
-        "--larger-host-ratio",
-        str(args.larger_host_ratio),
         *(["--modes", *args.modes] if args.modes else []),
     ]
     print(f"--- {phase}", flush=True)
@@ -785,12 +767,6 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=work_dir("disk-vs-llamacpp"))
     parser.add_argument("--ram-ratio", type=float, default=1.25)
     parser.add_argument("--host-ratio", type=float, default=0.5)
-    parser.add_argument(
-        "--larger-host-ratio",
-        type=float,
-        default=0.0,
-        help="also run LARGER_MODES with this host cache (0: not)",
-    )
     parser.add_argument("--intermediate", type=int, default=None, help="(instead of --ram-ratio)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
