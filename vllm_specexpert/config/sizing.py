@@ -55,8 +55,8 @@ I=8192``), and the allocator keeps a pass's scratch after it, so a later pass ne
 much again. On the 1.28x-RAM disk model (``I=40176``, 2048 tokens a pass) the process
 grew by 6.5 GB after sizing (the KV cache's 1 GiB, 4 GB held after vLLM's warm-up pass,
 2.5 GB more at its peak); 4 bytes (3.3 GB with the disk's buffers) let ``auto`` take 17.8
-GB of slots and the process reach 22.9 GB of 24.7. 8 bytes (6.0 GB) leaves room for
-that growth."""
+GB of slots, and the process was killed out of memory at 23.9 GB of 24.7. With 8 bytes
+(6.0 GB) it took 15.3 GB and peaked at 23.3 GB."""
 
 UNITS = {
     "b": 1,
