@@ -202,3 +202,35 @@ def test_auto_is_the_default_and_the_insisting_key_needs_an_explicit_budget():
         SpecExpertConfig.from_dict({"allow_budget_beyond_memory": True})
     given = {"budget": "12GiB", "allow_budget_beyond_memory": True}
     assert SpecExpertConfig.from_dict(given).allow_budget_beyond_memory
+
+
+def test_an_engine_built_from_another_setting_names_it_when_its_slots_do_not_fit(
+    monkeypatch,
+):
+    """A lookahead draft's engine sizes ``lookahead.draft_budget``: its memory error
+    names that setting, not ``budget``."""
+    import dataclasses
+
+    import torch
+    from moe_reference import random_layer
+
+    import vllm_specexpert.engine as engine_module
+    from vllm_specexpert.engine import OffloadEngine
+    from vllm_specexpert.tiers import memory
+
+    def no_room(device, settings, freed_bytes=0):  # nothing past the KV cache and reserve
+        report = memory.memory_report(device, settings, freed_bytes)
+        return dataclasses.replace(report, free_bytes=2 * GiB)
+
+    monkeypatch.setattr(engine_module, "memory_report", no_room)
+    for field in ("budget", "lookahead.draft_budget"):
+        config = SpecExpertConfig.from_dict({"budget": 0.5})
+        engine = OffloadEngine(config, torch.device("cpu"), reports=False, budget_field=field)
+        engine.sizing.moe_layers = 1
+        engine.sizing.kv_cache_bytes = GiB
+        try:
+            with pytest.raises(SpecExpertConfigError, match="do not fit") as err:
+                engine.add_layer("layer0", random_layer(seed=0), top_k=4)
+            assert err.value.field_name == field
+        finally:
+            engine.close()

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert import execute, features, report
-from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sizing import BudgetFit, SizingSettings, fit_budget
 from vllm_specexpert.features import DecodeCall, EngineFeature, FeatureInputs
 from vllm_specexpert.handoff import StepDemand
@@ -57,9 +57,17 @@ logger = init_logger(__name__)
 
 class OffloadEngine:
     def __init__(
-        self, config: SpecExpertConfig, device: torch.device, rank: int = 0, reports: bool = True
+        self,
+        config: SpecExpertConfig,
+        device: torch.device,
+        rank: int = 0,
+        reports: bool = True,
+        budget_field: str = "budget",
     ):
         self.config = config
+        self.budget_field = budget_field
+        """The user's setting this engine's budget comes from, which its errors name (an
+        engine the adapter builds from another setting is given that one)."""
         self.device = device
         self.rank = rank
         self.store = ExpertStore(pin_memory=device.type == "cuda")
@@ -201,13 +209,20 @@ class OffloadEngine:
             experts.num_experts, layer.top_k, experts.slot_nbytes, experts.staging_nbytes
         )
         memory = memory_report(self.device, self.sizing, self._slot_bytes() if rebuild else 0)
-        fit = fit_budget(
-            config.budget,
-            shapes,
-            memory,
-            config.allow_budget_beyond_memory,
-            self._memory_plan if rebuild else None,
-        )
+        try:
+            fit = fit_budget(
+                config.budget,
+                shapes,
+                memory,
+                config.allow_budget_beyond_memory,
+                self._memory_plan if rebuild else None,
+            )
+        except SpecExpertConfigError as error:
+            if self.budget_field == "budget":
+                raise
+            raise SpecExpertConfigError(
+                self.budget_field, error.problem, f"a smaller {self.budget_field}"
+            ) from None
         if not rebuild:
             self._memory_plan = fit.parts
         if config.budget_sized:

@@ -50,7 +50,13 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
                 "specexpert: a draft model was built without a target "
                 "engine configured for lookahead"
             )
-        engine = OffloadEngine(config.draft_config(), device, rank=rank, reports=False)
+        engine = OffloadEngine(
+            config.draft_config(),
+            device,
+            rank=rank,
+            reports=False,
+            budget_field="lookahead.draft_budget",
+        )
         _TARGETS[engine] = target
         target.provide(draft=engine)  # its routes become the target's lookahead
     else:
