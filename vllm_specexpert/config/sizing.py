@@ -21,9 +21,9 @@ A rebuild (``reconfigure``) never takes more than the start's space, and within 
 
 (``room`` counting the freed slots as free): it may keep what runs now, and grow only
 where the memory free beyond the slots still covers the passes' workspace and the
-reserve. The KV cache is allocated by then (not free, so not taken again); the rest of
-the process is measured, not planned: on the 1.28x-RAM disk model it grew by 2-3 GB over
-four reconfigures, and a rebuild sized by the start's plan alone was killed out of memory.
+reserve. The KV cache is allocated by then (not free, so not taken again); what else is
+free is measured again, not taken from the plan (another process, or this one, may have
+grown since the start).
 
 ``utilization`` is vLLM's ``gpu_memory_utilization`` where vLLM sizes the KV cache from
 it (CUDA, and the CPU build without an explicit KV size), else 1. An explicit budget is
