@@ -374,11 +374,21 @@ def host_budget(args, work: Path, ratio: float | None = None) -> float:
     return max(1, min(slots, experts)) / experts
 
 
+def disk_engine(args, work: Path, budget: float | str, **settings):
+    """The plugin on the widened model and its pack, compiled, for up to the largest
+    batch: ``budget`` and ``settings`` besides ``disk``."""
+    from vllm_specexpert.tools.harness import start_engine
+
+    config = {"budget": budget, "disk": {"path": str(work / "pack")}, **settings}
+    return start_engine(
+        str(work / "model"), config, eager=False, max_model_len=512, max_num_seqs=max(args.batches)
+    )
+
+
 def phase_plugin(args, work: Path) -> dict:
     import vllm_specexpert
     from vllm_specexpert.config import SpecExpertConfigError
     from vllm_specexpert.tiers.expert_pack import pack_checkpoint
-    from vllm_specexpert.tools.harness import start_engine
 
     model = widened(args, work)
     pack = work / "pack"
@@ -390,16 +400,8 @@ def phase_plugin(args, work: Path) -> dict:
     dropped = drop_page_cache()
     cached0 = kib("/proc/meminfo", "Cached")
     started = time.perf_counter()
-    llm = start_engine(
-        str(model),
-        {
-            "budget": budget,
-            "disk": {"path": str(pack)},
-            **{k: str(model / "artifacts" / v) for k, v in ARTIFACTS.items()},
-        },
-        eager=False,
-        max_model_len=512,
-        max_num_seqs=max(args.batches),
+    llm = disk_engine(
+        args, work, budget, **{k: str(model / "artifacts" / v) for k, v in ARTIFACTS.items()}
     )
     start_s = time.perf_counter() - started
     results: dict = {}
@@ -459,17 +461,9 @@ def phase_sweep(args, work: Path) -> dict:
     ``reconfigure``."""
     import vllm_specexpert
     from vllm_specexpert.config import SpecExpertConfigError
-    from vllm_specexpert.tools.harness import start_engine
 
-    model, pack = work / "model", work / "pack"
     drop_page_cache()
-    llm = start_engine(
-        str(model),
-        {"budget": "auto", "disk": {"path": str(pack)}},
-        eager=False,
-        max_model_len=512,
-        max_num_seqs=max(args.batches),
-    )
+    llm = disk_engine(args, work, "auto")
     budgets = [(f"{r:g} x RAM", host_budget(args, work, r)) for r in SWEEP_RATIOS]
     results: dict = {}
     for label, budget in [("auto", None), *budgets]:
@@ -502,22 +496,15 @@ def phase_scheduler(args, work: Path) -> dict:
     scheduler class at start), the same host cache, at the batches above its group size
     (it holds requests back only when more than ``group_size`` decode)."""
     import vllm_specexpert
-    from vllm_specexpert.tools.harness import start_engine
 
-    model, pack = work / "model", work / "pack"
     budget = host_budget(args, work)
     drop_page_cache()
-    llm = start_engine(
-        str(model),
-        {
-            "budget": budget,
-            "disk": {"path": str(pack)},
-            "path_predictor": str(model / "artifacts" / ARTIFACTS["path_predictor"]),
-            "token_scheduler": {"group_size": 8},
-        },
-        eager=False,
-        max_model_len=512,
-        max_num_seqs=max(args.batches),
+    llm = disk_engine(
+        args,
+        work,
+        budget,
+        path_predictor=str(work / "model" / "artifacts" / ARTIFACTS["path_predictor"]),
+        token_scheduler={"group_size": 8},
     )
     rows = {}
     for batch in (b for b in args.batches if b > 8):
