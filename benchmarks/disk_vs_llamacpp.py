@@ -388,7 +388,7 @@ def disk_engine(args, work: Path, budget: float | str, **settings):
 def phase_plugin(args, work: Path) -> dict:
     import vllm_specexpert
     from vllm_specexpert.config import SpecExpertConfigError
-    from vllm_specexpert.tiers.expert_pack import pack_checkpoint
+    from vllm_specexpert.tiers.pack_writer import pack_checkpoint
 
     model = widened(args, work)
     pack = work / "pack"

@@ -26,8 +26,8 @@ from vllm_specexpert.tiers.expert_pack import (
     CorruptRecord,
     ExpertPack,
     checkpoint_files,
-    write_pack,
 )
+from vllm_specexpert.tiers.pack_writer import write_pack
 
 MODEL = Path(__file__).parent.parent / "vllm_specexpert" / "assets" / "tiny-qwen3-moe"
 LAYERS = [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
@@ -37,7 +37,7 @@ def pack_of(model: Path, out: Path) -> ExpertPack:
     source = CheckpointExperts(model)
     write_pack(
         out,
-        [(name, count) for name, count in source.layers() if name in LAYERS],
+        source.layers(),
         source,
         {
             "model": str(model),
@@ -132,21 +132,42 @@ def test_an_unfinished_pack_is_refused(pack, tmp_path):
         ExpertPack(copy)
 
 
-def test_a_pack_of_another_or_a_changed_checkpoint_is_refused(pack, tmp_path):
+def test_a_pack_of_another_or_a_changed_checkpoint_is_refused(pack, tmp_path, capsys):
+    from vllm_specexpert.cli import main
+
+    shutil.copytree(pack.path, tmp_path / "pack")
+    pack = ExpertPack(tmp_path / "pack")
     other = tmp_path / "model"
     shutil.copytree(MODEL, other)
     with safe_open(str(MODEL / "model.safetensors"), "pt") as f:
         names = f.keys()  # (a safetensors handle is not iterable)
         tensors = {k: f.get_tensor(k) for k in names}
         metadata = f.metadata()
-    ExpertPack(pack.path, model=other)  # a copy of the checkpoint is the same checkpoint
-    # A fine-tune: the same names, shapes and file size, other values.
-    fine_tune = {k: t * 2 for k, t in tensors.items()}
-    save_file(fine_tune, str(other / "model.safetensors"), metadata=metadata)
+    # A copy has the same bytes but another inode: what a build tool compares says
+    # "changed", and --verify, comparing every expert, records the copy as it is.
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*out of date.*inode differs"):
+        ExpertPack(pack.path, model=other)
+    main(["pack", str(other), "--out", str(pack.path), "--verify"])
+    assert "512 of 512 experts match" in capsys.readouterr().out
+    ExpertPack(pack.path, model=other)
+    # A fine-tune outside every sampled block, same names, shapes and size: its mtime
+    # says so, and --verify names the experts that differ and records nothing.
+    key = f"{LAYERS[1]}.5.up_proj.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][3, 7] += 1
+    save_file(tensors, str(other / "model.safetensors"), metadata=metadata)
     assert (other / "model.safetensors").stat().st_size == (
         MODEL / "model.safetensors"
     ).stat().st_size
-    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*out of date"):
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*out of date.*mtime_ns"):
+        ExpertPack(pack.path, model=other)
+    with pytest.raises(SystemExit) as exit_:
+        main(["pack", str(other), "--out", str(pack.path), "--verify"])
+    printed = capsys.readouterr().out
+    assert exit_.value.code == 1
+    assert f"{LAYERS[1]} expert 5: w13_weight differs" in printed
+    assert "511 of 512 experts match" in printed
+    with pytest.raises(SpecExpertConfigError, match=r"out of date"):
         ExpertPack(pack.path, model=other)
     key = f"{LAYERS[0]}.0.down_proj.weight"
     tensors[key] = tensors[key][:, :32].contiguous()  # one shape changed
@@ -179,7 +200,7 @@ def test_without_o_direct_reads_go_through_the_page_cache(pack, monkeypatch):
 
 
 def test_a_record_past_the_end_of_the_file_is_an_error_not_zeros(pack):
-    layer = pack.layers[LAYERS[-1]]
+    layer = pack.manifest.layers[-1]
     offset, length = layer.record(layer.num_experts)  # one past the last record
     file = DiskFile(pack.path / RECORDS_FILE)
     reader = DiskReader(file, 1)

@@ -308,7 +308,7 @@ def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
     refused by ``check_fits``)."""
     from vllm.platforms import current_platform
 
-    from vllm_specexpert.tiers.disk import prepare_pack
+    from vllm_specexpert.tiers.pack_writer import prepare_pack
 
     assert config.disk is not None
     if not current_platform.is_cpu():

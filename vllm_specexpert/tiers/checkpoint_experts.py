@@ -28,8 +28,10 @@ PROJECTIONS: dict[str, tuple[str, str, str]] = {
 }
 """Per architecture, the checkpoint names of an expert's gate, up and down projections
 (``{layer}.{expert}.{name}.weight``)."""
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
-"""Bytes per element of the safetensors dtypes read here."""
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+"""The safetensors dtypes read here."""
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
+"""A tensor's name, shape and dtype."""
 
 
 class CheckpointExperts:
@@ -93,15 +95,31 @@ class CheckpointExperts:
 
         return [(name, counts[name]) for name in sorted(counts, key=index)]
 
+    def tensor_specs(self, layer: str) -> list[TensorSpec]:
+        """The name, shape and dtype of each tensor :meth:`__call__` gives for an expert of
+        ``layer``, from the checkpoint's headers (nothing read)."""
+        gate, up, down = (self._spec(f"{layer}.0.{p}.weight") for p in self.projections)
+        if gate[1] != up[1] or gate[0][1:] != up[0][1:]:
+            raise ValueError(f"{self.model_dir}: {layer}'s gate and up projections differ")
+        w13 = (gate[0][0] + up[0][0], *gate[0][1:])
+        return [("w13_weight", w13, gate[1]), ("w2_weight", down[0], down[1])]
+
+    def _spec(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        file = self._where.get(key)
+        if file is None:
+            raise KeyError(f"{self.model_dir}: no tensor {key}")
+        part = self._handle(file).get_slice(key)
+        dtype = DTYPES.get(part.get_dtype())
+        if dtype is None:
+            raise ValueError(f"{self.model_dir}: {key} is {part.get_dtype()}, not bf16/fp16/fp32")
+        return tuple(part.get_shape()), dtype
+
     def expert_nbytes(self, layer: str) -> int:
         """Bytes of one expert of ``layer`` (its tensors, read from the headers)."""
         total = 0
-        for projection in self.projections:
-            key = f"{layer}.0.{projection}.weight"
-            handle = self._handle(self._where[key])
-            part = handle.get_slice(key)
+        for _, shape, dtype in self.tensor_specs(layer):
             count = 1
-            for n in part.get_shape():
+            for n in shape:
                 count *= n
-            total += count * DTYPE_BYTES[part.get_dtype()]
+            total += count * dtype.itemsize
         return total

@@ -3,7 +3,8 @@ for models whose experts do not fit in memory.
 
 A :class:`DiskExperts` is one layer's slow tier when the disk is on: what the link copies
 into slots is read from the pack at the reader's queue depth, into page-aligned buffers
-that are reused, checked against its record's CRC-32 the first time it is read, and
+that are reused, checked against its record's checksum at every read (a record that
+fails never enters a slot), and
 turned into what a slot holds by the layer's decoder (the CPU kernel's prepacked layout,
 made on arrival). Nothing of a layer's experts stays in memory outside the slots: on the
 CPU build the slots are the only tier above the disk.
@@ -20,7 +21,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,8 +39,8 @@ from vllm_specexpert.tiers.expert_pack import (
     CorruptRecord,
     ExpertPack,
     PackLayer,
-    pack_checkpoint,
 )
+from vllm_specexpert.tiers.pack_lock import PackBusy, PackLock
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertsUnreadable, SlotShapes
 
 logger = init_logger(__name__)
@@ -54,7 +54,7 @@ class DiskStats:
     """Seconds the copies spent waiting for reads (real I/O), and for the decoding of
     what was read, which runs on the reader's threads as each read arrives."""
     checked: int = 0
-    """Records whose checksum was verified (each once, at its first read)."""
+    """Reads whose checksum was verified (every read that arrived)."""
     failed: int = 0
     """Expert reads that failed (an I/O error, a record whose checksum failed)."""
 
@@ -62,15 +62,15 @@ class DiskStats:
 class Disk:
     """The pack one engine reads experts from, its reader and buffers (module doc)."""
 
-    def __init__(self, pack: ExpertPack, depth: int, direct: bool = True) -> None:
+    def __init__(
+        self, pack: ExpertPack, depth: int, direct: bool = True, lock: PackLock | None = None
+    ) -> None:
         self.pack = pack
+        self.lock = lock
         self.reader = DiskReader(DiskFile(pack.path / RECORDS_FILE, direct=direct), depth)
         self.stats = DiskStats()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self._checked = {
-            name: np.zeros(layer.num_experts, dtype=bool) for name, layer in pack.layers.items()
-        }
 
     @property
     def direct(self) -> bool:
@@ -170,15 +170,11 @@ class Disk:
         return buffers
 
     def _check(self, layer: PackLayer, expert: int, buffer: torch.Tensor) -> BaseException | None:
-        """The record's CRC-32 at its first read: ``CorruptRecord`` if it fails."""
-        checked = self._checked[layer.name]
-        if checked[expert]:
-            return None
+        """The record's checksum, at every read: ``CorruptRecord`` if it fails."""
         try:
             self.pack.check_record(layer, expert, buffer)
         except CorruptRecord as corrupt:
             return corrupt
-        checked[expert] = True
         with self._lock:
             self.stats.checked += 1
         return None
@@ -227,6 +223,8 @@ class Disk:
 
     def close(self) -> None:
         self.reader.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 class DiskExperts:
@@ -310,39 +308,19 @@ class DiskExperts:
         self.disk.read_each(self.record, np.asarray(experts), arrived)
 
 
-def prepare_pack(path: str, model: str) -> ExpertPack:
-    """The pack at ``path`` for the checkpoint ``model`` (a local directory): made when
-    ``path`` holds none (absent, empty, or a write that was interrupted), checked
-    against the checkpoint when it does. Runs where the engine config is built, before
-    any worker starts."""
-    target = Path(path)
-    if not Path(model, "config.json").is_file():
-        raise SpecExpertConfigError(
-            "disk", f"the checkpoint {model} is not a local directory", "give its local path"
-        )
-    if (target / "manifest.json").is_file():
-        return ExpertPack(target, model=model)
-    if target.exists() and not target.is_dir():
-        raise SpecExpertConfigError(FIELD, f"{target} is not a directory", "give a directory")
-    others = [p.name for p in target.iterdir() if p.name != RECORDS_FILE] if target.is_dir() else []
-    if others:
-        raise SpecExpertConfigError(
-            FIELD,
-            f"{target} holds other things than an expert pack ({', '.join(sorted(others)[:3])})",
-            "give a new or empty directory",
-        )
-    logger.info("specexpert: writing the expert pack of %s to %s", model, target)
-    started = time.perf_counter()
-    manifest = pack_checkpoint(model, target)
-    logger.info(
-        "specexpert: expert pack written: %.2f GB in %.1f s",
-        manifest.records_bytes / 1e9,
-        time.perf_counter() - started,
-    )
-    return ExpertPack(target, model=model)
-
-
 def open_disk(path: str, model: str, queue_depth: int, direct: bool) -> Disk:
-    """The disk tier of a worker: the pack (checked again: the caller's check may be a
-    while ago) and a reader."""
-    return Disk(ExpertPack(path, model=model), queue_depth, direct)
+    """The disk tier of a worker: the pack, locked shared for as long as it is read
+    (a ``specexpert pack`` started meanwhile is refused), checked again (the caller's
+    check may be a while ago), and a reader."""
+    lock = PackLock(path)
+    try:
+        lock.acquire(exclusive=False, wait=False)
+    except PackBusy as busy:
+        raise SpecExpertConfigError(
+            FIELD, f"{busy}, which is writing it", "wait for it to finish, then start again"
+        ) from None
+    try:
+        return Disk(ExpertPack(path, model=model), queue_depth, direct, lock)
+    except BaseException:
+        lock.release()
+        raise

@@ -1,0 +1,296 @@
+"""Writing an expert pack (:mod:`.expert_pack`): by ``specexpert pack``, or by the first
+engine start that finds none.
+
+A writer holds the pack's lock alone (:mod:`.pack_lock`): ``pack`` onto a pack that an
+engine reads is refused naming the engine's process, and two starts making one pack
+wait for each other. The records go to ``experts.bin.partial``, are fsynced and renamed
+over ``experts.bin``; the manifest follows the same way, last. A write that fails (a full
+or read-only filesystem) removes its partial file and is one error naming the
+directory; one that was killed leaves only files of a pack's own names, which the next
+writer recognises and writes over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from vllm_specexpert.artifacts import model_fingerprint
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.log import init_logger
+from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
+from vllm_specexpert.tiers.disk_reader import aligned
+from vllm_specexpert.tiers.expert_pack import (
+    DTYPES,
+    FIELD,
+    MANIFEST_FILE,
+    PACK_FORMAT,
+    RECORDS_FILE,
+    ExpertPack,
+    PackLayer,
+    PackManifest,
+    checkpoint_files,
+    checksum,
+    layer_layout,
+)
+from vllm_specexpert.tiers.pack_lock import LOCK_FILE, PackBusy, PackLock
+
+logger = init_logger(__name__)
+
+PARTIAL = ".partial"
+OWN_FILES = frozenset(
+    {RECORDS_FILE, MANIFEST_FILE, LOCK_FILE, RECORDS_FILE + PARTIAL, MANIFEST_FILE + PARTIAL}
+)
+"""Every file a pack directory may hold, finished or not."""
+
+ExpertSource = Callable[[str, int], Mapping[str, torch.Tensor]]
+"""``source(layer name, expert) -> tensor name -> one expert's tensor``."""
+
+
+def is_pack_dir(path: Path) -> bool:
+    """Whether the directory ``path`` holds only a pack's files (a pack, or one whose
+    writing was interrupted): a writer may write it over."""
+    return all(p.name in OWN_FILES for p in path.iterdir())
+
+
+def write_pack(
+    out: str | Path,
+    layers: Iterable[tuple[str, int]],
+    source: ExpertSource,
+    made_for: Mapping[str, object],
+) -> PackManifest:
+    """Write a pack of ``layers`` (``(name, num_experts)``, in order) to the directory
+    ``out`` (the caller holds its lock alone), one expert at a time from ``source``.
+    ``made_for``: the manifest's ``model``, ``model_fingerprint`` and ``checkpoint_files``.
+    An ``OSError`` removes the partial files and is raised."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / MANIFEST_FILE
+    manifest_path.unlink(missing_ok=True)  # (a pack being rewritten is never whole)
+    records = out / (RECORDS_FILE + PARTIAL)
+    try:
+        written, size = _write_records(records, layers, source)
+        manifest = PackManifest.model_validate(
+            {**made_for, "format": PACK_FORMAT, "layers": written, "records_bytes": size}
+        )
+        os.replace(records, out / RECORDS_FILE)
+        write_manifest(out, manifest)
+    except BaseException:
+        records.unlink(missing_ok=True)
+        raise
+    return manifest
+
+
+def write_manifest(out: Path, manifest: PackManifest) -> None:
+    """``manifest.json`` of the pack ``out``, replaced whole or not at all."""
+    staged = out / (MANIFEST_FILE + PARTIAL)
+    try:
+        with open(staged, "w") as f:
+            f.write(json.dumps(manifest.model_dump(mode="json"), indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staged, out / MANIFEST_FILE)
+        _fsync_dir(out)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+
+
+def verify_pack(path: str | Path, model: str | Path) -> tuple[ExpertPack, list[str]]:
+    """Compare every record of the pack at ``path`` with the checkpoint ``model``'s
+    expert (:meth:`~.expert_pack.ExpertPack.verify`), holding the pack alone; when all
+    match, record the checkpoint's files as they are now (a copied or touched checkpoint
+    is then accepted). The pack, and what differs."""
+    target = Path(path)
+    with _writable(target, FIELD), PackLock(target).hold(exclusive=True, wait=False):
+        pack = ExpertPack(target)
+        source = CheckpointExperts(model)
+        pack.check_layout(source)
+        problems = pack.verify(source)
+        if not problems:
+            update = {
+                "checkpoint_files": checkpoint_files(model),
+                "model_fingerprint": model_fingerprint(model),
+            }
+            write_manifest(target, pack.manifest.model_copy(update=update))
+    return pack, problems
+
+
+def _write_records(
+    path: Path, layers: Iterable[tuple[str, int]], source: ExpertSource
+) -> tuple[list[PackLayer], int]:
+    written: list[PackLayer] = []
+    with open(path, "wb") as f:
+        for name, num_experts in layers:
+            layer: PackLayer | None = None
+            for expert in range(num_experts):
+                tensors = {k: t.contiguous() for k, t in source(name, expert).items()}
+                if layer is None:
+                    specs = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+                    layer = layer_layout(name, num_experts, f.tell(), specs)
+                data = _record_bytes(name, expert, layer, tensors)
+                layer.xxh3.append(checksum(data))
+                f.write(data)
+                f.write(bytes(layer.record_bytes - len(data)))
+            if layer is not None:
+                written.append(PackLayer.model_validate(layer.model_dump()))
+        f.flush()
+        os.fsync(f.fileno())
+        return written, f.tell()
+
+
+def _record_bytes(
+    name: str, expert: int, layer: PackLayer, tensors: Mapping[str, torch.Tensor]
+) -> bytes:
+    """One expert's record without its final padding (tensors at their offsets)."""
+    want = {t.name: (t.shape, DTYPES[t.dtype]) for t in layer.tensors}
+    found = {k: (list(t.shape), t.dtype) for k, t in tensors.items()}
+    if found != want:
+        raise ValueError(f"{name} expert {expert}: tensors {found}, the layer's are {want}")
+    data = bytearray(layer.data_bytes)
+    for entry in layer.tensors:
+        raw = tensors[entry.name].view(torch.uint8).reshape(-1).numpy().tobytes()
+        data[entry.offset : entry.offset + len(raw)] = raw
+    return bytes(data)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pack_checkpoint(
+    model: str | Path, target: str | Path, out_field: str = FIELD, model_field: str = "disk"
+) -> PackManifest:
+    """Write the pack of the checkpoint ``model`` to the directory ``target``, holding its
+    lock alone (:class:`~.pack_lock.PackBusy` names who holds it, without waiting). Every
+    refusal is a config error naming ``model_field`` or ``out_field``: a checkpoint that
+    cannot be read expert by expert, too little room (checked first; a pack already there
+    counts as room), a directory that cannot be written."""
+    target = Path(target)
+    with _writable(target, out_field), PackLock(target).hold(exclusive=True, wait=False):
+        return _pack(model, target, out_field, model_field)
+
+
+def _pack(model: str | Path, target: Path, out_field: str, model_field: str) -> PackManifest:
+    try:
+        source = CheckpointExperts(model)
+    except ValueError as error:
+        raise SpecExpertConfigError(model_field, str(error), "give a bf16 checkpoint") from None
+    layers = source.layers()
+    if not layers:
+        raise SpecExpertConfigError(
+            model_field, f"{model}: no routed expert tensors found", "give an MoE checkpoint"
+        )
+    need = sum(count * aligned(source.expert_nbytes(name)) for name, count in layers)
+    old = [target / RECORDS_FILE, target / (RECORDS_FILE + PARTIAL)]
+    free = shutil.disk_usage(target).free + sum(p.stat().st_size for p in old if p.exists())
+    if need > free:
+        raise SpecExpertConfigError(
+            out_field,
+            f"the pack of {model} needs {need / 1e9:.2f} GB, {target} has {free / 1e9:.2f} GB free",
+            "give a directory on a disk with room",
+        )
+    return write_pack(
+        target,
+        layers,
+        source,
+        {
+            "model": str(model),
+            "model_fingerprint": model_fingerprint(model),
+            "checkpoint_files": checkpoint_files(model),
+        },
+    )
+
+
+class _writable:
+    """Makes the directory ``target`` (on entry) and turns an ``OSError`` of writing it
+    (read-only, full, no permission) into one config error naming ``field``."""
+
+    def __init__(self, target: Path, field: str) -> None:
+        self.target, self.field = target, field
+
+    def __enter__(self) -> None:
+        if self.target.exists() and not self.target.is_dir():
+            raise SpecExpertConfigError(
+                self.field, f"{self.target} is not a directory", "give a directory"
+            )
+        try:
+            self.target.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise self._error(error) from None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: object) -> bool:
+        if isinstance(error, OSError) and not isinstance(error, PackBusy):
+            raise self._error(error) from None
+        return False
+
+    def _error(self, error: OSError) -> SpecExpertConfigError:
+        return SpecExpertConfigError(
+            self.field,
+            f"cannot write the expert pack to {self.target}: {error.strerror or error}",
+            "give a directory on a writable filesystem with room for the pack, or make the "
+            "pack ahead where it can be written (`specexpert pack MODEL --out DIR`)",
+        )
+
+
+def prepare_pack(path: str, model: str) -> ExpertPack:
+    """The pack at ``path`` for the checkpoint ``model`` (a local directory): checked
+    against the checkpoint when it is whole, made when ``path`` holds none (absent, empty,
+    or an interrupted write). Runs where the engine config is built, before any worker
+    starts; a pack being written by another process is waited for."""
+    target = Path(path)
+    if not Path(model, "config.json").is_file():
+        raise SpecExpertConfigError(
+            "disk", f"the checkpoint {model} is not a local directory", "give its local path"
+        )
+    if target.exists() and not target.is_dir():
+        raise SpecExpertConfigError(FIELD, f"{target} is not a directory", "give a directory")
+    if target.is_dir() and not is_pack_dir(target):
+        others = sorted(p.name for p in target.iterdir() if p.name not in OWN_FILES)
+        raise SpecExpertConfigError(
+            FIELD,
+            f"{target} holds other things than an expert pack ({', '.join(others[:3])})",
+            "give a new or empty directory",
+        )
+    if (target / MANIFEST_FILE).is_file():
+        with _waiting(target, exclusive=False):
+            return ExpertPack(target, model=model)
+    with _writable(target, FIELD), _waiting(target, exclusive=True):
+        if not (target / MANIFEST_FILE).is_file():  # (another start may have made it)
+            logger.info("specexpert: writing the expert pack of %s to %s", model, target)
+            started = time.perf_counter()
+            manifest = _pack(model, target, FIELD, "disk")
+            logger.info(
+                "specexpert: expert pack written: %.2f GB in %.1f s",
+                manifest.records_bytes / 1e9,
+                time.perf_counter() - started,
+            )
+        return ExpertPack(target, model=model)
+
+
+class _waiting:
+    """Holds ``target``'s lock, saying once whom it waits for when another process has
+    it."""
+
+    def __init__(self, target: Path, exclusive: bool) -> None:
+        self.lock, self.exclusive = PackLock(target), exclusive
+
+    def __enter__(self) -> None:
+        try:
+            self.lock.acquire(self.exclusive, wait=False)
+        except PackBusy as busy:
+            logger.info("specexpert: waiting for %s (%s)", self.lock.path, busy)
+            self.lock.acquire(self.exclusive, wait=True)
+
+    def __exit__(self, *_: object) -> None:
+        self.lock.release()
