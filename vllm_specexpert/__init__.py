@@ -34,6 +34,8 @@ its floor::
                         Ray), disk (the disk tier: a layer's experts read from its
                         pack), disk_reader (whole-record reads at a queue depth,
                         O_DIRECT), expert_pack (the disk's expert-major file),
+                        pack_writer (writing a pack, atomically), pack_lock (a
+                        pack's lock: engines shared, a writer alone),
                         checkpoint_experts (one expert read from a checkpoint),
                         memory (what the sized tier has free)
      4  metrics         /metrics: the snapshot directory and its collector
