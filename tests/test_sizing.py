@@ -234,3 +234,182 @@ def test_an_engine_built_from_another_setting_names_it_when_its_slots_do_not_fit
             assert err.value.field_name == field
         finally:
             engine.close()
+
+
+# --- a container's memory limit (cgroups) -----------------------------------------------
+# The machine: 24 GiB, 20 GiB of it free (MemAvailable); the KV cache explicit (1 GiB).
+
+MAX_V1 = 9_223_372_036_854_771_712  # what cgroup v1 writes for no limit
+
+
+def cgroup_tree(root, cgroup, files, mountinfo=None):
+    """A fake ``/proc/self/cgroup`` (and ``mountinfo``) and cgroup files under ``root``."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    if mountinfo is not None:
+        (root / "proc/self/mountinfo").write_text(mountinfo)
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(str(text))
+    return root
+
+
+def on_the_machine(monkeypatch, root):
+    """The memory report (:func:`memory_report`) sees the machine above, and reads the
+    cgroups under ``root``."""
+    import types
+
+    from vllm_specexpert.tiers import memory
+
+    ram = types.SimpleNamespace(available=20 * GiB, total=24 * GiB)
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: ram)
+    read = memory.cgroup_memory
+    monkeypatch.setattr(memory, "cgroup_memory", lambda: read(root))
+
+
+def cpu_report(monkeypatch, root):
+    """:func:`memory_report` on the CPU build of the machine above, its cgroups read under
+    ``root``."""
+    import torch
+
+    from vllm_specexpert.config.sizing import SizingSettings
+    from vllm_specexpert.tiers import memory
+
+    on_the_machine(monkeypatch, root)
+    return memory.memory_report(torch.device("cpu"), SizingSettings(kv_cache_bytes=GiB))
+
+
+def six_gib_box(root):
+    # cgroup v2, no mountinfo (the usual mount, /sys/fs/cgroup): limit 6 GiB; charged
+    # 0.75 GiB, of which 0.25 GiB inactive page cache (reclaimable): 5.5 GiB left.
+    return cgroup_tree(
+        root,
+        "0::/box\n",
+        {
+            "sys/fs/cgroup/box/memory.max": 6 * GiB,
+            "sys/fs/cgroup/box/memory.current": int(0.75 * GiB),
+            "sys/fs/cgroup/box/memory.stat": f"anon {GiB // 2}\ninactive_file {GiB // 4}\n",
+        },
+    )
+
+
+def test_a_6_gib_cgroup_on_a_20_gib_free_machine_sizes_from_the_cgroup(tmp_path, monkeypatch):
+    import dataclasses
+
+    from vllm_specexpert.tiers.memory import CgroupMemory, cgroup_memory
+
+    root = six_gib_box(tmp_path)
+    assert cgroup_memory(root) == CgroupMemory(limit_bytes=6 * GiB, free_bytes=int(5.5 * GiB))
+    report = cpu_report(monkeypatch, root)
+    assert (report.free_bytes, report.cgroup_limit_bytes) == (int(5.5 * GiB), 6 * GiB)
+    # free min(20, 5.5) = 5.5 GiB; space 5.5 - KV 1 - workspace 0.09375 - reserve 1
+    # = 3.40625 GiB / 452,984,832 B (0.421875 GiB) = 8.07 -> 8 slots per layer.
+    fit = fit_budget("auto", qwen3_30b(), report)
+    assert fit.slots_per_layer == 8
+    assert "5.5 GiB free (cgroup limit 6.0 GiB), KV floor 1.0 GiB" in fit.reason
+    assert fit.to_dict()["cgroup_limit_bytes"] == 6 * GiB
+    # A rebuild names the limit measured then (raised to 8 GiB since: `docker update`).
+    raised = dataclasses.replace(report, cgroup_limit_bytes=8 * GiB)
+    rebuilt = fit_budget("auto", qwen3_30b(), raised, planned=fit.parts)
+    assert rebuilt.parts["cgroup_limit"] == 8 * GiB
+    # The machine's 20 GiB would have been 17.90625 GiB of space: 42 slots per layer.
+    bare = fit_budget("auto", qwen3_30b(), cpu(24, 20))
+    assert bare.slots_per_layer == 42 and "cgroup" not in bare.reason
+
+
+def test_the_start_line_and_the_stats_name_the_cgroup_limit(tmp_path, monkeypatch):
+    import torch
+    from moe_reference import random_layer
+
+    from vllm_specexpert.engine import OffloadEngine
+
+    on_the_machine(monkeypatch, six_gib_box(tmp_path))
+    engine = OffloadEngine(SpecExpertConfig.from_dict({}), torch.device("cpu"), reports=False)
+    engine.sizing.moe_layers = 1
+    engine.sizing.kv_cache_bytes = GiB
+    try:
+        engine.add_layer("layer0", random_layer(seed=0), top_k=4)
+        assert "(cgroup limit 6.0 GiB)" in engine.summary()  # the start line
+        budget = engine.stats()["budget"]
+        assert budget["cgroup_limit_bytes"] == 6 * GiB
+        # room = what the cgroup leaves, not the machine's 20 GiB.
+        assert budget["room_bytes"] == int(5.5 * GiB)
+    finally:
+        engine.close()
+
+
+def test_a_cgroup_v1_limit_in_a_container(tmp_path, monkeypatch):
+    # The container sees its memory cgroup /docker/abc mounted at /sys/fs/cgroup/memory
+    # (the mount's root is /docker/abc: no cgroup namespace), beside an empty cgroup2
+    # mount (hybrid). Limit 8 GiB; usage 2 GiB, 0.5 GiB of it inactive page cache over
+    # the cgroup and its children (total_inactive_file): 6.5 GiB left.
+    mountinfo = (
+        "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n"
+        "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+    )
+    memory_dir = "sys/fs/cgroup/memory"
+    files = {
+        f"{memory_dir}/memory.limit_in_bytes": 8 * GiB,
+        f"{memory_dir}/memory.usage_in_bytes": 2 * GiB,
+        f"{memory_dir}/memory.stat": f"inactive_file 0\ntotal_inactive_file {GiB // 2}\n",
+        # Where the host would see it: not in the container (a reader that does not
+        # take the mount's root finds this 1 GiB instead).
+        f"{memory_dir}/docker/abc/memory.limit_in_bytes": GiB,
+    }
+    root = cgroup_tree(tmp_path, "4:memory:/docker/abc\n0::/\n", files, mountinfo)
+    report = cpu_report(monkeypatch, root)
+    assert (report.free_bytes, report.cgroup_limit_bytes) == (int(6.5 * GiB), 8 * GiB)
+    # space 6.5 - 2.09375 = 4.40625 GiB / 0.421875 GiB = 10.4 -> 10 slots per layer.
+    fit = fit_budget("auto", qwen3_30b(), report)
+    assert fit.slots_per_layer == 10
+    assert "(cgroup limit 8.0 GiB)" in fit.reason
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files"),
+    [
+        ("0::/box\n", {"sys/fs/cgroup/box/memory.max": "max"}),
+        ("4:memory:/box\n", {"sys/fs/cgroup/memory/box/memory.limit_in_bytes": MAX_V1}),
+        (None, {}),  # no cgroup at all (no /proc/self/cgroup)
+    ],
+    ids=["v2-max", "v1-huge", "none"],
+)
+def test_an_unlimited_cgroup_leaves_the_machines_memory(tmp_path, monkeypatch, cgroup, files):
+    from vllm_specexpert.tiers.memory import cgroup_memory
+
+    files = {**files, "sys/fs/cgroup/box/memory.current": 3 * GiB}
+    root = cgroup_tree(tmp_path, cgroup, files) if cgroup else tmp_path
+    assert cgroup_memory(root) is None
+    report = cpu_report(monkeypatch, root)
+    assert (report.free_bytes, report.cgroup_limit_bytes) == (20 * GiB, None)
+    assert "cgroup" not in fit_budget("auto", qwen3_30b(), report).reason
+
+
+@pytest.mark.parametrize(
+    ("outer", "outer_charged", "limit", "free"),
+    [
+        (4, 1, 4, 3),  # the ancestor's limit is tighter: 4 GiB, 4 - 1 left
+        (8, 7, 6, 1),  # looser, but its other children charge 7 GiB: 8 - 7 left
+    ],
+)
+def test_nested_v2_limits_the_tightest_ancestor_counts(
+    tmp_path, monkeypatch, outer, outer_charged, limit, free
+):
+    # The process is in /a/b/c: a limited (outer), b unlimited, c 6 GiB with 1 GiB charged
+    # (5 GiB left there); the least left over the levels binds.
+    from vllm_specexpert.tiers.memory import CgroupMemory, cgroup_memory
+
+    v2 = "sys/fs/cgroup"
+    files = {
+        f"{v2}/a/memory.max": outer * GiB,
+        f"{v2}/a/memory.current": outer_charged * GiB,
+        f"{v2}/a/b/memory.max": "max",
+        f"{v2}/a/b/memory.current": outer_charged * GiB,
+        f"{v2}/a/b/c/memory.max": 6 * GiB,
+        f"{v2}/a/b/c/memory.current": GiB,
+        f"{v2}/a/b/c/memory.stat": "inactive_file 0\n",
+    }
+    root = cgroup_tree(tmp_path, "0::/a/b/c\n", files)
+    assert cgroup_memory(root) == CgroupMemory(limit * GiB, free * GiB)
+    report = cpu_report(monkeypatch, root)
+    assert (report.free_bytes, report.cgroup_limit_bytes) == (free * GiB, limit * GiB)

@@ -7,6 +7,9 @@ A budget is a fraction of each layer's experts, a count per layer, a size (``"12
 under ``plec``), or ``"auto"``. ``auto`` takes the memory free once the weights are
 loaded and leaves, before any slot::
 
+    free      = the device's free memory; on the CPU build min(MemAvailable, what the
+                process's cgroup leaves: limit - charged, the least over it and its
+                limited ancestors)
     room      = free - (1 - utilization) * total
     kv        = the explicit KV cache size, else min(max_num_seqs * max_model_len *
                 KV bytes per token, KV_SHARE * room)
@@ -109,6 +112,9 @@ class MemoryReport:
     ``VLLM_CPU_KVCACHE_SPACE``)."""
     freed_bytes: int = 0
     """Slots that are freed before the new ones are made (``reconfigure``)."""
+    cgroup_limit_bytes: int | None = None
+    """The memory limit of the process's cgroup (a container's; the tightest of its
+    ancestors'), where one is set; ``free_bytes`` counts what it leaves already."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +188,8 @@ class BudgetFit:
     basis: str
     """What the slots came from: ``budget auto: <the memory's accounting>``, ``budget 12GiB``."""
     parts: dict[str, float] = field(default_factory=dict)
-    """The numbers behind ``basis`` (bytes): room, kv, workspace, reserve, space."""
+    """The numbers behind ``basis`` (bytes): room, kv, workspace, reserve, space, and
+    cgroup_limit where the process's cgroup is limited."""
 
     @property
     def reason(self) -> str:
@@ -210,10 +217,13 @@ def space_for_slots(
     """The bytes the slots may take, and the parts it leaves out (module doc).
     ``planned``: the parts sized at engine start, for a rebuild (module doc)."""
     room = memory.free_bytes + memory.freed_bytes - (1 - memory.utilization) * memory.total_bytes
+    limit = memory.cgroup_limit_bytes
+    cgroup = {} if limit is None else {"cgroup_limit": float(limit)}
     if planned is not None:
         fresh = room - planned["workspace"] - RESERVE_BYTES
         space = min(planned["space"], max(float(memory.freed_bytes), fresh))
-        return {**planned, "room": room, "reserve": float(RESERVE_BYTES), "space": space}
+        kept = {k: v for k, v in planned.items() if k != "cgroup_limit"}  # (measured now)
+        return {**kept, "room": room, "reserve": float(RESERVE_BYTES), "space": space, **cgroup}
     if memory.kv_cache_bytes is not None:
         kv = float(memory.kv_cache_bytes)
     else:
@@ -233,6 +243,7 @@ def space_for_slots(
         "workspace": float(workspace),
         "reserve": float(RESERVE_BYTES),
         "space": space,
+        **cgroup,
     }
 
 
@@ -304,8 +315,10 @@ def _fit(slots: int, shapes: ModelShapes, basis: str, parts: dict[str, float]) -
 
 
 def _accounting(parts: dict[str, float]) -> str:
+    limit = parts.get("cgroup_limit")
+    cgroup = "" if limit is None else f" (cgroup limit {gib(limit)})"
     return (
-        f"{gib(parts['room'])} free, KV floor {gib(parts['kv'])}, workspace "
+        f"{gib(parts['room'])} free{cgroup}, KV floor {gib(parts['kv'])}, workspace "
         f"{gib(parts['workspace'])}, reserve {gib(parts['reserve'])}: "
         f"{gib(max(parts['space'], 0.0))} for slots"
     )

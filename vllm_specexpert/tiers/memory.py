@@ -1,27 +1,184 @@
 """What memory the tier a budget sizes has free now: the GPU's on CUDA, RAM on the CPU
-build (``MemAvailable``: free pages and the page cache the kernel can reclaim)."""
+build: ``MemAvailable`` (free pages and the page cache the kernel can reclaim), or less
+where the process's cgroup (a container) is limited: what the limit leaves
+(:func:`cgroup_memory`)."""
 
 from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 
 from vllm_specexpert.config.sizing import MemoryReport, SizingSettings
 
+UNLIMITED = 1 << 60
+"""A limit at or above this is none (cgroup v1 writes none as 9223372036854771712)."""
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory limit of the process's cgroups."""
+
+    limit_bytes: int
+    """The tightest limit of the process's cgroup and its ancestors'."""
+    free_bytes: int
+    """What the limits leave: over every limited level, the least of ``limit - charged``
+    (``charged``: the level's usage less its inactive page cache)."""
+
+
+# Per cgroup version: the limit's file, the usage's, and memory.stat's keys of the
+# reclaimable page cache (v1's ``total_`` keys count the descendants, as its usage does).
+_FILES = {
+    "v2": ("memory.max", "memory.current", ("inactive_file",)),
+    "v1": (
+        "memory.limit_in_bytes",
+        "memory.usage_in_bytes",
+        ("total_inactive_file", "inactive_file"),
+    ),
+}
+
+
+def cgroup_memory(root: str | os.PathLike[str] = "/") -> CgroupMemory | None:
+    """The memory limit of this process's cgroup, and what it leaves, read under ``root``
+    (``/``; tests give a fake tree): ``/proc/self/cgroup`` names the cgroup, of cgroup v2
+    (``0::/path``) and of v1's memory hierarchy (``N:memory:/path``);
+    ``/proc/self/mountinfo`` says where they are mounted (without it:
+    ``/sys/fs/cgroup`` and ``/sys/fs/cgroup/memory``). The cgroup and every ancestor up to
+    the mount are read: each limit binds. ``None`` where none is limited (``max``, v1's
+    huge value, no cgroup, nothing readable)."""
+    root = Path(root)
+    limit: int | None = None
+    free: int | None = None
+    for version, directory in _cgroup_dirs(root):
+        limit_file, usage_file, reclaimable_keys = _FILES[version]
+        level_limit = _read_int(directory / limit_file)
+        if level_limit is None or level_limit >= UNLIMITED:
+            continue
+        usage = _read_int(directory / usage_file) or 0
+        # Inactive page cache is reclaimed before the OOM killer acts (kubelet's working set).
+        reclaimable = _stat(directory / "memory.stat", reclaimable_keys)
+        left = max(level_limit - max(usage - reclaimable, 0), 0)
+        limit = level_limit if limit is None else min(limit, level_limit)
+        free = left if free is None else min(free, left)
+    if limit is None or free is None:
+        return None
+    return CgroupMemory(limit_bytes=limit, free_bytes=free)
+
+
+def _cgroup_dirs(root: Path) -> list[tuple[str, Path]]:
+    """The directories of this process's cgroups (v2, v1 memory) and their ancestors up
+    to their mounts', under ``root``."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    paths: dict[str, str] = {}
+    for line in lines:
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            paths.setdefault("v2", path)
+        elif "memory" in controllers.split(","):
+            paths.setdefault("v1", path)
+    mounts = _mounts(root)
+    found = []
+    for version, path in paths.items():
+        if version not in mounts:
+            continue
+        mount_root, mount_point = mounts[version]
+        top = root / mount_point.lstrip("/")
+        relative = os.path.relpath(path, mount_root)
+        # A cgroup outside the mount's root (another namespace's) leaves only the mount.
+        directory = top if relative == ".." or relative.startswith("../") else top / relative
+        while True:
+            found.append((version, directory))
+            if directory == top or top not in directory.parents:
+                break
+            directory = directory.parent
+    return found
+
+
+def _mounts(root: Path) -> dict[str, tuple[str, str]]:
+    """Of cgroup v2 and of v1's memory hierarchy: (the mount's root in the cgroup tree,
+    its mount point), from ``/proc/self/mountinfo``, or the usual places without it."""
+    try:
+        lines = (root / "proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return {"v2": ("/", "/sys/fs/cgroup"), "v1": ("/", "/sys/fs/cgroup/memory")}
+    mounts: dict[str, tuple[str, str]] = {}
+    for line in lines:
+        # ID parent major:minor root mount-point options [optional...] - type source super-options
+        fields, _, rest = line.partition(" - ")
+        head, tail = fields.split(), rest.split()
+        if len(head) < 5 or len(tail) < 3:
+            continue
+        place = (_unescape(head[3]), _unescape(head[4]))
+        if tail[0] == "cgroup2":
+            mounts.setdefault("v2", place)
+        elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
+            mounts.setdefault("v1", place)
+    return mounts
+
+
+def _unescape(text: str) -> str:
+    """mountinfo's octal escapes (``\\040`` for a space)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def _read_int(path: Path) -> int | None:
+    """The number in ``path``; ``max`` reads as :data:`UNLIMITED`; ``None`` if unreadable."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat(path: Path, keys: tuple[str, ...]) -> int:
+    """The first of ``keys`` found in a ``memory.stat``, else 0."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    values = dict(line.split(None, 1) for line in lines if len(line.split()) == 2)
+    for key in keys:
+        if key in values:
+            try:
+                return int(values[key])
+            except ValueError:
+                return 0
+    return 0
+
 
 def memory_report(
     device: torch.device, settings: SizingSettings, freed_bytes: int = 0
 ) -> MemoryReport:
     """The memory of ``device``'s tier now, with vLLM's share and KV settings."""
+    limit = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     else:
         ram = psutil.virtual_memory()
         free, total = ram.available, ram.total
+        cgroup = cgroup_memory()
+        if cgroup is not None:
+            free, limit = min(free, cgroup.free_bytes), cgroup.limit_bytes
     return MemoryReport(
         total_bytes=int(total),
         free_bytes=int(free),
         utilization=settings.utilization,
         kv_cache_bytes=settings.kv_cache_bytes,
         freed_bytes=freed_bytes,
+        cgroup_limit_bytes=limit,
     )
