@@ -3,8 +3,11 @@ bit for bit through aligned (O_DIRECT) reads; a truncated, corrupted, unfinished
 foreign pack is refused with one error naming ``disk.path``."""
 
 import errno
+import json
 import os
+import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,9 @@ from safetensors.torch import save_file
 
 from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.tiers import pack_writer
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
+from vllm_specexpert.tiers.disk import open_disk
 from vllm_specexpert.tiers.disk_reader import (
     ALIGN,
     DiskFile,
@@ -27,7 +32,8 @@ from vllm_specexpert.tiers.expert_pack import (
     ExpertPack,
     checkpoint_files,
 )
-from vllm_specexpert.tiers.pack_writer import write_pack
+from vllm_specexpert.tiers.pack_lock import PackLock
+from vllm_specexpert.tiers.pack_writer import prepare_pack, write_pack
 
 MODEL = Path(__file__).parent.parent / "vllm_specexpert" / "assets" / "tiny-qwen3-moe"
 LAYERS = [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
@@ -245,3 +251,261 @@ def test_the_pack_command_refuses_before_any_work(case, message, tmp_path, monke
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not (out / "experts.bin").exists()
+
+
+def edited(pack: ExpertPack, tmp_path: Path, edit) -> Path:
+    """A copy of ``pack`` whose manifest ``edit(manifest dict)`` changed."""
+    copy = tmp_path / "edited"
+    shutil.copytree(pack.path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def tensor(manifest, name):
+    return next(t for t in manifest["layers"][4]["tensors"] if t["name"] == name)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda m: tensor(m, "w13_weight").update(dtype="float16"),
+            "w13_weight is float16 .* the checkpoint's is bfloat16",
+        ),
+        (
+            lambda m: m["layers"][4].update(num_experts=63),
+            "64 checksums for 63 experts",
+        ),
+        (lambda m: m["layers"][4].update(num_experts=65), "64 checksums for 65 experts"),
+        (lambda m: m["layers"][4]["xxh3"].pop(), "63 checksums for 64 experts"),
+        (
+            lambda m: m["layers"][4].update(offset=m["layers"][4]["offset"] + 4096),
+            "records overlap the layer before",
+        ),
+        (
+            lambda m: m["layers"][7].update(offset=m["layers"][7]["offset"] + 4096),
+            "records end at .*, past records_bytes",
+        ),
+        (
+            lambda m: m["layers"][4].update(record_bytes=m["layers"][4]["record_bytes"] - 4096),
+            "tensors end at .*, past record_bytes",
+        ),
+        (
+            lambda m: m["layers"][4].update(record_bytes=m["layers"][4]["record_bytes"] + 1),
+            "multiples of 4096",
+        ),
+        (
+            lambda m: tensor(m, "w2_weight").update(shape=[128, 64]),
+            r"w2_weight is bfloat16 \[128, 64\] at byte 65536 .* is bfloat16 \[256, 64\]",
+        ),
+        (
+            lambda m: tensor(m, "w2_weight").update(offset=tensor(m, "w2_weight")["offset"] - 64),
+            "tensor w2_weight overlaps the one before",
+        ),
+        (lambda m: m["layers"][4]["tensors"].pop(), "w2_weight is absent"),
+        (lambda m: m["layers"].pop(), r"missing: \['model.layers.7.mlp.experts'\]"),
+        (
+            lambda m: m["layers"][4].update(name="model.layers.9.mlp.experts"),
+            r"not in the checkpoint: \['model.layers.9.mlp.experts'\]",
+        ),
+        (
+            lambda m: tensor(m, "w2_weight").update(dtype="complex64"),
+            "tensors.1.dtype: Input should be 'bfloat16'",
+        ),
+    ],
+    ids=[
+        "dtype",
+        "fewer_experts",
+        "more_experts",
+        "checksums",
+        "offset",
+        "last_offset",
+        "record_bytes",
+        "unaligned",
+        "shape",
+        "tensor_offset",
+        "missing_tensor",
+        "missing_layer",
+        "renamed_layer",
+        "unknown_dtype",
+    ],
+)
+def test_a_manifest_that_does_not_fit_the_model_is_refused_in_one_line(
+    pack, tmp_path, edit, message
+):
+    copy = edited(pack, tmp_path, edit)
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path") as error:
+        ExpertPack(copy, model=MODEL)
+    assert re.search(message, str(error.value)), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_an_unedited_copy_is_accepted(pack, tmp_path):
+    # (the control of the cases above: the copy itself is not what they refuse)
+    ExpertPack(edited(pack, tmp_path, lambda m: None), model=MODEL)
+
+
+def test_a_pack_in_use_is_not_written_over_and_its_holder_is_named(pack, tmp_path, capsys):
+    from vllm_specexpert.cli import main
+
+    copy = tmp_path / "pack"
+    shutil.copytree(pack.path, copy)
+    disk = open_disk(str(copy), str(MODEL), queue_depth=1, direct=False)
+    before = (copy / RECORDS_FILE).stat()
+    with pytest.raises(SystemExit) as exit_:
+        main(["pack", str(MODEL), "--out", str(copy)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"in use by pid {os.getpid()} (" in err and "--out" in err
+    assert (copy / RECORDS_FILE).stat().st_ino == before.st_ino
+    assert (copy / "manifest.json").exists()
+    disk.close()  # the lock goes with the engine's disk
+    main(["pack", str(MODEL), "--out", str(copy)])
+    ExpertPack(copy, model=MODEL)
+
+
+def test_an_engine_does_not_open_a_pack_being_written(tmp_path):
+    out = tmp_path / "pack"
+    out.mkdir()
+    with (
+        PackLock(out).hold(exclusive=True, wait=False),
+        pytest.raises(SpecExpertConfigError, match=rf"disk\.path.*pid {os.getpid()}"),
+    ):
+        open_disk(str(out), str(MODEL), queue_depth=1, direct=False)
+
+
+def test_two_starts_making_one_pack_write_it_once(tmp_path, monkeypatch):
+    # The second start waits for the first's lock, then finds the pack whole and checks
+    # it, instead of writing it again (or reading it half written).
+    out = tmp_path / "pack"
+    out.mkdir()
+    waiting = threading.Event()
+    real_info = pack_writer.logger.info
+
+    def info(message, *args):
+        if "waiting for" in message:
+            waiting.set()
+        real_info(message, *args)
+
+    monkeypatch.setattr(pack_writer.logger, "info", info)
+    writes = []
+    real_pack = pack_writer._pack
+    monkeypatch.setattr(pack_writer, "_pack", lambda *a: writes.append(a) or real_pack(*a))
+    result: dict = {}
+    with PackLock(out).hold(exclusive=True, wait=False):  # the first start, writing
+        second = threading.Thread(
+            target=lambda: result.update(pack=prepare_pack(str(out), str(MODEL)))
+        )
+        second.start()
+        assert waiting.wait(60), "the second start did not wait for the first"
+        real_pack(MODEL, out, "disk.path", "disk")
+    second.join(60)
+    assert writes == [] and result["pack"].manifest.layers
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "experts.bin", "manifest.json"]
+
+
+@pytest.mark.parametrize("leftover", ["records", "manifest", "both"])
+def test_a_killed_write_is_recognised_and_written_over(tmp_path, capsys, leftover):
+    from vllm_specexpert.cli import main
+
+    for tool in ("pack", "start"):
+        out = tmp_path / tool
+        out.mkdir()
+        (out / ".lock").touch()
+        if leftover in ("records", "both"):
+            (out / "experts.bin.partial").write_bytes(b"\0" * 8192)
+        if leftover in ("manifest", "both"):
+            (out / "manifest.json.partial").write_text("{")
+        if tool == "pack":
+            main(["pack", str(MODEL), "--out", str(out)])
+        else:
+            prepare_pack(str(out), str(MODEL))
+        ExpertPack(out, model=MODEL)
+        assert sorted(p.name for p in out.iterdir()) == [".lock", "experts.bin", "manifest.json"]
+
+
+def failing_write(monkeypatch, error: int, after: int) -> None:
+    """Writes to a pack's records fail with ``error`` once ``after`` bytes are written."""
+    real_open = open
+    written = [0]
+
+    class Failing:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            written[0] += len(data)
+            if written[0] > after:
+                raise OSError(error, os.strerror(error))
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def opener(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return Failing(f) if str(path).endswith(".partial") else f
+
+    monkeypatch.setattr(pack_writer, "open", opener, raising=False)
+
+
+def test_a_full_disk_during_a_write_is_one_error_and_leaves_no_partial_file(
+    tmp_path, monkeypatch, capsys
+):
+    from vllm_specexpert.cli import main
+
+    failing_write(monkeypatch, errno.ENOSPC, after=20 << 20)
+    with pytest.raises(SystemExit) as exit_:
+        main(["pack", str(MODEL), "--out", str(tmp_path / "pack")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "No space left on device" in err and "--out" in err
+    assert [line for line in err.splitlines() if not line.startswith("usage:")] == [
+        err.splitlines()[-1]
+    ]
+    assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == [".lock"]
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*No space left"):
+        prepare_pack(str(tmp_path / "start"), str(MODEL))
+    assert sorted(p.name for p in (tmp_path / "start").iterdir()) == [".lock"]
+
+
+def test_a_read_only_filesystem_is_one_error_when_writing_and_no_obstacle_when_reading(
+    pack, tmp_path, monkeypatch, capsys
+):
+    from vllm_specexpert.cli import main
+
+    real_mkdir, real_open = Path.mkdir, os.open
+    readonly = tmp_path / "ro"
+
+    def mkdir(self, *args, **kwargs):
+        if str(self).startswith(str(readonly)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    def open_(path, flags, *args):
+        if str(path).startswith(str(readonly)) and flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(SystemExit) as exit_:
+        main(["pack", str(MODEL), "--out", str(readonly / "pack")])
+    assert exit_.value.code == 2 and "Read-only file system" in capsys.readouterr().err
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*Read-only file system"):
+        prepare_pack(str(readonly / "pack"), str(MODEL))
+    # A pack made elsewhere and mounted read-only is read without a lock file: no
+    # writer can change it there.
+    monkeypatch.undo()
+    shutil.copytree(pack.path, readonly, ignore=shutil.ignore_patterns(".lock"))
+    monkeypatch.setattr(os, "open", open_)
+    prepare_pack(str(readonly), str(MODEL))
+    disk = open_disk(str(readonly), str(MODEL), queue_depth=1, direct=False)
+    assert not (readonly / ".lock").exists()
+    disk.close()

@@ -257,10 +257,11 @@ class ExpertPack:
                 key for key, value in file.model_dump().items() if getattr(then[name], key) != value
             ]
             if changed:
+                verb = "differ" if len(changed) > 1 else "differs"
                 raise SpecExpertConfigError(
                     FIELD,
                     f"{self.path} is out of date: {model}/{name} changed since the pack was "
-                    f"made (its {', '.join(changed)} {'differ' if len(changed) > 1 else 'differs'})",
+                    f"made (its {', '.join(changed)} {verb})",
                     f"`specexpert pack {model} --out {self.path} --verify` compares every "
                     "expert and, if all match, records the checkpoint as it is now; or " + self.fix,
                 )
@@ -274,20 +275,37 @@ class ExpertPack:
             layer = layer_layout(name, count, offset, source.tensor_specs(name))
             expected.append(layer)
             offset = layer.end
-        names = [layer.name for layer in expected]
-        if names != [layer.name for layer in self.manifest.layers]:
+        have_names = [layer.name for layer in self.manifest.layers]
+        want_names = [layer.name for layer in expected]
+        if have_names != want_names:
+            extra = sorted(set(have_names) - set(want_names))
+            missing = sorted(set(want_names) - set(have_names))
             raise self._error(
-                f"{self.path} holds layers {list(self.layers)[:3]}..., the checkpoint's MoE "
-                f"layers are {names[:3]}... (a pack of another model)"
+                f"{self.path} does not hold the checkpoint's MoE layers (missing: "
+                f"{missing[:3] or 'none'}; not in the checkpoint: {extra[:3] or 'none'})"
             )
         for want in expected:
             have = self.layers[want.name]
-            for key in ("num_experts", "offset", "record_bytes", "tensors"):
+            for key in ("num_experts", "offset", "record_bytes"):
                 if getattr(have, key) != getattr(want, key):
                     raise self._error(
-                        f"{self.path}: {want.name}'s {key} is {getattr(have, key)!r} in the "
-                        f"manifest, the checkpoint's experts make {getattr(want, key)!r}"
+                        f"{self.path}: {want.name}'s {key} is {getattr(have, key)} in the "
+                        f"manifest, the checkpoint's experts make {getattr(want, key)}"
                     )
+            have_tensors = {t.name: t for t in have.tensors}
+            for tensor in want.tensors:
+                found = have_tensors.pop(tensor.name, None)
+                if found != tensor:
+                    got = "absent" if found is None else _described(found)
+                    raise self._error(
+                        f"{self.path}: {want.name}'s tensor {tensor.name} is {got} in the "
+                        f"manifest, the checkpoint's is {_described(tensor)}"
+                    )
+            if have_tensors:
+                raise self._error(
+                    f"{self.path}: {want.name} has tensors the checkpoint's experts do not "
+                    f"({', '.join(have_tensors)})"
+                )
 
     def unpack(self, layer: PackLayer, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """One record's tensors, as views of ``buffer`` (the record's bytes from its
@@ -331,6 +349,10 @@ class ExpertPack:
                                 "checkpoint's"
                             )
         return problems
+
+
+def _described(tensor: PackTensor) -> str:
+    return f"{tensor.dtype} {tensor.shape} at byte {tensor.offset}"
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -114,11 +114,12 @@ def verify_pack(path: str | Path, model: str | Path) -> tuple[ExpertPack, list[s
         pack.check_layout(source)
         problems = pack.verify(source)
         if not problems:
-            update = {
+            now = {
+                **pack.manifest.model_dump(mode="json"),
                 "checkpoint_files": checkpoint_files(model),
                 "model_fingerprint": model_fingerprint(model),
             }
-            write_manifest(target, pack.manifest.model_copy(update=update))
+            write_manifest(target, PackManifest.model_validate(now))
     return pack, problems
 
 
