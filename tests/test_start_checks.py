@@ -75,6 +75,16 @@ CASES = {
         {"enforce_eager": False},
         "router_free",
     ),
+    # 8 MoE layers of 96 KiB experts: 2 MB buys 2 slots per layer, top_k is 4.
+    "a size budget below top_k": (TRAINED_MODEL, {"budget": "2MB"}, {}, "budget"),
+    # deepseek_v2: 3 MoE layers (the first is dense) of 48 KiB experts: 0.5 MB buys
+    # 3 slots (2 if every layer counted), top_k is 2 (not refused); 0.25 MB buys 1.
+    "a size budget below top_k, a dense first layer": (
+        "deepseek_v2",
+        {"budget": "0.25MB"},
+        {},
+        "budget",
+    ),
     "quality where nothing can miss": (
         TRAINED_MODEL,
         {"budget": 64, "miss_policy": "drop", "quality": {}},
@@ -187,3 +197,41 @@ def test_a_group_size_unlike_the_tensors_is_refused_from_the_headers(name, tmp_p
     with pytest.raises(SpecExpertUnsupportedError) as error:
         args.create_engine_config()
     assert "quantization_config" in str(error.value) and "expected" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v2"])
+def test_the_callers_moe_layers_and_expert_bytes_are_the_checkpoints(name):
+    # What the caller sizes a size budget with, from the model's config alone, against
+    # the expert tensors in its checkpoint.
+    import re
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from vllm_specexpert.architectures import expert_nbytes, moe_layer_count
+
+    path = model_path(name)
+    expert_tensors: dict[int, dict[str, int]] = {}  # layer -> tensor -> bytes
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+                found = re.match(r"model\.layers\.(\d+)\.[a-z_]+\.experts\.0\.", key)
+                if found:
+                    layer = expert_tensors.setdefault(int(found.group(1)), {})
+                    layer[key] = f.get_tensor(key).nbytes
+    hf_config = AutoConfig.from_pretrained(path)
+    assert moe_layer_count(hf_config) == len(expert_tensors)
+    assert expert_nbytes(hf_config, 2) == sum(expert_tensors[min(expert_tensors)].values())
+
+
+def test_a_size_budget_that_buys_top_k_is_not_refused_in_the_caller():
+    # (the control of the two size cases above: deepseek_v2 at 0.5 MB passes the caller)
+    from vllm import EngineArgs
+
+    args = EngineArgs(
+        model=str(model_path("deepseek_v2")),
+        max_model_len=512,
+        enforce_eager=True,
+        additional_config={"specexpert": {"budget": "0.5MB"}},
+    )
+    args.create_engine_config()

@@ -23,6 +23,8 @@ class Architecture:
     """Config attribute: experts per token."""
     vllm_module: str
     """Module of vLLM's implementation (the class is named like the architecture)."""
+    intermediate_attr: str = "moe_intermediate_size"
+    """Config attribute: one expert's intermediate size."""
 
 
 SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
@@ -33,16 +35,25 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
         "num_experts", "num_experts_per_tok", "vllm.model_executor.models.qwen2_moe"
     ),
     "MixtralForCausalLM": Architecture(
-        "num_local_experts", "num_experts_per_tok", "vllm.model_executor.models.mixtral"
+        "num_local_experts",
+        "num_experts_per_tok",
+        "vllm.model_executor.models.mixtral",
+        "intermediate_size",
     ),
     "OlmoeForCausalLM": Architecture(
-        "num_experts", "num_experts_per_tok", "vllm.model_executor.models.olmoe"
+        "num_experts",
+        "num_experts_per_tok",
+        "vllm.model_executor.models.olmoe",
+        "intermediate_size",
     ),
     "DeepseekV2ForCausalLM": Architecture(
         "n_routed_experts", "num_experts_per_tok", "vllm.model_executor.models.deepseek_v2"
     ),
     "GptOssForCausalLM": Architecture(
-        "num_local_experts", "num_experts_per_tok", "vllm.model_executor.models.gpt_oss"
+        "num_local_experts",
+        "num_experts_per_tok",
+        "vllm.model_executor.models.gpt_oss",
+        "intermediate_size",
     ),
 }
 
@@ -54,6 +65,32 @@ class MoEShape:
     """Routed experts per MoE layer."""
     top_k: int
     """Routed experts per token."""
+
+
+def moe_layer_count(hf_config: Any) -> int:
+    """How many decoder layers of the model are MoE layers, by the rule of vLLM's
+    implementation (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``, DeepSeek's
+    ``first_k_dense_replace`` and ``moe_layer_freq``; every layer elsewhere)."""
+    layers = range(int(hf_config.num_hidden_layers))
+    if hasattr(hf_config, "first_k_dense_replace"):
+        first = int(hf_config.first_k_dense_replace)
+        every = int(getattr(hf_config, "moe_layer_freq", 1))
+        return sum(1 for i in layers if i >= first and i % every == 0)
+    if hasattr(hf_config, "decoder_sparse_step"):
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        step = int(hf_config.decoder_sparse_step or 1)
+        return sum(1 for i in layers if i not in dense and (i + 1) % step == 0)
+    return len(layers)
+
+
+def expert_nbytes(hf_config: Any, dtype_bytes: int) -> int:
+    """Bytes of one routed expert's weights (gate, up and down projections) at
+    ``dtype_bytes`` per element: the checkpoint's form, a lower bound of a slot's."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            intermediate = int(getattr(hf_config, SUPPORTED_ARCHITECTURES[arch].intermediate_attr))
+            return 3 * int(hf_config.hidden_size) * intermediate * dtype_bytes
+    raise ValueError(f"no supported architecture in {hf_config.architectures}")
 
 
 def moe_shape(hf_config: Any) -> MoEShape:

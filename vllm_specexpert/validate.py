@@ -236,7 +236,10 @@ def validate_engine_config(vllm_config: Any, config: SpecExpertConfig) -> None:
     check_supported(vllm_config)
     model_config = vllm_config.model_config
     shape = moe_shape(model_config.hf_config)
-    config.check_fits(shape.num_experts, shape.top_k, _packed_experts(model_config))
+    packed = _packed_experts(model_config)
+    config.check_fits(shape.num_experts, shape.top_k, packed)
+    if isinstance(config.budget, str) and config.budget != "auto" and packed is None:
+        _check_size_budget(config.budget, shape, model_config)
     if config.router_free and not runner_is_eager(vllm_config):
         raise SpecExpertConfigError(
             "router_free",
@@ -279,6 +282,28 @@ def validate_engine_config(vllm_config: Any, config: SpecExpertConfig) -> None:
         load_path_predictor(
             config.path_predictor, model=model_config.model, hf_config=model_config.hf_config
         )
+
+
+def _check_size_budget(budget: str, shape: MoEShape, model_config: Any) -> None:
+    """A size budget that does not buy ``top_k`` slots per layer, refused here rather
+    than in the worker: the experts' bytes in the checkpoint's form are a lower bound
+    of a slot's, so what is refused here would be refused there too."""
+    from vllm_specexpert.architectures import expert_nbytes, moe_layer_count
+    from vllm_specexpert.config.sizing import ModelShapes, fit_budget
+
+    hf_config = model_config.hf_config
+    shapes = ModelShapes(
+        moe_layers=moe_layer_count(hf_config),
+        num_experts=shape.num_experts,
+        top_k=shape.top_k,
+        expert_bytes=expert_nbytes(hf_config, model_config.dtype.itemsize),
+        moe_intermediate_size=0,
+        kv_bytes_per_token=0,
+        max_num_seqs=0,
+        max_model_len=0,
+        max_num_batched_tokens=0,
+    )
+    fit_budget(budget, shapes, memory=None)
 
 
 def _packed_experts(model_config: Any) -> str | None:
