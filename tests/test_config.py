@@ -55,6 +55,12 @@ def test_absent_key_means_inert():
         ({"admit_host_experts": "yes"}, "admit_host_experts"),
         ({"stats_path": 3}, "stats_path"),
         ({"stats_interval_s": -1}, "stats_interval_s"),
+        ({"disk": {"path": "/p", "queue_depth": "4"}}, "disk.queue_depth"),
+        ({"disk": {"path": "/p", "queue_depth": True}}, "disk.queue_depth"),
+        ({"disk": {"path": "/p", "queue_depth": 4.0}}, "disk.queue_depth"),
+        ({"disk": {"path": "/p", "direct": "yes"}}, "disk.direct"),
+        ({"disk": {"path": "/p", "direct": 1}}, "disk.direct"),
+        ({"disk": {"path": "/p", "direct": "false"}}, "disk.direct"),
     ],
 )
 def test_bad_values_name_the_field(raw, field):
@@ -384,6 +390,45 @@ def test_a_huge_budget_is_reported_briefly():
     with pytest.raises(SpecExpertConfigError) as info:
         SpecExpertConfig.from_dict({"budget": 1e300})
     assert "1e+300" in str(info.value) and len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "budget, shown",
+    [
+        ("1" + "0" * 400 + "GB", "(403 characters) is larger than any memory"),
+        ("5000000TB", "'5000000TB' is larger than any memory"),
+        (10**400, "got an integer of 401 digits"),
+        ("x" * 500, "(500 characters) is not a size"),
+    ],
+)
+def test_a_budget_too_large_for_any_memory_is_one_short_error(budget, shown):
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.from_dict({"budget": budget})
+    assert info.value.field_name == "budget" and shown in info.value.problem
+    assert len(str(info.value)) < 300
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"budget": 10**400}, "budget"),
+        ({"budget": "1" + "0" * 400 + "GB"}, "budget"),
+        ({"link": {"latency_us": 10**400}}, "link"),
+        ({"not_a_key": 2**64}, "not_a_key"),
+        ({"stats_interval_s": -1}, "stats_interval_s"),
+        ({"disk": {"path": "/p", "queue_depth": "4"}}, "disk.queue_depth"),
+    ],
+)
+def test_reconfigures_values_are_checked_before_they_are_sent(changes, field):
+    # (a 401-digit integer used to reach msgpack and raise its OverflowError)
+    with pytest.raises(SpecExpertConfigError) as info:
+        SpecExpertConfig.check_changes(changes)
+    assert info.value.field_name == field
+
+
+def test_what_depends_on_the_other_settings_is_left_to_the_workers():
+    # buddy needs a calibration the running config may have: not refused alone.
+    SpecExpertConfig.check_changes({"miss_policy": "buddy", "budget": 0.5, "disk": None})
 
 
 @pytest.mark.parametrize(

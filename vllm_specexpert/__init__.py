@@ -153,6 +153,7 @@ def reconfigure(llm: Any, **changes: Any) -> dict[str, Any]:
     it was."""
     from vllm_specexpert.worker import CONFIG_ERROR
 
+    SpecExpertConfig.check_changes(changes)
     reply = _rpc(llm, "specexpert_reconfigure", changes)[0]
     if CONFIG_ERROR in reply:
         raise SpecExpertConfigError(*reply[CONFIG_ERROR])

@@ -151,10 +151,10 @@ class DiskConfig:
     path: Path
     """The expert pack's directory."""
 
-    queue_depth: Annotated[int, Field(ge=1, le=64)] = 4
+    queue_depth: Annotated[Count, Field(ge=1, le=64)] = 4
     """Reads in flight at once (a thread each). Range: [1, 64]."""
 
-    direct: bool = True
+    direct: Flag = True
     """Read with ``O_DIRECT`` (no page cache: the slots are the cache). Where the
     filesystem refuses it, reads go through the page cache and the start line says so;
     ``false`` asks for the page cache."""

@@ -72,6 +72,8 @@ UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+MAX_SIZE = 2**60
+"""The largest size a budget may give (an exbibyte)."""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
 
 
@@ -83,13 +85,20 @@ def parse_size(text: str) -> int:
     unit = match and UNITS.get(match.group(2).lower())
     if match is None or unit is None:
         raise ValueError(
-            f"{text!r} is not a size: give a number and a unit, e.g. '12GiB' or '800MB' "
+            f"{_brief(text)} is not a size: give a number and a unit, e.g. '12GiB' or '800MB' "
             "(units: B, KB, MB, GB, TB; KiB, MiB, GiB, TiB)"
         )
-    size = int(float(match.group(1)) * unit)
+    number = float(match.group(1))
+    if not number * unit < MAX_SIZE:  # (also inf, from a number too long for a float)
+        raise ValueError(f"{_brief(text)} is larger than any memory (at most 1 EiB)")
+    size = int(number * unit)
     if size <= 0:
         raise ValueError(f"{text!r} is not a positive size")
     return size
+
+
+def _brief(text: str) -> str:
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
 
 
 def gib(size: float) -> str:

@@ -243,7 +243,7 @@ class SpecExpertConfig:
             raise ValueError(
                 f"must be a fraction, a count, a size such as '12GiB', or 'auto', got {value!r}"
             )
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"must be finite, got {value}")
         if isinstance(value, float) and value.is_integer() and value > 1:
             value = int(value)
@@ -252,7 +252,11 @@ class SpecExpertConfig:
                 # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
                 return 1.0
             if not 2 <= value <= MAX_EXPERTS:
-                raise ValueError(f"count must be in [2, {MAX_EXPERTS}], got {value:.6g}")
+                try:
+                    shown = f"{value:.6g}"
+                except OverflowError:  # (past a float's range)
+                    shown = f"an integer of {len(str(abs(value)))} digits"
+                raise ValueError(f"count must be in [2, {MAX_EXPERTS}], got {shown}")
             return value
         if not 0.0 < value <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {value:.6g}")
@@ -345,6 +349,28 @@ class SpecExpertConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def check_changes(cls, changes: dict[str, Any]) -> None:
+        """Each of ``reconfigure``'s ``changes`` checked alone, in the caller: a value out
+        of its field's range, or one that cannot be sent to the workers (an integer past
+        64 bits), is refused before it is sent. What depends on the other settings is
+        checked by the workers (:meth:`changed`)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in changes.items():
+            if _has_huge_int(value):
+                raise SpecExpertConfigError(
+                    key, "holds an integer past 64 bits", "give a value in the field's range"
+                )
+            if key not in names:
+                continue  # (the workers name an unknown key, with the closest known one)
+            try:
+                cls(**{key: value})
+            except ValidationError as error:
+                if error.errors()[0]["loc"][:1] == (key,):
+                    raise config_error(error, cls, SECTIONS) from None
+            except TypeError:
+                pass  # (a section given as something else: the workers say so)
+
     def changed(self, changes: dict[str, Any]) -> SpecExpertConfig:
         """This config with ``changes`` (``reconfigure``): the changed keys must have an
         effect; a section given (``link``, ``buddy``) replaces the current one. A setting
@@ -404,3 +430,13 @@ class SpecExpertConfig:
         """This config with the budget a size or ``auto`` came to (the same slots, as
         a fraction of the layer's experts)."""
         return dataclasses.replace(self, budget=slots_per_layer / num_experts)
+
+
+def _has_huge_int(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -(2**63) <= value < 2**64
+    if isinstance(value, dict):
+        return any(_has_huge_int(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_huge_int(v) for v in value)
+    return False
