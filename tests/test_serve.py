@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import requests
+from vllm_harness import MAX_TOKENS, PROMPTS
 
 from vllm_specexpert.tools.fixtures import (
     TRAINED_ANALYSIS_DIR,
@@ -146,6 +147,64 @@ def test_serve_runs_lookahead_and_reports_its_draft_lengths(tmp_path):
         }
         assert steps == {k: float(n) for k, n in lookahead["steps_by_k"].items()}
         assert stats["output"] == "exact"
+
+
+def test_serve_fails_only_the_requests_whose_records_are_corrupt(tmp_path):
+    """The disk tier behind the OpenAI server: records corrupted on disk after they were
+    read fail the requests that read them again (an error response, never another text),
+    the server stays up, and once the file is restored every answer is as before."""
+    from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack
+
+    model = str(TRAINED_MODEL_DIR)
+    pack_dir = tmp_path / "pack"
+    port = free_port()
+    prompts = [*PROMPTS, "for i in range(", "while True:\n    ", "x = [", "return "]
+    with serving(
+        model,
+        port,
+        tmp_path / "server.log",
+        {"budget": 0.25, "disk": {"path": str(pack_dir)}},
+        ["--enforce-eager", "--max-model-len", "512"],
+        timeout_s=300,
+    ):
+        before = [complete(port, model, p, MAX_TOKENS)["choices"][0]["text"] for p in prompts]
+        # Two records of a middle layer. The requests above read most of the layer's
+        # records already: a long prompt's prefill needs more of them than 16 slots hold.
+        layer = ExpertPack(pack_dir).layers["model.layers.4.mlp.experts"]
+        records = pack_dir / RECORDS_FILE
+        saved = records.read_bytes()
+        with open(records, "r+b") as f:
+            for expert in (5, 37):
+                offset, length = layer.record(expert)
+                f.seek(offset + length // 2)
+                f.write(os.urandom(4096))
+        answers = [post(port, model, p) for p in prompts]
+        failed = [a.status_code != 200 for a in answers]
+        print(f"corrupt: {sum(failed)} of {len(prompts)} requests failed")
+        assert any(failed), "no request read a corrupt record"
+        for answer, text in zip(answers, before, strict=True):
+            if answer.status_code == 200:  # never another text
+                assert answer.json()["choices"][0]["text"] == text
+        assert requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        failures = sum(v for k, v in scrape(port).items() if k[0] == "specexpert_disk_failed_total")
+        assert failures > 0
+        records.write_bytes(saved)
+        after = [complete(port, model, p, MAX_TOKENS)["choices"][0]["text"] for p in prompts]
+        assert after == before
+
+
+def post(port: int, model: str, prompt: str) -> requests.Response:
+    return requests.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
 
 
 def complete(port: int, model: str, prompt: str, max_tokens: int) -> dict:
