@@ -13,7 +13,10 @@ queue depth, reads records of that size at uniformly random aligned offsets for
 reads in flight; no record is read twice in a run. Expert sizes: Qwen3-30B-A3B's bf16
 expert (3 x 768 x 2048 x 2 bytes = 9.0 MiB) and an INT4 one (a quarter). Buffered reads
 start cold: the file's pages are dropped from the page cache before each run
-(``posix_fadvise(DONTNEED)``; no root needed).
+(``posix_fadvise(DONTNEED)``; no root needed). Then, per expert size, the cost of the
+disk tier's per-read checksum (xxh3-64, hashed on the reader's thread as each record
+arrives): reads at ``--checksum-depth`` with and without it, side by side, and the
+seconds of a core it takes per GB read.
 Writes ``benchmarks/results/<name>.json`` and ``.png``.
 """
 
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, command_line
 
 from vllm_specexpert.tiers.disk_reader import ALIGN, DiskFile, DiskReader, aligned, aligned_buffer
+from vllm_specexpert.tiers.expert_pack import checksum
 
 CHUNK = 64 << 20
 
@@ -61,7 +66,17 @@ def drop_cached(path: Path) -> None:
         os.close(fd)
 
 
-def run(path: Path, direct: bool, depth: int, record: int, seconds: float, seed: int) -> dict:
+def run(
+    path: Path,
+    direct: bool,
+    depth: int,
+    record: int,
+    seconds: float,
+    seed: int,
+    checked: bool = False,
+) -> dict:
+    """``checked``: each record hashed on the reader's thread as it arrives, as the disk
+    tier checks every read (its hashing seconds are counted)."""
     drop_cached(path)
     file = DiskFile(path, direct=direct)
     if file.direct != direct:
@@ -73,11 +88,20 @@ def run(path: Path, direct: bool, depth: int, record: int, seconds: float, seed:
     random.Random(seed).shuffle(offsets)
     pending = {}
     latencies = []
+    hashing: list[float] = []
+
+    def check(buffer) -> None:
+        started = time.perf_counter()
+        checksum(buffer[:record].numpy().data)
+        hashing.append(time.perf_counter() - started)
+
     start = time.perf_counter()
     while (offsets and time.perf_counter() - start < seconds) or pending:
         while offsets and len(pending) < depth and time.perf_counter() - start < seconds:
             buffer = next(b for b in buffers if all(b is not p[0] for p in pending.values()))
-            pending[reader.submit(buffer, offsets.pop(), record)] = (buffer, time.perf_counter())
+            then = partial(check, buffer) if checked else None
+            job = reader.submit(buffer, offsets.pop(), record, then)
+            pending[job] = (buffer, time.perf_counter())
         done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
         for future in done:
             future.result()
@@ -88,6 +112,7 @@ def run(path: Path, direct: bool, depth: int, record: int, seconds: float, seed:
     latencies.sort()
     return {
         "direct": direct,
+        "checked": checked,
         "depth": depth,
         "record_bytes": record,
         "reads": stats.reads,
@@ -95,6 +120,7 @@ def run(path: Path, direct: bool, depth: int, record: int, seconds: float, seed:
         "busy_gbps": stats.throughput_gbps,
         "latency_ms_p50": latencies[len(latencies) // 2] * 1e3,
         "latency_ms_p90": latencies[int(len(latencies) * 0.9)] * 1e3,
+        "hash_seconds": sum(hashing),
     }
 
 
@@ -133,6 +159,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--expert-mib", type=float, nargs="+", default=[9.0, 2.25])
+    parser.add_argument(
+        "--checksum-depth",
+        type=int,
+        default=4,
+        help="queue depth of the side-by-side of reads with and without the per-read "
+        "checksum (the disk tier's default depth)",
+    )
     parser.add_argument("--name", default="disk_read")
     args = parser.parse_args()
     for depth in args.depths:
@@ -161,6 +194,33 @@ def main() -> None:
                         f"{row['latency_ms_p50']:.1f} ms, p90 {row['latency_ms_p90']:.1f} ms",
                         flush=True,
                     )
+        checked = []
+        for mib in args.expert_mib:
+            record = aligned(int(mib * 2**20))
+            pair = [
+                run(path, True, args.checksum_depth, record, args.seconds, 7, checked=c)
+                for c in (False, True)
+            ]
+            plain, hashed = pair
+            gb = hashed["reads"] * record / 1e9
+            row = {
+                "record_bytes": record,
+                "depth": args.checksum_depth,
+                "unchecked_gbps": plain["gbps"],
+                "checked_gbps": hashed["gbps"],
+                "checked_over_unchecked": hashed["gbps"] / plain["gbps"],
+                "hash_core_seconds_per_gb": hashed["hash_seconds"] / gb,
+                "hash_gbps_one_core": gb / hashed["hash_seconds"],
+            }
+            checked.append(row)
+            print(
+                f"{mib:5.2f} MiB direct depth {args.checksum_depth}: "
+                f"{row['unchecked_gbps']:.2f} GB/s unchecked, {row['checked_gbps']:.2f} checked "
+                f"({row['checked_over_unchecked']:.3f}x); xxh3 "
+                f"{row['hash_core_seconds_per_gb'] * 1e3:.1f} ms of a core per GB read "
+                f"({row['hash_gbps_one_core']:.1f} GB/s)",
+                flush=True,
+            )
     finally:
         path.unlink(missing_ok=True)
         print(f"removed {path}")
@@ -175,6 +235,7 @@ def main() -> None:
                 "write_gbps": write_gbps,
                 "seconds_per_run": args.seconds,
                 "results": results,
+                "checksum": checked,
             },
             indent=1,
         )
