@@ -3,6 +3,8 @@ a server: an engine writes its snapshot, the collector turns it into ``specexper
 series. The scrape of a real server after traffic is in ``test_serve.py``."""
 
 import json
+import logging
+import shutil
 import subprocess
 import sys
 
@@ -180,6 +182,28 @@ def test_directories_of_killed_frontends_are_removed_by_the_next_one(tmp_path):
     assert orphan.name not in left and live.name in left and len(left) == 2
     assert run_frontend(tmp_path).returncode == 0
     assert snapshot_directories(tmp_path) == [live.name]
+
+
+def test_a_worker_that_outlives_its_frontend_writes_no_warning(tmp_path, monkeypatch):
+    """Issue 46 (12): the process of ``LLM()`` removes the snapshot directory when it
+    exits, and its worker runs a second or two longer: its next snapshot has nobody to
+    read it. It was logged as ``cannot write metrics snapshot ... No such file``."""
+    directory = tmp_path / "metrics"
+    engine = run_engine(directory, monkeypatch)
+    assert len(list(directory.glob("worker-*.json"))) == 1
+    shutil.rmtree(directory)  # the frontend's exit
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm_specexpert.report")
+    logger.addHandler(handler)
+    try:
+        engine.write_stats()
+        engine.close()
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+    assert not directory.exists()  # a write never makes it
 
 
 def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):

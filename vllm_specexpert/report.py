@@ -43,7 +43,10 @@ class ReportedEngine(Protocol):
 class StatsWriter:
     """Writes ``snapshot()`` to ``path`` every ``interval_s`` seconds from a daemon
     thread (never from the forward pass), and once more at :meth:`close`. A failed write
-    is logged once and retried at the next interval: it never stops the engine."""
+    is logged once and retried at the next interval: it never stops the engine. With
+    ``reader_owns_directory`` (the ``/metrics`` snapshot), a directory that is gone means
+    its reader is: the process that made it removes it at exit, which an ``LLM()``'s
+    workers outlive by a second or two. The writer then stops without a word."""
 
     MIN_INTERVAL_S = 0.1
     """Shortest period between writes (``stats_interval_s: 0`` writes at this rate)."""
@@ -55,12 +58,15 @@ class StatsWriter:
         snapshot: Callable[[], dict],
         what: str = "stats_path",
         write_last: bool = True,
+        reader_owns_directory: bool = False,
     ):
         self.path = path
         self.what = what
         """What the file is, for the log line of a failed write."""
         self.write_last = write_last
         """Whether :meth:`close` (also at exit) writes a last time."""
+        self.reader_owns_directory = reader_owns_directory
+        """Whether the directory's removal means nobody reads the file any more."""
         self.interval_s = max(interval_s, self.MIN_INTERVAL_S)
         self.snapshot = snapshot
         self._stop = threading.Event()
@@ -73,6 +79,9 @@ class StatsWriter:
         try:
             write_json_atomic(self.path, self.snapshot())
         except OSError as error:
+            if self.reader_owns_directory and not os.path.isdir(os.path.dirname(self.path)):
+                self._stop.set()  # no more periodic writes
+                return
             if not self._warned:
                 logger.warning("specexpert: cannot write %s %s: %s", self.what, self.path, error)
                 self._warned = True
@@ -119,6 +128,7 @@ class Reporter:
                 lambda: {**snapshot(), "model_name": model_name},
                 what="metrics snapshot",
                 write_last=False,
+                reader_owns_directory=True,
             )
         if stats_file:
             check_stats_path(stats_file)
