@@ -42,7 +42,8 @@ FIELD = "disk.path"
 """The config key a pack is named by in errors."""
 REMAKE = "remove {path}: the plugin makes the pack again on the next start"
 
-DTYPES: dict[str, torch.dtype] = {
+DtypeName = Literal["bfloat16", "float16", "float32", "int32", "uint8", "int8", "float8_e4m3fn"]
+DTYPES: dict[DtypeName, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
@@ -52,7 +53,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 """Dtypes a record's tensors may have, by their name in the manifest."""
-DtypeName = Literal["bfloat16", "float16", "float32", "int32", "uint8", "int8", "float8_e4m3fn"]
 TENSOR_ALIGN = 64
 """Alignment of each tensor within a record (a cache line)."""
 

@@ -16,7 +16,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ OWN_FILES = frozenset(
 )
 """Every file a pack directory may hold, finished or not."""
 
-ExpertSource = Callable[[str, int], Mapping[str, torch.Tensor]]
+PackSource = Callable[[str, int], Mapping[str, torch.Tensor]]
 """``source(layer name, expert) -> tensor name -> one expert's tensor``."""
 
 
@@ -62,7 +63,7 @@ def is_pack_dir(path: Path) -> bool:
 def write_pack(
     out: str | Path,
     layers: Iterable[tuple[str, int]],
-    source: ExpertSource,
+    source: PackSource,
     made_for: Mapping[str, object],
 ) -> PackManifest:
     """Write a pack of ``layers`` (``(name, num_experts)``, in order) to the directory
@@ -108,7 +109,7 @@ def verify_pack(path: str | Path, model: str | Path) -> tuple[ExpertPack, list[s
     match, record the checkpoint's files as they are now (a copied or touched checkpoint
     is then accepted). The pack, and what differs."""
     target = Path(path)
-    with _writable(target, FIELD), PackLock(target).hold(exclusive=True, wait=False):
+    with _writing(target, FIELD), PackLock(target).hold(exclusive=True, wait=False):
         pack = ExpertPack(target)
         source = CheckpointExperts(model)
         pack.check_layout(source)
@@ -124,7 +125,7 @@ def verify_pack(path: str | Path, model: str | Path) -> tuple[ExpertPack, list[s
 
 
 def _write_records(
-    path: Path, layers: Iterable[tuple[str, int]], source: ExpertSource
+    path: Path, layers: Iterable[tuple[str, int]], source: PackSource
 ) -> tuple[list[PackLayer], int]:
     written: list[PackLayer] = []
     with open(path, "wb") as f:
@@ -178,7 +179,7 @@ def pack_checkpoint(
     cannot be read expert by expert, too little room (checked first; a pack already there
     counts as room), a directory that cannot be written."""
     target = Path(target)
-    with _writable(target, out_field), PackLock(target).hold(exclusive=True, wait=False):
+    with _writing(target, out_field), PackLock(target).hold(exclusive=True, wait=False):
         return _pack(model, target, out_field, model_field)
 
 
@@ -213,35 +214,24 @@ def _pack(model: str | Path, target: Path, out_field: str, model_field: str) -> 
     )
 
 
-class _writable:
-    """Makes the directory ``target`` (on entry) and turns an ``OSError`` of writing it
-    (read-only, full, no permission) into one config error naming ``field``."""
-
-    def __init__(self, target: Path, field: str) -> None:
-        self.target, self.field = target, field
-
-    def __enter__(self) -> None:
-        if self.target.exists() and not self.target.is_dir():
-            raise SpecExpertConfigError(
-                self.field, f"{self.target} is not a directory", "give a directory"
-            )
-        try:
-            self.target.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise self._error(error) from None
-
-    def __exit__(self, kind: type | None, error: BaseException | None, trace: object) -> bool:
-        if isinstance(error, OSError) and not isinstance(error, PackBusy):
-            raise self._error(error) from None
-        return False
-
-    def _error(self, error: OSError) -> SpecExpertConfigError:
-        return SpecExpertConfigError(
-            self.field,
-            f"cannot write the expert pack to {self.target}: {error.strerror or error}",
+@contextmanager
+def _writing(target: Path, field: str) -> Iterator[None]:
+    """Makes the directory ``target``; an ``OSError`` of writing there (read-only, full,
+    no permission) becomes one config error naming ``field``."""
+    if target.exists() and not target.is_dir():
+        raise SpecExpertConfigError(field, f"{target} is not a directory", "give a directory")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        yield
+    except PackBusy:
+        raise
+    except OSError as error:
+        raise SpecExpertConfigError(
+            field,
+            f"cannot write the expert pack to {target}: {error.strerror or error}",
             "give a directory on a writable filesystem with room for the pack, or make the "
             "pack ahead where it can be written (`specexpert pack MODEL --out DIR`)",
-        )
+        ) from None
 
 
 def prepare_pack(path: str, model: str) -> ExpertPack:
@@ -266,7 +256,7 @@ def prepare_pack(path: str, model: str) -> ExpertPack:
     if (target / MANIFEST_FILE).is_file():
         with _waiting(target, exclusive=False):
             return ExpertPack(target, model=model)
-    with _writable(target, FIELD), _waiting(target, exclusive=True):
+    with _writing(target, FIELD), _waiting(target, exclusive=True):
         if not (target / MANIFEST_FILE).is_file():  # (another start may have made it)
             logger.info("specexpert: writing the expert pack of %s to %s", model, target)
             started = time.perf_counter()
@@ -279,19 +269,17 @@ def prepare_pack(path: str, model: str) -> ExpertPack:
         return ExpertPack(target, model=model)
 
 
-class _waiting:
+@contextmanager
+def _waiting(target: Path, exclusive: bool) -> Iterator[None]:
     """Holds ``target``'s lock, saying once whom it waits for when another process has
     it."""
-
-    def __init__(self, target: Path, exclusive: bool) -> None:
-        self.lock, self.exclusive = PackLock(target), exclusive
-
-    def __enter__(self) -> None:
-        try:
-            self.lock.acquire(self.exclusive, wait=False)
-        except PackBusy as busy:
-            logger.info("specexpert: waiting for %s (%s)", self.lock.path, busy)
-            self.lock.acquire(self.exclusive, wait=True)
-
-    def __exit__(self, *_: object) -> None:
-        self.lock.release()
+    lock = PackLock(target)
+    try:
+        lock.acquire(exclusive, wait=False)
+    except PackBusy as busy:
+        logger.info("specexpert: waiting for %s (%s)", target, busy)
+        lock.acquire(exclusive, wait=True)
+    try:
+        yield
+    finally:
+        lock.release()
