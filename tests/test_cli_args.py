@@ -289,21 +289,62 @@ def test_a_model_that_is_missing_a_file_or_without_config_is_refused(capsys, tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_data_files_must_exist_be_regular_and_not_empty(capsys, tmp_path):
+def test_data_files_must_exist_be_regular_and_not_all_empty(capsys, tmp_path):
     out = ["--out", str(tmp_path / "out")]
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "text.txt").write_text("x = 1\n")
     for data, words in (
         (tmp_path / "nope.txt", "does not exist"),
         (tmp_path, "not a regular file"),
-        (tmp_path / "empty.txt", "is empty"),
     ):
         line = refused(
             capsys, ["calibrate", "--data", str(tmp_path / "text.txt"), str(data), *out], "--data"
         )
         assert words in line
+    line = refused(capsys, ["calibrate", "--data", str(tmp_path / "empty.txt"), *out], "--data")
+    assert f"{tmp_path / 'empty.txt'} is empty" in line
     assert not (tmp_path / "out").exists()
     started(["calibrate", "--data", str(tmp_path / "text.txt"), *out])
+
+
+@pytest.mark.parametrize("tool", ["calibrate", "capture", "train-estimator", "train-path"])
+def test_empty_data_files_are_skipped_with_one_note(capsys, tmp_path, tool):
+    """Issue 46 (11): ``--data django/**/*.py`` stopped at the first empty
+    ``__init__.py``. Empty files are left out and named in one note; only when no file
+    holds text is ``--data`` refused."""
+    out = ["--out", str(tmp_path / "out")]
+    empty = []
+    for name in ("a", "b", "c", "d"):
+        (tmp_path / name).mkdir()
+        empty.append(tmp_path / name / "__init__.py")
+        empty[-1].write_text("")
+    text = tmp_path / "a" / "text.py"
+    text.write_text("x = 1\n")
+    data = [str(p) for p in (empty[0], text, *empty[1:])]
+    started([tool, "--data", *data, *out])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "empty" in line]
+    assert notes == [
+        f"note: --data: skipped 4 empty files: {empty[0]}, {empty[1]}, {empty[2]}, ... (1 more)"
+    ]
+    line = refused(capsys, [tool, "--data", *map(str, empty), *out], "--data")
+    assert "all 4 files are empty" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_documents_are_the_files_with_text(tmp_path, capsys):
+    import argparse
+
+    from vllm_specexpert.tools.trace import add_data_arguments, resolve_data_arguments
+
+    (tmp_path / "empty.py").write_text("")
+    (tmp_path / "text.py").write_text("x = 1\n")
+    parser = argparse.ArgumentParser()
+    add_data_arguments(parser)
+    args = parser.parse_args(["--data", str(tmp_path / "empty.py"), str(tmp_path / "text.py")])
+    _, documents, description = resolve_data_arguments(args, default_split="train")
+    assert [name for name, _ in documents] == [str(tmp_path / "text.py")]
+    assert "empty.py" not in description and "text.py" in description
+    assert capsys.readouterr().err.count("skipped 1 empty file:") == 1
 
 
 def test_a_quantized_checkpoint_is_refused_with_its_bf16_twin_as_the_fix(capsys, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,11 +74,35 @@ def existing_file(text: str) -> str:
 
 
 def data_file(text: str) -> str:
-    """A text file to run: a regular file, not empty."""
-    existing_file(text)
-    if Path(text).stat().st_size == 0:
-        raise argparse.ArgumentTypeError(f"{text} is empty")
-    return text
+    """A text file to run: a regular file (empty ones are left out by
+    :func:`files_with_text`, once all are parsed)."""
+    return existing_file(text)
+
+
+def files_with_text(paths: list[str], option: str = "--data") -> list[str]:
+    """``paths`` without the empty files (a glob over a source tree brings every empty
+    ``__init__.py``), which are named in one note on stderr; a :class:`UsageError` when
+    no file holds text."""
+    empty = {p for p in paths if Path(p).stat().st_size == 0}
+    kept = [p for p in paths if p not in empty]
+    skipped = [p for p in paths if p in empty]
+    if not kept:
+        if len(paths) == 1:
+            raise UsageError(option, f"{paths[0]} is empty")
+        raise UsageError(option, f"all {len(paths)} files are empty ({_first(skipped)})")
+    if skipped:
+        files = "file" if len(skipped) == 1 else "files"
+        print(
+            f"note: {option}: skipped {len(skipped)} empty {files}: {_first(skipped)}",
+            file=sys.stderr,
+        )
+    return kept
+
+
+def _first(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, then how many more."""
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def existing_dir(text: str) -> str:

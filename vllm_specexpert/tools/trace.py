@@ -225,12 +225,15 @@ def add_data_arguments(parser) -> None:
 
 
 def resolve_data_arguments(args, default_split: str) -> tuple[str, Documents, str]:
-    """``(model_dir, documents, data description)`` from :func:`add_data_arguments`."""
+    """``(model_dir, documents, data description)`` from :func:`add_data_arguments`
+    (empty ``--data`` files left out with a note; none with text: a ``UsageError``)."""
+    from vllm_specexpert.tools.arguments import files_with_text
     from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
     from vllm_specexpert.tools.provenance import file_label
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     if args.data:
-        return model, file_documents(args.data), f"files {' '.join(map(file_label, args.data))}"
+        data = files_with_text(args.data)
+        return model, file_documents(data), f"files {' '.join(map(file_label, data))}"
     split = args.split or default_split
     return model, corpus_documents(split), f"corpus split {split}"
