@@ -106,7 +106,7 @@ def test_auto_holds_every_expert_of_a_model_that_fits(engines):
     # Each of these models' experts take a few MB; this machine's free RAM holds them.
     _, llm, reference = engines
     config = vllm_specexpert.reconfigure(llm, budget="auto")
-    assert config["budget"] == 1.0
+    assert config["budget"] == "auto"  # (as given: what it came to is the stats' budget)
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
     stats = vllm_specexpert.get_stats(llm)[0]
     assert stats["slots_per_layer"] == stats["experts_per_layer"]

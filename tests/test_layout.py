@@ -198,19 +198,6 @@ def test_every_runtime_module_is_in_the_relation_map():
     assert missing == []
 
 
-def test_the_design_doc_shows_the_same_map():
-    """docs/design.md's copy of the relation map is the package docstring's, line for
-    line."""
-    readme = (PACKAGE.parent / "docs" / "design.md").read_text()
-    shown = [line for line in readme.splitlines() if re.match(r"^[ \d]\d  \S", line)]
-    mapped = [
-        line[4:]
-        for line in (vllm_specexpert.__doc__ or "").splitlines()
-        if re.match(r"^    [ \d]\d  \S", line)
-    ]
-    assert shown == mapped and len(mapped) > 20
-
-
 def test_the_map_check_sees_a_module_left_out(tmp_path):
     entries = relation_map()
     entries.pop("handoff")

@@ -23,9 +23,16 @@ LAYERS = [
 ]
 
 
+def reach(config, layers):
+    """The check with each layer's slots as ``config`` gives them."""
+    check_pool_reach(
+        config, [(la, config.slots_per_layer(la.experts.num_experts, la.top_k)) for la in layers]
+    )
+
+
 def test_per_layer_pools_of_the_benchmark_fit():
     # 25 slots x 20,570,112 = 514 M elements per layer's pool < 2^31.
-    check_pool_reach(SpecExpertConfig.from_dict({"budget": 25}), LAYERS)
+    reach(SpecExpertConfig.from_dict({"budget": 25}), LAYERS)
 
 
 def test_one_shared_pool_of_all_layers_is_refused_naming_what_fits():
@@ -39,14 +46,14 @@ def test_one_shared_pool_of_all_layers_is_refused_naming_what_fits():
     with pytest.raises(
         SpecExpertConfigError, match=r"'cache'.*4\.11 G.*at most 104 slots in all \(13 per layer\)"
     ):
-        check_pool_reach(config, LAYERS)
+        reach(config, LAYERS)
     # 13 per layer: 104 slots fit.
-    check_pool_reach(plec(13), LAYERS)
+    reach(plec(13), LAYERS)
 
 
 def test_a_per_layer_pool_past_the_reach_names_the_budget():
     wide = {"w13_weight": ((2 * 14336, 4096), torch.bfloat16)}  # Mixtral's: 117 M a slot
     layers = [SimpleNamespace(experts=SimpleNamespace(num_experts=64, slot_shapes=wide), top_k=2)]
     with pytest.raises(SpecExpertConfigError, match=r"'budget'.*at most 18 slots per layer"):
-        check_pool_reach(SpecExpertConfig.from_dict({"budget": 19}), layers)
-    check_pool_reach(SpecExpertConfig.from_dict({"budget": 18}), layers)
+        reach(SpecExpertConfig.from_dict({"budget": 19}), layers)
+    reach(SpecExpertConfig.from_dict({"budget": 18}), layers)

@@ -214,7 +214,7 @@ def test_an_engine_built_from_another_setting_names_it_when_its_slots_do_not_fit
     import torch
     from moe_reference import random_layer
 
-    import vllm_specexpert.engine as engine_module
+    import vllm_specexpert.budget_plan as plan_module
     from vllm_specexpert.engine import OffloadEngine
     from vllm_specexpert.tiers import memory
 
@@ -222,12 +222,12 @@ def test_an_engine_built_from_another_setting_names_it_when_its_slots_do_not_fit
         report = memory.memory_report(device, settings, freed_bytes)
         return dataclasses.replace(report, free_bytes=2 * GiB)
 
-    monkeypatch.setattr(engine_module, "memory_report", no_room)
+    monkeypatch.setattr(plan_module, "memory_report", no_room)
     for field in ("budget", "lookahead.draft_budget"):
         config = SpecExpertConfig.from_dict({"budget": 0.5})
         engine = OffloadEngine(config, torch.device("cpu"), reports=False, budget_field=field)
-        engine.sizing.moe_layers = 1
-        engine.sizing.kv_cache_bytes = GiB
+        engine.budget.sizing.moe_layers = 1
+        engine.budget.sizing.kv_cache_bytes = GiB
         try:
             with pytest.raises(SpecExpertConfigError, match="do not fit") as err:
                 engine.add_layer("layer0", random_layer(seed=0), top_k=4)
@@ -325,8 +325,8 @@ def test_the_start_line_and_the_stats_name_the_cgroup_limit(tmp_path, monkeypatc
 
     on_the_machine(monkeypatch, six_gib_box(tmp_path))
     engine = OffloadEngine(SpecExpertConfig.from_dict({}), torch.device("cpu"), reports=False)
-    engine.sizing.moe_layers = 1
-    engine.sizing.kv_cache_bytes = GiB
+    engine.budget.sizing.moe_layers = 1
+    engine.budget.sizing.kv_cache_bytes = GiB
     try:
         engine.add_layer("layer0", random_layer(seed=0), top_k=4)
         assert "(cgroup limit 6.0 GiB)" in engine.summary()  # the start line

@@ -34,7 +34,7 @@ def build_engine(
     if not isinstance(config, SpecExpertConfig):
         config = SpecExpertConfig.from_dict(config)
     engine = OffloadEngine(config, torch.device("cpu"), reports=reports)
-    engine.sizing.moe_layers = len(layers)  # (vLLM's adapter counts them as it builds them)
+    engine.budget.sizing.moe_layers = len(layers)  # (vLLM's adapter counts them as it builds them)
     try:
         indices = range(len(layers)) if indices is None else indices
         for index, (name, tensors) in zip(indices, layers.items(), strict=True):

@@ -38,6 +38,8 @@ its floor::
                         pack's lock: engines shared, a writer alone),
                         checkpoint_experts (one expert read from a checkpoint),
                         memory (what the sized tier has free)
+     4  budget_plan     what a budget comes to in slots per layer, and why (sized from
+                        the memory at the first layer and at each reconfigure)
      4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
      4  predict/        next-layer predictors: base, router, quasi_hidden; path (a

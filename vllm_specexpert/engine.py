@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from vllm_specexpert import execute, features, report
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.config.sizing import BudgetFit, SizingSettings, fit_budget
+from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan
+from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features import DecodeCall, EngineFeature, FeatureInputs
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
@@ -42,7 +42,6 @@ from vllm_specexpert.predict import NextLayerRouting
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
-from vllm_specexpert.tiers.memory import memory_report
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.staging import HostReader, upload
 from vllm_specexpert.tiers.store import (
@@ -65,9 +64,7 @@ class OffloadEngine:
         budget_field: str = "budget",
     ):
         self.config = config
-        self.budget_field = budget_field
-        """The user's setting this engine's budget comes from, which its errors name (an
-        engine the adapter builds from another setting is given that one)."""
+        """The user's config, as given (what its budget came to: :attr:`budget`)."""
         self.device = device
         self.rank = rank
         self.store = ExpertStore(pin_memory=device.type == "cuda")
@@ -79,15 +76,11 @@ class OffloadEngine:
         self.layers: dict[str, OffloadedLayer] = {}
         self.lock = threading.Lock()  # held while layers change or another thread reads
         self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
-        self.checkpoint: str | None = None  # the model's directory (processes that load it again)
         self.inputs = FeatureInputs()
         """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
-        self.sizing = SizingSettings()
-        """What sizing the budget needs of vLLM's settings (the adapter fills it)."""
-        self.budget_fit: BudgetFit | None = None
-        """What the budget came to and why, once the first layer is added."""
-        self._memory_plan: dict[str, float] | None = None
-        """The memory sizing found at start (:func:`fit_budget`'s parts), a rebuild's."""
+        self.budget = BudgetPlan(device, budget_field)
+        """What the budget comes to in slots per layer, and why (its ``sizing``: what it
+        needs of vLLM's settings, filled by the adapter)."""
         self._failed_rows: set[int] = set()
         """Rows of the running pass that needed an expert the slow tier could not supply."""
         self._logged_unreadable: set[tuple[str, int]] = set()
@@ -145,11 +138,11 @@ class OffloadEngine:
         else:
             self.store.add(experts)
         layer = OffloadedLayer.of(self.store, name, top_k, index, host_kernel)
-        if not self.layers:
+        if self.budget.current is None:
             # The weights are loaded and no slot is made yet: the memory sizing reads.
-            self.config, self.budget_fit = self._fit_budget(self.config, layer)
+            self.budget.adopt(self.budget.plan(self.config, layer.experts, top_k))
         self.layers[name] = layer
-        layer.equip(self.config, self.link, self.device, self.pool)
+        layer.equip(self.config, self._slots(layer), self.link, self.device, self.pool)
         for feature in self.features:
             feature.equip(layer)
         return layer
@@ -173,15 +166,20 @@ class OffloadEngine:
         at engine start, not mid-generation), allocate a shared slot pool, start the
         stats writers, and log one line that sums up the offload."""
         features.check_start(self.config, self.layers.values(), self.inputs)
-        self._check_pool_reach(self.config)
+        self._check_pool_reach(self.config, self.budget.current)
         if self.pool is not None and not self.pool.tensors:
             self.pool.allocate()
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
         logger.info("specexpert: %s", self.summary())
 
-    def _check_pool_reach(self, config: SpecExpertConfig) -> None:
-        if self.device.type == "cpu":  # (the CUDA path runs Triton's kernel)
-            check_pool_reach(config, self.layers.values())
+    def _slots(self, layer: OffloadedLayer, plan: SlotPlan | None = None) -> int:
+        plan = plan or self.budget.current
+        assert plan is not None  # (planned at the first layer)
+        return plan.slots(layer.experts.num_experts, layer.top_k)
+
+    def _check_pool_reach(self, config: SpecExpertConfig, plan: SlotPlan | None) -> None:
+        if self.device.type == "cpu" and self.layers:  # (CUDA runs Triton's kernel)
+            check_pool_reach(config, [(la, self._slots(la, plan)) for la in self.layers.values()])
 
     def summary(self) -> str:  # MoE layers, slots, slow tier, policy, predictor
         return report.summary(self)
@@ -192,42 +190,6 @@ class OffloadEngine:
         ``exact`` is reported ``equivalent``: unchecked on a GPU (``make gpu-check``)."""
         output = self.config.output
         return "equivalent" if output == "exact" and self.device.type != "cpu" else output
-
-    def _fit_budget(
-        self, config: SpecExpertConfig, layer: OffloadedLayer, rebuild: bool = False
-    ) -> tuple[SpecExpertConfig, BudgetFit | None]:
-        """``config`` with its budget sized (a size, ``auto``) and checked against the
-        memory free now, and what it came to. A ``rebuild`` is sized within the start's
-        memory plan, the slots it frees counted as free
-        (:func:`~vllm_specexpert.config.sizing.space_for_slots`). Without a count of the
-        model's MoE layers (an engine built without vLLM), a fraction or count is taken
-        as it is."""
-        if config.budget_sized and self.sizing.moe_layers == 0:
-            return config, None
-        experts = layer.experts
-        shapes = self.sizing.shapes(
-            experts.num_experts, layer.top_k, experts.slot_nbytes, experts.staging_nbytes
-        )
-        memory = memory_report(self.device, self.sizing, self._slot_bytes() if rebuild else 0)
-        try:
-            fit = fit_budget(
-                config.budget,
-                shapes,
-                memory,
-                config.allow_budget_beyond_memory,
-                self._memory_plan if rebuild else None,
-            )
-        except SpecExpertConfigError as error:
-            if self.budget_field == "budget":
-                raise
-            raise SpecExpertConfigError(
-                self.budget_field, error.problem, f"a smaller {self.budget_field}"
-            ) from None
-        if not rebuild:
-            self._memory_plan = fit.parts
-        if config.budget_sized:
-            return config, fit
-        return config.sized(fit.slots_per_layer, experts.num_experts), fit
 
     def _slot_bytes(self) -> int:
         """Bytes of every layer's slots (their pools', freed by a rebuild)."""
@@ -241,12 +203,13 @@ class OffloadEngine:
         """Switch modes without reloading weights (checked first); caches rebuilt, counters
         restarted."""
         first = next(iter(self.layers.values()), None)
-        fit = self.budget_fit
+        plan = self.budget.current
         if first is not None:
-            config, fit = self._fit_budget(config, first, rebuild=True)
+            plan = self.budget.plan(config, first.experts, first.top_k, self._slot_bytes())
         features.check_reconfigure(self.config, config, self.layers.values(), self.inputs)
-        self._check_pool_reach(config)
-        self.budget_fit = fit
+        self._check_pool_reach(config, plan)
+        if plan is not None:
+            self.budget.adopt(plan)
         self._rebuild(config)
         logger.info("specexpert: reconfigured: %s", self.summary())
 
@@ -273,7 +236,7 @@ class OffloadEngine:
                 self.pool.release()
             self._select(config)
             for layer in self.layers.values():
-                layer.equip(config, self.link, self.device, self.pool)
+                layer.equip(config, self._slots(layer), self.link, self.device, self.pool)
             self._build_features(config)
             if self.pool is not None:
                 self.pool.allocate()

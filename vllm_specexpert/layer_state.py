@@ -107,12 +107,16 @@ class OffloadedLayer:
         self.low_bit = None
 
     def equip(
-        self, config: SpecExpertConfig, link: Link, device: torch.device, pool: SlotPool | None
+        self,
+        config: SpecExpertConfig,
+        slots: int,
+        link: Link,
+        device: torch.device,
+        pool: SlotPool | None,
     ) -> None:
-        """A cache (its own pool, or its share of the shared ``pool``, which the engine
-        allocates once every layer joined), loader, low-bit slots and miss context for
-        ``config``."""
-        slots = config.slots_per_layer(self.experts.num_experts, self.top_k)
+        """A cache of ``slots`` (its own pool, or its share of the shared ``pool``, which
+        the engine allocates once every layer joined), loader, low-bit slots and miss
+        context for ``config``."""
         low_bit = (
             config.miss_policy_spec.low_bit
             and self.low_bit_experts is not None
@@ -185,14 +189,18 @@ an expert's offset in 32 bits and reads past this (checked: a pool of 110 slots 
 Qwen3-style experts widened to ``I = 40960`` crashes at slot 105, not at slot 50)."""
 
 
-def check_pool_reach(config: SpecExpertConfig, layers: Iterable[OffloadedLayer]) -> None:
-    """Raise a config error when a slot pool ``config`` would make is a tensor larger
-    than the CPU kernel can address (:data:`CPU_KERNEL_REACH`): one pool per layer, or
-    one for all layers under a shared-pool ``cache`` (``plec``)."""
-    layers = list(layers)
-    if not layers:
+def check_pool_reach(
+    config: SpecExpertConfig, planned: Iterable[tuple[OffloadedLayer, int]]
+) -> None:
+    """Raise a config error when a slot pool ``config`` would make of the ``planned``
+    layers (each with its slots) is a tensor larger than the CPU kernel can address
+    (:data:`CPU_KERNEL_REACH`): one pool per layer, or one for all layers under a
+    shared-pool ``cache`` (``plec``)."""
+    planned = list(planned)
+    if not planned:
         return
-    slots = [config.slots_per_layer(la.experts.num_experts, la.top_k) for la in layers]
+    layers = [la for la, _ in planned]
+    slots = [n for _, n in planned]
     widest = max(math.prod(shape) for la in layers for shape, _ in la.experts.slot_shapes.values())
     pooled = sum(slots) if config.cache_spec.shared_pool else max(slots)
     if pooled * widest <= CPU_KERNEL_REACH:

@@ -34,7 +34,7 @@ class ReportedEngine(Protocol):
     store: Any
     link: Any
     features: list[Any]
-    budget_fit: Any
+    budget: Any
 
     @property
     def output(self) -> str: ...
@@ -180,7 +180,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "expert_bytes": {n: la.cache.experts.expert_nbytes for n, la in layers.items()},
             "expert_format": {n: la.cache.experts.format for n, la in layers.items()},
             "slot_bytes": {n: la.cache.experts.slot_nbytes for n, la in layers.items()},
-            "budget": None if engine.budget_fit is None else engine.budget_fit.to_dict(),
+            "budget": None if engine.budget.fit is None else engine.budget.fit.to_dict(),
             "store_bytes": engine.store.nbytes,
             "pinned": engine.store.pin_memory,
             "modeled": {
@@ -259,7 +259,7 @@ def summary(engine: ReportedEngine) -> str:
             f"one pool of {sum(la.cache.num_slots for la in layers)}"
             f" slots shared by their {'/'.join(map(str, experts))} experts each"
         )
-    fit = engine.budget_fit
+    fit = engine.budget.fit
     if fit is not None:
         residency += f", {gib(fit.slot_bytes)} ({fit.basis})"
     return (

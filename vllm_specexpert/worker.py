@@ -39,7 +39,7 @@ class SpecExpertWorkerExtension:
     def specexpert_reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Apply config ``changes`` (e.g. ``{"budget": 0.25}``) to the running engine:
         caches are rebuilt at the new budget without reloading the model. Returns the
-        new config (a size or ``auto`` as the fraction it came to)."""
+        new config, as given (what its budget came to is in the stats' ``budget``)."""
 
         engine = self._specexpert_engine()
         try:

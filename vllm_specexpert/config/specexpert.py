@@ -426,11 +426,6 @@ class SpecExpertConfig:
         from the model's bytes or the memory (a size, ``auto``)."""
         return not isinstance(self.budget, str)
 
-    def sized(self, slots_per_layer: int, num_experts: int) -> SpecExpertConfig:
-        """This config with the budget a size or ``auto`` came to (the same slots, as
-        a fraction of the layer's experts)."""
-        return dataclasses.replace(self, budget=slots_per_layer / num_experts)
-
 
 def _has_huge_int(value: Any) -> bool:
     if isinstance(value, int) and not isinstance(value, bool):

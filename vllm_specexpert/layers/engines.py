@@ -61,16 +61,15 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
         target.provide(draft=engine)  # its routes become the target's lookahead
     else:
         engine = OffloadEngine(config, device, rank=rank)
-        engine.checkpoint = vllm_config.model_config.model
         if config.disk is not None:
             engine.store.disk = open_disk(
                 config.disk.path,
-                engine.checkpoint,
+                vllm_config.model_config.model,
                 config.disk.queue_depth,
                 config.disk.direct,
             )
         _TARGET = weakref.ref(engine)
-    engine.sizing = sizing_settings(vllm_config)
+    engine.budget.sizing = sizing_settings(vllm_config)
     key = id(vllm_config)
 
     def forget(_ref: weakref.ref) -> None:

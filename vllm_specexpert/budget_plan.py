@@ -1,0 +1,91 @@
+"""What a config's ``budget`` comes to, in slots per MoE layer, and why.
+
+A size or ``auto`` is sized from the memory free when the weights are loaded and no slot
+is made yet (the first MoE layer), and again at every ``reconfigure``, within the start's
+memory plan (:func:`~vllm_specexpert.config.sizing.fit_budget`); a fraction or a count is
+checked against the same memory. The user's config is kept as given: the plan is
+carried beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config.fit import budget_slots
+from vllm_specexpert.config.sizing import BudgetFit, SizingSettings, fit_budget
+from vllm_specexpert.tiers.memory import memory_report
+from vllm_specexpert.tiers.store import ExpertSource
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """The slots per MoE layer of one config: ``fit``'s where it was sized, else the
+    config's fraction or count of each layer's experts (an engine built without vLLM,
+    whose MoE layers are not counted)."""
+
+    budget: float | int | str
+    fit: BudgetFit | None = None
+
+    def slots(self, num_experts: int, top_k: int) -> int:
+        if self.fit is not None:
+            return self.fit.slots_per_layer
+        if isinstance(self.budget, str):
+            raise RuntimeError(f"budget {self.budget!r} is not sized (no MoE layer counted)")
+        return budget_slots(self.budget, num_experts, top_k)
+
+
+class BudgetPlan:
+    """Sizes budgets for one engine: the memory report, vLLM's settings
+    (:attr:`sizing`, filled by the adapter) and the start's memory plan."""
+
+    def __init__(self, device: torch.device, field: str = "budget") -> None:
+        self.device = device
+        self.field = field
+        """The user's setting the budget comes from, which its errors name (an engine
+        the adapter builds from another setting is given that one)."""
+        self.sizing = SizingSettings()
+        self.current: SlotPlan | None = None
+        """The running config's plan, once the first MoE layer is added."""
+        self._start_parts: dict[str, float] | None = None
+
+    @property
+    def fit(self) -> BudgetFit | None:
+        return self.current.fit if self.current is not None else None
+
+    def plan(
+        self, config: SpecExpertConfig, experts: ExpertSource, top_k: int, freed_bytes: int = 0
+    ) -> SlotPlan:
+        """``config``'s plan for a model whose MoE layers hold ``experts``' kind, checked
+        against the memory free now. ``freed_bytes``: the slots a rebuild frees first (a
+        rebuild is sized within the start's plan); 0 at start. Not adopted."""
+        if config.budget_sized and self.sizing.moe_layers == 0:
+            return SlotPlan(config.budget)
+        shapes = self.sizing.shapes(
+            experts.num_experts, top_k, experts.slot_nbytes, experts.staging_nbytes
+        )
+        rebuild = self.current is not None
+        memory = memory_report(self.device, self.sizing, freed_bytes)
+        try:
+            fit = fit_budget(
+                config.budget,
+                shapes,
+                memory,
+                config.allow_budget_beyond_memory,
+                self._start_parts if rebuild else None,
+            )
+        except SpecExpertConfigError as error:
+            if self.field == "budget":
+                raise
+            raise SpecExpertConfigError(
+                self.field, error.problem, f"a smaller {self.field}"
+            ) from None
+        return SlotPlan(config.budget, fit)
+
+    def adopt(self, plan: SlotPlan) -> None:
+        """``plan`` is the running config's (the first adopted is the start's)."""
+        if self.current is None and plan.fit is not None:
+            self._start_parts = plan.fit.parts
+        self.current = plan
