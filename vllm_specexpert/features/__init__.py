@@ -19,7 +19,6 @@ from vllm_specexpert.predict import PREDICTOR_CLASSES
 from vllm_specexpert.quality import QualityMonitor
 
 __all__ = [
-    "FEATURE_NAMES",
     "DecodeCall",
     "EngineFeature",
     "FeatureInputs",
@@ -28,10 +27,6 @@ __all__ = [
     "check_reconfigure",
     "check_start",
 ]
-
-FEATURE_NAMES = ("quality", "prediction", "mesh", "lookahead", "step_demand")
-"""Every feature, in the order the engine calls them (each its stats section, ``None``
-when off)."""
 
 
 def build(config: SpecExpertConfig, engine: Any) -> list[EngineFeature]:

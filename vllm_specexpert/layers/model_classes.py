@@ -217,7 +217,7 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     routed = layers[0][2]
     num_experts = routed.global_num_experts
     names = {index: (r.layer_name, tuple(range(num_experts))) for index, _, r in layers}
-    check_checkpoint(engine.checkpoint, names)
+    check_checkpoint(routed.checkpoint, names)
     hot = {}
     if mesh.placement == "replicate_hot":  # (hot_count checked: SpecExpertConfig.check_fits)
         hot = {
@@ -227,7 +227,7 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     kernel = routed.slot_kernel.direct_experts()
     activation = getattr(routed.activation, "value", str(routed.activation))
     spec = ShardSpec(
-        engine.checkpoint,
+        routed.checkpoint,
         names,
         tuple(engine.store.layers[routed.layer_name].slot_shapes["w13_weight"][0]),
         kernel.isa if kernel is not None else None,

@@ -124,7 +124,9 @@ class OffloadedRoutedExperts(RoutedExperts):
             lookahead_driver.install()
         self.slot_kernel = SlotKernel(self)
         self.engine = engine_for(vllm_config, config, draft=self._draft)
-        self.engine.sizing.count_layer(moe_config.intermediate_size_per_partition)
+        self.checkpoint: str = vllm_config.model_config.model
+        """The model's directory (what a mesh peer reads its shard from)."""
+        self.engine.budget.sizing.count_layer(moe_config.intermediate_size_per_partition)
         self.decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
         """Most tokens a decoding request is scheduled per pass (verification: 1 + k)."""
         self.layer_index = _layer_index(layer_name)
@@ -252,7 +254,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         if self._on_disk:
             disk = self.engine.store.disk
             assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
-            experts = disk.layer(self.layer_name, FormDecoder("bfloat16", form, slot_shapes))
+            held = disk.record_of(self.layer_name).tensors[0].dtype  # (bf16 or fp16)
+            experts = disk.layer(self.layer_name, FormDecoder(held, form, slot_shapes))
             decoder = None
         elif packed is None:
             experts = {name: getattr(self, name).data for name in slot_shapes}

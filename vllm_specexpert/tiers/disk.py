@@ -41,7 +41,7 @@ from vllm_specexpert.tiers.expert_pack import (
     PackLayer,
 )
 from vllm_specexpert.tiers.pack_lock import PackBusy, PackLock
-from vllm_specexpert.tiers.store import ExpertDecoder, ExpertsUnreadable, SlotShapes
+from vllm_specexpert.tiers.store import ExpertDecoder, ExpertsUnreadable, SlotForm, SlotShapes
 
 logger = init_logger(__name__)
 
@@ -82,6 +82,10 @@ class Disk:
 
     def layer(self, name: str, decoder: ExpertDecoder | None) -> DiskExperts:
         """Layer ``name``'s experts on this disk."""
+        return DiskExperts(self, self.record_of(name), decoder)
+
+    def record_of(self, name: str) -> PackLayer:
+        """Layer ``name``'s records in the pack (refused when the pack has none)."""
         layer = self.pack.layers.get(name)
         if layer is None:
             raise SpecExpertConfigError(
@@ -89,7 +93,7 @@ class Disk:
                 f"{self.pack.path} has no experts of {name} (a pack of another model?)",
                 f"remove {self.pack.path}: the plugin makes the pack again on the next start",
             )
-        return DiskExperts(self, layer, decoder)
+        return layer
 
     def read(self, layer: PackLayer, experts: np.ndarray) -> list[torch.Tensor]:
         """The records of ``experts`` (distinct ids of ``layer``), each in a buffer the
@@ -227,7 +231,7 @@ class Disk:
             self.lock.release()
 
 
-class DiskExperts:
+class DiskExperts(SlotForm):
     """One layer's routed experts in the disk tier: the slow tier's interface
     (:class:`~vllm_specexpert.tiers.store.ExpertSource`) over the pack's records."""
 
@@ -242,30 +246,11 @@ class DiskExperts:
         self.num_tensors = len(layer.tensors)
 
     @property
-    def format(self) -> str:
-        if self.decoder is not None:
-            return self.decoder.name
-        return self.record.tensors[0].dtype
-
-    @property
     def packed_format(self) -> str | None:
         return None  # (a pack holds the checkpoint's bf16/fp16 experts)
 
-    @property
-    def slot_shapes(self) -> SlotShapes:
-        if self.decoder is not None:
-            return self.decoder.slot_shapes
+    def held_shapes(self) -> SlotShapes:
         return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
-
-    @property
-    def slot_nbytes(self) -> int:
-        return sum(
-            int(np.prod(shape)) * dtype.itemsize for shape, dtype in self.slot_shapes.values()
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return self.expert_nbytes * self.num_experts
 
     @property
     def staging_nbytes(self) -> int:

@@ -84,19 +84,6 @@ class PackLock:
             self.release()
 
 
-def holders_of(path: str | Path) -> list[str]:
-    """The processes holding ``path``'s pack lock (``"pid 123 (specexpert pack ...)"``)."""
-    file = Path(path) / LOCK_FILE
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return []
-    try:
-        return lock_holders(fd)
-    finally:
-        os.close(fd)
-
-
 def lock_holders(fd: int, proc: str | Path = "/proc") -> list[str]:
     """The processes that hold a ``flock`` on the file open at ``fd``, from
     ``/proc/locks`` (``<id>: FLOCK ADVISORY READ|WRITE <pid> <major>:<minor>:<inode> ...``)."""

@@ -98,6 +98,43 @@ class ExpertSource(Protocol):
         ...
 
 
+class SlotForm:
+    """What a slow tier's layer of experts derives the same way wherever it holds them:
+    from its decoder, else from the shapes it holds (:meth:`held_shapes`)."""
+
+    num_experts: int
+    expert_nbytes: int
+    decoder: ExpertDecoder | None
+
+    def held_shapes(self) -> SlotShapes:
+        """One expert's tensors as this tier holds them."""
+        raise NotImplementedError
+
+    @property
+    def format(self) -> str:
+        """How the experts are held here: the decoder's format, else the dtype."""
+        if self.decoder is not None:
+            return self.decoder.name
+        dtype = next(iter(self.held_shapes().values()))[1]
+        return str(dtype).removeprefix("torch.")
+
+    @property
+    def slot_shapes(self) -> SlotShapes:
+        """What one slot holds of this layer's experts."""
+        if self.decoder is not None:
+            return self.decoder.slot_shapes
+        return self.held_shapes()
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one slot (what one expert takes on the device)."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.slot_shapes.values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_nbytes * self.num_experts
+
+
 def fill_from(
     source: ExpertSource,
     experts: np.ndarray,
@@ -148,7 +185,7 @@ class FormDecoder:
 
 
 @dataclass
-class LayerExperts:
+class LayerExperts(SlotForm):
     """All routed experts of one MoE layer in the slow tier."""
 
     name: str
@@ -170,26 +207,10 @@ class LayerExperts:
         self.num_tensors: int = len(self.tensors)
 
     @property
-    def format(self) -> str:
-        """How the experts are held here: the packed format, else the dtype."""
-        if self.decoder is not None:
-            return self.decoder.name
-        return str(next(iter(self.tensors.values())).dtype).removeprefix("torch.")
-
-    @property
     def packed_format(self) -> str | None:
         return self.decoder.name if self.decoder is not None else None
 
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes of one slot (what one expert takes on the device)."""
-        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.slot_shapes.values())
-
-    @property
-    def slot_shapes(self) -> SlotShapes:
-        """What one slot holds of this layer's experts."""
-        if self.decoder is not None:
-            return self.decoder.slot_shapes
+    def held_shapes(self) -> SlotShapes:
         return {key: (tuple(t.shape[1:]), t.dtype) for key, t in self.tensors.items()}
 
     def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
@@ -206,10 +227,6 @@ class LayerExperts:
         self, experts: np.ndarray, slots: np.ndarray, destinations: dict[str, torch.Tensor]
     ) -> None:
         fill_from(self, experts, slots, destinations)
-
-    @property
-    def nbytes(self) -> int:
-        return self.expert_nbytes * self.num_experts
 
     @property
     def staging_nbytes(self) -> int:
