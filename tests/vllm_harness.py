@@ -187,8 +187,8 @@ def cache_invariants(model) -> list[int]:
 def fix_host_cost(llm, per_expert: float, per_row: float = 0.0) -> None:
     """Fix every offloaded layer's host cost model (seconds per expert and per row) so
     that ``auto``'s host/link split is a function of the routing alone, not of how loaded
-    the machine is. Call it after :func:`vllm_specexpert.reconfigure`, which rebuilds the
-    layers' miss contexts."""
+    the machine is (with :func:`fix_link_cost` for the link's side). Call it after
+    :func:`vllm_specexpert.reconfigure`, which rebuilds the layers' miss contexts."""
 
     def fix(model) -> None:
         from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
@@ -198,6 +198,28 @@ def fix_host_cost(llm, per_expert: float, per_row: float = 0.0) -> None:
                 host = module.engine.layers[module.layer_name].miss_context.host
                 if host is not None:  # a mode that computes on the host
                     host.cost.fix(per_expert, per_row)
+
+    llm.apply_model(fix)
+
+
+def fix_link_cost(llm, seconds_per_byte: float) -> None:
+    """Fix the link time of one expert copy that ``auto``'s host/link split is made with
+    (``MissContext.copy_seconds``): ``seconds_per_byte`` times each offloaded layer's
+    expert bytes. An emulated link's estimate is its config's; without emulation it is
+    what ``CpuLink`` measured: a running mean of the memcpy times of the copies its copy
+    thread makes (every prefetch: a predictor, ``admit_host_experts``, ``plec``
+    preloads), starting from 1e-10 s per byte. Call it after
+    :func:`vllm_specexpert.reconfigure`, which rebuilds the link and the miss contexts."""
+
+    def fix(model) -> None:
+        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+        for module in model.modules():
+            if isinstance(module, OffloadedRoutedExperts):
+                layer = module.engine.layers[module.layer_name]
+                if layer.miss_context is not None:
+                    seconds = seconds_per_byte * layer.experts.expert_nbytes
+                    layer.miss_context.expert_copy_seconds = lambda s=seconds: s
 
     llm.apply_model(fix)
 
