@@ -41,13 +41,18 @@ def engine(pack_dir):
     shutdown(llm)
 
 
-def expert_parameters(model) -> list[tuple[int, str]]:
-    """Worker side: per offloaded layer, how many experts its vLLM parameter holds and
-    where the engine reads its experts from."""
+def expert_parameters(model) -> list[tuple[int, str, int | None]]:
+    """Worker side: per offloaded layer, how many experts its vLLM parameter holds,
+    where the engine reads its experts from, and the slot pools' reach its kernel
+    gave."""
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
     return [
-        (m.w13_weight.shape[0], type(m.engine.layers[m.layer_name].experts).__name__)
+        (
+            m.w13_weight.shape[0],
+            type(m.engine.layers[m.layer_name].experts).__name__,
+            m.engine.layers[m.layer_name].pool_reach,
+        )
         for m in model.modules()
         if isinstance(m, OffloadedRoutedExperts)
     ]
@@ -57,7 +62,8 @@ def test_the_first_start_made_the_pack_and_vllm_loaded_no_expert(engine, pack_di
     llm, _ = engine
     assert (pack_dir / "manifest.json").is_file()
     layers = num_moe_layers(MODEL)
-    assert llm.apply_model(expert_parameters)[0] == [(1, "DiskExperts")] * layers
+    # (the CPU kernel's 32-bit offsets: every pool is checked against them)
+    assert llm.apply_model(expert_parameters)[0] == [(1, "DiskExperts", 2**31 - 1)] * layers
 
 
 @pytest.mark.parametrize("budget", [0.25, 0.5])

@@ -17,8 +17,11 @@ SHAPES = {
     "w13_weight": ((2 * 40176, 256), torch.bfloat16),
     "w2_weight": ((256, 40176), torch.bfloat16),
 }
+REACH = 2**31 - 1  # vLLM's CPU kernel's (layers/slot_kernel.py)
 LAYERS = [
-    SimpleNamespace(experts=SimpleNamespace(num_experts=64, slot_shapes=SHAPES), top_k=4)
+    SimpleNamespace(
+        experts=SimpleNamespace(num_experts=64, slot_shapes=SHAPES), top_k=4, pool_reach=REACH
+    )
     for _ in range(8)
 ]
 
@@ -53,7 +56,11 @@ def test_one_shared_pool_of_all_layers_is_refused_naming_what_fits():
 
 def test_a_per_layer_pool_past_the_reach_names_the_budget():
     wide = {"w13_weight": ((2 * 14336, 4096), torch.bfloat16)}  # Mixtral's: 117 M a slot
-    layers = [SimpleNamespace(experts=SimpleNamespace(num_experts=64, slot_shapes=wide), top_k=2)]
+    layers = [
+        SimpleNamespace(
+            experts=SimpleNamespace(num_experts=64, slot_shapes=wide), top_k=2, pool_reach=REACH
+        )
+    ]
     with pytest.raises(SpecExpertConfigError, match=r"'budget'.*at most 18 slots per layer"):
         reach(SpecExpertConfig.from_dict({"budget": 19}), layers)
     reach(SpecExpertConfig.from_dict({"budget": 18}), layers)

@@ -126,6 +126,7 @@ class OffloadEngine:
         index: int = -1,
         host_kernel: HostKernel | None = None,
         decoder: ExpertDecoder | None = None,
+        pool_reach: int | None = None,
     ) -> OffloadedLayer:
         """Move a layer's routed experts into the slow tier and give it a cache.
         ``experts``: its tensors (``[E, ...]`` each, moved into host memory) or the
@@ -137,7 +138,7 @@ class OffloadEngine:
             self.store.add_layer(name, experts, decoder)
         else:
             self.store.add(experts)
-        layer = OffloadedLayer.of(self.store, name, top_k, index, host_kernel)
+        layer = OffloadedLayer.of(self.store, name, top_k, index, host_kernel, pool_reach)
         if self.budget.current is None:
             # The weights are loaded and no slot is made yet: the memory sizing reads.
             self.budget.adopt(self.budget.plan(self.config, layer.experts, top_k))
@@ -178,7 +179,7 @@ class OffloadEngine:
         return plan.slots(layer.experts.num_experts, layer.top_k)
 
     def _check_pool_reach(self, config: SpecExpertConfig, plan: SlotPlan | None) -> None:
-        if self.device.type == "cpu" and self.layers:  # (CUDA runs Triton's kernel)
+        if self.layers:
             check_pool_reach(config, [(la, self._slots(la, plan)) for la in self.layers.values()])
 
     def summary(self) -> str:  # MoE layers, slots, slow tier, policy, predictor

@@ -65,6 +65,9 @@ class OffloadedLayer:
     """The mesh peers that hold this layer's experts (``mesh``)."""
     local_experts: np.ndarray | None = None
     """Experts pinned in the device cache for good (``mesh.placement: replicate_hot``)."""
+    pool_reach: int | None = None
+    """Most elements of one slot-pool tensor its kernel can address (``None``: no
+    limit), from the adapter's kernel (:mod:`vllm_specexpert.layers.slot_kernel`)."""
     router_skippable: bool = False
     """Its router can be skipped (``router_free``: wrappers installed at start)."""
     _equipped_for: tuple[SpecExpertConfig, Link] = field(init=False, repr=False)
@@ -78,6 +81,7 @@ class OffloadedLayer:
         top_k: int,
         index: int,
         host_kernel: HostKernel | None = None,
+        pool_reach: int | None = None,
     ) -> OffloadedLayer:
         """Layer ``name`` of ``store``, with its INT4 copies if the store has them."""
         return cls(
@@ -86,6 +90,7 @@ class OffloadedLayer:
             index=index,
             experts=store.layers[name],
             host_kernel=host_kernel,
+            pool_reach=pool_reach,
             low_bit_experts=store.layers.get(name + LOW_BIT_SUFFIX),
         )
 
@@ -183,42 +188,37 @@ class OffloadedLayer:
         )
 
 
-CPU_KERNEL_REACH = 2**31 - 1
-"""Elements of one weight tensor vLLM's CPU fused-MoE kernel can address: it computes
-an expert's offset in 32 bits and reads past this (checked: a pool of 110 slots of
-Qwen3-style experts widened to ``I = 40960`` crashes at slot 105, not at slot 50)."""
-
-
 def check_pool_reach(
     config: SpecExpertConfig, planned: Iterable[tuple[OffloadedLayer, int]]
 ) -> None:
     """Raise a config error when a slot pool ``config`` would make of the ``planned``
-    layers (each with its slots) is a tensor larger than the CPU kernel can address
-    (:data:`CPU_KERNEL_REACH`): one pool per layer, or one for all layers under a
-    shared-pool ``cache`` (``plec``)."""
-    planned = list(planned)
+    layers (each with its slots) is a tensor larger than their kernel can address (their
+    ``pool_reach``): one pool per layer, or one for all layers under a shared-pool
+    ``cache`` (``plec``)."""
+    planned = [(la, n) for la, n in planned if la.pool_reach is not None]
     if not planned:
         return
     layers = [la for la, _ in planned]
     slots = [n for _, n in planned]
+    limit = min(la.pool_reach for la in layers if la.pool_reach is not None)
     widest = max(math.prod(shape) for la in layers for shape, _ in la.experts.slot_shapes.values())
     pooled = sum(slots) if config.cache_spec.shared_pool else max(slots)
-    if pooled * widest <= CPU_KERNEL_REACH:
+    if pooled * widest <= limit:
         return
-    reach = CPU_KERNEL_REACH // widest
+    reach = limit // widest
+    why = f"and the expert kernel addresses at most 2^{(limit + 1).bit_length() - 1}"
     if config.cache_spec.shared_pool:
         raise SpecExpertConfigError(
             "cache",
             f"'{config.cache}' puts all {len(layers)} layers' {sum(slots)} slots in one "
-            f"pool of {pooled * widest / 1e9:.2f} G elements per tensor, and vLLM's CPU "
-            "expert kernel addresses at most 2^31 (32-bit offsets)",
+            f"pool of {pooled * widest / 1e9:.2f} G elements per tensor, {why}",
             f"use a per-layer cache (lru, lfu, static), or a budget of at most "
             f"{reach} slots in all ({reach // len(layers)} per layer)",
         )
     raise SpecExpertConfigError(
         "budget",
         f"{pooled} slots per layer make a pool of {pooled * widest / 1e9:.2f} G elements "
-        "per tensor, and vLLM's CPU expert kernel addresses at most 2^31 (32-bit offsets)",
+        f"per tensor, {why}",
         f"a budget of at most {reach} slots per layer",
     )
 

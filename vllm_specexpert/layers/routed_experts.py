@@ -279,6 +279,7 @@ class OffloadedRoutedExperts(RoutedExperts):
             index=self.layer_index,
             host_kernel=self.slot_kernel.host_kernel(),
             decoder=decoder,
+            pool_reach=self.slot_kernel.pool_reach,
         )
         if packed is None and isinstance(layer.experts, LayerExperts):
             # The parameters now alias the store's (pinned) tensors instead of a copy.

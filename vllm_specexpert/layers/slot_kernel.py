@@ -23,6 +23,11 @@ from vllm.platforms import current_platform
 
 from vllm_specexpert.tiers.host import GATED_ACTIVATIONS, HostKernel, torch_experts
 
+CPU_POOL_REACH = 2**31 - 1
+"""Elements of one weight tensor vLLM's CPU fused-MoE kernel can address: it computes
+an expert's offset in 32 bits and reads past this (checked: a pool of 110 slots of
+Qwen3-style experts widened to ``I = 40960`` crashes at slot 105, not at slot 50)."""
+
 
 class SlotKernel:
     """The fused experts of ``layer`` (a vLLM ``RoutedExperts``) on given expert tensors
@@ -50,6 +55,12 @@ class SlotKernel:
         self._fused_moe: tuple[Any, str, str] | None = None
         self._bias_configs: list[Any] | None = None
         self._resolved = False
+
+    @property
+    def pool_reach(self) -> int | None:
+        """Most elements of a slot-pool tensor this kernel addresses (``None``: CUDA's
+        Triton kernel, no such limit)."""
+        return CPU_POOL_REACH if current_platform.is_cpu() else None
 
     def begin_call(self, x: torch.Tensor, out: torch.Tensor | None) -> None:
         self.call_x, self.call_out, self.call_tokens = x, out, x.shape[0]
