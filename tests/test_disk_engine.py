@@ -73,10 +73,10 @@ def test_every_load_is_a_read_and_the_output_is_exact(engine, tmp_path):
 
 
 def unreadable_logs(monkeypatch) -> list[tuple]:
-    from vllm_specexpert import engine as engine_module
+    from vllm_specexpert import handoff
 
     logged: list[tuple] = []
-    monkeypatch.setattr(engine_module.logger, "error", lambda *args: logged.append(args))
+    monkeypatch.setattr(handoff.logger, "error", lambda *args: logged.append(args))
     return logged
 
 
@@ -96,8 +96,8 @@ def test_a_failing_read_fails_only_the_rows_that_needed_it(engine, pack, monkeyp
         gone = torch.where(ids >= 8, 0.0, w)
         assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
         assert not out[1].any()
-        assert engine.take_failed_rows() == [1, 3]
-        assert engine.take_failed_rows() == []  # taken
+        assert engine.unreadable.take() == [1, 3]
+        assert engine.unreadable.take() == []  # taken
     assert engine.stats()["disk"]["failed"] >= 4
     # Each unreadable expert logged once, with the cause, not once per call.
     assert sorted(e for entry in logged for e in entry[2]) == [12, 13, 14, 15]
@@ -106,7 +106,7 @@ def test_a_failing_read_fails_only_the_rows_that_needed_it(engine, pack, monkeyp
     (pack.path / RECORDS_FILE).write_bytes(records)
     out = engine.run(name, slot_kernel, x, w, ids, PassPhases.decode_only(4))
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
-    assert engine.take_failed_rows() == []
+    assert engine.unreadable.take() == []
 
 
 def test_a_changed_record_is_caught_when_read(engine, pack, monkeypatch):
@@ -121,7 +121,7 @@ def test_a_changed_record_is_caught_when_read(engine, pack, monkeypatch):
     out = engine.run(name, slot_kernel, x, w, ids, PassPhases.decode_only(2))
     gone = torch.where(ids == 9, 0.0, w)
     assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
-    assert engine.take_failed_rows() == [0]
+    assert engine.unreadable.take() == [0]
     assert logged[0][2] == [9] and "expert 9 does not match its checksum" in logged[0][3]
     # The slot it was read into holds no expert: it is never run from what the failed
     # read left there.
@@ -148,7 +148,7 @@ def test_a_record_changed_after_it_was_read_is_caught_at_the_next_read(engine, p
     out = engine.run(name, slot_kernel, x, w, first, PassPhases.decode_only(1))
     gone = torch.where(first == 9, 0.0, w)
     assert torch.equal(out, reference_moe(x, gone, first, *reference))
-    assert engine.take_failed_rows() == [0]
+    assert engine.unreadable.take() == [0]
     assert logged and logged[-1][2] == [9]
     assert engine.layers[name].cache.expert_slot[9] < 0
     assert engine.stats()["disk"]["failed"] == 1
@@ -156,7 +156,7 @@ def test_a_record_changed_after_it_was_read_is_caught_at_the_next_read(engine, p
     (pack.path / RECORDS_FILE).write_bytes(records)
     out = engine.run(name, slot_kernel, x, w, first, PassPhases.decode_only(1))
     assert torch.equal(out, reference_moe(x, w, first, *reference))
-    assert engine.take_failed_rows() == []
+    assert engine.unreadable.take() == []
 
 
 def test_a_large_gather_keeps_only_a_few_buffers(pack):

@@ -13,10 +13,9 @@ else is a feature whose hooks the engine calls around it in order, built by one 
 from the config and the inputs the adapter provides (:mod:`vllm_specexpert.features`).
 
 Experts the slow tier cannot supply mid-generation (:class:`ExpertsUnreadable`: a read
-error, a record whose checksum fails) do not stop the pass: the call runs again
-without them (their entries masked out, every other token exact), the cause is logged
-once per expert, and the rows that needed them are kept (:meth:`take_failed_rows`) for
-the adapter, which fails those rows' requests. They are read again when next needed.
+error, a record whose checksum fails) do not stop the pass: the executor runs the call
+again without them (:func:`~vllm_specexpert.execute.run_without`), and the rows that
+needed them are kept (:attr:`unreadable`) for the adapter, which fails their requests.
 """
 
 from __future__ import annotations
@@ -32,12 +31,12 @@ from vllm_specexpert import execute, features, report
 from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features import DecodeCall, EngineFeature, FeatureInputs
-from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.handoff import StepDemand, UnreadableRows
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer, check_pool_reach
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.phases import PassPhases
-from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPlan, MissPolicy
+from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.predict import NextLayerRouting
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.host import HostKernel
@@ -81,9 +80,9 @@ class OffloadEngine:
         self.budget = BudgetPlan(device, budget_field)
         """What the budget comes to in slots per layer, and why (its ``sizing``: what it
         needs of vLLM's settings, filled by the adapter)."""
-        self._failed_rows: set[int] = set()
-        """Rows of the running pass that needed an expert the slow tier could not supply."""
-        self._logged_unreadable: set[tuple[str, int]] = set()
+        self.unreadable = UnreadableRows()
+        """Rows of the running pass that needed an expert the slow tier could not supply
+        (the adapter fails their requests)."""
         self._select(config)
         self._build_features(config)
 
@@ -259,8 +258,11 @@ class OffloadEngine:
         which rows are decode tokens (default: all)."""
         try:
             return self._run(name, kernel, x, topk_weights, topk_ids, phases)
-        except ExpertsUnreadable as error:
-            return self._run_without(self.layers[name], kernel, x, topk_weights, topk_ids, error)
+        except ExpertsUnreadable as error:  # (module doc)
+            call = LayerCall(
+                x, topk_weights, topk_ids, topk_ids.cpu().numpy(), kernel, PhaseStats()
+            )
+            return execute.run_without(self.layers[name].loader, call, error, self.unreadable)
 
     def _run(
         self,
@@ -369,56 +371,6 @@ class OffloadEngine:
         finally:  # (also when an expert could not be read: the call runs again without)
             for feature in self.features:
                 feature.end_call(call)
-
-    def _run_without(
-        self,
-        layer: OffloadedLayer,
-        kernel: ExpertKernel,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        error: ExpertsUnreadable,
-    ) -> torch.Tensor:
-        """The pass's call again, exactly, with the entries of experts that could not be
-        read masked out (weight 0), and of any more that fail while it runs; the rows
-        that needed them are kept for :meth:`take_failed_rows` (module doc). Counted
-        apart from the phases' counters (the call already counted once)."""
-        host_ids = topk_ids.cpu().numpy()
-        unreadable: set[int] = set()
-        while True:
-            if unreadable.issuperset(error.experts):  # masked out, and still read: a bug
-                raise RuntimeError(f"specexpert: {error} again, with them masked out")
-            self._log_unreadable(error)
-            unreadable.update(error.experts)
-            dropped = np.isin(host_ids, sorted(unreadable))
-            call = LayerCall(x, topk_weights, topk_ids, host_ids, kernel, PhaseStats())
-            found = execute.survey(layer.loader, call)
-            try:
-                out = execute.run(layer.loader, call, found, MissPlan(host_ids, dropped=dropped))
-            except ExpertsUnreadable as again:
-                error = again
-                continue
-            self._failed_rows.update(np.flatnonzero(dropped.any(axis=1)).tolist())
-            return out
-
-    def _log_unreadable(self, error: ExpertsUnreadable) -> None:
-        new = [e for e in error.experts if (error.layer, e) not in self._logged_unreadable]
-        if new:
-            self._logged_unreadable.update((error.layer, e) for e in new)
-            logger.error(
-                "specexpert: %s: experts %s could not be read (%s); the requests that "
-                "need them fail with an error, the others go on (read again when next "
-                "needed; logged once per expert)",
-                error.layer,
-                new,
-                error.cause,
-            )
-
-    def take_failed_rows(self) -> list[int]:
-        """Rows (token indices of the forward pass) whose output lacks an expert that
-        could not be read, since the last call; the adapter fails their requests."""
-        rows, self._failed_rows = sorted(self._failed_rows), set()
-        return rows
 
     def _resolve(self, at: int, call: DecodeCall, run: LayerCall) -> torch.Tensor:
         """Feature ``at``'s ``resolve`` around the later ones'; after the last, the miss

@@ -27,6 +27,7 @@ import torch
 
 from vllm_specexpert.backends import placements
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.handoff import UnreadableRows
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
@@ -34,7 +35,7 @@ from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.staging import upload
-from vllm_specexpert.tiers.store import LayerExperts
+from vllm_specexpert.tiers.store import ExpertsUnreadable, LayerExperts
 
 GROUP_SCAN_FACTOR = 4
 """A token group is grown from at most ``GROUP_SCAN_FACTOR * slots`` candidate tokens
@@ -140,6 +141,34 @@ def run(
         experts, counts = np.unique(ids[computed_elsewhere], return_counts=True)
         loader.admit(int(experts[np.argmax(counts)]), stats)
     return out
+
+
+def run_without(
+    loader: ExpertLoader, call: LayerCall, error: ExpertsUnreadable, rows: UnreadableRows
+) -> torch.Tensor:
+    """The call again, exactly, with the entries of the experts the slow tier could not
+    supply (``error``, and any more that fail while it runs) masked out (weight 0); the
+    rows that needed them go to ``rows``, whose requests then fail. Counted apart from
+    the phases' counters (the call counted once already)."""
+    unreadable: set[int] = set()
+    while True:
+        if unreadable.issuperset(error.experts):  # masked out, and still read: a bug
+            raise RuntimeError(f"specexpert: {error} again, with them masked out")
+        rows.log(error.layer, error.experts, error.cause)
+        unreadable.update(error.experts)
+        dropped = np.isin(call.host_ids, sorted(unreadable))
+        again = LayerCall(
+            call.x, call.topk_weights, call.topk_ids, call.host_ids, call.kernel, PhaseStats()
+        )
+        try:
+            out = run(
+                loader, again, survey(loader, again), MissPlan(call.host_ids, dropped=dropped)
+            )
+        except ExpertsUnreadable as more:
+            error = more
+            continue
+        rows.add(np.flatnonzero(dropped.any(axis=1)).tolist())
+        return out
 
 
 def host_pairs(

@@ -25,12 +25,16 @@ expert the slow tier could not read to the step's ``ModelRunnerOutput``
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import counter, seconds
+
+logger = init_logger(__name__)
 
 ATTRIBUTE = "specexpert_demand"
 """Name of the attribute on ``SchedulerOutput``."""
@@ -137,6 +141,37 @@ def scheduler_stats() -> dict[str, Any] | None:
 def current() -> StepDemand | None:
     """The running step's demand (``None``: no prediction for it)."""
     return _current
+
+
+class UnreadableRows:
+    """The rows of the running pass whose output lacks an expert the slow tier could not
+    supply (the worker fails their requests after the step), and which experts were
+    logged: each once, with its cause, however often it fails."""
+
+    def __init__(self) -> None:
+        self._rows: set[int] = set()
+        self._logged: set[tuple[str, int]] = set()
+
+    def add(self, rows: Iterable[int]) -> None:
+        self._rows.update(rows)
+
+    def take(self) -> list[int]:
+        """The rows since the last take."""
+        rows, self._rows = sorted(self._rows), set()
+        return rows
+
+    def log(self, layer: str, experts: Iterable[int], cause: str) -> None:
+        new = [e for e in experts if (layer, e) not in self._logged]
+        if new:
+            self._logged.update((layer, e) for e in new)
+            logger.error(
+                "specexpert: %s: experts %s could not be read (%s); the requests that "
+                "need them fail with an error, the others go on (read again when next "
+                "needed; logged once per expert)",
+                layer,
+                new,
+                cause,
+            )
 
 
 def attach_failed(model_runner_output: Any, request_ids: list[str]) -> Any:

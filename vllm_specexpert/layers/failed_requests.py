@@ -1,5 +1,5 @@
 """Worker side of failing the requests whose experts could not be read: after each step,
-the rows the engine ran without an expert (:meth:`OffloadEngine.take_failed_rows`) become
+the rows the engine ran without an expert (:attr:`OffloadEngine.unreadable`) become
 the ids of their requests on the step's ``ModelRunnerOutput``
 (:func:`vllm_specexpert.handoff.attach_failed`), which the plugin's scheduler fails
 (:mod:`vllm_specexpert.schedule.scheduler`)."""
@@ -22,7 +22,7 @@ def install() -> None:
 
 def _carry_failed(runner: Any, scheduler_output: Any, output: Any) -> Any:
     engine = engine_of(runner.vllm_config)
-    rows = engine.take_failed_rows() if engine is not None else []
+    rows = engine.unreadable.take() if engine is not None else []
     if not rows or scheduler_output is None:
         return output
     requests = requests_of_rows(
