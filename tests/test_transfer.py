@@ -1,8 +1,7 @@
-import time
-
 import numpy as np
 import pytest
 import torch
+from manual_clock import ManualClock
 
 from vllm_specexpert.config import LinkConfig, SpecExpertConfigError
 from vllm_specexpert.tiers.link import CpuLink, ExpertCopy, make_link
@@ -30,25 +29,23 @@ def test_copies_are_real():
 
 
 def test_emulated_link_serializes_copies_and_holds_each_until_ready():
-    # 1 GB/s and 100 ms per copy: the second submit comes long before the first is done
-    # (a 1 ms copy raced a loaded machine).
+    # 1 GB/s and 100 ms per copy, on a clock only the link's waits move: the second
+    # submit comes before the first is done however loaded the machine is.
     config = LinkConfig(bandwidth_gbps=1.0, latency_us=100_000.0)
-    link = CpuLink(config)
+    clock = ManualClock()
+    link = CpuLink(config, clock)
     src = torch.zeros(250_000)  # 1 MB -> 1 ms + 100 ms latency
     dst = torch.empty_like(src)
     started = []
-    start = time.perf_counter()
     first = link.submit(whole(dst, src), on_start=started.append)
     second = link.submit(whole(dst, src), on_start=started.append)
     assert second.ready_at is None and started == [first]  # queued behind the first
-    link.wait(first)
-    assert first.ready_at - start >= 101e-3 - 1e-6
-    assert time.perf_counter() >= first.ready_at
+    assert link.wait(first) == pytest.approx(101e-3, rel=1e-9)  # held until it lands
+    assert first.ready_at == pytest.approx(101e-3, rel=1e-9) and clock.now() == first.ready_at
     link.wait(second)
     assert started == [first, second]
     # The second copy starts when the link is free, like one copy engine.
-    assert second.ready_at - first.ready_at == pytest.approx(101e-3, rel=1e-6)
-    assert time.perf_counter() >= second.ready_at
+    assert second.ready_at == pytest.approx(202e-3, rel=1e-9) and clock.now() == second.ready_at
     assert link.stall_s > 0
     link.close()
 
@@ -68,8 +65,8 @@ def test_emulation_is_rejected_on_cuda():
 
 def test_demand_copies_overtake_queued_prefetches_and_prefetches_cancel():
     # 1 MB at 1 GB/s + 100 ms: every submit below comes while the first copy runs (the
-    # latency leaves room for a descheduled test thread on a loaded machine).
-    link = CpuLink(LinkConfig(bandwidth_gbps=1.0, latency_us=100_000.0))
+    # clock moves only when the link waits).
+    link = CpuLink(LinkConfig(bandwidth_gbps=1.0, latency_us=100_000.0), ManualClock())
     src = torch.ones(250_000)
     dsts = [torch.zeros_like(src) for _ in range(4)]
     started = []
