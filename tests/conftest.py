@@ -48,21 +48,10 @@ def toy_engines():
     every engine it built is closed when the test ends, passed or failed (its link's copy
     thread, its stats writer, its features' peers; closing twice is harmless, so a test
     may close one itself). Each test file's toy model is a fixture on this one."""
-    import functools
+    from toy_engine import closing_engines
 
-    from toy_engine import build_engine
-
-    built = []
-
-    @functools.wraps(build_engine)
-    def build(*args, **kwargs):
-        engine = build_engine(*args, **kwargs)
-        built.append(engine)
-        return engine
-
-    yield build
-    for engine in reversed(built):
-        engine.close()
+    with closing_engines() as build:
+        yield build
 
 
 def cpu_line() -> str:

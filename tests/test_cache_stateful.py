@@ -12,7 +12,6 @@ The examples are derandomized, so CI runs the same ones every time; set
 ``SPECEXPERT_HYPOTHESIS=explore`` to draw new ones (with a bigger budget)."""
 
 import os
-import time
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from invariants import check_cache_invariants
+from manual_clock import ManualClock
 from moe_reference import random_layer, reference_moe, slot_kernel
 
 from vllm_specexpert.config import SpecExpertConfig
@@ -44,6 +44,13 @@ def config(budget: int, policy: str, emulated: bool) -> SpecExpertConfig:
     )
 
 
+def on_manual_clock(engine: OffloadEngine) -> None:
+    """The engine's link on a clock the machine moves (``let_copies_progress``) or a
+    wait does: which emulated copies have landed follows the steps, not the machine's
+    load."""
+    engine.link.clock = ManualClock(engine.link.clock.now())
+
+
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
         budget=st.integers(K, 8),
@@ -54,6 +61,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.engine = OffloadEngine(config(budget, policy, emulated), torch.device("cpu"))
         self.engine.add_layer(NAME, TENSORS, top_k=K, index=0)
         self.engine.start()
+        on_manual_clock(self.engine)
         self.rng = np.random.default_rng(budget)
 
     @property
@@ -117,7 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def let_copies_progress(self):
-        time.sleep(400e-6)
+        self.engine.link.clock.advance(400e-6)
 
     @rule(
         budget=st.integers(K, 8),
@@ -126,6 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def reconfigure(self, budget, policy, emulated):
         self.engine.reconfigure(config(budget, policy, emulated))
+        on_manual_clock(self.engine)
         cache = self.loader.cache
         assert cache.num_slots == budget and cache.policy.name == policy
         assert check_cache_invariants(self.loader) == budget  # warm start: every slot full
@@ -165,6 +174,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
                 name, {k: v.clone() for k, v in LAYER_TENSORS[index].items()}, top_k=K, index=index
             )
         self.engine.start()
+        on_manual_clock(self.engine)
         self.budget = budget
         self.rng = np.random.default_rng(budget)
 
@@ -230,11 +240,12 @@ class SharedPoolMachine(RuleBasedStateMachine):
 
     @rule()
     def let_copies_progress(self):
-        time.sleep(400e-6)
+        self.engine.link.clock.advance(400e-6)
 
     @rule(budget=st.integers(K, 6), preload=PRELOADS, emulated=st.booleans())
     def reconfigure(self, budget, preload, emulated):
         self.engine.reconfigure(shared_config(budget, preload, emulated))
+        on_manual_clock(self.engine)
         self.budget = budget
         assert self.engine.feature("step_demand").planner.preload == preload
 

@@ -1,7 +1,7 @@
 import json
 import logging
 import shutil
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -129,19 +129,46 @@ def test_restart_returns_to_the_warm_start(make_engine):
     engine.close()
 
 
-def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(make_engine, tmp_path):
+class Writes:
+    """Every stats write attempt (``report.write_json_atomic``): its thread, path and
+    snapshot, and a way to wait for one that matches (a deadline only guards a hang)."""
+
+    def __init__(self, monkeypatch):
+        from vllm_specexpert import report
+
+        self.seen: list[tuple[str, str, dict]] = []
+        self.changed = threading.Condition()
+        real = report.write_json_atomic
+
+        def recording(path, payload):
+            with self.changed:
+                self.seen.append((threading.current_thread().name, str(path), payload))
+                self.changed.notify_all()
+            real(path, payload)
+
+        monkeypatch.setattr(report, "write_json_atomic", recording)
+
+    def wait_for(self, matches, since: int = 0) -> None:
+        """Until a write from ``since`` on ``matches(thread, path, payload)``."""
+        with self.changed:
+            assert self.changed.wait_for(lambda: any(matches(*w) for w in self.seen[since:]), 60)
+
+
+def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(
+    make_engine, tmp_path, monkeypatch
+):
+    writes = Writes(monkeypatch)
     path = tmp_path / "stats-{rank}.json"
-    written = tmp_path / "stats-0.json"
     engine, _ = make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0.1)
     x, w, ids = random_routing(2, 16, 4)
-    engine.run(NAMES[0], slot_kernel, x, w, ids)
-    deadline = time.monotonic() + 10
-    while not written.exists() or json.loads(written.read_text())["decode_tokens"] != 2:
-        assert time.monotonic() < deadline, "the stats file was not written"
-        time.sleep(0.05)
-    payload = json.loads(written.read_text())
+    for _ in range(3):
+        engine.run(NAMES[0], slot_kernel, x, w, ids)
+    writes.wait_for(lambda thread, _, payload: payload["decode_tokens"] == 6)
+    engine.close()  # (its last write is the close's, in this thread)
+    during = writes.seen[: next(i for i, w in enumerate(writes.seen) if w[2]["decode_tokens"] == 6)]
+    assert {thread for thread, _, _ in during} <= {"specexpert-stats"}
+    payload = json.loads((tmp_path / "stats-0.json").read_text())
     assert payload["config"]["budget"] == 0.5 and set(payload["layers"]) == set(NAMES)
-    engine.close()
 
 
 @pytest.mark.parametrize("where", ["under a regular file", "in /proc"])
@@ -155,9 +182,10 @@ def test_unwritable_stats_path_fails_at_start(make_engine, tmp_path, where):
         make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0)
 
 
-def test_stats_path_that_breaks_later_does_not_stop_the_engine(make_engine, tmp_path):
+def test_stats_path_that_breaks_later_does_not_stop_the_engine(make_engine, tmp_path, monkeypatch):
     """Writable at start, then its directory is replaced by a file: writes fail, one
     warning is logged, and the engine keeps computing."""
+    writes = Writes(monkeypatch)
     directory = tmp_path / "stats"
     engine, layers = make_engine(
         budget=0.5, stats_path=str(directory / "s.json"), stats_interval_s=0
@@ -173,7 +201,9 @@ def test_stats_path_that_breaks_later_does_not_stop_the_engine(make_engine, tmp_
     logger.addHandler(handler)
     try:
         engine.write_stats()
-        time.sleep(0.3)  # the periodic writer fails too
+        broken = len(writes.seen)
+        # the periodic writer fails too
+        writes.wait_for(lambda thread, _, __: thread == "specexpert-stats", since=broken)
         engine.write_stats()
     finally:
         logger.removeHandler(handler)
@@ -267,22 +297,19 @@ def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(
     engine.close()
 
 
-LEFT_OPEN: list[OffloadEngine] = []
-"""The engine the next test leaves open, for the test after it to look at."""
+def test_an_engine_a_test_leaves_open_is_closed_when_the_test_ends(tmp_path):
+    """What conftest's ``toy_engines`` does for every test: the engine a test built and
+    left open stops its threads when the test ends, passed or failed."""
+    from toy_engine import closing_engines
 
-
-def test_an_engine_its_test_leaves_open_runs_threads(make_engine, tmp_path):
-    engine, _ = make_engine(budget=0.5, stats_path=str(tmp_path / "s.json"), stats_interval_s=60)
-    assert engine.link._thread.is_alive()  # the copy thread
-    assert engine.reporter._stats_writer._thread.is_alive()  # the stats writer
-    LEFT_OPEN.append(engine)
-
-
-def test_is_closed_when_that_test_ends():
-    """conftest's ``toy_engines`` closed the engine the previous test built and left
-    open: none of its threads runs on into the tests after it."""
-    if not LEFT_OPEN:
-        pytest.skip("looks at what test_an_engine_its_test_leaves_open_runs_threads left")
-    engine = LEFT_OPEN.pop()
+    with pytest.raises(AssertionError, match="the test failed"), closing_engines() as build:
+        engine = build(
+            {"budget": 0.5, "stats_path": str(tmp_path / "s.json"), "stats_interval_s": 60},
+            {name: random_layer(seed=i) for i, name in enumerate(NAMES)},
+            top_k=4,
+        )
+        assert engine.link._thread.is_alive()  # the copy thread
+        assert engine.reporter._stats_writer._thread.is_alive()  # the stats writer
+        raise AssertionError("the test failed")
     assert not engine.link._thread.is_alive()
     assert not engine.reporter._stats_writer._thread.is_alive()

@@ -6,7 +6,9 @@ writer's with a ``stats_path``); each test file binds its own toy model (layers,
 default config) in a fixture on it. :func:`build_engine` is the plain function under
 that fixture, for code that is not a test; what it returns is the caller's to close."""
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -45,3 +47,22 @@ def build_engine(
         engine.close()
         raise
     return engine
+
+
+@contextmanager
+def closing_engines() -> Iterator[Callable[..., OffloadEngine]]:
+    """:func:`build_engine` for one block: every engine it built is closed when the block
+    ends, however it ends (conftest's ``toy_engines`` is this, for one test)."""
+    built = []
+
+    @functools.wraps(build_engine)
+    def build(*args, **kwargs) -> OffloadEngine:
+        engine = build_engine(*args, **kwargs)
+        built.append(engine)
+        return engine
+
+    try:
+        yield build
+    finally:
+        for engine in reversed(built):
+            engine.close()
