@@ -63,6 +63,11 @@ def test_every_load_is_a_read_and_the_output_is_exact(engine, tmp_path):
     assert disk["bytes"] == disk["reads"] * expert_bytes
     # Every read is checked, not only a record's first (72 reads of 32 records).
     assert disk["checked"] == disk["reads"] > 2 * 16
+    # What a copy from the disk costs is learned from the disk's own copies, and that
+    # is what the link tells the policies.
+    source = engine.layers[NAMES[0]].experts
+    assert source.seconds_per_byte != 1e-10  # (the first guess)
+    assert engine.link.expert_seconds(source) == source.copy_seconds()
     engine.write_stats()
     series = scrape(tmp_path / "metrics")
     labels = tuple(sorted({"model_name": "tiny", "engine": "0"}.items()))

@@ -88,3 +88,23 @@ def test_demand_copies_overtake_queued_prefetches_and_prefetches_cancel():
     assert started == [later]  # and never reported a start
     link.close()  # joins the copy thread: every queued job has been handled
     assert torch.equal(dsts[2], torch.full_like(src, 7.0))
+
+
+def test_a_copy_teaches_its_source_what_it_cost_and_the_link_asks_the_source(monkeypatch):
+    from vllm_specexpert.tiers.link import base
+
+    experts = LayerExperts("w", {"w": torch.zeros(2, 1000)})  # 4000 bytes an expert
+    other = LayerExperts("v", {"v": torch.zeros(2, 1000)})
+    ticks = iter([10.0, 10.004])  # by this clock, the copy takes 4 ms
+    monkeypatch.setattr(base.time, "perf_counter", lambda: next(ticks))
+    ExpertCopy(experts, {"w": torch.zeros(1, 1000)}, np.array([1]), np.array([0])).run()
+    learned = 0.9 * 1e-10 + 0.1 * 0.004 / 4000
+    assert experts.seconds_per_byte == pytest.approx(learned)
+    assert other.seconds_per_byte == 1e-10  # each source its own (RAM, a disk, ...)
+    link = CpuLink(LinkConfig())
+    assert link.expert_seconds(experts) == pytest.approx(4000 * learned)
+    link.close()
+    # An emulated link's time is its own model's, whatever the source learned.
+    emulated = CpuLink(LinkConfig(bandwidth_gbps=1.0, latency_us=10.0))
+    assert emulated.expert_seconds(experts) == pytest.approx(10e-6 + 4000 / 1e9)
+    emulated.close()

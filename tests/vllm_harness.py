@@ -119,6 +119,23 @@ def vanilla_reference(arch: str, eager: bool = True, **engine) -> tuple[Completi
     return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager, **engine)["completions"])
 
 
+def skip_unless_batch_invariant(claim: str) -> None:
+    """Skip the rest of the calling test, with ``claim`` and the reason as the printed
+    skip reason (``-rs``), on a CPU with AMX: there vLLM's CPU GEMMs round a pass of
+    several tokens per sequence (a speculative-decoding verification pass) otherwise
+    than one-token passes (issue 46: lookahead flipped a near-tie at token 46 of 48 in 1
+    of 4 sequences), so a claim that compares the two holds only on a CPU without AMX.
+    Call it right before the one assertion that needs it."""
+    import pytest
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip(
+            f"not asserted on this CPU: {claim}. It has AMX, where a verification pass of "
+            "k tokens per sequence does not round like k one-token passes (issue 46)"
+        )
+
+
 def greedy(
     llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, prompt_logprobs: bool = False
 ) -> list[Completion]:
@@ -206,9 +223,8 @@ def fix_link_cost(llm, seconds_per_byte: float) -> None:
     """Fix the link time of one expert copy that ``auto``'s host/link split is made with
     (``MissContext.copy_seconds``): ``seconds_per_byte`` times each offloaded layer's
     expert bytes. An emulated link's estimate is its config's; without emulation it is
-    what ``CpuLink`` measured: a running mean of the memcpy times of the copies its copy
-    thread makes (every prefetch: a predictor, ``admit_host_experts``, ``plec``
-    preloads), starting from 1e-10 s per byte. Call it after
+    what the layer's slow tier measured: a running mean of its real copies' times
+    (demand loads and prefetches alike), starting from 1e-10 s per byte. Call it after
     :func:`vllm_specexpert.reconfigure`, which rebuilds the link and the miss contexts."""
 
     def fix(model) -> None:

@@ -41,7 +41,13 @@ from vllm_specexpert.tiers.expert_pack import (
     PackLayer,
 )
 from vllm_specexpert.tiers.pack_lock import PackBusy, PackLock
-from vllm_specexpert.tiers.store import ExpertDecoder, ExpertsUnreadable, SlotForm, SlotShapes
+from vllm_specexpert.tiers.store import (
+    ExpertDecoder,
+    ExpertsUnreadable,
+    SlotForm,
+    SlotShapes,
+    stage,
+)
 
 logger = init_logger(__name__)
 
@@ -275,13 +281,21 @@ class DiskExperts(SlotForm):
         packed = self.gather(np.asarray(experts))
         return packed if self.decoder is None else self.decoder(packed)
 
-    def fill(
-        self, experts: np.ndarray, slots: np.ndarray, destinations: dict[str, torch.Tensor]
+    def copy_into(
+        self,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        destinations: dict[str, torch.Tensor],
+        device: torch.device | None = None,
     ) -> None:
-        """Each expert decoded into its slot as soon as its read arrives, on the reader's
-        thread, while the others are still being read: the decode (the CPU kernel's
-        prepacking, about as slow per byte as this disk) overlaps the reads and runs on
-        several cores, and no stacked copy of all of them is made."""
+        """On the host: each expert decoded into its slot as soon as its read arrives, on
+        the reader's thread, while the others are still being read (the decode, the CPU
+        kernel's prepacking, about as slow per byte as this disk, overlaps the reads and
+        runs on several cores; no stacked copy). Onto ``device``: read, moved and decoded
+        there (:func:`~vllm_specexpert.tiers.store.stage`)."""
+        if device is not None:
+            stage(self, experts, slots, destinations, device)
+            return
         targets = slots.tolist()
 
         def arrived(i: int, buffer: torch.Tensor) -> None:

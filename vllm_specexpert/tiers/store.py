@@ -90,21 +90,46 @@ class ExpertSource(Protocol):
         """Slot contents of ``experts``, ``[n, ...]`` per slot tensor."""
         ...
 
-    def fill(
-        self, experts: np.ndarray, slots: np.ndarray, destinations: dict[str, torch.Tensor]
+    def copy_into(
+        self,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        destinations: dict[str, torch.Tensor],
+        device: torch.device | None = None,
     ) -> None:
         """Write the slot contents of ``experts`` into ``slots`` of the ``destinations``
-        pools (on the host: the CPU build's slots)."""
+        pools: on the host (the CPU build's slots), or issued on the current stream of
+        ``device`` (CUDA)."""
+        ...
+
+    def copy_seconds(self) -> float:
+        """Expected seconds of one expert's copy into a slot, learned from this tier's
+        real copies (a memcpy from RAM, a read and decode from disk)."""
+        ...
+
+    def copied(self, nbytes: int, seconds: float) -> None:
+        """A real copy of ``nbytes`` from this tier took ``seconds``."""
         ...
 
 
 class SlotForm:
     """What a slow tier's layer of experts derives the same way wherever it holds them:
-    from its decoder, else from the shapes it holds (:meth:`held_shapes`)."""
+    from its decoder, else from the shapes it holds (:meth:`held_shapes`); and the time
+    of its copies, learned from the real ones (:meth:`copied`)."""
 
     num_experts: int
     expert_nbytes: int
     decoder: ExpertDecoder | None
+    seconds_per_byte: float = 1e-10
+    """Measured cost of this tier's copies (a running mean; a first guess of 10 GB/s)."""
+
+    def copied(self, nbytes: int, seconds: float) -> None:
+        """A real copy of ``nbytes`` took ``seconds``."""
+        if nbytes:
+            self.seconds_per_byte = 0.9 * self.seconds_per_byte + 0.1 * seconds / nbytes
+
+    def copy_seconds(self) -> float:
+        return self.expert_nbytes * self.seconds_per_byte
 
     def held_shapes(self) -> SlotShapes:
         """One expert's tensors as this tier holds them."""
@@ -135,16 +160,20 @@ class SlotForm:
         return self.expert_nbytes * self.num_experts
 
 
-def fill_from(
+def stage(
     source: ExpertSource,
     experts: np.ndarray,
     slots: np.ndarray,
     destinations: dict[str, torch.Tensor],
+    device: torch.device | None,
 ) -> None:
-    """:meth:`ExpertSource.fill` by gathering all of ``experts`` at once, decoding them
-    and copying them into their slots."""
-    index = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    """Copy ``experts`` by gathering them as the slow tier holds them, moving them so
+    onto ``device`` (if any) and decoding them into their slots there."""
     packed = source.gather(experts)
+    if device is not None:
+        packed = {key: t.to(device, non_blocking=True) for key, t in packed.items()}
+    target = next(iter(destinations.values())).device
+    index = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(target)
     decoded = packed if source.decoder is None else source.decoder(packed)
     for key, tensor in decoded.items():
         destinations[key].index_copy_(0, index, tensor)
@@ -223,10 +252,39 @@ class LayerExperts(SlotForm):
         packed = {key: t[experts] for key, t in self.tensors.items()}
         return packed if self.decoder is None else self.decoder(packed)
 
-    def fill(
-        self, experts: np.ndarray, slots: np.ndarray, destinations: dict[str, torch.Tensor]
+    def copy_into(
+        self,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        destinations: dict[str, torch.Tensor],
+        device: torch.device | None = None,
     ) -> None:
-        fill_from(self, experts, slots, destinations)
+        """As the slots hold them: slice by slice (on CUDA, pairs of fused tensors in one
+        launch of the copy kernel from the tensors' device views); packed: gathered,
+        moved as they are and decoded into the slots."""
+        if self.decoder is not None:
+            stage(self, experts, slots, destinations, device)
+        elif device is not None and device.type == "cuda" and len(self.tensors) == 2:
+            from vllm_specexpert.triton_kernels.slots import copy_experts
+
+            index = torch.from_numpy(np.stack([experts, slots]).astype(np.int32)).to(device)
+            (a, src_a), (b, src_b) = self.tensors.items()
+            sources = (self._device_view(src_a), self._device_view(src_b))
+            copy_experts(sources, (destinations[a], destinations[b]), index[0], index[1])
+        else:
+            for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
+                for key, tensor in self.tensors.items():
+                    destinations[key][slot].copy_(tensor[expert], non_blocking=device is not None)
+
+    def _device_view(self, host: torch.Tensor) -> torch.Tensor:
+        """``host``'s UVA view on the device (the copy kernel reads it), made once."""
+        views = self.__dict__.setdefault("_device_views", {})
+        view = views.get(host.data_ptr())
+        if view is None:
+            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+            view = views[host.data_ptr()] = get_accelerator_view_from_cpu_tensor(host)
+        return view
 
     @property
     def staging_nbytes(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, LayerExperts
+from vllm_specexpert.tiers.store import ExpertSource
 
 
 @dataclass
@@ -34,51 +34,20 @@ class ExpertCopy:
         self.nbytes = len(self.experts) * self.source.expert_nbytes
 
     @property
-    def decoder(self) -> ExpertDecoder | None:
-        """Packed experts: decoded on arrival (the link moves the packed bytes)."""
-        return self.source.decoder
-
-    @property
-    def sources(self) -> dict[str, torch.Tensor] | None:
-        """Tensor name -> ``[E, ...]`` slow-tier tensor, where the experts are in host
-        memory (``None``: they are read from disk by :meth:`run`)."""
-        return self.source.tensors if isinstance(self.source, LayerExperts) else None
-
-    @property
     def copies(self) -> int:
         """Tensor copies it takes one at a time: one per expert and tensor."""
         return len(self.experts) * self.source.num_tensors
 
-    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(slot view, slow-tier view)`` per expert and tensor (undecoded copies of
-        experts in host memory)."""
-        sources = self.sources
-        assert sources is not None
-        return [
-            (self.destinations[key][slot], src[expert])
-            for expert, slot in zip(self.experts.tolist(), self.slots.tolist(), strict=True)
-            for key, src in sources.items()
-        ]
-
-    def run(self, staging: torch.device | None = None) -> None:
-        """Perform the copy (blocking on the host; issued on the current stream on
-        CUDA). Experts in host memory as the slots hold them are copied slice by slice;
-        others are filled in by their source on the host (from disk: each decoded as
-        its read arrives), or gathered, moved as they are onto ``staging`` (the device)
-        and decoded into their slots there."""
-        if self.decoder is None and self.sources is not None:
-            for dst, src in self.pairs():
-                dst.copy_(src, non_blocking=staging is not None)
+    def run(self, device: torch.device | None = None) -> None:
+        """Perform the copy: the source copies its experts into the slots (blocking, on
+        the host; issued on the current stream of ``device`` on CUDA). A host copy's
+        time teaches the source what its copies cost."""
+        if device is not None:
+            self.source.copy_into(self.experts, self.slots, self.destinations, device)
             return
-        if staging is None:
-            self.source.fill(self.experts, self.slots, self.destinations)
-            return
-        packed = self.source.gather(self.experts)
-        packed = {key: t.to(staging, non_blocking=True) for key, t in packed.items()}
-        slots = torch.from_numpy(self.slots).to(next(iter(self.destinations.values())).device)
-        decoded = packed if self.decoder is None else self.decoder(packed)
-        for key, tensor in decoded.items():
-            self.destinations[key].index_copy_(0, slots, tensor)
+        started = time.perf_counter()
+        self.source.copy_into(self.experts, self.slots, self.destinations)
+        self.source.copied(self.nbytes, time.perf_counter() - started)
 
 
 StartCallback = Callable[["Transfer"], None]
@@ -159,8 +128,9 @@ class Link(ABC):
         self.stall_s = 0.0
 
     def expert_seconds(self, experts: ExpertSource) -> float:
-        """Expected link time of moving one expert of ``experts``."""
-        return self.copy_seconds(experts.expert_nbytes, experts.num_tensors)
+        """Expected link time of moving one expert of ``experts``: what its source has
+        learned its copies cost, unless the link models its own time."""
+        return experts.copy_seconds()
 
     def wait(self, transfer: Transfer) -> float:
         stalled = transfer.wait()

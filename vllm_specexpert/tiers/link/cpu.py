@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -18,7 +17,7 @@ from vllm_specexpert.tiers.link.base import (
     Transfer,
     insert,
 )
-from vllm_specexpert.tiers.store import ExpertsUnreadable
+from vllm_specexpert.tiers.store import ExpertSource, ExpertsUnreadable
 
 
 class _CpuTransfer(Transfer):
@@ -106,8 +105,6 @@ class CpuLink(Link):
         self._link_free_at = 0.0
         self._pending: deque[_CpuTransfer] = deque()
         """Emulated transfers not started yet, in link order."""
-        self._seconds_per_byte = 1e-10
-        """Measured memcpy cost (real copies without emulation), running mean."""
         self._jobs: queue.SimpleQueue[_CpuTransfer | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._copy_loop, name="specexpert-copy", daemon=True)
         self._thread.start()
@@ -164,19 +161,20 @@ class CpuLink(Link):
             self._started(transfer, transfer.copies)
 
     def copy_seconds(self, nbytes: int, copies: int) -> float:
+        """The emulated link's time (its latency and bandwidth)."""
+        return self._latency_s * copies + nbytes / self._bytes_per_s
+
+    def expert_seconds(self, experts: ExpertSource) -> float:
         if self.config.emulated:
-            return self._latency_s * copies + nbytes / self._bytes_per_s
-        return nbytes * self._seconds_per_byte
+            return self.copy_seconds(experts.expert_nbytes, experts.num_tensors)
+        return super().expert_seconds(experts)
 
     def _copy_loop(self) -> None:
         while True:
             transfer = self._jobs.get()
             if transfer is None:
                 return
-            start = time.perf_counter()  # (the real copy's cost, whatever the clock)
-            if transfer.perform() and transfer.nbytes and not transfer.cancelled:
-                measured = (time.perf_counter() - start) / transfer.nbytes
-                self._seconds_per_byte = 0.9 * self._seconds_per_byte + 0.1 * measured
+            transfer.perform()  # (its source learns what the copy cost)
 
     def close(self) -> None:
         if self._thread.is_alive():

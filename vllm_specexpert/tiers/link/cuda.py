@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from vllm_specexpert.tiers.link.base import ExpertCopy, Link, StartCallback, Transfer
-from vllm_specexpert.tiers.staging import upload
 
 
 class _CudaTransfer(Transfer):
@@ -52,8 +50,6 @@ class CudaLink(Link):
         self.prefetch_stream = torch.cuda.Stream(device=device, priority=low)
         self._last: dict[bool, _CudaTransfer] = {}
         """Prefetch flag -> the last transfer issued on that stream."""
-        self._device_views: dict[int, torch.Tensor] = {}
-        """Slow-tier tensor data pointer -> its UVA device view (copy_experts reads it)."""
 
     def copy_seconds(self, nbytes: int, copies: int) -> float:
         # One launch per transfer: the per-copy cost is a launch, not a memcpy call.
@@ -88,24 +84,7 @@ class CudaLink(Link):
         self.prefetch_stream.synchronize()
 
     def _copy(self, copy: ExpertCopy) -> None:
-        """One launch for every expert and tensor of ``copy`` where the layer has the
-        two tensors of a fused MoE (w13, w2); packed experts are gathered on the host,
-        moved packed and decoded on the copy stream; else one async memcpy per pair."""
-        sources = copy.sources
-        if copy.decoder is not None or sources is None or len(sources) != 2:
-            copy.run(staging=self.device)
-            return
-        from vllm_specexpert.triton_kernels.slots import copy_experts
-
-        index = upload(np.stack([copy.experts, copy.slots]).astype(np.int32), self.device)
-        src0, src1 = (self._device_view(t) for t in sources.values())
-        dst0, dst1 = (copy.destinations[k] for k in sources)
-        copy_experts((src0, src1), (dst0, dst1), index[0], index[1])
-
-    def _device_view(self, host: torch.Tensor) -> torch.Tensor:
-        view = self._device_views.get(host.data_ptr())
-        if view is None:
-            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
-
-            view = self._device_views[host.data_ptr()] = get_accelerator_view_from_cpu_tensor(host)
-        return view
+        """Issued on the current stream: the source copies (in one launch of the copy
+        kernel where it holds the two tensors of a fused MoE; packed experts gathered on
+        the host, moved packed and decoded on the stream)."""
+        copy.run(device=self.device)
