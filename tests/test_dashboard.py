@@ -1,0 +1,119 @@
+"""The Grafana dashboard (``docs/grafana/specexpert.json``) asks only for series that
+``/metrics`` exposes: the names come from the plugin's own collector
+(:class:`vllm_specexpert.metrics.SnapshotCollector`), rendered by prometheus_client as a
+scrape renders them, not from a list kept by hand."""
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from moe_reference import random_layer, random_routing, slot_kernel
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_specexpert import metrics
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.engine import OffloadEngine
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "specexpert.json"
+SERIES = re.compile(r"\b" + metrics.PREFIX + r"[a-zA-Z0-9_:]*")
+SUFFIXES = {
+    # The sample names of a family of each type, as the text exposition writes them.
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+}
+
+
+def scrape_text(directory: Path) -> str:
+    registry = CollectorRegistry()
+    registry.register(metrics.SnapshotCollector(str(directory)))
+    return generate_latest(registry).decode()
+
+
+@pytest.fixture(scope="module")
+def exposed(tmp_path_factory) -> set[str]:
+    """Every sample name the collector can expose: each family it yields (those a running
+    engine fills, and those of features that are off, which it yields empty), with the
+    suffixes of its type. Checked against the samples a real engine's snapshot gives."""
+    directory = tmp_path_factory.mktemp("snapshots")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(metrics.DIRECTORY_ENV, str(directory))
+        patch.setenv(metrics.MODEL_NAME_ENV, "tiny")
+        engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
+        try:
+            engine.add_layer("model.layers.0.mlp.experts", random_layer(seed=0), top_k=4, index=0)
+            engine.start()
+            x, w, ids = random_routing(4, 16, 4, seed=0)
+            engine.run("model.layers.0.mlp.experts", slot_kernel, x, w, ids)
+            engine.write_stats()
+            text = scrape_text(directory)
+        finally:
+            engine.close()
+    names: set[str] = set()
+    samples: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        assert family.type in SUFFIXES, f"{family.name}: a {family.type}; add its suffixes"
+        names.update(family.name + suffix for suffix in SUFFIXES[family.type])
+        samples.update(sample.name for sample in family.samples)
+    assert "specexpert_hits_total" in samples  # the engine's snapshot was scraped
+    assert samples <= names, samples - names  # the suffixes are the exposition's
+    return names
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(container: dict) -> Iterator[dict]:
+    """Every panel, rows' nested panels included; rows themselves are not panels."""
+    for panel in container.get("panels", []):
+        if panel.get("type") != "row":
+            yield panel
+        yield from panels(panel)
+
+
+def queries() -> Iterator[tuple[str, str]]:
+    """(where, PromQL) of every panel target and every query variable."""
+    board = dashboard()
+    for panel in panels(board):
+        for target in panel.get("targets", []):
+            yield f"panel {panel['title']!r} target {target.get('refId')}", target.get("expr", "")
+    for variable in board.get("templating", {}).get("list", []):
+        if variable.get("type") == "query":
+            query = variable["query"]
+            yield (
+                f"variable {variable['name']}",
+                (query["query"] if isinstance(query, dict) else query),
+            )
+
+
+def test_every_query_names_only_series_that_metrics_exposes(exposed):
+    named = {where: set(SERIES.findall(expr)) for where, expr in queries()}
+    assert named  # the dashboard has queries to check
+    nameless = [where for where, series in named.items() if not series]
+    assert nameless == []  # a query of no specexpert_ series checks nothing here
+    unknown = {where: sorted(series - exposed) for where, series in named.items()}
+    assert {where: series for where, series in unknown.items() if series} == {}
+
+
+def test_every_panel_has_a_target_on_the_dashboards_datasource():
+    board = dashboard()
+    assert [i["name"] for i in board["__inputs"]] == ["DS_PROMETHEUS"]
+    datasource = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+    found = list(panels(board))
+    assert found
+    assert [p["title"] for p in found if not p.get("targets")] == []
+    assert [p["title"] for p in found if p.get("datasource") != datasource] == []
+    assert [
+        (p["title"], t.get("refId"))
+        for p in found
+        for t in p["targets"]
+        if t.get("datasource") != datasource or not t.get("expr", "").strip()
+    ] == []
+    ids = [p["id"] for p in board["panels"]] + [p["id"] for p in found if p not in board["panels"]]
+    assert len(ids) == len(set(ids))  # Grafana keys panels by id
