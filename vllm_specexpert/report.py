@@ -20,6 +20,11 @@ from vllm_specexpert.stats import LayerStats, check_stats_path, write_json_atomi
 
 logger = init_logger(__name__)
 
+STATS_SCHEMA_VERSION = 2
+"""``schema_version`` of :func:`engine_stats` (each worker's ``get_stats`` dict, the
+``stats_path`` file): a key whose type changes bumps it and gets a line in
+``docs/changelog.md``."""
+
 
 class ReportedEngine(Protocol):
     """What reporting reads of an ``OffloadEngine`` (which imports this module: named
@@ -163,6 +168,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
         first = next(iter(per_layer.values()), LayerStats())
         config, link = engine.config, engine.config.link
         return {
+            "schema_version": STATS_SCHEMA_VERSION,
             "rank": engine.rank,
             "device": str(engine.device),
             "miss_policy": engine.miss_policy.name,
