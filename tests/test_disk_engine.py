@@ -78,10 +78,10 @@ def test_every_load_is_a_read_and_the_output_is_exact(engine, tmp_path):
 
 
 def unreadable_logs(monkeypatch) -> list[tuple]:
-    from vllm_specexpert import handoff
+    from vllm_specexpert import handback
 
     logged: list[tuple] = []
-    monkeypatch.setattr(handoff.logger, "error", lambda *args: logged.append(args))
+    monkeypatch.setattr(handback.logger, "error", lambda *args: logged.append(args))
     return logged
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_specexpert import handoff
+from vllm_specexpert import handback
 from vllm_specexpert.layers.failed_requests import requests_of_rows
 from vllm_specexpert.schedule.scheduler import fail
 
@@ -52,6 +52,6 @@ def test_a_failed_request_ends_with_an_error_and_its_token_is_not_sent():
 
 def test_the_failed_requests_ride_on_a_copy_of_the_output():
     shared = SimpleNamespace(req_ids=[])  # like vLLM's EMPTY_MODEL_RUNNER_OUTPUT
-    sent = handoff.attach_failed(shared, ["r1"])
-    assert handoff.failed_requests(sent) == ["r1"]
-    assert handoff.failed_requests(shared) == []  # never written to
+    sent = handback.attach_failed(shared, ["r1"])
+    assert handback.failed_requests(sent) == ["r1"]
+    assert handback.failed_requests(shared) == []  # never written to

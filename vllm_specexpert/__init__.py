@@ -23,7 +23,9 @@ its floor::
      3  calibration     default vectors, co-activation, TAE percentiles (an artifact)
      3  architectures   the supported MoE architectures and their routing shape
      3  handoff         what the scheduler process hands the workers: StepDemand, its
-                        counters; and back: the requests whose experts were unreadable
+                        counters
+     2  handback        what the workers hand back: the rows, then the requests, whose
+                        experts were unreadable
      3  tiers/          where experts live and how they move: store (slow tier), slots
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),

@@ -31,7 +31,8 @@ from vllm_specexpert import execute, features, report
 from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features import DecodeCall, EngineFeature, FeatureInputs
-from vllm_specexpert.handoff import StepDemand, UnreadableRows
+from vllm_specexpert.handback import UnreadableRows
+from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer, check_pool_reach
 from vllm_specexpert.log import init_logger

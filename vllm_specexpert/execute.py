@@ -27,7 +27,7 @@ import torch
 
 from vllm_specexpert.backends import placements
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.handoff import UnreadableRows
+from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats

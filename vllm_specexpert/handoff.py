@@ -1,6 +1,6 @@
 """What the scheduler process hands the workers each step: the decode tokens of the step
-and the experts a path predictor expects them to use, and the scheduler's counters; and
-what the workers hand back: the requests that needed an expert that could not be read.
+and the experts a path predictor expects them to use, and the scheduler's counters (what
+the workers hand back is :mod:`vllm_specexpert.handback`).
 
 With a ``path_predictor``, the plugin's scheduler (engine-core process,
 :mod:`vllm_specexpert.schedule.token_scheduler`) attaches a :class:`StepDemand` to vLLM's
@@ -16,32 +16,21 @@ The scheduler's counters (:class:`SchedulerStats`) ride along every step the sam
 snapshot) carry them as their ``scheduler`` section. Every scheduled step reaches the
 worker before any later RPC, so ``get_stats`` sees the scheduler's counters as of its
 last step, exactly.
-
-Back the other way, a worker attaches the ids of the requests whose step lacked an
-expert the slow tier could not read to the step's ``ModelRunnerOutput``
-(:func:`attach_failed`, a copy of it); the plugin's scheduler reads them in
-``update_from_output`` (:func:`failed_requests`) and fails those requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import counter, seconds
-
-logger = init_logger(__name__)
 
 ATTRIBUTE = "specexpert_demand"
 """Name of the attribute on ``SchedulerOutput``."""
 STATS_ATTRIBUTE = "specexpert_scheduler_stats"
 """Name of the scheduler's counters' attribute on ``SchedulerOutput``."""
-FAILED_ATTRIBUTE = "specexpert_failed_requests"
-"""Name of the failed requests' attribute on ``ModelRunnerOutput``."""
 
 
 def highest(doc: str, default: float = 0) -> Any:
@@ -141,49 +130,3 @@ def scheduler_stats() -> dict[str, Any] | None:
 def current() -> StepDemand | None:
     """The running step's demand (``None``: no prediction for it)."""
     return _current
-
-
-class UnreadableRows:
-    """The rows of the running pass whose output lacks an expert the slow tier could not
-    supply (the worker fails their requests after the step), and which experts were
-    logged: each once, with its cause, however often it fails."""
-
-    def __init__(self) -> None:
-        self._rows: set[int] = set()
-        self._logged: set[tuple[str, int]] = set()
-
-    def add(self, rows: Iterable[int]) -> None:
-        self._rows.update(rows)
-
-    def take(self) -> list[int]:
-        """The rows since the last take."""
-        rows, self._rows = sorted(self._rows), set()
-        return rows
-
-    def log(self, layer: str, experts: Iterable[int], cause: str) -> None:
-        new = [e for e in experts if (layer, e) not in self._logged]
-        if new:
-            self._logged.update((layer, e) for e in new)
-            logger.error(
-                "specexpert: %s: experts %s could not be read (%s); the requests that "
-                "need them fail with an error, the others go on (read again when next "
-                "needed; logged once per expert)",
-                layer,
-                new,
-                cause,
-            )
-
-
-def attach_failed(model_runner_output: Any, request_ids: list[str]) -> Any:
-    """Worker side: a copy of the step's output that carries ``request_ids`` (the
-    output may be vLLM's shared empty one, never written to)."""
-    import copy
-
-    output = copy.copy(model_runner_output)
-    setattr(output, FAILED_ATTRIBUTE, list(request_ids))
-    return output
-
-
-def failed_requests(model_runner_output: Any) -> list[str]:
-    """Scheduler side: the requests a step's output says failed (none: ``[]``)."""
-    return list(getattr(model_runner_output, FAILED_ATTRIBUTE, None) or ())

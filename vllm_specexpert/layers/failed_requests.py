@@ -1,7 +1,7 @@
 """Worker side of failing the requests whose experts could not be read: after each step,
 the rows the engine ran without an expert (:attr:`OffloadEngine.unreadable`) become
 the ids of their requests on the step's ``ModelRunnerOutput``
-(:func:`vllm_specexpert.handoff.attach_failed`), which the plugin's scheduler fails
+(:func:`vllm_specexpert.handback.attach_failed`), which the plugin's scheduler fails
 (:mod:`vllm_specexpert.schedule.scheduler`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_specexpert import handoff, vllm_hooks
+from vllm_specexpert import handback, vllm_hooks
 from vllm_specexpert.layers.engines import engine_of
 
 
@@ -28,7 +28,7 @@ def _carry_failed(runner: Any, scheduler_output: Any, output: Any) -> Any:
     requests = requests_of_rows(
         rows, list(runner.input_batch.req_ids), scheduler_output.num_scheduled_tokens
     )
-    return handoff.attach_failed(output, requests)
+    return handback.attach_failed(output, requests)
 
 
 def requests_of_rows(

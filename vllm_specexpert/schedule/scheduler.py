@@ -4,7 +4,7 @@ could not be read.
 A worker whose slow tier could not supply an expert mid-generation (a disk read error,
 a record whose checksum fails) ran the step without it, exactly for every other token,
 and names the requests that needed it on the step's output
-(:func:`vllm_specexpert.handoff.failed_requests`). Here, after vLLM has processed that
+(:func:`vllm_specexpert.handback.failed_requests`). Here, after vLLM has processed that
 output, each of those requests ends with ``FinishReason.ERROR``, and the token the step
 sampled for it is not sent (the API server answers an error; ``LLM()`` returns the output
 with ``finish_reason == "error"``). Every other request goes on; the engine stays up.
@@ -22,7 +22,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_specexpert import handoff
+from vllm_specexpert import handback
 
 SCHEDULER_CLS = f"{__name__}.SpecExpertScheduler"
 """What the plugin sets as vLLM's ``scheduler_cls`` (with the disk tier)."""
@@ -33,7 +33,7 @@ class SpecExpertScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        failed = handoff.failed_requests(model_runner_output)
+        failed = handback.failed_requests(model_runner_output)
         if failed:
             fail(self, failed, outputs)
         return outputs

@@ -1,0 +1,68 @@
+"""What the workers hand back to the scheduler process: the requests of a step whose
+output lacks an expert the slow tier could not read.
+
+The engine keeps the rows of the running pass that needed such an expert
+(:class:`UnreadableRows`, filled by :func:`vllm_specexpert.execute.run_without`); after the
+step the worker maps them to their requests (:mod:`vllm_specexpert.layers.failed_requests`)
+and attaches those to the step's ``ModelRunnerOutput`` (:func:`attach_failed`, a copy of
+it); the plugin's scheduler reads them in ``update_from_output`` (:func:`failed_requests`)
+and fails those requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm_specexpert.log import init_logger
+
+logger = init_logger(__name__)
+
+FAILED_ATTRIBUTE = "specexpert_failed_requests"
+"""Name of the failed requests' attribute on ``ModelRunnerOutput``."""
+
+
+class UnreadableRows:
+    """The rows of the running pass whose output lacks an expert the slow tier could not
+    supply (the worker fails their requests after the step), and which experts were
+    logged: each once, with its cause, however often it fails."""
+
+    def __init__(self) -> None:
+        self._rows: set[int] = set()
+        self._logged: set[tuple[str, int]] = set()
+
+    def add(self, rows: Iterable[int]) -> None:
+        self._rows.update(rows)
+
+    def take(self) -> list[int]:
+        """The rows since the last take."""
+        rows, self._rows = sorted(self._rows), set()
+        return rows
+
+    def log(self, layer: str, experts: Iterable[int], cause: str) -> None:
+        new = [e for e in experts if (layer, e) not in self._logged]
+        if new:
+            self._logged.update((layer, e) for e in new)
+            logger.error(
+                "specexpert: %s: experts %s could not be read (%s); the requests that "
+                "need them fail with an error, the others go on (read again when next "
+                "needed; logged once per expert)",
+                layer,
+                new,
+                cause,
+            )
+
+
+def attach_failed(model_runner_output: Any, request_ids: list[str]) -> Any:
+    """Worker side: a copy of the step's output that carries ``request_ids`` (the
+    output may be vLLM's shared empty one, never written to)."""
+    import copy
+
+    output = copy.copy(model_runner_output)
+    setattr(output, FAILED_ATTRIBUTE, list(request_ids))
+    return output
+
+
+def failed_requests(model_runner_output: Any) -> list[str]:
+    """Scheduler side: the requests a step's output says failed (none: ``[]``)."""
+    return list(getattr(model_runner_output, FAILED_ATTRIBUTE, None) or ())
