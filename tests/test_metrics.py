@@ -349,3 +349,28 @@ def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
     assert engine.stats()["scheduler"] is None
     assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_scheduler_")]
     engine.close()
+
+
+def test_a_containers_memory_limit_is_a_budget_part(tmp_path, monkeypatch):
+    import dataclasses
+
+    from vllm_specexpert import budget_plan
+    from vllm_specexpert.tiers import memory
+
+    limit = 6 << 30
+
+    def in_a_container(device, settings, freed_bytes=0):
+        report = memory.memory_report(device, settings, freed_bytes)
+        return dataclasses.replace(report, cgroup_limit_bytes=limit)
+
+    monkeypatch.setattr(budget_plan, "memory_report", in_a_container)
+    monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
+    monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
+    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
+    engine.budget.sizing.moe_layers = 1
+    engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
+    engine.start()
+    engine.write_stats()
+    labels = {"model_name": "tiny", "engine": "0", "part": "cgroup_limit"}
+    assert scrape(tmp_path)[("specexpert_budget_bytes", tuple(sorted(labels.items())))] == limit
+    engine.close()

@@ -97,7 +97,7 @@ QUALITY_COUNTERS = {
 }
 """Counters of the quality monitor (``QualityMonitor.stats``), by stats key."""
 PREFIX = "specexpert_"
-BUDGET_PARTS = ("room", "kv", "workspace", "reserve", "space")
+BUDGET_PARTS = ("room", "kv", "workspace", "reserve", "space", "cgroup_limit")
 """The parts of ``specexpert_budget_bytes`` beside ``slots`` (:mod:`.config.sizing`)."""
 
 _lock = threading.Lock()
