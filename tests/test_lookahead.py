@@ -3,12 +3,15 @@ decoding, its routes prefetch the target's experts, a governor picks the draft l
 
 Unit tests of the lookahead buffer, its planner and the governor (also under a token
 scheduler that runs one group of requests per step), config errors, and one engine on
-the trained model at budget 0.25 (``fetch``: exact) compared token for token with
-vanilla vLLM at 1 and 32 sequences, with chunked prefill; engines of their own with the
-token scheduler (16 sequences in groups of 4) and with a small draft pool. Lookahead on
+the trained model at budget 0.25 (``fetch``): at 32 sequences, with chunked prefill and
+preemption, its tokens and logprobs equal its own with every expert resident (on every
+machine), and at 1 and 32 sequences vanilla vLLM's without speculative decoding (only
+on a CPU without AMX: see the engine section); engines of their own with the token
+scheduler (16 sequences in groups of 4) and with a small draft pool. Lookahead on
 quantized checkpoints is in ``test_quantized``.
 """
 
+import functools
 import itertools
 from types import SimpleNamespace
 
@@ -16,11 +19,12 @@ import numpy as np
 import pytest
 from vllm_harness import (
     PROMPTS,
+    Completion,
     greedy,
     greedy_in_fresh_process,
     make_llm,
     shutdown,
-    vanilla_reference,
+    skip_unless_batch_invariant,
 )
 
 import vllm_specexpert
@@ -309,6 +313,15 @@ def test_lookahead_refuses_at_start(model, specexpert, engine, field):
 
 
 # ------------------------------------------------------------------------- engine
+#
+# Two properties, asserted apart (issue 46):
+# - offloading changes nothing lookahead computes: at budget 0.25 under ``fetch`` its
+#   tokens and logprobs equal the same engine's with every expert resident (budget 1.0),
+#   at the same fixed draft length. The plugin's property: asserted on every machine.
+# - lookahead's output equals vanilla vLLM's (no speculative decoding) only where the
+#   CPU's kernels round a verification pass of k tokens per sequence like k one-token
+#   passes: measured true on AVX-512 without AMX, false on AMX. Asserted only on a CPU
+#   without AMX (``skip_unless_batch_invariant`` skips it, with the reason, elsewhere).
 
 
 @pytest.fixture(scope="module")
@@ -336,10 +349,28 @@ def _tokens(completions):
     return [c.token_ids for c in completions]
 
 
-def test_lookahead_under_fetch_is_exact_at_one_sequence(llm):
-    reference = greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=PROMPTS[:1])
+@functools.cache
+def _vanilla() -> dict[str, Completion]:
+    """Vanilla vLLM's greedy completion of each prompt of MANY and PROMPTS, from one
+    process for the module. Compared only on a CPU without AMX, where a completion does
+    not depend on the batches it ran in."""
+    prompts = MANY + PROMPTS
+    completions = greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=prompts)
+    return dict(zip(prompts, completions["completions"], strict=True))
+
+
+def _assert_equals_vanilla(outputs, prompts):
+    """Greedy tokens and logprobs equal vanilla vLLM's without speculative decoding
+    (skipped, with the reason, on a CPU with AMX)."""
+    skip_unless_batch_invariant("lookahead's output equals vanilla vLLM's")
+    reference = [_vanilla()[p] for p in prompts]
+    assert _tokens(outputs) == _tokens(reference)
+    assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
+
+
+def test_lookahead_at_one_sequence_saves_target_steps_and_equals_vanilla(llm):
     vllm_specexpert.reset_stats(llm)
-    assert _tokens(greedy(llm, PROMPTS[:1])) == _tokens(reference["completions"])
+    outputs = greedy(llm, PROMPTS[:1])
     stats = vllm_specexpert.get_stats(llm)[0]
     lookahead = stats["lookahead"]
     assert stats["output"] == "exact"
@@ -347,30 +378,54 @@ def test_lookahead_under_fetch_is_exact_at_one_sequence(llm):
     # Accepted drafts save target passes: plain decode takes a step per token after the
     # first (23); a draft whose tokens were never used would take as many.
     assert 0 < lookahead["steps"] < 23 - 5
+    _assert_equals_vanilla(outputs, PROMPTS[:1])
+
+
+K = 3
+"""The fixed draft length of the offloading runs: the governor's k follows measured
+cycle times, and on a CPU with AMX the shape of a pass changes its rounding."""
 
 
 @pytest.fixture(scope="module")
-def many_reference():
-    """Vanilla vLLM's greedy completions of MANY."""
-    return greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=MANY)["completions"]
+def many(llm):
+    """MANY at budget 1.0 (every expert resident) and at BUDGET on the module's engine,
+    each with draft length K from an empty prefix cache (a prompt's cached blocks would
+    shorten the second run's prefill passes): ``{budget: (outputs, stats, preempted)}``.
+    32 prompts through a 128-token step budget: prompts are chunked, passes mix
+    verification rows with prefill rows, and the KV cache is too small for all of them.
+    The engine returns to BUDGET and the governor."""
+    runs = {}
+    for budget in (1.0, BUDGET):
+        vllm_specexpert.reconfigure(llm, budget=budget, lookahead={"k": K})
+        assert llm.reset_prefix_cache()
+        preempted = _preemptions(llm)
+        outputs = greedy(llm, MANY)
+        runs[budget] = outputs, vllm_specexpert.get_stats(llm)[0], _preemptions(llm) - preempted
+    vllm_specexpert.reconfigure(llm, budget=BUDGET, lookahead={})
+    return runs
 
 
-def test_lookahead_under_fetch_is_exact_at_32_sequences_with_chunked_prefill_and_preemption(
-    llm, many_reference
-):
-    # 32 prompts through a 128-token step budget: prompts are chunked, and passes mix
-    # verification rows with prefill rows; the KV cache is too small for all of them.
-    vllm_specexpert.reset_stats(llm)
-    preempted = _preemptions(llm)
-    outputs = greedy(llm, MANY)
-    assert _preemptions(llm) > preempted
-    assert _tokens(outputs) == _tokens(many_reference)
+def test_offloading_changes_nothing_lookahead_computes(many):
+    # On every machine: the same engine, draft length and batches; only the budget differs.
+    (resident, everything, preempted), (offloaded, stats, _) = many[1.0], many[BUDGET]
+    assert preempted == many[BUDGET][2] > 0
+    assert everything["total"]["decode"]["misses"] == 0
+    assert stats["total"]["decode"]["misses"] > 0 and stats["total"]["prefill"]["loads"] > 0
+    assert stats["output"] == "exact"
+    assert _tokens(offloaded) == _tokens(resident)
+    assert [c.logprobs for c in offloaded] == [c.logprobs for c in resident]
+
+
+def test_lookahead_at_32_sequences_with_chunked_prefill_and_preemption(many):
+    outputs, stats, preempted = many[BUDGET]
+    assert preempted > 0
     assert all(len(c.token_ids) == 24 for c in outputs)  # every request finished
-    stats = vllm_specexpert.get_stats(llm)[0]
+    assert set(stats["lookahead"]["steps_by_k"]) == {str(K)}
     decode = stats["total"]["decode"]
     # The draft's routes were prefetched and used by the verification passes.
     assert decode["prefetched"] > 0 and decode["prefetch_used"] > 0.5 * decode["prefetched"]
     assert decode["path_covered"] > 0.5 * decode["path_needed"]
+    _assert_equals_vanilla(outputs, MANY)
 
 
 def test_the_draft_holds_int4_experts(llm):
@@ -390,7 +445,7 @@ def test_fixed_k_by_reconfigure(llm):
         vllm_specexpert.reconfigure(llm, lookahead={"k_max": 2})
 
 
-def test_under_the_token_scheduler_held_back_drafts_are_verified_and_exact(many_reference):
+def test_under_the_token_scheduler_held_back_drafts_are_verified():
     # 16 decoding sequences in groups of 4: each step runs one group and holds the others
     # back, with the tokens their last round drafted; vLLM keeps those until it
     # schedules the request again, and verifies them then.
@@ -407,7 +462,6 @@ def test_under_the_token_scheduler_held_back_drafts_are_verified_and_exact(many_
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # (in this process)
         late_verifications = _count_late_verifications(scheduler)
         outputs = greedy(llm, MANY[:16])
-        assert _tokens(outputs) == _tokens(many_reference[:16])
         stats = vllm_specexpert.get_stats(llm)[0]
         assert stats["scheduler"]["grouped_steps"] > 0 and stats["scheduler"]["held"] > 0
         assert late_verifications() > 0
@@ -421,6 +475,7 @@ def test_under_the_token_scheduler_held_back_drafts_are_verified_and_exact(many_
         assert decode["path_covered"] > 0.8 * decode["path_needed"]
     finally:
         shutdown(llm)
+    _assert_equals_vanilla(outputs, MANY[:16])
 
 
 def _count_late_verifications(scheduler):
@@ -445,7 +500,6 @@ def test_a_small_draft_pool_decodes_its_int4_experts_on_use():
     )
     try:
         outputs = greedy(llm)
-        assert _tokens(outputs) == _tokens(vanilla_reference(TRAINED_MODEL))
         stats = vllm_specexpert.get_stats(llm)[0]
         draft = stats["lookahead"]["draft"]
         # 16 of each layer's 64 experts held decoded, in bf16: a quarter of the store.
@@ -453,3 +507,4 @@ def test_a_small_draft_pool_decodes_its_int4_experts_on_use():
         assert draft["decodes"] > 0 and stats["lookahead"]["acceptance"] > 0.5
     finally:
         shutdown(llm)
+    _assert_equals_vanilla(outputs, PROMPTS)
