@@ -10,7 +10,14 @@ import json
 
 import pytest
 import torch
-from vllm_harness import PROMPTS, greedy, make_llm, shutdown, vanilla_reference
+from vllm_harness import (
+    PROMPTS,
+    greedy,
+    make_llm,
+    shutdown,
+    skip_unless_batch_invariant,
+    vanilla_reference,
+)
 
 import vllm_specexpert
 from vllm_specexpert import quant_config
@@ -100,8 +107,6 @@ def test_lookahead_drafts_from_the_checkpoints_experts_and_stays_exact(name):
     llm = make_llm(name, specexpert={"budget": 0.5, "lookahead": {}})
     try:
         outputs = greedy(llm)
-        assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
-        assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
         stats = vllm_specexpert.get_stats(llm)[0]
         lookahead = stats["lookahead"]
         assert lookahead["drafted"] > 0 and lookahead["acceptance"] > 0.5
@@ -112,6 +117,9 @@ def test_lookahead_drafts_from_the_checkpoints_experts_and_stays_exact(name):
         else:
             assert draft_bytes == stats["store_bytes"]
             assert lookahead["acceptance"] == 1.0
+        skip_unless_batch_invariant("lookahead's tokens equal vanilla's on the bf16 twin")
+        assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+        assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
     finally:
         shutdown(llm)
 
