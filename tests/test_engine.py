@@ -130,15 +130,15 @@ def test_restart_returns_to_the_warm_start(make_engine):
 
 
 class Writes:
-    """Every stats write attempt (``report.write_json_atomic``): its thread, path and
+    """Every stats write attempt (``stats_writers.write_json_atomic``): its thread, path and
     snapshot, and a way to wait for one that matches (a deadline only guards a hang)."""
 
     def __init__(self, monkeypatch):
-        from vllm_specexpert import report
+        from vllm_specexpert import stats_writers
 
         self.seen: list[tuple[str, str, dict]] = []
         self.changed = threading.Condition()
-        real = report.write_json_atomic
+        real = stats_writers.write_json_atomic
 
         def recording(path, payload):
             with self.changed:
@@ -146,7 +146,7 @@ class Writes:
                 self.changed.notify_all()
             real(path, payload)
 
-        monkeypatch.setattr(report, "write_json_atomic", recording)
+        monkeypatch.setattr(stats_writers, "write_json_atomic", recording)
 
     def wait_for(self, matches, since: int = 0) -> None:
         """Until a write from ``since`` on ``matches(thread, path, payload)``."""
@@ -197,7 +197,7 @@ def test_stats_path_that_breaks_later_does_not_stop_the_engine(make_engine, tmp_
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("vllm_specexpert.report")
+    logger = logging.getLogger("vllm_specexpert.stats_writers")
     logger.addHandler(handler)
     try:
         engine.write_stats()

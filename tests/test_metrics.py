@@ -195,7 +195,7 @@ def test_a_worker_that_outlives_its_frontend_writes_no_warning(tmp_path, monkeyp
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("vllm_specexpert.report")
+    logger = logging.getLogger("vllm_specexpert.stats_writers")
     logger.addHandler(handler)
     try:
         engine.write_stats()

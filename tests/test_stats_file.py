@@ -14,8 +14,8 @@ from moe_reference import random_layer
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.report import StatsWriter
 from vllm_specexpert.stats import check_stats_path, write_json_atomic
+from vllm_specexpert.stats_writers import StatsWriter
 
 
 def fifo(path):

@@ -42,6 +42,7 @@ its floor::
                         memory (what the sized tier has free)
      4  budget_plan     what a budget comes to in slots per layer, and why (sized from
                         the memory at the first layer and at each reconfigure)
+     4  report          the stats dict and the summary line
      4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
      4  predict/        next-layer predictors: base, router, quasi_hidden; path (a
@@ -55,7 +56,7 @@ its floor::
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router)
      5  backends        where entries run besides the slots: host, INT4 copy, peer
-     5  report          the stats dict, the summary line, the file writers
+     5  stats_writers   the threads that write the stats file and the /metrics snapshot
      5  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
      6  execute         survey, run a plan over the device and the backends, token

@@ -40,6 +40,7 @@ from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.predict import NextLayerRouting
 from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.slots import SharedSlotPool
@@ -75,7 +76,7 @@ class OffloadEngine:
         self.step_demand: StepDemand | None = None
         self.layers: dict[str, OffloadedLayer] = {}
         self.lock = threading.Lock()  # held while layers change or another thread reads
-        self.reporter = report.Reporter(self.stats if reports else None)  # files, /metrics
+        self.reporter = Reporter(self.stats if reports else None)  # files, /metrics
         self.inputs = FeatureInputs()
         """What the vLLM adapter hands in (:meth:`provide`), which features are built from."""
         self.budget = BudgetPlan(device, budget_field)
