@@ -206,6 +206,31 @@ def test_a_worker_that_outlives_its_frontend_writes_no_warning(tmp_path, monkeyp
     assert not directory.exists()  # a write never makes it
 
 
+def test_a_snapshot_directory_being_removed_during_a_write_logs_nothing(tmp_path, monkeypatch):
+    """The frontend's removal at exit may be under way while a write runs: the directory
+    is still there, the write's own file is gone. Seen at the end of a test run."""
+    from vllm_specexpert import stats_writers
+
+    directory = tmp_path / "metrics"
+    engine = run_engine(directory, monkeypatch)
+
+    def removed_meanwhile(path, payload):
+        raise FileNotFoundError(2, "No such file or directory", f"{path}.tmp")
+
+    monkeypatch.setattr(stats_writers, "write_json_atomic", removed_meanwhile)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm_specexpert.stats_writers")
+    logger.addHandler(handler)
+    try:
+        engine.write_stats()
+        engine.close()
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+
+
 def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
     tmp_path.mkdir(exist_ok=True)
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))

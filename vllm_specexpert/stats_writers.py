@@ -56,7 +56,10 @@ class StatsWriter:
         try:
             write_json_atomic(self.path, self.snapshot())
         except OSError as error:
-            if self.reader_owns_directory and not os.path.isdir(os.path.dirname(self.path)):
+            gone = isinstance(error, FileNotFoundError)  # (its removal may be under way)
+            if self.reader_owns_directory and (
+                gone or not os.path.isdir(os.path.dirname(self.path))
+            ):
                 self._stop.set()  # no more periodic writes
                 return
             if not self._warned:
