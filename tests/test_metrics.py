@@ -184,14 +184,8 @@ def test_directories_of_killed_frontends_are_removed_by_the_next_one(tmp_path):
     assert snapshot_directories(tmp_path) == [live.name]
 
 
-def test_a_worker_that_outlives_its_frontend_writes_no_warning(tmp_path, monkeypatch):
-    """Issue 46 (12): the process of ``LLM()`` removes the snapshot directory when it
-    exits, and its worker runs a second or two longer: its next snapshot has nobody to
-    read it. It was logged as ``cannot write metrics snapshot ... No such file``."""
-    directory = tmp_path / "metrics"
-    engine = run_engine(directory, monkeypatch)
-    assert len(list(directory.glob("worker-*.json"))) == 1
-    shutil.rmtree(directory)  # the frontend's exit
+def logged_writing_and_closing(engine) -> list[str]:
+    """What the stats writers log while ``engine`` writes its stats and closes."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
@@ -202,7 +196,18 @@ def test_a_worker_that_outlives_its_frontend_writes_no_warning(tmp_path, monkeyp
         engine.close()
     finally:
         logger.removeHandler(handler)
-    assert [r.getMessage() for r in records] == []
+    return [r.getMessage() for r in records]
+
+
+def test_a_worker_that_outlives_its_frontend_writes_no_warning(tmp_path, monkeypatch):
+    """Issue 46 (12): the process of ``LLM()`` removes the snapshot directory when it
+    exits, and its worker runs a second or two longer: its next snapshot has nobody to
+    read it. It was logged as ``cannot write metrics snapshot ... No such file``."""
+    directory = tmp_path / "metrics"
+    engine = run_engine(directory, monkeypatch)
+    assert len(list(directory.glob("worker-*.json"))) == 1
+    shutil.rmtree(directory)  # the frontend's exit
+    assert logged_writing_and_closing(engine) == []
     assert not directory.exists()  # a write never makes it
 
 
@@ -218,17 +223,7 @@ def test_a_snapshot_directory_being_removed_during_a_write_logs_nothing(tmp_path
         raise FileNotFoundError(2, "No such file or directory", f"{path}.tmp")
 
     monkeypatch.setattr(stats_writers, "write_json_atomic", removed_meanwhile)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("vllm_specexpert.stats_writers")
-    logger.addHandler(handler)
-    try:
-        engine.write_stats()
-        engine.close()
-    finally:
-        logger.removeHandler(handler)
-    assert [r.getMessage() for r in records] == []
+    assert logged_writing_and_closing(engine) == []
 
 
 def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
