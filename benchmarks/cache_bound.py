@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, command_line, held_out_prompts, write_result
 
+from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.schedule.grouping import partition
 from vllm_specexpert.tools.fixtures import ASSETS, DEFAULT_MODEL, model_path
 from vllm_specexpert.tools.trace import _LayerHooks, load_model
@@ -235,14 +236,16 @@ def engine_loads(
     def kernel(x, topk_weights, ids, slots, expert_map=None):
         return torch.zeros_like(x)
 
+    step: dict[str, StepDemand] = {}
+    engine.provide(step_demand=lambda: step.get("demand"))  # the scheduler's, per step
     for run, expected in schedule:
-        engine.step_demand = StepDemand(
+        step["demand"] = StepDemand(
             tokens=len(run), layers=counts(run), next_layers=counts(expected) if expected else None
         )
         for layer, name in enumerate(names):
             ids = torch.from_numpy(np.stack([routes[i][s, layer] for i, s in run])).to(torch.int32)
             x = torch.zeros(len(run), 16, dtype=torch.bfloat16)
-            engine.run(name, kernel, x, torch.full(ids.shape, 1 / top_k), ids)
+            engine.run_call(LayerRequest(name, kernel, x, torch.full(ids.shape, 1 / top_k), ids))
     loads = engine.stats()["total"]["decode"]["loads"]
     engine.close()
     return loads

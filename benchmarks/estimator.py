@@ -75,18 +75,18 @@ def per_call_costs(model) -> dict:
     layers = _offloaded_layers(model)
     (_, _, routed), (_, layer, _) = layers[1], layers[2]
     engine = routed.engine
-    inputs = engine.inputs.predictor_inputs
+    inputs = engine.inputs["predictor_inputs"]
     predictors = {
         "quasi_hidden": QuasiHiddenPredictor.build(inputs),
         "estimator": EstimatorPredictor.build(inputs),
     }
-    nxt = engine.layers[routed.layer_name].next_routing
+    nxt = engine.inputs["next_routing"][routed.layer_name]
     runner = layer.mlp.experts
     hook = getattr(layers[2][2], "router_free_hook", None)
     select = hook.select_experts if hook is not None else runner.router.select_experts
     gate = hook.gate_forward if hook is not None else runner.gate.forward
-    hidden = engine.inputs.predictor_inputs.default_vectors[routed.layer_name].shape[1]
-    experts = engine.inputs.predictor_inputs.default_vectors[routed.layer_name].shape[0]
+    hidden = engine.inputs["predictor_inputs"].default_vectors[routed.layer_name].shape[1]
+    experts = engine.inputs["predictor_inputs"].default_vectors[routed.layer_name].shape[0]
     top_k = engine.layers[routed.layer_name].top_k
 
     def median_us(fn, reps: int = 200) -> float:

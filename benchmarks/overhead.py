@@ -146,6 +146,7 @@ def breakdown(request: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.forward_context import get_forward_context, override_forward_context
 
+    from vllm_specexpert.layer_call import LayerRequest
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
     captured: dict = {}
@@ -208,10 +209,12 @@ def breakdown(request: dict) -> None:
         "plugin kernel (SlotKernel: allocates its output)": lambda: layer.slot_kernel(
             x, weights, ids, slots
         ),
-        "engine.run_resident_token (the engine's path for it)": lambda: engine.run_resident_token(
-            layer.layer_name, layer.slot_kernel, x, weights, ids
+        "engine.run_call (the engine's path for it)": lambda: engine.run_call(
+            LayerRequest(layer.layer_name, layer.slot_kernel, x, weights, ids)
         ),
-        "the adapter's layer call (into the op's buffer)": lambda: layer._run(x, weights, ids, out),
+        "the adapter's layer call (into the op's buffer)": lambda: layer.offloaded_forward(
+            x, weights, ids, out
+        ),
         "the custom op as the compiled graph calls it (buffer + op)": graph_call,
         "a Python custom op that does nothing (dispatch only)": lambda: no_op(
             x, weights, ids, out, key

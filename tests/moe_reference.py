@@ -64,7 +64,7 @@ def run_fetch(
     call = layer_call.LayerCall(
         x, topk_weights, topk_ids, topk_ids.numpy(), kernel or slot_kernel, stats
     )
-    return execute.run(loader, call, execute.survey(loader, call))
+    return execute.execute(loader, call, execute.survey(loader, call))
 
 
 def slot_kernel(x, topk_weights, ids, slots, expert_map=None):

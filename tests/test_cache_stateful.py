@@ -21,10 +21,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from invariants import check_cache_invariants
 from manual_clock import ManualClock
 from moe_reference import random_layer, reference_moe, slot_kernel
+from toy_engine import DemandSource
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.step_demand import StepDemandFeature
 from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.layer_call import LayerRequest
 
 E, K = 12, 2
 NAME = "model.layers.0.mlp.experts"
@@ -212,16 +215,16 @@ class SharedPoolMachine(RuleBasedStateMachine):
             def demand():
                 return {i: self.rng.integers(0, 3, E) for i in range(LAYERS)}
 
-            self.engine.step_demand = StepDemand(
+            DemandSource.of(self.engine).demand = StepDemand(
                 tokens=tokens, layers=demand(), next_layers=demand() if grouped else None
             )
         else:
-            self.engine.step_demand = None
+            DemandSource.of(self.engine).demand = None
         g = torch.Generator().manual_seed(int(self.rng.integers(1 << 30)))
         x = torch.randn(tokens, 32, generator=g).bfloat16()
         w = torch.softmax(torch.randn(tokens, K, generator=g), -1)
         topk_ids = torch.from_numpy(ids).to(torch.int32)
-        out = self.engine.run(NAMES[index], slot_kernel, x, w, topk_ids)
+        out = self.engine.run_call(LayerRequest(NAMES[index], slot_kernel, x, w, topk_ids))
         tensors = LAYER_TENSORS[index]
         assert torch.equal(
             out, reference_moe(x, w, topk_ids, tensors["w13_weight"], tensors["w2_weight"])
@@ -247,7 +250,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         self.engine.reconfigure(shared_config(budget, preload, emulated))
         on_manual_clock(self.engine)
         self.budget = budget
-        assert self.engine.feature("step_demand").planner.preload == preload
+        assert self.engine.feature(StepDemandFeature).planner.preload == preload
 
     @invariant()
     def cache_invariants(self):

@@ -21,10 +21,12 @@ import pytest
 import torch
 from moe_reference import random_layer, reference_moe, slot_kernel
 from test_quality import identity_head
+from toy_engine import DemandSource
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
 from vllm_specexpert.predict.estimator_network import (
     EstimatorShape,
@@ -169,8 +171,9 @@ def make_engine(toy_engines):
             start=False,
         )
         g = torch.Generator().manual_seed(3)
-        for index, (name, next_name) in enumerate(pairwise(NAMES)):
-            engine.link_layers(name, next_name, toy_routing(index + 1))
+        for name, next_name in pairwise(NAMES):
+            engine.link_layers(name, next_name)
+        engine.provide(next_routing={n: toy_routing(i + 1) for i, n in enumerate(NAMES[:-1])})
         estimator = ExpertEstimator(
             EstimatorShape(H, len(NAMES) - 1, E, K, latent=8), list(range(len(NAMES)))
         ).float()
@@ -184,8 +187,8 @@ def make_engine(toy_engines):
             )
         )
         coactivation = np.eye(E, dtype=np.int64) * 10 + 1
-        engine.set_routing_statistics(
-            dict.fromkeys(NAMES, coactivation), {n: np.linspace(0, 1, 101) for n in NAMES}
+        engine.provide(
+            routing_statistics=dict.fromkeys(NAMES, (coactivation, np.linspace(0, 1, 101)))
         )
         if config.quality is not None:
             engine.provide(logit_head=identity_head(H))
@@ -207,12 +210,12 @@ def check_runs_with_its_label(make_engine, config: SpecExpertConfig) -> None:
             for index in range(len(NAMES)):
                 w, ids = toy_routing(index).route(x)
                 routes[index] = ids.numpy()
-            engine.step_demand = StepDemand(
+            DemandSource.of(engine).demand = StepDemand(
                 tokens=4, layers={i: np.bincount(r.ravel(), minlength=E) for i, r in routes.items()}
             )
             for index, name in enumerate(NAMES):
                 w, ids = toy_routing(index).route(x)
-                out = engine.run(name, slot_kernel, x, w, ids)
+                out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
                 expected = reference_moe(
                     x, w, ids, LAYERS[name]["w13_weight"], LAYERS[name]["w2_weight"]
                 )

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_specexpert import metrics
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.layer_call import LayerRequest
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "specexpert.json"
 SERIES = re.compile(r"\b" + metrics.PREFIX + r"[a-zA-Z0-9_:]*")
@@ -49,7 +50,7 @@ def exposed(tmp_path_factory) -> set[str]:
             engine.add_layer("model.layers.0.mlp.experts", random_layer(seed=0), top_k=4, index=0)
             engine.start()
             x, w, ids = random_routing(4, 16, 4, seed=0)
-            engine.run("model.layers.0.mlp.experts", slot_kernel, x, w, ids)
+            engine.run_call(LayerRequest("model.layers.0.mlp.experts", slot_kernel, x, w, ids))
             engine.write_stats()
             text = scrape_text(directory)
         finally:

@@ -31,6 +31,7 @@ from vllm_harness import agreement, make_llm, shutdown
 import vllm_specexpert
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
+from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.layers.engines import _ENGINES
 from vllm_specexpert.tiers import peer as peer_module
 from vllm_specexpert.tiers import ray_cluster
@@ -65,7 +66,9 @@ def llm():
 
 def engine():
     """The plugin's engine of this process (the engine core runs in-process here)."""
-    return next(entry[1] for entry in _ENGINES.values() if entry[1].inputs.peer_tier is not None)
+    return next(
+        entry[1] for entry in _ENGINES.values() if entry[1].inputs.get("peer_tier") is not None
+    )
 
 
 def held_out_windows() -> list[list[int]]:
@@ -177,7 +180,7 @@ def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     # No probe during the run: the kill is found by the calls in flight.
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 600})
     vllm_specexpert.reset_stats(llm)
-    victim = engine().inputs.peer_tier.peers[0]
+    victim = engine().inputs["peer_tier"].peers[0]
     pid = ray.get(victim.actor.ping.remote())
 
     def kill_when_busy():
@@ -211,7 +214,7 @@ def test_a_hung_peer_leaves_and_rejoins(llm):
     import ray
 
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "timeout_ms": 300, "probe_interval_s": 0.2})
-    mesh = engine().inputs.peer_tier
+    mesh = engine().inputs["peer_tier"]
     slow = mesh.peers[1]
     # Held, it answers nothing until released: every call to it outlasts the timeout,
     # however slow the engine is to read the answers. (Released in a concurrency group
@@ -229,7 +232,7 @@ def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
     import ray
 
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "rtt_cap_ms": 50, "probe_interval_s": 0.1})
-    mesh = engine().inputs.peer_tier
+    mesh = engine().inputs["peer_tier"]
     far = mesh.peers[0]
     ray.get(far.actor.set_delay.remote(0.1))  # answers 100 ms late, within timeout_ms
     try:
@@ -383,7 +386,7 @@ def test_peer_entries_are_added_with_their_weights_or_computed_here(toy_engines,
     engine.provide(peer_tier=FakePeers(TENSORS, fail))
     engine.start()
     x, w, ids = routing(IDS)
-    out = engine.run(NAME, slot_kernel, x, w, ids)
+    out = engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
     assert_equivalent(out, reference_moe(x, w, ids, W13, W2))
     stats = engine.stats()["layers"][NAME]["decode"]
     assert stats["peer_entries"] == stats["missed_entries"] == 7  # experts 9-15

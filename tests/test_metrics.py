@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_specexpert import metrics, vllm_hooks
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.lookahead import LookaheadFeature
+from vllm_specexpert.layer_call import LayerRequest
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in (1, 3)]
 
@@ -42,7 +44,7 @@ def run_engine(directory, monkeypatch) -> OffloadEngine:
     for step in range(3):
         for name in NAMES:
             x, w, ids = random_routing(4, 16, 4, seed=step)
-            engine.run(name, slot_kernel, x, w, ids)
+            engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
     engine.write_stats()
     return engine
 
@@ -235,7 +237,7 @@ def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
     )
     engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
     engine.start()
-    governor = engine.feature("lookahead").governor
+    governor = engine.feature(LookaheadFeature).governor
     for _ in range(7):  # the warm-up's round robin: k = 4, 3, 2, 1, 0, 4, 3
         k = governor.choose(["a", "b"])
         governor.drafted(["a", "b"], k, 0.1)

@@ -7,10 +7,14 @@ import pytest
 import torch
 from invariants import check_cache_invariants
 from moe_reference import random_layer, reference_moe, slot_kernel
+from toy_engine import DemandSource
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.prediction import PredictionFeature
+from vllm_specexpert.features.quality import QualityFeature
 from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.predict import PredictorInputs
 
 E, K, H, LAYERS = 16, 2, 32, 3
@@ -59,13 +63,13 @@ def demand_of(routes: dict[int, np.ndarray], tokens: int, next_routes=None) -> S
 def run_step(engine, routes: dict[int, np.ndarray], demand: StepDemand | None, seed=0):
     """Every layer once on ``routes`` (layer index -> ``[T, K]`` ids); checks each
     output against the reference on the full expert weights."""
-    engine.step_demand = demand
+    DemandSource.of(engine).demand = demand
     for index, name in enumerate(NAMES):
         ids = torch.from_numpy(routes[index]).to(torch.int32)
         g = torch.Generator().manual_seed(seed * 100 + index)
         x = torch.randn(ids.shape[0], H, generator=g).bfloat16()
         w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
-        out = engine.run(name, slot_kernel, x, w, ids)
+        out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
         t = LAYER_TENSORS[name]
         assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
 
@@ -154,17 +158,21 @@ def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first(m
     run_step(
         engine, {0: np.array([[0, 1]]), 1: np.array([[0, 1], [2, 3]]), 2: np.array([[2, 3]])}, None
     )
-    engine.step_demand = None
+    DemandSource.of(engine).demand = None
     name = NAMES[1]
     ids = torch.tensor([[9, 10]], dtype=torch.int32)
-    engine.run(
-        NAMES[0],
-        slot_kernel,
-        torch.randn(1, H).bfloat16(),
-        torch.ones(1, K) / K,
-        torch.tensor([[0, 1]], dtype=torch.int32),
+    engine.run_call(
+        LayerRequest(
+            NAMES[0],
+            slot_kernel,
+            torch.randn(1, H).bfloat16(),
+            torch.ones(1, K) / K,
+            torch.tensor([[0, 1]], dtype=torch.int32),
+        )
     )
-    engine.run(name, slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K, ids)
+    engine.run_call(
+        LayerRequest(name, slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K, ids)
+    )
     assert resident(engine, 0) == {0, 1, 2, 3} and resident(engine, 2) == {0, 1, 2, 3}
     assert {9, 10} <= resident(engine, 1) and len(resident(engine, 1)) == 4
 
@@ -253,7 +261,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     # layer's (whose turn comes next-to-last), oldest first, then the last layer's.
     call = layer_call.LayerCall(x, w, ids, ids.numpy(), slot_kernel, stats)
     call.before_kernel = lambda: upcoming.loader.prefetch(np.arange(8, 16), stats)
-    out = execute.run(running.loader, call, execute.survey(running.loader, call))
+    out = execute.execute(running.loader, call, execute.survey(running.loader, call))
     t = LAYER_TENSORS[NAMES[0]]
     assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
     assert stats.prefetched > 0  # the prefetch did take slots of the shared pool
@@ -277,7 +285,7 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token(make_engine)
     # One token of layer 0 whose experts are both missing loads them and runs exactly.
     ids = torch.tensor([[14, 15]], dtype=torch.int32)
     x, w = torch.randn(1, H).bfloat16(), torch.tensor([[0.6, 0.4]])
-    out = engine.run(NAMES[0], slot_kernel, x, w, ids)
+    out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids))
     t = LAYER_TENSORS[NAMES[0]]
     assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
     assert first.resident_mask()[[14, 15]].all()
@@ -300,7 +308,7 @@ def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(
     )
     engine.start()
     assert engine.pool is pool and pool.num_slots == LAYERS * 4
-    assert engine.feature("prediction").predictor.name == "quasi_hidden"
+    assert engine.feature(PredictionFeature).predictor.name == "quasi_hidden"
     rng = np.random.default_rng(1)
     run_step(engine, {i: distinct(rng, 2) for i in range(LAYERS)}, None)
 
@@ -314,13 +322,15 @@ def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined(make_e
     engine = make_engine(plec_preload=None, miss_policy="drop", quality={}, start=False)
     engine.provide(logit_head=identity_head(H))
     engine.start()
-    assert engine.feature("quality") is not None
+    assert engine.feature(QualityFeature) is not None
     assert all(engine.layers[name].cache.pool is engine.pool for name in NAMES)
     assert engine.pool.num_slots == sum(engine.layers[n].cache.num_slots for n in NAMES)
     for index, name in enumerate(NAMES):  # (drop: approximate, so no reference here)
         ids = torch.from_numpy(distinct(np.random.default_rng(index), 3)).to(torch.int32)
-        out = engine.run(
-            name, slot_kernel, torch.randn(3, H).bfloat16(), torch.full(ids.shape, 0.5), ids
+        out = engine.run_call(
+            LayerRequest(
+                name, slot_kernel, torch.randn(3, H).bfloat16(), torch.full(ids.shape, 0.5), ids
+            )
         )
         assert out.shape == (3, H) and torch.isfinite(out).all()
         check_cache_invariants(engine.layers[name].loader, settle=True)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_specexpert.budget_plan import SlotPlan, check_pool_reach
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.layer_state import check_pool_reach
 from vllm_specexpert.tools.fixtures import TRAINED_PATH_PREDICTOR_DIR as PATH_PREDICTOR
 
 # The disk benchmark's widened Qwen3-style expert: w13 [2 x 40176, 256] is 20,570,112
@@ -28,9 +28,7 @@ LAYERS = [
 
 def reach(config, layers):
     """The check with each layer's slots as ``config`` gives them."""
-    check_pool_reach(
-        config, [(la, config.slots_per_layer(la.experts.num_experts, la.top_k)) for la in layers]
-    )
+    check_pool_reach(config, SlotPlan(config.budget), layers)
 
 
 def test_per_layer_pools_of_the_benchmark_fit():

@@ -11,6 +11,8 @@ from moe_reference import random_layer, random_routing, slot_kernel
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import QualityConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.quality import QualityFeature
+from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.quality import LogitHead, QualityMonitor, kl_divergence
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in (1, 3)]
@@ -52,16 +54,16 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(engine_of, over_budget)
     approx = engine_of({**RANDOM, "quality": {"sample": 1.0}})
     reference = engine_of({**RANDOM})  # the mode alone
     fetch = engine_of({"budget": 0.25})
-    for batch in approx.feature("quality").monitor.budget.classes:
+    for batch in approx.feature(QualityFeature).monitor.budget.classes:
         batch.exact = over_budget
     changed = 0
     for step in range(4):
         x, w, ids = random_routing(8, 16, 4, hidden=HIDDEN, seed=step)
         for name, index in zip(NAMES, (1, 3), strict=True):
-            served = approx.run(name, slot_kernel, x, w, ids)
-            exact = fetch.run(name, slot_kernel, x, w, ids)
-            mode = reference.run(name, slot_kernel, x, w, ids)
-            delta = approx.feature("quality").monitor.deltas[index]
+            served = approx.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            exact = fetch.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            mode = reference.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            delta = approx.feature(QualityFeature).monitor.deltas[index]
             # The exact calls load their missing experts into the cache: from the second
             # step on the mode finds another cache than it does without a budget.
             if over_budget:  # served exactly; the mode's result sampled beside it

@@ -6,14 +6,19 @@ writer's with a ``stats_path``); each test file binds its own toy model (layers,
 default config) in a fixture on it. :func:`build_engine` is the plain function under
 that fixture, for code that is not a test; what it returns is the caller's to close."""
 
+from __future__ import annotations
+
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import ClassVar
 
 import torch
 
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.tiers.host import HostKernel
 
 
@@ -66,3 +71,20 @@ def closing_engines() -> Iterator[Callable[..., OffloadEngine]]:
     finally:
         for engine in reversed(built):
             engine.close()
+
+
+class DemandSource:
+    """The scheduler's step demand as a test hands it to one toy engine (the adapter
+    provides ``handoff.current`` instead): ``DemandSource.of(engine).demand = ...``."""
+
+    _sources: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.demand: StepDemand | None = None
+        engine.provide(step_demand=lambda: self.demand)
+
+    @classmethod
+    def of(cls, engine: OffloadEngine) -> DemandSource:
+        if engine not in cls._sources:
+            cls._sources[engine] = cls(engine)
+        return cls._sources[engine]

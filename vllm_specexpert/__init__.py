@@ -10,7 +10,8 @@ its floor::
 
      1  config/         every setting and its checks: specexpert, sections, rules,
                         errors, modes (each mode's traits, as data), fit (what it needs
-                        of the model), sizing (a budget's slots from the memory)
+                        of the model), sizing (a budget's slots from the memory), switch
+                        (what reconfigure can change)
      1  quant_formats   quantized checkpoints' packed experts: read, dequantize,
                         quantize
      1  phases          which tokens of a forward pass are decode, which prefill
@@ -41,7 +42,8 @@ its floor::
                         checkpoint_experts (one expert read from a checkpoint),
                         memory (what the sized tier has free)
      4  budget_plan     what a budget comes to in slots per layer, and why (sized from
-                        the memory at the first layer and at each reconfigure)
+                        the memory at the first layer and at each reconfigure), and
+                        whether the kernel can address its pools
      4  report          the stats dict and the summary line
      4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
@@ -51,7 +53,8 @@ its floor::
                         (its predictors), hybrid (its layers)
      4  policy/         miss policies that only decide (a MissPlan): base, context,
                         fetch, speculate, cpu, substitute, drop, buddies, lowbit, peers
-     4  layer_call      LayerCall: one call's tokens, routing, kernel, counters
+     4  layer_call      LayerRequest (a call as the adapter hands it), LayerCall (its
+                        tokens with their routing on the host, kernel, counters)
      5  planner/        what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router)
@@ -59,46 +62,52 @@ its floor::
      5  stats_writers   the threads that write the stats file and the /metrics snapshot
      5  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
+     5  layer_state     OffloadedLayer: what every offloaded layer has
      6  execute         survey, run a plan over the device and the backends, token
                         groups, kernel launches; the one place that runs experts
-     6  layer_state     OffloadedLayer, and what a config needs of the loaded layers
-     7  quality/        the quality budget: logits (the model's head, two results
+     6  layer_checks    what a config needs of the loaded layers, whatever the features
+     6  quality/        the quality budget: logits (the model's head, two results
                         compared), budget (batch classes, windows, switches), monitor
                         (sampled rows, their differences, judged at the final norm)
-     8  features/       EngineFeature hooks (base), what the adapter hands in (inputs),
-                        the factory (__init__): prediction, quality, mesh (peers, early
+     7  features/       EngineFeature (base: hooks, EngineParts, the decode call), the
+                        registry (__init__): quality, prediction, mesh (peers, early
                         fire), lookahead (governor, the draft's routes), step_demand (path
-                        score, PLEC)
-     9  engine          OffloadEngine: the exact spine per layer call, features around
+                        score, PLEC), routing_statistics (buddy lists, gates), low_bit
+                        (INT4 copies' slots)
+     8  engine          OffloadEngine: the exact spine per layer call, features around
                         it
-    10  layers/         vLLM adapter in the worker: routed_experts (the layer, the
+     9  layers/         vLLM adapter in the worker: routed_experts (the layer, the
                         custom op), slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, model_classes (wiring after load),
                         forward_phase, lookahead_driver (the draft's rounds),
                         router_free, final_tap, failed_requests (rows -> requests),
                         sizing (what budget sizing needs of vLLM's settings)
-    11  worker          the RPCs behind get_stats, reconfigure, reset_stats
-    12  validate        engine-config checks where vLLM builds the engine config
-    12  __init__        the user API: get_stats, reconfigure, reset_stats
-    13  plugins         the vllm.general_plugins entry point and --plugins
-    14  tools/          training, corpus, fixtures, harness, offline passes, demo,
-                        server: never imported by the runtime (layers 1-13)
-    15  cli             the specexpert command (serve, vllm, and the tools by name)
+    10  worker          the RPCs behind get_stats, reconfigure, reset_stats
+    11  validate        engine-config checks where vLLM builds the engine config
+    11  __init__        the user API: get_stats, reconfigure, reset_stats
+    12  plugins         the vllm.general_plugins entry point and --plugins
+    13  tools/          training, corpus, fixtures, harness, offline passes, demo,
+                        server: never imported by the runtime (layers 1-12)
+    14  cli             the specexpert command (serve, vllm, and the tools by name)
 
 One decode step of layer l, following the router's ids::
 
-    vLLM MoERunner ─► layers.routed_experts (custom op) ─► engine.run: one DecodeCall
+    vLLM MoERunner ─► layers.routed_experts.offloaded_forward (custom op)
+      ─► engine.run_call(LayerRequest) ─► execute.guarded (an unreadable expert: the call
+      again without it) ─► one token, every expert resident: execute.execute_resident
+      ─► else one DecodeCall:
       ├─ forces_exact: quality (its batch class over budget)
-      ├─ begin_call:  quality (exact while over budget), prediction (made for this
-      │               layer), mesh (early fire: rows sent to peers ahead)
+      ├─ begin_call:  prediction (made for this layer), mesh (early fire: rows sent
+      │               to peers ahead)
       ├─ before_read: prediction (speculate: run it instead; predict layer l+1)
       ├─ one host read: the router's ids and the features' tensors
       ├─ after_read:  prediction (score; prefetch before the kernel), mesh (no_stop
       │               fires layer l+1), step_demand (score the path; PLEC plans)
       ├─ resolve:     quality (samples the other result beside) around
-      │    execute.survey ─► policy.plan (only if something is missing) ─► execute.run
-      │      ─► tiers.loader (loads) ─► layers.slot_kernel (vLLM's kernel on the
-      │      slots); backends: peers (mesh, via PeersFirst), host, INT4 copies
+      │    execute.resolve: survey ─► policy.plan (only if something is missing)
+      │      ─► execute.execute ─► tiers.loader (loads) ─► layers.slot_kernel (vLLM's
+      │      kernel on the slots); backends: peers (mesh, via PeersFirst), host, INT4
+      │      copies (low_bit's slots)
       └─ end_call:    step_demand (PLEC: the next group's predicted uses)"""
 
 from __future__ import annotations

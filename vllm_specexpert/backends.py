@@ -3,7 +3,7 @@ host (:class:`~vllm_specexpert.tiers.host.HostExperts`), an expert's INT4 copy i
 layer's low-bit slots, and a mesh peer (:class:`~vllm_specexpert.tiers.layer_peers.LayerPeers`).
 
 The miss policy decides which entries each one takes (a mask of its
-:class:`~vllm_specexpert.policy.MissPlan`); the executor (:func:`vllm_specexpert.execute.run`)
+:class:`~vllm_specexpert.policy.MissPlan`); the executor (:func:`vllm_specexpert.execute.execute`)
 stages every backend's entries before the device kernel starts (a peer's rows leave, the
 host gathers its inputs), runs the device's, then has each backend add its results to
 the output in :data:`ORDER`. A backend returns the entries it could not compute (a peer

@@ -9,7 +9,10 @@ carried beside it.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -89,3 +92,45 @@ class BudgetPlan:
         if self.current is None and plan.fit is not None:
             self._start_parts = plan.fit.parts
         self.current = plan
+
+
+class PoolUser(Protocol):
+    """What the reach check reads of a layer (an ``OffloadedLayer``)."""
+
+    @property
+    def experts(self) -> ExpertSource: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def pool_reach(self) -> int | None: ...
+
+
+def check_pool_reach(config: SpecExpertConfig, plan: SlotPlan, layers: Iterable[PoolUser]) -> None:
+    """Raise a config error when a slot pool ``config`` makes of ``layers`` under ``plan``
+    is a tensor larger than their kernel can address (their ``pool_reach``): one pool
+    per layer, or one for all layers under a shared-pool ``cache`` (``plec``)."""
+    layers = [la for la in layers if la.pool_reach is not None]
+    if not layers:
+        return
+    slots = [plan.slots(la.experts.num_experts, la.top_k) for la in layers]
+    limit = min(la.pool_reach for la in layers if la.pool_reach is not None)
+    widest = max(math.prod(shape) for la in layers for shape, _ in la.experts.slot_shapes.values())
+    pooled = sum(slots) if config.cache_spec.shared_pool else max(slots)
+    if pooled * widest <= limit:
+        return
+    reach = limit // widest
+    why = f"and the expert kernel addresses at most 2^{(limit + 1).bit_length() - 1}"
+    if config.cache_spec.shared_pool:
+        raise SpecExpertConfigError(
+            "cache",
+            f"'{config.cache}' puts all {len(layers)} layers' {sum(slots)} slots in one "
+            f"pool of {pooled * widest / 1e9:.2f} G elements per tensor, {why}",
+            f"use a per-layer cache (lru, lfu, static), or a budget of at most "
+            f"{reach} slots in all ({reach // len(layers)} per layer)",
+        )
+    raise SpecExpertConfigError(
+        "budget",
+        f"{pooled} slots per layer make a pool of {pooled * widest / 1e9:.2f} G elements "
+        f"per tensor, {why}",
+        f"a budget of at most {reach} slots per layer",
+    )

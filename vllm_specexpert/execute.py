@@ -20,22 +20,22 @@ launch changes, never the arithmetic of a token.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllm_specexpert.backends import placements
-from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.handback import UnreadableRows
-from vllm_specexpert.layer_call import ExpertKernel, LayerCall
+from vllm_specexpert.layer_call import LayerCall, LayerRequest
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
-from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.staging import upload
-from vllm_specexpert.tiers.store import ExpertsUnreadable, LayerExperts
+from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 GROUP_SCAN_FACTOR = 4
 """A token group is grown from at most ``GROUP_SCAN_FACTOR * slots`` candidate tokens
@@ -53,8 +53,8 @@ class Survey:
     """``[T, K]`` entries whose expert is not resident."""
     missed: int
     """How many entries are missing."""
-    needed: np.ndarray | None
-    """The call's distinct experts (``None`` for one token: its top-k ids)."""
+    needed: np.ndarray
+    """The call's distinct experts."""
 
 
 def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True) -> Survey:
@@ -63,8 +63,8 @@ def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True)
     missing = ~resident[call.host_ids]
     missed = int(np.count_nonzero(missing))
     call.stats.missed_entries += missed
-    needed = np.unique(call.host_ids) if call.host_ids.shape[0] > 1 else None
-    call.stats.experts_needed += call.host_ids.shape[1] if needed is None else len(needed)
+    needed = np.unique(call.host_ids)
+    call.stats.experts_needed += len(needed)
     return Survey(resident, missing, missed, needed)
 
 
@@ -78,10 +78,10 @@ def resolve(
         if found.missed
         else None
     )
-    return run(loader, call, found, plan, context)
+    return execute(loader, call, found, plan, context)
 
 
-def run(
+def execute(
     loader: ExpertLoader,
     call: LayerCall,
     found: Survey,
@@ -94,7 +94,7 @@ def run(
     adds its results; entries a place could not compute run on the device, loaded."""
     if plan is None:
         call.stats.fetched_entries += found.missed
-        return run_on_device(loader, call, found.needed)
+        return run_on_device(loader, call, found)
     ids, stats = call.host_ids, call.stats
     elsewhere = placements(plan, context) if context is not None else []
     on_device = ~plan.dropped if plan.dropped is not None else np.ones(ids.shape, dtype=bool)
@@ -143,7 +143,22 @@ def run(
     return out
 
 
-def run_without(
+def guarded(
+    loader: ExpertLoader,
+    request: LayerRequest,
+    rows: UnreadableRows,
+    run: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """``run()``, the layer's call; when the slow tier cannot supply some of its experts
+    (:class:`ExpertsUnreadable`: a read error, a record whose checksum fails), the call
+    again without them (:func:`execute_without`), so that the pass goes on."""
+    try:
+        return run()
+    except ExpertsUnreadable as error:
+        return execute_without(loader, request.on_host(PhaseStats()), error, rows)
+
+
+def execute_without(
     loader: ExpertLoader, call: LayerCall, error: ExpertsUnreadable, rows: UnreadableRows
 ) -> torch.Tensor:
     """The call again, exactly, with the entries of the experts the slow tier could not
@@ -157,11 +172,9 @@ def run_without(
         rows.log(error.layer, error.experts, error.cause)
         unreadable.update(error.experts)
         dropped = np.isin(call.host_ids, sorted(unreadable))
-        again = LayerCall(
-            call.x, call.topk_weights, call.topk_ids, call.host_ids, call.kernel, PhaseStats()
-        )
+        again = dataclasses.replace(call, stats=PhaseStats())
         try:
-            out = run(
+            out = execute(
                 loader, again, survey(loader, again), MissPlan(call.host_ids, dropped=dropped)
             )
         except ExpertsUnreadable as more:
@@ -171,60 +184,38 @@ def run_without(
         return out
 
 
-def host_pairs(
-    experts: LayerExperts, kernel: HostKernel | None, x: torch.Tensor, pairs: np.ndarray
-) -> torch.Tensor:
-    """Expert ``pairs[i]`` of ``experts`` on row ``i`` of ``x``, unweighted, computed on
-    the host from the slow tier: what a mesh peer's check is compared with
-    (:mod:`vllm_specexpert.tiers.peer_check`)."""
-    if kernel is None:
-        raise SpecExpertConfigError(
-            "mesh",
-            "a peer's check is compared with this host's result of the same "
-            "experts, and this model's expert layers have no host kernel",
-            "remove mesh (this layer type cannot compute experts on the host)",
-        )
-    ids = torch.from_numpy(pairs.astype(np.int32))[:, None]
-    return compute_on_host(experts, kernel, x, torch.ones(ids.shape, dtype=torch.float32), ids)
-
-
-def run_resident_token(
-    cache: ExpertCache,
-    kernel: ExpertKernel,
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    stats: PhaseStats,
+def execute_resident(
+    loader: ExpertLoader, request: LayerRequest, stats: PhaseStats
 ) -> torch.Tensor:
     """One token on a layer whose every expert sits in the slot of its id
     (``cache.identity``: budget 1.0): its top-k experts are distinct, all hits, and the
     router's ids are the slot ids, so nothing is read to the host."""
-    top_k = topk_ids.shape[1]
-    stats.requests += top_k
-    stats.hits += top_k
+    cache, top_k = loader.cache, request.topk_ids.shape[1]
     stats.experts_needed += top_k
+    loader.count_resident(top_k, stats)
     stats.kernel_calls += 1
-    kernel_ids, expert_map = cache.kernel_routing(topk_ids, None)
-    return kernel(x, topk_weights, kernel_ids, cache.slots, expert_map)
+    kernel_ids, expert_map = cache.kernel_routing(request.topk_ids, None)
+    return request.kernel(request.x, request.topk_weights, kernel_ids, cache.slots, expert_map)
 
 
 def run_on_device(
-    loader: ExpertLoader, call: LayerCall, needed: np.ndarray | None = None
+    loader: ExpertLoader, call: LayerCall, found: Survey | None = None
 ) -> torch.Tensor:
-    """Output of the call's kernel on its routing, loading what is missing. ``needed``:
-    ``np.unique(call.host_ids)`` if the caller has it."""
+    """Output of the call's kernel on its routing, loading what is missing. ``found``:
+    the call's survey, if the caller has it."""
     cache, stats, ids = loader.cache, call.stats, call.host_ids
-    if ids.shape[0] == 1 and not loader.in_flight and not loader.prefetches:
-        # One token whose experts are all resident and landed (batch-1 decode hits):
-        # what the general path below does, without its set operations.
-        experts = ids[0]
-        if cache.expert_slot[experts].min() >= 0 and len(set(experts.tolist())) == len(experts):
-            stats.requests += len(experts)
-            stats.hits += len(experts)
-            cache.touch(experts)
-            return _launch(loader, call, experts)
-    if needed is None:
-        needed = np.unique(ids)
+    needed = found.needed if found is not None else np.unique(ids)
+    if (
+        found is not None
+        and not found.missed
+        and ids.shape[0] == 1
+        and not loader.in_flight
+        and not loader.prefetches
+    ):
+        # One token whose distinct experts are all resident and landed (batch-1 decode
+        # hits): what the general path below does, without its set operations.
+        loader.count_resident(len(needed), stats, needed)
+        return _launch(loader, call, needed)
     loader.begin_run(needed, stats)
     if cache.capacity_for(needed):
         loader.acquire(needed, stats)

@@ -2,7 +2,7 @@
 output lacks an expert the slow tier could not read.
 
 The engine keeps the rows of the running pass that needed such an expert
-(:class:`UnreadableRows`, filled by :func:`vllm_specexpert.execute.run_without`); after the
+(:class:`UnreadableRows`, filled by :func:`vllm_specexpert.execute.execute_without`); after the
 step the worker maps them to their requests (:mod:`vllm_specexpert.layers.failed_requests`)
 and attaches those to the step's ``ModelRunnerOutput`` (:func:`attach_failed`, a copy of
 it); the plugin's scheduler reads them in ``update_from_output`` (:func:`failed_requests`)

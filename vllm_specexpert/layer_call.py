@@ -1,6 +1,7 @@
-"""One call of one offloaded MoE layer on some tokens of a forward pass: what every place
-an expert can run (:mod:`vllm_specexpert.backends`) and the executor
-(:mod:`vllm_specexpert.execute`) are handed."""
+"""One call of one offloaded MoE layer: as the adapter hands it to the engine
+(:class:`LayerRequest`), and on some of its tokens with their routing on the host, as
+every place an expert can run (:mod:`vllm_specexpert.backends`) and the executor
+(:mod:`vllm_specexpert.execute`) are handed it (:class:`LayerCall`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.staging import upload
 
@@ -23,6 +25,48 @@ kernel run on the slot tensors ``slots`` (name -> ``[num_slots, ...]``). ``ids``
 indices when ``expert_map`` is ``None``, else router expert ids that the kernel maps
 through ``expert_map`` (id -> slot, -1: not resident), as vLLM's fused MoE does for
 expert parallelism (see :meth:`ExpertCache.kernel_routing`)."""
+
+
+@dataclass
+class LayerRequest:
+    """A forward pass's call of one offloaded MoE layer, before anything is read to the
+    host."""
+
+    layer: str
+    """The layer's name."""
+    kernel: ExpertKernel
+    x: torch.Tensor
+    """``[T, H]`` the tokens' router input."""
+    topk_weights: torch.Tensor
+    """``[T, K]`` the router's routing, on the device."""
+    topk_ids: torch.Tensor
+    phases: PassPhases | None = None
+    """Which rows are decode tokens (``None``: all)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    def rows(self, index: torch.Tensor) -> LayerRequest:
+        """The request on the rows ``index`` (a device index), all of one phase."""
+        return dataclasses.replace(
+            self,
+            x=self.x[index],
+            topk_weights=self.topk_weights[index],
+            topk_ids=self.topk_ids[index],
+            phases=None,
+        )
+
+    def on_host(self, stats: PhaseStats) -> LayerCall:
+        """The call with its router's ids read to the host, counted in ``stats``."""
+        return LayerCall(
+            self.x,
+            self.topk_weights,
+            self.topk_ids,
+            self.topk_ids.cpu().numpy(),
+            self.kernel,
+            stats,
+        )
 
 
 @dataclass

@@ -135,13 +135,6 @@ def summary(engine: ReportedEngine) -> str:
     moved = f"{first.format} experts of {first.expert_nbytes / 1e3:.1f} kB moved" + (
         f" into {first.slot_nbytes / 1e3:.1f} kB slots" if first.decoder else ""
     )
-    low_bit = next(iter(layers)).low_bit
-    if low_bit is not None:
-        moved += (
-            f", their {low_bit.cache.experts.format} copies "
-            f"({low_bit.cache.experts.expert_nbytes / 1e3:.1f} kB) into "
-            f"{low_bit.cache.num_slots} low-bit slots per layer"
-        )
     if config.cache_spec.shared_pool:
         residency = (
             f"one pool of {sum(la.cache.num_slots for la in layers)}"

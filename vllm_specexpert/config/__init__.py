@@ -33,6 +33,7 @@ from vllm_specexpert.config.sections import (
     TokenSchedulerConfig,
 )
 from vllm_specexpert.config.specexpert import MAX_EXPERTS, SpecExpertConfig
+from vllm_specexpert.config.switch import check_switch
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -47,4 +48,5 @@ __all__ = [
     "SpecExpertConfigError",
     "SpecExpertUnsupportedError",
     "TokenSchedulerConfig",
+    "check_switch",
 ]

@@ -1,39 +1,40 @@
-"""What a feature of the engine is: hooks that default to nothing, and the decode call
-they act on.
+"""What a feature of the engine is: hooks that default to nothing, what it is built
+from, and the decode call it acts on.
 
-The engine (:mod:`vllm_specexpert.engine`) is the exact spine: per decode layer call it
-reads the router's ids to the host, surveys the cache, asks the miss policy about what
-is missing and hands the plan to the executor. Everything else (prediction and
-prefetch, a quality budget, mesh peers, PLEC) is an :class:`EngineFeature` in an ordered
-list that one factory builds from the config (:func:`vllm_specexpert.features.build`).
-Like vLLM's ``BaseOffloader``, a feature overrides only the hooks it needs; the base
-class is its own null object.
+The engine (:mod:`vllm_specexpert.engine`) is the exact spine; everything else is an
+:class:`EngineFeature` in the ordered registry of :mod:`vllm_specexpert.features`. Like
+vLLM's ``BaseOffloader``, a feature overrides only the hooks it needs: the base class is
+its own null object. A feature keeps its own per-layer state, keyed by layer name, and
+declares the inputs it is built from (:attr:`EngineFeature.inputs`).
 
-One decode layer call, and the hooks the engine calls on every feature, in order::
+The hooks of one decode layer call, in order (docs/design.md, "Features")::
 
-    begin_call(call)      before anything is read (what was predicted or fired for it)
-    before_read(call)     a feature may replace the routing to run, and ask for device
-                          tensors to come to the host in the call's one read (call.read)
+    begin_call(call)      before anything is read
+    before_read(call)     replace the routing to run; ask for tensors in the one read
     -- the one host read: the router's ids and what features asked for --
     after_read(call)      host values known: score, plan, add work before the kernel
-    resolve(call, run, rest)  around the miss policy and the executor (the first
-                          feature is the outermost); ``rest(call, run)`` runs the rest
+    resolve(call, run, rest)  around the miss policy and the executor (first: outermost)
     end_call(call)        after the output exists
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from vllm_specexpert.layer_call import ExpertKernel, LayerCall
+from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.layer_call import LayerCall, LayerRequest
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.tiers.link import Link
+from vllm_specexpert.tiers.slots import SharedSlotPool
+from vllm_specexpert.tiers.store import ExpertStore
 
 HostReads = Callable[[list[np.ndarray]], None]
 """What a feature does with its device tensors once they are on the host."""
@@ -44,17 +45,13 @@ class DecodeCall:
     """One decode call of one offloaded MoE layer, as the features see it."""
 
     layer: OffloadedLayer
-    x: torch.Tensor
-    """``[T, H]`` the tokens' router input."""
-    router_weights: torch.Tensor
-    """``[T, K]`` the router's routing, on the device."""
-    router_ids: torch.Tensor
-    kernel: ExpertKernel
+    request: LayerRequest
+    """The tokens, the router's routing on the device, the kernel."""
     stats: PhaseStats
     """The layer's decode counters."""
-    run_weights: torch.Tensor
+    run_weights: torch.Tensor = field(init=False)
     """The routing to run: the router's unless a feature replaced it (:meth:`replace_routing`)."""
-    run_ids: torch.Tensor
+    run_ids: torch.Tensor = field(init=False)
     run_host_ids: np.ndarray | None = None
     """``run_ids`` on the host when a feature replaced the routing (else the router's
     ids, once read)."""
@@ -69,9 +66,25 @@ class DecodeCall:
     (a prefetch then overlaps the layer's own expert compute)."""
     _reads: list[tuple[list[torch.Tensor], HostReads]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.run_weights, self.run_ids = self.request.topk_weights, self.request.topk_ids
+
     @property
     def num_tokens(self) -> int:
-        return self.x.shape[0]
+        return self.request.num_tokens
+
+    @property
+    def x(self) -> torch.Tensor:
+        """``[T, H]`` the tokens' router input."""
+        return self.request.x
+
+    @property
+    def router_weights(self) -> torch.Tensor:
+        return self.request.topk_weights
+
+    @property
+    def router_ids(self) -> torch.Tensor:
+        return self.request.topk_ids
 
     def replace_routing(
         self, weights: torch.Tensor, ids: torch.Tensor, host_ids: np.ndarray
@@ -108,7 +121,7 @@ class DecodeCall:
             self.run_weights,
             self.run_ids,
             host_ids,
-            self.kernel,
+            self.request.kernel,
             self.stats,
             before_kernel=before_kernel if hooks else None,
         )
@@ -117,19 +130,66 @@ class DecodeCall:
 Resolve = Callable[[DecodeCall, LayerCall], torch.Tensor]
 """The rest of a decode call's resolution: (the call, what to run) -> its output."""
 
+Inputs = Mapping[str, Any]
+"""What the vLLM adapter handed the engine, by the names the features declare."""
+
+
+@dataclass
+class EngineParts:
+    """What a feature is built with: the engine's parts under the config being run."""
+
+    config: SpecExpertConfig
+    layers: dict[str, OffloadedLayer]
+    """Every offloaded MoE layer by name (a draft's target adds them after start)."""
+    store: ExpertStore
+    link: Link
+    pool: SharedSlotPool | None
+    """The slot pool every layer shares (``plec``); ``None``: one per layer."""
+    miss_policy: MissPolicy
+    """The config's miss policy, before any feature wraps it."""
+    lock: threading.Lock
+    """Held while layers change or another thread reads them."""
+    output: str
+    """What the running mode does to the model's output (``OffloadEngine.output``)."""
+
 
 class EngineFeature:
     """One feature of the engine: every hook does nothing (module doc)."""
 
-    name = "feature"
+    name: ClassVar[str] = "feature"
     """The feature's name, and its section in the engine's stats."""
-    acts_on_resident_calls = False
+    inputs: ClassVar[tuple[str, ...]] = ()
+    """The adapter's inputs it is built from: a feature is built again when one of them
+    is given (``OffloadEngine.provide`` refuses a name no feature declares)."""
+    acts_on_resident_calls: ClassVar[bool] = False
     """Whether it must see a one-token call on a layer whose every expert is resident
     (else the engine runs such a call without reading anything to the host)."""
+
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        """The feature if ``parts.config`` turns it on and its inputs are there
+        (``None``: off, or built again once they arrive); ``built``: the features
+        before it in the registry."""
+        return None
+
+    @classmethod
+    def check(cls, parts: EngineParts, inputs: Inputs) -> None:
+        """Raise a config error if ``parts.config`` needs of this feature what the loaded
+        layers or ``inputs`` lack (at engine start and before a reconfigure)."""
+
+    def reserved_slots(self, layer: OffloadedLayer, slots: int) -> int:
+        """How many of the layer's ``slots`` the feature takes for itself (before its
+        cache is made)."""
+        return 0
 
     def equip(self, layer: OffloadedLayer) -> None:
         """Give a layer what the feature needs of it (after its cache is made: when the
         feature is built, and for a layer added later)."""
+
+    def unequip(self, layer: OffloadedLayer) -> None:
+        """Release what :meth:`equip` made for the layer (before it is equipped again)."""
 
     def miss_policy(self, policy: MissPolicy) -> MissPolicy:
         """The miss policy the engine runs, given the one before (a feature may wrap it:

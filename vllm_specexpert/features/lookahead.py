@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from vllm_specexpert.config.sections import LookaheadConfig
-from vllm_specexpert.features.base import EngineFeature
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.governor import Governor
@@ -24,6 +24,7 @@ from vllm_specexpert.stats import LayerStats
 
 class LookaheadFeature(EngineFeature):
     name = "lookahead"
+    inputs = ("draft",)
 
     def __init__(
         self,
@@ -43,6 +44,15 @@ class LookaheadFeature(EngineFeature):
             if draft is not None and layers
             else None
         )
+
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        config = parts.config.lookahead
+        if config is None:
+            return None
+        return cls(config, list(parts.layers.values()), inputs.get("draft"), parts.lock)
 
     @property
     def active(self) -> bool:
@@ -131,3 +141,6 @@ def _draft_stats(draft: Any) -> dict[str, Any]:
         "decodes": totals.decode.loads + totals.prefill.loads,
         "decoded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
     }
+
+
+FEATURE = LookaheadFeature

@@ -2,44 +2,58 @@
 Early Fire (``early_fire``, ``no_stop``: :mod:`vllm_specexpert.planner.early_fire`), which
 sends rows to the peers of predicted experts ahead of the router. The entries of experts a
 peer holds go to it before the miss policy decides (:class:`~vllm_specexpert.policy.peers.
-PeersFirst`); each layer joins its peers when the feature equips it."""
+PeersFirst`); each layer joins its peers when the feature equips it, and
+``replicate_hot`` pins the hot experts in its cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
+import torch
 
-from vllm_specexpert.config.sections import MeshConfig
-from vllm_specexpert.features.base import DecodeCall, EngineFeature
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.early_fire import EarlyFire
 from vllm_specexpert.policy import MissPolicy, PeersFirst
+from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.peer import PeerTier
+from vllm_specexpert.tiers.store import ExpertSource, LayerExperts
 
 
 class MeshFeature(EngineFeature):
     name = "mesh"
+    inputs = ("peer_tier", "hot_experts")
 
-    def __init__(
-        self,
-        tier: PeerTier,
-        hot: dict[int, np.ndarray],
-        mesh: MeshConfig,
-        output: str,
-        layer: Callable[[str], OffloadedLayer],
-    ):
+    def __init__(self, parts: EngineParts, tier: PeerTier, hot: dict[int, np.ndarray]):
+        mesh = parts.config.mesh
+        assert mesh is not None  # (built only under a mesh)
         self.tier = tier
+        tier.mesh = mesh  # (mode and timings change with reconfigure)
         self.hot = hot
         """Per layer index: experts pinned on the device instead (``replicate_hot``)."""
-        tier.mesh = mesh  # (mode and timings change with reconfigure)
-        self.output = output
-        self.layer = layer
+        self.output = parts.output
+        self.layers = parts.layers
+        self.peers: dict[str, LayerPeers] = {}
+        """Layer name -> its view of the peers."""
         self.early_fire = EarlyFire(mesh.mode) if mesh.mode != "sync" else None
 
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        tier = inputs.get("peer_tier")
+        if tier is None or parts.config.mesh is None:
+            return None
+        return cls(parts, tier, inputs.get("hot_experts", {}))
+
     def equip(self, layer: OffloadedLayer) -> None:
-        layer.join_peers(LayerPeers(self.tier, layer.index), self.hot.get(layer.index))
+        peers = self.peers[layer.name] = LayerPeers(self.tier, layer.index)
+        layer.miss_context.peers = peers
+        hot = self.hot.get(layer.index)
+        if hot is not None:
+            _pin(layer, hot)
 
     def miss_policy(self, policy: MissPolicy) -> MissPolicy:
         return PeersFirst(policy)
@@ -48,24 +62,27 @@ class MeshFeature(EngineFeature):
         if self.early_fire is None:
             return
         layer = call.layer
-        fired = self.early_fire.at_call(
-            layer.peers, layer.cache, call.x, call.shared.get("prediction"), call.stats
+        peers = self.peers[layer.name]
+        peers.fired = self.early_fire.at_call(
+            peers, layer.cache, call.x, call.shared.get("prediction"), call.stats
         )
-        if layer.peers is not None:
-            layer.peers.fired = fired
-        if fired is not None and self.early_fire.speculates:
+        if peers.fired is not None and self.early_fire.speculates:
             call.shared["run_prediction"] = True  # no_stop: run what was fired for
 
     def end_call(self, call: DecodeCall) -> None:
-        if call.layer.peers is not None:
-            call.layer.peers.fired = None  # sent for this call's rows only
+        self.peers[call.layer.name].fired = None  # sent for this call's rows only
 
     def after_read(self, call: DecodeCall) -> None:
         upcoming, next_name = call.shared.get("upcoming"), call.layer.next_name
         if self.early_fire is not None and upcoming is not None and next_name is not None:
             # no_stop: the next layer's rows leave now.
+            nxt = self.layers[next_name]
             self.early_fire.predicted(
-                self.layer(next_name), upcoming, call.shared["next_router_input"]
+                self.peers[next_name],
+                nxt.cache,
+                nxt.stats.decode,
+                upcoming,
+                call.shared["next_router_input"],
             )
 
     def stats(self) -> dict:
@@ -84,3 +101,37 @@ class MeshFeature(EngineFeature):
 
     def close(self) -> None:
         self.tier.close()
+
+
+def host_pairs(
+    experts: ExpertSource, kernel: HostKernel | None, x: torch.Tensor, pairs: np.ndarray
+) -> torch.Tensor:
+    """Expert ``pairs[i]`` of ``experts`` on row ``i`` of ``x``, unweighted, computed on
+    this host from the slow tier: what a mesh peer's check is compared with."""
+    if kernel is None or not isinstance(experts, LayerExperts):
+        raise SpecExpertConfigError(
+            "mesh",
+            "a peer's check is compared with this host's result of the same "
+            "experts, and this model's expert layers have no host kernel",
+            "remove mesh (this layer type cannot compute experts on the host)",
+        )
+    ids = torch.from_numpy(pairs.astype(np.int32))[:, None]
+    return compute_on_host(experts, kernel, x, torch.ones(ids.shape, dtype=torch.float32), ids)
+
+
+def _pin(layer: OffloadedLayer, experts: np.ndarray) -> None:
+    """Load ``experts`` into the layer's cache now and never evict them."""
+    slots = layer.cache.num_slots
+    if len(experts) > slots - layer.top_k:
+        raise SpecExpertConfigError(
+            "mesh.hot_count",
+            f"{len(experts)} pinned experts leave fewer than top_k "
+            f"({layer.top_k}) of the layer's {slots} slots for the others",
+            f"use hot_count <= {slots - layer.top_k}, or a larger budget",
+        )
+    layer.loader.acquire(np.asarray(experts), PhaseStats())
+    layer.loader.wait_all()
+    layer.cache.policy.pinned[experts] = True
+
+
+FEATURE = MeshFeature

@@ -12,40 +12,85 @@ the next layer's estimated router input)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.features.base import DecodeCall, EngineFeature
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.policy import MissPolicy
-from vllm_specexpert.predict import LayerState, Prediction, Predictor
-from vllm_specexpert.tiers.link import Link
+from vllm_specexpert.planner.prefetch import PrefetchPlanner
+from vllm_specexpert.predict import (
+    PREDICTOR_CLASSES,
+    LayerState,
+    NextLayerRouting,
+    Prediction,
+    Predictor,
+    PredictorInputs,
+)
 
 
 class PredictionFeature(EngineFeature):
     name = "prediction"
+    inputs = ("predictor_inputs", "next_routing", "skippable_routers")
     acts_on_resident_calls = True  # a layer with every expert resident still predicts
 
     def __init__(
         self,
+        parts: EngineParts,
         predictor: Predictor,
-        config: SpecExpertConfig,
-        policy: MissPolicy,
-        layers: Callable[[str], OffloadedLayer],
-        link: Callable[[], Link],
+        next_routing: dict[str, NextLayerRouting],
     ):
         self.predictor = predictor
-        self.config = config
-        self.policy = policy
-        self.layer = layers
-        """Layer name -> its state."""
-        self.link = link
-        self.prefetches = config.mesh is None
+        self.config = parts.config
+        self.policy = parts.miss_policy
+        self.layers = parts.layers
+        self.link = parts.link
+        self.next_routing = next_routing
+        """Layer name -> how the next MoE layer routes (what is predicted from)."""
+        self.prefetches = parts.config.mesh is None
         """Under a mesh, predictions fire rows at peers, not copies."""
+        self.planners: dict[str, PrefetchPlanner] = {}
+        """Layer name -> the precision of the predictions made for it, what to prefetch."""
         self.predictions: dict[str, Prediction] = {}
         """Layer name -> the prediction made for it earlier in the pass."""
+
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        predictor = PREDICTOR_CLASSES[parts.config.predictor]
+        if predictor is None:
+            return None
+        made = predictor.build(inputs.get("predictor_inputs", PredictorInputs()))
+        return cls(parts, made, inputs.get("next_routing", {}))
+
+    @classmethod
+    def check(cls, parts: EngineParts, inputs: Inputs) -> None:
+        config = parts.config
+        predictor = config.predictor_spec
+        given: PredictorInputs = inputs.get("predictor_inputs", PredictorInputs())
+        if predictor.needs_calibration and not given.default_vectors:
+            raise SpecExpertConfigError(
+                "predictor",
+                f"{config.predictor} needs the calibration's default vectors, loaded at "
+                "engine start",
+                "start the engine with 'calibration' set",
+            )
+        if predictor.needs_estimator and given.estimator is None:
+            raise SpecExpertConfigError(
+                "predictor",
+                f"{config.predictor} needs the estimator, loaded at engine start",
+                "start the engine with 'estimator' set",
+            )
+        if config.router_free and not inputs.get("skippable_routers"):
+            raise SpecExpertConfigError(
+                "router_free",
+                "skips routers in Python per call, and this engine's MoE runner is "
+                "traced into torch.compile's graph (the CPU build's compiled mode)",
+                "start the engine with enforce_eager=True (--enforce-eager), or remove it",
+            )
+
+    def equip(self, layer: OffloadedLayer) -> None:
+        self.planners[layer.name] = PrefetchPlanner(layer.top_k)
 
     def speculative(self, layer: OffloadedLayer) -> bool:
         """Whether the layer may run a prediction instead of its router's choice."""
@@ -67,11 +112,12 @@ class PredictionFeature(EngineFeature):
             call.replace_routing(weights, ids, prediction.host_ids)
             call.stats.speculated_calls += not call.exact
             call.stats.router_free_calls += prediction.router_free
-        if layer.next_name is None or layer.next_routing is None:
+        routing = self.next_routing.get(layer.name)
+        if layer.next_name is None or routing is None:
             return
         # Made now, on the device, so that its ids come to the host in the same read as
         # the router's.
-        state, routing = LayerState(call.x, call.run_ids, call.run_weights), layer.next_routing
+        state = LayerState(call.x, call.run_ids, call.run_weights)
         upcoming = self.predictor.predict(state, layer.name, routing)
         call.read(upcoming.device_reads(), lambda host: upcoming.set_host(*host))
         call.shared["upcoming"] = upcoming
@@ -82,7 +128,7 @@ class PredictionFeature(EngineFeature):
     def after_read(self, call: DecodeCall) -> None:
         prediction = call.shared.get("prediction")
         if prediction is not None and not prediction.router_free:
-            call.layer.prefetch.score(prediction, call.router_host_ids, call.stats)
+            self.planners[call.layer.name].score(prediction, call.router_host_ids, call.stats)
         upcoming = call.shared.get("upcoming")
         if upcoming is not None:
             call.before_kernel.append(lambda: self._prefetch(call.layer, upcoming))
@@ -93,15 +139,15 @@ class PredictionFeature(EngineFeature):
         self.predictions[layer.next_name] = prediction
         if not self.prefetches:
             return
-        nxt = self.layer(layer.next_name)
+        nxt = self.layers[layer.next_name]
         everything = self.config.prefetch_filter == "all" or (
             self.policy.spec.speculates and self.speculative(nxt)
         )
-        nxt.prefetch.prefetch(
+        self.planners[nxt.name].prefetch(
             prediction,
             nxt.loader,
             nxt.stats.decode,
-            self.link().expert_seconds(nxt.cache.experts),
+            self.link.expert_seconds(nxt.cache.experts),
             everything,
         )
 
@@ -127,5 +173,8 @@ class PredictionFeature(EngineFeature):
         layers = getattr(self.predictor, "estimator_layers", None)
         if self.config.predictor != "hybrid" or layers is None:
             return ""
-        chosen = sorted(self.layer(name).index for name in layers)
+        chosen = sorted(self.layers[name].index for name in layers)
         return f"; hybrid: the estimator after MoE layers {chosen}"
+
+
+FEATURE = PredictionFeature

@@ -11,7 +11,14 @@ import time
 import torch
 
 from vllm_specexpert import execute
-from vllm_specexpert.features.base import DecodeCall, EngineFeature, Resolve
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.features.base import (
+    DecodeCall,
+    EngineFeature,
+    EngineParts,
+    Inputs,
+    Resolve,
+)
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.quality import QualityMonitor
 from vllm_specexpert.tiers.staging import upload
@@ -19,9 +26,27 @@ from vllm_specexpert.tiers.staging import upload
 
 class QualityFeature(EngineFeature):
     name = "quality"
+    inputs = ("logit_head",)
 
     def __init__(self, monitor: QualityMonitor):
         self.monitor = monitor
+
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        monitor = QualityMonitor.of(parts.config.quality, inputs.get("logit_head"), parts.layers)
+        return cls(monitor) if monitor is not None else None
+
+    @classmethod
+    def check(cls, parts: EngineParts, inputs: Inputs) -> None:
+        if parts.config.quality is not None and inputs.get("logit_head") is None:
+            raise SpecExpertConfigError(
+                "quality",
+                "its monitor reads the model's final norm through a tap "
+                "installed when an engine starts with a quality budget",
+                "start the engine with 'quality' set (then it can change, or be turned off and on)",
+            )
 
     def forces_exact(self, num_tokens: int) -> bool:
         return self.monitor.exact_for(num_tokens)
@@ -43,7 +68,7 @@ class QualityFeature(EngineFeature):
             if rows is not None:  # before the exact call loads what the mode would miss
                 shadow = rest(call, self._quiet(run))[upload(rows, run.x.device)]
                 monitor.charge(started)
-            out = execute.run(layer.loader, exact, execute.survey(layer.loader, exact))
+            out = execute.execute(layer.loader, exact, execute.survey(layer.loader, exact))
         else:
             out = rest(call, run)
             if rows is not None:  # ``exact`` shares ``before_kernel``: _quiet drops it
@@ -65,3 +90,6 @@ class QualityFeature(EngineFeature):
 
     def reset_stats(self) -> None:
         self.monitor.reset_stats()
+
+
+FEATURE = QualityFeature

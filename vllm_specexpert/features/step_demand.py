@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm_specexpert.features.base import DecodeCall, EngineFeature
+from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
+from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.plec import PlecPlanner
@@ -15,6 +16,8 @@ from vllm_specexpert.planner.plec import PlecPlanner
 
 class StepDemandFeature(EngineFeature):
     name = "step_demand"
+    inputs = ("step_demand", "draft")
+    """The scheduler's demand of the running step; with a draft, the lookahead's."""
 
     def __init__(
         self,
@@ -23,11 +26,24 @@ class StepDemandFeature(EngineFeature):
         planner: PlecPlanner | None,
     ):
         self.demand = demand
-        """The running step's demand (set per layer call by the vLLM adapter)."""
+        """The running step's demand."""
         self.layers = layers
         self.planner = planner
         self._scored: StepDemand | None = None
         """The demand of the running call, once scored."""
+
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        config = parts.config
+        if config.path_predictor is None and config.lookahead is None:
+            return None
+        lookahead = next((f for f in built if isinstance(f, LookaheadFeature)), None)
+        demand = lookahead.demand if lookahead is not None else inputs.get("step_demand")
+        pool = parts.pool
+        planner = PlecPlanner(pool, config.plec_preload) if pool is not None else None
+        return cls(demand or (lambda: None), lambda: list(parts.layers.values()), planner)
 
     def after_read(self, call: DecodeCall) -> None:
         demand = self.demand()
@@ -39,3 +55,6 @@ class StepDemandFeature(EngineFeature):
         if self._scored is not None and self.planner is not None:
             self.planner.after_layer(self._scored, call.layer)
         self._scored = None
+
+
+FEATURE = StepDemandFeature

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from vllm.platforms import current_platform
 
+from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layers.sizing import sizing_settings
@@ -70,6 +71,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
             )
         _TARGET = weakref.ref(engine)
     engine.budget.sizing = sizing_settings(vllm_config)
+    engine.provide(step_demand=handoff.current)  # the scheduler's, handed to each step
     key = id(vllm_config)
 
     def forget(_ref: weakref.ref) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.features.quality import QualityFeature
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.quality import LogitHead
 
@@ -82,7 +83,7 @@ def _final_hidden_impl(
     hidden: torch.Tensor, residual: torch.Tensor | None, key: str
 ) -> torch.Tensor:
     engine, decode_query_len = _TAPS[key]
-    quality = engine.feature("quality")
+    quality = engine.feature(QualityFeature)
     monitor = quality.monitor if quality is not None else None
     if monitor is not None and monitor.pending:
         phases = current_phases(hidden.shape[0], decode_query_len)

@@ -75,8 +75,8 @@ def _lookahead_of(runner: Any) -> LookaheadFeature | None:
     """The running lookahead feature of the runner's target engine (rebuilt by a
     ``reconfigure``: looked up per step), once the draft is attached."""
     engine = _engine_of(runner)
-    feature = engine.feature("lookahead") if engine is not None else None
-    if not isinstance(feature, LookaheadFeature) or feature.planner is None:
+    feature = engine.feature(LookaheadFeature) if engine is not None else None
+    if feature is None or feature.planner is None:
         return None
     return feature
 

@@ -126,8 +126,11 @@ def wire_model(model: VllmModule) -> None:
     if not layers:
         return
     engine = layers[0][2].engine
+    next_routing = {}
     for (_, _, routed), (_, next_layer, next_routed) in itertools.pairwise(layers):
-        engine.link_layers(routed.layer_name, next_routed.layer_name, _routing_of(next_layer))
+        engine.link_layers(routed.layer_name, next_routed.layer_name)
+        next_routing[routed.layer_name] = _routing_of(next_layer)
+    engine.provide(next_routing=next_routing)
     if engine.config.quality is not None:
         from vllm_specexpert.layers.final_tap import install_final_tap
 
@@ -142,7 +145,7 @@ def wire_model(model: VllmModule) -> None:
     if engine.config.estimator is not None and runner_is_eager():
         for _, layer, routed in layers[1:]:  # router_free can be switched on at run time
             RouterFreeHook(layer.mlp.experts, routed)
-            engine.layers[routed.layer_name].router_skippable = True
+        engine.provide(skippable_routers=frozenset(r.layer_name for _, _, r in layers[1:]))
     engine.provide(
         predictor_inputs=_estimator_inputs(
             engine.config,
@@ -161,12 +164,14 @@ def wire_model(model: VllmModule) -> None:
             ),
         ).to(engine.device)
     )
-    engine.set_routing_statistics(
-        {routed.layer_name: calibration.coactivation[index].numpy() for index, _, routed in layers},
-        {
-            routed.layer_name: calibration.tae_percentiles[index].numpy()
+    engine.provide(
+        routing_statistics={
+            routed.layer_name: (
+                calibration.coactivation[index].numpy(),
+                calibration.tae_percentiles[index].numpy(),
+            )
             for index, _, routed in layers
-        },
+        }
     )
     _attach_mesh(engine, layers, calibration)
     engine.start()
@@ -210,7 +215,7 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     mesh = engine.config.mesh
     if mesh is None:
         return
-    from vllm_specexpert.execute import host_pairs
+    from vllm_specexpert.features.mesh import host_pairs
     from vllm_specexpert.tiers.peer import PeerTier
     from vllm_specexpert.tiers.peer_shard import ShardSpec, check_checkpoint
 

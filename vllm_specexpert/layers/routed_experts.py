@@ -34,11 +34,12 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from vllm_specexpert import handoff, vllm_hooks
+from vllm_specexpert import vllm_hooks
 from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.features.lookahead import LookaheadFeature
-from vllm_specexpert.layer_state import LOW_BIT_SUFFIX
+from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
+from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.layers import failed_requests, lookahead_driver
 from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
@@ -301,7 +302,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         if not torch.compiler.is_compiling():
             # Eager: nothing to hide from a tracer, the op's dispatch would only add
             # its cost.
-            return self._run(x, topk_weights, topk_ids, None)
+            return self.offloaded_forward(x, topk_weights, topk_ids, None)
         # The output buffer is allocated here, outside the op: on CUDA the op is a
         # splitting op between piecewise CUDA graphs, and the next graph reads the
         # address it was captured with.
@@ -309,7 +310,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         torch.ops.specexpert.routed_experts(x, topk_weights, topk_ids, out, self._context_key)
         return out
 
-    def _run(
+    def offloaded_forward(
         self,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
@@ -318,46 +319,26 @@ class OffloadedRoutedExperts(RoutedExperts):
     ) -> torch.Tensor:
         """The layer call, into ``out`` if given (the op's buffer): the call's first
         kernel launch on all of its tokens writes there directly (see
-        :attr:`SlotKernel.call_out`), else its result is copied in. A resident token
-        takes the engine's shortest path first (:meth:`OffloadEngine.run_resident_token`):
-        the draft's layers never do, their routes are the target's lookahead."""
+        :attr:`SlotKernel.call_out`), else its result is copied in."""
+        if self._draft:
+            lookahead = target_of(self.engine).feature(LookaheadFeature)
+            if lookahead is not None and lookahead.active:
+                # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
+                lookahead.draft_routed(
+                    self.layer_index, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy()
+                )
         kernel = self.slot_kernel
         kernel.begin_call(x, out)
         try:
-            result = None
-            if x.shape[0] == 1 and not self._draft:
-                result = self.engine.run_resident_token(
-                    self.layer_name, kernel, x, topk_weights, topk_ids
-                )
-            if result is None:
-                result = self._run_full(x, topk_weights, topk_ids)
+            phases = current_phases(x.shape[0], self.decode_query_len)
+            request = LayerRequest(self.layer_name, kernel, x, topk_weights, topk_ids, phases)
+            result = self.engine.run_call(request)
         finally:
             kernel.end_call()
         if out is not None and result is not out:
             out.copy_(result)
             return out
         return result
-
-    def _run_full(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        engine = self.engine
-        if self._draft:
-            lookahead = target_of(engine).feature("lookahead")
-            if isinstance(lookahead, LookaheadFeature) and lookahead.active:
-                # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
-                lookahead.draft_routed(
-                    self.layer_index, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy()
-                )
-        engine.step_demand = handoff.current()
-        return engine.run(
-            self.layer_name,
-            self.slot_kernel,
-            x,
-            topk_weights,
-            topk_ids,
-            current_phases(x.shape[0], self.decode_query_len),
-        )
 
 
 def offloaded(base: type[RoutedExperts]) -> type[OffloadedRoutedExperts]:
@@ -394,7 +375,9 @@ def _routed_experts_impl(
     out: torch.Tensor,
     layer_key: str,
 ) -> None:
-    get_forward_context().no_compile_layers[layer_key]._run(x, topk_weights, topk_ids, out)
+    get_forward_context().no_compile_layers[layer_key].offloaded_forward(
+        x, topk_weights, topk_ids, out
+    )
 
 
 def _routed_experts_fake(

@@ -28,28 +28,15 @@ Only pairs whose expert a peer in rotation holds and the device cache lacks are 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from vllm_specexpert.predict import Prediction
-from vllm_specexpert.stats import LayerStats, PhaseStats
+from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.peer import Sent
-
-
-class PredictedLayer(Protocol):
-    """What :meth:`EarlyFire.predicted` uses of the predicted layer (an
-    ``OffloadedLayer``)."""
-
-    @property
-    def peers(self) -> LayerPeers | None: ...
-    @property
-    def cache(self) -> ExpertCache: ...
-    @property
-    def stats(self) -> LayerStats: ...
 
 
 class EarlyFire:
@@ -99,18 +86,23 @@ class EarlyFire:
         return self.fire(peers, cache, x, prediction.host_ids, stats)
 
     def predicted(
-        self, nxt: PredictedLayer, prediction: Prediction, router_input: Callable[[], torch.Tensor]
+        self,
+        peers: LayerPeers,
+        cache: ExpertCache,
+        stats: PhaseStats,
+        prediction: Prediction,
+        router_input: Callable[[], torch.Tensor],
     ) -> None:
-        """Layer l predicted layer ``nxt`` (an ``OffloadedLayer``): ``no_stop`` fires the
-        estimate of its router input now (``router_input`` computes it when the
-        prediction did not keep it)."""
-        if not self.speculates or nxt.peers is None:
+        """Layer l predicted the next layer (its ``peers``, ``cache`` and decode
+        ``stats``): ``no_stop`` fires the estimate of its router input now
+        (``router_input`` computes it when the prediction did not keep it)."""
+        if not self.speculates:
             return
         assert prediction.host_ids is not None  # read with the router's ids (after_read)
         q = prediction.router_input if prediction.router_input is not None else router_input()
-        sent = self.fire(nxt.peers, nxt.cache, q, prediction.host_ids, nxt.stats.decode)
+        sent = self.fire(peers, cache, q, prediction.host_ids, stats)
         if sent is not None:
-            self._ahead[nxt.peers.layer] = sent
+            self._ahead[peers.layer] = sent
 
     def clear(self) -> None:
         self._ahead.clear()

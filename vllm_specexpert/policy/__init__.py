@@ -3,7 +3,7 @@ Policies only decide (:mod:`.base`: a :class:`MissPlan`); the executor carries e
 decision out (:mod:`vllm_specexpert.execute`)."""
 
 from vllm_specexpert.policy.base import MissPlan, MissPolicy
-from vllm_specexpert.policy.context import MissContext, miss_context
+from vllm_specexpert.policy.context import MissContext, add_routing_statistics, miss_context
 from vllm_specexpert.policy.cpu import AutoBuddyPolicy, AutoPolicy, CpuPolicy
 from vllm_specexpert.policy.drop import DropPolicy
 from vllm_specexpert.policy.fetch import FetchPolicy
@@ -37,5 +37,6 @@ __all__ = [
     "MissPolicy",
     "PeersFirst",
     "SpeculatePolicy",
+    "add_routing_statistics",
     "miss_context",
 ]

@@ -49,42 +49,38 @@ def miss_context(
     experts: ExpertSource,
     expert_copy_seconds: Callable[[], float],
     host_kernel: HostKernel | None = None,
-    coactivation: np.ndarray | None = None,
-    tae_percentiles: np.ndarray | None = None,
-    low_bit: ExpertLoader | None = None,
-    peers: LayerPeers | None = None,
-) -> MissContext | None:
-    """A layer's context under ``config``'s miss policy; ``None`` while something it
-    needs is missing (a host kernel, the calibration's routing statistics: the engine
-    reports it when it starts)."""
+) -> MissContext:
+    """A layer's context under ``config``'s miss policy, from the layer alone; features add
+    the rest (their checks at engine start refuse a policy whose part is missing)."""
     policy = config.miss_policy_spec
-    context = MissContext(expert_copy_seconds, peers=peers)
-    if policy.computes_on_host:
-        if host_kernel is None or not isinstance(experts, LayerExperts):
-            return None  # (host compute reads the experts where they are: in host memory)
+    context = MissContext(expert_copy_seconds)
+    if policy.computes_on_host or policy.low_bit:
+        context.admit_host_experts = config.admit_host_experts
+    # (host compute reads the experts where they are: in host memory)
+    if policy.computes_on_host and host_kernel is not None and isinstance(experts, LayerExperts):
         link = config.link
         context.host = HostExperts(
             experts, host_kernel, link.host_slowdown if link.emulated else None
         )
-        context.admit_host_experts = config.admit_host_experts
-    if policy.low_bit:
-        if low_bit is None:
-            return None
-        context.low_bit = low_bit
-        context.admit_host_experts = config.admit_host_experts
-    if policy.substitutes:
-        buddy = config.buddy
-        tau = buddy.tau
-        if config.routing_statistics_need is not None:
-            if coactivation is None:
-                return None
-            if policy.uses_buddy_lists:
-                context.buddies = buddy_lists(coactivation, buddy.alpha, buddy.k_max)
-            if tau is None:
-                assert tae_percentiles is not None  # the calibration's, with coactivation
-                tau = float(
-                    np.interp(buddy.tau_percentile, np.linspace(0, 100, 101), tae_percentiles)
-                )
-        assert tau is not None  # unset tau is a routing-statistics need: chosen above
-        context.gates = BuddyGates(tau=tau, beta=buddy.beta, rho=buddy.rho)
+    buddy = config.buddy
+    if policy.substitutes and buddy.tau is not None:  # (else the calibration's percentile)
+        context.gates = BuddyGates(tau=buddy.tau, beta=buddy.beta, rho=buddy.rho)
     return context
+
+
+def add_routing_statistics(
+    context: MissContext,
+    config: SpecExpertConfig,
+    coactivation: np.ndarray,
+    tae_percentiles: np.ndarray,
+) -> None:
+    """Give ``context`` what ``config``'s substituting policy makes of a layer's
+    calibrated co-activation counts and TAE percentiles: buddy lists, and the gates' tau
+    when the config leaves it to the calibration."""
+    buddy = config.buddy
+    if config.miss_policy_spec.uses_buddy_lists:
+        context.buddies = buddy_lists(coactivation, buddy.alpha, buddy.k_max)
+    tau = buddy.tau
+    if tau is None:
+        tau = float(np.interp(buddy.tau_percentile, np.linspace(0, 100, 101), tae_percentiles))
+    context.gates = BuddyGates(tau=tau, beta=buddy.beta, rho=buddy.rho)

@@ -81,6 +81,17 @@ class ExpertLoader:
         self._wait_for(experts, stats)
         cache.touch(experts)
 
+    def count_resident(
+        self, count: int, stats: PhaseStats, experts: np.ndarray | None = None
+    ) -> None:
+        """Count a launch on ``count`` distinct experts that are all resident and landed,
+        as :meth:`acquire` would without its loads and waits (the resident fast paths);
+        ``experts``, if known on the host, are marked used (eviction order)."""
+        stats.requests += count
+        stats.hits += count
+        if experts is not None:
+            self.cache.touch(experts)
+
     def prefetch(self, experts: np.ndarray, stats: PhaseStats, admitted: bool = False) -> int:
         """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use, in
         that order: one transfer each where the link can cancel a queued transfer, else

@@ -1,0 +1,80 @@
+"""INT4 copies of the experts as an engine feature (``lowbit``): per layer, a few
+low-bit slots taken out of its budget and their loader, which the ``lowbit`` miss policy
+runs a missing expert's copy from (:mod:`vllm_specexpert.policy.lowbit`). The copies are
+made at load, beside the layer's experts in the store (:data:`LOW_BIT_SUFFIX`)."""
+
+from __future__ import annotations
+
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.tiers.cache import ExpertCache
+from vllm_specexpert.tiers.loader import ExpertLoader
+from vllm_specexpert.tiers.store import ExpertSource
+
+LOW_BIT_SUFFIX = ".int4"
+"""Store name of a layer's INT4 copies beside its experts: the adapter adds them as
+``name + LOW_BIT_SUFFIX`` before the layer."""
+
+
+class LowBitFeature(EngineFeature):
+    name = "low_bit"
+
+    def __init__(self, parts: EngineParts):
+        self.parts = parts
+        self.loaders: dict[str, ExpertLoader] = {}
+        """Layer name -> its low-bit slots' loader."""
+
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        return cls(parts) if parts.config.miss_policy_spec.low_bit else None
+
+    @classmethod
+    def check(cls, parts: EngineParts, inputs: Inputs) -> None:
+        if parts.config.miss_policy_spec.low_bit and any(
+            _copies(parts, name) is None for name in parts.layers
+        ):
+            raise SpecExpertConfigError(
+                "miss_policy",
+                "'lowbit' runs INT4 copies of the experts, made at load "
+                "only when the engine starts with miss_policy 'lowbit'",
+                "start the engine with miss_policy 'lowbit' (reconfigure can then "
+                "switch to any other policy and back)",
+            )
+
+    def reserved_slots(self, layer: OffloadedLayer, slots: int) -> int:
+        # Too few slots for both: SpecExpertConfig.check_fits says why at start.
+        has_room = slots >= 2 * layer.top_k
+        return layer.top_k if has_room and _copies(self.parts, layer.name) is not None else 0
+
+    def equip(self, layer: OffloadedLayer) -> None:
+        copies = _copies(self.parts, layer.name)
+        if copies is None or layer.name in self.loaders:
+            return
+        cache = ExpertCache(copies, layer.top_k, layer.top_k, "lru", layer.cache.device)
+        loader = self.loaders[layer.name] = ExpertLoader(cache, self.parts.link)
+        layer.miss_context.low_bit = loader
+
+    def unequip(self, layer: OffloadedLayer) -> None:
+        loader = self.loaders.pop(layer.name, None)
+        if loader is not None:
+            loader.cache.pool.release()
+
+    def summary(self) -> str:
+        loader = next(iter(self.loaders.values()), None)
+        if loader is None:
+            return ""
+        experts = loader.cache.experts
+        return (
+            f"; their {experts.format} copies ({experts.expert_nbytes / 1e3:.1f} kB) in "
+            f"{loader.cache.num_slots} low-bit slots per layer"
+        )
+
+
+def _copies(parts: EngineParts, name: str) -> ExpertSource | None:
+    return parts.store.layers.get(name + LOW_BIT_SUFFIX)
+
+
+FEATURE = LowBitFeature
