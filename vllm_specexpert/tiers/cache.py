@@ -99,8 +99,11 @@ class ExpertCache:
         ``static``) fill slots ``offset ..`` of it."""
         self.slot_expert = np.full(self.pool.num_slots, -1, dtype=np.int64)
         self.assign(np.arange(count), np.arange(offset, offset + count))
-        for key, src in self.experts.decoded(slice(0, count)).items():
-            self.slots[key][offset : offset + count].copy_(src)
+        # Through the source's own copy: the disk's read window, as a miss (staging_nbytes).
+        device = self.device if self.device.type != "cpu" else None
+        self.experts.copy_into(
+            np.arange(count), np.arange(offset, offset + count), self.slots, device
+        )
         self.identity = count == self.num_experts and not self.pool.shared
 
     @property

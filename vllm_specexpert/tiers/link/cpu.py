@@ -34,41 +34,28 @@ class _CpuTransfer(Transfer):
         self.ready_at: float | None = None
         """Emulated completion time, set when the emulated link starts it."""
         self.error: BaseException | None = None
-        self.claim: threading.Lock | None
-        self.done: threading.Event | None
-        if prefetch:
-            self.claim = threading.Lock()
-            """Taken by whoever performs the real copy: the copy thread, or a waiter
-            that gets there first."""
-            self.done = threading.Event()
-            """Set once the real copy happened (or was skipped after a cancel)."""
-        else:
-            # A demand copy is waited for at once: it is done here, in the caller's
-            # thread, without a hand-off to the copy thread.
-            self.claim = self.done = None
-            self._copy()
+        self.claim = threading.Lock()
+        """Taken by whoever performs the real copy: the copy thread, the submitting
+        thread (a demand copy), or a waiter that gets there first."""
+        self.done = threading.Event()
+        """Set once the real copy happened (or was skipped after a cancel)."""
 
-    def _copy(self) -> None:
+    def perform(self) -> bool:
+        """Do the real copy unless someone else claimed it; returns once it is done,
+        True if this call did it."""
+        if not self.claim.acquire(blocking=False):
+            self.done.wait()
+            return False
         try:
             if not self.cancelled:
                 self.copy.run()
         except BaseException as exc:  # noqa: BLE001 - surfaced to the waiter
             self.error = exc
-
-    def perform(self) -> bool:
-        """Do the real copy unless someone else claimed it (or it was a demand copy,
-        done at submission); returns once it is done, True if this call did it."""
-        if self.claim is None or self.done is None:  # (a demand copy: both None)
-            return False
-        if not self.claim.acquire(blocking=False):
-            self.done.wait()
-            return False
-        self._copy()
         self.done.set()
         return True
 
     def ready(self) -> bool:
-        if self.done is not None and not self.done.is_set():
+        if not self.done.is_set():
             return False
         now = self.link.clock.now()
         self.link._advance(now)
@@ -126,6 +113,8 @@ class CpuLink(Link):
             self._started(transfer, transfer.copies)
         if prefetch:
             self._jobs.put(transfer)
+        else:  # waited for at once: copied in the caller's thread, no hand-off
+            transfer.perform()
         return transfer
 
     def cancel(self, transfer: Transfer) -> bool:
