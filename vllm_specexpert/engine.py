@@ -247,8 +247,14 @@ class OffloadEngine:
         """Routed-expert output of one layer call: prefill rows exactly, decode rows
         through the features and the miss policy."""
         layer = self.layers[request.layer]
+        phases = request.phases
+        stats = layer.stats.prefill if phases is not None and phases.all_prefill else None
         return execute.guarded(
-            layer.loader, request, self.unreadable, lambda: self._run(layer, request)
+            layer.loader,
+            request,
+            self.unreadable,
+            lambda: self._run(layer, request),
+            stats or layer.stats.decode,
         )
 
     def _run(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:

@@ -148,14 +148,21 @@ def guarded(
     request: LayerRequest,
     rows: UnreadableRows,
     run: Callable[[], torch.Tensor],
+    stats: PhaseStats,
 ) -> torch.Tensor:
     """``run()``, the layer's call; when the slow tier cannot supply some of its experts
     (:class:`ExpertsUnreadable`: a read error, a record whose checksum fails), the call
-    again without them (:func:`execute_without`), so that the pass goes on."""
+    again without them (:func:`execute_without`; its copies counted in ``stats``), so
+    that the pass goes on."""
     try:
         return run()
     except ExpertsUnreadable as error:
-        return execute_without(loader, request.on_host(PhaseStats()), error, rows)
+        return execute_without(loader, request.on_host(stats), error, rows)
+
+
+RETRY_COUNTERS = ("loads", "bytes_loaded", "evictions")
+"""What a call run again counts in its phase: its copies (each is a read of the slow
+tier); the call itself was counted once already."""
 
 
 def execute_without(
@@ -163,8 +170,7 @@ def execute_without(
 ) -> torch.Tensor:
     """The call again, exactly, with the entries of the experts the slow tier could not
     supply (``error``, and any more that fail while it runs) masked out (weight 0); the
-    rows that needed them go to ``rows``, whose requests then fail. Counted apart from
-    the phases' counters (the call counted once already)."""
+    rows that needed them go to ``rows``, whose requests then fail."""
     unreadable: set[int] = set()
     while True:
         if unreadable.issuperset(error.experts):  # masked out, and still read: a bug
@@ -180,6 +186,9 @@ def execute_without(
         except ExpertsUnreadable as more:
             error = more
             continue
+        finally:
+            for name in RETRY_COUNTERS:
+                setattr(call.stats, name, getattr(call.stats, name) + getattr(again.stats, name))
         rows.add(np.flatnonzero(dropped.any(axis=1)).tolist())
         return out
 
