@@ -253,11 +253,11 @@ class OffloadEngine:
             layer.loader,
             request,
             self.unreadable,
-            lambda: self._run(layer, request),
+            lambda: self._by_phase(layer, request),
             stats or layer.stats.decode,
         )
 
-    def _run(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+    def _by_phase(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
         phases = request.phases
         prefill = phases is not None and phases.all_prefill
         if request.num_tokens == 1 and layer.cache.identity and not self._sees_resident_calls:

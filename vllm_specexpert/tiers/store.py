@@ -179,9 +179,9 @@ def stage(
         destinations[key].index_copy_(0, index, tensor)
 
 
-class DiskTier(Protocol):
-    """The disk under the store, when its layers' experts are read from disk
-    (:class:`~vllm_specexpert.tiers.disk.Disk`, which imports this module)."""
+class OpenPack(Protocol):
+    """The open expert pack the store's layers are read from (``disk``), as the stats
+    and the start line see it (:class:`~vllm_specexpert.tiers.disk.Disk`)."""
 
     def where(self) -> str:
         """Where the experts are, for the start line."""
@@ -297,7 +297,7 @@ class ExpertStore:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self.layers: dict[str, ExpertSource] = {}
-        self.disk: DiskTier | None = None
+        self.disk: OpenPack | None = None
         """The disk the layers' experts are read from (``disk``), opened by the adapter."""
 
     def add_layer(
