@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from vllm_specexpert import execute, report
+from vllm_specexpert import execute, features, report
 from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach
 from vllm_specexpert.config import SpecExpertConfig, check_switch
-from vllm_specexpert.features import DecodeCall, EngineFeature, EngineParts, feature_classes
+from vllm_specexpert.features import DecodeCall, EngineFeature, EngineParts
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall, LayerRequest
 from vllm_specexpert.layer_checks import check_layers
@@ -83,24 +83,16 @@ class OffloadEngine:
         )  # fmt: skip
 
     def _build_features(self, given: set[str] | None = None) -> None:
-        """The features the config turns on, in registry order, each equipping the
-        layers there are; with ``given`` inputs, only the features that take one of
-        them are built again."""
-        kept = {type(f): f for f in self.features} if given is not None else {}
-        parts, built = self._parts(self.config), []
-        for cls in feature_classes():
-            old = kept.get(cls)
-            if old is not None and given is not None and not given & set(cls.inputs):
-                built.append(old)
-                continue
-            feature = cls.build(parts, self.inputs, built)
-            for layer in self._equipped():
-                if old is not None:
+        """The features the config turns on (with ``given`` inputs: those that take one
+        of them built again), each equipping the layers there are."""
+        built = features.build(self._parts(self.config), self.inputs, self.features, given)
+        for layer in self._equipped():
+            for old in self.features:
+                if old not in built:
                     old.unequip(layer)
-                if feature is not None:
+            for feature in built:
+                if feature not in self.features:
                     feature.equip(layer)
-            if feature is not None:
-                built.append(feature)
         self.features = built
         self.miss_policy = self._policy
         for feature in built:
@@ -111,10 +103,7 @@ class OffloadEngine:
         """Inputs of the features, as the adapter gets them, by the names the features
         declare (:attr:`EngineFeature.inputs`); the features that take them are built
         again."""
-        declared = {name for cls in feature_classes() for name in cls.inputs}
-        unknown = sorted(set(inputs) - declared)
-        if unknown:
-            raise TypeError(f"no feature takes the inputs {unknown} (declared: {sorted(declared)})")
+        features.check_inputs(set(inputs))
         self.inputs.update(inputs)
         self._build_features(set(inputs))
 
@@ -169,9 +158,7 @@ class OffloadEngine:
         """Raise a config error if ``config`` cannot run on the loaded layers with the
         inputs given (at start, and before a reconfigure: never mid-generation)."""
         check_layers(config, self.layers.values())
-        parts = self._parts(config)
-        for cls in feature_classes():
-            cls.check(parts, self.inputs)
+        features.check(self._parts(config), self.inputs)
         if plan is not None:
             check_pool_reach(config, plan, self.layers.values())
 

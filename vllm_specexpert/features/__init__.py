@@ -22,6 +22,9 @@ __all__ = [
     "EngineParts",
     "Inputs",
     "Resolve",
+    "build",
+    "check",
+    "check_inputs",
     "feature_classes",
 ]
 
@@ -40,3 +43,38 @@ REGISTRY = (
 def feature_classes() -> list[type[EngineFeature]]:
     """The registered features' classes, in order."""
     return [importlib.import_module(f"{__name__}.{name}").FEATURE for name in REGISTRY]
+
+
+def build(
+    parts: EngineParts,
+    inputs: Inputs,
+    running: list[EngineFeature] | None = None,
+    given: set[str] | None = None,
+) -> list[EngineFeature]:
+    """The features ``parts.config`` turns on, in registry order. With ``given`` input
+    names, the ``running`` features that take none of them are kept as they are."""
+    kept = {type(f): f for f in running or []} if given is not None else {}
+    built: list[EngineFeature] = []
+    for cls in feature_classes():
+        old = kept.get(cls)
+        if old is not None and given is not None and not given & set(cls.inputs):
+            built.append(old)
+            continue
+        feature = cls.build(parts, inputs, built)
+        if feature is not None:
+            built.append(feature)
+    return built
+
+
+def check(parts: EngineParts, inputs: Inputs) -> None:
+    """Raise a config error if a feature ``parts.config`` turns on lacks what it needs."""
+    for cls in feature_classes():
+        cls.check(parts, inputs)
+
+
+def check_inputs(names: set[str]) -> None:
+    """Refuse input names no feature declares (a typo would otherwise go unused)."""
+    declared = {name for cls in feature_classes() for name in cls.inputs}
+    unknown = sorted(names - declared)
+    if unknown:
+        raise TypeError(f"no feature takes the inputs {unknown} (declared: {sorted(declared)})")
