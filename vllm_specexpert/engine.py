@@ -297,17 +297,6 @@ class OffloadEngine:
             return execute.resolve(layer.loader, run, self.miss_policy, layer.miss_context)
         return self.features[at].resolve(call, run, lambda c, r: self._resolve(at + 1, c, r))
 
-    def router_free_routing(
-        self, name: str, tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``router_free``: the routing a decode-only pass of ``tokens`` tokens at layer
-        ``name`` runs without calling its router, or ``None``: call the router."""
-        if any(f.forces_exact(tokens) for f in self.features):
-            return None
-        layer = self.layers[name]
-        routings = (f.routing_for(layer, tokens) for f in self.features)
-        return next((routing for routing in routings if routing is not None), None)
-
     # ---------------------------------------------------------------- statistics
 
     @property

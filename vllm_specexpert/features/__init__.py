@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from vllm_specexpert.features.base import (
     DecodeCall,
     EngineFeature,
@@ -14,6 +16,7 @@ from vllm_specexpert.features.base import (
     Inputs,
     Resolve,
 )
+from vllm_specexpert.layer_state import OffloadedLayer
 
 __all__ = [
     "REGISTRY",
@@ -26,6 +29,7 @@ __all__ = [
     "check",
     "check_inputs",
     "feature_classes",
+    "routing_without_router",
 ]
 
 REGISTRY = (
@@ -78,3 +82,14 @@ def check_inputs(names: set[str]) -> None:
     unknown = sorted(names - declared)
     if unknown:
         raise TypeError(f"no feature takes the inputs {unknown} (declared: {sorted(declared)})")
+
+
+def routing_without_router(
+    running: list[EngineFeature], layer: OffloadedLayer, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``router_free``: the routing a decode-only pass of ``tokens`` tokens at ``layer``
+    runs without calling its router, or ``None``: call the router."""
+    if any(f.forces_exact(tokens) for f in running):
+        return None
+    routings = (f.routing_for(layer, tokens) for f in running)
+    return next((routing for routing in routings if routing is not None), None)
