@@ -74,7 +74,7 @@ class OffloadEngine:
     def _select(self, config: SpecExpertConfig) -> None:
         self._policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
         self.pool = SharedSlotPool(self.device) if config.cache_spec.shared_pool else None
-        """The slot pool every layer shares (``plec``); ``None``: one per layer."""
+        """The slot pool every layer shares (a shared-pool cache); ``None``: one per layer."""
 
     def _parts(self, config: SpecExpertConfig) -> EngineParts:
         return EngineParts(
@@ -135,7 +135,7 @@ class OffloadEngine:
             self.store.add(experts)
         layer = OffloadedLayer(name, top_k, index, self.store.layers[name], host_kernel, pool_reach)
         if self.budget.current is None:
-            # The weights are loaded and no slot is made yet: the memory sizing reads.
+            # The weights are loaded and no slot is made yet: planned from the memory now.
             self.budget.adopt(self.budget.plan(self.config, layer.experts, top_k))
         self.layers[name] = layer
         self._equip(layer)
@@ -257,7 +257,7 @@ class OffloadEngine:
         if prefill:
             return self._prefill(layer, request)
         # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
-        # that their prefetched experts are released by their own call.
+        # that what was loaded ahead for them is released by their own call.
         out = torch.empty_like(request.x)
         for rows, run in ((phases.decode, self._decode), (phases.prefill, self._prefill)):
             index = upload(rows, request.x.device)

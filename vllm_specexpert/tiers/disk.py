@@ -1,17 +1,10 @@
 """The disk tier: routed experts read whole from an expert pack (:mod:`.expert_pack`),
-for models whose experts do not fit in memory.
+for models whose experts do not fit in memory (docs/design.md, "The disk tier").
 
-A :class:`DiskExperts` is one layer's slow tier when the disk is on: what the link copies
-into slots is read from the pack at the reader's queue depth, into page-aligned buffers
-that are reused, checked against its record's checksum at every read (a record that
-fails never enters a slot), and
-turned into what a slot holds by the layer's decoder (the CPU kernel's prepacked layout,
-made on arrival). Nothing of a layer's experts stays in memory outside the slots: on the
-CPU build the slots are the only tier above the disk.
-
-:class:`Disk` is the tier itself, shared by the layers of one engine: the pack, one
-reader (one queue of reads for the whole model, as one disk serves them), the buffers,
-and the counters (reads, bytes, seconds waited, records checked).
+:class:`DiskExperts` is one layer's slow tier: records read at the reader's queue depth
+into reused page-aligned buffers, checksummed at every read, decoded into slots on
+arrival; nothing stays in memory outside the slots. :class:`Disk` is shared by the
+layers of one engine: the pack, one reader (one disk), the buffers and the counters.
 """
 
 from __future__ import annotations
@@ -57,16 +50,15 @@ class DiskStats:
     reads: int = 0
     bytes: int = 0
     wait_s: float = 0.0
-    """Seconds the copies spent waiting for reads (real I/O), and for the decoding of
-    what was read, which runs on the reader's threads as each read arrives."""
+    """Seconds copies waited for reads, including the decoding on the reader's threads."""
     checked: int = 0
-    """Reads whose checksum was verified (every read that arrived)."""
+    """Reads whose checksum was verified."""
     failed: int = 0
-    """Expert reads that failed (an I/O error, a record whose checksum failed)."""
+    """Expert reads that failed (I/O error or bad checksum)."""
 
 
 class Disk:
-    """The pack one engine reads experts from, its reader and buffers (module doc)."""
+    """The pack one engine reads experts from, its reader and buffers."""
 
     def __init__(
         self, pack: ExpertPack, depth: int, direct: bool = True, lock: PackLock | None = None
@@ -87,7 +79,6 @@ class Disk:
         return f"on disk ({self.pack.path}, {how}, queue depth {self.reader.depth})"
 
     def layer(self, name: str, decoder: ExpertDecoder | None) -> DiskExperts:
-        """Layer ``name``'s experts on this disk."""
         return DiskExperts(self, self.record_of(name), decoder)
 
     def record_of(self, name: str) -> PackLayer:
@@ -102,8 +93,7 @@ class Disk:
         return layer
 
     def read(self, layer: PackLayer, experts: np.ndarray) -> list[torch.Tensor]:
-        """The records of ``experts`` (distinct ids of ``layer``), each in a buffer the
-        caller gives back with :meth:`release` (see :meth:`read_each`)."""
+        """The records of ``experts``, in buffers the caller gives back with :meth:`release`."""
         return self._read(layer, experts, None)
 
     def read_each(
@@ -112,13 +102,11 @@ class Disk:
         experts: np.ndarray,
         arrived: Callable[[int, torch.Tensor], None],
     ) -> None:
-        """Read the records of ``experts``, calling ``arrived(i, buffer)`` on each as
-        soon as it is read and checked (``i``: its position in ``experts``), on the
-        reader's thread that read it: what is done with one record overlaps the reads
-        of the others and runs on up to ``queue_depth`` cores. At most twice the queue
-        depth are read at a time, so that a large transfer (a warm start: a layer's
-        every slot) holds that many buffers, not one per expert; the buffers are then
-        reused. One :class:`ExpertsUnreadable` names every expert that failed."""
+        """Call ``arrived(i, buffer)`` (``i``: position in ``experts``) on each record as
+        it is read and checked, on the reader's thread, so the work overlaps the other
+        reads. At most twice the queue depth in flight, so a warm start's transfer holds
+        that many buffers, not one per expert. One :class:`ExpertsUnreadable` names
+        every expert that failed."""
         window = 2 * self.reader.depth
         failed: list[int] = []
         first: ExpertsUnreadable | None = None
@@ -141,11 +129,9 @@ class Disk:
         experts: np.ndarray,
         arrived: Callable[[int, torch.Tensor], None] | None,
     ) -> list[torch.Tensor]:
-        """All reads are queued at once, so the reader keeps its queue depth. Every read
-        is waited for, failed or not (a buffer must not be reused while a read still
-        fills it); each record is checked against its CRC-32 at its first read. The
-        experts whose read, check or ``arrived`` failed are named one by one in one
-        :class:`ExpertsUnreadable`, raised once all are done (the buffers released)."""
+        """All reads queued at once (the reader keeps its depth), all waited for, failed
+        or not (a buffer must not be reused while a read fills it); failures are raised
+        together once all are done."""
         ids = experts.tolist()
         buffers = [self._buffer(layer.record_bytes) for _ in ids]
 
@@ -180,7 +166,6 @@ class Disk:
         return buffers
 
     def _check(self, layer: PackLayer, expert: int, buffer: torch.Tensor) -> BaseException | None:
-        """The record's checksum, at every read: ``CorruptRecord`` if it fails."""
         try:
             self.pack.check_record(layer, expert, buffer)
         except CorruptRecord as corrupt:
@@ -197,9 +182,8 @@ class Disk:
         return aligned_buffer(nbytes)
 
     def release(self, buffers: list[torch.Tensor]) -> None:
-        """Give buffers back: up to twice the queue depth of each size are kept for
-        the next reads, the others unmapped (a large gather's buffers would otherwise
-        stay, outside every budget)."""
+        """Keep up to twice the queue depth of each size for reuse, unmap the others
+        (a large gather's buffers would otherwise stay, outside every budget)."""
         keep = 2 * self.reader.depth
         with self._lock:
             for buffer in buffers:
@@ -213,9 +197,7 @@ class Disk:
         self.reader.stats.reset()
 
     def stats_dict(self) -> dict:
-        """The disk's counters: reads, bytes, seconds the copies waited for them, the
-        throughput the disk gave while it was read (``busy``: at least one read in
-        flight) and while a copy waited, the records checked and the reads that failed."""
+        """``busy``: time with at least one read in flight."""
         stats, reader = self.stats, self.reader.stats
         return {
             "path": str(self.pack.path),
@@ -238,8 +220,7 @@ class Disk:
 
 
 class DiskExperts(SlotForm):
-    """One layer's routed experts in the disk tier: the slow tier's interface
-    (:class:`~vllm_specexpert.tiers.store.ExpertSource`) over the pack's records."""
+    """One layer's experts in the pack, as an :class:`~vllm_specexpert.tiers.store.ExpertSource`."""
 
     def __init__(self, disk: Disk, layer: PackLayer, decoder: ExpertDecoder | None) -> None:
         self.disk = disk
@@ -248,7 +229,6 @@ class DiskExperts(SlotForm):
         self.decoder = decoder
         self.num_experts = layer.num_experts
         self.expert_nbytes = layer.data_bytes
-        """Bytes of one expert as read (the record's data)."""
         self.num_tensors = len(layer.tensors)
 
     @property
@@ -266,7 +246,6 @@ class DiskExperts(SlotForm):
         return 2 * depth * self.expert_nbytes + depth * self.slot_nbytes
 
     def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
-        """``experts``' tensors as the pack holds them, ``[n, ...]`` each (read now)."""
         buffers = self.disk.read(self.record, experts)
         try:
             parts = [self.disk.pack.unpack(self.record, buffer) for buffer in buffers]
@@ -275,7 +254,6 @@ class DiskExperts(SlotForm):
             self.disk.release(buffers)
 
     def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
-        """Slot contents of ``experts`` (ids or a slice of them)."""
         if isinstance(experts, slice):
             experts = np.arange(self.num_experts)[experts]
         packed = self.gather(np.asarray(experts))
@@ -288,11 +266,9 @@ class DiskExperts(SlotForm):
         destinations: dict[str, torch.Tensor],
         device: torch.device | None = None,
     ) -> None:
-        """On the host: each expert decoded into its slot as soon as its read arrives, on
-        the reader's thread, while the others are still being read (the decode, the CPU
-        kernel's prepacking, about as slow per byte as this disk, overlaps the reads and
-        runs on several cores; no stacked copy). Onto ``device``: read, moved and decoded
-        there (:func:`~vllm_specexpert.tiers.store.stage`)."""
+        """On the host: each expert decoded into its slot on the reader's thread as its
+        read arrives (the decode, about as slow per byte as the disk, overlaps the
+        reads). Onto ``device``: :func:`~vllm_specexpert.tiers.store.stage`."""
         if device is not None:
             stage(self, experts, slots, destinations, device)
             return
@@ -308,9 +284,8 @@ class DiskExperts(SlotForm):
 
 
 def open_disk(path: str, model: str, queue_depth: int, direct: bool) -> Disk:
-    """The disk tier of a worker: the pack, locked shared for as long as it is read
-    (a ``specexpert pack`` started meanwhile is refused), checked again (the caller's
-    check may be a while ago), and a reader."""
+    """The pack, locked shared while read (a ``specexpert pack`` meanwhile is refused)
+    and checked again (the caller's check may be old), with a reader."""
     lock = PackLock(path)
     try:
         lock.acquire(exclusive=False, wait=False)

@@ -1,24 +1,18 @@
 """ExpertLoader: copies into one layer's slots over the link, and the copies in flight.
 
-The loader is the only thing that writes slots after warm start. It asks the
-:class:`ExpertCache` for slots (evicting by its policy), records the new residency,
-submits the copy to the :class:`Link`, and records in the :class:`SlotPool` which slot
-still waits for which copy (in a shared pool a victim's copy may belong to another
-layer's loader):
+The only writer of slots after warm start. It takes slots from the :class:`ExpertCache`,
+submits the copy to the :class:`Link` and records in the :class:`SlotPool` which slot
+waits for which copy (in a shared pool, possibly another layer's):
 
-* using a slot whose copy has not landed waits for it (counted as stall);
-* reusing a slot for another expert first retires its copy (dropped if it has not
-  started, else finished now), so that an old copy can never land on a new expert; on
-  CUDA, where nothing blocks, the new copy is ordered instead after the slot's previous
-  copy and after the last kernel that read the slot (per-slot events);
-* prefetched experts stay protected from eviction until the layer's next call starts
-  (:meth:`begin_run`), which counts them as used, drops them from the link if they have
-  not started and are not needed, or counts them as unused.
+* using a slot whose copy has not landed waits for it (stall);
+* reusing a slot first retires its copy (dropped if not started, else finished), so an
+  old copy never lands on a new expert; on CUDA the new copy is instead ordered after
+  the slot's previous copy and last reading kernel (per-slot events);
+* prefetched experts are protected from eviction until the layer's next call
+  (:meth:`begin_run`), which counts them as used, cancelled or unused.
 
-Counters go to the ``stats`` each call is given, those of the phase the caller runs
-(decode or prefill), and each is counted by whoever observes the event: requests, hits,
-misses, stall, evictions and prefetch outcomes here; copies and bytes when the link
-starts a copy (a dropped prefetch never counts as moved).
+Counters go to the phase ``stats`` each call is given; the link counts copies and bytes
+when a copy starts (a dropped prefetch never counts as moved).
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ class ExpertLoader:
 
     @property
     def in_flight(self) -> dict[int, Transfer]:
-        """Pool slot -> the copy into it that nobody has waited for yet (the pool's:
-        in a shared pool, other layers' copies too)."""
+        """Pool slot -> its copy nobody has waited for yet (shared pool: other layers' too)."""
         return self.cache.pool.in_flight
 
     # ------------------------------------------------------------------ queries
@@ -63,13 +56,10 @@ class ExpertLoader:
     def acquire(
         self, experts: np.ndarray, stats: PhaseStats, future_demand: np.ndarray | None = None
     ) -> None:
-        """Make every expert of ``experts`` (distinct ids, which must fit, see
-        :meth:`ExpertCache.capacity_for`) resident and usable, loading the missing ones,
-        and count the request. Part of a layer call: :meth:`begin_run` has released the
-        call's prefetches first (protected experts are never evicted). Victims are never
-        among ``experts``; ``future_demand`` (per-expert count of later uses in the same
-        batch) keeps the most needed ones. Experts still in flight from a prefetch count
-        as hits; waiting for them counts as stall."""
+        """Make ``experts`` (distinct ids that fit, :meth:`ExpertCache.capacity_for`)
+        resident and landed, and count the request. Victims are never among ``experts``;
+        ``future_demand`` (per-expert later uses in the batch) keeps the most needed.
+        A prefetch still in flight counts as a hit, waiting for it as stall."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         stats.requests += len(experts)
@@ -84,21 +74,17 @@ class ExpertLoader:
     def count_resident(
         self, count: int, stats: PhaseStats, experts: np.ndarray | None = None
     ) -> None:
-        """Count a launch on ``count`` distinct experts that are all resident and landed,
-        as :meth:`acquire` would without its loads and waits (the resident fast paths);
-        ``experts``, if known on the host, are marked used (eviction order)."""
+        """Count a launch on ``count`` resident, landed experts as :meth:`acquire` would
+        (the resident fast paths); ``experts``, if known on the host, are marked used."""
         stats.requests += count
         stats.hits += count
         if experts is not None:
             self.cache.touch(experts)
 
     def prefetch(self, experts: np.ndarray, stats: PhaseStats, admitted: bool = False) -> int:
-        """Queue loads of ``experts`` (distinct ids, most wanted first) ahead of use, in
-        that order: one transfer each where the link can cancel a queued transfer, else
-        one for all (one launch on CUDA). Resident ones are skipped; at most as many as
-        the pool leaves room for (:meth:`SlotPool.prefetch_room`; the least wanted are
-        dropped). Loaded experts are protected from eviction until the layer's next call starts
-        (:meth:`begin_run`). Returns how many experts were queued."""
+        """Queue loads of ``experts`` (distinct, most wanted first) ahead of use, as many
+        as :meth:`SlotPool.prefetch_room` allows; they stay protected until
+        :meth:`begin_run`. Returns how many were queued."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         if not len(missing):
@@ -114,25 +100,20 @@ class ExpertLoader:
         return len(missing)
 
     def preload(self, experts: np.ndarray, stats: PhaseStats) -> None:
-        """Queue loads of ``experts`` (distinct, not resident) wanted by a later layer
-        call, unprotected: the pool's victim order (predicted uses still to come,
-        ``plec``) keeps them, and a copy not yet landed is retired like any other when
-        its slot is taken. Counted as prefetched."""
+        """Queue loads of ``experts`` (distinct, not resident) for a later layer call,
+        unprotected: the pool's victim order (``plec``) is what keeps them."""
         if len(experts):
             self._load_ahead(experts, self._take_slots(len(experts), experts, stats), stats)
 
     def admit(self, expert: int, stats: PhaseStats) -> bool:
-        """Load ``expert`` in the background if the link is idle (it was just computed
-        elsewhere and may be wanted again). Returns whether it was queued."""
+        """Load ``expert`` (just computed elsewhere) in the background if the link is idle."""
         if self.cache.expert_slot[expert] >= 0 or not self.link.idle():
             return False
         return bool(self.prefetch(np.array([expert]), stats, admitted=True))
 
     def begin_run(self, experts: np.ndarray, stats: PhaseStats) -> None:
-        """A call of the layer starts and will need ``experts`` (distinct ids). Protected
-        prefetches are released: those among ``experts`` count as used; the others are
-        dropped from the link if they have not started (no link time spent, their slots
-        are free again) or else count as unused."""
+        """A layer call needing ``experts`` starts: release the protected prefetches;
+        those not needed are cancelled if not started (slots freed), else count as unused."""
         if not self.prefetches:
             return
         wanted = np.zeros(self.cache.num_experts, dtype=bool)
@@ -150,8 +131,7 @@ class ExpertLoader:
         self.cache.protected[:] = False
 
     def evict(self, experts: np.ndarray, stats: PhaseStats) -> np.ndarray:
-        """Evict those of ``experts`` that are resident and neither pinned nor protected;
-        returns them."""
+        """Evict (and return) those of ``experts`` resident and neither pinned nor protected."""
         cache = self.cache
         victims = np.intersect1d(experts, cache.evictable(np.zeros(0, dtype=np.int64)))
         if len(victims):
@@ -169,8 +149,7 @@ class ExpertLoader:
             pool.last_read[self.cache.expert_slot[experts]] = event
 
     def wait_all(self) -> None:
-        """Block until every copy in flight has landed (before the pool is rebuilt; the
-        link counts the stall, the counters restart anyway)."""
+        """Block until every copy in flight has landed (before the pool is rebuilt)."""
         for transfer in {id(t): t for t in self.in_flight.values()}.values():
             self.link.wait(transfer)
         self.in_flight.clear()
@@ -200,7 +179,6 @@ class ExpertLoader:
         prefetch: bool,
         admitted: bool = False,
     ) -> Transfer:
-        """Copy ``experts`` into ``slots`` (free), one transfer."""
         self.cache.assign(experts, slots)
         count = len(experts)
 
@@ -234,9 +212,8 @@ class ExpertLoader:
     def _load_ahead(
         self, experts: np.ndarray, slots: np.ndarray, stats: PhaseStats, admitted: bool = False
     ) -> list[Transfer]:
-        """Queue a load of ``experts`` into ``slots`` ahead of use; returns each
-        expert's transfer. Where the link can cancel a queued transfer, one per expert:
-        retiring one expert's slot must not cancel the others' copies."""
+        """Each expert's transfer: one per expert where the link can cancel a queued
+        one (retiring one slot must not cancel the others' copies), else one for all."""
         if self.link.cancellable:
             return [
                 self._load(
@@ -247,8 +224,7 @@ class ExpertLoader:
         return [self._load(experts, slots, stats, prefetch=True, admitted=admitted)] * len(experts)
 
     def _wait_for(self, experts: np.ndarray, stats: PhaseStats) -> None:
-        """Block until the slots of ``experts`` hold their data (no-op when nothing
-        is in flight, the common case)."""
+        """Block until the slots of ``experts`` hold their data."""
         if not self.in_flight:
             return
         transfers: dict[int, tuple[Transfer, list[int]]] = {}

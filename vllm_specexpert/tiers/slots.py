@@ -1,17 +1,12 @@
-"""Slot pools: the device memory of the expert cache, expert-sized slots allocated once at
-the budget (so no cache can ever hold more), and what belongs to a slot rather than to an
-expert: the cache holding it, the copy into it nobody has waited for yet, and on CUDA the
-events that order a new copy after the slot's last copy and last reader.
+"""Slot pools: the expert cache's device memory, expert-sized slots allocated once at the
+budget (no cache can hold more), and per-slot state: owner cache, the copy nobody has
+waited for yet, and on CUDA the events ordering a new copy after the slot's last copy
+and reader.
 
-Two strategies decide whose experts a load may evict:
-
-* :class:`LayerSlotPool`: one layer's own pool (``lru``, ``lfu``, ``static``): a fixed
-  number of slots, the layer's eviction policy orders its own experts.
-* :class:`SharedSlotPool`: every layer's slots in one pool (``plec``, ExpertFlow §3.4): a
-  layer holds as many slots as its experts win; the victim of a load may belong to
-  another layer, chosen by the predicted uses still to come (:attr:`SharedSlotPool.
-  predicted_uses`, kept by the PLEC planner), the layer whose turn comes last, the least
-  recently used.
+* :class:`LayerSlotPool`: one layer's own slots (``lru``, ``lfu``, ``static``), victims
+  in its eviction policy's order.
+* :class:`SharedSlotPool`: every layer's slots in one pool (``plec``, ExpertFlow §3.4);
+  a load's victim may belong to another layer, chosen by predicted uses to come.
 """
 
 from __future__ import annotations
@@ -29,8 +24,8 @@ NO_EXPERTS = np.zeros(0, dtype=np.int64)
 
 
 class PooledCache(Protocol):
-    """What a pool uses of the caches that join it (an
-    :class:`~vllm_specexpert.tiers.cache.ExpertCache`, which imports this module)."""
+    """What a pool uses of an :class:`~vllm_specexpert.tiers.cache.ExpertCache` (which
+    imports this module)."""
 
     experts: ExpertSource
     num_experts: int
@@ -47,14 +42,11 @@ class PooledCache(Protocol):
 
 
 class SlotPool:
-    """Expert-sized device slots shared by the caches of one or more MoE layers (see
-    module doc). Caches :meth:`join` with their share of slots; :meth:`allocate` then
-    makes the tensors at the sum of the shares and warm-starts every cache in its share.
-    A layer's own pool is allocated by its cache; a shared pool by the engine once every
-    layer joined."""
+    """Expert-sized device slots of one or more MoE layers' caches. Caches :meth:`join`
+    with a share; :meth:`allocate` (by the cache for its own pool, by the engine for a
+    shared one) makes the tensors and warm-starts each cache in its share."""
 
     shared: ClassVar[bool] = False
-    """Slots move between layers."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -65,20 +57,19 @@ class SlotPool:
         self.owner = np.zeros(0, dtype=np.int32)
         """Slot -> index in :attr:`caches` of the cache holding it, -1 when free."""
         self.in_flight: dict[int, Transfer] = {}
-        """Slot -> the copy into it that nobody has waited for yet."""
         self.last_write: np.ndarray | None = None
         """CUDA: slot -> the last transfer into it (a new copy is ordered after it)."""
         self.last_read: np.ndarray | None = None
         """CUDA: slot -> event after the last kernel that read it."""
         self.clock = 0
-        """Kernel calls so far, for every cache's recency (comparable across layers)."""
+        """Kernel calls so far: every cache's recency clock (comparable across layers)."""
 
     @property
     def num_slots(self) -> int:
         return len(self.owner)
 
     def join(self, cache: PooledCache, share: int) -> int:
-        """Add ``cache`` with ``share`` slots of its own at warm start; returns its index."""
+        """Add ``cache`` with ``share`` warm-start slots; returns its index."""
         if self.caches:
             first = self.caches[0].experts
             if first.slot_shapes != cache.experts.slot_shapes:
@@ -91,7 +82,6 @@ class SlotPool:
         return len(self.caches) - 1
 
     def allocate(self) -> None:
-        """Allocate the slots (the sum of the shares) and warm-start every cache."""
         total = sum(self._shares)
         shapes = self.caches[0].experts.slot_shapes
         self.tensors = {
@@ -109,10 +99,8 @@ class SlotPool:
             offset += share
 
     def release(self) -> None:
-        """Drop the slot tensors now (a rebuild frees the old pool before it allocates
-        the new one: the caches that joined it and the pool refer to each other, and
-        their cycle would keep the tensors until the garbage collector's next pass,
-        holding two pools at once)."""
+        """Drop the slot tensors now: the pool and its caches form a reference cycle,
+        which would keep them until the next GC pass, two pools at once in a rebuild."""
         self.tensors = {}
         self.in_flight.clear()
         self.last_write = self.last_read = None
@@ -123,10 +111,9 @@ class SlotPool:
     def victims(
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``(cache indices, experts)`` that may be evicted now to make room for
-        ``requester``, the first to go first; never ``keep`` (of ``requester``), pinned
-        or protected experts. ``demand``: the requester's per-expert count of later uses
-        in the same call (those go last)."""
+        """``(cache indices, experts)`` evictable now for ``requester``, first to go
+        first; never ``keep``, pinned or protected experts. ``demand``: the requester's
+        per-expert later uses in the same call (those go last)."""
         raise NotImplementedError
 
     def capacity_for(self, cache: PooledCache, experts: np.ndarray) -> bool:
@@ -134,18 +121,15 @@ class SlotPool:
         raise NotImplementedError
 
     def capacity(self, cache: PooledCache) -> int:
-        """How many distinct experts of ``cache`` can be resident at once now, counting
-        only those that need a slot that pinned experts do not hold."""
+        """How many distinct experts of ``cache`` can be resident at once now."""
         raise NotImplementedError
 
     def available_for(self, cache: PooledCache, keep: np.ndarray) -> int:
-        """Slots ``cache`` could fill now without evicting ``keep``: free ones, and those
-        of the :meth:`victims`."""
+        """Slots ``cache`` could fill now without evicting ``keep`` (free or victims)."""
         return len(self.free_slots()) + len(self.victims(cache, keep)[1])
 
     def prefetch_room(self, cache: PooledCache, keep: np.ndarray) -> int:
-        """How many experts of ``cache`` a prefetch (protected until its layer runs) may
-        load now without evicting ``keep``."""
+        """How many experts of ``cache`` a prefetch may load now without evicting ``keep``."""
         return self.available_for(cache, keep)
 
 
@@ -180,18 +164,16 @@ class SharedSlotPool(SlotPool):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.predicted_uses: np.ndarray = np.zeros((0, 0))
-        """``[caches, experts]`` predicted uses still to come of each (layer, expert),
-        kept by the PLEC planner from the step's predicted demand; the fewest go first.
-        Empty until :meth:`allocate`."""
+        """``[caches, experts]`` predicted uses still to come, kept by the PLEC planner;
+        the fewest go first. Empty until :meth:`allocate`."""
 
     def allocate(self) -> None:
         super().allocate()
         self.predicted_uses = np.zeros((len(self.caches), self.caches[0].num_experts))
 
     def spare(self) -> int:
-        """Slots that hold nothing predicted to be used: free ones, and those of evictable
-        experts with no predicted use still to come. Loads for predicted experts may take
-        this many without evicting another prediction."""
+        """Slots free or holding evictable experts with no predicted use to come: what
+        loads may take without evicting another prediction."""
         spare = len(self.free_slots())
         for cache in self.caches:
             candidates = cache.evictable(NO_EXPERTS)
@@ -201,9 +183,8 @@ class SharedSlotPool(SlotPool):
     def victims(
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Every layer's evictable experts: those with no predicted use still to come
-        first, then (Belady's rule, the next use known only by layer) the layer whose
-        turn comes last, the fewest predicted uses, the least recently used."""
+        """Every layer's evictable experts: no predicted use first, then the layer whose
+        turn comes last (Belady on the cyclic layer order), fewest predicted uses, LRU."""
         owners, experts, scores, turns, recency = [], [], [], [], []
         layers = len(self.caches)
         for cache in self.caches:
@@ -225,10 +206,8 @@ class SharedSlotPool(SlotPool):
         return np.concatenate(owners)[order], np.concatenate(experts)[order]
 
     def prefetch_room(self, cache: PooledCache, keep: np.ndarray) -> int:
-        """A prefetch leaves ``top_k`` slots free or evictable: protected prefetches could
-        otherwise fill every slot another layer's call can take, and its next token
-        would have nowhere to go. (A layer's own pool never has that problem: its
-        prefetches are released when its call starts.)"""
+        """Leaves ``top_k`` slots free or evictable: protected prefetches could otherwise
+        fill every slot another layer's call needs."""
         reserve = max(c.top_k for c in self.caches)
         return max(self.available_for(cache, keep) - reserve, 0)
 

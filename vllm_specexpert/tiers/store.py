@@ -1,13 +1,10 @@
 """The slow tier: every routed expert of every MoE layer, outside the device cache.
 
-On CUDA the tensors live in pinned host memory (so copies to the device are true async
-DMA); on the CPU build they are plain RAM. Each layer's experts are a set of named
-tensors whose leading dimension is the expert id (``w13_weight [E, 2I, H]``,
-``w2_weight [E, H, I]``, in whatever runtime layout the kernel wants: prepacked on CPU).
-One expert is the slice ``[e]`` of every tensor of its layer.
-
-A quantized checkpoint's experts stay packed here (and move packed): the layer's
-:class:`ExpertDecoder` turns packed experts into what a slot holds, on arrival.
+Pinned host memory on CUDA (copies are async DMA), plain RAM on CPU. A layer's experts
+are named tensors whose leading dimension is the expert id (``w13_weight [E, 2I, H]``,
+``w2_weight [E, H, I]``, in the kernel's runtime layout); one expert is the slice ``[e]``
+of each. Quantized experts stay packed here and in transit: the layer's
+:class:`ExpertDecoder` turns them into slot contents on arrival.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ SlotShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class ExpertsUnreadable(RuntimeError):
-    """Experts of one layer the slow tier could not supply mid-generation (a disk read
-    error, a record whose checksum fails): raised from a copy, so that the engine runs
-    the call without them and the requests that needed them fail, the others go on."""
+    """Experts the slow tier could not supply mid-generation (read error, bad checksum):
+    the engine runs the call without them; only the requests that needed them fail."""
 
     def __init__(self, layer: str, experts: list[int], cause: str) -> None:
         super().__init__(f"{layer}: experts {experts} could not be read: {cause}")
@@ -124,7 +120,6 @@ class SlotForm:
     """Measured cost of this tier's copies (a running mean; a first guess of 10 GB/s)."""
 
     def copied(self, nbytes: int, seconds: float) -> None:
-        """A real copy of ``nbytes`` took ``seconds``."""
         if nbytes:
             self.seconds_per_byte = 0.9 * self.seconds_per_byte + 0.1 * seconds / nbytes
 
@@ -137,7 +132,6 @@ class SlotForm:
 
     @property
     def format(self) -> str:
-        """How the experts are held here: the decoder's format, else the dtype."""
         if self.decoder is not None:
             return self.decoder.name
         dtype = next(iter(self.held_shapes().values()))[1]
@@ -145,7 +139,6 @@ class SlotForm:
 
     @property
     def slot_shapes(self) -> SlotShapes:
-        """What one slot holds of this layer's experts."""
         if self.decoder is not None:
             return self.decoder.slot_shapes
         return self.held_shapes()
@@ -232,7 +225,6 @@ class LayerExperts(SlotForm):
         self.expert_nbytes: int = sum(
             t[0].numel() * t.element_size() for t in self.tensors.values()
         )
-        """Bytes of one expert (all its tensors): what the link moves."""
         self.num_tensors: int = len(self.tensors)
 
     @property
@@ -338,7 +330,6 @@ class ExpertStore:
         return sum(layer.nbytes for layer in self.layers.values())
 
     def where(self) -> str:
-        """Where the experts are, for the start line."""
         if self.disk is not None:
             return self.disk.where()
         return f"on the host{' (pinned)' if self.pin_memory else ''}"
@@ -354,10 +345,9 @@ CUDA_HOST_REGISTER_MAPPED = 0x02
 
 
 def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
-    """Page-lock ``tensor``'s host memory where it is (``cudaHostRegister``), so that copies
-    from it are asynchronous DMA, without ``Tensor.pin_memory()``'s second copy of the
-    layer (which doubles peak host memory while the model loads). Falls back to that copy
-    if the driver refuses to register the range. Not yet run on a GPU."""
+    """Page-lock ``tensor``'s memory where it is (``cudaHostRegister``): unlike
+    ``Tensor.pin_memory()`` no second copy, which would double peak host memory while
+    the model loads (the fallback if the driver refuses). Not yet run on a GPU."""
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return tensor
