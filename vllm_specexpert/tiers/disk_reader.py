@@ -1,14 +1,11 @@
 """Whole-record reads from one file at a queue depth: the disk tier's I/O.
 
-A record (one expert, all its tensors) is read in one piece into a page-aligned buffer,
-by a pool of threads (``os.preadv`` releases the GIL, so ``depth`` reads are in flight at
-once). The file is opened with ``O_DIRECT`` where its filesystem takes it: the page cache
-is bypassed, so a read costs what the disk costs, the engine's own caches decide what
-stays in memory, and the kernel never holds a second copy of what the host tier already
-holds. ``O_DIRECT`` needs offsets, lengths and buffer addresses aligned to the logical
-block size; the pack aligns every record to :data:`ALIGN` and the buffers are anonymous
-mappings (page-aligned). Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network
-filesystems), reads go through the page cache, and :attr:`DiskFile.direct` says so.
+A record (one expert) is read in one piece into a page-aligned buffer by a pool of
+threads (``os.preadv`` releases the GIL). ``O_DIRECT`` where the filesystem takes it:
+a read costs what the disk costs and the engine's caches, not the page cache, decide
+what stays in memory. It needs aligned offsets, lengths and buffers (:data:`ALIGN`,
+anonymous mappings); elsewhere (tmpfs, some network filesystems) reads go through the
+page cache and :attr:`DiskFile.direct` says so.
 """
 
 from __future__ import annotations
@@ -25,19 +22,16 @@ from dataclasses import dataclass, field
 import torch
 
 ALIGN = 4096
-"""Alignment of every record's offset and length, and of every read buffer: the largest
-logical block size of common disks (4Kn), so a pack is readable with ``O_DIRECT``
-anywhere."""
+"""Alignment of record offsets, lengths and read buffers: the largest common logical block
+size (4Kn), so a pack is readable with ``O_DIRECT`` anywhere."""
 
 
 def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to :data:`ALIGN`."""
     return -(-nbytes // ALIGN) * ALIGN
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A ``uint8`` tensor of ``aligned(nbytes)`` bytes at a page-aligned address (an
-    anonymous mapping: what ``O_DIRECT`` reads need), zero-filled."""
+    """A zeroed ``uint8`` tensor of ``aligned(nbytes)`` bytes, page-aligned (anonymous mapping)."""
     region = mmap.mmap(-1, max(aligned(nbytes), ALIGN))
     return torch.frombuffer(region, dtype=torch.uint8)
 
@@ -48,8 +42,7 @@ class DiskFile:
     def __init__(self, path: str | os.PathLike, direct: bool = True) -> None:
         self.path = os.fspath(path)
         self.direct = False
-        """Whether reads bypass the page cache (``O_DIRECT`` was asked for and the
-        filesystem took it)."""
+        """Whether reads bypass the page cache (``O_DIRECT`` asked for and taken)."""
         self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         self.size = os.fstat(self.fd).st_size
         if direct and hasattr(os, "O_DIRECT"):
@@ -75,10 +68,8 @@ class DiskFile:
         self.fd, self.direct = fd, True
 
     def read_into(self, buffer: torch.Tensor, offset: int, length: int) -> None:
-        """Read ``length`` bytes at ``offset`` into the start of ``buffer`` (a
-        :func:`aligned_buffer` of at least ``aligned(length)`` bytes; ``offset`` aligned).
-        Raises ``OSError`` on an I/O error and ``EOFError`` on a file that ends
-        before the record does."""
+        """Read ``length`` bytes at aligned ``offset`` into a large enough
+        :func:`aligned_buffer`; ``EOFError`` if the file ends before the record does."""
         view = buffer.numpy().data
         want = aligned(length) if self.direct else length
         done = 0
@@ -99,13 +90,10 @@ class DiskFile:
 
 @dataclass
 class ReadStats:
-    """What the reads of one :class:`DiskReader` did."""
-
     reads: int = 0
     bytes: int = 0
     busy_s: float = 0.0
-    """Wall time during which at least one read was in flight: ``bytes / busy_s`` is the
-    throughput the disk gave while it was being asked."""
+    """Wall time with at least one read in flight (``bytes / busy_s``: the disk's throughput)."""
     _in_flight: int = 0
     _busy_since: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -126,7 +114,6 @@ class ReadStats:
                 self.busy_s += time.perf_counter() - self._busy_since
 
     def reset(self) -> None:
-        """Counters at zero; reads in flight count from now."""
         with self._lock:
             self.reads, self.bytes, self.busy_s = 0, 0, 0.0
             self._busy_since = time.perf_counter()
@@ -154,10 +141,8 @@ class DiskReader:
         length: int,
         then: Callable[[], None] | None = None,
     ) -> Future[None]:
-        """Queue a read of ``length`` bytes at ``offset`` into ``buffer``, and ``then()``
-        on the same thread once it is read (work on the record overlaps the other
-        reads, and runs on as many cores as the queue has threads); the future raises
-        what the read or ``then`` raised."""
+        """Queue a read, then ``then()`` on the same thread (so work on a record overlaps
+        the other reads); the future raises what the read or ``then`` raised."""
         return self._pool.submit(self._read, buffer, offset, length, then)
 
     def _read(

@@ -13,7 +13,7 @@ class EvictionPolicy:
     """Orders eviction candidates. Subclasses keep per-expert usage state."""
 
     spec: CacheSpec
-    """The policy's traits (:mod:`vllm_specexpert.config.modes`), by its config name."""
+    """The policy's traits (:mod:`vllm_specexpert.config.modes`)."""
 
     @property
     def name(self) -> str:

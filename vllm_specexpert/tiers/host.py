@@ -1,25 +1,11 @@
 """Expert compute on the host, from the slow tier (``cpu`` and ``auto`` miss policies).
 
-The llama.cpp/KTransformers answer to a miss, made per miss: instead of copying a
-missing expert to the device, compute it where its weights already are, while the
-device computes the resident ones, and add the two outputs.
-
-* CPU build: the host kernel is vLLM's own CPU fused-experts kernel run on the store's
-  tensors (they are in the same post-processed layout as the slots), so the host compute
-  is real and measured. The device and the host are then the same processor, which would
-  make ``cpu`` look free: with an emulated link, a host computation counts as ready only
-  ``host_slowdown`` times its measured duration after the layer call started (the
-  device's work runs in that window). The layer call is charged
-  ``max(t_device + t_host, host_slowdown * t_host)``: at most ``t_host`` more than a GPU
-  box's ``max(t_device, host_slowdown * t_host)``, i.e. conservative against ``cpu``.
-* CUDA: the rows of ``x`` that need host experts are read back first (a sync on work
-  the router's ids already waited for), then the device kernel is launched
-  (asynchronous), the host computes its experts with :func:`torch_experts` on the pinned
-  store meanwhile, and the result is copied back and added on the device stream. NOT
-  RUN ON A GPU YET; :func:`torch_experts` itself is checked against a reference here.
-
-:class:`HostCostModel` predicts a host computation's duration for ``auto``: seconds =
-``per_expert * experts + per_row * rows``, seeded by two probes and refit online.
+The llama.cpp/KTransformers answer to a miss: compute the missing expert where its
+weights are while the device computes the resident ones, and add the outputs. CPU build:
+vLLM's CPU fused-experts kernel on the store's tensors, charged with ``host_slowdown``
+under an emulated link; CUDA: :func:`torch_experts` on the pinned store, NOT RUN ON A GPU
+YET (docs/design.md, "Miss policies"). :class:`HostCostModel` predicts the duration for
+``auto``.
 """
 
 from __future__ import annotations
@@ -86,9 +72,9 @@ def compute_on_host(
 
 
 class HostCostModel:
-    """Seconds a host computation of ``experts`` experts over ``rows`` (token, expert)
-    pairs takes (emulated seconds under an emulated link): a least-squares fit of
-    ``per_expert * experts + per_row * rows`` over exponentially decayed observations."""
+    """Seconds of a host computation (emulated under an emulated link): least squares of
+    ``per_expert * experts + per_row * rows`` ((token, expert) pairs), decayed, seeded
+    by probes and refit online."""
 
     DECAY = 0.98
 
@@ -98,12 +84,10 @@ class HostCostModel:
         self.coef: np.ndarray | None = None
         """``[per_expert, per_row]`` seconds, once observed."""
         self.fixed = False
-        """Set by :meth:`fix`: the coefficients no longer follow observations."""
 
     def fix(self, per_expert: float, per_row: float) -> None:
-        """Use these coefficients from now on and stop learning: a host whose costs were
-        measured beforehand, or a test whose outcome must not depend on how loaded the
-        machine is."""
+        """Use these coefficients and stop learning (costs measured beforehand, or a test
+        that must not depend on machine load)."""
         self.coef = np.array([per_expert, per_row], dtype=np.float64)
         self.fixed = True
 
@@ -124,7 +108,7 @@ class HostCostModel:
 
 
 class HostExperts:
-    """One layer's experts computed on the host (see module doc)."""
+    """One layer's experts computed on the host."""
 
     def __init__(
         self,
@@ -138,9 +122,8 @@ class HostExperts:
         self.slowdown = slowdown
         """Emulated host/device time ratio, or ``None`` for real time."""
         self.timer = timer
-        """What a host computation's duration is measured with (seconds). Another timer
-        (a thread's CPU time on a shared machine, a test's) changes what is charged,
-        not the wall clock the emulated host's result is held to."""
+        """Measures a host computation (seconds): changes what is charged, not the wall
+        clock the emulated host's result is held to."""
         self.cost = HostCostModel()
 
     def estimate(self, rows_per_expert: np.ndarray) -> np.ndarray:
@@ -168,10 +151,8 @@ class HostExperts:
     def stage(
         self, x: torch.Tensor, topk_weights: torch.Tensor, ids: np.ndarray, on_host: np.ndarray
     ) -> HostJob:
-        """Gather, on the host, the inputs of the entries ``on_host`` ([T, K] mask over
-        ``ids``). Called before the device kernel is launched: on CUDA this reads ``x``
-        back (a sync on work the router already waited for), so that the host compute
-        then overlaps the device kernel instead of waiting for it."""
+        """Gather on the host the inputs of the entries ``on_host`` ([T, K] mask over
+        ``ids``). Before the device kernel launch, so the host compute overlaps it."""
         rows = np.flatnonzero(on_host.any(axis=1))
         mask = on_host[rows]
         # Entries of these rows that are not for the host point at one of the row's host
@@ -191,10 +172,8 @@ class HostExperts:
         )
 
     def finish(self, job: HostJob, out: torch.Tensor, started_at: float) -> tuple[float, float]:
-        """Compute ``job`` and add it to ``out``. ``started_at`` is when the layer call
-        started (the device's work counts as running in parallel from then). Returns
-        (host seconds charged, seconds the call waited for the host beyond its own
-        work)."""
+        """Compute ``job`` into ``out``; ``started_at``: the layer call's start. Returns
+        (host seconds charged, seconds the call waited for the host)."""
         start = self.timer()
         y = self._compute(job.x, job.weights, job.ids)
         measured = self.timer() - start

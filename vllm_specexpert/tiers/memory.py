@@ -1,7 +1,5 @@
-"""What memory the tier a budget sizes has free now: the GPU's on CUDA, RAM on the CPU
-build: ``MemAvailable`` (free pages and the page cache the kernel can reclaim), or less
-where the process's cgroup (a container) is limited: what the limit leaves
-(:func:`cgroup_memory`)."""
+"""Free memory of the tier a budget sizes: the GPU's on CUDA; on CPU ``MemAvailable``
+(free plus reclaimable page cache), or less if a cgroup limit leaves less."""
 
 from __future__ import annotations
 
@@ -21,8 +19,6 @@ UNLIMITED = 1 << 60
 
 @dataclass(frozen=True)
 class CgroupMemory:
-    """The memory limit of the process's cgroups."""
-
     limit_bytes: int
     """The tightest limit of the process's cgroup and its ancestors'."""
     free_bytes: int
@@ -43,13 +39,9 @@ _FILES = {
 
 
 def cgroup_memory(root: str | os.PathLike[str] = "/") -> CgroupMemory | None:
-    """The memory limit of this process's cgroup, and what it leaves, read under ``root``
-    (``/``; tests give a fake tree): ``/proc/self/cgroup`` names the cgroup, of cgroup v2
-    (``0::/path``) and of v1's memory hierarchy (``N:memory:/path``);
-    ``/proc/self/mountinfo`` says where they are mounted (without it:
-    ``/sys/fs/cgroup`` and ``/sys/fs/cgroup/memory``). The cgroup and every ancestor up to
-    the mount are read: each limit binds. ``None`` where none is limited (``max``, v1's
-    huge value, no cgroup, nothing readable)."""
+    """This process's cgroup memory limit and what it leaves (v2 and v1's memory
+    hierarchy), read under ``root`` (tests give a fake tree). Every ancestor up to the
+    mount is read: each limit binds. ``None`` where none is limited or readable."""
     root = Path(root)
     limit: int | None = None
     free: int | None = None
@@ -70,8 +62,7 @@ def cgroup_memory(root: str | os.PathLike[str] = "/") -> CgroupMemory | None:
 
 
 def _cgroup_dirs(root: Path) -> list[tuple[str, Path]]:
-    """The directories of this process's cgroups (v2, v1 memory) and their ancestors up
-    to their mounts', under ``root``."""
+    """This process's cgroup directories (v2, v1 memory) and ancestors up to the mounts."""
     try:
         lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -105,8 +96,7 @@ def _cgroup_dirs(root: Path) -> list[tuple[str, Path]]:
 
 
 def _mounts(root: Path) -> dict[str, tuple[str, str]]:
-    """Of cgroup v2 and of v1's memory hierarchy: (the mount's root in the cgroup tree,
-    its mount point), from ``/proc/self/mountinfo``, or the usual places without it."""
+    """Cgroup v2's and v1 memory's (root in the cgroup tree, mount point), from mountinfo."""
     try:
         lines = (root / "proc/self/mountinfo").read_text().splitlines()
     except OSError:
@@ -132,7 +122,7 @@ def _unescape(text: str) -> str:
 
 
 def _read_int(path: Path) -> int | None:
-    """The number in ``path``; ``max`` reads as :data:`UNLIMITED`; ``None`` if unreadable."""
+    """``max`` reads as :data:`UNLIMITED`; ``None`` if unreadable."""
     try:
         text = path.read_text().strip()
     except OSError:
@@ -146,7 +136,6 @@ def _read_int(path: Path) -> int | None:
 
 
 def _stat(path: Path, keys: tuple[str, ...]) -> int:
-    """The first of ``keys`` found in a ``memory.stat``, else 0."""
     try:
         lines = path.read_text().splitlines()
     except OSError:

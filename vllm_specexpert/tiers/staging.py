@@ -1,16 +1,9 @@
 """Host <-> device staging on the decode path: one read back, uploads that do not block.
 
-**Reads.**
-The host decides which experts to copy, so a decode layer call must see the router's
-ids (and the prediction for the next layer) on the host. On CUDA every separate
-``.cpu()`` is a synchronization with the compute stream; :class:`HostReader` packs the
-tensors of one call into a single byte buffer on the device, copies it into pinned host
-memory with one copy, and waits for that copy's event once. On the CPU build the tensors
-already are host memory and are returned as numpy views.
-
-**Uploads.** Index arrays the host computed (token rows, masks, slot numbers) go to the
-device with :func:`upload`: through pinned memory and ``non_blocking`` on CUDA, since a
-copy from pageable memory makes the host wait for the stream to drain.
+The host decides which experts to copy, so a decode call reads the router's ids to the
+host; on CUDA each ``.cpu()`` is a sync, so :class:`HostReader` packs one call's tensors
+into one buffer, one copy, one wait. :func:`upload` sends host-computed index arrays
+through pinned memory (a pageable copy would wait for the stream to drain).
 """
 
 from __future__ import annotations
@@ -39,12 +32,10 @@ class HostReader:
         self.packed = device.type != "cpu" if packed is None else packed
         """Whether reads go through one packed copy (CUDA; forced on CPU by tests)."""
         self._buffer: torch.Tensor | None = None
-        """Host staging buffer (pinned on CUDA), grown as needed, reused every read."""
         self._event = torch.cuda.Event() if device.type == "cuda" else None
 
     def read(self, tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
-        """The tensors' values on the host, as arrays of their shapes and dtypes (numpy
-        dtypes only: convert bf16 first). The arrays stay valid after later reads."""
+        """The tensors as host arrays (numpy dtypes only), valid after later reads."""
         if not self.packed:
             return [t.numpy() for t in tensors]
         flat = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]
@@ -73,9 +64,8 @@ class HostReader:
 
 
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` as a tensor on ``device``: no copy on the CPU; on CUDA staged in pinned
-    memory (PyTorch's host allocator keeps the block until the copy has run) and copied
-    without blocking the host."""
+    """``array`` on ``device``: no copy on CPU; on CUDA pinned and non-blocking (the host
+    allocator keeps the block until the copy has run)."""
     tensor = torch.from_numpy(array)
     if device.type == "cpu":
         return tensor

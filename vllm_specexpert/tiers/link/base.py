@@ -35,13 +35,12 @@ class ExpertCopy:
 
     @property
     def copies(self) -> int:
-        """Tensor copies it takes one at a time: one per expert and tensor."""
+        """One per expert and tensor."""
         return len(self.experts) * self.source.num_tensors
 
     def run(self, device: torch.device | None = None) -> None:
-        """Perform the copy: the source copies its experts into the slots (blocking, on
-        the host; issued on the current stream of ``device`` on CUDA). A host copy's
-        time teaches the source what its copies cost."""
+        """Blocking on the host (whose time teaches the source its copy cost); on CUDA
+        issued on ``device``'s current stream."""
         if device is not None:
             self.source.copy_into(self.experts, self.slots, self.destinations, device)
             return
@@ -64,28 +63,24 @@ class Transfer(ABC):
 
     @abstractmethod
     def wait(self) -> float:
-        """Block the compute until the copied data is usable. Returns the seconds the
-        host stalled (0.0 where the wait is stream-side)."""
+        """Block the compute until the data is usable; returns host stall seconds."""
 
     @abstractmethod
     def ready(self) -> bool:
-        """Whether the copied data is usable now (never blocks)."""
+        """Never blocks."""
 
 
 class Link(ABC):
     """Moves experts from the slow tier to device slots, one copy engine's worth."""
 
     cancellable = True
-    """Whether a submitted prefetch can wait in a host queue, cancellable until it
-    starts (else it is issued at once, and ``cancel`` never succeeds)."""
+    """Prefetches wait in a host queue, cancellable until they start."""
 
     def __init__(self) -> None:
         self.bytes_copied = 0
         """Bytes of started transfers (cancelled prefetches never count)."""
         self.copies = 0
-        """Tensor copies of started transfers."""
         self.stall_s = 0.0
-        """Seconds callers waited in :meth:`wait`."""
 
     @abstractmethod
     def submit(
@@ -95,28 +90,21 @@ class Link(ABC):
         on_start: StartCallback | None = None,
         after: Sequence = (),
     ) -> Transfer:
-        """Queue ``copy``; returns at once. Demand transfers go ahead of prefetches that
-        have not started. ``on_start(transfer)`` is called when the copy starts moving
-        (the link is the one that observes it). ``after``: transfers retired from the
-        destination slots and device events of the last kernels that read them; the
-        copy must not start before them (the CPU link has nothing to order: retiring
-        finishes a copy, and host kernels are synchronous)."""
+        """Queue ``copy``; returns at once. ``on_start(transfer)`` when it starts moving.
+        ``after``: earlier transfers into the destination slots and events of the last
+        kernels that read them, which the copy must follow (CUDA only)."""
 
     def cancel(self, transfer: Transfer) -> bool:
-        """Drop a prefetch that has not started. Returns whether it was dropped; the
-        caller must then treat its destination as holding nothing."""
+        """Drop a prefetch not yet started; if it was, its destination holds nothing."""
         return False
 
     def retire(self, transfer: Transfer) -> None:
-        """The destination of ``transfer`` is about to be reused for something else:
-        drop it if it has not started, and make sure it cannot land after later copies
-        to the same place."""
+        """``transfer``'s destination is about to be reused: it must not land after later copies."""
         self.cancel(transfer)
 
     @abstractmethod
     def idle(self) -> bool:
-        """Whether no transfer is queued or moving now (a background load would not
-        delay anything)."""
+        """No transfer is queued or moving (a background load would delay nothing)."""
 
     @abstractmethod
     def copy_seconds(self, nbytes: int, copies: int) -> float:
@@ -128,8 +116,7 @@ class Link(ABC):
         self.stall_s = 0.0
 
     def expert_seconds(self, experts: ExpertSource) -> float:
-        """Expected link time of moving one expert of ``experts``: what its source has
-        learned its copies cost, unless the link models its own time."""
+        """Seconds per expert: the source's learned cost, unless the link models its own."""
         return experts.copy_seconds()
 
     def wait(self, transfer: Transfer) -> float:
@@ -157,9 +144,8 @@ def insert(pending: deque, transfer: Transfer) -> None:
 
 
 class Clock:
-    """The time an emulated link holds its copies to: ``perf_counter`` seconds, and a
-    wait until a moment of it. Another clock (a test's, moved by hand) makes whether an
-    emulated copy has landed independent of how loaded the machine is."""
+    """The time an emulated link holds its copies to (``perf_counter`` seconds); a test's
+    clock makes landing independent of machine load."""
 
     def now(self) -> float:
         return time.perf_counter()
