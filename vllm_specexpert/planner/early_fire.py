@@ -1,28 +1,14 @@
-"""Early Fire and No-Stop (the mesh notes): predictions send rows to peers ahead.
+"""Early Fire and No-Stop: with experts on peers, a layer's prediction of the next sends
+rows to the predicted experts' peers before that layer's router is final.
 
-With experts on peers, the round trip takes the place of the copy. A layer's prediction
-of the next one names the peers that host its likely experts, so rows can leave before
-that layer's router is final:
-
-* ``early_fire``: when layer l+1 is called, its rows go to the peers of the experts
-  predicted for it at layer l, before the router's ids are read to the host (the read,
-  the next prediction and the local decisions overlap the network). Once the ids are
-  known, pairs the prediction got right are kept, and the rest are sent then. The
-  experts run are the router's and their inputs are the layer's own rows: equivalent.
-* ``no_stop``: at layer l, as soon as layer l+1's prediction exists (before layer l
-  waits for its own peers), the predictor's estimate of layer l+1's router input (q_l
-  for ``quasi_hidden``, s_l for ``router``) goes to the peers of the predicted experts,
-  and the peers compute on arrival. Layer l+1 then runs the predicted routing (as
-  ``speculate`` does) and takes the peers' results for their pairs without waiting for
-  its router. Two layers' requests are in flight at once, so a layer waits about half a
-  round trip. Approximate twice over (predicted experts and weights; the peers' input is
-  the estimate, not the true router input).
-
-An exact result needs layer l+1's own input, which exists only after layer l+1's
-attention: ``early_fire`` cannot hide the round trip itself (measured: no faster than
-``sync``, ``docs/benchmarks.md``).
+* ``early_fire``: layer l+1's own rows leave before its router ids are read; wrong
+  guesses are sent again once they are known. Equivalent.
+* ``no_stop``: layer l sends its estimate of layer l+1's router input as soon as the
+  prediction exists; layer l+1 runs the predicted routing and takes the peers' results.
+  Approximate twice over.
 
 Only pairs whose expert a peer in rotation holds and the device cache lacks are sent.
+Details and measurements: docs/design.md, "Experts across machines (mesh)".
 """
 
 from __future__ import annotations
@@ -40,8 +26,7 @@ from vllm_specexpert.tiers.peer import Sent
 
 
 class EarlyFire:
-    """Sends predicted pairs ahead (module doc); one per engine under a mesh mode other
-    than ``sync``."""
+    """Sends predicted pairs ahead; one per engine under a mesh mode other than ``sync``."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -93,9 +78,8 @@ class EarlyFire:
         prediction: Prediction,
         router_input: Callable[[], torch.Tensor],
     ) -> None:
-        """Layer l predicted the next layer (its ``peers``, ``cache`` and decode
-        ``stats``): ``no_stop`` fires the estimate of its router input now
-        (``router_input`` computes it when the prediction did not keep it)."""
+        """Layer l predicted the next layer: ``no_stop`` fires the estimate of its router
+        input now (``router_input`` computes it if the prediction did not keep it)."""
         if not self.speculates:
             return
         assert prediction.host_ids is not None  # read with the router's ids (after_read)

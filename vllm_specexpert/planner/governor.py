@@ -1,38 +1,19 @@
 """The speculative governor: the draft length ``k`` of each step, and which requests draft.
 
-MoE-SpeQ's governor (§3.2) maximizes accepted tokens per second,
-``E[tokens](k) / T(k)``, over ``k`` in ``0..k_max``. Here both terms are measured, not
-profiled offline:
+MoE-SpeQ's governor (§3.2): maximize accepted tokens per second, ``E[tokens](k) / T(k)``
+over ``k`` in ``0..k_max``, both measured online:
 
-* ``E[tokens](k)`` per request is ``sum_{i=0..k} a^i``, with ``a`` the request's
-  per-token acceptance, an EMA of (accepted drafted tokens) / (drafted tokens tested
-  up to the first rejection) over its verifications.
-* ``T(k)`` is the step's cycle time with draft length ``k``: a draft round's ``k``
-  tokens, plus the time from the end of the round before the target pass that verifies
-  them to the start of the next round (the engine's bookkeeping and scheduling, the
-  pass, its expert fetch stalls: the amortization roofline's I/O term is in the
-  measurement). When each pass verifies the round just before it, that is the wall time
-  from one round's start to the next. The token scheduler runs a group of the requests
-  per step, so a pass verifies drafts made some rounds before it: its time is paired
-  with the time of the rounds that drafted them, and a pass whose requests drafted at
-  different ``k`` (or in rounds of different batch-size buckets) is not a sample.
-  One cycle varies a lot with the cache's state, so per (batch-size bucket, ``k``) the
-  estimate is the median of the last ``WINDOW`` samples, shrunk toward a straight line
-  fitted to the bucket's medians of every ``k`` (the paper models the draft's time as
-  linear in ``k``): a ``k`` measured a few times borrows strength from its neighbours.
-  Warm-up: each ``k`` is tried ``WARM_UP_SAMPLES`` times per bucket, round robin, and
-  its first sample is dropped (the first steps after a start or a ``reconfigure`` run on
-  a cold cache, which would make whichever ``k`` comes first look slow). Every
-  ``PROBE_EVERY`` steps a neighbour of the chosen ``k`` is tried again so that a
-  changed workload is noticed.
+* ``E[tokens](k) = sum_{i=0..k} a^i`` per request, ``a`` an EMA of its per-token
+  acceptance (accepted / drafted tokens tested up to the first rejection).
+* ``T(k)``: the measured cycle (a round's ``k`` drafts plus the verifying pass and its
+  expert stalls), per (batch-size bucket, ``k``): the median of the last ``WINDOW``
+  samples shrunk toward a line through every ``k``'s median. Each ``k`` is tried
+  ``WARM_UP_SAMPLES`` times (first sample dropped: cold cache), a neighbour every
+  ``PROBE_EVERY`` steps.
 
-Cascade-style utility gating: a request whose acceptance is below the break-even
-``a*`` at which drafting ``k`` pays, ``E(k, a*) = T(k) / T(0)``, stops drafting (its
-drafts are dropped, it decodes one token per step); every ``PROBE_EVERY`` of its own
-steps (a request the token scheduler holds back takes none) it drafts once more so that
-its acceptance is measured again. If no ``k > 0`` beats ``k = 0`` the whole step drafts
-nothing (the draft still runs once on the step's tokens: vLLM keeps its KV cache in
-step).
+A request below the break-even acceptance ``a*`` (``E(k, a*) = T(k) / T(0)``) stops
+drafting and drafts again every ``PROBE_EVERY`` of its own steps (Cascade's utility
+gate). Details: docs/design.md, "Draft lookahead (MoE-SpeQ)".
 """
 
 from __future__ import annotations
@@ -135,11 +116,9 @@ class Governor:
     def verified(
         self, results: dict[str, tuple[int, int]], requests: list[str], pass_s: float | None
     ) -> None:
-        """A target pass of ``requests`` verified their drafts: ``results`` maps each
-        request with drafts to (drafted tokens, accepted tokens); ``pass_s`` is the time
-        from the end of the last round to now (module doc), ``None`` when the pass did
-        more than verify (a prompt, a chunk: the time is not a cycle's, and nothing is
-        sampled)."""
+        """A target pass verified drafts: ``results``: request -> (drafted, accepted);
+        ``pass_s``: seconds since the last round ended, ``None`` when the pass did more
+        than verify (a prompt, a chunk: no cycle sample)."""
         for request, (drafted, accepted) in results.items():
             if drafted <= 0:
                 continue
@@ -163,8 +142,7 @@ class Governor:
             self._estimates.clear()
 
     def cycle_s(self, batch: int, k: int) -> float | None:
-        """Estimated cycle seconds at draft length ``k`` for ``batch`` requests (module
-        doc); ``None`` before a sample."""
+        """Estimated cycle seconds at draft length ``k``; ``None`` before a sample."""
         key = (_bucket(batch), k)
         if key not in self._estimates:
             self._estimates[key] = self._estimate(*key)
@@ -271,8 +249,7 @@ class Governor:
         return drafting
 
     def drafting(self, requests: list[str], k: int) -> set[str]:
-        """The requests that keep their ``k`` drafted tokens this step (the others'
-        are dropped); updates which requests are stopped."""
+        """The requests that keep their ``k`` drafts this step; updates which are stopped."""
         chosen = self._drafting(requests, k)
         threshold = self.break_even(len(requests), k) or 0.0
         for request in requests:

@@ -1,30 +1,15 @@
 """The draft's routes as the target's lookahead (MoE-SpeQ §3.3.2).
 
-While the draft runs, each of its MoE layers hands its routes for the tokens the target
-verifies next (:class:`~vllm_specexpert.predict.draft.ExpertLookaheadBuffer`) to the
-target's layer of the same index:
+Each draft MoE layer's routes for the tokens verified next
+(:class:`~vllm_specexpert.predict.draft.ExpertLookaheadBuffer`) go to the target's layer
+of the same index: resident predicted experts are touched (priming), the others queued
+on the link, most router weight first (prefetch). Each request's routes wait for its
+next verification: a target pass's demand (:class:`~vllm_specexpert.handoff.StepDemand`)
+is its requests' routes, and routes of requests the token scheduler held back are primed
+and prefetched again when their pass starts (docs/design.md, "Draft lookahead").
 
-* **Priming** (every pass): the predicted experts already resident are touched, so the
-  cache's recency keeps them through the loads that follow (they cost no link time).
-* **Prefetch** (every pass): the predicted experts not resident are queued on the link,
-  most router weight first, protected until the target layer's next call
-  (:meth:`~vllm_specexpert.tiers.loader.ExpertLoader.prefetch`); the loads run while the
-  draft computes its later layers and passes. A later pass adds its own.
-* **Saturation**: when the round ends, each request's routes wait for its next
-  verification; a target pass's demand (:class:`~vllm_specexpert.handoff.StepDemand`)
-  is the routes of the requests it runs: under ``cache: plec`` the shared pool evicts by
-  it first (the k-token lookahead), and its coverage of the experts the verification
-  really used is counted (``path_covered / path_needed``).
-* **Held back**: the token scheduler runs a group of the requests per step, so a
-  request's verification may come steps after its round, and the pass after a round
-  verifies other requests' drafts. When a pass starts, the routes of its requests that
-  sat out the last round are primed and prefetched again (what their round prefetched
-  may have been evicted since). Their round's own prefetch is still made: the worker
-  does not know whom the scheduler runs next.
-
-The paper's bandwidth-guided middle phase (prefetch only part of the middle passes) is
-not built: on the embedded model every predicted expert fits the link's time between
-passes (the prefetch room of the pool is the only limit).
+The paper's bandwidth-guided middle phase is not built: on the embedded model every
+predicted expert fits the link's time between passes.
 """
 
 from __future__ import annotations
@@ -46,8 +31,7 @@ class LookaheadPlanner:
         self.layer_of = layer_of
         """Decoder-layer index -> the target's offloaded layer (``None``: not one)."""
         self.routes: dict[str, dict[int, np.ndarray]] = {}
-        """Request -> its routes in the round it drafted in last (decoder-layer index ->
-        ``[E]`` router weight mass): the demand of its next verification."""
+        """Request -> its last round's routes (layer index -> ``[E]`` router weight mass)."""
         self.last_round: set[str] = set()
         """The requests of the last round."""
         self.demand: StepDemand | None = None
@@ -61,8 +45,7 @@ class LookaheadPlanner:
         self.active = True
 
     def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
-        """The draft's layer ``layer_index`` routed a pass: prime and prefetch the
-        target's layer of that index."""
+        """Prime and prefetch the target's layer ``layer_index`` from the draft's routes."""
         if not self.active:
             return
         routes = self.buffer.record(layer_index, ids, weights)
@@ -94,9 +77,8 @@ class LookaheadPlanner:
         self.last_round = set(self.buffer.requests)
 
     def pass_started(self, requests: Iterable[str], gone: Iterable[str]) -> None:
-        """A target pass of ``requests`` starts (``gone``: requests finished or preempted
-        since the last pass, whose routes are dropped): its demand is their routes, and
-        the routes of those that sat out the last round are loaded ahead (module doc)."""
+        """A target pass of ``requests`` starts (``gone``: finished or preempted, routes
+        dropped): set its demand, and load ahead for those that sat out the last round."""
         for request in gone:
             self.routes.pop(request, None)
         running = [r for r in requests if r in self.routes]

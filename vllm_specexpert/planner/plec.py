@@ -1,16 +1,13 @@
 """PLEC's planner (ExpertFlow §3.4): a slot pool shared by every layer, planned by the
 predicted demand of each step (:class:`~vllm_specexpert.handoff.StepDemand`).
 
-* When a step starts (its first decode layer call), every layer's predicted demand
-  becomes the pool's predicted uses, the victim order's first key
-  (:class:`~vllm_specexpert.tiers.slots.SharedSlotPool`); with ``plec_preload`` ``step``
-  or ``next``, the predicted experts of the layers after the first (whose router has
-  already chosen) are loaded, the nearest layers first and each layer's most demanded
-  first, into slots that hold nothing predicted.
-* After a layer ran, what it will be asked next is the group the token scheduler runs
-  next step: its predicted experts become the layer's predicted uses and, with
-  ``plec_preload: next``, are loaded now (group g+1's loads overlap group g's compute).
-  Without such a prediction the same requests run next, and the step's demand stays.
+* At a step's first decode call every layer's predicted demand becomes the pool's
+  predicted uses (the victim order's first key); with ``plec_preload`` ``step`` or
+  ``next`` the later layers' predicted experts are loaded, nearest layer first, into
+  slots holding nothing predicted.
+* After a layer ran, the next group's (token scheduler) predicted experts become its
+  predicted uses and, with ``plec_preload: next``, are loaded now, overlapping this
+  group's compute.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ class PlecPlanner:
             self._preload([layer])
 
     def _preload(self, layers: Sequence[PlannedLayer]) -> None:
-        """Load the predicted, non-resident experts of ``layers`` (in that order, most
-        predicted uses first) into the pool's spare slots."""
+        """Load ``layers``' predicted, non-resident experts into the pool's spare slots."""
         room = self.pool.spare()
         for layer in layers:
             if room <= 0:

@@ -1,25 +1,15 @@
 """Which predicted experts are worth prefetching under ``fetch``.
 
-When the link is the bottleneck (a GPU box copying experts over PCIe), a prefetch that
-turns out right saves at most the compute it overlaps, ``min(t_copy, t_window)``, where
-``t_window`` is the time from the prediction to the next layer's need; one that turns out
-wrong costs a whole copy of link time, ``t_copy``, that the router's true misses then
-queue behind. So an expert is worth prefetching only when the chance p that the next
-layer asks for it satisfies ``p * min(t_copy, t_window) > (1 - p) * t_copy``, i.e.
+A right prefetch saves at most the compute it overlaps, ``min(t_copy, t_window)``
+(``t_window``: prediction to need); a wrong one costs a whole copy the true misses queue
+behind. So prefetch only when the chance ``p`` of use satisfies
 
     p > t_copy / (t_copy + min(t_copy, t_window)).
 
-p comes from the layer's measured precision per predicted rank, counted only over
-predictions of experts that were not resident when predicted (the ones a prefetch would
-move; popular resident experts are easier to predict and would flatter the estimate),
-decayed so it follows the text; an expert that several tokens predict gets
-``p = 1 - prod(1 - p_rank)``. Under ``speculate`` (and ``prefetch_filter: all``) every
-predicted expert is prefetched.
-
-:class:`PrefetchPlanner` is kept per layer, for the predictions made *for* that layer:
-it scores each against the router's choice when the layer runs (:meth:`~PrefetchPlanner.
-observe`) and decides what of the next prediction to prefetch (:meth:`~PrefetchPlanner.
-prefetch`).
+``p`` is the layer's decayed precision per predicted rank, counted only over experts not
+resident when predicted (resident ones are easier and would flatter it); several tokens
+predicting one expert give ``1 - prod(1 - p_rank)``. Under ``speculate`` (and
+``prefetch_filter: all``) every predicted expert is prefetched.
 """
 
 from __future__ import annotations
@@ -37,8 +27,7 @@ DECAY = 0.98
 
 
 class PrefetchPlanner:
-    """Per-layer precision of the predictions made for that layer, the time they had to
-    land, and what of a new one to prefetch."""
+    """Per layer: the precision of the predictions made for it, and what to prefetch."""
 
     def __init__(self, top_k: int) -> None:
         # Optimistic prior (one correct prediction per rank): prefetch at first, learn.
@@ -55,9 +44,8 @@ class PrefetchPlanner:
         copy_s: float,
         everything: bool,
     ) -> None:
-        """Submit the prefetch of ``prediction`` (made for this layer) to its
-        ``loader``: every predicted expert if ``everything``, else those whose chance of
-        use pays for their link time ``copy_s`` (the others count as skipped)."""
+        """Prefetch ``prediction``: everything, or the experts whose chance of use pays for
+        their link time ``copy_s`` (the others count as skipped)."""
         prediction.made_at = time.perf_counter()  # the prefetch's window starts now
         if everything:
             loader.prefetch(prediction.experts_by_mass(), stats)
@@ -87,10 +75,8 @@ class PrefetchPlanner:
     def observe(
         self, predicted_ranked: np.ndarray, chosen: np.ndarray, considered: np.ndarray | None = None
     ) -> int:
-        """Account one forward pass: ``predicted_ranked [T, K]`` (ids by predicted
-        weight, best first) against the router's ``chosen [T, K]``; the precision only
-        learns from the ``considered [T, K]`` entries (default: all). Returns the number
-        of the router's (token, expert) pairs the prediction contained."""
+        """Score ``predicted_ranked [T, K]`` (best first) against the router's ``chosen``,
+        learning only from ``considered`` entries; returns the router pairs predicted."""
         hit = (predicted_ranked[:, :, None] == chosen[:, None, :]).any(axis=2)
         mask = np.ones_like(hit) if considered is None else considered
         self.correct = DECAY * self.correct + (hit & mask).sum(axis=0)
