@@ -1,10 +1,8 @@
 """The predictor interface: before layer l's experts run, guess layer l+1's routing.
 
-A predictor only builds an estimate ``q`` of layer l+1's router input from what layer l
-already has; the next layer's own router (its gate and top-k selection, given as a
-:class:`NextLayerRouting` by whoever owns the model: the vLLM adapter, or the offline
-analysis on a transformers model) turns ``q`` into expert ids and weights. So every
-predictor routes exactly as the model would, given its estimate.
+A predictor only estimates layer l+1's router input ``q`` from what layer l has; the
+next layer's own router (a :class:`NextLayerRouting`, from the vLLM adapter or the
+offline analysis) turns it into ids and weights, so it routes as the model would.
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ class LayerState:
 
 @dataclass
 class FusedRouting:
-    """Layer l+1's routing as tensors, for the one-launch Triton predictor
-    (:mod:`vllm_specexpert.triton_kernels.predict`): RMSNorm, a linear gate, softmax,
-    top-k."""
+    """Layer l+1's routing (RMSNorm, gate, softmax, top-k) as tensors, for the one-launch
+    Triton predictor (:mod:`vllm_specexpert.triton_kernels.predict`)."""
 
     gate_weight: torch.Tensor
     """``[E, H]`` the gate's weight (device, model dtype)."""
@@ -80,19 +77,16 @@ class Prediction:
     """``[T, K]`` (like :meth:`ranked`): entries that were candidates for a prefetch
     (not resident when predicted), set by the engine."""
     host_ids: np.ndarray | None = None
-    """``topk_ids`` on the host, once read (the engine reads them together with the
-    router's ids: one device->host read per layer call)."""
+    """``topk_ids`` on the host, read with the router's ids (one read per layer call)."""
     host_weights: np.ndarray | None = None
     """``topk_weights`` on the host as float32, once read."""
     router_input: torch.Tensor | None = None
-    """``q [T, H]``, the estimate of layer l+1's router input the ids came from (``None``
-    when the one-launch Triton predictor made them: :meth:`Predictor.next_router_input`
-    gives it)."""
+    """``q [T, H]`` the ids came from; ``None`` from the Triton predictor
+    (:meth:`Predictor.next_router_input` gives it)."""
     by_estimator: bool = False
     """Made by the neural estimator (``router_free`` skips such a layer's router)."""
     router_free: bool = False
-    """The layer ran it without calling its router (``router_free``): no router ids to
-    score it against."""
+    """The layer ran it without its router (``router_free``): nothing to score against."""
     _ranked: np.ndarray | None = None
 
     @property
@@ -147,8 +141,7 @@ class PredictorInputs:
     estimator: ExpertEstimator | None = None
     """The neural expert estimator (``estimator``, ``hybrid``)."""
     estimator_layers: dict[str, int] = field(default_factory=dict)
-    """Layer l's name -> the estimator's transition index, for every layer that has a
-    next MoE layer."""
+    """Layer l's name -> the estimator's transition index."""
     hybrid_layers: frozenset[str] = frozenset()
     """Layers after which ``hybrid`` runs the estimator (chosen by ``analysis``)."""
 

@@ -1,15 +1,10 @@
 """MoE-SpeQ's expert lookahead buffer (ELB, MoE-SpeQ §3.3.1): the experts the draft
 routes the tokens it drafts to, per MoE layer, with the router's weight as confidence.
 
-vLLM's draft proposer runs the draft once on the step's tokens (the first pass: its
-rows ``first_rows`` are the tokens the target verifies next, one per request) and then
-once per further drafted token (one row per request, in the batch's order). The draft's
-layers call :meth:`ExpertLookaheadBuffer.record` in model order, so a layer index that
-does not increase starts the next pass. The routes of the first pass's other rows (tokens
-the target has already run) are not kept. The last drafted token is never run by the
-draft, so a round of ``k`` drafted tokens covers ``k`` of the ``k + 1`` tokens verified
-next. The routes are kept per request: the request's next verification may come steps
-later (the token scheduler holds requests back).
+vLLM's proposer runs the draft once on the step's tokens (only ``first_rows``, the tokens
+verified next, are kept) and once per further drafted token; a layer index that does not
+increase starts the next pass. A round of ``k`` drafts covers ``k`` of the ``k + 1``
+verified tokens. Routes are kept per request: its verification may come steps later.
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ class ExpertLookaheadBuffer:
     _last_layer: int = -1
 
     def begin(self, requests: list[str], first_rows: np.ndarray | None = None) -> None:
-        """A drafting round of ``requests`` starts; ``first_rows`` as in the module doc
-        (vLLM's proposer lays its first pass out once the round has started)."""
+        """A drafting round of ``requests`` starts (``first_rows`` may come later)."""
         self.requests = requests
         self.first_rows = first_rows
         self.passes = 0
@@ -58,16 +52,14 @@ class ExpertLookaheadBuffer:
         self._last_layer = -1
 
     def by_request(self) -> dict[str, dict[int, np.ndarray]]:
-        """Request -> decoder-layer index -> ``[E]``: its router weight mass per expert
-        over the round."""
+        """Request -> layer index -> ``[E]`` router weight mass over the round."""
         return {
             request: {layer: mass[row] for layer, mass in self.masses.items()}
             for row, request in enumerate(self.requests)
         }
 
     def record(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> DraftRoutes:
-        """The draft's layer ``layer_index`` routed its pass's rows to ``ids`` with
-        ``weights`` (host arrays, ``[T, K]``): keep the verified-next rows."""
+        """Keep the verified-next rows of a draft layer's routing (host ``[T, K]``)."""
         if layer_index <= self._last_layer or self.passes == 0:
             self.passes += 1
         self._last_layer = layer_index

@@ -5,12 +5,9 @@ that maps the quasi-hidden state q_l to layer l+1's router logits.
               -> x + C(SiLU(B x))  (d -> m*d -> d, residual)
               -> LayerNorm -> head (d -> E)  = predicted router logits of layer l+1
 
-One network serves every layer transition (the learned embedding tells them apart); it is
-trained by KL distillation against the true router's logits (``specexpert
-train-estimator``). Artifacts: ``estimator.safetensors`` and ``manifest.json`` (format,
-the model's fingerprint, shapes, the MoE layer indices, and the calibration it was
-trained on, since q_l depends on its default vectors), refused when made for another
-model or calibration.
+One network serves every transition (the embedding tells them apart), trained by KL
+distillation (``specexpert train-estimator``). Its manifest names the model and the
+calibration (q_l depends on its default vectors); another one is refused.
 """
 
 from __future__ import annotations
@@ -52,8 +49,8 @@ REMAKE = "remake it with `specexpert train-estimator MODEL --calibration DIR --o
 
 @dataclass(config=SHAPE)
 class EstimatorShape:
-    """What the network looks like (all in the manifest), with its ranges: checked when
-    it is made, so a corrupt manifest is refused before a network is built from it."""
+    """The network's shape (in the manifest), range-checked so a corrupt manifest is
+    refused before a network is built."""
 
     hidden_size: HiddenSize
     """The model's hidden size H (q_l's width)."""
@@ -84,8 +81,8 @@ class TrainedWith(BaseModel):
 
 
 class EstimatorManifest(ArtifactManifest):
-    """``manifest.json`` of a ``train-estimator`` directory (format, shape, MoE layers;
-    the fingerprint and the calibration, refused at engine start when absent)."""
+    """``manifest.json`` of a ``train-estimator`` directory (fingerprint and calibration
+    required at engine start)."""
 
     shape: EstimatorShape
     moe_layer_indices: LayerIndices
@@ -160,9 +157,8 @@ def load_estimator(
     hf_config: object | None = None,
     calibration: str | Path | None = None,
 ) -> ExpertEstimator:
-    """Read a ``train-estimator`` directory, checking it against ``model`` and the
-    ``calibration`` directory if given (one config error naming ``estimator`` for
-    anything wrong with it)."""
+    """Read a ``train-estimator`` directory, checked against ``model`` and
+    ``calibration`` if given (errors name ``estimator``)."""
     from vllm_specexpert.calibration import WEIGHTS_FILE as CALIBRATION_FILE
 
     path = Path(path)
@@ -211,9 +207,8 @@ def load_estimator(
 
 
 def transitions_of(network: ExpertEstimator, layers: dict[int, str]) -> dict[str, int]:
-    """Layer l's name -> the network's transition index, for every consecutive pair of
-    the model's MoE ``layers`` (decoder index -> name); a pair the network was not
-    trained on is a config error naming ``estimator``."""
+    """Layer l's name -> transition index for consecutive MoE ``layers`` (decoder index ->
+    name); an untrained pair is a config error."""
     indices = sorted(layers)
     known = {(a, b): j for j, (a, b) in enumerate(pairwise(network.layer_indices))}
     pairs = list(pairwise(indices))

@@ -100,9 +100,8 @@ class Analysis(MadeForModel):
 def read_analysis(
     path: str | Path, model: str | None = None, hf_config: object | None = None
 ) -> dict:
-    """``analysis.json`` of ``path``, checked against :class:`Analysis` (and made for
-    ``model`` if given): one config error naming ``analysis`` for anything wrong, so
-    :func:`hybrid_layers` and :func:`check_layers` can read it as it is."""
+    """``analysis.json`` of ``path``, validated (and checked against ``model``); errors
+    name ``analysis``."""
     file = Path(path) / ANALYSIS_FILE
     try:
         analysis = json.loads(file.read_text())
@@ -115,9 +114,8 @@ def read_analysis(
 
 
 def hybrid_layers(analysis: dict, threshold: float | None) -> tuple[list[int], float]:
-    """The decoder indices of the layers l after which the estimator runs (those whose
-    transition l -> l+1 has ``quasi_hidden`` recall below ``threshold``), and the
-    threshold used (``None``: the mean recall)."""
+    """Decoder indices of the layers whose transition's ``quasi_hidden`` recall is below
+    ``threshold`` (``None``: the mean), and the threshold used."""
     recall = {row["from_layer"]: row["quasi_hidden"]["recall"] for row in analysis["transitions"]}
     if threshold is None:
         threshold = sum(recall.values()) / max(len(recall), 1)

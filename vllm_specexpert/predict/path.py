@@ -1,24 +1,14 @@
 """Routing-path predictor (RPP, ExpertFlow §3.2): one token's experts in every MoE layer
 at once, from the sequence's token ids alone.
 
-ExpertFlow uses a T5-style encoder-decoder over the whole input with one head per MoE
-layer. Here the predictor must run at every decode step for every running sequence, in
-the scheduler process, where only token ids are known; so it is a window model instead:
+Not the paper's T5 encoder-decoder but a window model, cheap at every decode step in the
+scheduler process where only token ids are known, with no per-request state
+(docs/design.md, "The routing-path predictor"):
 
     ids[t-W+1 .. t]  ->  embeddings, concatenated  ->  MLP  ->  [L, E] logits
 
-* The cost is one small batched GEMV chain per step, independent of context length
-  (an encoder re-run over a growing context is not), and it keeps no per-request state:
-  nothing to carry across steps, preemption or recomputation, nothing to free.
-* The signal it keeps is the one routers mostly use in small MoEs: the token itself and
-  its immediate context (``specexpert eval-path`` compares it with the paper's
-  baselines and with next-layer prediction on held-out text).
-
-Positions before a sequence's first token are padded with id ``vocab_size``. Trained
-with the paper's binary cross-entropy over the ``[L, E]`` routing matrix
-(``specexpert train-path``). Artifacts: ``path_predictor.safetensors`` and
-``manifest.json`` (format, the model's fingerprint, shapes), refused at engine start
-when made for another model.
+Positions before a sequence's first token are padded with id ``vocab_size``. Trained by
+``specexpert train-path``; its manifest's fingerprint is checked at engine start.
 """
 
 from __future__ import annotations
@@ -56,8 +46,8 @@ REMAKE = "remake it with `specexpert train-path MODEL --out DIR`"
 
 @dataclass(config=SHAPE)
 class PathPredictorShape:
-    """What the network looks like (all in the manifest), with its ranges: checked when
-    it is made, so a corrupt manifest is refused before a network is built from it."""
+    """The network's shape (in the manifest), range-checked so a corrupt manifest is
+    refused before a network is built."""
 
     vocab_size: VocabSize
     num_layers: LayerCount
@@ -156,8 +146,8 @@ def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) 
 def load_path_predictor(
     path: str | Path, model: str | None = None, hf_config: object | None = None
 ) -> RoutingPathPredictor:
-    """Read a ``train-path`` directory, checking it against ``model`` if given (one
-    config error naming ``path_predictor`` for anything wrong with it)."""
+    """Read a ``train-path`` directory, checked against ``model`` if given (errors name
+    ``path_predictor``)."""
     path = Path(path)
     manifest = read_manifest(
         path, "path_predictor", WEIGHTS_FILE, FORMAT, REMAKE, PathPredictorManifest

@@ -3,18 +3,10 @@
     q_l = LN_{l+1}(d_l + r_l),   d_l = sum_{e in E_l} g_{l,e} d_{l,e},
 
 where ``d_{l,e}`` is expert e's default vector (its mean output over calibration tokens
-routed to it, see :mod:`vllm_specexpert.calibrate`) and ``r_l`` the post-attention
-residual; ``d_l + r_l`` stands in for layer l's output, the next layer's attention is
-skipped.
-
-``r_l`` itself is not taken from the model: the router input ``s_l = w_l * r_l /
-rms(r_l)`` already holds its direction, and its scale is taken from calibration,
-``r_l ~ s_l / w_l * rho_l`` with ``rho_l`` the mean RMS of ``r_l``. This keeps the
-predictor inside the MoE layer (no tap into the decoder layer, whose graph vLLM's
-compiler fuses: a tap there changed the model's last bits) and costs nothing in
-accuracy here: on 32,768 validation tokens of the embedded model, recall@4 was 0.7599
-with the estimate and 0.7598 with the true ``r_l`` (the RMS of ``r_l`` varies by ~15 %
-across tokens, and LN_{l+1} only sees the ratio of ``d_l`` to ``r_l``).
+routed to it, :mod:`vllm_specexpert.calibrate`) and ``r_l`` the post-attention residual,
+recovered from the router input as ``r_l ~ s_l / w_l * rho_l`` (``rho_l``: its calibrated
+mean RMS; why, and what it costs: docs/design.md, "Prediction and prefetch"). The next
+layer's attention is skipped.
 """
 
 from __future__ import annotations
