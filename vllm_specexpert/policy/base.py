@@ -1,15 +1,9 @@
 """The miss-policy interface: what a layer does with routed experts that are not resident.
 
-A policy decides; :mod:`vllm_specexpert.execute` carries the decision out. Per
-decode call the policy looks at the routing against the cache and returns a
-:class:`MissPlan`: per (token, k) entry, run it on the device (resident, or loaded on
-demand), substitute another expert for it, compute it on the host, run its INT4 copy,
-or drop it. No plan
-means "load what is missing and run the router's routing" (``fetch``, the bit-exact path).
-Prefill tokens never reach a policy: they always run exactly (see the engine).
-
-Each policy class takes its traits from :data:`~vllm_specexpert.config.modes.MISS_POLICIES`
-(``spec``), the table config validation reads.
+Per decode call a policy returns a :class:`MissPlan` (per (token, k) entry: device,
+substitute, host, INT4 copy or drop), which :mod:`vllm_specexpert.execute` carries out.
+No plan means load what is missing (``fetch``, bit-exact). Prefill never reaches a
+policy. Traits (``spec``) come from :data:`~vllm_specexpert.config.modes.MISS_POLICIES`.
 """
 
 from __future__ import annotations
@@ -41,8 +35,8 @@ class MissPlan:
     low_bit: np.ndarray | None = None
     """Entries run from their expert's INT4 copy in the layer's low-bit slots."""
     on_peer: np.ndarray | None = None
-    """Entries computed by the mesh peer that holds their expert (:class:`~vllm_specexpert.
-    policy.peers.PeersFirst`: the policy it wraps sees those experts as resident)."""
+    """Entries computed by the mesh peer holding their expert (:class:`~vllm_specexpert.
+    policy.peers.PeersFirst`)."""
     renormalize: bool = False
     """Scale each token's remaining weights so they sum to what all its weights did."""
 
@@ -84,6 +78,6 @@ class MissPolicy:
         topk_weights: torch.Tensor,
         context: MissContext,
     ) -> MissPlan | None:
-        """Decide about the entries of the routing ``ids`` ([T, K]) whose expert is not
-        ``resident`` ([E] mask; there is at least one). ``None``: load them (``fetch``)."""
+        """Decide about the entries of ``ids`` ([T, K]) not ``resident`` ([E]; at least
+        one). ``None``: load them (``fetch``)."""
         return None

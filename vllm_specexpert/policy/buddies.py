@@ -69,15 +69,10 @@ def substitute(
     gates: BuddyGates,
     rng: np.random.Generator | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Algorithm 1 with the gates. ``topk_ids [T, K]``, ``resident [E]`` bool, ``buddies
-    [E, K_max]`` (or ``None`` with ``rng`` for the paper's random baseline: any resident
-    expert), ``tae [T]``. Returns the new ids and a ``[T, K]`` mask of substituted
-    entries. Entries left missing are for the fallback (fetch).
-
-    Per token, missing entries are taken in top-k order; each takes its first candidate
-    that is resident and not yet used by the token (its own experts and earlier
-    substitutes), while the token's budget ``rho`` lasts. Tokens are independent, so the
-    work is vectorized over tokens and loops over the K positions only."""
+    """Algorithm 1 with the gates: returns the new ids and a ``[T, K]`` mask of substituted
+    entries (those left missing are fetched). ``buddies [E, K_max]``, or ``None`` with
+    ``rng`` for the random baseline (any resident expert). Vectorized over tokens, which
+    are independent; loops over the K positions only."""
     ids = topk_ids.copy()
     replaced = np.zeros(ids.shape, dtype=bool)
     missing = ~resident[ids]

@@ -21,8 +21,7 @@ class MissContext:
     """What a policy may consult about one layer, besides its cache."""
 
     expert_copy_seconds: Callable[[], float]
-    """Expected link time of one of the layer's experts, asked when a plan needs it (a
-    link's estimate may follow what it measures)."""
+    """Expected link seconds of one expert, asked when needed (the estimate may change)."""
     host: HostExperts | None = None
     """Host compute of the layer's experts (``cpu``, ``auto``)."""
     buddies: np.ndarray | None = None
@@ -74,9 +73,8 @@ def add_routing_statistics(
     coactivation: np.ndarray,
     tae_percentiles: np.ndarray,
 ) -> None:
-    """Give ``context`` what ``config``'s substituting policy makes of a layer's
-    calibrated co-activation counts and TAE percentiles: buddy lists, and the gates' tau
-    when the config leaves it to the calibration."""
+    """Buddy lists and, unless configured, tau from a layer's calibrated co-activation
+    counts and TAE percentiles."""
     buddy = config.buddy
     if config.miss_policy_spec.uses_buddy_lists:
         context.buddies = buddy_lists(coactivation, buddy.alpha, buddy.k_max)

@@ -1,15 +1,10 @@
 """``cpu``, ``auto`` and ``auto_buddy``: compute missing experts on the host.
 
-``cpu`` computes every missing expert on the host (llama.cpp/KTransformers, made per
-miss). ``auto`` splits each layer call's missing experts between the link and the host
-by cost: fetches are serial on the link (``copy_seconds`` each), host computations are
-serial on the host (:class:`HostCostModel`, measured), and both overlap each other and
-the device's hits, so the call waits ``max(link time, host time)``. With the cheapest
-host experts (fewest tokens) given to the host first, the best split is the ``j`` that
-minimises ``max(sum of the j cheapest host times, (m - j) * copy_seconds)``; ties go to
-fetching, which also leaves the expert resident for the next steps. ``auto_buddy``
-substitutes buddies first where BuddyMoE's gates allow (output changes) and splits the
-rest the same way.
+``cpu``: every missing expert on the host. ``auto``: the link and the host work in
+parallel, so a call waits ``max(link time, host time)``; the ``j`` cheapest host experts
+go to the host, ``j`` minimising ``max(sum of their host times, (m - j) *
+copy_seconds)``; ties go to fetching (the expert stays resident). ``auto_buddy``:
+buddies first where BuddyMoE's gates allow, then the same split.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ class CpuPolicy(MissPolicy):
 
 
 def host_share(ids: np.ndarray, missing: np.ndarray, context: MissContext) -> np.ndarray:
-    """``[T, K]`` mask of the missing entries whose expert the host should compute (see
-    module doc for the cost model)."""
+    """``[T, K]`` mask of the missing entries the host should compute."""
     assert context.host is not None, "a host policy's context has its host experts"
     experts, rows = np.unique(ids[missing], return_counts=True)
     host_s = context.host.estimate(rows)

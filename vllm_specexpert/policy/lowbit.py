@@ -1,13 +1,10 @@
 """``lowbit``: run a missing expert's INT4 copy (HOBBIT).
 
-Every expert of a bf16 model also has an INT4 copy in the slow tier, made at load. A
-decode entry whose expert is missing runs that copy instead: moved packed (about a
-quarter of the bytes) into the layer's low-bit slots, dequantized there, and computed
-with the same kernel. With ``admit_host_experts`` the bf16 expert is then loaded in the
-background when the link is idle (HOBBIT's cache update; measured: it keeps the link
-busy at batch 1, see the docs). The low-bit slots are a few of the layer's own
-(``top_k``, out of its budget), so a call's missing experts beyond them are fetched in
-bf16 as usual, the most used first kept for the low-bit slots."""
+A missing expert's INT4 copy (made at load, a quarter of the bytes) is moved into the
+layer's low-bit slots (``top_k`` of its budget), dequantized and run with the same
+kernel; missing experts beyond those slots are fetched in bf16 (the most used get the
+low-bit slots). With ``admit_host_experts`` the bf16 expert is then loaded on an idle
+link (docs/design.md, "``lowbit``")."""
 
 from __future__ import annotations
 
