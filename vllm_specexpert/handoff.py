@@ -2,20 +2,13 @@
 and the experts a path predictor expects them to use, and the scheduler's counters (what
 the workers hand back is :mod:`vllm_specexpert.handback`).
 
-With a ``path_predictor``, the plugin's scheduler (engine-core process,
-:mod:`vllm_specexpert.schedule.token_scheduler`) attaches a :class:`StepDemand` to vLLM's
-``SchedulerOutput`` (a plain dataclass, pickled to the workers with its attributes) with
-:func:`attach`; in the worker, vLLM's model runner is wrapped
-(:func:`vllm_specexpert.vllm_hooks.keep_step_demand`) so that :func:`receive` keeps it for
-the layers of that step, which read it with :func:`current`. Both sides import this
-module and nothing else of each other.
-
-The scheduler's counters (:class:`SchedulerStats`) ride along every step the same way
-(:func:`attach_scheduler_stats`, a dict of nine numbers): the worker keeps the latest
-(:func:`scheduler_stats`), and its stats (``get_stats``, ``stats_path``, the ``/metrics``
-snapshot) carry them as their ``scheduler`` section. Every scheduled step reaches the
-worker before any later RPC, so ``get_stats`` sees the scheduler's counters as of its
-last step, exactly.
+The scheduler (:mod:`vllm_specexpert.schedule.token_scheduler`) attaches a
+:class:`StepDemand` and its :class:`SchedulerStats` to vLLM's ``SchedulerOutput``
+(:func:`attach`, :func:`attach_scheduler_stats`; pickled to the workers); in the
+worker :func:`receive` (hooked by :func:`vllm_specexpert.vllm_hooks.keep_step_demand`)
+keeps them for the step's layers (:func:`current`) and the worker's stats. Both sides
+import only this module. Every step reaches the worker before any later RPC, so
+``get_stats`` sees the scheduler's counters as of its last step, exactly.
 """
 
 from __future__ import annotations
@@ -81,9 +74,8 @@ class StepDemand:
     holds it back this step), ``None`` when the same requests are expected to run."""
 
     def scored(self, layer: int, router_ids: np.ndarray, stats: Any) -> StepDemand | None:
-        """This demand if it covers a decode call of ``layer`` on ``router_ids``' tokens,
-        scored against the experts they chose (``stats.path_needed``/``path_covered``:
-        the path predictor's batch-level accuracy); ``None`` otherwise."""
+        """This demand if it covers this decode call, scored against the experts chosen
+        (``stats.path_needed``/``path_covered``); else ``None``."""
         if self.tokens not in (None, router_ids.shape[0]) or layer not in self.layers:
             return None  # not this pass's decode tokens
         used = np.unique(router_ids)
@@ -107,8 +99,7 @@ def attach_scheduler_stats(scheduler_output: Any, stats: dict[str, Any]) -> None
 
 
 def receive(scheduler_output: Any) -> None:
-    """Worker side, as a step starts: keep its demand and the scheduler's counters
-    (``None`` without them: not the plugin's scheduler)."""
+    """Worker side, as a step starts: keep its demand and the scheduler's counters."""
     global _current, _scheduler_stats
     _current = getattr(scheduler_output, ATTRIBUTE, None)
     _scheduler_stats = getattr(scheduler_output, STATS_ATTRIBUTE, None)
@@ -122,8 +113,7 @@ def forget_scheduler_stats() -> None:
 
 
 def scheduler_stats() -> dict[str, Any] | None:
-    """Worker side: the scheduler's counters as of the latest step (``None``: no step
-    of the plugin's scheduler yet)."""
+    """Worker side: the scheduler's counters as of the latest step, if any."""
     return _scheduler_stats
 
 

@@ -1,15 +1,10 @@
 """SlotKernel: one layer's fused experts, run by vLLM's own kernel on tensors that hold
 some of the layer's experts (the device's slot pool, or the host store for host compute).
 
-The engine hands it a slice of the layer call (``ExpertKernel``); it computes with the
-kernel vanilla vLLM would run for the whole layer, so that an exact mode's output is
-vanilla's bit for bit:
-
-- CPU: vLLM's ``cpu_fused_moe`` op, called directly (its experts object's two Python
-  wrappers only add overhead), on slot indices.
-- CUDA: vLLM's modular kernel with an ``expert_map`` from expert ids to slots, and the
-  Triton tile config vanilla picks for the whole call (by the layer's expert count and
-  the call's token count, not the slot pool's or a token group's).
+It computes a slice of the layer call with the kernel vanilla vLLM would run for the
+whole layer, so an exact mode's output is vanilla's bit for bit: on CPU
+``cpu_fused_moe`` called directly on slot indices; on CUDA the modular kernel with an
+``expert_map`` and vanilla's tile config for the whole call.
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ Qwen3-style experts widened to ``I = 40960`` crashes at slot 105, not at slot 50
 
 
 class SlotKernel:
-    """The fused experts of ``layer`` (a vLLM ``RoutedExperts``) on given expert tensors
-    (see module doc). Per layer call, the layer sets, with :meth:`begin_call`, the
-    call's input, its token count and the buffer its output may go to."""
+    """The fused experts of ``layer`` (a vLLM ``RoutedExperts``) on given expert tensors;
+    :meth:`begin_call` sets each call's input, token count and output buffer."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
@@ -40,13 +34,9 @@ class SlotKernel:
         self.call_x: torch.Tensor | None = None
         self.call_out: torch.Tensor | None = None
         """The running call's input and output buffer (the custom op's ``out``; ``None``
-        in eager mode). The first launch on the call's whole input (``x`` itself, not
-        rows of it) writes there instead of a new tensor, and takes it: a later launch
-        of the same call (a masked part, a token group, a shadow of the exact result)
-        gets a new tensor, so nothing the engine still holds is overwritten. When the
-        engine returns that launch's result as the layer's (one launch: every
-        budget-1.0 decode call), no copy is left to make. On CUDA the modular kernel
-        allocates its own output."""
+        eager). Only the first launch on the whole ``x`` writes there, so later launches
+        of the call overwrite nothing the engine holds, and a one-launch call needs no
+        copy. (CUDA's modular kernel allocates its own.)"""
         self.call_tokens = 0
         """Token count of the running call (token groups launch on fewer, with the
         call's tile config)."""
@@ -138,12 +128,9 @@ class SlotKernel:
             )
 
     def direct_experts(self) -> Any:
-        """vLLM's CPU experts object when the modular kernel around it would only add
-        Python overhead: no-DP/EP prepare/finalize (no input quantization, no router
-        weight on the input) and CPU experts that allocate their own scratch. Calling it
-        directly runs the same ``cpu_fused_moe`` on the same inputs. ``None`` elsewhere
-        (CUDA keeps the full modular kernel). Looked up once: the kernel is built at
-        load."""
+        """vLLM's CPU experts object, when the modular kernel around it only adds Python
+        overhead (no-DP/EP prepare/finalize, own scratch): the same ``cpu_fused_moe``
+        on the same inputs. ``None`` elsewhere."""
         if not self._resolved:
             self._resolve_direct()
         return self._direct
@@ -192,10 +179,8 @@ class SlotKernel:
         self._resolved = True
 
     def _point_biases_at(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The kernel reads expert biases from its quant config (vLLM hands it the
-        layer's ``[E, ...]`` bias parameters at load): point them at the biases of the
-        tensors it runs on now (slots, or the store's for host compute), indexed like
-        the weights."""
+        """The kernel reads expert biases from its quant config: point them at the biases
+        of the tensors it runs on now (slots, or the store's), indexed like the weights."""
         if self._bias_configs is None:  # the kernel is built at load: look once
             method = self.layer.quant_method
             configs = (
@@ -207,12 +192,10 @@ class SlotKernel:
             config._w1.bias, config._w2.bias = tensors["w13_bias"], tensors["w2_bias"]
 
     def _vanilla_tile_config(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
-        """On GPUs: the Triton tile config vanilla would pick for the whole layer call.
-        vLLM looks it up by the weights' expert count, which for the slot pool would be
-        the slot count: the layer's expert count and one expert's shape are vanilla's.
-        And by the call's token count, not a token group's: vanilla launches once on
-        all of them, and a different tile (BLOCK_SIZE_K) would sum a token's products in
-        another order."""
+        """On GPUs: vanilla's Triton tile config for the whole call, looked up by the
+        layer's expert count (not the slot count) and the call's token count (not a
+        group's): another tile (BLOCK_SIZE_K) would sum a token's products in another
+        order."""
         if current_platform.is_cpu():
             return contextlib.nullcontext()
         from vllm.model_executor.layers.fused_moe import override_config

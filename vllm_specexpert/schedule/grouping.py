@@ -1,23 +1,11 @@
 """Grouping decode sequences by predicted route (ExpertFlow §3.3), without vLLM.
 
-Each running sequence's next token has a predicted routing path: the set of (layer,
-expert) pairs it will activate. A group activates the union of its members' sets; each
-distinct pair is an expert the step must have resident (a load when it is not). The
-token scheduler runs one group per step, so the objective is the paper's Eq. 2: split
-the sequences into groups of at most ``group_size`` minimizing the total union size.
-
-ExpertFlow approximates it with equal-size k-means on Hamming similarity. Here, the
-union itself is the objective, optimized directly:
-
-1. **Greedy growth.** Groups are built one after another. A group starts from its seed
-   (for the first group: the sequences that must run now, then the longest-waiting one;
-   later groups: the highest-priority sequence left) and repeatedly takes the remaining
-   sequence that adds the fewest new pairs to the group's union (ties: priority).
-2. **Swap refinement.** A few passes over pairs of sequences in different groups, swapping
-   them whenever that shrinks the total (seeds of the first group stay put).
-
-All set operations are numpy over ``[N, P]`` boolean matrices; at 64 sequences and
-P = 8 layers x 64 experts a partition takes about a millisecond.
+A group activates the union of its members' predicted (layer, expert) pairs, each an
+expert the step needs resident; the paper's Eq. 2 splits sequences into groups of at most
+``group_size`` minimizing the total union size. ExpertFlow approximates it with k-means
+on Hamming similarity; here the union is optimized directly: greedy growth from a seed
+(fewest new pairs first), then swap refinement. Numpy over ``[N, P]`` bool matrices:
+about a millisecond at 64 sequences and P = 8 x 64.
 """
 
 from __future__ import annotations
@@ -91,10 +79,8 @@ def _refine(
 def _swap_between(
     routes: np.ndarray, groups: list[np.ndarray], a: int, b: int, pinned: int
 ) -> bool:
-    """Best improving swaps between groups ``a`` and ``b``, one at a time. The union
-    sizes after every possible swap come from two small matrix products: removing
-    member i loses the pairs only it covers; adding j gains its pairs that the rest of
-    the group does not cover."""
+    """Best improving swaps between groups ``a`` and ``b``, one at a time (all swaps'
+    union sizes from two small matrix products)."""
     improved = False
     while True:
         ga, gb = groups[a], groups[b]

@@ -1,34 +1,15 @@
 """The token scheduler (ExpertFlow §3.3) as a subclass of vLLM's V1 scheduler.
 
-Installed as ``scheduler_config.scheduler_cls`` by the plugin when
-``additional_config["specexpert"]`` has a ``path_predictor``. It runs in the engine-core
-process, which is where the token ids are, so the routing-path predictor runs here,
-before the step's batch is formed, with no extra IPC. (In the worker, its prediction
-would come back through ``ModelRunnerOutput`` a step late under async scheduling.)
-
-Every step, the predicted demand of the decode requests it scheduled (per MoE layer,
-predicted tokens per expert), and under grouping that of the group expected to run next,
-goes to the workers attached to vLLM's ``SchedulerOutput`` (:mod:`vllm_specexpert.handoff`),
-where ``cache: plec`` loads by it. With ``token_scheduler`` set, it also groups decode
-sequences:
-
-Each step, before vLLM's own scheduling:
-
-1. the running requests that decode this step (their prompt is computed) are collected;
-   if there are at most ``group_size`` of them, nothing changes;
-2. else the path predictor gives each one's next-token route, all MoE layers at once,
-   as a set of (layer, expert) pairs, and :func:`~vllm_specexpert.schedule.grouping.
-   partition` splits them into groups of ``group_size`` minimizing the union of pairs per
-   group; the first group (seeded by the requests that have waited longest, and holding
-   every request that has waited ``max_wait_steps``) runs;
-3. the others are held back for this step with vLLM's ``next_decode_eligible_step``: they
-   stay in ``running`` and keep their KV blocks.
-
-Prefill (waiting requests, prompt chunks) is never touched. Counters (steps grouped,
-sequences held, longest wait, predicted pairs, CPU seconds) are in :attr:`stats`
-(:class:`~vllm_specexpert.handoff.SchedulerStats`); a copy goes to the workers with every
-step, so they reach ``get_stats(llm)[i]["scheduler"]``, ``stats_path`` and ``/metrics``
-(``specexpert_scheduler_*``) from the worker's stats.
+Installed as ``scheduler_cls`` when the config has a ``path_predictor``. It runs in the
+engine-core process, where the token ids are, so the path predictor runs before the
+batch is formed with no extra IPC (from the worker, its prediction would come a step
+late under async scheduling). Each step's predicted demand goes to the workers
+(:mod:`vllm_specexpert.handoff`). With ``token_scheduler``, when more than ``group_size``
+requests decode, :func:`~vllm_specexpert.schedule.grouping.partition` splits them by
+predicted route; the first group (the longest-waiting, and every one waiting
+``max_wait_steps``) runs and the rest are held back a step with vLLM's
+``next_decode_eligible_step`` (they keep their KV blocks). Prefill is never touched.
+Counters: :attr:`stats`, sent to the workers every step.
 """
 
 from __future__ import annotations
@@ -103,9 +84,7 @@ class TokenGroupScheduler(SpecExpertScheduler):
         return asdict(self.stats)
 
     def _predicted_routes(self, requests: list) -> torch.Tensor:
-        """``[N, L, E]`` bool: the experts the path predictor expects each request's
-        next token to activate. Each request is predicted once per step (grouping and
-        the demand of the scheduled ones share it)."""
+        """``[N, L, E]`` bool: each request's predicted next-token experts (once per step)."""
         predictor = self.path_predictor
         shape = predictor.shape
         new = [r for r in requests if r.request_id not in self._step_routes]
