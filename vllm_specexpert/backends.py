@@ -2,12 +2,10 @@
 host (:class:`~vllm_specexpert.tiers.host.HostExperts`), an expert's INT4 copy in the
 layer's low-bit slots, and a mesh peer (:class:`~vllm_specexpert.tiers.layer_peers.LayerPeers`).
 
-The miss policy decides which entries each one takes (a mask of its
-:class:`~vllm_specexpert.policy.MissPlan`); the executor (:func:`vllm_specexpert.execute.execute`)
-stages every backend's entries before the device kernel starts (a peer's rows leave, the
-host gathers its inputs), runs the device's, then has each backend add its results to
-the output in :data:`ORDER`. A backend returns the entries it could not compute (a peer
-that left the rotation), which the executor then runs on the device.
+The :class:`~vllm_specexpert.policy.MissPlan` gives each its entries; the executor
+(:func:`vllm_specexpert.execute.execute`) stages them all before the device kernel, then
+adds each backend's results in :data:`ORDER`. Entries a backend could not compute (a
+peer that left the rotation) run on the device.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ class Backend(Protocol):
         before the device kernel: what :meth:`finish` needs."""
 
     def finish(self, job: Any, out: torch.Tensor) -> np.ndarray | None:
-        """Add the entries' weighted outputs to ``out``; the entries that could not be
-        computed (``None``: all were)."""
+        """Add the weighted outputs to ``out``; returns the entries not computed, if any."""
 
 
 class LowBitBackend:

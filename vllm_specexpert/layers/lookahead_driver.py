@@ -1,31 +1,12 @@
 """The lookahead draft's rounds inside vLLM's worker (``lookahead``).
 
-vLLM's model runner runs, per step, the target's pass (which verifies the last round's
-drafted tokens), then its draft proposer (``propose_draft_token_ids``). Around the
-proposer (:func:`vllm_specexpert.vllm_hooks.around_drafting`) this module:
-
-1. reads the verification's outcome per request (drafted and accepted tokens) and the
-   time of the pass that verified it (from the end of the last round to the start of
-   this one; with the rounds' own times, the governor's cycles), for the governor;
-2. asks the governor for this step's draft length ``k`` and sets it as the step's
-   ``num_spec_tokens_to_schedule`` (what vLLM's dynamic speculative decoding sets), so
-   the draft runs ``k`` tokens;
-3. opens a round of the target's lookahead while the draft runs (its layers hand their
-   routes over, :class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`), and
-   closes it after;
-4. drops the drafted tokens of the requests the governor stopped (a ragged list, as
-   vLLM's n-gram proposer returns; async scheduling is off under ``lookahead``).
-
-At each step's start the pass's requests are handed to the lookahead (their routes are
-its demand), with the requests finished or preempted since.
-
-A request the token scheduler holds back is not scheduled, so it leaves the runner's
-batch: the draft drafts nothing for it while it waits, and vLLM's scheduler keeps the
-drafted tokens it has (``request.spec_token_ids``) until it schedules it again, then
-verifies them as any others (the draft's KV cache at their positions is written by its
-first pass over the verification's tokens, as at every step). Nothing is lost or
-verified twice; the governor pairs the pass's time with the rounds that drafted what it
-verifies.
+Around vLLM's draft proposer (:func:`vllm_specexpert.vllm_hooks.around_drafting`), per
+step: feed the governor the verification's outcome and pass time; set its draft length
+``k`` as ``num_spec_tokens_to_schedule``; open the target's lookahead round
+(:class:`~vllm_specexpert.planner.lookahead.LookaheadPlanner`) while the draft runs; drop
+the drafts of requests the governor stopped (a ragged list; async scheduling is off).
+A request the token scheduler holds back keeps its drafted tokens until it runs again
+(docs/design.md, "Draft lookahead": With the token scheduler).
 """
 
 from __future__ import annotations
@@ -72,8 +53,8 @@ def _engine_of(runner: Any) -> OffloadEngine | None:
 
 
 def _lookahead_of(runner: Any) -> LookaheadFeature | None:
-    """The running lookahead feature of the runner's target engine (rebuilt by a
-    ``reconfigure``: looked up per step), once the draft is attached."""
+    """The target engine's lookahead feature, looked up per step (``reconfigure``
+    rebuilds it), once the draft is attached."""
     engine = _engine_of(runner)
     feature = engine.feature(LookaheadFeature) if engine is not None else None
     if feature is None or feature.planner is None:

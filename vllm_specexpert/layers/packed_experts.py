@@ -1,15 +1,11 @@
 """A quantized checkpoint's routed experts, kept packed (see :mod:`vllm_specexpert.quant_formats`).
 
 vLLM's quantized MoE methods cannot run here (every x86 CPU kernel needs AMX) and would
-keep every expert on the device anyway. The offloaded layer instead runs vLLM's
-unquantized method on one expert's worth of bf16 parameters (so that vLLM sets up its
-kernel as for a bf16 model) and registers the checkpoint's tensors as packed parameters
-of all experts, ``w13_<name> [E, 2, ...]`` (gate, up) and ``w2_<name> [E, ...]``, filled
-by their own weight loader. ``lowbit``'s INT4 copies of a bf16 layer are packed the same
-way (:func:`low_bit_parameters`). After loading they go to the slow tier; a
-:class:`PackedDecoder` turns the experts a transfer moves into slot contents: the
-format's dequantize, then the same post-processing vLLM's unquantized method gives bf16
-weights (on the CPU build: the kernel's prepacked layout).
+keep every expert on the device. The layer runs vLLM's unquantized method on one
+expert's bf16 placeholders and registers the checkpoint's tensors as packed parameters,
+``w13_<name> [E, 2, ...]`` and ``w2_<name> [E, ...]`` (``lowbit``'s INT4 copies too,
+:func:`low_bit_parameters`). In the slow tier a :class:`PackedDecoder` turns moved
+experts into slot contents: dequantize, then vLLM's bf16 post-processing.
 """
 
 from __future__ import annotations
@@ -90,9 +86,8 @@ class PackedParameters:
         return True if return_success else None
 
     def take(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Remove the loaded packed tensors from ``layer`` and return them, scales
-        narrowed to the smallest float type that holds them exactly (what the
-        checkpoint had, as far as bytes go); the bf16 placeholders are back."""
+        """Remove and return the loaded packed tensors (scales narrowed to the smallest
+        float type holding them exactly); the bf16 placeholders are back."""
         tensors = {}
         for stem, shapes in self.shapes.items():
             for name in shapes:
@@ -129,9 +124,7 @@ class PackedParameters:
     def requantize(
         self, packed: dict[str, torch.Tensor], target: PackedParameters
     ) -> dict[str, torch.Tensor]:
-        """Packed tensors of every expert in ``target``'s format, from ``packed`` ones in
-        this format: each expert dequantized, then quantized again (one expert's bf16
-        weights at a time, not the whole layer's)."""
+        """``packed`` re-quantized to ``target``'s format, one expert's bf16 at a time."""
         experts = [
             target.quantize(self.dequantize({name: t[e : e + 1] for name, t in packed.items()}))
             for e in range(self.num_experts)
@@ -171,8 +164,7 @@ def _narrowest(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class PackedDecoder:
-    """Packed experts -> slot contents (see module doc). ``runtime_form`` is vLLM's
-    post-processing of bf16 expert weights, given by the layer."""
+    """Packed experts -> slot contents; ``runtime_form``: vLLM's bf16 post-processing."""
 
     def __init__(
         self,
@@ -209,10 +201,8 @@ def low_bit_parameters(
 
 
 def runtime_form(layer: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """bf16 expert weights in vLLM's checkpoint layout -> the form ``layer``'s vanilla
-    unquantized method leaves them in after loading: the same two steps of its
-    ``_setup_kernel`` (kernel format, then the experts' own post-processing), on a
-    scratch module."""
+    """bf16 expert weights in checkpoint layout -> the form vanilla's unquantized method
+    leaves them in (its ``_setup_kernel``'s two steps, on a scratch module)."""
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
         convert_to_unquantized_kernel_format,
     )
