@@ -4,7 +4,6 @@ offloading on."""
 import json
 import os
 import subprocess
-import time
 
 import requests
 from vllm_harness import MAX_TOKENS, PROMPTS
@@ -18,11 +17,14 @@ from vllm_specexpert.tools.fixtures import (
 )
 from vllm_specexpert.tools.server import SPECEXPERT, free_port, serving
 
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+"""The server's environment adds this: vLLM's ``/collective_rpc``, for :func:`flush_stats`."""
+
 
 def offload_config(stats_path, **extra) -> dict:
-    # Interval 0: the worker's stats writer rewrites the file at its fastest rate (every
-    # 0.1 s), so it is current while the server runs.
-    return {"budget": 0.25, "stats_path": str(stats_path), "stats_interval_s": 0, **extra}
+    # An hour: the worker's timer never rewrites the file during a test; the tests
+    # write it with flush_stats (and the engine's close writes it once more).
+    return {"budget": 0.25, "stats_path": str(stats_path), "stats_interval_s": 3600, **extra}
 
 
 def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
@@ -50,13 +52,14 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
         config,
         ["--enforce-eager", "--max-model-len", "512"],
         timeout_s=300,
-        env={**os.environ, "TMPDIR": str(temp)},
+        env={**os.environ, **DEV_MODE, "TMPDIR": str(temp)},
     ):
         assert metrics_directories(temp)  # where the workers' snapshots go
         body = complete(port, model, "def main():", 16)
         assert body["usage"]["completion_tokens"] == 16
         assert body["choices"][0]["text"]
-        stats = stats_after(stats_path, decode_tokens=15)
+        stats = flush_stats(port)
+        assert json.loads(stats_path.read_text()) == stats
         # 16 tokens: the first from the prompt's prefill pass, 15 from decode passes.
         assert stats["decode_tokens"] == 15
         assert stats["total"]["prefill"]["misses"] > 0 and stats["link"]["bytes"] > 0
@@ -82,26 +85,16 @@ def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
         offload_config(stats_path, miss_policy="lowbit"),
         ["--enforce-eager", "--max-model-len", "512"],
         timeout_s=300,
+        env={**os.environ, **DEV_MODE},
     ):
         complete(port, model, "import os\nimport sys\n", 24)
-        stats = stats_after(stats_path, decode_tokens=23)
+        flush_stats(port)  # between passes: every layer of the last one counted
+        stats = json.loads(stats_path.read_text())
+        assert stats["decode_tokens"] == 23
         assert stats["output"] == "approximate" and stats["miss_policy"] == "lowbit"
         assert stats["total"]["decode"]["low_bit_entries"] > 0
-        # Snapshots are at most a second old, and the stats file may have been written
-        # within the last pass (its first layer counted, not the rest): read both again
-        # until they agree.
-        deadline = time.monotonic() + 10
-        while True:
-            metrics = scrape(port)
-            stats = json.loads(stats_path.read_text())
-            low_bit = sum(
-                v for k, v in metrics.items() if k[0] == "specexpert_low_bit_entries_total"
-            )
-            if low_bit == stats["total"]["decode"]["low_bit_entries"] or (
-                time.monotonic() > deadline
-            ):
-                break
-            time.sleep(0.5)
+        metrics = scrape(port)
+        low_bit = sum(v for k, v in metrics.items() if k[0] == "specexpert_low_bit_entries_total")
         assert low_bit == stats["total"]["decode"]["low_bit_entries"], sorted(
             {k[0] for k in metrics}
         )
@@ -122,21 +115,16 @@ def test_serve_runs_lookahead_and_reports_its_draft_lengths(tmp_path):
         offload_config(stats_path, lookahead={"k_max": 2}),
         ["--enforce-eager", "--max-model-len", "512"],
         timeout_s=300,
+        env={**os.environ, **DEV_MODE},
     ):
         body = complete(port, model, "import os\nimport sys\n", 24)
         assert body["usage"]["completion_tokens"] == 24
-        deadline = time.monotonic() + 10
-        while True:  # the file and the snapshots are rewritten every 0.1 s and 1 s
-            stats = json.loads(stats_path.read_text())
-            metrics = scrape(port)
-            drafted = sum(
-                v for k, v in metrics.items() if k[0] == "specexpert_lookahead_drafted_tokens_total"
-            )
-            if (
-                stats["lookahead"]["drafted"] and drafted == stats["lookahead"]["drafted"]
-            ) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        flush_stats(port)
+        stats = json.loads(stats_path.read_text())
+        metrics = scrape(port)
+        drafted = sum(
+            v for k, v in metrics.items() if k[0] == "specexpert_lookahead_drafted_tokens_total"
+        )
         lookahead = stats["lookahead"]
         assert lookahead["k_max"] == 2 and lookahead["drafted"] > 0
         assert drafted == lookahead["drafted"]
@@ -166,6 +154,7 @@ def test_serve_fails_only_the_requests_whose_records_are_corrupt(tmp_path):
         {"budget": 0.25, "disk": {"path": str(pack_dir)}},
         ["--enforce-eager", "--max-model-len", "512"],
         timeout_s=300,
+        env={**os.environ, **DEV_MODE},
     ):
         before = [complete(port, model, p, MAX_TOKENS)["choices"][0]["text"] for p in prompts]
         # Two records of a middle layer. The requests above read most of the layer's
@@ -186,6 +175,7 @@ def test_serve_fails_only_the_requests_whose_records_are_corrupt(tmp_path):
             if answer.status_code == 200:  # never another text
                 assert answer.json()["choices"][0]["text"] == text
         assert requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        flush_stats(port)  # the /metrics snapshot, now
         failures = sum(v for k, v in scrape(port).items() if k[0] == "specexpert_disk_failed_total")
         assert failures > 0
         records.write_bytes(saved)
@@ -224,15 +214,18 @@ def complete(port: int, model: str, prompt: str, max_tokens: int) -> dict:
     return response.json()
 
 
-def stats_after(stats_path, decode_tokens: int) -> dict:
-    """The stats file once it counts ``decode_tokens`` (the writer runs every 0.1 s), or
-    as it is after 30 s."""
-    deadline = time.monotonic() + 30
-    while True:
-        stats = json.loads(stats_path.read_text())
-        if stats["decode_tokens"] == decode_tokens or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
+def flush_stats(port: int) -> dict:
+    """The worker's stats, with the stats file and the /metrics snapshot written before
+    this returns: ``specexpert_stats`` through vLLM's ``/collective_rpc`` (the server
+    started with :data:`DEV_MODE`). The engine core runs it between passes."""
+    response = requests.post(
+        f"http://127.0.0.1:{port}/collective_rpc",
+        json={"method": "specexpert_stats", "timeout": 60},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    [stats] = response.json()["results"]  # one worker
+    return stats
 
 
 def metrics_directories(root) -> list[str]:
@@ -256,38 +249,34 @@ def scrape(port: int) -> dict[tuple, float]:
 
 def check_metrics_match_stats(port: int, stats_path, model: str) -> None:
     """After traffic, the scraped series equal the worker's own stats (stats_path),
-    layer by layer and phase by phase; snapshots are at most a second old."""
-    deadline = time.monotonic() + 10
-    while True:
-        stats = json.loads(stats_path.read_text())
-        metrics = scrape(port)
-        expected = {}
-        for name, layer in stats["layers"].items():
-            index = str(stats["layer_index"][name])
-            for phase in ("decode", "prefill"):
-                base = {"model_name": model, "engine": "0", "layer": index, "phase": phase}
-                for field, metric in (
-                    ("hits", "hits"),
-                    ("misses", "misses"),
-                    ("bytes_loaded", "bytes_loaded"),
-                    ("speculated_calls", "speculated_calls"),
-                    ("stall_s", "stall_seconds"),
-                ):
-                    key = (f"specexpert_{metric}_total", tuple(sorted(base.items())))
-                    expected[key] = layer[phase][field]
-            key = (
-                "specexpert_resident_experts",
-                tuple(sorted({"model_name": model, "engine": "0", "layer": index}.items())),
-            )
-            expected[key] = stats["resident_per_layer"][name]
-        for part in ("slots", "room", "kv", "workspace", "reserve", "space"):
-            labels = {"model_name": model, "engine": "0", "part": part}
-            key = ("specexpert_budget_bytes", tuple(sorted(labels.items())))
-            expected[key] = stats["budget"]["slot_bytes" if part == "slots" else f"{part}_bytes"]
-        found = {k: metrics.get(k) for k in expected}
-        if found == expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    layer by layer and phase by phase (both written by :func:`flush_stats`)."""
+    flush_stats(port)
+    stats = json.loads(stats_path.read_text())
+    metrics = scrape(port)
+    expected = {}
+    for name, layer in stats["layers"].items():
+        index = str(stats["layer_index"][name])
+        for phase in ("decode", "prefill"):
+            base = {"model_name": model, "engine": "0", "layer": index, "phase": phase}
+            for field, metric in (
+                ("hits", "hits"),
+                ("misses", "misses"),
+                ("bytes_loaded", "bytes_loaded"),
+                ("speculated_calls", "speculated_calls"),
+                ("stall_s", "stall_seconds"),
+            ):
+                key = (f"specexpert_{metric}_total", tuple(sorted(base.items())))
+                expected[key] = layer[phase][field]
+        key = (
+            "specexpert_resident_experts",
+            tuple(sorted({"model_name": model, "engine": "0", "layer": index}.items())),
+        )
+        expected[key] = stats["resident_per_layer"][name]
+    for part in ("slots", "room", "kv", "workspace", "reserve", "space"):
+        labels = {"model_name": model, "engine": "0", "part": part}
+        key = ("specexpert_budget_bytes", tuple(sorted(labels.items())))
+        expected[key] = stats["budget"]["slot_bytes" if part == "slots" else f"{part}_bytes"]
+    found = {k: metrics.get(k) for k in expected}
     assert found == expected
     assert sum(v for k, v in expected.items() if k[0] == "specexpert_hits_total") > 0
     info = [k for k in metrics if k[0] == "specexpert_info"]
