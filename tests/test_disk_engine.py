@@ -4,6 +4,9 @@ stats and on ``/metrics``; a failing read fails the rows that needed it (the cal
 without its experts, every other row exact), never runs what it left in a slot."""
 
 import os
+import threading
+import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +19,9 @@ from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.phases import PassPhases
+from vllm_specexpert.tiers import disk_reader
 from vllm_specexpert.tiers.disk import Disk
+from vllm_specexpert.tiers.disk_reader import aligned
 from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack
 from vllm_specexpert.tiers.pack_writer import write_pack
 
@@ -78,6 +83,58 @@ def test_every_load_is_a_read_and_the_output_is_exact(engine, tmp_path):
     assert series[("specexpert_disk_bytes_total", labels)] == disk["bytes"]
     engine.reset_stats()
     assert engine.stats()["disk"]["reads"] == 0
+
+
+class ToyModel:
+    """A token model around the two MoE layers: token and position embeddings, per layer
+    a router (top 4 of 16, softmax weights) and a residual MoE with RMS norm, a head.
+    ``moe(name, x, w, ids)`` runs a layer."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, positions: int = 64, seed: int = 7):
+        g = torch.Generator().manual_seed(seed)
+        self.embed = torch.randn(vocab, hidden, generator=g).bfloat16()
+        self.position = torch.randn(positions, hidden, generator=g).bfloat16()
+        self.routers = [torch.randn(hidden, 16, generator=g) for _ in NAMES]
+        self.head = torch.randn(hidden, vocab, generator=g)
+
+    def logits(self, token: int, position: int, moe) -> torch.Tensor:
+        h = (self.embed[token] + self.position[position])[None]
+        for name, router in zip(NAMES, self.routers, strict=True):
+            weights, ids = torch.topk(torch.softmax(h.float() @ router, -1), 4)
+            y = (h.float() + moe(name, h, weights, ids.to(torch.int32)).float())[0]
+            h = (y * torch.rsqrt(y.pow(2).mean() + 1e-6)).bfloat16()[None]
+        return h.float()[0] @ self.head
+
+    def greedy(self, moe, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+        tokens, logits = [0], []
+        for position in range(steps):
+            logits.append(self.logits(tokens[-1], position, moe))
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, logits
+
+
+def test_a_batch_1_decode_from_the_disk_is_exact(engine):
+    """Greedy decoding one token a pass, every layer's experts read from the pack (4 of
+    16 slots): the same tokens and logits as the model with no offload."""
+    model = ToyModel()
+
+    def from_disk(name, x, w, ids):
+        request = LayerRequest(name, slot_kernel, x, w, ids, PassPhases.decode_only(1))
+        return engine.run_call(request)
+
+    def in_memory(name, x, w, ids):
+        return reference_moe(x, w, ids, *LAYERS[name].values())
+
+    tokens, logits = model.greedy(from_disk, 32)
+    expected_tokens, expected_logits = model.greedy(in_memory, 32)
+    assert tokens == expected_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, expected_logits, strict=True))
+    assert len(set(tokens)) > 8  # not stuck on a token: the routing moved
+    stats = engine.stats()
+    decode = stats["total"]["decode"]
+    # The passes missed and read what they missed: every load a checked disk read.
+    assert decode["misses"] > 0 and decode["loads"] > 0
+    assert stats["disk"]["reads"] == stats["disk"]["checked"] == decode["loads"] + 2 * 4
 
 
 def unreadable_logs(monkeypatch) -> list[tuple]:
@@ -173,18 +230,49 @@ def test_a_record_changed_after_it_was_read_is_caught_at_the_next_read(engine, p
     assert engine.unreadable.take() == []
 
 
-def test_a_large_gather_keeps_only_a_few_buffers(pack):
+class MappedBuffers:
+    """Counts the read buffers' memory: every anonymous mapping :mod:`.disk_reader`
+    makes, live from its creation until the last tensor or view on it is gone (then
+    it is unmapped)."""
+
+    def __init__(self, monkeypatch):
+        self.live = self.peak = 0
+        self._lock = threading.Lock()
+        real = disk_reader.mmap.mmap
+
+        def mapping(fileno: int, length: int):
+            region = real(fileno, length)
+            with self._lock:
+                self.live += length
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(region, self._unmapped, length)
+            return region
+
+        monkeypatch.setattr(disk_reader, "mmap", SimpleNamespace(mmap=mapping))
+
+    def _unmapped(self, length: int) -> None:
+        with self._lock:
+            self.live -= length
+
+
+def test_a_large_gather_keeps_only_a_few_buffers(pack, monkeypatch):
     disk = Disk(pack, depth=2)
     layer = pack.layers[NAMES[0]]
+    mapped = MappedBuffers(monkeypatch)
+    buffer = aligned(layer.record_bytes)
     buffers = disk.read(layer, np.arange(10))
+    assert mapped.peak == mapped.live == 10 * buffer  # a gather holds its records
     disk.release(buffers)
+    del buffers
     assert [len(free) for free in disk._free.values()] == [4]  # twice the depth
+    assert mapped.live == 4 * buffer  # and the others are unmapped
     disk.close()
 
 
-def test_a_large_transfer_holds_twice_the_queue_depth_of_buffers(pack):
+def test_a_large_transfer_holds_twice_the_queue_depth_of_buffers(pack, monkeypatch):
     disk = Disk(pack, depth=2)
     layer = pack.layers[NAMES[0]]
+    mapped = MappedBuffers(monkeypatch)
     seen: dict[int, torch.Tensor] = {}
     arrived: list[int] = []
 
@@ -195,4 +283,6 @@ def test_a_large_transfer_holds_twice_the_queue_depth_of_buffers(pack):
     disk.read_each(layer, np.arange(12), arrive)
     assert sorted(arrived) == list(range(12))  # every expert, by its position
     assert len(seen) <= 4  # twice the depth, reused, not one buffer per expert
+    # Never more mapped at once either: what the budget counts for a transfer's reads.
+    assert mapped.peak == 4 * aligned(layer.record_bytes)
     disk.close()
