@@ -64,10 +64,10 @@ def measure(llm, prompts_by_batch: dict[int, list[str]], tokens: int, repeats: i
             "fired_used": d["fired_used"],
             "peer_calls_per_layer_call": (
                 sum(p["calls"] for p in stats["mesh"]["peers"]) / max(d["calls"], 1)
-                if stats["mesh"]
+                if stats.get("mesh")
                 else 0.0
             ),
-            "peers_up": [p["up"] for p in (stats["mesh"] or {"peers": []})["peers"]],
+            "peers_up": [p["up"] for p in stats.get("mesh", {"peers": []})["peers"]],
             "fired_by_layer": {
                 str(stats["layer_index"][name]): [
                     s["decode"]["fired_used"],

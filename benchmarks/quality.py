@@ -175,7 +175,7 @@ def main() -> None:
                 decode, first = step_seconds(llm, prompts, args.decode_tokens, args.repeats)
                 stats = vllm_specexpert.get_stats(llm)[0]
                 base = base or decode
-                q = stats["quality"] or {}
+                q = stats.get("quality", {})
                 row = {
                     "batch": batch,
                     "mode": name,

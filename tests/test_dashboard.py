@@ -7,7 +7,9 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from moe_reference import random_layer, random_routing, slot_kernel
@@ -17,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_specexpert import metrics
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.mesh import PEER_COUNTERS
 from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.quality import LogitHead
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "specexpert.json"
 SERIES = re.compile(r"\b" + metrics.PREFIX + r"[a-zA-Z0-9_:]*")
@@ -36,32 +40,78 @@ def scrape_text(directory: Path) -> str:
     return generate_latest(registry).decode()
 
 
-@pytest.fixture(scope="module")
-def exposed(tmp_path_factory) -> set[str]:
-    """Every sample name the collector can expose: each family it yields (those a running
-    engine fills, and those of features that are off, which it yields empty), with the
-    suffixes of its type. Checked against the samples a real engine's snapshot gives."""
-    directory = tmp_path_factory.mktemp("snapshots")
+class StandInPeers:
+    """What the mesh feature reads of a peer tier: one peer, in rotation."""
+
+    def __init__(self) -> None:
+        self.mesh = None
+        self.peers = [SimpleNamespace(up=True)]
+
+    def hosted(self, layer: int) -> np.ndarray:
+        return np.zeros(16, dtype=bool)
+
+    def stats(self) -> dict:
+        return {
+            "peers": [{"rank": 0, "up": True, "rtt_ms": 1.0, **dict.fromkeys(PEER_COUNTERS, 0)}]
+        }
+
+    def close(self) -> None:
+        pass
+
+
+ENGINES = {
+    # A feature's families are on /metrics only while it runs: one engine per feature
+    # that has some (lookahead and mesh, quality and mesh do not run together).
+    "plain": ({"budget": 0.25}, dict),
+    "lookahead": ({"budget": 0.25, "lookahead": {}}, dict),
+    "mesh": ({"budget": 0.25, "mesh": {}}, lambda: {"peer_tier": StandInPeers()}),
+    "quality": (
+        {"budget": 0.25, "miss_policy": "drop", "quality": {}},
+        lambda: {
+            "logit_head": LogitHead(
+                norm_weight=torch.ones(32), eps=1e-6, weight=torch.eye(32), vocab_size=32
+            )
+        },
+    ),
+}
+
+
+def scraped(directory: Path, config: dict, inputs: dict) -> str:
+    """The scrape of an engine under ``config`` with ``inputs`` after one decode call."""
+    name = "model.layers.0.mlp.experts"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(metrics.DIRECTORY_ENV, str(directory))
         patch.setenv(metrics.MODEL_NAME_ENV, "tiny")
-        engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
+        engine = OffloadEngine(SpecExpertConfig.from_dict(config), torch.device("cpu"))
         try:
-            engine.add_layer("model.layers.0.mlp.experts", random_layer(seed=0), top_k=4, index=0)
+            engine.add_layer(name, random_layer(seed=0), top_k=4, index=0)
+            engine.provide(**inputs)
             engine.start()
             x, w, ids = random_routing(4, 16, 4, seed=0)
-            engine.run_call(LayerRequest("model.layers.0.mlp.experts", slot_kernel, x, w, ids))
+            engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
             engine.write_stats()
-            text = scrape_text(directory)
+            return scrape_text(directory)
         finally:
             engine.close()
+
+
+@pytest.fixture(scope="module")
+def exposed(tmp_path_factory) -> set[str]:
+    """Every sample name the collector can expose: each family it yields for an engine
+    without features and for one with each feature that supplies series (those it fills,
+    and those it yields empty), with the suffixes of its type. Checked against the
+    samples the engines' snapshots give."""
     names: set[str] = set()
     samples: set[str] = set()
-    for family in text_string_to_metric_families(text):
-        assert family.type in SUFFIXES, f"{family.name}: a {family.type}; add its suffixes"
-        names.update(family.name + suffix for suffix in SUFFIXES[family.type])
-        samples.update(sample.name for sample in family.samples)
+    for what, (config, inputs) in ENGINES.items():
+        text = scraped(tmp_path_factory.mktemp(what), config, inputs())
+        for family in text_string_to_metric_families(text):
+            assert family.type in SUFFIXES, f"{family.name}: a {family.type}; add its suffixes"
+            names.update(family.name + suffix for suffix in SUFFIXES[family.type])
+            samples.update(sample.name for sample in family.samples)
     assert "specexpert_hits_total" in samples  # the engine's snapshot was scraped
+    for feature in ("lookahead_drafted_tokens_total", "peer_up", "quality_exact"):
+        assert metrics.PREFIX + feature in samples  # and each feature's
     assert samples <= names, samples - names  # the suffixes are the exposition's
     return names
 

@@ -59,7 +59,7 @@ class OffloadEngine:
         self.reader = HostReader(device)  # one read per decode call: ids + features'
         self.layers: dict[str, OffloadedLayer] = {}
         self.lock = threading.Lock()  # held while layers change or another thread reads
-        self.reporter = Reporter(self.stats if reports else None)  # files, /metrics
+        self.reporter = Reporter(self.stats if reports else None, self.series)  # files, /metrics
         self.inputs: dict[str, Any] = {}
         """What the adapter handed in for the features, by the names they declare."""
         self.budget = BudgetPlan(device, budget_field)
@@ -308,6 +308,10 @@ class OffloadEngine:
         """Per-layer counters by phase, their totals, the link's, the features' sections
         and the configuration (:func:`vllm_specexpert.report.engine_stats`)."""
         return report.engine_stats(self)
+
+    def series(self) -> list[dict]:
+        """The features' ``/metrics`` series (:func:`vllm_specexpert.report.feature_series`)."""
+        return report.feature_series(self)
 
     def reset_stats(self) -> None:
         report.reset_counters(self)  # every layer's, the link's, the features'

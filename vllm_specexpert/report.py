@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Protocol
 
@@ -13,10 +14,10 @@ from vllm_specexpert import handoff
 from vllm_specexpert.config.sizing import gib
 from vllm_specexpert.stats import LayerStats
 
-STATS_SCHEMA_VERSION = 2
+STATS_SCHEMA_VERSION = 3
 """``schema_version`` of :func:`engine_stats` (each worker's ``get_stats`` dict, the
-``stats_path`` file): a key whose type changes bumps it and gets a line in
-``docs/changelog.md``."""
+``stats_path`` file): a key whose type changes, or that is no longer always there,
+bumps it and gets a line in ``docs/changelog.md``."""
 
 
 class ReportedEngine(Protocol):
@@ -92,9 +93,9 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
 
 
 def feature_stats(engine: ReportedEngine) -> dict[str, Any]:
-    """Each feature's stats section by its name; ``lookahead``, ``mesh`` and ``quality``
-    are there (``None``) when off."""
-    sections: dict[str, Any] = {"lookahead": None, "mesh": None, "quality": None}
+    """Each running feature's stats section under its name; a feature that is off has
+    none (read ``stats.get(name)``: ``None`` when off)."""
+    sections: dict[str, Any] = {}
     for feature in engine.features:
         section = feature.stats()
         if section is not None:
@@ -102,9 +103,16 @@ def feature_stats(engine: ReportedEngine) -> dict[str, Any]:
     return sections
 
 
+def feature_series(engine: ReportedEngine) -> list[dict[str, Any]]:
+    """The running features' ``/metrics`` series (:class:`~vllm_specexpert.stats.Series`),
+    as the snapshot's JSON. Safe to call from another thread."""
+    with engine.lock:
+        return [dataclasses.asdict(s) for feature in engine.features for s in feature.series()]
+
+
 def reset_counters(engine: ReportedEngine) -> None:
-    """Every counter of ``engine`` at zero: its layers', link's and features' (the
-    lookahead's: its draft engine's too)."""
+    """Every counter of ``engine`` at zero: its layers', link's, disk's and features'
+    (each feature resets what it counts)."""
     with engine.lock:
         for layer in engine.layers.values():
             layer.stats = LayerStats()

@@ -1,5 +1,5 @@
-"""Counters the engine keeps per MoE layer and phase, their JSON form, and the writer
-of ``stats_path``.
+"""Counters the engine keeps per MoE layer and phase, their JSON form, the writer of
+``stats_path``, and the shape of a feature's ``/metrics`` series (:class:`Series`).
 
 Every counter exists twice per layer: for the decode tokens and for the prefill tokens of
 the forward passes (which tokens are which comes from vLLM, see
@@ -207,6 +207,35 @@ class LayerStats:
             total.decode.add(layer.decode)
             total.prefill.add(layer.prefill)
         return total
+
+
+def metric_name(key: str) -> str:
+    """A stats key as a metric's name: seconds (``*_s``) as ``*_seconds``."""
+    return f"{key[:-2]}_seconds" if key.endswith("_s") else key
+
+
+@dataclass
+class Series:
+    """One family of ``/metrics`` series a feature supplies in the worker
+    (:meth:`~vllm_specexpert.features.base.EngineFeature.series`). The collector, in the
+    API server, sees no feature: it serves the family as given, the engine's labels
+    (``model_name``, ``engine``) before :attr:`labels`. A family without samples is
+    still served (its HELP and TYPE)."""
+
+    name: str
+    """Without the ``specexpert_`` prefix and a counter's ``_total``: ``peer_calls``."""
+    kind: str
+    """``counter`` or ``gauge``."""
+    help: str
+    labels: tuple[str, ...] = ()
+    """Its labels after the engine's."""
+    samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+    """(the values of :attr:`labels`, the value), one per series."""
+
+    def add(self, value: float, *labels: object) -> Series:
+        """One sample (label values as strings); returns the family."""
+        self.samples.append((tuple(str(label) for label in labels), float(value)))
+        return self
 
 
 class NotARegularFile(OSError):

@@ -84,10 +84,16 @@ class Reporter:
     in a server, the snapshot the frontend serves on ``/metrics`` (every
     :data:`~vllm_specexpert.metrics.SNAPSHOT_INTERVAL_S`). ``snapshot`` is the engine's
     :func:`engine_stats`; ``None``: nothing is written (the lookahead draft's engine,
-    whose stats are part of its target's)."""
+    whose stats are part of its target's). ``series``: the features' ``/metrics`` series
+    (:func:`~vllm_specexpert.report.feature_series`), in the metrics snapshot only."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]] | None):
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]] | None,
+        series: Callable[[], list[dict[str, Any]]] = list,
+    ):
         self.snapshot = snapshot
+        self.series = series
         self._stats_writer: StatsWriter | None = None
         self._metrics_writer: StatsWriter | None = None
 
@@ -99,13 +105,13 @@ class Reporter:
             self._stats_writer.close()
             self._stats_writer = None
         directory = os.environ.get(metrics.DIRECTORY_ENV)
-        snapshot = self.snapshot
+        snapshot, series = self.snapshot, self.series
         if directory and self._metrics_writer is None and snapshot is not None:
             model_name = os.environ.get(metrics.MODEL_NAME_ENV, "")
             self._metrics_writer = StatsWriter(
                 metrics.snapshot_path(directory),
                 metrics.SNAPSHOT_INTERVAL_S,
-                lambda: {**snapshot(), "model_name": model_name},
+                lambda: {**snapshot(), metrics.SERIES: series(), "model_name": model_name},
                 what="metrics snapshot",
                 write_last=False,
                 reader_owns_directory=True,

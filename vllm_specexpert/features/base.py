@@ -31,7 +31,7 @@ from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.layer_call import LayerCall, LayerRequest
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.policy import MissPolicy
-from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.stats import PhaseStats, Series
 from vllm_specexpert.tiers.link import Link
 from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.store import ExpertStore
@@ -225,6 +225,10 @@ class EngineFeature:
     def stats(self) -> dict | None:
         """The feature's section of the engine's stats (``None``: none)."""
         return None
+
+    def series(self) -> list[Series]:
+        """Its series on ``/metrics``, as data (the collector there sees no feature)."""
+        return []
 
     def summary(self) -> str:
         """Its part of the engine's one-line summary (``""``: none)."""

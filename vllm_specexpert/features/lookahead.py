@@ -19,7 +19,7 @@ from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.governor import Governor
 from vllm_specexpert.planner.lookahead import LookaheadPlanner
-from vllm_specexpert.stats import LayerStats
+from vllm_specexpert.stats import LayerStats, Series
 
 
 class LookaheadFeature(EngineFeature):
@@ -127,6 +127,31 @@ class LookaheadFeature(EngineFeature):
         self.governor.reset_stats()
         if self.draft is not None:
             self.draft.reset_stats()
+
+    def series(self) -> list[Series]:
+        """``specexpert_lookahead_*``: the governor's draft lengths and tokens."""
+        stats = self.governor.stats.to_dict()
+        steps = Series(
+            "lookahead_steps",
+            "counter",
+            "Steps per draft length the lookahead governor chose.",
+            ("k",),
+        )
+        for k, count in stats["steps_by_k"].items():
+            steps.add(count, k)
+        length = Series("lookahead_draft_length", "gauge", "The draft length chosen last.")
+        if stats["last_k"] is not None:
+            length.add(stats["last_k"])
+        return [
+            steps,
+            length,
+            Series(
+                "lookahead_drafted_tokens", "counter", "Drafted tokens verified by the target."
+            ).add(stats["drafted"]),
+            Series(
+                "lookahead_accepted_tokens", "counter", "Drafted tokens the target accepted."
+            ).add(stats["accepted"]),
+        ]
 
 
 def _draft_stats(draft: Any) -> dict[str, Any]:

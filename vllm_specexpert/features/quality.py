@@ -21,6 +21,7 @@ from vllm_specexpert.features.base import (
 )
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.quality import QualityMonitor
+from vllm_specexpert.stats import Series, metric_name
 from vllm_specexpert.tiers.staging import upload
 
 
@@ -91,5 +92,85 @@ class QualityFeature(EngineFeature):
     def reset_stats(self) -> None:
         self.monitor.reset_stats()
 
+    def series(self) -> list[Series]:
+        """``specexpert_quality_*``: per batch class (label ``batch``) its state and last
+        window, the monitor's :data:`QUALITY_COUNTERS`, its switches, per MoE layer its
+        flips and tokens."""
+        stats = self.monitor.stats()
+        batch = ("batch",)
+        exact = Series(
+            "quality_exact",
+            "gauge",
+            "1 while the decode passes of this batch class run exactly because the quality "
+            "budget was exceeded.",
+            batch,
+        )
+        windows = {
+            "last_window_accuracy_loss": Series(
+                "quality_window_accuracy_loss",
+                "gauge",
+                "Estimated accuracy loss of the batch class's last completed window.",
+                batch,
+            ),
+            "last_window_flip_rate": Series(
+                "quality_window_flip_rate",
+                "gauge",
+                "Top-1 flip rate of the batch class's last completed window.",
+                batch,
+            ),
+        }
+        for label, state in stats["batches"].items():
+            exact.add(state["exact"], label)
+            for key, family in windows.items():
+                if state[key] is not None:
+                    family.add(state[key], label)
+        switches = Series(
+            "quality_switches", "counter", "Switches to the exact policy and back.", ("to",)
+        )
+        switches.add(stats["switches_to_exact"], "exact")
+        switches.add(stats["switches_to_approximate"], "approximate")
+        layer = ("layer",)
+        flips = Series(
+            "quality_layer_top1_flips",
+            "counter",
+            "Sampled tokens whose top-1 token that layer's difference alone flips.",
+            layer,
+        )
+        tokens = Series(
+            "quality_layer_tokens",
+            "counter",
+            "Sampled tokens whose result that layer changed.",
+            layer,
+        )
+        for index, counted in stats["layers"].items():
+            flips.add(counted["top1_flips"], index)
+            tokens.add(counted["tokens"], index)
+        return [
+            exact,
+            *windows.values(),
+            *(
+                Series(f"quality_{metric_name(key)}", "counter", doc).add(stats[key])
+                for key, doc in QUALITY_COUNTERS.items()
+            ),
+            switches,
+            flips,
+            tokens,
+        ]
+
+
+QUALITY_COUNTERS = {
+    "sampled_tokens": "Decode tokens recomputed exactly beside the served result.",
+    "top1_flips": "Sampled tokens whose exact and approximate top-1 token differ.",
+    "kl_sum": "Sum over sampled tokens of KL(exact || approximate) of the final logits, nats.",
+    "accuracy_loss_sum": "Sum over sampled tokens of p[exact top-1] - p[approximate "
+    "top-1], p the exact next-token probabilities.",
+    "exact_confidence_sum": "Sum over sampled tokens of p[exact top-1] (the accuracy "
+    "loss's denominator).",
+    "exact_passes": "Decode passes run exactly because of the budget.",
+    "shadow_s": "Seconds spent on the shadow computations.",
+    "shadow_bytes": "Bytes the shadow computations loaded.",
+}
+"""The monitor's counters on ``/metrics`` (``specexpert_quality_<key>_total``), by the
+key of its stats (``QualityMonitor.stats``)."""
 
 FEATURE = QualityFeature
