@@ -25,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,9 +77,9 @@ def main() -> None:
     generate_seconds(grouped, prompts[:4], 4)
     samples = {"grouped": [], "plain": [], "steps": [], "scheduler_cpu_s": []}
     for _ in range(args.rounds):
-        before = scheduler.token_scheduler_stats()
+        before = asdict(scheduler.stats)
         samples["grouped"].append(generate_seconds(grouped, prompts, args.max_tokens))
-        after = scheduler.token_scheduler_stats()
+        after = asdict(scheduler.stats)
         samples["steps"].append(after["grouped_steps"] - before["grouped_steps"])
         samples["scheduler_cpu_s"].append(after["cpu_s"] - before["cpu_s"])
         samples["plain"].append(

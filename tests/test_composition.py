@@ -27,6 +27,7 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.peers.tier import Sent
 from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
 from vllm_specexpert.predict.estimator_network import (
     EstimatorShape,
@@ -34,7 +35,6 @@ from vllm_specexpert.predict.estimator_network import (
     transitions_of,
 )
 from vllm_specexpert.tiers.host import torch_experts
-from vllm_specexpert.tiers.peer import Sent
 from vllm_specexpert.tools import composition
 
 E, K, H = composition.MODEL_EXPERTS, composition.MODEL_TOP_K, 32

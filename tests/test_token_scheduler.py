@@ -5,6 +5,7 @@ process, so the scheduler's counters can be read, and compared with what reaches
 ``get_stats`` and ``/metrics``."""
 
 import os
+from dataclasses import asdict
 
 import pytest
 
@@ -70,13 +71,13 @@ def runs():
 
         outputs = greedy(llm)
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        stats = scheduler.token_scheduler_stats()
+        stats = asdict(scheduler.stats)
         stats["engine"] = vllm_specexpert.get_stats(llm)[0]
         stats["series"] = scheduler_series()  # get_stats wrote the snapshot
         vllm_specexpert.reconfigure(llm, cache="plec", plec_preload="next")
         stats["plec_outputs"] = greedy(llm)
         stats["plec"] = vllm_specexpert.get_stats(llm)[0]
-        stats["plec_scheduler"] = scheduler.token_scheduler_stats()
+        stats["plec_scheduler"] = asdict(scheduler.stats)
         stats["plec_max_waited"] = stats["plec_scheduler"]["max_waited"]
         stop_engine(llm)
     finally:

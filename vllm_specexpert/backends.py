@@ -1,6 +1,6 @@
 """The places an expert entry can run besides the device slots, behind one protocol: the
 host (:class:`~vllm_specexpert.tiers.host.HostExperts`), an expert's INT4 copy in the
-layer's low-bit slots, and a mesh peer (:class:`~vllm_specexpert.tiers.layer_peers.LayerPeers`).
+layer's low-bit slots, and a mesh peer (:class:`~vllm_specexpert.peers.layer_view.LayerPeers`).
 
 The :class:`~vllm_specexpert.policy.MissPlan` gives each its entries; the executor
 (:func:`vllm_specexpert.execute.execute`) stages them all before the device kernel, then
@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.peers.layer_view import LayerPeers
 from vllm_specexpert.policy import MissContext, MissPlan
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.host import HostExperts
-from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.loader import ExpertLoader
 
 T = TypeVar("T")

@@ -37,7 +37,7 @@ def before_engine_config(engine_args: Any) -> SpecExpertConfig | None:
     if config is not None:
         check_plugin_enabled()
         if config.mesh is not None:
-            from vllm_specexpert.tiers.ray_cluster import require_ray
+            from vllm_specexpert.peers.ray_cluster import require_ray
 
             require_ray()  # the mesh extra, before any engine process starts
         prepare_engine_args(engine_args, config)
@@ -320,8 +320,8 @@ def _packed_experts(model_config: Any) -> str | None:
 def _check_mesh(mesh: MeshConfig, model_config: Any) -> None:
     """A cluster that answers at ``mesh.ray_address`` (bounded: Ray itself retries for
     a minute), and a checkpoint whose experts a peer can read."""
-    from vllm_specexpert.tiers.peer_shard import check_checkpoint_layout
-    from vllm_specexpert.tiers.ray_cluster import check_reachable
+    from vllm_specexpert.peers.ray_cluster import check_reachable
+    from vllm_specexpert.peers.shard import check_checkpoint_layout
 
     check_reachable(mesh.ray_address)
     check_checkpoint_layout(model_config.model)

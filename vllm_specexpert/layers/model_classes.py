@@ -216,8 +216,8 @@ def _attach_mesh(engine: Any, layers: list, calibration: Any) -> None:
     if mesh is None:
         return
     from vllm_specexpert.features.mesh import host_pairs
-    from vllm_specexpert.tiers.peer import PeerTier
-    from vllm_specexpert.tiers.peer_shard import ShardSpec, check_checkpoint
+    from vllm_specexpert.peers.shard import ShardSpec, check_checkpoint
+    from vllm_specexpert.peers.tier import PeerTier
 
     routed = layers[0][2]
     num_experts = routed.global_num_experts

@@ -18,11 +18,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from vllm_specexpert.peers.layer_view import LayerPeers
+from vllm_specexpert.peers.tier import Sent
 from vllm_specexpert.predict import Prediction
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
-from vllm_specexpert.tiers.layer_peers import LayerPeers
-from vllm_specexpert.tiers.peer import Sent
 
 
 class EarlyFire:

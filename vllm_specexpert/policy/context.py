@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_specexpert.config import SpecExpertConfig
+from vllm_specexpert.peers.layer_view import LayerPeers
 from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
 from vllm_specexpert.tiers.host import HostExperts, HostKernel
-from vllm_specexpert.tiers.layer_peers import LayerPeers
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.store import ExpertSource, LayerExperts
 

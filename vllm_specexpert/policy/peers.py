@@ -1,6 +1,6 @@
 """Entries whose expert a mesh peer in rotation holds go to that peer, before any miss
 policy decides: the policy it wraps sees those experts as resident and decides about the
-others (``mesh``; which peer holds what is :class:`~vllm_specexpert.tiers.peer.PeerTier`'s)."""
+others (``mesh``; which peer holds what is :class:`~vllm_specexpert.peers.tier.PeerTier`'s)."""
 
 from __future__ import annotations
 

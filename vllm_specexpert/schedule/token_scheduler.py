@@ -80,9 +80,6 @@ class TokenGroupScheduler(SpecExpertScheduler):
         handoff.attach_scheduler_stats(output, asdict(self.stats))
         return output
 
-    def token_scheduler_stats(self) -> dict:
-        return asdict(self.stats)
-
     def _predicted_routes(self, requests: list) -> torch.Tensor:
         """``[N, L, E]`` bool: each request's predicted next-token experts (once per step)."""
         predictor = self.path_predictor

@@ -4,7 +4,7 @@ holds, and this host's result of them.
 At start, and again after Ray restarts it, each peer computes its check; a peer that
 crashes (a kernel its process cannot run: SIGILL), hangs, or answers otherwise than this
 host (another checkpoint at the same path, another vLLM build) does not take traffic
-(:class:`~vllm_specexpert.tiers.peer.PeerTier`)."""
+(:class:`~vllm_specexpert.peers.tier.PeerTier`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_specexpert.tiers.peer_shard import ShardSpec
-from vllm_specexpert.tiers.ray_cluster import first_line
+from vllm_specexpert.peers.ray_cluster import first_line
+from vllm_specexpert.peers.shard import ShardSpec
 
 CHECK_ROWS = 4
 """Rows of a peer's check, each computed by two of its experts per layer."""

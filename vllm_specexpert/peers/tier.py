@@ -1,7 +1,7 @@
 """The peer tier (``mesh``): experts held and computed by Ray actors on other nodes.
 
 A peer's "copy" is a remote computation: the engine sends a layer's rows and the
-(row, expert) pairs to compute, the peer (:class:`~.peer_shard.ExpertPeer`) answers with
+(row, expert) pairs to compute, the peer (:class:`~.shard.ExpertPeer`) answers with
 one unweighted output per pair, and the layer adds them with its routing weights. Calls
 are direct Ray actor calls from the engine's worker process to each peer (no
 coordinator); a peer runs two calls at once (``max_concurrency=2``), so the next layer's
@@ -44,9 +44,9 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.log import init_logger
-from vllm_specexpert.tiers.peer_check import PairReference, check_failure, checks_of
-from vllm_specexpert.tiers.peer_shard import ExpertPeer, ShardSpec
-from vllm_specexpert.tiers.ray_cluster import first_line, init_ray, require_ray
+from vllm_specexpert.peers.check import PairReference, check_failure, checks_of
+from vllm_specexpert.peers.ray_cluster import first_line, init_ray, require_ray
+from vllm_specexpert.peers.shard import ExpertPeer, ShardSpec
 
 logger = init_logger(__name__)
 
@@ -55,9 +55,6 @@ START_TIMEOUT_S = 300.0
 to answer its check)."""
 RTT_WINDOW = 5
 """Probe round trips a peer's RTT is the median of."""
-CONTROL_GROUP = "control"
-"""A peer actor's concurrency group of one thread for calls that control it (fault
-injection: ``release`` of a held peer, whose held calls take the default group)."""
 
 
 @dataclass
@@ -66,7 +63,7 @@ class PeerState:
 
     rank: int
     actor: Any
-    """The Ray actor handle of its :class:`~.peer_shard.ExpertPeer` (methods are called
+    """The Ray actor handle of its :class:`~.shard.ExpertPeer` (methods are called
     as ``actor.method.remote(...)``, attributes Ray makes at run time)."""
     node: str
     up: bool = True
@@ -168,10 +165,14 @@ class PeerTier:
         reference: PairReference,
         local: dict[int, np.ndarray] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        peer_class: type[ExpertPeer] = ExpertPeer,
     ) -> None:
         self.mesh = mesh
         self.clock = clock
         """Seconds that round trips and timeouts are measured in."""
+        self.peer_class = peer_class
+        """The class of the peers' Ray actors (made remote here): :class:`ExpertPeer`, or
+        a subclass that answers otherwise."""
         self.num_experts = num_experts
         self.spec = spec
         ray = require_ray()
@@ -222,7 +223,7 @@ class PeerTier:
 
         here = ray.get_runtime_context().get_node_id()
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
-        remote = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ExpertPeer)
+        remote = ray.remote(self.peer_class)
         peers, waits = [], []
         for rank in range(self.mesh.peers):
             node = nodes[rank] if len(nodes) >= self.mesh.peers else here

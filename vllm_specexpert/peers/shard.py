@@ -1,6 +1,6 @@
 """A mesh peer's side: the shard of experts it holds and the kernel that computes them.
 
-:class:`ExpertPeer` is the class of a peer's Ray actor (:mod:`.peer` makes it remote,
+:class:`ExpertPeer` is the class of a peer's Ray actor (:mod:`.tier` makes it remote,
 so this module needs no Ray). It reads its experts from the checkpoint on its own node
 (never shipped from the engine), in the layout of the engine's slots, and computes
 (token, expert) pairs for the rows it is sent: with vLLM's CPU fused-experts kernel
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.peers.ray_cluster import first_line
 from vllm_specexpert.tiers.host import torch_experts
-from vllm_specexpert.tiers.ray_cluster import first_line
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -132,10 +132,6 @@ class ExpertPeer:
             local[list(experts)] = np.arange(len(experts))
             self.local[layer] = local
         self.load_seconds = time.perf_counter() - started
-        self.delay_s = 0.0
-        self._answering = threading.Event()
-        """Cleared by :meth:`hold`: calls wait until :meth:`release` sets it."""
-        self._answering.set()
         self._kernel_lock = threading.Lock()
         """The actor takes two calls at once (the next rows arrive while the current ones
         compute), but vLLM's CPU kernel shares its scratch space between calls: two
@@ -163,22 +159,6 @@ class ExpertPeer:
             w2[i, :, :inter] = down
         return w13, w2
 
-    def set_delay(self, seconds: float) -> None:
-        """Answer every later call (computes and pings) ``seconds`` late: fault injection,
-        a hung or far-away peer without a network between (the tests use it)."""
-        self.delay_s = seconds
-
-    def hold(self) -> None:
-        """Answer no later call (computes and pings) until :meth:`release`: fault
-        injection, a hung peer, however long its caller waits (the tests use it). Send
-        ``release`` in the actor's concurrency group ``CONTROL_GROUP`` (:mod:`.peer`):
-        the held calls take every thread of the default one."""
-        self._answering.clear()
-
-    def release(self) -> None:
-        """Answer the held calls and every later one (see :meth:`hold`)."""
-        self._answering.set()
-
     def ready(self) -> dict:
         """Where this peer runs and what it holds (the engine's start-up check)."""
         import socket
@@ -195,8 +175,6 @@ class ExpertPeer:
 
     def ping(self) -> int:
         """A probe's answer: the process id (a restarted actor has a new one)."""
-        self._answering.wait()
-        time.sleep(self.delay_s)
         return os.getpid()
 
     def compute(
@@ -204,8 +182,6 @@ class ExpertPeer:
     ) -> tuple[np.ndarray, float]:
         """Expert ``experts[i]``'s output for row ``rows[i]`` of ``x`` (``[R, H]`` bf16
         as int16), unweighted, as ``[N, H]`` bf16 (int16); and the compute seconds."""
-        self._answering.wait()
-        time.sleep(self.delay_s)
         started = time.perf_counter()
         inputs = torch.from_numpy(x).view(torch.bfloat16)[torch.from_numpy(rows)]
         ids = torch.from_numpy(self.local[layer][experts]).to(torch.int32)[:, None]
@@ -260,7 +236,7 @@ def check_checkpoint_layout(checkpoint: str) -> None:
 
 
 def check_checkpoint(checkpoint: str, layers: dict[int, tuple[str, tuple[int, ...]]]) -> None:
-    """Refuse at start a checkpoint whose experts a peer cannot read (:mod:`.peer_shard`)."""
+    """Refuse at start a checkpoint whose experts a peer cannot read (:mod:`.shard`)."""
     try:
         index = checkpoint_key_index(checkpoint)
         for name, experts in layers.values():

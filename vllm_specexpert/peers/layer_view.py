@@ -1,5 +1,5 @@
 """One MoE layer's view of the mesh's peer tier: what its executor and planners call to
-send (row, expert) pairs to peers and add their answers (:mod:`.peer`)."""
+send (row, expert) pairs to peers and add their answers (:mod:`.tier`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_specexpert.tiers.peer import PeerTier, Sent
+from vllm_specexpert.peers.tier import PeerTier, Sent
 
 
 @dataclass
