@@ -12,7 +12,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import threading
 import time
 from types import SimpleNamespace
 
@@ -174,23 +173,66 @@ def wait_for(condition, seconds: float) -> bool:
     return False
 
 
+class KilledAtCall:
+    """A peer's actor handle that kills the actor's process (SIGKILL) right after it
+    sends the ``n``-th compute call, from the engine's own thread: that call is in
+    flight when the peer dies."""
+
+    def __init__(self, actor, pid: int, n: int):
+        self.actor, self.pid, self.n, self.sent = actor, pid, n, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.actor, name)
+
+    @property
+    def compute(self):
+        return self
+
+    def remote(self, *args, **kwargs):
+        ref = self.actor.compute.remote(*args, **kwargs)
+        self.sent += 1
+        if self.sent == self.n:
+            os.kill(self.pid, signal.SIGKILL)
+        return ref
+
+
+def probe_until(tier: PeerTier, condition, rounds: int = 12) -> bool:
+    """Probe the peers by hand until ``condition()``, at most ``rounds`` times, with the
+    engine idle: on a manual clock (started at the tier's time), each round moves it on
+    by ``probe_interval_s`` so a probe is due, reads the answers in and sends the next
+    probes (what a layer call does), then blocks until every probe and restart check
+    in flight is answered. A round trip is then 0 s of the tier's clock: only what the
+    peers answered decides, not how fast this machine is."""
+    saved = tier.clock
+    tier.clock = clock = ManualClock(saved())
+    try:
+        for _ in range(rounds):
+            clock.advance(tier.mesh.probe_interval_s)
+            tier.hosted(next(iter(tier.hosts)))
+            if condition():
+                return True
+            pending = [answer for _, answer, _ in tier._pings]
+            pending += [a for p in tier.peers if p.checking is not None for a in p.checking[1]]
+            concurrent.futures.wait(pending, timeout=120)
+        return condition()
+    finally:
+        tier.clock = saved
+
+
 def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     import ray
 
     # No probe during the run: the kill is found by the calls in flight.
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 600})
     vllm_specexpert.reset_stats(llm)
-    victim = engine().inputs["peer_tier"].peers[0]
+    mesh = engine().inputs["peer_tier"]
+    victim = mesh.peers[0]
     pid = ray.get(victim.actor.ping.remote())
-
-    def kill_when_busy():
-        if wait_for(lambda: victim.calls >= 20, 120):
-            os.kill(pid, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_when_busy)
-    killer.start()
-    top1 = teacher_forced_top1(llm)  # every request runs to its last token
-    killer.join()
+    victim.actor = KilledAtCall(victim.actor, pid, 20)  # killed at its 20th call
+    try:
+        top1 = teacher_forced_top1(llm)  # every request runs to its last token
+    finally:
+        victim.actor = victim.actor.actor
     stats = vllm_specexpert.get_stats(llm)[0]
     decode = stats["total"]["decode"]
     state = stats["mesh"]["peers"][0]
@@ -206,7 +248,7 @@ def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     assert stats["mesh"]["peers"][1]["up"]
     # Ray restarts the actor (it reloads its shard); a probe brings it back.
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "probe_interval_s": 0.5})
-    assert wait_for(lambda: generate_all(llm, 1, 4) and victim.up, 120), victim.reason
+    assert probe_until(mesh, lambda: victim.up), victim.reason
     assert victim.rejoined >= 1 and ray.get(victim.actor.ping.remote()) != pid
 
 
@@ -225,7 +267,7 @@ def test_a_hung_peer_leaves_and_rejoins(llm):
         assert not slow.up and slow.reason == "hung" and slow.timeouts >= 1
     finally:
         ray.get(slow.actor.release.options(concurrency_group=CONTROL_GROUP).remote(), timeout=30)
-    assert wait_for(lambda: generate_all(llm, 1, 4) and slow.up, 60)
+    assert probe_until(mesh, lambda: slow.up), slow.reason
 
 
 def test_a_peer_over_the_rtt_cap_leaves_the_rotation(llm):
