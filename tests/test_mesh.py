@@ -9,6 +9,7 @@ vLLM bit for bit (``tests/test_exactness.py``).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ pytest.importorskip(
     "ray", reason="the mesh extra is not installed: pip install -e '.[mesh]' (make setup does)"
 )
 
+from faulty_peer import FaultyPeer
 from manual_clock import ManualClock
 from vllm import SamplingParams, TokensPrompt
 from vllm_harness import agreement, make_llm, shutdown
@@ -32,10 +34,10 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.layers.engines import _ENGINES
-from vllm_specexpert.tiers import peer as peer_module
-from vllm_specexpert.tiers import ray_cluster
-from vllm_specexpert.tiers.peer import CONTROL_GROUP, PeerState, PeerTier
-from vllm_specexpert.tiers.peer_shard import check_checkpoint
+from vllm_specexpert.peers import ray_cluster
+from vllm_specexpert.peers import tier as peer_module
+from vllm_specexpert.peers.shard import check_checkpoint
+from vllm_specexpert.peers.tier import PeerState, PeerTier
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path
 from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing
 
@@ -48,16 +50,20 @@ WINDOWS, PROMPT_TOKENS, FORCED = 8, 16, 48
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = make_llm(
-        TRAINED_MODEL,
-        specexpert={
-            "budget": BUDGET,
-            "predictor": "quasi_hidden",
-            "calibration": CALIBRATION,
-            "mesh": {"peers": 2},
-        },
-        logits_processors=[TeacherForcing],
-    )
+    # The engine's peers are FaultyPeers (they answer as ExpertPeer until a test tells
+    # them otherwise); the engine starts its PeerTier when the model loads.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(peer_module, "PeerTier", functools.partial(PeerTier, peer_class=FaultyPeer))
+        llm = make_llm(
+            TRAINED_MODEL,
+            specexpert={
+                "budget": BUDGET,
+                "predictor": "quasi_hidden",
+                "calibration": CALIBRATION,
+                "mesh": {"peers": 2},
+            },
+            logits_processors=[TeacherForcing],
+        )
     yield llm
     engine().close()
     shutdown(llm)
@@ -252,21 +258,22 @@ def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     assert victim.rejoined >= 1 and ray.get(victim.actor.ping.remote()) != pid
 
 
-def test_a_hung_peer_leaves_and_rejoins(llm):
+def test_a_hung_peer_leaves_and_rejoins(llm, tmp_path):
     import ray
 
     vllm_specexpert.reconfigure(llm, mesh={"peers": 2, "timeout_ms": 300, "probe_interval_s": 0.2})
     mesh = engine().inputs["peer_tier"]
     slow = mesh.peers[1]
-    # Held, it answers nothing until released: every call to it outlasts the timeout,
-    # however slow the engine is to read the answers. (Released in a concurrency group
-    # of its own: the held calls take the actor's other threads.)
-    ray.get(slow.actor.hold.options(concurrency_group=CONTROL_GROUP).remote())
+    # Held, it answers nothing until released (its gate file removed): every call to it
+    # outlasts the timeout, however slow the engine is to read the answers.
+    gate = tmp_path / "hold"
+    gate.touch()
+    ray.get(slow.actor.hold.remote(str(gate)))
     try:
         assert generate_all(llm, 2, 16) == [16, 16]
         assert not slow.up and slow.reason == "hung" and slow.timeouts >= 1
     finally:
-        ray.get(slow.actor.release.options(concurrency_group=CONTROL_GROUP).remote(), timeout=30)
+        gate.unlink()
     assert probe_until(mesh, lambda: slow.up), slow.reason
 
 
@@ -486,7 +493,7 @@ def checkpoint_reference(spec: peer_module.ShardSpec, layer_offset: int = 0):
     further on: another model's experts of the same shape)."""
     from safetensors import safe_open
 
-    from vllm_specexpert.tiers.peer_shard import checkpoint_key_index, expert_keys
+    from vllm_specexpert.peers.shard import checkpoint_key_index, expert_keys
 
     index = checkpoint_key_index(spec.checkpoint)
     layers = sorted(spec.layers)

@@ -1,9 +1,12 @@
 """Prometheus series from the workers' snapshots (:mod:`vllm_specexpert.metrics`), without
 a server: an engine writes its snapshot, the collector turns it into ``specexpert_*``
-series. The scrape of a real server after traffic is in ``test_serve.py``."""
+series; a feature's series are its own, served as given. The scrape of a real server
+after traffic is in ``test_serve.py``."""
 
+import inspect
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -13,11 +16,13 @@ from moe_reference import random_layer, random_routing, slot_kernel
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_specexpert import metrics, vllm_hooks
+from vllm_specexpert import features, metrics, report, vllm_hooks
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features import EngineFeature
 from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.stats import Series
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in (1, 3)]
 
@@ -259,6 +264,45 @@ def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
     engine.close()
 
 
+class Probe(EngineFeature):
+    """A feature the collector has never heard of: it supplies series of its own."""
+
+    name = "probe"
+
+    def series(self) -> list[Series]:
+        widgets = Series("probe_widgets", "counter", "Widgets the probe counted.", ("colour",))
+        return [widgets.add(3, "red").add(5, "blue"), Series("probe_idle", "gauge", "None yet.")]
+
+
+def test_a_features_series_reach_metrics_without_the_collector_naming_it(tmp_path, monkeypatch):
+    engine = run_engine(tmp_path, monkeypatch)
+    assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_probe")]
+    engine.features.append(Probe())  # running, as the registry builds a feature
+    engine.write_stats()
+    registry = CollectorRegistry()
+    registry.register(metrics.SnapshotCollector(str(tmp_path)))
+    text = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    widgets, idle = families["specexpert_probe_widgets"], families["specexpert_probe_idle"]
+    assert (widgets.type, widgets.documentation) == ("counter", "Widgets the probe counted.")
+    engine_labels = {"model_name": "tiny", "engine": "0"}
+    assert [(s.name, s.labels, s.value) for s in widgets.samples] == [
+        ("specexpert_probe_widgets_total", {**engine_labels, "colour": colour}, value)
+        for colour, value in (("red", 3), ("blue", 5))
+    ]
+    assert (idle.type, idle.documentation, idle.samples) == ("gauge", "None yet.", [])
+    assert "probe" not in engine.stats()  # no stats section: none given
+    engine.close()
+
+
+def test_metrics_and_report_name_no_feature():
+    """Issue 47: each feature supplies its stats section and its /metrics series."""
+    names = set(features.REGISTRY) | {cls.name for cls in features.feature_classes()}
+    for module in (metrics, report):
+        source = inspect.getsource(module)
+        assert [n for n in sorted(names) if re.search(rf"\b{n}\b", source)] == []
+
+
 def test_an_engine_that_does_not_report_writes_no_snapshot(tmp_path, monkeypatch):
     # The lookahead draft's engine shares its worker's pid with the target's: its own
     # snapshot would replace the target's on /metrics.
@@ -274,7 +318,7 @@ def test_an_engine_that_does_not_report_writes_no_snapshot(tmp_path, monkeypatch
 
 
 def test_mesh_peer_series_equal_the_peers_counters(tmp_path, monkeypatch):
-    from vllm_specexpert.tiers.peer import PeerState
+    from vllm_specexpert.peers.tier import PeerState
 
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")

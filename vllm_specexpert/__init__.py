@@ -18,7 +18,8 @@ its floor::
      1  log             vLLM's logger for the package
      2  artifacts       manifest and tensors of an artifact directory, model fingerprint
      2  quant_config    a checkpoint's quantization_config -> its experts' format
-     2  stats           counters per layer and phase; the stats file
+     2  stats           counters per layer and phase; the stats file; a feature's
+                        /metrics series (Series)
      2  triton_kernels/ CUDA kernels: predict (next-layer routing), slots (map, copies),
                         dequantize (packed experts to bf16), estimate (the estimator)
      3  calibration     default vectors, co-activation, TAE percentiles (an artifact)
@@ -31,64 +32,63 @@ its floor::
                         (per-layer and shared pools), eviction, cache (one layer's
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
                         host (experts computed on the host), staging (host <-> device),
-                        peer (mesh peers on Ray: calls, health), peer_check (a peer's
-                        proof that it computes), layer_peers (one layer's view),
-                        peer_shard (a peer's experts and kernel), ray_cluster (joining
-                        Ray), disk (the disk tier: a layer's experts read from its
-                        pack), disk_reader (whole-record reads at a queue depth,
-                        O_DIRECT), expert_pack (the disk's expert-major file),
-                        pack_writer (writing a pack, atomically), pack_lock (a
-                        pack's lock: engines shared, a writer alone),
-                        checkpoint_experts (one expert read from a checkpoint),
-                        memory (what the sized tier has free)
+                        disk (the disk tier: a layer's experts read from its pack),
+                        disk_reader (whole-record reads at a queue depth, O_DIRECT),
+                        expert_pack (the disk's expert-major file), pack_writer
+                        (writing a pack, atomically), pack_lock (a pack's lock: engines
+                        shared, a writer alone), checkpoint_experts (one expert read
+                        from a checkpoint), memory (what the sized tier has free)
      4  budget_plan     what a budget comes to in slots per layer, and why (sized from
                         the memory at the first layer and at each reconfigure), and
                         whether the kernel can address its pools
      4  report          the stats dict and the summary line
      4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
+     4  peers/          mesh peers on Ray: tier (calls, health), layer_view (one layer's
+                        view), shard (a peer's experts and kernel), check (a peer's
+                        proof that it computes), ray_cluster (joining Ray)
      4  predict/        next-layer predictors: base, router, quasi_hidden; path (a
                         step's routing path); draft (the lookahead draft's routes, the
                         ELB); estimator_network (the network, its artifact), estimator
                         (its predictors), hybrid (its layers)
-     4  policy/         miss policies that only decide (a MissPlan): base, context,
-                        fetch, speculate, cpu, substitute, drop, buddies, lowbit, peers
      4  layer_call      LayerRequest (a call as the adapter hands it), LayerCall (its
                         tokens with their routing on the host, kernel, counters)
+     5  policy/         miss policies that only decide (a MissPlan): base, context,
+                        fetch, speculate, cpu, substitute, drop, buddies, lowbit, peers
      5  planner/        what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router)
-     5  backends        where entries run besides the slots: host, INT4 copy, peer
      5  stats_writers   the threads that write the stats file and the /metrics snapshot
      5  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
-     5  layer_state     OffloadedLayer: what every offloaded layer has
-     6  execute         survey, run a plan over the device and the backends, token
+     6  backends        where entries run besides the slots: host, INT4 copy, peer
+     6  layer_state     OffloadedLayer: what every offloaded layer has
+     7  execute         survey, run a plan over the device and the backends, token
                         groups, kernel launches; the one place that runs experts
-     6  layer_checks    what a config needs of the loaded layers, whatever the features
-     6  quality/        the quality budget: logits (the model's head, two results
+     7  layer_checks    what a config needs of the loaded layers, whatever the features
+     7  quality/        the quality budget: logits (the model's head, two results
                         compared), budget (batch classes, windows, switches), monitor
                         (sampled rows, their differences, judged at the final norm)
-     7  features/       EngineFeature (base: hooks, EngineParts, the decode call), the
+     8  features/       EngineFeature (base: hooks, EngineParts, the decode call), the
                         registry (__init__): quality, prediction, mesh (peers, early
                         fire), lookahead (governor, the draft's routes), step_demand (path
                         score, PLEC), routing_statistics (buddy lists, gates), low_bit
                         (INT4 copies' slots)
-     8  engine          OffloadEngine: the exact spine per layer call, features around
+     9  engine          OffloadEngine: the exact spine per layer call, features around
                         it
-     9  layers/         vLLM adapter in the worker: routed_experts (the layer, the
+    10  layers/         vLLM adapter in the worker: routed_experts (the layer, the
                         custom op), slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, model_classes (wiring after load),
                         forward_phase, lookahead_driver (the draft's rounds),
                         router_free, final_tap, failed_requests (rows -> requests),
                         sizing (what budget sizing needs of vLLM's settings)
-    10  worker          the RPCs behind get_stats, reconfigure, reset_stats
-    11  validate        engine-config checks where vLLM builds the engine config
-    11  __init__        the user API: get_stats, reconfigure, reset_stats
-    12  plugins         the vllm.general_plugins entry point and --plugins
-    13  tools/          training, corpus, fixtures, harness, offline passes, demo,
-                        server: never imported by the runtime (layers 1-12)
-    14  cli             the specexpert command (serve, vllm, and the tools by name)
+    11  worker          the RPCs behind get_stats, reconfigure, reset_stats
+    12  validate        engine-config checks where vLLM builds the engine config
+    12  __init__        the user API: get_stats, reconfigure, reset_stats
+    13  plugins         the vllm.general_plugins entry point and --plugins
+    14  tools/          training, corpus, fixtures, harness, offline passes, demo,
+                        server: never imported by the runtime (layers 1-13)
+    15  cli             the specexpert command (serve, vllm, and the tools by name)
 
 One decode step of layer l, following the router's ids::
 

@@ -13,12 +13,12 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.peers.layer_view import LayerPeers
+from vllm_specexpert.peers.tier import PeerTier
 from vllm_specexpert.planner.early_fire import EarlyFire
 from vllm_specexpert.policy import MissPolicy, PeersFirst
-from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.stats import PhaseStats, Series, metric_name
 from vllm_specexpert.tiers.host import HostKernel, compute_on_host
-from vllm_specexpert.tiers.layer_peers import LayerPeers
-from vllm_specexpert.tiers.peer import PeerTier
 from vllm_specexpert.tiers.store import ExpertSource, LayerExperts
 
 
@@ -102,6 +102,35 @@ class MeshFeature(EngineFeature):
     def close(self) -> None:
         self.tier.close()
 
+    def series(self) -> list[Series]:
+        """The peers in rotation; per peer (label ``peer``, its rank) :data:`PEER_COUNTERS`,
+        whether it is up and its median probe round trip."""
+        peers = self.tier.stats()["peers"]
+        peer = ("peer",)
+        counters = {
+            key: Series(f"peer_{metric_name(key)}", "counter", doc, peer)
+            for key, doc in PEER_COUNTERS.items()
+        }
+        up = Series("peer_up", "gauge", "1 while the mesh peer is in rotation.", peer)
+        rtt = Series("peer_rtt_seconds", "gauge", "The mesh peer's median probe round trip.", peer)
+        for state in peers:
+            for key, family in counters.items():
+                family.add(state[key], state["rank"])
+            up.add(state["up"], state["rank"])
+            if state["rtt_ms"] is not None:
+                rtt.add(state["rtt_ms"] / 1e3, state["rank"])
+        return [
+            *counters.values(),
+            up,
+            rtt,
+            Series(
+                "mesh_peers_in_rotation",
+                "gauge",
+                "Mesh peers in rotation (the others' experts are computed here).",
+            ).add(sum(state["up"] for state in peers)),
+            Series("mesh_peers", "gauge", "Mesh peers started.").add(len(peers)),
+        ]
+
 
 def host_pairs(
     experts: ExpertSource, kernel: HostKernel | None, x: torch.Tensor, pairs: np.ndarray
@@ -133,5 +162,19 @@ def _pin(layer: OffloadedLayer, experts: np.ndarray) -> None:
     layer.loader.wait_all()
     layer.cache.policy.pinned[experts] = True
 
+
+PEER_COUNTERS = {
+    "calls": "Calls answered by the peer.",
+    "pairs": "(token, expert) pairs it computed.",
+    "bytes_sent": "Bytes of rows sent to it.",
+    "bytes_received": "Bytes of outputs it sent.",
+    "compute_s": "Seconds it spent computing.",
+    "failures": "Calls that failed (it died).",
+    "timeouts": "Calls not answered within mesh.timeout_ms.",
+    "left": "Times it left the rotation.",
+    "rejoined": "Times it rejoined the rotation.",
+}
+"""The per-peer counters on ``/metrics`` (``specexpert_peer_<key>_total``), by the key
+of a peer's stats (``PeerState.stats``)."""
 
 FEATURE = MeshFeature
