@@ -120,3 +120,41 @@ def test_a_removed_directory_is_not_made_again_by_a_write(tmp_path):
     writer.write()
     writer.close()  # (joins its thread: nothing writes after this)
     assert not directory.exists()
+
+
+def test_two_threads_writing_one_file_at_once_both_land(tmp_path, monkeypatch):
+    """A timer's write and an RPC's flush of the same file interleave: the first is held
+    between writing its temp file and renaming it while the second writes whole. Each
+    rename must find its own temp file (one per thread, not one per process)."""
+    import threading
+
+    from vllm_specexpert import stats
+
+    path = tmp_path / "stats.json"
+    held, go = threading.Event(), threading.Event()
+    dump = json.dump
+
+    def dump_held(payload, f, **kwargs):
+        dump(payload, f, **kwargs)
+        if payload["writer"] == "timer":
+            held.set()
+            go.wait(30)
+
+    monkeypatch.setattr(stats.json, "dump", dump_held)
+    errors = []
+
+    def timer():
+        try:
+            write_json_atomic(str(path), {"writer": "timer"})
+        except Exception as error:  # noqa: BLE001 - what the test looks for
+            errors.append(error)
+
+    thread = threading.Thread(target=timer)
+    thread.start()
+    assert held.wait(30)
+    write_json_atomic(str(path), {"writer": "rpc"})
+    go.set()
+    thread.join(30)
+    assert errors == []
+    assert json.loads(path.read_text()) == {"writer": "timer"}  # the last rename wins
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json"]

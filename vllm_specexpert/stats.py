@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import stat
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,7 +265,8 @@ def write_json_atomic(path: str, payload: dict) -> None:
     must exist (it is never created here, so a removed directory stays removed)."""
     target = os.path.realpath(path)
     _refuse_special(target)
-    tmp = f"{target}.tmp.{os.getpid()}"
+    # One temp file per thread: a timer and an RPC may write the same file at once.
+    tmp = f"{target}.tmp.{os.getpid()}.{threading.get_ident()}"
     try:
         with open(tmp, "w") as f:
             json.dump(payload, f, indent=1, sort_keys=True)
