@@ -547,21 +547,21 @@ class RouteRecorder:
     def _install(self) -> None:
         from vllm_specexpert.engine import OffloadEngine
 
-        original = OffloadEngine.run
+        original = OffloadEngine.run_call
         recorder = self
 
-        def run(engine, name, kernel, x, topk_weights, topk_ids, phases=None):
+        def run_call(engine, request):
             if recorder.on:
-                ids = topk_ids.cpu().numpy()
-                calls = recorder.calls.setdefault(name, [])
+                ids, phases = request.topk_ids.cpu().numpy(), request.phases
+                calls = recorder.calls.setdefault(request.layer, [])
                 if phases is None or phases.all_decode or phases.all_prefill:
                     calls.append((ids, phases is None or phases.all_decode))
                 else:  # the engine runs a mixed pass's decode rows first
                     calls.append((ids[phases.decode], True))
                     calls.append((ids[phases.prefill], False))
-            return original(engine, name, kernel, x, topk_weights, topk_ids, phases)
+            return original(engine, request)
 
-        OffloadEngine.run = run
+        OffloadEngine.run_call = run_call  # type: ignore[method-assign]
         self.installed = True
 
     def bounds(self, stats: dict, decode_tokens: int) -> dict:

@@ -61,7 +61,7 @@ def assert_equivalent(a, b):
 
 
 def layer_stats(engine):
-    """The layer's decode counters (``engine.run`` without phases: all decode)."""
+    """The layer's decode counters (``engine.run_call`` without phases: all decode)."""
     return engine.stats()["layers"][NAME]["decode"]
 
 

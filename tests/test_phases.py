@@ -49,14 +49,15 @@ def record_passes(model):
     layer = next(m for m in model.modules() if isinstance(m, OffloadedRoutedExperts))
     engine, name = layer.engine, layer.layer_name
     engine.recorded_passes = []
-    run = engine.run
+    run_call = engine.run_call
 
-    def recording(layer_name, kernel, x, w, ids, phases=None):
-        if layer_name == name and phases is not None:
+    def recording(request):
+        phases = request.phases
+        if request.layer == name and phases is not None:
             engine.recorded_passes.append((len(phases.decode), len(phases.prefill)))
-        return run(layer_name, kernel, x, w, ids, phases)
+        return run_call(request)
 
-    engine.run = recording
+    engine.run_call = recording
 
 
 def recorded_passes(model):
