@@ -4,7 +4,7 @@
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model's
 forward runs here), so the layer classes can be instrumented in place. Batch-1 greedy
-decode; every decode call of the offloaded layer (``OffloadedRoutedExperts._run``,
+decode; every decode call of the offloaded layer (``OffloadedRoutedExperts.offloaded_forward``,
 one token) is timed with ``perf_counter``, and so is the expert
 kernel inside it (``SlotKernel``: the CPU kernel vanilla runs, on the slot pool).
 *Host cost* = call - kernel: the plugin's bookkeeping, in Python, per layer call.
@@ -206,7 +206,7 @@ def main() -> None:
         stop_engine(vanilla)
 
     timer = CallTimer()
-    timer.wrap(OffloadedRoutedExperts, "_run")
+    timer.wrap(OffloadedRoutedExperts, "offloaded_forward")
     timer.wrap_kernel(SlotKernel, "__call__")
     import vllm_specexpert
 

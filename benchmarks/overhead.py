@@ -150,7 +150,7 @@ def breakdown(request: dict) -> None:
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
     captured: dict = {}
-    layer_call = OffloadedRoutedExperts._run
+    layer_call = OffloadedRoutedExperts.offloaded_forward
 
     def capture(layer, x, topk_weights, topk_ids, out):
         if x.shape[0] == 1 and not captured:
@@ -163,7 +163,7 @@ def breakdown(request: dict) -> None:
             )
         return layer_call(layer, x, topk_weights, topk_ids, out)
 
-    OffloadedRoutedExperts._run = capture
+    OffloadedRoutedExperts.offloaded_forward = capture
     llm = LLM(
         model=request["model"],
         dtype="bfloat16",
@@ -177,7 +177,7 @@ def breakdown(request: dict) -> None:
         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
         use_tqdm=False,
     )
-    OffloadedRoutedExperts._run = layer_call
+    OffloadedRoutedExperts.offloaded_forward = layer_call
     layer, x, weights, ids = (captured[k] for k in ("layer", "x", "weights", "ids"))
     engine = layer.engine
     slots = engine.layers[layer.layer_name].cache.slots
