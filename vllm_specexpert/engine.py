@@ -235,26 +235,25 @@ class OffloadEngine:
         through the features and the miss policy."""
         layer = self.layers[request.layer]
         phases = request.phases
-        stats = layer.stats.prefill if phases is not None and phases.all_prefill else None
+        prefill = phases is not None and phases.all_prefill
+        stats = layer.stats.prefill if prefill else layer.stats.decode
+        if request.num_tokens == 1 and layer.cache.identity and not self._sees_resident_calls:
+            # Every expert resident, nothing to decide, nothing read: no host read (at
+            # batch-1 decode this path's cost is the plugin's whole cost over vanilla).
+            return execute.execute_resident(layer.loader, request, stats.count_call(1))
         return execute.guarded(
             layer.loader,
             request,
             self.unreadable,
             lambda: self._by_phase(layer, request),
-            stats or layer.stats.decode,
+            stats,
         )
 
     def _by_phase(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
         phases = request.phases
-        prefill = phases is not None and phases.all_prefill
-        if request.num_tokens == 1 and layer.cache.identity and not self._sees_resident_calls:
-            # Every expert resident, nothing to decide: no host read (at batch-1 decode,
-            # this path's cost is the plugin's whole cost over vanilla).
-            stats = layer.stats.prefill if prefill else layer.stats.decode
-            return execute.execute_resident(layer.loader, request, stats.count_call(1))
         if phases is None or phases.all_decode:
             return self._decode(layer, request)
-        if prefill:
+        if phases.all_prefill:
             return self._prefill(layer, request)
         # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
         # that what was loaded ahead for them is released by their own call.
