@@ -7,7 +7,8 @@ vLLM's ``BaseOffloader``, a feature overrides only the hooks it needs: the base 
 its own null object. A feature keeps its own per-layer state, keyed by layer name, and
 declares the inputs it is built from (:attr:`EngineFeature.inputs`).
 
-The hooks of one decode layer call, in order (docs/design.md, "Features")::
+The hooks of one decode layer call, in order (docs/design.md, "The engine and its
+features")::
 
     begin_call(call)      before anything is read
     before_read(call)     replace the routing to run; ask for tensors in the one read
