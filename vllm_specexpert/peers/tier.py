@@ -29,7 +29,6 @@ local slow tier.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import sys
 import time
@@ -467,17 +466,11 @@ class PeerTier:
 def _timed(ref: Any, clock: Callable[[], float]) -> TimedAnswer:
     """``ref`` as a future that records when its answer arrived (``arrived_at``, by
     ``clock``), from Ray's own thread: the round trip does not wait for the engine's
-    next layer call. It is done only once ``arrived_at`` is set (a future is done
-    before its callbacks run, so Ray's own future is not handed out)."""
-    timed: Any = concurrent.futures.Future()
+    next layer call."""
+    answer = ref.future()
 
-    def arrived(answer: concurrent.futures.Future) -> None:
-        timed.arrived_at = clock()
-        error = answer.exception()
-        if error is not None:
-            timed.set_exception(error)
-        else:
-            timed.set_result(answer.result())
+    def arrived(_future: object) -> None:
+        answer.arrived_at = clock()
 
-    ref.future().add_done_callback(arrived)
-    return timed
+    answer.add_done_callback(arrived)
+    return answer
