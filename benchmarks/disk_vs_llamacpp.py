@@ -4,6 +4,7 @@ tier in several modes, at 1, 8 and 32 sequences. Real I/O; nothing modeled.
 
     python benchmarks/disk_vs_llamacpp.py [--work DIR] [--ram-ratio 1.25] [--host-ratio 0.5]
                                           [--batches 1 8 32] [--keep] [--name disk_vs_llamacpp]
+                                          [--memory-limit-gb G]
 
 ``make bench-disk`` installs llama-cpp-python (built from source for this CPU) and gguf,
 then runs this.
@@ -11,6 +12,15 @@ then runs this.
 The model: the embedded model with its experts widened (``specexpert widen``) until the
 checkpoint weighs ``--ram-ratio`` times this machine's RAM (MemTotal). Its routing is the
 small trained model's; its bytes, reads and expert multiplies are a large model's.
+
+The miniature (``--memory-limit-gb G``, ``make bench-disk-mini``): each phase runs in a
+memory cgroup limited to G GB (:mod:`memory_cgroup`; root only, refused at once where no
+cgroup can be made), and G GB stands for RAM wherever RAM sizes something: the model
+(``--ram-ratio`` x G) and the host caches (``--host-ratio`` and the sweep's shares of G).
+The same comparison on a model a few GB large, in minutes; page cache counts to a
+cgroup's usage, as it fills RAM on the full-size run. Per phase, the JSON has the
+cgroup's limit, peak, OOM kills and page cache at the end; a phase or engine the
+cgroup's OOM killer ended is a row "killed for memory".
 
 Each phase runs in its own process, one after the other, so that each starts from the
 same memory and its peak RSS is its own:
@@ -61,6 +71,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, command_line, kib, work_dir, write_result
+from memory_cgroup import CgroupError, MemoryCgroup
 
 HERE = Path(__file__).resolve()
 PHASES = ("reference", "llamacpp", "vanilla", "plugin", "scheduler", "sweep", "serve")
@@ -133,8 +144,13 @@ def drop_page_cache() -> bool:
     return True
 
 
+CGROUP: MemoryCgroup | None = None
+"""The memory cgroup this phase runs in (``--memory-limit-gb``), else ``None``."""
+
+
 class Window:
-    """What one timed run read and grew: ``read_bytes`` and ``Cached`` before and after."""
+    """What one timed run read and grew: ``read_bytes`` and ``Cached`` before and after,
+    and in a memory cgroup, the cgroup's usage and page cache at the end."""
 
     def __enter__(self) -> Window:
         self.read0 = read_bytes()
@@ -144,6 +160,13 @@ class Window:
     def __exit__(self, *exc) -> None:
         self.read = read_bytes() - self.read0
         self.cached = (kib("/proc/meminfo", "Cached") - self.cached0) * 1000
+        self.cgroup = {}
+        if CGROUP is not None:
+            cache = CGROUP.page_cache_bytes()
+            self.cgroup = {
+                "cgroup_usage_gb_end": CGROUP.usage_bytes() / 1e9,
+                "cgroup_page_cache_gb_end": None if cache is None else cache / 1e9,
+            }
 
 
 # --- the model and its prompts ---------------------------------------------------------
@@ -161,14 +184,23 @@ def prompt_ids(count: int) -> list[list[int]]:
     return [ids[i % len(ids)] for i in range(count)]
 
 
-def intermediate_for(ram_ratio: float) -> int:
-    """The expert intermediate size whose widened checkpoint weighs ``ram_ratio`` x RAM."""
+def ram_bytes(args) -> float:
+    """What the model and the host caches are sized against: the cgroup limit
+    (``--memory-limit-gb``) when there is one, else this machine's RAM (MemTotal)."""
+    if args.memory_limit_gb is not None:
+        return args.memory_limit_gb * 1e9
+    return kib("/proc/meminfo", "MemTotal") * 1024
+
+
+def intermediate_for(ram_ratio: float, ram: float) -> int:
+    """The expert intermediate size whose widened checkpoint weighs ``ram_ratio`` x ``ram``
+    bytes."""
     from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
     config = json.loads((TRAINED_MODEL_DIR / "config.json").read_text())
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     experts = config.get("num_experts") or config["num_local_experts"]
-    target = ram_ratio * kib("/proc/meminfo", "MemTotal") * 1024
+    target = ram_ratio * ram
     return round(target / (layers * experts * 3 * hidden * 2))
 
 
@@ -245,6 +277,7 @@ def phase_llamacpp(args, work: Path) -> dict:
                 "prefill_s": out["prefill_s"],
                 "gb_read_per_decode_token": out["decode_read_bytes"] / decode_tokens / 1e9,
                 "gb_read_total": window.read / 1e9,
+                **window.cgroup,
                 **memory(),
             }
             print(
@@ -361,15 +394,13 @@ def host_cache(stats: dict) -> dict:
 
 
 def host_budget(args, work: Path, ratio: float | None = None) -> float:
-    """The budget fraction whose slots weigh ``ratio`` (default ``--host-ratio``) of RAM."""
+    """The budget fraction whose slots weigh ``ratio`` (default ``--host-ratio``) of RAM
+    (of the cgroup limit, if one is set)."""
     config = json.loads((work / "model" / "config.json").read_text())
     experts = config.get("num_experts") or config["num_local_experts"]
     expert = 3 * config["hidden_size"] * config["moe_intermediate_size"] * 2
     slots = int(
-        (ratio or args.host_ratio)
-        * kib("/proc/meminfo", "MemTotal")
-        * 1024
-        / (config["num_hidden_layers"] * expert)
+        (ratio or args.host_ratio) * ram_bytes(args) / (config["num_hidden_layers"] * expert)
     )
     return max(1, min(slots, experts)) / experts
 
@@ -388,13 +419,14 @@ def disk_engine(args, work: Path, budget: float | str, **settings):
 def phase_plugin(args, work: Path) -> dict:
     import vllm_specexpert
     from vllm_specexpert.config import SpecExpertConfigError
+    from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
     from vllm_specexpert.tiers.pack_writer import pack_checkpoint
 
     model = widened(args, work)
     pack = work / "pack"
     started = time.perf_counter()
     if not (pack / "manifest.json").exists():
-        pack_checkpoint(str(model), pack, "disk.path", "model")
+        pack_checkpoint(str(model), pack, cpu_kernel_form(torch.bfloat16), "disk.path", "model")
     pack_s = time.perf_counter() - started
     budget = host_budget(args, work)
     dropped = drop_page_cache()
@@ -615,6 +647,7 @@ def plugin_run(llm, batch: int) -> dict:
         "disk_gbps_while_reading": stats["disk"]["busy_gbps"],
         "os_read_gb_full_run": window.read / 1e9,
         "page_cache_growth_gb_full_run": window.cached / 1e9,
+        **window.cgroup,
         "disk": stats["disk"],
         **memory(),
     }
@@ -716,8 +749,9 @@ def phase_serve(args, work: Path) -> dict:
 
 
 def run_phase(phase: str, args, work: Path) -> dict:
-    """One phase in its own process. A phase that dies (the OOM killer) is a result: what
-    it kept of its part file, and how it ended; the next phase still runs."""
+    """One phase in its own process (with ``--memory-limit-gb``, in a memory cgroup of its
+    own, removed after). A phase that dies (the OOM killer) is a result: what it kept of
+    its part file, and how it ended; the next phase still runs."""
     command = [
         sys.executable,
         str(HERE),
@@ -733,25 +767,52 @@ def run_phase(phase: str, args, work: Path) -> dict:
         *map(str, args.batches),
         *(["--modes", *args.modes] if args.modes else []),
     ]
+    cgroup = None
+    if args.memory_limit_gb is not None:
+        cgroup = MemoryCgroup.create(
+            round(args.memory_limit_gb * 1e9), f"specexpert-{phase}-{os.getpid()}"
+        )
+        command += ["--memory-limit-gb", str(args.memory_limit_gb), "--cgroup", str(cgroup.path)]
     print(f"--- {phase}", flush=True)
     part = work / f"part-{phase}.json"
     part.unlink(missing_ok=True)
     started, booted = time.time(), uptime_s()
-    ended = subprocess.run(command)
+    figures: dict = {}
+    try:
+        # The child enters the cgroup between fork and exec: all it allocates is charged.
+        ended = subprocess.run(command, preexec_fn=None if cgroup is None else cgroup.enter)
+        if cgroup is not None:
+            figures = cgroup.figures()
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
     result = json.loads(part.read_text()) if part.exists() else {}
-    if ended.returncode != 0:
+    kills = figures.get("oom_kills")
+    if figures:
+        result["memory_cgroup"] = figures
+        print(f"--- {phase} memory cgroup: {figures}", flush=True)
+    code = ended.returncode
+    if code != 0:
         result["died"] = {
-            "returncode": ended.returncode,
+            "cause": "killed for memory" if kills else ending(code),
+            "returncode": code,
             "after_s": time.time() - started,
             "dmesg_oom": _oom_lines(booted),
         }
         print(f"--- {phase} died: {result['died']}", flush=True)
+    elif kills and str(result.get("outcome", "")).startswith("killed by signal"):
+        # vanilla's engine runs in a child of its phase: the cgroup's OOM killer ended it.
+        result["outcome"] = "killed for memory"
     return result
+
+
+def ending(returncode: int) -> str:
+    return f"killed by signal {-returncode}" if returncode < 0 else f"exit {returncode}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, default=work_dir("disk-vs-llamacpp"))
+    parser.add_argument("--work", type=Path, help="(default: the cache's directory of --name)")
     parser.add_argument("--ram-ratio", type=float, default=1.25)
     parser.add_argument("--host-ratio", type=float, default=0.5)
     parser.add_argument("--intermediate", type=int, default=None, help="(instead of --ram-ratio)")
@@ -761,13 +822,22 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the model and pack")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), help="(default: all)")
     parser.add_argument("--name", default="disk_vs_llamacpp")
+    parser.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        help="run each phase in a memory cgroup of this many GB, sized as RAM (root only)",
+    )
+    parser.add_argument("--cgroup", help=argparse.SUPPRESS)
     parser.add_argument("--report", action="store_true", help="print an earlier run's tables")
     args = parser.parse_args()
     if args.report:
         report(args.name)
         return
-    work = args.work
+    # Each name its own directory: the miniature does not reuse the full run's kept model.
+    work = args.work or work_dir(args.name.replace("_", "-"))
     if args.phase:
+        global CGROUP
+        CGROUP = MemoryCgroup.open(args.cgroup) if args.cgroup else None
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if args.phase == "vanilla-child":
             vanilla_child(work)
@@ -775,8 +845,15 @@ def main() -> None:
         result = globals()[f"phase_{args.phase}"](args, work)
         (work / f"part-{args.phase}.json").write_text(json.dumps(result, indent=1))
         return
-    if args.intermediate is None:
-        args.intermediate = intermediate_for(args.ram_ratio)
+    if args.memory_limit_gb is not None:
+        try:  # refused now, not an hour in: a run without the limit is not the miniature
+            probe = f"specexpert-probe-{os.getpid()}"
+            MemoryCgroup.create(round(args.memory_limit_gb * 1e9), probe).remove()
+        except CgroupError as error:
+            sys.exit(f"--memory-limit-gb {args.memory_limit_gb:g}: no memory cgroup: {error}")
+    sized_by_ratio = args.intermediate is None
+    if sized_by_ratio:
+        args.intermediate = intermediate_for(args.ram_ratio, ram_bytes(args))
     work.mkdir(parents=True, exist_ok=True)
     command = command_line()
     parts = {phase: run_phase(phase, args, work) for phase in args.phases}
@@ -791,6 +868,8 @@ def main() -> None:
         "intermediate": args.intermediate,
         "expert_mib": 3 * 256 * args.intermediate * 2 / 2**20,
         "ram_gb": kib("/proc/meminfo", "MemTotal") / 1e6,
+        "memory_limit_gb": args.memory_limit_gb,
+        "ram_ratio": args.ram_ratio if sized_by_ratio else None,
         "host_ratio": args.host_ratio,
         "batches": args.batches,
         "tokens_per_batch": TOKENS,
@@ -849,13 +928,41 @@ def markdown(payload: dict, command: str) -> str:
             if bounds and mode == "fetch, LRU":
                 row("  LRU replayed on its calls", rows, "lru_replayed_gb_per_decode_token")
                 row("  Belady's MIN on the same calls", rows, "clairvoyant_gb_per_decode_token")
+        for phase in PHASES:  # (what it measured before it died is in the rows above)
+            died = payload.get(phase, {}).get("died")
+            if died:
+                cause = died.get("cause", f"exit {died['returncode']}")
+                lines.append(f"| {phase} phase | {cause} |" + " |" * (len(batches) - 1))
         return [*lines, ""]
+
+    def gb(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    limited = {
+        p: payload[p]["memory_cgroup"] for p in PHASES if "memory_cgroup" in payload.get(p, {})
+    }
+    cgroups = []
+    if limited:
+        cgroups = [
+            "Each phase's memory cgroup (GB; page cache counts to its usage):",
+            "",
+            "| phase | limit | peak | OOM kills | page cache at the end |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {phase} | {gb(m['limit_gb'])} | {gb(m['peak_gb'])} | "
+                f"{'-' if m['oom_kills'] is None else m['oom_kills']} | "
+                f"{gb(m['page_cache_gb_end'])} |"
+                for phase, m in limited.items()
+            ),
+            "",
+        ]
 
     lines = [
         f"Real I/O, nothing modeled. `{command}`",
         "",
         *table("Decode tok/s:", "decode_tok_s", 3),
         *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
+        *cgroups,
     ]
     sweep = payload.get("sweep", {}).get("runs", {})
     if sweep:
@@ -910,7 +1017,12 @@ def plot(payload: dict, path: Path) -> None:
     ticks = [f"{b} seq" for b in batches]
     left.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], ticks)
     left.set_ylabel("decode tok/s")
-    left.set_title("Decode, a model 1.28x RAM (real I/O)")
+    limit, ratio = payload.get("memory_limit_gb"), payload.get("ram_ratio")
+    size = "1.28x RAM"  # (the full-size run's, measured)
+    if limit:
+        size = f"{ratio:g}x" if ratio else "over"
+        size += f" a {limit:g} GB memory limit"
+    left.set_title(f"Decode, a model {size} (real I/O)")
     left.legend(fontsize=7)
     lru = payload.get("plugin", {}).get("modes", {}).get("fetch, LRU", {})
     series = {
