@@ -21,11 +21,13 @@ from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.tiers import disk_reader
 from vllm_specexpert.tiers.disk import Disk
-from vllm_specexpert.tiers.disk_reader import aligned
 from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack
+from vllm_specexpert.tiers.kernel_form import KernelForm
 from vllm_specexpert.tiers.pack_writer import write_pack
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+CHECKPOINT_FORM = KernelForm(layout="checkpoint", dtype="bfloat16")
+"""The reference kernel reads the checkpoint's layout."""
 LAYERS = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
 
 
@@ -36,6 +38,7 @@ def pack(tmp_path) -> ExpertPack:
         [(name, 16) for name in NAMES],
         lambda name, e: {k: t[e] for k, t in LAYERS[name].items()},
         {"model": "toy", "checkpoint_files": []},
+        CHECKPOINT_FORM,
     )
     return ExpertPack(tmp_path / "pack")
 
@@ -48,7 +51,7 @@ def engine(pack, tmp_path, monkeypatch):
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
     engine.store.disk = Disk(pack, depth=2)
     for index, name in enumerate(NAMES):
-        engine.add_layer(name, engine.store.disk.layer(name, None), top_k=4, index=index)
+        engine.add_layer(name, engine.store.disk.layer(name), top_k=4, index=index)
     engine.start()
     yield engine
     engine.close()
@@ -149,7 +152,8 @@ def test_a_failing_read_fails_only_the_rows_that_needed_it(engine, pack, monkeyp
     logged = unreadable_logs(monkeypatch)
     name = NAMES[0]
     records = (pack.path / RECORDS_FILE).read_bytes()
-    os.truncate(pack.path / RECORDS_FILE, pack.layers[name].record(8)[0])  # 8.. are gone
+    w2 = pack.layers[name].tensors[1]
+    os.truncate(pack.path / RECORDS_FILE, w2.at(8))  # 8..'s w2 is gone
     x, w, _ = random_routing(4, 16, 4, seed=0)
     ids = torch.tensor(
         [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [0, 12, 5, 6]], dtype=torch.int32
@@ -181,7 +185,7 @@ def test_a_failing_read_fails_only_the_rows_that_needed_it(engine, pack, monkeyp
 def test_a_changed_record_is_caught_when_read(engine, pack, monkeypatch):
     logged = unreadable_logs(monkeypatch)
     name = NAMES[1]
-    offset, _ = pack.layers[name].record(9)
+    offset = pack.layers[name].tensors[0].at(9)
     with open(pack.path / RECORDS_FILE, "r+b") as f:
         f.seek(offset + 64)
         f.write(b"\xff\xff")
@@ -191,7 +195,9 @@ def test_a_changed_record_is_caught_when_read(engine, pack, monkeypatch):
     gone = torch.where(ids == 9, 0.0, w)
     assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
     assert engine.unreadable.take() == [0]
-    assert logged[0][2] == [9] and "expert 9 does not match its checksum" in logged[0][3]
+    assert (
+        logged[0][2] == [9] and "expert 9's w13_weight does not match its checksum" in logged[0][3]
+    )
     # The slot it was read into holds no expert: it is never run from what the failed
     # read left there.
     assert engine.layers[name].cache.expert_slot[9] < 0
@@ -212,7 +218,7 @@ def test_a_record_changed_after_it_was_read_is_caught_at_the_next_read(engine, p
     )  # 9 is evicted
     assert engine.layers[name].cache.expert_slot[9] < 0
     records = (pack.path / RECORDS_FILE).read_bytes()
-    offset, _ = pack.layers[name].record(9)
+    offset = pack.layers[name].tensors[1].at(9)
     with open(pack.path / RECORDS_FILE, "r+b") as f:
         f.seek(offset + 64)
         f.write(b"\xff\xff")
@@ -255,34 +261,33 @@ class MappedBuffers:
             self.live -= length
 
 
-def test_a_large_gather_keeps_only_a_few_buffers(pack, monkeypatch):
-    disk = Disk(pack, depth=2)
-    layer = pack.layers[NAMES[0]]
+@pytest.mark.parametrize("hidden, inter", [(64, 32), (32, 16)], ids=["aligned", "unaligned"])
+def test_reads_land_in_the_slots_and_map_only_what_staging_counts(
+    hidden, inter, tmp_path, monkeypatch
+):
+    # Aligned tensors (w13 8 KiB, w2 4 KiB) are read straight into the slots; the toy
+    # ones (2 and 1 KiB) go through a bounce buffer per reader thread under O_DIRECT.
+    # Never more is mapped beside the slots than the budget's staging figure.
+    layer = random_layer(hidden=hidden, inter=inter)
+    write_pack(
+        tmp_path / "pack",
+        [(NAMES[0], 16)],
+        lambda name, e: {k: t[e] for k, t in layer.items()},
+        {"model": "toy", "checkpoint_files": []},
+        CHECKPOINT_FORM,
+    )
+    disk = Disk(ExpertPack(tmp_path / "pack"), depth=2)
+    experts = disk.layer(NAMES[0])
+    print(f"O_DIRECT: {disk.direct}; staging {experts.staging_nbytes} bytes")
+    slots = {k: disk_reader.aligned_empty((8, *t.shape[1:]), t.dtype) for k, t in layer.items()}
     mapped = MappedBuffers(monkeypatch)
-    buffer = aligned(layer.record_bytes)
-    buffers = disk.read(layer, np.arange(10))
-    assert mapped.peak == mapped.live == 10 * buffer  # a gather holds its records
-    disk.release(buffers)
-    del buffers
-    assert [len(free) for free in disk._free.values()] == [4]  # twice the depth
-    assert mapped.live == 4 * buffer  # and the others are unmapped
-    disk.close()
-
-
-def test_a_large_transfer_holds_twice_the_queue_depth_of_buffers(pack, monkeypatch):
-    disk = Disk(pack, depth=2)
-    layer = pack.layers[NAMES[0]]
-    mapped = MappedBuffers(monkeypatch)
-    seen: dict[int, torch.Tensor] = {}
-    arrived: list[int] = []
-
-    def arrive(i: int, buffer: torch.Tensor) -> None:
-        seen[buffer.data_ptr()] = buffer
-        arrived.append(i)
-
-    disk.read_each(layer, np.arange(12), arrive)
-    assert sorted(arrived) == list(range(12))  # every expert, by its position
-    assert len(seen) <= 4  # twice the depth, reused, not one buffer per expert
-    # Never more mapped at once either: what the budget counts for a transfer's reads.
-    assert mapped.peak == 4 * aligned(layer.record_bytes)
+    chosen = np.array([3, 15, 0, 7, 9, 1, 12, 4])
+    experts.copy_into(chosen, np.arange(8)[::-1].copy(), slots)
+    for key, tensor in layer.items():
+        assert torch.equal(slots[key], tensor[chosen[::-1].copy()])
+    assert mapped.peak <= experts.staging_nbytes
+    if disk.direct:
+        assert (experts.staging_nbytes == 0) == (hidden == 64)
+        assert (mapped.peak == 0) == (hidden == 64)
+    assert disk.stats.reads == disk.stats.checked == 8
     disk.close()

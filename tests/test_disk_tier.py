@@ -128,7 +128,7 @@ def fail_reads_of(layer_index: int, expert: int | None):
         if expert is None:
             file.read_into = read
             return
-        bad, _ = disk.pack.layers[layers[layer_index].layer_name].record(expert)
+        bad = disk.pack.layers[layers[layer_index].layer_name].tensors[1].at(expert)
 
         def read_into(buffer, offset, length):
             if offset == bad:
@@ -248,6 +248,44 @@ def test_a_pack_of_another_model_is_refused_at_start(pack_dir):
     with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*another model"):
         start_engine(
             str(model_path(TRAINED_MODEL)), {"budget": 0.25, "disk": {"path": str(pack_dir)}}
+        )
+
+
+def other_isa_pack(out) -> str:
+    """A pack of the model in the other ISA's prepacked layout; returns that ISA."""
+    import torch
+
+    from vllm_specexpert.cli import main
+    from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
+
+    other = "vec" if cpu_kernel_form(torch.bfloat16).isa == "amx" else "amx"
+    main(["pack", str(model_path(MODEL)), "--out", str(out), "--isa", other])
+    return other
+
+
+def test_a_pack_of_another_isa_is_refused_at_start(tmp_path):
+    other = other_isa_pack(tmp_path / "pack")
+    with pytest.raises(SpecExpertConfigError, match=rf"disk\.path.*{other} prepacked layout"):
+        start_engine(
+            str(model_path(MODEL)), {"budget": 0.25, "disk": {"path": str(tmp_path / "pack")}}
+        )
+
+
+def test_a_pack_whose_bytes_are_another_isas_is_refused_by_the_layers_own_proof(tmp_path):
+    # The manifest names this machine's ISA (as if written by a build that prepacks
+    # otherwise): the checks of the form pass, and the layer's proof, its own runtime
+    # form of one checkpoint expert against the pack's bytes, refuses it.
+    import torch
+
+    from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
+
+    other_isa_pack(tmp_path / "pack")
+    manifest = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    manifest["form"]["isa"] = cpu_kernel_form(torch.bfloat16).isa
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*expert 0 of .* differs"):
+        start_engine(
+            str(model_path(MODEL)), {"budget": 0.25, "disk": {"path": str(tmp_path / "pack")}}
         )
 
 

@@ -1,6 +1,7 @@
-"""The expert pack and the disk reader: records written from the checkpoint come back
-bit for bit through aligned (O_DIRECT) reads; a truncated, corrupted, unfinished or
-foreign pack is refused with one error naming ``disk.path``."""
+"""The expert pack and the disk reader: experts written from the checkpoint come back
+through aligned (O_DIRECT) reads bit for bit as vLLM's CPU kernel prepacks them; a
+truncated, corrupted, unfinished or foreign pack, or one made for another ISA, is refused
+with one error naming ``disk.path``."""
 
 import errno
 import json
@@ -32,14 +33,18 @@ from vllm_specexpert.tiers.expert_pack import (
     ExpertPack,
     checkpoint_files,
 )
+from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
 from vllm_specexpert.tiers.pack_lock import PackLock
 from vllm_specexpert.tiers.pack_writer import prepare_pack, write_pack
 
 MODEL = Path(__file__).parent.parent / "vllm_specexpert" / "assets" / "tiny-qwen3-moe"
 LAYERS = [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+FORM = cpu_kernel_form(torch.bfloat16)
+"""This machine's form (``vec`` or ``amx``)."""
+OTHER_ISA = "vec" if FORM.isa == "amx" else "amx"
 
 
-def pack_of(model: Path, out: Path) -> ExpertPack:
+def pack_of(model: Path, out: Path, isa: str | None = None) -> ExpertPack:
     source = CheckpointExperts(model)
     write_pack(
         out,
@@ -50,6 +55,7 @@ def pack_of(model: Path, out: Path) -> ExpertPack:
             "model_fingerprint": model_fingerprint(model),
             "checkpoint_files": checkpoint_files(model),
         },
+        cpu_kernel_form(torch.bfloat16, isa),
     )
     return ExpertPack(out, model=model)
 
@@ -69,57 +75,90 @@ def checkpoint_expert(layer: str, expert: int) -> dict[str, torch.Tensor]:
     return {"w13_weight": torch.cat([gate, up]), "w2_weight": down}
 
 
-def read(pack: ExpertPack, layer: str, expert: int, direct: bool = True) -> torch.Tensor:
-    entry = pack.layers[layer]
-    offset, length = entry.record(expert)
-    buffer = aligned_buffer(entry.record_bytes)
-    file = DiskFile(pack.path / RECORDS_FILE, direct=direct)
+def kernel_expert(layer: str, expert: int, isa: str | None = None) -> dict[str, torch.Tensor]:
+    """The expert as vLLM's CPU kernel reads it: its own prepack op on the checkpoint's
+    (the embedded model's intermediate size needs no padding)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    return {
+        key: cpu_prepack_moe_weight(t[None].contiguous(), isa or FORM.isa)[0]
+        for key, t in checkpoint_expert(layer, expert).items()
+    }
+
+
+def read(pack: ExpertPack, layer: str, name: str, expert: int) -> torch.Tensor:
+    """``expert``'s copy of tensor ``name``, as bytes."""
+    tensor = next(t for t in pack.layers[layer].tensors if t.name == name)
+    buffer = aligned_buffer(tensor.nbytes)
+    file = DiskFile(pack.path / RECORDS_FILE)
     try:
-        DiskReader(file, 2).submit(buffer, offset, length).result()
+        DiskReader(file, 2).submit(buffer, tensor.at(expert), tensor.nbytes).result()
     finally:
         file.close()
-    return buffer
+    return buffer[: tensor.nbytes]
 
 
-def test_every_record_reads_back_as_the_checkpoint_has_it(pack):
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_every_expert_reads_back_as_the_kernel_reads_it(pack):
     reader = DiskReader(DiskFile(pack.path / RECORDS_FILE), depth=4)
-    print(f"O_DIRECT on {pack.path}: {reader.file.direct}")
+    print(f"O_DIRECT on {pack.path}: {reader.file.direct}; form: {pack.form.describe()}")
+    assert pack.form == FORM
     jobs = []
     for name in LAYERS:
         layer = pack.layers[name]
-        assert layer.num_experts == 64 and layer.record_bytes % ALIGN == 0
-        for expert in range(layer.num_experts):
-            offset, length = layer.record(expert)
-            assert offset % ALIGN == 0
-            buffer = aligned_buffer(layer.record_bytes)
-            jobs.append((layer, expert, buffer, reader.submit(buffer, offset, length)))
-    for layer, expert, buffer, job in jobs:
+        assert layer.num_experts == 64
+        for tensor in layer.tensors:
+            assert tensor.offset % ALIGN == 0
+            for expert in range(layer.num_experts):
+                buffer = aligned_buffer(tensor.nbytes)
+                job = reader.submit(buffer, tensor.at(expert), tensor.nbytes)
+                jobs.append((layer, tensor, expert, buffer, job))
+    for layer, tensor, expert, buffer, job in jobs:
         job.result()
-        pack.check_record(layer, expert, buffer)
-        got = pack.unpack(layer, buffer)
-        want = checkpoint_expert(layer.name, expert)
-        assert got.keys() == want.keys()
-        for key in want:
-            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key])
-    assert reader.stats.reads == 128
-    assert reader.stats.bytes == 128 * pack.layers[LAYERS[0]].data_bytes
+        pack.check_read(layer, tensor, expert, buffer.numpy().data)
+        want = kernel_expert(layer.name, expert)[tensor.name]
+        assert list(want.shape) == tensor.shape
+        assert torch.equal(buffer, as_bytes(want))
+        # (a prepack that did nothing would pass the line above with a wrong kernel form)
+        assert not torch.equal(buffer, as_bytes(checkpoint_expert(layer.name, expert)[tensor.name]))
+    assert reader.stats.reads == 2 * 128
+    assert reader.stats.bytes == 128 * pack.layers[LAYERS[0]].expert_nbytes
     reader.close()
 
 
-def test_a_changed_byte_is_caught_by_its_records_checksum(pack, tmp_path):
+def test_a_changed_byte_is_caught_by_its_checksum(pack, tmp_path):
     copy = tmp_path / "pack"
     shutil.copytree(pack.path, copy)
     layer = pack.layers[LAYERS[1]]
-    offset, _ = layer.record(5)
+    w2 = layer.tensors[1]
     with open(copy / RECORDS_FILE, "r+b") as f:
-        f.seek(offset + 1000)
+        f.seek(w2.at(5) + 1000)
         byte = f.read(1)
-        f.seek(offset + 1000)
+        f.seek(w2.at(5) + 1000)
         f.write(bytes([byte[0] ^ 0x10]))
-    corrupted = ExpertPack(copy)  # the size is right: found when the record is read
-    corrupted.check_record(layer, 4, read(corrupted, LAYERS[1], 4))
-    with pytest.raises(CorruptRecord, match=r"model\.layers\.1\.mlp\.experts expert 5"):
-        corrupted.check_record(layer, 5, read(corrupted, LAYERS[1], 5))
+    corrupted = ExpertPack(copy)  # the size is right: found when the tensor is read
+    corrupted.check_read(layer, w2, 4, read(corrupted, LAYERS[1], w2.name, 4).numpy().data)
+    with pytest.raises(CorruptRecord, match=r"model\.layers\.1\.mlp\.experts expert 5's w2_weight"):
+        corrupted.check_read(layer, w2, 5, read(corrupted, LAYERS[1], w2.name, 5).numpy().data)
+
+
+def test_a_pack_of_another_isa_is_refused_naming_the_fix(tmp_path):
+    other = pack_of(MODEL, tmp_path / "pack", isa=OTHER_ISA)
+    # What it holds is the other ISA's order, which differs from this machine's: run,
+    # it would compute wrongly.
+    stored = read(other, LAYERS[0], "w13_weight", 3)
+    assert torch.equal(stored, as_bytes(kernel_expert(LAYERS[0], 3, OTHER_ISA)["w13_weight"]))
+    assert not torch.equal(stored, as_bytes(kernel_expert(LAYERS[0], 3)["w13_weight"]))
+    with pytest.raises(SpecExpertConfigError) as error:
+        prepare_pack(str(other.path), str(MODEL), FORM)
+    message = str(error.value)
+    assert error.value.field_name == "disk.path" and "\n" not in message
+    assert f"CPU kernel's {OTHER_ISA} prepacked layout" in message
+    assert f"reads the CPU kernel's {FORM.isa} prepacked layout" in message
+    assert f"remove {other.path}" in message
 
 
 def test_a_truncated_pack_is_refused_when_opened(pack, tmp_path):
@@ -197,21 +236,36 @@ def test_without_o_direct_reads_go_through_the_page_cache(pack, monkeypatch):
     file = DiskFile(pack.path / RECORDS_FILE)
     assert not file.direct
     file.close()
-    layer = pack.layers[LAYERS[0]]
-    buffer = read(pack, LAYERS[0], 7)
-    pack.check_record(layer, 7, buffer)
-    assert torch.equal(
-        pack.unpack(layer, buffer)["w2_weight"], checkpoint_expert(LAYERS[0], 7)["w2_weight"]
-    )
+    got = read(pack, LAYERS[0], "w2_weight", 7)
+    assert torch.equal(got, as_bytes(kernel_expert(LAYERS[0], 7)["w2_weight"]))
 
 
-def test_a_record_past_the_end_of_the_file_is_an_error_not_zeros(pack):
-    layer = pack.manifest.layers[-1]
-    offset, length = layer.record(layer.num_experts)  # one past the last record
+def test_an_unaligned_read_goes_through_a_bounce_buffer_and_lands_exactly(pack):
+    # (a biased expert's tensors, or memory not page-aligned: O_DIRECT cannot land there)
+    tensor = pack.layers[LAYERS[0]].tensors[1]
+    file = DiskFile(pack.path / RECORDS_FILE)
+    print(f"O_DIRECT: {file.direct}")
+    want = as_bytes(kernel_expert(LAYERS[0], 2)["w2_weight"])
+    for skew, length in ((0, tensor.nbytes), (8, tensor.nbytes), (0, 1000), (64, 1000)):
+        assert file.bounces(tensor.at(2), length, skew) == (
+            file.direct and (skew or length % ALIGN) != 0
+        )
+        memory = aligned_buffer(tensor.nbytes + ALIGN)[skew : skew + length]
+        file.read_into(memory, tensor.at(2), length)
+        assert torch.equal(memory, want[:length])
+        start = tensor.at(2) + 100  # an unaligned file offset too
+        file.read_into(memory[: length - 100], start, length - 100)
+        assert torch.equal(memory[: length - 100], want[100:length])
+    file.close()
+
+
+def test_a_read_past_the_end_of_the_file_is_an_error_not_zeros(pack):
+    tensor = pack.manifest.layers[-1].tensors[-1]
+    offset = tensor.at(pack.manifest.layers[-1].num_experts)  # one past the last expert
     file = DiskFile(pack.path / RECORDS_FILE)
     reader = DiskReader(file, 1)
     with pytest.raises(EOFError, match=r"ends at byte"):
-        reader.submit(aligned_buffer(length), offset, length).result()
+        reader.submit(aligned_buffer(tensor.nbytes), offset, tensor.nbytes).result()
     assert reader.stats.reads == 0 and reader.stats.bytes == 0
     reader.close()
 
@@ -267,6 +321,10 @@ def tensor(manifest, name):
     return next(t for t in manifest["layers"][4]["tensors"] if t["name"] == name)
 
 
+def w13(manifest, layer=4):
+    return manifest["layers"][layer]["tensors"][0]
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -276,32 +334,33 @@ def tensor(manifest, name):
         ),
         (
             lambda m: m["layers"][4].update(num_experts=63),
-            "64 checksums for 63 experts",
+            "64 checksums of w13_weight for 63 experts",
         ),
-        (lambda m: m["layers"][4].update(num_experts=65), "64 checksums for 65 experts"),
-        (lambda m: m["layers"][4]["xxh3"].pop(), "63 checksums for 64 experts"),
         (
-            lambda m: m["layers"][4].update(offset=m["layers"][4]["offset"] + 4096),
+            lambda m: m["layers"][4].update(num_experts=65),
+            "64 checksums of w13_weight for 65 experts",
+        ),
+        (lambda m: tensor(m, "w2_weight")["xxh3"].pop(), "63 checksums of w2_weight for 64"),
+        (
+            lambda m: w13(m).update(offset=w13(m)["offset"] - 4096),
             "records overlap the layer before",
         ),
         (
-            lambda m: m["layers"][7].update(offset=m["layers"][7]["offset"] + 4096),
+            lambda m: m["layers"][7]["tensors"][1].update(
+                offset=m["layers"][7]["tensors"][1]["offset"] + 4096
+            ),
             "records end at .*, past records_bytes",
         ),
         (
-            lambda m: m["layers"][4].update(record_bytes=m["layers"][4]["record_bytes"] - 4096),
-            "tensors end at .*, past record_bytes",
-        ),
-        (
-            lambda m: m["layers"][4].update(record_bytes=m["layers"][4]["record_bytes"] + 1),
-            "multiples of 4096",
+            lambda m: w13(m).update(offset=w13(m)["offset"] + 64),
+            "w13_weight's offset is not 4096-aligned",
         ),
         (
             lambda m: tensor(m, "w2_weight").update(shape=[128, 64]),
-            r"w2_weight is bfloat16 \[128, 64\] at byte 65536 .* is bfloat16 \[256, 64\]",
+            r"w2_weight is bfloat16 \[128, 64\] at byte \d+ .* is bfloat16 \[256, 64\]",
         ),
         (
-            lambda m: tensor(m, "w2_weight").update(offset=tensor(m, "w2_weight")["offset"] - 64),
+            lambda m: tensor(m, "w2_weight").update(offset=w13(m)["offset"] + 4096),
             "tensor w2_weight overlaps the one before",
         ),
         (lambda m: m["layers"][4]["tensors"].pop(), "w2_weight is absent"),
@@ -314,6 +373,8 @@ def tensor(manifest, name):
             lambda m: tensor(m, "w2_weight").update(dtype="complex64"),
             "tensors.1.dtype: Input should be 'bfloat16'",
         ),
+        (lambda m: m["form"].update(isa="avx2"), "form.isa: Input should be 'vec' or 'amx'"),
+        (lambda m: m.pop("form"), "key form: missing"),
     ],
     ids=[
         "dtype",
@@ -322,7 +383,6 @@ def tensor(manifest, name):
         "checksums",
         "offset",
         "last_offset",
-        "record_bytes",
         "unaligned",
         "shape",
         "tensor_offset",
@@ -330,6 +390,8 @@ def tensor(manifest, name):
         "missing_layer",
         "renamed_layer",
         "unknown_dtype",
+        "unknown_isa",
+        "no_form",
     ],
 )
 def test_a_manifest_that_does_not_fit_the_model_is_refused_in_one_line(
@@ -396,11 +458,11 @@ def test_two_starts_making_one_pack_write_it_once(tmp_path, monkeypatch):
     result: dict = {}
     with PackLock(out).hold(exclusive=True, wait=False):  # the first start, writing
         second = threading.Thread(
-            target=lambda: result.update(pack=prepare_pack(str(out), str(MODEL)))
+            target=lambda: result.update(pack=prepare_pack(str(out), str(MODEL), FORM))
         )
         second.start()
         assert waiting.wait(60), "the second start did not wait for the first"
-        real_pack(MODEL, out, "disk.path", "disk")
+        real_pack(MODEL, out, FORM, "disk.path", "disk")
     second.join(60)
     assert writes == [] and result["pack"].manifest.layers
     assert sorted(p.name for p in out.iterdir()) == [".lock", "experts.bin", "manifest.json"]
@@ -421,7 +483,7 @@ def test_a_killed_write_is_recognised_and_written_over(tmp_path, capsys, leftove
         if tool == "pack":
             main(["pack", str(MODEL), "--out", str(out)])
         else:
-            prepare_pack(str(out), str(MODEL))
+            prepare_pack(str(out), str(MODEL), FORM)
         ExpertPack(out, model=MODEL)
         assert sorted(p.name for p in out.iterdir()) == [".lock", "experts.bin", "manifest.json"]
 
@@ -467,12 +529,11 @@ def test_a_full_disk_during_a_write_is_one_error_and_leaves_no_partial_file(
         main(["pack", str(MODEL), "--out", str(tmp_path / "pack")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "No space left on device" in err and "--out" in err
-    assert [line for line in err.splitlines() if not line.startswith("usage:")] == [
-        err.splitlines()[-1]
-    ]
+    usage_ends = next(i for i, line in enumerate(err.splitlines()) if "error:" in line)
+    assert err.splitlines()[usage_ends:] == [err.splitlines()[-1]]
     assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == [".lock"]
     with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*No space left"):
-        prepare_pack(str(tmp_path / "start"), str(MODEL))
+        prepare_pack(str(tmp_path / "start"), str(MODEL), FORM)
     assert sorted(p.name for p in (tmp_path / "start").iterdir()) == [".lock"]
 
 
@@ -499,13 +560,13 @@ def test_a_read_only_filesystem_is_one_error_when_writing_and_no_obstacle_when_r
         main(["pack", str(MODEL), "--out", str(readonly / "pack")])
     assert exit_.value.code == 2 and "Read-only file system" in capsys.readouterr().err
     with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*Read-only file system"):
-        prepare_pack(str(readonly / "pack"), str(MODEL))
+        prepare_pack(str(readonly / "pack"), str(MODEL), FORM)
     # A pack made elsewhere and mounted read-only is read without a lock file: no
     # writer can change it there.
     monkeypatch.undo()
     shutil.copytree(pack.path, readonly, ignore=shutil.ignore_patterns(".lock"))
     monkeypatch.setattr(os, "open", open_)
-    prepare_pack(str(readonly), str(MODEL))
+    prepare_pack(str(readonly), str(MODEL), FORM)
     disk = open_disk(str(readonly), str(MODEL), queue_depth=1, direct=False)
     assert not (readonly / ".lock").exists()
     disk.close()

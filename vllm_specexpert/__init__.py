@@ -33,8 +33,9 @@ its floor::
                         residency), loader (copies in flight), link/ (base, cpu, cuda),
                         host (experts computed on the host), staging (host <-> device),
                         disk (the disk tier: a layer's experts read from its pack),
-                        disk_reader (whole-record reads at a queue depth, O_DIRECT),
-                        expert_pack (the disk's expert-major file), pack_writer
+                        disk_reader (whole-tensor reads at a queue depth, O_DIRECT),
+                        kernel_form (experts as the kernel reads them), expert_pack
+                        (the disk's file, in the kernel's form), pack_writer
                         (writing a pack, atomically), pack_lock (a pack's lock: engines
                         shared, a writer alone), checkpoint_experts (one expert read
                         from a checkpoint), memory (what the sized tier has free)
@@ -78,7 +79,8 @@ its floor::
                         it
     10  layers/         vLLM adapter in the worker: routed_experts (the layer, the
                         custom op), slot_kernel (vLLM's kernel on slots), engines,
-                        packed_experts, model_classes (wiring after load),
+                        packed_experts, pack_form_check (the pack against the
+                        kernel), model_classes (wiring after load),
                         forward_phase, lookahead_driver (the draft's rounds),
                         router_free, final_tap, failed_requests (rows -> requests),
                         sizing (what budget sizing needs of vLLM's settings)

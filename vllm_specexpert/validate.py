@@ -333,6 +333,7 @@ def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
     refused by ``check_fits``)."""
     from vllm.platforms import current_platform
 
+    from vllm_specexpert.tiers.kernel_form import model_kernel_form
     from vllm_specexpert.tiers.pack_writer import prepare_pack
 
     assert config.disk is not None
@@ -343,7 +344,8 @@ def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
             "between the disk and the device is not built yet)",
             "remove disk",
         )
-    prepare_pack(config.disk.path, model_config.model)
+    form = model_kernel_form(model_config.dtype, current_platform.is_cpu())
+    prepare_pack(str(config.disk.path), model_config.model, form)
 
 
 def _check_estimator(config: SpecExpertConfig, model_config: Any) -> None:

@@ -43,6 +43,7 @@ from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.layers import failed_requests, lookahead_driver
 from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
+from vllm_specexpert.layers.pack_form_check import check_pack_form
 from vllm_specexpert.layers.packed_experts import (
     LOW_BIT_BITS,
     PackedDecoder,
@@ -52,7 +53,7 @@ from vllm_specexpert.layers.packed_experts import (
 )
 from vllm_specexpert.layers.slot_kernel import SlotKernel
 from vllm_specexpert.tiers.disk import Disk, DiskExperts
-from vllm_specexpert.tiers.store import FormDecoder, LayerExperts
+from vllm_specexpert.tiers.store import LayerExperts
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 """Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
@@ -255,8 +256,8 @@ class OffloadedRoutedExperts(RoutedExperts):
         if self._on_disk:
             disk = self.engine.store.disk
             assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
-            held = disk.record_of(self.layer_name).tensors[0].dtype  # (bf16 or fp16)
-            experts = disk.layer(self.layer_name, FormDecoder(held, form, slot_shapes))
+            experts = disk.layer(self.layer_name)
+            check_pack_form(self, experts, slot_shapes, self.checkpoint)
             decoder = None
         elif packed is None:
             experts = {name: getattr(self, name).data for name in slot_shapes}

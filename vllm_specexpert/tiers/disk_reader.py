@@ -1,11 +1,12 @@
-"""Whole-record reads from one file at a queue depth: the disk tier's I/O.
+"""Whole-tensor reads from one file at a queue depth: the disk tier's I/O.
 
-A record (one expert) is read in one piece into a page-aligned buffer by a pool of
+An expert's tensor is read in one piece, where it is to be used (a slot), by a pool of
 threads (``os.preadv`` releases the GIL). ``O_DIRECT`` where the filesystem takes it:
 a read costs what the disk costs and the engine's caches, not the page cache, decide
-what stays in memory. It needs aligned offsets, lengths and buffers (:data:`ALIGN`,
-anonymous mappings); elsewhere (tmpfs, some network filesystems) reads go through the
-page cache and :attr:`DiskFile.direct` says so.
+what stays in memory. It needs aligned offsets, lengths and memory (:data:`ALIGN`;
+:func:`aligned_empty` makes such memory); a read that is not aligned goes through a
+bounce buffer. Elsewhere (tmpfs, some network filesystems) reads go through the page
+cache and :attr:`DiskFile.direct` says so.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     """A zeroed ``uint8`` tensor of ``aligned(nbytes)`` bytes, page-aligned (anonymous mapping)."""
     region = mmap.mmap(-1, max(aligned(nbytes), ALIGN))
     return torch.frombuffer(region, dtype=torch.uint8)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor whose memory is page-aligned (as :func:`aligned_buffer`), so that
+    ``O_DIRECT`` reads land in it."""
+    count = 1
+    for n in shape:
+        count *= n
+    return aligned_buffer(count * dtype.itemsize)[: count * dtype.itemsize].view(dtype).view(shape)
 
 
 class DiskFile:
@@ -67,18 +77,39 @@ class DiskFile:
         os.close(self.fd)
         self.fd, self.direct = fd, True
 
+    def bounces(self, offset: int, length: int, address: int = 0) -> bool:
+        """Whether a read of ``length`` bytes at ``offset`` into memory at ``address`` goes
+        through a bounce buffer (``O_DIRECT`` and something unaligned)."""
+        return self.direct and bool((offset | length | address) % ALIGN)
+
+    @staticmethod
+    def bounce_nbytes(length: int) -> int:
+        """The bounce buffer of an unaligned read of ``length`` bytes (whole blocks
+        around it)."""
+        return aligned(length) + ALIGN
+
     def read_into(self, buffer: torch.Tensor, offset: int, length: int) -> None:
-        """Read ``length`` bytes at aligned ``offset`` into a large enough
-        :func:`aligned_buffer`; ``EOFError`` if the file ends before the record does."""
+        """Read ``length`` bytes at ``offset`` into the ``uint8`` tensor ``buffer`` (at
+        least that long); ``EOFError`` if the file ends before they do."""
+        if self.bounces(offset, length, buffer.data_ptr()):
+            start = offset - offset % ALIGN
+            bounce = aligned_buffer(self.bounce_nbytes(length))
+            self._read(bounce, start, aligned(offset + length) - start, offset + length)
+            buffer[:length].copy_(bounce[offset - start : offset - start + length])
+            return
+        self._read(buffer, offset, length, offset + length)
+
+    def _read(self, buffer: torch.Tensor, offset: int, length: int, ends: int) -> None:
+        """``length`` bytes at ``offset`` into ``buffer``; the data ends at ``ends`` (the
+        file may end after it, within the last aligned block)."""
         view = buffer.numpy().data
-        want = aligned(length) if self.direct else length
         done = 0
-        while done < length:
-            got = os.preadv(self.fd, [view[done:want]], offset + done)
+        while offset + done < ends:
+            got = os.preadv(self.fd, [view[done:length]], offset + done)
             if got == 0:
                 raise EOFError(
-                    f"{self.path}: ends at byte {offset + done}, inside a record that "
-                    f"ends at {offset + length}"
+                    f"{self.path}: ends at byte {offset + done}, inside a tensor that "
+                    f"ends at {ends}"
                 )
             done += got
 

@@ -1,12 +1,14 @@
-"""The expert pack: every routed expert of a model in one expert-major file, each expert
-one record at a 4 KiB-aligned offset, for whole-expert ``O_DIRECT`` reads
-(:mod:`.disk_reader`); :mod:`.pack_writer` writes it.
+"""The expert pack: every routed expert of a model in one file, in the expert kernel's
+form (:mod:`.kernel_form`), for whole-tensor reads that land where the kernel reads
+(:mod:`.disk_reader`) or for mapping the file and running the kernel on its pages;
+:mod:`.pack_writer` writes it.
 
-A directory: ``experts.bin`` (the records), ``manifest.json`` (renamed into place last:
-without it the pack is unfinished) and ``.lock`` (:mod:`.pack_lock`). The manifest names
-the checkpoint it was made from and, per layer, the records' layout and xxh3-64s
-(checked at every read). Records hold the checkpoint's layout, not a kernel's, so a pack
-is valid on every CPU (docs/design.md, "The disk tier").
+A directory: ``experts.bin`` (the tensors), ``manifest.json`` (renamed into place last:
+without it the pack is unfinished) and ``.lock`` (:mod:`.pack_lock`). Within a layer each
+expert tensor has one region, 4 KiB-aligned, of every expert's copy of it back to back:
+what the kernel takes as ``[num_experts, ...]``. The manifest names the checkpoint the
+pack was made from, the form (a CPU pack is for one ISA) and, per layer and tensor, the
+region and one xxh3-64 per expert (checked at every read; docs/design.md, "The disk tier").
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 import xxhash
@@ -25,46 +26,46 @@ from vllm_specexpert.artifacts import MANIFEST, MadeForModel, read_manifest
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts, TensorSpec
 from vllm_specexpert.tiers.disk_reader import ALIGN, aligned
+from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES, DTYPES, DtypeName, KernelForm
 
-PACK_FORMAT = "specexpert-expert-pack/2"
-"""/2: an xxh3-64 per record, checked at every read (/1 had a CRC-32 checked once)."""
+PACK_FORMAT = "specexpert-expert-pack/3"
+"""/3: the kernel's form, a region per tensor (/2: the checkpoint's layout, a record per
+expert, decoded on arrival)."""
 RECORDS_FILE = "experts.bin"
 MANIFEST_FILE = "manifest.json"
 FIELD = "disk.path"
 """The config key a pack is named by in errors."""
 REMAKE = "remove {path}: the plugin makes the pack again on the next start"
 
-DtypeName = Literal["bfloat16", "float16", "float32", "int32", "uint8", "int8", "float8_e4m3fn"]
-DTYPES: dict[DtypeName, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-"""Dtypes a record's tensors may have, by their name in the manifest."""
-TENSOR_ALIGN = 64
-"""Alignment of each tensor within a record (a cache line)."""
-
 
 class PackTensor(BaseModel):
+    """One expert tensor of a layer: its region in ``experts.bin``."""
+
     model_config = MANIFEST
 
     name: str
     offset: NonNegativeInt
-    """Byte offset within the record."""
+    """Where expert 0's copy starts in ``experts.bin`` (aligned); expert ``e``'s is
+    ``nbytes * e`` further."""
     shape: list[NonNegativeInt]
     """One expert's shape."""
     dtype: DtypeName
+    xxh3: list[NonNegativeInt]
+    """Per expert, the xxh3-64 of its copy."""
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one expert's copy."""
         count = 1
         for n in self.shape:
             count *= n
         return count * DTYPES[self.dtype].itemsize
+
+    def at(self, expert: int) -> int:
+        return self.offset + expert * self.nbytes
+
+    def spec(self) -> TensorSpec:
+        return self.name, tuple(self.shape), DTYPES[self.dtype]
 
 
 class PackLayer(BaseModel):
@@ -73,45 +74,40 @@ class PackLayer(BaseModel):
     name: str
     """vLLM layer name, e.g. ``model.layers.3.mlp.experts``."""
     num_experts: PositiveInt
-    offset: NonNegativeInt
-    """Where the layer's first record starts in ``experts.bin`` (aligned)."""
-    record_bytes: PositiveInt
-    """Bytes of one record (aligned; the tensors' bytes and padding)."""
     tensors: list[PackTensor]
-    xxh3: list[NonNegativeInt]
-    """Per expert, the xxh3-64 of its record's data (without the final padding)."""
 
     @model_validator(mode="after")
     def _extent(self) -> PackLayer:
-        if self.offset % ALIGN or self.record_bytes % ALIGN:
-            raise ValueError(f"{self.name}: offset and record_bytes must be multiples of {ALIGN}")
         if not self.tensors:
             raise ValueError(f"{self.name}: no tensors")
         end = 0
         for tensor in self.tensors:
+            if tensor.offset % ALIGN:
+                raise ValueError(f"{self.name}: {tensor.name}'s offset is not {ALIGN}-aligned")
             if tensor.offset < end:
                 raise ValueError(f"{self.name}: tensor {tensor.name} overlaps the one before")
-            end = tensor.offset + tensor.nbytes
-        if end > self.record_bytes:
-            raise ValueError(f"{self.name}: tensors end at {end}, past record_bytes")
-        if len(self.xxh3) != self.num_experts:
-            raise ValueError(
-                f"{self.name}: {len(self.xxh3)} checksums for {self.num_experts} experts"
-            )
+            if len(tensor.xxh3) != self.num_experts:
+                raise ValueError(
+                    f"{self.name}: {len(tensor.xxh3)} checksums of {tensor.name} for "
+                    f"{self.num_experts} experts"
+                )
+            end = tensor.offset + self.num_experts * tensor.nbytes
         return self
 
-    def record(self, expert: int) -> tuple[int, int]:
-        """``(offset, bytes with data)`` of ``expert``'s record."""
-        return self.offset + expert * self.record_bytes, self.data_bytes
+    @property
+    def offset(self) -> int:
+        return self.tensors[0].offset
 
     @property
-    def data_bytes(self) -> int:
-        last = self.tensors[-1]
-        return last.offset + last.nbytes
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert (its tensors)."""
+        return sum(t.nbytes for t in self.tensors)
 
     @property
     def end(self) -> int:
-        return self.offset + self.num_experts * self.record_bytes
+        """Where the next layer's regions may start (aligned)."""
+        last = self.tensors[-1]
+        return aligned(last.offset + self.num_experts * last.nbytes)
 
 
 class CheckpointFile(BaseModel):
@@ -128,6 +124,7 @@ class CheckpointFile(BaseModel):
 
 class PackManifest(MadeForModel):
     format: str
+    form: KernelForm
     checkpoint_files: list[CheckpointFile]
     layers: list[PackLayer]
     records_bytes: NonNegativeInt
@@ -182,24 +179,18 @@ def checkpoint_files(model_dir: str | Path) -> list[CheckpointFile]:
 def layer_layout(
     name: str, num_experts: int, offset: int, specs: Sequence[TensorSpec]
 ) -> PackLayer:
-    """The record layout of ``specs`` (``(name, shape, dtype)``), the one writer and reader
-    share (without checksums)."""
-    dtype_names = {dtype: key for key, dtype in DTYPES.items()}
-    entries, at = [], 0
+    """The regions of a layer of ``num_experts`` experts of tensors ``specs`` from
+    ``offset`` on, the one writer and reader share (without checksums)."""
+    entries, at = [], offset
     for key, shape, dtype in specs:
-        if dtype not in dtype_names:
+        if dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: tensor {key} has dtype {dtype}, not packable")
-        entry = PackTensor(name=key, offset=at, shape=list(shape), dtype=dtype_names[dtype])
+        entry = PackTensor(
+            name=key, offset=at, shape=list(shape), dtype=DTYPE_NAMES[dtype], xxh3=[]
+        )
         entries.append(entry)
-        at += -(-entry.nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
-    return PackLayer.model_construct(
-        name=name,
-        num_experts=num_experts,
-        offset=offset,
-        record_bytes=aligned(at),
-        tensors=entries,
-        xxh3=[],
-    )
+        at = aligned(at + num_experts * entry.nbytes)
+    return PackLayer.model_construct(name=name, num_experts=num_experts, tensors=entries)
 
 
 def checksum(data: memoryview | bytes) -> int:
@@ -207,9 +198,12 @@ def checksum(data: memoryview | bytes) -> int:
 
 
 class ExpertPack:
-    """A pack opened for reading, checked (and, given ``model``, against that checkpoint)."""
+    """A pack opened for reading, checked (and, given ``model`` and ``form``, against that
+    checkpoint and the form its kernel reads)."""
 
-    def __init__(self, path: str | Path, model: str | Path | None = None) -> None:
+    def __init__(
+        self, path: str | Path, model: str | Path | None = None, form: KernelForm | None = None
+    ) -> None:
         self.path = Path(path)
         self.fix = REMAKE.format(path=self.path)
         self.manifest = read_manifest(
@@ -222,8 +216,24 @@ class ExpertPack:
                 f"{self.path / RECORDS_FILE} has {size} bytes, its manifest says "
                 f"{self.manifest.records_bytes} (truncated or written over)"
             )
+        if form is not None:
+            self.check_form(form)
         if model is not None:
             self.check_made_from(model)
+
+    @property
+    def form(self) -> KernelForm:
+        return self.manifest.form
+
+    def check_form(self, form: KernelForm) -> None:
+        """Refuse a pack whose experts are not in ``form`` (made for another ISA, dtype or
+        kernel): the kernel would compute on them wrongly."""
+        if self.form != form:
+            raise self._error(
+                f"{self.path} holds experts in {self.form.describe()}; this machine's "
+                f"expert kernel reads {form.describe()} (a pack made on another machine, "
+                "or for another dtype)"
+            )
 
     def _error(self, problem: str) -> SpecExpertConfigError:
         return SpecExpertConfigError(FIELD, problem, self.fix)
@@ -258,7 +268,8 @@ class ExpertPack:
         this pack's manifest has them, and nothing else."""
         expected, offset = [], 0
         for name, count in source.layers():
-            layer = layer_layout(name, count, offset, source.tensor_specs(name))
+            specs = self.form.specs(source.tensor_specs(name))
+            layer = layer_layout(name, count, offset, specs)
             expected.append(layer)
             offset = layer.end
         have_names = [layer.name for layer in self.manifest.layers]
@@ -272,7 +283,7 @@ class ExpertPack:
             )
         for want in expected:
             have = self.layers[want.name]
-            for key in ("num_experts", "offset", "record_bytes"):
+            for key in ("num_experts", "offset"):
                 if getattr(have, key) != getattr(want, key):
                     raise self._error(
                         f"{self.path}: {want.name}'s {key} is {getattr(have, key)} in the "
@@ -281,7 +292,9 @@ class ExpertPack:
             have_tensors = {t.name: t for t in have.tensors}
             for tensor in want.tensors:
                 found = have_tensors.pop(tensor.name, None)
-                if found != tensor:
+                if found is None or found.model_dump(exclude={"xxh3"}) != tensor.model_dump(
+                    exclude={"xxh3"}
+                ):
                     got = "absent" if found is None else _described(found)
                     raise self._error(
                         f"{self.path}: {want.name}'s tensor {tensor.name} is {got} in the "
@@ -293,41 +306,37 @@ class ExpertPack:
                     f"({', '.join(have_tensors)})"
                 )
 
-    def unpack(self, layer: PackLayer, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One record's tensors, as views of ``buffer``."""
-        out = {}
-        for entry in layer.tensors:
-            raw = buffer[entry.offset : entry.offset + entry.nbytes]
-            out[entry.name] = raw.view(DTYPES[entry.dtype]).view(entry.shape)
-        return out
-
-    def check_record(self, layer: PackLayer, expert: int, buffer: torch.Tensor) -> None:
-        """Raise :class:`CorruptRecord` unless ``buffer``'s checksum is ``expert``'s."""
-        if checksum(buffer[: layer.data_bytes].numpy().data) != layer.xxh3[expert]:
+    def check_read(
+        self, layer: PackLayer, tensor: PackTensor, expert: int, data: memoryview
+    ) -> None:
+        """Raise :class:`CorruptRecord` unless ``data`` (``expert``'s copy of ``tensor``,
+        as read) has its checksum."""
+        if checksum(data) != tensor.xxh3[expert]:
             raise CorruptRecord(
-                f"{self.path / RECORDS_FILE}: {layer.name} expert {expert} does not match "
-                "its checksum (the file was changed or the disk returned bad data)"
+                f"{self.path / RECORDS_FILE}: {layer.name} expert {expert}'s {tensor.name} "
+                "does not match its checksum (the file was changed or the disk returned bad data)"
             )
 
     def verify(self, source: CheckpointExperts) -> list[str]:
-        """Compare every record with ``source``'s expert; what is wrong (empty: all good)."""
+        """Compare every expert with ``source``'s, in this pack's form; what is wrong
+        (empty: all good)."""
         problems = []
         with open(self.path / RECORDS_FILE, "rb", buffering=0) as f:
             for layer in self.manifest.layers:
-                buffer = torch.empty(layer.data_bytes, dtype=torch.uint8)
                 for expert in range(layer.num_experts):
-                    f.seek(layer.record(expert)[0])
-                    f.readinto(buffer.numpy().data)
-                    try:
-                        self.check_record(layer, expert, buffer)
-                    except CorruptRecord as corrupt:
-                        problems.append(str(corrupt))
-                        continue
-                    stored = self.unpack(layer, buffer)
-                    for name, tensor in source(layer.name, expert).items():
-                        if not torch.equal(stored[name].view(torch.uint8), _bytes(tensor)):
+                    want = self.form(source(layer.name, expert))
+                    for tensor in layer.tensors:
+                        buffer = torch.empty(tensor.nbytes, dtype=torch.uint8)
+                        f.seek(tensor.at(expert))
+                        f.readinto(buffer.numpy().data)
+                        try:
+                            self.check_read(layer, tensor, expert, buffer.numpy().data)
+                        except CorruptRecord as corrupt:
+                            problems.append(str(corrupt))
+                            continue
+                        if not torch.equal(buffer, _bytes(want[tensor.name])):
                             problems.append(
-                                f"{layer.name} expert {expert}: {name} differs from the "
+                                f"{layer.name} expert {expert}: {tensor.name} differs from the "
                                 "checkpoint's"
                             )
         return problems
@@ -338,11 +347,11 @@ def _described(tensor: PackTensor) -> str:
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(torch.uint8)
+    return tensor.contiguous().view(torch.uint8).reshape(-1)
 
 
 class CorruptRecord(OSError):
-    """A record read from a pack is not what was written there."""
+    """An expert tensor read from a pack is not what was written there."""
 
 
 __all__ = [
@@ -350,6 +359,7 @@ __all__ = [
     "CorruptRecord",
     "ExpertPack",
     "PackLayer",
+    "PackTensor",
     "checkpoint_files",
     "checksum",
     "layer_layout",

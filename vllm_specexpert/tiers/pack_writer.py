@@ -20,9 +20,7 @@ from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
-from vllm_specexpert.tiers.disk_reader import aligned
 from vllm_specexpert.tiers.expert_pack import (
-    DTYPES,
     FIELD,
     MANIFEST_FILE,
     PACK_FORMAT,
@@ -34,6 +32,7 @@ from vllm_specexpert.tiers.expert_pack import (
     checksum,
     layer_layout,
 )
+from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES, KernelForm
 from vllm_specexpert.tiers.pack_lock import LOCK_FILE, PackBusy, PackLock
 
 logger = init_logger(__name__)
@@ -45,7 +44,8 @@ OWN_FILES = frozenset(
 """Every file a pack directory may hold, finished or not."""
 
 PackSource = Callable[[str, int], Mapping[str, torch.Tensor]]
-"""``source(layer name, expert) -> tensor name -> one expert's tensor``."""
+"""``source(layer name, expert) -> tensor name -> one expert's tensor`` (the checkpoint's
+layout: the writer puts it in the pack's form)."""
 
 
 def is_pack_dir(path: Path) -> bool:
@@ -58,19 +58,26 @@ def write_pack(
     layers: Iterable[tuple[str, int]],
     source: PackSource,
     made_for: Mapping[str, object],
+    form: KernelForm,
 ) -> PackManifest:
-    """Write a pack of ``layers`` (``(name, num_experts)``) to ``out`` (lock held), one
-    expert at a time; ``made_for``: the manifest's model fields. On ``OSError`` the
-    partial files are removed."""
+    """Write a pack of ``layers`` (``(name, num_experts)``) in ``form`` to ``out`` (lock
+    held), one expert at a time; ``made_for``: the manifest's model fields. On ``OSError``
+    the partial files are removed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST_FILE
     manifest_path.unlink(missing_ok=True)  # (a pack being rewritten is never whole)
     records = out / (RECORDS_FILE + PARTIAL)
     try:
-        written, size = _write_records(records, layers, source)
+        written, size = _write_records(records, layers, source, form)
         manifest = PackManifest.model_validate(
-            {**made_for, "format": PACK_FORMAT, "layers": written, "records_bytes": size}
+            {
+                **made_for,
+                "format": PACK_FORMAT,
+                "form": form,
+                "layers": written,
+                "records_bytes": size,
+            }
         )
         os.replace(records, out / RECORDS_FILE)
         write_manifest(out, manifest)
@@ -95,13 +102,15 @@ def write_manifest(out: Path, manifest: PackManifest) -> None:
         raise
 
 
-def verify_pack(path: str | Path, model: str | Path) -> tuple[ExpertPack, list[str]]:
+def verify_pack(
+    path: str | Path, model: str | Path, form: KernelForm
+) -> tuple[ExpertPack, list[str]]:
     """:meth:`~.expert_pack.ExpertPack.verify` holding the pack alone; when all match,
     record the checkpoint's files as they are now (so a copied or touched checkpoint is
     accepted). Returns the pack and what differs."""
     target = Path(path)
     with _writing(target, FIELD), PackLock(target).hold(exclusive=True, wait=False):
-        pack = ExpertPack(target)
+        pack = ExpertPack(target, form=form)
         source = CheckpointExperts(model)
         pack.check_layout(source)
         problems = pack.verify(source)
@@ -116,41 +125,40 @@ def verify_pack(path: str | Path, model: str | Path) -> tuple[ExpertPack, list[s
 
 
 def _write_records(
-    path: Path, layers: Iterable[tuple[str, int]], source: PackSource
+    path: Path, layers: Iterable[tuple[str, int]], source: PackSource, form: KernelForm
 ) -> tuple[list[PackLayer], int]:
     written: list[PackLayer] = []
+    offset = 0
     with open(path, "wb") as f:
         for name, num_experts in layers:
             layer: PackLayer | None = None
             for expert in range(num_experts):
-                tensors = {k: t.contiguous() for k, t in source(name, expert).items()}
+                tensors = form(source(name, expert))
                 if layer is None:
                     specs = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
-                    layer = layer_layout(name, num_experts, f.tell(), specs)
-                data = _record_bytes(name, expert, layer, tensors)
-                layer.xxh3.append(checksum(data))
-                f.write(data)
-                f.write(bytes(layer.record_bytes - len(data)))
+                    layer = layer_layout(name, num_experts, offset, specs)
+                _check_shapes(name, expert, layer, tensors)
+                for entry in layer.tensors:
+                    data = tensors[entry.name].view(torch.uint8).reshape(-1).numpy().data
+                    entry.xxh3.append(checksum(data))
+                    f.seek(entry.at(expert))
+                    f.write(data)
             if layer is not None:
                 written.append(PackLayer.model_validate(layer.model_dump()))
+                offset = layer.end
+        f.truncate(offset)  # (the last region's alignment padding)
         f.flush()
         os.fsync(f.fileno())
-        return written, f.tell()
+        return written, offset
 
 
-def _record_bytes(
+def _check_shapes(
     name: str, expert: int, layer: PackLayer, tensors: Mapping[str, torch.Tensor]
-) -> bytes:
-    """One expert's record without its final padding (tensors at their offsets)."""
-    want = {t.name: (t.shape, DTYPES[t.dtype]) for t in layer.tensors}
-    found = {k: (list(t.shape), t.dtype) for k, t in tensors.items()}
+) -> None:
+    want = {t.name: (t.shape, t.dtype) for t in layer.tensors}
+    found = {k: (list(t.shape), DTYPE_NAMES.get(t.dtype)) for k, t in tensors.items()}
     if found != want:
         raise ValueError(f"{name} expert {expert}: tensors {found}, the layer's are {want}")
-    data = bytearray(layer.data_bytes)
-    for entry in layer.tensors:
-        raw = tensors[entry.name].view(torch.uint8).reshape(-1).numpy().tobytes()
-        data[entry.offset : entry.offset + len(raw)] = raw
-    return bytes(data)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -162,17 +170,23 @@ def _fsync_dir(path: Path) -> None:
 
 
 def pack_checkpoint(
-    model: str | Path, target: str | Path, out_field: str = FIELD, model_field: str = "disk"
+    model: str | Path,
+    target: str | Path,
+    form: KernelForm,
+    out_field: str = FIELD,
+    model_field: str = "disk",
 ) -> PackManifest:
-    """Write ``model``'s pack to ``target`` holding its lock alone (no waiting:
+    """Write ``model``'s pack in ``form`` to ``target`` holding its lock alone (no waiting:
     :class:`~.pack_lock.PackBusy`). Refusals (unreadable checkpoint, too little room,
     unwritable directory) are config errors naming ``model_field`` or ``out_field``."""
     target = Path(target)
     with _writing(target, out_field), PackLock(target).hold(exclusive=True, wait=False):
-        return _pack(model, target, out_field, model_field)
+        return _pack(model, target, form, out_field, model_field)
 
 
-def _pack(model: str | Path, target: Path, out_field: str, model_field: str) -> PackManifest:
+def _pack(
+    model: str | Path, target: Path, form: KernelForm, out_field: str, model_field: str
+) -> PackManifest:
     try:
         source = CheckpointExperts(model)
     except ValueError as error:
@@ -182,7 +196,9 @@ def _pack(model: str | Path, target: Path, out_field: str, model_field: str) -> 
         raise SpecExpertConfigError(
             model_field, f"{model}: no routed expert tensors found", "give an MoE checkpoint"
         )
-    need = sum(count * aligned(source.expert_nbytes(name)) for name, count in layers)
+    need = 0
+    for name, count in layers:
+        need = layer_layout(name, count, need, form.specs(source.tensor_specs(name))).end
     old = [target / RECORDS_FILE, target / (RECORDS_FILE + PARTIAL)]
     free = shutil.disk_usage(target).free + sum(p.stat().st_size for p in old if p.exists())
     if need > free:
@@ -200,6 +216,7 @@ def _pack(model: str | Path, target: Path, out_field: str, model_field: str) -> 
             "model_fingerprint": model_fingerprint(model),
             "checkpoint_files": checkpoint_files(model),
         },
+        form,
     )
 
 
@@ -222,9 +239,10 @@ def _writing(target: Path, field: str) -> Iterator[None]:
         ) from None
 
 
-def prepare_pack(path: str, model: str) -> ExpertPack:
-    """The pack at ``path`` for ``model``: checked if whole, else made. Runs where the
-    engine config is built, before any worker; waits for another process writing it."""
+def prepare_pack(path: str, model: str, form: KernelForm) -> ExpertPack:
+    """The pack at ``path`` for ``model`` in ``form``: checked if whole, else made. Runs
+    where the engine config is built, before any worker; waits for another process
+    writing it."""
     target = Path(path)
     if not Path(model, "config.json").is_file():
         raise SpecExpertConfigError(
@@ -241,18 +259,18 @@ def prepare_pack(path: str, model: str) -> ExpertPack:
         )
     if (target / MANIFEST_FILE).is_file():
         with _waiting(target, exclusive=False):
-            return ExpertPack(target, model=model)
+            return ExpertPack(target, model=model, form=form)
     with _writing(target, FIELD), _waiting(target, exclusive=True):
         if not (target / MANIFEST_FILE).is_file():  # (another start may have made it)
             logger.info("specexpert: writing the expert pack of %s to %s", model, target)
             started = time.perf_counter()
-            manifest = _pack(model, target, FIELD, "disk")
+            manifest = _pack(model, target, form, FIELD, "disk")
             logger.info(
                 "specexpert: expert pack written: %.2f GB in %.1f s",
                 manifest.records_bytes / 1e9,
                 time.perf_counter() - started,
             )
-        return ExpertPack(target, model=model)
+        return ExpertPack(target, model=model, form=form)
 
 
 @contextmanager

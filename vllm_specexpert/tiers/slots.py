@@ -16,6 +16,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
+from vllm_specexpert.tiers.disk_reader import aligned_empty
 from vllm_specexpert.tiers.eviction import EvictionPolicy
 from vllm_specexpert.tiers.link import Transfer
 from vllm_specexpert.tiers.store import ExpertSource
@@ -81,12 +82,17 @@ class SlotPool:
         self._shares.append(share)
         return len(self.caches) - 1
 
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A slot tensor: on the host page-aligned, so that the disk's reads land in it."""
+        if self.device.type == "cpu":
+            return aligned_empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
     def allocate(self) -> None:
         total = sum(self._shares)
         shapes = self.caches[0].experts.slot_shapes
         self.tensors = {
-            key: torch.empty((total, *shape), dtype=dtype, device=self.device)
-            for key, (shape, dtype) in shapes.items()
+            key: self._empty((total, *shape), dtype) for key, (shape, dtype) in shapes.items()
         }
         self.owner = np.full(total, -1, dtype=np.int32)
         self.in_flight.clear()

@@ -10,7 +10,6 @@ of each. Quantized experts stay packed here and in transit: the layer's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -185,25 +184,6 @@ class OpenPack(Protocol):
     def reset_stats(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-class FormDecoder:
-    """Experts held in the checkpoint's layout (an expert pack's bf16) -> what a slot
-    holds: the kernel's runtime form (``form``, the layer's post-processing), made on
-    arrival."""
-
-    def __init__(
-        self,
-        name: str,
-        form: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-        slot_shapes: SlotShapes,
-    ) -> None:
-        self.name = name
-        self.form = form
-        self.slot_shapes = slot_shapes
-
-    def __call__(self, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.form(packed)
 
 
 @dataclass

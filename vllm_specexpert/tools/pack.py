@@ -1,14 +1,17 @@
-"""Write the expert pack of a checkpoint: every routed expert in one expert-major,
-4 KiB-aligned file that the disk tier reads whole experts from.
+"""Write the expert pack of a checkpoint: every routed expert in one file, in the form the
+expert kernel reads (on the CPU build, this machine's prepacked layout), that the disk
+tier reads experts from.
 
-    specexpert pack MODEL --out DIR
+    specexpert pack MODEL --out DIR [--dtype DTYPE] [--isa vec|amx]
 
 ``MODEL``: a bf16 (or fp16/fp32) safetensors checkpoint whose experts are stored one
 tensor per projection (Qwen2/3-MoE, OLMoE, DeepSeek-V2, Mixtral). ``DIR``: new, empty, or
 a pack written before, whole or interrupted (rewritten); apart from ``MODEL``; on a
 filesystem with room for the pack (checked before any work); not in use by an engine
-(refused, naming its process). ``--verify`` writes nothing: it reads the whole
-checkpoint and the whole pack and checks that every record holds its expert.
+(refused, naming its process). ``--dtype``: the dtype the model is served in (default:
+the checkpoint's). ``--isa``: the CPU kernel's layout for another machine (default: this
+machine's; an engine refuses a pack of another ISA). ``--verify`` writes nothing: it
+reads the whole checkpoint and the whole pack and checks that every expert is there.
 
 Experts are read one at a time from the checkpoint and written as they come: memory use
 stays at one expert whatever the model's size. Prints what it wrote and how fast.
@@ -17,10 +20,15 @@ stays at one expert whatever the model's size. Prints what it wrote and how fast
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
+
+import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.tiers.kernel_form import KernelForm, model_kernel_form
 from vllm_specexpert.tiers.pack_lock import PackBusy
 from vllm_specexpert.tiers.pack_writer import is_pack_dir, pack_checkpoint, verify_pack
 from vllm_specexpert.tools.arguments import (
@@ -34,6 +42,16 @@ from vllm_specexpert.tools.arguments import (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=bf16_model_dir, help="checkpoint directory")
     parser.add_argument("--out", required=True, help="pack directory to write")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="the dtype the model is served in (default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--isa",
+        choices=["vec", "amx"],
+        help="the CPU kernel's layout to write (default: this machine's)",
+    )
     parser.add_argument(
         "--verify",
         action="store_true",
@@ -49,7 +67,9 @@ def run(args: argparse.Namespace) -> None:
     check_apart(args.model, out, "--out")
     start = time.perf_counter()
     try:
-        manifest = pack_checkpoint(args.model, out, out_field="--out", model_field="model")
+        manifest = pack_checkpoint(
+            args.model, out, form_of(args), out_field="--out", model_field="model"
+        )
     except SpecExpertConfigError as error:  # (checked before anything is written)
         raise UsageError(error.field_name, f"{error.problem}; {error.fix}") from None
     except PackBusy as busy:
@@ -65,12 +85,24 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
+def form_of(args: argparse.Namespace) -> KernelForm:
+    """The form to write: the kernel's on this build, for the dtype asked or the
+    checkpoint's."""
+    from vllm.platforms import current_platform
+
+    name = args.dtype
+    if name is None:
+        config = json.loads(Path(args.model, "config.json").read_text())
+        name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    return model_kernel_form(getattr(torch, name), current_platform.is_cpu(), args.isa)
+
+
 def verify(args: argparse.Namespace) -> None:
     """Every record of the pack at ``--out`` read and compared with the checkpoint's
     expert; exit 1 naming each one that differs."""
     start = time.perf_counter()
     try:
-        pack, problems = verify_pack(args.out, args.model)
+        pack, problems = verify_pack(args.out, args.model, form_of(args))
     except SpecExpertConfigError as error:
         raise UsageError("--out", f"{error.problem}; {error.fix}") from None
     except PackBusy as busy:
