@@ -417,10 +417,10 @@ def disk_engine(args, work: Path, budget: float | str, **settings):
 
 
 def phase_plugin(args, work: Path) -> dict:
-    import vllm_specexpert
-    from vllm_specexpert.config import SpecExpertConfigError
     import torch
 
+    import vllm_specexpert
+    from vllm_specexpert.config import SpecExpertConfigError
     from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
     from vllm_specexpert.tiers.pack_writer import pack_checkpoint
 

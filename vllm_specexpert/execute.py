@@ -262,6 +262,7 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
         finally:
             cache.in_use[experts] = False
     kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.host_ids)
+    cache.pool.readable(kernel_ids)
     out = call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1

@@ -216,6 +216,24 @@ def _check_disk(config: Settings) -> None:
             raise SpecExpertConfigError(
                 field, f"does not combine with disk: {why}", "remove one of the two"
             )
+    if config.disk.residency != "mapped":
+        return
+    mapped = [
+        (config.miss_policy != "fetch", "miss_policy", f"'{config.miss_policy}'"),
+        (config.predictor != "none", "predictor", f"'{config.predictor}'"),
+        (config.path_predictor is not None, "path_predictor", "a path predictor"),
+        (config.cache_spec.shared_pool, "cache", f"'{config.cache}'"),
+    ]
+    for refused, field, what in mapped:
+        if refused:
+            raise SpecExpertConfigError(
+                field,
+                f"{what} does not combine with disk.residency 'mapped': every expert is "
+                "addressable in the mapping, the page cache decides what is in memory, so "
+                "there is no miss to decide on and no slot to load ahead (predictions as "
+                "page hints are not built)",
+                "remove it, or use disk.residency 'slots'",
+            )
 
 
 def _policies_with_output(output: str) -> str:

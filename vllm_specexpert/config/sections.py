@@ -159,6 +159,14 @@ class DiskConfig:
     filesystem refuses it, reads go through the page cache and the start line says so;
     ``false`` asks for the page cache."""
 
+    residency: Literal["slots", "mapped"] = "slots"
+    """Where experts read from the pack are kept for the kernel. ``slots`` (default): in
+    the slots of ``budget``, read there whole. ``mapped``: the pack's file is mapped and
+    the kernel reads its pages; the page cache is the cache (all the memory the process
+    leaves free; ``budget`` sizes nothing), with ``fetch`` and no predictor or shared
+    pool. Where the filesystem or kernel refuses the mapping, the slots are used and the
+    start line says so."""
+
 
 @dataclass(config=STRICT)
 class MeshConfig:

@@ -68,6 +68,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
                 vllm_config.model_config.model,
                 config.disk.queue_depth,
                 config.disk.direct,
+                mapped=config.disk.residency == "mapped",
             )
         _TARGET = weakref.ref(engine)
     engine.budget.sizing = sizing_settings(vllm_config)

@@ -20,6 +20,7 @@ from vllm_specexpert.layers.packed_experts import runtime_form
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
 from vllm_specexpert.tiers.disk import DiskExperts
 from vllm_specexpert.tiers.expert_pack import FIELD
+from vllm_specexpert.tiers.mapped import MappedExperts
 from vllm_specexpert.tiers.store import SlotShapes
 
 _PROVEN: set[str] = set()
@@ -27,12 +28,12 @@ _PROVEN: set[str] = set()
 
 
 def check_pack_form(
-    layer: Any, experts: DiskExperts, slot_shapes: SlotShapes, checkpoint: str
+    layer: Any, experts: DiskExperts | MappedExperts, slot_shapes: SlotShapes, checkpoint: str
 ) -> None:
     """Refuse the pack of ``experts`` unless its tensors are what ``layer``'s kernel
     reads: the same shapes and dtypes as the layer's slots, the kernel's ISA, and (once
     per pack) the bytes of expert 0 as vLLM would make them from ``checkpoint``."""
-    pack = experts.disk.pack
+    pack = experts.pack
     form = pack.form
     kernel_isa = getattr(layer.slot_kernel.direct_experts(), "isa", None)
     problem = None

@@ -53,6 +53,7 @@ from vllm_specexpert.layers.packed_experts import (
 )
 from vllm_specexpert.layers.slot_kernel import SlotKernel
 from vllm_specexpert.tiers.disk import Disk, DiskExperts
+from vllm_specexpert.tiers.mapped import MappedExperts
 from vllm_specexpert.tiers.store import LayerExperts
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
@@ -252,7 +253,7 @@ class OffloadedRoutedExperts(RoutedExperts):
             if hasattr(self, name)
         }
         form = functools.partial(runtime_form, self)
-        experts: dict[str, torch.Tensor] | DiskExperts
+        experts: dict[str, torch.Tensor] | DiskExperts | MappedExperts
         if self._on_disk:
             disk = self.engine.store.disk
             assert isinstance(disk, Disk)  # (opened with the engine when the config has one)

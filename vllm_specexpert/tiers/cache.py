@@ -34,6 +34,9 @@ class ExpertCache:
         pool: SlotPool | None = None,
     ):
         num_experts = experts.num_experts
+        own = experts.kernel_pool(device) if pool is None else None
+        if own is not None:  # every expert where the kernel reads it: no budget of slots
+            num_slots = num_experts
         if not top_k <= num_slots <= num_experts:
             raise ValueError(
                 f"{experts.name}: need top_k ({top_k}) <= slots ({num_slots}) <= "
@@ -48,7 +51,7 @@ class ExpertCache:
         self.policy = CACHE_CLASSES[policy](num_experts, num_slots, top_k)
         self.rotating_slots = num_slots - int(self.policy.pinned.sum())
         """Slots never held by a pinned expert: any batch of this many experts fits."""
-        self.pool = pool if pool is not None else LayerSlotPool(device)
+        self.pool = pool or own or LayerSlotPool(device)
         self.index = self.pool.join(self, num_slots)
         self.slot_expert = np.zeros(0, dtype=np.int64)
         """Pool slot -> this layer's expert in it, -1 for none."""
@@ -67,8 +70,9 @@ class ExpertCache:
         """``int32 [E]`` id -> slot map on the device; ``None``: mapped on the host."""
         self._map_dirty = np.zeros(num_experts, dtype=bool)
         self.identity = False
-        """Every expert sits in the slot of its own id (an own pool holding them all);
-        an eviction ends it."""
+        """Every expert sits in the slot of its own id (an own pool holding them all)
+        and the kernel reads it as it is (not a mapped pack's pages, made readable
+        first); an eviction ends it."""
         if pool is None:
             self.pool.allocate()
 
@@ -81,7 +85,9 @@ class ExpertCache:
         self.experts.copy_into(
             np.arange(count), np.arange(offset, offset + count), self.slots, device
         )
-        self.identity = count == self.num_experts and not self.pool.shared
+        self.identity = (
+            count == self.num_experts and not self.pool.shared and self.pool.readable_as_is
+        )
 
     @property
     def slots(self) -> dict[str, torch.Tensor]:

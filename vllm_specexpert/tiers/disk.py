@@ -30,6 +30,7 @@ from vllm_specexpert.tiers.expert_pack import (
     PackTensor,
 )
 from vllm_specexpert.tiers.kernel_form import DTYPES
+from vllm_specexpert.tiers.mapped import MappedExperts, MappedPack, MappingRefused
 from vllm_specexpert.tiers.pack_lock import PackBusy, PackLock
 from vllm_specexpert.tiers.store import (
     ExpertDecoder,
@@ -55,26 +56,49 @@ class DiskStats:
 
 
 class Disk:
-    """The pack one engine reads experts from, and its reader."""
+    """The pack one engine reads experts from, its reader and, for the mapped residency,
+    its mapping."""
 
     def __init__(
-        self, pack: ExpertPack, depth: int, direct: bool = True, lock: PackLock | None = None
+        self,
+        pack: ExpertPack,
+        depth: int,
+        direct: bool = True,
+        lock: PackLock | None = None,
+        mapped: bool = False,
     ) -> None:
         self.pack = pack
         self.lock = lock
         self.reader = DiskReader(DiskFile(pack.path / RECORDS_FILE, direct=direct), depth)
         self.stats = DiskStats()
         self._lock = threading.Lock()
+        self.mapping: MappedPack | None = None
+        """The mapped residency's mapping (``None``: slots)."""
+        self.mapping_refused: str | None = None
+        """Why the mapping asked for was not made (the slots are used instead)."""
+        if mapped:
+            try:
+                self.mapping = MappedPack(pack)
+            except MappingRefused as refused:
+                self.mapping_refused = str(refused)
+                logger.warning(
+                    "specexpert: disk.residency 'mapped' refused, using slots: %s", refused
+                )
 
     @property
     def direct(self) -> bool:
         return self.reader.file.direct
 
     def where(self) -> str:
+        if self.mapping is not None:
+            return f"on disk ({self.pack.path}, mapped: the page cache is the cache)"
         how = "O_DIRECT" if self.direct else "through the page cache"
-        return f"on disk ({self.pack.path}, {how}, queue depth {self.reader.depth})"
+        refused = f"; mapping refused: {self.mapping_refused}" if self.mapping_refused else ""
+        return f"on disk ({self.pack.path}, {how}, queue depth {self.reader.depth}{refused})"
 
-    def layer(self, name: str) -> DiskExperts:
+    def layer(self, name: str) -> DiskExperts | MappedExperts:
+        if self.mapping is not None:
+            return MappedExperts(self.mapping, self.record_of(name))
         return DiskExperts(self, self.record_of(name))
 
     def record_of(self, name: str) -> PackLayer:
@@ -133,12 +157,26 @@ class Disk:
         with self._lock:
             self.stats = DiskStats()
         self.reader.stats.reset()
+        if self.mapping is not None:
+            self.mapping.reset_stats()
 
     def stats_dict(self) -> dict:
-        """``busy``: time with at least one read in flight."""
+        """``busy``: time with at least one read in flight. Mapped: what launches had
+        populated (tensors with pages outside the page cache, their bytes, the wait)."""
+        if self.mapping is not None:
+            mapped = self.mapping.stats
+            return {
+                "path": str(self.pack.path),
+                "residency": "mapped",
+                "populated": mapped.populated,
+                "bytes": mapped.bytes,
+                "wait_s": mapped.wait_s,
+                "failed": mapped.failed,
+            }
         stats, reader = self.stats, self.reader.stats
         return {
             "path": str(self.pack.path),
+            "residency": "slots",
             "direct": self.direct,
             "queue_depth": self.reader.depth,
             "reads": stats.reads,
@@ -153,6 +191,8 @@ class Disk:
 
     def close(self) -> None:
         self.reader.close()
+        if self.mapping is not None:
+            self.mapping.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -163,6 +203,7 @@ class DiskExperts(SlotForm):
     def __init__(self, disk: Disk, layer: PackLayer) -> None:
         self.decoder: ExpertDecoder | None = None  # (the pack holds the kernel's form)
         self.disk = disk
+        self.pack = disk.pack
         self.record = layer
         self.name = layer.name
         self.num_experts = layer.num_experts
@@ -213,7 +254,7 @@ class DiskExperts(SlotForm):
         self.disk.read(self.record, np.asarray(experts), destinations, slots.tolist())
 
 
-def open_disk(path: str, model: str, queue_depth: int, direct: bool) -> Disk:
+def open_disk(path: str, model: str, queue_depth: int, direct: bool, mapped: bool = False) -> Disk:
     """The pack, locked shared while read (a ``specexpert pack`` meanwhile is refused)
     and checked again (the caller's check may be old), with a reader."""
     lock = PackLock(path)
@@ -224,7 +265,7 @@ def open_disk(path: str, model: str, queue_depth: int, direct: bool) -> Disk:
             FIELD, f"{busy}, which is writing it", "wait for it to finish, then start again"
         ) from None
     try:
-        return Disk(ExpertPack(path, model=model), queue_depth, direct, lock)
+        return Disk(ExpertPack(path, model=model), queue_depth, direct, lock, mapped)
     except BaseException:
         lock.release()
         raise

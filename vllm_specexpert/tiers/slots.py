@@ -48,6 +48,8 @@ class SlotPool:
     shared one) makes the tensors and warm-starts each cache in its share."""
 
     shared: ClassVar[bool] = False
+    readable_as_is: ClassVar[bool] = True
+    """The kernel may read a slot as it is; ``False``: :meth:`readable` first."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -113,6 +115,10 @@ class SlotPool:
 
     def free_slots(self) -> np.ndarray:
         return np.flatnonzero(self.owner < 0)
+
+    def readable(self, slots: torch.Tensor) -> None:
+        """Before a launch reads ``slots`` (the kernel's slot ids): what they hold is
+        readable (here always; a mapped pack's pages are read in)."""
 
     def victims(
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -99,7 +99,13 @@ class ExpertSource(Protocol):
 
     def copy_seconds(self) -> float:
         """Expected seconds of one expert's copy into a slot, learned from this tier's
-        real copies (a memcpy from RAM, a read and decode from disk)."""
+        real copies (a memcpy from RAM, a read from disk)."""
+        ...
+
+    def kernel_pool(self, device: torch.device) -> Any:
+        """The slot pool of this layer's cache when the kernel reads the experts where
+        this tier holds them (a mapped pack: :class:`~.mapped.MappedPool`); ``None``:
+        slots the experts are copied into."""
         ...
 
     def copied(self, nbytes: int, seconds: float) -> None:
@@ -124,6 +130,9 @@ class SlotForm:
 
     def copy_seconds(self) -> float:
         return self.expert_nbytes * self.seconds_per_byte
+
+    def kernel_pool(self, device: torch.device) -> Any:
+        return None
 
     def held_shapes(self) -> SlotShapes:
         """One expert's tensors as this tier holds them."""

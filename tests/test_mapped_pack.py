@@ -1,0 +1,164 @@
+"""The mapped residency under the engine, without vLLM: toy layers written to a pack in
+the checkpoint's layout (the reference kernel's), the file mapped and the kernel run on
+its pages. Exact against the reference at every batch and in prefill, with no slot
+memory of its own; pages outside the page cache counted when a launch reads them in; a
+file truncated under the engine fails only the rows that needed what is gone (an error
+of the call, never a SIGBUS), and the engine reads them again once the file is whole."""
+
+import errno
+import os
+
+import pytest
+import torch
+from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
+
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.phases import PassPhases
+from vllm_specexpert.tiers import mapped
+from vllm_specexpert.tiers.disk import Disk
+from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack
+from vllm_specexpert.tiers.kernel_form import KernelForm
+from vllm_specexpert.tiers.pack_writer import write_pack
+
+NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+LAYERS = {name: random_layer(hidden=64, inter=32, seed=i) for i, name in enumerate(NAMES)}
+"""Each expert's w13 8 KiB and w2 4 KiB: whole pages."""
+MAPPED = {"budget": 0.25, "disk": {"path": "unused", "residency": "mapped"}}
+
+
+@pytest.fixture
+def pack(tmp_path) -> ExpertPack:
+    write_pack(
+        tmp_path / "pack",
+        [(name, 16) for name in NAMES],
+        lambda name, e: {k: t[e] for k, t in LAYERS[name].items()},
+        {"model": "toy", "checkpoint_files": []},
+        KernelForm(layout="checkpoint", dtype="bfloat16"),
+    )
+    return ExpertPack(tmp_path / "pack")
+
+
+@pytest.fixture
+def engine(pack):
+    engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
+    engine.store.disk = Disk(pack, depth=2, mapped=True)
+    assert engine.store.disk.mapping is not None, engine.store.disk.mapping_refused
+    for index, name in enumerate(NAMES):
+        engine.add_layer(name, engine.store.disk.layer(name), top_k=4, index=index)
+    engine.start()
+    yield engine
+    engine.close()
+
+
+def call(engine, name, x, w, ids, phases):
+    return engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, phases))
+
+
+def drop_page_cache(pack: ExpertPack, name: str) -> bool:
+    """Drop the pack's pages from the page cache; whether layer ``name``'s are gone (not
+    on tmpfs). Asked more than once: pages still in a per-CPU batch are dropped at a
+    later call."""
+    fd = os.open(pack.path / RECORDS_FILE, os.O_RDONLY)
+    probe = Disk(pack, depth=1, mapped=True)  # (maps page 0, and the pages around it)
+    assert probe.mapping is not None
+    layer = pack.layers[name]
+    start = layer.offset
+    try:
+        for _ in range(3):
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if probe.mapping._missing_bytes(start, layer.end - start) == layer.end - start:
+                return True
+        return False
+    finally:
+        os.close(fd)
+        probe.close()
+
+
+def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack):
+    mapping = engine.store.disk.mapping
+    start, end = mapping.address, mapping.address + pack.manifest.records_bytes
+    for name in NAMES:
+        cache = engine.layers[name].cache
+        assert cache.num_slots == 16  # every expert, whatever the budget
+        for tensor in cache.slots.values():  # no memory of its own: the mapping's pages
+            assert start <= tensor.data_ptr() < end
+    for step, tokens in enumerate([1, 1, 3, 8, 1]):
+        for name in NAMES:
+            x, w, ids = random_routing(tokens, 16, 4, hidden=64, seed=step)
+            out = call(engine, name, x, w, ids, PassPhases.decode_only(tokens))
+            assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    x, w, ids = random_routing(40, 16, 4, hidden=64, seed=9)  # a prefill: every expert
+    out = call(engine, NAMES[1], x, w, ids, PassPhases.prefill_only(40))
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[NAMES[1]].values()))
+    stats = engine.stats()
+    assert stats["disk"]["residency"] == "mapped" and stats["disk"]["failed"] == 0
+    assert "mapped: the page cache is the cache" in engine.summary()
+
+
+def test_pages_outside_the_page_cache_are_read_in_and_counted(engine, pack):
+    name = NAMES[1]
+    if not drop_page_cache(pack, name):
+        print("the filesystem keeps the pack's pages (tmpfs?): nothing to count")
+        pytest.skip("the pack's pages cannot be dropped from the page cache here")
+    x, w, _ = random_routing(1, 16, 4, hidden=64, seed=0)
+    ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(1))
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    disk = engine.stats()["disk"]
+    assert disk["populated"] == 8  # 4 experts x 2 tensors
+    assert disk["bytes"] == 4 * (8192 + 4096)
+    call(engine, name, x, w, ids, PassPhases.decode_only(1))  # present now
+    assert engine.stats()["disk"]["populated"] == 8
+
+
+def test_a_truncated_file_fails_only_the_rows_that_needed_what_is_gone(engine, pack):
+    name = NAMES[1]
+    records = (pack.path / RECORDS_FILE).read_bytes()
+    w2 = pack.layers[name].tensors[1]
+    os.truncate(pack.path / RECORDS_FILE, w2.at(8))  # layer 1's w2 of experts 8.. gone
+    x, w, _ = random_routing(4, 16, 4, hidden=64, seed=0)
+    ids = torch.tensor(
+        [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [0, 12, 5, 6]], dtype=torch.int32
+    )
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(4))  # (a SIGBUS kills pytest)
+    gone = torch.where(ids >= 8, 0.0, w)
+    assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
+    assert engine.unreadable.take() == [1, 3]
+    assert engine.stats()["disk"]["failed"] >= 4
+    (pack.path / RECORDS_FILE).write_bytes(records)  # whole again: read and exact
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(4))
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    assert engine.unreadable.take() == []
+
+
+def test_a_refused_mapping_falls_back_to_the_slots_and_says_so(pack, monkeypatch):
+    def refuse(address, length, advice):
+        return -1
+
+    monkeypatch.setattr(mapped._libc, "madvise", refuse)
+    monkeypatch.setattr(mapped.ctypes, "get_errno", lambda: errno.EINVAL)
+    disk = Disk(pack, depth=2, mapped=True)
+    assert disk.mapping is None
+    assert "mapping refused: the kernel does not populate mapped pages" in disk.where()
+    assert type(disk.layer(NAMES[0])).__name__ == "DiskExperts"
+    assert disk.stats_dict()["residency"] == "slots"
+    disk.close()
+
+
+@pytest.mark.parametrize(
+    "setting, field",
+    [
+        ({"miss_policy": "drop"}, "miss_policy"),
+        ({"predictor": "router"}, "predictor"),
+    ],
+)
+def test_what_has_no_miss_to_decide_on_is_refused_with_the_mapped_residency(setting, field):
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.residency 'mapped'") as error:
+        SpecExpertConfig.from_dict({**MAPPED, **setting})
+    assert error.value.field_name == field
+    SpecExpertConfig.from_dict(
+        {**MAPPED, "disk": {"path": "unused", "residency": "slots"}, **setting}
+    )  # (with the slots it combines)

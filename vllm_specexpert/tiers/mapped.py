@@ -1,0 +1,281 @@
+"""The mapped residency of the disk tier (``disk.residency: "mapped"``): the expert pack's
+file mapped read-only, and the kernel run on the mapped pages of its kernel-form regions
+(:mod:`.expert_pack`). The page cache is the cache, with no second copy in slots: it
+holds what the memory the process leaves free holds, and the kernel decides what stays
+(docs/design.md, "The disk tier").
+
+Before a launch reads an expert, its pages are made readable (:meth:`MappedPack.populate`):
+``MADV_WILLNEED`` on every missing range at once (the disk's read-ahead, at its depth),
+then ``MADV_POPULATE_READ`` on each, which waits for the pages and maps them. A page that
+cannot be read (an I/O error, a file truncated under the engine) is then an error of that
+call, :class:`~.store.ExpertsUnreadable`, failing only the requests that needed it, never
+a ``SIGBUS`` in the kernel. (A page reclaimed between the populate and the kernel's read
+is read again by the fault; a file truncated in that window still raises ``SIGBUS``.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack, PackLayer, PackTensor
+from vllm_specexpert.tiers.kernel_form import DTYPES
+from vllm_specexpert.tiers.slots import LayerSlotPool, PooledCache
+from vllm_specexpert.tiers.store import ExpertsUnreadable, SlotForm, SlotShapes
+
+PAGE = mmap.PAGESIZE
+MADV_WILLNEED = 3
+MADV_COLD = 20
+MADV_POPULATE_READ = 22
+"""Linux 5.14+: fault the range in, waiting for its reads; an error instead of ``SIGBUS``."""
+SAMPLED_PAGES = 16
+"""Pages of an expert's range checked to find it present (:meth:`MappedPack.populate`)."""
+
+_libc = ctypes.CDLL(None, use_errno=True)  # (its calls release the GIL)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+class MappingRefused(OSError):
+    """The filesystem or kernel does not map the pack or populate its pages."""
+
+
+@dataclass
+class MappedStats:
+    populated: int = 0
+    """Expert tensors that had pages outside the page cache when a launch needed them."""
+    bytes: int = 0
+    """Bytes of those pages (what the disk was asked for)."""
+    wait_s: float = 0.0
+    """Seconds launches waited for pages."""
+    failed: int = 0
+    """Expert tensors whose pages could not be read."""
+
+
+class MappedPack:
+    """``experts.bin`` mapped read-only (shared with the page cache), its pages advised."""
+
+    def __init__(self, pack: ExpertPack) -> None:
+        self.pack = pack
+        self.path = path = pack.path / RECORDS_FILE
+        size = pack.manifest.records_bytes
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        """Kept open: its size, checked at each populate, shows a truncation."""
+        try:
+            region = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError as error:
+            os.close(self.fd)
+            raise MappingRefused(f"cannot map {path}: {error.strerror}") from None
+        with warnings.catch_warnings():  # (read-only: nothing writes to expert weights)
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(region, dtype=torch.uint8)
+        self.address = self.bytes.data_ptr()
+        self.stats = MappedStats()
+        self._lock = threading.Lock()
+        try:
+            self._advise(0, min(size, PAGE), MADV_POPULATE_READ)
+        except OSError as error:
+            raise MappingRefused(
+                f"the kernel does not populate mapped pages ({error.strerror})"
+            ) from None
+
+    def views(self, layer: PackLayer) -> dict[str, torch.Tensor]:
+        """The layer's tensors, ``[num_experts, ...]`` each, on the mapped pages."""
+        out = {}
+        for tensor in layer.tensors:
+            region = self.bytes[tensor.offset : tensor.offset + layer.num_experts * tensor.nbytes]
+            out[tensor.name] = region.view(DTYPES[tensor.dtype]).view(
+                layer.num_experts, *tensor.shape
+            )
+        return out
+
+    def populate(self, layer: PackLayer, experts: np.ndarray) -> None:
+        """Make the pages of ``experts`` readable, reading what the page cache lacks:
+        read-ahead for every missing range at once, then a wait on each. One
+        :class:`ExpertsUnreadable` names every expert whose pages could not be read.
+
+        A range counts as present when :data:`SAMPLED_PAGES` pages spread over it are
+        (a full ``mincore`` of a 60 MB expert costs 0.4 ms, about as much as the
+        kernel's work on it at batch 1); a page reclaimed between the samples is read
+        by the kernel's fault. A file shorter than the pack (truncated under the engine)
+        populates every range, so that what is gone fails here, not in the kernel."""
+        whole = os.fstat(self.fd).st_size >= self.pack.manifest.records_bytes
+        missing: list[tuple[int, int, int]] = []  # (expert, offset, length)
+        for expert in experts.tolist():
+            for tensor in layer.tensors:
+                offset, length = self._pages(tensor, expert)
+                if not whole or not self._present(offset, length):
+                    missing.append((expert, offset, length))
+        if not missing:
+            return
+        started = time.perf_counter()
+        nbytes = sum(self._missing_bytes(offset, length) for _, offset, length in missing)
+        for _, offset, length in missing:
+            # (a hint: the populate below reads, and reports, what it cannot)
+            with contextlib.suppress(OSError):
+                self._advise(offset, length, MADV_WILLNEED)
+        failed: dict[int, OSError] = {}
+        for expert, offset, length in missing:
+            try:
+                self._advise(offset, length, MADV_POPULATE_READ)
+            except OSError as error:
+                failed.setdefault(expert, error)
+        with self._lock:
+            self.stats.populated += len(missing)
+            self.stats.bytes += nbytes
+            self.stats.wait_s += time.perf_counter() - started
+            self.stats.failed += len(failed)
+        if failed:
+            first = next(iter(failed.values()))
+            cause = (
+                "the file ends before them (truncated?)"
+                if first.errno == errno.EFAULT
+                else first.strerror
+            )
+            raise ExpertsUnreadable(
+                layer.name, sorted(failed), f"OSError: {self.path}: {cause}"
+            ) from first
+
+    def advise_cold(self, layer: PackLayer, experts: np.ndarray) -> None:
+        """``experts`` will not be needed soon: their pages go first when memory is short."""
+        for expert in experts.tolist():
+            for tensor in layer.tensors:
+                try:
+                    self._advise(*self._pages(tensor, expert), MADV_COLD)
+                except OSError:
+                    return  # (a hint, and the same for every range)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = MappedStats()
+
+    def close(self) -> None:
+        """Close the file (the mapping goes with the last view of it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @staticmethod
+    def _pages(tensor: PackTensor, expert: int) -> tuple[int, int]:
+        """The whole pages holding ``expert``'s copy of ``tensor``: ``(offset, length)``."""
+        start = tensor.at(expert)
+        first = start - start % PAGE
+        end = -(-(start + tensor.nbytes) // PAGE) * PAGE
+        return first, end - first
+
+    def _present(self, offset: int, length: int) -> bool:
+        """Whether :data:`SAMPLED_PAGES` pages spread over the range are in the page cache."""
+        pages = length // PAGE
+        step = max(pages // SAMPLED_PAGES, 1)
+        vector = np.empty(1, dtype=np.uint8)
+        for page in range(0, pages, step):
+            if _libc.mincore(self.address + offset + page * PAGE, PAGE, vector.ctypes.data):
+                return False
+            if not vector[0] & 1:
+                return False
+        return True
+
+    def _missing_bytes(self, offset: int, length: int) -> int:
+        """Bytes of the range's pages that are not in the page cache."""
+        vector = np.empty(length // PAGE, dtype=np.uint8)
+        if _libc.mincore(self.address + offset, length, vector.ctypes.data) != 0:
+            return length
+        return int(np.count_nonzero((vector & 1) == 0)) * PAGE
+
+    def _advise(self, offset: int, length: int, advice: int) -> None:
+        if _libc.madvise(self.address + offset, length, advice) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+
+
+class MappedExperts(SlotForm):
+    """One layer's experts on the mapped pack, as an
+    :class:`~vllm_specexpert.tiers.store.ExpertSource` whose kernel pool is the mapping."""
+
+    def __init__(self, mapping: MappedPack, layer: PackLayer) -> None:
+        self.mapping = mapping
+        self.pack = mapping.pack
+        self.record = layer
+        self.name = layer.name
+        self.decoder = None
+        self.num_experts = layer.num_experts
+        self.expert_nbytes = layer.expert_nbytes
+        self.num_tensors = len(layer.tensors)
+
+    @property
+    def packed_format(self) -> str | None:
+        return None
+
+    def held_shapes(self) -> SlotShapes:
+        return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
+
+    @property
+    def staging_nbytes(self) -> int:
+        return 0
+
+    def kernel_pool(self, device: torch.device) -> MappedPool:
+        return MappedPool(device, self)
+
+    def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
+        experts = np.asarray(experts)
+        self.mapping.populate(self.record, experts)
+        index = torch.from_numpy(experts.astype(np.int64))
+        return {k: t.index_select(0, index) for k, t in self.mapping.views(self.record).items()}
+
+    def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
+        if isinstance(experts, slice):
+            experts = np.arange(self.num_experts)[experts]
+        return self.gather(np.asarray(experts))
+
+    def copy_into(
+        self,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        destinations: dict[str, torch.Tensor],
+        device: torch.device | None = None,
+    ) -> None:
+        """Nothing to copy: every expert is where the kernel reads it (its pool's
+        "slot" ``e`` is expert ``e``'s region); pages come when a launch needs them."""
+        if not np.array_equal(experts, slots):
+            raise ValueError(f"{self.name}: a mapped expert has no other slot than its own")
+
+    def populate(self, experts: np.ndarray) -> None:
+        self.mapping.populate(self.record, experts)
+
+
+class MappedPool(LayerSlotPool):
+    """One layer's "slots": its regions in the mapped pack, expert ``e`` in slot ``e``,
+    no memory of their own. A launch first makes its experts' pages readable."""
+
+    readable_as_is = False
+
+    def __init__(self, device: torch.device, experts: MappedExperts) -> None:
+        if device.type != "cpu":
+            raise ValueError("a mapped pack is read by the CPU build's kernel only")
+        super().__init__(device)
+        self.experts = experts
+
+    def allocate(self) -> None:
+        total = sum(self._shares)
+        self.tensors = self.experts.mapping.views(self.experts.record)
+        self.owner = np.full(total, -1, dtype=np.int32)
+        self.in_flight.clear()
+        cache: PooledCache
+        for cache in self.caches:
+            cache.warm_start(0, total)
+
+    def readable(self, slots: torch.Tensor) -> None:
+        self.experts.populate(np.unique(slots.numpy()))
+
+
+__all__ = ["MappedExperts", "MappedPack", "MappedPool", "MappingRefused"]
