@@ -215,6 +215,35 @@ def test_prefetch_is_protected_until_the_layer_runs():
     check_cache_invariants(loader, settle=True)
 
 
+def test_a_prefetch_evicts_the_least_likely_and_never_a_likelier_expert():
+    loader = make_loader(random_layer(num_experts=E), num_slots=4, top_k=2)
+    stats = PhaseStats()
+    cache = loader.cache
+    loader.acquire(np.array([0, 1, 2, 3]), stats)  # LRU order: 0 first, 3 last
+    loader.begin_run(np.array([], dtype=np.int64), stats)
+    chance = np.zeros(E)
+    chance[[0, 1, 2, 3]] = [0.5, 0.0, 0.95, 0.1]  # what the next call may use
+    chance[[5, 6]] = [0.9, 0.2]
+    assert loader.prefetch(np.array([5, 6]), stats, likelihood=chance) == 2
+    # 5 took the least likely (1), 6 the next (3, at 0.1 < 0.2); LRU would have taken 0
+    # and 1, and 0 (0.5) is likelier than 6.
+    assert sorted(cache.slot_expert.tolist()) == [0, 2, 5, 6]
+    loader.begin_run(np.array([5]), stats)  # (6 unused: evictable again)
+    chance[:] = 0.0
+    chance[[0, 2, 5, 6]] = [0.5, 0.95, 0.3, 0.0]
+    chance[[7, 8]] = [0.4, 0.35]
+    # 7 may evict 6 (0.0) and 8 may evict 5 (0.3 < 0.35); nothing else is worth it.
+    chance[9] = 0.45
+    assert loader.prefetch(np.array([9, 7, 8]), stats, likelihood=chance) == 2
+    assert sorted(cache.slot_expert.tolist()) == [0, 2, 7, 9]
+    # Without a likelihood: the eviction order is the policy's (LRU), as before.
+    loader.begin_run(np.array([], dtype=np.int64), stats)
+    first = cache.policy.order(cache.evictable(np.array([10])))[0]
+    assert loader.prefetch(np.array([10]), stats) == 1
+    assert first not in cache.slot_expert.tolist()  # the policy's first victim went
+    check_cache_invariants(loader, settle=True)
+
+
 def test_waiting_for_an_unfinished_prefetch_is_stall():
     # 2 MB/s: ~100 ms per expert, on a clock that moves only while the link is waited
     # for (at once to when the copy lands): the wait is the copy's time, whatever the load.

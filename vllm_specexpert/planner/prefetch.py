@@ -8,8 +8,10 @@ behind. So prefetch only when the chance ``p`` of use satisfies
 
 ``p`` is the layer's decayed precision per predicted rank, counted only over experts not
 resident when predicted (resident ones are easier and would flatter it); several tokens
-predicting one expert give ``1 - prod(1 - p_rank)``. Under ``speculate`` (and
-``prefetch_filter: all``) every predicted expert is prefetched.
+predicting one expert give ``1 - prod(1 - p_rank)``. The same ``p`` orders what a
+prefetch evicts: the least likely first, never an expert at least as likely as the one
+it brings (:meth:`~vllm_specexpert.tiers.loader.ExpertLoader.prefetch`). Under
+``speculate`` (and ``prefetch_filter: all``) every predicted expert is prefetched.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class PrefetchPlanner:
         window = self.window_s if self.window_s is not None else copy_s
         wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
         stats.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
-        loader.prefetch(wanted, stats)
+        loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
 
     def score(self, prediction: Prediction, router_ids: np.ndarray, stats: PhaseStats) -> None:
         """The layer ran: score ``prediction`` against its router's ``router_ids``."""
@@ -88,16 +90,30 @@ class PrefetchPlanner:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(wanted, skipped)``: the distinct predicted experts above ``threshold``
         (``None``: all), most likely needed first, and the others."""
-        experts, index = np.unique(predicted_ranked, return_inverse=True)
-        log_miss = np.log(np.maximum(1.0 - self.precision, 1e-12))
-        weights = np.broadcast_to(log_miss, predicted_ranked.shape).ravel()
-        needed = 1.0 - np.exp(np.bincount(index.ravel(), weights=weights, minlength=len(experts)))
+        experts, needed = self._needed(predicted_ranked)
         order = np.argsort(-needed, kind="stable")
         experts, needed = experts[order], needed[order]
         if threshold is None:
             return experts, experts[:0]
         keep = needed > threshold
         return experts[keep], experts[~keep]
+
+    def likelihood(self, predicted_ranked: np.ndarray, num_experts: int) -> np.ndarray:
+        """``[num_experts]``: each expert's chance of use by the predicted call (0 for the
+        unpredicted)."""
+        experts, needed = self._needed(predicted_ranked)
+        chance = np.zeros(num_experts)
+        chance[experts] = needed
+        return chance
+
+    def _needed(self, predicted_ranked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct predicted experts and each one's chance of use:
+        ``1 - prod(1 - p_rank)`` over the tokens predicting it."""
+        experts, index = np.unique(predicted_ranked, return_inverse=True)
+        log_miss = np.log(np.maximum(1.0 - self.precision, 1e-12))
+        weights = np.broadcast_to(log_miss, predicted_ranked.shape).ravel()
+        needed = 1.0 - np.exp(np.bincount(index.ravel(), weights=weights, minlength=len(experts)))
+        return experts, needed
 
 
 def worth_threshold(copy_s: float, window_s: float) -> float:

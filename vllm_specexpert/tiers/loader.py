@@ -81,23 +81,50 @@ class ExpertLoader:
         if experts is not None:
             self.cache.touch(experts)
 
-    def prefetch(self, experts: np.ndarray, stats: PhaseStats, admitted: bool = False) -> int:
+    def prefetch(
+        self,
+        experts: np.ndarray,
+        stats: PhaseStats,
+        admitted: bool = False,
+        likelihood: np.ndarray | None = None,
+    ) -> int:
         """Queue loads of ``experts`` (distinct, most wanted first) ahead of use, as many
         as :meth:`SlotPool.prefetch_room` allows; they stay protected until
-        :meth:`begin_run`. Returns how many were queued."""
+        :meth:`begin_run`. ``likelihood``: per expert of the layer, the chance the call
+        the prefetch is for uses it; then the least likely go first, and a prefetch never
+        evicts an expert at least as likely as the one it brings (a wrong guess would
+        cost a read the right one saves). Returns how many were queued."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         if not len(missing):
             return 0
         missing = missing[: cache.pool.prefetch_room(cache, experts)]
+        if likelihood is not None:
+            missing = missing[: self._outranking(missing, experts, likelihood)]
         if not len(missing):
             return 0
-        slots = self._take_slots(len(missing), experts, stats)
+        slots = self._take_slots(len(missing), experts, stats, demand=likelihood)
         self.prefetches.update(
             zip(missing.tolist(), self._load_ahead(missing, slots, stats, admitted), strict=True)
         )
         cache.protected[missing] = True
         return len(missing)
+
+    def _outranking(self, missing: np.ndarray, keep: np.ndarray, likelihood: np.ndarray) -> int:
+        """How many of ``missing`` (most likely first) take a free slot or evict an
+        expert less likely than themselves: victims go least likely first (what
+        :meth:`_take_slots` takes with this ``likelihood`` as demand); another layer's
+        expert in a shared pool counts as unlikely here (its own order keeps it)."""
+        cache = self.cache
+        free = len(cache.pool.free_slots())
+        if free >= len(missing):
+            return len(missing)
+        owners, victims = cache.pool.victims(cache, keep, likelihood)
+        chance = np.where(owners == cache.index, likelihood[victims], 0.0)
+        bringing = likelihood[missing[free:]]
+        n = min(len(bringing), len(chance))
+        worse = np.flatnonzero(chance[:n] >= bringing[:n])
+        return free + (int(worse[0]) if len(worse) else n)
 
     def preload(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """Queue loads of ``experts`` (distinct, not resident) for a later layer call,
