@@ -74,7 +74,7 @@ from common import RESULTS, command_line, kib, work_dir, write_result
 from memory_cgroup import CgroupError, MemoryCgroup
 
 HERE = Path(__file__).resolve()
-PHASES = ("reference", "llamacpp", "vanilla", "plugin", "scheduler", "sweep", "serve")
+PHASES = ("reference", "llamacpp", "vanilla", "plugin", "scheduler", "sweep", "mapped", "serve")
 TOKENS = {1: 16, 8: 8, 32: 5}
 """Tokens generated per sequence at each batch (bigger batches read more per step)."""
 PROMPT_TOKENS = 32
@@ -405,22 +405,23 @@ def host_budget(args, work: Path, ratio: float | None = None) -> float:
     return max(1, min(slots, experts)) / experts
 
 
-def disk_engine(args, work: Path, budget: float | str, **settings):
+def disk_engine(args, work: Path, budget: float | str, residency: str = "slots", **settings):
     """The plugin on the widened model and its pack, compiled, for up to the largest
     batch: ``budget`` and ``settings`` besides ``disk``."""
     from vllm_specexpert.tools.harness import start_engine
 
-    config = {"budget": budget, "disk": {"path": str(work / "pack")}, **settings}
+    disk = {"path": str(work / "pack"), "residency": residency}
+    config = {"budget": budget, "disk": disk, **settings}
     return start_engine(
         str(work / "model"), config, eager=False, max_model_len=512, max_num_seqs=max(args.batches)
     )
 
 
-def phase_plugin(args, work: Path) -> dict:
+def packed(args, work: Path) -> tuple[Path, float]:
+    """The widened model and its pack (made now if absent, in this machine's kernel
+    form): the model's directory and the seconds the pack took to write (0: made before)."""
     import torch
 
-    import vllm_specexpert
-    from vllm_specexpert.config import SpecExpertConfigError
     from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
     from vllm_specexpert.tiers.pack_writer import pack_checkpoint
 
@@ -429,7 +430,15 @@ def phase_plugin(args, work: Path) -> dict:
     started = time.perf_counter()
     if not (pack / "manifest.json").exists():
         pack_checkpoint(str(model), pack, cpu_kernel_form(torch.bfloat16), "disk.path", "model")
-    pack_s = time.perf_counter() - started
+    return model, time.perf_counter() - started
+
+
+def phase_plugin(args, work: Path) -> dict:
+    import vllm_specexpert
+    from vllm_specexpert.config import SpecExpertConfigError
+
+    model, pack_s = packed(args, work)
+    pack = work / "pack"
     budget = host_budget(args, work)
     dropped = drop_page_cache()
     cached0 = kib("/proc/meminfo", "Cached")
@@ -496,9 +505,10 @@ def phase_sweep(args, work: Path) -> dict:
     import vllm_specexpert
     from vllm_specexpert.config import SpecExpertConfigError
 
+    packed(args, work)
     drop_page_cache()
     llm = disk_engine(args, work, "auto")
-    budgets = [(f"{r:g} x RAM", host_budget(args, work, r)) for r in SWEEP_RATIOS]
+    budgets = [(f"{r:g} x RAM", host_budget(args, work, r)) for r in args.sweep_ratios]
     results: dict = {}
     for label, budget in [("auto", None), *budgets]:
         if budget is not None:
@@ -525,12 +535,36 @@ def phase_sweep(args, work: Path) -> dict:
 SCHEDULER_MODE = "fetch, LRU + token scheduler (groups of 8)"
 
 
+def phase_mapped(args, work: Path) -> dict:
+    """``fetch`` on the mapped pack (``disk.residency: "mapped"``): the kernel on the
+    pack's pages, the page cache as the cache (the process's memory is what is not)."""
+    import vllm_specexpert
+
+    packed(args, work)
+    dropped = drop_page_cache()
+    started = time.perf_counter()
+    llm = disk_engine(args, work, "auto", residency="mapped")
+    start_s = time.perf_counter() - started
+    stats = vllm_specexpert.get_stats(llm)[0]
+    rows: dict = {"summary": stats["summary"], "engine_start_s": start_s}
+    for batch in args.batches:
+        rows[str(batch)] = row = plugin_run(llm, batch)
+        print(
+            f"mapped {batch:2d} seq: decode {row['decode_tok_s']:6.3f} tok/s, "
+            f"{row['os_read_gb_full_run']:.2f} GB read by the OS in the run",
+            flush=True,
+        )
+        (work / "part-mapped.json").write_text(json.dumps({"complete": False, **rows}))
+    return {**rows, "page_cache_dropped": dropped}
+
+
 def phase_scheduler(args, work: Path) -> dict:
     """The token scheduler on the disk tier: an engine of its own (it replaces vLLM's
     scheduler class at start), the same host cache, at the batches above its group size
     (it holds requests back only when more than ``group_size`` decode)."""
     import vllm_specexpert
 
+    packed(args, work)
     budget = host_budget(args, work)
     drop_page_cache()
     llm = disk_engine(
@@ -641,12 +675,13 @@ def plugin_run(llm, batch: int) -> dict:
         "decode_steps": [{"s": s, "tokens": n} for s, n in steps],
         "prefill_s": first,
         "hit_rate": d["hit_rate"],
+        # (mapped: the kernel's pages are not loads; the OS's figures below count them)
         "gb_read_per_decode_token": d["bytes_loaded"] / n / 1e9,
         "stall_s_per_decode_token": d["stall_s"] / n,
         "prefetched_per_decode_token": d["prefetched"] / n,
         "prefetch_used_per_decode_token": d["prefetch_used"] / n,
-        "disk_gbps_while_waited": stats["disk"]["waited_gbps"],
-        "disk_gbps_while_reading": stats["disk"]["busy_gbps"],
+        "disk_gbps_while_waited": stats["disk"].get("waited_gbps", float("nan")),
+        "disk_gbps_while_reading": stats["disk"].get("busy_gbps", float("nan")),
         "os_read_gb_full_run": window.read / 1e9,
         "page_cache_growth_gb_full_run": window.cached / 1e9,
         **window.cgroup,
@@ -765,6 +800,8 @@ def run_phase(phase: str, args, work: Path) -> dict:
         str(args.intermediate),
         "--host-ratio",
         str(args.host_ratio),
+        "--sweep-ratios",
+        *map(str, args.sweep_ratios),
         "--batches",
         *map(str, args.batches),
         *(["--modes", *args.modes] if args.modes else []),
@@ -820,6 +857,13 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=None, help="(instead of --ram-ratio)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument(
+        "--sweep-ratios",
+        type=float,
+        nargs="*",
+        default=list(SWEEP_RATIOS),
+        help="fixed host caches (shares of RAM) the sweep compares with auto",
+    )
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help="keep the model and pack")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), help="(default: all)")
@@ -891,10 +935,16 @@ def main() -> None:
 
 
 def plugin_modes(payload: dict) -> dict:
-    """The plugin's modes: the plugin phase's and the scheduler phase's."""
+    """The plugin's modes: the plugin phase's and the scheduler phase's, then as a user
+    starts it (``budget: "auto"``) in each residency: the sweep's first run (slots) and
+    the mapped phase's."""
+    auto = payload.get("sweep", {}).get("runs", {}).get("auto")
+    mapped = payload.get("mapped")
     return {
         **payload.get("plugin", {}).get("modes", {}),
         **payload.get("scheduler", {}).get("modes", {}),
+        **({"fetch, auto, slots residency": auto} if auto else {}),
+        **({"fetch, mapped residency": mapped} if mapped else {}),
     }
 
 
