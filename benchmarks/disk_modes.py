@@ -158,7 +158,7 @@ def main() -> None:
     started = time.perf_counter()
     llm = start_engine(
         str(model),
-        {"budget": args.budget, "disk": {"path": str(pack)}},
+        {"budget": args.budget, "disk": {"path": str(pack), "residency": "slots"}},
         eager=False,
         max_model_len=512,
         max_num_seqs=max(args.batches),

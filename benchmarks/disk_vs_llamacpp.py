@@ -709,7 +709,7 @@ def phase_serve(args, work: Path) -> dict:
     budget = host_budget(args, work)
     port = free_port()
     log = work / "serve.log"
-    config = {"budget": budget, "disk": {"path": str(pack)}}
+    config = {"budget": budget, "disk": {"path": str(pack), "residency": "slots"}}
     result: dict = {"budget": budget, "log": str(log)}
     peak = {"rss_gb": 0.0}
     done_sampling = threading.Event()

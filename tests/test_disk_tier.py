@@ -21,7 +21,6 @@ from vllm_harness import (
 
 import vllm_specexpert
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.tiers.expert_pack import ExpertPack
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path, num_moe_layers
 from vllm_specexpert.tools.harness import start_engine
 
@@ -37,7 +36,9 @@ def pack_dir(tmp_path_factory):
 def engine(pack_dir):
     reference = vanilla_reference(MODEL)
     assert not pack_dir.exists()  # the first start makes it
-    llm = make_llm(MODEL, specexpert={"budget": 0.25, "disk": {"path": str(pack_dir)}})
+    llm = make_llm(
+        MODEL, specexpert={"budget": 0.25, "disk": {"path": str(pack_dir), "residency": "slots"}}
+    )
     yield llm, reference
     shutdown(llm)
 
@@ -164,81 +165,6 @@ def test_a_read_error_fails_only_the_requests_that_needed_the_expert(engine):
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 
-def fail_pages_of(layer_index: int, expert: int | None):
-    """Worker side (``apply_model``), the mapped residency: the pages of ``expert`` of
-    the ``layer_index``-th MoE layer are out of the page cache and fail to read (EIO)
-    from now on (``None``: they read again)."""
-
-    def install(model) -> None:
-        import errno
-
-        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
-        from vllm_specexpert.tiers import mapped
-
-        layers = [m for m in model.modules() if isinstance(m, OffloadedRoutedExperts)]
-        mapping = layers[0].engine.store.disk.mapping
-        present = getattr(mapping, "unbroken_present", mapping._present)
-        advise = getattr(mapping, "unbroken_advise", mapping._advise)
-        mapping.unbroken_present, mapping.unbroken_advise = present, advise
-        if expert is None:
-            mapping._present, mapping._advise = present, advise
-            return
-        record = mapping.pack.layers[layers[layer_index].layer_name]
-        bad = {mapping._pages(tensor, expert)[0] for tensor in record.tensors}
-
-        def broken_advise(offset, length, advice):
-            if offset in bad and advice == mapped.MADV_POPULATE_READ:
-                raise OSError(errno.EIO, "Input/output error (injected by the test)")
-            advise(offset, length, advice)
-
-        mapping._present = lambda offset, length: offset not in bad and present(offset, length)
-        mapping._advise = broken_advise
-
-    return install
-
-
-def test_the_mapped_pack_is_identical_to_vanilla_and_its_failures_fail_only_their_requests(
-    engine, pack_dir, tmp_path
-):
-    from vllm import SamplingParams
-
-    _, reference = engine
-    copy = tmp_path / "pack"  # (the module's engine reads the other)
-    shutil.copytree(pack_dir, copy)
-    llm = make_llm(MODEL, specexpert={"disk": {"path": str(copy), "residency": "mapped"}})
-    try:
-        outputs = greedy(llm)
-        assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
-        assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
-        stats = vllm_specexpert.get_stats(llm)[0]
-        assert stats["disk"]["residency"] == "mapped" and stats["output"] == "exact"
-        experts = llm.apply_model(expert_parameters)[0]
-        assert {kind for _, kind, _ in experts} == {"MappedExperts"}
-        # A page that fails to read fails the requests that needed it, and only those.
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        llm.apply_model(fail_pages_of(num_moe_layers(MODEL) - 1, 20))
-        try:
-            failed = [
-                o.outputs[0].finish_reason == "error"
-                for o in llm.generate(PROMPTS, params, use_tqdm=False)
-            ]
-        finally:
-            llm.apply_model(fail_pages_of(0, None))
-        assert any(failed) and not all(failed), failed
-        # The file truncated under the engine: every request needs the last layer, every
-        # one fails, none by a SIGBUS (which would kill this process).
-        records = copy / "experts.bin"
-        saved = records.read_bytes()
-        last = ExpertPack(copy).manifest.layers[-1]
-        os.truncate(records, last.offset)
-        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        assert all(o.finish_reason == "error" for o in outputs)
-        records.write_bytes(saved)
-        assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
-    finally:
-        shutdown(llm)
-
-
 def report_free(free_bytes: int | None):
     """Worker side (``apply_model``): the engine's memory report says ``free_bytes`` of
     RAM are free from now on, the slots a reconfigure frees included (``None``: what
@@ -315,7 +241,7 @@ def test_an_explicit_budget_beyond_free_ram_is_refused_and_the_engine_keeps_runn
 def test_the_disk_cannot_change_at_run_time(engine, tmp_path):
     llm, _ = engine
     with pytest.raises(SpecExpertConfigError, match=r"disk.*opened and checked"):
-        vllm_specexpert.reconfigure(llm, disk={"path": str(tmp_path)})
+        vllm_specexpert.reconfigure(llm, disk={"path": str(tmp_path), "residency": "slots"})
 
 
 def test_a_pack_of_another_model_is_refused_at_start(pack_dir):

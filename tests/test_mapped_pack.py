@@ -12,6 +12,7 @@ import pytest
 import torch
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
 
+from vllm_specexpert import execute
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layer_call import LayerRequest
@@ -77,7 +78,7 @@ def drop_page_cache(pack: ExpertPack, name: str) -> bool:
         probe.close()
 
 
-def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack):
+def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack, monkeypatch):
     mapping = engine.store.disk.mapping
     start, end = mapping.address, mapping.address + pack.manifest.records_bytes
     for name in NAMES:
@@ -90,9 +91,14 @@ def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack):
             x, w, ids = random_routing(tokens, 16, 4, hidden=64, seed=step)
             out = call(engine, name, x, w, ids, PassPhases.decode_only(tokens))
             assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
-    x, w, ids = random_routing(40, 16, 4, hidden=64, seed=9)  # a prefill: every expert
-    out = call(engine, NAMES[1], x, w, ids, PassPhases.prefill_only(40))
+    # A prefill (every expert), run in launches of 16 tokens at most: 3 of them.
+    monkeypatch.setattr(execute, "KERNEL_CHUNK_TOKENS", 16)
+    launches = []
+    kernel = lambda *args: launches.append(len(args[0])) or slot_kernel(*args)
+    x, w, ids = random_routing(40, 16, 4, hidden=64, seed=9)
+    out = engine.run_call(LayerRequest(NAMES[1], kernel, x, w, ids, PassPhases.prefill_only(40)))
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[NAMES[1]].values()))
+    assert launches == [16, 16, 8]
     stats = engine.stats()
     assert stats["disk"]["residency"] == "mapped" and stats["disk"]["failed"] == 0
     assert "mapped: the page cache is the cache" in engine.summary()
@@ -107,9 +113,11 @@ def test_pages_outside_the_page_cache_are_read_in_and_counted(engine, pack):
     ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
     out = call(engine, name, x, w, ids, PassPhases.decode_only(1))
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
-    disk = engine.stats()["disk"]
-    assert disk["populated"] == 8  # 4 experts x 2 tensors
-    assert disk["bytes"] == 4 * (8192 + 4096)
+    stats = engine.stats()
+    assert stats["disk"]["populated"] == 8  # 4 experts x 2 tensors
+    assert stats["disk"]["bytes"] == 4 * (8192 + 4096)
+    decode = stats["total"]["decode"]  # the call's loads: what it had read in
+    assert decode["loads"] == 4 and decode["bytes_loaded"] == 4 * (8192 + 4096)
     call(engine, name, x, w, ids, PassPhases.decode_only(1))  # present now
     assert engine.stats()["disk"]["populated"] == 8
 
@@ -162,3 +170,19 @@ def test_what_has_no_miss_to_decide_on_is_refused_with_the_mapped_residency(sett
     SpecExpertConfig.from_dict(
         {**MAPPED, "disk": {"path": "unused", "residency": "slots"}, **setting}
     )  # (with the slots it combines)
+
+
+def test_a_layer_past_the_kernels_reach_is_refused_with_the_mapped_residency(pack):
+    # The kernel runs on a layer's whole region: 16 experts of w13 [64, 64] are 65536
+    # elements, past a reach of 60000 (vLLM's CPU kernel's is 2^31 - 1).
+    engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
+    engine.store.disk = Disk(pack, depth=2, mapped=True)
+    for index, name in enumerate(NAMES):
+        experts = engine.store.disk.layer(name)
+        engine.add_layer(name, experts, top_k=4, index=index, pool_reach=60000)
+    with pytest.raises(
+        SpecExpertConfigError, match=r"65,536 elements .*use disk\.residency 'slots'"
+    ) as error:
+        engine.start()
+    assert error.value.field_name == "disk.residency"
+    engine.close()

@@ -151,7 +151,7 @@ def test_serve_fails_only_the_requests_whose_records_are_corrupt(tmp_path):
         model,
         port,
         tmp_path / "server.log",
-        {"budget": 0.25, "disk": {"path": str(pack_dir)}},
+        {"budget": 0.25, "disk": {"path": str(pack_dir), "residency": "slots"}},
         ["--enforce-eager", "--max-model-len", "512"],
         timeout_s=300,
         env={**os.environ, **DEV_MODE},

@@ -112,14 +112,27 @@ def check_pool_reach(config: SpecExpertConfig, plan: SlotPlan, layers: Iterable[
     layers = [la for la in layers if la.pool_reach is not None]
     if not layers:
         return
-    slots = [plan.slots(la.experts.num_experts, la.top_k) for la in layers]
     limit = min(la.pool_reach for la in layers if la.pool_reach is not None)
     widest = max(math.prod(shape) for la in layers for shape, _ in la.experts.slot_shapes.values())
+    why = f"and the expert kernel addresses at most 2^{(limit + 1).bit_length() - 1}"
+    mapped = [la for la in layers if la.experts.in_place]
+    if mapped and max(la.experts.num_experts for la in mapped) * widest > limit:
+        experts = max(la.experts.num_experts for la in mapped)
+        raise SpecExpertConfigError(
+            "disk.residency",
+            f"'mapped' runs the kernel on each layer's {experts} experts in the pack, "
+            f"{experts * widest:,} elements per tensor, {why}",
+            "use disk.residency 'slots'",
+        )
+    slots = [
+        plan.slots(la.experts.num_experts, la.top_k) for la in layers if not la.experts.in_place
+    ]
+    if not slots:
+        return
     pooled = sum(slots) if config.cache_spec.shared_pool else max(slots)
     if pooled * widest <= limit:
         return
     reach = limit // widest
-    why = f"and the expert kernel addresses at most 2^{(limit + 1).bit_length() - 1}"
     if config.cache_spec.shared_pool:
         raise SpecExpertConfigError(
             "cache",

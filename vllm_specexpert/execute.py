@@ -37,6 +37,11 @@ from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.staging import upload
 from vllm_specexpert.tiers.store import ExpertsUnreadable
 
+KERNEL_CHUNK_TOKENS = 256
+"""Most tokens one kernel launch runs: a longer pass runs in chunks of its rows, so the
+kernel's scratch (its gate/up output, ``tokens x top_k x intermediate``) is bounded by
+this, not by ``max_num_batched_tokens`` (exact: the kernel computes each token
+independently of the others in its launch)."""
 GROUP_SCAN_FACTOR = 4
 """A token group is grown from at most ``GROUP_SCAN_FACTOR * slots`` candidate tokens
 per round, bounding the host work of planning."""
@@ -262,8 +267,19 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
         finally:
             cache.in_use[experts] = False
     kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.host_ids)
-    cache.pool.readable(kernel_ids)
-    out = call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
+    read, nbytes = cache.pool.readable(kernel_ids)  # (a mapped pack's pages: its loads)
+    call.stats.loads += read
+    call.stats.bytes_loaded += nbytes
+    tokens = call.x.shape[0]
+    if tokens <= KERNEL_CHUNK_TOKENS:
+        out = call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
+    else:  # a long pass (prefill): the kernel's scratch is a chunk's, not the pass's
+        out = torch.empty_like(call.x)
+        for start in range(0, tokens, KERNEL_CHUNK_TOKENS):
+            rows = slice(start, start + KERNEL_CHUNK_TOKENS)
+            out[rows] = call.kernel(
+                call.x[rows], call.topk_weights[rows], kernel_ids[rows], cache.slots, expert_map
+            )
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1
     return out

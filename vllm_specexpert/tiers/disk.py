@@ -48,7 +48,7 @@ class DiskStats:
     reads: int = 0
     bytes: int = 0
     wait_s: float = 0.0
-    """Seconds copies waited for reads, including the decoding on the reader's threads."""
+    """Seconds copies waited for reads, including the checksums on the reader's threads."""
     checked: int = 0
     """Expert reads whose every tensor matched its checksum."""
     failed: int = 0

@@ -99,10 +99,11 @@ class MappedPack:
             )
         return out
 
-    def populate(self, layer: PackLayer, experts: np.ndarray) -> None:
+    def populate(self, layer: PackLayer, experts: np.ndarray) -> tuple[int, int]:
         """Make the pages of ``experts`` readable, reading what the page cache lacks:
-        read-ahead for every missing range at once, then a wait on each. One
-        :class:`ExpertsUnreadable` names every expert whose pages could not be read.
+        read-ahead for every missing range at once, then a wait on each. Returns how
+        many experts had pages to read and their bytes; one :class:`ExpertsUnreadable`
+        names every expert whose pages could not be read.
 
         A range counts as present when :data:`SAMPLED_PAGES` pages spread over it are
         (a full ``mincore`` of a 60 MB expert costs 0.4 ms, about as much as the
@@ -117,7 +118,7 @@ class MappedPack:
                 if not whole or not self._present(offset, length):
                     missing.append((expert, offset, length))
         if not missing:
-            return
+            return 0, 0
         started = time.perf_counter()
         nbytes = sum(self._missing_bytes(offset, length) for _, offset, length in missing)
         for _, offset, length in missing:
@@ -145,6 +146,7 @@ class MappedPack:
             raise ExpertsUnreadable(
                 layer.name, sorted(failed), f"OSError: {self.path}: {cause}"
             ) from first
+        return len({expert for expert, _, _ in missing}), nbytes
 
     def advise_cold(self, layer: PackLayer, experts: np.ndarray) -> None:
         """``experts`` will not be needed soon: their pages go first when memory is short."""
@@ -202,6 +204,8 @@ class MappedExperts(SlotForm):
     """One layer's experts on the mapped pack, as an
     :class:`~vllm_specexpert.tiers.store.ExpertSource` whose kernel pool is the mapping."""
 
+    in_place = True
+
     def __init__(self, mapping: MappedPack, layer: PackLayer) -> None:
         self.mapping = mapping
         self.pack = mapping.pack
@@ -249,8 +253,8 @@ class MappedExperts(SlotForm):
         if not np.array_equal(experts, slots):
             raise ValueError(f"{self.name}: a mapped expert has no other slot than its own")
 
-    def populate(self, experts: np.ndarray) -> None:
-        self.mapping.populate(self.record, experts)
+    def populate(self, experts: np.ndarray) -> tuple[int, int]:
+        return self.mapping.populate(self.record, experts)
 
 
 class MappedPool(LayerSlotPool):
@@ -274,8 +278,8 @@ class MappedPool(LayerSlotPool):
         for cache in self.caches:
             cache.warm_start(0, total)
 
-    def readable(self, slots: torch.Tensor) -> None:
-        self.experts.populate(np.unique(slots.numpy()))
+    def readable(self, slots: torch.Tensor) -> tuple[int, int]:
+        return self.experts.populate(np.unique(slots.numpy()))
 
 
 __all__ = ["MappedExperts", "MappedPack", "MappedPool", "MappingRefused"]

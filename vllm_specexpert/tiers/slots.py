@@ -116,9 +116,11 @@ class SlotPool:
     def free_slots(self) -> np.ndarray:
         return np.flatnonzero(self.owner < 0)
 
-    def readable(self, slots: torch.Tensor) -> None:
-        """Before a launch reads ``slots`` (the kernel's slot ids): what they hold is
-        readable (here always; a mapped pack's pages are read in)."""
+    def readable(self, slots: torch.Tensor) -> tuple[int, int]:
+        """Before a launch reads ``slots`` (the kernel's slot ids): make what they hold
+        readable (here it is; a mapped pack's pages are read in). Returns the experts
+        and bytes that had to be read for it."""
+        return 0, 0
 
     def victims(
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None

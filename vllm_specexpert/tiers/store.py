@@ -102,10 +102,15 @@ class ExpertSource(Protocol):
         real copies (a memcpy from RAM, a read from disk)."""
         ...
 
+    @property
+    def in_place(self) -> bool:
+        """The kernel reads the experts where this tier holds them (a mapped pack): the
+        layer's pool is all of them, :meth:`kernel_pool`."""
+        ...
+
     def kernel_pool(self, device: torch.device) -> Any:
-        """The slot pool of this layer's cache when the kernel reads the experts where
-        this tier holds them (a mapped pack: :class:`~.mapped.MappedPool`); ``None``:
-        slots the experts are copied into."""
+        """The slot pool of this layer's cache when :attr:`in_place` (a mapped pack:
+        :class:`~.mapped.MappedPool`); ``None``: slots the experts are copied into."""
         ...
 
     def copied(self, nbytes: int, seconds: float) -> None:
@@ -130,6 +135,8 @@ class SlotForm:
 
     def copy_seconds(self) -> float:
         return self.expert_nbytes * self.seconds_per_byte
+
+    in_place = False
 
     def kernel_pool(self, device: torch.device) -> Any:
         return None

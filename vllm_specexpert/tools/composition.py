@@ -49,7 +49,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "mesh": (None, "sync", "early_fire", "no_stop"),
     "quality": (None, "on"),
     "checkpoint": ("bf16", "awq"),
-    "disk": (None, "on"),
+    "disk": (None, "mapped", "slots"),
 }
 """Each dimension's values, the default first."""
 
@@ -113,7 +113,7 @@ def settings(*chosen: Setting) -> tuple[dict[str, Any], str | None]:
     if "mesh" in given:
         raw["mesh"] = {"mode": given["mesh"]}
     if "disk" in given:
-        raw["disk"] = {"path": "PACK"}
+        raw["disk"] = {"path": "PACK", "residency": given["disk"]}
     if "quality" in given:
         raw["quality"] = {}
         raw.setdefault("miss_policy", "drop")  # a mode that changes the output
