@@ -20,7 +20,9 @@ SHAPES = {
 REACH = 2**31 - 1  # vLLM's CPU kernel's (layers/slot_kernel.py)
 LAYERS = [
     SimpleNamespace(
-        experts=SimpleNamespace(num_experts=64, slot_shapes=SHAPES), top_k=4, pool_reach=REACH
+        experts=SimpleNamespace(num_experts=64, slot_shapes=SHAPES, in_place=False),
+        top_k=4,
+        pool_reach=REACH,
     )
     for _ in range(8)
 ]
@@ -56,7 +58,9 @@ def test_a_per_layer_pool_past_the_reach_names_the_budget():
     wide = {"w13_weight": ((2 * 14336, 4096), torch.bfloat16)}  # Mixtral's: 117 M a slot
     layers = [
         SimpleNamespace(
-            experts=SimpleNamespace(num_experts=64, slot_shapes=wide), top_k=2, pool_reach=REACH
+            experts=SimpleNamespace(num_experts=64, slot_shapes=wide, in_place=False),
+            top_k=2,
+            pool_reach=REACH,
         )
     ]
     with pytest.raises(SpecExpertConfigError, match=r"'budget'.*at most 18 slots per layer"):

@@ -29,14 +29,11 @@ from vllm_specexpert.tiers.expert_pack import (
     PackLayer,
     PackTensor,
 )
-from vllm_specexpert.tiers.kernel_form import DTYPES
 from vllm_specexpert.tiers.mapped import MappedExperts, MappedPack, MappingRefused
+from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.pack_lock import PackBusy, PackLock
 from vllm_specexpert.tiers.store import (
-    ExpertDecoder,
     ExpertsUnreadable,
-    SlotForm,
-    SlotShapes,
     stage,
 )
 
@@ -197,25 +194,13 @@ class Disk:
             self.lock.release()
 
 
-class DiskExperts(SlotForm):
-    """One layer's experts in the pack, as an :class:`~vllm_specexpert.tiers.store.ExpertSource`."""
+class DiskExperts(PackExperts):
+    """One layer's experts in the pack, read into slots, as an
+    :class:`~vllm_specexpert.tiers.store.ExpertSource`."""
 
     def __init__(self, disk: Disk, layer: PackLayer) -> None:
-        self.decoder: ExpertDecoder | None = None  # (the pack holds the kernel's form)
+        super().__init__(disk.pack, layer)
         self.disk = disk
-        self.pack = disk.pack
-        self.record = layer
-        self.name = layer.name
-        self.num_experts = layer.num_experts
-        self.expert_nbytes = layer.expert_nbytes
-        self.num_tensors = len(layer.tensors)
-
-    @property
-    def packed_format(self) -> str | None:
-        return None  # (bf16/fp16 experts: a quantized checkpoint is refused)
-
-    def held_shapes(self) -> SlotShapes:
-        return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
 
     @property
     def staging_nbytes(self) -> int:
@@ -233,11 +218,6 @@ class DiskExperts(SlotForm):
         }
         self.disk.read(self.record, np.asarray(experts), out, range(n))
         return out
-
-    def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
-        if isinstance(experts, slice):
-            experts = np.arange(self.num_experts)[experts]
-        return self.gather(np.asarray(experts))
 
     def copy_into(
         self,

@@ -30,8 +30,9 @@ import torch
 
 from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack, PackLayer, PackTensor
 from vllm_specexpert.tiers.kernel_form import DTYPES
+from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.slots import LayerSlotPool, PooledCache
-from vllm_specexpert.tiers.store import ExpertsUnreadable, SlotForm, SlotShapes
+from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 PAGE = mmap.PAGESIZE
 MADV_WILLNEED = 3
@@ -200,28 +201,15 @@ class MappedPack:
             raise OSError(code, os.strerror(code))
 
 
-class MappedExperts(SlotForm):
+class MappedExperts(PackExperts):
     """One layer's experts on the mapped pack, as an
     :class:`~vllm_specexpert.tiers.store.ExpertSource` whose kernel pool is the mapping."""
 
     in_place = True
 
     def __init__(self, mapping: MappedPack, layer: PackLayer) -> None:
+        super().__init__(mapping.pack, layer)
         self.mapping = mapping
-        self.pack = mapping.pack
-        self.record = layer
-        self.name = layer.name
-        self.decoder = None
-        self.num_experts = layer.num_experts
-        self.expert_nbytes = layer.expert_nbytes
-        self.num_tensors = len(layer.tensors)
-
-    @property
-    def packed_format(self) -> str | None:
-        return None
-
-    def held_shapes(self) -> SlotShapes:
-        return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
 
     @property
     def staging_nbytes(self) -> int:
@@ -235,11 +223,6 @@ class MappedExperts(SlotForm):
         self.mapping.populate(self.record, experts)
         index = torch.from_numpy(experts.astype(np.int64))
         return {k: t.index_select(0, index) for k, t in self.mapping.views(self.record).items()}
-
-    def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
-        if isinstance(experts, slice):
-            experts = np.arange(self.num_experts)[experts]
-        return self.gather(np.asarray(experts))
 
     def copy_into(
         self,

@@ -1,0 +1,42 @@
+"""One layer's experts in an expert pack (:mod:`.expert_pack`), as a slow tier: what the
+disk tier's two residencies share (:class:`~.disk.DiskExperts`: read into slots;
+:class:`~.mapped.MappedExperts`: run on the mapped pages)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_specexpert.tiers.expert_pack import ExpertPack, PackLayer
+from vllm_specexpert.tiers.kernel_form import DTYPES
+from vllm_specexpert.tiers.store import ExpertDecoder, SlotForm, SlotShapes
+
+
+class PackExperts(SlotForm):
+    """A pack layer's experts, held in the kernel's form: nothing to decode, and slots
+    shaped as the pack holds them. Subclasses read them (:meth:`gather`) and fill
+    slots (``copy_into``) their residency's way."""
+
+    def __init__(self, pack: ExpertPack, layer: PackLayer) -> None:
+        self.pack = pack
+        self.record = layer
+        self.name = layer.name
+        self.decoder: ExpertDecoder | None = None  # (the pack holds the kernel's form)
+        self.num_experts = layer.num_experts
+        self.expert_nbytes = layer.expert_nbytes
+        self.num_tensors = len(layer.tensors)
+
+    @property
+    def packed_format(self) -> str | None:
+        return None  # (bf16/fp16 experts: a quantized checkpoint is refused)
+
+    def held_shapes(self) -> SlotShapes:
+        return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
+
+    def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
+        if isinstance(experts, slice):
+            experts = np.arange(self.num_experts)[experts]
+        return self.gather(np.asarray(experts))
