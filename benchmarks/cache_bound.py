@@ -50,37 +50,7 @@ from common import RESULTS, command_line, held_out_prompts, write_result
 from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.schedule.grouping import partition
 from vllm_specexpert.tools.fixtures import ASSETS, DEFAULT_MODEL, model_path
-from vllm_specexpert.tools.trace import _LayerHooks, load_model
-
-
-def record_routes(model_dir: str, prompts: list[str], max_tokens: int):
-    """``(routes, tokens)``: ``routes[i]`` is ``[max_tokens - 1, L, K]``, the experts of
-    request ``i``'s decode steps (the token fed at each); ``tokens[i]`` its ids so far
-    at each step (prompt + outputs), for the path predictor."""
-    model, tokenizer = load_model(model_dir)
-    hooks = _LayerHooks(model)
-    routes, tokens = [], []
-    try:
-        for prompt in prompts:
-            ids = tokenizer(prompt)["input_ids"]
-            with torch.no_grad():
-                out = model(input_ids=torch.tensor([ids]), use_cache=True)
-                past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-                steps, contexts = [], []
-                for _ in range(max_tokens - 1):
-                    ids = [*ids, token]
-                    contexts.append(list(ids))
-                    out = model(
-                        input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True
-                    )
-                    past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-                    steps.append(hooks.stacked(1)["topk_ids"][0])  # [L, K]
-            routes.append(torch.stack(steps).numpy())
-            tokens.append(contexts)
-    finally:
-        hooks.remove()
-    return routes, tokens
-
+from vllm_specexpert.tools.trace import record_routes
 
 Step = tuple[list[tuple[int, int]], list[tuple[int, int]] | None]
 """One decode step: the ``(request, decode index)`` entries it runs, and those the

@@ -96,6 +96,37 @@ def load_model(model_dir: str | Path):
     return model, tokenizer
 
 
+def record_routes(
+    model_dir: str | Path, prompts: list[str], max_tokens: int
+) -> tuple[list, list[list[list[int]]]]:
+    """``(routes, tokens)``: ``routes[i]`` is ``[max_tokens - 1, L, K]``, the experts of
+    request ``i``'s decode steps (the token fed at each); ``tokens[i]`` its ids so far
+    at each step (prompt + outputs), for the path predictor."""
+    model, tokenizer = load_model(model_dir)
+    hooks = _LayerHooks(model)
+    routes, tokens = [], []
+    try:
+        for prompt in prompts:
+            ids = tokenizer(prompt)["input_ids"]
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor([ids]), use_cache=True)
+                past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+                steps, contexts = [], []
+                for _ in range(max_tokens - 1):
+                    ids = [*ids, token]
+                    contexts.append(list(ids))
+                    out = model(
+                        input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True
+                    )
+                    past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+                    steps.append(hooks.stacked(1)["topk_ids"][0])  # [L, K]
+            routes.append(torch.stack(steps).numpy())
+            tokens.append(contexts)
+    finally:
+        hooks.remove()
+    return routes, tokens
+
+
 def moe_layer_indices(model) -> list[int]:
     return [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
 
