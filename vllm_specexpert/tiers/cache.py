@@ -51,7 +51,7 @@ class ExpertCache:
         self.policy = CACHE_CLASSES[policy](num_experts, num_slots, top_k)
         self.rotating_slots = num_slots - int(self.policy.pinned.sum())
         """Slots never held by a pinned expert: any batch of this many experts fits."""
-        self.pool = pool or own or LayerSlotPool(device)
+        self.pool = pool if pool is not None else own if own is not None else LayerSlotPool(device)
         self.index = self.pool.join(self, num_slots)
         self.slot_expert = np.zeros(0, dtype=np.int64)
         """Pool slot -> this layer's expert in it, -1 for none."""

@@ -64,9 +64,6 @@ class PackTensor(BaseModel):
     def at(self, expert: int) -> int:
         return self.offset + expert * self.nbytes
 
-    def spec(self) -> TensorSpec:
-        return self.name, tuple(self.shape), DTYPES[self.dtype]
-
 
 class PackLayer(BaseModel):
     model_config = MANIFEST
