@@ -1,4 +1,4 @@
-"""The disk tier's mapped residency (the default) end to end on the widened model: the
+"""The disk tier's mapped residency end to end on the widened model: the
 first start makes the pack; greedy tokens and logprobs identical to vanilla vLLM's; a
 page that fails to read fails the requests that needed it and only those; the file
 truncated under the engine fails requests, never the process (no SIGBUS), and once it
@@ -24,7 +24,7 @@ def pack_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(pack_dir):
     reference = vanilla_reference(MODEL)
-    llm = make_llm(MODEL, specexpert={"disk": {"path": str(pack_dir)}})  # (mapped: the default)
+    llm = make_llm(MODEL, specexpert={"disk": {"path": str(pack_dir), "residency": "mapped"}})
     yield llm, reference
     shutdown(llm)
 

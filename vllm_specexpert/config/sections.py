@@ -159,14 +159,15 @@ class DiskConfig:
     filesystem refuses it, reads go through the page cache and the start line says so;
     ``false`` asks for the page cache."""
 
-    residency: Literal["mapped", "slots"] = "mapped"
-    """Where experts read from the pack are kept for the kernel. ``mapped`` (default, the
-    faster in docs/benchmarks.md's disk benchmark): the pack's file is mapped and the
-    kernel reads its pages; the page cache is the cache (all the memory the process
-    leaves free; ``budget`` sizes nothing), with ``fetch`` and no predictor or shared
-    pool. ``slots``: in the slots of ``budget``, each expert read there whole, checksummed
-    at every read; every miss policy, predictor and cache. Where the filesystem or kernel
-    refuses the mapping, the slots are used and the start line says so."""
+    residency: Literal["slots", "mapped"] = "slots"
+    """Where experts read from the pack are kept for the kernel. ``slots`` (default, the
+    faster on the full-size disk benchmark, docs/benchmarks.md): in the slots of
+    ``budget``, each expert read there whole, checksummed at every read; every miss
+    policy, predictor and cache. ``mapped``: the pack's file is mapped and the kernel
+    reads its pages; the page cache is the cache (all the memory the process leaves free;
+    ``budget`` sizes nothing), with ``fetch`` and no predictor or shared pool (the faster
+    in the 4 GB miniature). Where the filesystem or kernel refuses the mapping, the slots
+    are used and the start line says so."""
 
 
 @dataclass(config=STRICT)

@@ -49,7 +49,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "mesh": (None, "sync", "early_fire", "no_stop"),
     "quality": (None, "on"),
     "checkpoint": ("bf16", "awq"),
-    "disk": (None, "mapped", "slots"),
+    "disk": (None, "slots", "mapped"),
 }
 """Each dimension's values, the default first."""
 
