@@ -36,7 +36,6 @@ from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 PAGE = mmap.PAGESIZE
 MADV_WILLNEED = 3
-MADV_COLD = 20
 MADV_POPULATE_READ = 22
 """Linux 5.14+: fault the range in, waiting for its reads; an error instead of ``SIGBUS``."""
 SAMPLED_PAGES = 16
@@ -86,6 +85,7 @@ class MappedPack:
         try:
             self._advise(0, min(size, PAGE), MADV_POPULATE_READ)
         except OSError as error:
+            self.close()
             raise MappingRefused(
                 f"the kernel does not populate mapped pages ({error.strerror})"
             ) from None
@@ -148,15 +148,6 @@ class MappedPack:
                 layer.name, sorted(failed), f"OSError: {self.path}: {cause}"
             ) from first
         return len({expert for expert, _, _ in missing}), nbytes
-
-    def advise_cold(self, layer: PackLayer, experts: np.ndarray) -> None:
-        """``experts`` will not be needed soon: their pages go first when memory is short."""
-        for expert in experts.tolist():
-            for tensor in layer.tensors:
-                try:
-                    self._advise(*self._pages(tensor, expert), MADV_COLD)
-                except OSError:
-                    return  # (a hint, and the same for every range)
 
     def reset_stats(self) -> None:
         with self._lock:
