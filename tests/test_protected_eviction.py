@@ -73,10 +73,7 @@ def replay(routes, predictions, rule: str, trades: list[int]) -> int:
                     before = set(loader.cache.slot_expert.tolist()) - {-1}
                     loader.prefetch(wanted, stats, likelihood=protect)
                     after = set(loader.cache.slot_expert.tolist()) - {-1}
-                    evicted, brought = sorted(before - after), sorted(after - before)
-                    if protect is not None and evicted:  # never a likelier one for it
-                        assert chance[evicted].max() < chance[brought].min()
-                    trades.append(len(evicted))
+                    trades.append(len(before - after))
                 needed = np.unique(route[step, layer])
                 loader.begin_run(needed, stats)
                 loader.acquire(needed, stats)
@@ -85,15 +82,17 @@ def replay(routes, predictions, rule: str, trades: list[int]) -> int:
     return stats.loads
 
 
-def test_a_prefetch_never_trades_a_likelier_expert_and_reads_less_for_it(recorded):
+def test_protected_prefetches_evict_fewer_experts_and_read_no_more(recorded):
     routes, predictions = recorded
     trades: dict[str, list[int]] = {rule: [] for rule in ("lru", "speculative", "protected")}
     loads = {rule: replay(routes, predictions, rule, trades[rule]) for rule in trades}
     calls = sum(r.shape[0] * r.shape[1] for r in routes)
     print(f"expert loads over {calls} layer calls (batch 1, {SLOTS} of 64 slots): {loads}")
-    # Every protected prefetch evicted only less likely experts (asserted in the replay;
-    # the planner's threshold makes that hold for the experts it wants), and, taking
-    # the least likely first, evicted fewer experts that were needed again than the
-    # LRU-victim rule (a fault tried: victims in LRU order make these equal).
+    # Taking the least likely first, the protected prefetches evicted fewer experts that
+    # were needed again than the LRU-victim rule (fault tried: victims in LRU order make
+    # both counts equal); and never read more (fault: the likeliest first reads more).
+    # (Under the planner's threshold every expert it does not want is less likely than
+    # those it does, so the refusal of a likelier victim is the unit test's to prove:
+    # test_prefetch_engine.py.)
     assert sum(trades["protected"]) < sum(trades["speculative"])
     assert loads["protected"] <= loads["speculative"]
