@@ -51,9 +51,10 @@ def cpu(total_gib: float, free_gib: float) -> MemoryReport:
 def test_an_8_gib_gpu_holds_top_k_of_qwen3_30b():
     # free 6.8 GiB once 1.2 GiB of weights and context are in; room = 6.8 - 0.1 x 8 = 6.0
     # KV: full 16 x 4096 x 98,304 = 6.0 GiB, capped at 0.25 x 6.0 = 1.5 GiB
-    # workspace 2048 x 8 x 768 x 8 = 0.09375 GiB; reserve 1 GiB
-    # space 6.0 - 1.5 - 0.09375 - 1 = 3.40625 GiB; a slot in every layer 48 x 9,437,184
-    # = 452,984,832 B; 3.40625 GiB / that = 8.07 -> 8 slots per layer.
+    # workspace: a chunk of 256 of the 2048 batched tokens, 256 x 8 x 768 x 8 =
+    # 0.01171875 GiB; reserve 1 GiB
+    # space 6.0 - 1.5 - 0.01171875 - 1 = 3.488 GiB; a slot in every layer 48 x 9,437,184
+    # = 452,984,832 B; 3.488 GiB / that = 8.27 -> 8 slots per layer.
     fit = fit_budget("auto", qwen3_30b(), gpu(8, 6.8))
     assert fit.slots_per_layer == 8
     assert fit.slot_bytes == 8 * 452_984_832
@@ -63,55 +64,66 @@ def test_an_8_gib_gpu_holds_top_k_of_qwen3_30b():
 
 def test_a_24_gib_gpu_and_qwen3_30b():
     # free 22.3 GiB; room 22.3 - 2.4 = 19.9; KV min(6.0, 0.25 x 19.9 = 4.975) = 4.975
-    # space 19.9 - 4.975 - 0.09375 - 1 = 13.83125 GiB -> / 452,984,832 B = 32.8 -> 32.
+    # space 19.9 - 4.975 - 0.01171875 - 1 = 13.913 GiB -> / 452,984,832 B = 33.0 -> 32.
     assert fit_budget("auto", qwen3_30b(), gpu(24, 22.3)).slots_per_layer == 32
 
 
 def test_an_80_gib_gpu_holds_five_of_mixtrals_eight_experts():
     # free 78 GiB; room 78 - 8 = 70; KV min(16 x 4096 x 131,072 = 8 GiB, 17.5) = 8 GiB
-    # workspace 2048 x 2 x 14336 x 8 = 0.4375 GiB; space 70 - 8 - 0.4375 - 1 = 60.56 GiB
-    # a slot in every layer: 32 x 352,321,536 B = 10.5 GiB -> 5.77 -> 5 slots.
+    # workspace 256 x 2 x 14336 x 8 = 0.0546875 GiB; space 70 - 8 - 0.0547 - 1 = 60.95 GiB
+    # a slot in every layer: 32 x 352,321,536 B = 10.5 GiB -> 5.80 -> 5 slots.
     assert fit_budget("auto", mixtral_8x7b(), gpu(80, 78)).slots_per_layer == 5
 
 
 def test_an_80_gib_gpu_holds_every_expert_of_gpt_oss_20b():
-    # room 70; KV full 16 x 4096 x 49,152 = 3 GiB; workspace 2048 x 4 x 2880 x 8 = 0.176
-    # space 65.8 GiB / (24 x 49,783,680 B = 1.11 GiB) = 59 > 32 experts -> all 32.
+    # room 70; KV full 16 x 4096 x 49,152 = 3 GiB; workspace 256 x 4 x 2880 x 8 = 0.022
+    # space 66.0 GiB / (24 x 49,783,680 B = 1.11 GiB) = 59 > 32 experts -> all 32.
     fit = fit_budget("auto", gpt_oss_20b(), gpu(80, 78))
     assert fit.slots_per_layer == 32
     assert "every expert fits" in fit.reason
 
 
 def test_mixtral_on_a_24_gib_gpu_is_refused_naming_what_is_missing():
-    # room 22 - 2.4 = 19.6; KV min(8, 4.9) = 4.9; space 19.6 - 4.9 - 0.4375 - 1
-    # = 13.26 GiB; top_k = 2 slots in every layer = 21 GiB: 7.74 GiB missing.
-    with pytest.raises(SpecExpertConfigError, match=r"top_k \(2\).*7\.7 GiB is missing") as err:
+    # room 22 - 2.4 = 19.6; KV min(8, 4.9) = 4.9; space 19.6 - 4.9 - 0.0546875 - 1
+    # = 13.645 GiB; top_k = 2 slots in every layer = 21 GiB: 7.355 GiB missing.
+    with pytest.raises(SpecExpertConfigError, match=r"top_k \(2\).*7\.4 GiB is missing") as err:
         fit_budget("auto", mixtral_8x7b(), gpu(24, 22))
     assert err.value.field_name == "budget"
 
 
+def test_the_workspace_is_one_kernel_chunks_not_the_whole_passes():
+    # A pass runs the expert kernel in chunks of KERNEL_CHUNK_TOKENS (256) tokens: 2048
+    # batched tokens count 256 x 8 x 768 x 8 B; 128 count themselves.
+    import dataclasses
+
+    parts = fit_budget("auto", qwen3_30b(), gpu(24, 22.3)).parts
+    assert parts["workspace"] == 256 * 8 * 768 * 8
+    short = dataclasses.replace(qwen3_30b(), max_num_batched_tokens=128)
+    assert fit_budget("auto", short, gpu(24, 22.3)).parts["workspace"] == 128 * 8 * 768 * 8
+
+
 def test_a_reconfigure_grows_only_into_memory_free_beyond_the_workspace():
-    # At start (above): space 13.83125 GiB, 32 slots per layer; a slot in every layer
+    # At start (above): space 13.913 GiB, 32 slots per layer; a slot in every layer
     # is 452,984,832 B = 0.421875 GiB. Now 24 slots run (10.125 GiB) and the KV cache
     # (4.975 GiB) is allocated: free 22.3 - 10.125 - 4.975 = 7.2 GiB. The rebuild frees
-    # the slots: room 7.2 + 10.125 - 2.4 = 14.925 GiB, less the workspace 0.09375 and
-    # the reserve 1 = 13.83125 GiB beyond what runs (the KV cache is not taken twice),
-    # capped at the start's 13.83125 GiB: 32 slots.
+    # the slots: room 7.2 + 10.125 - 2.4 = 14.925 GiB, less the workspace 0.01171875
+    # and the reserve 1 = 13.913 GiB beyond what runs (the KV cache is not taken twice),
+    # capped at the start's 13.913 GiB: 32 slots.
     start = fit_budget("auto", qwen3_30b(), gpu(24, 22.3))
     running = int(10.125 * GiB)
     now = gpu(24, 7.2, freed=running)
     assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 32
-    # The process grew by 2 GiB since: 11.83 GiB -> 28.04 -> 28 slots.
+    # The process grew by 2 GiB since: 11.913 GiB -> 28.24 -> 28 slots.
     now = gpu(24, 5.2, freed=running)
     assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 28
-    # It grew by 6 GiB: 7.83 GiB, less than runs now; it keeps the 24 slots it has.
+    # It grew by 6 GiB: 7.913 GiB, less than runs now; it keeps the 24 slots it has.
     now = gpu(24, 1.2, freed=running)
     assert fit_budget("auto", qwen3_30b(), now, planned=start.parts).slots_per_layer == 24
     with pytest.raises(SpecExpertConfigError, match="at most 24 slots per layer"):
         fit_budget(28, qwen3_30b(), now, planned=start.parts)
     # Without the plan, the KV cache in use would be taken twice: 14.925 - 0.25 x 14.925
-    # - 0.09375 - 1 = 10.1 GiB -> 23 slots.
-    assert fit_budget("auto", qwen3_30b(), gpu(24, 7.2, freed=running)).slots_per_layer == 23
+    # - 0.01171875 - 1 = 10.18 GiB -> 24 slots, not 32.
+    assert fit_budget("auto", qwen3_30b(), gpu(24, 7.2, freed=running)).slots_per_layer == 24
 
 
 # --- CPU boxes (the disk tier under the RAM slots) ---------------------------------
@@ -125,10 +137,10 @@ def disk_staging() -> int:
 @pytest.mark.parametrize(
     ("total", "free", "slots"),
     [
-        # space = free - KV 1 - workspace 0.09375 - staging 0.10546875 - reserve 1
-        (16, 13.8, 27),  # 11.60 GiB / 452,984,832 B = 27.5
-        (24, 21.8, 46),  # 19.60 GiB -> 46.5
-        (128, 125.8, 128),  # 123.6 GiB -> 293: every expert, 128
+        # space = free - KV 1 - workspace 0.01171875 - staging 0.10546875 - reserve 1
+        (16, 13.8, 27),  # 11.68 GiB / 452,984,832 B = 27.7
+        (24, 21.8, 46),  # 19.68 GiB -> 46.7
+        (128, 125.8, 128),  # 123.7 GiB -> 293: every expert, 128
     ],
 )
 def test_cpu_boxes_size_the_ram_slots_over_the_disk(total, free, slots):
@@ -137,9 +149,9 @@ def test_cpu_boxes_size_the_ram_slots_over_the_disk(total, free, slots):
 
 
 def test_a_cpu_box_without_room_for_top_k_is_refused():
-    # 4 GiB box, 2.5 GiB free: space 2.5 - 1 - 0.19921875 - 1 = 0.30 GiB, and top_k
-    # slots need 8 x 452,984,832 B = 3.375 GiB: 3.07 GiB missing.
-    with pytest.raises(SpecExpertConfigError, match=r"top_k \(8\).*3\.1 GiB is missing"):
+    # 4 GiB box, 2.5 GiB free: space 2.5 - 1 - (0.01171875 + 0.10546875) - 1 = 0.38 GiB,
+    # and top_k slots need 8 x 452,984,832 B = 3.375 GiB: 2.99 GiB missing.
+    with pytest.raises(SpecExpertConfigError, match=r"top_k \(8\).*3\.0 GiB is missing"):
         fit_budget("auto", qwen3_30b(staging_bytes=disk_staging()), cpu(4, 2.5))
 
 
@@ -302,8 +314,8 @@ def test_a_6_gib_cgroup_on_a_20_gib_free_machine_sizes_from_the_cgroup(tmp_path,
     assert cgroup_memory(root) == CgroupMemory(limit_bytes=6 * GiB, free_bytes=int(5.5 * GiB))
     report = cpu_report(monkeypatch, root)
     assert (report.free_bytes, report.cgroup_limit_bytes) == (int(5.5 * GiB), 6 * GiB)
-    # free min(20, 5.5) = 5.5 GiB; space 5.5 - KV 1 - workspace 0.09375 - reserve 1
-    # = 3.40625 GiB / 452,984,832 B (0.421875 GiB) = 8.07 -> 8 slots per layer.
+    # free min(20, 5.5) = 5.5 GiB; space 5.5 - KV 1 - workspace 0.01171875 - reserve 1
+    # = 3.488 GiB / 452,984,832 B (0.421875 GiB) = 8.27 -> 8 slots per layer.
     fit = fit_budget("auto", qwen3_30b(), report)
     assert fit.slots_per_layer == 8
     assert "5.5 GiB free (cgroup limit 6.0 GiB), KV floor 1.0 GiB" in fit.reason
@@ -312,7 +324,7 @@ def test_a_6_gib_cgroup_on_a_20_gib_free_machine_sizes_from_the_cgroup(tmp_path,
     raised = dataclasses.replace(report, cgroup_limit_bytes=8 * GiB)
     rebuilt = fit_budget("auto", qwen3_30b(), raised, planned=fit.parts)
     assert rebuilt.parts["cgroup_limit"] == 8 * GiB
-    # The machine's 20 GiB would have been 17.90625 GiB of space: 42 slots per layer.
+    # The machine's 20 GiB would have been 17.988 GiB of space: 42 slots per layer.
     bare = fit_budget("auto", qwen3_30b(), cpu(24, 20))
     assert bare.slots_per_layer == 42 and "cgroup" not in bare.reason
 

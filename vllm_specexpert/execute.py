@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.backends import placements
+from vllm_specexpert.config.sizing import KERNEL_CHUNK_TOKENS
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall, LayerRequest
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
@@ -37,11 +38,6 @@ from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.staging import upload
 from vllm_specexpert.tiers.store import ExpertsUnreadable
 
-KERNEL_CHUNK_TOKENS = 256
-"""Most tokens one kernel launch runs: a longer pass runs in chunks of its rows, so the
-kernel's scratch (its gate/up output, ``tokens x top_k x intermediate``) is bounded by
-this, not by ``max_num_batched_tokens`` (exact: the kernel computes each token
-independently of the others in its launch)."""
 GROUP_SCAN_FACTOR = 4
 """A token group is grown from at most ``GROUP_SCAN_FACTOR * slots`` candidate tokens
 per round, bounding the host work of planning."""

@@ -13,8 +13,8 @@ loaded and leaves, before any slot::
     room      = free - (1 - utilization) * total
     kv        = the explicit KV cache size, else min(max_num_seqs * max_model_len *
                 KV bytes per token, KV_SHARE * room)
-    workspace = max_num_batched_tokens * top_k * moe_intermediate_size * WORKSPACE_BYTES (8)
-                + the slow tier's read buffers
+    workspace = min(max_num_batched_tokens, KERNEL_CHUNK_TOKENS (256)) * top_k
+                * moe_intermediate_size * WORKSPACE_BYTES (8) + the slow tier's read buffers
     slots     = (room - kv - workspace - RESERVE_BYTES) / (MoE layers * expert bytes),
                 clamped to [top_k, experts]; below top_k the start is refused.
 
@@ -55,11 +55,21 @@ WORKSPACE_BYTES = 8
 """Memory a pass takes per token, per routed expert, per intermediate channel. vLLM's CPU
 kernel's scratch measured 2.2 bytes here (its bf16 gate/up output; ``T=4096, top_k=8,
 I=8192``), and the allocator keeps a pass's scratch after it, so a later pass needs as
-much again. On the 1.28x-RAM disk model (``I=40176``, 2048 tokens a pass) the process
+much again. Before the passes ran in chunks (:data:`KERNEL_CHUNK_TOKENS`), on the 1.28x-RAM
+disk model (``I=40176``, 2048 tokens a pass) the process
 grew by 6.5 GB after sizing (the KV cache's 1 GiB, 4 GB held after vLLM's warm-up pass,
 2.5 GB more at its peak); 4 bytes (3.3 GB with the disk's buffers) let ``auto`` take 17.8
 GB of slots, and the process was killed out of memory at 23.9 GB of 24.7. With 8 bytes
 (6.0 GB) it took 15.3 GB and peaked at 23.3 GB."""
+
+KERNEL_CHUNK_TOKENS = 256
+"""Most tokens one expert-kernel launch runs: a longer pass (prefill) runs in chunks of
+its rows, so the kernel's scratch (its gate/up output, ``tokens x top_k x
+intermediate``) is a chunk's, not ``max_num_batched_tokens``'s, and the workspace is
+sized for a chunk. Exact: the kernel computes each token independently of the others in
+its launch. On the 1.28x-RAM disk model (2048 tokens a pass) the process held about 5
+GB besides its slots before the chunks, 2.7 GB with them (a peak of 18.2 GB with 15.4 GB
+of slots resident), its 1 GiB KV cache included."""
 
 UNITS = {
     "b": 1,
@@ -239,7 +249,7 @@ def space_for_slots(
         full = shapes.max_num_seqs * shapes.max_model_len * shapes.kv_bytes_per_token
         kv = min(float(full), KV_SHARE * max(room, 0.0))
     workspace = (
-        shapes.max_num_batched_tokens
+        min(shapes.max_num_batched_tokens, KERNEL_CHUNK_TOKENS)
         * shapes.top_k
         * shapes.moe_intermediate_size
         * WORKSPACE_BYTES
