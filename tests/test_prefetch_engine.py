@@ -244,6 +244,19 @@ def test_a_prefetch_evicts_the_least_likely_and_never_a_likelier_expert():
     check_cache_invariants(loader, settle=True)
 
 
+def test_a_real_link_moves_a_layers_prefetches_as_one_transfer():
+    # A real link cannot drop a queued prefetch, so a layer's prefetches go to the slow
+    # tier together (a disk reads them at its queue depth); the emulated link queues one
+    # transfer per expert, each droppable until it starts.
+    for config, transfers in ((LinkConfig(), 1), (LinkConfig(bandwidth_gbps=0.002), 3)):
+        link = CpuLink(config, ManualClock())
+        loader = make_loader(random_layer(num_experts=E), num_slots=6, top_k=2, link=link)
+        assert loader.prefetch(np.array([10, 12, 14]), PhaseStats()) == 3  # (0-5 resident)
+        assert len({id(t) for t in loader.prefetches.values()}) == transfers
+        loader.wait_all()
+        link.close()
+
+
 def test_waiting_for_an_unfinished_prefetch_is_stall():
     # 2 MB/s: ~100 ms per expert, on a clock that moves only while the link is waited
     # for (at once to when the copy lands): the wait is the copy's time, whatever the load.

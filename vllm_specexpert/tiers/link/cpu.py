@@ -86,6 +86,10 @@ class CpuLink(Link):
     def __init__(self, config: LinkConfig, clock: Clock | None = None) -> None:
         super().__init__()
         self.config = config
+        self.cancellable = config.emulated
+        """Only the emulated link queues prefetches where they can be dropped; a real one
+        hands each to the copy thread at once, so that a layer's prefetches go to the
+        slow tier as one transfer (a disk reads them at its queue depth, not one by one)."""
         self.clock = clock or Clock()
         self._bytes_per_s = (config.bandwidth_gbps or 0.0) * 1e9
         self._latency_s = config.latency_us * 1e-6
