@@ -34,10 +34,10 @@ same memory and its peak RSS is its own:
    it beside the checkpoint and the pack).
 3. ``vanilla``: the widened checkpoint written; vanilla vLLM started on it in a child with
    ``oom_score_adj`` 1000 (if the kernel must kill, it kills that child): what happens.
-4. ``plugin``: the pack written (timed), one engine with ``disk`` and a host budget of
-   ``--host-ratio`` of RAM, each mode by ``reconfigure``.
+4. ``plugin``: the pack written (timed), one engine with ``disk`` and ``budget: "auto"``
+   (as a user starts it), each mode by ``reconfigure`` (``auto`` again).
 5. ``scheduler``: the token scheduler (groups of 8, the path predictor) in an engine of
-   its own at the same budget, at the batches above 8.
+   its own with ``budget: "auto"``, at the batches above 8.
 6. ``sweep``: ``fetch`` + LRU started with ``budget: "auto"``, then at fixed host caches
    of 0.5, 0.4 and 0.3 of RAM (budgets fitted to the machine).
 7. ``serve``: ``specexpert serve`` on the same model and pack, 1 then 32 concurrent
@@ -131,6 +131,40 @@ def memory(pid: int | str = "self") -> dict[str, float]:
         "rss_anon_gb": kib(status, "RssAnon") / 1e6,
         "rss_file_gb": kib(status, "RssFile") / 1e6,
         "peak_rss_gb": kib(status, "VmHWM") / 1e6,
+    }
+
+
+def mapped_rss_gb(path: Path, pid: int | str = "self") -> float:
+    """Resident GB of ``pid``'s mappings of ``path`` (``/proc/<pid>/smaps``)."""
+    total, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(fields[1])
+    return total / 1e6
+
+
+def beyond_cache(stats: dict, pack: Path) -> dict[str, float]:
+    """The process's resident memory now, split into its host cache and the rest: the
+    cache is the slots (shared anonymous memory, ``RssShmem``) or, mapped, the pack's
+    pages in the page cache (its mapping's resident pages); beyond it, the KV cache (the
+    budget's KV floor: its size given) and what remains: vLLM, torch, the dense weights,
+    compiled code, the passes' scratch held by the allocator, the read buffers and the
+    libraries' pages (issue 48's target: at most 1.5 GB besides the KV cache)."""
+    from vllm_specexpert.tiers.expert_pack import RECORDS_FILE
+
+    status = "/proc/self/status"
+    mapped = stats["disk"].get("residency") == "mapped"
+    cache = mapped_rss_gb(pack / RECORDS_FILE) if mapped else kib(status, "RssShmem") / 1e6
+    rss = kib(status, "VmRSS") / 1e6
+    kv = stats["budget"].get("kv_bytes", 0.0) / 1e9
+    return {
+        "cache_gb": cache,
+        "beyond_cache_gb": rss - cache,
+        "kv_cache_gb": kv,
+        "beyond_cache_and_kv_gb": rss - cache - kv,
     }
 
 
@@ -439,7 +473,7 @@ def phase_plugin(args, work: Path) -> dict:
 
     model, pack_s = packed(args, work)
     pack = work / "pack"
-    budget = host_budget(args, work)
+    budget = "auto"  # as a user starts it: every mode in the memory this machine has
     dropped = drop_page_cache()
     cached0 = kib("/proc/meminfo", "Cached")
     started = time.perf_counter()
@@ -565,7 +599,7 @@ def phase_scheduler(args, work: Path) -> dict:
     import vllm_specexpert
 
     packed(args, work)
-    budget = host_budget(args, work)
+    budget = "auto"
     drop_page_cache()
     llm = disk_engine(
         args,
@@ -687,6 +721,7 @@ def plugin_run(llm, batch: int) -> dict:
         **window.cgroup,
         "disk": stats["disk"],
         **memory(),
+        "memory_now": beyond_cache(stats, Path(stats["disk"]["path"])),
     }
 
 
@@ -934,6 +969,9 @@ def main() -> None:
     print(f"command: {command}")
 
 
+MEMORY_PARTS = ("cache_gb", "beyond_cache_gb", "kv_cache_gb", "beyond_cache_and_kv_gb")
+
+
 def plugin_modes(payload: dict) -> dict:
     """The plugin's modes: the plugin phase's and the scheduler phase's, then as a user
     starts it (``budget: "auto"``) in each residency: the sweep's first run (slots) and
@@ -1009,11 +1047,30 @@ def markdown(payload: dict, command: str) -> str:
             "",
         ]
 
+    last = str(batches[-1])
+    memory_rows = [
+        f"| {mode} | "
+        + " | ".join(f"{rows[last]['memory_now'][k]:.2f}" for k in MEMORY_PARTS)
+        + " |"
+        for mode, rows in plugin.items()
+        if "memory_now" in rows.get(last, {})
+    ]
+    memory_table = [
+        f"The plugin's resident memory after the {last}-sequence run (GB): its host cache, "
+        "and beyond it the KV cache and the rest (vLLM, torch, the dense weights, the "
+        "passes' scratch, the libraries):",
+        "",
+        "| mode | cache | beyond the cache | KV cache | beyond the cache and the KV cache |",
+        "|---|---|---|---|---|",
+        *memory_rows,
+        "",
+    ]
     lines = [
         f"Real I/O, nothing modeled. `{command}`",
         "",
         *table("Decode tok/s:", "decode_tok_s", 3),
         *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
+        *(memory_table if memory_rows else []),
         *cgroups,
     ]
     sweep = payload.get("sweep", {}).get("runs", {})
