@@ -74,7 +74,17 @@ from common import RESULTS, command_line, kib, work_dir, write_result
 from memory_cgroup import CgroupError, MemoryCgroup
 
 HERE = Path(__file__).resolve()
-PHASES = ("reference", "llamacpp", "vanilla", "plugin", "scheduler", "sweep", "mapped", "serve")
+PHASES = (
+    "reference",
+    "llamacpp",
+    "vanilla",
+    "plugin",
+    "scheduler",
+    "sweep",
+    "mapped",
+    "approximate",
+    "serve",
+)
 TOKENS = {1: 16, 8: 8, 32: 5}
 """Tokens generated per sequence at each batch (bigger batches read more per step)."""
 PROMPT_TOKENS = 32
@@ -439,15 +449,27 @@ def host_budget(args, work: Path, ratio: float | None = None) -> float:
     return max(1, min(slots, experts)) / experts
 
 
-def disk_engine(args, work: Path, budget: float | str, residency: str = "slots", **settings):
+def disk_engine(
+    args,
+    work: Path,
+    budget: float | str,
+    residency: str = "slots",
+    engine: dict | None = None,
+    **settings,
+):
     """The plugin on the widened model and its pack, compiled, for up to the largest
-    batch: ``budget`` and ``settings`` besides ``disk``."""
+    batch: ``budget`` and ``settings`` besides ``disk``; ``engine``: more ``LLM`` arguments."""
     from vllm_specexpert.tools.harness import start_engine
 
     disk = {"path": str(work / "pack"), "residency": residency}
     config = {"budget": budget, "disk": disk, **settings}
     return start_engine(
-        str(work / "model"), config, eager=False, max_model_len=512, max_num_seqs=max(args.batches)
+        str(work / "model"),
+        config,
+        eager=False,
+        max_model_len=512,
+        max_num_seqs=max(args.batches),
+        **(engine or {}),
     )
 
 
@@ -623,6 +645,96 @@ def phase_scheduler(args, work: Path) -> dict:
         "scheduler": stats["scheduler"],
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "modes": {SCHEDULER_MODE: rows},
+    }
+
+
+APPROXIMATE_MODES = {
+    "buddy, quality 2 %": {"miss_policy": "buddy", "predictor": "none"},
+    "speculate quasi_hidden, quality 2 %": {
+        "miss_policy": "speculate",
+        "predictor": "quasi_hidden",
+    },
+}
+"""The approximate modes that avoid reads, each under the default quality budget
+(``quality: {}``: at most 2 % of next-token accuracy lost, as the engine estimates it),
+with ``fetch`` first as their reference."""
+ACCURACY_WINDOWS = 32
+"""Held-out windows per mode for its accuracy (16 prompt tokens and 32 forced, as the
+batched accuracy benchmark's), decoded the largest batch at a time."""
+
+
+def phase_approximate(args, work: Path) -> dict:
+    """The approximate modes on the disk (:data:`APPROXIMATE_MODES`), in an engine started
+    with ``budget: "auto"`` and the quality budget, each by ``reconfigure``: decode speed
+    at each batch as ``plugin`` measures it, then next-token accuracy on held-out code
+    (teacher-forced, :data:`ACCURACY_WINDOWS` windows, the largest batch at a time)
+    beside ``fetch``'s in the same engine, and what the quality budget made of it."""
+    from batched_accuracy import FORCED_TOKENS, PROMPT_TOKENS
+    from miss_policies import DEFAULT_BUDDY
+
+    import vllm_specexpert
+    from vllm_specexpert.tools.teacher_forcing import (
+        TeacherForcing,
+        held_out_windows,
+        teacher_forced,
+    )
+
+    model, _ = packed(args, work)
+    drop_page_cache()
+    artifacts = {k: str(model / "artifacts" / v) for k, v in ARTIFACTS.items()}
+    llm = disk_engine(
+        args,
+        work,
+        "auto",
+        engine={"logits_processors": [TeacherForcing]},
+        quality={},
+        **artifacts,
+    )
+    windows = held_out_windows(ACCURACY_WINDOWS, PROMPT_TOKENS + FORCED_TOKENS, "test")
+    actual = [t for w in windows for t in w[PROMPT_TOKENS:]]
+    modes = {"fetch (exact)": {"miss_policy": "fetch", "predictor": "none"}, **APPROXIMATE_MODES}
+    results: dict = {}
+    exact: dict | None = None
+    for label, mode in modes.items():
+        buddy = {"buddy": DEFAULT_BUDDY} if mode["miss_policy"] == "buddy" else {}
+        quality = None if mode["miss_policy"] == "fetch" else {}
+        vllm_specexpert.reconfigure(llm, budget="auto", **mode, **buddy, quality=quality)
+        rows: dict = {}
+        for batch in args.batches:
+            rows[str(batch)] = row = plugin_run(llm, batch)
+            print(
+                f"approximate {label:36s} {batch:2d} seq: decode {row['decode_tok_s']:6.3f} "
+                f"tok/s, {row['gb_read_per_decode_token']:.3f} GB/token",
+                flush=True,
+            )
+        vllm_specexpert.reset_stats(llm)
+        forced = teacher_forced(llm, windows, PROMPT_TOKENS, batch=max(args.batches))
+        stats = vllm_specexpert.get_stats(llm)[0]
+        exact = exact or forced
+        n = len(actual)
+        accuracy = sum(a == b for a, b in zip(forced["top1"], actual, strict=True)) / n
+        exact_accuracy = sum(a == b for a, b in zip(exact["top1"], actual, strict=True)) / n
+        rows["accuracy"] = {
+            "positions": n,
+            "accuracy": accuracy,
+            "kept": accuracy / exact_accuracy,
+            "top1_equal_exact": sum(
+                a == b for a, b in zip(forced["top1"], exact["top1"], strict=True)
+            )
+            / n,
+            "output": stats["output"],
+            "quality": stats.get("quality"),
+        }
+        print(f"approximate {label}: accuracy {accuracy:.4f} ({rows['accuracy']})", flush=True)
+        results[label] = rows
+        (work / "part-approximate.json").write_text(
+            json.dumps({"complete": False, "modes": results}, default=str)
+        )
+    return {
+        "windows": ACCURACY_WINDOWS,
+        "forced_tokens": FORCED_TOKENS,
+        "modes": results,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
     }
 
 
@@ -981,6 +1093,11 @@ def plugin_modes(payload: dict) -> dict:
     return {
         **payload.get("plugin", {}).get("modes", {}),
         **payload.get("scheduler", {}).get("modes", {}),
+        **{
+            m: rows
+            for m, rows in payload.get("approximate", {}).get("modes", {}).items()
+            if m in APPROXIMATE_MODES
+        },
         **({"fetch, auto, slots residency": auto} if auto else {}),
         **({"fetch, mapped residency": mapped} if mapped else {}),
     }
@@ -1065,12 +1182,29 @@ def markdown(payload: dict, command: str) -> str:
         *memory_rows,
         "",
     ]
+    approximate = payload.get("approximate", {}).get("modes", {})
+    accuracy_rows = [
+        f"| {mode} | {a['accuracy']:.4f} | {a['kept']:.3f} | {a['top1_equal_exact']:.3f} |"
+        for mode, rows in approximate.items()
+        if (a := rows.get("accuracy"))
+    ]
+    accuracy_table = [
+        "Next-token accuracy on held-out code (teacher-forced, "
+        f"{payload.get('approximate', {}).get('windows')} windows), in the approximate "
+        "phase's engine (its quality budget on):",
+        "",
+        "| mode | accuracy | kept (of fetch's) | top-1 equal to fetch's |",
+        "|---|---|---|---|",
+        *accuracy_rows,
+        "",
+    ]
     lines = [
         f"Real I/O, nothing modeled. `{command}`",
         "",
         *table("Decode tok/s:", "decode_tok_s", 3),
         *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
         *(memory_table if memory_rows else []),
+        *(accuracy_table if accuracy_rows else []),
         *cgroups,
     ]
     sweep = payload.get("sweep", {}).get("runs", {})
