@@ -687,7 +687,9 @@ def phase_approximate(args, work: Path) -> dict:
         work,
         "auto",
         engine={"logits_processors": [TeacherForcing]},
-        quality={},
+        quality={},  # (started in a mode it applies to: an exact one refuses it)
+        miss_policy="buddy",
+        buddy=DEFAULT_BUDDY,
         **artifacts,
     )
     windows = held_out_windows(ACCURACY_WINDOWS, PROMPT_TOKENS + FORCED_TOKENS, "test")
@@ -745,6 +747,9 @@ class RouteRecorder:
 
     def __init__(self) -> None:
         self.calls: dict[str, list[tuple[np.ndarray, bool]]] = {}
+        self.initial: dict[str, list[int]] = {}
+        """Per layer, its resident experts when its first recorded call came, least
+        recently used first: where the replays start."""
         self.on = False
         self.installed = False
 
@@ -752,7 +757,7 @@ class RouteRecorder:
     def recording(self):
         if not self.installed:
             self._install()
-        self.calls, self.on = {}, True
+        self.calls, self.initial, self.on = {}, {}, True
         try:
             yield
         finally:
@@ -767,6 +772,11 @@ class RouteRecorder:
         def run_call(engine, request):
             if recorder.on:
                 ids, phases = request.topk_ids.cpu().numpy(), request.phases
+                if request.layer not in recorder.initial:
+                    cache = engine.layers[request.layer].cache
+                    resident = np.flatnonzero(cache.expert_slot >= 0)
+                    order = np.argsort(cache.policy.last_used[resident], kind="stable")
+                    recorder.initial[request.layer] = resident[order].tolist()
                 calls = recorder.calls.setdefault(request.layer, [])
                 if phases is None or phases.all_decode or phases.all_prefill:
                     calls.append((ids, phases is None or phases.all_decode))
@@ -780,7 +790,8 @@ class RouteRecorder:
 
     def bounds(self, stats: dict, decode_tokens: int) -> dict:
         """GB per decode token that Belady's MIN and LRU would read on the recorded
-        calls at the engine's slots per layer (each layer's cache starts empty)."""
+        calls at the engine's slots per layer, each layer's cache starting with what the
+        engine's held (a replay from empty would count loads the engine never needed)."""
         from clairvoyant import belady_misses, flatten, lru_misses
 
         best = lru = 0
@@ -788,8 +799,9 @@ class RouteRecorder:
             sequence, decode = flatten(calls)
             slots = stats["slots_per_layer"][name]
             expert = stats["expert_bytes"][name]
-            best += belady_misses(sequence, decode, slots) * expert
-            lru += lru_misses(sequence, decode, slots) * expert
+            initial = self.initial.get(name, [])[-slots:]
+            best += belady_misses(sequence, decode, slots, initial) * expert
+            lru += lru_misses(sequence, decode, slots, initial) * expert
         return {
             "clairvoyant_gb_per_decode_token": best / decode_tokens / 1e9,
             "lru_replayed_gb_per_decode_token": lru / decode_tokens / 1e9,
