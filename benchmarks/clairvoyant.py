@@ -30,17 +30,21 @@ def flatten(calls: Sequence[tuple[np.ndarray, bool]]) -> tuple[list[int], list[b
     return sequence, decode
 
 
-def belady_misses(sequence: Sequence[int], counted: Sequence[bool], capacity: int) -> int:
+def belady_misses(
+    sequence: Sequence[int], counted: Sequence[bool], capacity: int, initial: Sequence[int] = ()
+) -> int:
     """Misses of Belady's MIN on ``sequence`` at ``capacity``, at the positions where
-    ``counted`` holds (all positions are served)."""
+    ``counted`` holds (all positions are served), the cache holding ``initial`` (at most
+    ``capacity`` experts) at the start."""
     never = len(sequence)
     next_use = [never] * len(sequence)
     last: dict[int, int] = {}
     for i in range(len(sequence) - 1, -1, -1):
         next_use[i] = last.get(sequence[i], never)
         last[sequence[i]] = i
-    resident: dict[int, int] = {}  # expert -> its next use
-    furthest: list[tuple[int, int]] = []  # (-next use, expert), stale entries skipped
+    resident: dict[int, int] = {e: last.get(e, never) for e in initial}  # expert -> next use
+    furthest = [(-use, e) for e, use in resident.items()]  # stale entries skipped
+    heapq.heapify(furthest)
     misses = 0
     for i, expert in enumerate(sequence):
         if expert not in resident:
@@ -56,10 +60,13 @@ def belady_misses(sequence: Sequence[int], counted: Sequence[bool], capacity: in
     return misses
 
 
-def lru_misses(sequence: Sequence[int], counted: Sequence[bool], capacity: int) -> int:
+def lru_misses(
+    sequence: Sequence[int], counted: Sequence[bool], capacity: int, initial: Sequence[int] = ()
+) -> int:
     """Misses of LRU on the same sequence (what the engine's ``cache: lru`` does, up to
-    its warm start and the order it serves a call's experts in)."""
-    cache: OrderedDict[int, None] = OrderedDict()
+    the order it serves a call's experts in), the cache holding ``initial`` at the start
+    (least recently used first)."""
+    cache: OrderedDict[int, None] = OrderedDict((e, None) for e in initial)
     misses = 0
     for i, expert in enumerate(sequence):
         if expert in cache:

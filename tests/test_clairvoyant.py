@@ -42,3 +42,28 @@ def test_min_is_never_above_lru(sequence, capacity):
     best = clairvoyant.belady_misses(sequence, counted, capacity)
     # Every expert is loaded once at least; no cache of that size loads fewer than MIN.
     assert distinct <= best <= clairvoyant.lru_misses(sequence, counted, capacity)
+
+
+def test_a_replay_may_start_from_the_engines_resident_experts():
+    # Capacity 2, holding 1 and 2 (2 the more recent). MIN: 1h 3m (evict 2: never used
+    # again) 1h -> 1 miss; from empty it would be 2. LRU: 1h 3m (evict 2) 1h -> 1.
+    sequence, counted = [1, 3, 1], [True] * 3
+    assert clairvoyant.belady_misses(sequence, counted, 2, initial=[1, 2]) == 1
+    assert clairvoyant.belady_misses(sequence, counted, 2) == 2
+    assert clairvoyant.lru_misses(sequence, counted, 2, initial=[1, 2]) == 1
+    # LRU's initial order matters: 2 then 1 (1 the more recent) -> 3 evicts 2 as well;
+    # 3 then 2 -> 1 misses (evicts 3), 3 misses (evicts 2), 1 hits: 2 misses.
+    assert clairvoyant.lru_misses(sequence, counted, 2, initial=[3, 2]) == 2
+
+
+@given(
+    st.lists(st.integers(0, 9), max_size=60),
+    st.integers(1, 6),
+    st.lists(st.integers(0, 9), unique=True, max_size=6),
+)
+def test_min_is_never_above_lru_from_the_same_start(sequence, capacity, initial):
+    initial = initial[:capacity]
+    counted = [True] * len(sequence)
+    best = clairvoyant.belady_misses(sequence, counted, capacity, initial)
+    assert best <= clairvoyant.lru_misses(sequence, counted, capacity, initial)
+    assert best >= len(set(sequence) - set(initial))
