@@ -162,10 +162,16 @@ def beyond_cache(stats: dict, pack: Path) -> dict[str, float]:
     pages in the page cache (its mapping's resident pages); beyond it, the KV cache (the
     budget's KV floor: its size given) and what remains: vLLM, torch, the dense weights,
     compiled code, the passes' scratch held by the allocator, the read buffers and the
-    libraries' pages (issue 48's target: at most 1.5 GB besides the KV cache)."""
+    libraries' pages (issue 48's target: at most 1.5 GB besides the KV cache). Measured
+    after the C heap's free pages are given back to the OS (``heap_released_gb``: what
+    the allocator held free then)."""
     from vllm_specexpert.tiers.expert_pack import RECORDS_FILE
+    from vllm_specexpert.tiers.memory import release_free_heap
 
     status = "/proc/self/status"
+    held = kib(status, "RssAnon")
+    release_free_heap()  # (what the allocator held free is not the process's need)
+    released = (held - kib(status, "RssAnon")) / 1e6
     mapped = stats["disk"].get("residency") == "mapped"
     cache = mapped_rss_gb(pack / RECORDS_FILE) if mapped else kib(status, "RssShmem") / 1e6
     rss = kib(status, "VmRSS") / 1e6
@@ -175,6 +181,7 @@ def beyond_cache(stats: dict, pack: Path) -> dict[str, float]:
         "beyond_cache_gb": rss - cache,
         "kv_cache_gb": kv,
         "beyond_cache_and_kv_gb": rss - cache - kv,
+        "heap_released_gb": released,
     }
 
 

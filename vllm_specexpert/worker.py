@@ -53,8 +53,14 @@ class SpecExpertWorkerExtension:
 
     def specexpert_restart(self) -> None:
         """Caches back to their warm start and counters to zero (after vLLM's warm-up,
-        see ``OffloadEngine.restart``)."""
-        self._specexpert_engine().restart()
+        see ``OffloadEngine.restart``); on the CPU build, the warm-up's freed scratch
+        given back to the OS."""
+        from vllm_specexpert.tiers.memory import release_free_heap
+
+        engine = self._specexpert_engine()
+        engine.restart()
+        if engine.device.type == "cpu":
+            release_free_heap()
 
     def specexpert_reset_stats(self) -> None:
         """Zero every counter (e.g. after warm-up, before a measurement)."""

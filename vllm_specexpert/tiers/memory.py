@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from dataclasses import dataclass
@@ -171,3 +172,16 @@ def memory_report(
         freed_bytes=freed_bytes,
         cgroup_limit_bytes=limit,
     )
+
+
+def release_free_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``): the scratch
+    of vLLM's warm-up passes is freed when they end but kept by the allocator, and the
+    slots were sized on memory that does not count it. False where the C library has no
+    such call (musl, macOS) or nothing was released."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
