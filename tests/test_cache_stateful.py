@@ -192,7 +192,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
     def check(self, settle: bool = False) -> None:
         for index in range(LAYERS):
             check_cache_invariants(self.layer(index).loader, settle=settle)
-        pool = self.engine.pool
+        pool = self.engine.pools.pools[0]
         assert pool.num_slots == LAYERS * self.budget
         held = sum(
             int(np.count_nonzero(self.layer(i).cache.expert_slot >= 0)) for i in range(LAYERS)

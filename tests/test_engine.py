@@ -78,6 +78,43 @@ def test_mixed_pass_runs_each_phase_through_its_own_path(make_engine):
     engine.close()
 
 
+def test_a_prompt_beside_decoding_requests_does_not_push_out_their_experts(make_engine):
+    # 12 slots, 0-11 resident. A decoding request's routing alternates between 0-3 and
+    # 4-7 (its working set is both); a prompt arrives in chunks, one per pass, beside it.
+    # Each pass runs its decode rows first, then the prompt's.
+    engine, layers = make_engine(budget=0.75)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    w = torch.softmax(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), -1)
+
+    def ids(*rows) -> torch.Tensor:
+        return torch.tensor([list(range(r, r + 4)) for r in rows], dtype=torch.int32)
+
+    def step(decode: int, prompt: int | None = None) -> None:
+        if prompt is None:
+            out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x[:1], w[:1], ids(decode)))
+            routing = ids(decode)
+        else:
+            routing = ids(decode, prompt)
+            phases = PassPhases(2, np.array([0]), np.array([1]))
+            out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, routing, phases))
+        rows = len(routing)
+        assert torch.equal(
+            out, reference_moe(x[:rows], w[:rows], routing, *layers[NAMES[0]].values())
+        )
+
+    step(4), step(0)  # the working set: 0-7
+    step(4, prompt=12)  # the prompt's 12-15 take the slots of 8-11 (never used)
+    # The next chunk's 8-11 must take the slots of the prompt's 12-15, not of 4-7 (used
+    # before the prompt's chunk in the pass before, so older by use).
+    step(0, prompt=8)
+    cache = engine.layers[NAMES[0]].cache
+    assert (cache.expert_slot[np.arange(12)] >= 0).all()
+    engine.reset_stats()
+    step(4)
+    assert engine.stats()["layers"][NAMES[0]]["decode"]["loads"] == 0
+    engine.close()
+
+
 def test_reconfigure_resizes_caches_and_validates_first(make_engine):
     engine, _ = make_engine(budget=0.25)
     engine.reconfigure(SpecExpertConfig.from_dict({"budget": 0.5, "cache": "lfu"}))

@@ -1,6 +1,7 @@
 """The predictive locality-aware cache (``cache: plec``) in the engine, without vLLM: one
-slot pool shared by every layer, filled by the step's predicted demand (a
-:class:`StepDemand` as the scheduler attaches it), with lookahead eviction."""
+slot pool shared by every layer (or by runs of layers, within the kernel's reach),
+filled by the step's predicted demand (a :class:`StepDemand` as the scheduler attaches
+it), with lookahead eviction."""
 
 import numpy as np
 import pytest
@@ -95,8 +96,9 @@ def test_plec_needs_a_path_predictor_and_a_known_preload():
 def test_one_pool_at_the_total_budget_shared_by_every_layer(make_engine):
     engine = make_engine()
     caches = [engine.layers[n].cache for n in NAMES]
-    assert all(c.pool is engine.pool for c in caches)
-    assert engine.pool.num_slots == LAYERS * 4  # 0.25 x 16 experts, per layer, summed
+    assert len(engine.pools.pools) == 1
+    assert all(c.pool is engine.pools.pools[0] for c in caches)
+    assert engine.pools.pools[0].num_slots == LAYERS * 4  # 0.25 x 16 experts, per layer, summed
     for t in caches[0].slots.values():
         assert t.shape[0] == LAYERS * 4
     assert [len(resident(engine, i)) for i in range(LAYERS)] == [4, 4, 4]
@@ -224,18 +226,39 @@ def test_next_group_is_loaded_after_its_layer_ran(make_engine):
     assert engine.stats()["total"]["decode"]["misses"] == 0
 
 
+def test_a_shared_pool_past_the_kernels_reach_splits_into_runs_of_layers(toy_engines):
+    # A slot's widest tensor is w13's, 2 x 16 x 32 = 1024 elements; a kernel that
+    # addresses 8 slots' worth takes two layers of 4 slots per pool: pools of 8 and 4.
+    config = {"budget": 0.25, "cache": "plec", "plec_preload": "none", "path_predictor": "/rpp"}
+    engine = toy_engines(config, layers(), K, pool_reach=8 * 1024)
+    pools = engine.pools.pools
+    assert [p.num_slots for p in pools] == [8, 4]
+    assert [engine.layers[n].cache.pool for n in NAMES] == [pools[0], pools[0], pools[1]]
+    assert all(t.numel() <= 8 * 1024 for p in pools for t in p.tensors.values())
+    assert "2 pools of 8/4 slots" in engine.summary()
+    rng = np.random.default_rng(5)
+    routes = {i: distinct(rng, 2) for i in range(LAYERS)}
+    run_step(engine, routes, demand_of(routes, 2))  # exact, in either pool
+    # The step's plan reached every pool: each layer's demand is its own pool's row.
+    for index, name in enumerate(NAMES):
+        cache = engine.layers[name].cache
+        expected = np.bincount(routes[index].ravel(), minlength=E)
+        assert (cache.pool.predicted_uses[cache.index] == expected).all()
+        check_cache_invariants(engine.layers[name].loader, settle=True)
+
+
 def test_reconfigure_between_plec_and_lru_keeps_outputs_exact(make_engine):
     engine = make_engine()
     rng = np.random.default_rng(3)
     routes = {i: distinct(rng, 2) for i in range(LAYERS)}
     run_step(engine, routes, demand_of(routes, 2))
     engine.reconfigure(engine.config.changed({"cache": "lru"}))
-    assert engine.pool is None and engine.layers[NAMES[0]].cache.pool.shared is False
+    assert engine.pools is None and engine.layers[NAMES[0]].cache.pool.shared is False
     run_step(engine, routes, demand_of(routes, 2))
     # lru reset plec_preload (no effect there): it is given again with plec.
     assert engine.config.plec_preload == "none"
     engine.reconfigure(engine.config.changed({"cache": "plec", "plec_preload": "next"}))
-    assert engine.pool is not None and engine.pool.num_slots == LAYERS * 4
+    assert engine.pools is not None and engine.pools.pools[0].num_slots == LAYERS * 4
     run_step(engine, routes, demand_of(routes, 2))
     # At most 4 experts per layer, 12 together: a right prediction leaves no miss
     # after the first layer (which loads what its router chose).
@@ -278,10 +301,10 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token(make_engine)
         engine.layers[name].loader.prefetch(np.arange(4, 16), stats)
     protected = sum(int(engine.layers[n].cache.protected.sum()) for n in NAMES)
     # The prefetches wanted 24 slots of 12: they took all but the reserve of top_k.
-    assert protected == engine.pool.num_slots - K
+    assert protected == engine.pools.pools[0].num_slots - K
     first = engine.layers[NAMES[0]].cache
     assert not first.resident_mask()[[14, 15]].any()
-    assert engine.pool.available_for(first, np.array([14, 15])) == K
+    assert engine.pools.pools[0].available_for(first, np.array([14, 15])) == K
     # One token of layer 0 whose experts are both missing loads them and runs exactly.
     ids = torch.tensor([[14, 15]], dtype=torch.int32)
     x, w = torch.randn(1, H).bfloat16(), torch.tensor([[0.6, 0.4]])
@@ -300,14 +323,14 @@ def test_calibration_vectors_given_after_the_layers_joined_keep_the_shared_pool(
     """The vLLM adapter hands the engine a calibration's vectors once every layer is
     loaded (and has joined the shared pool); that must not replace the pool."""
     engine = make_engine(plec_preload=None, predictor="quasi_hidden", calibration="/c", start=False)
-    pool = engine.pool
+    pool = engine.pools.pools[0]
     engine.provide(
         predictor_inputs=PredictorInputs(
             {n: torch.zeros(E, H) for n in NAMES}, {n: torch.ones(H) for n in NAMES}
         )
     )
     engine.start()
-    assert engine.pool is pool and pool.num_slots == LAYERS * 4
+    assert engine.pools.pools[0] is pool and pool.num_slots == LAYERS * 4
     assert engine.feature(PredictionFeature).predictor.name == "quasi_hidden"
     rng = np.random.default_rng(1)
     run_step(engine, {i: distinct(rng, 2) for i in range(LAYERS)}, None)
@@ -323,8 +346,8 @@ def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined(make_e
     engine.provide(logit_head=identity_head(H))
     engine.start()
     assert engine.feature(QualityFeature) is not None
-    assert all(engine.layers[name].cache.pool is engine.pool for name in NAMES)
-    assert engine.pool.num_slots == sum(engine.layers[n].cache.num_slots for n in NAMES)
+    assert all(engine.layers[name].cache.pool is engine.pools.pools[0] for name in NAMES)
+    assert engine.pools.pools[0].num_slots == sum(engine.layers[n].cache.num_slots for n in NAMES)
     for index, name in enumerate(NAMES):  # (drop: approximate, so no reference here)
         ids = torch.from_numpy(distinct(np.random.default_rng(index), 3)).to(torch.int32)
         out = engine.run_call(

@@ -38,20 +38,26 @@ def test_per_layer_pools_of_the_benchmark_fit():
     reach(SpecExpertConfig.from_dict({"budget": 25}), LAYERS)
 
 
-def test_one_shared_pool_of_all_layers_is_refused_naming_what_fits():
-    # 8 x 25 = 200 slots x 20,570,112 = 4.11 G > 2^31 - 1; 2^31 - 1 // 20,570,112 = 104.
+def test_a_shared_pool_is_checked_per_layer_since_it_splits_within_the_reach():
+    # plec's 8 x 25 = 200 slots x 20,570,112 = 4.11 G elements would pass 2^31 - 1 in one
+    # pool: it splits into runs of layers (SharedPools), so only one layer's slots must
+    # fit: 104 = (2^31 - 1) // 20,570,112 do, 105 are refused, naming the budget.
     def plec(budget: int) -> SpecExpertConfig:
         return SpecExpertConfig.from_dict(
             {"budget": budget, "cache": "plec", "path_predictor": str(PATH_PREDICTOR)}
         )
 
-    config = plec(25)
-    with pytest.raises(
-        SpecExpertConfigError, match=r"'cache'.*4\.11 G.*at most 104 slots in all \(13 per layer\)"
-    ):
-        reach(config, LAYERS)
-    # 13 per layer: 104 slots fit.
-    reach(plec(13), LAYERS)
+    reach(plec(25), LAYERS)
+    many = [
+        SimpleNamespace(
+            experts=SimpleNamespace(num_experts=128, slot_shapes=SHAPES, in_place=False),
+            top_k=4,
+            pool_reach=REACH,
+        )
+    ]
+    reach(plec(104), many)
+    with pytest.raises(SpecExpertConfigError, match=r"'budget'.*at most 104 slots per layer"):
+        reach(plec(105), many)
 
 
 def test_a_per_layer_pool_past_the_reach_names_the_budget():

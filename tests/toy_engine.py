@@ -31,11 +31,13 @@ def build_engine(
     host_kernel: HostKernel | None = None,
     reports: bool = True,
     start: bool = True,
+    pool_reach: int | None = None,
 ) -> OffloadEngine:
     """An engine on the CPU with ``layers`` (name -> expert tensors) added in order, at
     decoder-layer ``indices`` (default 0, 1, ...). Started unless ``start`` is False:
     what the vLLM adapter wires between the layers and the start (routing statistics,
     a logit head, predictor inputs, peers, the next layer's router) is the caller's.
+    ``pool_reach``: the elements a slot tensor may hold (the expert kernel's reach).
     An engine that fails to be built (a layer refused, a failed start) is closed here:
     no caller gets it to close."""
     if not isinstance(config, SpecExpertConfig):
@@ -45,7 +47,14 @@ def build_engine(
     try:
         indices = range(len(layers)) if indices is None else indices
         for index, (name, tensors) in zip(indices, layers.items(), strict=True):
-            engine.add_layer(name, tensors, top_k=top_k, index=index, host_kernel=host_kernel)
+            engine.add_layer(
+                name,
+                tensors,
+                top_k=top_k,
+                index=index,
+                host_kernel=host_kernel,
+                pool_reach=pool_reach,
+            )
         if start:
             engine.start()
     except BaseException:

@@ -107,8 +107,9 @@ class PoolUser(Protocol):
 
 def check_pool_reach(config: SpecExpertConfig, plan: SlotPlan, layers: Iterable[PoolUser]) -> None:
     """Raise a config error when a slot pool ``config`` makes of ``layers`` under ``plan``
-    is a tensor larger than their kernel can address (their ``pool_reach``): one pool
-    per layer, or one for all layers under a shared-pool ``cache`` (``plec``)."""
+    is a tensor larger than their kernel can address (their ``pool_reach``): one layer's
+    slots, the least any pool holds (a shared-pool ``cache``, ``plec``, splits its pool
+    into runs of layers within the reach: :class:`~vllm_specexpert.tiers.slots.SharedPools`)."""
     layers = [la for la in layers if la.pool_reach is not None]
     if not layers:
         return
@@ -129,18 +130,10 @@ def check_pool_reach(config: SpecExpertConfig, plan: SlotPlan, layers: Iterable[
     ]
     if not slots:
         return
-    pooled = sum(slots) if config.cache_spec.shared_pool else max(slots)
+    pooled = max(slots)
     if pooled * widest <= limit:
         return
     reach = limit // widest
-    if config.cache_spec.shared_pool:
-        raise SpecExpertConfigError(
-            "cache",
-            f"'{config.cache}' puts all {len(layers)} layers' {sum(slots)} slots in one "
-            f"pool of {pooled * widest / 1e9:.2f} G elements per tensor, {why}",
-            f"use a per-layer cache (lru, lfu, static), or a budget of at most "
-            f"{reach} slots in all ({reach // len(layers)} per layer)",
-        )
     raise SpecExpertConfigError(
         "budget",
         f"{pooled} slots per layer make a pool of {pooled * widest / 1e9:.2f} G elements "

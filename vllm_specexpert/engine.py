@@ -32,7 +32,7 @@ from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
-from vllm_specexpert.tiers.slots import SharedSlotPool
+from vllm_specexpert.tiers.slots import SharedPools
 from vllm_specexpert.tiers.staging import HostReader, upload
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, ExpertStore
 
@@ -73,12 +73,12 @@ class OffloadEngine:
 
     def _select(self, config: SpecExpertConfig) -> None:
         self._policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
-        self.pool = SharedSlotPool(self.device) if config.cache_spec.shared_pool else None
-        """The slot pool every layer shares (a shared-pool cache); ``None``: one per layer."""
+        self.pools = SharedPools(self.device) if config.cache_spec.shared_pool else None
+        """The slot pools layers share (a shared-pool cache); ``None``: one per layer."""
 
     def _parts(self, config: SpecExpertConfig) -> EngineParts:
         return EngineParts(
-            config, self.layers, self.store, self.link, self.pool, self._policy, self.lock,
+            config, self.layers, self.store, self.link, self._policy, self.lock,
             self.output,
         )  # fmt: skip
 
@@ -146,7 +146,10 @@ class OffloadEngine:
         assert plan is not None  # (planned at the first layer)
         slots = plan.slots(layer.experts.num_experts, layer.top_k)
         slots -= sum(f.reserved_slots(layer, slots) for f in self.features)
-        layer.equip(self.config, slots, self.link, self.device, self.pool)
+        pool = None
+        if self.pools is not None:
+            pool = self.pools.pool_for(layer.experts, slots, layer.pool_reach)
+        layer.equip(self.config, slots, self.link, self.device, pool)
         for feature in self.features:
             feature.equip(layer)
 
@@ -166,8 +169,8 @@ class OffloadEngine:
         """Every layer is loaded and wired: check that the config can run, allocate a
         shared pool, start the stats writers, and log one line that sums it up."""
         self._check(self.config, self.budget.current)
-        if self.pool is not None and not self.pool.tensors:
-            self.pool.allocate()
+        if self.pools is not None:
+            self.pools.allocate()
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
         logger.info("specexpert: %s", self.summary())
 
@@ -215,16 +218,16 @@ class OffloadEngine:
                 for feature in self.features:
                     feature.unequip(layer)
                 layer.unequip()
-            if self.pool is not None:
-                self.pool.release()
+            if self.pools is not None:
+                self.pools.release()
             self.config = config
             self.link = make_link(config.link, self.device)
             self._select(config)
             self._build_features()
             for layer in layers:
                 self._equip(layer)
-            if self.pool is not None:
-                self.pool.allocate()
+            if self.pools is not None:
+                self.pools.allocate()
         self.reset_stats()
         self.reporter.start(self.stats_file, config.stats_interval_s)
 
@@ -256,11 +259,14 @@ class OffloadEngine:
         if phases.all_prefill:
             return self._prefill(layer, request)
         # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
-        # that what was loaded ahead for them is released by their own call.
+        # that what was loaded ahead for them is released by their own call; then the
+        # prompt rows, whose experts go before the decode set's.
         out = torch.empty_like(request.x)
-        for rows, run in ((phases.decode, self._decode), (phases.prefill, self._prefill)):
-            index = upload(rows, request.x.device)
-            out[index] = run(layer, request.rows(index))
+        index = upload(phases.decode, request.x.device)
+        out[index] = self._decode(layer, request.rows(index))
+        index = upload(phases.prefill, request.x.device)
+        with layer.cache.frozen_recency():
+            out[index] = self._prefill(layer, request.rows(index))
         return out
 
     def _prefill(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:

@@ -144,9 +144,15 @@ def summary(engine: ReportedEngine) -> str:
         f" into {first.slot_nbytes / 1e3:.1f} kB slots" if first.decoder else ""
     )
     if config.cache_spec.shared_pool:
+        pools: dict[int, int] = {}
+        for la in layers:
+            pools[id(la.cache.pool)] = pools.get(id(la.cache.pool), 0) + la.cache.num_slots
+        counts, each = "/".join(map(str, pools.values())), "/".join(map(str, experts))
         residency = (
-            f"one pool of {sum(la.cache.num_slots for la in layers)}"
-            f" slots shared by their {'/'.join(map(str, experts))} experts each"
+            f"one pool of {counts} slots shared by their {each} experts each"
+            if len(pools) == 1
+            else f"{len(pools)} pools of {counts} slots, each shared by consecutive layers "
+            f"of {each} experts (one pool would pass the expert kernel's reach)"
         )
     fit = engine.budget.fit
     if fit is not None:

@@ -34,7 +34,6 @@ from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import PhaseStats, Series
 from vllm_specexpert.tiers.link import Link
-from vllm_specexpert.tiers.slots import SharedSlotPool
 from vllm_specexpert.tiers.store import ExpertStore
 
 HostReads = Callable[[list[np.ndarray]], None]
@@ -144,8 +143,6 @@ class EngineParts:
     """Every offloaded MoE layer by name (a draft's target adds them after start)."""
     store: ExpertStore
     link: Link
-    pool: SharedSlotPool | None
-    """The slot pool every layer shares (``plec``); ``None``: one per layer."""
     miss_policy: MissPolicy
     """The config's miss policy, before any feature wraps it."""
     lock: threading.Lock

@@ -1,6 +1,6 @@
 """A step's predicted demand (the path predictor's, or the lookahead draft's routes) as an
 engine feature: each decode call scores it against the router's choice (the stats'
-``path_*`` counters) and, under ``cache: plec``, the planner keeps the shared pool by it
+``path_*`` counters) and, under ``cache: plec``, the planner keeps the shared pools by it
 (:class:`~vllm_specexpert.planner.plec.PlecPlanner`)."""
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class StepDemandFeature(EngineFeature):
             return None
         lookahead = next((f for f in built if isinstance(f, LookaheadFeature)), None)
         demand = lookahead.demand if lookahead is not None else inputs.get("step_demand")
-        pool = parts.pool
-        planner = PlecPlanner(pool, config.plec_preload) if pool is not None else None
+        shared = config.cache_spec.shared_pool
+        planner = PlecPlanner(config.plec_preload) if shared else None
         return cls(demand or (lambda: None), lambda: list(parts.layers.values()), planner)
 
     def after_read(self, call: DecodeCall) -> None:

@@ -1,7 +1,8 @@
-"""PLEC's planner (ExpertFlow §3.4): a slot pool shared by every layer, planned by the
-predicted demand of each step (:class:`~vllm_specexpert.handoff.StepDemand`).
+"""PLEC's planner (ExpertFlow §3.4): slot pools shared by layers (one for all, or one per
+run of consecutive layers where the kernel's reach splits it), planned by the predicted
+demand of each step (:class:`~vllm_specexpert.handoff.StepDemand`).
 
-* At a step's first decode call every layer's predicted demand becomes the pool's
+* At a step's first decode call every layer's predicted demand becomes its pool's
   predicted uses (the victim order's first key); with ``plec_preload`` ``step`` or
   ``next`` the later layers' predicted experts are loaded, nearest layer first, into
   slots holding nothing predicted.
@@ -21,11 +22,17 @@ from vllm_specexpert.planner import PlannedLayer
 from vllm_specexpert.tiers.slots import SharedSlotPool
 
 
-class PlecPlanner:
-    """Keeps a :class:`SharedSlotPool`'s predicted uses and preloads by them (module doc)."""
+def shared_pool(layer: PlannedLayer) -> SharedSlotPool:
+    """The shared pool ``layer``'s cache is in (``plec``)."""
+    pool = layer.cache.pool
+    assert isinstance(pool, SharedSlotPool), "plec plans shared pools only"
+    return pool
 
-    def __init__(self, pool: SharedSlotPool, preload: str) -> None:
-        self.pool = pool
+
+class PlecPlanner:
+    """Keeps the :class:`SharedSlotPool` s' predicted uses and preloads by them (module doc)."""
+
+    def __init__(self, preload: str) -> None:
         self.preload = preload
         """``plec_preload``: ``none``, ``step`` or ``next``."""
         self._planned: StepDemand | None = None
@@ -41,7 +48,7 @@ class PlecPlanner:
         self._planned = demand
         for each in layers:
             row = demand.layers.get(each.index)
-            self.pool.predicted_uses[each.cache.index] = 0 if row is None else row
+            shared_pool(each).predicted_uses[each.cache.index] = 0 if row is None else row
         if self.preload != "none":
             self._preload(layers[list(layers).index(layer) + 1 :])
 
@@ -50,18 +57,20 @@ class PlecPlanner:
         if demand.next_layers is None:
             return
         row = demand.next_layers.get(layer.index)
-        self.pool.predicted_uses[layer.cache.index] = 0 if row is None else row
+        shared_pool(layer).predicted_uses[layer.cache.index] = 0 if row is None else row
         if self.preload == "next":
             self._preload([layer])
 
     def _preload(self, layers: Sequence[PlannedLayer]) -> None:
-        """Load ``layers``' predicted, non-resident experts into the pool's spare slots."""
-        room = self.pool.spare()
+        """Load ``layers``' predicted, non-resident experts into their pools' spare slots."""
+        rooms: dict[int, int] = {}
         for layer in layers:
+            pool = shared_pool(layer)
+            room = rooms.setdefault(id(pool), pool.spare())
             if room <= 0:
-                return
-            row = self.pool.predicted_uses[layer.cache.index]
+                continue
+            row = pool.predicted_uses[layer.cache.index]
             wanted = np.flatnonzero((row > 0) & (layer.cache.expert_slot < 0))
             wanted = wanted[np.argsort(-row[wanted], kind="stable")][:room]
             layer.loader.preload(wanted, layer.stats.decode)  # predictions are for decode
-            room -= len(wanted)
+            rooms[id(pool)] = room - len(wanted)

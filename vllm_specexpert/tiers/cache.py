@@ -10,6 +10,9 @@ the slow tier and the cache").
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -62,6 +65,8 @@ class ExpertCache:
         which run between acquire and launch, must not take them."""
         self.protected = np.zeros(num_experts, dtype=bool)
         """Prefetched experts whose layer has not run since: never evicted."""
+        self.recency_frozen = False
+        """Uses leave the eviction order as it is (:meth:`frozen_recency`)."""
         if device_map is None:
             device_map = device.type != "cpu"
         self.expert_map: torch.Tensor | None = (
@@ -192,5 +197,19 @@ class ExpertCache:
 
     def touch(self, experts: np.ndarray) -> None:
         """``experts`` are used by a kernel call now (eviction order)."""
+        if self.recency_frozen:
+            return
         self.pool.clock += 1
         self.policy.on_use(experts, self.pool.clock)
+
+    @contextlib.contextmanager
+    def frozen_recency(self) -> Iterator[None]:
+        """Uses inside leave the eviction order as it is: the prompt rows of a pass that
+        also decodes load what they need on demand, and those experts go before the
+        decode set (a long prompt cycles through the slots instead of pushing out what
+        the decoding requests use at every step)."""
+        self.recency_frozen = True
+        try:
+            yield
+        finally:
+            self.recency_frozen = False

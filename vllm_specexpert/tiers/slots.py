@@ -5,12 +5,15 @@ and reader.
 
 * :class:`LayerSlotPool`: one layer's own slots (``lru``, ``lfu``, ``static``), victims
   in its eviction policy's order.
-* :class:`SharedSlotPool`: every layer's slots in one pool (``plec``, ExpertFlow §3.4);
-  a load's victim may belong to another layer, chosen by predicted uses to come.
+* :class:`SharedSlotPool`: several layers' slots in one pool (``plec``, ExpertFlow
+  §3.4); a load's victim may belong to another layer, chosen by predicted uses to come.
+  :class:`SharedPools` puts consecutive layers in one until the next would take it past
+  what the expert kernel addresses.
 """
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -232,3 +235,35 @@ class SharedSlotPool(SlotPool):
     def capacity(self, cache: PooledCache) -> int:
         resident = np.flatnonzero(cache.resident_mask())
         return len(resident) + self.available_for(cache, resident)
+
+
+class SharedPools:
+    """``plec``'s pools: consecutive layers share one until the next layer's slots would
+    make its tensors larger than the expert kernel addresses (the layers' ``reach``,
+    elements per tensor), then a new one starts; one pool for all where the kernel has
+    no such limit. A layer past the reach alone is refused before (``budget``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pools: list[SharedSlotPool] = []
+        self._slots: list[int] = []
+        """Slots each pool's layers have joined with so far."""
+
+    def pool_for(self, experts: ExpertSource, slots: int, reach: int | None) -> SharedSlotPool:
+        """The pool a layer of ``experts`` with ``slots`` joins (the caller joins it)."""
+        widest = max(math.prod(shape) for shape, _ in experts.slot_shapes.values())
+        if not self.pools or (reach is not None and (self._slots[-1] + slots) * widest > reach):
+            self.pools.append(SharedSlotPool(self.device))
+            self._slots.append(0)
+        self._slots[-1] += slots
+        return self.pools[-1]
+
+    def allocate(self) -> None:
+        """Make the tensors of every pool that has none (once every layer joined)."""
+        for pool in self.pools:
+            if not pool.tensors:
+                pool.allocate()
+
+    def release(self) -> None:
+        for pool in self.pools:
+            pool.release()
