@@ -64,6 +64,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -520,18 +521,7 @@ def phase_plugin(args, work: Path) -> dict:
             print(f"plugin {mode}: refused: {error}", flush=True)
             continue
         budgets[mode] = host_cache(vllm_specexpert.get_stats(llm)[0])
-        rows: dict = {}
-        for batch in args.batches:
-            rows[str(batch)] = plugin_run(llm, batch)
-            row = rows[str(batch)]
-            print(
-                f"plugin {mode:38s} {batch:2d} seq: decode {row['decode_tok_s']:6.3f} "
-                f"tok/s, {row['gb_read_per_decode_token']:.3f} GB/token, hit "
-                f"{row['hit_rate']:.2f}, disk {row['disk_gbps_while_waited']:.2f} GB/s "
-                "while waited",
-                flush=True,
-            )
-        results[mode] = rows
+        results[mode] = run_batches(llm, args.batches, f"plugin {mode:38s}")
         # Kept as it goes: a process the OOM killer ends keeps the modes it measured.
         (work / "part-plugin.json").write_text(
             json.dumps({"complete": False, "budget": budget, "modes": results}, indent=1)
@@ -581,15 +571,9 @@ def phase_sweep(args, work: Path) -> dict:
                 results[label] = {"refused": str(error)}
                 continue
         stats = vllm_specexpert.get_stats(llm)[0]
-        rows: dict = {"host_cache": host_cache(stats), "budget": stats["budget"]}
-        for batch in args.batches:
-            rows[str(batch)] = row = plugin_run(llm, batch)
-            print(
-                f"sweep {label:10s} {rows['host_cache']['slots_per_layer']} slots "
-                f"{batch:2d} seq: decode {row['decode_tok_s']:6.3f} tok/s",
-                flush=True,
-            )
-        results[label] = rows
+        cache = host_cache(stats)
+        rows = run_batches(llm, args.batches, f"sweep {label:10s} {cache['slots_per_layer']} slots")
+        results[label] = {"host_cache": cache, "budget": stats["budget"], **rows}
         (work / "part-sweep.json").write_text(json.dumps({"complete": False, "runs": results}))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     return {"runs": results, "peak_rss_gb": peak}
@@ -609,16 +593,13 @@ def phase_mapped(args, work: Path) -> dict:
     llm = disk_engine(args, work, "auto", residency="mapped")
     start_s = time.perf_counter() - started
     stats = vllm_specexpert.get_stats(llm)[0]
-    rows: dict = {"summary": stats["summary"], "engine_start_s": start_s}
-    for batch in args.batches:
-        rows[str(batch)] = row = plugin_run(llm, batch)
-        print(
-            f"mapped {batch:2d} seq: decode {row['decode_tok_s']:6.3f} tok/s, "
-            f"{row['os_read_gb_full_run']:.2f} GB read by the OS in the run",
-            flush=True,
-        )
-        (work / "part-mapped.json").write_text(json.dumps({"complete": False, **rows}))
-    return {**rows, "page_cache_dropped": dropped}
+    head: dict = {"summary": stats["summary"], "engine_start_s": start_s}
+
+    def kept(rows: dict) -> None:
+        (work / "part-mapped.json").write_text(json.dumps({"complete": False, **head, **rows}))
+
+    rows = run_batches(llm, args.batches, "mapped", kept)
+    return {**head, **rows, "page_cache_dropped": dropped}
 
 
 def phase_scheduler(args, work: Path) -> dict:
@@ -637,14 +618,7 @@ def phase_scheduler(args, work: Path) -> dict:
         path_predictor=str(work / "model" / "artifacts" / ARTIFACTS["path_predictor"]),
         token_scheduler={"group_size": 8},
     )
-    rows = {}
-    for batch in (b for b in args.batches if b > 8):
-        rows[str(batch)] = row = plugin_run(llm, batch)
-        print(
-            f"plugin {SCHEDULER_MODE} {batch:2d} seq: decode {row['decode_tok_s']:6.3f} tok/s, "
-            f"{row['gb_read_per_decode_token']:.3f} GB/token, hit {row['hit_rate']:.2f}",
-            flush=True,
-        )
+    rows = run_batches(llm, [b for b in args.batches if b > 8], f"plugin {SCHEDULER_MODE}")
     stats = vllm_specexpert.get_stats(llm)[0]
     return {
         "budget": budget,
@@ -708,14 +682,7 @@ def phase_approximate(args, work: Path) -> dict:
         buddy = {"buddy": DEFAULT_BUDDY} if mode["miss_policy"] == "buddy" else {}
         quality = None if mode["miss_policy"] == "fetch" else {}
         vllm_specexpert.reconfigure(llm, budget="auto", **mode, **buddy, quality=quality)
-        rows: dict = {}
-        for batch in args.batches:
-            rows[str(batch)] = row = plugin_run(llm, batch)
-            print(
-                f"approximate {label:36s} {batch:2d} seq: decode {row['decode_tok_s']:6.3f} "
-                f"tok/s, {row['gb_read_per_decode_token']:.3f} GB/token",
-                flush=True,
-            )
+        rows = run_batches(llm, args.batches, f"approximate {label:36s}")
         vllm_specexpert.reset_stats(llm)
         forced = teacher_forced(llm, windows, PROMPT_TOKENS, batch=max(args.batches))
         stats = vllm_specexpert.get_stats(llm)[0]
@@ -816,6 +783,27 @@ class RouteRecorder:
 
 
 ROUTES = RouteRecorder()
+
+
+def run_batches(
+    llm, batches: list[int], label: str, kept: Callable[[dict], None] | None = None
+) -> dict[str, dict]:
+    """:func:`plugin_run` at each of ``batches`` (by batch, as a string), a line printed
+    for each; ``kept(rows)`` after each (a phase's part file: what a process the OOM
+    killer ends measured stays)."""
+    rows: dict[str, dict] = {}
+    for batch in batches:
+        rows[str(batch)] = row = plugin_run(llm, batch)
+        print(
+            f"{label} {batch:2d} seq: decode {row['decode_tok_s']:6.3f} tok/s, "
+            f"{row['gb_read_per_decode_token']:.3f} GB/token, hit {row['hit_rate']:.2f}, "
+            f"disk {row['disk_gbps_while_waited']:.2f} GB/s while waited, "
+            f"{row['os_read_gb_full_run']:.2f} GB read by the OS in the run",
+            flush=True,
+        )
+        if kept is not None:
+            kept(rows)
+    return rows
 
 
 def plugin_run(llm, batch: int) -> dict:

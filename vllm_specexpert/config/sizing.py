@@ -153,7 +153,8 @@ class ModelShapes:
     max_model_len: int
     max_num_batched_tokens: int
     staging_bytes: int = 0
-    """Buffers the slow tier reads into (the disk's: ``2 x queue_depth`` experts)."""
+    """Buffers the slow tier reads through besides the slots (the disk's: a bounce buffer
+    per reader thread, where a tensor is not aligned for ``O_DIRECT``)."""
 
 
 @dataclass
