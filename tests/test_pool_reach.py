@@ -30,7 +30,7 @@ LAYERS = [
 
 def reach(config, layers):
     """The check with each layer's slots as ``config`` gives them."""
-    check_pool_reach(config, SlotPlan(config.budget), layers)
+    check_pool_reach(SlotPlan(config.budget), layers)
 
 
 def test_per_layer_pools_of_the_benchmark_fit():

@@ -105,11 +105,11 @@ class PoolUser(Protocol):
     def pool_reach(self) -> int | None: ...
 
 
-def check_pool_reach(config: SpecExpertConfig, plan: SlotPlan, layers: Iterable[PoolUser]) -> None:
-    """Raise a config error when a slot pool ``config`` makes of ``layers`` under ``plan``
-    is a tensor larger than their kernel can address (their ``pool_reach``): one layer's
-    slots, the least any pool holds (a shared-pool ``cache``, ``plec``, splits its pool
-    into runs of layers within the reach: :class:`~vllm_specexpert.tiers.slots.SharedPools`)."""
+def check_pool_reach(plan: SlotPlan, layers: Iterable[PoolUser]) -> None:
+    """Raise a config error when a slot pool made of ``layers`` under ``plan`` is a tensor
+    larger than their kernel can address (their ``pool_reach``): one layer's slots, the
+    least any pool holds (a shared-pool ``cache``, ``plec``, splits its pool into runs of
+    layers within the reach: :class:`~vllm_specexpert.tiers.slots.SharedPools`)."""
     layers = [la for la in layers if la.pool_reach is not None]
     if not layers:
         return

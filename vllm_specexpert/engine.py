@@ -163,7 +163,7 @@ class OffloadEngine:
         check_layers(config, self.layers.values())
         features.check(self._parts(config), self.inputs)
         if plan is not None:
-            check_pool_reach(config, plan, self.layers.values())
+            check_pool_reach(plan, self.layers.values())
 
     def start(self) -> None:
         """Every layer is loaded and wired: check that the config can run, allocate a
