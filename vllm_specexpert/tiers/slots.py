@@ -74,6 +74,11 @@ class SlotPool:
     def num_slots(self) -> int:
         return len(self.owner)
 
+    @property
+    def joined_slots(self) -> int:
+        """Slots its caches joined with: its size once allocated."""
+        return sum(self._shares)
+
     def join(self, cache: PooledCache, share: int) -> int:
         """Add ``cache`` with ``share`` warm-start slots; returns its index."""
         if self.caches:
@@ -94,7 +99,7 @@ class SlotPool:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def allocate(self) -> None:
-        total = sum(self._shares)
+        total = self.joined_slots
         shapes = self.caches[0].experts.slot_shapes
         self.tensors = {
             key: self._empty((total, *shape), dtype) for key, (shape, dtype) in shapes.items()
@@ -246,16 +251,13 @@ class SharedPools:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pools: list[SharedSlotPool] = []
-        self._slots: list[int] = []
-        """Slots each pool's layers have joined with so far."""
 
     def pool_for(self, experts: ExpertSource, slots: int, reach: int | None) -> SharedSlotPool:
-        """The pool a layer of ``experts`` with ``slots`` joins (the caller joins it)."""
+        """The pool a layer of ``experts`` with ``slots`` is to join (the caller joins it)."""
         widest = max(math.prod(shape) for shape, _ in experts.slot_shapes.values())
-        if not self.pools or (reach is not None and (self._slots[-1] + slots) * widest > reach):
+        last = self.pools[-1] if self.pools else None
+        if last is None or (reach is not None and (last.joined_slots + slots) * widest > reach):
             self.pools.append(SharedSlotPool(self.device))
-            self._slots.append(0)
-        self._slots[-1] += slots
         return self.pools[-1]
 
     def allocate(self) -> None:
