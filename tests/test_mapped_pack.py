@@ -5,6 +5,7 @@ memory of its own; pages outside the page cache counted when a launch reads them
 file truncated under the engine fails only the rows that needed what is gone (an error
 of the call, never a SIGBUS), and the engine reads them again once the file is whole."""
 
+import ctypes
 import errno
 import os
 
@@ -120,6 +121,34 @@ def test_pages_outside_the_page_cache_are_read_in_and_counted(engine, pack):
     assert decode["loads"] == 4 and decode["bytes_loaded"] == 4 * (8192 + 4096)
     call(engine, name, x, w, ids, PassPhases.decode_only(1))  # present now
     assert engine.stats()["disk"]["populated"] == 8
+
+
+def test_one_page_out_of_a_short_range_makes_it_missing_and_a_long_range_is_sampled(
+    pack, monkeypatch
+):
+    """A range up to WHOLE_RANGE_PAGES is checked page by page in one call, so a single
+    page outside the page cache is found; a longer one costs SAMPLED_PAGES calls."""
+    disk = Disk(pack, depth=1, mapped=True)
+    mapping = disk.mapping
+    assert mapping is not None
+    out_of_cache = {mapping.address + 5 * mapped.PAGE}
+    calls = []
+
+    def mincore(address, length, vector):
+        calls.append(length)
+        for page in range(length // mapped.PAGE):
+            present = address + page * mapped.PAGE not in out_of_cache
+            ctypes.memset(vector + page, int(present), 1)
+        return 0
+
+    monkeypatch.setattr(mapped._libc, "mincore", mincore)
+    assert not mapping._present(0, 40 * mapped.PAGE)  # (a sample every 2nd page: missed)
+    assert calls == [40 * mapped.PAGE]
+    assert mapping._present(6 * mapped.PAGE, 40 * mapped.PAGE)
+    calls.clear()
+    assert mapping._present(0, 64 * mapped.WHOLE_RANGE_PAGES * mapped.PAGE)
+    assert calls == [mapped.PAGE] * mapped.SAMPLED_PAGES
+    disk.close()
 
 
 def test_a_truncated_file_fails_only_the_rows_that_needed_what_is_gone(engine, pack):

@@ -39,7 +39,11 @@ MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22
 """Linux 5.14+: fault the range in, waiting for its reads; an error instead of ``SIGBUS``."""
 SAMPLED_PAGES = 16
-"""Pages of an expert's range checked to find it present (:meth:`MappedPack.populate`)."""
+"""Pages of a long expert range checked to find it present (:meth:`MappedPack.populate`)."""
+WHOLE_RANGE_PAGES = 512
+"""A range of at most this many pages is checked whole, in one ``mincore``: a call costs
+about as much as 100 pages' lookups, so up to here one exact call is cheaper than
+:data:`SAMPLED_PAGES` calls."""
 
 _libc = ctypes.CDLL(None, use_errno=True)  # (its calls release the GIL)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -82,6 +86,9 @@ class MappedPack:
         self.address = self.bytes.data_ptr()
         self.stats = MappedStats()
         self._lock = threading.Lock()
+        self._vector = np.empty(WHOLE_RANGE_PAGES, dtype=np.uint8)
+        self._vector_address = self._vector.ctypes.data
+        """``mincore``'s output, kept (making a ctypes address costs more than the call)."""
         try:
             self._advise(0, min(size, PAGE), MADV_POPULATE_READ)
         except OSError as error:
@@ -106,10 +113,10 @@ class MappedPack:
         many experts had pages to read and their bytes; one :class:`ExpertsUnreadable`
         names every expert whose pages could not be read.
 
-        A range counts as present when :data:`SAMPLED_PAGES` pages spread over it are
-        (a full ``mincore`` of a 60 MB expert costs 0.4 ms, about as much as the
+        A long range counts as present when :data:`SAMPLED_PAGES` pages spread over it
+        are (a full ``mincore`` of a 60 MB expert costs 0.4 ms, about as much as the
         kernel's work on it at batch 1); a page reclaimed between the samples is read
-        by the kernel's fault. A file shorter than the pack (truncated under the engine)
+        by the kernel's fault. A short one is checked whole (:meth:`_present`). A file shorter than the pack (truncated under the engine)
         populates every range, so that what is gone fails here, not in the kernel."""
         whole = os.fstat(self.fd).st_size >= self.pack.manifest.records_bytes
         missing: list[tuple[int, int, int]] = []  # (expert, offset, length)
@@ -168,12 +175,18 @@ class MappedPack:
         return first, end - first
 
     def _present(self, offset: int, length: int) -> bool:
-        """Whether :data:`SAMPLED_PAGES` pages spread over the range are in the page cache."""
+        """Whether the range's pages are in the page cache: all of them, in one call, up
+        to :data:`WHOLE_RANGE_PAGES`; else :data:`SAMPLED_PAGES` spread over it."""
         pages = length // PAGE
-        step = max(pages // SAMPLED_PAGES, 1)
-        vector = np.empty(1, dtype=np.uint8)
+        vector = self._vector
+        if pages <= WHOLE_RANGE_PAGES:
+            if _libc.mincore(self.address + offset, length, self._vector_address):
+                return False
+            return bool(vector[:pages].all())  # (mincore's other bits are 0)
+        step = pages // SAMPLED_PAGES
+        address = self.address + offset
         for page in range(0, pages, step):
-            if _libc.mincore(self.address + offset + page * PAGE, PAGE, vector.ctypes.data):
+            if _libc.mincore(address + page * PAGE, PAGE, self._vector_address):
                 return False
             if not vector[0] & 1:
                 return False
