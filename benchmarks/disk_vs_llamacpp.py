@@ -83,6 +83,7 @@ PHASES = (
     "scheduler",
     "sweep",
     "mapped",
+    "mapped_ahead",
     "approximate",
     "serve",
 )
@@ -582,24 +583,35 @@ def phase_sweep(args, work: Path) -> dict:
 SCHEDULER_MODE = "fetch, LRU + token scheduler (groups of 8)"
 
 
-def phase_mapped(args, work: Path) -> dict:
+def phase_mapped(args, work: Path, settings: dict | None = None, name: str = "mapped") -> dict:
     """``fetch`` on the mapped pack (``disk.residency: "mapped"``): the kernel on the
-    pack's pages, the page cache as the cache (the process's memory is what is not)."""
+    pack's pages, the page cache as the cache (the process's memory is what is not).
+    ``settings``: more of the engine's config."""
     import vllm_specexpert
 
     packed(args, work)
     dropped = drop_page_cache()
     started = time.perf_counter()
-    llm = disk_engine(args, work, "auto", residency="mapped")
+    llm = disk_engine(args, work, "auto", residency="mapped", **(settings or {}))
     start_s = time.perf_counter() - started
     stats = vllm_specexpert.get_stats(llm)[0]
     head: dict = {"summary": stats["summary"], "engine_start_s": start_s}
 
     def kept(rows: dict) -> None:
-        (work / "part-mapped.json").write_text(json.dumps({"complete": False, **head, **rows}))
+        (work / f"part-{name}.json").write_text(json.dumps({"complete": False, **head, **rows}))
 
-    rows = run_batches(llm, args.batches, "mapped", kept)
+    rows = run_batches(llm, args.batches, name, kept)
     return {**head, **rows, "page_cache_dropped": dropped}
+
+
+def phase_mapped_ahead(args, work: Path) -> dict:
+    """:func:`phase_mapped` with the estimator's predictions read ahead as page hints
+    (``MADV_WILLNEED``), in an engine of its own: the page cache the first engine
+    filled is its own, which only a new process drops (mapped pages are not dropped)."""
+    model = widened(args, work)
+    estimator = str(model / "artifacts" / ARTIFACTS["estimator"])
+    settings = {"predictor": "estimator", "estimator": estimator}
+    return phase_mapped(args, work, settings, "mapped_ahead")
 
 
 def phase_scheduler(args, work: Path) -> dict:
@@ -1096,7 +1108,7 @@ def plugin_modes(payload: dict) -> dict:
     starts it (``budget: "auto"``) in each residency: the sweep's first run (slots) and
     the mapped phase's."""
     auto = payload.get("sweep", {}).get("runs", {}).get("auto")
-    mapped = payload.get("mapped")
+    mapped, ahead = payload.get("mapped"), payload.get("mapped_ahead")
     return {
         **payload.get("plugin", {}).get("modes", {}),
         **payload.get("scheduler", {}).get("modes", {}),
@@ -1107,6 +1119,7 @@ def plugin_modes(payload: dict) -> dict:
         },
         **({"fetch, auto, slots residency": auto} if auto else {}),
         **({"fetch, mapped residency": mapped} if mapped else {}),
+        **({"fetch + estimator read-ahead, mapped residency": ahead} if ahead else {}),
     }
 
 

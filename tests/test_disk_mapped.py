@@ -107,3 +107,16 @@ def test_a_file_truncated_under_the_engine_fails_requests_not_the_process(engine
     assert all(o.finish_reason == "error" for o in outputs)  # (a SIGBUS kills this process)
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
     assert [c.logprobs for c in greedy(llm)] == [c.logprobs for c in reference]
+
+
+def test_a_predictors_read_ahead_leaves_the_output_exact(engine):
+    llm, reference = engine
+    vllm_specexpert.reconfigure(llm, predictor="router")
+    try:
+        outputs = greedy(llm)
+        stats = vllm_specexpert.get_stats(llm)[0]
+    finally:
+        vllm_specexpert.reconfigure(llm, predictor="none")
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
+    assert stats["total"]["decode"]["predicted"] > 0  # (it predicted, and prefetched)

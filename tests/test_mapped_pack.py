@@ -9,6 +9,7 @@ import ctypes
 import errno
 import os
 
+import numpy as np
 import pytest
 import torch
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
@@ -185,20 +186,37 @@ def test_a_refused_mapping_falls_back_to_the_slots_and_says_so(pack, monkeypatch
     disk.close()
 
 
-@pytest.mark.parametrize(
-    "setting, field",
-    [
-        ({"miss_policy": "drop"}, "miss_policy"),
-        ({"predictor": "router"}, "predictor"),
-    ],
-)
-def test_what_has_no_miss_to_decide_on_is_refused_with_the_mapped_residency(setting, field):
+def test_what_has_no_miss_to_decide_on_is_refused_with_the_mapped_residency():
+    setting = {"miss_policy": "drop"}
     with pytest.raises(SpecExpertConfigError, match=r"disk\.residency 'mapped'") as error:
         SpecExpertConfig.from_dict({**MAPPED, **setting})
-    assert error.value.field_name == field
+    assert error.value.field_name == "miss_policy"
     SpecExpertConfig.from_dict(
         {**MAPPED, "disk": {"path": "unused", "residency": "slots"}, **setting}
     )  # (with the slots it combines)
+    assert SpecExpertConfig.from_dict({**MAPPED, "predictor": "router"}).predictor == "router"
+
+
+def test_a_prefetch_reads_the_pages_ahead_and_the_launch_then_waits_for_none(engine, pack):
+    name = NAMES[1]
+    if not drop_page_cache(pack, name):
+        print("the filesystem keeps the pack's pages (tmpfs?): nothing to read ahead")
+        pytest.skip("the pack's pages cannot be dropped from the page cache here")
+    layer = engine.layers[name]
+    assert layer.loader.prefetch(np.array([1, 2]), layer.stats.decode) == 0  # (no slot load)
+    disk = engine.stats()["disk"]
+    assert disk["read_ahead"] == 2 and disk["read_ahead_bytes"] == 2 * (8192 + 4096)
+    x, w, _ = random_routing(1, 16, 4, hidden=64, seed=0)
+    ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(1))
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    stats = engine.stats()
+    assert stats["disk"]["populated"] == 4  # experts 3 and 4 only: 1 and 2 were on their way
+    decode = stats["total"]["decode"]  # every read counted once: ahead, or at the launch
+    assert decode["prefetched"] == 2 and decode["loads"] == 4
+    assert decode["bytes_loaded"] == 4 * (8192 + 4096)
+    layer.loader.prefetch(np.array([1, 2]), layer.stats.decode)  # present: nothing to ask
+    assert engine.stats()["disk"]["read_ahead"] == 2
 
 
 def test_a_layer_past_the_kernels_reach_is_refused_with_the_mapped_residency(pack):

@@ -220,7 +220,6 @@ def _check_disk(config: Settings) -> None:
         return
     mapped = [
         (config.miss_policy != "fetch", "miss_policy", f"'{config.miss_policy}'"),
-        (config.predictor != "none", "predictor", f"'{config.predictor}'"),
         (config.path_predictor is not None, "path_predictor", "a path predictor"),
         (config.cache_spec.shared_pool, "cache", f"'{config.cache}'"),
     ]
@@ -230,8 +229,8 @@ def _check_disk(config: Settings) -> None:
                 field,
                 f"{what} does not combine with disk.residency 'mapped': every expert is "
                 "addressable in the mapping, the page cache decides what is in memory, so "
-                "there is no miss to decide on and no slot to load ahead (predictions as "
-                "page hints are not built)",
+                "there is no miss to decide on and no slot to keep or load ahead (a "
+                "predictor's prefetch is a read-ahead of the pages there)",
                 "remove it, or use disk.residency 'slots'",
             )
 

@@ -159,7 +159,8 @@ class Disk:
 
     def stats_dict(self) -> dict:
         """``busy``: time with at least one read in flight. Mapped: what launches had
-        populated (tensors with pages outside the page cache, their bytes, the wait)."""
+        populated (tensors with pages outside the page cache, their bytes, the wait), and
+        what prefetches read ahead (experts, bytes)."""
         if self.mapping is not None:
             mapped = self.mapping.stats
             return {
@@ -169,6 +170,8 @@ class Disk:
                 "bytes": mapped.bytes,
                 "wait_s": mapped.wait_s,
                 "failed": mapped.failed,
+                "read_ahead": mapped.read_ahead,
+                "read_ahead_bytes": mapped.read_ahead_bytes,
             }
         stats, reader = self.stats, self.reader.stats
         return {

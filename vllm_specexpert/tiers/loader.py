@@ -93,9 +93,17 @@ class ExpertLoader:
         :meth:`begin_run`. ``likelihood``: per expert of the layer, the chance the call
         the prefetch is for uses it; then the least likely go first, and a prefetch never
         evicts an expert at least as likely as the one it brings (a wrong guess would
-        cost a read the right one saves). Returns how many were queued."""
+        cost a read the right one saves). Experts held but not readable (a mapped pack's
+        pages) are read ahead instead. Returns how many loads were queued."""
         cache = self.cache
-        missing = experts[cache.expert_slot[experts] < 0]
+        slot = cache.expert_slot[experts]
+        if not cache.pool.readable_as_is:  # (held, but maybe not readable: read ahead)
+            read, nbytes = cache.pool.read_ahead(slot[slot >= 0])
+            stats.loads += read
+            stats.prefetched += read
+            stats.bytes_loaded += nbytes
+            stats.bytes_prefetched += nbytes
+        missing = experts[slot < 0]
         if not len(missing):
             return 0
         missing = missing[: cache.pool.prefetch_room(cache, experts)]

@@ -64,6 +64,10 @@ class MappedStats:
     """Seconds launches waited for pages."""
     failed: int = 0
     """Expert tensors whose pages could not be read."""
+    read_ahead: int = 0
+    """Experts whose pages a prefetch asked the kernel to read ahead."""
+    read_ahead_bytes: int = 0
+    """Bytes of those pages."""
 
 
 class MappedPack:
@@ -156,6 +160,30 @@ class MappedPack:
             ) from first
         return len({expert for expert, _, _ in missing}), nbytes
 
+    def read_ahead(self, layer: PackLayer, experts: np.ndarray) -> tuple[int, int]:
+        """Start reading the pages of ``experts`` that the page cache lacks
+        (``MADV_WILLNEED``), without waiting: a prefetch. Returns how many experts had
+        pages to read and their bytes. A hint: a range the kernel does not read ahead is
+        read by :meth:`populate` when a launch needs it. (Pages being read count as
+        present to :meth:`populate`; a read that then fails is a ``SIGBUS`` at the
+        kernel's fault, a risk only a prefetch's own read error takes.)"""
+        asked: set[int] = set()
+        nbytes = 0
+        for expert in experts.tolist():
+            for tensor in layer.tensors:
+                offset, length = self._pages(tensor, expert)
+                if self._present(offset, length):
+                    continue
+                missing = self._missing_bytes(offset, length)
+                with contextlib.suppress(OSError):
+                    self._advise(offset, length, MADV_WILLNEED)
+                    asked.add(expert)
+                    nbytes += missing
+        with self._lock:
+            self.stats.read_ahead += len(asked)
+            self.stats.read_ahead_bytes += nbytes
+        return len(asked), nbytes
+
     def reset_stats(self) -> None:
         with self._lock:
             self.stats = MappedStats()
@@ -243,6 +271,9 @@ class MappedExperts(PackExperts):
     def populate(self, experts: np.ndarray) -> tuple[int, int]:
         return self.mapping.populate(self.record, experts)
 
+    def read_ahead(self, experts: np.ndarray) -> tuple[int, int]:
+        return self.mapping.read_ahead(self.record, experts)
+
 
 class MappedPool(LayerSlotPool):
     """One layer's "slots": its regions in the mapped pack, expert ``e`` in slot ``e``,
@@ -267,6 +298,9 @@ class MappedPool(LayerSlotPool):
 
     def readable(self, slots: torch.Tensor) -> tuple[int, int]:
         return self.experts.populate(np.unique(slots.numpy()))
+
+    def read_ahead(self, slots: np.ndarray) -> tuple[int, int]:
+        return self.experts.read_ahead(slots)
 
 
 __all__ = ["MappedExperts", "MappedPack", "MappedPool", "MappingRefused"]

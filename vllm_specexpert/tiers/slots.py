@@ -130,6 +130,12 @@ class SlotPool:
         and bytes that had to be read for it."""
         return 0, 0
 
+    def read_ahead(self, slots: np.ndarray) -> tuple[int, int]:
+        """A prefetch of experts the pool holds (``slots``): start making them readable
+        without waiting (here they are; a mapped pack's pages are read ahead). Returns
+        the experts and bytes asked for."""
+        return 0, 0
+
     def victims(
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
