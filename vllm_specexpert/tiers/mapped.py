@@ -120,8 +120,9 @@ class MappedPack:
         A long range counts as present when :data:`SAMPLED_PAGES` pages spread over it
         are (a full ``mincore`` of a 60 MB expert costs 0.4 ms, about as much as the
         kernel's work on it at batch 1); a page reclaimed between the samples is read
-        by the kernel's fault. A short one is checked whole (:meth:`_present`). A file shorter than the pack (truncated under the engine)
-        populates every range, so that what is gone fails here, not in the kernel."""
+        by the kernel's fault. A short one is checked whole (:meth:`_present`). A file
+        shorter than the pack (truncated under the engine) populates every range, so that
+        what is gone fails here, not in the kernel."""
         whole = os.fstat(self.fd).st_size >= self.pack.manifest.records_bytes
         missing: list[tuple[int, int, int]] = []  # (expert, offset, length)
         for expert in experts.tolist():
