@@ -609,9 +609,8 @@ def phase_mapped_ahead(args, work: Path) -> dict:
     (``MADV_WILLNEED``), in an engine of its own: the page cache the first engine
     filled is its own, which only a new process drops (mapped pages are not dropped)."""
     model = widened(args, work)
-    estimator = str(model / "artifacts" / ARTIFACTS["estimator"])
-    settings = {"predictor": "estimator", "estimator": estimator}
-    return phase_mapped(args, work, settings, "mapped_ahead")
+    artifacts = {k: str(model / "artifacts" / ARTIFACTS[k]) for k in ("calibration", "estimator")}
+    return phase_mapped(args, work, {"predictor": "estimator", **artifacts}, "mapped_ahead")
 
 
 def phase_scheduler(args, work: Path) -> dict:

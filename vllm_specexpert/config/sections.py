@@ -165,8 +165,9 @@ class DiskConfig:
     ``budget``, each expert read there whole, checksummed at every read; every miss
     policy, predictor and cache. ``mapped``: the pack's file is mapped and the kernel
     reads its pages; the page cache is the cache (all the memory the process leaves free;
-    ``budget`` sizes nothing), with ``fetch`` and no predictor or shared pool (the faster
-    in the 4 GB miniature). Where the filesystem or kernel refuses the mapping, the slots
+    ``budget`` sizes nothing), with ``fetch`` and no path predictor or shared pool (the
+    faster in the 4 GB miniature); a predictor's prefetch reads the predicted experts'
+    pages ahead (``MADV_WILLNEED``). Where the filesystem or kernel refuses the mapping, the slots
     are used and the start line says so."""
 
 
