@@ -149,6 +149,7 @@ def main() -> None:
         stop_engine(llm)
 
     quantized = quantized_checks(model, prompts, args.max_tokens)
+    disk = disk_check(model, prompts, args.max_tokens, reference)
 
     vanilla_ms = {row["batch"]: row["tpot_ms"] for row in tpot if row["mode"] == "vanilla"}
     for row in tpot:
@@ -163,9 +164,37 @@ def main() -> None:
             "exactness": exactness,
             "tpot": tpot,
             "quantized": quantized,
+            "disk": disk,
         },
     )
     print(f"wrote {path}\ncommand: {command_line()}")
+
+
+def disk_check(model: str, prompts: list[str], max_tokens: int, reference: list) -> dict:
+    """The disk tier on CUDA: the pack made at start (the checkpoint's layout), pinned
+    host rows between it and a quarter of the experts on the device; greedy tokens
+    against vanilla's, and what the host rows and the disk served."""
+    import tempfile
+
+    from common import agreement, greedy_tokens
+
+    import vllm_specexpert
+    from vllm_specexpert.tools.harness import start_engine, stop_engine
+
+    with tempfile.TemporaryDirectory() as work:
+        config = {"budget": 0.25, "disk": {"path": f"{work}/pack"}}
+        llm = start_engine(model, config, eager=False)
+        tokens = greedy_tokens(llm, prompts, max_tokens)
+        stats = vllm_specexpert.get_stats(llm)[0]
+        stop_engine(llm)
+    row = {
+        "identical": tokens == reference,
+        **agreement(tokens, reference),
+        "summary": stats["summary"],
+        "disk": stats["disk"],
+    }
+    print(row, flush=True)
+    return row
 
 
 def quantized_checks(model: str, prompts: list[str], max_tokens: int) -> list[dict]:

@@ -9,12 +9,8 @@ the KV cache is explicit (1 GiB, the plugin's ``VLLM_CPU_KVCACHE_SPACE`` default
 import pytest
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.config.sizing import (
-    MemoryReport,
-    ModelShapes,
-    fit_budget,
-    parse_size,
-)
+from vllm_specexpert.config.budget_form import parse_size
+from vllm_specexpert.config.sizing import MemoryReport, ModelShapes, fit_budget
 
 GiB = 1 << 30
 

@@ -10,8 +10,9 @@ its floor::
 
      1  config/         every setting and its checks: specexpert, sections, rules,
                         errors, modes (each mode's traits, as data), fit (what it needs
-                        of the model), sizing (a budget's slots from the memory), switch
-                        (what reconfigure can change)
+                        of the model), sizing (a budget's slots from the memory),
+                        budget_form (how a budget is written), switch (what reconfigure
+                        can change)
      1  quant_formats   quantized checkpoints' packed experts: read, dequantize,
                         quantize
      1  phases          which tokens of a forward pass are decode, which prefill
@@ -40,7 +41,8 @@ its floor::
                         (the disk's file, in the kernel's form), pack_writer
                         (writing a pack, atomically), pack_lock (a pack's lock: engines
                         shared, a writer alone), checkpoint_experts (one expert read
-                        from a checkpoint), memory (what the sized tier has free)
+                        from a checkpoint), memory (what the sized tier has free),
+                        host_cache (CUDA: pinned host rows between disk and device)
      4  budget_plan     what a budget comes to in slots per layer, and why (sized from
                         the memory at the first layer and at each reconfigure), and
                         whether the kernel can address its pools

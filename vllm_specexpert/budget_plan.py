@@ -94,6 +94,28 @@ class BudgetPlan:
         self.current = plan
 
 
+def size_host_cache(
+    config: SpecExpertConfig, sizing: SizingSettings, experts: ExpertSource, top_k: int
+) -> BudgetFit:
+    """``disk.host_cache`` (CUDA: pinned host rows between the disk and the device) in
+    experts per MoE layer, by :func:`fit_budget` on the host's free memory, with no KV
+    cache or pass workspace there (both are on the GPU); unset is ``auto``."""
+    assert config.disk is not None
+    plan = BudgetPlan(torch.device("cpu"), "disk.host_cache")
+    plan.sizing = SizingSettings(
+        moe_layers=sizing.moe_layers,
+        moe_intermediate_size=sizing.moe_intermediate_size,
+        kv_cache_bytes=0,
+    )
+    setting = config.disk.host_cache if config.disk.host_cache is not None else "auto"
+    host = SpecExpertConfig(
+        budget=setting, allow_budget_beyond_memory=config.allow_budget_beyond_memory
+    )
+    fit = plan.plan(host, experts, top_k).fit
+    assert fit is not None  # (the MoE layers are counted: every budget is sized)
+    return fit
+
+
 class PoolUser(Protocol):
     """What the reach check reads of a layer (an ``OffloadedLayer``)."""
 

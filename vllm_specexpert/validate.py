@@ -98,6 +98,8 @@ def prepare_engine_args(engine_args: Any, config: SpecExpertConfig | None = None
         _configure_draft(engine_args, config.lookahead)
     if current_platform.is_cuda_alike():
         _pin_triton_moe_backend(engine_args)
+        if config is not None and config.disk is not None:
+            _schedule_in_step(engine_args)
     if engine_args.worker_extension_cls in ("", None):
         engine_args.worker_extension_cls = WORKER_EXTENSION
     elif engine_args.worker_extension_cls != WORKER_EXTENSION:
@@ -106,6 +108,20 @@ def prepare_engine_args(engine_args: Any, config: SpecExpertConfig | None = None
             "specexpert_stats RPC is unavailable (stats_path still works)",
             engine_args.worker_extension_cls,
         )
+
+
+def _schedule_in_step(engine_args: Any) -> None:
+    """The disk tier on CUDA: the requests whose experts could not be read are handed to
+    the scheduler on the step's output; vLLM's async scheduling would schedule the next
+    step before it arrives, so it is turned off (asked for: refused)."""
+    if getattr(engine_args, "async_scheduling", None):
+        raise SpecExpertConfigError(
+            "disk",
+            "hands the requests whose experts could not be read to the scheduler on the "
+            "step's output, and --async-scheduling schedules the next step before it",
+            "remove --async-scheduling, or remove disk",
+        )
+    engine_args.async_scheduling = False
 
 
 def _install_scheduler(engine_args: Any, config: SpecExpertConfig) -> None:
@@ -328,20 +344,27 @@ def _check_mesh(mesh: MeshConfig, model_config: Any) -> None:
 
 
 def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
-    """The disk tier on the CPU build, and its pack: made now when absent (before any
-    worker starts), else checked against the checkpoint (a quantized checkpoint is
-    refused by ``check_fits``)."""
+    """The disk tier on the CPU or CUDA build (``host_cache`` on CUDA only), and its
+    pack: made now when absent (before any worker starts), else checked against the
+    checkpoint (a quantized checkpoint is refused by ``check_fits``)."""
     from vllm.platforms import current_platform
 
     from vllm_specexpert.tiers.kernel_form import model_kernel_form
     from vllm_specexpert.tiers.pack_writer import prepare_pack
 
     assert config.disk is not None
-    if not current_platform.is_cpu():
+    if current_platform.is_cpu() and config.disk.host_cache is not None:
+        raise SpecExpertConfigError(
+            "disk.host_cache",
+            "is the pinned host memory between the disk and a GPU; on the CPU build the "
+            "slots are in host memory, the only tier above the disk",
+            "remove disk.host_cache and size the slots with budget",
+        )
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
         raise SpecExpertConfigError(
             "disk",
-            "the disk tier is built for the CPU build (on a GPU the host-memory cache "
-            "between the disk and the device is not built yet)",
+            "the disk tier is built for the CPU and CUDA builds, not "
+            f"{current_platform.device_name}",
             "remove disk",
         )
     form = model_kernel_form(model_config.dtype, current_platform.is_cpu())

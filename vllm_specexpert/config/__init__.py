@@ -20,6 +20,7 @@ Every error is a :class:`SpecExpertConfigError` that names the field and the fix
 (:mod:`.errors`).
 """
 
+from vllm_specexpert.config.budget_form import MAX_EXPERTS
 from vllm_specexpert.config.errors import (
     ADDITIONAL_CONFIG_KEY,
     SpecExpertConfigError,
@@ -32,7 +33,7 @@ from vllm_specexpert.config.sections import (
     LookaheadConfig,
     TokenSchedulerConfig,
 )
-from vllm_specexpert.config.specexpert import MAX_EXPERTS, SpecExpertConfig
+from vllm_specexpert.config.specexpert import SpecExpertConfig
 from vllm_specexpert.config.switch import check_switch
 
 __all__ = [

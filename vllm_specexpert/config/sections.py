@@ -12,6 +12,8 @@ from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic.dataclasses import dataclass, is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 
+from vllm_specexpert.config.budget_form import budget_value
+
 STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True, frozen=True)
 """Unknown keys, NaN and infinities are errors; docstrings are the fields' docs."""
 
@@ -167,8 +169,21 @@ class DiskConfig:
     reads its pages; the page cache is the cache (all the memory the process leaves free;
     ``budget`` sizes nothing), with ``fetch`` and no path predictor or shared pool (the
     faster in the 4 GB miniature); a predictor's prefetch reads the predicted experts'
-    pages ahead (``MADV_WILLNEED``). Where the filesystem or kernel refuses the mapping, the slots
-    are used and the start line says so."""
+    pages ahead (``MADV_WILLNEED``). Where the filesystem or kernel refuses the mapping,
+    the slots are used and the start line says so."""
+
+    host_cache: float | int | str | None = None
+    """The pinned host memory between the disk and the device slots, on CUDA: written as
+    ``budget`` is and sized by the same function from the host's free memory (no KV
+    cache or workspace there); ``None`` (default) is ``"auto"``. A device miss is
+    copied from these rows when they hold the expert, and read from the disk into a row
+    first when not (least recently used out). Refused on the CPU build, whose slots are
+    the host memory. Not run on a GPU yet (docs/gpu.md)."""
+
+    @field_validator("host_cache", mode="before")
+    @classmethod
+    def _host_cache(cls, value: Any) -> float | int | str | None:
+        return None if value is None else budget_value(value)
 
 
 @dataclass(config=STRICT)

@@ -1,6 +1,6 @@
 """How many slots a budget buys on this machine: one pure function of a memory report
-and the model's shapes (:func:`fit_budget`), and the sizes a budget may be written in
-(:func:`parse_size`).
+and the model's shapes (:func:`fit_budget`); how a budget is written is
+:mod:`.budget_form`'s.
 
 A budget is a fraction of each layer's experts, a count per layer, a size (``"12GiB"``,
 ``"800MB"``: the tier's bytes over all MoE layers, split evenly across them, or pooled
@@ -36,9 +36,9 @@ checked against the same space: more is refused unless ``allow_budget_beyond_mem
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
+from vllm_specexpert.config.budget_form import parse_size
 from vllm_specexpert.config.errors import SpecExpertConfigError
 from vllm_specexpert.config.fit import budget_slots
 
@@ -70,45 +70,6 @@ sized for a chunk. Exact: the kernel computes each token independently of the ot
 its launch. On the 1.28x-RAM disk model (2048 tokens a pass) the process held about 5
 GB besides its slots before the chunks, 2.7 GB with them (a peak of 18.2 GB with 15.4 GB
 of slots resident), its 1 GiB KV cache included."""
-
-UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-MAX_SIZE = 2**60
-"""The largest size a budget may give (an exbibyte)."""
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``"12GiB"``, ``"800MB"`` or ``"1.5 TiB"`` (units: B, KB,
-    MB, GB, TB in powers of 10; KiB, MiB, GiB, TiB in powers of 2; any case). Raises
-    ``ValueError`` for anything else, and for a size that is not positive."""
-    match = _SIZE.match(text)
-    unit = match and UNITS.get(match.group(2).lower())
-    if match is None or unit is None:
-        raise ValueError(
-            f"{_brief(text)} is not a size: give a number and a unit, e.g. '12GiB' or '800MB' "
-            "(units: B, KB, MB, GB, TB; KiB, MiB, GiB, TiB)"
-        )
-    number = float(match.group(1))
-    if not number * unit < MAX_SIZE:  # (also inf, from a number too long for a float)
-        raise ValueError(f"{_brief(text)} is larger than any memory (at most 1 EiB)")
-    size = int(number * unit)
-    if size <= 0:
-        raise ValueError(f"{text!r} is not a positive size")
-    return size
-
-
-def _brief(text: str) -> str:
-    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
 
 
 def gib(size: float) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 from vllm_specexpert.config import fit
+from vllm_specexpert.config.budget_form import budget_value
 from vllm_specexpert.config.errors import (
     ADDITIONAL_CONFIG_KEY,
     SpecExpertConfigError,
@@ -45,7 +45,6 @@ from vllm_specexpert.config.sections import (
     TokenSchedulerConfig,
     default_of,
 )
-from vllm_specexpert.config.sizing import parse_size
 
 SECTIONS = {
     "link": LinkConfig,
@@ -57,7 +56,6 @@ SECTIONS = {
     "disk": DiskConfig,
 }
 """The nested sections, by key."""
-MAX_EXPERTS = 65536
 """The largest budget count accepted (no model has more routed experts per layer)."""
 
 
@@ -234,33 +232,7 @@ class SpecExpertConfig:
     @field_validator("budget", mode="before")
     @classmethod
     def _budget(cls, value: Any) -> float | int | str:
-        if isinstance(value, str):
-            if value.strip().lower() == "auto":
-                return "auto"
-            parse_size(value)  # (a ValueError says what a size looks like)
-            return value.strip()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(
-                f"must be a fraction, a count, a size such as '12GiB', or 'auto', got {value!r}"
-            )
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"must be finite, got {value}")
-        if isinstance(value, float) and value.is_integer() and value > 1:
-            value = int(value)
-        if isinstance(value, int):
-            if value == 1:
-                # JSON cannot tell 1 from 1.0: read it as the fraction (all experts resident).
-                return 1.0
-            if not 2 <= value <= MAX_EXPERTS:
-                try:
-                    shown = f"{value:.6g}"
-                except OverflowError:  # (past a float's range)
-                    shown = f"an integer of {len(str(abs(value)))} digits"
-                raise ValueError(f"count must be in [2, {MAX_EXPERTS}], got {shown}")
-            return value
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"fraction must be in (0, 1], got {value:.6g}")
-        return float(value)
+        return budget_value(value)
 
     @field_validator("exact_layers")
     @classmethod

@@ -18,9 +18,8 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.layers.packed_experts import runtime_form
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
-from vllm_specexpert.tiers.disk import DiskExperts
 from vllm_specexpert.tiers.expert_pack import FIELD
-from vllm_specexpert.tiers.mapped import MappedExperts
+from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.store import SlotShapes
 
 _PROVEN: set[str] = set()
@@ -28,7 +27,7 @@ _PROVEN: set[str] = set()
 
 
 def check_pack_form(
-    layer: Any, experts: DiskExperts | MappedExperts, slot_shapes: SlotShapes, checkpoint: str
+    layer: Any, experts: PackExperts, slot_shapes: SlotShapes, checkpoint: str
 ) -> None:
     """Refuse the pack of ``experts`` unless its tensors are what ``layer``'s kernel
     reads: the same shapes and dtypes as the layer's slots, the kernel's ISA, and (once
@@ -52,7 +51,7 @@ def check_pack_form(
         expert = CheckpointExperts(checkpoint)(experts.name, 0)
         made = runtime_form(layer, {k: t[None].to(dtype) for k, t in expert.items()})
         stored = experts.gather(np.zeros(1, dtype=np.int64))
-        if any(not torch.equal(_bits(made[k][0]), _bits(stored[k][0])) for k in stored):
+        if any(not torch.equal(_bits(made[k][0].cpu()), _bits(stored[k][0])) for k in stored):
             problem = (
                 f"holds experts in {form.describe()}, and expert 0 of {experts.name} "
                 "differs from what this vLLM build makes of the checkpoint's"

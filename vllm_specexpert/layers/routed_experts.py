@@ -36,6 +36,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_specexpert import vllm_hooks
 from vllm_specexpert.architectures import check_supported, packed_format
+from vllm_specexpert.budget_plan import size_host_cache
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
@@ -53,6 +54,7 @@ from vllm_specexpert.layers.packed_experts import (
 )
 from vllm_specexpert.layers.slot_kernel import SlotKernel
 from vllm_specexpert.tiers.disk import Disk, DiskExperts
+from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.mapped import MappedExperts
 from vllm_specexpert.tiers.store import LayerExperts
 
@@ -253,10 +255,19 @@ class OffloadedRoutedExperts(RoutedExperts):
             if hasattr(self, name)
         }
         form = functools.partial(runtime_form, self)
-        experts: dict[str, torch.Tensor] | DiskExperts | MappedExperts
+        experts: dict[str, torch.Tensor] | DiskExperts | MappedExperts | HostCachedExperts
         if self._on_disk:
             disk = self.engine.store.disk
             assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
+            if self.engine.device.type == "cuda" and disk.host_cache is None:
+                # (at the first layer, once vLLM's settings and the MoE layers are known)
+                fit = size_host_cache(
+                    self.engine.config,
+                    self.engine.budget.sizing,
+                    disk.layer(self.layer_name),
+                    self.top_k,
+                )
+                disk.host_cache = HostCache(fit.slots_per_layer, pinned=True)
             experts = disk.layer(self.layer_name)
             check_pack_form(self, experts, slot_shapes, self.checkpoint)
             decoder = None

@@ -29,6 +29,7 @@ from vllm_specexpert.tiers.expert_pack import (
     PackLayer,
     PackTensor,
 )
+from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.mapped import MappedExperts, MappedPack, MappingRefused
 from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.pack_lock import PackBusy, PackLock
@@ -73,6 +74,9 @@ class Disk:
         """The mapped residency's mapping (``None``: slots)."""
         self.mapping_refused: str | None = None
         """Why the mapping asked for was not made (the slots are used instead)."""
+        self.host_cache: HostCache | None = None
+        """CUDA: the pinned host rows the layers' experts are read into and copied to
+        the device from (set before the first :meth:`layer`)."""
         if mapped:
             try:
                 self.mapping = MappedPack(pack)
@@ -91,12 +95,14 @@ class Disk:
             return f"on disk ({self.pack.path}, mapped: the page cache is the cache)"
         how = "O_DIRECT" if self.direct else "through the page cache"
         refused = f"; mapping refused: {self.mapping_refused}" if self.mapping_refused else ""
-        return f"on disk ({self.pack.path}, {how}, queue depth {self.reader.depth}{refused})"
+        host = "" if self.host_cache is None else f"; {self.host_cache.where()}"
+        return f"on disk ({self.pack.path}, {how}, queue depth {self.reader.depth}{refused}{host})"
 
-    def layer(self, name: str) -> DiskExperts | MappedExperts:
+    def layer(self, name: str) -> DiskExperts | MappedExperts | HostCachedExperts:
         if self.mapping is not None:
             return MappedExperts(self.mapping, self.record_of(name))
-        return DiskExperts(self, self.record_of(name))
+        experts = DiskExperts(self, self.record_of(name))
+        return experts if self.host_cache is None else self.host_cache.wrap(experts)
 
     def record_of(self, name: str) -> PackLayer:
         """Layer ``name``'s regions in the pack (refused when the pack has none)."""
@@ -156,6 +162,8 @@ class Disk:
         self.reader.stats.reset()
         if self.mapping is not None:
             self.mapping.reset_stats()
+        if self.host_cache is not None:
+            self.host_cache.reset_stats()
 
     def stats_dict(self) -> dict:
         """``busy``: time with at least one read in flight. Mapped: what launches had
@@ -187,12 +195,15 @@ class Disk:
             "busy_gbps": reader.throughput_gbps,
             "checked": stats.checked,
             "failed": stats.failed,
+            **({} if self.host_cache is None else {"host_cache": self.host_cache.stats_dict()}),
         }
 
     def close(self) -> None:
         self.reader.close()
         if self.mapping is not None:
             self.mapping.close()
+        if self.host_cache is not None:
+            self.host_cache.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -234,7 +245,12 @@ class DiskExperts(PackExperts):
         if device is not None:
             stage(self, experts, slots, destinations, device)
             return
-        self.disk.read(self.record, np.asarray(experts), destinations, slots.tolist())
+        self.read_rows(np.asarray(experts), destinations, slots.tolist())
+
+    def read_rows(
+        self, experts: np.ndarray, destinations: dict[str, torch.Tensor], rows: list[int]
+    ) -> None:
+        self.disk.read(self.record, experts, destinations, rows)
 
 
 def open_disk(path: str, model: str, queue_depth: int, direct: bool, mapped: bool = False) -> Disk:

@@ -36,6 +36,14 @@ class PackExperts(SlotForm):
     def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def read_rows(
+        self, experts: np.ndarray, destinations: dict[str, torch.Tensor], rows: list[int]
+    ) -> None:
+        """Read ``experts[i]`` into row ``rows[i]`` of ``destinations`` (host tensors,
+        ``[n, ...]`` per tensor name), blocking; one
+        :class:`~vllm_specexpert.tiers.store.ExpertsUnreadable` names those that failed."""
+        raise NotImplementedError
+
     def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
         if isinstance(experts, slice):
             experts = np.arange(self.num_experts)[experts]
