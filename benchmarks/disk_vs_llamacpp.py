@@ -540,8 +540,11 @@ def phase_plugin(args, work: Path) -> dict:
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "modes": results,
         "not_run": {
-            "lookahead + plec": "refused with disk: the draft's INT4 experts are made "
-            "from loaded weights (a draft from the pack is not built)",
+            "lookahead": "not run at this size: the draft holds at least top_k (8) "
+            "decoded bf16 experts per layer beside its INT4 copies, 23.7 GB over 48 "
+            "layers of 58.9 MiB experts, more than this machine's memory (the start "
+            "refuses it naming the draft's bytes); a decoded pool shared across the "
+            "draft's layers is not built",
         },
     }
 

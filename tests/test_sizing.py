@@ -151,6 +151,22 @@ def test_a_cpu_box_without_room_for_top_k_is_refused():
         fit_budget("auto", qwen3_30b(staging_bytes=disk_staging()), cpu(4, 2.5))
 
 
+def test_a_lookahead_draft_built_after_the_slots_is_left_its_memory():
+    # The 24 GiB box above (46 slots) with a draft of Qwen3-30B-A3B: per layer its 128
+    # INT4 experts (about 2.5 MiB each: 320 MiB) and 16 decoded slots (144 MiB), over 48
+    # layers 21.75 GiB of the 19.68 left: not even top_k fits beside it.
+    layer = 128 * 2_621_440 + 16 * 9_437_184
+    with pytest.raises(SpecExpertConfigError, match=r"lookahead draft 21\.8 GiB"):
+        fit_budget(
+            "auto", qwen3_30b(staging_bytes=disk_staging(), draft_bytes=48 * layer), cpu(24, 21.8)
+        )
+    # On a 64 GiB box: 61.8 - 2.1171875 - 21.75 = 37.93 GiB -> 89 slots (without: all 128).
+    shapes = qwen3_30b(staging_bytes=disk_staging(), draft_bytes=48 * layer)
+    fit = fit_budget("auto", shapes, cpu(64, 61.8))
+    assert fit.slots_per_layer == 89
+    assert "lookahead draft 21.8 GiB" in fit.reason
+
+
 # --- explicit budgets ----------------------------------------------------------------
 
 

@@ -194,12 +194,6 @@ def _check_disk(config: Settings) -> None:
             "weights, which the disk tier never loads (INT4 copies on disk are not built)",
         ),
         (
-            config.lookahead is not None,
-            "lookahead",
-            "the draft's INT4 experts are made from the loaded weights, which the disk "
-            "tier never loads (a draft from the pack is not built)",
-        ),
-        (
             config.mesh is not None,
             "mesh",
             "the peers load their shards from the checkpoint and the engine keeps the hot "
@@ -221,6 +215,7 @@ def _check_disk(config: Settings) -> None:
     mapped = [
         (config.miss_policy != "fetch", "miss_policy", f"'{config.miss_policy}'"),
         (config.path_predictor is not None, "path_predictor", "a path predictor"),
+        (config.lookahead is not None, "lookahead", "a lookahead draft"),
         (config.cache_spec.shared_pool, "cache", f"'{config.cache}'"),
     ]
     for refused, field, what in mapped:

@@ -15,8 +15,10 @@ loaded and leaves, before any slot::
                 KV bytes per token, KV_SHARE * room)
     workspace = min(max_num_batched_tokens, KERNEL_CHUNK_TOKENS (256)) * top_k
                 * moe_intermediate_size * WORKSPACE_BYTES (8) + the slow tier's read buffers
-    slots     = (room - kv - workspace - RESERVE_BYTES) / (MoE layers * expert bytes),
-                clamped to [top_k, experts]; below top_k the start is refused.
+    draft     = with lookahead, what its draft (built after the slots) takes of this memory:
+                its decoded slots, and its INT4 experts on the CPU build
+    slots     = (room - kv - workspace - draft - RESERVE_BYTES) / (MoE layers * expert
+                bytes), clamped to [top_k, experts]; below top_k the start is refused.
 
 A rebuild (``reconfigure``) never takes more than the start's space, and within it::
 
@@ -116,6 +118,10 @@ class ModelShapes:
     staging_bytes: int = 0
     """Buffers the slow tier reads through besides the slots (the disk's: a bounce buffer
     per reader thread, where a tensor is not aligned for ``O_DIRECT``)."""
+    draft_bytes: int = 0
+    """What the ``lookahead`` draft, built after the slots are sized, will take of the
+    same memory: its INT4 experts (where they share it: the CPU build) and its decoded
+    slots."""
 
 
 @dataclass
@@ -133,11 +139,15 @@ class SizingSettings:
     max_num_seqs: int = 0
     max_model_len: int = 0
     max_num_batched_tokens: int = 0
+    draft_bytes: int = 0
+    """:attr:`ModelShapes.draft_bytes`, counted per MoE layer as the model builds."""
 
-    def count_layer(self, moe_intermediate_size: int) -> None:
-        """One more MoE layer was built."""
+    def count_layer(self, moe_intermediate_size: int, draft_bytes: int = 0) -> None:
+        """One more MoE layer was built; its ``lookahead`` draft twin will take
+        ``draft_bytes`` of the memory the slots are sized from."""
         self.moe_layers += 1
         self.moe_intermediate_size = max(self.moe_intermediate_size, moe_intermediate_size)
+        self.draft_bytes += draft_bytes
 
     def shapes(
         self, num_experts: int, top_k: int, expert_bytes: int, staging_bytes: int = 0
@@ -155,6 +165,7 @@ class SizingSettings:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             staging_bytes=staging_bytes,
+            draft_bytes=self.draft_bytes,
         )
 
 
@@ -217,12 +228,14 @@ def space_for_slots(
         * WORKSPACE_BYTES
         + shapes.staging_bytes
     )
-    space = room - kv - workspace - RESERVE_BYTES
+    draft = float(shapes.draft_bytes)
+    space = room - kv - workspace - RESERVE_BYTES - draft
     return {
         "room": room,
         "kv": kv,
         "workspace": float(workspace),
         "reserve": float(RESERVE_BYTES),
+        **({"draft": draft} if draft else {}),
         "space": space,
         **cgroup,
     }
@@ -298,8 +311,9 @@ def _fit(slots: int, shapes: ModelShapes, basis: str, parts: dict[str, float]) -
 def _accounting(parts: dict[str, float]) -> str:
     limit = parts.get("cgroup_limit")
     cgroup = "" if limit is None else f" (cgroup limit {gib(limit)})"
+    draft = f", lookahead draft {gib(parts['draft'])}" if parts.get("draft") else ""
     return (
         f"{gib(parts['room'])} free{cgroup}, KV floor {gib(parts['kv'])}, workspace "
-        f"{gib(parts['workspace'])}, reserve {gib(parts['reserve'])}: "
+        f"{gib(parts['workspace'])}{draft}, reserve {gib(parts['reserve'])}: "
         f"{gib(max(parts['space'], 0.0))} for slots"
     )

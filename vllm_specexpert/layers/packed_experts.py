@@ -10,6 +10,7 @@ experts into slot contents: dequantize, then vLLM's bf16 post-processing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,17 @@ class PackedParameters:
         }
         self.features = {"w13": (intermediate, hidden), "w2": (hidden, intermediate)}
         self.num_experts = num_experts
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's packed tensors (scales at their declared width: an upper
+        bound of what :meth:`take` narrows them to)."""
+        total = 0
+        for stem, shapes in self.shapes.items():
+            lead = 2 if stem == "w13" else 1
+            for shape, dtype in shapes.values():
+                total += lead * math.prod(shape) * dtype.itemsize
+        return total
 
     def create(self, layer: torch.nn.Module) -> None:
         """Register ``w13_<name>``/``w2_<name>`` on ``layer`` (host memory), in place of

@@ -53,6 +53,7 @@ from vllm_specexpert.layers.packed_experts import (
     runtime_form,
 )
 from vllm_specexpert.layers.slot_kernel import SlotKernel
+from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
 from vllm_specexpert.tiers.disk import Disk, DiskExperts
 from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.mapped import MappedExperts
@@ -131,7 +132,10 @@ class OffloadedRoutedExperts(RoutedExperts):
         self.engine = engine_for(vllm_config, config, draft=self._draft)
         self.checkpoint: str = vllm_config.model_config.model
         """The model's directory (what a mesh peer reads its shard from)."""
-        self.engine.budget.sizing.count_layer(moe_config.intermediate_size_per_partition)
+        self.engine.budget.sizing.count_layer(
+            moe_config.intermediate_size_per_partition,
+            self._draft_twin_bytes(config, moe_config, vllm_config.model_config.dtype),
+        )
         self.decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
         """Most tokens a decoding request is scheduled per pass (verification: 1 + k)."""
         self.layer_index = _layer_index(layer_name)
@@ -140,6 +144,19 @@ class OffloadedRoutedExperts(RoutedExperts):
         if self._context_key in forward_context:
             raise ValueError(f"duplicate layer name {self._context_key}")
         forward_context[self._context_key] = self
+
+    def _draft_twin_bytes(self, config: SpecExpertConfig, moe_config: Any, dtype: Any) -> int:
+        """What this target layer's twin in the ``lookahead`` draft, built after the
+        slots are sized, will take of the memory they are sized from: its decoded slots,
+        and its INT4 experts where they share it (the CPU build). 0 without a draft."""
+        if config.lookahead is None or self._draft:
+            return 0
+        hidden, intermediate = moe_config.hidden_dim, moe_config.intermediate_size_per_partition
+        slots = config.draft_config().slots_per_layer(self.global_num_experts, self.top_k)
+        decoded = slots * 3 * hidden * intermediate * dtype.itemsize
+        int4 = low_bit_parameters(self.layer_name, self.global_num_experts, hidden, intermediate)
+        on_host = current_platform.is_cpu()
+        return decoded + (self.global_num_experts * int4.expert_nbytes if on_host else 0)
 
     # ------------------------------------------------------------------ loading
 
@@ -220,7 +237,30 @@ class OffloadedRoutedExperts(RoutedExperts):
         checkpoint's (FP8)."""
         if packed is not None and packed[0].format.bits <= LOW_BIT_BITS:
             return packed
+        if self._on_disk:
+            return self._low_bit_copies_from_checkpoint()
         return self._low_bit_copies(packed)
+
+    def _low_bit_copies_from_checkpoint(self) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
+        """The draft's INT4 copies under the disk tier, which loads no expert: each bf16
+        expert read from the checkpoint and quantized in turn (a layer's experts need
+        not fit in memory together; the pack holds the kernel's form, which INT4 groups
+        must not be taken from)."""
+        read = CheckpointExperts(self.checkpoint)
+        name = self.layer_name.removeprefix(DRAFT_PREFIX)
+        dtype = self.w13_weight.dtype
+        parameters: PackedParameters | None = None
+        copies = []
+        for expert in range(self.global_num_experts):
+            weights = {k: t[None].to(dtype) for k, t in read(name, expert).items()}
+            if parameters is None:
+                _, twice_intermediate, hidden = weights["w13_weight"].shape
+                parameters = low_bit_parameters(
+                    self.layer_name, self.global_num_experts, hidden, twice_intermediate // 2
+                )
+            copies.append(parameters.quantize(weights))
+        assert parameters is not None  # (a layer has experts)
+        return parameters, {k: torch.cat([c[k] for c in copies]) for k in copies[0]}
 
     def _low_bit_copies(
         self, packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None = None
@@ -256,7 +296,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         }
         form = functools.partial(runtime_form, self)
         experts: dict[str, torch.Tensor] | DiskExperts | MappedExperts | HostCachedExperts
-        if self._on_disk:
+        if self._on_disk and not self._draft:  # (the draft's INT4 copies are in memory)
             disk = self.engine.store.disk
             assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
             if self.engine.device.type == "cuda" and disk.host_cache is None:
