@@ -1275,10 +1275,17 @@ def plot(payload: dict, path: Path) -> None:
     for mode, runs in plugin_modes(payload).items():
         if "refused" not in runs:
             rows[f"plugin, {mode}"] = tok_s(runs)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 6.4))
     width = 0.8 / max(len(rows), 1)
+    colors = plt.get_cmap("tab20").colors  # (one color per engine: up to 20 rows)
     for i, (name, values) in enumerate(rows.items()):
-        left.bar([b + i * width for b in range(len(batches))], values, width, label=name)
+        left.bar(
+            [b + i * width for b in range(len(batches))],
+            values,
+            width,
+            label=name,
+            color=colors[i % len(colors)],
+        )
     ticks = [f"{b} seq" for b in batches]
     left.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], ticks)
     left.set_ylabel("decode tok/s")
@@ -1288,7 +1295,8 @@ def plot(payload: dict, path: Path) -> None:
         size = f"{ratio:g}x" if ratio else "over"
         size += f" a {limit:g} GB memory limit"
     left.set_title(f"Decode, a model {size} (real I/O)")
-    left.legend(fontsize=7)
+    # Below the bars, not over them: there are a dozen engines.
+    left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     lru = payload.get("plugin", {}).get("modes", {}).get("fetch, LRU", {})
     series = {
         "plugin, fetch + LRU": "gb_read_per_decode_token",
