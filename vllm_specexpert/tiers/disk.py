@@ -21,7 +21,7 @@ import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.log import init_logger
-from vllm_specexpert.tiers.disk_reader import DiskFile, DiskReader, aligned_empty
+from vllm_specexpert.tiers.disk_reader import DiskFile, DiskReader
 from vllm_specexpert.tiers.expert_pack import (
     FIELD,
     RECORDS_FILE,
@@ -223,15 +223,6 @@ class DiskExperts(PackExperts):
         file = self.disk.reader.file
         bounced = [t.nbytes for t in self.record.tensors if file.bounces(t.offset, t.nbytes)]
         return self.disk.reader.depth * file.bounce_nbytes(max(bounced)) if bounced else 0
-
-    def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
-        n = len(experts)
-        out = {
-            key: aligned_empty((n, *shape), dtype)
-            for key, (shape, dtype) in self.held_shapes().items()
-        }
-        self.disk.read(self.record, np.asarray(experts), out, range(n))
-        return out
 
     def copy_into(
         self,

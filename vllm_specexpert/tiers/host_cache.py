@@ -162,14 +162,6 @@ class HostCachedExperts(PackExperts):
     def staging_nbytes(self) -> int:
         return 0  # (the disk's buffers are host memory, not the device's the budget sizes)
 
-    def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
-        out = {
-            name: torch.empty((len(experts), *shape), dtype=dtype)
-            for name, (shape, dtype) in self.held_shapes().items()
-        }
-        self.copy_into(np.asarray(experts), np.arange(len(experts)), out)
-        return out
-
     def copy_into(
         self,
         experts: np.ndarray,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_specexpert.tiers.disk_reader import aligned_empty
 from vllm_specexpert.tiers.expert_pack import ExpertPack, PackLayer
 from vllm_specexpert.tiers.kernel_form import DTYPES
 from vllm_specexpert.tiers.store import ExpertDecoder, SlotForm, SlotShapes
@@ -34,6 +35,23 @@ class PackExperts(SlotForm):
         return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
 
     def gather(self, experts: np.ndarray) -> dict[str, torch.Tensor]:
+        """``experts`` copied into new page-aligned host tensors (``O_DIRECT`` lands in
+        them), as this residency copies into slots."""
+        n = len(experts)
+        out = {
+            key: aligned_empty((n, *shape), dtype)
+            for key, (shape, dtype) in self.held_shapes().items()
+        }
+        self.copy_into(np.asarray(experts), np.arange(n), out)
+        return out
+
+    def copy_into(
+        self,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        destinations: dict[str, torch.Tensor],
+        device: torch.device | None = None,
+    ) -> None:
         raise NotImplementedError
 
     def read_rows(
