@@ -41,19 +41,12 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
 from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
 from vllm_specexpert.layer_call import LayerRequest
-from vllm_specexpert.layers import failed_requests, lookahead_driver
+from vllm_specexpert.layers import failed_requests, int4_copies, lookahead_driver
 from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.pack_form_check import check_pack_form
-from vllm_specexpert.layers.packed_experts import (
-    LOW_BIT_BITS,
-    PackedDecoder,
-    PackedParameters,
-    low_bit_parameters,
-    runtime_form,
-)
+from vllm_specexpert.layers.packed_experts import PackedDecoder, PackedParameters, runtime_form
 from vllm_specexpert.layers.slot_kernel import SlotKernel
-from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
 from vllm_specexpert.tiers.disk import Disk, DiskExperts
 from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.mapped import MappedExperts
@@ -146,17 +139,20 @@ class OffloadedRoutedExperts(RoutedExperts):
         forward_context[self._context_key] = self
 
     def _draft_twin_bytes(self, config: SpecExpertConfig, moe_config: Any, dtype: Any) -> int:
-        """What this target layer's twin in the ``lookahead`` draft, built after the
-        slots are sized, will take of the memory they are sized from: its decoded slots,
-        and its INT4 experts where they share it (the CPU build). 0 without a draft."""
+        """What this target layer's twin in the ``lookahead`` draft will take of the
+        memory the slots are sized from (see :func:`int4_copies.draft_twin_bytes`); 0
+        without a draft."""
         if config.lookahead is None or self._draft:
             return 0
-        hidden, intermediate = moe_config.hidden_dim, moe_config.intermediate_size_per_partition
-        slots = config.draft_config().slots_per_layer(self.global_num_experts, self.top_k)
-        decoded = slots * 3 * hidden * intermediate * dtype.itemsize
-        int4 = low_bit_parameters(self.layer_name, self.global_num_experts, hidden, intermediate)
-        on_host = current_platform.is_cpu()
-        return decoded + (self.global_num_experts * int4.expert_nbytes if on_host else 0)
+        return int4_copies.draft_twin_bytes(
+            self.layer_name,
+            self.global_num_experts,
+            moe_config.hidden_dim,
+            moe_config.intermediate_size_per_partition,
+            config.draft_config().slots_per_layer(self.global_num_experts, self.top_k),
+            dtype,
+            int4_on_host=current_platform.is_cpu(),
+        )
 
     # ------------------------------------------------------------------ loading
 
@@ -219,70 +215,36 @@ class OffloadedRoutedExperts(RoutedExperts):
             # lowbit's beside the experts, or the lookahead draft's instead of them.
             low_bit = None
             if self._draft:
-                packed = self._draft_experts(packed)
+                packed = packed if int4_copies.keeps_packed(packed) else self._int4_copies(packed)
             elif packed is None and self.engine.config.miss_policy_spec.low_bit:
-                low_bit = self._low_bit_copies()
+                low_bit = self._int4_copies(None)
             post_process(layer)
             self._move_experts_to_store(packed, low_bit)
 
         patched.process_weights_after_loading = process_weights_after_loading
         return method
 
-    def _draft_experts(
-        self, packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None
-    ) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
-        """The lookahead draft's INT4 experts: a 4-bit checkpoint's own ``packed``
-        experts as they are (already as small as an INT4 copy, and quantizing them again
-        would only add error), else INT4 copies of the bf16 experts or of a wider
-        checkpoint's (FP8)."""
-        if packed is not None and packed[0].format.bits <= LOW_BIT_BITS:
-            return packed
-        if self._on_disk:
-            return self._low_bit_copies_from_checkpoint()
-        return self._low_bit_copies(packed)
-
-    def _low_bit_copies_from_checkpoint(self) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
-        """The draft's INT4 copies under the disk tier, which loads no expert: each bf16
-        expert read from the checkpoint and quantized in turn (a layer's experts need
-        not fit in memory together; the pack holds the kernel's form, which INT4 groups
-        must not be taken from)."""
-        read = CheckpointExperts(self.checkpoint)
-        name = self.layer_name.removeprefix(DRAFT_PREFIX)
-        dtype = self.w13_weight.dtype
-        parameters: PackedParameters | None = None
-        copies = []
-        for expert in range(self.global_num_experts):
-            weights = {k: t[None].to(dtype) for k, t in read(name, expert).items()}
-            if parameters is None:
-                _, twice_intermediate, hidden = weights["w13_weight"].shape
-                parameters = low_bit_parameters(
-                    self.layer_name, self.global_num_experts, hidden, twice_intermediate // 2
-                )
-            copies.append(parameters.quantize(weights))
-        assert parameters is not None  # (a layer has experts)
-        return parameters, {k: torch.cat([c[k] for c in copies]) for k in copies[0]}
-
-    def _low_bit_copies(
-        self, packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None = None
-    ) -> tuple[PackedParameters, dict[str, torch.Tensor]]:
-        """INT4 copies (``lowbit``'s format) of the layer's bf16 experts, or of a
-        quantized checkpoint's ``packed`` ones."""
+    def _int4_copies(self, packed: int4_copies.Copies | None) -> int4_copies.Copies:
+        """INT4 copies of this layer's experts from where they are: a quantized
+        checkpoint's ``packed`` ones, the loaded bf16 ones, or (the disk tier loads
+        none) the checkpoint's."""
         if packed is not None:
-            source, tensors = packed
-            hidden, intermediate = source.features["w2"]
-            parameters = low_bit_parameters(
-                self.layer_name, source.num_experts, hidden, intermediate
+            return int4_copies.of_packed(self.layer_name, packed)
+        if self._on_disk:
+            return int4_copies.of_checkpoint(
+                self.checkpoint,
+                self.layer_name,
+                self.layer_name.removeprefix(DRAFT_PREFIX),
+                self.global_num_experts,
+                self.w13_weight.dtype,
             )
-            return parameters, source.requantize(tensors, parameters)
-        experts, twice_intermediate, hidden = self.w13_weight.shape
-        parameters = low_bit_parameters(self.layer_name, experts, hidden, twice_intermediate // 2)
         weights = {name: getattr(self, name).data for name in EXPERT_TENSORS if hasattr(self, name)}
-        return parameters, parameters.quantize(weights)
+        return int4_copies.of_weights(self.layer_name, weights)
 
     def _move_experts_to_store(
         self,
-        packed: tuple[PackedParameters, dict[str, torch.Tensor]] | None,
-        low_bit: tuple[PackedParameters, dict[str, torch.Tensor]] | None = None,
+        packed: int4_copies.Copies | None,
+        low_bit: int4_copies.Copies | None = None,
     ) -> None:
         """Hand the runtime-format expert tensors (or the ``packed`` ones: a quantized
         checkpoint's, or the draft's INT4 copies) to the slow tier, with ``lowbit``'s
