@@ -137,8 +137,9 @@ def test_a_row_is_read_over_only_after_its_copy_out_and_a_failed_read_leaves_it_
 
 
 def test_the_host_cache_is_sized_by_the_budgets_function_from_the_hosts_memory(pack, monkeypatch):
-    """auto: the host's free memory less the 1 GiB reserve, no KV cache or workspace;
-    a size: its bytes over the MoE layers; too little memory: the field and the fix."""
+    """auto: the host's free memory less the 1 GiB reserve and the draft's INT4
+    experts, no KV cache or workspace; a size: its bytes over the MoE layers; too
+    little memory: the field and the fix."""
     GiB = 1 << 30
     free = {"bytes": 0}
 
@@ -156,6 +157,11 @@ def test_the_host_cache_is_sized_by_the_budgets_function_from_the_hosts_memory(p
 
     free["bytes"] = GiB + 10 * 48 * EXPERT_BYTES
     assert rows(None) == 10  # (auto: the reserve only)
+    # The lookahead draft's INT4 experts, built later in host memory, are left their
+    # bytes; its decoded slots, on the device, take none of the host's.
+    sizing.draft_host_bytes, sizing.draft_bytes = 4 * 48 * EXPERT_BYTES, 20 * GiB
+    assert rows(None) == 6
+    sizing.draft_host_bytes = sizing.draft_bytes = 0
     free["bytes"] = 20 * GiB
     assert rows(None) == 16  # (every expert)
     assert rows(f"{5 * 48 * EXPERT_BYTES}B") == 5

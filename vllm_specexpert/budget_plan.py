@@ -99,13 +99,15 @@ def size_host_cache(
 ) -> BudgetFit:
     """``disk.host_cache`` (CUDA: pinned host rows between the disk and the device) in
     experts per MoE layer, by :func:`fit_budget` on the host's free memory, with no KV
-    cache or pass workspace there (both are on the GPU); unset is ``auto``."""
+    cache or pass workspace there (both are on the GPU), around the ``lookahead``
+    draft's INT4 experts (built later, in host memory); unset is ``auto``."""
     assert config.disk is not None
     plan = BudgetPlan(torch.device("cpu"), "disk.host_cache")
     plan.sizing = SizingSettings(
         moe_layers=sizing.moe_layers,
         moe_intermediate_size=sizing.moe_intermediate_size,
         kv_cache_bytes=0,
+        draft_bytes=sizing.draft_host_bytes,
     )
     setting = config.disk.host_cache if config.disk.host_cache is not None else "auto"
     host = SpecExpertConfig(

@@ -141,13 +141,20 @@ class SizingSettings:
     max_num_batched_tokens: int = 0
     draft_bytes: int = 0
     """:attr:`ModelShapes.draft_bytes`, counted per MoE layer as the model builds."""
+    draft_host_bytes: int = 0
+    """What the ``lookahead`` draft will take of the host's memory apart from the
+    device's (CUDA: its INT4 experts), which ``disk.host_cache`` is sized around."""
 
-    def count_layer(self, moe_intermediate_size: int, draft_bytes: int = 0) -> None:
+    def count_layer(
+        self, moe_intermediate_size: int, draft_bytes: int = 0, draft_host_bytes: int = 0
+    ) -> None:
         """One more MoE layer was built; its ``lookahead`` draft twin will take
-        ``draft_bytes`` of the memory the slots are sized from."""
+        ``draft_bytes`` of the memory the slots are sized from, ``draft_host_bytes`` of
+        the host's apart from it."""
         self.moe_layers += 1
         self.moe_intermediate_size = max(self.moe_intermediate_size, moe_intermediate_size)
         self.draft_bytes += draft_bytes
+        self.draft_host_bytes += draft_host_bytes
 
     def shapes(
         self, num_experts: int, top_k: int, expert_bytes: int, staging_bytes: int = 0

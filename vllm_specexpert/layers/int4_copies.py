@@ -59,14 +59,13 @@ def draft_twin_bytes(
     intermediate: int,
     decoded_slots: int,
     dtype: torch.dtype,
-    int4_on_host: bool,
-) -> int:
+) -> tuple[int, int]:
     """What a target layer's twin in the ``lookahead`` draft, built after the target's
-    slots are sized, will take of the memory they are sized from: its ``decoded_slots``
-    (bf16 experts), and its INT4 experts where they share that memory (the CPU build)."""
+    slots are sized, will take: its ``decoded_slots`` (experts in ``dtype``, on the
+    device) and its INT4 experts (in host memory), in bytes."""
     decoded = decoded_slots * 3 * hidden * intermediate * dtype.itemsize
     int4 = low_bit_parameters(layer_name, num_experts, hidden, intermediate)
-    return decoded + (num_experts * int4.expert_nbytes if int4_on_host else 0)
+    return decoded, num_experts * int4.expert_nbytes
 
 
 def keeps_packed(packed: Copies | None) -> bool:

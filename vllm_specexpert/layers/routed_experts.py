@@ -127,7 +127,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         """The model's directory (what a mesh peer reads its shard from)."""
         self.engine.budget.sizing.count_layer(
             moe_config.intermediate_size_per_partition,
-            self._draft_twin_bytes(config, moe_config, vllm_config.model_config.dtype),
+            *self._draft_twin_bytes(config, moe_config, vllm_config.model_config.dtype),
         )
         self.decode_query_len = 1 + (config.lookahead.k_max if config.lookahead else 0)
         """Most tokens a decoding request is scheduled per pass (verification: 1 + k)."""
@@ -138,21 +138,25 @@ class OffloadedRoutedExperts(RoutedExperts):
             raise ValueError(f"duplicate layer name {self._context_key}")
         forward_context[self._context_key] = self
 
-    def _draft_twin_bytes(self, config: SpecExpertConfig, moe_config: Any, dtype: Any) -> int:
+    def _draft_twin_bytes(
+        self, config: SpecExpertConfig, moe_config: Any, dtype: Any
+    ) -> tuple[int, int]:
         """What this target layer's twin in the ``lookahead`` draft will take of the
-        memory the slots are sized from (see :func:`int4_copies.draft_twin_bytes`); 0
-        without a draft."""
+        memory the slots are sized from and of the host's apart from it (CUDA: the
+        twin's INT4 experts, which the host cache is sized around); 0s without a draft."""
         if config.lookahead is None or self._draft:
-            return 0
-        return int4_copies.draft_twin_bytes(
+            return 0, 0
+        decoded, int4 = int4_copies.draft_twin_bytes(
             self.layer_name,
             self.global_num_experts,
             moe_config.hidden_dim,
             moe_config.intermediate_size_per_partition,
             config.draft_config().slots_per_layer(self.global_num_experts, self.top_k),
             dtype,
-            int4_on_host=current_platform.is_cpu(),
         )
+        if current_platform.is_cpu():  # (the host is the device)
+            return decoded + int4, 0
+        return decoded, int4
 
     # ------------------------------------------------------------------ loading
 
