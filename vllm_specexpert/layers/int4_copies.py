@@ -1,6 +1,6 @@
 """INT4 copies of a layer's experts (``lowbit``'s format): ``lowbit``'s beside the
 layer's experts, the ``lookahead`` draft's instead of them; what the draft's twin of a
-target layer will take of the memory the slots are sized from.
+target layer will take of the device's memory and of the host's.
 
 The copies are made from vLLM's checkpoint layout, before the quant method's
 post-processing (on CPU a prepacked layout, whose groups would mix rows), or, under the
