@@ -92,7 +92,7 @@ def run(
 
     def check(buffer) -> None:
         started = time.perf_counter()
-        checksum(buffer[:record].numpy().data)
+        checksum(buffer[:record].numpy().data, "model.layers.0.mlp.experts", 0, "w13_weight")
         hashing.append(time.perf_counter() - started)
 
     start = time.perf_counter()

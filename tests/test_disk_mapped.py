@@ -1,8 +1,8 @@
 """The disk tier's mapped residency end to end on the widened model: the
 first start makes the pack; greedy tokens and logprobs identical to vanilla vLLM's; a
 page that fails to read fails the requests that needed it and only those; the file
-truncated under the engine fails requests, never the process (no SIGBUS), and once it
-is whole again the output is as before. An engine of its own module: vLLM's process
+truncated or written to under the engine fails requests, never the process (no SIGBUS)
+and never with other tokens, and once it is whole again the output is as before. An engine of its own module: vLLM's process
 state holds one engine at a time."""
 
 import os
@@ -107,6 +107,32 @@ def test_a_file_truncated_under_the_engine_fails_requests_not_the_process(engine
     assert all(o.finish_reason == "error" for o in outputs)  # (a SIGBUS kills this process)
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
     assert [c.logprobs for c in greedy(llm)] == [c.logprobs for c in reference]
+
+
+def test_a_pack_written_to_between_generations_fails_requests_not_tokens(engine, pack_dir):
+    # Every expert's w2_weight in the 4th MoE layer overwritten with other bytes between
+    # two generations: the pages stay in the page cache and hold the new bytes. Every
+    # request needs that layer: each fails, none finishes with other tokens.
+    from vllm import SamplingParams
+
+    llm, reference = engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    records = pack_dir / "experts.bin"
+    saved = records.read_bytes()
+    layer = ExpertPack(pack_dir).manifest.layers[3]
+    w2 = next(t for t in layer.tensors if t.name == "w2_weight")
+    with open(records, "r+b") as f:
+        for expert in range(layer.num_experts):
+            f.seek(w2.at(expert))
+            f.write(bytes(255 - b for b in saved[w2.at(expert) : w2.at(expert) + 256]))
+    try:
+        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        failed = vllm_specexpert.get_stats(llm)[0]["disk"]["failed"]
+    finally:
+        records.write_bytes(saved)
+    assert [o.finish_reason for o in outputs] == ["error"] * len(PROMPTS)
+    assert failed > 0
+    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 
 def test_a_predictors_read_ahead_leaves_the_output_exact(engine):

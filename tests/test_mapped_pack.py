@@ -172,6 +172,90 @@ def test_a_truncated_file_fails_only_the_rows_that_needed_what_is_gone(engine, p
     assert engine.unreadable.take() == []
 
 
+def overwrite(pack: ExpertPack, name: str, experts: list[int], tensor: int = 1) -> bytes:
+    """Write other bytes over ``experts``' copies of a tensor of layer ``name`` (through
+    the page cache, as a program editing the file would); returns the file as it was."""
+    records = (pack.path / RECORDS_FILE).read_bytes()
+    entry = pack.layers[name].tensors[tensor]
+    with open(pack.path / RECORDS_FILE, "r+b") as f:
+        for expert in experts:
+            f.seek(entry.at(expert))
+            f.write(bytes(255 - b for b in records[entry.at(expert) : entry.at(expert) + 64]))
+    return records
+
+
+def test_a_pack_written_to_under_the_engine_fails_the_rows_that_need_what_changed(engine, pack):
+    name = NAMES[1]
+    x, w, _ = random_routing(3, 16, 4, hidden=64, seed=2)
+    ids = torch.tensor([[0, 1, 2, 3], [8, 9, 10, 11], [9, 4, 5, 6]], dtype=torch.int32)
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(3))
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    checked = engine.stats()["disk"]["checked"]
+    assert checked == 11  # each expert the call needed, once: the pages were resident
+    call(engine, name, x, w, ids, PassPhases.decode_only(3))
+    assert engine.stats()["disk"]["checked"] == checked  # checked already, unchanged
+    # The pages stay resident and hold the new bytes: only the file's change time tells.
+    records = overwrite(pack, name, [8, 9])
+    for _ in range(2):  # (and again at the next call: a bad expert is checked each time)
+        out = call(engine, name, x, w, ids, PassPhases.decode_only(3))
+        gone = torch.where((ids == 8) | (ids == 9), 0.0, w)
+        assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
+        assert engine.unreadable.take() == [1, 2]
+    disk = engine.stats()["disk"]
+    assert disk["failed"] == 4 and disk["check_s"] > 0
+    (pack.path / RECORDS_FILE).write_bytes(records)  # restored: checked, and exact
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(3))
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    assert engine.unreadable.take() == []
+
+
+def test_a_pack_changed_before_the_start_fails_the_rows_that_need_what_changed(pack):
+    name = NAMES[0]
+    overwrite(pack, name, [5], tensor=0)  # (sizes and manifest as they were)
+    engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
+    engine.store.disk = Disk(pack, depth=2, mapped=True)
+    for index, layer in enumerate(NAMES):
+        engine.add_layer(layer, engine.store.disk.layer(layer), top_k=4, index=index)
+    engine.start()
+    try:
+        x, w, _ = random_routing(2, 16, 4, hidden=64, seed=3)
+        ids = torch.tensor([[5, 1, 2, 3], [4, 6, 7, 1]], dtype=torch.int32)
+        out = call(engine, name, x, w, ids, PassPhases.decode_only(2))
+        gone = torch.where(ids == 5, 0.0, w)
+        assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
+        assert engine.unreadable.take() == [0]
+        assert engine.stats()["disk"]["failed"] == 1
+    finally:
+        engine.close()
+
+
+def test_pages_read_in_again_are_checked_again(engine, pack, monkeypatch):
+    # Expert 3's pages leave the page cache and come back holding other bytes (the disk
+    # returned bad data): the launch that reads them in checks them.
+    name = NAMES[0]
+    mapping = engine.store.disk.mapping
+    x, w, _ = random_routing(1, 16, 4, hidden=64, seed=4)
+    ids = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    call(engine, name, x, w, ids, PassPhases.decode_only(1))
+    checked = engine.stats()["disk"]["checked"]
+    evicted = {mapping._pages(t, 3)[0] for t in pack.layers[name].tensors}
+    present = mapping._present
+    monkeypatch.setattr(mapping, "_present", lambda o, n: o not in evicted and present(o, n))
+    corrupt = mapping.pack.check_read
+
+    def disk_returns_bad_data(layer, tensor, expert, data):
+        if expert == 3:
+            data = bytes(len(data))
+        corrupt(layer, tensor, expert, data)
+
+    monkeypatch.setattr(mapping.pack, "check_read", disk_returns_bad_data)
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(1))
+    assert torch.equal(out, reference_moe(x, torch.where(ids == 3, 0.0, w), ids, *LAYERS[name].values()))
+    assert engine.unreadable.take() == [0]
+    assert engine.stats()["disk"]["checked"] == checked  # (3 failed: counted as failed)
+    assert engine.stats()["disk"]["failed"] == 1
+
+
 def test_a_refused_mapping_falls_back_to_the_slots_and_says_so(pack, monkeypatch):
     def refuse(address, length, advice):
         return -1

@@ -197,7 +197,8 @@ class SnapshotCollector:
                     family.add_metric(labels, snapshot["scheduler"][key])
             if snapshot.get("disk"):
                 for key, family in disk.items():
-                    family.add_metric(labels, snapshot["disk"][key])
+                    if key in snapshot["disk"]:  # (the mapped residency has no reads of its own)
+                        family.add_metric(labels, snapshot["disk"][key])
             layer_index = snapshot.get("layer_index", {})
             for name, layer in snapshot["layers"].items():
                 layer_label = str(layer_index.get(name, name))
@@ -235,7 +236,10 @@ DISK_COUNTERS = {
     "bytes": "Bytes read from the disk tier's pack.",
     "wait_s": "Seconds expert copies waited for disk reads.",
     "busy_s": "Seconds at least one disk read was in flight.",
-    "checked": "Records checked against their checksum (each once, at its first read).",
+    "checked": (
+        "Experts checked against their checksums (slots: at every read; mapped: at first use, "
+        "when their pages were read in, and after the pack was written to)."
+    ),
     "failed": "Expert reads that failed (I/O error or checksum); their requests failed.",
 }
 """The disk tier's counters on ``/metrics`` (``specexpert_disk_<key>_total``)."""

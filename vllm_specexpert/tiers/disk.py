@@ -167,8 +167,9 @@ class Disk:
 
     def stats_dict(self) -> dict:
         """``busy``: time with at least one read in flight. Mapped: what launches had
-        populated (tensors with pages outside the page cache, their bytes, the wait), and
-        what prefetches read ahead (experts, bytes)."""
+        populated (tensors with pages outside the page cache, their bytes, the wait), the
+        experts checked against their checksums and the time it took, and what
+        prefetches read ahead (experts, bytes)."""
         if self.mapping is not None:
             mapped = self.mapping.stats
             return {
@@ -178,6 +179,8 @@ class Disk:
                 "bytes": mapped.bytes,
                 "wait_s": mapped.wait_s,
                 "failed": mapped.failed,
+                "checked": mapped.checked,
+                "check_s": mapped.check_s,
                 "read_ahead": mapped.read_ahead,
                 "read_ahead_bytes": mapped.read_ahead_bytes,
             }

@@ -8,7 +8,8 @@ without it the pack is unfinished) and ``.lock`` (:mod:`.pack_lock`). Within a l
 expert tensor has one region, 4 KiB-aligned, of every expert's copy of it back to back:
 what the kernel takes as ``[num_experts, ...]``. The manifest names the checkpoint the
 pack was made from, the form (a CPU pack is for one ISA) and, per layer and tensor, the
-region and one xxh3-64 per expert (checked at every read; docs/design.md, "The disk tier").
+region and one xxh3-64 per expert, seeded with the layer, the expert and the tensor's
+name (checked at every read; docs/design.md, "The disk tier": Trust).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import xxhash
-from pydantic import BaseModel, NonNegativeInt, PositiveInt, model_validator
+from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, Strict, model_validator
 
 from vllm_specexpert.artifacts import MANIFEST, MadeForModel, read_manifest
 from vllm_specexpert.config import SpecExpertConfigError
@@ -28,14 +30,17 @@ from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts, TensorSp
 from vllm_specexpert.tiers.disk_reader import ALIGN, aligned
 from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES, DTYPES, DtypeName, KernelForm
 
-PACK_FORMAT = "specexpert-expert-pack/3"
-"""/3: the kernel's form, a region per tensor (/2: the checkpoint's layout, a record per
-expert, decoded on arrival)."""
+PACK_FORMAT = "specexpert-expert-pack/4"
+"""/4: each checksum seeded with its expert's identity (:func:`checksum`); /3: the
+kernel's form, a region per tensor; /2: the checkpoint's layout, a record per expert,
+decoded on arrival."""
 RECORDS_FILE = "experts.bin"
 MANIFEST_FILE = "manifest.json"
 FIELD = "disk.path"
 """The config key a pack is named by in errors."""
 REMAKE = "remove {path}: the plugin makes the pack again on the next start"
+Checksum = Annotated[int, Strict(), Field(ge=0, lt=1 << 64)]
+"""An xxh3-64: a larger number is corruption, refused when the manifest is read."""
 
 
 class PackTensor(BaseModel):
@@ -50,8 +55,8 @@ class PackTensor(BaseModel):
     shape: list[NonNegativeInt]
     """One expert's shape."""
     dtype: DtypeName
-    xxh3: list[NonNegativeInt]
-    """Per expert, the xxh3-64 of its copy."""
+    xxh3: list[Checksum]
+    """Per expert, the xxh3-64 of its copy, seeded with its identity (:func:`checksum`)."""
 
     @property
     def nbytes(self) -> int:
@@ -190,8 +195,15 @@ def layer_layout(
     return PackLayer.model_construct(name=name, num_experts=num_experts, tensors=entries)
 
 
-def checksum(data: memoryview | bytes) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+def checksum(data: memoryview | bytes, layer: str, expert: int, tensor: str) -> int:
+    """The xxh3-64 of ``data``, ``expert``'s copy of ``tensor`` in ``layer``, seeded with
+    that identity: bytes that are another expert's (records exchanged, a writer's wrong
+    offset) fail it even when their checksum was moved with them."""
+    return xxhash.xxh3_64_intdigest(data, seed=identity_seed(layer, expert, tensor))
+
+
+def identity_seed(layer: str, expert: int, tensor: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{layer}\0{expert}\0{tensor}".encode())
 
 
 class ExpertPack:
@@ -308,7 +320,7 @@ class ExpertPack:
     ) -> None:
         """Raise :class:`CorruptRecord` unless ``data`` (``expert``'s copy of ``tensor``,
         as read) has its checksum."""
-        if checksum(data) != tensor.xxh3[expert]:
+        if checksum(data, layer.name, expert, tensor.name) != tensor.xxh3[expert]:
             raise CorruptRecord(
                 f"{self.path / RECORDS_FILE}: {layer.name} expert {expert}'s {tensor.name} "
                 "does not match its checksum (the file was changed or the disk returned bad data)"

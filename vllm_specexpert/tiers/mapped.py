@@ -11,6 +11,11 @@ cannot be read (an I/O error, a file truncated under the engine) is then an erro
 call, :class:`~.store.ExpertsUnreadable`, failing only the requests that needed it, never
 a ``SIGBUS`` in the kernel. (A page reclaimed between the populate and the kernel's read
 is read again by the fault; a file truncated in that window still raises ``SIGBUS``.)
+
+An expert is checked against its checksums before a launch first runs on it, and again
+whenever its pages had to be read in, or the file's change time moved (it was written to
+under the engine); one that fails is an error of the call like an unreadable page, and
+is checked again when next needed (docs/design.md, "The disk tier": Trust).
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack, PackLayer, PackTensor
+from vllm_specexpert.tiers.expert_pack import (
+    RECORDS_FILE,
+    CorruptRecord,
+    ExpertPack,
+    PackLayer,
+    PackTensor,
+)
 from vllm_specexpert.tiers.kernel_form import DTYPES
 from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.slots import LayerSlotPool, PooledCache
@@ -36,6 +47,7 @@ from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 PAGE = mmap.PAGESIZE
 MADV_WILLNEED = 3
+MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22
 """Linux 5.14+: fault the range in, waiting for its reads; an error instead of ``SIGBUS``."""
 SAMPLED_PAGES = 16
@@ -63,7 +75,13 @@ class MappedStats:
     wait_s: float = 0.0
     """Seconds launches waited for pages."""
     failed: int = 0
-    """Expert tensors whose pages could not be read."""
+    """Experts a launch needed whose pages could not be read or did not match their
+    checksums."""
+    checked: int = 0
+    """Experts that matched their checksums when checked (at first use, when their pages
+    were read in, after the file was written to)."""
+    check_s: float = 0.0
+    """Seconds those checks took (in the launches' waits, :attr:`wait_s`)."""
     read_ahead: int = 0
     """Experts whose pages a prefetch asked the kernel to read ahead."""
     read_ahead_bytes: int = 0
@@ -90,6 +108,14 @@ class MappedPack:
         self.address = self.bytes.data_ptr()
         self.stats = MappedStats()
         self._lock = threading.Lock()
+        self._verified = {
+            layer.name: np.zeros(layer.num_experts, dtype=bool) for layer in pack.manifest.layers
+        }
+        """Per layer, the experts whose pages matched their checksums and have not been
+        read in since (cleared for all when the file's change time moves)."""
+        self._ctime_ns = os.fstat(self.fd).st_ctime_ns
+        """The file's change time when last seen (a write sets it; unlike its mtime, no
+        call can set it back)."""
         self._vector = np.empty(WHOLE_RANGE_PAGES, dtype=np.uint8)
         self._vector_address = self._vector.ctypes.data
         """``mincore``'s output, kept (making a ctypes address costs more than the call)."""
@@ -113,24 +139,38 @@ class MappedPack:
 
     def populate(self, layer: PackLayer, experts: np.ndarray) -> tuple[int, int]:
         """Make the pages of ``experts`` readable, reading what the page cache lacks:
-        read-ahead for every missing range at once, then a wait on each. Returns how
-        many experts had pages to read and their bytes; one :class:`ExpertsUnreadable`
-        names every expert whose pages could not be read.
+        read-ahead for every missing range at once, then a wait on each; then check
+        against its checksums each expert not checked since its pages were read in.
+        Returns how many experts had pages to read and their bytes; one
+        :class:`ExpertsUnreadable` names every expert whose pages could not be read or
+        did not match.
 
         A long range counts as present when :data:`SAMPLED_PAGES` pages spread over it
         are (a full ``mincore`` of a 60 MB expert costs 0.4 ms, about as much as the
         kernel's work on it at batch 1); a page reclaimed between the samples is read
-        by the kernel's fault. A short one is checked whole (:meth:`_present`). A file
-        shorter than the pack (truncated under the engine) populates every range, so that
-        what is gone fails here, not in the kernel."""
-        whole = os.fstat(self.fd).st_size >= self.pack.manifest.records_bytes
+        by the kernel's fault, unchecked. A short one is checked whole (:meth:`_present`).
+        A file shorter than the pack (truncated under the engine) populates every range,
+        so that what is gone fails here, not in the kernel."""
+        stat = os.fstat(self.fd)
+        whole = stat.st_size >= self.pack.manifest.records_bytes
+        verified = self._verified[layer.name]
+        with self._lock:
+            if stat.st_ctime_ns != self._ctime_ns:  # written to: every page may differ
+                self._ctime_ns = stat.st_ctime_ns
+                for done in self._verified.values():
+                    done[:] = False
         missing: list[tuple[int, int, int]] = []  # (expert, offset, length)
+        unchecked: list[int] = []
         for expert in experts.tolist():
+            read_in = False
             for tensor in layer.tensors:
                 offset, length = self._pages(tensor, expert)
                 if not whole or not self._present(offset, length):
                     missing.append((expert, offset, length))
-        if not missing:
+                    read_in = True
+            if read_in or not verified[expert]:
+                unchecked.append(expert)
+        if not unchecked:
             return 0, 0
         started = time.perf_counter()
         nbytes = sum(self._missing_bytes(offset, length) for _, offset, length in missing)
@@ -144,22 +184,54 @@ class MappedPack:
                 self._advise(offset, length, MADV_POPULATE_READ)
             except OSError as error:
                 failed.setdefault(expert, error)
+        checking = time.perf_counter()
+        for expert in unchecked:
+            if expert not in failed:
+                try:
+                    self._check(layer, expert)
+                except CorruptRecord as corrupt:
+                    failed[expert] = corrupt
+        finished = time.perf_counter()
+        checked = [e for e in unchecked if e not in failed]
         with self._lock:
+            verified[checked] = True
+            verified[list(failed)] = False
             self.stats.populated += len(missing)
             self.stats.bytes += nbytes
-            self.stats.wait_s += time.perf_counter() - started
+            self.stats.wait_s += finished - started
+            self.stats.checked += len(checked)
+            self.stats.check_s += finished - checking
             self.stats.failed += len(failed)
         if failed:
             first = next(iter(failed.values()))
-            cause = (
-                "the file ends before them (truncated?)"
-                if first.errno == errno.EFAULT
-                else first.strerror
-            )
+            if isinstance(first, CorruptRecord):
+                cause = str(first)
+            elif first.errno == errno.EFAULT:
+                cause = f"{self.path}: the file ends before them (truncated?)"
+            else:
+                cause = f"{self.path}: {first.strerror}"
             raise ExpertsUnreadable(
-                layer.name, sorted(failed), f"OSError: {self.path}: {cause}"
+                layer.name, sorted(failed), f"{type(first).__name__}: {cause}"
             ) from first
         return len({expert for expert, _, _ in missing}), nbytes
+
+    def _check(self, layer: PackLayer, expert: int) -> None:
+        """``expert``'s tensors, on the mapped pages, against their checksums; on a
+        mismatch its pages are dropped from the page cache (where no one else maps
+        them), so that the next check reads the disk again."""
+        for tensor in layer.tensors:
+            start = tensor.at(expert)
+            try:
+                self.pack.check_read(
+                    layer, tensor, expert, self.bytes[start : start + tensor.nbytes].numpy().data
+                )
+            except CorruptRecord:
+                for other in layer.tensors:
+                    offset, length = self._pages(other, expert)
+                    with contextlib.suppress(OSError):
+                        self._advise(offset, length, MADV_DONTNEED)
+                        os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
+                raise
 
     def read_ahead(self, layer: PackLayer, experts: np.ndarray) -> tuple[int, int]:
         """Start reading the pages of ``experts`` that the page cache lacks
@@ -176,6 +248,8 @@ class MappedPack:
                 if self._present(offset, length):
                     continue
                 missing = self._missing_bytes(offset, length)
+                with self._lock:  # (pages read in: checked again at the launch)
+                    self._verified[layer.name][expert] = False
                 with contextlib.suppress(OSError):
                     self._advise(offset, length, MADV_WILLNEED)
                     asked.add(expert)

@@ -140,7 +140,7 @@ def _write_records(
                 _check_shapes(name, expert, layer, tensors)
                 for entry in layer.tensors:
                     data = tensors[entry.name].view(torch.uint8).reshape(-1).numpy().data
-                    entry.xxh3.append(checksum(data))
+                    entry.xxh3.append(checksum(data, name, expert, entry.name))
                     f.seek(entry.at(expert))
                     f.write(data)
             if layer is not None:
