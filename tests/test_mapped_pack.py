@@ -250,7 +250,9 @@ def test_pages_read_in_again_are_checked_again(engine, pack, monkeypatch):
 
     monkeypatch.setattr(mapping.pack, "check_read", disk_returns_bad_data)
     out = call(engine, name, x, w, ids, PassPhases.decode_only(1))
-    assert torch.equal(out, reference_moe(x, torch.where(ids == 3, 0.0, w), ids, *LAYERS[name].values()))
+    assert torch.equal(
+        out, reference_moe(x, torch.where(ids == 3, 0.0, w), ids, *LAYERS[name].values())
+    )
     assert engine.unreadable.take() == [0]
     assert engine.stats()["disk"]["checked"] == checked  # (3 failed: counted as failed)
     assert engine.stats()["disk"]["failed"] == 1

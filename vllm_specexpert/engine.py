@@ -21,7 +21,7 @@ import torch
 
 from vllm_specexpert import execute, features, report
 from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach
-from vllm_specexpert.config import SpecExpertConfig, check_switch
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError, check_switch
 from vllm_specexpert.features import DecodeCall, EngineFeature, EngineParts
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall, LayerRequest
@@ -171,6 +171,7 @@ class OffloadEngine:
         self._check(self.config, self.budget.current)
         if self.pools is not None:
             self.pools.allocate()
+        self._log_unreadable(self._equipped())
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
         logger.info("specexpert: %s", self.summary())
 
@@ -186,7 +187,9 @@ class OffloadEngine:
 
     def reconfigure(self, config: SpecExpertConfig) -> None:
         """Switch modes without reloading weights (checked first); caches rebuilt, counters
-        restarted."""
+        restarted. A rebuild that fails (an expert its warm start cannot read, among
+        others) puts back what ran before: the same config and features, the caches
+        warm-started again, the counters kept; then raises."""
         first = next(iter(self.layers.values()), None)
         plan = self.budget.current
         if first is not None:
@@ -194,27 +197,50 @@ class OffloadEngine:
             plan = self.budget.plan(config, first.experts, first.top_k, freed)
         check_switch(self.config, config)
         self._check(config, plan)
-        if plan is not None:
-            self.budget.adopt(plan)
-        self._rebuild(config)
+        before, before_plan, layers = self.config, self.budget.current, self._equipped()
+        try:
+            if plan is not None:
+                self.budget.adopt(plan)
+            self._rebuild(config, layers)
+            unreadable = next((la.cache.unreadable for la in layers if la.cache.unreadable), None)
+            if unreadable is not None:
+                pack = config.disk.path if config.disk is not None else "the pack"
+                raise SpecExpertConfigError(
+                    "disk.path",
+                    f"the rebuilt caches could not read {unreadable.layer}'s experts "
+                    f"{unreadable.experts} ({unreadable.cause}); the engine runs on as it was",
+                    f"`specexpert pack MODEL --out {pack} --verify` names every expert "
+                    f"that differs from the checkpoint; or remove {pack} and start again to "
+                    "make the pack anew",
+                )
+        except BaseException:
+            if before_plan is not None:
+                self.budget.adopt(before_plan)
+            self._rebuild(before, layers)
+            self._log_unreadable(layers)
+            raise
+        self._restarted()
         logger.info("specexpert: reconfigured: %s", self.summary())
 
     def restart(self) -> None:
         """Back to the state of engine start (caches warm-started, nothing pending,
         counters at zero) once vLLM's warm-up passes are over: what they loaded would
         decide the first requests' hits (:func:`vllm_specexpert.plugins.restart_caches`)."""
-        self._rebuild(self.config)
+        layers = self._equipped()
+        self._rebuild(self.config, layers)
+        self._log_unreadable(layers)
+        self._restarted()
         for feature in self.features:
             feature.restart()
 
-    def _rebuild(self, config: SpecExpertConfig) -> None:
-        """Every cache rebuilt for ``config`` (warm start), a new link, counters at zero."""
+    def _rebuild(self, config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
+        """``layers``' caches rebuilt for ``config`` (warm start) and a new link."""
         with self.lock:
-            layers = self._equipped()
-            for layer in layers:
+            equipped = self._equipped()
+            for layer in equipped:
                 layer.loader.wait_all()  # nothing is freed while a copy into it runs
             self.link.close()
-            for layer in layers:  # the old pools are freed before the new ones
+            for layer in equipped:  # the old pools are freed before the new ones
                 for feature in self.features:
                     feature.unequip(layer)
                 layer.unequip()
@@ -228,8 +254,20 @@ class OffloadEngine:
                 self._equip(layer)
             if self.pools is not None:
                 self.pools.allocate()
+
+    def _restarted(self) -> None:
+        """Counters at zero and the stats writers on the config's schedule."""
         self.reset_stats()
-        self.reporter.start(self.stats_file, config.stats_interval_s)
+        self.reporter.start(self.stats_file, self.config.stats_interval_s)
+
+    def _log_unreadable(self, layers: list[OffloadedLayer]) -> None:
+        """What the caches' warm start could not read, logged once per expert: those
+        experts are read when a request needs them, failing only that request if the
+        read fails again."""
+        for layer in layers:
+            error = layer.cache.unreadable
+            if error is not None:
+                self.unreadable.log(error.layer, error.experts, f"at the warm start: {error.cause}")
 
     # ---------------------------------------------------------------- forward
 

@@ -20,7 +20,7 @@ from vllm_specexpert.tiers.eviction import CACHE_CLASSES
 from vllm_specexpert.tiers.link import ExpertCopy
 from vllm_specexpert.tiers.slots import LayerSlotPool, SlotPool
 from vllm_specexpert.tiers.staging import upload
-from vllm_specexpert.tiers.store import ExpertSource
+from vllm_specexpert.tiers.store import ExpertSource, ExpertsUnreadable
 
 
 class ExpertCache:
@@ -74,6 +74,8 @@ class ExpertCache:
         )
         """``int32 [E]`` id -> slot map on the device; ``None``: mapped on the host."""
         self._map_dirty = np.zeros(num_experts, dtype=bool)
+        self.unreadable: ExpertsUnreadable | None = None
+        """What the last warm start could not read (those experts are not resident)."""
         self.identity = False
         """Every expert sits in the slot of its own id (an own pool holding them all)
         and the kernel reads it as it is (not a mapped pack's pages, made readable
@@ -82,17 +84,24 @@ class ExpertCache:
             self.pool.allocate()
 
     def warm_start(self, offset: int, count: int) -> None:
-        """Fill slots ``offset ..`` with the first ``count`` experts (``static``: the pinned)."""
+        """Fill slots ``offset ..`` with the first ``count`` experts (``static``: the
+        pinned). Those the slow tier cannot supply are left out, in :attr:`unreadable`
+        (read on demand later; whoever started the cache decides what that means)."""
         self.slot_expert = np.full(self.pool.num_slots, -1, dtype=np.int64)
         self.assign(np.arange(count), np.arange(offset, offset + count))
-        # Through the source's own copy: the disk's read window, as a miss (staging_nbytes).
-        device = self.device if self.device.type != "cpu" else None
-        self.experts.copy_into(
-            np.arange(count), np.arange(offset, offset + count), self.slots, device
-        )
         self.identity = (
             count == self.num_experts and not self.pool.shared and self.pool.readable_as_is
         )
+        self.unreadable = None
+        # Through the source's own copy: the disk's read window, as a miss (staging_nbytes).
+        device = self.device if self.device.type != "cpu" else None
+        try:
+            self.experts.copy_into(
+                np.arange(count), np.arange(offset, offset + count), self.slots, device
+            )
+        except ExpertsUnreadable as error:  # (their slots hold no expert: freed)
+            self.release(np.asarray(error.experts, dtype=np.int64))
+            self.unreadable = error
 
     @property
     def slots(self) -> dict[str, torch.Tensor]:
