@@ -61,6 +61,12 @@ def test_absent_key_means_inert():
         ({"disk": {"path": "/p", "direct": "yes"}}, "disk.direct"),
         ({"disk": {"path": "/p", "direct": 1}}, "disk.direct"),
         ({"disk": {"path": "/p", "direct": "false"}}, "disk.direct"),
+        ({"budget": "auto "}, "budget"),  # (as "0.25 " is: a string is read as written)
+        ({"budget": " 12GiB"}, "budget"),
+        ({"disk": {"path": "/tmp/a\0b"}}, "disk.path"),
+        ({"disk": {"path": "/tmp/" + "x" * 5000}}, "disk.path"),
+        ({"disk": {"path": "/tmp/" + "x" * 300 + "/pack"}}, "disk.path"),
+        ({"calibration": "/tmp/a\0b"}, "calibration"),
     ],
 )
 def test_bad_values_name_the_field(raw, field):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import threading
 from pathlib import Path
 
@@ -253,16 +254,99 @@ def test_a_pack_of_another_or_a_changed_checkpoint_is_refused(pack, tmp_path, ca
     assert exit_.value.code == 1
     assert f"{LAYERS[1]} expert 5: w13_weight differs" in printed
     assert "511 of 512 experts match" in printed
-    with pytest.raises(SpecExpertConfigError, match=r"out of date"):
+    with pytest.raises(SpecExpertConfigError, match=r"--verify` found 1 experts unlike"):
         ExpertPack(pack.path, model=other)
     key = f"{LAYERS[0]}.0.down_proj.weight"
     tensors[key] = tensors[key][:, :32].contiguous()  # one shape changed
     save_file(tensors, str(other / "model.safetensors"))
-    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*out of date"):
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*--verify` found"):
         ExpertPack(pack.path, model=other)
     (other / "model.safetensors").rename(other / "model-00001-of-00001.safetensors")
     with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*another model"):
         ExpertPack(pack.path, model=other)
+
+
+def edit_in_place(file: Path, key: str) -> None:
+    """Flip the low bit of one byte of tensor ``key`` in the safetensors ``file`` where it
+    is, keeping its inode, size and mtime (a second call flips it back)."""
+    before = file.stat()
+    with open(file, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        start, _ = json.loads(f.read(length))[key]["data_offsets"]
+        f.seek(8 + length + start + 6)
+        byte = f.read(1)[0]
+        f.seek(8 + length + start + 6)
+        f.write(bytes([byte ^ 0x01]))
+    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_a_pack_whose_verify_failed_is_refused_until_made_again_or_verified(pack, tmp_path, capsys):
+    # The checkpoint edited in place where no sampled block looks, its mtime put back:
+    # its files look as they did. --verify finds the expert; the next start refuses the
+    # pack, until a --verify passes or the pack is made again.
+    from vllm_specexpert.cli import main
+
+    out = tmp_path / "pack"
+    shutil.copytree(pack.path, out)
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    main(["pack", str(model), "--out", str(out), "--verify"])  # (the copy, recorded)
+    capsys.readouterr()
+    key = f"{LAYERS[1]}.5.up_proj.weight"
+    edit_in_place(model / "model.safetensors", key)
+    assert checkpoint_files(model) == ExpertPack(out).manifest.checkpoint_files
+    prepare_pack(str(out), str(model), FORM)  # (what the files show: unchanged)
+    with pytest.raises(SystemExit):
+        main(["pack", str(model), "--out", str(out), "--verify"])
+    assert "511 of 512 experts match" in capsys.readouterr().out
+    with pytest.raises(SpecExpertConfigError) as error:
+        prepare_pack(str(out), str(model), FORM)
+    assert error.value.field_name == "disk.path" and "\n" not in str(error.value)
+    assert f"--out {out} --verify` found 1 experts unlike" in error.value.problem
+    assert f"{LAYERS[1]} expert 5: w13_weight differs" in error.value.problem
+    edit_in_place(model / "model.safetensors", key)  # as it was: verified
+    main(["pack", str(model), "--out", str(out), "--verify"])
+    prepare_pack(str(out), str(model), FORM)
+    edit_in_place(model / "model.safetensors", key)  # again, and made anew
+    with pytest.raises(SystemExit):
+        main(["pack", str(model), "--out", str(out), "--verify"])
+    main(["pack", str(model), "--out", str(out)])
+    prepare_pack(str(out), str(model), FORM)
+
+
+def test_a_manifest_too_deep_or_too_large_is_refused_in_one_line(pack, tmp_path, monkeypatch):
+    from vllm_specexpert import artifacts
+
+    copy = tmp_path / "pack"
+    shutil.copytree(pack.path, copy)
+    monkeypatch.setattr(artifacts, "MAX_MANIFEST_BYTES", 4096)  # (the real one: 64 MiB)
+    with pytest.raises(SpecExpertConfigError, match=r"bytes, past the 0 MiB") as error:
+        ExpertPack(copy, model=MODEL)
+    assert error.value.field_name == "disk.path" and "\n" not in str(error.value)
+    monkeypatch.undo()
+    (copy / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(SpecExpertConfigError, match=r"nested deeper than") as error:
+        ExpertPack(copy, model=MODEL)
+    assert error.value.field_name == "disk.path" and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_lock_that_is_not_a_regular_file_is_refused_in_one_line(pack, tmp_path, kind):
+    copy = tmp_path / "pack"
+    shutil.copytree(pack.path, copy, ignore=shutil.ignore_patterns(".lock"))
+    if kind == "directory":
+        (copy / ".lock").mkdir()
+    else:
+        os.mkfifo(copy / ".lock")
+    for start in (
+        lambda: prepare_pack(str(copy), str(MODEL), FORM),
+        lambda: open_disk(str(copy), str(MODEL), queue_depth=1, direct=False),
+    ):
+        with pytest.raises(
+            SpecExpertConfigError, match=r"\.lock, the pack's lock, is not a"
+        ) as error:
+            start()
+        assert error.value.field_name == "disk.path" and "\n" not in str(error.value)
 
 
 def test_without_o_direct_reads_go_through_the_page_cache(pack, monkeypatch):
@@ -423,6 +507,10 @@ def w13(manifest, layer=4):
             "tensors.1.dtype: Input should be 'bfloat16'",
         ),
         (lambda m: m["form"].update(isa="avx2"), "form.isa: Input should be 'vec' or 'amx'"),
+        (
+            lambda m: m["model_fingerprint"].update(router_sha256="0" * 64),
+            r"made for another model \(differs in router_sha256",
+        ),
         (lambda m: m.pop("form"), "key form: missing"),
     ],
     ids=[
@@ -442,6 +530,7 @@ def w13(manifest, layer=4):
         "renamed_layer",
         "unknown_dtype",
         "unknown_isa",
+        "router_fingerprint",
         "no_form",
     ],
 )

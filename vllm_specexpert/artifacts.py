@@ -42,6 +42,10 @@ FINGERPRINT_CONFIG_KEYS = (
 """Config keys of the fingerprint (transformers 5 writes Qwen3-MoE's expert count as
 ``num_local_experts``, older configs as ``num_experts``)."""
 
+MAX_MANIFEST_BYTES = 64 << 20
+"""The largest manifest read: a pack's of a model of 60 MoE layers of 256 experts is
+about 1 MB."""
+
 # Sane upper bounds of a manifest's sizes: far above any released model, and low enough
 # that a corrupt value is refused by the schema rather than attempted.
 MAX_HIDDEN = 1 << 16
@@ -267,10 +271,22 @@ def read_manifest(
         raise SpecExpertConfigError(
             field, f"{path} is not a {field} directory (no manifest.json or {weights_file})", fix
         )
+    size = manifest_path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise SpecExpertConfigError(
+            field,
+            f"{manifest_path} has {size} bytes, past the {MAX_MANIFEST_BYTES >> 20} MiB any "
+            "manifest takes (not one this version wrote)",
+            fix,
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
         raise SpecExpertConfigError(field, f"{manifest_path}: not JSON ({exc})", fix) from None
+    except RecursionError:
+        raise SpecExpertConfigError(
+            field, f"{manifest_path}: nested deeper than JSON is read here (not a manifest)", fix
+        ) from None
     found = manifest.get("format") if isinstance(manifest, dict) else manifest
     if found != fmt:
         raise SpecExpertConfigError(

@@ -53,10 +53,12 @@ def budget_value(value: Any) -> float | int | str:
     ``[2, MAX_EXPERTS]`` or a fraction in ``(0, 1]`` (``1`` reads as 1.0: JSON cannot
     tell them apart). ``ValueError`` says what is wrong."""
     if isinstance(value, str):
-        if value.strip().lower() == "auto":
+        if value != value.strip():  # (as a number in a string is: read as written)
+            raise ValueError(f"{_brief(value)} has spaces around it: write it without them")
+        if value.lower() == "auto":
             return "auto"
         parse_size(value)  # (a ValueError says what a size looks like)
-        return value.strip()
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(
             f"must be a fraction, a count, a size such as '12GiB', or 'auto', got {value!r}"

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    field_validator,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass, is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 
@@ -21,7 +29,53 @@ Number = Annotated[float, Strict()]
 """A JSON number (an int is accepted; a bool or a string is not)."""
 Count = Annotated[int, Strict()]
 Flag = Annotated[bool, Strict()]
-Path = Annotated[str, Strict(), Field(min_length=1)]
+PATH_MAX = 4096
+"""Linux's longest path, its terminating NUL included."""
+NAME_MAX = 255
+"""The longest file name of the common Linux filesystems (ext4, xfs, btrfs, tmpfs)."""
+
+
+def _usable_path(path: str) -> str:
+    """A path the system calls take: no NUL byte, at most ``PATH_MAX - 1`` bytes, no part
+    longer than its filesystem's name limit (of the deepest existing directory above it,
+    else :data:`NAME_MAX`)."""
+    if "\0" in path:
+        raise ValueError("contains a NUL byte, which no file name can hold")
+    size = len(os.fsencode(path))
+    if size >= PATH_MAX:
+        raise ValueError(f"is {size} bytes long; paths end at {PATH_MAX - 1}")
+    limit = _name_max(path)
+    long = next((part for part in path.split("/") if len(os.fsencode(part)) > limit), None)
+    if long is not None:
+        raise ValueError(
+            f"has a part of {len(os.fsencode(long))} bytes ({long[:20]}...); its filesystem's "
+            f"names end at {limit}"
+        )
+    return path
+
+
+def _name_max(path: str) -> int:
+    for directory in _parents(path):
+        if os.path.isdir(directory):
+            try:
+                return os.pathconf(directory, "PC_NAME_MAX")
+            except OSError:
+                break
+    return NAME_MAX
+
+
+def _parents(path: str) -> list[str]:
+    """``path``'s directories, deepest first (``/`` last)."""
+    out, current = [], os.path.dirname(os.path.abspath(path))
+    while True:
+        out.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            return out
+        current = parent
+
+
+Path = Annotated[str, Strict(), Field(min_length=1), AfterValidator(_usable_path)]
 
 
 @dataclass(config=STRICT)

@@ -32,7 +32,7 @@ from vllm_specexpert.tiers.expert_pack import (
 from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.mapped import MappedExperts, MappedPack, MappingRefused
 from vllm_specexpert.tiers.pack_experts import PackExperts
-from vllm_specexpert.tiers.pack_lock import PackBusy, PackLock
+from vllm_specexpert.tiers.pack_lock import NotALockFile, PackBusy, PackLock
 from vllm_specexpert.tiers.store import (
     ExpertsUnreadable,
     stage,
@@ -256,6 +256,10 @@ def open_disk(path: str, model: str, queue_depth: int, direct: bool, mapped: boo
     except PackBusy as busy:
         raise SpecExpertConfigError(
             FIELD, f"{busy}, which is writing it", "wait for it to finish, then start again"
+        ) from None
+    except NotALockFile as error:
+        raise SpecExpertConfigError(
+            FIELD, str(error), "remove it: the lock file is made again"
         ) from None
     try:
         return Disk(ExpertPack(path, model=model), queue_depth, direct, lock, mapped)

@@ -24,7 +24,7 @@ import torch
 import xxhash
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, Strict, model_validator
 
-from vllm_specexpert.artifacts import MANIFEST, MadeForModel, read_manifest
+from vllm_specexpert.artifacts import MANIFEST, MadeForModel, check_matches_model, read_manifest
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts, TensorSpec
 from vllm_specexpert.tiers.disk_reader import ALIGN, aligned
@@ -124,6 +124,16 @@ class CheckpointFile(BaseModel):
     """Hash of :data:`SAMPLES` blocks of the file's data, evenly spaced."""
 
 
+class VerifyFailure(BaseModel):
+    """What the last ``specexpert pack --verify`` found unlike the checkpoint: the pack is
+    refused at start until it is made again or verified whole."""
+
+    model_config = MANIFEST
+
+    problems: PositiveInt
+    first: str
+
+
 class PackManifest(MadeForModel):
     format: str
     form: KernelForm
@@ -131,6 +141,7 @@ class PackManifest(MadeForModel):
     layers: list[PackLayer]
     records_bytes: NonNegativeInt
     """Size of ``experts.bin``."""
+    verify_failed: VerifyFailure | None = None
 
     @model_validator(mode="after")
     def _extent(self) -> PackManifest:
@@ -248,14 +259,26 @@ class ExpertPack:
         return SpecExpertConfigError(FIELD, problem, self.fix)
 
     def check_made_from(self, model: str | Path) -> None:
-        """Refuse a pack made from another checkpoint or from this one before it changed,
-        or whose layout is not what this checkpoint's experts make."""
+        """Refuse a pack made from another checkpoint or from this one before it changed
+        (its files, or its routers' fingerprint), whose layout is not what this
+        checkpoint's experts make, or that ``--verify`` found unlike the checkpoint."""
         now = {f.name: f for f in checkpoint_files(model)}
         then = {f.name: f for f in self.manifest.checkpoint_files}
         if now.keys() != then.keys():
             raise self._error(
                 f"{self.path} was made from checkpoint files {sorted(then)}, {model} has "
                 f"{sorted(now)} (a pack of another model)"
+            )
+        verify = f"`specexpert pack {model} --out {self.path} --verify`"
+        failed = self.manifest.verify_failed
+        if failed is not None:
+            raise SpecExpertConfigError(
+                FIELD,
+                f"{verify} found {failed.problems} experts unlike the checkpoint's (first: "
+                f"{failed.first})",
+                "make the pack again (`specexpert pack MODEL --out DIR`, or remove the "
+                "directory: the next start makes it), or verify it again once the "
+                "checkpoint is as it was",
             )
         for name, file in now.items():
             changed = [
@@ -267,9 +290,10 @@ class ExpertPack:
                     FIELD,
                     f"{self.path} is out of date: {model}/{name} changed since the pack was "
                     f"made (its {', '.join(changed)} {verb})",
-                    f"`specexpert pack {model} --out {self.path} --verify` compares every "
-                    "expert and, if all match, records the checkpoint as it is now; or " + self.fix,
+                    f"{verify} compares every expert and, if all match, records the "
+                    "checkpoint as it is now; or " + self.fix,
                 )
+        check_matches_model(self.manifest, str(model), field=FIELD, fix=self.fix)
         self.check_layout(CheckpointExperts(model))
 
     def check_layout(self, source: CheckpointExperts) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,10 @@ class PackBusy(OSError):
         super().__init__(f"{path} is in use by {who}")
 
 
+class NotALockFile(OSError):
+    """The pack's ``.lock`` is there but is no regular file (a directory, a device...)."""
+
+
 class PackLock:
     """The lock of the pack directory ``path`` (the directory must exist)."""
 
@@ -39,6 +44,12 @@ class PackLock:
         """The lock file, made if absent; ``None`` where it cannot be made (a read-only
         filesystem: no writer can change the pack there, so readers need no lock)."""
         file = self.path / LOCK_FILE
+        try:
+            mode = file.lstat().st_mode
+        except FileNotFoundError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise NotALockFile(f"{file}, the pack's lock, is not a regular file")
         try:
             return os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as error:

@@ -33,7 +33,7 @@ from vllm_specexpert.tiers.expert_pack import (
     layer_layout,
 )
 from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES, KernelForm
-from vllm_specexpert.tiers.pack_lock import LOCK_FILE, PackBusy, PackLock
+from vllm_specexpert.tiers.pack_lock import LOCK_FILE, NotALockFile, PackBusy, PackLock
 
 logger = init_logger(__name__)
 
@@ -107,20 +107,24 @@ def verify_pack(
 ) -> tuple[ExpertPack, list[str]]:
     """:meth:`~.expert_pack.ExpertPack.verify` holding the pack alone; when all match,
     record the checkpoint's files as they are now (so a copied or touched checkpoint is
-    accepted). Returns the pack and what differs."""
+    accepted); else record the failure, which an engine's start then refuses until the
+    pack is made again or verified whole. Returns the pack and what differs."""
     target = Path(path)
     with _writing(target, FIELD), PackLock(target).hold(exclusive=True, wait=False):
         pack = ExpertPack(target, form=form)
         source = CheckpointExperts(model)
         pack.check_layout(source)
         problems = pack.verify(source)
-        if not problems:
-            now = {
-                **pack.manifest.model_dump(mode="json"),
-                "checkpoint_files": checkpoint_files(model),
-                "model_fingerprint": model_fingerprint(model),
-            }
-            write_manifest(target, PackManifest.model_validate(now))
+        now = pack.manifest.model_dump(mode="json")
+        if problems:
+            now["verify_failed"] = {"problems": len(problems), "first": problems[0]}
+        else:
+            now.update(
+                checkpoint_files=checkpoint_files(model),
+                model_fingerprint=model_fingerprint(model),
+                verify_failed=None,
+            )
+        write_manifest(target, PackManifest.model_validate(now))
     return pack, problems
 
 
@@ -282,6 +286,10 @@ def _waiting(target: Path, exclusive: bool) -> Iterator[None]:
     except PackBusy as busy:
         logger.info("specexpert: waiting for %s (%s)", target, busy)
         lock.acquire(exclusive, wait=True)
+    except NotALockFile as error:
+        raise SpecExpertConfigError(
+            FIELD, str(error), "remove it: the lock file is made again"
+        ) from None
     try:
         yield
     finally:

@@ -10,8 +10,10 @@ a pack written before, whole or interrupted (rewritten); apart from ``MODEL``; o
 filesystem with room for the pack (checked before any work); not in use by an engine
 (refused, naming its process). ``--dtype``: the dtype the model is served in (default:
 the checkpoint's). ``--isa``: the CPU kernel's layout for another machine (default: this
-machine's; an engine refuses a pack of another ISA). ``--verify`` writes nothing: it
-reads the whole checkpoint and the whole pack and checks that every expert is there.
+machine's; an engine refuses a pack of another ISA). ``--verify`` reads the whole
+checkpoint and the whole pack and checks that every expert is there; it writes only the
+manifest: the checkpoint as it is now when all match, else the failure (an engine's start
+then refuses the pack until it is made again or verified whole).
 
 Experts are read one at a time from the checkpoint and written as they come: memory use
 stays at one expert whatever the model's size. Prints what it wrote and how fast.
@@ -55,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="write nothing: check every record of the pack at --out against the checkpoint",
+        help="check every record of the pack at --out against the checkpoint (a failure is "
+        "recorded: engines refuse the pack until it is made again or verified whole)",
     )
 
 
