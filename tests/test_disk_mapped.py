@@ -2,8 +2,8 @@
 first start makes the pack; greedy tokens and logprobs identical to vanilla vLLM's; a
 page that fails to read fails the requests that needed it and only those; the file
 truncated or written to under the engine fails requests, never the process (no SIGBUS)
-and never with other tokens, and once it is whole again the output is as before. An engine of its own module: vLLM's process
-state holds one engine at a time."""
+and never with other tokens, and once it is whole again the output is as before. An
+engine of its own module: vLLM's process state holds one engine at a time."""
 
 import os
 
