@@ -847,6 +847,7 @@ def plugin_run(llm, batch: int) -> dict:
         "stall_s_per_decode_token": d["stall_s"] / n,
         "prefetched_per_decode_token": d["prefetched"] / n,
         "prefetch_used_per_decode_token": d["prefetch_used"] / n,
+        **checks(stats["disk"], first + decode_s),
         "disk_gbps_while_waited": stats["disk"].get("waited_gbps", float("nan")),
         "disk_gbps_while_reading": stats["disk"].get("busy_gbps", float("nan")),
         "os_read_gb_full_run": window.read / 1e9,
@@ -855,6 +856,19 @@ def plugin_run(llm, batch: int) -> dict:
         "disk": stats["disk"],
         **memory(),
         "memory_now": beyond_cache(stats, Path(stats["disk"]["path"])),
+    }
+
+
+def checks(disk: dict, run_s: float) -> dict:
+    """The mapped residency's checksum checks in a run (prefill and decode): experts
+    checked, seconds, and their share of the run's time (slots: checked on the reader's
+    threads, within the reads' wait; not broken out)."""
+    if "check_s" not in disk:
+        return {}
+    return {
+        "checked_experts": disk["checked"],
+        "check_s": disk["check_s"],
+        "check_share_of_run": disk["check_s"] / run_s if run_s > 0 else float("nan"),
     }
 
 
@@ -1220,11 +1234,33 @@ def markdown(payload: dict, command: str) -> str:
         *accuracy_rows,
         "",
     ]
+    check_rows = [
+        f"| {mode} | "
+        + " | ".join(
+            f"{rows[str(b)]['check_s']:.2f} s, {100 * rows[str(b)]['check_share_of_run']:.1f} %"
+            if "check_s" in rows.get(str(b), {})
+            else "-"
+            for b in batches
+        )
+        + " |"
+        for mode, rows in plugin.items()
+        if any("check_s" in rows.get(str(b), {}) for b in batches)
+    ]
+    check_table = [
+        "The mapped residency's checksum checks (an expert at first use, when its pages "
+        "were read in): seconds in the run (prefill and decode), and their share of it:",
+        "",
+        "| mode | " + " | ".join(f"{b} seq" for b in batches) + " |",
+        "|---|" + "---|" * len(batches),
+        *check_rows,
+        "",
+    ]
     lines = [
         f"Real I/O, nothing modeled. `{command}`",
         "",
         *table("Decode tok/s:", "decode_tok_s", 3),
         *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
+        *(check_table if check_rows else []),
         *(memory_table if memory_rows else []),
         *(accuracy_table if accuracy_rows else []),
         *cgroups,

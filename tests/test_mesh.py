@@ -375,6 +375,28 @@ def test_a_round_trip_is_timed_when_the_answer_arrives_not_when_it_is_read():
     assert tier.peers[0].up, tier.peers[0].reason
 
 
+def test_a_probe_answer_is_done_only_once_its_arrival_time_is_set():
+    # Ray completes its future, then runs the callbacks: a reader that saw it done
+    # before the callback set the time read no arrived_at. The clock, called by that
+    # callback, looks at the answer the reader would see.
+    ray_future: concurrent.futures.Future = concurrent.futures.Future()
+    seen: list[bool] = []
+    answer = None
+
+    def clock() -> float:
+        seen.append(answer.done())
+        return 1.5
+
+    answer = peer_module._timed(SimpleNamespace(future=lambda: ray_future), clock)
+    ray_future.set_result(42)
+    assert seen == [False]
+    assert answer.done() and answer.arrived_at == 1.5 and answer.result() == 42
+    failing: concurrent.futures.Future = concurrent.futures.Future()
+    failed = peer_module._timed(SimpleNamespace(future=lambda: failing), lambda: 2.0)
+    failing.set_exception(RuntimeError("peer died"))
+    assert isinstance(failed.exception(), RuntimeError) and failed.arrived_at == 2.0
+
+
 def test_a_checkpoint_a_peer_cannot_read_is_refused_at_start(tmp_path):
     from safetensors.torch import save_file
 

@@ -34,6 +34,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
@@ -465,12 +466,19 @@ class PeerTier:
 
 def _timed(ref: Any, clock: Callable[[], float]) -> TimedAnswer:
     """``ref`` as a future that records when its answer arrived (``arrived_at``, by
-    ``clock``), from Ray's own thread: the round trip does not wait for the engine's
-    next layer call."""
-    answer = ref.future()
+    ``clock``, from Ray's own thread: the round trip does not wait for the engine's next
+    layer call). Done only once ``arrived_at`` is set: a reader that sees it done reads
+    the time (Ray's own future is done before its callbacks run)."""
+    answer: Any = Future()
 
-    def arrived(_future: object) -> None:
+    def arrived(ray_answer: Future) -> None:
         answer.arrived_at = clock()
+        if ray_answer.cancelled():
+            answer.cancel()
+        elif (error := ray_answer.exception()) is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(ray_answer.result())
 
-    answer.add_done_callback(arrived)
+    ref.future().add_done_callback(arrived)
     return answer
