@@ -347,6 +347,29 @@ def test_the_documents_are_the_files_with_text(tmp_path, capsys):
     assert capsys.readouterr().err.count("skipped 1 empty file:") == 1
 
 
+def test_a_quoted_glob_is_expanded_to_the_files_it_matches(tmp_path, capsys):
+    """``--data 'pkg/**/*.py'`` (quoted: no shell expanded it) runs every .py file at any
+    depth under pkg, sorted; a glob that matches no file is refused naming it."""
+    import argparse
+
+    from vllm_specexpert.tools.trace import add_data_arguments, resolve_data_arguments
+
+    for name in ("pkg/a.py", "pkg/sub/b.py", "pkg/sub/deeper/c.py", "pkg/notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"# {name}\n")
+    (tmp_path / "pkg" / "dir.py").mkdir()  # (a directory the glob matches: not a file)
+    parser = argparse.ArgumentParser()
+    add_data_arguments(parser)
+    args = parser.parse_args(["--data", str(tmp_path / "pkg" / "**" / "*.py")])
+    _, documents, _ = resolve_data_arguments(args, default_split="train")
+    assert [name for name, _ in documents] == [
+        str(tmp_path / p) for p in ("pkg/a.py", "pkg/sub/b.py", "pkg/sub/deeper/c.py")
+    ]
+    out = ["--out", str(tmp_path / "out")]
+    line = refused(capsys, ["calibrate", "--data", str(tmp_path / "none" / "*.py"), *out], "--data")
+    assert "matches no file" in line
+
+
 def test_a_quantized_checkpoint_is_refused_with_its_bf16_twin_as_the_fix(capsys, tmp_path):
     awq = str(model_path("qwen3_moe-awq"))
     for tool in ("calibrate", "analyze", "capture", "train-estimator", "train-path"):

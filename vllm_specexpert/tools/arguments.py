@@ -13,6 +13,7 @@ reports through the tool's parser the same way.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 from collections.abc import Callable
@@ -73,10 +74,17 @@ def existing_file(text: str) -> str:
     return _existing(text, Path.is_file, "a regular file")
 
 
-def data_file(text: str) -> str:
-    """A text file to run: a regular file (empty ones are left out by
-    :func:`files_with_text`, once all are parsed)."""
-    return existing_file(text)
+def data_files(text: str) -> list[str]:
+    """The text files one ``--data`` word names: a regular file, or the regular files a
+    glob matches (``'src/**/*.py'``, quoted so that no shell expands it; ``**``: any
+    depth), sorted. Empty ones are left out by :func:`files_with_text`, once all are
+    parsed."""
+    if Path(text).exists() or not glob.has_magic(text):
+        return [existing_file(text)]
+    matches = sorted(p for p in glob.glob(text, recursive=True) if Path(p).is_file())
+    if not matches:
+        raise argparse.ArgumentTypeError(f"{text} matches no file")
+    return matches
 
 
 def files_with_text(paths: list[str], option: str = "--data") -> list[str]:

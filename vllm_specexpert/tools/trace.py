@@ -232,7 +232,7 @@ def file_documents(paths: list[str]) -> Documents:
 def add_data_arguments(parser) -> None:
     """``MODEL`` and the text to run: ``--data FILE...`` or a corpus ``--split``."""
     from vllm_specexpert.tools.arguments import (
-        data_file,
+        data_files,
         positive_int,
         unquantized_model_dir,
     )
@@ -244,7 +244,12 @@ def add_data_arguments(parser) -> None:
         help="model directory (default: the embedded model)",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--data", nargs="+", type=data_file, help="text files to run")
+    source.add_argument(
+        "--data",
+        nargs="+",
+        type=data_files,
+        help="text files to run, or globs of them ('src/**/*.py', quoted)",
+    )
     source.add_argument(
         "--split",
         choices=["train", "validation", "test"],
@@ -264,7 +269,7 @@ def resolve_data_arguments(args, default_split: str) -> tuple[str, Documents, st
 
     model = args.model or str(model_path(DEFAULT_MODEL))
     if args.data:
-        data = files_with_text(args.data)
+        data = files_with_text([path for word in args.data for path in word])
         return model, file_documents(data), f"files {' '.join(map(file_label, data))}"
     split = args.split or default_split
     return model, corpus_documents(split), f"corpus split {split}"
