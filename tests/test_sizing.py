@@ -409,6 +409,28 @@ def test_an_unlimited_cgroup_leaves_the_machines_memory(tmp_path, monkeypatch, c
     assert "cgroup" not in fit_budget("auto", qwen3_30b(), report).reason
 
 
+def test_memory_high_binds_as_memory_max_does_and_the_cgroup_is_the_total(tmp_path, monkeypatch):
+    # memory.max unset, memory.high 12 GiB (the kernel reclaims and throttles past it);
+    # with vLLM's utilization 0.9 the share kept from the slots is 10 % of the cgroup's
+    # 12 GiB, not of the machine's 24.
+    import dataclasses
+
+    from vllm_specexpert.tiers.memory import CgroupMemory, cgroup_memory
+
+    files = {
+        "sys/fs/cgroup/box/memory.max": "max",
+        "sys/fs/cgroup/box/memory.high": 12 * GiB,
+        "sys/fs/cgroup/box/memory.current": GiB,
+        "sys/fs/cgroup/box/memory.stat": "inactive_file 0\n",
+    }
+    root = cgroup_tree(tmp_path, "0::/box\n", files)
+    assert cgroup_memory(root) == CgroupMemory(limit_bytes=12 * GiB, free_bytes=11 * GiB)
+    report = cpu_report(monkeypatch, root)
+    assert (report.total_bytes, report.free_bytes) == (12 * GiB, 11 * GiB)
+    fit = fit_budget("auto", qwen3_30b(), dataclasses.replace(report, utilization=0.9))
+    assert fit.parts["room"] == pytest.approx(11 * GiB - 0.1 * 12 * GiB)
+
+
 @pytest.mark.parametrize(
     ("outer", "outer_charged", "limit", "free"),
     [

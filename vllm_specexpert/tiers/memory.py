@@ -1,5 +1,8 @@
 """Free memory of the tier a budget sizes: the GPU's on CUDA; on CPU ``MemAvailable``
-(free plus reclaimable page cache), or less if a cgroup limit leaves less."""
+(free plus reclaimable page cache), or less if a cgroup limit leaves less; a cgroup's
+limit is then the tier's total too. Swap is never counted as room (an expert in swap
+would be read back at the disk's speed with none of the disk tier's reads), so a swap
+limit changes nothing here."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ UNLIMITED = 1 << 60
 @dataclass(frozen=True)
 class CgroupMemory:
     limit_bytes: int
-    """The tightest limit of the process's cgroup and its ancestors'."""
+    """The tightest limit of the process's cgroup and its ancestors' (v2: ``memory.max``
+    or ``memory.high``, past which the kernel reclaims and throttles the cgroup)."""
     free_bytes: int
     """What the limits leave: over every limited level, the least of ``limit - charged``
     (``charged``: the level's usage less its inactive page cache)."""
@@ -30,9 +34,9 @@ class CgroupMemory:
 # Per cgroup version: the limit's file, the usage's, and memory.stat's keys of the
 # reclaimable page cache (v1's ``total_`` keys count the descendants, as its usage does).
 _FILES = {
-    "v2": ("memory.max", "memory.current", ("inactive_file",)),
+    "v2": (("memory.max", "memory.high"), "memory.current", ("inactive_file",)),
     "v1": (
-        "memory.limit_in_bytes",
+        ("memory.limit_in_bytes",),
         "memory.usage_in_bytes",
         ("total_inactive_file", "inactive_file"),
     ),
@@ -47,8 +51,9 @@ def cgroup_memory(root: str | os.PathLike[str] = "/") -> CgroupMemory | None:
     limit: int | None = None
     free: int | None = None
     for version, directory in _cgroup_dirs(root):
-        limit_file, usage_file, reclaimable_keys = _FILES[version]
-        level_limit = _read_int(directory / limit_file)
+        limit_files, usage_file, reclaimable_keys = _FILES[version]
+        limits = [_read_int(directory / name) for name in limit_files]
+        level_limit = min((n for n in limits if n is not None), default=None)
         if level_limit is None or level_limit >= UNLIMITED:
             continue
         usage = _read_int(directory / usage_file) or 0
@@ -162,8 +167,9 @@ def memory_report(
         ram = psutil.virtual_memory()
         free, total = ram.available, ram.total
         cgroup = cgroup_memory()
-        if cgroup is not None:
+        if cgroup is not None:  # (the machine a budget sizes from is the cgroup's)
             free, limit = min(free, cgroup.free_bytes), cgroup.limit_bytes
+            total = min(total, limit)
     return MemoryReport(
         total_bytes=int(total),
         free_bytes=int(free),
