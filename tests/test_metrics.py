@@ -440,3 +440,20 @@ def test_a_containers_memory_limit_is_a_budget_part(tmp_path, monkeypatch):
     labels = {"model_name": "tiny", "engine": "0", "part": "cgroup_limit"}
     assert scrape(tmp_path)[("specexpert_budget_bytes", tuple(sorted(labels.items())))] == limit
     engine.close()
+
+
+def test_only_an_engine_a_server_serves_gets_a_snapshot_directory(monkeypatch):
+    # LLM() builds its engine from EngineArgs: no /metrics reads its snapshots, so no
+    # directory and no collector; vLLM's API server builds from AsyncEngineArgs.
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    from vllm_specexpert import validate
+
+    made: list[str] = []
+    monkeypatch.setattr(validate, "validate_engine_config", lambda *args: None)
+    monkeypatch.setattr(validate.metrics, "prepare_frontend", made.append)
+    validate.after_engine_config(EngineArgs(model="m"), None, None)
+    assert made == []
+    served = AsyncEngineArgs(model="m", served_model_name=["served"])
+    validate.after_engine_config(served, None, None)
+    assert made == ["served"]

@@ -46,10 +46,21 @@ def before_engine_config(engine_args: Any) -> SpecExpertConfig | None:
 
 def after_engine_config(engine_args: Any, vllm_config: Any, config: SpecExpertConfig) -> None:
     """Once the engine config is built: the model-dependent checks, then (only for a
-    start they let through) the metrics directory the engine processes will write to."""
+    start they let through, of an engine a server serves) the metrics directory the
+    engine processes will write to."""
     validate_engine_config(vllm_config, config)
-    names = getattr(engine_args, "served_model_name", None) or engine_args.model
-    metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
+    if serves_metrics(engine_args):
+        names = getattr(engine_args, "served_model_name", None) or engine_args.model
+        metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))
+
+
+def serves_metrics(engine_args: Any) -> bool:
+    """Whether the process building this engine serves ``/metrics``: vLLM's API server
+    builds its engine from ``AsyncEngineArgs``; ``LLM()`` from ``EngineArgs``, and no
+    one would read its snapshots."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return isinstance(engine_args, AsyncEngineArgs)
 
 
 def installed_plugins() -> list[str]:
