@@ -33,7 +33,7 @@ def greedy(llm, max_tokens=24):
 
 def scheduler_series() -> list[tuple]:
     """The ``specexpert_scheduler_*`` samples the server's ``/metrics`` would serve now
-    (the collector over the snapshot directory this process made for its engines)."""
+    (the collector over the snapshot directory :func:`runs` gave its engines)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,9 +51,13 @@ def scheduler_series() -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
+    from vllm_specexpert import metrics
+
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # (LLM() serves no /metrics: the snapshot directory a server would make, made here)
+    os.environ[metrics.DIRECTORY_ENV] = str(tmp_path_factory.mktemp("metrics"))
     try:
         vanilla = start_engine(str(TRAINED_MODEL_DIR), None, max_num_seqs=32)
         reference = greedy(vanilla)
@@ -81,6 +85,7 @@ def runs():
         stats["plec_max_waited"] = stats["plec_scheduler"]["max_waited"]
         stop_engine(llm)
     finally:
+        os.environ.pop(metrics.DIRECTORY_ENV, None)
         if previous is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
