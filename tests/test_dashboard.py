@@ -76,12 +76,19 @@ ENGINES = {
 }
 
 
-def scraped(directory: Path, config: dict, inputs: dict) -> str:
-    """The scrape of an engine under ``config`` with ``inputs`` after one decode call."""
+def scraped(
+    directory: Path,
+    config: dict,
+    inputs: dict,
+    model_name: str = "tiny",
+    after_call=lambda engine: None,
+) -> str:
+    """The scrape of an engine under ``config`` with ``inputs`` after one decode call
+    and ``after_call(engine)``."""
     name = "model.layers.0.mlp.experts"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(metrics.DIRECTORY_ENV, str(directory))
-        patch.setenv(metrics.MODEL_NAME_ENV, "tiny")
+        patch.setenv(metrics.MODEL_NAME_ENV, model_name)
         engine = OffloadEngine(SpecExpertConfig.from_dict(config), torch.device("cpu"))
         try:
             engine.add_layer(name, random_layer(seed=0), top_k=4, index=0)
@@ -89,6 +96,7 @@ def scraped(directory: Path, config: dict, inputs: dict) -> str:
             engine.start()
             x, w, ids = random_routing(4, 16, 4, seed=0)
             engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            after_call(engine)
             engine.write_stats()
             return scrape_text(directory)
         finally:
