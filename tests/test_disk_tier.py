@@ -309,19 +309,44 @@ def test_a_pack_of_another_isa_is_refused_at_start(tmp_path):
 def test_a_pack_whose_bytes_are_another_isas_is_refused_by_the_layers_own_proof(tmp_path):
     # The manifest names this machine's ISA (as if written by a build that prepacks
     # otherwise): the checks of the form pass, and the layer's proof, its own runtime
-    # form of one checkpoint expert against the pack's bytes, refuses it.
+    # form of one checkpoint expert against the pack's bytes, refuses it. Where vLLM's
+    # build for this CPU prepacks both ISAs alike (no AMX kernel in it), the other ISA's
+    # bytes are this one's: expert 0 then holds expert 1's bytes, its checksum made to
+    # match (a writer's wrong offset), which the proof refuses as well.
     import torch
 
+    from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack, checksum
     from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
 
     other_isa_pack(tmp_path / "pack")
     manifest = json.loads((tmp_path / "pack" / "manifest.json").read_text())
     manifest["form"]["isa"] = cpu_kernel_form(torch.bfloat16).isa
     (tmp_path / "pack" / "manifest.json").write_text(json.dumps(manifest))
+    if amx_prepacked_as_vec():
+        print("this CPU's vLLM build prepacks amx as vec: expert 0 given expert 1's bytes")
+        layer = ExpertPack(tmp_path / "pack").manifest.layers[0]
+        with open(tmp_path / "pack" / RECORDS_FILE, "r+b") as f:
+            for index, tensor in enumerate(layer.tensors):
+                f.seek(tensor.at(1))
+                data = f.read(tensor.nbytes)
+                f.seek(tensor.at(0))
+                f.write(data)
+                entry = manifest["layers"][0]["tensors"][index]
+                entry["xxh3"][0] = checksum(data, layer.name, 0, tensor.name)
+        (tmp_path / "pack" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecExpertConfigError, match=r"disk\.path.*expert 0 of .* differs"):
         start_engine(
             str(model_path(MODEL)), {"budget": 0.25, "disk": {"path": str(tmp_path / "pack")}}
         )
+
+
+def amx_prepacked_as_vec() -> bool:
+    """Whether vLLM's kernel build for this CPU orders an ``amx`` prepack as ``vec``."""
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    weight = torch.randn(1, 64, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    return torch.equal(cpu_prepack_moe_weight(weight, "amx"), cpu_prepack_moe_weight(weight, "vec"))
 
 
 def test_a_truncated_pack_is_refused_at_start(pack_dir, tmp_path):
