@@ -139,8 +139,9 @@ class MappedPack:
 
     def populate(self, layer: PackLayer, experts: np.ndarray) -> tuple[int, int]:
         """Make the pages of ``experts`` readable, reading what the page cache lacks:
-        read-ahead for every missing range at once, then a wait on each; then check
-        against its checksums each expert not checked since its pages were read in.
+        read-ahead for every missing range at once, then, expert by expert, a wait for
+        its pages and a check against its checksums if it was not checked since its
+        pages were read in (the check overlaps the disk's reads of the next experts).
         Returns how many experts had pages to read and their bytes; one
         :class:`ExpertsUnreadable` names every expert whose pages could not be read or
         did not match.
@@ -178,19 +179,24 @@ class MappedPack:
             # (a hint: the populate below reads, and reports, what it cannot)
             with contextlib.suppress(OSError):
                 self._advise(offset, length, MADV_WILLNEED)
-        failed: dict[int, OSError] = {}
+        ranges: dict[int, list[tuple[int, int]]] = {}
         for expert, offset, length in missing:
+            ranges.setdefault(expert, []).append((offset, length))
+        failed: dict[int, OSError] = {}
+        check_s = 0.0
+        for expert in unchecked:  # (each check overlaps the disk's reads of the next)
             try:
-                self._advise(offset, length, MADV_POPULATE_READ)
+                for offset, length in ranges.get(expert, ()):
+                    self._advise(offset, length, MADV_POPULATE_READ)
             except OSError as error:
-                failed.setdefault(expert, error)
-        checking = time.perf_counter()
-        for expert in unchecked:
-            if expert not in failed:
-                try:
-                    self._check(layer, expert)
-                except CorruptRecord as corrupt:
-                    failed[expert] = corrupt
+                failed[expert] = error
+                continue
+            checking = time.perf_counter()
+            try:
+                self._check(layer, expert)
+            except CorruptRecord as corrupt:
+                failed[expert] = corrupt
+            check_s += time.perf_counter() - checking
         finished = time.perf_counter()
         checked = [e for e in unchecked if e not in failed]
         with self._lock:
@@ -200,14 +206,16 @@ class MappedPack:
             self.stats.bytes += nbytes
             self.stats.wait_s += finished - started
             self.stats.checked += len(checked)
-            self.stats.check_s += finished - checking
+            self.stats.check_s += check_s
             self.stats.failed += len(failed)
         if failed:
             first = next(iter(failed.values()))
             if isinstance(first, CorruptRecord):
                 cause = str(first)
-            elif first.errno == errno.EFAULT:
+            elif first.errno == errno.EFAULT and not whole:
                 cause = f"{self.path}: the file ends before them (truncated?)"
+            elif first.errno == errno.EFAULT:
+                cause = f"{self.path}: their pages could not be read (an I/O error)"
             else:
                 cause = f"{self.path}: {first.strerror}"
             raise ExpertsUnreadable(
