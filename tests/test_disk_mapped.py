@@ -8,7 +8,7 @@ engine of its own module: vLLM's process state holds one engine at a time."""
 import os
 
 import pytest
-from test_disk_tier import MODEL, expert_parameters
+from test_disk_tier import MODEL, change_every_expert, expert_parameters
 from vllm_harness import MAX_TOKENS, PROMPTS, greedy, make_llm, shutdown, vanilla_reference
 
 import vllm_specexpert
@@ -110,26 +110,19 @@ def test_a_file_truncated_under_the_engine_fails_requests_not_the_process(engine
 
 
 def test_a_pack_written_to_between_generations_fails_requests_not_tokens(engine, pack_dir):
-    # Every expert's w2_weight in the 4th MoE layer overwritten with other bytes between
-    # two generations: the pages stay in the page cache and hold the new bytes. Every
+    # A byte of every expert's w2_weight in the 4th MoE layer changed between two
+    # generations: the pages stay in the page cache and hold the new bytes. Every
     # request needs that layer: each fails, none finishes with other tokens.
     from vllm import SamplingParams
 
     llm, reference = engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    records = pack_dir / "experts.bin"
-    saved = records.read_bytes()
-    layer = ExpertPack(pack_dir).manifest.layers[3]
-    w2 = next(t for t in layer.tensors if t.name == "w2_weight")
-    with open(records, "r+b") as f:
-        for expert in range(layer.num_experts):
-            f.seek(w2.at(expert))
-            f.write(bytes(255 - b for b in saved[w2.at(expert) : w2.at(expert) + 256]))
+    saved, _ = change_every_expert(pack_dir, 3)
     try:
         outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         failed = vllm_specexpert.get_stats(llm)[0]["disk"]["failed"]
     finally:
-        records.write_bytes(saved)
+        (pack_dir / "experts.bin").write_bytes(saved)
     assert [o.finish_reason for o in outputs] == ["error"] * len(PROMPTS)
     assert failed > 0
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]

@@ -241,27 +241,35 @@ def test_an_explicit_budget_beyond_free_ram_is_refused_and_the_engine_keeps_runn
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 
-def test_a_reconfigure_that_cannot_read_an_expert_leaves_the_engine_serving(engine, pack_dir):
-    # One byte of every expert's w2_weight in the 4th MoE layer flipped, then a
-    # reconfigure: its warm start cannot read them. One error naming disk.path and the
-    # experts; the engine serves on as it was, and once the file is whole, exactly.
+def change_every_expert(pack_dir, index: int) -> tuple[bytes, object]:
+    """Flip a byte of every expert's ``w2_weight`` in the ``index``-th MoE layer of the
+    pack at ``pack_dir`` (through the page cache, as a program editing the file would):
+    the file as it was, and the layer's manifest entry."""
     from vllm_specexpert.tiers.expert_pack import ExpertPack
 
-    llm, reference = engine
-    vllm_specexpert.reconfigure(llm, budget=0.25, miss_policy="fetch", cache="lru")
     records = pack_dir / "experts.bin"
     saved = records.read_bytes()
-    layer = ExpertPack(pack_dir).manifest.layers[3]
+    layer = ExpertPack(pack_dir).manifest.layers[index]
     w2 = next(t for t in layer.tensors if t.name == "w2_weight")
     with open(records, "r+b") as f:
         for expert in range(layer.num_experts):
             f.seek(w2.at(expert) + 10)
             f.write(bytes([saved[w2.at(expert) + 10] ^ 0x01]))
+    return saved, layer
+
+
+def test_a_reconfigure_that_cannot_read_an_expert_leaves_the_engine_serving(engine, pack_dir):
+    # One byte of every expert's w2_weight in the 4th MoE layer flipped, then a
+    # reconfigure: its warm start cannot read them. One error naming disk.path and the
+    # experts; the engine serves on as it was, and once the file is whole, exactly.
+    llm, reference = engine
+    vllm_specexpert.reconfigure(llm, budget=0.25, miss_policy="fetch", cache="lru")
+    saved, layer = change_every_expert(pack_dir, 3)
     try:
         with pytest.raises(SpecExpertConfigError) as error:
             vllm_specexpert.reconfigure(llm, budget=0.5)
     finally:
-        records.write_bytes(saved)
+        (pack_dir / "experts.bin").write_bytes(saved)
     assert error.value.field_name == "disk.path" and "\n" not in str(error.value)
     assert f"{layer.name}'s experts [0, 1, 2" in error.value.problem
     assert "does not match its checksum" in error.value.problem

@@ -31,16 +31,21 @@ LAYERS = {name: random_layer(hidden=64, inter=32, seed=i) for i, name in enumera
 MAPPED = {"budget": 0.25, "disk": {"path": "unused", "residency": "mapped"}}
 
 
-@pytest.fixture
-def pack(tmp_path) -> ExpertPack:
+def toy_pack(out) -> ExpertPack:
+    """:data:`LAYERS` written to a pack at ``out`` in the reference kernel's layout."""
     write_pack(
-        tmp_path / "pack",
+        out,
         [(name, 16) for name in NAMES],
         lambda name, e: {k: t[e] for k, t in LAYERS[name].items()},
         {"model": "toy", "checkpoint_files": []},
         KernelForm(layout="checkpoint", dtype="bfloat16"),
     )
-    return ExpertPack(tmp_path / "pack")
+    return ExpertPack(out)
+
+
+@pytest.fixture
+def pack(tmp_path) -> ExpertPack:
+    return toy_pack(tmp_path / "pack")
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from faulty_fs import mount_or_reason
-from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
-from test_disk_engine import NAMES, unreadable_logs
+from moe_reference import random_routing, reference_moe, slot_kernel
+from test_disk_engine import unreadable_logs
+from test_mapped_pack import LAYERS, NAMES, toy_pack
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
@@ -24,9 +25,8 @@ from vllm_specexpert.tiers import disk_reader
 from vllm_specexpert.tiers.disk import Disk
 from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack
 
-LAYERS = {name: random_layer(hidden=64, inter=32, seed=i) for i, name in enumerate(NAMES)}
-"""Each expert's w13 8 KiB and w2 4 KiB: a device's bad block fails one expert only."""
 LAYER = NAMES[1]
+"""(its experts' w13 8 KiB, w2 4 KiB: a device's bad block fails one expert only)"""
 BROKEN = 7
 """The expert made unreadable: the warm start reads experts 0..7 at budget 0.5."""
 FAULTS = ["flipped", "truncated", "device"]
@@ -86,17 +86,7 @@ class Fault:
 
 @pytest.fixture(params=FAULTS)
 def fault(request, tmp_path, monkeypatch):
-    from vllm_specexpert.tiers.kernel_form import KernelForm
-    from vllm_specexpert.tiers.pack_writer import write_pack
-
-    write_pack(
-        tmp_path / "pack",
-        [(name, 16) for name in NAMES],
-        lambda name, e: {k: t[e] for k, t in LAYERS[name].items()},
-        {"model": "toy", "checkpoint_files": []},
-        KernelForm(layout="checkpoint", dtype="bfloat16"),
-    )
-    made = Fault(request.param, ExpertPack(tmp_path / "pack"), tmp_path, monkeypatch)
+    made = Fault(request.param, toy_pack(tmp_path / "pack"), tmp_path, monkeypatch)
     yield made
     made.close()
 
