@@ -21,7 +21,7 @@ import torch
 
 from vllm_specexpert import execute, features, report
 from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError, check_switch
+from vllm_specexpert.config import SpecExpertConfig, check_switch
 from vllm_specexpert.features import DecodeCall, EngineFeature, EngineParts
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall, LayerRequest
@@ -204,15 +204,7 @@ class OffloadEngine:
             self._rebuild(config, layers)
             unreadable = next((la.cache.unreadable for la in layers if la.cache.unreadable), None)
             if unreadable is not None:
-                pack = config.disk.path if config.disk is not None else "the pack"
-                raise SpecExpertConfigError(
-                    "disk.path",
-                    f"the rebuilt caches could not read {unreadable.layer}'s experts "
-                    f"{unreadable.experts} ({unreadable.cause}); the engine runs on as it was",
-                    f"`specexpert pack MODEL --out {pack} --verify` names every expert "
-                    f"that differs from the checkpoint; or remove {pack} and start again to "
-                    "make the pack anew",
-                )
+                raise unreadable.refusal("the engine runs on as it was")
         except BaseException:
             if before_plan is not None:
                 self.budget.adopt(before_plan)

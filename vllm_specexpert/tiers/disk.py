@@ -34,7 +34,6 @@ from vllm_specexpert.tiers.mapped import MappedExperts, MappedPack, MappingRefus
 from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.pack_lock import NotALockFile, PackBusy, PackLock
 from vllm_specexpert.tiers.store import (
-    ExpertsUnreadable,
     stage,
 )
 
@@ -149,7 +148,7 @@ class Disk:
             self.stats.checked += len(ids) - len(errors)
         if errors:
             first = next(iter(errors.values()))
-            raise ExpertsUnreadable(
+            raise self.pack.unreadable(
                 layer.name, sorted(errors), f"{type(first).__name__}: {first}"
             ) from first
 

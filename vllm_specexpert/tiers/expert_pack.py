@@ -29,6 +29,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts, TensorSpec
 from vllm_specexpert.tiers.disk_reader import ALIGN, aligned
 from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES, DTYPES, DtypeName, KernelForm
+from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 PACK_FORMAT = "specexpert-expert-pack/4"
 """/4: each checksum seeded with its expert's identity (:func:`checksum`); /3: the
@@ -338,6 +339,17 @@ class ExpertPack:
                     f"{self.path}: {want.name} has tensors the checkpoint's experts do not "
                     f"({', '.join(have_tensors)})"
                 )
+
+    def unreadable(self, layer: str, experts: list[int], cause: str) -> ExpertsUnreadable:
+        """``experts`` of ``layer`` could not be read from this pack (``cause``)."""
+        return ExpertsUnreadable(
+            layer,
+            experts,
+            cause,
+            FIELD,
+            f"`specexpert pack MODEL --out {self.path} --verify` names every expert that "
+            f"differs from the checkpoint; or {self.fix}",
+        )
 
     def check_read(
         self, layer: PackLayer, tensor: PackTensor, expert: int, data: memoryview

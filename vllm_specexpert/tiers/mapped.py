@@ -43,7 +43,6 @@ from vllm_specexpert.tiers.expert_pack import (
 from vllm_specexpert.tiers.kernel_form import DTYPES
 from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.slots import LayerSlotPool, PooledCache
-from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 PAGE = mmap.PAGESIZE
 MADV_WILLNEED = 3
@@ -218,7 +217,7 @@ class MappedPack:
                 cause = f"{self.path}: their pages could not be read (an I/O error)"
             else:
                 cause = f"{self.path}: {first.strerror}"
-            raise ExpertsUnreadable(
+            raise self.pack.unreadable(
                 layer.name, sorted(failed), f"{type(first).__name__}: {cause}"
             ) from first
         return len({expert for expert, _, _ in missing}), nbytes

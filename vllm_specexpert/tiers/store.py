@@ -16,19 +16,36 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from vllm_specexpert.config import SpecExpertConfigError
+
 SlotShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 """Slot tensor name -> (shape of one slot, dtype)."""
 
 
 class ExpertsUnreadable(RuntimeError):
     """Experts the slow tier could not supply mid-generation (read error, bad checksum):
-    the engine runs the call without them; only the requests that needed them fail."""
+    the engine runs the call without them; only the requests that needed them fail.
+    ``field`` and ``fix``: the config field that names where they are read from, and
+    what repairs it (:meth:`refusal`)."""
 
-    def __init__(self, layer: str, experts: list[int], cause: str) -> None:
+    def __init__(
+        self, layer: str, experts: list[int], cause: str, field: str = "", fix: str = ""
+    ) -> None:
         super().__init__(f"{layer}: experts {experts} could not be read: {cause}")
         self.layer = layer
         self.experts = experts
         self.cause = cause
+        self.field = field
+        self.fix = fix
+
+    def refusal(self, outcome: str) -> SpecExpertConfigError:
+        """This error as one config error naming :attr:`field` (a change that needed
+        these experts refused), ``outcome`` saying what became of the engine."""
+        return SpecExpertConfigError(
+            self.field,
+            f"{self.layer}'s experts {self.experts} could not be read ({self.cause}); {outcome}",
+            self.fix,
+        )
 
 
 class ExpertDecoder(Protocol):
