@@ -1,6 +1,6 @@
 """Greedy output with offloading (miss policy ``fetch``) is identical to vanilla vLLM.
 
-Per model and compile mode: one vanilla run in a fresh process that never loads the
+Per model and compile mode: one vanilla run in a process of its own that never loads the
 plugin, and one plugin engine that switches budget with ``reconfigure``. Models: the
 embedded trained model and a random-weight fixture of every supported architecture.
 Eager mode covers every model; vLLM's default compiled mode covers the Qwen3-MoE fixture

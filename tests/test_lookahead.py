@@ -21,7 +21,7 @@ from vllm_harness import (
     PROMPTS,
     Completion,
     greedy,
-    greedy_in_fresh_process,
+    greedy_in_other_process,
     make_llm,
     shutdown,
     skip_unless_batch_invariant,
@@ -356,7 +356,7 @@ def _vanilla() -> dict[str, Completion]:
     process for the module. Compared only on a CPU without AMX, where a completion does
     not depend on the batches it ran in."""
     prompts = MANY + PROMPTS
-    completions = greedy_in_fresh_process(TRAINED_MODEL, plugins=False, prompts=prompts)
+    completions = greedy_in_other_process(TRAINED_MODEL, plugins=False, prompts=prompts)
     return dict(zip(prompts, completions["completions"], strict=True))
 
 

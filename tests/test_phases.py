@@ -7,7 +7,7 @@ import pytest
 from vllm_harness import (
     cache_invariants,
     greedy,
-    greedy_in_fresh_process,
+    greedy_in_other_process,
     make_llm,
     shutdown,
 )
@@ -78,7 +78,7 @@ def run(llm, policy):
 def test_fetch_in_mixed_passes_is_vanilla(llm):
     short, long, passes, _ = run(llm, "fetch")
     assert any(decode and prefill for decode, prefill in passes), passes  # mixed passes ran
-    reference = greedy_in_fresh_process(
+    reference = greedy_in_other_process(
         TRAINED_MODEL,
         plugins=False,
         prompts=[SHORT, LONG],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
@@ -11,10 +12,11 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vllm_specexpert.tools.fixtures import model_path
 from vllm_specexpert.tools.harness import start_engine
-from vllm_specexpert.tools.harness import stop_engine as shutdown  # noqa: F401
+from vllm_specexpert.tools.harness import stop_engine as shutdown
 
 PROMPTS = [
     "def main():\n    ",
@@ -59,7 +61,7 @@ def model_class(model) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
-def greedy_in_fresh_process(
+def greedy_in_other_process(
     arch: str,
     plugins: bool,
     eager: bool = True,
@@ -68,33 +70,20 @@ def greedy_in_fresh_process(
     prompt_logprobs: bool = False,
     **engine_kwargs,
 ) -> dict:
-    """Greedy completions of ``prompts`` from an engine started in a new Python process
-    with no ``specexpert`` config; with ``plugins=False`` no vLLM plugin is ever loaded
-    there. Engines of the test process share it with the plugin, so vanilla references
-    come from here. Returns ``{"completions": [...], "expert_layer_classes": [...],
-    "model_class": str}``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        if not plugins:
-            env["VLLM_PLUGINS"] = ""
-        args = json.dumps(
-            {
-                "arch": arch,
-                "eager": eager,
-                "out": out,
-                "prompts": list(prompts),
-                "max_tokens": max_tokens,
-                "prompt_logprobs": prompt_logprobs,
-                "engine": engine_kwargs,
-            }
-        )
-        proc = subprocess.run(
-            [sys.executable, __file__, args], env=env, capture_output=True, text=True, timeout=900
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        with open(out) as f:
-            result = json.load(f)
+    """Greedy completions of ``prompts`` from an engine with no ``specexpert`` config,
+    started in a process other than the tests' (:class:`ReferenceProcess`); with
+    ``plugins=False`` no vLLM plugin is ever loaded there. Engines of the test process
+    share it with the plugin, so vanilla references come from here. Returns
+    ``{"completions": [...], "expert_layer_classes": [...], "model_class": str}``."""
+    request = {
+        "arch": arch,
+        "eager": eager,
+        "prompts": list(prompts),
+        "max_tokens": max_tokens,
+        "prompt_logprobs": prompt_logprobs,
+        "engine": engine_kwargs,
+    }
+    result = ReferenceProcess.of(plugins).run(request)
     result["completions"] = [
         Completion(
             c["token_ids"],
@@ -104,6 +93,67 @@ def greedy_in_fresh_process(
         for c in result["completions"]
     ]
     return result
+
+
+class ReferenceProcess:
+    """A Python process of its own that starts the engines of
+    :func:`greedy_in_other_process` one after another and stops each after its run: vLLM's
+    imports (about 12 s on 2 cores) are paid once per test session, not once per
+    reference. One per ``plugins`` setting, kept until the session ends; its output goes
+    to a log file, its answers to a pipe of their own."""
+
+    _running: ClassVar[dict[bool, ReferenceProcess]] = {}
+
+    @classmethod
+    def of(cls, plugins: bool) -> ReferenceProcess:
+        process = cls._running.get(plugins)
+        if process is None or process.child.poll() is not None:
+            process = cls._running[plugins] = cls(plugins)
+        return process
+
+    def __init__(self, plugins: bool) -> None:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if not plugins:
+            env["VLLM_PLUGINS"] = ""
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the child's, for its life
+            "w+", prefix="specexpert-reference-", suffix=".log"
+        )
+        answers, self._answer_fd = os.pipe()
+        self.child = subprocess.Popen(
+            [sys.executable, __file__, str(self._answer_fd)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            pass_fds=[self._answer_fd],
+        )
+        os.close(self._answer_fd)
+        self.answers = os.fdopen(answers)
+        atexit.register(self.close)
+
+    def run(self, request: dict) -> dict:
+        assert self.child.stdin is not None
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            self.child.stdin.write(json.dumps({**request, "out": out}) + "\n")
+            self.child.stdin.flush()
+            answer = self.answers.readline()
+            if not answer:
+                self.log.seek(0)
+                raise AssertionError(f"the reference process died: {self.log.read()[-4000:]}")
+            error = json.loads(answer).get("error")
+            assert error is None, error
+            with open(out) as f:
+                return json.load(f)
+
+    def close(self) -> None:
+        if self.child.poll() is None and self.child.stdin is not None:
+            self.child.stdin.close()  # (end of input: it exits)
+            try:
+                self.child.wait(60)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
 
 
 def _int_keys(steps):
@@ -116,7 +166,7 @@ def vanilla_reference(arch: str, eager: bool = True, **engine) -> tuple[Completi
     an engine with the ``engine`` settings of the engine it is compared with: where the
     scheduling differs (``max_num_batched_tokens``), so do the batches, and on a CPU
     with AMX a GEMM's result depends on the batch it is in."""
-    return tuple(greedy_in_fresh_process(arch, plugins=False, eager=eager, **engine)["completions"])
+    return tuple(greedy_in_other_process(arch, plugins=False, eager=eager, **engine)["completions"])
 
 
 def skip_unless_batch_invariant(claim: str, logprobs: bool = False) -> None:
@@ -249,23 +299,43 @@ def fix_link_cost(llm, seconds_per_byte: float) -> None:
     llm.apply_model(fix)
 
 
-if __name__ == "__main__":  # the fresh process of greedy_in_fresh_process
+def _serve_references(answer_fd: int) -> None:
+    """:class:`ReferenceProcess`'s side: a request a line on stdin, an answer a line on
+    ``answer_fd`` (``{}``, or ``{"error": traceback}``) once its result is written."""
+    import traceback
+
     from vllm import LLM
 
-    request = json.loads(sys.argv[1])
-    llm = LLM(
-        model=str(model_path(request["arch"])),
-        dtype="bfloat16",
-        enforce_eager=request["eager"],
-        max_model_len=512,
-        seed=0,
-        **request["engine"],
-    )
-    completions = greedy(llm, request["prompts"], request["max_tokens"], request["prompt_logprobs"])
-    result = {
-        "completions": [dataclasses.asdict(c) for c in completions],
-        "expert_layer_classes": llm.apply_model(expert_layer_classes)[0],
-        "model_class": llm.apply_model(model_class)[0],
-    }
-    with open(request["out"], "w") as f:
-        json.dump(result, f)
+    with os.fdopen(answer_fd, "w") as answers:
+        for line in sys.stdin:
+            request = json.loads(line)
+            try:
+                llm = LLM(
+                    model=str(model_path(request["arch"])),
+                    dtype="bfloat16",
+                    enforce_eager=request["eager"],
+                    max_model_len=512,
+                    seed=0,
+                    **request["engine"],
+                )
+                try:
+                    completions = greedy(
+                        llm, request["prompts"], request["max_tokens"], request["prompt_logprobs"]
+                    )
+                    result = {
+                        "completions": [dataclasses.asdict(c) for c in completions],
+                        "expert_layer_classes": llm.apply_model(expert_layer_classes)[0],
+                        "model_class": llm.apply_model(model_class)[0],
+                    }
+                finally:
+                    shutdown(llm)
+                with open(request["out"], "w") as f:
+                    json.dump(result, f)
+                answers.write("{}\n")
+            except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+                answers.write(json.dumps({"error": traceback.format_exc()[-4000:]}) + "\n")
+            answers.flush()
+
+
+if __name__ == "__main__":  # the process of ReferenceProcess
+    _serve_references(int(sys.argv[1]))
