@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 
+import pytest
 import requests
 from vllm_harness import MAX_TOKENS, PROMPTS
 
@@ -137,36 +138,45 @@ def test_serve_runs_lookahead_and_reports_its_draft_lengths(tmp_path):
         assert stats["output"] == "exact"
 
 
-def test_serve_fails_only_the_requests_whose_records_are_corrupt(tmp_path):
+@pytest.fixture(scope="module")
+def disk_server(tmp_path_factory):
+    """The embedded model served from the disk tier (its pack made at the start):
+    ``(port, model, pack directory, work directory)``."""
+    work = tmp_path_factory.mktemp("disk-server")
+    model = str(TRAINED_MODEL_DIR)
+    port = free_port()
+    with serving(
+        model,
+        port,
+        work / "server.log",
+        {"budget": 0.25, "disk": {"path": str(work / "pack"), "residency": "slots"}},
+        ["--enforce-eager", "--max-model-len", "512"],
+        timeout_s=300,
+        env={**os.environ, **DEV_MODE},
+    ):
+        yield port, model, work / "pack", work
+
+
+def test_serve_fails_only_the_requests_whose_records_are_corrupt(disk_server):
     """The disk tier behind the OpenAI server: records corrupted on disk after they were
     read fail the requests that read them again (an error response, never another text),
     the server stays up, and once the file is restored every answer is as before."""
     from vllm_specexpert.tiers.expert_pack import RECORDS_FILE, ExpertPack
 
-    model = str(TRAINED_MODEL_DIR)
-    pack_dir = tmp_path / "pack"
-    port = free_port()
+    port, model, pack_dir, _ = disk_server
     prompts = [*PROMPTS, "for i in range(", "while True:\n    ", "x = [", "return "]
-    with serving(
-        model,
-        port,
-        tmp_path / "server.log",
-        {"budget": 0.25, "disk": {"path": str(pack_dir), "residency": "slots"}},
-        ["--enforce-eager", "--max-model-len", "512"],
-        timeout_s=300,
-        env={**os.environ, **DEV_MODE},
-    ):
-        before = [complete(port, model, p, MAX_TOKENS)["choices"][0]["text"] for p in prompts]
-        # Two records of a middle layer. The requests above read most of the layer's
-        # records already: a long prompt's prefill needs more of them than 16 slots hold.
-        layer = ExpertPack(pack_dir).layers["model.layers.4.mlp.experts"]
-        records = pack_dir / RECORDS_FILE
-        saved = records.read_bytes()
-        with open(records, "r+b") as f:
-            for expert in (5, 37):
-                w13 = layer.tensors[0]
-                f.seek(w13.at(expert) + w13.nbytes // 2)
-                f.write(os.urandom(4096))
+    before = [complete(port, model, p, MAX_TOKENS)["choices"][0]["text"] for p in prompts]
+    # Two records of a middle layer. The requests above read most of the layer's records
+    # already: a long prompt's prefill needs more of them than 16 slots hold.
+    layer = ExpertPack(pack_dir).layers["model.layers.4.mlp.experts"]
+    records = pack_dir / RECORDS_FILE
+    saved = records.read_bytes()
+    with open(records, "r+b") as f:
+        for expert in (5, 37):
+            w13 = layer.tensors[0]
+            f.seek(w13.at(expert) + w13.nbytes // 2)
+            f.write(os.urandom(4096))
+    try:  # (the pack is the module's server's: whole again whatever happens here)
         answers = [post(port, model, p) for p in prompts]
         failed = [a.status_code != 200 for a in answers]
         print(f"corrupt: {sum(failed)} of {len(prompts)} requests failed")
@@ -176,11 +186,21 @@ def test_serve_fails_only_the_requests_whose_records_are_corrupt(tmp_path):
                 assert answer.json()["choices"][0]["text"] == text
         assert requests.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
         flush_stats(port)  # the /metrics snapshot, now
-        failures = sum(v for k, v in scrape(port).items() if k[0] == "specexpert_disk_failed_total")
-        assert failures > 0
+        failures = scrape(port)
+        assert sum(v for k, v in failures.items() if k[0] == "specexpert_disk_failed_total") > 0
+    finally:
         records.write_bytes(saved)
-        after = [complete(port, model, p, MAX_TOKENS)["choices"][0]["text"] for p in prompts]
-        assert after == before
+    after = [complete(port, model, p, MAX_TOKENS)["choices"][0]["text"] for p in prompts]
+    assert after == before
+
+
+def test_every_dashboard_query_returns_series_with_its_panels_labels(disk_server):
+    """A real Prometheus scrapes the server (``tests/prometheus_check.py``): every query
+    of ``docs/grafana/specexpert.json`` returns series with its legend's labels."""
+    from prometheus_check import check_dashboard
+
+    port, model, _, work = disk_server
+    check_dashboard(port, model, work, lambda: complete(port, model, "def main():", 8))
 
 
 def post(port: int, model: str, prompt: str) -> requests.Response:

@@ -1,15 +1,15 @@
 """The Grafana dashboard against a real Prometheus (Debian's ``prometheus``, installed by
-``make setup``): Prometheus scrapes a running ``specexpert serve`` (the embedded model
-on the disk tier, a predictor on, traffic while it scrapes), and every query of
+``make setup``; ``tests/test_serve.py`` runs it): Prometheus scrapes a running
+``specexpert serve`` with traffic while it scrapes, and every query of
 ``docs/grafana/specexpert.json`` is evaluated by Prometheus against what it scraped:
-each returns a series, with the labels its panel's legend names.
+each returns a series, with the labels its panel's legend names
+(:func:`check_dashboard`).
 
 The mesh's and the quality budget's series appear only while those features run, and
-neither runs beside this server (the mesh needs Ray peers; the quality budget an
-approximate mode): for their panels Prometheus also scrapes two exporters in this
-process, each serving the plugin's own collector over the snapshot of a toy engine with
-that feature (as ``tests/test_dashboard.py`` makes them), under the served model's name,
-as scraped once.
+neither runs beside such a server (the mesh needs Ray peers; the quality budget an
+approximate mode): for their panels Prometheus also scrapes two exporters in the test
+process, each serving the exposition of a toy engine with that feature (as
+``tests/test_dashboard.py`` makes them) under the served model's name, as scraped once.
 """
 
 import json
@@ -25,26 +25,14 @@ import pytest
 import requests
 import torch
 from test_dashboard import ENGINES, dashboard, panels, scraped
-from test_serve import complete
 
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
-from vllm_specexpert.tools.server import free_port, serving
+from vllm_specexpert.tools.server import free_port
 
 LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 RATE_INTERVAL = "30s"
 """``$__rate_interval``: Grafana's is at least four scrape intervals (here 1 s)."""
 INFO_LABELS = {"miss_policy", "cache", "predictor", "output"}
 """What the "Running configuration" table shows of ``specexpert_info``."""
-
-
-@pytest.fixture(scope="module")
-def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        reason = "no prometheus binary: `make setup` installs Debian's where apt-get runs as root"
-        print(reason)
-        pytest.skip(reason)
-    return binary
 
 
 def exporter(text: str) -> tuple[int, ThreadingHTTPServer]:
@@ -135,45 +123,37 @@ def scraped_enough(port: int, targets: int) -> bool:
     return len(up) == targets and all(float(s["value"][1]) >= 4 for s in up)
 
 
-def test_every_dashboard_query_returns_series_with_its_panels_labels(prometheus_binary, tmp_path):
-    model = str(TRAINED_MODEL_DIR)
+def check_dashboard(port: int, model: str, work: Path, traffic) -> None:
+    """Prometheus (skipped, with the reason, where there is none) scraping the server on
+    ``port`` serving ``model`` and the toy engines' exporters while ``traffic()`` runs,
+    then every dashboard query evaluated (:func:`evaluate_dashboard`)."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        reason = "no prometheus binary: `make setup` installs Debian's where apt-get runs as root"
+        print(reason)
+        pytest.skip(reason)
     exporters = []
     for feature, after_call in (("mesh", lambda engine: None), ("quality", judged_window)):
         config, inputs = ENGINES[feature]
         if feature == "quality":  # (every row sampled; a window of one pass)
             config = {**config, "quality": {"sample": 1.0, "window": 1}}
-        (tmp_path / feature).mkdir()
-        text = scraped(tmp_path / feature, config, inputs(), model, after_call)
-        exporters.append(exporter(text))
-    port = free_port()
-    config = {
-        "budget": 0.25,
-        "predictor": "router",
-        "disk": {"path": str(tmp_path / "pack"), "residency": "slots"},
-    }
+        (work / feature).mkdir()
+        exporters.append(exporter(scraped(work / feature, config, inputs(), model, after_call)))
     try:
-        with serving(
-            model,
-            port,
-            tmp_path / "server.log",
-            config,
-            ["--enforce-eager", "--max-model-len", "512"],
-            timeout_s=300,
-        ):
-            prometheus, prometheus_port = start_prometheus(
-                prometheus_binary, tmp_path, [port, *(p for p, _ in exporters)]
-            )
-            try:
-                deadline = time.monotonic() + 120
-                while True:  # traffic while it scrapes: the rates have something to show
-                    complete(port, model, "def main():", 8)
-                    if scraped_enough(prometheus_port, 1 + len(exporters)):
-                        break
-                    assert time.monotonic() < deadline, "prometheus did not scrape every target"
-                evaluate_dashboard(prometheus_port, model)
-            finally:
-                prometheus.terminate()
-                prometheus.wait(30)
+        prometheus, prometheus_port = start_prometheus(
+            binary, work, [port, *(p for p, _ in exporters)]
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while True:  # traffic while it scrapes: the rates have something to show
+                traffic()
+                if scraped_enough(prometheus_port, 1 + len(exporters)):
+                    break
+                assert time.monotonic() < deadline, "prometheus did not scrape every target"
+            evaluate_dashboard(prometheus_port, model)
+        finally:
+            prometheus.terminate()
+            prometheus.wait(30)
     finally:
         for _, server in exporters:
             server.shutdown()
