@@ -73,6 +73,7 @@ def test_serve_answers_completions_with_offloading_and_speculation(tmp_path):
     assert metrics_directories(temp) == []
 
 
+@pytest.mark.slow  # (lowbit's label and counters are checked in LLM() by test_lowbit)
 def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
     """``lowbit`` behind the OpenAI server: INT4 copies made at load, run on misses,
     and the mode labelled approximate in the stats and on /metrics."""

@@ -76,6 +76,7 @@ def test_checkpoint_is_a_small_bf16_qwen3_moe_with_many_experts():
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
 
 
+@pytest.mark.slow  # (the card changes only when `make model` retrains the model)
 def test_held_out_losses_match_the_model_card(model, heldout):
     for split, (entry, windows) in heldout.items():
         assert windows[:, 1:].numel() == entry["tokens"], split

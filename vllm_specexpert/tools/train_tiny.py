@@ -629,7 +629,7 @@ windows).
 {loss_row("test (held-out packages)", m["test"])}
 
 Shipped held-out samples (`heldout/`, whole files; `tests/test_tiny_model.py` recomputes these
-with transformers' own loss and checks the quality gates on them):
+with transformers' own loss, under `make test-slow`, and checks the quality gates on them):
 {loss_row_table(m["heldout"])}
 
 Quality gates, on the shipped samples (mean per-token router entropy below 0.9 x log E and every
