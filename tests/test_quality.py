@@ -129,6 +129,28 @@ def test_switches_on_a_whole_window_over_budget_and_back_under_it():
     assert stats["layers"][2]["kl_sum"] > 0
 
 
+def test_a_class_with_fewer_samples_than_its_window_says_it_has_not_judged():
+    monitor = monitor_of(window=8, budget=0.25, batch_classes=(1,))
+    assert monitor.stats()["judged"] is False  # nothing sampled: nothing judged
+    one_pass(monitor, flips=0, rows=4)
+    stats = monitor.stats()
+    assert stats["batches"]["2+"]["judged"] is False and stats["judged"] is False
+    assert stats["batches"]["2+"]["window_tokens"] == 4
+    assert stats["batches"]["2+"]["last_window_flip_rate"] is None
+    one_pass(monitor, flips=0, rows=4)  # the window's 8th token ends it
+    stats = monitor.stats()
+    assert stats["batches"]["2+"]["judged"] and stats["judged"]
+    assert stats["batches"]["2+"]["window_tokens"] == 0
+    # Another class sampled but not judged makes the whole budget unjudged again; a
+    # class never sampled does not.
+    assert stats["batches"]["1"]["judged"] is False
+    one_pass(monitor, flips=0, rows=1)
+    assert monitor.stats()["judged"] is False
+    # Resetting the counters does not forget a judgement.
+    monitor.reset_stats()
+    assert monitor.stats()["batches"]["2+"]["judged"]
+
+
 def test_batch_classes_are_judged_and_switched_apart():
     monitor = monitor_of(window=8, budget=0.25, batch_classes=(1, 8))
     assert [c.label for c in monitor.budget.classes] == ["1", "2-8", "9+"]

@@ -130,6 +130,7 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
     assert approximate_passes <= WINDOW // SEQUENCES, faulty
     series = scrape(metrics_dir)
     assert series[("specexpert_quality_exact", WHOLE)] == 1
+    assert series[("specexpert_quality_judged", WHOLE)] == 1 and faulty["judged"]
     assert series[("specexpert_quality_switches_total", (("to", "exact"),))] == 1
     assert series[("specexpert_quality_top1_flips_total", ())] == faulty["top1_flips"] > 0
 

@@ -105,6 +105,19 @@ class QualityFeature(EngineFeature):
             "budget was exceeded.",
             batch,
         )
+        judged = Series(
+            "quality_judged",
+            "gauge",
+            "1 once a window of this batch class has ended; 0 while its sampled tokens are "
+            "fewer than quality.window and the budget has not judged it yet.",
+            batch,
+        )
+        window_tokens = Series(
+            "quality_window_sampled_tokens",
+            "gauge",
+            "Sampled tokens of the batch class's running window (it ends at quality.window).",
+            batch,
+        )
         windows = {
             "last_window_accuracy_loss": Series(
                 "quality_window_accuracy_loss",
@@ -121,6 +134,8 @@ class QualityFeature(EngineFeature):
         }
         for label, state in stats["batches"].items():
             exact.add(state["exact"], label)
+            judged.add(state["judged"], label)
+            window_tokens.add(state["window_tokens"], label)
             for key, family in windows.items():
                 if state[key] is not None:
                     family.add(state[key], label)
@@ -147,6 +162,8 @@ class QualityFeature(EngineFeature):
             tokens.add(counted["tokens"], index)
         return [
             exact,
+            judged,
+            window_tokens,
             *windows.values(),
             *(
                 Series(f"quality_{metric_name(key)}", "counter", doc).add(stats[key])

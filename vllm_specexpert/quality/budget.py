@@ -53,6 +53,13 @@ class BatchClass:
     exact_passes: int = 0
 
     @property
+    def judged(self) -> bool:
+        """Whether a window of this class has ended: until then its passes run the mode
+        unjudged (its sampled tokens are fewer than ``quality.window``, and none was so far
+        over budget that the window could not end under it)."""
+        return self.last_window is not None
+
+    @property
     def label(self) -> str:
         if self.high is None:
             return f"{self.low}+"
@@ -62,6 +69,8 @@ class BatchClass:
         last = self.last_window
         return {
             "exact": self.exact,
+            "judged": self.judged,
+            "window_tokens": self.window.tokens,
             "sampled_tokens": self.total.tokens,
             "top1_flip_rate": self.total.flip_rate,
             "accuracy_loss": self.total.accuracy_loss_share,

@@ -157,8 +157,10 @@ class QualityMonitor:
     def stats(self) -> dict:
         counters, total = self.counters, self.total
         classes = self.budget.classes
+        sampled = [c for c in classes if c.window.tokens or c.judged]
         return {
             "exact": any(c.exact for c in classes),
+            "judged": bool(sampled) and all(c.judged for c in sampled),
             **{
                 key: getattr(self.config, key)
                 for key in ("max_accuracy_loss", "max_top1_flip", "sample", "window")
