@@ -81,6 +81,7 @@ PHASES = (
     "vanilla",
     "plugin",
     "scheduler",
+    "scheduler_grouping",
     "sweep",
     "mapped",
     "mapped_ahead",
@@ -225,14 +226,16 @@ class Window:
 # --- the model and its prompts ---------------------------------------------------------
 
 
-def prompt_ids(count: int) -> list[list[int]]:
-    """``count`` held-out prompts of ``PROMPT_TOKENS`` token ids each."""
+def prompt_ids(count: int, part: int = 0) -> list[list[int]]:
+    """``count`` held-out prompts of ``PROMPT_TOKENS`` token ids each; ``part``: which
+    ``PROMPT_TOKENS`` of each file (another part: other prompts, the same lengths)."""
     from vllm_specexpert.tools import corpus
     from vllm_specexpert.tools.fixtures import load_tokenizer
 
     tokenizer = load_tokenizer()
     files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
-    ids = [tokenizer.encode(f.read()).ids[:PROMPT_TOKENS] for f in files]
+    span = slice(part * PROMPT_TOKENS, (part + 1) * PROMPT_TOKENS)
+    ids = [tokenizer.encode(f.read()).ids[span] for f in files]
     ids = [p for p in ids if len(p) == PROMPT_TOKENS]
     return [ids[i % len(ids)] for i in range(count)]
 
@@ -583,7 +586,18 @@ def phase_sweep(args, work: Path) -> dict:
     return {"runs": results, "peak_rss_gb": peak}
 
 
-SCHEDULER_MODE = "fetch, LRU + token scheduler (groups of 8)"
+SCHEDULER_MODES = {
+    "scheduler": "fetch, LRU + token scheduler (groups of 8, governor)",
+    "scheduler_grouping": "fetch, LRU + token scheduler (groups of 8, always grouping)",
+}
+GOVERNOR_LEARNING_TOKENS = 16
+"""Tokens per sequence of the unmeasured run, on other prompts, before each batch's
+measured one with the governor: its warm-up measures both choices there (a server's
+governor has measured them long before; the benchmark's runs are a few steps long)."""
+
+
+def phase_scheduler_grouping(args, work: Path) -> dict:
+    return phase_scheduler(args, work, "scheduler_grouping")
 
 
 def phase_mapped(args, work: Path, settings: dict | None = None, name: str = "mapped") -> dict:
@@ -616,10 +630,14 @@ def phase_mapped_ahead(args, work: Path) -> dict:
     return phase_mapped(args, work, {"predictor": "estimator", **artifacts}, "mapped_ahead")
 
 
-def phase_scheduler(args, work: Path) -> dict:
+def phase_scheduler(args, work: Path, phase: str = "scheduler") -> dict:
     """The token scheduler on the disk tier: an engine of its own (it replaces vLLM's
     scheduler class at start), the same host cache, at the batches above its group size
-    (it holds requests back only when more than ``group_size`` decode)."""
+    (it holds requests back only when more than ``group_size`` decode). ``phase``: with
+    its governor (``scheduler``, each batch after a learning run,
+    :data:`GOVERNOR_LEARNING_TOKENS`), or grouping at every step (``scheduler_grouping``)."""
+    from common import timed_generate
+
     import vllm_specexpert
 
     packed(args, work)
@@ -630,16 +648,22 @@ def phase_scheduler(args, work: Path) -> dict:
         work,
         budget,
         path_predictor=str(work / "model" / "artifacts" / ARTIFACTS["path_predictor"]),
-        token_scheduler={"group_size": 8},
+        token_scheduler={"group_size": 8, "governor": phase == "scheduler"},
     )
-    rows = run_batches(llm, [b for b in args.batches if b > 8], f"plugin {SCHEDULER_MODE}")
+    label = SCHEDULER_MODES[phase]
+    rows: dict[str, dict] = {}
+    for batch in (b for b in args.batches if b > 8):
+        if phase == "scheduler":
+            learning = [{"prompt_token_ids": p} for p in prompt_ids(batch, part=1)]
+            timed_generate(llm, learning, GOVERNOR_LEARNING_TOKENS)
+        rows.update(run_batches(llm, [batch], f"plugin {label}"))
     stats = vllm_specexpert.get_stats(llm)[0]
     return {
         "budget": budget,
         "summary": stats["summary"],
         "scheduler": stats["scheduler"],
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "modes": {SCHEDULER_MODE: rows},
+        "modes": {label: rows},
     }
 
 
@@ -1129,6 +1153,7 @@ def plugin_modes(payload: dict) -> dict:
     return {
         **payload.get("plugin", {}).get("modes", {}),
         **payload.get("scheduler", {}).get("modes", {}),
+        **payload.get("scheduler_grouping", {}).get("modes", {}),
         **{
             m: rows
             for m, rows in payload.get("approximate", {}).get("modes", {}).items()

@@ -223,9 +223,9 @@ def test_a_pass_of_drafts_of_different_lengths_is_no_cycle_sample():
     governor.drafted(["a"], 1, 0.1)
     governor.drafted(["b"], 2, 0.1)
     governor.verified({}, ["a", "b"], 1.0)
-    assert governor.taken == {}
+    assert governor.cycles.taken == {}
     governor.verified({}, ["b"], 1.0)
-    assert governor.taken == {(1, 2): 1}
+    assert governor.cycles.taken == {(1, 2): 1}
 
 
 def test_a_held_back_request_is_probed_every_so_many_of_its_own_steps():

@@ -381,6 +381,7 @@ def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
     counted = handoff.SchedulerStats(
         steps=40,
         grouped_steps=9,
+        ungrouped_steps=5,
         held=27,
         max_waited=2,
         pairs_run=700,
@@ -399,6 +400,7 @@ def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
     expected = {
         "specexpert_scheduler_steps_total": 40,
         "specexpert_scheduler_grouped_steps_total": 9,
+        "specexpert_scheduler_ungrouped_steps_total": 5,
         "specexpert_scheduler_held_total": 27,
         "specexpert_scheduler_max_waited": 2,
         "specexpert_scheduler_pairs_run_total": 700,

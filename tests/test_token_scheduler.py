@@ -2,13 +2,15 @@
 concurrent greedy requests under ``fetch`` give vanilla's tokens, every request finishes,
 and none is held back longer than ``max_wait_steps``. The engine core runs in this
 process, so the scheduler's counters can be read, and compared with what reaches
-``get_stats`` and ``/metrics``."""
+``get_stats`` and ``/metrics``. Grouping itself is tested with the governor off; the
+governor, on a clock that charges each step its choice's cost per token, after."""
 
 import os
 from dataclasses import asdict
 
 import pytest
 
+from vllm_specexpert.schedule.grouping_governor import WARM_UP_STEPS, GroupingGovernor
 from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL_DIR
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
@@ -29,6 +31,30 @@ def greedy(llm, max_tokens=24):
         prompts(), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     )
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+
+
+class ChargedGovernor(GroupingGovernor):
+    """The governor on a clock on which each step of decode tokens takes ``grouped`` or
+    ``every`` seconds per token, by the step's choice (the scheduler's own time is 0)."""
+
+    def __init__(self, grouped: float, every: float) -> None:
+        self.now = 0.0
+        super().__init__(clock=lambda: self.now)
+        self.cost = {True: grouped, False: every}
+        self.choice: bool | None = None
+
+    def step_started(self) -> None:
+        super().step_started()
+        self.choice = None
+
+    def grouping(self, runnable: int) -> bool:
+        self.choice = super().grouping(runnable)
+        return self.choice
+
+    def scheduled(self, decode_tokens: int, decode_only: bool) -> None:
+        super().scheduled(decode_tokens, decode_only)
+        if self.choice is not None:
+            self.now += decode_tokens * self.cost[self.choice]
 
 
 def scheduler_series() -> list[tuple]:
@@ -67,7 +93,11 @@ def runs(tmp_path_factory):
             {
                 "budget": 0.25,
                 "path_predictor": str(PATH_PREDICTOR),
-                "token_scheduler": {"group_size": GROUP, "max_wait_steps": MAX_WAIT},
+                "token_scheduler": {
+                    "group_size": GROUP,
+                    "max_wait_steps": MAX_WAIT,
+                    "governor": False,
+                },
             },
             max_num_seqs=32,
         )
@@ -83,6 +113,13 @@ def runs(tmp_path_factory):
         stats["plec"] = vllm_specexpert.get_stats(llm)[0]
         stats["plec_scheduler"] = asdict(scheduler.stats)
         stats["plec_max_waited"] = stats["plec_scheduler"]["max_waited"]
+        for label, grouped in (("dear", 0.15), ("cheap", 0.07)):  # every: 0.1 s a token
+            scheduler.governor = ChargedGovernor(grouped, 0.1)
+            before = asdict(scheduler.stats)
+            stats[f"governed_{label}_outputs"] = greedy(llm)
+            after = asdict(scheduler.stats)
+            stats[f"governed_{label}"] = {k: after[k] - before[k] for k in after}
+            stats[f"governed_{label}"]["measured"] = scheduler.governor.stats()
         stop_engine(llm)
     finally:
         os.environ.pop(metrics.DIRECTORY_ENV, None)
@@ -157,7 +194,8 @@ def test_the_schedulers_counters_reach_get_stats_and_metrics(runs):
     _, _, stats = runs
     counted = {f.name: stats[f.name] for f in fields(SchedulerStats)}
     assert stats["engine"]["scheduler"] == counted
-    assert all(value > 0 for value in counted.values()), counted
+    assert counted["ungrouped_steps"] == 0  # the governor is off: it always groups
+    assert all(value > 0 for k, value in counted.items() if k != "ungrouped_steps"), counted
 
     def series(key):
         name = f"{key[:-2]}_seconds" if key.endswith("_s") else key
@@ -167,3 +205,21 @@ def test_the_schedulers_counters_reach_get_stats_and_metrics(runs):
     # reconfigure restarts the worker's counters, not the scheduler's: still its own.
     assert stats["plec"]["scheduler"] == stats["plec_scheduler"]
     assert stats["plec_scheduler"]["steps"] > counted["steps"]
+
+
+def test_the_governor_stops_grouping_where_it_costs_more_per_token(runs):
+    # Charged 1.5x per token grouped: after each batch size's warm-up it runs every
+    # sequence. Charged 0.7x: it keeps grouping. The tokens are vanilla's either way.
+    reference, _, stats = runs
+    for label in ("dear", "cheap"):
+        assert [t for t, _ in stats[f"governed_{label}_outputs"]] == [t for t, _ in reference]
+    dear, cheap = stats["governed_dear"], stats["governed_cheap"]
+    print({"dear": dear, "cheap": cheap})
+    assert dear["measured"]["32"] == {
+        "grouped_s_per_token": pytest.approx(0.15),
+        "all_s_per_token": pytest.approx(0.1),
+    }
+    assert cheap["measured"]["32"]["grouped_s_per_token"] == pytest.approx(0.07)
+    assert dear["ungrouped_steps"] > dear["grouped_steps"]
+    assert dear["grouped_steps"] <= 2 * WARM_UP_STEPS * len(dear["measured"])
+    assert cheap["grouped_steps"] > 2 * cheap["ungrouped_steps"]

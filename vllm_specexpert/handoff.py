@@ -40,6 +40,10 @@ class SchedulerStats:
     grouped_steps: int = counter(
         "Steps with more runnable decode sequences than token_scheduler.group_size (one group ran)."
     )
+    ungrouped_steps: int = counter(
+        "Steps with more runnable decode sequences than token_scheduler.group_size that "
+        "ran them all: the governor measured grouping costing more time per decode token."
+    )
     held: int = counter("Sequence-steps held back (a sequence held for 3 steps counts 3).")
     max_waited: int = highest("Longest run of consecutive steps any sequence was held back.")
     pairs_run: int = counter(

@@ -126,6 +126,10 @@ class TokenSchedulerConfig:
     max_wait_steps: Annotated[Count, Field(ge=0, le=1000)] = 4
     """Consecutive steps a runnable decode sequence may be held back: once it has waited
     this long it runs in the next step's group, whatever its route. Range: [0, 1000]."""
+    governor: bool = True
+    """Group only where grouping pays: the seconds per decode token with one group per
+    step and with every runnable sequence are measured, per batch-size bucket, and the
+    cheaper one runs (the other is tried again every 64 steps). ``false``: always group."""
 
 
 @dataclass(config=STRICT)

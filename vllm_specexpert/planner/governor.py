@@ -6,7 +6,7 @@ over ``k`` in ``0..k_max``, both measured online:
 * ``E[tokens](k) = sum_{i=0..k} a^i`` per request, ``a`` an EMA of its per-token
   acceptance (accepted / drafted tokens tested up to the first rejection).
 * ``T(k)``: the measured cycle (a round's ``k`` drafts plus the verifying pass and its
-  expert stalls), per (batch-size bucket, ``k``): the median of the last ``WINDOW``
+  expert stalls), per (batch-size bucket, ``k``): the median of the last 8
   samples shrunk toward a line through every ``k``'s median. Each ``k`` is tried
   ``WARM_UP_SAMPLES`` times (first sample dropped: cold cache), a neighbour every
   ``PROBE_EVERY`` steps.
@@ -19,10 +19,11 @@ gate). Details: docs/design.md, "Draft lookahead (MoE-SpeQ)".
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from vllm_specexpert.planner.measured import MeasuredCosts, bucket
 
 PROBE_EVERY = 16
 """Steps between two re-measurements (a neighbouring ``k``, a stopped request)."""
@@ -32,8 +33,6 @@ PRIOR_ACCEPTANCE = 0.7
 """Acceptance assumed for a request before its first verification."""
 WARM_UP_SAMPLES = 2
 """Cycle samples per (bucket, k) before the governor chooses; the first is dropped."""
-WINDOW = 8
-"""Recent cycle samples kept per (bucket, k)."""
 FIT_WEIGHT = 2.0
 """Weight, in samples, of the bucket's straight-line fit in a k's cycle estimate."""
 
@@ -41,10 +40,6 @@ FIT_WEIGHT = 2.0
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a verification yields for a draft of ``k`` (the target's own included)."""
     return sum(acceptance**i for i in range(k + 1))
-
-
-def _bucket(batch: int) -> int:
-    return 1 << max(batch - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
@@ -92,10 +87,8 @@ class Governor:
         self.k_max = k_max
         self.fixed_k = fixed_k
         self.acceptance: dict[str, float] = {}
-        self.samples: dict[tuple[int, int], deque[float]] = {}
+        self.cycles: MeasuredCosts[tuple[int, int]] = MeasuredCosts()
         """(batch bucket, k) -> its recent cycle samples, in seconds."""
-        self.taken: dict[tuple[int, int], int] = {}
-        """(batch bucket, k) -> cycle samples taken (the dropped first one included)."""
         self._estimates: dict[tuple[int, int], float | None] = {}
         """:meth:`cycle_s` until the next sample (a step's choice asks it many times)."""
         self.stopped: dict[str, int] = {}
@@ -134,38 +127,35 @@ class Governor:
         rounds = [self._rounds[n] for n in numbers if n is not None]
         if len({(r.bucket, r.k) for r in rounds}) > 1:
             return  # (drafts of different lengths or batch sizes: no one k's cycle)
-        key = (rounds[0].bucket, rounds[0].k)
-        self.taken[key] = self.taken.get(key, 0) + 1
-        if self.taken[key] > 1:  # the first, on a cold cache, is dropped
-            draft_s = sum(r.seconds for r in rounds) / len(rounds)
-            self.samples.setdefault(key, deque(maxlen=WINDOW)).append(draft_s + pass_s)
+        draft_s = sum(r.seconds for r in rounds) / len(rounds)
+        if self.cycles.add((rounds[0].bucket, rounds[0].k), draft_s + pass_s):
             self._estimates.clear()
 
     def cycle_s(self, batch: int, k: int) -> float | None:
         """Estimated cycle seconds at draft length ``k``; ``None`` before a sample."""
-        key = (_bucket(batch), k)
+        key = (bucket(batch), k)
         if key not in self._estimates:
             self._estimates[key] = self._estimate(*key)
         return self._estimates[key]
 
-    def _estimate(self, bucket: int, k: int) -> float | None:
-        mine = self.samples.get((bucket, k))
-        if not mine:
+    def _estimate(self, batch_bucket: int, k: int) -> float | None:
+        median = self.cycles.median((batch_bucket, k))
+        if median is None:
             return None
-        median = float(np.median(mine))
-        points = [(j, np.median(ts)) for (b, j), ts in self.samples.items() if b == bucket and ts]
+        points = [(j, m) for (b, j), m in self.cycles.medians().items() if b == batch_bucket]
         if len(points) < 2:
             return median
         ks, ts = np.array(points, dtype=np.float64).T
         slope, intercept = np.polyfit(ks, ts, 1)  # through each k's median: robust
         fitted = max(intercept + slope * k, 1e-9)
-        return (len(mine) * median + FIT_WEIGHT * fitted) / (len(mine) + FIT_WEIGHT)
+        kept = self.cycles.kept((batch_bucket, k))
+        return (kept * median + FIT_WEIGHT * fitted) / (kept + FIT_WEIGHT)
 
     def drafted(self, requests: list[str], k: int, seconds: float) -> None:
         """The draft ran a round of ``k`` tokens for ``requests`` in ``seconds``."""
         number = self._next_round
         self._next_round += 1
-        self._rounds[number] = DraftRound(_bucket(len(requests)), k, seconds)
+        self._rounds[number] = DraftRound(bucket(len(requests)), k, seconds)
         self._round_of.update(dict.fromkeys(requests, number))
         live = set(self._round_of.values())
         self._rounds = {n: r for n, r in self._rounds.items() if n in live}
@@ -187,10 +177,10 @@ class Governor:
         return k
 
     def _best_k(self, requests: list[str]) -> int:
-        bucket = _bucket(len(requests))
+        batch_bucket = bucket(len(requests))
         for round_ in range(1, WARM_UP_SAMPLES + 1):  # warm-up, round robin
             for k in range(self.k_max, -1, -1):
-                if self.taken.get((bucket, k), 0) < round_:
+                if self.cycles.taken.get((batch_bucket, k), 0) < round_:
                     return k
         best = max(range(self.k_max + 1), key=lambda k: self.throughput(requests, k))
         if self._step % PROBE_EVERY == 0:

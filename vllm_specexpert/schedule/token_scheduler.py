@@ -9,6 +9,8 @@ requests decode, :func:`~vllm_specexpert.schedule.grouping.partition` splits the
 predicted route; the first group (the longest-waiting, and every one waiting
 ``max_wait_steps``) runs and the rest are held back a step with vLLM's
 ``next_decode_eligible_step`` (they keep their KV blocks). Prefill is never touched.
+Its governor (:mod:`.grouping_governor`) groups only in the batch sizes where grouping,
+measured, costs less time per decode token than running every sequence.
 Counters: :attr:`stats`, sent to the workers every step.
 """
 
@@ -27,6 +29,7 @@ from vllm_specexpert.handoff import SchedulerStats, StepDemand
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.schedule.grouping import partition
+from vllm_specexpert.schedule.grouping_governor import GroupingGovernor
 from vllm_specexpert.schedule.scheduler import SpecExpertScheduler
 
 logger = init_logger(__name__)
@@ -56,23 +59,31 @@ class TokenGroupScheduler(SpecExpertScheduler):
         self._next_group: list = []
         """The decode requests of the group expected to run next step."""
         self.stats = SchedulerStats()
+        self.governor = (
+            GroupingGovernor() if self.settings is not None and self.settings.governor else None
+        )
         handoff.forget_scheduler_stats()
         if self.settings is not None:
             logger.info(
-                "specexpert: token scheduler on (group_size %d, max_wait_steps %d)",
+                "specexpert: token scheduler on (group_size %d, max_wait_steps %d, governor %s)",
                 self.settings.group_size,
                 self.settings.max_wait_steps,
+                "on" if self.governor is not None else "off",
             )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         self.stats.steps += 1
         self._step_routes, self._next_group = {}, []
+        if self.governor is not None:
+            self.governor.step_started()
         if self.settings is not None:
             self._hold_back_all_but_one_group()
         ours = time.perf_counter() - started
         output = super().schedule(*args, **kwargs)
         started = time.perf_counter()
+        if self.governor is not None:
+            self.governor.scheduled(*self._decode_tokens(output))
         self._attach_demand(output)
         ours += time.perf_counter() - started
         self.stats.cpu_s += ours
@@ -110,6 +121,17 @@ class TokenGroupScheduler(SpecExpertScheduler):
             ),
         )
 
+    def _decode_tokens(self, output: Any) -> tuple[int, bool]:
+        """The scheduled requests that decode (a token, or a token and its drafts to
+        verify), and whether every scheduled request does."""
+        scheduled = output.num_scheduled_tokens
+        decoding = sum(
+            1
+            for req_id, n in scheduled.items()
+            if self.requests[req_id].num_output_tokens > 0 and n <= 1 + self.num_spec_tokens
+        )
+        return decoding, decoding == len(scheduled)
+
     def _demand_of(self, requests: list) -> dict[int, np.ndarray]:
         """Decoder-layer index -> ``[E]`` predicted tokens per expert of ``requests``."""
         counts = self._predicted_routes(requests).sum(0).numpy()  # [L, E]
@@ -133,7 +155,11 @@ class TokenGroupScheduler(SpecExpertScheduler):
         decoding = self._decoding()
         live = {r.request_id for r in decoding}
         self.waited = {k: v for k, v in self.waited.items() if k in live}
-        if len(decoding) <= settings.group_size:
+        if len(decoding) <= settings.group_size or (
+            self.governor is not None and not self.governor.grouping(len(decoding))
+        ):
+            if len(decoding) > settings.group_size:
+                self.stats.ungrouped_steps += 1
             for request in decoding:
                 self.waited.pop(request.request_id, None)
             return
