@@ -6,8 +6,10 @@ behind. So prefetch only when the chance ``p`` of use satisfies
 
     p > t_copy / (t_copy + min(t_copy, t_window)).
 
-``p`` is the layer's decayed precision per predicted rank, counted only over experts not
-resident when predicted (resident ones are easier and would flatter it); several tokens
+``p`` is the layer's decayed precision per predicted rank, counted only over experts a
+launch would have to read when predicted (resident ones, or a mapped pack's pages in the
+page cache, are easier and would flatter it: with none counted, ``p`` stayed at its
+prior of 1 and a mapped pack read ahead everything predicted); several tokens
 predicting one expert give ``1 - prod(1 - p_rank)``. The same ``p`` orders what a
 prefetch evicts: the least likely first, never an expert at least as likely as the one
 it brings (:meth:`~vllm_specexpert.tiers.loader.ExpertLoader.prefetch`). Under
@@ -54,10 +56,10 @@ class PrefetchPlanner:
             return
         cache = loader.cache
         ranked = prediction.ranked()
-        prediction.considered = cache.expert_slot[ranked] < 0
+        prediction.considered = cache.needs_read(ranked)
         window = self.window_s if self.window_s is not None else copy_s
         wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
-        stats.prefetch_skipped += int(np.count_nonzero(cache.expert_slot[skipped] < 0))
+        stats.prefetch_skipped += int(np.count_nonzero(cache.needs_read(skipped)))
         loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
 
     def score(self, prediction: Prediction, router_ids: np.ndarray, stats: PhaseStats) -> None:

@@ -112,6 +112,19 @@ class ExpertCache:
     def resident_mask(self) -> np.ndarray:
         return self.expert_slot >= 0
 
+    def needs_read(self, experts: np.ndarray) -> np.ndarray:
+        """``bool``, the shape of ``experts``: which a launch would have to read first
+        (not held in a slot, or held where the pool must read it: a mapped pack's pages
+        the page cache lacks). What a prefetch can save a read of."""
+        slot = self.expert_slot[experts]
+        flat = slot.reshape(-1)
+        needed = flat < 0
+        if not self.pool.readable_as_is:
+            held = np.flatnonzero(~needed)
+            unique, back = np.unique(flat[held], return_inverse=True)
+            needed[held] = self.pool.unreadable(unique)[back]
+        return needed.reshape(slot.shape)
+
     def num_resident(self) -> int:
         return int(np.count_nonzero(self.slot_expert >= 0))
 

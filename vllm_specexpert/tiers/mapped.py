@@ -266,6 +266,17 @@ class MappedPack:
             self.stats.read_ahead_bytes += nbytes
         return len(asked), nbytes
 
+    def unreadable(self, layer: PackLayer, experts: np.ndarray) -> np.ndarray:
+        """``bool [len(experts)]``: which of ``experts`` have pages the page cache lacks
+        (:meth:`_present`'s test, over each tensor)."""
+        return np.array(
+            [
+                not all(self._present(*self._pages(tensor, expert)) for tensor in layer.tensors)
+                for expert in experts.tolist()
+            ],
+            dtype=bool,
+        )
+
     def reset_stats(self) -> None:
         with self._lock:
             self.stats = MappedStats()
@@ -356,6 +367,9 @@ class MappedExperts(PackExperts):
     def read_ahead(self, experts: np.ndarray) -> tuple[int, int]:
         return self.mapping.read_ahead(self.record, experts)
 
+    def unreadable(self, experts: np.ndarray) -> np.ndarray:
+        return self.mapping.unreadable(self.record, experts)
+
 
 class MappedPool(LayerSlotPool):
     """One layer's "slots": its regions in the mapped pack, expert ``e`` in slot ``e``,
@@ -383,6 +397,9 @@ class MappedPool(LayerSlotPool):
 
     def read_ahead(self, slots: np.ndarray) -> tuple[int, int]:
         return self.experts.read_ahead(slots)
+
+    def unreadable(self, slots: np.ndarray) -> np.ndarray:
+        return self.experts.unreadable(slots)
 
 
 __all__ = ["MappedExperts", "MappedPack", "MappedPool", "MappingRefused"]

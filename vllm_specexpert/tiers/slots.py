@@ -136,6 +136,11 @@ class SlotPool:
         the experts and bytes asked for."""
         return 0, 0
 
+    def unreadable(self, slots: np.ndarray) -> np.ndarray:
+        """``bool [len(slots)]``: which of the held ``slots`` a launch would have to read
+        first (none here; a mapped pack's pages not in the page cache)."""
+        return np.zeros(len(slots), dtype=bool)
+
     def victims(
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
