@@ -100,6 +100,7 @@ ARTIFACTS = {
 """The trained model's artifacts, carried to the widened model by ``widen``: read at
 start (the modes below switch what uses them)."""
 
+CEILING_MODE = "drop: nothing read on the critical path (compute ceiling)"
 MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch + router prefetch (cost filter)": {
@@ -123,7 +124,11 @@ MODES = {
         "cache": "plec",
         "predictor": "none",
     },
+    CEILING_MODE: {"miss_policy": "drop", "cache": "lru", "predictor": "none"},
 }
+"""The plugin phase's modes, in one engine by ``reconfigure``; the last is no technique but
+the compute ceiling: ``drop`` reads nothing on the critical path (a missed expert is not
+run: a ceiling, not an output), so no prediction can make a step faster than it."""
 
 
 # --- measuring a process -----------------------------------------------------------------
@@ -859,9 +864,11 @@ def plugin_run(llm, batch: int) -> dict:
     tokens = TOKENS[batch]
     timed_generate(llm, prompts[:1], 2)  # warm after the rebuild
     vllm_specexpert.reset_stats(llm)
+    scheduler_s = (vllm_specexpert.get_stats(llm)[0].get("scheduler") or {}).get("cpu_s", 0.0)
     with Window() as window, ROUTES.recording():
         first, steps = stepped_generate(llm, prompts, tokens)
     stats = vllm_specexpert.get_stats(llm)[0]
+    scheduler_s = (stats.get("scheduler") or {}).get("cpu_s", 0.0) - scheduler_s
     # Per token made: a scheduler that holds requests back makes fewer than ``batch``.
     decode_s, made = sum(s for s, _ in steps), sum(n for _, n in steps)
     d, n = stats["total"]["decode"], max(stats["decode_tokens"], 1)
@@ -875,6 +882,7 @@ def plugin_run(llm, batch: int) -> dict:
         # (mapped: the kernel's pages are not loads; the OS's figures below count them)
         "gb_read_per_decode_token": d["bytes_loaded"] / n / 1e9,
         "stall_s_per_decode_token": d["stall_s"] / n,
+        "breakdown_s_per_decode_token": breakdown(stats, decode_s, made, scheduler_s),
         "prefetched_per_decode_token": d["prefetched"] / n,
         "prefetch_used_per_decode_token": d["prefetch_used"] / n,
         **checks(stats["disk"], first + decode_s),
@@ -887,6 +895,29 @@ def plugin_run(llm, batch: int) -> dict:
         **memory(),
         "memory_now": beyond_cache(stats, Path(stats["disk"]["path"])),
     }
+
+
+def breakdown(stats: dict, decode_s: float, made: int, scheduler_s: float) -> dict:
+    """The decode steps' seconds per generated token, measured: the expert kernel on
+    resident experts, the wait for reads (the disk's, a mapped pack's pages), the wait
+    for the host and peers, the engine's own work in the MoE layers' calls (their time
+    less the kernel's and the waits'), the draft's rounds, the token scheduler's own
+    work, and the rest of the step (attention, the dense layers, sampling, vLLM's
+    bookkeeping). Per layer call counters include a step's prompt rows when it mixes
+    them (the benchmark's decode steps do not)."""
+    d = stats["total"]["decode"]
+    waits = d["host_stall_s"] + d["peer_wait_s"]
+    draft_s = (stats.get("lookahead") or {}).get("draft_s", 0.0)
+    parts = {
+        "kernel": d["kernel_s"],
+        "read_wait": d["stall_s"],
+        "host_and_peer_wait": waits,
+        "engine": d["call_s"] - d["kernel_s"] - d["stall_s"] - waits,
+        "draft": draft_s,
+        "scheduler": scheduler_s,
+        "rest_of_step": decode_s - d["call_s"] - draft_s - scheduler_s,
+    }
+    return {key: value / max(made, 1) for key, value in parts.items()}
 
 
 def checks(disk: dict, run_s: float) -> dict:
@@ -1133,6 +1164,7 @@ def main() -> None:
         "tokens_per_batch": TOKENS,
         **parts,
     }
+    payload["headroom"] = headroom(payload)
     out = write_result(args.name, payload)
     table = markdown(payload, command)
     (RESULTS / f"{args.name}.md").write_text(table)
@@ -1168,6 +1200,118 @@ def plugin_modes(payload: dict) -> dict:
         **({"fetch, mapped residency": mapped} if mapped else {}),
         **({"fetch + estimator read-ahead, mapped residency": ahead} if ahead else {}),
     }
+
+
+def headroom(payload: dict) -> dict[str, dict]:
+    """Per batch: ``fetch``'s seconds per decode token, the compute ceiling's (the
+    ``drop`` mode's), the disk bound (``fetch``'s bytes per token at the fastest rate
+    the disk delivered while reading in this run), and each mode's share of the headroom
+    between ``fetch`` and the ceiling (negative: slower than ``fetch``)."""
+    plugin = plugin_modes(payload)
+    fetch, ceiling = plugin.get("fetch, LRU", {}), plugin.get(CEILING_MODE, {})
+    rates = [
+        run["disk_gbps_while_reading"]
+        for runs in plugin.values()
+        for run in runs.values()
+        if isinstance(run, dict) and run.get("disk_gbps_while_reading", 0) > 0
+    ]
+    disk_gbps = max(rates, default=None)
+    result: dict[str, dict] = {}
+    for batch in map(str, payload["batches"]):
+        if batch not in fetch or batch not in ceiling:
+            continue
+        fetch_s = 1 / fetch[batch]["decode_tok_s"]
+        room = fetch_s - 1 / ceiling[batch]["decode_tok_s"]
+        result[batch] = {
+            "fetch_s_per_token": fetch_s,
+            "ceiling_s_per_token": fetch_s - room,
+            "headroom_share_of_fetch": room / fetch_s,
+            "disk_gbps": disk_gbps,
+            "disk_bound_s_per_token": (
+                fetch[batch]["gb_read_per_decode_token"] / disk_gbps if disk_gbps else None
+            ),
+            "share_of_headroom": {
+                mode: (fetch_s - 1 / runs[batch]["decode_tok_s"]) / room if room > 0 else None
+                for mode, runs in plugin.items()
+                if mode not in ("fetch, LRU", CEILING_MODE)
+                and runs.get(batch, {}).get("decode_tok_s")
+            },
+        }
+    return result
+
+
+def headroom_table(payload: dict) -> list[str]:
+    rooms = headroom(payload)
+    if not rooms:
+        return []
+    batches = list(rooms)
+
+    def row(name: str, cells: list[str]) -> str:
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    def seconds(key: str) -> list[str]:
+        return ["-" if rooms[b][key] is None else f"{rooms[b][key]:.3f}" for b in batches]
+
+    def share(mode: str) -> list[str]:
+        values = [rooms[b]["share_of_headroom"].get(mode) for b in batches]
+        return ["-" if v is None else f"{100 * v:.0f} %" for v in values]
+
+    modes = dict.fromkeys(m for b in batches for m in rooms[b]["share_of_headroom"])
+    return [
+        "The headroom: seconds per decode token of `fetch` and of the compute ceiling "
+        "(`drop`: nothing read on the critical path), `fetch`'s disk bound (its bytes per "
+        "token at the fastest rate the disk gave in this run), and each mode's share of "
+        "the headroom between `fetch` and the ceiling (negative: slower than `fetch`):",
+        "",
+        row("", [f"{b} seq" for b in batches]),
+        "|---|" + "---|" * len(batches),
+        row("fetch, s/token", seconds("fetch_s_per_token")),
+        row("compute ceiling, s/token", seconds("ceiling_s_per_token")),
+        row(
+            "headroom, share of fetch's time",
+            [f"{100 * rooms[b]['headroom_share_of_fetch']:.0f} %" for b in batches],
+        ),
+        row("fetch's disk bound, s/token", seconds("disk_bound_s_per_token")),
+        *(row(f"{mode}: share of the headroom", share(mode)) for mode in modes),
+        "",
+    ]
+
+
+BREAKDOWN_PARTS = (
+    "kernel",
+    "read_wait",
+    "host_and_peer_wait",
+    "engine",
+    "draft",
+    "scheduler",
+    "rest_of_step",
+)
+
+
+def breakdown_table(payload: dict) -> list[str]:
+    """Each mode's decode step per generated token, measured (:func:`breakdown`), at
+    each batch."""
+    rows = [
+        f"| {mode} | {batch} | "
+        + " | ".join(f"{1e3 * parts[k]:.1f}" for k in BREAKDOWN_PARTS)
+        + " |"
+        for mode, runs in plugin_modes(payload).items()
+        for batch, run in runs.items()
+        if isinstance(run, dict) and (parts := run.get("breakdown_s_per_decode_token"))
+    ]
+    if not rows:
+        return []
+    return [
+        "Where a decode token's time goes, measured (ms per generated token): the expert "
+        "kernel on resident experts, the wait for reads, the wait for the host and peers, "
+        "the engine's own work in the MoE calls, the draft, the token scheduler, and the "
+        "rest of the step (attention, dense layers, sampling, vLLM):",
+        "",
+        "| mode | seq | " + " | ".join(k.replace("_", " ") for k in BREAKDOWN_PARTS) + " |",
+        "|---|---|" + "---|" * len(BREAKDOWN_PARTS),
+        *rows,
+        "",
+    ]
 
 
 def budget_estimate(quality: dict | None) -> str:
@@ -1307,6 +1451,8 @@ def markdown(payload: dict, command: str) -> str:
         f"Real I/O, nothing modeled. `{command}`",
         "",
         *table("Decode tok/s:", "decode_tok_s", 3),
+        *headroom_table(payload),
+        *breakdown_table(payload),
         *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
         *(check_table if check_rows else []),
         *(memory_table if memory_rows else []),
@@ -1359,7 +1505,7 @@ def plot(payload: dict, path: Path) -> None:
     for mode, runs in plugin_modes(payload).items():
         if "refused" not in runs:
             rows[f"plugin, {mode}"] = tok_s(runs)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 6.4))
+    fig, (left, right, parts) = plt.subplots(1, 3, figsize=(20, 6.4))
     width = 0.8 / max(len(rows), 1)
     colors = plt.get_cmap("tab20").colors  # (one color per engine: up to 20 rows)
     for i, (name, values) in enumerate(rows.items()):
@@ -1394,9 +1540,42 @@ def plot(payload: dict, path: Path) -> None:
     right.set_ylabel("GB read per decode token")
     right.set_title("The host cache's reads against the clairvoyant bound")
     right.legend(fontsize=7)
+    plot_breakdown(parts, payload)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_breakdown(axes, payload: dict) -> None:
+    """At the largest batch: each mode's decode token, ms, by :data:`BREAKDOWN_PARTS`
+    (stacked), with the compute ceiling and ``fetch``'s disk bound as lines."""
+    batch = str(payload["batches"][-1])
+    runs = {
+        mode: run[batch]["breakdown_s_per_decode_token"]
+        for mode, run in plugin_modes(payload).items()
+        if "breakdown_s_per_decode_token" in run.get(batch, {})
+    }
+    if not runs:
+        axes.set_axis_off()
+        return
+    names = list(runs)
+    left = np.zeros(len(names))
+    for part in BREAKDOWN_PARTS:
+        values = np.array([1e3 * max(runs[m][part], 0.0) for m in names])
+        axes.barh(names, values, left=left, label=part.replace("_", " "))
+        left += values
+    room = payload.get("headroom", {}).get(batch, {})
+    for key, style, label in (
+        ("ceiling_s_per_token", "--", "compute ceiling"),
+        ("disk_bound_s_per_token", ":", "fetch's disk bound"),
+    ):
+        if room.get(key):
+            axes.axvline(1e3 * room[key], color="k", linestyle=style, label=label)
+    axes.invert_yaxis()
+    axes.tick_params(axis="y", labelsize=7)
+    axes.set_xlabel("ms per generated token")
+    axes.set_title(f"Where a decode token's time goes, {batch} seq (measured)")
+    axes.legend(fontsize=7)
 
 
 def report(name: str) -> None:

@@ -110,3 +110,35 @@ def test_device_map_path_is_exact_through_prefetches_and_cancellations(tokens):
     if tokens < 16:  # else every expert is needed: nothing to cancel
         assert stats.prefetch_cancelled > 0
     link.close()
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.25], ids=["resident", "fetch"])
+def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monkeypatch, budget):
+    # The decode step's breakdown (bench-disk): on a clock that only the kernel moves,
+    # each launch adds its 1 s to kernel_s, and call_s is the kernels' seconds and
+    # nothing else (the engine's own work takes none of this clock's time).
+    from types import SimpleNamespace
+
+    from moe_reference import slot_kernel
+
+    from vllm_specexpert import engine as engine_module
+    from vllm_specexpert import execute
+    from vllm_specexpert.layer_call import LayerRequest
+
+    clock = [0.0]
+
+    def timed_kernel(*args):
+        clock[0] += 1.0
+        return slot_kernel(*args)
+
+    fake_time = SimpleNamespace(perf_counter=lambda: clock[0])
+    name = "model.layers.0.mlp.experts"
+    engine = toy_engines({"budget": budget}, {name: random_layer(num_experts=16)}, 4)
+    monkeypatch.setattr(execute, "time", fake_time)
+    monkeypatch.setattr(engine_module, "time", fake_time)
+    for step, tokens in enumerate([1, 1, 3]):
+        x, w, ids = random_routing(tokens, 16, 4, seed=step)
+        engine.run_call(LayerRequest(name, timed_kernel, x, w, ids))
+    decode = engine.stats()["total"]["decode"]
+    assert decode["kernel_calls"] >= 3
+    assert decode["kernel_s"] == decode["kernel_calls"] == decode["call_s"]

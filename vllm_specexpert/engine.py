@@ -15,6 +15,7 @@ around it in order (:mod:`vllm_specexpert.features`).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, TypeVar
 
 import torch
@@ -266,6 +267,7 @@ class OffloadEngine:
     def run_call(self, request: LayerRequest) -> torch.Tensor:
         """Routed-expert output of one layer call: prefill rows exactly, decode rows
         through the features and the miss policy."""
+        started = time.perf_counter()
         layer = self.layers[request.layer]
         phases = request.phases
         prefill = phases is not None and phases.all_prefill
@@ -273,14 +275,17 @@ class OffloadEngine:
         if request.num_tokens == 1 and layer.cache.identity and not self._sees_resident_calls:
             # Every expert resident, nothing to decide, nothing read: no host read (at
             # batch-1 decode this path's cost is the plugin's whole cost over vanilla).
-            return execute.execute_resident(layer.loader, request, stats.count_call(1))
-        return execute.guarded(
-            layer.loader,
-            request,
-            self.unreadable,
-            lambda: self._by_phase(layer, request),
-            stats,
-        )
+            out = execute.execute_resident(layer.loader, request, stats.count_call(1))
+        else:
+            out = execute.guarded(
+                layer.loader,
+                request,
+                self.unreadable,
+                lambda: self._by_phase(layer, request),
+                stats,
+            )
+        stats.call_s += time.perf_counter() - started
+        return out
 
     def _by_phase(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
         phases = request.phases

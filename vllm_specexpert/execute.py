@@ -21,6 +21,7 @@ launch changes, never the arithmetic of a token.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -205,7 +206,10 @@ def execute_resident(
     loader.count_resident(top_k, stats)
     stats.kernel_calls += 1
     kernel_ids, expert_map = cache.kernel_routing(request.topk_ids, None)
-    return request.kernel(request.x, request.topk_weights, kernel_ids, cache.slots, expert_map)
+    started = time.perf_counter()
+    out = request.kernel(request.x, request.topk_weights, kernel_ids, cache.slots, expert_map)
+    stats.kernel_s += time.perf_counter() - started
+    return out
 
 
 def run_on_device(
@@ -263,7 +267,11 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
         finally:
             cache.in_use[experts] = False
     kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.host_ids)
+    started = time.perf_counter()
     read, nbytes = cache.pool.readable(kernel_ids)  # (a mapped pack's pages: its loads)
+    readable = time.perf_counter()
+    if read:
+        call.stats.stall_s += readable - started
     call.stats.loads += read
     call.stats.bytes_loaded += nbytes
     tokens = call.x.shape[0]
@@ -276,6 +284,7 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
             out[rows] = call.kernel(
                 call.x[rows], call.topk_weights[rows], kernel_ids[rows], cache.slots, expert_map
             )
+    call.stats.kernel_s += time.perf_counter() - readable
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1
     return out

@@ -72,7 +72,8 @@ class PhaseStats:
     bytes_loaded: int = counter("Bytes of those copies (including prefetches).")
     stall_s: float = seconds(
         "Seconds the compute waited on this layer's copies (on-demand loads, and "
-        "prefetches not finished when the layer needed them)."
+        "prefetches not finished when the layer needed them; a mapped pack: its pages "
+        "read in before a launch)."
     )
     prefetched: int = counter(
         "Experts whose prefetch copy started: predicted at the previous layer, or ``admitted``."
@@ -164,6 +165,15 @@ class PhaseStats:
     kernel_calls: int = counter(
         "Expert kernel launches on the device (more than ``calls`` when a batch "
         "needed more experts than there are slots and ran in token groups)."
+    )
+    call_s: float = seconds(
+        "Seconds in the layer's calls, whole: the engine's own work, the waits and the "
+        "kernels (``call_s - kernel_s - stall_s - host_stall_s - peer_wait_s`` is the "
+        "engine's overhead and its features')."
+    )
+    kernel_s: float = seconds(
+        "Seconds of the expert kernel's launches on resident experts (on CUDA, the "
+        "launches' host time, not the device's)."
     )
 
     @property

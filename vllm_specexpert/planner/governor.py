@@ -67,6 +67,8 @@ class GovernorStats:
     accepted: int = 0
     stopped_request_steps: int = 0
     """Request-steps without drafts because the request's drafts did not pay."""
+    draft_s: float = 0.0
+    """Seconds of the draft's rounds."""
 
     def to_dict(self) -> dict:
         return {
@@ -77,6 +79,7 @@ class GovernorStats:
             "accepted": self.accepted,
             "acceptance": self.accepted / self.drafted if self.drafted else None,
             "stopped_request_steps": self.stopped_request_steps,
+            "draft_s": self.draft_s,
         }
 
 
@@ -155,6 +158,7 @@ class Governor:
         """The draft ran a round of ``k`` tokens for ``requests`` in ``seconds``."""
         number = self._next_round
         self._next_round += 1
+        self.stats.draft_s += seconds
         self._rounds[number] = DraftRound(bucket(len(requests)), k, seconds)
         self._round_of.update(dict.fromkeys(requests, number))
         live = set(self._round_of.values())
