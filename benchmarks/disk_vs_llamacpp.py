@@ -100,7 +100,7 @@ ARTIFACTS = {
 """The trained model's artifacts, carried to the widened model by ``widen``: read at
 start (the modes below switch what uses them)."""
 
-CEILING_MODE = "drop: nothing read on the critical path (compute ceiling)"
+CEILING_MODE = "random substitute: nothing read, the same compute (compute ceiling)"
 MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch + router prefetch (cost filter)": {
@@ -124,11 +124,19 @@ MODES = {
         "cache": "plec",
         "predictor": "none",
     },
-    CEILING_MODE: {"miss_policy": "drop", "cache": "lru", "predictor": "none"},
+    CEILING_MODE: {
+        "miss_policy": "random",
+        "cache": "lru",
+        "predictor": "none",
+        "buddy": {"tau": 0.0, "beta": 1.0, "rho": 64},
+    },
 }
 """The plugin phase's modes, in one engine by ``reconfigure``; the last is no technique but
-the compute ceiling: ``drop`` reads nothing on the critical path (a missed expert is not
-run: a ceiling, not an output), so no prediction can make a step faster than it."""
+the compute ceiling: every missed expert is replaced by a resident one (no gate, no
+limit), so a step reads nothing and computes as many experts as ``fetch``'s (its output
+is not the model's). No prediction makes an exact step faster. ``drop`` would read
+nothing too, but it also computes only the resident experts: on the miniature it ran
+3-30x ``fetch``, a ceiling too high to measure a share of."""
 
 
 # --- measuring a process -----------------------------------------------------------------
@@ -1203,10 +1211,10 @@ def plugin_modes(payload: dict) -> dict:
 
 
 def headroom(payload: dict) -> dict[str, dict]:
-    """Per batch: ``fetch``'s seconds per decode token, the compute ceiling's (the
-    ``drop`` mode's), the disk bound (``fetch``'s bytes per token at the fastest rate
-    the disk delivered while reading in this run), and each mode's share of the headroom
-    between ``fetch`` and the ceiling (negative: slower than ``fetch``)."""
+    """Per batch: ``fetch``'s seconds per decode token, the compute ceiling's
+    (:data:`CEILING_MODE`), the disk bound (``fetch``'s bytes per token at the fastest
+    rate the disk delivered while reading in this run), and each mode's share of the
+    headroom between ``fetch`` and the ceiling (negative: slower than ``fetch``)."""
     plugin = plugin_modes(payload)
     fetch, ceiling = plugin.get("fetch, LRU", {}), plugin.get(CEILING_MODE, {})
     rates = [
@@ -1259,8 +1267,9 @@ def headroom_table(payload: dict) -> list[str]:
     modes = dict.fromkeys(m for b in batches for m in rooms[b]["share_of_headroom"])
     return [
         "The headroom: seconds per decode token of `fetch` and of the compute ceiling "
-        "(`drop`: nothing read on the critical path), `fetch`'s disk bound (its bytes per "
-        "token at the fastest rate the disk gave in this run), and each mode's share of "
+        "(every miss replaced by a resident expert: nothing read, the same compute), "
+        "`fetch`'s disk bound (its bytes per token at the fastest rate the disk gave in "
+        "this run), and each mode's share of "
         "the headroom between `fetch` and the ceiling (negative: slower than `fetch`):",
         "",
         row("", [f"{b} seq" for b in batches]),

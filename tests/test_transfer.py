@@ -50,6 +50,29 @@ def test_emulated_link_serializes_copies_and_holds_each_until_ready():
     link.close()
 
 
+def test_a_demand_copy_on_a_real_link_is_waited_for_as_long_as_it_took(monkeypatch):
+    # A real link copies a demand load in the submitting thread: the caller waits for it
+    # there, and that wait is the stall its layer call reports (it once reported none,
+    # so a disk read's wait showed up as the engine's own time). A prefetch does not:
+    # the copy thread performs it, and a wait is only for what is left.
+    clock = ManualClock()
+    link = CpuLink(LinkConfig(), clock)
+    copied = ExpertCopy.run
+
+    def slow_run(copy):  # the read takes 2 s on the link's clock
+        clock.advance(2.0)
+        copied(copy)
+
+    monkeypatch.setattr(ExpertCopy, "run", slow_run)
+    src, dst = torch.ones(8), torch.zeros(8)
+    demand = link.submit(whole(dst, src))
+    assert link.wait(demand) == 2.0 and torch.equal(dst, src)
+    prefetch = link.submit(whole(torch.zeros(8), src), prefetch=True)
+    prefetch.done.wait()  # (the copy thread performed it: its 2 s passed before the wait)
+    assert link.wait(prefetch) == 0.0
+    link.close()
+
+
 def test_copy_errors_reach_the_waiter():
     link = CpuLink(LinkConfig())
     t = link.submit(whole(torch.empty(3), torch.empty(4)))

@@ -39,6 +39,9 @@ class _CpuTransfer(Transfer):
         thread (a demand copy), or a waiter that gets there first."""
         self.done = threading.Event()
         """Set once the real copy happened (or was skipped after a cancel)."""
+        self.submitter_s = 0.0
+        """A demand copy on a real link: the seconds its submitter spent copying (the
+        wait for it, counted when it is waited for: the call could not go on without it)."""
 
     def perform(self) -> bool:
         """Do the real copy unless someone else claimed it; returns once it is done,
@@ -76,7 +79,7 @@ class _CpuTransfer(Transfer):
             if self.ready_at is None:
                 clock.sleep_until(self.link._link_free_at)
         clock.sleep_until(self.ready_at)
-        return clock.now() - start
+        return clock.now() - start + self.submitter_s
 
 
 class CpuLink(Link):
@@ -118,7 +121,10 @@ class CpuLink(Link):
         if prefetch:
             self._jobs.put(transfer)
         else:  # waited for at once: copied in the caller's thread, no hand-off
+            started = self.clock.now()
             transfer.perform()
+            if not self.config.emulated:  # (emulated: the link's modeled time is the wait)
+                transfer.submitter_s = self.clock.now() - started
         return transfer
 
     def cancel(self, transfer: Transfer) -> bool:
