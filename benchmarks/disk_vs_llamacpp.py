@@ -603,10 +603,11 @@ SCHEDULER_MODES = {
     "scheduler": "fetch, LRU + token scheduler (groups of 8, governor)",
     "scheduler_grouping": "fetch, LRU + token scheduler (groups of 8, always grouping)",
 }
-GOVERNOR_LEARNING_TOKENS = 16
-"""Tokens per sequence of the unmeasured run, on other prompts, before each batch's
-measured one with the governor: its warm-up measures both choices there (a server's
-governor has measured them long before; the benchmark's runs are a few steps long)."""
+LEARNING_TOKENS = 16
+"""Tokens per sequence of an unmeasured run, on other prompts, before each measured run
+of every mode: what a mode learns online (a measured switch's warm-up, a predictor's
+precision) is learned there, as on a server that has run a while, where the measured
+runs are a few steps long. It warms every mode's cache the same way, ``fetch``'s too."""
 
 
 def phase_scheduler_grouping(args, work: Path) -> dict:
@@ -647,10 +648,7 @@ def phase_scheduler(args, work: Path, phase: str = "scheduler") -> dict:
     """The token scheduler on the disk tier: an engine of its own (it replaces vLLM's
     scheduler class at start), the same host cache, at the batches above its group size
     (it holds requests back only when more than ``group_size`` decode). ``phase``: with
-    its governor (``scheduler``, each batch after a learning run,
-    :data:`GOVERNOR_LEARNING_TOKENS`), or grouping at every step (``scheduler_grouping``)."""
-    from common import timed_generate
-
+    its governor (``scheduler``), or grouping at every step (``scheduler_grouping``)."""
     import vllm_specexpert
 
     packed(args, work)
@@ -664,12 +662,7 @@ def phase_scheduler(args, work: Path, phase: str = "scheduler") -> dict:
         token_scheduler={"group_size": 8, "governor": phase == "scheduler"},
     )
     label = SCHEDULER_MODES[phase]
-    rows: dict[str, dict] = {}
-    for batch in (b for b in args.batches if b > 8):
-        if phase == "scheduler":
-            learning = [{"prompt_token_ids": p} for p in prompt_ids(batch, part=1)]
-            timed_generate(llm, learning, GOVERNOR_LEARNING_TOKENS)
-        rows.update(run_batches(llm, [batch], f"plugin {label}"))
+    rows = run_batches(llm, [b for b in args.batches if b > 8], f"plugin {label}")
     stats = vllm_specexpert.get_stats(llm)[0]
     return {
         "budget": budget,
@@ -871,6 +864,8 @@ def plugin_run(llm, batch: int) -> dict:
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(batch)]
     tokens = TOKENS[batch]
     timed_generate(llm, prompts[:1], 2)  # warm after the rebuild
+    learning = [{"prompt_token_ids": p} for p in prompt_ids(batch, part=1)]
+    timed_generate(llm, learning, LEARNING_TOKENS)
     vllm_specexpert.reset_stats(llm)
     scheduler_s = (vllm_specexpert.get_stats(llm)[0].get("scheduler") or {}).get("cpu_s", 0.0)
     with Window() as window, ROUTES.recording():

@@ -359,3 +359,36 @@ def test_a_decode_layer_call_reads_the_device_once(make_engine, toy, host_reads)
     second = decode_stats(engine)[NAMES[1]]
     assert second["prefetched"] > 0 and second["misses"] > 0
     engine.close()
+
+
+@pytest.mark.parametrize("dear", [True, False], ids=["prefetch-dearer", "prefetch-cheaper"])
+def test_the_prefetch_switch_stops_prefetching_where_a_pass_costs_more_with_it(
+    make_engine, toy, dear
+):
+    # On a clock that charges a pass 1.5 s a token with prefetch and 1 s without (or the
+    # other way round), prefetching stops after the warm-up (or goes on): the switch
+    # measures the whole pass, whatever a prefetch saves or costs inside it.
+    from vllm_specexpert.features.prediction import PredictionFeature
+    from vllm_specexpert.planner.switch import WARM_UP_STEPS, MeasuredSwitch
+
+    engine = make_engine(budget=0.5, predictor="router")
+    engine.start()
+    feature = engine.feature(PredictionFeature)
+    now = [0.0]
+    feature.switch = MeasuredSwitch("prefetch", clock=lambda: now[0])
+    on_cost, off_cost = (1.5, 1.0) if dear else (1.0, 1.5)
+    choices, prefetched = [], {True: 0, False: 0}
+    for s in range(40):
+        before = decode_stats(engine)[NAMES[1]]["prefetched"]
+        step(engine, toy, tokens(2, s))
+        choices.append(feature.prefetching)
+        prefetched[feature.prefetching] += decode_stats(engine)[NAMES[1]]["prefetched"] - before
+        now[0] += 2 * (on_cost if feature.prefetching else off_cost)
+    measured = engine.stats()["prediction"]["prefetch_switch"]["2"]
+    assert measured == {"on_s_per_token": on_cost, "off_s_per_token": off_cost}
+    assert choices[: 2 * WARM_UP_STEPS] == [True] * WARM_UP_STEPS + [False] * WARM_UP_STEPS
+    after_warm_up = choices[2 * WARM_UP_STEPS :]
+    assert not any(after_warm_up) if dear else all(after_warm_up), choices
+    # Switched on, the planner prefetched; switched off, nothing was loaded ahead.
+    assert prefetched[True] > 0 and prefetched[False] == 0
+    engine.close()

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import pytest
 
-from vllm_specexpert.schedule.grouping_governor import WARM_UP_STEPS, GroupingGovernor
+from vllm_specexpert.planner.switch import WARM_UP_STEPS, MeasuredSwitch
 from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL_DIR
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
@@ -33,13 +33,13 @@ def greedy(llm, max_tokens=24):
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
 
 
-class ChargedGovernor(GroupingGovernor):
+class ChargedGovernor(MeasuredSwitch):
     """The governor on a clock on which each step of decode tokens takes ``grouped`` or
     ``every`` seconds per token, by the step's choice (the scheduler's own time is 0)."""
 
     def __init__(self, grouped: float, every: float) -> None:
         self.now = 0.0
-        super().__init__(clock=lambda: self.now)
+        super().__init__("grouping", clock=lambda: self.now)
         self.cost = {True: grouped, False: every}
         self.choice: bool | None = None
 
@@ -47,8 +47,8 @@ class ChargedGovernor(GroupingGovernor):
         super().step_started()
         self.choice = None
 
-    def grouping(self, runnable: int) -> bool:
-        self.choice = super().grouping(runnable)
+    def on(self, batch: int) -> bool:
+        self.choice = super().on(batch)
         return self.choice
 
     def scheduled(self, decode_tokens: int, decode_only: bool) -> None:
@@ -216,10 +216,10 @@ def test_the_governor_stops_grouping_where_it_costs_more_per_token(runs):
     dear, cheap = stats["governed_dear"], stats["governed_cheap"]
     print({"dear": dear, "cheap": cheap})
     assert dear["measured"]["32"] == {
-        "grouped_s_per_token": pytest.approx(0.15),
-        "all_s_per_token": pytest.approx(0.1),
+        "on_s_per_token": pytest.approx(0.15),
+        "off_s_per_token": pytest.approx(0.1),
     }
-    assert cheap["measured"]["32"]["grouped_s_per_token"] == pytest.approx(0.07)
+    assert cheap["measured"]["32"]["on_s_per_token"] == pytest.approx(0.07)
     assert dear["ungrouped_steps"] > dear["grouped_steps"]
     assert dear["grouped_steps"] <= 2 * WARM_UP_STEPS * len(dear["measured"])
     assert cheap["grouped_steps"] > 2 * cheap["ungrouped_steps"]

@@ -42,6 +42,8 @@ class LayerRequest:
     topk_ids: torch.Tensor
     phases: PassPhases | None = None
     """Which rows are decode tokens (``None``: all)."""
+    mixed: bool = False
+    """Rows of a pass that also ran prompt rows (its time is not a decode step's)."""
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +57,7 @@ class LayerRequest:
             topk_weights=self.topk_weights[index],
             topk_ids=self.topk_ids[index],
             phases=None,
+            mixed=self.mixed or (self.phases is not None and not self.phases.all_decode),
         )
 
     def on_host(self, stats: PhaseStats) -> LayerCall:

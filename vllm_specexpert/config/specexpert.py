@@ -160,6 +160,11 @@ class SpecExpertConfig:
     wrong prefetch occupies the link that the true misses then wait for. ``all``: every
     predicted expert, as in the paper. Under ``speculate`` all predicted experts are
     prefetched either way (they all run)."""
+    prefetch_governor: bool = True
+    """Prefetch only in the batch sizes where prefetching pays, as measured: per
+    batch-size bucket, the wall time per decode token of passes that prefetch and of
+    passes that do not (each tried again every 2048 decode tokens). ``false``: prefetch
+    at every pass. Not under ``speculate`` (it runs what it prefetched)."""
 
     calibration: Path | None = None
     """Directory written by ``specexpert calibrate`` for this model (default vectors,

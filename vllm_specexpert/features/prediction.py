@@ -18,6 +18,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.prefetch import PrefetchPlanner
+from vllm_specexpert.planner.switch import MeasuredSwitch
 from vllm_specexpert.predict import (
     PREDICTOR_CLASSES,
     LayerState,
@@ -52,6 +53,16 @@ class PredictionFeature(EngineFeature):
         """Layer name -> the precision of the predictions made for it, what to prefetch."""
         self.predictions: dict[str, Prediction] = {}
         """Layer name -> the prediction made for it earlier in the pass."""
+        self.switch = (
+            MeasuredSwitch("prefetch")
+            if self.prefetches and parts.config.prefetch_governor
+            else None
+        )
+        """Whether a pass's prefetch (under the cost filter) pays, measured per batch size."""
+        self.prefetching = True
+        """The switch's choice for the running pass."""
+        self.first_index: int | None = None
+        """The first MoE layer's index: its decode call starts a pass."""
 
     @classmethod
     def build(
@@ -91,6 +102,14 @@ class PredictionFeature(EngineFeature):
 
     def equip(self, layer: OffloadedLayer) -> None:
         self.planners[layer.name] = PrefetchPlanner(layer.top_k)
+        if self.first_index is None or layer.index < self.first_index:
+            self.first_index = layer.index
+
+    def stats(self) -> dict | None:
+        """The prefetch switch's choice now and its measurements per batch bucket."""
+        if self.switch is None:
+            return None
+        return {"prefetching": self.prefetching, "prefetch_switch": self.switch.stats()}
 
     def speculative(self, layer: OffloadedLayer) -> bool:
         """Whether the layer may run a prediction instead of its router's choice."""
@@ -98,6 +117,10 @@ class PredictionFeature(EngineFeature):
         return exact_layers is None or layer.index not in exact_layers
 
     def begin_call(self, call: DecodeCall) -> None:
+        if self.switch is not None and call.layer.index == self.first_index:
+            self.switch.step_started()
+            self.prefetching = self.switch.on(call.num_tokens)
+            self.switch.scheduled(call.num_tokens, decode_only=not call.request.mixed)
         prediction = self.predictions.pop(call.layer.name, None)
         if prediction is not None and prediction.num_tokens == call.num_tokens:
             call.shared["prediction"] = prediction
@@ -149,6 +172,7 @@ class PredictionFeature(EngineFeature):
             nxt.stats.decode,
             self.link.expert_seconds(nxt.cache.experts),
             everything,
+            submit=everything or self.prefetching,
         )
 
     def routing_for(

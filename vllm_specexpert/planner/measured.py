@@ -2,7 +2,7 @@
 and what was chosen), the first of each key dropped (taken on a cache that the choice
 before it left: a start, a ``reconfigure``, a switch). The governors that choose by
 measured time keep their samples here: the draft length's (:mod:`.governor`) and the
-token scheduler's (:mod:`vllm_specexpert.schedule.grouping_governor`)."""
+measured switches (:mod:`.switch`: the token scheduler's grouping, a prefetch)."""
 
 from __future__ import annotations
 

@@ -47,9 +47,12 @@ class PrefetchPlanner:
         stats: PhaseStats,
         copy_s: float,
         everything: bool,
+        submit: bool = True,
     ) -> None:
         """Prefetch ``prediction``: everything, or the experts whose chance of use pays for
-        their link time ``copy_s`` (the others count as skipped)."""
+        their link time ``copy_s`` (the others count as skipped). ``submit`` False: decide
+        and count, but load nothing (the prefetch is switched off for this pass: what the
+        precision learns from is still marked)."""
         prediction.made_at = time.perf_counter()  # the prefetch's window starts now
         if everything:
             loader.prefetch(prediction.experts_by_mass(), stats)
@@ -60,7 +63,8 @@ class PrefetchPlanner:
         window = self.window_s if self.window_s is not None else copy_s
         wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
         stats.prefetch_skipped += int(np.count_nonzero(cache.needs_read(skipped)))
-        loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
+        if submit:
+            loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
 
     def score(self, prediction: Prediction, router_ids: np.ndarray, stats: PhaseStats) -> None:
         """The layer ran: score ``prediction`` against its router's ``router_ids``."""

@@ -9,8 +9,9 @@ requests decode, :func:`~vllm_specexpert.schedule.grouping.partition` splits the
 predicted route; the first group (the longest-waiting, and every one waiting
 ``max_wait_steps``) runs and the rest are held back a step with vLLM's
 ``next_decode_eligible_step`` (they keep their KV blocks). Prefill is never touched.
-Its governor (:mod:`.grouping_governor`) groups only in the batch sizes where grouping,
-measured, costs less time per decode token than running every sequence.
+Its governor (a :class:`~vllm_specexpert.planner.switch.MeasuredSwitch`) groups only in
+the batch sizes where grouping, measured, costs less time per decode token than running
+every sequence.
 Counters: :attr:`stats`, sent to the workers every step.
 """
 
@@ -27,9 +28,9 @@ from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.handoff import SchedulerStats, StepDemand
 from vllm_specexpert.log import init_logger
+from vllm_specexpert.planner.switch import MeasuredSwitch
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.schedule.grouping import partition
-from vllm_specexpert.schedule.grouping_governor import GroupingGovernor
 from vllm_specexpert.schedule.scheduler import SpecExpertScheduler
 
 logger = init_logger(__name__)
@@ -60,7 +61,9 @@ class TokenGroupScheduler(SpecExpertScheduler):
         """The decode requests of the group expected to run next step."""
         self.stats = SchedulerStats()
         self.governor = (
-            GroupingGovernor() if self.settings is not None and self.settings.governor else None
+            MeasuredSwitch("token scheduler's grouping")
+            if self.settings is not None and self.settings.governor
+            else None
         )
         handoff.forget_scheduler_stats()
         if self.settings is not None:
@@ -156,7 +159,7 @@ class TokenGroupScheduler(SpecExpertScheduler):
         live = {r.request_id for r in decoding}
         self.waited = {k: v for k, v in self.waited.items() if k in live}
         if len(decoding) <= settings.group_size or (
-            self.governor is not None and not self.governor.grouping(len(decoding))
+            self.governor is not None and not self.governor.on(len(decoding))
         ):
             if len(decoding) > settings.group_size:
                 self.stats.ungrouped_steps += 1

@@ -1,16 +1,17 @@
-"""The token scheduler's governor replayed without vLLM, on an injected clock: where
-grouping costs more per decode token than running every sequence it stops grouping and
-keeps at least 0.97 of the throughput of never grouping; where it costs less it groups;
-a step's first sample after a switch, and a step that ran a prompt, are no samples. The
-governor inside vLLM's scheduler: ``test_token_scheduler.py``."""
+"""The measured switch replayed without vLLM, on an injected clock, as the token
+scheduler's governor uses it: where grouping costs more per decode token than running
+every sequence it stops grouping and keeps at least 0.97 of the throughput of never
+grouping; where it costs less it groups; a step's first sample after a switch, and a
+step that ran a prompt, are no samples. The governor inside vLLM's scheduler:
+``test_token_scheduler.py``; the prefetch's switch: ``test_prefetch_engine.py``."""
 
 import pytest
 
-from vllm_specexpert.schedule.grouping_governor import (
+from vllm_specexpert.planner.switch import (
     PROBE_STEPS,
     PROBE_TOKENS,
     WARM_UP_STEPS,
-    GroupingGovernor,
+    MeasuredSwitch,
 )
 
 RUNNABLE, GROUP = 32, 8
@@ -23,7 +24,7 @@ class Replay:
     def __init__(self, cost):
         self.now = 0.0
         self.cost = cost
-        self.governor = GroupingGovernor(clock=lambda: self.now)
+        self.governor = MeasuredSwitch("grouping", clock=lambda: self.now)
         self.tokens = 0
         self.grouped = 0
         self.steps = 0
@@ -32,7 +33,7 @@ class Replay:
         for step in range(self.steps, self.steps + steps):
             self.steps += 1
             self.governor.step_started()
-            grouping = self.governor.grouping(RUNNABLE)
+            grouping = self.governor.on(RUNNABLE)
             tokens = GROUP if grouping else RUNNABLE
             self.governor.scheduled(tokens, decode_only(step))
             self.now += tokens * self.cost(grouping, step)
@@ -59,8 +60,8 @@ def test_where_grouping_costs_more_it_stops_and_keeps_097_of_never_grouping(rati
     # Grouped steps: the warm-up and the probes only.
     assert replay.grouped <= WARM_UP_STEPS + probes(replay)
     stats = replay.governor.stats()["32"]
-    assert stats["grouped_s_per_token"] == pytest.approx(0.1 * ratio)
-    assert stats["all_s_per_token"] == pytest.approx(0.1)
+    assert stats["on_s_per_token"] == pytest.approx(0.1 * ratio)
+    assert stats["off_s_per_token"] == pytest.approx(0.1)
 
 
 def test_where_grouping_costs_less_it_groups():
@@ -81,7 +82,7 @@ def test_a_workload_that_changes_is_seen_by_the_probes():
     # median turns within the third probe, 3 x 2048 tokens of 8-token steps.
     late = replay.grouped - before
     assert late <= 3 * PROBE_TOKENS // GROUP + WARM_UP_STEPS, late
-    assert replay.governor.stats()["32"]["grouped_s_per_token"] == pytest.approx(0.2)
+    assert replay.governor.stats()["32"]["on_s_per_token"] == pytest.approx(0.2)
 
 
 def test_the_first_step_after_a_switch_and_a_prompts_step_are_no_samples():
@@ -100,7 +101,7 @@ def test_the_first_step_after_a_switch_and_a_prompts_step_are_no_samples():
     for step in range(600):
         governor = replay.governor
         governor.step_started()
-        grouping = governor.grouping(RUNNABLE)
+        grouping = governor.on(RUNNABLE)
         if grouping != last:
             slow_first.add(step)
         last = grouping

@@ -1,20 +1,17 @@
-"""The token scheduler's governor: it groups only where grouping pays, as measured.
+"""A technique switched on only where it pays, as measured: per batch-size bucket, the wall
+time per decode token of the steps that run it against the steps that do not. No model
+of the bytes or the overlap: what a technique saves and what it costs (reads for
+nothing, a held-back sequence's wait, the engine's own work) are both in the time. The
+token scheduler's grouping (its governor) and a predictor's prefetch each have one.
 
-Grouping pays when a generated token costs less wall time with one group per step than
-with every runnable sequence per step: a smaller group reads fewer experts per step, but
-each is amortised over fewer tokens, and the held-back sequences wait (routes change from
-token to token, so on a cache that already holds most of a step's experts it seldom
-pays). Both costs are measured here, in the scheduler process, with no model of the
-bytes: a step's sample is the wall time from its ``schedule()`` to the next one, divided
-by its decode tokens. A step that also ran a prompt or a chunk is no sample.
-
-Per batch-size bucket of runnable decode sequences, each choice runs ``WARM_UP_STEPS``
-steps in a row (the first sample after a switch dropped: its cache is the other
-choice's), then the cheaper median runs, and the other is tried again for
-``PROBE_STEPS`` after every ``PROBE_TOKENS`` decode tokens of the bucket, so a change of
-workload is seen. Counted in tokens, not steps, the probes take about the same share of
-the time either way round: with one choice 1.5x the other's cost per token, they cost
-under 2 % of the throughput.
+A step's sample is the wall time from its start to the next step's start, divided by its
+decode tokens; a step that also ran a prompt or a chunk is no sample. Per bucket, each
+choice runs ``WARM_UP_STEPS`` steps in a row (the first sample after a switch dropped:
+its cache is the other choice's), then the cheaper median runs, and the other is tried
+again for ``PROBE_STEPS`` after every ``PROBE_TOKENS`` decode tokens of the bucket, so a
+change of workload is seen. Counted in tokens, not steps, the probes take about the same
+share of the time either way round: with one choice 1.5x the other's cost per token,
+they cost under 2 % of the throughput.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from vllm_specexpert.planner.measured import MeasuredCosts, bucket
 logger = init_logger(__name__)
 
 WARM_UP_STEPS = 4
-"""Steps of each choice, in a row, before the governor compares them (3 samples kept)."""
+"""Steps of each choice, in a row, before the switch compares them (3 samples kept)."""
 PROBE_TOKENS = 2048
 """Decode tokens of a bucket between two probes of the choice not taken."""
 PROBE_STEPS = 3
@@ -43,20 +40,22 @@ class _Bucket:
     tokens: int = 0
     """Decode tokens of this bucket since its last probe."""
     last: bool | None = None
-    """Whether its last step grouped (``None``: no step yet)."""
+    """Whether its last step ran the technique (``None``: no step yet)."""
     probe_left: int = 0
     """Steps the running probe has still to run after this one."""
     best: bool | None = None
-    """Whether grouping measured cheaper, last time both were compared."""
+    """Whether the technique measured cheaper, last time both were compared."""
 
 
-class GroupingGovernor:
-    """Whether each step runs one group or every runnable sequence (module doc)."""
+class MeasuredSwitch:
+    """Whether each step runs a technique (module doc). ``name``: what it switches, for
+    the log."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, name: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.name = name
         self.clock = clock
         self.costs: MeasuredCosts[tuple[int, bool]] = MeasuredCosts()
-        """(batch bucket, grouping) -> recent seconds per decode token."""
+        """(batch bucket, on) -> recent seconds per decode token."""
         self.buckets: dict[int, _Bucket] = {}
         self._started = 0.0
         """When the step in flight was scheduled."""
@@ -66,16 +65,16 @@ class GroupingGovernor:
         """The step in flight, if it is a sample: its key, start and decode tokens."""
 
     def step_started(self) -> None:
-        """A ``schedule()`` began: the step before it, if it was a sample, ends now."""
+        """A step began: the step before it, if it was a sample, ends now."""
         now = self.clock()
         if self._pending is not None:
             key, started, tokens = self._pending
             self.costs.add(key, (now - started) / tokens)
         self._started, self._choice, self._pending = now, None, None
 
-    def grouping(self, runnable: int) -> bool:
-        """Whether this step runs one group of the ``runnable`` decode sequences."""
-        batch_bucket = bucket(runnable)
+    def on(self, batch: int) -> bool:
+        """Whether this step, of ``batch`` decode sequences, runs the technique."""
+        batch_bucket = bucket(batch)
         state = self.buckets.setdefault(batch_bucket, _Bucket())
         choice = self._choose(batch_bucket, state)
         if choice != state.last:  # the first step after a switch meets the other's cache
@@ -94,23 +93,24 @@ class GroupingGovernor:
             self._pending = (self._choice, self._started, decode_tokens)
 
     def _choose(self, batch_bucket: int, state: _Bucket) -> bool:
-        for choice in (True, False):  # warm-up: grouping first, then all, in a row
+        for choice in (True, False):  # warm-up: on first, then off, in a row
             if self.costs.kept((batch_bucket, choice)) < WARM_UP_STEPS - 1:
                 return choice
-        group = self.costs.median((batch_bucket, True))
-        every = self.costs.median((batch_bucket, False))
-        assert group is not None and every is not None  # (both warmed up)
-        best = group < every
+        on = self.costs.median((batch_bucket, True))
+        off = self.costs.median((batch_bucket, False))
+        assert on is not None and off is not None  # (both warmed up)
+        best = on < off
         if best != state.best:
             state.best = best
             logger.info(
-                "specexpert: token scheduler: %d-%d runnable decode sequences: %.4f s "
-                "per token grouped, %.4f s running all (median of recent steps): %s",
+                "specexpert: %s: %d-%d decode sequences: %.4f s per token with it, %.4f s "
+                "without (median of recent steps): %s",
+                self.name,
                 batch_bucket // 2 + 1,
                 batch_bucket,
-                group,
-                every,
-                "grouping" if best else "not grouping",
+                on,
+                off,
+                "on" if best else "off",
             )
         if state.probe_left:
             state.probe_left -= 1
@@ -121,11 +121,12 @@ class GroupingGovernor:
         return best
 
     def stats(self) -> dict:
-        """Per bucket: the median seconds per decode token of each choice, measured."""
+        """Per bucket: the median seconds per decode token with the technique and
+        without, measured."""
         return {
             str(b): {
-                "grouped_s_per_token": self.costs.median((b, True)),
-                "all_s_per_token": self.costs.median((b, False)),
+                "on_s_per_token": self.costs.median((b, True)),
+                "off_s_per_token": self.costs.median((b, False)),
             }
             for b in sorted(self.buckets)
         }
