@@ -101,6 +101,9 @@ ARTIFACTS = {
 start (the modes below switch what uses them)."""
 
 CEILING_MODE = "random substitute: nothing read, the same compute (compute ceiling)"
+FETCH_AGAIN = "fetch, LRU, again at the end"
+"""``fetch`` run first and last: the two bound the drift of the disk's rate over the
+phase (in one miniature run, modes that read the same bytes ran 1.12-1.27x apart)."""
 MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch + router prefetch (cost filter)": {
@@ -130,13 +133,15 @@ MODES = {
         "predictor": "none",
         "buddy": {"tau": 0.0, "beta": 1.0, "rho": 64},
     },
+    FETCH_AGAIN: {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
 }
-"""The plugin phase's modes, in one engine by ``reconfigure``; the last is no technique but
-the compute ceiling: every missed expert is replaced by a resident one (no gate, no
-limit), so a step reads nothing and computes as many experts as ``fetch``'s (its output
-is not the model's). No prediction makes an exact step faster. ``drop`` would read
-nothing too, but it also computes only the resident experts: on the miniature it ran
-3-30x ``fetch``, a ceiling too high to measure a share of."""
+"""The plugin phase's modes, in one engine by ``reconfigure``; the last two are no
+technique: the compute ceiling, then ``fetch`` again (:data:`FETCH_AGAIN`). The ceiling:
+every missed expert is replaced by a resident one (no gate, no limit), so a step reads
+nothing and computes as many experts as ``fetch``'s (its output is not the model's). No
+prediction makes an exact step faster. ``drop`` would read nothing too, but it also
+computes only the resident experts: on the miniature it ran 3-30x ``fetch``, a ceiling
+too high to measure a share of."""
 
 
 # --- measuring a process -----------------------------------------------------------------
@@ -1208,8 +1213,11 @@ def plugin_modes(payload: dict) -> dict:
 def headroom(payload: dict) -> dict[str, dict]:
     """Per batch: ``fetch``'s seconds per decode token, the compute ceiling's
     (:data:`CEILING_MODE`), the disk bound (``fetch``'s bytes per token at the fastest
-    rate the disk delivered while reading in this run), and each mode's share of the
-    headroom between ``fetch`` and the ceiling (negative: slower than ``fetch``)."""
+    rate the disk delivered while reading in this run), the overlap bound (``fetch``'s
+    step with its reads' wait wholly hidden behind the rest of the step, or the rest
+    behind the reads: all a prefetch of the same bytes can give), the MIN bound (Belady's
+    bytes at that rate: all a better choice of what to keep can give), and each mode's
+    share of the headroom between ``fetch`` and the ceiling (negative: slower)."""
     plugin = plugin_modes(payload)
     fetch, ceiling = plugin.get("fetch, LRU", {}), plugin.get(CEILING_MODE, {})
     rates = [
@@ -1225,7 +1233,11 @@ def headroom(payload: dict) -> dict[str, dict]:
             continue
         fetch_s = 1 / fetch[batch]["decode_tok_s"]
         room = fetch_s - 1 / ceiling[batch]["decode_tok_s"]
+        read = fetch[batch].get("breakdown_s_per_decode_token", {}).get("read_wait")
+        belady = fetch[batch].get("clairvoyant_gb_per_decode_token")
         result[batch] = {
+            "overlap_bound_s_per_token": None if read is None else max(read, fetch_s - read),
+            "min_bound_s_per_token": belady / disk_gbps if disk_gbps and belady else None,
             "fetch_s_per_token": fetch_s,
             "ceiling_s_per_token": fetch_s - room,
             "headroom_share_of_fetch": room / fetch_s,
@@ -1264,7 +1276,10 @@ def headroom_table(payload: dict) -> list[str]:
         "The headroom: seconds per decode token of `fetch` and of the compute ceiling "
         "(every miss replaced by a resident expert: nothing read, the same compute), "
         "`fetch`'s disk bound (its bytes per token at the fastest rate the disk gave in "
-        "this run), and each mode's share of "
+        "this run), the most a prefetch of the same bytes can give (`fetch` with its "
+        "reads wholly overlapped with the rest of its step), the most a better choice of "
+        "what to keep can give (Belady's MIN bytes at the disk's rate), and each mode's "
+        "share of "
         "the headroom between `fetch` and the ceiling (negative: slower than `fetch`):",
         "",
         row("", [f"{b} seq" for b in batches]),
@@ -1276,6 +1291,8 @@ def headroom_table(payload: dict) -> list[str]:
             [f"{100 * rooms[b]['headroom_share_of_fetch']:.0f} %" for b in batches],
         ),
         row("fetch's disk bound, s/token", seconds("disk_bound_s_per_token")),
+        row("fetch's reads wholly overlapped, s/token", seconds("overlap_bound_s_per_token")),
+        row("Belady's MIN bytes at the disk's rate, s/token", seconds("min_bound_s_per_token")),
         *(row(f"{mode}: share of the headroom", share(mode)) for mode in modes),
         "",
     ]
