@@ -62,9 +62,11 @@ its floor::
                         fetch, speculate, cpu, substitute, drop, buddies, lowbit, peers
      5  planner/        what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
-                        early_fire (rows sent to mesh peers ahead of the router)
+                        early_fire (rows sent to mesh peers ahead of the router),
+                        measured (costs per choice), switch (a technique on where
+                        it pays, measured)
      5  stats_writers   the threads that write the stats file and the /metrics snapshot
-     5  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
+     6  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
      6  backends        where entries run besides the slots: host, INT4 copy, peer
      6  layer_state     OffloadedLayer: what every offloaded layer has
