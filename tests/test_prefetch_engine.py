@@ -386,6 +386,8 @@ def test_the_prefetch_switch_stops_prefetching_where_a_pass_costs_more_with_it(
         now[0] += 2 * (on_cost if feature.prefetching else off_cost)
     measured = engine.stats()["prediction"]["prefetch_switch"]["2"]
     assert measured == {"on_s_per_token": on_cost, "off_s_per_token": off_cost}
+    (family,) = feature.series()  # what /metrics serves of it
+    assert sorted(family.samples) == [(("2", "off"), off_cost), (("2", "on"), on_cost)]
     assert choices[: 2 * WARM_UP_STEPS] == [True] * WARM_UP_STEPS + [False] * WARM_UP_STEPS
     after_warm_up = choices[2 * WARM_UP_STEPS :]
     assert not any(after_warm_up) if dear else all(after_warm_up), choices

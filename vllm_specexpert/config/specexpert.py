@@ -164,7 +164,8 @@ class SpecExpertConfig:
     """Prefetch only in the batch sizes where prefetching pays, as measured: per
     batch-size bucket, the wall time per decode token of passes that prefetch and of
     passes that do not (each tried again every 2048 decode tokens). ``false``: prefetch
-    at every pass. Not under ``speculate`` (it runs what it prefetched)."""
+    at every pass. Not under ``speculate`` (it runs what it prefetched) or
+    ``prefetch_filter: all``."""
 
     calibration: Path | None = None
     """Directory written by ``specexpert calibrate`` for this model (default vectors,

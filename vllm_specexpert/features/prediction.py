@@ -27,6 +27,7 @@ from vllm_specexpert.predict import (
     Predictor,
     PredictorInputs,
 )
+from vllm_specexpert.stats import Series
 
 
 class PredictionFeature(EngineFeature):
@@ -55,10 +56,14 @@ class PredictionFeature(EngineFeature):
         """Layer name -> the prediction made for it earlier in the pass."""
         self.switch = (
             MeasuredSwitch("prefetch")
-            if self.prefetches and parts.config.prefetch_governor
+            if self.prefetches
+            and parts.config.prefetch_governor
+            and parts.config.prefetch_filter == "cost"
+            and not parts.miss_policy.spec.speculates
             else None
         )
-        """Whether a pass's prefetch (under the cost filter) pays, measured per batch size."""
+        """Whether a pass's prefetch (under the cost filter) pays, measured per batch size;
+        ``None`` where every prediction is prefetched (``speculate`` runs them, ``all``)."""
         self.prefetching = True
         """The switch's choice for the running pass."""
         self.first_index: int | None = None
@@ -110,6 +115,25 @@ class PredictionFeature(EngineFeature):
         if self.switch is None:
             return None
         return {"prefetching": self.prefetching, "prefetch_switch": self.switch.stats()}
+
+    def series(self) -> list[Series]:
+        """``specexpert_prefetch_seconds_per_token{batch, prefetch}``: the switch's
+        measured medians per batch-size bucket, with its prefetches and without."""
+        if self.switch is None:
+            return []
+        family = Series(
+            "prefetch_seconds_per_token",
+            "gauge",
+            "Median wall seconds per decode token of recent passes of the batch-size "
+            "bucket, with the prefetch (on) and without (off); the cheaper one runs.",
+            ("batch", "prefetch"),
+        )
+        for batch, measured in self.switch.stats().items():
+            for choice in ("on", "off"):
+                value = measured[f"{choice}_s_per_token"]
+                if value is not None:
+                    family.add(value, batch, choice)
+        return [family]
 
     def speculative(self, layer: OffloadedLayer) -> bool:
         """Whether the layer may run a prediction instead of its router's choice."""
