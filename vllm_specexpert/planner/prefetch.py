@@ -59,10 +59,12 @@ class PrefetchPlanner:
             return
         cache = loader.cache
         ranked = prediction.ranked()
-        prediction.considered = cache.needs_read(ranked)
+        prediction.considered = cache.needs_read(ranked)  # (a mapped pack: page lookups, once)
+        unread = np.zeros(cache.num_experts, dtype=bool)
+        unread[ranked[prediction.considered]] = True
         window = self.window_s if self.window_s is not None else copy_s
         wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
-        stats.prefetch_skipped += int(np.count_nonzero(cache.needs_read(skipped)))
+        stats.prefetch_skipped += int(np.count_nonzero(unread[skipped]))
         if submit:
             loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
 
