@@ -1,13 +1,16 @@
-"""``lookahead`` on the disk tier, on the widened model: the draft's INT4 experts are made
-from the checkpoint expert by expert (the disk tier loads no expert), its routes prefetch
+"""``lookahead`` on the disk tier, on the widened model: the draft's INT4 experts are the
+pack's draft regions (the start writes them with the pack), read through the draft's
+host rows (``lookahead.draft_cache``) and decoded into its few slots; its routes prefetch
 the target's experts from the pack. Greedy tokens and logprobs equal vanilla vLLM's (on a
-CPU without AMX: see test_lookahead), the draft's tokens are accepted, and the target's
-misses were read from the pack. An engine of its own module: vLLM's process state holds
-one engine at a time."""
+CPU without AMX: see test_lookahead), the draft's tokens are accepted, and both read
+from the pack. A draft region that fails its checksum fails no request: the draft
+proposes without that expert and the target verifies. An engine of its own module:
+vLLM's process state holds one engine at a time."""
 
 import pytest
 from test_disk_tier import MODEL
 from vllm_harness import (
+    PROMPTS,
     greedy,
     make_llm,
     shutdown,
@@ -17,39 +20,88 @@ from vllm_harness import (
 
 import vllm_specexpert
 
+DRAFT_CACHE = 0.25
+
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def pack_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lookahead") / "pack"
+
+
+@pytest.fixture(scope="module")
+def engine(pack_dir):
     reference = vanilla_reference(MODEL)
-    pack = tmp_path_factory.mktemp("lookahead") / "pack"
     llm = make_llm(
         MODEL,
         specexpert={
             "budget": 0.25,
-            "disk": {"path": str(pack)},
-            "lookahead": {"draft_budget": 0.25},
+            "disk": {"path": str(pack_dir)},
+            "lookahead": {"draft_budget": 0.25, "draft_cache": DRAFT_CACHE},
         },
     )
     yield llm, reference
     shutdown(llm)
 
 
-def test_lookahead_on_the_disk_drafts_from_int4_copies_and_equals_vanilla(engine):
+def test_lookahead_on_the_disk_drafts_from_the_packs_int4_regions_and_equals_vanilla(engine):
     llm, reference = engine
     outputs = greedy(llm)
     stats = vllm_specexpert.get_stats(llm)[0]
     assert stats["output"] == "exact" and stats["disk"]["reads"] > 0
     lookahead = stats["lookahead"]
     assert lookahead["drafted"] > 0 and lookahead["acceptance"] > 0.5
-    # The draft's experts: INT4 copies of all of them in memory (about a quarter of their
-    # bf16 bytes), and as many decoded as the target has slots (both a quarter).
+    # The draft's experts: INT4 (about a quarter of their bf16 bytes), of which its host
+    # rows hold a quarter in memory; decoded as many as the target has slots.
     draft, layers = lookahead["draft"], stats["slot_bytes"]
     bf16 = sum(stats["experts_per_layer"][n] * layers[n] for n in layers)
     assert 0 < draft["int4_bytes"] < bf16 / 3
+    assert draft["int4_memory_bytes"] == pytest.approx(DRAFT_CACHE * draft["int4_bytes"])
     assert draft["decoded_slot_bytes"] == sum(
         stats["slots_per_layer"][n] * layers[n] for n in layers
     )
     assert draft["decodes"] > 0
+    rows = stats["disk"]["draft_cache"]
+    assert rows["misses"] > 0 and rows["hits"] > 0  # read from the pack, then kept
     skip_unless_batch_invariant("lookahead's output equals vanilla vLLM's")
     assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
     assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
+
+
+def flip_draft_regions(pack_dir, index: int) -> bytes:
+    """Flip a byte of every expert's first tensor in the ``index``-th draft layer of the
+    pack; the file as it was."""
+    from vllm_specexpert.tiers.expert_pack import ExpertPack
+
+    records = pack_dir / "experts.bin"
+    saved = records.read_bytes()
+    layer = ExpertPack(pack_dir).manifest.draft_layers[index]
+    tensor = layer.tensors[0]
+    with open(records, "r+b") as f:
+        for expert in range(layer.num_experts):
+            f.seek(tensor.at(expert) + 3)
+            f.write(bytes([saved[tensor.at(expert) + 3] ^ 0x01]))
+    return saved
+
+
+def test_a_draft_region_that_fails_its_checksum_fails_no_request(engine, pack_dir):
+    from vllm import SamplingParams
+
+    llm, reference = engine
+    vllm_specexpert.reset_stats(llm)
+    saved = flip_draft_regions(pack_dir, 2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    try:
+        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        (pack_dir / "experts.bin").write_bytes(saved)
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["disk"]["failed"] > 0  # the draft read its flipped regions
+    assert all(o.finish_reason != "error" for o in outputs)
+    skip_unless_batch_invariant("the verified tokens equal vanilla vLLM's")
+    for output, expected in zip(outputs, reference, strict=True):
+        assert list(output.token_ids) == expected.token_ids[:16]
+    # Whole again, the draft reads it again.
+    vllm_specexpert.reset_stats(llm)
+    greedy(llm)
+    stats = vllm_specexpert.get_stats(llm)[0]
+    assert stats["disk"]["failed"] == 0 and stats["disk"]["checked"] > 0

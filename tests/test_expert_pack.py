@@ -602,7 +602,7 @@ def test_two_starts_making_one_pack_write_it_once(tmp_path, monkeypatch):
         )
         second.start()
         assert waiting.wait(60), "the second start did not wait for the first"
-        real_pack(MODEL, out, FORM, "disk.path", "disk")
+        real_pack(MODEL, out, FORM, "disk.path", "disk", None)
     second.join(60)
     assert writes == [] and result["pack"].manifest.layers
     assert sorted(p.name for p in out.iterdir()) == [".lock", "experts.bin", "manifest.json"]

@@ -22,17 +22,29 @@ FAILED_ATTRIBUTE = "specexpert_failed_requests"
 """Name of the failed requests' attribute on ``ModelRunnerOutput``."""
 
 
+FAILS_REQUESTS = "the requests that need them fail with an error, the others go on"
+PROPOSES_WITHOUT = (
+    "the lookahead draft proposes without them (the target verifies every drafted "
+    "token: the output is unchanged)"
+)
+"""What becomes of a pass that lacks an expert: a target's requests fail; a draft's
+proposals are only checked by its target, so nothing fails."""
+
+
 class UnreadableRows:
     """The rows of the running pass whose output lacks an expert the slow tier could not
-    supply (the worker fails their requests after the step), and which experts were
-    logged: each once, with its cause, however often it fails."""
+    supply (the worker fails their requests after the step, unless ``outcome`` is
+    :data:`PROPOSES_WITHOUT`: none is kept), and which experts were logged: each once,
+    with its cause and ``outcome``, however often it fails."""
 
-    def __init__(self) -> None:
+    def __init__(self, outcome: str = FAILS_REQUESTS) -> None:
         self._rows: set[int] = set()
         self._logged: set[tuple[str, int]] = set()
+        self.outcome = outcome
 
     def add(self, rows: Iterable[int]) -> None:
-        self._rows.update(rows)
+        if self.outcome == FAILS_REQUESTS:
+            self._rows.update(rows)
 
     def take(self) -> list[int]:
         """The rows since the last take."""
@@ -44,12 +56,12 @@ class UnreadableRows:
         if new:
             self._logged.update((layer, e) for e in new)
             logger.error(
-                "specexpert: %s: experts %s could not be read (%s); the requests that "
-                "need them fail with an error, the others go on (read again when next "
-                "needed; logged once per expert)",
+                "specexpert: %s: experts %s could not be read (%s); %s (read again when "
+                "next needed; logged once per expert)",
                 layer,
                 new,
                 cause,
+                self.outcome,
             )
 
 

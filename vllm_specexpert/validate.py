@@ -360,6 +360,7 @@ def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
     checkpoint (a quantized checkpoint is refused by ``check_fits``)."""
     from vllm.platforms import current_platform
 
+    from vllm_specexpert.layers.int4_copies import Int4DraftForm
     from vllm_specexpert.tiers.kernel_form import model_kernel_form
     from vllm_specexpert.tiers.pack_writer import prepare_pack
 
@@ -379,7 +380,8 @@ def _check_disk(config: SpecExpertConfig, model_config: Any) -> None:
             "remove disk",
         )
     form = model_kernel_form(model_config.dtype, current_platform.is_cpu())
-    prepare_pack(str(config.disk.path), model_config.model, form)
+    draft = Int4DraftForm(model_config.dtype) if config.lookahead is not None else None
+    prepare_pack(str(config.disk.path), model_config.model, form, draft)
 
 
 def _check_estimator(config: SpecExpertConfig, model_config: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
@@ -31,6 +32,7 @@ from vllm_specexpert.config.modes import (
 )
 from vllm_specexpert.config.rules import check_combination, check_effect
 from vllm_specexpert.config.sections import (
+    DISK_DRAFT_BUDGET,
     STRICT,
     BuddyConfig,
     Count,
@@ -383,7 +385,16 @@ class SpecExpertConfig:
         emulation: decoding is device work, not a transfer). Only with ``lookahead``."""
         if self.lookahead is None:
             raise ValueError("draft_config: this config has no lookahead (no draft)")
-        return SpecExpertConfig(budget=self.lookahead.draft_budget)
+        budget = self.lookahead.draft_budget
+        if budget is None:
+            budget = DISK_DRAFT_BUDGET if self.disk is not None else 1.0
+        return SpecExpertConfig(budget=budget)
+
+    def draft_cache_rows(self, num_experts: int, top_k: int) -> int:
+        """Under ``disk``, the ``lookahead`` draft's INT4 experts held in memory per
+        layer (``lookahead.draft_cache``; at least one token's)."""
+        assert self.lookahead is not None  # (only a config with a draft asks)
+        return max(top_k, math.floor(self.lookahead.draft_cache * num_experts + 1e-9))
 
     # ------------------------------------------------------- model-dependent checks
 

@@ -52,7 +52,8 @@ def check_switch(current: SpecExpertConfig, config: SpecExpertConfig) -> None:
     if (drafts[0] is None) != (drafts[1] is None) or (
         drafts[0] is not None
         and drafts[1] is not None
-        and (drafts[0].k_max, drafts[0].draft_budget) != (drafts[1].k_max, drafts[1].draft_budget)
+        and (drafts[0].k_max, drafts[0].draft_budget, drafts[0].draft_cache)
+        != (drafts[1].k_max, drafts[1].draft_budget, drafts[1].draft_cache)
     ):
         raise SpecExpertConfigError(
             "lookahead",

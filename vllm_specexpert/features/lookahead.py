@@ -160,6 +160,7 @@ def _draft_stats(draft: Any) -> dict[str, Any]:
     totals = LayerStats.sum(layer.stats for layer in layers)
     return {
         "int4_bytes": draft.store.nbytes,
+        "int4_memory_bytes": sum(layer.experts.memory_nbytes for layer in layers),
         "decoded_slot_bytes": sum(
             layer.cache.num_slots * layer.cache.experts.slot_nbytes for layer in layers
         ),

@@ -1,8 +1,9 @@
 """The offload engines of a worker process: one per vLLM model (config) built in it.
 
-vLLM builds the ``lookahead`` draft (its layers named under :data:`DRAFT_PREFIX`) right
-after its target, from a config of its own: the draft's layers get an engine of their own
-(the draft's INT4 experts), attached to the target's engine, which receives its routes.
+vLLM builds the ``lookahead`` draft (its layers named under
+:data:`~vllm_specexpert.tiers.expert_pack.DRAFT_PREFIX`) right after its target, from a
+config of its own: the draft's layers get an engine of their own (the draft's INT4
+experts), attached to the target's engine, which receives its routes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vllm.platforms import current_platform
 from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.handback import PROPOSES_WITHOUT, UnreadableRows
 from vllm_specexpert.layers.sizing import sizing_settings
 from vllm_specexpert.tiers.disk import open_disk
 
@@ -30,9 +32,6 @@ _TARGETS: weakref.WeakKeyDictionary[OffloadEngine, OffloadEngine] = weakref.Weak
 _TARGET: weakref.ref | None = None
 """The engine of the last target model built in this process: vLLM builds the draft
 (``lookahead``) right after its target, and the draft's engine hands it its routes."""
-
-DRAFT_PREFIX = "draft_model."
-"""Prefix of the layer names of vLLM's draft model (``DraftModelProposer``)."""
 
 
 def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) -> OffloadEngine:
@@ -58,6 +57,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
             reports=False,
             budget_field="lookahead.draft_budget",
         )
+        engine.unreadable = UnreadableRows(PROPOSES_WITHOUT)
         _TARGETS[engine] = target
         target.provide(draft=engine)  # its routes become the target's lookahead
     else:

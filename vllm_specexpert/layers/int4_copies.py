@@ -3,16 +3,19 @@ layer's experts, the ``lookahead`` draft's instead of them; what the draft's twi
 target layer will take of the device's memory and of the host's.
 
 The copies are made from vLLM's checkpoint layout, before the quant method's
-post-processing (on CPU a prepacked layout, whose groups would mix rows), or, under the
-disk tier, which loads no expert, from the checkpoint one expert at a time.
+post-processing (on CPU a prepacked layout, whose groups would mix rows). Under the disk
+tier, which loads no expert, the draft's are the pack's draft regions, written one
+expert at a time in :class:`Int4DraftForm`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from vllm_specexpert.layers.packed_experts import LOW_BIT_BITS, PackedParameters, low_bit_parameters
-from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
+from vllm_specexpert.tiers.checkpoint_experts import TensorSpec
 
 Copies = tuple[PackedParameters, dict[str, torch.Tensor]]
 """A layer's experts in one format: the format and its tensors (``[E, ...]`` each)."""
@@ -33,23 +36,24 @@ def of_packed(layer_name: str, packed: Copies) -> Copies:
     return parameters, source.requantize(tensors, parameters)
 
 
-def of_checkpoint(
-    checkpoint: str, layer_name: str, module: str, num_experts: int, dtype: torch.dtype
-) -> Copies:
-    """INT4 copies of the checkpoint's ``module`` experts, each read in ``dtype`` and
-    quantized in turn (a layer's experts need not fit in memory together)."""
-    read = CheckpointExperts(checkpoint)
-    parameters: PackedParameters | None = None
-    copies = []
-    for expert in range(num_experts):
-        weights = {k: t[None].to(dtype) for k, t in read(module, expert).items()}
-        if parameters is None:
-            _, twice_intermediate, hidden = weights["w13_weight"].shape
-            intermediate = twice_intermediate // 2
-            parameters = low_bit_parameters(layer_name, num_experts, hidden, intermediate)
-        copies.append(parameters.quantize(weights))
-    assert parameters is not None  # (a layer has experts)
-    return parameters, {k: torch.cat([c[k] for c in copies]) for k in copies[0]}
+class Int4DraftForm:
+    """The draft's experts as an expert pack holds them (``specexpert pack --draft``):
+    the INT4 copies the draft decodes, made from one expert of the checkpoint read in the
+    model's ``dtype`` (:class:`~vllm_specexpert.tiers.expert_pack.DraftForm`)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        weights = {name: t[None].to(self.dtype) for name, t in tensors.items()}
+        twice_intermediate, hidden = weights["w13_weight"].shape[1:]
+        parameters = low_bit_parameters("the draft", 1, hidden, twice_intermediate // 2)
+        return {name: t[0].contiguous() for name, t in parameters.quantize(weights).items()}
+
+    def specs(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        # (a zero expert quantized: the one source of the format's shapes and dtypes)
+        zero = self({name: torch.zeros(shape, dtype=self.dtype) for name, shape, _ in specs})
+        return [(name, tuple(t.shape), t.dtype) for name, t in zero.items()]
 
 
 def draft_twin_bytes(
@@ -58,14 +62,16 @@ def draft_twin_bytes(
     hidden: int,
     intermediate: int,
     decoded_slots: int,
+    int4_experts: int,
     dtype: torch.dtype,
 ) -> tuple[int, int]:
     """What a target layer's twin in the ``lookahead`` draft, built after the target's
     slots are sized, will take: its ``decoded_slots`` (experts in ``dtype``, on the
-    device) and its INT4 experts (in host memory), in bytes."""
+    device) and its ``int4_experts`` held in host memory (all, or under the disk tier
+    its rows), in bytes."""
     decoded = decoded_slots * 3 * hidden * intermediate * dtype.itemsize
     int4 = low_bit_parameters(layer_name, num_experts, hidden, intermediate)
-    return decoded, num_experts * int4.expert_nbytes
+    return decoded, int4_experts * int4.expert_nbytes
 
 
 def keeps_packed(packed: Copies | None) -> bool:

@@ -25,7 +25,6 @@ from vllm.platforms import current_platform
 from vllm_specexpert import vllm_hooks
 from vllm_specexpert.architectures import SUPPORTED_ARCHITECTURES
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.layers.engines import DRAFT_PREFIX
 from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts, offloaded
 from vllm_specexpert.layers.router_free import RouterFreeHook, runner_is_eager
 from vllm_specexpert.log import init_logger
@@ -35,6 +34,7 @@ from vllm_specexpert.predict import (
     PredictorInputs,
     residual_scale,
 )
+from vllm_specexpert.tiers.expert_pack import DRAFT_PREFIX
 
 logger = init_logger(__name__)
 

@@ -37,20 +37,31 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm_specexpert import vllm_hooks
 from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.budget_plan import size_host_cache
-from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
+from vllm_specexpert.config import (
+    SpecExpertConfig,
+    SpecExpertConfigError,
+    SpecExpertUnsupportedError,
+)
 from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
 from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.layers import failed_requests, int4_copies, lookahead_driver
-from vllm_specexpert.layers.engines import DRAFT_PREFIX, engine_for, target_of
+from vllm_specexpert.layers.engines import engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.pack_form_check import check_pack_form
-from vllm_specexpert.layers.packed_experts import PackedDecoder, PackedParameters, runtime_form
+from vllm_specexpert.layers.packed_experts import (
+    PackedDecoder,
+    PackedParameters,
+    low_bit_parameters,
+    runtime_form,
+)
 from vllm_specexpert.layers.slot_kernel import SlotKernel
 from vllm_specexpert.tiers.disk import Disk, DiskExperts
+from vllm_specexpert.tiers.expert_pack import DRAFT_PREFIX
 from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
+from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES
 from vllm_specexpert.tiers.mapped import MappedExperts
-from vllm_specexpert.tiers.store import LayerExperts
+from vllm_specexpert.tiers.store import LayerExperts, SlotShapes
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 """Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
@@ -152,6 +163,9 @@ class OffloadedRoutedExperts(RoutedExperts):
             moe_config.hidden_dim,
             moe_config.intermediate_size_per_partition,
             config.draft_config().slots_per_layer(self.global_num_experts, self.top_k),
+            config.draft_cache_rows(self.global_num_experts, self.top_k)
+            if self._on_disk
+            else self.global_num_experts,
             dtype,
         )
         if current_platform.is_cpu():  # (the host is the device)
@@ -218,7 +232,7 @@ class OffloadedRoutedExperts(RoutedExperts):
             # post-processing (on CPU a prepacked layout: groups of it would mix rows):
             # lowbit's beside the experts, or the lookahead draft's instead of them.
             low_bit = None
-            if self._draft:
+            if self._draft and not self._on_disk:  # (on disk, the pack holds the draft's)
                 packed = packed if int4_copies.keeps_packed(packed) else self._int4_copies(packed)
             elif packed is None and self.engine.config.miss_policy_spec.low_bit:
                 low_bit = self._int4_copies(None)
@@ -230,18 +244,9 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     def _int4_copies(self, packed: int4_copies.Copies | None) -> int4_copies.Copies:
         """INT4 copies of this layer's experts from where they are: a quantized
-        checkpoint's ``packed`` ones, the loaded bf16 ones, or (the disk tier loads
-        none) the checkpoint's."""
+        checkpoint's ``packed`` ones, or the loaded bf16 ones."""
         if packed is not None:
             return int4_copies.of_packed(self.layer_name, packed)
-        if self._on_disk:
-            return int4_copies.of_checkpoint(
-                self.checkpoint,
-                self.layer_name,
-                self.layer_name.removeprefix(DRAFT_PREFIX),
-                self.global_num_experts,
-                self.w13_weight.dtype,
-            )
         weights = {name: getattr(self, name).data for name in EXPERT_TENSORS if hasattr(self, name)}
         return int4_copies.of_weights(self.layer_name, weights)
 
@@ -262,7 +267,9 @@ class OffloadedRoutedExperts(RoutedExperts):
         }
         form = functools.partial(runtime_form, self)
         experts: dict[str, torch.Tensor] | DiskExperts | MappedExperts | HostCachedExperts
-        if self._on_disk and not self._draft:  # (the draft's INT4 copies are in memory)
+        if self._on_disk and self._draft:
+            experts, decoder = self._draft_experts_on_disk(form, slot_shapes)
+        elif self._on_disk:
             disk = self.engine.store.disk
             assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
             if self.engine.device.type == "cuda" and disk.host_cache is None:
@@ -305,6 +312,43 @@ class OffloadedRoutedExperts(RoutedExperts):
             # The parameters now alias the store's (pinned) tensors instead of a copy.
             for name, tensor in layer.experts.tensors.items():
                 getattr(self, name).data = tensor
+
+    def _draft_experts_on_disk(
+        self, form: Any, slot_shapes: SlotShapes
+    ) -> tuple[DiskExperts | MappedExperts | HostCachedExperts, PackedDecoder]:
+        """The draft's INT4 experts in the target's pack, read through the draft's host
+        rows (``lookahead.draft_cache``, made at its first layer) and decoded into its
+        slots; refused if the pack holds them in another layout than this build's."""
+        target = target_of(self.engine)
+        disk = target.store.disk
+        assert isinstance(disk, Disk)  # (the target's, opened with its engine)
+        moe = self.moe_config
+        hidden, intermediate = moe.hidden_dim, moe.intermediate_size_per_partition
+        parameters = low_bit_parameters(
+            self.layer_name, self.global_num_experts, hidden, intermediate
+        )
+        decoder = PackedDecoder(parameters, form, slot_shapes)
+        record = disk.record_of(self.layer_name)
+        dtype = self.w13_weight.dtype
+        checkpoint = [
+            ("w13_weight", (2 * intermediate, hidden), dtype),
+            ("w2_weight", (hidden, intermediate), dtype),
+        ]
+        form_specs = int4_copies.Int4DraftForm(dtype).specs(checkpoint)
+        want = {name: (list(shape), DTYPE_NAMES[d]) for name, shape, d in form_specs}
+        have = {t.name: (t.shape, t.dtype) for t in record.tensors}
+        if have != want:
+            raise SpecExpertConfigError(
+                "disk.path",
+                f"{disk.pack.path}: the draft's experts of {self.layer_name} are {have}, "
+                f"this build's INT4 draft reads {want}",
+                f"`specexpert pack {self.checkpoint} --out {disk.pack.path} --draft` writes "
+                "them again",
+            )
+        if disk.draft_cache is None:
+            rows = target.config.draft_cache_rows(self.global_num_experts, self.top_k)
+            disk.draft_cache = HostCache(rows, pinned=False)
+        return disk.layer(self.layer_name, decoder), decoder
 
     # ---------------------------------------------------------------- execution
 

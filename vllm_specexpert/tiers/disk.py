@@ -33,9 +33,7 @@ from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.mapped import MappedExperts, MappedPack, MappingRefused
 from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.pack_lock import NotALockFile, PackBusy, PackLock
-from vllm_specexpert.tiers.store import (
-    stage,
-)
+from vllm_specexpert.tiers.store import ExpertDecoder, stage
 
 logger = init_logger(__name__)
 
@@ -76,6 +74,9 @@ class Disk:
         self.host_cache: HostCache | None = None
         """CUDA: the pinned host rows the layers' experts are read into and copied to
         the device from (set before the first :meth:`layer`)."""
+        self.draft_cache: HostCache | None = None
+        """``lookahead``: the host rows the draft's packed experts are read into and
+        decoded into its slots from (set before the draft's first :meth:`layer`)."""
         if mapped:
             try:
                 self.mapping = MappedPack(pack)
@@ -97,7 +98,14 @@ class Disk:
         host = "" if self.host_cache is None else f"; {self.host_cache.where()}"
         return f"on disk ({self.pack.path}, {how}, queue depth {self.reader.depth}{refused}{host})"
 
-    def layer(self, name: str) -> DiskExperts | MappedExperts | HostCachedExperts:
+    def layer(
+        self, name: str, decoder: ExpertDecoder | None = None
+    ) -> DiskExperts | MappedExperts | HostCachedExperts:
+        """Layer ``name``'s experts: the target's, or, with their ``decoder``, the
+        draft's (read through :attr:`draft_cache`, decoded into the draft's slots)."""
+        if decoder is not None:
+            packed = DiskExperts(self, self.record_of(name), decoder)
+            return packed if self.draft_cache is None else self.draft_cache.wrap(packed)
         if self.mapping is not None:
             return MappedExperts(self.mapping, self.record_of(name))
         experts = DiskExperts(self, self.record_of(name))
@@ -161,8 +169,9 @@ class Disk:
         self.reader.stats.reset()
         if self.mapping is not None:
             self.mapping.reset_stats()
-        if self.host_cache is not None:
-            self.host_cache.reset_stats()
+        for cache in (self.host_cache, self.draft_cache):
+            if cache is not None:
+                cache.reset_stats()
 
     def stats_dict(self) -> dict:
         """``busy``: time with at least one read in flight. Mapped: what launches had
@@ -182,6 +191,7 @@ class Disk:
                 "check_s": mapped.check_s,
                 "read_ahead": mapped.read_ahead,
                 "read_ahead_bytes": mapped.read_ahead_bytes,
+                **self._draft_stats(),
             }
         stats, reader = self.stats, self.reader.stats
         return {
@@ -198,14 +208,20 @@ class Disk:
             "checked": stats.checked,
             "failed": stats.failed,
             **({} if self.host_cache is None else {"host_cache": self.host_cache.stats_dict()}),
+            **self._draft_stats(),
         }
+
+    def _draft_stats(self) -> dict:
+        """``draft_cache``: the draft's host rows (its reads are the disk's too)."""
+        return {} if self.draft_cache is None else {"draft_cache": self.draft_cache.stats_dict()}
 
     def close(self) -> None:
         self.reader.close()
         if self.mapping is not None:
             self.mapping.close()
-        if self.host_cache is not None:
-            self.host_cache.close()
+        for cache in (self.host_cache, self.draft_cache):
+            if cache is not None:
+                cache.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -214,8 +230,8 @@ class DiskExperts(PackExperts):
     """One layer's experts in the pack, read into slots, as an
     :class:`~vllm_specexpert.tiers.store.ExpertSource`."""
 
-    def __init__(self, disk: Disk, layer: PackLayer) -> None:
-        super().__init__(disk.pack, layer)
+    def __init__(self, disk: Disk, layer: PackLayer, decoder: ExpertDecoder | None = None) -> None:
+        super().__init__(disk.pack, layer, decoder)
         self.disk = disk
 
     @property
@@ -233,9 +249,9 @@ class DiskExperts(PackExperts):
         destinations: dict[str, torch.Tensor],
         device: torch.device | None = None,
     ) -> None:
-        """On the host: each tensor read into its slot. Onto ``device``: gathered on the
-        host and moved (:func:`~vllm_specexpert.tiers.store.stage`)."""
-        if device is not None:
+        """On the host: each tensor read into its slot. Onto ``device``, or packed:
+        gathered on the host, moved and decoded (:func:`~vllm_specexpert.tiers.store.stage`)."""
+        if device is not None or self.decoder is not None:
             stage(self, experts, slots, destinations, device)
             return
         self.read_rows(np.asarray(experts), destinations, slots.tolist())

@@ -95,7 +95,10 @@ class DiskFile:
             start = offset - offset % ALIGN
             bounce = aligned_buffer(self.bounce_nbytes(length))
             self._read(bounce, start, aligned(offset + length) - start, offset + length)
-            buffer[:length].copy_(bounce[offset - start : offset - start + length])
+            # (through numpy: ``buffer`` may be a view made under vLLM's inference mode,
+            # which torch would not let this thread write in place)
+            view = buffer[:length].numpy()
+            view[:] = bounce[offset - start : offset - start + length].numpy()
             return
         self._read(buffer, offset, length, offset + length)
 

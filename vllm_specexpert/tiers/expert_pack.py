@@ -10,15 +10,19 @@ what the kernel takes as ``[num_experts, ...]``. The manifest names the checkpoi
 pack was made from, the form (a CPU pack is for one ISA) and, per layer and tensor, the
 region and one xxh3-64 per expert, seeded with the layer, the expert and the tensor's
 name (checked at every read; docs/design.md, "The disk tier": Trust).
+
+A pack may also hold the ``lookahead`` draft's INT4 experts (``draft_layers``, after
+every layer of the target, named as vLLM names the draft's layers:
+:data:`DRAFT_PREFIX` and the target's name), in regions checked the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import torch
 import xxhash
@@ -40,6 +44,9 @@ MANIFEST_FILE = "manifest.json"
 FIELD = "disk.path"
 """The config key a pack is named by in errors."""
 REMAKE = "remove {path}: the plugin makes the pack again on the next start"
+DRAFT_PREFIX = "draft_model."
+"""Prefix of the layer names of vLLM's draft model (``DraftModelProposer``): a pack's
+draft layer is named by it and its target layer's name."""
 Checksum = Annotated[int, Strict(), Field(ge=0, lt=1 << 64)]
 """An xxh3-64: a larger number is corruption, refused when the manifest is read."""
 
@@ -143,11 +150,14 @@ class PackManifest(MadeForModel):
     records_bytes: NonNegativeInt
     """Size of ``experts.bin``."""
     verify_failed: VerifyFailure | None = None
+    draft_layers: list[PackLayer] = Field(default_factory=list)
+    """The ``lookahead`` draft's INT4 experts, a layer per target layer, after them
+    (``specexpert pack --draft``; none: a pack for the target alone)."""
 
     @model_validator(mode="after")
     def _extent(self) -> PackManifest:
         end, names = 0, set()
-        for layer in self.layers:
+        for layer in [*self.layers, *self.draft_layers]:
             if layer.name in names:
                 raise ValueError(f"layer {layer.name} appears twice")
             names.add(layer.name)
@@ -230,7 +240,10 @@ class ExpertPack:
         self.manifest = read_manifest(
             self.path, FIELD, RECORDS_FILE, PACK_FORMAT, self.fix, PackManifest
         )
-        self.layers = {layer.name: layer for layer in self.manifest.layers}
+        self.layers = {
+            layer.name: layer for layer in [*self.manifest.layers, *self.manifest.draft_layers]
+        }
+        """Every layer of the pack by name: the target's and the draft's."""
         size = (self.path / RECORDS_FILE).stat().st_size
         if size != self.manifest.records_bytes:
             raise self._error(
@@ -245,6 +258,11 @@ class ExpertPack:
     @property
     def form(self) -> KernelForm:
         return self.manifest.form
+
+    @property
+    def has_draft(self) -> bool:
+        """The pack holds the ``lookahead`` draft's experts."""
+        return bool(self.manifest.draft_layers)
 
     def check_form(self, form: KernelForm) -> None:
         """Refuse a pack whose experts are not in ``form`` (made for another ISA, dtype or
@@ -339,6 +357,12 @@ class ExpertPack:
                     f"{self.path}: {want.name} has tensors the checkpoint's experts do not "
                     f"({', '.join(have_tensors)})"
                 )
+        drafts = [(d.name, d.num_experts) for d in self.manifest.draft_layers]
+        if drafts and drafts != [(DRAFT_PREFIX + t.name, t.num_experts) for t in expected]:
+            raise self._error(
+                f"{self.path}: its draft layers are not the checkpoint's MoE layers "
+                f"(first: {drafts[0][0]})"
+            )
 
     def unreadable(self, layer: str, experts: list[int], cause: str) -> ExpertsUnreadable:
         """``experts`` of ``layer`` could not be read from this pack (``cause``)."""
@@ -362,14 +386,23 @@ class ExpertPack:
                 "does not match its checksum (the file was changed or the disk returned bad data)"
             )
 
-    def verify(self, source: CheckpointExperts) -> list[str]:
-        """Compare every expert with ``source``'s, in this pack's form; what is wrong
-        (empty: all good)."""
+    def verify(self, source: CheckpointExperts, draft: DraftForm | None = None) -> list[str]:
+        """Compare every expert with ``source``'s, in this pack's form, and the draft's
+        (given its ``draft`` form) with ``source``'s in that form; what is wrong (empty:
+        all good)."""
         problems = []
+        forms: list[tuple[PackLayer, Callable[[str, int], Mapping[str, torch.Tensor]]]] = [
+            (layer, lambda name, e: self.form(source(name, e))) for layer in self.manifest.layers
+        ]
+        if draft is not None:
+            forms += [
+                (layer, lambda name, e: draft(source(name.removeprefix(DRAFT_PREFIX), e)))
+                for layer in self.manifest.draft_layers
+            ]
         with open(self.path / RECORDS_FILE, "rb", buffering=0) as f:
-            for layer in self.manifest.layers:
+            for layer, form in forms:
                 for expert in range(layer.num_experts):
-                    want = self.form(source(layer.name, expert))
+                    want = form(layer.name, expert)
                     for tensor in layer.tensors:
                         buffer = torch.empty(tensor.nbytes, dtype=torch.uint8)
                         f.seek(tensor.at(expert))
@@ -395,13 +428,28 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8).reshape(-1)
 
 
+class DraftForm(Protocol):
+    """The ``lookahead`` draft's form of an expert (INT4), as a pack's draft regions
+    hold it: what ``specexpert pack --draft`` writes and ``--verify`` checks."""
+
+    def specs(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        """The shapes and dtypes of one expert of the checkpoint's ``specs`` in this form."""
+        ...
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One expert (the checkpoint's tensors) in this form."""
+        ...
+
+
 class CorruptRecord(OSError):
     """An expert tensor read from a pack is not what was written there."""
 
 
 __all__ = [
     "ALIGN",
+    "DRAFT_PREFIX",
     "CorruptRecord",
+    "DraftForm",
     "ExpertPack",
     "PackLayer",
     "PackTensor",

@@ -27,7 +27,7 @@ import torch
 
 from vllm_specexpert.tiers.disk_reader import aligned_empty
 from vllm_specexpert.tiers.pack_experts import PackExperts
-from vllm_specexpert.tiers.store import ExpertsUnreadable, SlotShapes
+from vllm_specexpert.tiers.store import ExpertDecoder, ExpertsUnreadable, SlotShapes
 
 
 class CopyDone(Protocol):
@@ -104,9 +104,21 @@ class HostRows:
         slots: np.ndarray,
         destinations: dict[str, torch.Tensor],
         device: torch.device | None,
+        decoder: ExpertDecoder | None = None,
     ) -> None:
-        """Copy ``rows`` into ``slots``: issued on ``device``'s current stream (a row's
-        next read waits for it), or at once on the host."""
+        """Copy ``rows`` into ``slots`` (packed rows through their ``decoder``): issued
+        on ``device``'s current stream (a row's next read waits for it), or at once on
+        the host."""
+        if decoder is not None:
+            index = torch.from_numpy(rows.astype(np.int64))
+            packed = {name: t.index_select(0, index) for name, t in self.tensors.items()}
+            if device is not None:
+                packed = {name: t.to(device, non_blocking=True) for name, t in packed.items()}
+            index = torch.from_numpy(slots.astype(np.int64))
+            for name, tensor in decoder(packed).items():
+                pool = destinations[name]
+                pool.index_copy_(0, index.to(pool.device), tensor)
+            return  # (what was read is a copy: the rows are free at once)
         for name, pool in destinations.items():
             source = self.tensors[name]
             for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
@@ -153,7 +165,7 @@ class HostCachedExperts(PackExperts):
     what the rows lack from the disk first, in runs of at most the rows' count."""
 
     def __init__(self, experts: PackExperts, rows: HostRows) -> None:
-        super().__init__(experts.pack, experts.record)
+        super().__init__(experts.pack, experts.record, experts.decoder)
         self.reader = experts
         """What reads the rows' misses from the disk (:class:`~.disk.DiskExperts`)."""
         self.rows = rows
@@ -161,6 +173,10 @@ class HostCachedExperts(PackExperts):
     @property
     def staging_nbytes(self) -> int:
         return 0  # (the disk's buffers are host memory, not the device's the budget sizes)
+
+    @property
+    def memory_nbytes(self) -> int:
+        return sum(t.numel() * t.itemsize for t in self.rows.tensors.values())
 
     def copy_into(
         self,
@@ -175,7 +191,7 @@ class HostCachedExperts(PackExperts):
             for start in range(0, len(experts), size):
                 run = slice(start, start + size)
                 rows = self.rows.hold(experts[run], self.reader)
-                self.rows.copy_to(rows, slots[run], destinations, device)
+                self.rows.copy_to(rows, slots[run], destinations, device, self.decoder)
 
 
 class HostCache:

@@ -22,11 +22,14 @@ from pydantic import BaseModel, PositiveInt
 from vllm_specexpert.artifacts import MANIFEST
 from vllm_specexpert.tiers.checkpoint_experts import TensorSpec
 
-DtypeName = Literal["bfloat16", "float16", "float32", "int32", "uint8", "int8", "float8_e4m3fn"]
+DtypeName = Literal[
+    "bfloat16", "float16", "float32", "int64", "int32", "uint8", "int8", "float8_e4m3fn"
+]
 DTYPES: dict[DtypeName, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    "int64": torch.int64,
     "int32": torch.int32,
     "uint8": torch.uint8,
     "int8": torch.int8,

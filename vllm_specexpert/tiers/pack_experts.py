@@ -14,22 +14,30 @@ from vllm_specexpert.tiers.store import ExpertDecoder, SlotForm, SlotShapes
 
 
 class PackExperts(SlotForm):
-    """A pack layer's experts, held in the kernel's form: nothing to decode, and slots
-    shaped as the pack holds them. Subclasses read them (:meth:`gather`) and fill
-    slots (``copy_into``) their residency's way."""
+    """A pack layer's experts: the target's in the kernel's form (nothing to decode,
+    slots shaped as the pack holds them), or the draft's packed, with their ``decoder``
+    into slots. Subclasses read them (:meth:`gather`) and fill slots (``copy_into``)
+    their residency's way."""
 
-    def __init__(self, pack: ExpertPack, layer: PackLayer) -> None:
+    def __init__(
+        self, pack: ExpertPack, layer: PackLayer, decoder: ExpertDecoder | None = None
+    ) -> None:
         self.pack = pack
         self.record = layer
         self.name = layer.name
-        self.decoder: ExpertDecoder | None = None  # (the pack holds the kernel's form)
+        self.decoder = decoder
         self.num_experts = layer.num_experts
         self.expert_nbytes = layer.expert_nbytes
         self.num_tensors = len(layer.tensors)
 
     @property
     def packed_format(self) -> str | None:
-        return None  # (bf16/fp16 experts: a quantized checkpoint is refused)
+        # (the target's are bf16/fp16: a quantized checkpoint is refused)
+        return None if self.decoder is None else self.decoder.name
+
+    @property
+    def memory_nbytes(self) -> int:
+        return 0  # (on disk; a residency that keeps some in memory says so)
 
     def held_shapes(self) -> SlotShapes:
         return {t.name: (tuple(t.shape), DTYPES[t.dtype]) for t in self.record.tensors}
@@ -42,7 +50,7 @@ class PackExperts(SlotForm):
             key: aligned_empty((n, *shape), dtype)
             for key, (shape, dtype) in self.held_shapes().items()
         }
-        self.copy_into(np.asarray(experts), np.arange(n), out)
+        self.read_rows(np.asarray(experts), out, list(range(n)))
         return out
 
     def copy_into(
@@ -65,4 +73,5 @@ class PackExperts(SlotForm):
     def decoded(self, experts: np.ndarray | slice) -> dict[str, torch.Tensor]:
         if isinstance(experts, slice):
             experts = np.arange(self.num_experts)[experts]
-        return self.gather(np.asarray(experts))
+        packed = self.gather(np.asarray(experts))
+        return packed if self.decoder is None else self.decoder(packed)

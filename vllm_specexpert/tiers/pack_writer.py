@@ -10,9 +10,10 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -21,10 +22,12 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.tiers.checkpoint_experts import CheckpointExperts
 from vllm_specexpert.tiers.expert_pack import (
+    DRAFT_PREFIX,
     FIELD,
     MANIFEST_FILE,
     PACK_FORMAT,
     RECORDS_FILE,
+    DraftForm,
     ExpertPack,
     PackLayer,
     PackManifest,
@@ -55,27 +58,40 @@ def is_pack_dir(path: Path) -> bool:
 
 def write_pack(
     out: str | Path,
-    layers: Iterable[tuple[str, int]],
+    layers: Sequence[tuple[str, int]],
     source: PackSource,
     made_for: Mapping[str, object],
     form: KernelForm,
+    draft: DraftForm | None = None,
 ) -> PackManifest:
     """Write a pack of ``layers`` (``(name, num_experts)``) in ``form`` to ``out`` (lock
-    held), one expert at a time; ``made_for``: the manifest's model fields. On ``OSError``
-    the partial files are removed."""
+    held), one expert at a time, and with a ``draft`` form the draft's layers after
+    them; ``made_for``: the manifest's model fields. On ``OSError`` the partial files
+    are removed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST_FILE
     manifest_path.unlink(missing_ok=True)  # (a pack being rewritten is never whole)
     records = out / (RECORDS_FILE + PARTIAL)
     try:
-        written, size = _write_records(records, layers, source, form)
+        with open(records, "wb") as f:
+            written, size = _write_records(f, layers, lambda n, e: form(source(n, e)), 0)
+            drafts: list[PackLayer] = []
+            if draft is not None:  # (the checkpoint read again: one expert in memory)
+                drafted = [(DRAFT_PREFIX + name, count) for name, count in layers]
+                drafts, size = _write_records(
+                    f, drafted, lambda n, e: draft(source(n.removeprefix(DRAFT_PREFIX), e)), size
+                )
+            f.truncate(size)  # (the last region's alignment padding)
+            f.flush()
+            os.fsync(f.fileno())
         manifest = PackManifest.model_validate(
             {
                 **made_for,
                 "format": PACK_FORMAT,
                 "form": form,
                 "layers": written,
+                "draft_layers": drafts,
                 "records_bytes": size,
             }
         )
@@ -103,7 +119,7 @@ def write_manifest(out: Path, manifest: PackManifest) -> None:
 
 
 def verify_pack(
-    path: str | Path, model: str | Path, form: KernelForm
+    path: str | Path, model: str | Path, form: KernelForm, draft: DraftForm | None = None
 ) -> tuple[ExpertPack, list[str]]:
     """:meth:`~.expert_pack.ExpertPack.verify` holding the pack alone; when all match,
     record the checkpoint's files as they are now (so a copied or touched checkpoint is
@@ -114,7 +130,7 @@ def verify_pack(
         pack = ExpertPack(target, form=form)
         source = CheckpointExperts(model)
         pack.check_layout(source)
-        problems = pack.verify(source)
+        problems = pack.verify(source, draft if pack.has_draft else None)
         now = pack.manifest.model_dump(mode="json")
         if problems:
             now["verify_failed"] = {"problems": len(problems), "first": problems[0]}
@@ -129,31 +145,28 @@ def verify_pack(
 
 
 def _write_records(
-    path: Path, layers: Iterable[tuple[str, int]], source: PackSource, form: KernelForm
+    f: BinaryIO, layers: Iterable[tuple[str, int]], source: PackSource, offset: int
 ) -> tuple[list[PackLayer], int]:
+    """Write ``layers``' experts as ``source`` gives them (in the pack's form) from
+    ``offset`` on; their regions and where the next may start."""
     written: list[PackLayer] = []
-    offset = 0
-    with open(path, "wb") as f:
-        for name, num_experts in layers:
-            layer: PackLayer | None = None
-            for expert in range(num_experts):
-                tensors = form(source(name, expert))
-                if layer is None:
-                    specs = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
-                    layer = layer_layout(name, num_experts, offset, specs)
-                _check_shapes(name, expert, layer, tensors)
-                for entry in layer.tensors:
-                    data = tensors[entry.name].view(torch.uint8).reshape(-1).numpy().data
-                    entry.xxh3.append(checksum(data, name, expert, entry.name))
-                    f.seek(entry.at(expert))
-                    f.write(data)
-            if layer is not None:
-                written.append(PackLayer.model_validate(layer.model_dump()))
-                offset = layer.end
-        f.truncate(offset)  # (the last region's alignment padding)
-        f.flush()
-        os.fsync(f.fileno())
-        return written, offset
+    for name, num_experts in layers:
+        layer: PackLayer | None = None
+        for expert in range(num_experts):
+            tensors = source(name, expert)
+            if layer is None:
+                specs = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+                layer = layer_layout(name, num_experts, offset, specs)
+            _check_shapes(name, expert, layer, tensors)
+            for entry in layer.tensors:
+                data = tensors[entry.name].view(torch.uint8).reshape(-1).numpy().data
+                entry.xxh3.append(checksum(data, name, expert, entry.name))
+                f.seek(entry.at(expert))
+                f.write(data)
+        if layer is not None:
+            written.append(PackLayer.model_validate(layer.model_dump()))
+            offset = layer.end
+    return written, offset
 
 
 def _check_shapes(
@@ -179,17 +192,24 @@ def pack_checkpoint(
     form: KernelForm,
     out_field: str = FIELD,
     model_field: str = "disk",
+    draft: DraftForm | None = None,
 ) -> PackManifest:
-    """Write ``model``'s pack in ``form`` to ``target`` holding its lock alone (no waiting:
+    """Write ``model``'s pack in ``form`` (and its draft's experts in the ``draft``
+    form) to ``target`` holding its lock alone (no waiting:
     :class:`~.pack_lock.PackBusy`). Refusals (unreadable checkpoint, too little room,
     unwritable directory) are config errors naming ``model_field`` or ``out_field``."""
     target = Path(target)
     with _writing(target, out_field), PackLock(target).hold(exclusive=True, wait=False):
-        return _pack(model, target, form, out_field, model_field)
+        return _pack(model, target, form, out_field, model_field, draft)
 
 
 def _pack(
-    model: str | Path, target: Path, form: KernelForm, out_field: str, model_field: str
+    model: str | Path,
+    target: Path,
+    form: KernelForm,
+    out_field: str,
+    model_field: str,
+    draft: DraftForm | None,
 ) -> PackManifest:
     try:
         source = CheckpointExperts(model)
@@ -203,6 +223,9 @@ def _pack(
     need = 0
     for name, count in layers:
         need = layer_layout(name, count, need, form.specs(source.tensor_specs(name))).end
+    if draft is not None:
+        for name, count in layers:
+            need = layer_layout(name, count, need, draft.specs(source.tensor_specs(name))).end
     old = [target / RECORDS_FILE, target / (RECORDS_FILE + PARTIAL)]
     free = shutil.disk_usage(target).free + sum(p.stat().st_size for p in old if p.exists())
     if need > free:
@@ -221,6 +244,7 @@ def _pack(
             "checkpoint_files": checkpoint_files(model),
         },
         form,
+        draft,
     )
 
 
@@ -243,10 +267,12 @@ def _writing(target: Path, field: str) -> Iterator[None]:
         ) from None
 
 
-def prepare_pack(path: str, model: str, form: KernelForm) -> ExpertPack:
-    """The pack at ``path`` for ``model`` in ``form``: checked if whole, else made. Runs
-    where the engine config is built, before any worker; waits for another process
-    writing it."""
+def prepare_pack(
+    path: str, model: str, form: KernelForm, draft: DraftForm | None = None
+) -> ExpertPack:
+    """The pack at ``path`` for ``model`` in ``form``, with the ``lookahead`` draft's
+    experts given their ``draft`` form: checked if whole, else made. Runs where the
+    engine config is built, before any worker; waits for another process writing it."""
     target = Path(path)
     if not Path(model, "config.json").is_file():
         raise SpecExpertConfigError(
@@ -263,18 +289,31 @@ def prepare_pack(path: str, model: str, form: KernelForm) -> ExpertPack:
         )
     if (target / MANIFEST_FILE).is_file():
         with _waiting(target, exclusive=False):
-            return ExpertPack(target, model=model, form=form)
+            return _with_draft(ExpertPack(target, model=model, form=form), model, draft)
     with _writing(target, FIELD), _waiting(target, exclusive=True):
         if not (target / MANIFEST_FILE).is_file():  # (another start may have made it)
             logger.info("specexpert: writing the expert pack of %s to %s", model, target)
             started = time.perf_counter()
-            manifest = _pack(model, target, form, FIELD, "disk")
+            manifest = _pack(model, target, form, FIELD, "disk", draft)
             logger.info(
                 "specexpert: expert pack written: %.2f GB in %.1f s",
                 manifest.records_bytes / 1e9,
                 time.perf_counter() - started,
             )
-        return ExpertPack(target, model=model, form=form)
+        return _with_draft(ExpertPack(target, model=model, form=form), model, draft)
+
+
+def _with_draft(pack: ExpertPack, model: str, draft: DraftForm | None) -> ExpertPack:
+    """``pack``, refused when the draft's experts are wanted (a ``draft`` form) and it
+    has none."""
+    if draft is not None and not pack.has_draft:
+        raise SpecExpertConfigError(
+            FIELD,
+            f"{pack.path} holds no experts of the lookahead draft (a pack made without --draft)",
+            f"`specexpert pack {model} --out {pack.path} --draft` writes the pack again "
+            f"with them; or remove {pack.path}: the next start makes it with them",
+        )
+    return pack
 
 
 @contextmanager

@@ -89,6 +89,11 @@ class ExpertSource(Protocol):
     def nbytes(self) -> int: ...
 
     @property
+    def memory_nbytes(self) -> int:
+        """Of :attr:`nbytes`, what this tier holds in memory (the rest is on disk)."""
+        ...
+
+    @property
     def staging_nbytes(self) -> int:
         """Memory its reads take beside the slots while they run (buffers read into,
         experts being decoded): 0 for experts in RAM."""
@@ -183,6 +188,11 @@ class SlotForm:
     @property
     def nbytes(self) -> int:
         return self.expert_nbytes * self.num_experts
+
+    @property
+    def memory_nbytes(self) -> int:
+        """Of :attr:`nbytes`, what this tier holds in memory (all, for experts in RAM)."""
+        return self.nbytes
 
 
 def stage(

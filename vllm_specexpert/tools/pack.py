@@ -2,7 +2,7 @@
 expert kernel reads (on the CPU build, this machine's prepacked layout), that the disk
 tier reads experts from.
 
-    specexpert pack MODEL --out DIR [--dtype DTYPE] [--isa vec|amx]
+    specexpert pack MODEL --out DIR [--dtype DTYPE] [--isa vec|amx] [--draft]
 
 ``MODEL``: a bf16 (or fp16/fp32) safetensors checkpoint whose experts are stored one
 tensor per projection (Qwen2/3-MoE, OLMoE, DeepSeek-V2, Mixtral). ``DIR``: new, empty, or
@@ -10,7 +10,9 @@ a pack written before, whole or interrupted (rewritten); apart from ``MODEL``; o
 filesystem with room for the pack (checked before any work); not in use by an engine
 (refused, naming its process). ``--dtype``: the dtype the model is served in (default:
 the checkpoint's). ``--isa``: the CPU kernel's layout for another machine (default: this
-machine's; an engine refuses a pack of another ISA). ``--verify`` reads the whole
+machine's; an engine refuses a pack of another ISA). ``--draft``: also the ``lookahead``
+draft's INT4 experts, after the target's (about 0.28x their bytes; a pack without them
+is refused by an engine with ``lookahead``). ``--verify`` reads the whole
 checkpoint and the whole pack and checks that every expert is there; it writes only the
 manifest: the checkpoint as it is now when all match, else the failure (an engine's start
 then refuses the pack until it is made again or verified whole).
@@ -30,7 +32,8 @@ from pathlib import Path
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.tiers.kernel_form import KernelForm, model_kernel_form
+from vllm_specexpert.layers.int4_copies import Int4DraftForm
+from vllm_specexpert.tiers.kernel_form import DTYPES, KernelForm, model_kernel_form
 from vllm_specexpert.tiers.pack_lock import PackBusy
 from vllm_specexpert.tiers.pack_writer import is_pack_dir, pack_checkpoint, verify_pack
 from vllm_specexpert.tools.arguments import (
@@ -55,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the CPU kernel's layout to write (default: this machine's)",
     )
     parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="also write the lookahead draft's INT4 experts (needed by an engine with lookahead)",
+    )
+    parser.add_argument(
         "--verify",
         action="store_true",
         help="check every record of the pack at --out against the checkpoint (a failure is "
@@ -71,7 +79,12 @@ def run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     try:
         manifest = pack_checkpoint(
-            args.model, out, form_of(args), out_field="--out", model_field="model"
+            args.model,
+            out,
+            form_of(args),
+            out_field="--out",
+            model_field="model",
+            draft=draft_form_of(args),
         )
     except SpecExpertConfigError as error:  # (checked before anything is written)
         raise UsageError(error.field_name, f"{error.problem}; {error.fix}") from None
@@ -81,8 +94,9 @@ def run(args: argparse.Namespace) -> None:
         ) from None
     seconds = time.perf_counter() - start
     experts = sum(layer.num_experts for layer in manifest.layers)
+    drafts = f" (and the draft's {len(manifest.draft_layers)})" if manifest.draft_layers else ""
     print(
-        f"wrote {out}: {len(manifest.layers)} layers, {experts} experts, "
+        f"wrote {out}: {len(manifest.layers)} layers{drafts}, {experts} experts, "
         f"{manifest.records_bytes / 1e9:.2f} GB in {seconds:.1f} s "
         f"({manifest.records_bytes / seconds / 1e9:.2f} GB/s)"
     )
@@ -100,12 +114,20 @@ def form_of(args: argparse.Namespace) -> KernelForm:
     return model_kernel_form(getattr(torch, name), current_platform.is_cpu(), args.isa)
 
 
+def draft_form_of(args: argparse.Namespace) -> Int4DraftForm | None:
+    """The draft's form when ``--draft`` (or ``--verify``, which checks a pack's draft
+    regions if it has them), in the form's dtype."""
+    if not (args.draft or args.verify):
+        return None
+    return Int4DraftForm(DTYPES[form_of(args).dtype])
+
+
 def verify(args: argparse.Namespace) -> None:
     """Every record of the pack at ``--out`` read and compared with the checkpoint's
     expert; exit 1 naming each one that differs."""
     start = time.perf_counter()
     try:
-        pack, problems = verify_pack(args.out, args.model, form_of(args))
+        pack, problems = verify_pack(args.out, args.model, form_of(args), draft_form_of(args))
     except SpecExpertConfigError as error:
         raise UsageError("--out", f"{error.problem}; {error.fix}") from None
     except PackBusy as busy:

@@ -1,0 +1,164 @@
+"""The ``lookahead`` draft's INT4 experts in the expert pack (``specexpert pack --draft``):
+written after the target's regions, each expert checked at every read, decoded into the
+draft's slots through its host rows; a pack without them is refused for ``lookahead``
+naming ``disk.path`` and the command that adds them; a flipped byte in a draft region
+fails that read only, and the expert is read again next time."""
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_expert_pack import MODEL, checkpoint_expert
+
+from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.layers.int4_copies import Int4DraftForm
+from vllm_specexpert.layers.packed_experts import PackedDecoder, low_bit_parameters
+from vllm_specexpert.tiers.disk import open_disk
+from vllm_specexpert.tiers.expert_pack import DRAFT_PREFIX, RECORDS_FILE
+from vllm_specexpert.tiers.host_cache import HostCache
+from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
+from vllm_specexpert.tiers.pack_writer import prepare_pack, verify_pack
+from vllm_specexpert.tiers.store import ExpertsUnreadable
+
+FORM = cpu_kernel_form(torch.bfloat16)
+DRAFT = Int4DraftForm(torch.bfloat16)
+LAYER = "model.layers.1.mlp.experts"
+HIDDEN, INTERMEDIATE, EXPERTS = 256, 64, 64
+"""The embedded model's shape (its config.json)."""
+
+
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("draft") / "pack"
+    prepare_pack(str(out), str(MODEL), FORM, DRAFT)
+    return out
+
+
+def int4_of(layer: str, expert: int) -> dict[str, torch.Tensor]:
+    """``lowbit``'s INT4 quantization of the checkpoint's expert (the draft's copies
+    when it is in memory), made here from the checkpoint read by safetensors."""
+    weights = {k: t[None] for k, t in checkpoint_expert(layer, expert).items()}
+    parameters = low_bit_parameters(layer, 1, HIDDEN, INTERMEDIATE)
+    return parameters.quantize(weights)
+
+
+def draft_layer(disk, rows: int = 4):
+    """The draft's layer through host rows, decoded into checkpoint-layout bf16 (the
+    runtime form is the identity here: only the decode is under test)."""
+    parameters = low_bit_parameters(LAYER, EXPERTS, HIDDEN, INTERMEDIATE)
+    shapes = {
+        "w13_weight": ((2 * INTERMEDIATE, HIDDEN), torch.bfloat16),
+        "w2_weight": ((HIDDEN, INTERMEDIATE), torch.bfloat16),
+    }
+    decoder = PackedDecoder(parameters, lambda weights: weights, shapes)
+    disk.draft_cache = HostCache(rows, pinned=False)
+    return disk.layer(DRAFT_PREFIX + LAYER, decoder)
+
+
+def slots(n: int) -> dict[str, torch.Tensor]:
+    return {
+        "w13_weight": torch.zeros(n, 2 * INTERMEDIATE, HIDDEN, dtype=torch.bfloat16),
+        "w2_weight": torch.zeros(n, HIDDEN, INTERMEDIATE, dtype=torch.bfloat16),
+    }
+
+
+def test_the_drafts_experts_come_back_as_lowbits_int4_and_decode_near_the_checkpoint(pack_dir):
+    disk = open_disk(str(pack_dir), str(MODEL), 2, direct=True)
+    try:
+        pack = disk.pack
+        # After every target layer, one per target layer, under the draft's names.
+        targets = pack.manifest.layers
+        assert [d.name for d in pack.manifest.draft_layers] == [
+            DRAFT_PREFIX + t.name for t in targets
+        ]
+        assert pack.manifest.draft_layers[0].offset >= targets[-1].end
+        record = pack.layers[DRAFT_PREFIX + LAYER]
+        assert record.expert_nbytes < pack.layers[LAYER].expert_nbytes / 3
+        experts = draft_layer(disk, rows=4)
+        ids = np.array([5, 9, 63])
+        packed = experts.reader.gather(ids)  # (the rows' reader: the pack's bytes)
+        for i, expert in enumerate(ids.tolist()):
+            want = int4_of(LAYER, expert)
+            assert packed.keys() == want.keys()
+            for name, tensor in want.items():
+                assert torch.equal(packed[name][i], tensor[0]), name
+        out = slots(3)
+        experts.copy_into(ids, np.array([2, 0, 1]), out)
+        for i, expert in zip([2, 0, 1], ids.tolist(), strict=True):
+            want = checkpoint_expert(LAYER, expert)
+            for name in out:
+                error = (out[name][i].float() - want[name].float()).abs().max()
+                scale = want[name].float().abs().max()
+                assert 0 < error < 0.2 * scale, name  # INT4: near, not equal
+        # Read through the rows: the second copy of the same experts reads nothing.
+        reads = disk.stats.reads
+        experts.copy_into(ids, np.array([0, 1, 2]), slots(3))
+        assert disk.stats.reads == reads
+        assert disk.draft_cache.stats_dict()["hits"] == 3
+        assert experts.memory_nbytes == 4 * record.expert_nbytes
+    finally:
+        disk.close()
+
+
+def test_a_pack_without_the_draft_is_refused_for_lookahead_naming_the_command(tmp_path):
+    out = tmp_path / "pack"
+    prepare_pack(str(out), str(MODEL), FORM)  # (no draft form: the target's only)
+    with pytest.raises(SpecExpertConfigError) as refused:
+        prepare_pack(str(out), str(MODEL), FORM, DRAFT)
+    assert refused.value.field_name == "disk.path"
+    assert "no experts of the lookahead draft" in refused.value.problem
+    assert f"--out {out} --draft" in refused.value.fix
+    # The target alone still opens it.
+    assert not prepare_pack(str(out), str(MODEL), FORM).has_draft
+
+
+def flip(path: Path, offset: int) -> None:
+    """Invert one byte at ``offset``, keeping the file's times (a second call undoes it)."""
+    stat = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_flipped_draft_byte_fails_that_read_only_and_is_read_again(pack_dir, tmp_path):
+    copy = tmp_path / "pack"
+    shutil.copytree(pack_dir, copy)
+    disk = open_disk(str(copy), str(MODEL), 2, direct=True)
+    try:
+        record = disk.pack.layers[DRAFT_PREFIX + LAYER]
+        offset = record.tensors[0].at(9) + 100
+        flip(copy / RECORDS_FILE, offset)
+        experts = draft_layer(disk, rows=4)
+        with pytest.raises(ExpertsUnreadable) as unreadable:
+            experts.copy_into(np.array([5, 9]), np.array([0, 1]), slots(2))
+        assert unreadable.value.layer == DRAFT_PREFIX + LAYER
+        assert unreadable.value.experts == [9]
+        assert unreadable.value.field == "disk.path"
+        assert disk.stats.failed == 1 and disk.stats.checked == 1
+        # Expert 5 was read and kept; 9 is read again next time, and whole again it passes.
+        flip(copy / RECORDS_FILE, offset)
+        out = slots(2)
+        experts.copy_into(np.array([5, 9]), np.array([0, 1]), out)
+        assert disk.stats.checked == 2 and disk.draft_cache.stats_dict()["hits"] == 1
+        want = checkpoint_expert(LAYER, 9)["w2_weight"].float()
+        assert (out["w2_weight"][1].float() - want).abs().max() < 0.2 * want.abs().max()
+    finally:
+        disk.close()
+
+
+def test_verify_compares_the_drafts_regions_with_the_checkpoint(pack_dir, tmp_path):
+    copy = tmp_path / "pack"
+    shutil.copytree(pack_dir, copy)
+    pack, problems = verify_pack(copy, MODEL, FORM, DRAFT)
+    assert problems == []
+    record = pack.layers[DRAFT_PREFIX + LAYER]
+    flip(copy / RECORDS_FILE, record.tensors[-1].at(33) + 7)
+    _, problems = verify_pack(copy, MODEL, FORM, DRAFT)
+    assert len(problems) == 1
+    assert f"{DRAFT_PREFIX + LAYER} expert 33's {record.tensors[-1].name}" in problems[0]
