@@ -6,6 +6,8 @@ The shared assumptions: vLLM serves 16 sequences of 4096 tokens, 2048 tokens per
 on a GPU it may use 0.9 of the memory and sizes the KV cache from it; on the CPU build
 the KV cache is explicit (1 GiB, the plugin's ``VLLM_CPU_KVCACHE_SPACE`` default)."""
 
+import re
+
 import pytest
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
@@ -155,16 +157,23 @@ def test_a_lookahead_draft_built_after_the_slots_is_left_its_memory():
     # The 24 GiB box above (46 slots) with a draft of Qwen3-30B-A3B: per layer its 128
     # INT4 experts (about 2.5 MiB each: 320 MiB) and 16 decoded slots (144 MiB), over 48
     # layers 21.75 GiB of the 19.68 left: not even top_k fits beside it.
-    layer = 128 * 2_621_440 + 16 * 9_437_184
-    with pytest.raises(SpecExpertConfigError, match=r"lookahead draft 21\.8 GiB"):
-        fit_budget(
-            "auto", qwen3_30b(staging_bytes=disk_staging(), draft_bytes=48 * layer), cpu(24, 21.8)
-        )
+    # Each part is named with its bytes: 48 x 320 MiB = 15 GiB of INT4 experts, 48 x 144
+    # MiB = 6.75 GiB of decoded slots.
+    draft = {"draft_int4_bytes": 48 * 128 * 2_621_440, "draft_slot_bytes": 48 * 16 * 9_437_184}
+    shapes = qwen3_30b(staging_bytes=disk_staging(), **draft)
+    parts = r"lookahead draft 21\.8 GiB \(decoded slots 6\.8 GiB, INT4 experts 15\.0 GiB\)"
+    with pytest.raises(SpecExpertConfigError, match=parts):
+        fit_budget("auto", shapes, cpu(24, 21.8))
     # On a 64 GiB box: 61.8 - 2.1171875 - 21.75 = 37.93 GiB -> 89 slots (without: all 128).
-    shapes = qwen3_30b(staging_bytes=disk_staging(), draft_bytes=48 * layer)
     fit = fit_budget("auto", shapes, cpu(64, 61.8))
     assert fit.slots_per_layer == 89
-    assert "lookahead draft 21.8 GiB" in fit.reason
+    assert re.search(parts, fit.reason)
+    # The draft on the disk tier: its rows hold a quarter of its INT4 experts.
+    quarter = qwen3_30b(
+        staging_bytes=disk_staging(), **{**draft, "draft_int4_bytes": 48 * 32 * 2_621_440}
+    )
+    # 61.8 - 2.1171875 - 6.75 - 3.75 = 49.18 GiB -> 116 slots.
+    assert fit_budget("auto", quarter, cpu(64, 61.8)).slots_per_layer == 116
 
 
 # --- explicit budgets ----------------------------------------------------------------

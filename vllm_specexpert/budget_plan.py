@@ -107,7 +107,7 @@ def size_host_cache(
         moe_layers=sizing.moe_layers,
         moe_intermediate_size=sizing.moe_intermediate_size,
         kv_cache_bytes=0,
-        draft_bytes=sizing.draft_host_bytes,
+        draft_int4_bytes=sizing.draft_host_bytes,
     )
     setting = config.disk.host_cache if config.disk.host_cache is not None else "auto"
     host = SpecExpertConfig(

@@ -16,7 +16,8 @@ loaded and leaves, before any slot::
     workspace = min(max_num_batched_tokens, KERNEL_CHUNK_TOKENS (256)) * top_k
                 * moe_intermediate_size * WORKSPACE_BYTES (8) + the slow tier's read buffers
     draft     = with lookahead, what its draft (built after the slots) takes of this memory:
-                its decoded slots, and its INT4 experts on the CPU build
+                its decoded slots, and its INT4 experts on the CPU build (under the disk
+                tier, the rows of them it holds: ``lookahead.draft_cache``)
     slots     = (room - kv - workspace - draft - RESERVE_BYTES) / (MoE layers * expert
                 bytes), clamped to [top_k, experts]; below top_k the start is refused.
 
@@ -118,10 +119,12 @@ class ModelShapes:
     staging_bytes: int = 0
     """Buffers the slow tier reads through besides the slots (the disk's: a bounce buffer
     per reader thread, where a tensor is not aligned for ``O_DIRECT``)."""
-    draft_bytes: int = 0
+    draft_slot_bytes: int = 0
     """What the ``lookahead`` draft, built after the slots are sized, will take of the
-    same memory: its INT4 experts (where they share it: the CPU build) and its decoded
-    slots."""
+    same memory for its decoded slots..."""
+    draft_int4_bytes: int = 0
+    """... and for its INT4 experts (where they share it: the CPU build; under the disk
+    tier, its rows of them)."""
 
 
 @dataclass
@@ -139,21 +142,28 @@ class SizingSettings:
     max_num_seqs: int = 0
     max_model_len: int = 0
     max_num_batched_tokens: int = 0
-    draft_bytes: int = 0
-    """:attr:`ModelShapes.draft_bytes`, counted per MoE layer as the model builds."""
+    draft_slot_bytes: int = 0
+    """:attr:`ModelShapes.draft_slot_bytes`, counted per MoE layer as the model builds."""
+    draft_int4_bytes: int = 0
+    """:attr:`ModelShapes.draft_int4_bytes`, counted likewise."""
     draft_host_bytes: int = 0
     """What the ``lookahead`` draft will take of the host's memory apart from the
     device's (CUDA: its INT4 experts), which ``disk.host_cache`` is sized around."""
 
     def count_layer(
-        self, moe_intermediate_size: int, draft_bytes: int = 0, draft_host_bytes: int = 0
+        self,
+        moe_intermediate_size: int,
+        draft_slot_bytes: int = 0,
+        draft_int4_bytes: int = 0,
+        draft_host_bytes: int = 0,
     ) -> None:
         """One more MoE layer was built; its ``lookahead`` draft twin will take
-        ``draft_bytes`` of the memory the slots are sized from, ``draft_host_bytes`` of
-        the host's apart from it."""
+        ``draft_slot_bytes`` and ``draft_int4_bytes`` of the memory the slots are sized
+        from, ``draft_host_bytes`` of the host's apart from it."""
         self.moe_layers += 1
         self.moe_intermediate_size = max(self.moe_intermediate_size, moe_intermediate_size)
-        self.draft_bytes += draft_bytes
+        self.draft_slot_bytes += draft_slot_bytes
+        self.draft_int4_bytes += draft_int4_bytes
         self.draft_host_bytes += draft_host_bytes
 
     def shapes(
@@ -172,7 +182,8 @@ class SizingSettings:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             staging_bytes=staging_bytes,
-            draft_bytes=self.draft_bytes,
+            draft_slot_bytes=self.draft_slot_bytes,
+            draft_int4_bytes=self.draft_int4_bytes,
         )
 
 
@@ -235,14 +246,17 @@ def space_for_slots(
         * WORKSPACE_BYTES
         + shapes.staging_bytes
     )
-    draft = float(shapes.draft_bytes)
-    space = room - kv - workspace - RESERVE_BYTES - draft
+    draft = {
+        "draft_slots": float(shapes.draft_slot_bytes),
+        "draft_int4": float(shapes.draft_int4_bytes),
+    }
+    space = room - kv - workspace - RESERVE_BYTES - sum(draft.values())
     return {
         "room": room,
         "kv": kv,
         "workspace": float(workspace),
         "reserve": float(RESERVE_BYTES),
-        **({"draft": draft} if draft else {}),
+        **({k: v for k, v in draft.items() if v}),
         "space": space,
         **cgroup,
     }
@@ -318,7 +332,13 @@ def _fit(slots: int, shapes: ModelShapes, basis: str, parts: dict[str, float]) -
 def _accounting(parts: dict[str, float]) -> str:
     limit = parts.get("cgroup_limit")
     cgroup = "" if limit is None else f" (cgroup limit {gib(limit)})"
-    draft = f", lookahead draft {gib(parts['draft'])}" if parts.get("draft") else ""
+    slots, int4 = parts.get("draft_slots", 0.0), parts.get("draft_int4", 0.0)
+    draft = (
+        f", lookahead draft {gib(slots + int4)} (decoded slots {gib(slots)}, INT4 "
+        f"experts {gib(int4)})"
+        if slots or int4
+        else ""
+    )
     return (
         f"{gib(parts['room'])} free{cgroup}, KV floor {gib(parts['kv'])}, workspace "
         f"{gib(parts['workspace'])}{draft}, reserve {gib(parts['reserve'])}: "

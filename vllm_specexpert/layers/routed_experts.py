@@ -151,12 +151,13 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     def _draft_twin_bytes(
         self, config: SpecExpertConfig, moe_config: Any, dtype: Any
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """What this target layer's twin in the ``lookahead`` draft will take of the
-        memory the slots are sized from and of the host's apart from it (CUDA: the
-        twin's INT4 experts, which the host cache is sized around); 0s without a draft."""
+        memory the slots are sized from (its decoded slots, its INT4 experts on the CPU
+        build) and of the host's apart from it (CUDA: its INT4 experts, which the host
+        cache is sized around); 0s without a draft."""
         if config.lookahead is None or self._draft:
-            return 0, 0
+            return 0, 0, 0
         decoded, int4 = int4_copies.draft_twin_bytes(
             self.layer_name,
             self.global_num_experts,
@@ -169,8 +170,8 @@ class OffloadedRoutedExperts(RoutedExperts):
             dtype,
         )
         if current_platform.is_cpu():  # (the host is the device)
-            return decoded + int4, 0
-        return decoded, int4
+            return decoded, int4, 0
+        return decoded, 0, int4
 
     # ------------------------------------------------------------------ loading
 
