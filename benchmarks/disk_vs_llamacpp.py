@@ -82,6 +82,7 @@ PHASES = (
     "plugin",
     "scheduler",
     "scheduler_grouping",
+    "lookahead",
     "sweep",
     "mapped",
     "mapped_ahead",
@@ -508,14 +509,16 @@ def packed(args, work: Path) -> tuple[Path, float]:
     form): the model's directory and the seconds the pack took to write (0: made before)."""
     import torch
 
+    from vllm_specexpert.layers.int4_copies import Int4DraftForm
     from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
     from vllm_specexpert.tiers.pack_writer import pack_checkpoint
 
     model = widened(args, work)
     pack = work / "pack"
     started = time.perf_counter()
-    if not (pack / "manifest.json").exists():
-        pack_checkpoint(str(model), pack, cpu_kernel_form(torch.bfloat16), "disk.path", "model")
+    if not (pack / "manifest.json").exists():  # (with the draft's regions: lookahead's)
+        form = cpu_kernel_form(torch.bfloat16)
+        pack_checkpoint(str(model), pack, form, "disk.path", "model", Int4DraftForm(torch.bfloat16))
     return model, time.perf_counter() - started
 
 
@@ -560,13 +563,6 @@ def phase_plugin(args, work: Path) -> dict:
         "page_cache_growth_gb": (kib("/proc/meminfo", "Cached") - cached0) / 1e6,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "modes": results,
-        "not_run": {
-            "lookahead": "not run at this size: the draft holds at least top_k (8) "
-            "decoded bf16 experts per layer beside its INT4 copies, 23.7 GB over 48 "
-            "layers of 58.9 MiB experts, more than this machine's memory (the start "
-            "refuses it naming the draft's bytes); a decoded pool shared across the "
-            "draft's layers is not built",
-        },
     }
 
 
@@ -617,6 +613,39 @@ runs are a few steps long. It warms every mode's cache the same way, ``fetch``'s
 
 def phase_scheduler_grouping(args, work: Path) -> dict:
     return phase_scheduler(args, work, "scheduler_grouping")
+
+
+LOOKAHEAD_MODE = "lookahead (governor) + plec"
+
+
+def phase_lookahead(args, work: Path) -> dict:
+    """MoE-SpeQ's draft on the disk tier: an engine of its own (the draft is built at
+    start), its INT4 experts the pack's draft regions, read through its host rows and
+    decoded into its slots; ``budget: "auto"`` leaves the draft its memory. The draft's
+    routes are the verification pass's demand (``plec``), the governor picks k."""
+    import vllm_specexpert
+    from vllm_specexpert.config import SpecExpertConfigError
+
+    packed(args, work)
+    drop_page_cache()
+    started = time.perf_counter()
+    try:
+        llm = disk_engine(args, work, "auto", cache="plec", lookahead={})
+    except SpecExpertConfigError as error:  # (the draft does not fit: said at start)
+        print(f"plugin {LOOKAHEAD_MODE}: refused: {error}", flush=True)
+        return {"refused": str(error), "modes": {}}
+    start_s = time.perf_counter() - started
+    stats = vllm_specexpert.get_stats(llm)[0]
+    head: dict = {"budget": "auto", "summary": stats["summary"], "engine_start_s": start_s}
+    rows = run_batches(llm, args.batches, f"plugin {LOOKAHEAD_MODE}")
+    stats = vllm_specexpert.get_stats(llm)[0]
+    return {
+        **head,
+        "host_cache": host_cache(stats),
+        "lookahead": stats["lookahead"],
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "modes": {LOOKAHEAD_MODE: rows},
+    }
 
 
 def phase_mapped(args, work: Path, settings: dict | None = None, name: str = "mapped") -> dict:
@@ -1199,6 +1228,7 @@ def plugin_modes(payload: dict) -> dict:
         **payload.get("plugin", {}).get("modes", {}),
         **payload.get("scheduler", {}).get("modes", {}),
         **payload.get("scheduler_grouping", {}).get("modes", {}),
+        **payload.get("lookahead", {}).get("modes", {}),
         **{
             m: rows
             for m, rows in payload.get("approximate", {}).get("modes", {}).items()

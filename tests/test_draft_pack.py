@@ -162,3 +162,15 @@ def test_verify_compares_the_drafts_regions_with_the_checkpoint(pack_dir, tmp_pa
     _, problems = verify_pack(copy, MODEL, FORM, DRAFT)
     assert len(problems) == 1
     assert f"{DRAFT_PREFIX + LAYER} expert 33's {record.tensors[-1].name}" in problems[0]
+
+
+def test_the_drafts_decoded_slots_default_to_top_k_on_the_disk_and_all_in_memory():
+    from vllm_specexpert.config import SpecExpertConfig
+
+    on_disk = SpecExpertConfig(lookahead={}, disk={"path": "/nonexistent"})
+    # Under disk a decoded slot weighs a target slot: the fewest that run a token.
+    assert on_disk.draft_config(top_k=4).slots_per_layer(EXPERTS, 4) == 4
+    assert on_disk.draft_cache_rows(EXPERTS, 4) == EXPERTS // 4  # draft_cache 0.25
+    assert on_disk.draft_cache_rows(8, 4) == 4  # never fewer than a token's
+    in_memory = SpecExpertConfig(lookahead={})
+    assert in_memory.draft_config(top_k=4).slots_per_layer(EXPERTS, 4) == EXPERTS

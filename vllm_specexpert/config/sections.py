@@ -194,20 +194,15 @@ class LookaheadConfig:
     """Share of the draft's experts held decoded (bf16, the kernel's form) beside its
     INT4 pool, least recently used first out; a decoded expert is made again from its
     INT4 copy on the device when next needed. Unset: 1.0, every expert decoded once, at
-    load (fastest; the draft's experts then take bf16 bytes too); under ``disk``
-    :data:`DISK_DRAFT_BUDGET` (a decoded slot weighs as much as a target's slot).
-    Range: (0, 1]."""
+    load (fastest; the draft's experts then take bf16 bytes too); under ``disk`` the
+    fewest that run a token, ``top_k`` per layer (a decoded slot weighs as much as a
+    target's slot). Range: (0, 1]."""
 
-    draft_cache: Annotated[Number, Field(gt=0, le=1)] = 0.5
+    draft_cache: Annotated[Number, Field(gt=0, le=1)] = 0.25
     """Under ``disk``: share of the draft's INT4 experts held in memory per layer (read
     from the pack's draft regions when missing, least recently used out), beside its
     decoded slots. Without ``disk`` the draft's INT4 experts are all in memory. Range:
     (0, 1]."""
-
-
-DISK_DRAFT_BUDGET = 0.125
-"""``lookahead.draft_budget`` under ``disk`` when unset: few decoded bf16 slots, the
-draft's INT4 rows (``draft_cache``) hold the rest."""
 
 
 @dataclass(config=STRICT)

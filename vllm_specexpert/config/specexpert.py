@@ -32,7 +32,6 @@ from vllm_specexpert.config.modes import (
 )
 from vllm_specexpert.config.rules import check_combination, check_effect
 from vllm_specexpert.config.sections import (
-    DISK_DRAFT_BUDGET,
     STRICT,
     BuddyConfig,
     Count,
@@ -379,15 +378,15 @@ class SpecExpertConfig:
                     merged[section] = default_of(SpecExpertConfig, section)
         raise AssertionError("unreachable: every reset removes one setting")
 
-    def draft_config(self) -> SpecExpertConfig:
+    def draft_config(self, top_k: int) -> SpecExpertConfig:
         """The config of the ``lookahead`` draft's own engine: its INT4 experts decoded
         into ``lookahead.draft_budget`` of bf16 slots on demand, exactly (no link
         emulation: decoding is device work, not a transfer). Only with ``lookahead``."""
         if self.lookahead is None:
             raise ValueError("draft_config: this config has no lookahead (no draft)")
-        budget = self.lookahead.draft_budget
-        if budget is None:
-            budget = DISK_DRAFT_BUDGET if self.disk is not None else 1.0
+        budget: float | int | None = self.lookahead.draft_budget
+        if budget is None:  # (under disk: the fewest slots that run a token, ``top_k``)
+            budget = top_k if self.disk is not None else 1.0
         return SpecExpertConfig(budget=budget)
 
     def draft_cache_rows(self, num_experts: int, top_k: int) -> int:

@@ -35,8 +35,9 @@ _TARGET: weakref.ref | None = None
 
 
 def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) -> OffloadEngine:
-    """The engine of ``vllm_config``'s model; a draft model's engine (``draft``) runs
-    the draft's INT4 experts and is attached to its target's engine."""
+    """The engine of ``vllm_config``'s model; a draft model's engine (``draft``: its
+    ``config`` is the draft's, :meth:`SpecExpertConfig.draft_config`) runs the draft's
+    INT4 experts and is attached to its target's engine."""
     global _TARGET
     existing = engine_of(vllm_config)
     if existing is not None:
@@ -51,7 +52,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
                 "engine configured for lookahead"
             )
         engine = OffloadEngine(
-            config.draft_config(),
+            config,
             device,
             rank=rank,
             reports=False,

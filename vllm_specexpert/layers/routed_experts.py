@@ -125,7 +125,7 @@ class OffloadedRoutedExperts(RoutedExperts):
 
         self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None
         """This layer is the lookahead draft's: INT4 experts, its routes to the target."""
-        own = config.draft_config() if self._draft else config
+        own = config.draft_config(self.top_k) if self._draft else config
         if own.budget_sized:  # fail early (a size or auto is sized at the first layer)
             own.slots_per_layer(self.global_num_experts, self.top_k)
         if config.path_predictor is not None:
@@ -133,7 +133,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         if config.lookahead is not None:
             lookahead_driver.install()
         self.slot_kernel = SlotKernel(self)
-        self.engine = engine_for(vllm_config, config, draft=self._draft)
+        self.engine = engine_for(vllm_config, own, draft=self._draft)
         self.checkpoint: str = vllm_config.model_config.model
         """The model's directory (what a mesh peer reads its shard from)."""
         self.engine.budget.sizing.count_layer(
@@ -163,7 +163,7 @@ class OffloadedRoutedExperts(RoutedExperts):
             self.global_num_experts,
             moe_config.hidden_dim,
             moe_config.intermediate_size_per_partition,
-            config.draft_config().slots_per_layer(self.global_num_experts, self.top_k),
+            config.draft_config(self.top_k).slots_per_layer(self.global_num_experts, self.top_k),
             config.draft_cache_rows(self.global_num_experts, self.top_k)
             if self._on_disk
             else self.global_num_experts,
