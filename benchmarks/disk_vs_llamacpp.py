@@ -269,14 +269,17 @@ def ram_bytes(args) -> float:
 
 def intermediate_for(ram_ratio: float, ram: float) -> int:
     """The expert intermediate size whose widened checkpoint weighs ``ram_ratio`` x ``ram``
-    bytes."""
+    bytes, a multiple of :data:`INT4_GROUP` (the ``lookahead`` draft's INT4 groups)."""
     from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
 
     config = json.loads((TRAINED_MODEL_DIR / "config.json").read_text())
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     experts = config.get("num_experts") or config["num_local_experts"]
     target = ram_ratio * ram
-    return round(target / (layers * experts * 3 * hidden * 2))
+    return round(target / (layers * experts * 3 * hidden * 2) / INT4_GROUP) * INT4_GROUP
+
+
+INT4_GROUP = 128
 
 
 def tokens_agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -203,6 +203,13 @@ def low_bit_parameters(
     """The INT4 format of ``lowbit``'s copies: asymmetric round-to-nearest in groups of
     128 input features (64 or 32 where 128 does not divide both projections' inputs)."""
     group = next((g for g in (128, 64, 32) if hidden % g == 0 and intermediate % g == 0), -1)
+    if hidden % 8 or intermediate % 8:
+        raise SpecExpertUnsupportedError(
+            f"{layer_name}: INT4 copies of experts of hidden size {hidden} and intermediate "
+            f"size {intermediate}",
+            "the INT4 format packs eight 4-bit values to a 32-bit word along both sizes",
+            "use lookahead and lowbit on a model whose sizes are multiples of 8",
+        )
     return PackedParameters(
         PackQuantizedFormat("int4", (), group, symmetric=False),
         layer_name,
