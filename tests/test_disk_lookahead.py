@@ -20,8 +20,6 @@ from vllm_harness import (
 
 import vllm_specexpert
 
-DRAFT_CACHE = 0.25
-
 
 @pytest.fixture(scope="module")
 def pack_dir(tmp_path_factory):
@@ -36,7 +34,7 @@ def engine(pack_dir):
         specexpert={
             "budget": 0.25,
             "disk": {"path": str(pack_dir)},
-            "lookahead": {"draft_budget": 0.25, "draft_cache": DRAFT_CACHE},
+            "lookahead": {"draft_budget": 0.25},
         },
     )
     yield llm, reference
@@ -51,11 +49,14 @@ def test_lookahead_on_the_disk_drafts_from_the_packs_int4_regions_and_equals_van
     lookahead = stats["lookahead"]
     assert lookahead["drafted"] > 0 and lookahead["acceptance"] > 0.5
     # The draft's experts: INT4 (about a quarter of their bf16 bytes), of which its host
-    # rows hold a quarter in memory; decoded as many as the target has slots.
+    # rows hold as many as the target has slots (draft_cache "auto": a quarter) in
+    # memory; decoded as many as the target has slots (draft_budget 0.25).
     draft, layers = lookahead["draft"], stats["slot_bytes"]
     bf16 = sum(stats["experts_per_layer"][n] * layers[n] for n in layers)
     assert 0 < draft["int4_bytes"] < bf16 / 3
-    assert draft["int4_memory_bytes"] == pytest.approx(DRAFT_CACHE * draft["int4_bytes"])
+    slots = {n: stats["slots_per_layer"][n] / stats["experts_per_layer"][n] for n in layers}
+    assert set(slots.values()) == {0.25}
+    assert draft["int4_memory_bytes"] == pytest.approx(0.25 * draft["int4_bytes"])
     assert draft["decoded_slot_bytes"] == sum(
         stats["slots_per_layer"][n] * layers[n] for n in layers
     )

@@ -170,7 +170,12 @@ def test_the_drafts_decoded_slots_default_to_top_k_on_the_disk_and_all_in_memory
     on_disk = SpecExpertConfig(lookahead={}, disk={"path": "/nonexistent"})
     # Under disk a decoded slot weighs a target slot: the fewest that run a token.
     assert on_disk.draft_config(top_k=4).slots_per_layer(EXPERTS, 4) == 4
-    assert on_disk.draft_cache_rows(EXPERTS, 4) == EXPERTS // 4  # draft_cache 0.25
-    assert on_disk.draft_cache_rows(8, 4) == 4  # never fewer than a token's
+    # draft_cache "auto": as many INT4 rows as the target's slots, never fewer than top_k.
+    assert on_disk.draft_rows_follow_slots
+    assert on_disk.draft_cache_rows(EXPERTS, 4, slots=23) == 23
+    assert on_disk.draft_cache_rows(EXPERTS, 4, slots=2) == 4
+    share = SpecExpertConfig(lookahead={"draft_cache": 0.25}, disk={"path": "/nonexistent"})
+    assert not share.draft_rows_follow_slots
+    assert share.draft_cache_rows(EXPERTS, 4, slots=23) == EXPERTS // 4
     in_memory = SpecExpertConfig(lookahead={})
     assert in_memory.draft_config(top_k=4).slots_per_layer(EXPERTS, 4) == EXPERTS

@@ -174,6 +174,12 @@ def test_a_lookahead_draft_built_after_the_slots_is_left_its_memory():
     )
     # 61.8 - 2.1171875 - 6.75 - 3.75 = 49.18 GiB -> 116 slots.
     assert fit_budget("auto", quarter, cpu(64, 61.8)).slots_per_layer == 116
+    # draft_cache "auto": each slot brings its INT4 row, 48 x (9 + 2.5) MiB per slot per
+    # layer: (61.8 - 2.1171875 - 6.75) GiB / 0.5390625 GiB = 98.2 -> 98 slots (and rows).
+    rows = {"draft_slot_bytes": draft["draft_slot_bytes"], "draft_row_bytes": 48 * 2_621_440}
+    fit = fit_budget("auto", qwen3_30b(staging_bytes=disk_staging(), **rows), cpu(64, 61.8))
+    assert fit.slots_per_layer == 98
+    assert "the lookahead draft's INT4 rows 0.1 GiB per slot per layer" in fit.reason
 
 
 # --- explicit budgets ----------------------------------------------------------------

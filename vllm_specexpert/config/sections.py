@@ -198,11 +198,13 @@ class LookaheadConfig:
     fewest that run a token, ``top_k`` per layer (a decoded slot weighs as much as a
     target's slot). Range: (0, 1]."""
 
-    draft_cache: Annotated[Number, Field(gt=0, le=1)] = 0.25
-    """Under ``disk``: share of the draft's INT4 experts held in memory per layer (read
-    from the pack's draft regions when missing, least recently used out), beside its
-    decoded slots. Without ``disk`` the draft's INT4 experts are all in memory. Range:
-    (0, 1]."""
+    draft_cache: Annotated[Number, Field(gt=0, le=1)] | Literal["auto"] = "auto"
+    """Under ``disk``: the draft's INT4 experts held in memory per layer (read from the
+    pack's draft regions when missing, least recently used out), beside its decoded
+    slots. ``"auto"`` (default): as many as the target has slots per layer, the two
+    sized together (each slot of ``budget`` brings its INT4 row); a number in (0, 1]: that
+    share of each layer's. At least ``top_k``. Without ``disk`` the draft's INT4 experts
+    are all in memory."""
 
 
 @dataclass(config=STRICT)

@@ -17,9 +17,12 @@ loaded and leaves, before any slot::
                 * moe_intermediate_size * WORKSPACE_BYTES (8) + the slow tier's read buffers
     draft     = with lookahead, what its draft (built after the slots) takes of this memory:
                 its decoded slots, and its INT4 experts on the CPU build (under the disk
-                tier, the rows of them it holds: ``lookahead.draft_cache``)
-    slots     = (room - kv - workspace - draft - RESERVE_BYTES) / (MoE layers * expert
-                bytes), clamped to [top_k, experts]; below top_k the start is refused.
+                tier, the rows of them it holds: ``lookahead.draft_cache`` as a share)
+    slots     = (room - kv - workspace - draft - RESERVE_BYTES) / (MoE layers * (expert
+                bytes + draft row bytes)), clamped to [top_k, experts]; below top_k the
+                start is refused. ``draft row bytes``: under the disk tier with
+                ``lookahead.draft_cache: "auto"``, each slot brings the draft's INT4 row
+                (an INT4 expert's bytes), else 0.
 
 A rebuild (``reconfigure``) never takes more than the start's space, and within it::
 
@@ -124,7 +127,10 @@ class ModelShapes:
     same memory for its decoded slots..."""
     draft_int4_bytes: int = 0
     """... and for its INT4 experts (where they share it: the CPU build; under the disk
-    tier, its rows of them)."""
+    tier, its rows of them when their count is fixed)."""
+    draft_row_bytes: int = 0
+    """Over all MoE layers, one INT4 row of the draft per slot when the rows are sized
+    with the slots (``lookahead.draft_cache: "auto"``): what each slot per layer brings."""
 
 
 @dataclass
@@ -146,6 +152,8 @@ class SizingSettings:
     """:attr:`ModelShapes.draft_slot_bytes`, counted per MoE layer as the model builds."""
     draft_int4_bytes: int = 0
     """:attr:`ModelShapes.draft_int4_bytes`, counted likewise."""
+    draft_row_bytes: int = 0
+    """:attr:`ModelShapes.draft_row_bytes`, counted likewise."""
     draft_host_bytes: int = 0
     """What the ``lookahead`` draft will take of the host's memory apart from the
     device's (CUDA: its INT4 experts), which ``disk.host_cache`` is sized around."""
@@ -156,15 +164,18 @@ class SizingSettings:
         draft_slot_bytes: int = 0,
         draft_int4_bytes: int = 0,
         draft_host_bytes: int = 0,
+        draft_row_bytes: int = 0,
     ) -> None:
         """One more MoE layer was built; its ``lookahead`` draft twin will take
         ``draft_slot_bytes`` and ``draft_int4_bytes`` of the memory the slots are sized
-        from, ``draft_host_bytes`` of the host's apart from it."""
+        from, ``draft_host_bytes`` of the host's apart from it, and ``draft_row_bytes``
+        more per slot of the layer."""
         self.moe_layers += 1
         self.moe_intermediate_size = max(self.moe_intermediate_size, moe_intermediate_size)
         self.draft_slot_bytes += draft_slot_bytes
         self.draft_int4_bytes += draft_int4_bytes
         self.draft_host_bytes += draft_host_bytes
+        self.draft_row_bytes += draft_row_bytes
 
     def shapes(
         self, num_experts: int, top_k: int, expert_bytes: int, staging_bytes: int = 0
@@ -184,6 +195,7 @@ class SizingSettings:
             staging_bytes=staging_bytes,
             draft_slot_bytes=self.draft_slot_bytes,
             draft_int4_bytes=self.draft_int4_bytes,
+            draft_row_bytes=self.draft_row_bytes,
         )
 
 
@@ -274,7 +286,13 @@ def fit_budget(
     ``auto`` needs it). ``planned``: the start's parts, for a rebuild
     (:func:`space_for_slots`)."""
     per_expert_layer = shapes.moe_layers * shapes.expert_bytes
+    # What one slot per layer takes of the memory: with the draft's INT4 row, if any, at
+    # the start (a rebuild leaves the draft's rows as they were: not freed, not grown).
+    rows = shapes.draft_row_bytes if planned is None else 0
+    per_slot = per_expert_layer + rows
     parts = space_for_slots(memory, shapes, planned) if memory is not None else {}
+    if rows and memory is not None:
+        parts["draft_row"] = float(shapes.draft_row_bytes)
     if budget == "auto":
         if memory is None:
             raise SpecExpertConfigError(
@@ -282,13 +300,13 @@ def fit_budget(
                 "'auto' sizes the slots from the memory, and this engine has no memory report",
                 "give a fraction, a count or a size",
             )
-        fits = math.floor(max(parts["space"], 0.0) / per_expert_layer)
+        fits = math.floor(max(parts["space"], 0.0) / per_slot)
         if fits < shapes.top_k:
-            need = shapes.top_k * per_expert_layer - parts["space"]
+            need = shapes.top_k * per_slot - parts["space"]
             raise SpecExpertConfigError(
                 "budget",
                 f"auto: even top_k ({shapes.top_k}) slots per layer "
-                f"({gib(shapes.top_k * per_expert_layer)}) do not fit: {_accounting(parts)}; "
+                f"({gib(shapes.top_k * per_slot)}) do not fit: {_accounting(parts)}; "
                 f"{gib(need)} is missing",
                 "free memory (a smaller max_num_seqs, max_model_len or KV cache), or "
                 "use a machine with more memory",
@@ -313,8 +331,8 @@ def fit_budget(
         slots = budget_slots(budget, shapes.num_experts, shapes.top_k)
         basis = f"budget {budget}"
     fit = _fit(slots, shapes, basis, parts)
-    if memory is not None and slots * per_expert_layer > parts["space"] and not allow_beyond_memory:
-        fits = max(0, math.floor(parts["space"] / per_expert_layer))
+    if memory is not None and slots * per_slot > parts["space"] and not allow_beyond_memory:
+        fits = max(0, math.floor(parts["space"] / per_slot))
         raise SpecExpertConfigError(
             "budget",
             f"{fit.reason} do not fit: {_accounting(parts)}",
@@ -339,6 +357,9 @@ def _accounting(parts: dict[str, float]) -> str:
         if slots or int4
         else ""
     )
+    if parts.get("draft_row"):
+        row = gib(parts["draft_row"])
+        draft += f", the lookahead draft's INT4 rows {row} per slot per layer"
     return (
         f"{gib(parts['room'])} free{cgroup}, KV floor {gib(parts['kv'])}, workspace "
         f"{gib(parts['workspace'])}{draft}, reserve {gib(parts['reserve'])}: "

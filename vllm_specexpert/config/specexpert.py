@@ -389,11 +389,24 @@ class SpecExpertConfig:
             budget = top_k if self.disk is not None else 1.0
         return SpecExpertConfig(budget=budget)
 
-    def draft_cache_rows(self, num_experts: int, top_k: int) -> int:
+    def draft_cache_rows(self, num_experts: int, top_k: int, slots: int) -> int:
         """Under ``disk``, the ``lookahead`` draft's INT4 experts held in memory per
-        layer (``lookahead.draft_cache``; at least one token's)."""
+        layer (``lookahead.draft_cache``: ``auto``, the target's ``slots`` per layer; at
+        least one token's)."""
         assert self.lookahead is not None  # (only a config with a draft asks)
-        return max(top_k, math.floor(self.lookahead.draft_cache * num_experts + 1e-9))
+        share = self.lookahead.draft_cache
+        rows = slots if share == "auto" else math.floor(share * num_experts + 1e-9)
+        return max(top_k, rows)
+
+    @property
+    def draft_rows_follow_slots(self) -> bool:
+        """The ``lookahead`` draft's INT4 rows are sized with the slots, one per slot
+        (``draft_cache: "auto"`` on the disk tier)."""
+        return (
+            self.lookahead is not None
+            and self.disk is not None
+            and self.lookahead.draft_cache == "auto"
+        )
 
     # ------------------------------------------------------- model-dependent checks
 

@@ -151,27 +151,36 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     def _draft_twin_bytes(
         self, config: SpecExpertConfig, moe_config: Any, dtype: Any
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int, int, int]:
         """What this target layer's twin in the ``lookahead`` draft will take of the
         memory the slots are sized from (its decoded slots, its INT4 experts on the CPU
-        build) and of the host's apart from it (CUDA: its INT4 experts, which the host
-        cache is sized around); 0s without a draft."""
+        build), of the host's apart from it (CUDA: its INT4 experts, which the host
+        cache is sized around), and per slot of this layer (its INT4 rows sized with the
+        slots); 0s without a draft."""
         if config.lookahead is None or self._draft:
-            return 0, 0, 0
+            return 0, 0, 0, 0
+        num_experts = self.global_num_experts
+        follow = config.draft_rows_follow_slots
+        # (rows sized with the slots count per slot; on CUDA, the host's: at most all)
+        int4_experts = (
+            num_experts
+            if not self._on_disk or follow
+            else config.draft_cache_rows(num_experts, self.top_k, num_experts)
+        )
         decoded, int4 = int4_copies.draft_twin_bytes(
             self.layer_name,
-            self.global_num_experts,
+            num_experts,
             moe_config.hidden_dim,
             moe_config.intermediate_size_per_partition,
-            config.draft_config(self.top_k).slots_per_layer(self.global_num_experts, self.top_k),
-            config.draft_cache_rows(self.global_num_experts, self.top_k)
-            if self._on_disk
-            else self.global_num_experts,
+            config.draft_config(self.top_k).slots_per_layer(num_experts, self.top_k),
+            int4_experts,
             dtype,
         )
-        if current_platform.is_cpu():  # (the host is the device)
-            return decoded, int4, 0
-        return decoded, 0, int4
+        if not current_platform.is_cpu():  # (the draft's INT4 experts are the host's)
+            return decoded, 0, int4, 0
+        if follow:
+            return decoded, 0, 0, int4 // num_experts
+        return decoded, int4, 0, 0
 
     # ------------------------------------------------------------------ loading
 
@@ -347,7 +356,10 @@ class OffloadedRoutedExperts(RoutedExperts):
                 "them again",
             )
         if disk.draft_cache is None:
-            rows = target.config.draft_cache_rows(self.global_num_experts, self.top_k)
+            plan = target.budget.current
+            assert plan is not None  # (the target's layers were equipped first)
+            target_slots = plan.slots(self.global_num_experts, self.top_k)
+            rows = target.config.draft_cache_rows(self.global_num_experts, self.top_k, target_slots)
             disk.draft_cache = HostCache(rows, pinned=False)
         return disk.layer(self.layer_name, decoder), decoder
 
