@@ -857,6 +857,8 @@ class RouteRecorder:
 
         best = lru = 0
         for name, calls in self.calls.items():
+            if name not in stats["slots_per_layer"]:
+                continue  # (the lookahead draft's layers: its engine's, not the target's)
             sequence, decode = flatten(calls)
             slots = stats["slots_per_layer"][name]
             expert = stats["expert_bytes"][name]

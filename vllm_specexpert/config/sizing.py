@@ -350,16 +350,15 @@ def _fit(slots: int, shapes: ModelShapes, basis: str, parts: dict[str, float]) -
 def _accounting(parts: dict[str, float]) -> str:
     limit = parts.get("cgroup_limit")
     cgroup = "" if limit is None else f" (cgroup limit {gib(limit)})"
-    slots, int4 = parts.get("draft_slots", 0.0), parts.get("draft_int4", 0.0)
-    draft = (
-        f", lookahead draft {gib(slots + int4)} (decoded slots {gib(slots)}, INT4 "
-        f"experts {gib(int4)})"
-        if slots or int4
-        else ""
-    )
+    named = {
+        "decoded slots": parts.get("draft_slots", 0.0),
+        "INT4 experts": parts.get("draft_int4", 0.0),
+    }
+    held = ", ".join(f"{name} {gib(size)}" for name, size in named.items() if size)
+    draft = f", lookahead draft {gib(sum(named.values()))} ({held})" if held else ""
     if parts.get("draft_row"):
         row = gib(parts["draft_row"])
-        draft += f", the lookahead draft's INT4 rows {row} per slot per layer"
+        draft += f", and its INT4 rows, {row} with each slot of every layer"
     return (
         f"{gib(parts['room'])} free{cgroup}, KV floor {gib(parts['kv'])}, workspace "
         f"{gib(parts['workspace'])}{draft}, reserve {gib(parts['reserve'])}: "
