@@ -161,7 +161,8 @@ class OffloadedRoutedExperts(RoutedExperts):
             return 0, 0, 0, 0
         num_experts = self.global_num_experts
         follow = config.draft_rows_follow_slots
-        # (rows sized with the slots count per slot; on CUDA, the host's: at most all)
+        # Every INT4 expert in memory; on disk, its rows: a share, or (following the
+        # slots) one per slot, counted per slot below; CUDA's host sizing, at most all.
         int4_experts = (
             num_experts
             if not self._on_disk or follow
