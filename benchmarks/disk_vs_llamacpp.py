@@ -640,7 +640,13 @@ def phase_lookahead(args, work: Path) -> dict:
     start_s = time.perf_counter() - started
     stats = vllm_specexpert.get_stats(llm)[0]
     head: dict = {"budget": "auto", "summary": stats["summary"], "engine_start_s": start_s}
-    rows = run_batches(llm, args.batches, f"plugin {LOOKAHEAD_MODE}")
+
+    def kept(rows: dict) -> None:  # (with the draft's counters: a killed run keeps them)
+        draft = vllm_specexpert.get_stats(llm)[0]["lookahead"]
+        part = {"complete": False, **head, "lookahead": draft, "modes": {LOOKAHEAD_MODE: rows}}
+        (work / "part-lookahead.json").write_text(json.dumps(part))
+
+    rows = run_batches(llm, args.batches, f"plugin {LOOKAHEAD_MODE}", kept)
     stats = vllm_specexpert.get_stats(llm)[0]
     return {
         **head,
