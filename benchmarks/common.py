@@ -17,6 +17,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,16 @@ def timed_generate(llm, prompts: list, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def stepped_generate(llm, prompts: list, max_tokens: int) -> tuple[float, list[tuple[float, int]]]:
+def stepped_generate(
+    llm, prompts: list, max_tokens: int, at_decode: Callable[[], None] | None = None
+) -> tuple[float, list[tuple[float, int]]]:
     """``(prefill, decode)``: greedy generation driven one engine step at a time (the
     engine core in this process), each step timed: the seconds of the steps until every
     request has its first token, and each later (decode) step's seconds and the tokens
     it made (fewer than the requests when a scheduler holds some back). Unlike the
     difference of two runs (:func:`step_seconds`), nothing depends on the state a second
-    run meets (a cache that the first run warmed)."""
+    run meets (a cache that the first run warmed). ``at_decode``: called once, untimed,
+    before the first decode step (to read counters at the prefill's end)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -77,6 +81,8 @@ def stepped_generate(llm, prompts: list, max_tokens: int) -> tuple[float, list[t
     prefill, decode = 0.0, []
     while engine.has_unfinished_requests():
         decoding = len(made) == len(prompts)
+        if decoding and not decode and at_decode is not None:
+            at_decode()
         before = sum(made.values())
         begun = time.perf_counter()
         outputs = engine.step()

@@ -912,11 +912,16 @@ def plugin_run(llm, batch: int) -> dict:
     learning = [{"prompt_token_ids": p} for p in prompt_ids(batch, part=1)]
     timed_generate(llm, learning, LEARNING_TOKENS)
     vllm_specexpert.reset_stats(llm)
-    scheduler_s = (vllm_specexpert.get_stats(llm)[0].get("scheduler") or {}).get("cpu_s", 0.0)
+    at_decode: dict = {}
+
+    def decode_starts() -> None:  # (the scheduler's and the draft's work in the prefill)
+        at_decode.update(work_s(vllm_specexpert.get_stats(llm)[0]))
+
     with Window() as window, ROUTES.recording():
-        first, steps = stepped_generate(llm, prompts, tokens)
+        first, steps = stepped_generate(llm, prompts, tokens, decode_starts)
     stats = vllm_specexpert.get_stats(llm)[0]
-    scheduler_s = (stats.get("scheduler") or {}).get("cpu_s", 0.0) - scheduler_s
+    decode_work = {key: end - at_decode.get(key, 0.0) for key, end in work_s(stats).items()}
+    scheduler_s, draft_s = decode_work["scheduler"], decode_work["draft"]
     # Per token made: a scheduler that holds requests back makes fewer than ``batch``.
     decode_s, made = sum(s for s, _ in steps), sum(n for _, n in steps)
     d, n = stats["total"]["decode"], max(stats["decode_tokens"], 1)
@@ -930,7 +935,7 @@ def plugin_run(llm, batch: int) -> dict:
         # (mapped: the kernel's pages are not loads; the OS's figures below count them)
         "gb_read_per_decode_token": d["bytes_loaded"] / n / 1e9,
         "stall_s_per_decode_token": d["stall_s"] / n,
-        "breakdown_s_per_decode_token": breakdown(stats, decode_s, made, scheduler_s),
+        "breakdown_s_per_decode_token": breakdown(stats, decode_s, made, scheduler_s, draft_s),
         "prefetched_per_decode_token": d["prefetched"] / n,
         "prefetch_used_per_decode_token": d["prefetch_used"] / n,
         **checks(stats["disk"], first + decode_s),
@@ -945,7 +950,15 @@ def plugin_run(llm, batch: int) -> dict:
     }
 
 
-def breakdown(stats: dict, decode_s: float, made: int, scheduler_s: float) -> dict:
+def work_s(stats: dict) -> dict[str, float]:
+    """The token scheduler's and the draft's seconds so far (0 without them)."""
+    return {
+        "scheduler": (stats.get("scheduler") or {}).get("cpu_s", 0.0),
+        "draft": (stats.get("lookahead") or {}).get("draft_s", 0.0),
+    }
+
+
+def breakdown(stats: dict, decode_s: float, made: int, scheduler_s: float, draft_s: float) -> dict:
     """The decode steps' seconds per generated token, measured: the expert kernel on
     resident experts, the wait for reads (the disk's, a mapped pack's pages), the wait
     for the host and peers, the engine's own work in the MoE layers' calls (their time
@@ -955,7 +968,6 @@ def breakdown(stats: dict, decode_s: float, made: int, scheduler_s: float) -> di
     them (the benchmark's decode steps do not)."""
     d = stats["total"]["decode"]
     waits = d["host_stall_s"] + d["peer_wait_s"]
-    draft_s = (stats.get("lookahead") or {}).get("draft_s", 0.0)
     parts = {
         "kernel": d["kernel_s"],
         "read_wait": d["stall_s"],
