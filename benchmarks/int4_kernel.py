@@ -7,7 +7,9 @@ cheaper than the target it drafts for (issue 56's draft beside a model bigger th
         [--tokens 1 4 32] [--repeats 20] [--name int4_kernel]
 
 Per shape and token count: the median seconds of one expert's whole computation (gate
-and up projection, SiLU and multiply, down projection) each way, and their ratio. Weights
+and up projection, SiLU and multiply, down projection) each way, and their ratio. Per
+shape: what the ``lookahead`` draft pays to decode an INT4 expert (its format, ``lowbit``'s)
+into a bf16 slot, the dequantize and the CPU kernel's prepack apart. Weights
 are random (a kernel's time does not depend on the values); INT4 in groups of 128 with a
 bias of 8 (``uint4b8``: no zero points), bf16 scales. Nothing here is modeled: real
 kernels, timed with ``perf_counter``. Writes ``benchmarks/results/<name>.json``.
@@ -86,6 +88,33 @@ def measure(hidden: int, inter: int, tokens: int, repeats: int, isa: str) -> dic
     }
 
 
+def measure_decode(hidden: int, inter: int, repeats: int, isa: str) -> dict:
+    """The draft's decode of one expert: ``lowbit``'s INT4 dequantized to bf16, then
+    prepacked for the CPU kernel (its runtime form, vLLM's unquantized method's)."""
+    from vllm import _custom_ops as ops
+
+    from vllm_specexpert.layers.packed_experts import low_bit_parameters
+
+    parameters = low_bit_parameters("expert", 1, hidden, inter)
+    weights = {
+        "w13_weight": (torch.randn(1, 2 * inter, hidden) * 0.02).to(torch.bfloat16),
+        "w2_weight": (torch.randn(1, hidden, inter) * 0.02).to(torch.bfloat16),
+    }
+    packed = parameters.quantize(weights)
+    decoded = parameters.dequantize(packed)
+
+    def prepack() -> None:
+        for tensor in decoded.values():
+            ops.cpu_prepack_moe_weight(tensor.to(torch.bfloat16), isa)
+
+    return {
+        "hidden": hidden,
+        "intermediate": inter,
+        "dequantize_s": time_median(lambda: parameters.dequantize(packed), repeats),
+        "prepack_s": time_median(prepack, repeats),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -105,6 +134,15 @@ def main() -> None:
                 f"int4 {1e3 * row['int4_s']:8.3f} ms, int4/bf16 {row['int4_over_bf16']:.2f}",
                 flush=True,
             )
+    decodes = []
+    for inter in args.intermediate:
+        row = measure_decode(args.hidden, inter, args.repeats, isa)
+        decodes.append(row)
+        print(
+            f"H {args.hidden} I {inter}: the draft's decode of an expert: dequantize "
+            f"{1e3 * row['dequantize_s']:8.3f} ms, prepack {1e3 * row['prepack_s']:8.3f} ms",
+            flush=True,
+        )
     payload = {
         "real": True,
         "modeled": None,
@@ -112,6 +150,7 @@ def main() -> None:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "rows": rows,
+        "decodes": decodes,
     }
     out = write_result(args.name, payload)
     print(f"wrote {out}\ncommand: {command_line()}")
