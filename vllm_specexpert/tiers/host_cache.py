@@ -5,7 +5,9 @@ The device slots (``budget``) hold the hottest experts; the host rows
 (``disk.host_cache``, sized by the same function from the host's free memory) hold the
 next ones, least recently used out, so a device miss is a DMA from pinned memory when
 the rows hold the expert and a disk read into a row first when they do not. The CPU
-build has none: its slots are in host memory, the only tier above the disk.
+build has none for the target: its slots are in host memory, the only tier above the
+disk. On either build the ``lookahead`` draft's INT4 experts are read into rows of their
+own (``lookahead.draft_cache``, not pinned) and decoded from there into its slots.
 
 A row is not overwritten while a copy out of it may still run: each copy records an
 event on the stream it was issued on, and a row's next read waits for it.
