@@ -27,23 +27,24 @@ PROPOSES_WITHOUT = (
     "the lookahead draft proposes without them (the target verifies every drafted "
     "token: the output is unchanged)"
 )
-"""What becomes of a pass that lacks an expert: a target's requests fail; a draft's
-proposals are only checked by its target, so nothing fails."""
+"""What becomes of a pass that lacks an expert, as logged: a target's requests fail; a
+draft's proposals are only checked by its target, so nothing fails."""
 
 
 class UnreadableRows:
     """The rows of the running pass whose output lacks an expert the slow tier could not
-    supply (the worker fails their requests after the step, unless ``outcome`` is
-    :data:`PROPOSES_WITHOUT`: none is kept), and which experts were logged: each once,
-    with its cause and ``outcome``, however often it fails."""
+    supply (the worker fails their requests after the step; a draft's engine,
+    ``draft``, keeps none), and which experts were logged: each once, with its cause
+    and what became of the pass, however often it fails."""
 
-    def __init__(self, outcome: str = FAILS_REQUESTS) -> None:
+    def __init__(self, draft: bool = False) -> None:
         self._rows: set[int] = set()
         self._logged: set[tuple[str, int]] = set()
-        self.outcome = outcome
+        self.draft = draft
+        self.outcome = PROPOSES_WITHOUT if draft else FAILS_REQUESTS
 
     def add(self, rows: Iterable[int]) -> None:
-        if self.outcome == FAILS_REQUESTS:
+        if not self.draft:
             self._rows.update(rows)
 
     def take(self) -> list[int]:

@@ -173,8 +173,9 @@ class BuddyConfig:
 class LookaheadConfig:
     """MoE-SpeQ's draft lookahead (``lookahead: {}`` for these defaults). The plugin
     sets vLLM's ``speculative_config`` to a ``draft_model`` on the same checkpoint with
-    ``k_max`` tokens; the draft is the model with INT4 experts (made at load), run from
-    its own pool. Its routes for the drafted tokens are the target's expert lookahead
+    ``k_max`` tokens; the draft is the model with INT4 experts (made at load; under
+    ``disk``, the pack's draft regions, ``specexpert pack --draft``), run from its own
+    pool. Its routes for the drafted tokens are the target's expert lookahead
     buffer: their experts are prefetched while the draft runs, and the cache evicts by
     them. vLLM verifies the drafted tokens in one target pass (accepted tokens are the
     target's: exact under ``fetch``). Per step a governor picks the draft length from

@@ -17,7 +17,7 @@ from vllm.platforms import current_platform
 from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.handback import PROPOSES_WITHOUT, UnreadableRows
+from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layers.sizing import sizing_settings
 from vllm_specexpert.tiers.disk import open_disk
 
@@ -58,7 +58,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
             reports=False,
             budget_field="lookahead.draft_budget",
         )
-        engine.unreadable = UnreadableRows(PROPOSES_WITHOUT)
+        engine.unreadable = UnreadableRows(draft=True)
         _TARGETS[engine] = target
         target.provide(draft=engine)  # its routes become the target's lookahead
     else:
