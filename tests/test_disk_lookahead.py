@@ -1,11 +1,12 @@
 """``lookahead`` on the disk tier, on the widened model: the draft's INT4 experts are the
 pack's draft regions (the start writes them with the pack), read through the draft's
-host rows (``lookahead.draft_cache``) and decoded into its few slots; its routes prefetch
-the target's experts from the pack. Greedy tokens and logprobs equal vanilla vLLM's (on a
-CPU without AMX: see test_lookahead), the draft's tokens are accepted, and both read
-from the pack. A draft region that fails its checksum fails no request: the draft
-proposes without that expert and the target verifies. An engine of its own module:
-vLLM's process state holds one engine at a time."""
+host rows (``lookahead.draft_cache``) into its few slots, where vLLM's W4A16 GEMM
+computes them packed; its routes prefetch the target's experts from the pack. Greedy
+tokens and logprobs equal vanilla vLLM's (on a CPU without AMX: see test_lookahead), the
+draft's tokens are accepted, and both read from the pack. A draft region that fails its
+checksum fails no request: the draft proposes without that expert and the target
+verifies. An engine of its own module: vLLM's process state holds one engine at a
+time."""
 
 import pytest
 from test_disk_tier import MODEL
@@ -50,17 +51,17 @@ def test_lookahead_on_the_disk_drafts_from_the_packs_int4_regions_and_equals_van
     assert lookahead["drafted"] > 0 and lookahead["acceptance"] > 0.5
     # The draft's experts: INT4 (about a quarter of their bf16 bytes), of which its host
     # rows hold as many as the target has slots (draft_cache "auto": a quarter) in
-    # memory; decoded as many as the target has slots (draft_budget 0.25).
+    # memory; its slots as many (draft_budget 0.25), holding them INT4 as the rows do:
+    # computed packed, never decoded to bf16.
     draft, layers = lookahead["draft"], stats["slot_bytes"]
     bf16 = sum(stats["experts_per_layer"][n] * layers[n] for n in layers)
     assert 0 < draft["int4_bytes"] < bf16 / 3
     slots = {n: stats["slots_per_layer"][n] / stats["experts_per_layer"][n] for n in layers}
     assert set(slots.values()) == {0.25}
     assert draft["int4_memory_bytes"] == pytest.approx(0.25 * draft["int4_bytes"])
-    assert draft["decoded_slot_bytes"] == sum(
-        stats["slots_per_layer"][n] * layers[n] for n in layers
-    )
-    assert draft["decodes"] > 0
+    assert draft["computes_packed"]
+    assert draft["slot_bytes"] == draft["int4_memory_bytes"]
+    assert draft["loads"] > 0
     rows = stats["disk"]["draft_cache"]
     assert rows["misses"] > 0 and rows["hits"] > 0  # read from the pack, then kept
     skip_unless_batch_invariant("lookahead's output equals vanilla vLLM's")

@@ -1,8 +1,9 @@
 """The ``lookahead`` draft's INT4 experts in the expert pack (``specexpert pack --draft``):
-written after the target's regions, each expert checked at every read, decoded into the
-draft's slots through its host rows; a pack without them is refused for ``lookahead``
-naming ``disk.path`` and the command that adds them; a flipped byte in a draft region
-fails that read only, and the expert is read again next time."""
+written after the target's regions in the form vLLM's CPU W4A16 GEMM reads, each expert
+checked at every read, copied into the draft's slots through its host rows and computed
+there packed; a pack without them is refused for ``lookahead`` naming ``disk.path`` and
+the command that adds them; a flipped byte in a draft region fails that read only, and
+the expert is read again next time."""
 
 import os
 import shutil
@@ -15,11 +16,12 @@ from test_expert_pack import MODEL, checkpoint_expert
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.layers.int4_copies import Int4DraftForm
-from vllm_specexpert.layers.packed_experts import PackedDecoder, low_bit_parameters
+from vllm_specexpert.layers.int4_gemm import Int4GemmExperts
 from vllm_specexpert.tiers.disk import open_disk
 from vllm_specexpert.tiers.expert_pack import DRAFT_PREFIX, RECORDS_FILE
+from vllm_specexpert.tiers.host import torch_experts
 from vllm_specexpert.tiers.host_cache import HostCache
-from vllm_specexpert.tiers.kernel_form import cpu_kernel_form
+from vllm_specexpert.tiers.kernel_form import DTYPES, cpu_kernel_form
 from vllm_specexpert.tiers.pack_writer import prepare_pack, verify_pack
 from vllm_specexpert.tiers.store import ExpertsUnreadable
 
@@ -37,35 +39,33 @@ def pack_dir(tmp_path_factory) -> Path:
     return out
 
 
-def int4_of(layer: str, expert: int) -> dict[str, torch.Tensor]:
-    """``lowbit``'s INT4 quantization of the checkpoint's expert (the draft's copies
-    when it is in memory), made here from the checkpoint read by safetensors."""
-    weights = {k: t[None] for k, t in checkpoint_expert(layer, expert).items()}
-    parameters = low_bit_parameters(layer, 1, HIDDEN, INTERMEDIATE)
-    return parameters.quantize(weights)
+def dequantized(tensors: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
+    """A projection ``[N, K]`` from the GEMM's form, as its layout is documented (vLLM's
+    ``CPUWNA16LinearKernel``): ``qweight [N/16, 2K]`` int32, 8 codes a word along the
+    outputs in blocks of 16; ``scales [G, N]``, ``qzeros [G, N/8]``; ``(q - z) * s``."""
+    qweight, scales, qzeros = (tensors[f"{stem}_{p}"] for p in ("qweight", "scales", "qzeros"))
+    groups, n = scales.shape
+    k = qweight.shape[1] // 2
+    words = qweight.view(n // 16, k, 2).permute(1, 0, 2).reshape(k, n // 8)
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    codes = ((words[..., None] >> shifts) & 0xF).reshape(k, n)
+    zeros = ((qzeros[..., None] >> shifts) & 0xF).reshape(groups, n)
+    per_group = k // groups
+    weight = (codes - zeros.repeat_interleave(per_group, 0)).float()
+    return (weight * scales.float().repeat_interleave(per_group, 0)).t()
 
 
 def draft_layer(disk, rows: int = 4):
-    """The draft's layer through host rows, decoded into checkpoint-layout bf16 (the
-    runtime form is the identity here: only the decode is under test)."""
-    parameters = low_bit_parameters(LAYER, EXPERTS, HIDDEN, INTERMEDIATE)
-    shapes = {
-        "w13_weight": ((2 * INTERMEDIATE, HIDDEN), torch.bfloat16),
-        "w2_weight": ((HIDDEN, INTERMEDIATE), torch.bfloat16),
-    }
-    decoder = PackedDecoder(parameters, lambda weights: weights, shapes)
+    """The draft's layer through ``rows`` host rows, copied into its slots as it is."""
     disk.draft_cache = HostCache(rows, pinned=False)
-    return disk.layer(DRAFT_PREFIX + LAYER, decoder)
+    return disk.layer(DRAFT_PREFIX + LAYER)
 
 
-def slots(n: int) -> dict[str, torch.Tensor]:
-    return {
-        "w13_weight": torch.zeros(n, 2 * INTERMEDIATE, HIDDEN, dtype=torch.bfloat16),
-        "w2_weight": torch.zeros(n, HIDDEN, INTERMEDIATE, dtype=torch.bfloat16),
-    }
+def slots(record, n: int) -> dict[str, torch.Tensor]:
+    return {t.name: torch.zeros(n, *t.shape, dtype=DTYPES[t.dtype]) for t in record.tensors}
 
 
-def test_the_drafts_experts_come_back_as_lowbits_int4_and_decode_near_the_checkpoint(pack_dir):
+def test_the_drafts_experts_come_back_near_the_checkpoint_and_compute_packed(pack_dir):
     disk = open_disk(str(pack_dir), str(MODEL), 2, direct=True)
     try:
         pack = disk.pack
@@ -79,23 +79,30 @@ def test_the_drafts_experts_come_back_as_lowbits_int4_and_decode_near_the_checkp
         assert record.expert_nbytes < pack.layers[LAYER].expert_nbytes / 3
         experts = draft_layer(disk, rows=4)
         ids = np.array([5, 9, 63])
-        packed = experts.reader.gather(ids)  # (the rows' reader: the pack's bytes)
-        for i, expert in enumerate(ids.tolist()):
-            want = int4_of(LAYER, expert)
-            assert packed.keys() == want.keys()
-            for name, tensor in want.items():
-                assert torch.equal(packed[name][i], tensor[0]), name
-        out = slots(3)
+        out = slots(record, 3)
         experts.copy_into(ids, np.array([2, 0, 1]), out)
+        checkpoint = {e: checkpoint_expert(LAYER, e) for e in ids.tolist()}
         for i, expert in zip([2, 0, 1], ids.tolist(), strict=True):
-            want = checkpoint_expert(LAYER, expert)
-            for name in out:
-                error = (out[name][i].float() - want[name].float()).abs().max()
-                scale = want[name].float().abs().max()
-                assert 0 < error < 0.2 * scale, name  # INT4: near, not equal
+            held = {name: t[i] for name, t in out.items()}
+            for stem in ("w13", "w2"):
+                want = checkpoint[expert][f"{stem}_weight"].float()
+                error = (dequantized(held, stem) - want).abs().max()
+                assert 0 < error < 0.1 * want.abs().max(), stem  # INT4: near, not equal
+        # vLLM's GEMM on the slots, as the draft runs them: the experts' sum near the
+        # checkpoint's, through the slots the copies went to.
+        x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16()
+        slot_ids = torch.tensor([[2, 0], [0, 1], [1, 2], [2, 1], [0, 2], [1, 0]])
+        weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(1))
+        got = Int4GemmExperts("silu")(x, weights, slot_ids, out).float()
+        dense = {
+            name: torch.stack([checkpoint[e][name] for e in (9, 63, 5)]).bfloat16()
+            for name in ("w13_weight", "w2_weight")
+        }
+        want = torch_experts(x, weights, slot_ids, dense).float()
+        assert (got - want).norm() < 0.15 * want.norm()
         # Read through the rows: the second copy of the same experts reads nothing.
         reads = disk.stats.reads
-        experts.copy_into(ids, np.array([0, 1, 2]), slots(3))
+        experts.copy_into(ids, np.array([0, 1, 2]), slots(record, 3))
         assert disk.stats.reads == reads
         assert disk.draft_cache.stats_dict()["hits"] == 3
         assert experts.memory_nbytes == 4 * record.expert_nbytes
@@ -136,18 +143,19 @@ def test_a_flipped_draft_byte_fails_that_read_only_and_is_read_again(pack_dir, t
         flip(copy / RECORDS_FILE, offset)
         experts = draft_layer(disk, rows=4)
         with pytest.raises(ExpertsUnreadable) as unreadable:
-            experts.copy_into(np.array([5, 9]), np.array([0, 1]), slots(2))
+            experts.copy_into(np.array([5, 9]), np.array([0, 1]), slots(record, 2))
         assert unreadable.value.layer == DRAFT_PREFIX + LAYER
         assert unreadable.value.experts == [9]
         assert unreadable.value.field == "disk.path"
         assert disk.stats.failed == 1 and disk.stats.checked == 1
         # Expert 5 was read and kept; 9 is read again next time, and whole again it passes.
         flip(copy / RECORDS_FILE, offset)
-        out = slots(2)
+        out = slots(record, 2)
         experts.copy_into(np.array([5, 9]), np.array([0, 1]), out)
         assert disk.stats.checked == 2 and disk.draft_cache.stats_dict()["hits"] == 1
         want = checkpoint_expert(LAYER, 9)["w2_weight"].float()
-        assert (out["w2_weight"][1].float() - want).abs().max() < 0.2 * want.abs().max()
+        held = {name: t[1] for name, t in out.items()}
+        assert (dequantized(held, "w2") - want).abs().max() < 0.1 * want.abs().max()
     finally:
         disk.close()
 

@@ -155,13 +155,13 @@ def test_a_cpu_box_without_room_for_top_k_is_refused():
 
 def test_a_lookahead_draft_built_after_the_slots_is_left_its_memory():
     # The 24 GiB box above (46 slots) with a draft of Qwen3-30B-A3B: per layer its 128
-    # INT4 experts (about 2.5 MiB each: 320 MiB) and 16 decoded slots (144 MiB), over 48
+    # INT4 experts (about 2.5 MiB each: 320 MiB) and 16 slots (144 MiB, decoded), over 48
     # layers 21.75 GiB of the 19.68 left: not even top_k fits beside it.
     # Each part is named with its bytes: 48 x 320 MiB = 15 GiB of INT4 experts, 48 x 144
-    # MiB = 6.75 GiB of decoded slots.
+    # MiB = 6.75 GiB of slots.
     draft = {"draft_int4_bytes": 48 * 128 * 2_621_440, "draft_slot_bytes": 48 * 16 * 9_437_184}
     shapes = qwen3_30b(staging_bytes=disk_staging(), **draft)
-    parts = r"lookahead draft 21\.8 GiB \(decoded slots 6\.8 GiB, INT4 experts 15\.0 GiB\)"
+    parts = r"lookahead draft 21\.8 GiB \(slots 6\.8 GiB, INT4 experts 15\.0 GiB\)"
     with pytest.raises(SpecExpertConfigError, match=parts):
         fit_budget("auto", shapes, cpu(24, 21.8))
     # On a 64 GiB box: 61.8 - 2.1171875 - 21.75 = 37.93 GiB -> 89 slots (without: all 128).
@@ -179,7 +179,7 @@ def test_a_lookahead_draft_built_after_the_slots_is_left_its_memory():
     rows = {"draft_slot_bytes": draft["draft_slot_bytes"], "draft_row_bytes": 48 * 2_621_440}
     fit = fit_budget("auto", qwen3_30b(staging_bytes=disk_staging(), **rows), cpu(64, 61.8))
     assert fit.slots_per_layer == 98
-    assert "(decoded slots 6.8 GiB), and its INT4 rows, 120.0 MiB with each slot" in fit.reason
+    assert "(slots 6.8 GiB), and its INT4 rows, 120.0 MiB with each slot" in fit.reason
 
 
 # --- explicit budgets ----------------------------------------------------------------

@@ -95,7 +95,7 @@ class PackedFormat(ABC):
 # --------------------------------------------------------------------- int4 helpers
 
 
-def _unpack_int4(
+def unpack_int4(
     packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))
 ) -> torch.Tensor:
     """Unsigned 4-bit values of int32 ``packed`` along ``dim`` (8 per int32; nibble ``i``
@@ -112,10 +112,10 @@ def _shifts(order: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([4 * order.index(j) for j in range(8)], dtype=torch.int32)
 
 
-def _pack_int4(
+def pack_int4(
     values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))
 ) -> torch.Tensor:
-    """Inverse of :func:`_unpack_int4` (values in [0, 15])."""
+    """Inverse of :func:`unpack_int4` (values in [0, 15])."""
     dim = dim % values.dim()
     grouped = values.to(torch.int32).unflatten(dim, (-1, 8))
     packed = torch.zeros(grouped.shape[: dim + 1] + grouped.shape[dim + 2 :], dtype=torch.int32)
@@ -128,7 +128,7 @@ def _groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else in_features // group_size
 
 
-def _rtn_int4(
+def rtn_int4(
     weight: torch.Tensor, group_size: int, symmetric: bool, min_zero: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit codes of ``weight [out, in]`` per input group: unsigned
@@ -179,18 +179,18 @@ class AwqFormat(PackedFormat):
     def dequantize(
         self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
     ) -> torch.Tensor:
-        q = _unpack_int4(tensors["qweight"], -1, AWQ_ORDER)  # [.., in, out]
-        zero = _unpack_int4(tensors["qzeros"], -1, AWQ_ORDER)  # [.., g, out]
+        q = unpack_int4(tensors["qweight"], -1, AWQ_ORDER)  # [.., in, out]
+        zero = unpack_int4(tensors["qzeros"], -1, AWQ_ORDER)  # [.., g, out]
         return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
     def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
         return tensors["qweight"].shape[-1] * 8, tensors["qweight"].shape[-2]
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        q, zero, scale = _rtn_int4(weight, self.group_size, symmetric=False)
+        q, zero, scale = rtn_int4(weight, self.group_size, symmetric=False)
         return {
-            "qweight": _pack_int4(q.T, -1, AWQ_ORDER),
-            "qzeros": _pack_int4(zero.T, -1, AWQ_ORDER),
+            "qweight": pack_int4(q.T, -1, AWQ_ORDER),
+            "qzeros": pack_int4(zero.T, -1, AWQ_ORDER),
             "scales": scale.T.to(torch.float16).contiguous(),
         }
 
@@ -211,8 +211,8 @@ class GptqFormat(PackedFormat):
     def dequantize(
         self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
     ) -> torch.Tensor:
-        q = _unpack_int4(tensors["qweight"], -2)  # [.., in, out]
-        zero = _unpack_int4(tensors["qzeros"], -1) + 1  # v1: stored z - 1
+        q = unpack_int4(tensors["qweight"], -2)  # [.., in, out]
+        zero = unpack_int4(tensors["qzeros"], -1) + 1  # v1: stored z - 1
         return _dequantize(q, zero, tensors["scales"], -2).transpose(-1, -2)
 
     def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -220,12 +220,12 @@ class GptqFormat(PackedFormat):
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         # v1 stores z - 1 in four bits: a zero point of 0 cannot be stored.
-        q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric, min_zero=1)
+        q, zero, scale = rtn_int4(weight, self.group_size, self.symmetric, min_zero=1)
         in_features = weight.shape[1]
         size = in_features if self.group_size == -1 else self.group_size
         return {
-            "qweight": _pack_int4(q.T, -2),
-            "qzeros": _pack_int4(zero.T - 1, -1),
+            "qweight": pack_int4(q.T, -2),
+            "qzeros": pack_int4(zero.T - 1, -1),
             "scales": scale.T.to(torch.float16).contiguous(),
             "g_idx": (torch.arange(in_features) // size).to(torch.int32),
         }
@@ -252,12 +252,12 @@ class PackQuantizedFormat(PackedFormat):
     def dequantize(
         self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
     ) -> torch.Tensor:
-        q = _unpack_int4(tensors["weight_packed"], -1)  # [.., out, in]
+        q = unpack_int4(tensors["weight_packed"], -1)  # [.., out, in]
         scale = tensors["weight_scale"]
         if self.symmetric:
             zero = torch.full_like(scale, 8, dtype=torch.int32)
         else:  # signed zero points, offset like the weights
-            zero = _unpack_int4(tensors["weight_zero_point"], -2)
+            zero = unpack_int4(tensors["weight_zero_point"], -2)
         return _dequantize(q, zero, scale, -1)
 
     def features(self, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -265,14 +265,14 @@ class PackQuantizedFormat(PackedFormat):
         return int(out_features), int(in_features)
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        q, zero, scale = _rtn_int4(weight, self.group_size, self.symmetric)
+        q, zero, scale = rtn_int4(weight, self.group_size, self.symmetric)
         tensors = {
-            "weight_packed": _pack_int4(q, -1),
+            "weight_packed": pack_int4(q, -1),
             "weight_scale": scale.to(torch.bfloat16),
             "weight_shape": torch.tensor(weight.shape, dtype=torch.int64),
         }
         if not self.symmetric:
-            tensors["weight_zero_point"] = _pack_int4(zero, -2)
+            tensors["weight_zero_point"] = pack_int4(zero, -2)
         return tensors
 
 

@@ -411,7 +411,7 @@ def _check_estimator(config: SpecExpertConfig, model_config: Any) -> None:
 
 
 def _check_draft(config: SpecExpertConfig, shape: MoEShape) -> None:
-    """``lookahead``'s draft: its decoded slots must hold one token's experts (its INT4
+    """``lookahead``'s draft: its slots must hold one token's experts (its INT4
     experts need a bf16/fp16 checkpoint: :meth:`SpecExpertConfig.check_fits`)."""
     try:
         config.draft_config(shape.top_k).slots_per_layer(shape.num_experts, shape.top_k)

@@ -16,7 +16,8 @@ loaded and leaves, before any slot::
     workspace = min(max_num_batched_tokens, KERNEL_CHUNK_TOKENS (256)) * top_k
                 * moe_intermediate_size * WORKSPACE_BYTES (8) + the slow tier's read buffers
     draft     = with lookahead, what its draft (built after the slots) takes of this memory:
-                its decoded slots, and its INT4 experts on the CPU build (under the disk
+                its slots (bf16, or INT4 where it computes them packed: the disk tier on
+                the CPU build), and its INT4 experts on the CPU build (under the disk
                 tier, the rows of them it holds: ``lookahead.draft_cache`` as a share)
     slots     = (room - kv - workspace - draft - RESERVE_BYTES) / (MoE layers * (expert
                 bytes + draft row bytes)), clamped to [top_k, experts]; below top_k the
@@ -124,7 +125,7 @@ class ModelShapes:
     per reader thread, where a tensor is not aligned for ``O_DIRECT``)."""
     draft_slot_bytes: int = 0
     """What the ``lookahead`` draft, built after the slots are sized, will take of the
-    same memory for its decoded slots..."""
+    same memory for its slots (bf16, or INT4 where it computes them packed)..."""
     draft_int4_bytes: int = 0
     """... and for its INT4 experts (where they share it: the CPU build; under the disk
     tier, its rows of them when their count is fixed)."""
@@ -351,7 +352,7 @@ def _accounting(parts: dict[str, float]) -> str:
     limit = parts.get("cgroup_limit")
     cgroup = "" if limit is None else f" (cgroup limit {gib(limit)})"
     named = {
-        "decoded slots": parts.get("draft_slots", 0.0),
+        "slots": parts.get("draft_slots", 0.0),
         "INT4 experts": parts.get("draft_int4", 0.0),
     }
     held = ", ".join(f"{name} {gib(size)}" for name, size in named.items() if size)

@@ -379,9 +379,10 @@ class SpecExpertConfig:
         raise AssertionError("unreachable: every reset removes one setting")
 
     def draft_config(self, top_k: int) -> SpecExpertConfig:
-        """The config of the ``lookahead`` draft's own engine: its INT4 experts decoded
-        into ``lookahead.draft_budget`` of bf16 slots on demand, exactly (no link
-        emulation: decoding is device work, not a transfer). Only with ``lookahead``."""
+        """The config of the ``lookahead`` draft's own engine: its INT4 experts loaded
+        into ``lookahead.draft_budget`` of slots on demand (decoded to bf16, or INT4 as
+        they are), exactly (no link emulation: a load is device work, not a
+        transfer). Only with ``lookahead``."""
         if self.lookahead is None:
             raise ValueError("draft_config: this config has no lookahead (no draft)")
         budget: float | int | None = self.lookahead.draft_budget

@@ -161,11 +161,14 @@ def _draft_stats(draft: Any) -> dict[str, Any]:
     return {
         "int4_bytes": draft.store.nbytes,
         "int4_memory_bytes": sum(layer.experts.memory_nbytes for layer in layers),
-        "decoded_slot_bytes": sum(
+        # Packed: its slots hold INT4 experts as the GEMM reads them (disk, CPU build);
+        # else bf16 ones, each load a decode.
+        "computes_packed": bool(layers) and all(layer.experts.decoder is None for layer in layers),
+        "slot_bytes": sum(
             layer.cache.num_slots * layer.cache.experts.slot_nbytes for layer in layers
         ),
-        "decodes": totals.decode.loads + totals.prefill.loads,
-        "decoded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
+        "loads": totals.decode.loads + totals.prefill.loads,
+        "loaded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
     }
 
 

@@ -5,7 +5,8 @@ target layer will take of the device's memory and of the host's.
 The copies are made from vLLM's checkpoint layout, before the quant method's
 post-processing (on CPU a prepacked layout, whose groups would mix rows). Under the disk
 tier, which loads no expert, the draft's are the pack's draft regions, written one
-expert at a time in :class:`Int4DraftForm`.
+expert at a time in :class:`Int4DraftForm`: the form the draft computes packed where the
+build can (:mod:`.int4_gemm`), else ``lowbit``'s, decoded into its slots.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from vllm_specexpert.layers import int4_gemm
 from vllm_specexpert.layers.packed_experts import LOW_BIT_BITS, PackedParameters, low_bit_parameters
 from vllm_specexpert.tiers.checkpoint_experts import TensorSpec
 
@@ -37,17 +39,24 @@ def of_packed(layer_name: str, packed: Copies) -> Copies:
 
 
 class Int4DraftForm:
-    """The draft's experts as an expert pack holds them (``specexpert pack --draft``):
-    the INT4 copies the draft decodes, made from one expert of the checkpoint read in the
-    model's ``dtype`` (:class:`~vllm_specexpert.tiers.expert_pack.DraftForm`)."""
+    """The draft's experts as an expert pack holds them (``specexpert pack --draft``),
+    made from one expert of the checkpoint read in the model's ``dtype``
+    (:class:`~vllm_specexpert.tiers.expert_pack.DraftForm`): the GEMM's form where this
+    build computes them packed (:meth:`computed_packed`), else ``lowbit``'s."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
+    def computed_packed(self, hidden: int, intermediate: int) -> bool:
+        """The draft computes its experts of these sizes packed: no decoded copies."""
+        return int4_gemm.runs_packed(self.dtype, hidden, intermediate)
+
     def __call__(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         weights = {name: t[None].to(self.dtype) for name, t in tensors.items()}
-        twice_intermediate, hidden = weights["w13_weight"].shape[1:]
-        parameters = low_bit_parameters("the draft", 1, hidden, twice_intermediate // 2)
+        hidden, intermediate = weights["w2_weight"].shape[1:]
+        if self.computed_packed(hidden, intermediate):
+            return int4_gemm.expert_form({name: t[0] for name, t in weights.items()}, self.dtype)
+        parameters = low_bit_parameters("the draft", 1, hidden, intermediate)
         return {name: t[0].contiguous() for name, t in parameters.quantize(weights).items()}
 
     def specs(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
@@ -61,17 +70,19 @@ def draft_twin_bytes(
     num_experts: int,
     hidden: int,
     intermediate: int,
-    decoded_slots: int,
+    slots: int,
     int4_experts: int,
     dtype: torch.dtype,
+    packed_slots: bool = False,
 ) -> tuple[int, int]:
     """What a target layer's twin in the ``lookahead`` draft, built after the target's
-    slots are sized, will take: its ``decoded_slots`` (experts in ``dtype``, on the
-    device) and its ``int4_experts`` held in host memory (all, or under the disk tier
-    its rows), in bytes."""
-    decoded = decoded_slots * 3 * hidden * intermediate * dtype.itemsize
-    int4 = low_bit_parameters(layer_name, num_experts, hidden, intermediate)
-    return decoded, int4_experts * int4.expert_nbytes
+    slots are sized, will take: its ``slots`` (experts in ``dtype`` on the device, or
+    INT4 where it computes them ``packed_slots``) and its ``int4_experts`` held in host
+    memory (all, or under the disk tier its rows), in bytes."""
+    int4 = low_bit_parameters(layer_name, num_experts, hidden, intermediate).expert_nbytes
+    # (lowbit's bytes bound the GEMM form's: the same codes, scales and zeros, less a shape)
+    slot = int4 if packed_slots else 3 * hidden * intermediate * dtype.itemsize
+    return slots * slot, int4_experts * int4
 
 
 def keeps_packed(packed: Copies | None) -> bool:

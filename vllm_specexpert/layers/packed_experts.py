@@ -197,12 +197,17 @@ LOW_BIT_BITS = 4
 """Bits per weight of ``lowbit``'s copies and of the lookahead draft's experts."""
 
 
+def low_bit_group(hidden: int, intermediate: int) -> int:
+    """The INT4 format's group: 128 input features, or 64 or 32 where 128 does not
+    divide both projections' inputs (-1: one group per row)."""
+    return next((g for g in (128, 64, 32) if hidden % g == 0 and intermediate % g == 0), -1)
+
+
 def low_bit_parameters(
     layer_name: str, num_experts: int, hidden: int, intermediate: int
 ) -> PackedParameters:
     """The INT4 format of ``lowbit``'s copies: asymmetric round-to-nearest in groups of
-    128 input features (64 or 32 where 128 does not divide both projections' inputs)."""
-    group = next((g for g in (128, 64, 32) if hidden % g == 0 and intermediate % g == 0), -1)
+    :func:`low_bit_group` input features."""
     if hidden % 8 or intermediate % 8:
         raise SpecExpertUnsupportedError(
             f"{layer_name}: INT4 copies of experts of hidden size {hidden} and intermediate "
@@ -211,7 +216,7 @@ def low_bit_parameters(
             "use lookahead and lowbit on a model whose sizes are multiples of 8",
         )
     return PackedParameters(
-        PackQuantizedFormat("int4", (), group, symmetric=False),
+        PackQuantizedFormat("int4", (), low_bit_group(hidden, intermediate), symmetric=False),
         layer_name,
         num_experts,
         hidden,

@@ -48,6 +48,7 @@ from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.layers import failed_requests, int4_copies, lookahead_driver
 from vllm_specexpert.layers.engines import engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
+from vllm_specexpert.layers.int4_gemm import Int4GemmExperts
 from vllm_specexpert.layers.pack_form_check import check_pack_form
 from vllm_specexpert.layers.packed_experts import (
     PackedDecoder,
@@ -132,7 +133,17 @@ class OffloadedRoutedExperts(RoutedExperts):
             vllm_hooks.keep_step_demand()
         if config.lookahead is not None:
             lookahead_driver.install()
-        self.slot_kernel = SlotKernel(self)
+        self._draft_packed = (
+            self._draft
+            and self._on_disk
+            and int4_copies.Int4DraftForm(self.params_dtype).computed_packed(
+                moe_config.hidden_dim, moe_config.intermediate_size_per_partition
+            )
+        )
+        """This draft layer computes its INT4 experts packed: its slots hold them so."""
+        self.slot_kernel: SlotKernel | Int4GemmExperts = (
+            Int4GemmExperts(self.activation) if self._draft_packed else SlotKernel(self)
+        )
         self.engine = engine_for(vllm_config, own, draft=self._draft)
         self.checkpoint: str = vllm_config.model_config.model
         """The model's directory (what a mesh peer reads its shard from)."""
@@ -153,7 +164,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         self, config: SpecExpertConfig, moe_config: Any, dtype: Any
     ) -> tuple[int, int, int, int]:
         """What this target layer's twin in the ``lookahead`` draft will take of the
-        memory the slots are sized from (its decoded slots, its INT4 experts on the CPU
+        memory the slots are sized from (its slots, its INT4 experts on the CPU
         build), of the host's apart from it (CUDA: its INT4 experts, which the host
         cache is sized around), and per slot of this layer (its INT4 rows sized with the
         slots); 0s without a draft."""
@@ -168,20 +179,23 @@ class OffloadedRoutedExperts(RoutedExperts):
             if not self._on_disk or follow
             else config.draft_cache_rows(num_experts, self.top_k, num_experts)
         )
-        decoded, int4 = int4_copies.draft_twin_bytes(
+        hidden, intermediate = moe_config.hidden_dim, moe_config.intermediate_size_per_partition
+        slots, int4 = int4_copies.draft_twin_bytes(
             self.layer_name,
             num_experts,
-            moe_config.hidden_dim,
-            moe_config.intermediate_size_per_partition,
+            hidden,
+            intermediate,
             config.draft_config(self.top_k).slots_per_layer(num_experts, self.top_k),
             int4_experts,
             dtype,
+            packed_slots=self._on_disk
+            and int4_copies.Int4DraftForm(dtype).computed_packed(hidden, intermediate),
         )
         if not current_platform.is_cpu():  # (the draft's INT4 experts are the host's)
-            return decoded, 0, int4, 0
+            return slots, 0, int4, 0
         if follow:
-            return decoded, 0, 0, int4 // num_experts
-        return decoded, int4, 0, 0
+            return slots, 0, 0, int4 // num_experts
+        return slots, int4, 0, 0
 
     # ------------------------------------------------------------------ loading
 
@@ -326,10 +340,11 @@ class OffloadedRoutedExperts(RoutedExperts):
 
     def _draft_experts_on_disk(
         self, form: Any, slot_shapes: SlotShapes
-    ) -> tuple[DiskExperts | MappedExperts | HostCachedExperts, PackedDecoder]:
+    ) -> tuple[DiskExperts | MappedExperts | HostCachedExperts, PackedDecoder | None]:
         """The draft's INT4 experts in the target's pack, read through the draft's host
-        rows (``lookahead.draft_cache``, made at its first layer) and decoded into its
-        slots; refused if the pack holds them in another layout than this build's."""
+        rows (``lookahead.draft_cache``, made at its first layer) into its slots, as
+        they are where it computes them packed, else decoded; refused if the pack holds
+        them in another layout than this build's."""
         target = target_of(self.engine)
         disk = target.store.disk
         assert isinstance(disk, Disk)  # (the target's, opened with its engine)
@@ -338,7 +353,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         parameters = low_bit_parameters(
             self.layer_name, self.global_num_experts, hidden, intermediate
         )
-        decoder = PackedDecoder(parameters, form, slot_shapes)
+        decoder = None if self._draft_packed else PackedDecoder(parameters, form, slot_shapes)
         record = disk.record_of(self.layer_name)
         dtype = self.w13_weight.dtype
         checkpoint = [

@@ -23,6 +23,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.tiers.disk_reader import DiskFile, DiskReader
 from vllm_specexpert.tiers.expert_pack import (
+    DRAFT_PREFIX,
     FIELD,
     RECORDS_FILE,
     ExpertPack,
@@ -101,9 +102,9 @@ class Disk:
     def layer(
         self, name: str, decoder: ExpertDecoder | None = None
     ) -> DiskExperts | MappedExperts | HostCachedExperts:
-        """Layer ``name``'s experts: the target's, or, with their ``decoder``, the
-        draft's (read through :attr:`draft_cache`, decoded into the draft's slots)."""
-        if decoder is not None:
+        """Layer ``name``'s experts: the target's, or the draft's (read through
+        :attr:`draft_cache`; with their ``decoder``, decoded into the draft's slots)."""
+        if name.startswith(DRAFT_PREFIX):
             packed = DiskExperts(self, self.record_of(name), decoder)
             return packed if self.draft_cache is None else self.draft_cache.wrap(packed)
         if self.mapping is not None:
