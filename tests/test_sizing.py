@@ -179,7 +179,7 @@ def test_a_lookahead_draft_built_after_the_slots_is_left_its_memory():
     rows = {"draft_slot_bytes": draft["draft_slot_bytes"], "draft_row_bytes": 48 * 2_621_440}
     fit = fit_budget("auto", qwen3_30b(staging_bytes=disk_staging(), **rows), cpu(64, 61.8))
     assert fit.slots_per_layer == 98
-    assert "(slots 6.8 GiB), and its INT4 rows, 120.0 MiB with each slot" in fit.reason
+    assert "(slots 6.8 GiB), and its INT4 experts, 120.0 MiB with each slot" in fit.reason
 
 
 # --- explicit budgets ----------------------------------------------------------------

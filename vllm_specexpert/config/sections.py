@@ -195,13 +195,15 @@ class LookaheadConfig:
     """Share of the draft's experts held in its slots, least recently used first out:
     decoded (bf16, the kernel's form) beside its INT4 pool, made again from its INT4
     copy when next needed; under ``disk`` on the CPU build INT4 as vLLM's W4A16 GEMM
-    reads them, computed packed with no bf16 copy. Unset: 1.0, every expert decoded
-    once, at load (fastest; the draft's experts then take bf16 bytes too); under
-    ``disk`` the fewest that run a token, ``top_k`` per layer. Range: (0, 1]."""
+    reads them, computed packed with no bf16 copy, the slots its only cache. Unset: 1.0,
+    every expert decoded once, at load (fastest; the draft's experts then take bf16
+    bytes too); under ``disk``, computed packed, as many as ``draft_cache`` says, else
+    the fewest that run a token, ``top_k`` per layer. Range: (0, 1]."""
 
     draft_cache: Annotated[Number, Field(gt=0, le=1)] | Literal["auto"] = "auto"
     """Under ``disk``: the draft's INT4 experts held in memory per layer (read from the
-    pack's draft regions when missing, least recently used out), beside its slots.
+    pack's draft regions when missing, least recently used out): its slots where it
+    computes them packed (the CPU build), else host rows beside its decoded slots.
     ``"auto"`` (default): as many as the target has slots per layer, the two sized
     together (each slot of ``budget`` brings its INT4 row); a number in (0, 1]: that
     share of each layer's. At least ``top_k``. Without ``disk`` the draft's INT4 experts

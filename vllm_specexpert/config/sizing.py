@@ -359,7 +359,7 @@ def _accounting(parts: dict[str, float]) -> str:
     draft = f", lookahead draft {gib(sum(named.values()))} ({held})" if held else ""
     if parts.get("draft_row"):
         row = gib(parts["draft_row"])
-        draft += f", and its INT4 rows, {row} with each slot of every layer"
+        draft += f", and its INT4 experts, {row} with each slot of every layer"
     return (
         f"{gib(parts['room'])} free{cgroup}, KV floor {gib(parts['kv'])}, workspace "
         f"{gib(parts['workspace'])}{draft}, reserve {gib(parts['reserve'])}: "

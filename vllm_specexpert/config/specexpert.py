@@ -378,16 +378,18 @@ class SpecExpertConfig:
                     merged[section] = default_of(SpecExpertConfig, section)
         raise AssertionError("unreachable: every reset removes one setting")
 
-    def draft_config(self, top_k: int) -> SpecExpertConfig:
+    def draft_config(self, top_k: int, slots: int | None = None) -> SpecExpertConfig:
         """The config of the ``lookahead`` draft's own engine: its INT4 experts loaded
         into ``lookahead.draft_budget`` of slots on demand (decoded to bf16, or INT4 as
         they are), exactly (no link emulation: a load is device work, not a
-        transfer). Only with ``lookahead``."""
+        transfer). ``slots``: the count per layer when ``draft_budget`` is unset, where
+        the caller sizes it (the disk tier's packed draft: its slots are its cache).
+        Only with ``lookahead``."""
         if self.lookahead is None:
             raise ValueError("draft_config: this config has no lookahead (no draft)")
         budget: float | int | None = self.lookahead.draft_budget
         if budget is None:  # (under disk: the fewest slots that run a token, ``top_k``)
-            budget = top_k if self.disk is not None else 1.0
+            budget = slots if slots is not None else top_k if self.disk is not None else 1.0
         return SpecExpertConfig(budget=budget)
 
     def draft_cache_rows(self, num_experts: int, top_k: int, slots: int) -> int:

@@ -169,6 +169,9 @@ def _draft_stats(draft: Any) -> dict[str, Any]:
         ),
         "loads": totals.decode.loads + totals.prefill.loads,
         "loaded_bytes": totals.decode.bytes_loaded + totals.prefill.bytes_loaded,
+        # Where its time goes: waiting for its reads, and its kernel.
+        "read_wait_s": totals.decode.stall_s + totals.prefill.stall_s,
+        "kernel_s": totals.decode.kernel_s + totals.prefill.kernel_s,
     }
 
 

@@ -45,7 +45,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
     device = torch.device(current_platform.device_type)
     rank = vllm_config.parallel_config.rank
     if draft:
-        target = _TARGET() if _TARGET is not None else None
+        target = current_target()
         if target is None or target.config.lookahead is None:
             raise RuntimeError(
                 "specexpert: a draft model was built without a target "
@@ -88,6 +88,11 @@ def engine_of(vllm_config: Any) -> OffloadEngine | None:
     """The engine built for ``vllm_config`` in this process, if any."""
     entry = _ENGINES.get(id(vllm_config))
     return entry[1] if entry is not None and entry[0]() is vllm_config else None
+
+
+def current_target() -> OffloadEngine | None:
+    """The target engine built last in this process (a draft is built after it)."""
+    return _TARGET() if _TARGET is not None else None
 
 
 def target_of(draft: OffloadEngine) -> OffloadEngine:

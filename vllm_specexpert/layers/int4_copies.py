@@ -48,7 +48,9 @@ class Int4DraftForm:
         self.dtype = dtype
 
     def computed_packed(self, hidden: int, intermediate: int) -> bool:
-        """The draft computes its experts of these sizes packed: no decoded copies."""
+        """The draft computes its experts of these sizes packed: no decoded copies.
+        (``lowbit``'s bytes of an expert bound the GEMM form's: the same codes, scales
+        and zeros, less its shape tensors.)"""
         return int4_gemm.runs_packed(self.dtype, hidden, intermediate)
 
     def __call__(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,16 +75,13 @@ def draft_twin_bytes(
     slots: int,
     int4_experts: int,
     dtype: torch.dtype,
-    packed_slots: bool = False,
 ) -> tuple[int, int]:
     """What a target layer's twin in the ``lookahead`` draft, built after the target's
-    slots are sized, will take: its ``slots`` (experts in ``dtype`` on the device, or
-    INT4 where it computes them ``packed_slots``) and its ``int4_experts`` held in host
-    memory (all, or under the disk tier its rows), in bytes."""
+    slots are sized, will take: its decoded ``slots`` (experts in ``dtype``, on the
+    device) and its ``int4_experts`` held in host memory (all, or under the disk tier
+    its rows), in bytes."""
     int4 = low_bit_parameters(layer_name, num_experts, hidden, intermediate).expert_nbytes
-    # (lowbit's bytes bound the GEMM form's: the same codes, scales and zeros, less a shape)
-    slot = int4 if packed_slots else 3 * hidden * intermediate * dtype.itemsize
-    return slots * slot, int4_experts * int4
+    return slots * 3 * hidden * intermediate * dtype.itemsize, int4_experts * int4
 
 
 def keeps_packed(packed: Copies | None) -> bool:

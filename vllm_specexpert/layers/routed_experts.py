@@ -46,7 +46,7 @@ from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
 from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.layers import failed_requests, int4_copies, lookahead_driver
-from vllm_specexpert.layers.engines import engine_for, target_of
+from vllm_specexpert.layers.engines import current_target, engine_for, target_of
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.int4_gemm import Int4GemmExperts
 from vllm_specexpert.layers.pack_form_check import check_pack_form
@@ -126,13 +126,6 @@ class OffloadedRoutedExperts(RoutedExperts):
 
         self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None
         """This layer is the lookahead draft's: INT4 experts, its routes to the target."""
-        own = config.draft_config(self.top_k) if self._draft else config
-        if own.budget_sized:  # fail early (a size or auto is sized at the first layer)
-            own.slots_per_layer(self.global_num_experts, self.top_k)
-        if config.path_predictor is not None:
-            vllm_hooks.keep_step_demand()
-        if config.lookahead is not None:
-            lookahead_driver.install()
         self._draft_packed = (
             self._draft
             and self._on_disk
@@ -140,7 +133,15 @@ class OffloadedRoutedExperts(RoutedExperts):
                 moe_config.hidden_dim, moe_config.intermediate_size_per_partition
             )
         )
-        """This draft layer computes its INT4 experts packed: its slots hold them so."""
+        """This draft layer computes its INT4 experts packed: its slots hold them as the
+        pack does, and are its only cache (no host rows)."""
+        own = self._draft_config(config) if self._draft else config
+        if own.budget_sized:  # fail early (a size or auto is sized at the first layer)
+            own.slots_per_layer(self.global_num_experts, self.top_k)
+        if config.path_predictor is not None:
+            vllm_hooks.keep_step_demand()
+        if config.lookahead is not None:
+            lookahead_driver.install()
         self.slot_kernel: SlotKernel | Int4GemmExperts = (
             Int4GemmExperts(self.activation) if self._draft_packed else SlotKernel(self)
         )
@@ -159,6 +160,19 @@ class OffloadedRoutedExperts(RoutedExperts):
         if self._context_key in forward_context:
             raise ValueError(f"duplicate layer name {self._context_key}")
         forward_context[self._context_key] = self
+
+    def _draft_config(self, config: SpecExpertConfig) -> SpecExpertConfig:
+        """The draft's engine config. Computed packed on the disk tier, its slots are its
+        only cache: unless ``draft_budget`` says, as many per layer as
+        ``lookahead.draft_cache`` gives (``auto``: the target's slots)."""
+        if not self._draft_packed:
+            return config.draft_config(self.top_k)
+        target = current_target()
+        plan = target.budget.current if target is not None else None
+        assert plan is not None  # (vLLM loads the target before it builds the draft)
+        experts, top_k = self.global_num_experts, self.top_k
+        rows = config.draft_cache_rows(experts, top_k, plan.slots(experts, top_k))
+        return config.draft_config(top_k, slots=rows)
 
     def _draft_twin_bytes(
         self, config: SpecExpertConfig, moe_config: Any, dtype: Any
@@ -180,6 +194,16 @@ class OffloadedRoutedExperts(RoutedExperts):
             else config.draft_cache_rows(num_experts, self.top_k, num_experts)
         )
         hidden, intermediate = moe_config.hidden_dim, moe_config.intermediate_size_per_partition
+        if self._on_disk and int4_copies.Int4DraftForm(dtype).computed_packed(
+            hidden, intermediate
+        ):  # its INT4 slots are its only cache: fixed, or one per slot of the target's
+            expert = low_bit_parameters(self.layer_name, 1, hidden, intermediate).expert_nbytes
+            if config.lookahead.draft_budget is None and follow:
+                return 0, 0, 0, expert
+            fixed = config.draft_cache_rows(num_experts, self.top_k, num_experts)
+            if config.lookahead.draft_budget is not None:
+                fixed = config.draft_config(self.top_k).slots_per_layer(num_experts, self.top_k)
+            return fixed * expert, 0, 0, 0
         slots, int4 = int4_copies.draft_twin_bytes(
             self.layer_name,
             num_experts,
@@ -188,8 +212,6 @@ class OffloadedRoutedExperts(RoutedExperts):
             config.draft_config(self.top_k).slots_per_layer(num_experts, self.top_k),
             int4_experts,
             dtype,
-            packed_slots=self._on_disk
-            and int4_copies.Int4DraftForm(dtype).computed_packed(hidden, intermediate),
         )
         if not current_platform.is_cpu():  # (the draft's INT4 experts are the host's)
             return slots, 0, int4, 0
@@ -353,7 +375,6 @@ class OffloadedRoutedExperts(RoutedExperts):
         parameters = low_bit_parameters(
             self.layer_name, self.global_num_experts, hidden, intermediate
         )
-        decoder = None if self._draft_packed else PackedDecoder(parameters, form, slot_shapes)
         record = disk.record_of(self.layer_name)
         dtype = self.w13_weight.dtype
         checkpoint = [
@@ -371,6 +392,9 @@ class OffloadedRoutedExperts(RoutedExperts):
                 f"`specexpert pack {self.checkpoint} --out {disk.pack.path} --draft` writes "
                 "them again",
             )
+        if self._draft_packed:  # (its slots are its cache: read into them, no rows)
+            return disk.layer(self.layer_name), None
+        decoder = PackedDecoder(parameters, form, slot_shapes)
         if disk.draft_cache is None:
             plan = target.budget.current
             assert plan is not None  # (the target's layers were equipped first)
