@@ -184,6 +184,10 @@ def test_the_drafts_slots_default_to_its_cache_or_top_k_on_the_disk_and_all_in_m
     assert on_disk.draft_config(top_k=4, slots=23).slots_per_layer(EXPERTS, 4) == 23
     said = SpecExpertConfig(lookahead={"draft_budget": 0.5}, disk={"path": "/nonexistent"})
     assert said.draft_config(top_k=4, slots=23).slots_per_layer(EXPERTS, 4) == EXPERTS // 2
+    # The target's plan counted the slots it sized (one per slot of its own): they are
+    # not checked again against what is free after it (that refused a 4 GB miniature).
+    assert on_disk.draft_config(top_k=4, slots=23).allow_budget_beyond_memory
+    assert not said.draft_config(top_k=4, slots=23).allow_budget_beyond_memory
     # draft_cache "auto": as many INT4 rows as the target's slots, never fewer than top_k.
     assert on_disk.draft_rows_follow_slots
     assert on_disk.draft_cache_rows(EXPERTS, 4, slots=23) == 23

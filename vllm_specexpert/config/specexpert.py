@@ -388,8 +388,12 @@ class SpecExpertConfig:
         if self.lookahead is None:
             raise ValueError("draft_config: this config has no lookahead (no draft)")
         budget: float | int | None = self.lookahead.draft_budget
+        if budget is None and slots is not None:
+            # The target's plan counted them (each of its slots brought one): not
+            # checked against what is free after it.
+            return SpecExpertConfig(budget=slots, allow_budget_beyond_memory=True)
         if budget is None:  # (under disk: the fewest slots that run a token, ``top_k``)
-            budget = slots if slots is not None else top_k if self.disk is not None else 1.0
+            budget = top_k if self.disk is not None else 1.0
         return SpecExpertConfig(budget=budget)
 
     def draft_cache_rows(self, num_experts: int, top_k: int, slots: int) -> int:
