@@ -21,8 +21,8 @@ from vllm_specexpert.quant_formats import (
     Fp8Format,
     GptqFormat,
     PackQuantizedFormat,
-    _pack_int4,
-    _unpack_int4,
+    pack_int4,
+    unpack_int4,
 )
 
 OUT, IN = 64, 128
@@ -36,20 +36,20 @@ def codes():
 
 
 def test_awq_packing_is_vllms(codes):
-    assert torch.equal(_pack_int4(codes, -1, AWQ_ORDER), awq_pack(codes, 4, IN, OUT))
-    assert torch.equal(_unpack_int4(awq_pack(codes, 4, IN, OUT), -1, AWQ_ORDER), codes)
+    assert torch.equal(pack_int4(codes, -1, AWQ_ORDER), awq_pack(codes, 4, IN, OUT))
+    assert torch.equal(unpack_int4(awq_pack(codes, 4, IN, OUT), -1, AWQ_ORDER), codes)
 
 
 def test_gptq_packing_is_vllms(codes):
-    assert torch.equal(_pack_int4(codes, -2), gptq_pack(codes, 4, IN, OUT))
-    assert torch.equal(_unpack_int4(gptq_pack(codes, 4, IN, OUT), -2), codes)
+    assert torch.equal(pack_int4(codes, -2), gptq_pack(codes, 4, IN, OUT))
+    assert torch.equal(unpack_int4(gptq_pack(codes, 4, IN, OUT), -2), codes)
 
 
 def test_pack_quantized_is_compressed_tensors(codes):
     signed = (codes.T - 8).to(torch.int8)  # [out, in]
-    assert torch.equal(_pack_int4(codes.T, -1), pack_to_int32(signed, 4, packed_dim=1))
+    assert torch.equal(pack_int4(codes.T, -1), pack_to_int32(signed, 4, packed_dim=1))
     zero = (codes[:8].T - 8).to(torch.int8)  # [out, 8 groups]
-    assert torch.equal(_pack_int4(codes[:8].T, -2), pack_to_int32(zero, 4, packed_dim=0))
+    assert torch.equal(pack_int4(codes[:8].T, -2), pack_to_int32(zero, 4, packed_dim=0))
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
