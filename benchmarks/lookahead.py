@@ -68,7 +68,7 @@ def figures(llm, batch: int, result: dict) -> dict:
             acceptance=lookahead["acceptance"],
             steps_by_k=lookahead["steps_by_k"],
             demand_coverage=decode["path_covered"] / max(decode["path_needed"], 1),
-            draft_decodes=lookahead.get("draft", {}).get("decodes"),
+            draft_loads=lookahead.get("draft", {}).get("loads"),
         )
     return row
 

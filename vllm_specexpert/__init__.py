@@ -86,7 +86,8 @@ its floor::
     10  layers/         vLLM adapter in the worker: routed_experts (the layer, the
                         custom op), slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, int4_copies (lowbit's and the draft's INT4
-                        experts), pack_form_check (the pack against the kernel),
+                        experts), int4_gemm (the draft's, computed packed by vLLM's
+                        W4A16 GEMM), pack_form_check (the pack against the kernel),
                         model_classes (wiring after load),
                         forward_phase, lookahead_driver (the draft's rounds),
                         router_free, final_tap, failed_requests (rows -> requests),
