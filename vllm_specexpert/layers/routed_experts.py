@@ -200,10 +200,9 @@ class OffloadedRoutedExperts(RoutedExperts):
             expert = low_bit_parameters(self.layer_name, 1, hidden, intermediate).expert_nbytes
             if config.lookahead.draft_budget is None and follow:
                 return 0, 0, 0, expert
-            fixed = config.draft_cache_rows(num_experts, self.top_k, num_experts)
-            if config.lookahead.draft_budget is not None:
-                fixed = config.draft_config(self.top_k).slots_per_layer(num_experts, self.top_k)
-            return fixed * expert, 0, 0, 0
+            rows = config.draft_cache_rows(num_experts, self.top_k, num_experts)
+            own = config.draft_config(self.top_k, slots=rows)
+            return own.slots_per_layer(num_experts, self.top_k) * expert, 0, 0, 0
         slots, int4 = int4_copies.draft_twin_bytes(
             self.layer_name,
             num_experts,
@@ -363,18 +362,15 @@ class OffloadedRoutedExperts(RoutedExperts):
     def _draft_experts_on_disk(
         self, form: Any, slot_shapes: SlotShapes
     ) -> tuple[DiskExperts | MappedExperts | HostCachedExperts, PackedDecoder | None]:
-        """The draft's INT4 experts in the target's pack, read through the draft's host
-        rows (``lookahead.draft_cache``, made at its first layer) into its slots, as
-        they are where it computes them packed, else decoded; refused if the pack holds
-        them in another layout than this build's."""
+        """The draft's INT4 experts in the target's pack: read straight into its slots
+        where it computes them packed, else through its host rows
+        (``lookahead.draft_cache``, made at its first layer) and decoded; refused if the
+        pack holds them in another layout than this build's."""
         target = target_of(self.engine)
         disk = target.store.disk
         assert isinstance(disk, Disk)  # (the target's, opened with its engine)
         moe = self.moe_config
         hidden, intermediate = moe.hidden_dim, moe.intermediate_size_per_partition
-        parameters = low_bit_parameters(
-            self.layer_name, self.global_num_experts, hidden, intermediate
-        )
         record = disk.record_of(self.layer_name)
         dtype = self.w13_weight.dtype
         checkpoint = [
@@ -394,6 +390,9 @@ class OffloadedRoutedExperts(RoutedExperts):
             )
         if self._draft_packed:  # (its slots are its cache: read into them, no rows)
             return disk.layer(self.layer_name), None
+        parameters = low_bit_parameters(
+            self.layer_name, self.global_num_experts, hidden, intermediate
+        )
         decoder = PackedDecoder(parameters, form, slot_shapes)
         if disk.draft_cache is None:
             plan = target.budget.current
