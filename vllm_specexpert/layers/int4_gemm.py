@@ -77,10 +77,16 @@ class Int4GemmExperts:
     """(no addressing limit: each expert's tensors are passed on their own)"""
 
     def __init__(self, activation: Any) -> None:
-        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.fused_moe.activation import (
+            MoEActivation,
+            apply_moe_activation,
+        )
 
         self.activation = MoEActivation(getattr(activation, "value", activation))
         self.isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+        # (resolved once: __call__ runs per layer call)
+        self._gemm, self._activate = ops.cpu_gemm_wna16, apply_moe_activation
 
     def begin_call(self, x: torch.Tensor, out: torch.Tensor | None) -> None:
         """(its result is a fresh tensor: the adapter copies it into ``out``)"""
@@ -104,9 +110,6 @@ class Int4GemmExperts:
         tensors: dict[str, torch.Tensor],
         expert_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from vllm import _custom_ops as ops
-        from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
-
         assert expert_map is None  # (the CPU build's kernels run on slot indices)
         isa = self.isa if x.dtype == torch.bfloat16 else "vec"  # (AMX: bf16 only)
         out = torch.zeros(x.shape, dtype=torch.float32)
@@ -116,9 +119,9 @@ class Int4GemmExperts:
             for stem in ("w13", "w2"):
                 qweight, scales, qzeros = (tensors[f"{stem}_{p}"][expert] for p in PROJECTIONS)
                 bias = tensors[f"{stem}_bias"][expert] if f"{stem}_bias" in tensors else None
-                h = ops.cpu_gemm_wna16(h, qweight, scales, qzeros, bias, 8, isa)
+                h = self._gemm(h, qweight, scales, qzeros, bias, 8, isa)
                 if stem == "w13":
                     width = h.shape[1] // 2 if self.activation.is_gated else h.shape[1]
-                    h = apply_moe_activation(self.activation, h.new_empty(h.shape[0], width), h)
+                    h = self._activate(self.activation, h.new_empty(h.shape[0], width), h)
             out.index_add_(0, rows, h.float() * topk_weights[rows, ks, None].float())
         return out.to(x.dtype)
