@@ -13,12 +13,12 @@ import only this module. Every step reaches the worker before any later RPC, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from vllm_specexpert.stats import counter, seconds
+from vllm_specexpert.stats import Counters, counter, highest, seconds
 
 ATTRIBUTE = "specexpert_demand"
 """Name of the attribute on ``SchedulerOutput``."""
@@ -26,13 +26,8 @@ STATS_ATTRIBUTE = "specexpert_scheduler_stats"
 """Name of the scheduler's counters' attribute on ``SchedulerOutput``."""
 
 
-def highest(doc: str, default: float = 0) -> Any:
-    """A field of :class:`SchedulerStats` that is a maximum (a gauge), not a count."""
-    return field(default=default, metadata={"help": doc, "gauge": True})
-
-
 @dataclass
-class SchedulerStats:
+class SchedulerStats(Counters):
     """Counters of the plugin's scheduler since the engine started (``reset_stats`` and
     ``reconfigure`` reach the workers only, so they do not restart them)."""
 

@@ -28,17 +28,56 @@ PHASES = ("decode", "prefill")
 
 
 def counter(doc: str) -> Any:
-    """A count field of :class:`PhaseStats`; ``doc`` is its doc and its metric's HELP."""
+    """A count field of a :class:`Counters`; ``doc`` is its doc and its metric's HELP."""
     return field(default=0, metadata={"help": doc})
 
 
 def seconds(doc: str) -> Any:
-    """A seconds field of :class:`PhaseStats` (a ``*_seconds_total`` metric)."""
+    """A seconds field of a :class:`Counters` (a ``*_seconds_total`` metric)."""
     return field(default=0.0, metadata={"help": doc})
 
 
+def highest(doc: str, default: float = 0) -> Any:
+    """A field of a :class:`Counters` that is a maximum (a gauge), not a count."""
+    return field(default=default, metadata={"help": doc, "gauge": True})
+
+
 @dataclass
-class PhaseStats:
+class Counters:
+    """What every stats dataclass is: fields made by :func:`counter`, :func:`seconds` or
+    :func:`highest` (documented: the doc is the metric's HELP), and the one way to add,
+    reset and write them. Fields without a doc (a lock, a running state) are not counters."""
+
+    @classmethod
+    def counter_fields(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+    @classmethod
+    def docs(cls) -> dict[str, str]:
+        """Each counter's doc, by name."""
+        return {f.name: f.metadata["help"] for f in cls.counter_fields()}
+
+    @classmethod
+    def gauges(cls) -> set[str]:
+        return {f.name for f in cls.counter_fields() if f.metadata.get("gauge")}
+
+    def add(self, other: Counters) -> None:
+        """``other``'s counts added (a gauge: the larger)."""
+        for f in self.counter_fields():
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.metadata.get("gauge") else mine + theirs)
+
+    def reset(self) -> None:
+        """Every counter back to its default."""
+        for f in self.counter_fields():
+            setattr(self, f.name, f.default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in self.counter_fields()}
+
+
+@dataclass
+class PhaseStats(Counters):
     """Counters of one MoE layer for one phase. Expert requests are counted once per
     distinct expert per kernel call (a token batch that needs expert 5 for 30 tokens is
     one request)."""
@@ -190,12 +229,8 @@ class PhaseStats:
         self.tokens += tokens
         return self
 
-    def add(self, other: PhaseStats) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
+        out = super().to_dict()
         out["hit_rate"] = self.hit_rate
         out["recall"] = self.recall
         return out
