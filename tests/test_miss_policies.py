@@ -14,6 +14,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layer_call import LayerRequest
 from vllm_specexpert.phases import PassPhases
+from vllm_specexpert.places import Place, Places
 from vllm_specexpert.policy import MissContext
 from vllm_specexpert.policy.cpu import host_share
 from vllm_specexpert.tiers.host import HostCostModel, torch_experts
@@ -154,7 +155,7 @@ def test_cpu_with_an_emulated_host_is_held_to_the_slowdown(make_engine):
         host_kernel=host_kernel_of_one_ms,
         link={"bandwidth_gbps": 1.0, "host_slowdown": 200.0},
     )
-    engine.layers[NAME].miss_context.host.timer = timer
+    engine.layers[NAME].places["host"].host.timer = timer
     x, w, ids = routing(IDS)
     start = time.perf_counter()
     engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
@@ -203,12 +204,20 @@ def test_random_substitutes_resident_unused_experts_repeatably(make_engine):
     assert not torch.equal(runs[0], reference_moe(x, w, ids, W13, W2))
 
 
-class FixedHost:
+class FixedHost(Place):
+    name = "host"
+
     def __init__(self, seconds_per_row):
         self.seconds_per_row = seconds_per_row
 
     def estimate(self, rows):
         return self.seconds_per_row * np.asarray(rows, dtype=float)
+
+
+def host_only(seconds_per_row: float) -> Places:
+    places = Places()
+    places.register(FixedHost(seconds_per_row))
+    return places
 
 
 def test_auto_splits_misses_to_minimise_the_longer_of_link_and_host():
@@ -217,12 +226,12 @@ def test_auto_splits_misses_to_minimise_the_longer_of_link_and_host():
     # j=0: max(0, 3)=3; j=1: max(.1, 2)=2; j=2: max(.5, 1)=1; j=3: max(3.4, 0)=3.4 -> j=2.
     ids = np.array([[9, 10, 0, 1]] + [[10, 11, 2, 3]] * 3 + [[11, 0, 1, 2]] * 26)
     missing = ids >= 8
-    context = MissContext(lambda: 1.0, host=FixedHost(0.1))
+    context = MissContext(lambda: 1.0, host_only(0.1))
     on_host = host_share(ids, missing, context)
     assert set(ids[on_host].tolist()) == {9, 10}
     assert not on_host[missing & (ids == 11)].any() and not on_host[~missing].any()
     # At 0.03 s per copy, fetching everything is best: j=0: .09 < j=1: max(.1, .06).
-    assert not host_share(ids, missing, MissContext(lambda: 0.03, host=FixedHost(0.1))).any()
+    assert not host_share(ids, missing, MissContext(lambda: 0.03, host_only(0.1))).any()
 
 
 def test_auto_in_the_engine_follows_the_costs(make_engine):
@@ -231,7 +240,7 @@ def test_auto_in_the_engine_follows_the_costs(make_engine):
     # The host's cost is fixed (1 ms per expert), not measured: the split must not
     # depend on how loaded the machine is. The link's emulated cost is a formula.
     for engine in (slow_link, fast_link):
-        engine.layers[NAME].miss_context.host.cost.fix(1e-3, 0.0)
+        engine.layers[NAME].places["host"].host.cost.fix(1e-3, 0.0)
     x, w, ids = routing(IDS)
     a = slow_link.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
     b = fast_link.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))

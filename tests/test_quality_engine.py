@@ -43,7 +43,7 @@ class WrongExperts(BuddyPolicy):
     def plan(self, ids, resident, topk_weights, context):
         residents = np.flatnonzero(resident)
         stand_in = residents[(np.searchsorted(residents, ids) + 1) % len(residents)]
-        return MissPlan(topk_ids=stand_in, substituted=np.ones(ids.shape, dtype=bool))
+        return MissPlan(topk_ids=stand_in, places={"substituted": np.ones(ids.shape, dtype=bool)})
 
 
 def engine_of(model) -> OffloadEngine:

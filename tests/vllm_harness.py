@@ -264,16 +264,16 @@ def fix_host_cost(llm, per_expert: float, per_row: float = 0.0) -> None:
     """Fix every offloaded layer's host cost model (seconds per expert and per row) so
     that ``auto``'s host/link split is a function of the routing alone, not of how loaded
     the machine is (with :func:`fix_link_cost` for the link's side). Call it after
-    :func:`vllm_specexpert.reconfigure`, which rebuilds the layers' miss contexts."""
+    :func:`vllm_specexpert.reconfigure`, which rebuilds the layers' places."""
 
     def fix(model) -> None:
         from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
         for module in model.modules():
             if isinstance(module, OffloadedRoutedExperts):
-                host = module.engine.layers[module.layer_name].miss_context.host
+                host = module.engine.layers[module.layer_name].places.get("host")
                 if host is not None:  # a mode that computes on the host
-                    host.cost.fix(per_expert, per_row)
+                    host.host.cost.fix(per_expert, per_row)
 
     llm.apply_model(fix)
 

@@ -58,8 +58,11 @@ its floor::
                         (its predictors), hybrid (its layers)
      4  layer_call      LayerRequest (a call as the adapter hands it), LayerCall (its
                         tokens with their routing on the host, kernel, counters)
-     5  policy/         miss policies that only decide (a MissPlan): base, context,
-                        fetch, speculate, cpu, substitute, drop, buddies, lowbit, peers
+     5  places          where entries run besides the slots, one registry per layer
+                        (Place, its counters; Dropped: the one every layer has)
+     6  policy/         miss policies that only decide (a MissPlan over places): base,
+                        context, fetch, speculate, cpu, substitute, drop, buddies,
+                        lowbit, peers
      5  planner/        what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router),
@@ -68,22 +71,22 @@ its floor::
      5  stats_writers   the threads that write the stats file and the /metrics snapshot
      6  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
-     6  backends        where entries run besides the slots: host, INT4 copy, peer
-     6  layer_state     OffloadedLayer: what every offloaded layer has
-     7  execute         survey, run a plan over the device and the backends, token
+     7  layer_state     OffloadedLayer: what every offloaded layer has, its places
+     7  execute         survey, run a plan over the device and the places, token
                         groups, kernel launches; the one place that runs experts
-     7  layer_checks    what a config needs of the loaded layers, whatever the features
-     7  quality/        the quality budget: logits (the model's head, two results
+     8  layer_checks    what a config needs of the loaded layers, whatever the features
+     8  quality/        the quality budget: logits (the model's head, two results
                         compared), budget (batch classes, windows, switches), monitor
                         (sampled rows, their differences, judged at the final norm)
-     8  features/       EngineFeature (base: hooks, EngineParts, the decode call), the
+     9  features/       EngineFeature (base: hooks, EngineParts, the decode call), the
                         registry (__init__): quality, prediction, mesh (peers, early
                         fire), lookahead (governor, the draft's routes), step_demand (path
-                        score, PLEC), routing_statistics (buddy lists, gates), low_bit
-                        (INT4 copies' slots)
-     9  engine          OffloadEngine: the exact spine per layer call, features around
+                        score, PLEC), substitution (the substitutes' place: buddy
+                        lists, gates), host_compute (the host's place), low_bit (INT4
+                        copies' slots, their place)
+    10  engine          OffloadEngine: the exact spine per layer call, features around
                         it
-    10  layers/         vLLM adapter in the worker: routed_experts (the layer, the
+    11  layers/         vLLM adapter in the worker: routed_experts (the layer, the
                         custom op), slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, int4_copies (lowbit's and the draft's INT4
                         experts), int4_gemm (the draft's, computed packed by vLLM's
@@ -92,13 +95,13 @@ its floor::
                         forward_phase, lookahead_driver (the draft's rounds),
                         router_free, final_tap, failed_requests (rows -> requests),
                         sizing (what budget sizing needs of vLLM's settings)
-    11  worker          the RPCs behind get_stats, reconfigure, reset_stats
-    12  validate        engine-config checks where vLLM builds the engine config
-    12  __init__        the user API: get_stats, reconfigure, reset_stats
-    13  plugins         the vllm.general_plugins entry point and --plugins
-    14  tools/          training, corpus, fixtures, harness, offline passes, demo,
-                        server: never imported by the runtime (layers 1-13)
-    15  cli             the specexpert command (serve, vllm, and the tools by name)
+    12  worker          the RPCs behind get_stats, reconfigure, reset_stats
+    13  validate        engine-config checks where vLLM builds the engine config
+    13  __init__        the user API: get_stats, reconfigure, reset_stats
+    14  plugins         the vllm.general_plugins entry point and --plugins
+    15  tools/          training, corpus, fixtures, harness, offline passes, demo,
+                        server: never imported by the runtime (layers 1-14)
+    16  cli             the specexpert command (serve, vllm, and the tools by name)
 
 One decode step of layer l, following the router's ids::
 
@@ -116,8 +119,8 @@ One decode step of layer l, following the router's ids::
       ├─ resolve:     quality (samples the other result beside) around
       │    execute.resolve: survey ─► policy.plan (only if something is missing)
       │      ─► execute.execute ─► tiers.loader (loads) ─► layers.slot_kernel (vLLM's
-      │      kernel on the slots); backends: peers (mesh, via PeersFirst), host, INT4
-      │      copies (low_bit's slots)
+      │      kernel on the slots); the layer's places, each a feature's: INT4 copies
+      │      (low_bit), peers (mesh, via PeersFirst), host (host_compute)
       └─ end_call:    step_demand (PLEC: the next group's predicted uses)"""
 
 from __future__ import annotations

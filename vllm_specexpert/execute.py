@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_specexpert.backends import placements
 from vllm_specexpert.config.sizing import KERNEL_CHUNK_TOKENS
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall, LayerRequest
+from vllm_specexpert.places import Dropped, Places
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
@@ -80,7 +80,9 @@ def resolve(
         if found.missed
         else None
     )
-    return execute(loader, call, found, plan, context)
+    if plan is None:
+        return execute(loader, call, found)
+    return execute(loader, call, found, plan, context.places, context.admit_host_experts)
 
 
 def execute(
@@ -88,24 +90,30 @@ def execute(
     call: LayerCall,
     found: Survey,
     plan: MissPlan | None = None,
-    context: MissContext | None = None,
+    places: Places | None = None,
+    admit: bool = False,
 ) -> torch.Tensor:
     """Routed-expert output of the call under ``plan`` (``None``: every entry on the
-    device, missing ones loaded on demand): the entries of the other places
-    (:mod:`vllm_specexpert.backends`) start first, the device's run, then each place
-    adds its results; entries a place could not compute run on the device, loaded."""
+    device, missing ones loaded on demand): the entries of the other ``places`` start
+    first, the device's run, then each place adds its results, in the registry's order;
+    entries a place could not compute run on the device, loaded. ``admit``: then load
+    the most used expert a place that ``admits`` computed, on an idle link."""
     if plan is None:
         call.stats.fetched_entries += found.missed
         return run_on_device(loader, call, found)
+    assert places is not None  # (a plan's entries go to places)
     ids, stats = call.host_ids, call.stats
-    elsewhere = placements(plan, context) if context is not None else []
-    on_device = ~plan.dropped if plan.dropped is not None else np.ones(ids.shape, dtype=bool)
-    for _, entries in elsewhere:
-        on_device &= ~entries
-    plan.count(stats)
-    fetched = found.missing & on_device
-    if plan.substituted is not None:
-        fetched &= ~plan.substituted
+    places.count(plan.places, stats)
+    chosen = [(place, plan.places[place.name]) for place in places if place.name in plan.places]
+    elsewhere = [(place, e) for place, e in chosen if not place.on_device and e.any()]
+    on_device = np.ones(ids.shape, dtype=bool)
+    replaced = np.zeros(ids.shape, dtype=bool)
+    for place, entries in chosen:
+        if place.on_device:
+            replaced |= entries
+        else:
+            on_device &= ~entries
+    fetched = found.missing & on_device & ~replaced
     stats.fetched_entries += int(np.count_nonzero(fetched))
     # Missing experts that no device entry loads still count as requested and missed.
     unloaded = np.setdiff1d(ids[found.missing & ~fetched], plan.topk_ids[on_device])
@@ -114,11 +122,14 @@ def execute(
 
     weights = call.topk_weights
     if plan.renormalize:  # over the entries that run, wherever they run
-        running = ~plan.dropped if plan.dropped is not None else np.ones(ids.shape, bool)
+        running = np.ones(ids.shape, dtype=bool)
+        for place, entries in chosen:
+            if not place.computes:
+                running &= ~entries
         kept = torch.where(upload(running, call.x.device), weights, 0.0).sum(-1, keepdim=True)
         weights = weights * (weights.sum(-1, keepdim=True) / kept.clamp_min(1e-20))
     planned = call.routed(weights, plan.topk_ids)
-    jobs = [(backend, backend.stage(planned, entries)) for backend, entries in elsewhere]
+    jobs = [(place, place.stage(planned, entries)) for place, entries in elsewhere]
     if on_device.all():
         out = run_on_device(loader, planned)
     else:
@@ -129,19 +140,19 @@ def execute(
         elif (hook := call.take_before_kernel()) is not None:
             loader.begin_run(np.zeros(0, dtype=np.int64), stats)
             hook()
-    for backend, job in jobs:
-        failed = backend.finish(job, out)
-        if failed is not None and failed.any():  # a peer left the rotation
-            count = int(np.count_nonzero(failed))
-            stats.peer_fallback_entries += count
-            stats.fetched_entries += count
+    for place, job in jobs:
+        failed = place.finish(job, out)
+        if failed is not None and failed.any():  # (a peer that left the rotation)
+            stats.fetched_entries += int(np.count_nonzero(failed))
             index, part = planned.masked(failed)
             part.before_kernel = None
             out[index] += run_on_device(loader, part)
-    computed_elsewhere = plan.computed_elsewhere()
-    if context is not None and context.admit_host_experts and computed_elsewhere.any():
-        experts, counts = np.unique(ids[computed_elsewhere], return_counts=True)
-        loader.admit(int(experts[np.argmax(counts)]), stats)
+    if admit:
+        admitted = [entries for place, entries in elsewhere if place.admits]
+        if admitted:
+            computed = np.logical_or.reduce(admitted)
+            experts, counts = np.unique(ids[computed], return_counts=True)
+            loader.admit(int(experts[np.argmax(counts)]), stats)
     return out
 
 
@@ -181,10 +192,9 @@ def execute_without(
         unreadable.update(error.experts)
         dropped = np.isin(call.host_ids, sorted(unreadable))
         again = dataclasses.replace(call, stats=PhaseStats())
+        plan = MissPlan(call.host_ids, {Dropped.name: dropped})
         try:
-            out = execute(
-                loader, again, survey(loader, again), MissPlan(call.host_ids, dropped=dropped)
-            )
+            out = execute(loader, again, survey(loader, again), plan, Places())
         except ExpertsUnreadable as more:
             error = more
             continue

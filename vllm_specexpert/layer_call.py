@@ -1,6 +1,6 @@
 """One call of one offloaded MoE layer: as the adapter hands it to the engine
 (:class:`LayerRequest`), and on some of its tokens with their routing on the host, as
-every place an expert can run (:mod:`vllm_specexpert.backends`) and the executor
+every place an expert can run (:mod:`vllm_specexpert.places`) and the executor
 (:mod:`vllm_specexpert.execute`) are handed it (:class:`LayerCall`)."""
 
 from __future__ import annotations

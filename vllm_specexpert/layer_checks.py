@@ -15,14 +15,6 @@ def check_layers(config: SpecExpertConfig, layers: Iterable[OffloadedLayer]) -> 
     layers = list(layers)
     for layer in layers:
         config.check_fits(layer.experts.num_experts, layer.top_k, layer.experts.packed_format)
-    policy = config.miss_policy_spec
-    if policy.computes_on_host and any(layer.host_kernel is None for layer in layers):
-        raise SpecExpertConfigError(
-            "miss_policy",
-            f"'{policy.name}' computes experts on the host, and this "
-            "model's expert layers have no host kernel",
-            "use 'fetch' (this layer type cannot compute experts on the host)",
-        )
     moe_layers = sorted(layer.index for layer in layers)
     unknown = sorted(set(config.exact_layers or ()) - set(moe_layers))
     if unknown:

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.policy import MissContext, miss_context
-from vllm_specexpert.stats import LayerStats
+from vllm_specexpert.places import Place, Places
+from vllm_specexpert.policy import MissContext
+from vllm_specexpert.stats import PHASES, LayerStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import Link
@@ -38,10 +39,28 @@ class OffloadedLayer:
     """The next offloaded MoE layer, once :meth:`OffloadEngine.link_layers` ran."""
     stats: LayerStats = field(default_factory=LayerStats)
     cache: ExpertCache = field(init=False)
-    """Set by :meth:`equip`, as are ``loader`` and ``miss_context``."""
+    """Set by :meth:`equip`, as are ``loader``, ``places`` and ``miss_context``."""
     loader: ExpertLoader = field(init=False)
+    places: Places = field(init=False)
+    """Where its entries run besides its slots: the features register them (:meth:`add_place`)."""
     miss_context: MissContext = field(init=False)
-    """What the miss policy consults about this layer; features add their parts."""
+    """What the miss policy consults about this layer."""
+
+    def add_place(self, place: Place) -> None:
+        """Register ``place``; its counters are then in the layer's stats, at zero."""
+        self.places.register(place)
+        self._show_places()
+
+    def reset_stats(self) -> None:
+        """Every counter at zero, the places' among them."""
+        self.stats = LayerStats()
+        self._show_places()
+
+    def _show_places(self) -> None:
+        """Each place's counters in both phases' stats (at zero until it runs)."""
+        for place in self.__dict__.get("places", ()):  # (none before it is equipped)
+            for phase in PHASES:
+                getattr(self.stats, phase).part(place.counters)
 
     @property
     def equipped(self) -> bool:
@@ -66,7 +85,8 @@ class OffloadedLayer:
         pool: SlotPool | None,
     ) -> None:
         """A cache of ``slots`` (its own pool, or its share of the shared ``pool``, which
-        the engine allocates once every layer joined), its loader and miss context."""
+        the engine allocates once every layer joined), its loader, places (none yet but
+        :class:`~vllm_specexpert.places.Dropped`) and miss context."""
         try:
             self.cache = ExpertCache(
                 self.experts, slots, self.top_k, config.cache, device, pool=pool
@@ -80,9 +100,10 @@ class OffloadedLayer:
                 "use cache 'lru'",
             ) from error
         self.loader = ExpertLoader(self.cache, link)
-        self.miss_context = miss_context(
-            config,
-            self.experts,
+        self.places = Places()
+        self.miss_context = MissContext(
             functools.partial(link.expert_seconds, self.experts),
-            self.host_kernel,
+            self.places,
+            config.miss_policy_spec.computes_elsewhere and config.admit_host_experts,
         )
+        self._show_places()

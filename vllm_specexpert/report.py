@@ -12,7 +12,7 @@ import torch
 
 from vllm_specexpert import handoff
 from vllm_specexpert.config.sizing import gib
-from vllm_specexpert.stats import LayerStats
+from vllm_specexpert.stats import PHASES, LayerStats, Series, metric_name
 
 STATS_SCHEMA_VERSION = 4
 """``schema_version`` of :func:`engine_stats` (each worker's ``get_stats`` dict, the
@@ -104,10 +104,28 @@ def feature_stats(engine: ReportedEngine) -> dict[str, Any]:
 
 
 def feature_series(engine: ReportedEngine) -> list[dict[str, Any]]:
-    """The running features' ``/metrics`` series (:class:`~vllm_specexpert.stats.Series`),
-    as the snapshot's JSON. Safe to call from another thread."""
+    """The running features' ``/metrics`` series (:class:`~vllm_specexpert.stats.Series`)
+    and their places' counters, as the snapshot's JSON. Safe to call from another thread."""
     with engine.lock:
-        return [dataclasses.asdict(s) for feature in engine.features for s in feature.series()]
+        series = [s for feature in engine.features for s in feature.series()]
+        return [dataclasses.asdict(s) for s in series + place_series(engine)]
+
+
+def place_series(engine: ReportedEngine) -> list[Series]:
+    """Each counter of the layers' places (:mod:`vllm_specexpert.places`), per layer and
+    phase, as the engine's own counters are served (``specexpert_<key>_total``)."""
+    families: dict[str, Series] = {}
+    for layer in engine.layers.values():
+        for phase in PHASES:
+            for part in getattr(layer.stats, phase).parts.values():
+                docs = part.docs()
+                for key, value in part.to_dict().items():
+                    family = families.get(key)
+                    if family is None:
+                        family = Series(metric_name(key), "counter", docs[key], ("layer", "phase"))
+                        families[key] = family
+                    family.add(value, layer.index, phase)
+    return list(families.values())
 
 
 def reset_counters(engine: ReportedEngine) -> None:
@@ -115,7 +133,7 @@ def reset_counters(engine: ReportedEngine) -> None:
     (each feature resets what it counts)."""
     with engine.lock:
         for layer in engine.layers.values():
-            layer.stats = LayerStats()
+            layer.reset_stats()
         for feature in engine.features:
             feature.reset_stats()
     engine.link.reset_counters()

@@ -18,13 +18,15 @@ import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_specexpert.log import init_logger
 
 logger = init_logger(__name__)
 
 PHASES = ("decode", "prefill")
+
+C = TypeVar("C", bound="Counters")
 
 
 def counter(doc: str) -> Any:
@@ -154,52 +156,11 @@ class PhaseStats(Counters):
     )
     missed_entries: int = counter(
         "Router-chosen (token, expert) entries whose expert was not resident when "
-        "the layer call started; each was resolved in one of the next six ways."
+        "the layer call started; each was fetched or given to a place "
+        "(``<place>_entries``: ``dropped``, ``host``, ``substituted``, ``low_bit``, ``peer``)."
     )
     fetched_entries: int = counter(
         "Missed entries whose expert was loaded on demand (``fetch``, fallbacks)."
-    )
-    host_entries: int = counter(
-        "Missed entries computed on the host from the slow tier (``cpu``, ``auto``)."
-    )
-    substituted_entries: int = counter(
-        "Missed entries run with a resident substitute instead (``buddy``, "
-        "``random``, ``auto_buddy``; output not exact)."
-    )
-    dropped_entries: int = counter("Missed entries not run at all (``drop``; output not exact).")
-    low_bit_entries: int = counter(
-        "Missed entries run from the expert's INT4 copy (``lowbit``; output not exact)."
-    )
-    low_bit_loads: int = counter(
-        "INT4 copies moved into the layer's low-bit slots (packed; also counted in "
-        "``bytes_loaded``, not in ``loads``)."
-    )
-    low_bit_bytes: int = counter("Bytes of those INT4 copies.")
-    peer_entries: int = counter(
-        "Missed entries computed by a mesh peer that holds the expert (``mesh``)."
-    )
-    peer_fallback_entries: int = counter(
-        "Entries sent to a peer that failed or did not answer in time, computed "
-        "locally instead (loaded on demand; also counted in ``fetched_entries``)."
-    )
-    fired_entries: int = counter(
-        "(token, expert) entries sent to peers ahead of the layer's router, by the "
-        "previous layer's prediction (``mesh.mode`` ``early_fire``, ``no_stop``)."
-    )
-    fired_used: int = counter(
-        "Of those, entries the layer then ran: ``fired_used / fired_entries`` is "
-        "Early Fire's hit rate."
-    )
-    peer_wait_s: float = seconds(
-        "Seconds layer calls waited for peers' answers after their device work was done."
-    )
-    host_experts: int = counter("Distinct experts computed on the host, summed over layer calls.")
-    host_s: float = seconds(
-        "Seconds of host expert compute (modeled seconds with an emulated link: "
-        "measured time x ``link.host_slowdown``)."
-    )
-    host_stall_s: float = seconds(
-        "Seconds layer calls waited for the host after their device work was done."
     )
     kernel_calls: int = counter(
         "Expert kernel launches on the device (more than ``calls`` when a batch "
@@ -207,13 +168,23 @@ class PhaseStats(Counters):
     )
     call_s: float = seconds(
         "Seconds in the layer's calls, whole: the engine's own work, the waits and the "
-        "kernels (``call_s - kernel_s - stall_s - host_stall_s - peer_wait_s`` is the "
+        "kernels (``call_s - kernel_s - stall_s`` less the places' waits is the "
         "engine's overhead and its features')."
     )
     kernel_s: float = seconds(
         "Seconds of the expert kernel's launches on resident experts (on CUDA, the "
         "launches' host time, not the device's)."
     )
+    parts: dict[type[Counters], Counters] = field(default_factory=dict)
+    """The counters of the places (:mod:`vllm_specexpert.places`) in this phase, by
+    their class: written out beside the engine's."""
+
+    def part(self, kind: type[C]) -> C:
+        """The phase's counters of class ``kind`` (made at first use)."""
+        part = self.parts.get(kind)
+        if part is None:
+            part = self.parts[kind] = kind()
+        return part  # type: ignore[return-value]  # (keyed by its own class)
 
     @property
     def hit_rate(self) -> float:
@@ -229,8 +200,21 @@ class PhaseStats(Counters):
         self.tokens += tokens
         return self
 
+    def add(self, other: Counters) -> None:
+        super().add(other)
+        assert isinstance(other, PhaseStats)
+        for kind, part in other.parts.items():
+            self.part(kind).add(part)
+
+    def reset(self) -> None:
+        super().reset()
+        for part in self.parts.values():
+            part.reset()
+
     def to_dict(self) -> dict:
         out = super().to_dict()
+        for part in self.parts.values():
+            out.update(part.to_dict())
         out["hit_rate"] = self.hit_rate
         out["recall"] = self.recall
         return out

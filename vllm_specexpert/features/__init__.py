@@ -35,13 +35,15 @@ __all__ = [
 REGISTRY = (
     "quality",
     "prediction",
+    "low_bit",
     "mesh",
     "lookahead",
     "step_demand",
-    "routing_statistics",
-    "low_bit",
+    "substitution",
+    "host_compute",
 )
-"""The features' modules, in hook order: the first one's ``resolve`` is the outermost."""
+"""The features' modules, in hook order: the first one's ``resolve`` is the outermost.
+Places are registered in this order too, the order their outputs are added."""
 
 
 def feature_classes() -> list[type[EngineFeature]]:

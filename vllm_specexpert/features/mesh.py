@@ -7,19 +7,76 @@ PeersFirst`); each layer joins its peers when the feature equips it, and
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.peers.layer_view import LayerPeers
 from vllm_specexpert.peers.tier import PeerTier
+from vllm_specexpert.places import Place, PlaceCounters
 from vllm_specexpert.planner.early_fire import EarlyFire
 from vllm_specexpert.policy import MissPolicy, PeersFirst
-from vllm_specexpert.stats import PhaseStats, Series, metric_name
+from vllm_specexpert.policy.peers import PEER
+from vllm_specexpert.stats import PhaseStats, Series, counter, metric_name, seconds
 from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.store import ExpertSource, LayerExperts
+
+
+@dataclass
+class PeerCounters(PlaceCounters):
+    entries_field = "peer_entries"
+    peer_entries: int = counter(
+        "Missed entries computed by a mesh peer that holds the expert (``mesh``)."
+    )
+    peer_fallback_entries: int = counter(
+        "Entries sent to a peer that failed or did not answer in time, computed "
+        "locally instead (loaded on demand; also counted in ``fetched_entries``)."
+    )
+    fired_entries: int = counter(
+        "(token, expert) entries sent to peers ahead of the layer's router, by the "
+        "previous layer's prediction (``mesh.mode`` ``early_fire``, ``no_stop``)."
+    )
+    fired_used: int = counter(
+        "Of those, entries the layer then ran: ``fired_used / fired_entries`` is "
+        "Early Fire's hit rate."
+    )
+    peer_wait_s: float = seconds(
+        "Seconds layer calls waited for peers' answers after their device work was done."
+    )
+
+
+class PeerPlace(Place):
+    """Entries computed by the mesh peers that hold their experts; pairs fired ahead
+    (Early Fire, :attr:`LayerPeers.fired`) are taken from what was sent then."""
+
+    name = PEER
+    counters = PeerCounters
+
+    def __init__(self, peers: LayerPeers):
+        self.peers = peers
+
+    def hosted(self) -> np.ndarray:
+        return self.peers.hosted()
+
+    def stage(self, call: LayerCall, entries: np.ndarray) -> tuple[LayerCall, Any]:
+        return call, self.peers.stage(call.x, call.host_ids, entries)
+
+    def finish(self, job: tuple[LayerCall, Any], out: torch.Tensor) -> np.ndarray:
+        call, staged = job
+        waited_from = time.perf_counter()
+        counters = call.stats.part(PeerCounters)
+        counters.fired_used += staged.reused
+        failed = self.peers.finish(staged, out, call.topk_weights, call.host_ids.shape)
+        counters.peer_wait_s += time.perf_counter() - waited_from
+        counters.peer_fallback_entries += int(np.count_nonzero(failed))
+        return failed
 
 
 class MeshFeature(EngineFeature):
@@ -50,10 +107,14 @@ class MeshFeature(EngineFeature):
 
     def equip(self, layer: OffloadedLayer) -> None:
         peers = self.peers[layer.name] = LayerPeers(self.tier, layer.index)
-        layer.miss_context.peers = peers
+        layer.add_place(PeerPlace(peers))
         hot = self.hot.get(layer.index)
         if hot is not None:
             _pin(layer, hot)
+
+    def unequip(self, layer: OffloadedLayer) -> None:
+        self.peers.pop(layer.name, None)
+        layer.places.unregister(PEER)
 
     def miss_policy(self, policy: MissPolicy) -> MissPolicy:
         return PeersFirst(policy)
@@ -64,7 +125,11 @@ class MeshFeature(EngineFeature):
         layer = call.layer
         peers = self.peers[layer.name]
         peers.fired = self.early_fire.at_call(
-            peers, layer.cache, call.x, call.shared.get("prediction"), call.stats
+            peers,
+            layer.cache,
+            call.x,
+            call.shared.get("prediction"),
+            call.stats.part(PeerCounters),
         )
         if peers.fired is not None and self.early_fire.speculates:
             call.shared["run_prediction"] = True  # no_stop: run what was fired for
@@ -80,7 +145,7 @@ class MeshFeature(EngineFeature):
             self.early_fire.predicted(
                 self.peers[next_name],
                 nxt.cache,
-                nxt.stats.decode,
+                nxt.stats.decode.part(PeerCounters),
                 upcoming,
                 call.shared["next_router_input"],
             )
@@ -160,7 +225,7 @@ def _pin(layer: OffloadedLayer, experts: np.ndarray) -> None:
         )
     layer.loader.acquire(np.asarray(experts), PhaseStats())
     layer.loader.wait_all()
-    layer.cache.policy.pinned[experts] = True
+    layer.cache.pin(experts)
 
 
 PEER_COUNTERS = {

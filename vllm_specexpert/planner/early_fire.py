@@ -14,6 +14,7 @@ Details and measurements: docs/design.md, "Experts across machines (mesh)".
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,8 +22,11 @@ import torch
 from vllm_specexpert.peers.layer_view import LayerPeers
 from vllm_specexpert.peers.tier import Sent
 from vllm_specexpert.predict import Prediction
-from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
+
+
+class FiredCount(Protocol):
+    fired_entries: int
 
 
 class EarlyFire:
@@ -41,10 +45,11 @@ class EarlyFire:
         cache: ExpertCache,
         x: torch.Tensor,
         ids: np.ndarray,
-        stats: PhaseStats,
+        stats: FiredCount,
     ) -> Sent | None:
         """Send rows ``x`` for the predicted ``ids`` ([T, K], host) whose expert a peer
-        in rotation holds and ``cache`` lacks; counted in the target layer's ``stats``."""
+        in rotation holds and ``cache`` lacks; counted in the target layer's ``stats`` (its
+        peer place's counters)."""
         wanted = peers.hosted()[ids] & (cache.expert_slot[ids] < 0)
         if not wanted.any():
             return None
@@ -58,7 +63,7 @@ class EarlyFire:
         cache: ExpertCache,
         x: torch.Tensor,
         prediction: Prediction | None,
-        stats: PhaseStats,
+        stats: FiredCount,
     ) -> Sent | None:
         """At the start of a layer's decode call: what is fired for its tokens."""
         if peers is None:
@@ -74,7 +79,7 @@ class EarlyFire:
         self,
         peers: LayerPeers,
         cache: ExpertCache,
-        stats: PhaseStats,
+        stats: FiredCount,
         prediction: Prediction,
         router_input: Callable[[], torch.Tensor],
     ) -> None:

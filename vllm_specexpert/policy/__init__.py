@@ -1,9 +1,9 @@
 """Miss policies: what a layer does when the router picks experts that are not resident.
-Policies only decide (:mod:`.base`: a :class:`MissPlan`); the executor carries every
-decision out (:mod:`vllm_specexpert.execute`)."""
+Policies only decide (:mod:`.base`: a :class:`MissPlan` over the layer's places); the
+executor carries every decision out (:mod:`vllm_specexpert.execute`)."""
 
 from vllm_specexpert.policy.base import MissPlan, MissPolicy
-from vllm_specexpert.policy.context import MissContext, add_routing_statistics, miss_context
+from vllm_specexpert.policy.context import MissContext
 from vllm_specexpert.policy.cpu import AutoBuddyPolicy, AutoPolicy, CpuPolicy
 from vllm_specexpert.policy.drop import DropPolicy
 from vllm_specexpert.policy.fetch import FetchPolicy
@@ -37,6 +37,4 @@ __all__ = [
     "MissPolicy",
     "PeersFirst",
     "SpeculatePolicy",
-    "add_routing_statistics",
-    "miss_context",
 ]

@@ -9,12 +9,23 @@ buddies first where BuddyMoE's gates allow, then the same split.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import numpy as np
 import torch
 
 from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
-from vllm_specexpert.policy.substitute import substitution_plan
+from vllm_specexpert.policy.substitute import SUBSTITUTED, substitution_plan
+
+HOST = "host"
+"""The place these policies give entries to (registered by the ``host_compute`` feature)."""
+
+
+class HostCosts(Protocol):
+    def estimate(self, rows: np.ndarray) -> np.ndarray:
+        """Host seconds of each expert for ``rows`` tokens each."""
+        ...
 
 
 class CpuPolicy(MissPolicy):
@@ -27,14 +38,14 @@ class CpuPolicy(MissPolicy):
         topk_weights: torch.Tensor,
         context: MissContext,
     ) -> MissPlan:
-        return MissPlan(topk_ids=ids, on_host=~resident[ids])
+        return MissPlan(topk_ids=ids, places={HOST: ~resident[ids]})
 
 
 def host_share(ids: np.ndarray, missing: np.ndarray, context: MissContext) -> np.ndarray:
     """``[T, K]`` mask of the missing entries the host should compute."""
-    assert context.host is not None, "a host policy's context has its host experts"
+    host = cast(HostCosts, context.places[HOST])
     experts, rows = np.unique(ids[missing], return_counts=True)
-    host_s = context.host.estimate(rows)
+    host_s = host.estimate(rows)
     order = np.argsort(host_s, kind="stable")
     host_time = np.concatenate([[0.0], np.cumsum(host_s[order])])
     link_time = (len(experts) - np.arange(len(experts) + 1)) * context.copy_seconds
@@ -57,8 +68,10 @@ class AutoPolicy(MissPolicy):
             plan = substitution_plan(ids, resident, topk_weights, context)
         missing = ~resident[plan.topk_ids]
         if missing.any():
-            plan.on_host = host_share(plan.topk_ids, missing, context)
-        if plan.substituted is None and (plan.on_host is None or not plan.on_host.any()):
+            on_host = host_share(plan.topk_ids, missing, context)
+            if on_host.any():
+                plan.places[HOST] = on_host
+        if SUBSTITUTED not in plan.places and HOST not in plan.places:
             return None  # fetch everything: the exact path
         return plan
 

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config.modes import MISS_POLICIES
+from vllm_specexpert.places import Dropped
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
 
 
@@ -20,4 +21,4 @@ class DropPolicy(MissPolicy):
         topk_weights: torch.Tensor,
         context: MissContext,
     ) -> MissPlan:
-        return MissPlan(topk_ids=ids, dropped=~resident[ids], renormalize=True)
+        return MissPlan(topk_ids=ids, places={Dropped.name: ~resident[ids]}, renormalize=True)

@@ -8,11 +8,23 @@ link (docs/design.md, "``lowbit``")."""
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import numpy as np
 import torch
 
 from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.policy.base import MissContext, MissPlan, MissPolicy
+
+LOW_BIT = "low_bit"
+"""The place of INT4 copies (registered by the ``low_bit`` feature)."""
+
+
+class LowBitSlots(Protocol):
+    @property
+    def room(self) -> int:
+        """How many experts' copies one call can run."""
+        ...
 
 
 class LowBitPolicy(MissPolicy):
@@ -25,10 +37,9 @@ class LowBitPolicy(MissPolicy):
         topk_weights: torch.Tensor,
         context: MissContext,
     ) -> MissPlan:
-        assert context.low_bit is not None, "lowbit's context has its low-bit slots"
         missing = ~resident[ids]
         experts, rows = np.unique(ids[missing], return_counts=True)
-        room = context.low_bit.cache.num_slots
+        room = cast(LowBitSlots, context.places[LOW_BIT]).room
         if len(experts) > room:  # the most used run low-bit, the rest are fetched
             experts = experts[np.argsort(-rows, kind="stable")[:room]]
-        return MissPlan(topk_ids=ids, low_bit=missing & np.isin(ids, experts))
+        return MissPlan(topk_ids=ids, places={LOW_BIT: missing & np.isin(ids, experts)})

@@ -1,8 +1,10 @@
 """Entries whose expert a mesh peer in rotation holds go to that peer, before any miss
 policy decides: the policy it wraps sees those experts as resident and decides about the
-others (``mesh``; which peer holds what is :class:`~vllm_specexpert.peers.tier.PeerTier`'s)."""
+others (``mesh``, whose feature registers the place :data:`PEER`)."""
 
 from __future__ import annotations
+
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -10,6 +12,14 @@ import torch
 from vllm_specexpert.config.modes import MissPolicySpec
 from vllm_specexpert.policy.base import MissPlan, MissPolicy
 from vllm_specexpert.policy.context import MissContext
+
+PEER = "peer"
+
+
+class HeldByPeers(Protocol):
+    def hosted(self) -> np.ndarray:
+        """``[E]`` experts a peer in rotation holds."""
+        ...
 
 
 class PeersFirst(MissPolicy):
@@ -30,9 +40,10 @@ class PeersFirst(MissPolicy):
         topk_weights: torch.Tensor,
         context: MissContext,
     ) -> MissPlan | None:
-        if context.peers is None:
+        peers = context.places.get(PEER)
+        if peers is None:
             return self.policy.plan(ids, resident, topk_weights, context)
-        hosted = context.peers.hosted()
+        hosted = cast(HeldByPeers, peers).hosted()
         remote = ~resident[ids] & hosted[ids]
         resident = resident | hosted
         plan = None
@@ -41,5 +52,5 @@ class PeersFirst(MissPolicy):
         if not remote.any():
             return plan
         plan = plan or MissPlan(topk_ids=ids)
-        plan.on_peer = remote
+        plan.places[PEER] = remote
         return plan

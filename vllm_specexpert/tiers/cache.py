@@ -125,6 +125,11 @@ class ExpertCache:
             needed[held] = self.pool.unreadable(unique)[back]
         return needed.reshape(slot.shape)
 
+    def pin(self, experts: np.ndarray) -> None:
+        """Never evict ``experts`` (resident now): the slots they hold no longer rotate."""
+        self.policy.pinned[experts] = True
+        self.rotating_slots = self.num_slots - int(self.policy.pinned.sum())
+
     def num_resident(self) -> int:
         return int(np.count_nonzero(self.slot_expert >= 0))
 
