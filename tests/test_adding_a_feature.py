@@ -1,10 +1,11 @@
 """Adding a feature to the engine costs one new module under ``features/``, one line in
 the registry and one word in the package's map; the engine is not touched.
 
-Shown on a copy of the package: the test writes a per-call tracer as its author would,
-adds the two lines, then runs, in a fresh interpreter on the copy, the layout checks and
-a toy engine with the tracer turned on by the config. A feature that only watches
-changes nothing."""
+Shown on a copy of the package: the test writes two features as their authors would, a
+per-call tracer and a place of its own that runs a missing expert as zeros, adds their
+lines, then runs, in a fresh interpreter on the copy, the layout checks and toy engines
+with them on. A feature that only watches changes nothing; the place's entries show in
+the plan's output, the stats and the ``/metrics`` families with no other file touched."""
 
 import json
 import os
@@ -79,6 +80,78 @@ class CallTracer(EngineFeature):
 FEATURE = CallTracer
 '''
 
+PLACE_MODULE = '''"""Runs a missing expert as zeros, in a place of its own, when the adapter
+provides the flag ``zeros_for_missing`` (a toy: the output changes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
+from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.places import Place, PlaceCounters
+from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.stats import counter
+
+
+@dataclass
+class ZeroCounters(PlaceCounters):
+    entries_field = "zeros_entries"
+    zeros_entries: int = counter("Missed entries run as zeros.")
+    zeros_calls: int = counter("Layer calls that ran some entries as zeros.")
+
+
+class ZeroPlace(Place):
+    name = "zeros"
+    counters = ZeroCounters
+
+    def stage(self, call: LayerCall, entries: np.ndarray) -> LayerCall:
+        return call
+
+    def finish(self, call: LayerCall, out: torch.Tensor) -> None:
+        call.stats.part(ZeroCounters).zeros_calls += 1
+        return None  # (adds nothing: the experts' outputs are zeros)
+
+
+class ZerosFirst(MissPolicy):
+    def __init__(self, policy: MissPolicy) -> None:
+        self.policy = policy
+
+    @property
+    def spec(self):
+        return self.policy.spec
+
+    def plan(self, ids, resident, topk_weights, context: MissContext) -> MissPlan:
+        return MissPlan(topk_ids=ids, places={ZeroPlace.name: ~resident[ids]})
+
+
+class ZerosForMissing(EngineFeature):
+    name = "zeros_for_missing"
+    inputs = ("zeros_for_missing",)
+
+    @classmethod
+    def build(
+        cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
+    ) -> EngineFeature | None:
+        return cls() if inputs.get("zeros_for_missing") else None
+
+    def equip(self, layer: OffloadedLayer) -> None:
+        layer.add_place(ZeroPlace())
+
+    def unequip(self, layer: OffloadedLayer) -> None:
+        layer.places.unregister(ZeroPlace.name)
+
+    def miss_policy(self, policy: MissPolicy) -> MissPolicy:
+        return ZerosFirst(policy)
+
+
+FEATURE = ZerosForMissing
+'''
+
 # Runs in the fresh interpreter, on the copy; prints what the parent asserts.
 SCRIPT = """
 import json, sys
@@ -86,6 +159,7 @@ import torch
 import vllm_specexpert
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
 from toy_engine import build_engine
+from vllm_specexpert import metrics
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features.call_tracer import CallTracer
 from vllm_specexpert.layer_call import LayerRequest
@@ -129,21 +203,61 @@ report["rebuilt"] = engine.feature(CallTracer) is not first
 run(engine, 2, steps=1)
 report["after_reconfigure"] = engine.stats()["tracer"]
 engine.close()
+
+
+def zeros_run(flag):
+    # Decode calls at a quarter of the experts; what ran, against the reference with
+    # the non-resident experts' entries left out (id -1).
+    engine = build_engine({"budget": 0.25}, LAYERS, top_k=4)
+    if flag:
+        engine.provide(zeros_for_missing=True)
+    as_expected, missing = True, 0
+    for step in range(3):
+        for name in NAMES:
+            x, w, ids = random_routing(2, 16, 4, seed=step)
+            resident = torch.from_numpy(engine.layers[name].cache.resident_mask())
+            kept = torch.where(resident[ids.long()], ids, -1)
+            missing += int((kept < 0).sum())
+            out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            as_expected &= torch.equal(out, reference_moe(x, w, kept, *LAYERS[name].values()))
+    stats = engine.stats()
+    snapshot = {"rank": 0, "model_name": "toy", "series": engine.series()}
+    families = {
+        family.name: sorted((s.labels["layer"], s.labels["phase"], s.value) for s in family.samples)
+        for family in metrics.supplied_families(["model_name", "engine"], [snapshot])
+        if family.name.startswith("specexpert_zeros")
+    }
+    engine.close()
+    return {
+        "as_expected": as_expected,
+        "missing": missing,
+        "decode": {k: v for k, v in stats["total"]["decode"].items() if k.startswith("zeros")},
+        "prefill": {k: v for k, v in stats["total"]["prefill"].items() if k.startswith("zeros")},
+        "missed_entries": stats["total"]["decode"]["missed_entries"],
+        "fetched_entries": stats["total"]["decode"]["fetched_entries"],
+        "families": families,
+    }
+
+
+report["zeros"] = zeros_run(True)
+report["no_flag"] = zeros_run(False)
 print("REPORT " + json.dumps(report))
 """
 
 
-def _add_feature(package: Path) -> None:
+def _add_feature(package: Path, name: str, module: str) -> None:
     """The whole cost of a feature: its module, its registry line, its word in the map."""
-    (package / "features" / "call_tracer.py").write_text(FEATURE_MODULE)
+    (package / "features" / f"{name}.py").write_text(module)
     registry = package / "features" / "__init__.py"
     text = registry.read_text()
-    assert text.count('    "low_bit",\n') == 1
-    registry.write_text(text.replace('    "low_bit",\n', '    "low_bit",\n    "call_tracer",\n'))
+    last = '    "host_compute",\n'
+    assert text.count(last) == 1
+    registry.write_text(text.replace(last, f'{last}    "{name}",\n'))
     init = package / "__init__.py"
     text = init.read_text()
-    assert text.count("(INT4 copies' slots)") == 1
-    init.write_text(text.replace("(INT4 copies' slots)", "(INT4 copies' slots), call_tracer"))
+    anchor = "copies' slots, their place)"
+    assert text.count(anchor) == 1
+    init.write_text(text.replace(anchor, f"{anchor}, {name}"))
 
 
 def _in_copy(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -157,7 +271,8 @@ def _in_copy(root: Path, *args: str) -> subprocess.CompletedProcess:
 def copy_with_feature(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("copy")
     shutil.copytree(PACKAGE, root / "vllm_specexpert", ignore=shutil.ignore_patterns("__pycache__"))
-    _add_feature(root / "vllm_specexpert")
+    _add_feature(root / "vllm_specexpert", "call_tracer", FEATURE_MODULE)
+    _add_feature(root / "vllm_specexpert", "zeros_for_missing", PLACE_MODULE)
     return root
 
 
@@ -226,3 +341,27 @@ def test_prefill_calls_do_not_reach_decode_hooks(report):
 def test_a_reconfigure_builds_the_feature_again(report):
     assert report["rebuilt"]
     assert report["after_reconfigure"] == {"calls": 2}
+
+
+def test_a_new_place_runs_its_entries_and_shows_in_the_stats_and_metrics(report):
+    zeros = report["zeros"]
+    # The plan gave every missing entry to the place: its output is the reference's
+    # without those experts, nothing was fetched, and the place counted each entry.
+    assert zeros["missing"] > 0 and zeros["as_expected"]
+    assert zeros["fetched_entries"] == 0
+    assert zeros["decode"]["zeros_entries"] == zeros["missed_entries"] == zeros["missing"]
+    assert 0 < zeros["decode"]["zeros_calls"] <= 6
+    assert zeros["prefill"] == {"zeros_entries": 0, "zeros_calls": 0}
+    entries = zeros["families"]["specexpert_zeros_entries"]
+    assert {(layer, phase) for layer, phase, _ in entries} == {
+        (layer, phase) for layer in ("0", "1") for phase in ("decode", "prefill")
+    }
+    assert sum(value for _, phase, value in entries if phase == "decode") == zeros["missing"]
+    assert "specexpert_zeros_calls" in zeros["families"]
+
+
+def test_without_its_flag_the_place_is_not_there(report):
+    no_flag = report["no_flag"]
+    assert no_flag["decode"] == {} and no_flag["families"] == {}
+    assert not no_flag["as_expected"]  # (fetch ran the missing experts: another output)
+    assert no_flag["fetched_entries"] == no_flag["missed_entries"] > 0

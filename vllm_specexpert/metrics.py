@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -126,8 +125,8 @@ class SnapshotCollector:
 
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
-        self.fields = [f.name for f in dataclasses.fields(PhaseStats)]
-        self.docs = {f.name: f.metadata["help"] for f in dataclasses.fields(PhaseStats)}
+        self.docs = PhaseStats.docs()
+        self.fields = list(self.docs)
 
     def snapshots(self) -> list[dict[str, Any]]:
         """The live workers' latest snapshots, one per engine rank (the newest)."""
@@ -179,15 +178,16 @@ class SnapshotCollector:
             "The running configuration (value 1).",
             labels=[*base, "miss_policy", "cache", "predictor", "output"],
         )
+        gauges = SchedulerStats.gauges()
         disk = {
             key: CounterMetricFamily(counter_name(f"disk_{key}"), doc, labels=base)
             for key, doc in DISK_COUNTERS.items()
         }
         scheduler = {
-            f.name: (GaugeMetricFamily if f.metadata.get("gauge") else CounterMetricFamily)(
-                counter_name(f"scheduler_{f.name}"), f.metadata["help"], labels=base
+            name: (GaugeMetricFamily if name in gauges else CounterMetricFamily)(
+                counter_name(f"scheduler_{name}"), doc, labels=base
             )
-            for f in dataclasses.fields(SchedulerStats)
+            for name, doc in SchedulerStats.docs().items()
         }
         snapshots = self.snapshots()
         for snapshot in snapshots:
