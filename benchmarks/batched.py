@@ -108,7 +108,7 @@ def cache_figures(llm) -> dict:
         # Per distinct (layer, expert) a call needs; hit_rate counts a request again each
         # time a call that does not fit runs another token group.
         "needed_hit_rate": 1 - total["misses"] / max(total["experts_needed"], 1),
-        "host_entries_per_token": total["host_entries"] / tokens,
+        "host_entries_per_token": total.get("host_entries", 0) / tokens,
     }
 
 

@@ -118,15 +118,15 @@ def decode_figures(stats: dict) -> dict[str, Any]:
         "loads_per_token": d["loads"] / n,
         "mb_per_token": d["bytes_loaded"] / n / 1e6,
         "stall_ms_per_token": d["stall_s"] / n * 1e3,
-        "host_ms_per_token": d["host_s"] / n * 1e3,
+        "host_ms_per_token": d.get("host_s", 0.0) / n * 1e3,  # (a place's: when it is on)
         "prefetched_per_token": d["prefetched"] / n,
         "prefetch_used_per_token": d["prefetch_used"] / n,
         "recall": d["recall"] if d["predicted"] else None,
         "entries_per_token": {
-            k: d[f"{k}_entries"] / n
+            k: d.get(f"{k}_entries", 0) / n
             for k in ("missed", "fetched", "host", "substituted", "dropped", "low_bit")
         },
-        "low_bit_mb_per_token": d["low_bit_bytes"] / n / 1e6,
+        "low_bit_mb_per_token": d.get("low_bit_bytes", 0) / n / 1e6,
     }
 
 

@@ -967,7 +967,7 @@ def breakdown(stats: dict, decode_s: float, made: int, scheduler_s: float, draft
     bookkeeping). Per layer call counters include a step's prompt rows when it mixes
     them (the benchmark's decode steps do not)."""
     d = stats["total"]["decode"]
-    waits = d["host_stall_s"] + d["peer_wait_s"]
+    waits = d.get("host_stall_s", 0.0) + d.get("peer_wait_s", 0.0)  # (places, when on)
     parts = {
         "kernel": d["kernel_s"],
         "read_wait": d["stall_s"],

@@ -26,13 +26,19 @@ def test_each_workers_stats_carry_the_schema_version(toy_engines, tmp_path):
             return engine
 
     stats = Worker().specexpert_stats()  # what get_stats(llm) calls on every worker
-    assert stats["schema_version"] == 4
+    assert stats["schema_version"] == 5
     assert type(stats["schema_version"]) is int
-    assert json.loads(stats_file.read_text())["schema_version"] == 4
+    assert json.loads(stats_file.read_text())["schema_version"] == 5
     # The type change version 2 was numbered for: a per-layer dict, not an int.
     assert stats["slots_per_layer"] == {NAME: 4}
     # The change version 3 was numbered for: a feature that is off has no section.
     assert not {"lookahead", "mesh", "quality"} & set(stats)
+    # The change of version 5: under fetch no place but `dropped` has counters.
+    decode = stats["total"]["decode"]
+    assert decode["dropped_entries"] == 0
+    assert not {"host_entries", "substituted_entries", "low_bit_entries", "peer_entries"} & set(
+        decode
+    )
 
 
 def test_the_version_in_force_has_its_line_in_the_changelog():

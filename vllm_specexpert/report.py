@@ -14,7 +14,7 @@ from vllm_specexpert import handoff
 from vllm_specexpert.config.sizing import gib
 from vllm_specexpert.stats import PHASES, LayerStats, Series, metric_name
 
-STATS_SCHEMA_VERSION = 4
+STATS_SCHEMA_VERSION = 5
 """``schema_version`` of :func:`engine_stats` (each worker's ``get_stats`` dict, the
 ``stats_path`` file): a key whose type changes, or that is no longer always there,
 bumps it and gets a line in ``docs/changelog.md``."""

@@ -105,7 +105,7 @@ def _print_stats(stats: dict) -> None:
         recall = f"{layer['recall']:.2f}" if layer["predicted"] else "-"
         print(
             f"{name:<34}{slots:>6}{layer['hit_rate']:>10.2%}{recall:>8}{layer['loads']:>7}"
-            f"{layer['prefetched']:>11}{layer['prefetch_used']:>6}{layer['host_entries']:>6}"
+            f"{layer['prefetched']:>11}{layer['prefetch_used']:>6}{layer.get('host_entries', 0):>6}"
             f"{layer['bytes_loaded'] / 1e6:>10.2f}{layer['stall_s'] * 1e3:>10.1f}"
         )
     prefill = stats["total"]["prefill"]
