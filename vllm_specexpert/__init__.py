@@ -72,7 +72,7 @@ its floor::
      6  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
      7  layer_state     OffloadedLayer: what every offloaded layer has, its places
-     7  execute         survey, run a plan over the device and the places, token
+     8  execute         survey, run a plan over the device and the places, token
                         groups, kernel launches; the one place that runs experts
      8  layer_checks    what a config needs of the loaded layers, whatever the features
      8  quality/        the quality budget: logits (the model's head, two results

@@ -14,6 +14,7 @@ around it in order (:mod:`vllm_specexpert.features`).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, TypeVar
@@ -99,6 +100,8 @@ class OffloadEngine:
         for feature in built:
             self.miss_policy = feature.miss_policy(self.miss_policy)
         self._sees_resident_calls = any(f.acts_on_resident_calls for f in built)
+        for layer in self._equipped():
+            self._compose(layer)
 
     def provide(self, **inputs: Any) -> None:
         """Inputs of the features, as the adapter gets them, by the names the features
@@ -153,6 +156,19 @@ class OffloadEngine:
         layer.equip(self.config, slots, self.link, self.device, pool)
         for feature in self.features:
             feature.equip(layer)
+        self._compose(layer)
+
+    def _compose(self, layer: OffloadedLayer) -> None:
+        """The layer's call, composed from what runs (when it is equipped and whenever
+        the features change): with every expert in the slot of its id and no feature
+        acting on such a call, the kernel on the router's ids as they are
+        (:func:`execute.run_resident`); else the spine below. Nothing that such a layer
+        runs loads or evicts; an eviction from elsewhere composes it again."""
+        layer.cache.identity_lost = functools.partial(self._compose, layer)
+        if layer.cache.identity and not self._sees_resident_calls:
+            layer.run = functools.partial(execute.run_resident, layer)
+        else:
+            layer.run = functools.partial(self._run, layer)
 
     def link_layers(self, name: str, next_name: str) -> None:
         """``next_name`` is the MoE layer after ``name``."""
@@ -265,25 +281,21 @@ class OffloadEngine:
     # ---------------------------------------------------------------- forward
 
     def run_call(self, request: LayerRequest) -> torch.Tensor:
-        """Routed-expert output of one layer call: prefill rows exactly, decode rows
-        through the features and the miss policy."""
+        """Routed-expert output of one layer call, as the layer's call was composed
+        (:meth:`_compose`)."""
+        return self.layers[request.layer].run(request)
+
+    def _run(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+        """Prefill rows exactly, decode rows through the features and the miss policy."""
         started = time.perf_counter()
-        layer = self.layers[request.layer]
-        phases = request.phases
-        prefill = phases is not None and phases.all_prefill
-        stats = layer.stats.prefill if prefill else layer.stats.decode
-        if request.num_tokens == 1 and layer.cache.identity and not self._sees_resident_calls:
-            # Every expert resident, nothing to decide, nothing read: no host read (at
-            # batch-1 decode this path's cost is the plugin's whole cost over vanilla).
-            out = execute.execute_resident(layer.loader, request, stats.count_call(1))
-        else:
-            out = execute.guarded(
-                layer.loader,
-                request,
-                self.unreadable,
-                lambda: self._by_phase(layer, request),
-                stats,
-            )
+        stats = layer.stats.prefill if request.all_prefill else layer.stats.decode
+        out = execute.guarded(
+            layer.loader,
+            request,
+            self.unreadable,
+            lambda: self._by_phase(layer, request),
+            stats,
+        )
         stats.call_s += time.perf_counter() - started
         return out
 

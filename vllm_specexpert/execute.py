@@ -30,7 +30,8 @@ import torch
 
 from vllm_specexpert.config.sizing import KERNEL_CHUNK_TOKENS
 from vllm_specexpert.handback import UnreadableRows
-from vllm_specexpert.layer_call import LayerCall, LayerRequest
+from vllm_specexpert.layer_call import ExpertKernel, LayerCall, LayerRequest
+from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.places import Dropped, Places
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
@@ -205,20 +206,41 @@ def execute_without(
         return out
 
 
-def execute_resident(
+def run_resident(layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+    """A call of a layer composed to run resident (every expert in the slot of its id,
+    ``cache.identity``, and no feature acting on such a call): the kernel on the
+    router's ids as they are, each phase's rows in a launch of their own, counted as the
+    spine counts them."""
+    started = time.perf_counter()
+    stats = layer.stats.prefill if request.all_prefill else layer.stats.decode
+    phases = request.phases
+    if phases is None or phases.all_decode or phases.all_prefill:
+        out = _resident_launch(layer.loader, request, stats)
+    else:  # a mixed pass: the decode rows' launch, then the prompt rows'
+        out = torch.empty_like(request.x)
+        for rows, counted in ((phases.decode, stats), (phases.prefill, layer.stats.prefill)):
+            index = upload(rows, request.x.device)
+            out[index] = _resident_launch(layer.loader, request.rows(index), counted)
+    stats.call_s += time.perf_counter() - started
+    return out
+
+
+def _resident_launch(
     loader: ExpertLoader, request: LayerRequest, stats: PhaseStats
 ) -> torch.Tensor:
-    """One token on a layer whose every expert sits in the slot of its id
-    (``cache.identity``: budget 1.0): its top-k experts are distinct, all hits, and the
-    router's ids are the slot ids, so nothing is read to the host."""
-    cache, top_k = loader.cache, request.topk_ids.shape[1]
-    stats.experts_needed += top_k
-    loader.count_resident(top_k, stats)
-    stats.kernel_calls += 1
+    """One launch on the rows of ``request``, all hits: the router's ids are the slot
+    ids. Its distinct experts are counted (a token's top-k are distinct: nothing is
+    read to the host for one token)."""
+    cache, (tokens, top_k) = loader.cache, request.topk_ids.shape
+    stats.count_call(tokens)
+    distinct = top_k if tokens == 1 else len(np.unique(request.topk_ids.cpu().numpy()))
+    stats.experts_needed += distinct
+    loader.count_resident(distinct, stats)
     kernel_ids, expert_map = cache.kernel_routing(request.topk_ids, None)
     started = time.perf_counter()
-    out = request.kernel(request.x, request.topk_weights, kernel_ids, cache.slots, expert_map)
+    out = _kernel(request.kernel, request.x, request.topk_weights, kernel_ids, cache, expert_map)
     stats.kernel_s += time.perf_counter() - started
+    stats.kernel_calls += 1
     return out
 
 
@@ -229,17 +251,6 @@ def run_on_device(
     the call's survey, if the caller has it."""
     cache, stats, ids = loader.cache, call.stats, call.host_ids
     needed = found.needed if found is not None else np.unique(ids)
-    if (
-        found is not None
-        and not found.missed
-        and ids.shape[0] == 1
-        and not loader.in_flight
-        and not loader.prefetches
-    ):
-        # One token whose distinct experts are all resident and landed (batch-1 decode
-        # hits): what the general path below does, without its set operations.
-        loader.count_resident(len(needed), stats, needed)
-        return _launch(loader, call, needed)
     loader.begin_run(needed, stats)
     if cache.capacity_for(needed):
         loader.acquire(needed, stats)
@@ -284,19 +295,30 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
         call.stats.stall_s += readable - started
     call.stats.loads += read
     call.stats.bytes_loaded += nbytes
-    tokens = call.x.shape[0]
-    if tokens <= KERNEL_CHUNK_TOKENS:
-        out = call.kernel(call.x, call.topk_weights, kernel_ids, cache.slots, expert_map)
-    else:  # a long pass (prefill): the kernel's scratch is a chunk's, not the pass's
-        out = torch.empty_like(call.x)
-        for start in range(0, tokens, KERNEL_CHUNK_TOKENS):
-            rows = slice(start, start + KERNEL_CHUNK_TOKENS)
-            out[rows] = call.kernel(
-                call.x[rows], call.topk_weights[rows], kernel_ids[rows], cache.slots, expert_map
-            )
+    out = _kernel(call.kernel, call.x, call.topk_weights, kernel_ids, cache, expert_map)
     call.stats.kernel_s += time.perf_counter() - readable
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1
+    return out
+
+
+def _kernel(
+    kernel: ExpertKernel,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    kernel_ids: torch.Tensor,
+    cache: ExpertCache,
+    expert_map: torch.Tensor | None,
+) -> torch.Tensor:
+    """The layer's kernel on the cache's slots; a long pass (prefill) in chunks, so that
+    the kernel's scratch is a chunk's, not the pass's."""
+    tokens = x.shape[0]
+    if tokens <= KERNEL_CHUNK_TOKENS:
+        return kernel(x, weights, kernel_ids, cache.slots, expert_map)
+    out = torch.empty_like(x)
+    for start in range(0, tokens, KERNEL_CHUNK_TOKENS):
+        rows = slice(start, start + KERNEL_CHUNK_TOKENS)
+        out[rows] = kernel(x[rows], weights[rows], kernel_ids[rows], cache.slots, expert_map)
     return out
 
 

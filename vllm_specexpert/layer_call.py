@@ -49,6 +49,10 @@ class LayerRequest:
     def num_tokens(self) -> int:
         return self.x.shape[0]
 
+    @property
+    def all_prefill(self) -> bool:
+        return self.phases is not None and self.phases.all_prefill
+
     def rows(self, index: torch.Tensor) -> LayerRequest:
         """The request on the rows ``index`` (a device index), all of one phase."""
         return dataclasses.replace(

@@ -160,8 +160,8 @@ class EngineFeature:
     """The adapter's inputs it is built from: a feature is built again when one of them
     is given (``OffloadEngine.provide`` refuses a name no feature declares)."""
     acts_on_resident_calls: ClassVar[bool] = False
-    """Whether it must see a one-token call on a layer whose every expert is resident
-    (else the engine runs such a call without reading anything to the host)."""
+    """Whether it must see the calls of a layer whose every expert is resident (else
+    the engine composes that layer's call as the kernel alone, ``run_resident``)."""
 
     @classmethod
     def build(

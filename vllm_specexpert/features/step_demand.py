@@ -18,6 +18,7 @@ class StepDemandFeature(EngineFeature):
     name = "step_demand"
     inputs = ("step_demand", "draft")
     """The scheduler's demand of the running step; with a draft, the lookahead's."""
+    acts_on_resident_calls = True  # a layer with every expert resident still scores it
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ the slow tier and the cache").
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -79,7 +79,9 @@ class ExpertCache:
         self.identity = False
         """Every expert sits in the slot of its own id (an own pool holding them all)
         and the kernel reads it as it is (not a mapped pack's pages, made readable
-        first); an eviction ends it."""
+        first); an eviction ends it, and then calls :attr:`identity_lost`."""
+        self.identity_lost: Callable[[], None] | None = None
+        """Whoever composed a call on the identity (the engine) hears that it ended."""
         if pool is None:
             self.pool.allocate()
 
@@ -219,7 +221,10 @@ class ExpertCache:
         self.pool.owner[slots] = -1
         self.protected[experts] = False
         self._map_dirty[experts] = True
-        self.identity = False
+        if self.identity:
+            self.identity = False
+            if self.identity_lost is not None:
+                self.identity_lost()
         return slots
 
     def touch(self, experts: np.ndarray) -> None:
