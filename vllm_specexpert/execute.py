@@ -212,16 +212,20 @@ def run_resident(layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
     router's ids as they are, each phase's rows in a launch of their own, counted as the
     spine counts them."""
     started = time.perf_counter()
-    stats = layer.stats.prefill if request.all_prefill else layer.stats.decode
-    phases = request.phases
-    if phases is None or phases.all_decode or phases.all_prefill:
-        out = _resident_launch(layer.loader, request, stats)
+    phases, stats = request.phases, layer.stats
+    if phases is None or not len(phases.prefill):  # (all decode)
+        counted = stats.decode
+        out = _resident_launch(layer.loader, request, counted)
+    elif not len(phases.decode):
+        counted = stats.prefill
+        out = _resident_launch(layer.loader, request, counted)
     else:  # a mixed pass: the decode rows' launch, then the prompt rows'
+        counted = stats.decode
         out = torch.empty_like(request.x)
-        for rows, counted in ((phases.decode, stats), (phases.prefill, layer.stats.prefill)):
+        for rows, part in ((phases.decode, stats.decode), (phases.prefill, stats.prefill)):
             index = upload(rows, request.x.device)
-            out[index] = _resident_launch(layer.loader, request.rows(index), counted)
-    stats.call_s += time.perf_counter() - started
+            out[index] = _resident_launch(layer.loader, request.rows(index), part)
+    counted.call_s += time.perf_counter() - started
     return out
 
 
@@ -231,16 +235,19 @@ def _resident_launch(
     """One launch on the rows of ``request``, all hits: the router's ids are the slot
     ids. Its distinct experts are counted (a token's top-k are distinct: nothing is
     read to the host for one token)."""
-    cache, (tokens, top_k) = loader.cache, request.topk_ids.shape
-    stats.count_call(tokens)
-    distinct = top_k if tokens == 1 else len(np.unique(request.topk_ids.cpu().numpy()))
+    cache, ids = loader.cache, request.topk_ids
+    tokens, top_k = ids.shape
+    distinct = top_k if tokens == 1 else len(np.unique(ids.cpu().numpy()))
+    stats.calls += 1
+    stats.tokens += tokens
     stats.experts_needed += distinct
-    loader.count_resident(distinct, stats)
-    kernel_ids, expert_map = cache.kernel_routing(request.topk_ids, None)
+    stats.requests += distinct
+    stats.hits += distinct
+    stats.kernel_calls += 1
+    kernel_ids, expert_map = cache.kernel_routing(ids, None)
     started = time.perf_counter()
     out = _kernel(request.kernel, request.x, request.topk_weights, kernel_ids, cache, expert_map)
     stats.kernel_s += time.perf_counter() - started
-    stats.kernel_calls += 1
     return out
 
 

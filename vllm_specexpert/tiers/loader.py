@@ -71,16 +71,6 @@ class ExpertLoader:
         self._wait_for(experts, stats)
         cache.touch(experts)
 
-    def count_resident(
-        self, count: int, stats: PhaseStats, experts: np.ndarray | None = None
-    ) -> None:
-        """Count a launch on ``count`` resident, landed experts as :meth:`acquire` would
-        (the resident fast paths); ``experts``, if known on the host, are marked used."""
-        stats.requests += count
-        stats.hits += count
-        if experts is not None:
-            self.cache.touch(experts)
-
     def prefetch(
         self,
         experts: np.ndarray,
