@@ -4,7 +4,7 @@ compiled.
 
     python benchmarks/overhead.py [--modes eager compiled] [--rounds 12] [--samples 3]
                                   [--decode-tokens 64] [--prefill-tokens 512]
-                                  [--in-process] [--name overhead]
+                                  [--in-process] [--baseline DIR] [--name overhead]
 
 Each engine runs in a fresh Python process of its own, as a new user would start it:
 vanilla with ``VLLM_PLUGINS=""`` and without ever importing ``vllm_specexpert`` (no
@@ -21,7 +21,11 @@ Reported per mode and engine: the median over every sample, quartiles, min and m
 each round's median, and the best figure (the fastest run: the machine's other loads
 only ever add time; see :func:`best`); the plugin/vanilla ratio of the medians, of the
 best figures, and within each round (paired: the two engines measured seconds apart),
-with its median and spread.
+with its median and spread. ``--baseline DIR`` adds a third engine: the plugin of
+another checkout (``DIR``, e.g. ``git worktree add DIR <commit>``, put first on
+``PYTHONPATH``), in the same rounds, so that before and after a change are measured in
+one run (the order of the three rotates from round to round); its ratios to vanilla and
+the plugin's to it are reported the same way.
 vLLM's defaults otherwise (engine core in its own process; ``--in-process`` runs it in
 the engine's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The environment passes
 through: on a shared machine note that vLLM's CPU workers bind their OpenMP thread to
@@ -89,8 +93,10 @@ def serve(request: dict) -> None:
 
     generate(request["decode"], 8)
     generate(request["prefill"], 1)
+    plugin = sys.modules.get("vllm_specexpert")
     info = {
-        "plugin_imported_here": "vllm_specexpert" in sys.modules,
+        "plugin_imported_here": plugin is not None,
+        "plugin_file": getattr(plugin, "__file__", None),
         "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS"),
     }
     replies.write(json.dumps({"ready": info}) + "\n")
@@ -313,50 +319,68 @@ def best(rounds: list[dict], engine: str, key: str, decode_tokens: int) -> float
     return (min(every("full")) - statistics.median(every("first"))) / (decode_tokens - 1) * 1e3
 
 
-def summarize(rounds: list[dict], key: str, decode_tokens: int) -> dict:
+def summarize(rounds: list[dict], key: str, decode_tokens: int, names: list[str]) -> dict:
     """Per engine: the spread of every sample, each round's median and the best figure
     (ms); the ratio plugin / vanilla of the medians, within each round, and of the best
-    figures."""
-    out = {}
+    figures (with a baseline also ``baseline/vanilla`` and ``plugin/baseline``)."""
+    out: dict = {}
     figure = FIGURES[key]
-    for engine in ("vanilla", "plugin"):
+    for engine in names:
         samples = [v * 1e3 for r in rounds for v in r[engine][figure]]
         out[engine] = {
             **spread(samples),
             "best": best(rounds, engine, key, decode_tokens),
             "round_medians": [statistics.median(r[engine][figure]) * 1e3 for r in rounds],
         }
-    paired = [
-        p / v
-        for p, v in zip(
-            out["plugin"]["round_medians"], out["vanilla"]["round_medians"], strict=True
-        )
-    ]
-    out["ratio"] = out["plugin"]["median"] / out["vanilla"]["median"]
-    out["best_ratio"] = out["plugin"]["best"] / out["vanilla"]["best"]
-    out["paired_ratio"] = {**spread(paired), "per_round": paired}
+    out.update(ratios(out, "plugin", "vanilla"))
+    if "baseline" in names:
+        out["baseline/vanilla"] = ratios(out, "baseline", "vanilla")
+        out["plugin/baseline"] = ratios(out, "plugin", "baseline")
     return out
+
+
+def ratios(out: dict, engine: str, to: str) -> dict:
+    """``engine``'s figures over ``to``'s: of the medians, of the best, paired by round."""
+    paired = [
+        a / b for a, b in zip(out[engine]["round_medians"], out[to]["round_medians"], strict=True)
+    ]
+    return {
+        "ratio": out[engine]["median"] / out[to]["median"],
+        "best_ratio": out[engine]["best"] / out[to]["best"],
+        "paired_ratio": {**spread(paired), "per_round": paired},
+    }
 
 
 def measure_mode(mode: str, model: str, prompts: dict, args, logs: Path) -> dict:
     eager = mode == "eager"
     engines = {}
+    kinds = [("vanilla", None, None), ("plugin", PLUGIN_CONFIG, None)]
+    if args.baseline:
+        kinds.append(("baseline", PLUGIN_CONFIG, args.baseline))
+    names = [name for name, _, _ in kinds]
     try:
-        for name, config in (("vanilla", None), ("plugin", PLUGIN_CONFIG)):
+        for name, config, path in kinds:
             request = {"model": model, "eager": eager, "specexpert": config, **prompts}
+            env = engine_env(config is not None, args.in_process)
+            if path is not None:  # the other checkout's package first
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
             engines[name] = Engine(
-                f"{mode} {name}",
-                request,
-                engine_env(config is not None, args.in_process),
-                logs / f"{args.name}-{mode}-{name}.log",
+                f"{mode} {name}", request, env, logs / f"{args.name}-{mode}-{name}.log"
             )
         started = time.perf_counter()
         info = {name: engine.reply()["ready"] for name, engine in engines.items()}
-        print(f"{mode}: both engines up in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"{mode}: engines up in {time.perf_counter() - started:.0f} s", flush=True)
         assert not info["vanilla"]["plugin_imported_here"]
+        if args.baseline:  # (the plugin may load in the engine core's process only)
+            loaded = info["baseline"]["plugin_file"]
+            assert loaded is None or loaded.startswith(str(Path(args.baseline).resolve())), loaded
         rounds = []
         for index in range(args.rounds):
-            order = ("vanilla", "plugin") if index % 2 == 0 else ("plugin", "vanilla")
+            # ABBA for two; for three, each takes each place in turn.
+            shift = index % len(names)
+            order = names[shift:] + names[:shift]
+            if len(names) == 2 and index % 2:
+                order = names[::-1]
             result = {
                 name: engines[name].ask(
                     {"op": "measure", "samples": args.samples, "decode_tokens": args.decode_tokens}
@@ -383,7 +407,7 @@ def measure_mode(mode: str, model: str, prompts: dict, args, logs: Path) -> dict
         "engines": info,
         "plugin_stats": stats,
         "rounds": rounds,
-        **{key: summarize(rounds, key, args.decode_tokens) for key in FIGURES},
+        **{key: summarize(rounds, key, args.decode_tokens, names) for key in FIGURES},
     }
 
 
@@ -424,7 +448,13 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         for row, key in enumerate(FIGURES):
             ax = axes[row, column]
             summary = result[key]
-            for engine, color in (("vanilla", "#555"), ("plugin", "#3b7dd8")):
+            for engine, color in (
+                ("vanilla", "#555"),
+                ("plugin", "#3b7dd8"),
+                ("baseline", "#d8903b"),
+            ):
+                if engine not in summary:
+                    continue
                 values = summary[engine]["round_medians"]
                 ax.plot(
                     range(1, len(values) + 1),
@@ -445,6 +475,16 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def baseline_of(path: str | None) -> dict | None:
+    """The baseline checkout and its commit (``None``: no baseline)."""
+    if path is None:
+        return None
+    commit = subprocess.run(
+        ["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {"path": str(Path(path).resolve()), "commit": commit or None}
 
 
 def main() -> None:
@@ -469,6 +509,11 @@ def main() -> None:
         help="calls per timed loop of the layer-call breakdown (0: skip it)",
     )
     parser.add_argument("--breakdown-rounds", type=int, default=30)
+    parser.add_argument(
+        "--baseline",
+        help="a checkout of the package whose plugin runs beside, in the same rounds "
+        "(before/after a change)",
+    )
     parser.add_argument("--name", default="overhead", help="result file name")
     args = parser.parse_args()
 
@@ -506,6 +551,7 @@ def main() -> None:
         "prefill_tokens": args.prefill_tokens,
         "engine_core": "in process" if args.in_process else "own process (vLLM default)",
         "environment": {name: os.environ.get(name) for name in ENVIRONMENT},
+        "baseline": baseline_of(args.baseline),
         "layer_call_breakdown_us": layer_call,
         "ratios": {
             r["mode"]: {
@@ -540,6 +586,15 @@ def main() -> None:
         for key in FIGURES:
             s = r[key]
             v, p, pr = s["vanilla"], s["plugin"], s["paired_ratio"]
+            if "baseline" in s:
+                for pair in ("baseline/vanilla", "plugin/baseline"):
+                    q = s[pair]["paired_ratio"]
+                    print(
+                        f"{r['mode']:<10}{key:<9}{pair}: baseline {s['baseline']['median']:.3f} "
+                        f"ms, ratio of medians {s[pair]['ratio']:.3f}, paired "
+                        f"{q['median']:.3f} [{q['min']:.3f}, {q['max']:.3f}], best "
+                        f"{s[pair]['best_ratio']:.3f}"
+                    )
             print(
                 f"{r['mode']:<10}{key:<9}{v['median']:>11.3f}{p['median']:>11.3f}"
                 f"{s['ratio']:>7.3f}{pr['median']:>11.3f} [{pr['min']:.3f}, {pr['max']:.3f}]"
