@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, command_line, held_out_prompts, write_result
 
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.schedule.grouping import partition
 from vllm_specexpert.tools.fixtures import ASSETS, DEFAULT_MODEL, model_path
 from vllm_specexpert.tools.trace import record_routes
@@ -215,7 +215,7 @@ def engine_loads(
         for layer, name in enumerate(names):
             ids = torch.from_numpy(np.stack([routes[i][s, layer] for i, s in run])).to(torch.int32)
             x = torch.zeros(len(run), 16, dtype=torch.bfloat16)
-            engine.run_call(LayerRequest(name, kernel, x, torch.full(ids.shape, 1 / top_k), ids))
+            engine.run_call(LayerCall(name, kernel, x, torch.full(ids.shape, 1 / top_k), ids))
     loads = engine.stats()["total"]["decode"]["loads"]
     engine.close()
     return loads

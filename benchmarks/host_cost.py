@@ -45,7 +45,7 @@ from common import (
     write_result,
 )
 
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 MODES = {
@@ -166,11 +166,11 @@ def engine_loop_us(num_experts: int = 64, top_k: int = 4, calls: int = 5000) -> 
         return x
 
     for ids in routings:
-        engine.run_call(LayerRequest("layer", nothing, x, weights, ids, phases))
+        engine.run_call(LayerCall("layer", nothing, x, weights, ids, phases))
     start = time.perf_counter()
     for i in range(calls):
         engine.run_call(
-            LayerRequest("layer", nothing, x, weights, routings[i % len(routings)], phases)
+            LayerCall("layer", nothing, x, weights, routings[i % len(routings)], phases)
         )
     elapsed = time.perf_counter() - start
     engine.close()

@@ -152,7 +152,7 @@ def breakdown(request: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.forward_context import get_forward_context, override_forward_context
 
-    from vllm_specexpert.layer_call import LayerRequest
+    from vllm_specexpert.layer_call import LayerCall
     from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
     captured: dict = {}
@@ -216,7 +216,7 @@ def breakdown(request: dict) -> None:
             x, weights, ids, slots
         ),
         "engine.run_call (the engine's path for it)": lambda: engine.run_call(
-            LayerRequest(layer.layer_name, layer.slot_kernel, x, weights, ids)
+            LayerCall(layer.layer_name, layer.slot_kernel, x, weights, ids)
         ),
         "the adapter's layer call (into the op's buffer)": lambda: layer.offloaded_forward(
             x, weights, ids, out

@@ -61,9 +61,8 @@ def run_fetch(
 ) -> torch.Tensor:
     """One layer call under ``fetch`` (the exact path every prefill call takes): the
     executor surveys the cache and runs every entry on the device, loaded on demand."""
-    call = layer_call.LayerCall(
-        x, topk_weights, topk_ids, topk_ids.numpy(), kernel or slot_kernel, stats
-    )
+    call = layer_call.LayerCall("layer", kernel or slot_kernel, x, topk_weights, topk_ids)
+    call = call.on_host(stats)
     return execute.execute(loader, call, execute.survey(loader, call))
 
 

@@ -162,7 +162,7 @@ from toy_engine import build_engine
 from vllm_specexpert import metrics
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features.call_tracer import CallTracer
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
@@ -175,7 +175,7 @@ def run(engine, tokens, steps=3, phases=PassPhases.decode_only):
     for step in range(steps):
         for name in NAMES:
             x, w, ids = random_routing(tokens, 16, 4, seed=step)
-            out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, phases(tokens)))
+            out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids, phases(tokens)))
             exact &= torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
     return exact
 
@@ -218,7 +218,7 @@ def zeros_run(flag):
             resident = torch.from_numpy(engine.layers[name].cache.resident_mask())
             kept = torch.where(resident[ids.long()], ids, -1)
             missing += int((kept < 0).sum())
-            out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids))
             as_expected &= torch.equal(out, reference_moe(x, w, kept, *LAYERS[name].values()))
     stats = engine.stats()
     snapshot = {"rank": 0, "model_name": "toy", "series": engine.series()}

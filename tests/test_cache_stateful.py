@@ -27,7 +27,7 @@ from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.features.step_demand import StepDemandFeature
 from vllm_specexpert.handoff import StepDemand
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 
 E, K = 12, 2
 NAME = "model.layers.0.mlp.experts"
@@ -224,7 +224,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         x = torch.randn(tokens, 32, generator=g).bfloat16()
         w = torch.softmax(torch.randn(tokens, K, generator=g), -1)
         topk_ids = torch.from_numpy(ids).to(torch.int32)
-        out = self.engine.run_call(LayerRequest(NAMES[index], slot_kernel, x, w, topk_ids))
+        out = self.engine.run_call(LayerCall(NAMES[index], slot_kernel, x, w, topk_ids))
         tensors = LAYER_TENSORS[index]
         assert torch.equal(
             out, reference_moe(x, w, topk_ids, tensors["w13_weight"], tensors["w2_weight"])

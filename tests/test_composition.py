@@ -26,7 +26,7 @@ from toy_engine import DemandSource
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.handoff import StepDemand
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.peers.tier import Sent
 from vllm_specexpert.predict import NextLayerRouting, PredictorInputs
 from vllm_specexpert.predict.estimator_network import (
@@ -215,7 +215,7 @@ def check_runs_with_its_label(make_engine, config: SpecExpertConfig) -> None:
             )
             for index, name in enumerate(NAMES):
                 w, ids = toy_routing(index).route(x)
-                out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+                out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids))
                 expected = reference_moe(
                     x, w, ids, LAYERS[name]["w13_weight"], LAYERS[name]["w2_weight"]
                 )

@@ -20,7 +20,7 @@ from vllm_specexpert import metrics
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.features.mesh import PEER_COUNTERS
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.quality import LogitHead
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "specexpert.json"
@@ -95,7 +95,7 @@ def scraped(
             engine.provide(**inputs)
             engine.start()
             x, w, ids = random_routing(4, 16, 4, seed=0)
-            engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            engine.run_call(LayerCall(name, slot_kernel, x, w, ids))
             after_call(engine)
             engine.write_stats()
             return scrape_text(directory)

@@ -17,7 +17,7 @@ from test_metrics import scrape
 from vllm_specexpert import metrics
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.tiers import disk_reader
 from vllm_specexpert.tiers.disk import Disk
@@ -62,7 +62,7 @@ def test_every_load_is_a_read_and_the_output_is_exact(engine, tmp_path):
         for name in NAMES:
             x, w, ids = random_routing(3, 16, 4, seed=step)
             out = engine.run_call(
-                LayerRequest(name, slot_kernel, x, w, ids, PassPhases.decode_only(3))
+                LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(3))
             )
             assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
     stats = engine.stats()
@@ -122,7 +122,7 @@ def test_a_batch_1_decode_from_the_disk_is_exact(engine):
     model = ToyModel()
 
     def from_disk(name, x, w, ids):
-        request = LayerRequest(name, slot_kernel, x, w, ids, PassPhases.decode_only(1))
+        request = LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(1))
         return engine.run_call(request)
 
     def in_memory(name, x, w, ids):
@@ -159,7 +159,7 @@ def test_a_failing_read_fails_only_the_rows_that_needed_it(engine, pack, monkeyp
         [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [0, 12, 5, 6]], dtype=torch.int32
     )
     for _ in range(2):
-        out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, PassPhases.decode_only(4)))
+        out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(4)))
         # Rows 0 and 2 exact; the others without their unreadable experts (weight 0,
         # not renormalized: their requests fail), never what a failed read left.
         gone = torch.where(ids >= 8, 0.0, w)
@@ -177,7 +177,7 @@ def test_a_failing_read_fails_only_the_rows_that_needed_it(engine, pack, monkeyp
     assert all("EOFError" in entry[3] for entry in logged)
     # The file is whole again: the same experts are read and every row is exact.
     (pack.path / RECORDS_FILE).write_bytes(records)
-    out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, PassPhases.decode_only(4)))
+    out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(4)))
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
     assert engine.unreadable.take() == []
 
@@ -191,7 +191,7 @@ def test_a_changed_record_is_caught_when_read(engine, pack, monkeypatch):
         f.write(b"\xff\xff")
     x, w, _ = random_routing(2, 16, 4, seed=0)
     ids = torch.tensor([[9, 10, 11, 12], [10, 11, 12, 13]], dtype=torch.int32)
-    out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, PassPhases.decode_only(2)))
+    out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(2)))
     gone = torch.where(ids == 9, 0.0, w)
     assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
     assert engine.unreadable.take() == [0]
@@ -210,11 +210,11 @@ def test_a_record_changed_after_it_was_read_is_caught_at_the_next_read(engine, p
     first = torch.tensor([[9, 10, 11, 12]], dtype=torch.int32)
     others = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
     assert torch.equal(
-        engine.run_call(LayerRequest(name, slot_kernel, x, w, first, PassPhases.decode_only(1))),
+        engine.run_call(LayerCall(name, slot_kernel, x, w, first, PassPhases.decode_only(1))),
         reference_moe(x, w, first, *reference),
     )
     engine.run_call(
-        LayerRequest(name, slot_kernel, x, w, others, PassPhases.decode_only(1))
+        LayerCall(name, slot_kernel, x, w, others, PassPhases.decode_only(1))
     )  # 9 is evicted
     assert engine.layers[name].cache.expert_slot[9] < 0
     records = (pack.path / RECORDS_FILE).read_bytes()
@@ -222,7 +222,7 @@ def test_a_record_changed_after_it_was_read_is_caught_at_the_next_read(engine, p
     with open(pack.path / RECORDS_FILE, "r+b") as f:
         f.seek(offset + 64)
         f.write(b"\xff\xff")
-    out = engine.run_call(LayerRequest(name, slot_kernel, x, w, first, PassPhases.decode_only(1)))
+    out = engine.run_call(LayerCall(name, slot_kernel, x, w, first, PassPhases.decode_only(1)))
     gone = torch.where(first == 9, 0.0, w)
     assert torch.equal(out, reference_moe(x, gone, first, *reference))
     assert engine.unreadable.take() == [0]
@@ -231,7 +231,7 @@ def test_a_record_changed_after_it_was_read_is_caught_at_the_next_read(engine, p
     assert engine.stats()["disk"]["failed"] == 1
     # Restored: read again when next needed, and exact.
     (pack.path / RECORDS_FILE).write_bytes(records)
-    out = engine.run_call(LayerRequest(name, slot_kernel, x, w, first, PassPhases.decode_only(1)))
+    out = engine.run_call(LayerCall(name, slot_kernel, x, w, first, PassPhases.decode_only(1)))
     assert torch.equal(out, reference_moe(x, w, first, *reference))
     assert engine.unreadable.take() == []
 

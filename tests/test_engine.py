@@ -11,7 +11,7 @@ from moe_reference import random_layer, random_routing, reference_moe, slot_kern
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
@@ -35,11 +35,11 @@ def test_engine_runs_layers_exactly_and_keeps_phases_apart(make_engine):
         for name, tensors in layers.items():
             x, w, ids = random_routing(2, 16, 4, seed=step)
             out = engine.run_call(
-                LayerRequest(name, slot_kernel, x, w, ids, PassPhases.decode_only(2))
+                LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(2))
             )
             assert torch.equal(out, reference_moe(x, w, ids, *tensors.values()))
     x, w, ids = random_routing(5, 16, 4, seed=9)
-    engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids, PassPhases.prefill_only(5)))
+    engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.prefill_only(5)))
     stats = engine.stats()
     assert set(stats["slots_per_layer"].values()) == {4}
     assert stats["decode_tokens"] == 4 * 2 and stats["prefill_tokens"] == 5
@@ -66,7 +66,7 @@ def test_mixed_pass_runs_each_phase_through_its_own_path(make_engine):
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
     w = torch.softmax(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)), -1)
     phases = PassPhases(5, np.array([0, 2]), np.array([1, 3, 4]))
-    out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids, phases))
+    out = engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids, phases))
     exact = reference_moe(x, w, ids, w13, w2)
     assert torch.equal(out[[1, 3, 4]], exact[[1, 3, 4]])
     assert not torch.equal(out[[0, 2]], exact[[0, 2]])  # decode rows dropped their misses
@@ -91,12 +91,12 @@ def test_a_prompt_beside_decoding_requests_does_not_push_out_their_experts(make_
 
     def step(decode: int, prompt: int | None = None) -> None:
         if prompt is None:
-            out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x[:1], w[:1], ids(decode)))
+            out = engine.run_call(LayerCall(NAMES[0], slot_kernel, x[:1], w[:1], ids(decode)))
             routing = ids(decode)
         else:
             routing = ids(decode, prompt)
             phases = PassPhases(2, np.array([0]), np.array([1]))
-            out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, routing, phases))
+            out = engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, routing, phases))
         rows = len(routing)
         assert torch.equal(
             out, reference_moe(x[:rows], w[:rows], routing, *layers[NAMES[0]].values())
@@ -156,14 +156,14 @@ def test_restart_returns_to_the_warm_start(make_engine):
     name = NAMES[0]
     x, w, _ = random_routing(1, 16, 4)
     ids = torch.tensor([[8, 9, 10, 11]], dtype=torch.int32)
-    engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, PassPhases.prefill_only(1)))
+    engine.run_call(LayerCall(name, slot_kernel, x, w, ids, PassPhases.prefill_only(1)))
     assert np.flatnonzero(engine.layers[name].cache.resident_mask()).tolist() == [8, 9, 10, 11]
     engine.restart()
     for layer in engine.layers.values():
         assert np.flatnonzero(layer.cache.resident_mask()).tolist() == [0, 1, 2, 3]
         check_cache_invariants(layer.loader)
     assert engine.stats()["total"]["prefill"]["requests"] == 0
-    out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, PassPhases.prefill_only(1)))
+    out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids, PassPhases.prefill_only(1)))
     assert torch.equal(out, reference_moe(x, w, ids, *layers[name].values()))
     assert engine.stats()["total"]["prefill"]["misses"] == 4  # loaded again
     engine.close()
@@ -202,7 +202,7 @@ def test_stats_file_is_written_by_a_timer_not_by_the_forward_pass(
     engine, _ = make_engine(budget=0.5, stats_path=str(path), stats_interval_s=0.1)
     x, w, ids = random_routing(2, 16, 4)
     for _ in range(3):
-        engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids))
+        engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids))
     writes.wait_for(lambda thread, _, payload: payload["decode_tokens"] == 6)
     engine.close()  # (its last write is the close's, in this thread)
     during = writes.seen[: next(i for i, w in enumerate(writes.seen) if w[2]["decode_tokens"] == 6)]
@@ -248,7 +248,7 @@ def test_stats_path_that_breaks_later_does_not_stop_the_engine(make_engine, tmp_
     finally:
         logger.removeHandler(handler)
     x, w, ids = random_routing(2, 16, 4)
-    out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids))
+    out = engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids))
     assert torch.equal(out, reference_moe(x, w, ids, *layers[NAMES[0]].values()))
     assert [r.getMessage().startswith("specexpert: cannot write stats_path") for r in records] == [
         True
@@ -285,10 +285,10 @@ def test_hits_refresh_lru_recency(make_engine, tokens):
     name = NAMES[0]
     x, w, _ = random_routing(tokens, 16, 4)
     hits = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]][:tokens], dtype=torch.int32)
-    engine.run_call(LayerRequest(name, slot_kernel, x, w, hits, PassPhases.decode_only(tokens)))
+    engine.run_call(LayerCall(name, slot_kernel, x, w, hits, PassPhases.decode_only(tokens)))
     misses = torch.tensor([[8, 9, 10, 11], [11, 10, 9, 8]][:tokens], dtype=torch.int32)
     out = engine.run_call(
-        LayerRequest(name, slot_kernel, x, w, misses, PassPhases.decode_only(tokens))
+        LayerCall(name, slot_kernel, x, w, misses, PassPhases.decode_only(tokens))
     )
     assert torch.equal(out, reference_moe(x, w, misses, *layers[name].values()))
     resident = np.flatnonzero(engine.layers[name].cache.resident_mask())
@@ -310,11 +310,11 @@ def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(
     for step in range(3):
         x, w, ids = random_routing(1, 16, 4, seed=step)
         out = engine.run_call(
-            LayerRequest(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(1))
+            LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(1))
         )
         assert torch.equal(out, reference_moe(x, w, ids, *layers[NAMES[0]].values()))
     x, w, ids = random_routing(1, 16, 4, seed=7)
-    engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids, PassPhases.prefill_only(1)))
+    engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.prefill_only(1)))
     assert reads == []
     monkeypatch.undo()
     first = engine.stats()["layers"][NAMES[0]]
@@ -333,11 +333,11 @@ def test_a_fully_resident_layer_runs_a_token_without_reading_its_ids(
     x, w, _ = random_routing(2, 16, 4, seed=8)
     for experts in ([5, 0, 1, 2], [3, 0, 1, 2]):
         ids = torch.tensor([experts, experts], dtype=torch.int32)
-        engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(2)))
+        engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(2)))
     assert engine.layers[NAMES[0]].cache.expert_slot[[3, 5]].tolist() == [5, 3]
     ids = torch.tensor([[3, 6, 7, 8]], dtype=torch.int32)
     out = engine.run_call(
-        LayerRequest(NAMES[0], slot_kernel, x[:1], w[:1], ids, PassPhases.decode_only(1))
+        LayerCall(NAMES[0], slot_kernel, x[:1], w[:1], ids, PassPhases.decode_only(1))
     )
     assert torch.equal(out, reference_moe(x[:1], w[:1], ids, *layers[NAMES[0]].values()))
     engine.close()

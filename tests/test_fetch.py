@@ -123,7 +123,7 @@ def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monke
 
     from vllm_specexpert import engine as engine_module
     from vllm_specexpert import execute
-    from vllm_specexpert.layer_call import LayerRequest
+    from vllm_specexpert.layer_call import LayerCall
 
     clock = [0.0]
 
@@ -138,7 +138,7 @@ def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monke
     monkeypatch.setattr(engine_module, "time", fake_time)
     for step, tokens in enumerate([1, 1, 3]):
         x, w, ids = random_routing(tokens, 16, 4, seed=step)
-        engine.run_call(LayerRequest(name, timed_kernel, x, w, ids))
+        engine.run_call(LayerCall(name, timed_kernel, x, w, ids))
     decode = engine.stats()["total"]["decode"]
     assert decode["kernel_calls"] >= 3
     assert decode["kernel_s"] == decode["kernel_calls"] == decode["call_s"]

@@ -16,7 +16,7 @@ from vllm_specexpert.budget_plan import size_host_cache
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sizing import MemoryReport, SizingSettings
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.tiers.disk import Disk
 from vllm_specexpert.tiers.expert_pack import ExpertPack
@@ -57,7 +57,7 @@ def engine(pack):
 def run(engine, experts: list[int]) -> None:
     x, w, _ = random_routing(1, 16, 4, hidden=64, seed=sum(experts))
     ids = torch.tensor([experts], dtype=torch.int32)
-    out = engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids, PassPhases.decode_only(1)))
+    out = engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids, PassPhases.decode_only(1)))
     assert torch.equal(out, reference_moe(x, w, ids, *LAYER.values()))
 
 

@@ -17,7 +17,7 @@ from moe_reference import random_layer, random_routing, reference_moe, slot_kern
 from vllm_specexpert import execute
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.tiers import mapped
 from vllm_specexpert.tiers.disk import Disk
@@ -61,7 +61,7 @@ def engine(pack):
 
 
 def call(engine, name, x, w, ids, phases):
-    return engine.run_call(LayerRequest(name, slot_kernel, x, w, ids, phases))
+    return engine.run_call(LayerCall(name, slot_kernel, x, w, ids, phases))
 
 
 def drop_page_cache(pack: ExpertPack, name: str, engine: OffloadEngine | None = None) -> bool:
@@ -106,7 +106,7 @@ def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack, monkeypatch):
     launches = []
     kernel = lambda *args: launches.append(len(args[0])) or slot_kernel(*args)
     x, w, ids = random_routing(40, 16, 4, hidden=64, seed=9)
-    out = engine.run_call(LayerRequest(NAMES[1], kernel, x, w, ids, PassPhases.prefill_only(40)))
+    out = engine.run_call(LayerCall(NAMES[1], kernel, x, w, ids, PassPhases.prefill_only(40)))
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[NAMES[1]].values()))
     assert launches == [16, 16, 8]
     stats = engine.stats()

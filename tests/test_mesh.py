@@ -32,12 +32,15 @@ from vllm_harness import agreement, make_llm, shutdown
 import vllm_specexpert
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layers.engines import _ENGINES
-from vllm_specexpert.peers import ray_cluster
+from vllm_specexpert.peers import calls, ray_cluster
 from vllm_specexpert.peers import tier as peer_module
-from vllm_specexpert.peers.shard import check_checkpoint
-from vllm_specexpert.peers.tier import PeerState, PeerTier
+from vllm_specexpert.peers.health import Prober, timed
+from vllm_specexpert.peers.peer_state import PeerState
+from vllm_specexpert.peers.shard import ShardSpec, check_checkpoint
+from vllm_specexpert.peers.start import placement
+from vllm_specexpert.peers.tier import PeerTier
 from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path
 from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing
 
@@ -225,7 +228,7 @@ def probe_until(tier: PeerTier, condition, rounds: int = 12) -> bool:
             tier.hosted(next(iter(tier.hosts)))
             if condition():
                 return True
-            pending = [answer for _, answer, _ in tier._pings]
+            pending = [answer for _, answer, _ in tier.prober.pings]
             pending += [a for p in tier.peers if p.checking is not None for a in p.checking[1]]
             concurrent.futures.wait(pending, timeout=120)
         return condition()
@@ -331,10 +334,8 @@ def test_only_the_mode_and_timings_change_at_run_time(llm):
 
 
 def test_placement_partitions_the_cold_experts_and_keeps_the_hot_ones_local():
-    tier = PeerTier.__new__(PeerTier)
-    tier.mesh, tier.num_experts = MeshConfig(peers=3), 10
-    spec = peer_module.ShardSpec("unused", {4: ("l4", tuple(range(10)))}, (2, 2), None)
-    hosts = tier._placement(spec, {4: np.array([2, 7])})[4]
+    spec = ShardSpec("unused", {4: ("l4", tuple(range(10)))}, (2, 2), None)
+    hosts = placement(spec, 3, 10, {4: np.array([2, 7])})[4]
     assert hosts.sum(axis=1).tolist() == [1, 1, 0, 1, 1, 1, 1, 0, 1, 1]
     assert hosts.sum(axis=0).tolist() == [3, 3, 2]  # spread over the three peers
 
@@ -360,22 +361,19 @@ def test_a_round_trip_is_timed_when_the_answer_arrives_not_when_it_is_read():
     # Probes are read at layer calls; here each answer arrives 10 ms after its probe
     # was sent and is read 200 ms later (an idle engine). Counted to the read, the
     # peer would be over the 80 ms cap.
-    clock = ManualClock()
-    tier = PeerTier.__new__(PeerTier)
-    tier.mesh, tier.clock = MeshConfig(peers=1, probe_interval_s=0.05), clock
-    tier.hosts = {0: np.ones((4, 1), dtype=bool)}
+    clock, mesh = ManualClock(), MeshConfig(peers=1, probe_interval_s=0.05)
     actor = AnsweredPings()
-    tier.peers = [PeerState(rank=0, actor=actor, node="node", pid=42)]
-    tier._pings, tier._next_probe = [], 0.0
+    peer = PeerState(rank=0, actor=actor, node="node", pid=42)
+    prober = Prober([peer], {0: []})
     for _ in range(3):
-        tier.hosted(0)  # reads the answers in, sends the next probe
+        prober.probe(mesh, clock)  # reads the answers in, sends the next probe
         clock.advance(0.01)
         actor.answers[-1].set_result(42)  # (the peer's process id: not restarted)
         clock.advance(0.2)
-    tier.hosted(0)
+    prober.probe(mesh, clock)
     assert len(actor.answers) == 4  # one probe a read, each answered before the next
-    assert list(tier.peers[0].rtts) == pytest.approx([0.01] * 3)
-    assert tier.peers[0].up, tier.peers[0].reason
+    assert list(peer.rtts) == pytest.approx([0.01] * 3)
+    assert peer.up, peer.reason
 
 
 def test_a_probe_answer_is_done_only_once_its_arrival_time_is_set():
@@ -390,12 +388,12 @@ def test_a_probe_answer_is_done_only_once_its_arrival_time_is_set():
         seen.append(answer.done())
         return 1.5
 
-    answer = peer_module._timed(SimpleNamespace(future=lambda: ray_future), clock)
+    answer = timed(SimpleNamespace(future=lambda: ray_future), clock)
     ray_future.set_result(42)
     assert seen == [False]
     assert answer.done() and answer.arrived_at == 1.5 and answer.result() == 42
     failing: concurrent.futures.Future = concurrent.futures.Future()
-    failed = peer_module._timed(SimpleNamespace(future=lambda: failing), lambda: 2.0)
+    failed = timed(SimpleNamespace(future=lambda: failing), lambda: 2.0)
     failing.set_exception(RuntimeError("peer died"))
     assert isinstance(failed.exception(), RuntimeError) and failed.arrived_at == 2.0
 
@@ -437,7 +435,7 @@ class FakePeers:
         return np.arange(16) >= 8
 
     def send(self, layer, x, tokens, experts):
-        sent = peer_module.Sent(tokens, experts, [])
+        sent = calls.Sent(tokens, experts, [])
         sent.x = x
         return sent
 
@@ -476,7 +474,7 @@ def test_peer_entries_are_added_with_their_weights_or_computed_here(toy_engines,
     engine.provide(peer_tier=FakePeers(TENSORS, fail))
     engine.start()
     x, w, ids = routing(IDS)
-    out = engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    out = engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     assert_equivalent(out, reference_moe(x, w, ids, W13, W2))
     stats = engine.stats()["layers"][NAME]["decode"]
     assert stats["peer_entries"] == stats["missed_entries"] == 7  # experts 9-15
@@ -515,7 +513,7 @@ def test_more_pinned_experts_than_the_budget_leaves_is_refused(toy_engines):
 # ------------------------------------------------------- peers started without an engine
 
 
-def shard_spec(isa: str | None, activation: str = "silu") -> peer_module.ShardSpec:
+def shard_spec(isa: str | None, activation: str = "silu") -> ShardSpec:
     """Every MoE layer of the trained model, in its slots' layout (I = 64 needs no
     padding for vLLM's CPU kernels)."""
     config = json.loads((model_path(TRAINED_MODEL) / "config.json").read_text())
@@ -524,12 +522,12 @@ def shard_spec(isa: str | None, activation: str = "silu") -> peer_module.ShardSp
         i: (f"model.layers.{i}.mlp.experts", tuple(range(experts)))
         for i in range(config["num_hidden_layers"])
     }
-    return peer_module.ShardSpec(
+    return ShardSpec(
         str(model_path(TRAINED_MODEL)), layers, (2 * inter, config["hidden_size"]), isa, activation
     )
 
 
-def checkpoint_reference(spec: peer_module.ShardSpec, layer_offset: int = 0):
+def checkpoint_reference(spec: ShardSpec, layer_offset: int = 0):
     """The pairs in fp32 from the checkpoint's tensors (of the layer ``layer_offset``
     further on: another model's experts of the same shape)."""
     from safetensors import safe_open

@@ -21,7 +21,7 @@ from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.features import EngineFeature
 from vllm_specexpert.features.lookahead import LookaheadFeature
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.stats import Series
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in (1, 3)]
@@ -49,7 +49,7 @@ def run_engine(directory, monkeypatch) -> OffloadEngine:
     for step in range(3):
         for name in NAMES:
             x, w, ids = random_routing(4, 16, 4, seed=step)
-            engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            engine.run_call(LayerCall(name, slot_kernel, x, w, ids))
     engine.write_stats()
     return engine
 

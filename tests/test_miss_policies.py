@@ -12,7 +12,7 @@ from moe_reference import random_layer, reference_moe, slot_kernel
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.places import Place, Places
 from vllm_specexpert.policy import MissContext
@@ -69,7 +69,7 @@ def layer_stats(engine):
 def test_drop_runs_resident_experts_with_renormalised_weights(make_engine):
     engine = make_engine(miss_policy="drop")
     x, w, ids = routing(IDS)
-    out = engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    out = engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     resident = ids < 8
     kept = torch.where(resident, w, 0.0)
     expected = reference_moe(x, kept / kept.sum(-1, keepdim=True).clamp_min(1e-20), ids, W13, W2)
@@ -87,8 +87,8 @@ def test_cpu_computes_misses_on_the_host_equal_to_fetch(make_engine):
     fetch = make_engine(miss_policy="fetch")
     for step in range(3):
         x, w, ids = routing(IDS, seed=step)
-        a = cpu.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
-        b = fetch.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+        a = cpu.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
+        b = fetch.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
         assert_equivalent(a, b)
         assert torch.equal(b, reference_moe(x, w, ids, W13, W2))
     stats = layer_stats(cpu)
@@ -104,14 +104,14 @@ def test_cpu_computes_misses_on_the_host_equal_to_fetch(make_engine):
 def test_cpu_admits_the_most_used_host_expert_on_an_idle_link(make_engine):
     engine = make_engine(miss_policy="cpu", admit_host_experts=True)
     x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])  # 9 serves two tokens
-    first = engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    first = engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     cache, loader = engine.layers[NAME].cache, engine.layers[NAME].loader
     assert cache.resident_mask()[9] and not cache.resident_mask()[[10, 11]].any()
     landing = loader.in_flight.get(int(cache.expert_slot[9]))
     if landing is not None:  # the copy thread lands it (waited for, not performed here)
         assert landing.done.wait(60)
     assert loader.ready_mask()[9]
-    second = engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))  # 9 now runs on the device
+    second = engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))  # 9 now runs on the device
     assert_equivalent(second, first)
     stats = layer_stats(engine)
     # 9 was used from the cache; the second call admitted 10 (ties: lowest id).
@@ -132,10 +132,10 @@ def test_cpu_computes_an_expert_still_in_flight_instead_of_waiting(make_engine):
     )
     engine.link.clock = ManualClock(engine.link.clock.now())
     x, w, ids = routing([[0, 9, 10, 11], [1, 9, 3, 4]])
-    engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     loader = engine.layers[NAME].loader
     assert loader.cache.resident_mask()[9] and not loader.ready_mask()[9]  # in flight
-    engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     stats = layer_stats(engine)
     assert stats["admitted"] == 1  # the second call found the link busy
     assert stats["host_entries"] == 4 + 4 and stats["stall_s"] == 0
@@ -158,7 +158,7 @@ def test_cpu_with_an_emulated_host_is_held_to_the_slowdown(make_engine):
     engine.layers[NAME].places["host"].host.timer = timer
     x, w, ids = routing(IDS)
     start = time.perf_counter()
-    engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     elapsed = time.perf_counter() - start
     assert timer.now() == 1e-3  # one host computation
     assert layer_stats(engine)["host_s"] == pytest.approx(200 * 1e-3, rel=1e-9)
@@ -179,7 +179,7 @@ def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest
         buddy={"alpha": 1.0, "tau": 0.0, "beta": 1.0},
     )
     x, w, ids = routing(IDS[:1])
-    out = engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    out = engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     expected_ids = torch.tensor([[0, 5, 10, 11]])
     assert torch.equal(out, reference_moe(x, w, expected_ids, W13, W2))
     stats = layer_stats(engine)
@@ -197,7 +197,7 @@ def test_random_substitutes_resident_unused_experts_repeatably(make_engine):
     for _ in range(2):
         engine = make_engine(miss_policy="random", buddy={"tau": 0.0, "beta": 1.0, "rho": 4})
         x, w, ids = routing(IDS[:1])
-        runs.append(engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids)))
+        runs.append(engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids)))
         assert layer_stats(engine)["substituted_entries"] == 3
         assert layer_stats(engine)["loads"] == 0
     assert torch.equal(runs[0], runs[1])  # seeded
@@ -242,8 +242,8 @@ def test_auto_in_the_engine_follows_the_costs(make_engine):
     for engine in (slow_link, fast_link):
         engine.layers[NAME].places["host"].host.cost.fix(1e-3, 0.0)
     x, w, ids = routing(IDS)
-    a = slow_link.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
-    b = fast_link.run_call(LayerRequest(NAME, slot_kernel, x, w, ids))
+    a = slow_link.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
+    b = fast_link.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
     assert layer_stats(slow_link)["host_entries"] == 7  # a copy takes ~0.1 s: compute
     assert layer_stats(fast_link)["fetched_entries"] == 7  # copies take ~1 us: fetch
     assert torch.equal(b, reference_moe(x, w, ids, W13, W2))
@@ -277,7 +277,7 @@ def test_prefill_tokens_fetch_whatever_the_policy(make_engine):
     engine = make_engine(miss_policy="drop")
     x, w, ids = routing(IDS)
     assert torch.equal(
-        engine.run_call(LayerRequest(NAME, slot_kernel, x, w, ids, PassPhases.prefill_only(3))),
+        engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids, PassPhases.prefill_only(3))),
         reference_moe(x, w, ids, W13, W2),
     )
     stats = engine.stats()["layers"][NAME]

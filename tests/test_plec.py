@@ -15,7 +15,7 @@ from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.features.prediction import PredictionFeature
 from vllm_specexpert.features.quality import QualityFeature
 from vllm_specexpert.handoff import StepDemand
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.predict import PredictorInputs
 
 E, K, H, LAYERS = 16, 2, 32, 3
@@ -70,7 +70,7 @@ def run_step(engine, routes: dict[int, np.ndarray], demand: StepDemand | None, s
         g = torch.Generator().manual_seed(seed * 100 + index)
         x = torch.randn(ids.shape[0], H, generator=g).bfloat16()
         w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
-        out = engine.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+        out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids))
         t = LAYER_TENSORS[name]
         assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
 
@@ -164,7 +164,7 @@ def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first(m
     name = NAMES[1]
     ids = torch.tensor([[9, 10]], dtype=torch.int32)
     engine.run_call(
-        LayerRequest(
+        LayerCall(
             NAMES[0],
             slot_kernel,
             torch.randn(1, H).bfloat16(),
@@ -173,7 +173,7 @@ def test_among_unpredicted_experts_the_layer_whose_turn_is_farthest_goes_first(m
         )
     )
     engine.run_call(
-        LayerRequest(name, slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K, ids)
+        LayerCall(name, slot_kernel, torch.randn(1, H).bfloat16(), torch.ones(1, K) / K, ids)
     )
     assert resident(engine, 0) == {0, 1, 2, 3} and resident(engine, 2) == {0, 1, 2, 3}
     assert {9, 10} <= resident(engine, 1) and len(resident(engine, 1)) == 4
@@ -282,7 +282,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     stats = PhaseStats()
     # Victims of the upcoming layer's load: its own experts first, then the running
     # layer's (whose turn comes next-to-last), oldest first, then the last layer's.
-    call = layer_call.LayerCall(x, w, ids, ids.numpy(), slot_kernel, stats)
+    call = layer_call.LayerCall(NAMES[0], slot_kernel, x, w, ids).on_host(stats)
     call.before_kernel = lambda: upcoming.loader.prefetch(np.arange(8, 16), stats)
     out = execute.execute(running.loader, call, execute.survey(running.loader, call))
     t = LAYER_TENSORS[NAMES[0]]
@@ -308,7 +308,7 @@ def test_prefetches_of_other_layers_always_leave_room_for_one_token(make_engine)
     # One token of layer 0 whose experts are both missing loads them and runs exactly.
     ids = torch.tensor([[14, 15]], dtype=torch.int32)
     x, w = torch.randn(1, H).bfloat16(), torch.tensor([[0.6, 0.4]])
-    out = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x, w, ids))
+    out = engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids))
     t = LAYER_TENSORS[NAMES[0]]
     assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
     assert first.resident_mask()[[14, 15]].all()
@@ -351,7 +351,7 @@ def test_plec_under_a_quality_budget_starts_in_the_pool_its_layers_joined(make_e
     for index, name in enumerate(NAMES):  # (drop: approximate, so no reference here)
         ids = torch.from_numpy(distinct(np.random.default_rng(index), 3)).to(torch.int32)
         out = engine.run_call(
-            LayerRequest(
+            LayerCall(
                 name, slot_kernel, torch.randn(3, H).bfloat16(), torch.full(ids.shape, 0.5), ids
             )
         )

@@ -10,7 +10,7 @@ from moe_reference import make_loader, random_layer, reference_moe, slot_kernel
 
 from vllm_specexpert.config import LinkConfig
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.predict import (
     LayerState,
@@ -76,10 +76,10 @@ def step(engine, toy, x0, phases=None):
     output (stand-in for attention), routed by its router."""
     gates, norms, _ = toy
     w0, ids0 = softmax_topk(gates[0])(x0)
-    out0 = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x0, w0, ids0, phases))
+    out0 = engine.run_call(LayerCall(NAMES[0], slot_kernel, x0, w0, ids0, phases))
     x1 = rms_norm(norms[1])((x0.float() + out0.float()).bfloat16())
     w1, ids1 = softmax_topk(gates[1])(x1)
-    out1 = engine.run_call(LayerRequest(NAMES[1], slot_kernel, x1, w1, ids1, phases))
+    out1 = engine.run_call(LayerCall(NAMES[1], slot_kernel, x1, w1, ids1, phases))
     return out0, (x1, w1, ids1), out1
 
 
@@ -348,12 +348,12 @@ def test_a_decode_layer_call_reads_the_device_once(make_engine, toy, host_reads)
         x0 = tokens(2, s)
         w0, ids0 = softmax_topk(gates[0])(x0)
         reads.clear()
-        out0 = engine.run_call(LayerRequest(NAMES[0], slot_kernel, x0, w0, ids0))
+        out0 = engine.run_call(LayerCall(NAMES[0], slot_kernel, x0, w0, ids0))
         per_call.append(len(reads))
         x1 = rms_norm(norms[1])((x0.float() + out0.float()).bfloat16())
         w1, ids1 = softmax_topk(gates[1])(x1)
         reads.clear()
-        engine.run_call(LayerRequest(NAMES[1], slot_kernel, x1, w1, ids1))
+        engine.run_call(LayerCall(NAMES[1], slot_kernel, x1, w1, ids1))
         per_call.append(len(reads))
     assert per_call == [1] * 12
     second = decode_stats(engine)[NAMES[1]]

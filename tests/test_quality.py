@@ -12,7 +12,7 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.sections import QualityConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.features.quality import QualityFeature
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.quality import LogitHead, QualityMonitor, kl_divergence
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in (1, 3)]
@@ -60,9 +60,9 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(engine_of, over_budget)
     for step in range(4):
         x, w, ids = random_routing(8, 16, 4, hidden=HIDDEN, seed=step)
         for name, index in zip(NAMES, (1, 3), strict=True):
-            served = approx.run_call(LayerRequest(name, slot_kernel, x, w, ids))
-            exact = fetch.run_call(LayerRequest(name, slot_kernel, x, w, ids))
-            mode = reference.run_call(LayerRequest(name, slot_kernel, x, w, ids))
+            served = approx.run_call(LayerCall(name, slot_kernel, x, w, ids))
+            exact = fetch.run_call(LayerCall(name, slot_kernel, x, w, ids))
+            mode = reference.run_call(LayerCall(name, slot_kernel, x, w, ids))
             delta = approx.feature(QualityFeature).monitor.deltas[index]
             # The exact calls load their missing experts into the cache: from the second
             # step on the mode finds another cache than it does without a budget.

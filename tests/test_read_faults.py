@@ -19,7 +19,7 @@ from test_mapped_pack import LAYERS, NAMES, toy_pack
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.tiers import disk_reader
 from vllm_specexpert.tiers.disk import Disk
@@ -111,14 +111,14 @@ def run(engine: OffloadEngine) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode call of :data:`IDS` on :data:`LAYER`: its output and the reference's with
     the broken expert's weight at 0."""
     x, w, _ = random_routing(2, 16, 4, hidden=64, seed=5)
-    out = engine.run_call(LayerRequest(LAYER, slot_kernel, x, w, IDS, PassPhases.decode_only(2)))
+    out = engine.run_call(LayerCall(LAYER, slot_kernel, x, w, IDS, PassPhases.decode_only(2)))
     without = torch.where(IDS == BROKEN, 0.0, w)
     return out, reference_moe(x, without, IDS, *LAYERS[LAYER].values())
 
 
 def exact(engine: OffloadEngine) -> bool:
     x, w, _ = random_routing(2, 16, 4, hidden=64, seed=5)
-    out = engine.run_call(LayerRequest(LAYER, slot_kernel, x, w, IDS, PassPhases.decode_only(2)))
+    out = engine.run_call(LayerCall(LAYER, slot_kernel, x, w, IDS, PassPhases.decode_only(2)))
     return torch.equal(out, reference_moe(x, w, IDS, *LAYERS[LAYER].values()))
 
 

@@ -49,15 +49,19 @@ its floor::
      4  report          the stats dict and the summary line
      4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
-     4  peers/          mesh peers on Ray: tier (calls, health), layer_view (one layer's
-                        view), shard (a peer's experts and kernel), check (a peer's
-                        proof that it computes), ray_cluster (joining Ray)
+     4  peers/          mesh peers on Ray: tier (the engine's side, of the next four),
+                        start (placement; the peers started and checked), calls (rows
+                        sent, outputs received, timeouts, failures), health (probes;
+                        leaving and rejoining the rotation), peer_state (one peer: its
+                        rotation state, its counters), layer_view (one layer's view),
+                        shard (a peer's experts and kernel), check (a peer's proof that
+                        it computes), ray_cluster (joining Ray)
      4  predict/        next-layer predictors: base, router, quasi_hidden; path (a
                         step's routing path); draft (the lookahead draft's routes, the
                         ELB); estimator_network (the network, its artifact), estimator
                         (its predictors), hybrid (its layers)
-     4  layer_call      LayerRequest (a call as the adapter hands it), LayerCall (its
-                        tokens with their routing on the host, kernel, counters)
+     4  layer_call      LayerCall: one layer call from the adapter to the kernel (its
+                        tokens, routing on the device, then on the host, counters)
      5  places          where entries run besides the slots, one registry per layer
                         (Place, its counters; Dropped: the one every layer has)
      6  policy/         miss policies that only decide (a MissPlan over places): base,
@@ -87,7 +91,10 @@ its floor::
     10  engine          OffloadEngine: the exact spine per layer call, features around
                         it
     11  layers/         vLLM adapter in the worker: routed_experts (the layer, the
-                        custom op), slot_kernel (vLLM's kernel on slots), engines,
+                        custom op), slow_tier (a layer's experts allocated, loaded and
+                        handed to the store: host, packed, INT4 copies, disk),
+                        draft_sizing (what the lookahead draft's layers take of memory),
+                        slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, int4_copies (lowbit's and the draft's INT4
                         experts), int4_gemm (the draft's, computed packed by vLLM's
                         W4A16 GEMM), pack_form_check (the pack against the kernel),
@@ -106,9 +113,10 @@ its floor::
 One decode step of layer l, following the router's ids::
 
     vLLM MoERunner ─► layers.routed_experts.offloaded_forward (custom op)
-      ─► engine.run_call(LayerRequest) ─► execute.guarded (an unreadable expert: the call
-      again without it) ─► one token, every expert resident: execute.execute_resident
-      ─► else one DecodeCall:
+      ─► the layer's call, composed by the engine when the layer was equipped:
+      every expert in the slot of its id and no feature acting on such a call:
+      execute.run_resident (the kernel alone); else engine._run ─► execute.guarded (an
+      unreadable expert: the call again without it) ─► one DecodeCall:
       ├─ forces_exact: quality (its batch class over budget)
       ├─ begin_call:  prediction (made for this layer), mesh (early fire: rows sent
       │               to peers ahead)

@@ -4,7 +4,7 @@ One engine per worker process holds the slow tier (:class:`ExpertStore`), the li
 copy engine for all layers), per MoE layer an :class:`OffloadedLayer`, the miss policy
 and the features the config turns on. It has no vLLM dependency: the adapter in
 ``layers/`` hands it the layers, their successors, the features' inputs
-(:meth:`provide`) and each call (:class:`LayerRequest`).
+(:meth:`provide`) and each call (:class:`LayerCall`).
 
 Prefill tokens run exactly (the router's experts, loaded on demand). A decode call is
 the spine: one host read of the router's ids, the miss policy's plan for what is
@@ -26,7 +26,7 @@ from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach
 from vllm_specexpert.config import SpecExpertConfig, check_switch
 from vllm_specexpert.features import DecodeCall, EngineFeature, EngineParts
 from vllm_specexpert.handback import UnreadableRows
-from vllm_specexpert.layer_call import LayerCall, LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_checks import check_layers
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
@@ -280,12 +280,12 @@ class OffloadEngine:
 
     # ---------------------------------------------------------------- forward
 
-    def run_call(self, request: LayerRequest) -> torch.Tensor:
+    def run_call(self, request: LayerCall) -> torch.Tensor:
         """Routed-expert output of one layer call, as the layer's call was composed
         (:meth:`_compose`)."""
         return self.layers[request.layer].run(request)
 
-    def _run(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+    def _run(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
         """Prefill rows exactly, decode rows through the features and the miss policy."""
         started = time.perf_counter()
         stats = layer.stats.prefill if request.all_prefill else layer.stats.decode
@@ -299,7 +299,7 @@ class OffloadEngine:
         stats.call_s += time.perf_counter() - started
         return out
 
-    def _by_phase(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+    def _by_phase(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
         phases = request.phases
         if phases is None or phases.all_decode:
             return self._decode(layer, request)
@@ -309,20 +309,22 @@ class OffloadEngine:
         # that what was loaded ahead for them is released by their own call; then the
         # prompt rows, whose experts go before the decode set's.
         out = torch.empty_like(request.x)
-        index = upload(phases.decode, request.x.device)
-        out[index] = self._decode(layer, request.rows(index))
-        index = upload(phases.prefill, request.x.device)
+        out[upload(phases.decode, request.x.device)] = self._decode(
+            layer, request.rows(phases.decode)
+        )
         with layer.cache.frozen_recency():
-            out[index] = self._prefill(layer, request.rows(index))
+            out[upload(phases.prefill, request.x.device)] = self._prefill(
+                layer, request.rows(phases.prefill)
+            )
         return out
 
-    def _prefill(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+    def _prefill(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
         """The router's experts, loaded on demand (exact). On CUDA the host read is the
         sync on-demand loading cannot avoid: what to copy is known once the router ran."""
         call = request.on_host(layer.stats.prefill.count_call(request.num_tokens))
         return execute.execute(layer.loader, call, execute.survey(layer.loader, call))
 
-    def _decode(self, layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+    def _decode(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
         """The features' hooks around one host read, the miss policy and the executor."""
         call = DecodeCall(layer, request, layer.stats.decode.count_call(request.num_tokens))
         call.exact = any(f.forces_exact(call.num_tokens) for f in self.features)

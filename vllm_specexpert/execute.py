@@ -30,7 +30,7 @@ import torch
 
 from vllm_specexpert.config.sizing import KERNEL_CHUNK_TOKENS
 from vllm_specexpert.handback import UnreadableRows
-from vllm_specexpert.layer_call import ExpertKernel, LayerCall, LayerRequest
+from vllm_specexpert.layer_call import ExpertKernel, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.places import Dropped, Places
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
@@ -159,7 +159,7 @@ def execute(
 
 def guarded(
     loader: ExpertLoader,
-    request: LayerRequest,
+    request: LayerCall,
     rows: UnreadableRows,
     run: Callable[[], torch.Tensor],
     stats: PhaseStats,
@@ -206,7 +206,7 @@ def execute_without(
         return out
 
 
-def run_resident(layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
+def run_resident(layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
     """A call of a layer composed to run resident (every expert in the slot of its id,
     ``cache.identity``, and no feature acting on such a call): the kernel on the
     router's ids as they are, each phase's rows in a launch of their own, counted as the
@@ -223,15 +223,14 @@ def run_resident(layer: OffloadedLayer, request: LayerRequest) -> torch.Tensor:
         counted = stats.decode
         out = torch.empty_like(request.x)
         for rows, part in ((phases.decode, stats.decode), (phases.prefill, stats.prefill)):
-            index = upload(rows, request.x.device)
-            out[index] = _resident_launch(layer.loader, request.rows(index), part)
+            out[upload(rows, request.x.device)] = _resident_launch(
+                layer.loader, request.rows(rows), part
+            )
     counted.call_s += time.perf_counter() - started
     return out
 
 
-def _resident_launch(
-    loader: ExpertLoader, request: LayerRequest, stats: PhaseStats
-) -> torch.Tensor:
+def _resident_launch(loader: ExpertLoader, request: LayerCall, stats: PhaseStats) -> torch.Tensor:
     """One launch on the rows of ``request``, all hits: the router's ids are the slot
     ids. Its distinct experts are counted (a token's top-k are distinct: nothing is
     read to the host for one token)."""

@@ -1,13 +1,12 @@
-"""One call of one offloaded MoE layer: as the adapter hands it to the engine
-(:class:`LayerRequest`), and on some of its tokens with their routing on the host, as
-every place an expert can run (:mod:`vllm_specexpert.places`) and the executor
-(:mod:`vllm_specexpert.execute`) are handed it (:class:`LayerCall`)."""
+"""One call of one offloaded MoE layer (:class:`LayerCall`), the one request object from
+the adapter to the kernel: the engine, every place an expert can run
+(:mod:`vllm_specexpert.places`) and the executor (:mod:`vllm_specexpert.execute`) take it."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,10 +26,18 @@ through ``expert_map`` (id -> slot, -1: not resident), as vLLM's fused MoE does 
 expert parallelism (see :meth:`ExpertCache.kernel_routing`)."""
 
 
+UNREAD = np.zeros((0, 0), dtype=np.int64)
+"""The host ids of a call not read yet (indexing it fails: nothing reads them unread)."""
+UNREAD.flags.writeable = False
+UNCOUNTED = PhaseStats()
+"""The counters of a call the engine has not taken yet (the engine gives it its phase's)."""
+
+
 @dataclass
-class LayerRequest:
-    """A forward pass's call of one offloaded MoE layer, before anything is read to the
-    host."""
+class LayerCall:
+    """One call of one offloaded MoE layer on some tokens of a forward pass: as the
+    adapter hands it to the engine, and, once its ids are read and its phase's counters
+    given (:meth:`on_host`), as the executor, the places and the kernel take it."""
 
     layer: str
     """The layer's name."""
@@ -38,12 +45,21 @@ class LayerRequest:
     x: torch.Tensor
     """``[T, H]`` the tokens' router input."""
     topk_weights: torch.Tensor
-    """``[T, K]`` the router's routing, on the device."""
+    """``[T, K]`` the routing to run (the router's, or a prediction under ``speculate``)."""
     topk_ids: torch.Tensor
+    """``[T, K]`` its expert ids, on the device."""
     phases: PassPhases | None = None
     """Which rows are decode tokens (``None``: all)."""
     mixed: bool = False
     """Rows of a pass that also ran prompt rows (its time is not a decode step's)."""
+    host_ids: np.ndarray = field(default_factory=lambda: UNREAD)
+    """The same ids on the host, once read."""
+    stats: PhaseStats = field(default_factory=lambda: UNCOUNTED)
+    """Counters of the call's phase (decode or prefill), once the engine took it."""
+    before_kernel: Callable[[], None] | None = None
+    """Called once, when the first launch's experts are resident and before it starts
+    (the engine submits the next layer's prefetch there, so that the copy overlaps this
+    layer's expert compute)."""
 
     @property
     def num_tokens(self) -> int:
@@ -53,63 +69,32 @@ class LayerRequest:
     def all_prefill(self) -> bool:
         return self.phases is not None and self.phases.all_prefill
 
-    def rows(self, index: torch.Tensor) -> LayerRequest:
-        """The request on the rows ``index`` (a device index), all of one phase."""
-        return dataclasses.replace(
-            self,
-            x=self.x[index],
-            topk_weights=self.topk_weights[index],
-            topk_ids=self.topk_ids[index],
-            phases=None,
-            mixed=self.mixed or (self.phases is not None and not self.phases.all_decode),
-        )
-
     def on_host(self, stats: PhaseStats) -> LayerCall:
         """The call with its router's ids read to the host, counted in ``stats``."""
-        return LayerCall(
-            self.x,
-            self.topk_weights,
-            self.topk_ids,
-            self.topk_ids.cpu().numpy(),
-            self.kernel,
-            stats,
-        )
-
-
-@dataclass
-class LayerCall:
-    """One call of one offloaded MoE layer on some tokens of a forward pass."""
-
-    x: torch.Tensor
-    """``[T, H]`` the tokens' router input."""
-    topk_weights: torch.Tensor
-    """``[T, K]`` the routing to run (the router's, or a prediction under ``speculate``)."""
-    topk_ids: torch.Tensor
-    """``[T, K]`` its expert ids, on the device."""
-    host_ids: np.ndarray
-    """The same ids on the host."""
-    kernel: ExpertKernel
-    stats: PhaseStats
-    """Counters of the call's phase (decode or prefill)."""
-    before_kernel: Callable[[], None] | None = None
-    """Called once, when the first launch's experts are resident and before it starts
-    (the engine submits the next layer's prefetch there, so that the copy overlaps this
-    layer's expert compute)."""
+        return dataclasses.replace(self, host_ids=self.topk_ids.cpu().numpy(), stats=stats)
 
     def rows(
         self, index: np.ndarray, weights: torch.Tensor | None = None, ids: np.ndarray | None = None
     ) -> LayerCall:
-        """The call on the tokens ``index`` (host row numbers); ``weights`` and ``ids``
-        (host), already of those rows, replace their routing if given."""
+        """The call on the tokens ``index`` (host row numbers), all of one phase;
+        ``weights`` and ``ids`` (host), already of those rows, replace their routing if
+        given."""
         device_index = upload(index, self.x.device)
         if ids is None:
-            ids, topk_ids = self.host_ids[index], self.topk_ids[device_index]
+            topk_ids = self.topk_ids[device_index]
+            ids = self.host_ids[index] if self.host_ids is not UNREAD else UNREAD
         else:
             topk_ids = upload(ids, self.x.device).to(self.topk_ids.dtype)
         if weights is None:
             weights = self.topk_weights[device_index]
         return dataclasses.replace(
-            self, x=self.x[device_index], topk_weights=weights, topk_ids=topk_ids, host_ids=ids
+            self,
+            x=self.x[device_index],
+            topk_weights=weights,
+            topk_ids=topk_ids,
+            host_ids=ids,
+            phases=None,
+            mixed=self.mixed or (self.phases is not None and not self.phases.all_decode),
         )
 
     def routed(self, weights: torch.Tensor, ids: np.ndarray) -> LayerCall:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.layer_call import LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.places import Place, Places
 from vllm_specexpert.policy import MissContext
 from vllm_specexpert.stats import PHASES, LayerStats
@@ -47,7 +47,7 @@ class OffloadedLayer:
     """Where its entries run besides its slots: the features register them (:meth:`add_place`)."""
     miss_context: MissContext = field(init=False)
     """What the miss policy consults about this layer."""
-    run: Callable[[LayerRequest], torch.Tensor] = field(init=False)
+    run: Callable[[LayerCall], torch.Tensor] = field(init=False)
     """Its call, composed by the engine from what runs (``OffloadEngine._compose``)."""
 
     def add_place(self, place: Place) -> None:

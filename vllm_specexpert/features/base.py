@@ -20,6 +20,7 @@ features")::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.layer_call import LayerCall, LayerRequest
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import PhaseStats, Series
@@ -45,7 +46,7 @@ class DecodeCall:
     """One decode call of one offloaded MoE layer, as the features see it."""
 
     layer: OffloadedLayer
-    request: LayerRequest
+    request: LayerCall
     """The tokens, the router's routing on the device, the kernel."""
     stats: PhaseStats
     """The layer's decode counters."""
@@ -116,13 +117,12 @@ class DecodeCall:
                 hook()
 
         host_ids = self.run_host_ids if self.run_host_ids is not None else self.router_host_ids
-        return LayerCall(
-            self.x,
-            self.run_weights,
-            self.run_ids,
-            host_ids,
-            self.request.kernel,
-            self.stats,
+        return dataclasses.replace(
+            self.request,
+            topk_weights=self.run_weights,
+            topk_ids=self.run_ids,
+            host_ids=host_ids,
+            stats=self.stats,
             before_kernel=before_kernel if hooks else None,
         )
 
