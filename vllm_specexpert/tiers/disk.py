@@ -21,6 +21,7 @@ import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.log import init_logger
+from vllm_specexpert.stats import Counters, counter, seconds
 from vllm_specexpert.tiers.disk_reader import DiskFile, DiskReader
 from vllm_specexpert.tiers.expert_pack import (
     DRAFT_PREFIX,
@@ -40,15 +41,16 @@ logger = init_logger(__name__)
 
 
 @dataclass
-class DiskStats:
-    reads: int = 0
-    bytes: int = 0
-    wait_s: float = 0.0
-    """Seconds copies waited for reads, including the checksums on the reader's threads."""
-    checked: int = 0
-    """Expert reads whose every tensor matched its checksum."""
-    failed: int = 0
-    """Expert reads that failed (I/O error or bad checksum)."""
+class DiskStats(Counters):
+    """The slots residency's reads, as the layers' copies asked for them."""
+
+    reads: int = counter("Experts read from the disk tier's pack.")
+    bytes: int = counter("Bytes read from the disk tier's pack.")
+    wait_s: float = seconds(
+        "Seconds copies waited for reads, including the checksums on the reader's threads."
+    )
+    checked: int = counter("Expert reads whose every tensor matched its checksum.")
+    failed: int = counter("Expert reads that failed (I/O error or bad checksum).")
 
 
 class Disk:
@@ -166,7 +168,7 @@ class Disk:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self.stats = DiskStats()
+            self.stats.reset()
         self.reader.stats.reset()
         if self.mapping is not None:
             self.mapping.reset_stats()
@@ -180,18 +182,10 @@ class Disk:
         experts checked against their checksums and the time it took, and what
         prefetches read ahead (experts, bytes)."""
         if self.mapping is not None:
-            mapped = self.mapping.stats
             return {
                 "path": str(self.pack.path),
                 "residency": "mapped",
-                "populated": mapped.populated,
-                "bytes": mapped.bytes,
-                "wait_s": mapped.wait_s,
-                "failed": mapped.failed,
-                "checked": mapped.checked,
-                "check_s": mapped.check_s,
-                "read_ahead": mapped.read_ahead,
-                "read_ahead_bytes": mapped.read_ahead_bytes,
+                **self.mapping.stats.to_dict(),
                 **self._draft_stats(),
             }
         stats, reader = self.stats, self.reader.stats
@@ -200,14 +194,10 @@ class Disk:
             "residency": "slots",
             "direct": self.direct,
             "queue_depth": self.reader.depth,
-            "reads": stats.reads,
-            "bytes": stats.bytes,
-            "wait_s": stats.wait_s,
+            **stats.to_dict(),
             "waited_gbps": stats.bytes / stats.wait_s / 1e9 if stats.wait_s else 0.0,
             "busy_s": reader.busy_s,
             "busy_gbps": reader.throughput_gbps,
-            "checked": stats.checked,
-            "failed": stats.failed,
             **({} if self.host_cache is None else {"host_cache": self.host_cache.stats_dict()}),
             **self._draft_stats(),
         }

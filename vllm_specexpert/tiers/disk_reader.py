@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_specexpert.stats import Counters, counter, seconds
+
 ALIGN = 4096
 """Alignment of record offsets, lengths and read buffers: the largest common logical block
 size (4Kn), so a pack is readable with ``O_DIRECT`` anywhere."""
@@ -123,11 +125,14 @@ class DiskFile:
 
 
 @dataclass
-class ReadStats:
-    reads: int = 0
-    bytes: int = 0
-    busy_s: float = 0.0
-    """Wall time with at least one read in flight (``bytes / busy_s``: the disk's throughput)."""
+class ReadStats(Counters):
+    """The reader's reads as the disk served them (one per tensor), and its busy time."""
+
+    reads: int = counter("Reads that completed (one per tensor of an expert).")
+    bytes: int = counter("Bytes those reads read.")
+    busy_s: float = seconds(
+        "Wall time with at least one read in flight (``bytes / busy_s``: the disk's throughput)."
+    )
     _in_flight: int = 0
     _busy_since: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -148,8 +153,10 @@ class ReadStats:
                 self.busy_s += time.perf_counter() - self._busy_since
 
     def reset(self) -> None:
+        """The counters zeroed under the readers' lock; reads in flight count their busy
+        time from now."""
         with self._lock:
-            self.reads, self.bytes, self.busy_s = 0, 0, 0.0
+            super().reset()
             self._busy_since = time.perf_counter()
 
     @property

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_specexpert.stats import Counters, counter, seconds
 from vllm_specexpert.tiers.expert_pack import (
     RECORDS_FILE,
     CorruptRecord,
@@ -66,25 +67,24 @@ class MappingRefused(OSError):
 
 
 @dataclass
-class MappedStats:
-    populated: int = 0
-    """Expert tensors that had pages outside the page cache when a launch needed them."""
-    bytes: int = 0
-    """Bytes of those pages (what the disk was asked for)."""
-    wait_s: float = 0.0
-    """Seconds launches waited for pages."""
-    failed: int = 0
-    """Experts a launch needed whose pages could not be read or did not match their
-    checksums."""
-    checked: int = 0
-    """Experts that matched their checksums when checked (at first use, when their pages
-    were read in, after the file was written to)."""
-    check_s: float = 0.0
-    """Seconds those checks took (in the launches' waits, :attr:`wait_s`)."""
-    read_ahead: int = 0
-    """Experts whose pages a prefetch asked the kernel to read ahead."""
-    read_ahead_bytes: int = 0
-    """Bytes of those pages."""
+class MappedStats(Counters):
+    """What launches and prefetches on the mapped pack asked of the page cache."""
+
+    populated: int = counter(
+        "Expert tensors that had pages outside the page cache when a launch needed them."
+    )
+    bytes: int = counter("Bytes of those pages (what the disk was asked for).")
+    wait_s: float = seconds("Seconds launches waited for pages.")
+    failed: int = counter(
+        "Experts a launch needed whose pages could not be read or did not match their checksums."
+    )
+    checked: int = counter(
+        "Experts that matched their checksums when checked (at first use, when their pages "
+        "were read in, after the file was written to)."
+    )
+    check_s: float = seconds("Seconds those checks took (in the launches' waits, ``wait_s``).")
+    read_ahead: int = counter("Experts whose pages a prefetch asked the kernel to read ahead.")
+    read_ahead_bytes: int = counter("Bytes of those pages.")
 
 
 class MappedPack:
@@ -279,7 +279,7 @@ class MappedPack:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self.stats = MappedStats()
+            self.stats.reset()
 
     def close(self) -> None:
         """Close the file (the mapping goes with the last view of it)."""
