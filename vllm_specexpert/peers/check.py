@@ -4,12 +4,14 @@ holds, and this host's result of them.
 At start, and again after Ray restarts it, each peer computes its check; a peer that
 crashes (a kernel its process cannot run: SIGILL), hangs, or answers otherwise than this
 host (another checkpoint at the same path, another vLLM build) does not take traffic
-(:class:`~vllm_specexpert.peers.tier.PeerTier`)."""
+(:mod:`.start`, :mod:`.health`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,6 +71,11 @@ def checks_of(
         expected = reference(layer, x[torch.from_numpy(rows)], pairs).float()
         checks.append(PeerCheck(layer, x.view(torch.int16).numpy(), rows, pairs, expected))
     return checks
+
+
+def send_check(actor: Any, checks: Iterable[PeerCheck]) -> list[Future]:
+    """A peer's check calls to its ``actor`` (an :class:`~.shard.ExpertPeer`), as futures."""
+    return [actor.compute.remote(c.layer, c.x, c.rows, c.experts).future() for c in checks]
 
 
 def check_failure(

@@ -1,6 +1,6 @@
 """A mesh peer's side: the shard of experts it holds and the kernel that computes them.
 
-:class:`ExpertPeer` is the class of a peer's Ray actor (:mod:`.tier` makes it remote,
+:class:`ExpertPeer` is the class of a peer's Ray actor (:mod:`.start` makes it remote,
 so this module needs no Ray). It reads its experts from the checkpoint on its own node
 (never shipped from the engine), in the layout of the engine's slots, and computes
 (token, expert) pairs for the rows it is sent: with vLLM's CPU fused-experts kernel
