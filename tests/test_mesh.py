@@ -140,7 +140,7 @@ def test_exact_modes_run_the_routers_experts_on_the_peers(llm, reference, mode):
     decode = stats["total"]["decode"]
     # The peers computed the misses: none was fetched, dropped or substituted.
     assert decode["peer_entries"] == decode["missed_entries"] > 0
-    assert decode["fetched_entries"] == decode["substituted_entries"] == 0
+    assert decode["fetched_entries"] == 0 and "substituted_entries" not in decode
     assert decode["dropped_entries"] == decode["speculated_calls"] == 0
     peers = stats["mesh"]["peers"]
     # Both peers computed pairs, with the kernel this CPU runs; none fell back here.

@@ -106,11 +106,11 @@ class MeshFeature(EngineFeature):
         return cls(parts, tier, inputs.get("hot_experts", {}))
 
     def equip(self, layer: OffloadedLayer) -> None:
+        hot = self.hot.get(layer.index)
+        if hot is not None:  # (first: a refused hot_count registers nothing)
+            _pin(layer, hot)
         peers = self.peers[layer.name] = LayerPeers(self.tier, layer.index)
         layer.add_place(PeerPlace(peers))
-        hot = self.hot.get(layer.index)
-        if hot is not None:
-            _pin(layer, hot)
 
     def unequip(self, layer: OffloadedLayer) -> None:
         self.peers.pop(layer.name, None)
