@@ -19,6 +19,7 @@ from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.peers.layer_view import LayerPeers
+from vllm_specexpert.peers.peer_state import PeerState
 from vllm_specexpert.peers.tier import PeerTier
 from vllm_specexpert.places import Place, PlaceCounters
 from vllm_specexpert.planner.early_fire import EarlyFire
@@ -228,18 +229,9 @@ def _pin(layer: OffloadedLayer, experts: np.ndarray) -> None:
     layer.cache.pin(experts)
 
 
-PEER_COUNTERS = {
-    "calls": "Calls answered by the peer.",
-    "pairs": "(token, expert) pairs it computed.",
-    "bytes_sent": "Bytes of rows sent to it.",
-    "bytes_received": "Bytes of outputs it sent.",
-    "compute_s": "Seconds it spent computing.",
-    "failures": "Calls that failed (it died).",
-    "timeouts": "Calls not answered within mesh.timeout_ms.",
-    "left": "Times it left the rotation.",
-    "rejoined": "Times it rejoined the rotation.",
-}
+PEER_COUNTERS = {key: doc for key, doc in PeerState.docs().items() if key != "call_s"}
 """The per-peer counters on ``/metrics`` (``specexpert_peer_<key>_total``), by the key
-of a peer's stats (``PeerState.stats``)."""
+of a peer's stats (``PeerState.stats``); a call's round trip (``call_s``) is in the
+stats only."""
 
 FEATURE = MeshFeature
