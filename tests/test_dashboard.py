@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_specexpert import metrics
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
 from vllm_specexpert.features.mesh import PEER_COUNTERS
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.quality import LogitHead
@@ -59,10 +60,23 @@ class StandInPeers:
         pass
 
 
+NAME = "model.layers.0.mlp.experts"
+
+
+def int4_copies(engine: OffloadEngine) -> None:
+    """Stand-ins for the INT4 copies the adapter adds beside the layer under ``lowbit``
+    (their form does not matter to the series)."""
+    engine.store.add_layer(NAME + LOW_BIT_SUFFIX, random_layer(seed=1))
+
+
 ENGINES = {
-    # A feature's families are on /metrics only while it runs: one engine per feature
-    # that has some (lookahead and mesh, quality and mesh do not run together).
+    # A feature's families (and its place's) are on /metrics only while it runs: one
+    # engine per feature that has some (lookahead and mesh, quality and mesh do not run
+    # together).
     "plain": ({"budget": 0.25}, dict),
+    "host": ({"budget": 0.25, "miss_policy": "cpu"}, dict),
+    "substitution": ({"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.5}}, dict),
+    "low_bit": ({"budget": 0.5, "miss_policy": "lowbit"}, dict, int4_copies),
     "lookahead": ({"budget": 0.25, "lookahead": {}}, dict),
     "mesh": ({"budget": 0.25, "mesh": {}}, lambda: {"peer_tier": StandInPeers()}),
     "quality": (
@@ -82,16 +96,18 @@ def scraped(
     inputs: dict,
     model_name: str = "tiny",
     after_call=lambda engine: None,
+    prepare=lambda engine: None,
 ) -> str:
-    """The scrape of an engine under ``config`` with ``inputs`` after one decode call
-    and ``after_call(engine)``."""
-    name = "model.layers.0.mlp.experts"
+    """The scrape of an engine under ``config`` with ``inputs`` (and what ``prepare``
+    adds before its layer) after one decode call and ``after_call(engine)``."""
+    name = NAME
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(metrics.DIRECTORY_ENV, str(directory))
         patch.setenv(metrics.MODEL_NAME_ENV, model_name)
         engine = OffloadEngine(SpecExpertConfig.from_dict(config), torch.device("cpu"))
         try:
-            engine.add_layer(name, random_layer(seed=0), top_k=4, index=0)
+            prepare(engine)
+            engine.add_layer(name, random_layer(seed=0), top_k=4, index=0, host_kernel=slot_kernel)
             engine.provide(**inputs)
             engine.start()
             x, w, ids = random_routing(4, 16, 4, seed=0)
@@ -111,8 +127,13 @@ def exposed(tmp_path_factory) -> set[str]:
     samples the engines' snapshots give."""
     names: set[str] = set()
     samples: set[str] = set()
-    for what, (config, inputs) in ENGINES.items():
-        text = scraped(tmp_path_factory.mktemp(what), config, inputs())
+    for what, (config, inputs, *prepare) in ENGINES.items():
+        text = scraped(
+            tmp_path_factory.mktemp(what),
+            config,
+            inputs(),
+            prepare=prepare[0] if prepare else lambda engine: None,
+        )
         for family in text_string_to_metric_families(text):
             assert family.type in SUFFIXES, f"{family.name}: a {family.type}; add its suffixes"
             names.update(family.name + suffix for suffix in SUFFIXES[family.type])
