@@ -47,7 +47,7 @@ mesh-demo: setup
 	$(BIN)/specexpert mesh-demo --rtt-ms $(RTT_MS)
 
 # Style and types first (seconds): ruff's lint and formatting, mypy over the package.
-LINTED := vllm_specexpert tests benchmarks peer
+LINTED := vllm_specexpert specexpert_testbed tests benchmarks peer
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)

@@ -51,7 +51,7 @@ from common import (
     write_result,
 )
 
-from vllm_specexpert.tools.fixtures import ASSETS
+from vllm_specexpert.tools.embedded_model import ASSETS
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 POLICIES = ("fetch", "cpu", "auto")

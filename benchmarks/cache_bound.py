@@ -47,9 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, command_line, held_out_prompts, write_result
 
+from specexpert_testbed.fixtures import DEFAULT_MODEL, model_path
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.schedule.grouping import partition
-from vllm_specexpert.tools.fixtures import ASSETS, DEFAULT_MODEL, model_path
+from vllm_specexpert.tools.embedded_model import ASSETS
 from vllm_specexpert.tools.trace import record_routes
 
 Step = tuple[list[tuple[int, int]], list[tuple[int, int]] | None]

@@ -203,7 +203,7 @@ def add_predictor_arguments(parser) -> None:
 def estimator_artifacts(model: str, args) -> dict:
     """``estimator`` and ``analysis`` for the config: given, the embedded model's, or
     none (the estimator modes are then left out, said on stdout)."""
-    from vllm_specexpert.tools.fixtures import (
+    from vllm_specexpert.tools.embedded_model import (
         TRAINED_ANALYSIS_DIR,
         TRAINED_ESTIMATOR_DIR,
         TRAINED_MODEL_DIR,
@@ -244,7 +244,7 @@ def link_like_a_gpu_box(vanilla, plugin, args) -> tuple[dict[str, float], float,
 
 def model_of(args) -> str:
     """``--model``, or the embedded model (built on first use)."""
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
+    from specexpert_testbed.fixtures import DEFAULT_MODEL, model_path
 
     return getattr(args, "model", None) or str(model_path(DEFAULT_MODEL))
 
@@ -253,7 +253,7 @@ def held_out_prompts(count: int, tokens: int = 32) -> list[str]:
     """``count`` prompts: the first ``tokens`` tokens of the corpus's validation files
     (held-out text, never trained on), longest files first."""
     from vllm_specexpert.tools import corpus
-    from vllm_specexpert.tools.fixtures import load_tokenizer
+    from vllm_specexpert.tools.embedded_model import load_tokenizer
 
     tokenizer = load_tokenizer()
     files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
@@ -286,18 +286,15 @@ def default_calibration(model: str, max_tokens: int = 65536) -> str:
     embedded model, otherwise made once and cached under ``$SPECEXPERT_CACHE/calibration``."""
     import hashlib
 
-    from vllm_specexpert.tools.fixtures import (
-        TRAINED_CALIBRATION_DIR,
-        TRAINED_MODEL_DIR,
-    )
+    from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
 
     if Path(model).resolve() == TRAINED_MODEL_DIR.resolve():
         return str(TRAINED_CALIBRATION_DIR)
 
+    from specexpert_testbed.fixtures import DEFAULT_OUT
     from vllm_specexpert.calibration import load_calibration
     from vllm_specexpert.config import SpecExpertConfigError
     from vllm_specexpert.tools.calibrate import calibrate
-    from vllm_specexpert.tools.fixtures import DEFAULT_OUT
     from vllm_specexpert.tools.trace import corpus_documents
 
     key = hashlib.sha256(f"{Path(model).resolve()}:{max_tokens}".encode()).hexdigest()[:12]

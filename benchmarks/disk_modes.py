@@ -69,7 +69,7 @@ differs)."""
 
 
 def widened_model(work: Path, expert_mib: float) -> Path:
-    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
     from vllm_specexpert.tools.widen import widen_checkpoint
 
     model = work / f"model-{expert_mib:g}mib"

@@ -249,7 +249,7 @@ def prompt_ids(count: int, part: int = 0) -> list[list[int]]:
     """``count`` held-out prompts of ``PROMPT_TOKENS`` token ids each; ``part``: which
     ``PROMPT_TOKENS`` of each file (another part: other prompts, the same lengths)."""
     from vllm_specexpert.tools import corpus
-    from vllm_specexpert.tools.fixtures import load_tokenizer
+    from vllm_specexpert.tools.embedded_model import load_tokenizer
 
     tokenizer = load_tokenizer()
     files = sorted(corpus.corpus_files("validation"), key=lambda f: -f.size)
@@ -270,7 +270,7 @@ def ram_bytes(args) -> float:
 def intermediate_for(ram_ratio: float, ram: float) -> int:
     """The expert intermediate size whose widened checkpoint weighs ``ram_ratio`` x ``ram``
     bytes, a multiple of :data:`INT4_GROUP` (the ``lookahead`` draft's INT4 groups)."""
-    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 
     config = json.loads((TRAINED_MODEL_DIR / "config.json").read_text())
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
@@ -293,7 +293,7 @@ def tokens_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def phase_reference(args, work: Path) -> dict:
     from vllm import SamplingParams
 
-    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
     from vllm_specexpert.tools.harness import start_engine
 
     llm = start_engine(str(TRAINED_MODEL_DIR), None, eager=False, max_model_len=512)
@@ -306,7 +306,7 @@ def phase_reference(args, work: Path) -> dict:
 def phase_llamacpp(args, work: Path) -> dict:
     from llamacpp import LlamaCppDecoder, write_gguf
 
-    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 
     reference = json.loads((work / "part-reference.json").read_text())["tokens"]
     small = work / "trained.gguf"
@@ -443,7 +443,7 @@ def vanilla_child(work: Path) -> None:
 
 
 def widened(args, work: Path) -> Path:
-    from vllm_specexpert.tools.fixtures import (
+    from vllm_specexpert.tools.embedded_model import (
         TRAINED_CALIBRATION_DIR,
         TRAINED_ESTIMATOR_DIR,
         TRAINED_MODEL_DIR,

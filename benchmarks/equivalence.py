@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_specexpert
-    from vllm_specexpert.tools.fixtures import ensure_model, model_path
+    from specexpert_testbed.fixtures import ensure_model, model_path
     from vllm_specexpert.tools.teacher_forcing import TeacherForcing
 
     prompts = held_out_prompts(args.prompts)

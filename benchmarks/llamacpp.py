@@ -138,7 +138,7 @@ def _add_tokenizer(writer, model: Path, config: dict) -> None:
 
     path = model / "tokenizer.json"
     if not path.exists():
-        from vllm_specexpert.tools.fixtures import TOKENIZER_JSON
+        from vllm_specexpert.tools.embedded_model import TOKENIZER_JSON
 
         path = TOKENIZER_JSON
     spec = json.loads(path.read_text())

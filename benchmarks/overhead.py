@@ -521,7 +521,7 @@ def main() -> None:
     from common import RESULTS, command_line, model_of, write_result
 
     from vllm_specexpert.tools import corpus
-    from vllm_specexpert.tools.fixtures import load_tokenizer
+    from vllm_specexpert.tools.embedded_model import load_tokenizer
 
     model = model_of(args)
     tokenizer = load_tokenizer()

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import command_line, held_out_prompts, write_result
 
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 from vllm_specexpert.tools.server import start_server, wait_healthy
 
 

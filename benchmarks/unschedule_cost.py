@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import command_line, held_out_prompts, model_of, write_result
 
-from vllm_specexpert.tools.fixtures import ASSETS
+from vllm_specexpert.tools.embedded_model import ASSETS
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from vllm_specexpert.calibration import WEIGHTS_FILE, load_calibration
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.predict import path as path_module
-from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import ASSETS, TRAINED_MODEL_DIR
 
 CALIBRATION = ASSETS / "tiny-qwen3-moe-calibration"
 PATH_PREDICTOR = ASSETS / "tiny-qwen3-moe-path-predictor"

@@ -8,7 +8,8 @@ import pytest
 from vllm_harness import fix_host_cost, fix_link_cost, make_llm, shutdown
 
 import vllm_specexpert
-from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL
+from specexpert_testbed.fixtures import TRAINED_MODEL
+from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR
 from vllm_specexpert.tools.teacher_forcing import (
     TeacherForcing,
     held_out_windows,

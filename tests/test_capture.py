@@ -7,7 +7,7 @@ import torch
 
 from vllm_specexpert.artifacts import model_fingerprint
 from vllm_specexpert.tools.capture import CaptureReader, capture
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 
 TEXTS = [
     (
@@ -81,7 +81,7 @@ def test_captured_tensors_are_consistent_with_the_model(captured, model):
 
 
 def test_fingerprint_tells_models_apart(tmp_path):
-    from vllm_specexpert.tools.fixtures import ensure_model
+    from specexpert_testbed.fixtures import ensure_model
 
     a = model_fingerprint(TRAINED_MODEL_DIR)
     b = model_fingerprint(ensure_model("qwen3_moe"))

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
+from specexpert_testbed.fixtures import model_path
 from vllm_specexpert import cli
-from vllm_specexpert.tools.fixtures import (
+from vllm_specexpert.tools.embedded_model import (
     ASSETS,
     TRAINED_CALIBRATION_DIR,
     TRAINED_ESTIMATOR_DIR,
     TRAINED_MODEL_DIR,
-    model_path,
 )
 
 TRANSFORMERS_TOOLS = (

@@ -12,8 +12,8 @@ from test_disk_tier import MODEL, change_every_expert, expert_parameters
 from vllm_harness import MAX_TOKENS, PROMPTS, greedy, make_llm, shutdown, vanilla_reference
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import num_moe_layers
 from vllm_specexpert.tiers.expert_pack import ExpertPack
-from vllm_specexpert.tools.fixtures import num_moe_layers
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from vllm_harness import (
 )
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import TRAINED_MODEL, model_path, num_moe_layers
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path, num_moe_layers
 from vllm_specexpert.tools.harness import start_engine
 
 MODEL = "tiny-wide"

@@ -94,7 +94,7 @@ def test_a_damaged_artifact_is_one_error_naming_estimator(tmp_path, damage):
 
 
 def test_an_estimator_of_another_model_is_refused(tmp_path):
-    from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path
+    from specexpert_testbed.fixtures import TRAINED_MODEL, model_path
 
     make_artifact(tmp_path)
     meta = json.loads((tmp_path / "manifest.json").read_text())

@@ -8,13 +8,13 @@ import pytest
 from vllm_harness import cache_invariants, greedy, make_llm, shutdown, vanilla_reference
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import TRAINED_MODEL
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.predict.hybrid import hybrid_layers, read_analysis
-from vllm_specexpert.tools.fixtures import (
+from vllm_specexpert.tools.embedded_model import (
     TRAINED_ANALYSIS_DIR,
     TRAINED_CALIBRATION_DIR,
     TRAINED_ESTIMATOR_DIR,
-    TRAINED_MODEL,
 )
 
 SCHEDULING = {"max_num_batched_tokens": 32}
@@ -210,7 +210,7 @@ def test_an_estimator_trained_with_another_calibration_is_refused(tmp_path):
 
 @pytest.mark.parametrize("damage", ["missing", "no_quasi_hidden", "no_fingerprint", "other_model"])
 def test_a_bad_analysis_is_one_error_naming_it(tmp_path, damage):
-    from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+    from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 
     analysis = json.loads((TRAINED_ANALYSIS_DIR / "analysis.json").read_text())
     if damage == "no_quasi_hidden":

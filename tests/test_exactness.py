@@ -19,7 +19,7 @@ from vllm_harness import (
 )
 
 import vllm_specexpert
-from vllm_specexpert.tools.fixtures import ARCHITECTURES, TRAINED_MODEL, num_moe_layers
+from specexpert_testbed.fixtures import ARCHITECTURES, TRAINED_MODEL, num_moe_layers
 
 MOE_ARCHS = [TRAINED_MODEL, *ARCHITECTURES]
 BUDGETS = [1.0, 0.5, 0.25]

@@ -2,8 +2,9 @@
 says: every module is named there with its layer, no module imports from a layer above
 its own, there is no import cycle (function-level imports counted; imports under
 ``if TYPE_CHECKING:`` are never executed and are left out), and the runtime (what
-``vllm serve`` loads through the plugin) imports nothing from the tools. A module's length
-follows from the one concept it holds: no line count is enforced."""
+``vllm serve`` loads through the plugin) imports nothing from the tools nor from the test
+bed (``specexpert_testbed``, outside the package). A module's length follows from the one
+concept it holds: no line count is enforced."""
 
 import ast
 import re
@@ -11,11 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import specexpert_testbed
 import vllm_specexpert
 
 PACKAGE = Path(vllm_specexpert.__file__).parent
 ROOT = "vllm_specexpert"
 TOOLS = f"{ROOT}.tools"
+TESTBED = specexpert_testbed.__name__
 
 
 def module_name(path: Path) -> str:
@@ -31,6 +34,14 @@ def modules() -> dict[str, Path]:
         module_name(p): p
         for p in sorted(PACKAGE.rglob("*.py"))
         if "assets" not in p.relative_to(PACKAGE).parts
+    }
+
+
+def testbed_modules() -> set[str]:
+    """The test bed's modules by name (it is flat: one directory)."""
+    directory = Path(specexpert_testbed.__file__).parent
+    return {TESTBED} | {
+        f"{TESTBED}.{p.stem}" for p in directory.glob("*.py") if p.stem != "__init__"
     }
 
 
@@ -250,12 +261,18 @@ def test_no_runtime_docstring_points_outside_the_repository():
     assert outside == []
 
 
-def test_no_runtime_module_imports_the_tools():
-    graph = import_graph()
-    assert f"{ROOT}.engine" in graph and f"{ROOT}.layers.routed_experts" in graph
+def test_no_runtime_module_imports_the_tools_or_the_test_bed():
+    found = modules()
+    known = set(found) | testbed_modules()
+    assert f"{ROOT}.engine" in found and f"{ROOT}.layers.routed_experts" in found
+    assert f"{TESTBED}.fixtures" in known
     offenders = {
-        name: sorted(t for t in targets if t.startswith(TOOLS))
-        for name, targets in graph.items()
+        name: sorted(
+            t
+            for t in imports_of(name, path.read_text(), path.name == "__init__.py", known)
+            if t.startswith((TOOLS, TESTBED))
+        )
+        for name, path in found.items()
         if not name.startswith(TOOLS) and name != f"{ROOT}.cli"
     }
     # The specexpert command dispatches to tools by name, lazily; it is not the runtime.
@@ -266,7 +283,7 @@ def test_the_scanner_sees_function_level_and_relative_imports(tmp_path):
     """The scanner would catch the imports the runtime must not have (checked on a
     module that lives outside the source tree)."""
     source = (
-        "def f():\n    from ..tools import fixtures\n"
+        "def f():\n    from ..tools import embedded_model\n"
         "    import vllm_specexpert.tools.corpus\n"
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from vllm_specexpert import engine\n"
@@ -274,17 +291,17 @@ def test_the_scanner_sees_function_level_and_relative_imports(tmp_path):
     (tmp_path / "probe.py").write_text(source)
     known = set(modules())
     names = imports_of(f"{ROOT}.layers.probe", (tmp_path / "probe.py").read_text(), False, known)
-    assert names == {f"{ROOT}.tools.fixtures", f"{ROOT}.tools.corpus"}
+    assert names == {f"{ROOT}.tools.embedded_model", f"{ROOT}.tools.corpus"}
 
 
-def test_loading_the_plugin_loads_no_tool():
+def test_loading_the_plugin_loads_no_tool_nor_the_test_bed():
     code = (
         "import sys\n"
         "from vllm_specexpert.plugins import register\n"
         "register()\n"
         "import vllm_specexpert.layers.routed_experts, vllm_specexpert.layers.model_classes\n"
         "import vllm_specexpert.worker, vllm_specexpert.engine\n"
-        f"print(sorted(m for m in sys.modules if m.startswith('{TOOLS}')))\n"
+        f"print(sorted(m for m in sys.modules if m.startswith(('{TOOLS}', '{TESTBED}'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

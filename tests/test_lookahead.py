@@ -28,6 +28,7 @@ from vllm_harness import (
 )
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import TRAINED_MODEL
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.planner.governor import (
     PROBE_EVERY,
@@ -37,7 +38,7 @@ from vllm_specexpert.planner.governor import (
 )
 from vllm_specexpert.planner.lookahead import LookaheadPlanner
 from vllm_specexpert.predict.draft import ExpertLookaheadBuffer
-from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL
+from vllm_specexpert.tools.embedded_model import ASSETS
 
 BUDGET = 0.25
 PATH_PREDICTOR = ASSETS / "tiny-qwen3-moe-path-predictor"
@@ -298,7 +299,7 @@ def test_plec_takes_its_demand_from_the_draft():
 def test_lookahead_refuses_at_start(model, specexpert, engine, field):
     from vllm import EngineArgs
 
-    from vllm_specexpert.tools.fixtures import model_path
+    from specexpert_testbed.fixtures import model_path
 
     args = EngineArgs(
         model=str(model_path(model)),

@@ -17,8 +17,8 @@ from vllm_harness import (
 )
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import TRAINED_MODEL
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL
 
 BUDGET = 0.25
 

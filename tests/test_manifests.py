@@ -18,7 +18,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.predict.estimator_network import load_estimator
 from vllm_specexpert.predict.hybrid import check_layers, hybrid_layers, read_analysis
 from vllm_specexpert.predict.path import load_path_predictor
-from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import ASSETS, TRAINED_MODEL_DIR
 
 MODEL = str(TRAINED_MODEL_DIR)
 HF_CONFIG = AutoConfig.from_pretrained(MODEL)
@@ -294,7 +294,7 @@ def test_an_analysis_without_an_estimator_is_refused_at_engine_start(tmp_path):
     # it could never be used: hybrid needs an estimator, which cannot be added later.
     from vllm_harness import make_llm
 
-    from vllm_specexpert.tools.fixtures import TRAINED_MODEL
+    from specexpert_testbed.fixtures import TRAINED_MODEL
 
     for analysis in (str(tmp_path / "missing"), str(ARTIFACTS["analysis"][0])):
         with pytest.raises(SpecExpertConfigError, match="no estimator is set") as info:

@@ -30,6 +30,7 @@ from vllm import SamplingParams, TokensPrompt
 from vllm_harness import agreement, make_llm, shutdown
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import TRAINED_MODEL, model_path
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.config.sections import MeshConfig
 from vllm_specexpert.layer_call import LayerCall
@@ -41,7 +42,6 @@ from vllm_specexpert.peers.peer_state import PeerState
 from vllm_specexpert.peers.shard import ShardSpec, check_checkpoint
 from vllm_specexpert.peers.start import placement
 from vllm_specexpert.peers.tier import PeerTier
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL, model_path
 from vllm_specexpert.tools.teacher_forcing import FORCED_TOKENS, TeacherForcing
 
 BUDGET = 0.25
@@ -81,7 +81,7 @@ def engine():
 
 def held_out_windows() -> list[list[int]]:
     from vllm_specexpert.tools import corpus
-    from vllm_specexpert.tools.fixtures import load_tokenizer
+    from vllm_specexpert.tools.embedded_model import load_tokenizer
 
     tokenizer = load_tokenizer()
     ids = [i for f in corpus.corpus_files("validation") for i in tokenizer.encode(f.read()).ids]

@@ -17,7 +17,7 @@ from vllm_specexpert.predict.path import (
     save_path_predictor,
     sliding_windows,
 )
-from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import ASSETS, TRAINED_MODEL_DIR
 from vllm_specexpert.tools.train_path import routing_matrix, train
 
 SHIPPED = ASSETS / "tiny-qwen3-moe-path-predictor"

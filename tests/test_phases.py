@@ -13,7 +13,7 @@ from vllm_harness import (
 )
 
 import vllm_specexpert
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL
+from specexpert_testbed.fixtures import TRAINED_MODEL
 
 ENGINE = {
     "max_num_batched_tokens": 32,

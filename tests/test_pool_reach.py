@@ -9,7 +9,7 @@ import torch
 
 from vllm_specexpert.budget_plan import SlotPlan, check_pool_reach
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.tools.fixtures import TRAINED_PATH_PREDICTOR_DIR as PATH_PREDICTOR
+from vllm_specexpert.tools.embedded_model import TRAINED_PATH_PREDICTOR_DIR as PATH_PREDICTOR
 
 # The disk benchmark's widened Qwen3-style expert: w13 [2 x 40176, 256] is 20,570,112
 # elements per slot; w2 [256, 40176] fewer.

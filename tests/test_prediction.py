@@ -17,13 +17,9 @@ from vllm_harness import (
 )
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import TRAINED_MODEL, ensure_model, model_path
 from vllm_specexpert import SpecExpertConfigError
-from vllm_specexpert.tools.fixtures import (
-    TRAINED_MODEL,
-    TRAINED_MODEL_DIR,
-    ensure_model,
-    model_path,
-)
+from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 
 BUDGET = 0.25  # a quarter of the experts of each layer
 CONFIG = json.loads((model_path(TRAINED_MODEL) / "config.json").read_text())

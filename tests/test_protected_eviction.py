@@ -23,7 +23,7 @@ from moe_reference import make_loader, random_layer
 from vllm_specexpert.planner.prefetch import PrefetchPlanner
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.stats import PhaseStats
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR, TRAINED_PATH_PREDICTOR_DIR
+from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR, TRAINED_PATH_PREDICTOR_DIR
 from vllm_specexpert.tools.trace import record_routes
 
 PROMPTS = [

@@ -12,11 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_harness import PROMPTS, greedy, make_llm, shutdown
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import TRAINED_MODEL
 from vllm_specexpert import metrics
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.policy import MissPlan
 from vllm_specexpert.policy.substitute import BuddyPolicy
-from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR, TRAINED_MODEL
+from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR
 
 WINDOW = 32
 BUDGET = 0.35
@@ -150,7 +151,7 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
 def test_plec_under_a_quality_budget_starts_and_serves():
     # Its start once failed in the worker (the shared pool rebuilt empty when the
     # quality monitor got the model's logit head: IndexError, issue 37).
-    from vllm_specexpert.tools.fixtures import ASSETS
+    from vllm_specexpert.tools.embedded_model import ASSETS
 
     llm = make_llm(
         TRAINED_MODEL,

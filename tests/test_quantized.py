@@ -20,9 +20,9 @@ from vllm_harness import (
 )
 
 import vllm_specexpert
+from specexpert_testbed.fixtures import QUANTIZED_FIXTURES, TWIN_SUFFIX, model_path
 from vllm_specexpert import quant_config
 from vllm_specexpert.config import SpecExpertConfigError, SpecExpertUnsupportedError
-from vllm_specexpert.tools.fixtures import QUANTIZED_FIXTURES, TWIN_SUFFIX, model_path
 
 FORMATS = [
     "qwen3_moe-awq",

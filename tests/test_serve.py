@@ -9,12 +9,12 @@ import pytest
 import requests
 from vllm_harness import MAX_TOKENS, PROMPTS
 
-from vllm_specexpert.tools.fixtures import (
+from specexpert_testbed.fixtures import ensure_model
+from vllm_specexpert.tools.embedded_model import (
     TRAINED_ANALYSIS_DIR,
     TRAINED_CALIBRATION_DIR,
     TRAINED_ESTIMATOR_DIR,
     TRAINED_MODEL_DIR,
-    ensure_model,
 )
 from vllm_specexpert.tools.server import SPECEXPERT, free_port, serving
 

@@ -9,13 +9,9 @@ import socket
 
 import pytest
 
+from specexpert_testbed.fixtures import TRAINED_MODEL, model_path
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.tools.fixtures import (
-    TRAINED_CALIBRATION_DIR,
-    TRAINED_ESTIMATOR_DIR,
-    TRAINED_MODEL,
-    model_path,
-)
+from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR, TRAINED_ESTIMATOR_DIR
 
 CALIBRATION = str(TRAINED_CALIBRATION_DIR)
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 
 METRICS = json.loads((TRAINED_MODEL_DIR / "metrics.json").read_text())
 CONFIG = json.loads((TRAINED_MODEL_DIR / "config.json").read_text())

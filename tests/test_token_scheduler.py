@@ -11,7 +11,7 @@ from dataclasses import asdict
 import pytest
 
 from vllm_specexpert.planner.switch import WARM_UP_STEPS, MeasuredSwitch
-from vllm_specexpert.tools.fixtures import ASSETS, TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import ASSETS, TRAINED_MODEL_DIR
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
 PATH_PREDICTOR = ASSETS / "tiny-qwen3-moe-path-predictor"

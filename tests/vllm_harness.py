@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_specexpert.tools.fixtures import model_path
+from specexpert_testbed.fixtures import model_path
 from vllm_specexpert.tools.harness import start_engine
 from vllm_specexpert.tools.harness import stop_engine as shutdown
 

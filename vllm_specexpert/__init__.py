@@ -106,9 +106,10 @@ its floor::
     13  validate        engine-config checks where vLLM builds the engine config
     13  __init__        the user API: get_stats, reconfigure, reset_stats
     14  plugins         the vllm.general_plugins entry point and --plugins
-    15  tools/          training, corpus, fixtures, harness, offline passes, demo,
-                        server: never imported by the runtime (layers 1-14)
-    16  cli             the specexpert command (serve, vllm, and the tools by name)
+    15  tools/          the embedded model, training, corpus, harness, offline passes,
+                        demo, server: never imported by the runtime (layers 1-14)
+    16  cli             the specexpert command (serve, vllm, the tools by name, and the
+                        test bed's build-fixtures)
 
 One decode step of layer l, following the router's ids::
 

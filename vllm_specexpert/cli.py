@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("serve", help="vllm serve MODEL ... (works on the CPU build)")
     sub.add_parser("vllm", help="any vllm CLI subcommand, e.g. `specexpert vllm bench ...`")
 
-    # Tools load only here: `specexpert serve` and the plugin never import them.
+    # Tools load only here: `specexpert serve` and the plugin never import them (nor the
+    # test bed's fixtures, which build-fixtures runs).
+    from specexpert_testbed import fixtures
     from vllm_specexpert.tools import (
         analyze,
         calibrate,
@@ -146,7 +148,6 @@ def main(argv: list[str] | None = None) -> None:
         demo,
         dequantize,
         eval_path,
-        fixtures,
         mesh_demo,
         pack,
         quantize,

@@ -120,13 +120,9 @@ def run(args: argparse.Namespace) -> None:
     if not args.verbose:
         args.log = os.path.join(tempfile.gettempdir(), "specexpert-demo.log")
         open(args.log, "w").close()
-    from vllm_specexpert.tools.fixtures import (
-        DEFAULT_MODEL,
-        TRAINED_CALIBRATION_DIR,
-        model_path,
-    )
+    from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = args.model or str(TRAINED_MODEL_DIR)
     specexpert = {
         "budget": args.budget,
         "cache": args.cache,

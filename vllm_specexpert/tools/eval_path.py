@@ -218,7 +218,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     from vllm_specexpert.calibration import load_calibration
-    from vllm_specexpert.tools.fixtures import (
+    from vllm_specexpert.tools.embedded_model import (
         TRAINED_CALIBRATION_DIR,
         TRAINED_MODEL_DIR,
     )

@@ -1,12 +1,12 @@
 """``make mesh-demo``: the embedded model served with its experts on two Ray peers across
 a real network delay, then the per-peer stats.
 
-Starts a Ray cluster on this machine (:mod:`.mesh_cluster`: a head in the root network
-namespace, each peer in a namespace of its own behind a forwarder that delays packets,
-``--rtt-ms`` round trip), serves the embedded model with ``specexpert serve`` and
-``mesh`` pointing at that cluster, sends a few completions through the OpenAI API,
-prints each peer's counters from the stats file, and removes everything it made. Needs
-root (network namespaces).
+Starts a Ray cluster on this machine (:mod:`specexpert_testbed.mesh_cluster`: a head in
+the root network namespace, each peer in a namespace of its own behind a forwarder that
+delays packets, ``--rtt-ms`` round trip), serves the embedded model with ``specexpert
+serve`` and ``mesh`` pointing at that cluster, sends a few completions through the OpenAI
+API, prints each peer's counters from the stats file, and removes everything it made.
+Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -18,13 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from specexpert_testbed.mesh_cluster import MeshCluster
 from vllm_specexpert.tools.arguments import non_negative_float, positive_int
-from vllm_specexpert.tools.fixtures import (
-    DEFAULT_MODEL,
-    TRAINED_CALIBRATION_DIR,
-    model_path,
-)
-from vllm_specexpert.tools.mesh_cluster import MeshCluster
+from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
 from vllm_specexpert.tools.server import free_port, serving
 
 PROMPTS = [
@@ -71,9 +67,9 @@ def run(args: argparse.Namespace) -> None:
             config.update(predictor="quasi_hidden", calibration=str(TRAINED_CALIBRATION_DIR))
         env = {**os.environ, **cluster.env, "VLLM_CPU_KVCACHE_SPACE": "1"}
         port, log = free_port(), Path(tmp) / "server.log"
-        print(f"serving {DEFAULT_MODEL} with {json.dumps(config['mesh'])} ...", flush=True)
+        print(f"serving the embedded model with {json.dumps(config['mesh'])} ...", flush=True)
         with serving(
-            model_path(DEFAULT_MODEL),
+            TRAINED_MODEL_DIR,
             port,
             log,
             config,
@@ -100,7 +96,7 @@ def complete(port: int, max_tokens: int) -> list[str]:
             f"http://127.0.0.1:{port}/v1/completions",
             timeout=600,
             json={
-                "model": str(model_path(DEFAULT_MODEL)),
+                "model": str(TRAINED_MODEL_DIR),
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0,

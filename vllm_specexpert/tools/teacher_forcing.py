@@ -52,7 +52,7 @@ def held_out_windows(count: int, length: int = 256, split: str = "validation") -
     """``count`` windows of ``length`` held-out tokens, spread over the ``split`` files
     (``validation``, or ``test``: whole packages held out)."""
     from vllm_specexpert.tools import corpus
-    from vllm_specexpert.tools.fixtures import load_tokenizer
+    from vllm_specexpert.tools.embedded_model import load_tokenizer
 
     tokenizer = load_tokenizer()
     windows: list[list[int]] = []

@@ -264,10 +264,10 @@ def resolve_data_arguments(args, default_split: str) -> tuple[str, Documents, st
     """``(model_dir, documents, data description)`` from :func:`add_data_arguments`
     (empty ``--data`` files left out with a note; none with text: a ``UsageError``)."""
     from vllm_specexpert.tools.arguments import files_with_text
-    from vllm_specexpert.tools.fixtures import DEFAULT_MODEL, model_path
+    from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
     from vllm_specexpert.tools.provenance import file_label
 
-    model = args.model or str(model_path(DEFAULT_MODEL))
+    model = args.model or str(TRAINED_MODEL_DIR)
     if args.data:
         data = files_with_text([path for word in args.data for path in word])
         return model, file_documents(data), f"files {' '.join(map(file_label, data))}"

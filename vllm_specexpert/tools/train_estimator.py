@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> None:
     from vllm_specexpert.calibration import WEIGHTS_FILE as calibration_file
     from vllm_specexpert.calibration import load_calibration
     from vllm_specexpert.predict.estimator_network import FORMAT
-    from vllm_specexpert.tools.fixtures import TRAINED_CALIBRATION_DIR
+    from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR
 
     check_output_dir(args.out, "--out", artifact_of(FORMAT), "an estimator")
     check_shape(

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from vllm_specexpert.tools.demo import PROMPTS as SAMPLE_PROMPTS
 from vllm_specexpert.tools.demo import REPETITION_PENALTY
-from vllm_specexpert.tools.fixtures import TRAINED_MODEL_DIR
+from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 
 EVAL_SEQ_LEN = 256
 EVAL_WINDOWS = 512
@@ -78,7 +78,7 @@ class TrainConfig:
     def hf_config(self):
         from transformers import Qwen3MoeConfig
 
-        from vllm_specexpert.tools.fixtures import VOCAB_SIZE
+        from vllm_specexpert.tools.embedded_model import VOCAB_SIZE
 
         config = Qwen3MoeConfig(
             vocab_size=VOCAB_SIZE,
@@ -174,7 +174,7 @@ def split_tokens(split: str):
     import torch
 
     from vllm_specexpert.tools import corpus
-    from vllm_specexpert.tools.fixtures import TOKENIZER_JSON
+    from vllm_specexpert.tools.embedded_model import TOKENIZER_JSON
 
     return torch.from_numpy(np.asarray(corpus.tokens(split, TOKENIZER_JSON), dtype=np.int64))
 
@@ -275,7 +275,7 @@ def text_windows(text: str, length: int = EVAL_SEQ_LEN):
     but the first predicted once; the tail window may be shorter and is dropped)."""
     import torch
 
-    from vllm_specexpert.tools.fixtures import load_tokenizer
+    from vllm_specexpert.tools.embedded_model import load_tokenizer
 
     ids = torch.tensor(load_tokenizer().encode(text).ids)
     n = (len(ids) - 1) // length
@@ -417,7 +417,7 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model.config._experts_implementation = None
     model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
-    from vllm_specexpert.tools.fixtures import save_tokenizer
+    from vllm_specexpert.tools.embedded_model import save_tokenizer
 
     save_tokenizer(out)
     metrics = evaluate(
@@ -533,7 +533,7 @@ def quality_gates(heldout: dict, routing: list[dict]) -> list[dict]:
 def greedy_samples(model, max_new_tokens: int = 64) -> list[dict]:
     import torch
 
-    from vllm_specexpert.tools.fixtures import load_tokenizer
+    from vllm_specexpert.tools.embedded_model import load_tokenizer
 
     tokenizer = load_tokenizer()
     samples = []
@@ -689,7 +689,7 @@ def run(args: argparse.Namespace) -> None:
     check_output_dir(args.out, "--out", holding("metrics.json"), "a model of train-tiny")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.retrain_tokenizer:
-        from vllm_specexpert.tools.fixtures import TOKENIZER_JSON, train_tokenizer
+        from vllm_specexpert.tools.embedded_model import TOKENIZER_JSON, train_tokenizer
 
         train_tokenizer(TOKENIZER_JSON)
     cfg = TrainConfig(

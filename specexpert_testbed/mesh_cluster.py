@@ -24,8 +24,8 @@ while it runs, ``ray.init(address="auto")`` / ``ray status`` without an address 
 clusters (a plain ``ray.init()`` still starts its own). The state API (``ray.util.state``)
 needs the dashboard, which is off: use ``ray.nodes()``.
 
-CLI: ``python -m vllm_specexpert.tools.mesh_cluster --peers 2 --rtt-ms 5`` (Ctrl-C stops it).
-A tool: never imported by the plugin's runtime modules.
+CLI: ``python -m specexpert_testbed.mesh_cluster --peers 2 --rtt-ms 5`` (Ctrl-C stops it).
+Test infrastructure: never imported by the plugin's runtime modules.
 """
 
 from __future__ import annotations
@@ -306,8 +306,8 @@ class MeshCluster:
             _ip("route", "add", f"{self._net}.{i + 1}.0/24", "dev", a, "src", root_ip, *cc)
             _ip("route", "add", f"{self._net}.{i + 1}.0/24", "dev", b, "src", ns_ip, *cc, ns=ns)
             _ip("route", "add", "default", "dev", b, "src", ns_ip, *cc, ns=ns)
-            # By path, not -m: no need to import the package (and torch). -P: the tools/ dir
-            # (it has a trace.py) does not shadow the stdlib.
+            # By path, not -m: no need to import the package. -P: this file's directory
+            # stays off sys.path, so nothing there can shadow the stdlib.
             self._forwarders.append(
                 subprocess.Popen(
                     [

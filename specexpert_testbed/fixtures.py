@@ -1,16 +1,14 @@
-"""Named test models: the embedded trained model, and tiny random-weight MoE models of
-every supported architecture.
+"""Named test models: the embedded trained model by name, and tiny random-weight MoE
+models of every supported architecture (with quantized and widened variants).
 
     specexpert build-fixtures [--out DIR] [--arch NAME ...]
 
-Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors,
-tokenizer) that vLLM and transformers load natively. Weights come from a fixed seed, so
-the same command rebuilds the same bytes. The tokenizer is a byte-level BPE with 10,240
-tokens (``vllm bench latency`` draws prompt ids below 10,000) trained once on a fixed
-quarter of the corpus's train split (:mod:`vllm_specexpert.tools.corpus`) and shipped as
-``vllm_specexpert/assets/tokenizer.json``; ``--retrain-tokenizer`` rebuilds it. Models
-are cached under ``$SPECEXPERT_CACHE`` (default ``~/.cache/vllm-specexpert``) and
-rebuilt when this file or the tokenizer change."""
+Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors, the
+embedded model's tokenizer) that vLLM and transformers load natively. Weights come from a
+fixed seed, so the same command rebuilds the same bytes; ``--retrain-tokenizer`` rebuilds
+the shared tokenizer (:mod:`vllm_specexpert.tools.embedded_model`). Models are cached
+under ``$SPECEXPERT_CACHE`` (default ``~/.cache/vllm-specexpert``) and rebuilt when this
+file, the embedded model's module or the tokenizer change."""
 
 from __future__ import annotations
 
@@ -20,26 +18,23 @@ import json
 import os
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-TOKENIZER_JSON = ASSETS / "tokenizer.json"
+from vllm_specexpert.tools import embedded_model
+from vllm_specexpert.tools.embedded_model import (
+    TOKENIZER_JSON,
+    TRAINED_MODEL_DIR,
+    VOCAB_SIZE,
+    save_tokenizer,
+    train_tokenizer,
+)
+
 TRAINED_MODEL = "trained"
 """Name of the embedded model trained by ``specexpert train-tiny`` (a Qwen3-MoE)."""
-TRAINED_MODEL_DIR = ASSETS / "tiny-qwen3-moe"
-TRAINED_CALIBRATION_DIR = ASSETS / "tiny-qwen3-moe-calibration"
-"""``specexpert calibrate`` of the trained model on its train split (for ``quasi_hidden``)."""
-TRAINED_ESTIMATOR_DIR = ASSETS / "tiny-qwen3-moe-estimator"
-"""``specexpert train-estimator`` of the trained model with that calibration."""
-TRAINED_PATH_PREDICTOR_DIR = ASSETS / "tiny-qwen3-moe-path-predictor"
-"""``specexpert train-path`` of the trained model (``plec``'s and the token scheduler's)."""
-TRAINED_ANALYSIS_DIR = ASSETS / "tiny-qwen3-moe-analysis"
-"""``specexpert analyze`` of the trained model with both (``hybrid``'s ``analysis``)."""
 DEFAULT_OUT = (
     Path(os.environ.get("SPECEXPERT_CACHE", Path.home() / ".cache" / "vllm-specexpert"))
     / "fixtures"
 )
 DEFAULT_MODEL = TRAINED_MODEL
-"""The model of the demo and the benchmarks when none is given."""
-VOCAB_SIZE = 10240
+"""The model of the benchmarks when none is given."""
 SEED = 1234
 
 # Shared shape: small enough to start in seconds, aligned for vLLM's CPU MoE kernel
@@ -221,56 +216,6 @@ def num_moe_layers(name: str) -> int:
     return COMMON["num_hidden_layers"] - spec.get("first_k_dense_replace", 0)
 
 
-TOKENIZER_SAMPLE_PERCENT = 25
-"""Share of the train split's files (by path hash) the tokenizer is trained on."""
-
-
-def train_tokenizer(path: Path) -> None:
-    """Byte-level BPE with VOCAB_SIZE tokens, trained on a fixed quarter of the corpus's
-    train split (by path hash)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from vllm_specexpert.tools import corpus
-
-    sample = (
-        f.read()
-        for f in corpus.corpus_files("train")
-        if corpus.bucket(f.relpath, salt="tokenizer") < TOKENIZER_SAMPLE_PERCENT
-    )
-
-    tokenizer = Tokenizer(models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(sample, trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path))
-
-
-def load_tokenizer():
-    """The shared tokenizer (a ``tokenizers.Tokenizer``)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(TOKENIZER_JSON))
-
-
-def save_tokenizer(out: Path) -> None:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(
-        tokenizer_file=str(TOKENIZER_JSON),
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|pad|>",
-    )
-    tok.save_pretrained(str(out))
-
-
 def build_model(arch: str, out: Path) -> Path:
     import torch
     import transformers
@@ -298,7 +243,8 @@ def build_model(arch: str, out: Path) -> Path:
 def fixture_fingerprint(arch: str) -> str:
     """Changes when the builder, its shapes or the tokenizer change."""
     h = hashlib.sha256()
-    h.update(Path(__file__).read_bytes())
+    for source in (__file__, embedded_model.__file__):
+        h.update(Path(source).read_bytes())
     h.update(TOKENIZER_JSON.read_bytes())
     h.update(arch.encode())
     return h.hexdigest()[:16]
