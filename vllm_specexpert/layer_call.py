@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,10 +26,18 @@ through ``expert_map`` (id -> slot, -1: not resident), as vLLM's fused MoE does 
 expert parallelism (see :meth:`ExpertCache.kernel_routing`)."""
 
 
-UNREAD = np.zeros((0, 0), dtype=np.int64)
+class _Unread(np.ndarray):
+    __hash__ = object.__hash__  # type: ignore[assignment]  # (a shared dataclass default)
+
+
+class _Uncounted(PhaseStats):
+    __hash__ = object.__hash__
+
+
+UNREAD = np.zeros((0, 0), dtype=np.int64).view(_Unread)
 """The host ids of a call not read yet (indexing it fails: nothing reads them unread)."""
 UNREAD.flags.writeable = False
-UNCOUNTED = PhaseStats()
+UNCOUNTED = _Uncounted()
 """The counters of a call the engine has not taken yet (the engine gives it its phase's)."""
 
 
@@ -52,9 +60,9 @@ class LayerCall:
     """Which rows are decode tokens (``None``: all)."""
     mixed: bool = False
     """Rows of a pass that also ran prompt rows (its time is not a decode step's)."""
-    host_ids: np.ndarray = field(default_factory=lambda: UNREAD)
+    host_ids: np.ndarray = UNREAD
     """The same ids on the host, once read."""
-    stats: PhaseStats = field(default_factory=lambda: UNCOUNTED)
+    stats: PhaseStats = UNCOUNTED
     """Counters of the call's phase (decode or prefill), once the engine took it."""
     before_kernel: Callable[[], None] | None = None
     """Called once, when the first launch's experts are resident and before it starts
