@@ -59,7 +59,8 @@ its floor::
      4  predict/        next-layer predictors: base, router, quasi_hidden; path (a
                         step's routing path); draft (the lookahead draft's routes, the
                         ELB); estimator_network (the network, its artifact), estimator
-                        (its predictors), hybrid (its layers)
+                        (its predictors), hybrid (its layers); network_file (a trained
+                        network's directory: one saver, one loader)
      4  layer_call      LayerCall: one layer call from the adapter to the kernel (its
                         tokens, routing on the device, then on the host, counters)
      5  places          where entries run besides the slots, one registry per layer

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -155,7 +154,6 @@ class ArtifactManifest(MadeForModel):
 
 
 Schema = TypeVar("Schema", bound=BaseModel)
-Network = TypeVar("Network", bound=torch.nn.Module)
 
 
 def manifest_error(
@@ -352,38 +350,3 @@ def stored_shapes(field: str, file: Path, fix: str) -> dict[str, tuple[int, ...]
         raise SpecExpertConfigError(
             field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix
         ) from None
-
-
-def save_network(out: Path, weights_file: str, network: torch.nn.Module, manifest: dict) -> None:
-    """A trained network's artifact: its state dict and ``manifest.json``."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in network.state_dict().items()}, str(out / weights_file))
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-
-
-def load_network_weights(
-    path: Path, field: str, weights_file: str, build: Callable[[], Network], fix: str
-) -> Network:
-    """The network ``build()`` makes (from its manifest's shape) with the artifact's
-    weights, in eval mode. Its tensor shapes are first taken from a build on the meta
-    device and compared with the file's header, so a manifest asking for a huge network
-    is refused before anything is allocated. An unreadable file, a missing, extra,
-    misshapen or non-finite tensor is one config error naming ``field``."""
-    from safetensors.torch import load_file
-
-    file = path / weights_file
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        expected = {k: tuple(v.shape) for k, v in build().state_dict().items()}
-    check_shapes(field, file, stored_shapes(field, file, fix), expected, fix)
-    try:
-        state = load_file(str(file))
-    except Exception as exc:  # noqa: BLE001 - changed or damaged since the header was read
-        raise SpecExpertConfigError(
-            field, f"{file}: unreadable ({str(exc).splitlines()[0]})", fix
-        ) from None
-    check_tensors(field, file, state, expected, fix)
-    network = build()
-    network.load_state_dict(state)
-    return network.eval()

@@ -12,7 +12,6 @@ calibration (q_l depends on its default vectors); another one is refused.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
@@ -26,21 +25,16 @@ from vllm_specexpert.artifacts import (
     MANIFEST,
     MAX_LAYERS,
     SHAPE,
-    ArtifactManifest,
     ExpertCount,
     HiddenSize,
-    LayerIndices,
     Sha256,
     Str,
     TopK,
-    check_matches_model,
     file_sha256,
-    load_network_weights,
-    read_manifest,
-    save_network,
     top_k_of,
 )
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.predict.network_file import LayeredNetwork, NetworkFile, NetworkManifest
 
 FORMAT = "specexpert-estimator/1"
 WEIGHTS_FILE = "estimator.safetensors"
@@ -80,12 +74,11 @@ class TrainedWith(BaseModel):
     sha256: Sha256
 
 
-class EstimatorManifest(ArtifactManifest):
+class EstimatorManifest(NetworkManifest):
     """``manifest.json`` of a ``train-estimator`` directory (fingerprint and calibration
     required at engine start)."""
 
     shape: EstimatorShape
-    moe_layer_indices: LayerIndices
     calibration: TrainedWith | None = None
 
     @field_validator("moe_layer_indices")
@@ -102,7 +95,7 @@ class EstimatorManifest(ArtifactManifest):
         return layers
 
 
-class ExpertEstimator(nn.Module):
+class ExpertEstimator(LayeredNetwork):
     """``q [T, H]`` and a transition index -> ``[T, E]`` router logits (module doc)."""
 
     def __init__(self, shape: EstimatorShape, layer_indices: list[int] | None = None) -> None:
@@ -137,18 +130,22 @@ def distillation_loss(logits: torch.Tensor, router_logits: torch.Tensor) -> torc
     )
 
 
+ESTIMATOR_FILE = NetworkFile(
+    field="estimator",
+    command="train-estimator",
+    format=FORMAT,
+    weights_file=WEIGHTS_FILE,
+    schema=EstimatorManifest,
+    # fp32 whatever the default dtype (vLLM sets the model's while it loads).
+    build=lambda shape, layers: ExpertEstimator(shape, layers).float(),
+    remake=REMAKE,
+)
+
+
 def save_estimator(out: Path, model: ExpertEstimator, manifest: dict) -> None:
-    save_network(
-        out,
-        WEIGHTS_FILE,
-        model,
-        {
-            "format": FORMAT,
-            "shape": asdict(model.shape),
-            "moe_layer_indices": model.layer_indices,
-            **manifest,
-        },
-    )
+    """A ``train-estimator`` directory of ``model`` (``manifest``: its model, how it was
+    trained)."""
+    ESTIMATOR_FILE.save(out, model, manifest)
 
 
 def load_estimator(
@@ -161,26 +158,7 @@ def load_estimator(
     ``calibration`` if given (errors name ``estimator``)."""
     from vllm_specexpert.calibration import WEIGHTS_FILE as CALIBRATION_FILE
 
-    path = Path(path)
-    manifest_path = path / "manifest.json"
-    manifest = read_manifest(path, "estimator", WEIGHTS_FILE, FORMAT, REMAKE, EstimatorManifest)
-    if model is not None:
-        check_matches_model(
-            manifest,
-            model,
-            hf_config,
-            field="estimator",
-            fix=f"run `specexpert train-estimator {model} --out DIR`",
-        )
-    shape = manifest.shape
-    if manifest.model_fingerprint is not None:
-        differs = manifest.model_fingerprint.disagreement(
-            shape.hidden_size, shape.num_experts, shape.top_k
-        )
-        if differs:
-            raise SpecExpertConfigError(
-                "estimator", f"{manifest_path}: key shape: {differs}", REMAKE
-            )
+    manifest = ESTIMATOR_FILE.read(path, model, hf_config)
     if calibration is not None and (Path(calibration) / CALIBRATION_FILE).exists():
         trained_with = manifest.calibration
         if trained_with is None or trained_with.sha256 != file_sha256(
@@ -195,15 +173,7 @@ def load_estimator(
                 f"trained with, or run `specexpert train-estimator MODEL --calibration "
                 f"{calibration} --out DIR`",
             )
-    layer_indices = list(manifest.moe_layer_indices)
-    # fp32 whatever the default dtype (vLLM sets the model's while it loads).
-    return load_network_weights(
-        path,
-        "estimator",
-        WEIGHTS_FILE,
-        lambda: ExpertEstimator(shape, layer_indices).float(),
-        REMAKE,
-    )
+    return ESTIMATOR_FILE.network(path, manifest)
 
 
 def transitions_of(network: ExpertEstimator, layers: dict[int, str]) -> dict[str, int]:

@@ -13,7 +13,6 @@ Positions before a sequence's first token are padded with id ``vocab_size``. Tra
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -25,19 +24,13 @@ from torch import nn
 
 from vllm_specexpert.artifacts import (
     SHAPE,
-    ArtifactManifest,
     ExpertCount,
     LayerCount,
-    LayerIndices,
     TopK,
     VocabSize,
-    check_matches_model,
-    load_network_weights,
-    read_manifest,
-    save_network,
     top_k_of,
 )
-from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.predict.network_file import LayeredNetwork, NetworkFile, NetworkManifest
 
 FORMAT = "specexpert-path-predictor/1"
 WEIGHTS_FILE = "path_predictor.safetensors"
@@ -66,12 +59,11 @@ class PathPredictorShape:
         return top_k_of(top_k, info)
 
 
-class PathPredictorManifest(ArtifactManifest):
+class PathPredictorManifest(NetworkManifest):
     """``manifest.json`` of a ``train-path`` directory (format, shape, the MoE layers it
     predicts; the fingerprint, refused at engine start when absent)."""
 
     shape: PathPredictorShape
-    moe_layer_indices: LayerIndices
 
     @field_validator("moe_layer_indices")
     @classmethod
@@ -82,7 +74,7 @@ class PathPredictorManifest(ArtifactManifest):
         return layers
 
 
-class RoutingPathPredictor(nn.Module):
+class RoutingPathPredictor(LayeredNetwork):
     """``[B, W]`` token ids -> ``[B, L, E]`` routing logits (see module doc)."""
 
     def __init__(self, shape: PathPredictorShape, layer_indices: list[int] | None = None) -> None:
@@ -129,18 +121,21 @@ def sliding_windows(token_ids: torch.Tensor, window: int, pad: int) -> torch.Ten
     return padded.unfold(0, window, 1)
 
 
+PATH_PREDICTOR_FILE = NetworkFile(
+    field="path_predictor",
+    command="train-path",
+    format=FORMAT,
+    weights_file=WEIGHTS_FILE,
+    schema=PathPredictorManifest,
+    build=RoutingPathPredictor,
+    remake=REMAKE,
+)
+
+
 def save_path_predictor(out: Path, model: RoutingPathPredictor, manifest: dict) -> None:
-    save_network(
-        out,
-        WEIGHTS_FILE,
-        model,
-        {
-            "format": FORMAT,
-            "shape": asdict(model.shape),
-            "moe_layer_indices": model.layer_indices,
-            **manifest,
-        },
-    )
+    """A ``train-path`` directory of ``model`` (``manifest``: its model, how it was
+    trained)."""
+    PATH_PREDICTOR_FILE.save(out, model, manifest)
 
 
 def load_path_predictor(
@@ -148,32 +143,4 @@ def load_path_predictor(
 ) -> RoutingPathPredictor:
     """Read a ``train-path`` directory, checked against ``model`` if given (errors name
     ``path_predictor``)."""
-    path = Path(path)
-    manifest = read_manifest(
-        path, "path_predictor", WEIGHTS_FILE, FORMAT, REMAKE, PathPredictorManifest
-    )
-    if model is not None:
-        check_matches_model(
-            manifest,
-            model,
-            hf_config,
-            field="path_predictor",
-            fix=f"run `specexpert train-path {model} --out DIR`",
-        )
-    shape = manifest.shape
-    if manifest.model_fingerprint is not None:
-        differs = manifest.model_fingerprint.disagreement(
-            num_experts=shape.num_experts, top_k=shape.top_k, vocab_size=shape.vocab_size
-        )
-        if differs:
-            raise SpecExpertConfigError(
-                "path_predictor", f"{path / 'manifest.json'}: key shape: {differs}", REMAKE
-            )
-    layer_indices = list(manifest.moe_layer_indices)
-    return load_network_weights(
-        path,
-        "path_predictor",
-        WEIGHTS_FILE,
-        lambda: RoutingPathPredictor(shape, layer_indices),
-        REMAKE,
-    )
+    return PATH_PREDICTOR_FILE.load(path, model, hf_config)
