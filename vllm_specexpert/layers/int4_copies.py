@@ -1,6 +1,6 @@
 """INT4 copies of a layer's experts (``lowbit``'s format): ``lowbit``'s beside the
-layer's experts, the ``lookahead`` draft's instead of them; what the draft's twin of a
-target layer will take of the device's memory and of the host's.
+layer's experts, the ``lookahead`` draft's instead of them (what the draft's layers
+take of memory: :mod:`.draft_sizing`).
 
 The copies are made from vLLM's checkpoint layout, before the quant method's
 post-processing (on CPU a prepacked layout, whose groups would mix rows). Under the disk
@@ -65,23 +65,6 @@ class Int4DraftForm:
         # (a zero expert quantized: the one source of the format's shapes and dtypes)
         zero = self({name: torch.zeros(shape, dtype=self.dtype) for name, shape, _ in specs})
         return [(name, tuple(t.shape), t.dtype) for name, t in zero.items()]
-
-
-def draft_twin_bytes(
-    layer_name: str,
-    num_experts: int,
-    hidden: int,
-    intermediate: int,
-    slots: int,
-    int4_experts: int,
-    dtype: torch.dtype,
-) -> tuple[int, int]:
-    """What a target layer's twin in the ``lookahead`` draft, built after the target's
-    slots are sized, will take: its decoded ``slots`` (experts in ``dtype``, on the
-    device) and its ``int4_experts`` held in host memory (all, or under the disk tier
-    its rows), in bytes."""
-    int4 = low_bit_parameters(layer_name, num_experts, hidden, intermediate).expert_nbytes
-    return slots * 3 * hidden * intermediate * dtype.itemsize, int4_experts * int4
 
 
 def keeps_packed(packed: Copies | None) -> bool:

@@ -1,0 +1,263 @@
+"""One offloaded layer's experts on their way into the slow tier: where vLLM allocates
+them and what the engine's store is handed once they are loaded.
+
+vLLM's own loader and quant method load them (``requires_device_loading = False``), on
+the host: on CUDA, ``torch.device("cpu")`` around the quant method's ``create_weights``
+only (pinned in place by the store); post-processed there. A quantized checkpoint's
+experts stay packed (:mod:`.packed_experts`) and are decoded into slots; experts on the
+disk tier are not loaded at all (one expert for vLLM's kernel setup: the pack holds
+them), and reach the device through pinned host rows on CUDA, sized at the first layer.
+``lowbit``'s INT4 copies go beside a layer's experts; the ``lookahead`` draft's layers
+get INT4 copies instead, or on the disk tier the pack's draft regions. The device only
+ever holds the cache's slot pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.platforms import current_platform
+
+from vllm_specexpert.budget_plan import size_host_cache
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
+from vllm_specexpert.layers import draft_sizing, int4_copies
+from vllm_specexpert.layers.engines import target_of
+from vllm_specexpert.layers.pack_form_check import check_pack_form
+from vllm_specexpert.layers.packed_experts import (
+    PackedDecoder,
+    PackedParameters,
+    low_bit_parameters,
+    runtime_form,
+)
+from vllm_specexpert.quant_formats import PackedFormat
+from vllm_specexpert.tiers.disk import Disk, DiskExperts
+from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
+from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES
+from vllm_specexpert.tiers.mapped import MappedExperts
+from vllm_specexpert.tiers.store import LayerExperts, SlotShapes
+
+if TYPE_CHECKING:
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
+"""Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
+
+
+def _host_allocation() -> contextlib.AbstractContextManager:
+    """Where the layer's parameters are allocated: host on GPU platforms."""
+    if current_platform.is_cpu():
+        return contextlib.nullcontext()
+    return torch.device("cpu")
+
+
+class SlowTier:
+    """Where ``layer``'s experts come from and where they go (see module doc): made before
+    vLLM creates the layer's weights, it has the layer's quant method allocate them
+    (:meth:`load_through`) and hands them to the layer's engine once loaded."""
+
+    def __init__(
+        self,
+        layer: OffloadedRoutedExperts,
+        config: SpecExpertConfig,
+        packed_format: PackedFormat | None,
+        draft: bool,
+    ) -> None:
+        self.layer = layer
+        self.packed_format = packed_format
+        """The checkpoint's format of the layer's experts (``None``: unquantized)."""
+        self.config = config
+        self.on_disk = config.disk is not None
+        """The experts are read from the disk tier's pack: vLLM loads none of them."""
+        self.draft = draft
+        """The layer is the lookahead draft's: INT4 experts."""
+        self._packed: PackedParameters | None = None
+
+    @property
+    def draft_packed(self) -> bool:
+        """This draft layer computes its INT4 experts packed: its slots hold them as the
+        pack does, and are its only cache (no host rows). Known once vLLM has sized the
+        layer (its sizes are rounded up for the kernel)."""
+        layer = self.layer
+        return self.draft and draft_sizing.computed_packed(
+            self.config, layer.params_dtype, layer.moe_config
+        )
+
+    def load_through(self, method: Any, prefix: str) -> None:
+        """Have vLLM's quant ``method`` (the layer's own instance, patched) allocate the
+        expert weights on the host (only them: whatever else the layer allocates stays
+        on the device) and post-process them there, then hand them to the store."""
+        create_weights = method.create_weights
+        post_process = method.process_weights_after_loading
+
+        def create_weights_on_host(
+            layer: Any,
+            num_experts: int,
+            hidden_size: int,
+            intermediate_size_per_partition: int,
+            **kwargs: Any,
+        ) -> None:
+            with _host_allocation():
+                if self.on_disk:
+                    # One expert (vLLM's kernel setup): the pack holds them all.
+                    return create_weights(
+                        layer, 1, hidden_size, intermediate_size_per_partition, **kwargs
+                    )
+                if self.packed_format is None:
+                    return create_weights(
+                        layer, num_experts, hidden_size, intermediate_size_per_partition, **kwargs
+                    )
+                # One expert of bf16 parameters (vLLM's kernel setup), all experts packed.
+                create_weights(layer, 1, hidden_size, intermediate_size_per_partition, **kwargs)
+                self._packed = PackedParameters(
+                    self.packed_format,
+                    prefix,
+                    num_experts,
+                    hidden_size,
+                    intermediate_size_per_partition,
+                )
+                self._packed.create(layer)
+
+        def process_weights_after_loading(layer: Any) -> None:
+            packed = (self._packed, self._packed.take(layer)) if self._packed is not None else None
+            # INT4 copies are made from vLLM's checkpoint layout, before its
+            # post-processing (on CPU a prepacked layout: groups of it would mix rows):
+            # lowbit's beside the experts, or the lookahead draft's instead of them.
+            low_bit = None
+            if self.draft and not self.on_disk:  # (on disk, the pack holds the draft's)
+                packed = packed if int4_copies.keeps_packed(packed) else self._int4_copies(packed)
+            elif packed is None and self.layer.engine.config.miss_policy_spec.low_bit:
+                low_bit = self._int4_copies(None)
+            post_process(layer)
+            self._move_experts_to_store(packed, low_bit)
+
+        method.create_weights = create_weights_on_host
+        method.requires_device_loading = False
+        method.process_weights_after_loading = process_weights_after_loading
+
+    def _int4_copies(self, packed: int4_copies.Copies | None) -> int4_copies.Copies:
+        """INT4 copies of this layer's experts from where they are: a quantized
+        checkpoint's ``packed`` ones, or the loaded bf16 ones."""
+        layer = self.layer
+        if packed is not None:
+            return int4_copies.of_packed(layer.layer_name, packed)
+        weights = {
+            name: getattr(layer, name).data for name in EXPERT_TENSORS if hasattr(layer, name)
+        }
+        return int4_copies.of_weights(layer.layer_name, weights)
+
+    def _move_experts_to_store(
+        self,
+        packed: int4_copies.Copies | None,
+        low_bit: int4_copies.Copies | None = None,
+    ) -> None:
+        """Hand the runtime-format expert tensors (or the ``packed`` ones: a quantized
+        checkpoint's, or the draft's INT4 copies) to the slow tier, with ``lowbit``'s
+        INT4 copies if made; keep only views (packed: a one-expert placeholder). An
+        expert is its weights and, where the model has them, its biases."""
+        layer = self.layer
+        # What a slot holds: the runtime form of one expert.
+        slot_shapes = {
+            name: (tuple(getattr(layer, name).shape[1:]), getattr(layer, name).dtype)
+            for name in EXPERT_TENSORS
+            if hasattr(layer, name)
+        }
+        form = functools.partial(runtime_form, layer)
+        experts: dict[str, torch.Tensor] | DiskExperts | MappedExperts | HostCachedExperts
+        if self.on_disk and self.draft:
+            experts, decoder = self._draft_experts_on_disk(form, slot_shapes)
+        elif self.on_disk:
+            experts, decoder = self._experts_on_disk(slot_shapes), None
+        elif packed is None:
+            experts = {name: getattr(layer, name).data for name in slot_shapes}
+            decoder = None
+        else:
+            parameters, experts = packed
+            decoder = PackedDecoder(parameters, form, slot_shapes)
+            for name in slot_shapes:  # the kernel runs on slots: keep one expert's shape
+                getattr(layer, name).data = getattr(layer, name).data[:1].clone()
+        engine = layer.engine
+        if low_bit is not None:  # beside the layer's experts, found there by the layer
+            parameters, copies = low_bit
+            engine.store.add_layer(
+                layer.layer_name + LOW_BIT_SUFFIX,
+                copies,
+                PackedDecoder(parameters, form, slot_shapes),
+            )
+        added = engine.add_layer(
+            layer.layer_name,
+            experts,
+            layer.top_k,
+            index=layer.layer_index,
+            host_kernel=layer.slot_kernel.host_kernel(),
+            decoder=decoder,
+            pool_reach=layer.slot_kernel.pool_reach,
+        )
+        if packed is None and isinstance(added.experts, LayerExperts):
+            # The parameters now alias the store's (pinned) tensors instead of a copy.
+            for name, tensor in added.experts.tensors.items():
+                getattr(layer, name).data = tensor
+
+    def _experts_on_disk(
+        self, slot_shapes: SlotShapes
+    ) -> DiskExperts | MappedExperts | HostCachedExperts:
+        """The layer's experts in the engine's pack, refused unless they are what its
+        kernel reads; on CUDA read through pinned host rows, sized at the first layer
+        (once vLLM's settings and the MoE layers are known)."""
+        layer, engine = self.layer, self.layer.engine
+        disk = engine.store.disk
+        assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
+        if engine.device.type == "cuda" and disk.host_cache is None:
+            fit = size_host_cache(
+                engine.config, engine.budget.sizing, disk.layer(layer.layer_name), layer.top_k
+            )
+            disk.host_cache = HostCache(fit.slots_per_layer, pinned=True)
+        experts = disk.layer(layer.layer_name)
+        check_pack_form(layer, experts, slot_shapes, layer.checkpoint)
+        return experts
+
+    def _draft_experts_on_disk(
+        self, form: Any, slot_shapes: SlotShapes
+    ) -> tuple[DiskExperts | MappedExperts | HostCachedExperts, PackedDecoder | None]:
+        """The draft's INT4 experts in the target's pack: read straight into its slots
+        where it computes them packed, else through its host rows
+        (``lookahead.draft_cache``, made at its first layer) and decoded; refused if the
+        pack holds them in another layout than this build's."""
+        layer = self.layer
+        target = target_of(layer.engine)
+        disk = target.store.disk
+        assert isinstance(disk, Disk)  # (the target's, opened with its engine)
+        moe = layer.moe_config
+        hidden, intermediate = moe.hidden_dim, moe.intermediate_size_per_partition
+        record = disk.record_of(layer.layer_name)
+        dtype = layer.w13_weight.dtype
+        checkpoint = [
+            ("w13_weight", (2 * intermediate, hidden), dtype),
+            ("w2_weight", (hidden, intermediate), dtype),
+        ]
+        form_specs = int4_copies.Int4DraftForm(dtype).specs(checkpoint)
+        want = {name: (list(shape), DTYPE_NAMES[d]) for name, shape, d in form_specs}
+        have = {t.name: (t.shape, t.dtype) for t in record.tensors}
+        if have != want:
+            raise SpecExpertConfigError(
+                "disk.path",
+                f"{disk.pack.path}: the draft's experts of {layer.layer_name} are {have}, "
+                f"this build's INT4 draft reads {want}",
+                f"`specexpert pack {layer.checkpoint} --out {disk.pack.path} --draft` writes "
+                "them again",
+            )
+        if self.draft_packed:  # (its slots are its cache: read into them, no rows)
+            return disk.layer(layer.layer_name), None
+        num_experts, top_k = layer.global_num_experts, layer.top_k
+        parameters = low_bit_parameters(layer.layer_name, num_experts, hidden, intermediate)
+        decoder = PackedDecoder(parameters, form, slot_shapes)
+        if disk.draft_cache is None:
+            plan = target.budget.current
+            assert plan is not None  # (the target's layers were equipped first)
+            target_slots = plan.slots(num_experts, top_k)
+            rows = target.config.draft_cache_rows(num_experts, top_k, target_slots)
+            disk.draft_cache = HostCache(rows, pinned=False)
+        return disk.layer(layer.layer_name, decoder), decoder
