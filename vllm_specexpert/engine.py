@@ -332,9 +332,7 @@ class OffloadEngine:
             feature.begin_call(call)
         for feature in self.features:
             feature.before_read(call)
-        router_ids, *host = self.reader.read([request.topk_ids, *call.device_reads()])
-        call.router_host_ids = router_ids
-        call.deliver(host)
+        call.read_to_host(self.reader)
         for feature in self.features:
             feature.after_read(call)
         try:

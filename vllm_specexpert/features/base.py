@@ -35,6 +35,7 @@ from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import PhaseStats, Series
 from vllm_specexpert.tiers.link import Link
+from vllm_specexpert.tiers.staging import HostReader
 from vllm_specexpert.tiers.store import ExpertStore
 
 HostReads = Callable[[list[np.ndarray]], None]
@@ -97,11 +98,11 @@ class DecodeCall:
         """Bring ``tensors`` to the host in the call's one read; ``then`` gets them."""
         self._reads.append((tensors, then))
 
-    def device_reads(self) -> list[torch.Tensor]:
-        return [t for tensors, _ in self._reads for t in tensors]
-
-    def deliver(self, host: list[np.ndarray]) -> None:
-        """Hand each feature its part of the read's results."""
+    def read_to_host(self, reader: HostReader) -> None:
+        """The call's one host read: the router's ids (:attr:`router_host_ids`) and
+        what the features asked for, each handed its part."""
+        asked = [t for tensors, _ in self._reads for t in tensors]
+        self.router_host_ids, *host = reader.read([self.request.topk_ids, *asked])
         at = 0
         for tensors, then in self._reads:
             then(host[at : at + len(tensors)])

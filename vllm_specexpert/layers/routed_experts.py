@@ -189,8 +189,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         try:
             phases = current_phases(x.shape[0], self.decode_query_len)
             request = LayerCall(self.layer_name, kernel, x, topk_weights, topk_ids, phases)
-            # The layer's call as the engine composed it (engine.run_call, one frame less).
-            result = self.engine.layers[self.layer_name].run(request)
+            result = self.engine.run_call(request)
         finally:
             kernel.end_call()
         if out is not None and result is not out:
