@@ -5,11 +5,12 @@
 each returns a series, with the labels its panel's legend names
 (:func:`check_dashboard`).
 
-The mesh's and the quality budget's series appear only while those features run, and
-neither runs beside such a server (the mesh needs Ray peers; the quality budget an
-approximate mode): for their panels Prometheus also scrapes two exporters in the test
-process, each serving the exposition of a toy engine with that feature (as
-``tests/test_dashboard.py`` makes them) under the served model's name, as scraped once.
+The series of the mesh, the quality budget and the places (host, substitutes, INT4
+copies) appear only while their feature runs, and none runs beside such a server (the
+mesh needs Ray peers; the others are other modes): for their panels Prometheus also
+scrapes an exporter per feature in the test process, each serving the exposition of a
+toy engine with that feature (as ``tests/test_dashboard.py`` makes them) under the
+served model's name, as scraped once.
 """
 
 import json
@@ -133,12 +134,14 @@ def check_dashboard(port: int, model: str, work: Path, traffic) -> None:
         print(reason)
         pytest.skip(reason)
     exporters = []
-    for feature, after_call in (("mesh", lambda engine: None), ("quality", judged_window)):
-        config, inputs = ENGINES[feature]
+    for feature in ("mesh", "quality", "host", "substitution", "low_bit"):
+        config, inputs, *prepare = ENGINES[feature]
+        after_call = judged_window if feature == "quality" else lambda engine: None
         if feature == "quality":  # (every row sampled; a window of one pass)
             config = {**config, "quality": {"sample": 1.0, "window": 1}}
         (work / feature).mkdir()
-        exporters.append(exporter(scraped(work / feature, config, inputs(), model, after_call)))
+        page = scraped(work / feature, config, inputs(), model, after_call, *prepare)
+        exporters.append(exporter(page))
     try:
         prometheus, prometheus_port = start_prometheus(
             binary, work, [port, *(p for p, _ in exporters)]
