@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from vllm.platforms import current_platform
@@ -40,9 +40,6 @@ from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES
 from vllm_specexpert.tiers.mapped import MappedExperts
 from vllm_specexpert.tiers.store import LayerExperts, SlotShapes
 
-if TYPE_CHECKING:
-    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
-
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 """Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
 
@@ -61,7 +58,7 @@ class SlowTier:
 
     def __init__(
         self,
-        layer: OffloadedRoutedExperts,
+        layer: Any,  # the adapter's layer (named, not imported: it imports this module)
         config: SpecExpertConfig,
         packed_format: PackedFormat | None,
         draft: bool,
