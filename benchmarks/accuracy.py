@@ -117,7 +117,9 @@ def main() -> None:
             "perplexity": math.exp(nll),
             "positions": n,
             "recall": figures["recall"],
-            "recall_per_layer": [layer["decode"]["recall"] for layer in stats["layers"].values()],
+            "recall_per_layer": [
+                layer["decode"].get("recall") for layer in stats["layers"].values()
+            ],
             "decode": figures,
         }
         rows.append(row)

@@ -121,7 +121,7 @@ def decode_figures(stats: dict) -> dict[str, Any]:
         "host_ms_per_token": d.get("host_s", 0.0) / n * 1e3,  # (a place's: when it is on)
         "prefetched_per_token": d["prefetched"] / n,
         "prefetch_used_per_token": d["prefetch_used"] / n,
-        "recall": d["recall"] if d["predicted"] else None,
+        "recall": d["recall"] if d.get("predicted") else None,  # (while a predictor runs)
         "entries_per_token": {
             k: d.get(f"{k}_entries", 0) / n
             for k in ("missed", "fetched", "host", "substituted", "dropped", "low_bit")

@@ -72,7 +72,7 @@ def decode_stats(llm, prompts, max_tokens: int) -> list[dict]:
     steps = stats["decode_tokens"] / len(prompts)
     return [
         {
-            key: layer["decode"][key] / steps
+            key: layer["decode"].get(key, 0) / steps  # (prediction's: while a predictor runs)
             for key in (
                 "stall_s",
                 "misses",

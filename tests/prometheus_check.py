@@ -5,12 +5,12 @@
 each returns a series, with the labels its panel's legend names
 (:func:`check_dashboard`).
 
-The series of the mesh, the quality budget and the places (host, substitutes, INT4
-copies) appear only while their feature runs, and none runs beside such a server (the
-mesh needs Ray peers; the others are other modes): for their panels Prometheus also
-scrapes an exporter per feature in the test process, each serving the exposition of a
-toy engine with that feature (as ``tests/test_dashboard.py`` makes them) under the
-served model's name, as scraped once.
+The series of the mesh, the quality budget, prediction and the places (host,
+substitutes, INT4 copies) appear only while their feature runs, and none runs beside
+such a server (the mesh needs Ray peers; the others are other modes): for their panels
+Prometheus also scrapes an exporter per feature in the test process, each serving the
+exposition of a toy engine with that feature (as ``tests/test_dashboard.py`` makes
+them) under the served model's name, as scraped once.
 """
 
 import json
@@ -134,7 +134,7 @@ def check_dashboard(port: int, model: str, work: Path, traffic) -> None:
         print(reason)
         pytest.skip(reason)
     exporters = []
-    for feature in ("mesh", "quality", "host", "substitution", "low_bit"):
+    for feature in ("mesh", "quality", "prediction", "host", "substitution", "low_bit"):
         config, inputs, *prepare = ENGINES[feature]
         after_call = judged_window if feature == "quality" else lambda engine: None
         if feature == "quality":  # (every row sampled; a window of one pass)

@@ -74,6 +74,7 @@ ENGINES = {
     # engine per feature that has some (lookahead and mesh, quality and mesh do not run
     # together).
     "plain": ({"budget": 0.25}, dict),
+    "prediction": ({"budget": 0.25, "predictor": "router"}, dict),
     "host": ({"budget": 0.25, "miss_policy": "cpu"}, dict),
     "substitution": ({"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.5}}, dict),
     "low_bit": ({"budget": 0.5, "miss_policy": "lowbit"}, dict, int4_copies),

@@ -37,7 +37,7 @@ def modules() -> dict[str, Path]:
     }
 
 
-def testbed_modules() -> set[str]:
+def the_testbed_modules() -> set[str]:
     """The test bed's modules by name (it is flat: one directory)."""
     directory = Path(specexpert_testbed.__file__).parent
     return {TESTBED} | {
@@ -263,7 +263,7 @@ def test_no_runtime_docstring_points_outside_the_repository():
 
 def test_no_runtime_module_imports_the_tools_or_the_test_bed():
     found = modules()
-    known = set(found) | testbed_modules()
+    known = set(found) | the_testbed_modules()
     assert f"{ROOT}.engine" in found and f"{ROOT}.layers.routed_experts" in found
     assert f"{TESTBED}.fixtures" in known
     offenders = {

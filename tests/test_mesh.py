@@ -141,7 +141,7 @@ def test_exact_modes_run_the_routers_experts_on_the_peers(llm, reference, mode):
     # The peers computed the misses: none was fetched, dropped or substituted.
     assert decode["peer_entries"] == decode["missed_entries"] > 0
     assert decode["fetched_entries"] == 0 and "substituted_entries" not in decode
-    assert decode["dropped_entries"] == decode["speculated_calls"] == 0
+    assert decode["dropped_entries"] == decode.get("speculated_calls", 0) == 0
     peers = stats["mesh"]["peers"]
     # Both peers computed pairs, with the kernel this CPU runs; none fell back here.
     assert all(p["up"] and p["pairs"] > 0 and p["failures"] == 0 for p in peers)

@@ -26,9 +26,9 @@ def test_each_workers_stats_carry_the_schema_version(toy_engines, tmp_path):
             return engine
 
     stats = Worker().specexpert_stats()  # what get_stats(llm) calls on every worker
-    assert stats["schema_version"] == 5
+    assert stats["schema_version"] == 6
     assert type(stats["schema_version"]) is int
-    assert json.loads(stats_file.read_text())["schema_version"] == 5
+    assert json.loads(stats_file.read_text())["schema_version"] == 6
     # The type change version 2 was numbered for: a per-layer dict, not an int.
     assert stats["slots_per_layer"] == {NAME: 4}
     # The change version 3 was numbered for: a feature that is off has no section.
@@ -39,6 +39,8 @@ def test_each_workers_stats_carry_the_schema_version(toy_engines, tmp_path):
     assert not {"host_entries", "substituted_entries", "low_bit_entries", "peer_entries"} & set(
         decode
     )
+    # The change of version 6: with no predictor, no prediction counters.
+    assert not {"predicted", "recall", "speculated_calls", "path_needed"} & set(decode)
 
 
 def test_the_version_in_force_has_its_line_in_the_changelog():

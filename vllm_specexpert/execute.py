@@ -35,7 +35,7 @@ from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.places import Dropped, Places
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
-from vllm_specexpert.tiers.cache import ExpertCache
+from vllm_specexpert.tiers.cache import ExpertCache, KernelRouting
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.staging import upload
 from vllm_specexpert.tiers.store import ExpertsUnreadable
@@ -234,7 +234,7 @@ def _resident_launch(loader: ExpertLoader, request: LayerCall, stats: PhaseStats
     """One launch on the rows of ``request``, all hits: the router's ids are the slot
     ids. Its distinct experts are counted (a token's top-k are distinct: nothing is
     read to the host for one token)."""
-    cache, ids = loader.cache, request.topk_ids
+    ids = request.topk_ids
     tokens, top_k = ids.shape
     distinct = top_k if tokens == 1 else len(np.unique(ids.cpu().numpy()))
     stats.calls += 1
@@ -243,9 +243,9 @@ def _resident_launch(loader: ExpertLoader, request: LayerCall, stats: PhaseStats
     stats.requests += distinct
     stats.hits += distinct
     stats.kernel_calls += 1
-    kernel_ids, expert_map = cache.kernel_routing(ids, None)
+    routing = loader.cache.kernel_routing(ids, None)
     started = time.perf_counter()
-    out = _kernel(request.kernel, request.x, request.topk_weights, kernel_ids, cache, expert_map)
+    out = _kernel(request.kernel, request.x, request.topk_weights, routing)
     stats.kernel_s += time.perf_counter() - started
     return out
 
@@ -293,15 +293,15 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
             hook()
         finally:
             cache.in_use[experts] = False
-    kernel_ids, expert_map = cache.kernel_routing(call.topk_ids, call.host_ids)
+    routing = cache.kernel_routing(call.topk_ids, call.host_ids)
     started = time.perf_counter()
-    read, nbytes = cache.pool.readable(kernel_ids)  # (a mapped pack's pages: its loads)
+    read, nbytes = cache.pool.readable(routing.ids)  # (a mapped pack's pages: its loads)
     readable = time.perf_counter()
     if read:
         call.stats.stall_s += readable - started
     call.stats.loads += read
     call.stats.bytes_loaded += nbytes
-    out = _kernel(call.kernel, call.x, call.topk_weights, kernel_ids, cache, expert_map)
+    out = _kernel(call.kernel, call.x, call.topk_weights, routing)
     call.stats.kernel_s += time.perf_counter() - readable
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1
@@ -309,22 +309,18 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
 
 
 def _kernel(
-    kernel: ExpertKernel,
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    kernel_ids: torch.Tensor,
-    cache: ExpertCache,
-    expert_map: torch.Tensor | None,
+    kernel: ExpertKernel, x: torch.Tensor, weights: torch.Tensor, routing: KernelRouting
 ) -> torch.Tensor:
     """The layer's kernel on the cache's slots; a long pass (prefill) in chunks, so that
     the kernel's scratch is a chunk's, not the pass's."""
+    ids, slots, expert_map = routing
     tokens = x.shape[0]
     if tokens <= KERNEL_CHUNK_TOKENS:
-        return kernel(x, weights, kernel_ids, cache.slots, expert_map)
+        return kernel(x, weights, ids, slots, expert_map)
     out = torch.empty_like(x)
     for start in range(0, tokens, KERNEL_CHUNK_TOKENS):
         rows = slice(start, start + KERNEL_CHUNK_TOKENS)
-        out[rows] = kernel(x[rows], weights[rows], kernel_ids[rows], cache.slots, expert_map)
+        out[rows] = kernel(x[rows], weights[rows], ids[rows], slots, expert_map)
     return out
 
 

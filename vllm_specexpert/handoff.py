@@ -60,6 +60,22 @@ class SchedulerStats(Counters):
 
 
 @dataclass
+class DemandCounters(Counters):
+    """How well a step's demand covered one layer's decode calls (beside the engine's
+    counters while the ``step_demand`` feature runs)."""
+
+    path_needed: int = counter(
+        "Distinct experts of decode calls that had a step-level prediction from "
+        "the path predictor (``path_predictor``) or the lookahead draft, summed over calls."
+    )
+    path_covered: int = counter(
+        "Of those, experts the step's prediction contained: ``path_covered / "
+        "path_needed`` is the predictor's batch-level accuracy (ExpertFlow's "
+        "B_acc) at the running batch size, measured online."
+    )
+
+
+@dataclass
 class StepDemand:
     """The decode tokens of one step and their predicted experts."""
 
@@ -72,14 +88,16 @@ class StepDemand:
     """The same for the decode group expected to run next step (the token scheduler
     holds it back this step), ``None`` when the same requests are expected to run."""
 
-    def scored(self, layer: int, router_ids: np.ndarray, stats: Any) -> StepDemand | None:
+    def scored(
+        self, layer: int, router_ids: np.ndarray, counters: DemandCounters
+    ) -> StepDemand | None:
         """This demand if it covers this decode call, scored against the experts chosen
-        (``stats.path_needed``/``path_covered``); else ``None``."""
+        (into ``counters``); else ``None``."""
         if self.tokens not in (None, router_ids.shape[0]) or layer not in self.layers:
             return None  # not this pass's decode tokens
         used = np.unique(router_ids)
-        stats.path_needed += len(used)
-        stats.path_covered += int(np.count_nonzero(self.layers[layer][used]))
+        counters.path_needed += len(used)
+        counters.path_covered += int(np.count_nonzero(self.layers[layer][used]))
         return self
 
 

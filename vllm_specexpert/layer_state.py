@@ -13,7 +13,7 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.places import Place, Places
 from vllm_specexpert.policy import MissContext
-from vllm_specexpert.stats import PHASES, LayerStats
+from vllm_specexpert.stats import PHASES, Counters, LayerStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import Link
@@ -40,6 +40,9 @@ class OffloadedLayer:
     next_name: str | None = None
     """The next offloaded MoE layer, once :meth:`OffloadEngine.link_layers` ran."""
     stats: LayerStats = field(default_factory=LayerStats)
+    counter_kinds: list[type[Counters]] = field(default_factory=list)
+    """The counters running features keep per phase beside the engine's (:meth:`add_counters`;
+    their places' are their places')."""
     cache: ExpertCache = field(init=False)
     """Set by :meth:`equip`, as are ``loader``, ``places`` and ``miss_context``."""
     loader: ExpertLoader = field(init=False)
@@ -53,18 +56,31 @@ class OffloadedLayer:
     def add_place(self, place: Place) -> None:
         """Register ``place``; its counters are then in the layer's stats, at zero."""
         self.places.register(place)
-        self._show_places()
+        self._show_counters()
+
+    def add_counters(self, kind: type[Counters]) -> None:
+        """A running feature's counters in the layer's stats from now on, at zero."""
+        if kind not in self.counter_kinds:
+            self.counter_kinds.append(kind)
+        self._show_counters()
+
+    def remove_counters(self, kind: type[Counters]) -> None:
+        """The feature stopped: its counters are gone from the stats after a reset."""
+        if kind in self.counter_kinds:
+            self.counter_kinds.remove(kind)
 
     def reset_stats(self) -> None:
-        """Every counter at zero, the places' among them."""
+        """Every counter at zero, the features' and places' among them."""
         self.stats = LayerStats()
-        self._show_places()
+        self._show_counters()
 
-    def _show_places(self) -> None:
-        """Each place's counters in both phases' stats (at zero until it runs)."""
-        for place in self.__dict__.get("places", ()):  # (none before it is equipped)
+    def _show_counters(self) -> None:
+        """Each running feature's and place's counters in both phases' stats (at zero
+        until they count)."""
+        places = self.__dict__.get("places", ())  # (none before it is equipped)
+        for kind in [*(place.counters for place in places), *self.counter_kinds]:
             for phase in PHASES:
-                getattr(self.stats, phase).part(place.counters)
+                getattr(self.stats, phase).part(kind)
 
     @property
     def equipped(self) -> bool:
@@ -110,4 +126,4 @@ class OffloadedLayer:
             self.places,
             config.miss_policy_spec.computes_elsewhere and config.admit_host_experts,
         )
-        self._show_places()
+        self._show_counters()

@@ -14,7 +14,7 @@ from vllm_specexpert import handoff
 from vllm_specexpert.config.sizing import gib
 from vllm_specexpert.stats import PHASES, LayerStats, Series, metric_name
 
-STATS_SCHEMA_VERSION = 5
+STATS_SCHEMA_VERSION = 6
 """``schema_version`` of :func:`engine_stats` (each worker's ``get_stats`` dict, the
 ``stats_path`` file): a key whose type changes, or that is no longer always there,
 bumps it and gets a line in ``docs/changelog.md``."""
@@ -105,21 +105,22 @@ def feature_stats(engine: ReportedEngine) -> dict[str, Any]:
 
 def feature_series(engine: ReportedEngine) -> list[dict[str, Any]]:
     """The running features' ``/metrics`` series (:class:`~vllm_specexpert.stats.Series`)
-    and their places' counters, as the snapshot's JSON. Safe to call from another thread."""
+    and the counters they keep per layer, as the snapshot's JSON. Safe to call from
+    another thread."""
     with engine.lock:
         series = [s for feature in engine.features for s in feature.series()]
-        return [dataclasses.asdict(s) for s in series + place_series(engine)]
+        return [dataclasses.asdict(s) for s in series + part_series(engine)]
 
 
-def place_series(engine: ReportedEngine) -> list[Series]:
-    """Each counter of the layers' places (:mod:`vllm_specexpert.places`), per layer and
-    phase, as the engine's own counters are served (``specexpert_<key>_total``)."""
+def part_series(engine: ReportedEngine) -> list[Series]:
+    """Each counter the features keep per layer and phase (their places' among them,
+    ``PhaseStats.parts``), served as the engine's own are (``specexpert_<key>_total``)."""
     families: dict[str, Series] = {}
     for layer in engine.layers.values():
         for phase in PHASES:
             for part in getattr(layer.stats, phase).parts.values():
                 docs = part.docs()
-                for key, value in part.to_dict().items():
+                for key, value in part.counts().items():
                     family = families.get(key)
                     if family is None:
                         family = Series(metric_name(key), "counter", docs[key], ("layer", "phase"))

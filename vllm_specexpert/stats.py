@@ -74,8 +74,13 @@ class Counters:
         for f in self.counter_fields():
             setattr(self, f.name, f.default)
 
-    def to_dict(self) -> dict[str, Any]:
+    def counts(self) -> dict[str, Any]:
+        """The counters by name (what ``/metrics`` serves)."""
         return {f.name: getattr(self, f.name) for f in self.counter_fields()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counters and any figures derived from them (the stats' JSON)."""
+        return self.counts()
 
 
 @dataclass
@@ -89,15 +94,6 @@ class PhaseStats(Counters):
     )
     tokens: int = counter("Tokens of this phase that went through the layer.")
     requests: int = counter("Distinct experts asked for, summed over kernel calls.")
-    path_needed: int = counter(
-        "Distinct experts of decode calls that had a step-level prediction from "
-        "the path predictor (``path_predictor``), summed over calls."
-    )
-    path_covered: int = counter(
-        "Of those, experts the step's prediction contained: ``path_covered / "
-        "path_needed`` is the predictor's batch-level accuracy (ExpertFlow's "
-        "B_acc) at the running batch size, measured online."
-    )
     experts_needed: int = counter(
         "Distinct experts the router chose per layer call (before any miss "
         "policy), summed over calls: the demand a cache must meet, whatever the "
@@ -117,11 +113,11 @@ class PhaseStats(Counters):
         "read in before a launch)."
     )
     prefetched: int = counter(
-        "Experts whose prefetch copy started: predicted at the previous layer, or ``admitted``."
+        "Experts whose prefetch copy started (a feature's guess, or ``admitted``)."
     )
     admitted: int = counter(
-        "Of those, experts computed on the host and then loaded in the background "
-        "on an idle link (``admit_host_experts``)."
+        "Of those, experts a place computed from a copy the cache could hold, then "
+        "loaded in the background on an idle link (``admit_host_experts``)."
     )
     bytes_prefetched: int = counter("Bytes of those prefetches (included in ``bytes_loaded``).")
     prefetch_used: int = counter("Prefetched experts the layer then asked for.")
@@ -134,30 +130,10 @@ class PhaseStats(Counters):
         "dropped from the link queue, no link time spent (never counted in "
         "``prefetched``)."
     )
-    prefetch_skipped: int = counter(
-        "Predicted, non-resident experts not prefetched because their measured "
-        "chance of use did not pay for the copy (``prefetch_filter: cost``)."
-    )
-    predicted: int = counter(
-        "Router-chosen (token, expert) pairs checked against a prediction made at "
-        "the previous layer."
-    )
-    predicted_correct: int = counter(
-        "Of those, pairs the prediction contained: ``predicted_correct / "
-        "predicted`` is the online recall@k of the predictor for this layer."
-    )
-    speculated_calls: int = counter(
-        "Layer calls that ran the predicted experts with the predicted weights "
-        "instead of the router's (miss policy ``speculate``; output not exact)."
-    )
-    router_free_calls: int = counter(
-        "Speculated calls that skipped the router, the estimator having predicted the "
-        "layer (``router_free``); their prediction is not scored."
-    )
     missed_entries: int = counter(
         "Router-chosen (token, expert) entries whose expert was not resident when "
         "the layer call started; each was fetched or given to a place "
-        "(``<place>_entries``: ``dropped``, ``host``, ``substituted``, ``low_bit``, ``peer``)."
+        "(counted in that place's ``<place>_entries``)."
     )
     fetched_entries: int = counter(
         "Missed entries whose expert was loaded on demand (``fetch``, fallbacks)."
@@ -176,8 +152,8 @@ class PhaseStats(Counters):
         "launches' host time, not the device's)."
     )
     parts: dict[type[Counters], Counters] = field(default_factory=dict)
-    """The counters of the places (:mod:`vllm_specexpert.places`) in this phase, by
-    their class: written out beside the engine's."""
+    """The counters the running features keep in this phase (their places' among them,
+    :mod:`vllm_specexpert.places`), by their class: written out beside the engine's."""
 
     def part(self, kind: type[C]) -> C:
         """The phase's counters of class ``kind`` (made at first use)."""
@@ -189,10 +165,6 @@ class PhaseStats(Counters):
     @property
     def hit_rate(self) -> float:
         return self.hits / self.requests if self.requests else 0.0
-
-    @property
-    def recall(self) -> float:
-        return self.predicted_correct / self.predicted if self.predicted else 0.0
 
     def count_call(self, tokens: int) -> PhaseStats:
         """Count one layer call of ``tokens`` tokens; returns these counters."""
@@ -216,7 +188,6 @@ class PhaseStats(Counters):
         for part in self.parts.values():
             out.update(part.to_dict())
         out["hit_rate"] = self.hit_rate
-        out["recall"] = self.recall
         return out
 
 
@@ -253,7 +224,7 @@ class Series:
     still served (its HELP and TYPE)."""
 
     name: str
-    """Without the ``specexpert_`` prefix and a counter's ``_total``: ``peer_calls``."""
+    """Without the ``specexpert_`` prefix and a counter's ``_total``: ``link_calls``."""
     kind: str
     """``counter`` or ``gauge``."""
     help: str

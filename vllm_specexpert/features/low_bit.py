@@ -70,9 +70,9 @@ class LowBitPlace(Place):
         stats.bytes_loaded += scratch.bytes_loaded
         stats.stall_s += scratch.stall_s
         index, part = call.masked(entries)
-        kernel_ids, expert_map = low_bit.cache.kernel_routing(part.topk_ids, part.host_ids)
+        routing = low_bit.cache.kernel_routing(part.topk_ids, part.host_ids)
         out[index] += part.kernel(
-            part.x, part.topk_weights, kernel_ids, low_bit.cache.slots, expert_map
+            part.x, part.topk_weights, routing.ids, routing.slots, routing.expert_map
         )
         low_bit.kernel_launched(np.unique(ids[entries]))
         stats.kernel_calls += 1

@@ -17,7 +17,7 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.planner.prefetch import PrefetchPlanner
+from vllm_specexpert.planner.prefetch import PredictionCounters, PrefetchPlanner
 from vllm_specexpert.planner.switch import MeasuredSwitch
 from vllm_specexpert.predict import (
     PREDICTOR_CLASSES,
@@ -107,8 +107,12 @@ class PredictionFeature(EngineFeature):
 
     def equip(self, layer: OffloadedLayer) -> None:
         self.planners[layer.name] = PrefetchPlanner(layer.top_k)
+        layer.add_counters(PredictionCounters)
         if self.first_index is None or layer.index < self.first_index:
             self.first_index = layer.index
+
+    def unequip(self, layer: OffloadedLayer) -> None:
+        layer.remove_counters(PredictionCounters)
 
     def stats(self) -> dict | None:
         """The prefetch switch's choice now and its measurements per batch bucket."""
@@ -157,8 +161,9 @@ class PredictionFeature(EngineFeature):
         ):
             weights, ids = prediction.routing_like(call.router_weights, call.router_ids)
             call.replace_routing(weights, ids, prediction.host_ids)
-            call.stats.speculated_calls += not call.exact
-            call.stats.router_free_calls += prediction.router_free
+            counters = call.stats.part(PredictionCounters)
+            counters.speculated_calls += not call.exact
+            counters.router_free_calls += prediction.router_free
         routing = self.next_routing.get(layer.name)
         if layer.next_name is None or routing is None:
             return

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
 from vllm_specexpert.features.lookahead import LookaheadFeature
-from vllm_specexpert.handoff import StepDemand
+from vllm_specexpert.handoff import DemandCounters, StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.plec import PlecPlanner
 
@@ -46,9 +46,16 @@ class StepDemandFeature(EngineFeature):
         planner = PlecPlanner(config.plec_preload) if shared else None
         return cls(demand or (lambda: None), lambda: list(parts.layers.values()), planner)
 
+    def equip(self, layer: OffloadedLayer) -> None:
+        layer.add_counters(DemandCounters)
+
+    def unequip(self, layer: OffloadedLayer) -> None:
+        layer.remove_counters(DemandCounters)
+
     def after_read(self, call: DecodeCall) -> None:
         demand = self.demand()
-        self._scored = demand and demand.scored(call.layer.index, call.router_host_ids, call.stats)
+        counters = call.stats.part(DemandCounters)
+        self._scored = demand and demand.scored(call.layer.index, call.router_host_ids, counters)
         if self._scored is not None and self.planner is not None:
             self.planner.before_layer(self._scored, call.layer, self.layers())
 

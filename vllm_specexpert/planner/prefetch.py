@@ -19,15 +19,50 @@ it brings (:meth:`~vllm_specexpert.tiers.loader.ExpertLoader.prefetch`). Under
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_specexpert.predict import Prediction
-from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.stats import Counters, PhaseStats, counter
 from vllm_specexpert.tiers.loader import ExpertLoader
 
 DECAY = 0.98
 """Weight of the past in the per-rank precision, per observed forward pass."""
+
+
+@dataclass
+class PredictionCounters(Counters):
+    """What next-layer prediction counted in one layer and phase (beside the engine's
+    counters while the ``prediction`` feature runs)."""
+
+    predicted: int = counter(
+        "Router-chosen (token, expert) pairs checked against a prediction made at "
+        "the previous layer."
+    )
+    predicted_correct: int = counter(
+        "Of those, pairs the prediction contained: ``predicted_correct / "
+        "predicted`` is the online recall@k of the predictor for this layer."
+    )
+    prefetch_skipped: int = counter(
+        "Predicted, non-resident experts not prefetched because their measured "
+        "chance of use did not pay for the copy (``prefetch_filter: cost``)."
+    )
+    speculated_calls: int = counter(
+        "Layer calls that ran the predicted experts with the predicted weights "
+        "instead of the router's (miss policy ``speculate``; output not exact)."
+    )
+    router_free_calls: int = counter(
+        "Speculated calls that skipped the router, the estimator having predicted the "
+        "layer (``router_free``); their prediction is not scored."
+    )
+
+    @property
+    def recall(self) -> float:
+        return self.predicted_correct / self.predicted if self.predicted else 0.0
+
+    def to_dict(self) -> dict:
+        return {**self.counts(), "recall": self.recall}
 
 
 class PrefetchPlanner:
@@ -64,7 +99,7 @@ class PrefetchPlanner:
         unread[ranked[prediction.considered]] = True
         window = self.window_s if self.window_s is not None else copy_s
         wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
-        stats.prefetch_skipped += int(np.count_nonzero(unread[skipped]))
+        stats.part(PredictionCounters).prefetch_skipped += int(np.count_nonzero(unread[skipped]))
         if submit:
             loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
 
@@ -72,8 +107,9 @@ class PrefetchPlanner:
         """The layer ran: score ``prediction`` against its router's ``router_ids``."""
         window = time.perf_counter() - prediction.made_at
         self.window_s = window if self.window_s is None else 0.9 * self.window_s + 0.1 * window
-        stats.predicted += router_ids.size
-        stats.predicted_correct += self.observe(
+        counters = stats.part(PredictionCounters)
+        counters.predicted += router_ids.size
+        counters.predicted_correct += self.observe(
             prediction.ranked(), router_ids, prediction.considered
         )
 

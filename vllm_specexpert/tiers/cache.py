@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +22,17 @@ from vllm_specexpert.tiers.link import ExpertCopy
 from vllm_specexpert.tiers.slots import LayerSlotPool, SlotPool
 from vllm_specexpert.tiers.staging import upload
 from vllm_specexpert.tiers.store import ExpertSource, ExpertsUnreadable
+
+
+class KernelRouting(NamedTuple):
+    """What a launch on resident experts hands the kernel besides its rows."""
+
+    ids: torch.Tensor
+    """The routing's ids, or slot indices (same shape and dtype)."""
+    slots: dict[str, torch.Tensor]
+    """The slot pool's tensors."""
+    expert_map: torch.Tensor | None
+    """Expert id -> slot on the device, where ``ids`` are expert ids not slots."""
 
 
 class ExpertCache:
@@ -147,19 +159,18 @@ class ExpertCache:
         evictable[keep] = False
         return np.flatnonzero(evictable)
 
-    def kernel_routing(
-        self, topk_ids: torch.Tensor, host_ids: np.ndarray | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(ids, expert_map)`` for a launch on ``topk_ids`` (all resident): the ids and
-        the flushed device map, else slot indices (same shape and dtype) and ``None``.
-        ``host_ids`` are needed only without a device map or ``identity``."""
+    def kernel_routing(self, topk_ids: torch.Tensor, host_ids: np.ndarray | None) -> KernelRouting:
+        """The routing of a launch on ``topk_ids`` (all resident): the ids with the
+        flushed device map, else slot indices. ``host_ids`` are needed only without a
+        device map or ``identity``."""
         if self.expert_map is not None:
             self.flush_map()
-            return topk_ids, self.expert_map
+            return KernelRouting(topk_ids, self.pool.tensors, self.expert_map)
         if self.identity:
-            return topk_ids, None
+            return KernelRouting(topk_ids, self.pool.tensors, None)
         slots = torch.from_numpy(self.expert_slot[host_ids])
-        return (slots if slots.dtype == topk_ids.dtype else slots.to(topk_ids.dtype)), None
+        ids = slots if slots.dtype == topk_ids.dtype else slots.to(topk_ids.dtype)
+        return KernelRouting(ids, self.pool.tensors, None)
 
     def flush_map(self) -> None:
         """Write the dirty entries of ``expert_map`` (one upload and one launch, if any)."""

@@ -102,7 +102,7 @@ def _print_stats(stats: dict) -> None:
         for name, layer in stats["layers"].items()
     ]
     for name, slots, layer in [*rows, ("total", "", stats["total"]["decode"])]:
-        recall = f"{layer['recall']:.2f}" if layer["predicted"] else "-"
+        recall = f"{layer['recall']:.2f}" if layer.get("predicted") else "-"
         print(
             f"{name:<34}{slots:>6}{layer['hit_rate']:>10.2%}{recall:>8}{layer['loads']:>7}"
             f"{layer['prefetched']:>11}{layer['prefetch_used']:>6}{layer.get('host_entries', 0):>6}"
