@@ -288,7 +288,10 @@ class OffloadEngine:
     def _run(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
         """Prefill rows exactly, decode rows through the features and the miss policy."""
         started = time.perf_counter()
-        stats = layer.stats.prefill if request.all_prefill else layer.stats.decode
+        phases = request.phases
+        stats = (
+            layer.stats.prefill if phases is not None and phases.all_prefill else layer.stats.decode
+        )
         out = execute.guarded(
             layer.loader,
             request,

@@ -73,10 +73,6 @@ class LayerCall:
     def num_tokens(self) -> int:
         return self.x.shape[0]
 
-    @property
-    def all_prefill(self) -> bool:
-        return self.phases is not None and self.phases.all_prefill
-
     def on_host(self, stats: PhaseStats) -> LayerCall:
         """The call with its router's ids read to the host, counted in ``stats``."""
         return dataclasses.replace(self, host_ids=self.topk_ids.cpu().numpy(), stats=stats)

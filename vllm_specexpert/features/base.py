@@ -51,12 +51,9 @@ class DecodeCall:
     """The tokens, the router's routing on the device, the kernel."""
     stats: PhaseStats
     """The layer's decode counters."""
-    run_weights: torch.Tensor = field(init=False)
-    """The routing to run: the router's unless a feature replaced it (:meth:`replace_routing`)."""
-    run_ids: torch.Tensor = field(init=False)
-    run_host_ids: np.ndarray | None = None
-    """``run_ids`` on the host when a feature replaced the routing (else the router's
-    ids, once read)."""
+    replaced: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
+    """The routing a feature runs instead of the router's (:meth:`replace_routing`):
+    weights, ids, and the ids on the host."""
     exact: bool = False
     """Set at ``begin_call``: the call runs exactly (fetch, the router's routing)."""
     shared: dict[str, Any] = field(default_factory=dict)
@@ -67,9 +64,6 @@ class DecodeCall:
     """Work to start once the call's first launch has its experts, before it runs
     (a prefetch then overlaps the layer's own expert compute)."""
     _reads: list[tuple[list[torch.Tensor], HostReads]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.run_weights, self.run_ids = self.request.topk_weights, self.request.topk_ids
 
     @property
     def num_tokens(self) -> int:
@@ -88,11 +82,20 @@ class DecodeCall:
     def router_ids(self) -> torch.Tensor:
         return self.request.topk_ids
 
+    @property
+    def run_weights(self) -> torch.Tensor:
+        """The routing's weights to run: the router's unless a feature replaced them."""
+        return self.request.topk_weights if self.replaced is None else self.replaced[0]
+
+    @property
+    def run_ids(self) -> torch.Tensor:
+        return self.request.topk_ids if self.replaced is None else self.replaced[1]
+
     def replace_routing(
         self, weights: torch.Tensor, ids: torch.Tensor, host_ids: np.ndarray
     ) -> None:
         """Run ``weights``/``ids`` (``host_ids`` on the host) instead of the router's."""
-        self.run_weights, self.run_ids, self.run_host_ids = weights, ids, host_ids
+        self.replaced = (weights, ids, host_ids)
 
     def read(self, tensors: list[torch.Tensor], then: HostReads) -> None:
         """Bring ``tensors`` to the host in the call's one read; ``then`` gets them."""
@@ -117,11 +120,16 @@ class DecodeCall:
             for hook in hooks:
                 hook()
 
-        host_ids = self.run_host_ids if self.run_host_ids is not None else self.router_host_ids
+        request, replaced = self.request, self.replaced
+        weights, ids, host_ids = (
+            (request.topk_weights, request.topk_ids, self.router_host_ids)
+            if replaced is None
+            else replaced
+        )
         return dataclasses.replace(
-            self.request,
-            topk_weights=self.run_weights,
-            topk_ids=self.run_ids,
+            request,
+            topk_weights=weights,
+            topk_ids=ids,
             host_ids=host_ids,
             stats=self.stats,
             before_kernel=before_kernel if hooks else None,
