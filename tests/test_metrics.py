@@ -38,11 +38,13 @@ def scrape(directory) -> dict:
     }
 
 
-def run_engine(directory, monkeypatch) -> OffloadEngine:
+def run_engine(directory, monkeypatch, **config) -> OffloadEngine:
     directory.mkdir(exist_ok=True)  # the frontend makes it; a write never does
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(directory))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
-    engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
+    engine = OffloadEngine(
+        SpecExpertConfig.from_dict({"budget": 0.25, **config}), torch.device("cpu")
+    )
     for index, name, seed in ((1, NAMES[0], 0), (3, NAMES[1], 1)):
         engine.add_layer(name, random_layer(seed=seed), top_k=4, index=index)
     engine.start()
@@ -393,7 +395,13 @@ def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
     step = SimpleNamespace()  # what the worker receives: the pickled SchedulerOutput
     handoff.attach_scheduler_stats(step, dataclasses.asdict(counted))
     handoff.receive(step)
-    engine = run_engine(tmp_path, monkeypatch)
+    # The scheduler's counters are reported where it runs: with a path predictor (the
+    # worker never opens its directory: the scheduler process does).
+    plain = run_engine(tmp_path / "plain", monkeypatch)
+    assert "scheduler" not in plain.stats()
+    assert not [k for k in scrape(tmp_path / "plain") if k[0].startswith("specexpert_scheduler_")]
+    plain.close()
+    engine = run_engine(tmp_path, monkeypatch, path_predictor=str(tmp_path / "path"))
     assert engine.stats()["scheduler"] == dataclasses.asdict(counted)
     series = scrape(tmp_path)
     labels = tuple(sorted({"model_name": "tiny", "engine": "0"}.items()))
@@ -414,7 +422,7 @@ def test_scheduler_series_equal_the_schedulers_counters(tmp_path, monkeypatch):
     # A step of a scheduler without counters (vLLM's own) leaves none to report.
     handoff.receive(SimpleNamespace())
     engine.write_stats()
-    assert engine.stats()["scheduler"] is None
+    assert "scheduler" not in engine.stats()
     assert not [k for k in scrape(tmp_path) if k[0].startswith("specexpert_scheduler_")]
     engine.close()
 

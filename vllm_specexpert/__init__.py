@@ -27,6 +27,8 @@ its floor::
      3  architectures   the supported MoE architectures and their routing shape
      3  handoff         what the scheduler process hands the workers: StepDemand, its
                         counters
+     3  report          the stats dict and the summary line
+     3  metrics         /metrics: the snapshot directory and its collector
      2  handback        what the workers hand back: the rows, then the requests, whose
                         experts were unreadable
      3  tiers/          where experts live and how they move: store (slow tier), slots
@@ -46,8 +48,6 @@ its floor::
      4  budget_plan     what a budget comes to in slots per layer, and why (sized from
                         the memory at the first layer and at each reconfigure), and
                         whether the kernel can address its pools
-     4  report          the stats dict and the summary line
-     4  metrics         /metrics: the snapshot directory and its collector
      4  vllm_hooks      every patch of vLLM's code, behaviour given as callbacks
      4  peers/          mesh peers on Ray: tier (the engine's side, of the next four),
                         start (placement; the peers started and checked), calls (rows
@@ -73,7 +73,7 @@ its floor::
                         early_fire (rows sent to mesh peers ahead of the router),
                         measured (costs per choice), switch (a technique on where
                         it pays, measured)
-     5  stats_writers   the threads that write the stats file and the /metrics snapshot
+     4  stats_writers   the threads that write the stats file and the /metrics snapshot
      6  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
      7  layer_state     OffloadedLayer: what every offloaded layer has, its places
@@ -88,7 +88,8 @@ its floor::
                         fire), lookahead (governor, the draft's routes), step_demand (path
                         score, PLEC), substitution (the substitutes' place: buddy
                         lists, gates), host_compute (the host's place), low_bit (INT4
-                        copies' slots, their place)
+                        copies' slots, their place), scheduler_counters (the token
+                        scheduler's, handed over each step)
     10  engine          OffloadEngine: the exact spine per layer call, features around
                         it
     11  layers/         vLLM adapter in the worker: routed_experts (the layer, the

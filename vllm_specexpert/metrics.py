@@ -5,7 +5,7 @@ process, so they cross processes as ``stats_path`` does: each worker writes a sn
 of its stats every :data:`SNAPSHOT_INTERVAL_S` (a stats thread, never the forward pass)
 into a directory the frontend made (:data:`DIRECTORY_ENV`), and a collector in the
 frontend's prometheus registry reads the live workers' snapshots at each scrape. The
-engine's own series (per layer and phase, residency, budget, disk, scheduler) are built
+engine's own series (per layer and phase, residency, budget, disk) are built
 here from the stats; each feature supplies its series as data in the worker
 (:class:`~vllm_specexpert.stats.Series`, under :data:`SERIES`), served as given: this
 module names no feature. The list of series: ``docs/metrics.md``.
@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vllm_specexpert.handoff import SchedulerStats
 from vllm_specexpert.stats import PhaseStats, metric_name
 
 DIRECTORY_ENV = "SPECEXPERT_METRICS_DIR"
@@ -178,23 +177,13 @@ class SnapshotCollector:
             "The running configuration (value 1).",
             labels=[*base, "miss_policy", "cache", "predictor", "output"],
         )
-        gauges = SchedulerStats.gauges()
         disk = {
             key: CounterMetricFamily(counter_name(f"disk_{key}"), doc, labels=base)
             for key, doc in DISK_COUNTERS.items()
         }
-        scheduler = {
-            name: (GaugeMetricFamily if name in gauges else CounterMetricFamily)(
-                counter_name(f"scheduler_{name}"), doc, labels=base
-            )
-            for name, doc in SchedulerStats.docs().items()
-        }
         snapshots = self.snapshots()
         for snapshot in snapshots:
             labels = engine_labels(snapshot)
-            if snapshot.get("scheduler"):
-                for key, family in scheduler.items():
-                    family.add_metric(labels, snapshot["scheduler"][key])
             if snapshot.get("disk"):
                 for key, family in disk.items():
                     if key in snapshot["disk"]:  # (the mapped residency has no reads of its own)
@@ -226,7 +215,6 @@ class SnapshotCollector:
             )
         yield from counters.values()
         yield from (resident, slots, budget, info)
-        yield from scheduler.values()
         yield from disk.values()
         yield from supplied_families(base, snapshots)
 

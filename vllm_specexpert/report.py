@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_specexpert import handoff
 from vllm_specexpert.config.sizing import gib
 from vllm_specexpert.stats import PHASES, LayerStats, Series, metric_name
 
@@ -40,10 +39,8 @@ class ReportedEngine(Protocol):
 
 
 def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
-    """Per-layer counters of ``engine`` by phase, their totals,
-    link counters, the configuration and, with a ``path_predictor``, the scheduler's
-    counters as of the latest step (:func:`vllm_specexpert.handoff.scheduler_stats`).
-    Safe to call from another thread."""
+    """Per-layer counters of ``engine`` by phase, their totals, link counters, the
+    configuration and each running feature's section. Safe to call from another thread."""
     with engine.lock:
         layers = engine.layers
         per_layer = {name: layer.stats for name, layer in layers.items()}
@@ -88,7 +85,6 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "total": total.to_dict(),
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
             **feature_stats(engine),
-            "scheduler": handoff.scheduler_stats(),
         }
 
 

@@ -41,6 +41,7 @@ REGISTRY = (
     "step_demand",
     "substitution",
     "host_compute",
+    "scheduler_counters",
 )
 """The features' modules, in hook order: the first one's ``resolve`` is the outermost.
 Places are registered in this order too, the order their outputs are added."""
