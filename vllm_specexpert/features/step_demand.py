@@ -54,8 +54,10 @@ class StepDemandFeature(EngineFeature):
 
     def after_read(self, call: DecodeCall) -> None:
         demand = self.demand()
+        if demand is None:
+            return
         counters = call.stats.part(DemandCounters)
-        self._scored = demand and demand.scored(call.layer.index, call.router_host_ids, counters)
+        self._scored = demand.scored(call.layer.index, call.router_host_ids, counters)
         if self._scored is not None and self.planner is not None:
             self.planner.before_layer(self._scored, call.layer, self.layers())
 
