@@ -41,8 +41,8 @@ class OffloadedLayer:
     """The next offloaded MoE layer, once :meth:`OffloadEngine.link_layers` ran."""
     stats: LayerStats = field(default_factory=LayerStats)
     counter_kinds: list[type[Counters]] = field(default_factory=list)
-    """The counters running features keep per phase beside the engine's (:meth:`add_counters`;
-    their places' are their places')."""
+    """The counters running features keep per phase beside the engine's
+    (:meth:`add_counters`); a place's come with the place (:meth:`add_place`)."""
     cache: ExpertCache = field(init=False)
     """Set by :meth:`equip`, as are ``loader``, ``places`` and ``miss_context``."""
     loader: ExpertLoader = field(init=False)
