@@ -224,6 +224,8 @@ def test_sizes(text, size):
         ("0GiB", "not a positive size"),
         ("-1GB", "is not a size"),
         ("12", "is not a size"),
+        ("\u0664\u0668MiB", "is not a size"),  # (Arabic-Indic digits: not read as 48 MiB)
+        ("12\u00a0GiB", "is not a size"),  # (a no-break space)
         (1.5, r"fraction must be in \(0, 1\]"),
         (0, r"count must be in \[2,"),
         ([12], "must be a fraction, a count, a size"),

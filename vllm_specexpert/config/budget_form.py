@@ -21,7 +21,9 @@ UNITS = {
 }
 MAX_SIZE = 2**60
 """The largest size a budget may give (an exbibyte)."""
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*$", re.ASCII)
+"""ASCII only: ``\\d`` would take other scripts' digits (``"٤٨MiB"``), which no one
+reading the config would see as a number."""
 
 
 def parse_size(text: str) -> int:
