@@ -8,6 +8,8 @@ from vllm_specexpert.config import (
     SpecExpertConfigError,
 )
 
+LONG_DIRECTORY = "/" + "/".join(["d" * 250] * 16) + "/" + "d" * (4085 - 4017)
+
 
 def test_defaults_are_valid():
     config = SpecExpertConfig.from_dict({})
@@ -67,6 +69,10 @@ def test_absent_key_means_inert():
         ({"disk": {"path": "/tmp/" + "x" * 5000}}, "disk.path"),
         ({"disk": {"path": "/tmp/" + "x" * 300 + "/pack"}}, "disk.path"),
         ({"calibration": "/tmp/a\0b"}, "calibration"),
+        # Near the path limit, every part short: the pack's files in it would not fit.
+        ({"disk": {"path": LONG_DIRECTORY}}, "disk.path"),
+        ({"disk": {"path": LONG_DIRECTORY[:4095]}}, "disk.path"),
+        ({"path_predictor": LONG_DIRECTORY}, "path_predictor"),
     ],
 )
 def test_bad_values_name_the_field(raw, field):
@@ -75,6 +81,25 @@ def test_bad_values_name_the_field(raw, field):
     assert info.value.field_name == field
     assert f"field '{field}'" in str(info.value)
     assert "Fix:" in str(info.value)
+
+
+def test_every_file_the_plugin_keeps_in_a_given_directory_fits_the_paths_it_leaves():
+    from vllm_specexpert import calibration
+    from vllm_specexpert.config.sections import FILE_IN_DIRECTORY_MAX
+    from vllm_specexpert.predict import estimator_network, hybrid, path
+    from vllm_specexpert.tiers import expert_pack, pack_writer
+
+    names = [
+        *pack_writer.OWN_FILES,
+        calibration.WEIGHTS_FILE,
+        path.WEIGHTS_FILE,
+        estimator_network.WEIGHTS_FILE,
+        hybrid.ANALYSIS_FILE,
+        expert_pack.MANIFEST_FILE,  # (every artifact's manifest)
+    ]
+    assert max(len(name.encode()) for name in names) <= FILE_IN_DIRECTORY_MAX
+    fits = LONG_DIRECTORY[: 4095 - 2 - FILE_IN_DIRECTORY_MAX]  # (the longest given)
+    assert SpecExpertConfig.from_dict({"disk": {"path": fits}}).disk.path == fits
 
 
 def test_not_an_object():

@@ -77,6 +77,28 @@ def _parents(path: str) -> list[str]:
 
 Path = Annotated[str, Strict(), Field(min_length=1), AfterValidator(_usable_path)]
 
+FILE_IN_DIRECTORY_MAX = 32
+"""The longest name of a file the plugin reads or writes in a directory it is given (an
+expert pack's ``manifest.json.partial``, a predictor's weights; tests/test_config.py
+holds every such name to it)."""
+
+
+def _usable_directory(path: str) -> str:
+    """A directory whose files' paths the system calls take: :func:`_usable_path`, with
+    room for ``/`` and a name of :data:`FILE_IN_DIRECTORY_MAX` bytes in it."""
+    size = len(os.fsencode(path))
+    longest = PATH_MAX - 2 - FILE_IN_DIRECTORY_MAX
+    if size > longest:
+        raise ValueError(
+            f"is {size} bytes long; the paths of the files in it would pass the "
+            f"{PATH_MAX - 1} a path may have: give at most {longest}"
+        )
+    return path
+
+
+Directory = Annotated[Path, AfterValidator(_usable_directory)]
+"""A directory the plugin reads files from or writes them to."""
+
 
 @dataclass(config=STRICT)
 class LinkConfig:
@@ -221,7 +243,7 @@ class DiskConfig:
     matches the checkpoint, refused when it does not (another model, or a checkpoint
     changed since)."""
 
-    path: Path
+    path: Directory
     """The expert pack's directory."""
 
     queue_depth: Annotated[Count, Field(ge=1, le=64)] = 4

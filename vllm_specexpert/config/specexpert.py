@@ -35,6 +35,7 @@ from vllm_specexpert.config.sections import (
     STRICT,
     BuddyConfig,
     Count,
+    Directory,
     DiskConfig,
     Flag,
     LinkConfig,
@@ -122,13 +123,13 @@ class SpecExpertConfig:
     layers whose next layer ``quasi_hidden`` predicts worst by ``analysis``,
     ``quasi_hidden`` after the others)."""
 
-    estimator: Path | None = None
+    estimator: Directory | None = None
     """Directory written by ``specexpert train-estimator`` for this model and this
     ``calibration``: the neural expert estimator. Required by ``predictor: estimator``
     and ``hybrid``; read and checked against the model and calibration at engine start
     (like ``calibration``, whatever the predictor: ``reconfigure`` can switch to it)."""
 
-    analysis: Path | None = None
+    analysis: Directory | None = None
     """Directory written by ``specexpert analyze`` for this model (``analysis.json``):
     ``hybrid`` runs the estimator after the layers whose ``quasi_hidden`` recall there is
     below ``hybrid_threshold``."""
@@ -168,11 +169,11 @@ class SpecExpertConfig:
     at every pass. Not under ``speculate`` (it runs what it prefetched) or
     ``prefetch_filter: all``."""
 
-    calibration: Path | None = None
+    calibration: Directory | None = None
     """Directory written by ``specexpert calibrate`` for this model (default vectors,
     routing counts, co-activation). Required by ``predictor: quasi_hidden``."""
 
-    path_predictor: Path | None = None
+    path_predictor: Directory | None = None
     """Directory written by ``specexpert train-path`` for this model: the routing-path
     predictor (ExpertFlow §3.2), every MoE layer's experts of a token from its last
     token ids. Checked against the model at engine start. It installs the plugin's
