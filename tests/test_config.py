@@ -310,6 +310,7 @@ def test_non_finite_and_unphysical_numbers_are_rejected(text, field):
         ),
         ({"plec_preload": "step"}, "plec_preload", "cache 'plec'"),
         ({"stats_interval_s": 1}, "stats_interval_s", "stats_path"),
+        ({"lookahead": {"draft_cache": 0.5}}, "lookahead.draft_cache", "set disk"),
     ],
 )
 def test_a_setting_without_effect_is_an_error_naming_what_it_needs(raw, field, needs):
@@ -329,6 +330,7 @@ def test_defaults_given_explicitly_are_not_settings_without_effect():
         }
     )
     assert config == SpecExpertConfig.from_dict({})
+    assert SpecExpertConfig.from_dict({"lookahead": {"draft_cache": "auto"}}).lookahead
 
 
 @pytest.mark.parametrize(
@@ -345,6 +347,7 @@ def test_defaults_given_explicitly_are_not_settings_without_effect():
         },
         {"cache": "plec", "plec_preload": "step", "path_predictor": "p"},
         {"stats_path": "/tmp/s.json", "stats_interval_s": 1},
+        {"lookahead": {"draft_cache": 0.5}, "disk": {"path": "/tmp/pack"}},
     ],
 )
 def test_the_same_settings_with_their_mode_are_accepted_and_kept(raw):
@@ -365,6 +368,17 @@ def test_a_change_is_checked_alone():
         config.changed({"miss_policy": "fetch", "admit_host_experts": True})
     # ... and a kept setting the change does not touch stays.
     assert config.changed({"budget": 0.25}).admit_host_experts
+
+
+def test_a_section_given_changes_the_settings_it_names_and_keeps_the_others():
+    from vllm_specexpert.config.switch import check_switch
+
+    config = SpecExpertConfig.from_dict({"lookahead": {"k_max": 3}})
+    changed = config.changed({"lookahead": {"k": 2}})
+    assert (changed.lookahead.k, changed.lookahead.k_max) == (2, 3)
+    check_switch(config, changed)  # (only k changed: a running engine can take it)
+    linked = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 10, "latency_us": 5}})
+    assert linked.changed({"link": {"latency_us": 7}}).link.bandwidth_gbps == 10
 
 
 @pytest.mark.parametrize(

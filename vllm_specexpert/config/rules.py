@@ -268,17 +268,18 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
     """A setting the user gave a value other than its default must do something
     under the chosen mode."""
     policy = config.miss_policy_spec
-    defaults = {"link": LinkConfig(), "buddy": BuddyConfig()}
 
     def given(key: str) -> bool:
+        """``key`` (a setting, a section, or ``section.setting``) was given a value other
+        than its default."""
         section, _, name = key.partition(".")
         if section not in explicit:
             return False
-        if section in defaults:
-            mine, default = getattr(config, section), defaults[section]
-            names = [name] if name else [f.name for f in dataclasses.fields(mine)]
-            return any(getattr(mine, n) != getattr(default, n) for n in names)
-        return getattr(config, key) != default_of(type(config), key)
+        mine = getattr(config, section)
+        if not dataclasses.is_dataclass(mine):
+            return mine != default_of(type(config), key)
+        names = [name] if name else [f.name for f in dataclasses.fields(mine)]
+        return any(getattr(mine, n) != default_of(type(mine), n) for n in names)
 
     def needs(key: str, what: str, fix: str) -> None:
         if given(key):
@@ -360,3 +361,10 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
         )
     if config.stats_path is None:
         needs("stats_interval_s", "without stats_path", "set stats_path, or remove it")
+    if config.lookahead is not None and config.disk is None:
+        needs(
+            "lookahead.draft_cache",
+            "without disk (it sizes the draft's INT4 experts held in memory above the "
+            "disk; without it every one of them is in memory)",
+            "set disk, or remove it",
+        )

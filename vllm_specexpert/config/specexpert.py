@@ -353,7 +353,9 @@ class SpecExpertConfig:
 
     def changed(self, changes: dict[str, Any]) -> SpecExpertConfig:
         """This config with ``changes`` (``reconfigure``): the changed keys must have an
-        effect; a section given (``link``, ``buddy``) replaces the current one. A setting
+        effect; a section given (``link``, ``lookahead``) changes the settings it names
+        and keeps the others (``lookahead={"k": 2}`` keeps ``k_max``; ``None`` removes
+        the section), as the top-level settings not named are kept. A setting
         kept from before that has no effect any more under the changed mode (say
         ``plec_preload`` after ``cache: lru``) goes back to its default, so that the
         result is a config that would also pass at engine start."""
@@ -363,7 +365,11 @@ class SpecExpertConfig:
                 "changes must be keyword arguments",
                 "e.g. reconfigure(llm, budget=0.25)",
             )
-        merged = {**self.to_dict(), **changes}
+        current = self.to_dict()
+        merged = {**current, **changes}
+        for key, change in changes.items():
+            if isinstance(change, dict) and isinstance(current.get(key), dict):
+                merged[key] = {**current[key], **change}
         for _ in range(len(merged) + 1):
             config = self.from_dict(merged, explicit=set(changes))
             try:
