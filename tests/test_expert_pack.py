@@ -330,6 +330,49 @@ def test_a_manifest_too_deep_or_too_large_is_refused_in_one_line(pack, tmp_path,
     assert error.value.field_name == "disk.path" and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("kind", ["link to /dev/zero", "fifo", "directory"])
+def test_a_manifest_that_is_not_a_regular_file_is_refused_before_it_is_read(
+    pack, tmp_path, kind, capsys
+):
+    """Read, ``/dev/zero`` never ends and a FIFO never answers: both were read (the size
+    limit takes a file's size, and theirs is 0), ``--verify`` until the memory ran out;
+    at start a FIFO's pack was taken as unfinished and written again."""
+    import signal
+
+    from vllm_specexpert.calibration import load_calibration
+    from vllm_specexpert.cli import main
+
+    def not_a_file(manifest: Path) -> None:
+        manifest.unlink()
+        if kind == "fifo":
+            os.mkfifo(manifest)
+        elif kind == "directory":
+            manifest.mkdir()
+        else:
+            manifest.symlink_to("/dev/zero")
+
+    out = tmp_path / "pack"
+    shutil.copytree(pack.path, out)
+    not_a_file(out / "manifest.json")
+    calibration = tmp_path / "calibration"
+    shutil.copytree(MODEL.parent / "tiny-qwen3-moe-calibration", calibration)
+    not_a_file(calibration / "manifest.json")
+    signal.alarm(60)  # (a read that never ends fails the test, not the run)
+    try:
+        with pytest.raises(SpecExpertConfigError, match="is not a regular file") as error:
+            prepare_pack(str(out), str(MODEL), FORM)
+        assert error.value.field_name == "disk.path" and "\n" not in str(error.value)
+        assert not (out / "experts.bin.partial").exists()  # (not taken as unfinished)
+        with pytest.raises(SystemExit):
+            main(["pack", str(MODEL), "--out", str(out), "--verify"])
+        assert "is not a regular file" in capsys.readouterr().err
+        with pytest.raises(SpecExpertConfigError, match="is not a regular file") as error:
+            load_calibration(calibration)
+        assert error.value.field_name == "calibration"
+    finally:
+        signal.alarm(0)
+
+
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
 def test_a_lock_that_is_not_a_regular_file_is_refused_in_one_line(pack, tmp_path, kind):
     copy = tmp_path / "pack"

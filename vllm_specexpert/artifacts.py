@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -269,17 +271,13 @@ def read_manifest(
         raise SpecExpertConfigError(
             field, f"{path} is not a {field} directory (no manifest.json or {weights_file})", fix
         )
-    size = manifest_path.stat().st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise SpecExpertConfigError(
-            field,
-            f"{manifest_path} has {size} bytes, past the {MAX_MANIFEST_BYTES >> 20} MiB any "
-            "manifest takes (not one this version wrote)",
-            fix,
-        )
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
+        text = _read_manifest_bytes(manifest_path, field, fix)
+    except OSError as exc:
+        raise SpecExpertConfigError(field, f"{manifest_path}: unreadable ({exc})", fix) from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
         raise SpecExpertConfigError(field, f"{manifest_path}: not JSON ({exc})", fix) from None
     except RecursionError:
         raise SpecExpertConfigError(
@@ -293,6 +291,43 @@ def read_manifest(
             f"recreate it with this version ({fix})",
         )
     return parse_manifest(schema, manifest, field, manifest_path, fix)
+
+
+def _read_manifest_bytes(path: Path, field: str, fix: str) -> bytes:
+    """The bytes of the manifest at ``path``: a regular file of at most
+    :data:`MAX_MANIFEST_BYTES` (a FIFO, a device or a link to one is refused before it is
+    read: opened without blocking, checked by the open file's own status)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(fd)
+        raise SpecExpertConfigError(
+            field,
+            f"{path} is not a regular file ({_file_kind(status.st_mode)}; not one this "
+            "version wrote)",
+            fix,
+        )
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise SpecExpertConfigError(
+            field,
+            f"{path} has {max(status.st_size, len(data))} bytes, past the "
+            f"{MAX_MANIFEST_BYTES >> 20} MiB any manifest takes (not one this version wrote)",
+            fix,
+        )
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), "not a file")
 
 
 def check_shapes(

@@ -287,11 +287,11 @@ def prepare_pack(
             f"{target} holds other things than an expert pack ({', '.join(others[:3])})",
             "give a new or empty directory",
         )
-    if (target / MANIFEST_FILE).is_file():
+    if (target / MANIFEST_FILE).exists():  # (not a regular file: refused on reading it)
         with _waiting(target, exclusive=False):
             return _with_draft(ExpertPack(target, model=model, form=form), model, draft)
     with _writing(target, FIELD), _waiting(target, exclusive=True):
-        if not (target / MANIFEST_FILE).is_file():  # (another start may have made it)
+        if not (target / MANIFEST_FILE).exists():  # (another start may have made it)
             logger.info("specexpert: writing the expert pack of %s to %s", model, target)
             started = time.perf_counter()
             manifest = _pack(model, target, form, FIELD, "disk", draft)
