@@ -182,6 +182,25 @@ def test_a_failing_read_fails_only_the_rows_that_needed_it(engine, pack, monkeyp
     assert engine.unreadable.take() == []
 
 
+def test_each_unreadable_expert_is_logged_with_its_own_cause(engine, pack, monkeypatch):
+    # Expert 9's w13 changed, then 10's w2: logged once each, each with the tensor that
+    # failed in it (the second line quoted the first expert's cause, logged before).
+    logged = unreadable_logs(monkeypatch)
+    name = NAMES[1]
+    for expert, tensor in ((9, 0), (10, 1)):
+        with open(pack.path / RECORDS_FILE, "r+b") as f:
+            f.seek(pack.layers[name].tensors[tensor].at(expert) + 64)
+            f.write(b"\xff\xff")
+    x, w, _ = random_routing(1, 16, 4, seed=0)
+    first = torch.tensor([[9, 1, 2, 3]], dtype=torch.int32)
+    both = torch.tensor([[9, 10, 2, 3]], dtype=torch.int32)
+    for ids in (first, both):
+        engine.run_call(LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(1)))
+    assert [entry[2] for entry in logged] == [[9], [10]]
+    assert "expert 9's w13_weight does not match" in logged[0][3]
+    assert "expert 10's w2_weight does not match" in logged[1][3]
+
+
 def test_a_changed_record_is_caught_when_read(engine, pack, monkeypatch):
     logged = unreadable_logs(monkeypatch)
     name = NAMES[1]

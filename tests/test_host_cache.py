@@ -108,7 +108,7 @@ class FakeReader:
         failed = sorted(self.failing & set(experts.tolist()))
         self.failing -= set(failed)
         if failed:
-            raise ExpertsUnreadable(NAME, failed, "OSError: injected")
+            raise ExpertsUnreadable(NAME, dict.fromkeys(failed, "OSError: injected"))
 
 
 class FakeCopyDone:

@@ -276,7 +276,7 @@ class OffloadEngine:
         for layer in layers:
             error = layer.cache.unreadable
             if error is not None:
-                self.unreadable.log(error.layer, error.experts, f"at the warm start: {error.cause}")
+                self.unreadable.log(error.layer, error.causes, "at the warm start: ")
 
     # ---------------------------------------------------------------- forward
 

@@ -189,7 +189,7 @@ def execute_without(
     while True:
         if unreadable.issuperset(error.experts):  # masked out, and still read: a bug
             raise RuntimeError(f"specexpert: {error} again, with them masked out")
-        rows.log(error.layer, error.experts, error.cause)
+        rows.log(error.layer, error.causes)
         unreadable.update(error.experts)
         dropped = np.isin(call.host_ids, sorted(unreadable))
         again = dataclasses.replace(call, stats=PhaseStats())

@@ -11,7 +11,7 @@ and fails those requests.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm_specexpert.log import init_logger
@@ -52,16 +52,21 @@ class UnreadableRows:
         rows, self._rows = sorted(self._rows), set()
         return rows
 
-    def log(self, layer: str, experts: Iterable[int], cause: str) -> None:
-        new = [e for e in experts if (layer, e) not in self._logged]
-        if new:
-            self._logged.update((layer, e) for e in new)
+    def log(self, layer: str, causes: Mapping[int, str], when: str = "") -> None:
+        """Log the experts of ``causes`` (each with its own) not logged before, a line
+        per cause (``when``: what read them, if not a call)."""
+        new = [e for e in sorted(causes) if (layer, e) not in self._logged]
+        self._logged.update((layer, e) for e in new)
+        by_cause: dict[str, list[int]] = {}
+        for expert in new:
+            by_cause.setdefault(causes[expert], []).append(expert)
+        for cause, experts in by_cause.items():
             logger.error(
                 "specexpert: %s: experts %s could not be read (%s); %s (read again when "
                 "next needed; logged once per expert)",
                 layer,
-                new,
-                cause,
+                experts,
+                when + cause,
                 self.outcome,
             )
 

@@ -158,10 +158,9 @@ class Disk:
             self.stats.failed += len(errors)
             self.stats.checked += len(ids) - len(errors)
         if errors:
-            first = next(iter(errors.values()))
             raise self.pack.unreadable(
-                layer.name, sorted(errors), f"{type(first).__name__}: {first}"
-            ) from first
+                layer.name, {e: f"{type(error).__name__}: {error}" for e, error in errors.items()}
+            ) from next(iter(errors.values()))
 
     def _check(self, layer: PackLayer, tensor: PackTensor, expert: int, data: torch.Tensor) -> None:
         self.pack.check_read(layer, tensor, expert, data.numpy().data)

@@ -364,12 +364,11 @@ class ExpertPack:
                 f"(first: {drafts[0][0]})"
             )
 
-    def unreadable(self, layer: str, experts: list[int], cause: str) -> ExpertsUnreadable:
-        """``experts`` of ``layer`` could not be read from this pack (``cause``)."""
+    def unreadable(self, layer: str, causes: dict[int, str]) -> ExpertsUnreadable:
+        """Experts of ``layer`` could not be read from this pack (each its cause)."""
         return ExpertsUnreadable(
             layer,
-            experts,
-            cause,
+            causes,
             FIELD,
             f"`specexpert pack MODEL --out {self.path} --verify` names every expert that "
             f"differs from the checkpoint; or {self.fix}",

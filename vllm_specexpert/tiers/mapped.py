@@ -208,19 +208,22 @@ class MappedPack:
             self.stats.check_s += check_s
             self.stats.failed += len(failed)
         if failed:
-            first = next(iter(failed.values()))
-            if isinstance(first, CorruptRecord):
-                cause = str(first)
-            elif first.errno == errno.EFAULT and not whole:
-                cause = f"{self.path}: the file ends before them (truncated?)"
-            elif first.errno == errno.EFAULT:
-                cause = f"{self.path}: their pages could not be read (an I/O error)"
-            else:
-                cause = f"{self.path}: {first.strerror}"
             raise self.pack.unreadable(
-                layer.name, sorted(failed), f"{type(first).__name__}: {cause}"
-            ) from first
+                layer.name, {e: self._cause(error, whole) for e, error in failed.items()}
+            ) from next(iter(failed.values()))
         return len({expert for expert, _, _ in missing}), nbytes
+
+    def _cause(self, error: OSError, whole: bool) -> str:
+        """Why an expert's pages failed, as logged."""
+        if isinstance(error, CorruptRecord):
+            cause = str(error)
+        elif error.errno == errno.EFAULT and not whole:
+            cause = f"{self.path}: the file ends before them (truncated?)"
+        elif error.errno == errno.EFAULT:
+            cause = f"{self.path}: their pages could not be read (an I/O error)"
+        else:
+            cause = f"{self.path}: {error.strerror}"
+        return f"{type(error).__name__}: {cause}"
 
     def _check(self, layer: PackLayer, expert: int) -> None:
         """``expert``'s tensors, on the mapped pages, against their checksums; on a

@@ -25,16 +25,16 @@ SlotShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class ExpertsUnreadable(RuntimeError):
     """Experts the slow tier could not supply mid-generation (read error, bad checksum):
     the engine runs the call without them; only the requests that needed them fail.
-    ``field`` and ``fix``: the config field that names where they are read from, and
-    what repairs it (:meth:`refusal`)."""
+    ``causes``: each expert's own cause; ``field`` and ``fix``: the config field that
+    names where they are read from, and what repairs it (:meth:`refusal`)."""
 
-    def __init__(
-        self, layer: str, experts: list[int], cause: str, field: str = "", fix: str = ""
-    ) -> None:
-        super().__init__(f"{layer}: experts {experts} could not be read: {cause}")
+    def __init__(self, layer: str, causes: dict[int, str], field: str = "", fix: str = "") -> None:
         self.layer = layer
-        self.experts = experts
-        self.cause = cause
+        self.causes = causes
+        self.experts = sorted(causes)
+        self.cause = causes[self.experts[0]]
+        """The first expert's cause (each expert's: :attr:`causes`)."""
+        super().__init__(f"{layer}: experts {self.experts} could not be read: {self.cause}")
         self.field = field
         self.fix = fix
 
