@@ -165,6 +165,29 @@ def test_a_read_error_fails_only_the_requests_that_needed_the_expert(engine):
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 
+def test_a_failed_pass_leaves_nothing_in_the_prefix_cache(engine):
+    # A prompt of several 128-token KV blocks (full blocks enter vLLM's prefix cache)
+    # fails: an expert of the second MoE layer unreadable, so every later layer's KV
+    # of its tokens was computed without it. Once the expert reads again, the same
+    # prompt must give what it gave before the failure, not a hit on those blocks.
+    from vllm import SamplingParams
+
+    llm, _ = engine
+    text = (model_path(TRAINED_MODEL) / "heldout" / "test.txt").read_text()
+    prompt = [text[:1200]]
+    assert len(llm.get_tokenizer()(prompt[0]).input_ids) > 2 * 128
+    clean = greedy(llm, prompt)
+    llm.reset_prefix_cache()
+    llm.apply_model(fail_reads_of(1, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        (failed,) = llm.generate(prompt, params, use_tqdm=False)
+    finally:
+        llm.apply_model(fail_reads_of(0, None))
+    assert failed.outputs[0].finish_reason == "error"
+    assert greedy(llm, prompt) == clean  # (the logprobs too)
+
+
 def report_free(free_bytes: int | None):
     """Worker side (``apply_model``): the engine's memory report says ``free_bytes`` of
     RAM are free from now on, the slots a reconfigure frees included (``None``: what

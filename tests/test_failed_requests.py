@@ -9,7 +9,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_specexpert import handback
 from vllm_specexpert.layers.failed_requests import requests_of_rows
-from vllm_specexpert.schedule.scheduler import fail
+from vllm_specexpert.schedule.scheduler import fail, sharing, written_blocks
 
 
 def test_rows_map_to_the_requests_laid_out_in_input_batch_order():
@@ -55,3 +55,36 @@ def test_the_failed_requests_ride_on_a_copy_of_the_output():
     sent = handback.attach_failed(shared, ["r1"])
     assert handback.failed_requests(sent) == ["r1"]
     assert handback.failed_requests(shared) == []  # never written to
+
+
+def test_the_blocks_a_failed_step_wrote_are_found_and_the_requests_sharing_them():
+    # Block size 4, one cache group and a sliding window's (its null block 0 held as a
+    # placeholder). "a": a prompt chunk of positions 6..13 (blocks 1, 2, 3 of its table);
+    # "b": one decode token at position 9 (its block 2); "c" shares a's blocks 10 and 11
+    # (a prefix hit in the same step); "d" shares only a's block 10, written before.
+    tables = {
+        "a": ([10, 11, 12, 13], [0, 0, 22, 23]),
+        "b": ([30, 31, 32], [0, 0, 42]),
+        "c": ([10, 11, 14], [0, 0, 24]),
+        "d": ([10, 15], [0, 25]),
+    }
+    groups = [SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))] * 2
+    scheduler = SimpleNamespace(
+        requests=dict.fromkeys(tables),
+        running=[SimpleNamespace(request_id=r) for r in tables],
+        kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+        kv_cache_manager=SimpleNamespace(
+            get_block_ids=tables.__getitem__,
+            block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)),
+        ),
+    )
+    output = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=6)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["b"], num_computed_tokens=[9]),
+        num_scheduled_tokens={"a": 8, "b": 1},
+    )
+    assert written_blocks(scheduler, output, ["a"]) == {11, 12, 13, 22, 23}
+    assert written_blocks(scheduler, output, ["b"]) == {32, 42}
+    assert written_blocks(scheduler, output, ["gone"]) == set()
+    assert sharing(scheduler, {11, 12, 13, 22, 23}, ["a"]) == ["c"]
+    assert sharing(scheduler, set(), ["a"]) == []
