@@ -302,6 +302,36 @@ def test_a_reconfigure_that_cannot_read_an_expert_leaves_the_engine_serving(engi
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 
+def test_a_pack_whose_expert_0_is_unreadable_in_every_layer_starts(engine, pack_dir, tmp_path):
+    # The layer's proof of the pack's form read expert 0, and its checksum failure
+    # stopped the start. It proves the form on the first expert it can read; expert 0
+    # fails only the requests that need it, as any unreadable expert does.
+    from vllm import SamplingParams
+
+    from vllm_specexpert.tiers.expert_pack import ExpertPack
+
+    _, reference = engine
+    copy = tmp_path / "pack"
+    shutil.copytree(pack_dir, copy)
+    with open(copy / "experts.bin", "r+b") as f:
+        for layer in ExpertPack(copy).manifest.layers:
+            w2 = next(t for t in layer.tensors if t.name == "w2_weight")
+            f.seek(w2.at(0) + 10)
+            byte = f.read(1)[0]
+            f.seek(w2.at(0) + 10)
+            f.write(bytes([byte ^ 0x01]))
+    llm = make_llm(MODEL, specexpert={"budget": 12, "disk": {"path": str(copy)}})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        for output, expected in zip(outputs, reference, strict=True):
+            if output.finish_reason != "error":
+                assert list(output.token_ids) == expected.token_ids
+        assert vllm_specexpert.get_stats(llm)[0]["disk"]["failed"] >= num_moe_layers(MODEL)
+    finally:
+        shutdown(llm)
+
+
 def test_the_disk_cannot_change_at_run_time(engine, tmp_path):
     llm, _ = engine
     with pytest.raises(SpecExpertConfigError, match=r"disk.*opened and checked"):

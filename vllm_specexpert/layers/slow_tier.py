@@ -213,7 +213,7 @@ class SlowTier:
             )
             disk.host_cache = HostCache(fit.slots_per_layer, pinned=True)
         experts = disk.layer(layer.layer_name)
-        check_pack_form(layer, experts, slot_shapes, layer.checkpoint)
+        check_pack_form(layer, experts, slot_shapes, layer.checkpoint, engine.unreadable)
         return experts
 
     def _draft_experts_on_disk(
