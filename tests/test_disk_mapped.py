@@ -1,14 +1,17 @@
 """The disk tier's mapped residency end to end on the widened model: the
 first start makes the pack; greedy tokens and logprobs identical to vanilla vLLM's; a
 page that fails to read fails the requests that needed it and only those; the file
-truncated or written to under the engine fails requests, never the process (no SIGBUS)
-and never with other tokens, and once it is whole again the output is as before. An
+truncated or written to under the engine by another process (``pwrite``, a writable
+shared mapping) fails requests while it holds the file and after, never the process (no
+SIGBUS) and never with other tokens, and once it is whole again the output is as before
+(nothing a failed pass computed is served from the prefix cache). An
 engine of its own module: vLLM's process state holds one engine at a time."""
 
 import os
 
 import pytest
-from test_disk_tier import MODEL, change_every_expert, expert_parameters
+from other_writer import OtherWriter, wait_for_break
+from test_disk_tier import MODEL, expert_parameters
 from vllm_harness import MAX_TOKENS, PROMPTS, greedy, make_llm, shutdown, vanilla_reference
 
 import vllm_specexpert
@@ -91,41 +94,99 @@ def test_a_page_that_fails_to_read_fails_only_the_requests_that_needed_it(engine
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
 
 
+def lease_fd(llm) -> int:
+    """The descriptor the engine holds its lease on the pack by (the worker is in this
+    process: :func:`other_writer.wait_for_break` can ask it)."""
+
+    def fd(model) -> int:
+        from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+        layer = next(m for m in model.modules() if isinstance(m, OffloadedRoutedExperts))
+        return layer.engine.store.disk.mapping.fd
+
+    return llm.apply_model(fd)[0]
+
+
+def writing(llm, pack_dir, **how) -> OtherWriter:
+    """Another process that opens the pack for writing (:class:`OtherWriter`), once it
+    waits in its open for the engine's lease."""
+    writer = OtherWriter(pack_dir / "experts.bin", **how)
+    wait_for_break(lease_fd(llm))
+    return writer
+
+
+def restored(llm, pack_dir, spans: list[tuple[int, bytes]]) -> None:
+    """``spans`` written back by another process: its open waits for the engine, which
+    lets go at its next call (a generation: it fails while the file is open for
+    writing), then every expert is checked again."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1)
+    generate = lambda: llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    writer = writing(llm, pack_dir, writes=spans)
+    (failed,) = generate()
+    writer.close()
+    assert failed.outputs[0].finish_reason == "error"
+
+
 def test_a_file_truncated_under_the_engine_fails_requests_not_the_process(engine, pack_dir):
     from vllm import SamplingParams
 
     llm, reference = engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     records = pack_dir / "experts.bin"
-    saved = records.read_bytes()
     last = ExpertPack(pack_dir).manifest.layers[-1]
-    os.truncate(records, last.offset)  # every request needs the last layer
+    tail = records.read_bytes()[last.offset :]
+    writer = writing(llm, pack_dir, truncate=last.offset)  # every request needs the last layer
     try:
         outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     finally:
-        records.write_bytes(saved)
+        writer.close()
     assert all(o.finish_reason == "error" for o in outputs)  # (a SIGBUS kills this process)
-    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
-    assert [c.logprobs for c in greedy(llm)] == [c.logprobs for c in reference]
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert all(o.finish_reason == "error" for o in outputs)  # (closed: still truncated)
+    restored(llm, pack_dir, [(last.offset, tail)])
+    assert greedy(llm) == list(reference)  # (the logprobs too)
 
 
-def test_a_pack_written_to_between_generations_fails_requests_not_tokens(engine, pack_dir):
-    # A byte of every expert's w2_weight in the 4th MoE layer changed between two
-    # generations: the pages stay in the page cache and hold the new bytes. Every
-    # request needs that layer: each fails, none finishes with other tokens.
+@pytest.mark.parametrize("how", ["pwrite", "mapped"])
+def test_a_pack_written_to_under_the_engine_fails_requests_not_tokens(engine, pack_dir, how):
+    # Another process changes a byte of every expert's w2_weight in the 4th MoE layer,
+    # then holds the file open (mapped: through a writable shared mapping, a write to
+    # an already written page moved no change time and went unseen). Every request
+    # needs that layer: each fails while the writer holds the file and after, and none
+    # finishes with other tokens; once the file is whole again, the output is exact.
     from vllm import SamplingParams
 
     llm, reference = engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    saved, _ = change_every_expert(pack_dir, 3)
+    spans = every_expert_changed(pack_dir, 3)
+    writer = writing(llm, pack_dir, mapped=how == "mapped")
     try:
-        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        failed = vllm_specexpert.get_stats(llm)[0]["disk"]["failed"]
+        for _ in range(2):
+            outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            assert [o.finish_reason for o in outputs] == ["error"] * len(PROMPTS)
+            for at, data in spans:
+                writer.write(at, bytes([data[0] ^ 0x01]))  # (again: the same pages)
     finally:
-        (pack_dir / "experts.bin").write_bytes(saved)
+        writer.close()
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert [o.finish_reason for o in outputs] == ["error"] * len(PROMPTS)
-    assert failed > 0
-    assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
+    assert vllm_specexpert.get_stats(llm)[0]["disk"]["writes_seen"] > 0
+    restored(llm, pack_dir, spans)
+    assert greedy(llm) == list(reference)
+
+
+def every_expert_changed(pack_dir, index: int) -> list[tuple[int, bytes]]:
+    """Where a byte of every expert's ``w2_weight`` in the ``index``-th MoE layer is, and
+    the byte: ``(offset, bytes)`` each."""
+    layer = ExpertPack(pack_dir).manifest.layers[index]
+    w2 = next(t for t in layer.tensors if t.name == "w2_weight")
+    with open(pack_dir / "experts.bin", "rb") as f:
+        return [
+            (w2.at(e) + 10, os.pread(f.fileno(), 1, w2.at(e) + 10))
+            for e in range(layer.num_experts)
+        ]
 
 
 def test_a_predictors_read_ahead_leaves_the_output_exact(engine):

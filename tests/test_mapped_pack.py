@@ -3,7 +3,9 @@ the checkpoint's layout (the reference kernel's), the file mapped and the kernel
 its pages. Exact against the reference at every batch and in prefill, with no slot
 memory of its own; pages outside the page cache counted when a launch reads them in; a
 file truncated under the engine fails only the rows that needed what is gone (an error
-of the call, never a SIGBUS), and the engine reads them again once the file is whole."""
+of the call, never a SIGBUS), and the engine reads them again once the file is whole.
+Writers are other processes (:mod:`other_writer`), as an operator's would be: while one
+holds the file open for writing, every call fails; after, what changed fails."""
 
 import ctypes
 import errno
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
+from other_writer import OtherWriter, wait_for_break, write_from_another_process
 
 from vllm_specexpert import execute
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
@@ -162,38 +165,60 @@ def test_one_page_out_of_a_short_range_makes_it_missing_and_a_long_range_is_samp
 
 def test_a_truncated_file_fails_only_the_rows_that_needed_what_is_gone(engine, pack):
     name = NAMES[1]
-    records = (pack.path / RECORDS_FILE).read_bytes()
+    records = pack.path / RECORDS_FILE
+    saved = records.read_bytes()
     w2 = pack.layers[name].tensors[1]
-    os.truncate(pack.path / RECORDS_FILE, w2.at(8))  # layer 1's w2 of experts 8.. gone
     x, w, _ = random_routing(4, 16, 4, hidden=64, seed=0)
     ids = torch.tensor(
         [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [0, 12, 5, 6]], dtype=torch.int32
     )
+    lease = engine.store.disk.mapping.fd
+    writer = OtherWriter(records)  # (it waits in its open: the engine holds the lease)
+    wait_for_break(lease)
+    call(engine, name, x, w, ids, PassPhases.decode_only(4))  # (the engine lets go)
+    assert engine.unreadable.take() == [0, 1, 2, 3]  # open for writing: nothing served
+    writer.truncate(w2.at(8))  # layer 1's w2 of experts 8.. gone
+    writer.close()
     out = call(engine, name, x, w, ids, PassPhases.decode_only(4))  # (a SIGBUS kills pytest)
     gone = torch.where(ids >= 8, 0.0, w)
     assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
     assert engine.unreadable.take() == [1, 3]
     assert engine.stats()["disk"]["failed"] >= 4
-    (pack.path / RECORDS_FILE).write_bytes(records)  # whole again: read and exact
-    out = call(engine, name, x, w, ids, PassPhases.decode_only(4))
+    restore = lambda: call(engine, name, x, w, ids, PassPhases.decode_only(4))
+    write_from_another_process(records, [(0, saved)], lease, then=restore)
+    engine.unreadable.take()
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(4))  # whole again: exact
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
     assert engine.unreadable.take() == []
 
 
-def overwrite(pack: ExpertPack, name: str, experts: list[int], tensor: int = 1) -> bytes:
-    """Write other bytes over ``experts``' copies of a tensor of layer ``name`` (through
-    the page cache, as a program editing the file would); returns the file as it was."""
+def garbage(pack: ExpertPack, name: str, experts: list[int], tensor: int = 1) -> list:
+    """Other bytes for the first 64 of ``experts``' copies of a tensor of layer ``name``,
+    and the bytes there now: ``(offset, bytes)`` each."""
     records = (pack.path / RECORDS_FILE).read_bytes()
     entry = pack.layers[name].tensors[tensor]
+    spans = [(entry.at(e), records[entry.at(e) : entry.at(e) + 64]) for e in experts]
+    return [(at, bytes(255 - b for b in data)) for at, data in spans], spans
+
+
+def overwrite(pack: ExpertPack, name: str, experts: list[int], tensor: int = 1) -> None:
+    """Write other bytes over ``experts``' copies of a tensor of layer ``name`` (through
+    the page cache, as a program editing the file would), with no engine running."""
     with open(pack.path / RECORDS_FILE, "r+b") as f:
-        for expert in experts:
-            f.seek(entry.at(expert))
-            f.write(bytes(255 - b for b in records[entry.at(expert) : entry.at(expert) + 64]))
-    return records
+        for at, data in garbage(pack, name, experts, tensor)[0]:
+            f.seek(at)
+            f.write(data)
 
 
-def test_a_pack_written_to_under_the_engine_fails_the_rows_that_need_what_changed(engine, pack):
+@pytest.mark.parametrize("how", ["pwrite", "mapped"])
+def test_a_pack_written_to_under_the_engine_never_serves_what_it_did_not_check(engine, pack, how):
+    # Another process opens the pack for writing (pwrite; or a writable shared mapping,
+    # written twice to the same page: the second write moved no change time, and went
+    # unseen). While it holds the file, every call fails (nothing it wrote reaches the
+    # kernel unchecked); once it lets go, only the rows that need what changed fail; the
+    # file restored, every row is exact again.
     name = NAMES[1]
+    records, lease = pack.path / RECORDS_FILE, engine.store.disk.mapping.fd
     x, w, _ = random_routing(3, 16, 4, hidden=64, seed=2)
     ids = torch.tensor([[0, 1, 2, 3], [8, 9, 10, 11], [9, 4, 5, 6]], dtype=torch.int32)
     out = call(engine, name, x, w, ids, PassPhases.decode_only(3))
@@ -202,19 +227,66 @@ def test_a_pack_written_to_under_the_engine_fails_the_rows_that_need_what_change
     assert checked == 11  # each expert the call needed, once: the pages were resident
     call(engine, name, x, w, ids, PassPhases.decode_only(3))
     assert engine.stats()["disk"]["checked"] == checked  # checked already, unchanged
-    # The pages stay resident and hold the new bytes: only the file's change time tells.
-    records = overwrite(pack, name, [8, 9])
+    writes, spans = garbage(pack, name, [8, 9])
+    writer = OtherWriter(records, mapped=how == "mapped")
+    wait_for_break(lease)
+    for written in ([], writes[:1], writes[:1], writes[1:]):  # (the same page twice)
+        for at, data in written:
+            writer.write(at, data)
+        call(engine, name, x, w, ids, PassPhases.decode_only(3))
+        assert engine.unreadable.take() == [0, 1, 2]  # (the writer holds the file)
+    writer.close()
     for _ in range(2):  # (and again at the next call: a bad expert is checked each time)
         out = call(engine, name, x, w, ids, PassPhases.decode_only(3))
         gone = torch.where((ids == 8) | (ids == 9), 0.0, w)
         assert torch.equal(out, reference_moe(x, gone, ids, *LAYERS[name].values()))
         assert engine.unreadable.take() == [1, 2]
     disk = engine.stats()["disk"]
-    assert disk["failed"] == 4 and disk["check_s"] > 0
-    (pack.path / RECORDS_FILE).write_bytes(records)  # restored: checked, and exact
-    out = call(engine, name, x, w, ids, PassPhases.decode_only(3))
+    assert disk["writes_seen"] == 1 and disk["check_s"] > 0
+    restore = lambda: call(engine, name, x, w, ids, PassPhases.decode_only(3))
+    write_from_another_process(records, spans, lease, then=restore)
+    assert engine.unreadable.take() == [0, 1, 2]  # (restore's call: the writer held it)
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(3))  # checked again: exact
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
     assert engine.unreadable.take() == []
+    assert engine.stats()["disk"]["writes_seen"] == 2
+
+
+def test_a_writer_that_comes_while_a_launch_reads_fails_the_launch(engine, pack):
+    # The writer's open waits until the engine asks, after the kernel: the launch read
+    # pages no one could write, yet the writer may write from then on, so the call's
+    # rows fail (as every call fails while it holds the file).
+    name = NAMES[0]
+    records, lease = pack.path / RECORDS_FILE, engine.store.disk.mapping.fd
+    writers: list[OtherWriter] = []
+
+    def kernel(*args):
+        if not writers:
+            writers.append(OtherWriter(records))
+            wait_for_break(lease)
+        return slot_kernel(*args)
+
+    x, w, _ = random_routing(2, 16, 4, hidden=64, seed=5)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    engine.run_call(LayerCall(name, kernel, x, w, ids, PassPhases.decode_only(2)))
+    assert engine.unreadable.take() == [0, 1]
+    writers[0].close()  # (wrote nothing)
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(2))
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    assert engine.unreadable.take() == []
+
+
+def test_a_pack_open_for_writing_at_the_start_is_not_mapped(pack):
+    writer = OtherWriter(pack.path / RECORDS_FILE)
+    writer.write(0, (pack.path / RECORDS_FILE).read_bytes()[:1])  # (open: nothing changed)
+    try:
+        disk = Disk(pack, depth=2, mapped=True)
+        assert disk.mapping is None
+        assert "is open for writing by another process" in disk.where()
+        assert type(disk.layer(NAMES[0])).__name__ == "DiskExperts"
+        disk.close()
+    finally:
+        writer.close()
 
 
 def test_a_pack_changed_before_the_start_fails_the_rows_that_need_what_changed(pack):

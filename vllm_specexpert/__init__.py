@@ -37,6 +37,7 @@ its floor::
                         host (experts computed on the host), staging (host <-> device),
                         disk (the disk tier: a layer's experts read from its pack),
                         mapped (the pack mapped, the kernel on its pages),
+                        pack_lease (a read lease: no write to the pack unseen),
                         pack_experts (a pack layer as a slow tier: both residencies),
                         disk_reader (whole-tensor reads at a queue depth, O_DIRECT),
                         kernel_form (experts as the kernel reads them), expert_pack

@@ -302,6 +302,7 @@ def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch
     call.stats.loads += read
     call.stats.bytes_loaded += nbytes
     out = _kernel(call.kernel, call.x, call.topk_weights, routing)
+    cache.pool.confirm(routing.ids)  # (a mapped pack's pages: unwritten while it ran)
     call.stats.kernel_s += time.perf_counter() - readable
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1

@@ -13,9 +13,16 @@ a ``SIGBUS`` in the kernel. (A page reclaimed between the populate and the kerne
 is read again by the fault; a file truncated in that window still raises ``SIGBUS``.)
 
 An expert is checked against its checksums before a launch first runs on it, and again
-whenever its pages had to be read in, or the file's change time moved (it was written to
-under the engine); one that fails is an error of the call like an unreadable page, and
-is checked again when next needed (docs/design.md, "The disk tier": Trust).
+whenever its pages had to be read in; one that fails is an error of the call like an
+unreadable page, and is checked again when next needed. No write reaches the pages
+unseen: the engine holds a read lease on the file (:mod:`.pack_lease`), asked before and
+after each launch. A process that opens the file for writing waits until the engine
+lets go of the lease there; from then on, while any process holds the file open for
+writing, every call on the mapped pack fails (its requests end with an error), and once
+none does, every expert is checked again before its next use. A file that cannot be
+leased (open for writing at the start, another user's, a filesystem without leases) is
+not mapped: the slots are used, and the start line says why (docs/design.md, "The disk
+tier": Trust).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from vllm_specexpert.tiers.expert_pack import (
 )
 from vllm_specexpert.tiers.kernel_form import DTYPES
 from vllm_specexpert.tiers.pack_experts import PackExperts
+from vllm_specexpert.tiers.pack_lease import LeaseRefused, LeaseState, PackLease
 from vllm_specexpert.tiers.slots import LayerSlotPool, PooledCache
 
 PAGE = mmap.PAGESIZE
@@ -80,7 +88,12 @@ class MappedStats(Counters):
     )
     checked: int = counter(
         "Experts that matched their checksums when checked (at first use, when their pages "
-        "were read in, after the file was written to)."
+        "were read in, after the file was opened for writing)."
+    )
+    writes_seen: int = counter(
+        "Times another process opened the pack for writing (or truncated it) while the "
+        "engine held its lease: calls failed while it held the file, and every expert was "
+        "checked again after."
     )
     check_s: float = seconds("Seconds those checks took (in the launches' waits, ``wait_s``).")
     read_ahead: int = counter("Experts whose pages a prefetch asked the kernel to read ahead.")
@@ -101,6 +114,11 @@ class MappedPack:
         except OSError as error:
             os.close(self.fd)
             raise MappingRefused(f"cannot map {path}: {error.strerror}") from None
+        try:
+            self.lease = PackLease(self.fd, path)
+        except LeaseRefused as refused:
+            os.close(self.fd)
+            raise MappingRefused(str(refused)) from None
         with warnings.catch_warnings():  # (read-only: nothing writes to expert weights)
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(region, dtype=torch.uint8)
@@ -111,10 +129,7 @@ class MappedPack:
             layer.name: np.zeros(layer.num_experts, dtype=bool) for layer in pack.manifest.layers
         }
         """Per layer, the experts whose pages matched their checksums and have not been
-        read in since (cleared for all when the file's change time moves)."""
-        self._ctime_ns = os.fstat(self.fd).st_ctime_ns
-        """The file's change time when last seen (a write sets it; unlike its mtime, no
-        call can set it back)."""
+        read in since (cleared for all when the file was opened for writing)."""
         self._vector = np.empty(WHOLE_RANGE_PAGES, dtype=np.uint8)
         self._vector_address = self._vector.ctypes.data
         """``mincore``'s output, kept (making a ctypes address costs more than the call)."""
@@ -151,14 +166,9 @@ class MappedPack:
         by the kernel's fault, unchecked. A short one is checked whole (:meth:`_present`).
         A file shorter than the pack (truncated under the engine) populates every range,
         so that what is gone fails here, not in the kernel."""
-        stat = os.fstat(self.fd)
-        whole = stat.st_size >= self.pack.manifest.records_bytes
+        self._check_lease(layer, experts)
+        whole = os.fstat(self.fd).st_size >= self.pack.manifest.records_bytes
         verified = self._verified[layer.name]
-        with self._lock:
-            if stat.st_ctime_ns != self._ctime_ns:  # written to: every page may differ
-                self._ctime_ns = stat.st_ctime_ns
-                for done in self._verified.values():
-                    done[:] = False
         missing: list[tuple[int, int, int]] = []  # (expert, offset, length)
         unchecked: list[int] = []
         for expert in experts.tolist():
@@ -212,6 +222,31 @@ class MappedPack:
                 layer.name, {e: self._cause(error, whole) for e, error in failed.items()}
             ) from next(iter(failed.values()))
         return len({expert for expert, _, _ in missing}), nbytes
+
+    def confirm(self, layer: PackLayer, experts: np.ndarray) -> None:
+        """After a launch read the pages of ``experts``: fail it (one
+        :class:`ExpertsUnreadable`) if the file was opened for writing while it ran."""
+        self._check_lease(layer, experts)
+
+    def _check_lease(self, layer: PackLayer, experts: np.ndarray) -> None:
+        """Raise :class:`ExpertsUnreadable` for every one of ``experts`` unless the lease
+        was held since it was last asked; a break forgets every check."""
+        with self._lock:
+            was_held = self.lease.held
+            lease = self.lease.state()
+            if lease is LeaseState.HELD:
+                return
+            for done in self._verified.values():
+                done[:] = False
+            self.stats.writes_seen += was_held
+            if lease is LeaseState.RENEWED:
+                return
+            self.stats.failed += len(experts)
+        cause = (
+            f"{self.path} is open for writing by another process: the mapped pack serves "
+            "nothing until it is closed, then checks every expert again"
+        )
+        raise self.pack.unreadable(layer.name, dict.fromkeys(np.unique(experts).tolist(), cause))
 
     def _cause(self, error: OSError, whole: bool) -> str:
         """Why an expert's pages failed, as logged."""
@@ -285,8 +320,10 @@ class MappedPack:
             self.stats.reset()
 
     def close(self) -> None:
-        """Close the file (the mapping goes with the last view of it)."""
+        """Let go of the lease and close the file (the mapping goes with the last view
+        of it)."""
         if self.fd >= 0:
+            self.lease.release()
             os.close(self.fd)
             self.fd = -1
 
@@ -350,7 +387,9 @@ class MappedExperts(PackExperts):
         experts = np.asarray(experts)
         self.mapping.populate(self.record, experts)
         index = torch.from_numpy(experts.astype(np.int64))
-        return {k: t.index_select(0, index) for k, t in self.mapping.views(self.record).items()}
+        out = {k: t.index_select(0, index) for k, t in self.mapping.views(self.record).items()}
+        self.mapping.confirm(self.record, experts)
+        return out
 
     def copy_into(
         self,
@@ -369,6 +408,9 @@ class MappedExperts(PackExperts):
 
     def read_ahead(self, experts: np.ndarray) -> tuple[int, int]:
         return self.mapping.read_ahead(self.record, experts)
+
+    def confirm(self, experts: np.ndarray) -> None:
+        self.mapping.confirm(self.record, experts)
 
     def unreadable(self, experts: np.ndarray) -> np.ndarray:
         return self.mapping.unreadable(self.record, experts)
@@ -397,6 +439,9 @@ class MappedPool(LayerSlotPool):
 
     def readable(self, slots: torch.Tensor) -> tuple[int, int]:
         return self.experts.populate(np.unique(slots.numpy()))
+
+    def confirm(self, slots: torch.Tensor) -> None:
+        self.experts.confirm(slots.numpy())
 
     def read_ahead(self, slots: np.ndarray) -> tuple[int, int]:
         return self.experts.read_ahead(slots)

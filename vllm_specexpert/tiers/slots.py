@@ -130,6 +130,11 @@ class SlotPool:
         and bytes that had to be read for it."""
         return 0, 0
 
+    def confirm(self, slots: torch.Tensor) -> None:
+        """After a launch read ``slots``: raise
+        :class:`~vllm_specexpert.tiers.store.ExpertsUnreadable` if what they held may have
+        changed while it ran (here nothing can; a mapped pack's file opened for writing)."""
+
     def read_ahead(self, slots: np.ndarray) -> tuple[int, int]:
         """A prefetch of experts the pool holds (``slots``): start making them readable
         without waiting (here they are; a mapped pack's pages are read ahead). Returns
