@@ -514,3 +514,31 @@ def test_each_mode_table_has_one_class_per_name_and_the_class_takes_its_traits_f
         name for name, spec in PREDICTORS.items() if not spec.predicts
     ]
     assert all(cls.name == name for name, cls in PREDICTOR_CLASSES.items() if cls)
+
+
+@pytest.mark.parametrize(
+    ("raw", "budgeted", "warns"),
+    [
+        ({"miss_policy": "speculate", "predictor": "router"}, True, None),
+        ({"miss_policy": "drop"}, True, None),
+        ({"miss_policy": "drop", "quality": None}, False, "quality is null"),
+        ({"miss_policy": "drop", "quality": {"max_accuracy_loss": 0.05}}, True, None),
+        ({"miss_policy": "fetch"}, False, None),  # (exact: nothing to budget)
+        (
+            {"mesh": {"mode": "no_stop"}, "predictor": "router"},
+            False,
+            "mesh mode 'no_stop' changes the output",
+        ),
+    ],
+)
+def test_an_approximate_mode_starts_with_a_quality_budget_unless_it_is_null(raw, budgeted, warns):
+    config = SpecExpertConfig.from_additional_config({"specexpert": raw})
+    assert (config.quality is not None) == budgeted
+    if "quality" not in raw and budgeted:
+        assert config.quality.max_accuracy_loss == 0.02  # (the 98 % these modes promise)
+    if warns is None:
+        assert config.unbudgeted is None
+    else:
+        assert warns in config.unbudgeted
+    # What reconfigure builds (from_dict) adds none: the tap is installed at start only.
+    assert SpecExpertConfig.from_dict(raw).quality == (raw.get("quality") and config.quality)

@@ -191,6 +191,11 @@ class OffloadEngine:
         self._log_unreadable(self._equipped())
         self.reporter.start(self.stats_file, self.config.stats_interval_s)
         logger.info("specexpert: %s", self.summary())
+        self._warn_unbudgeted()
+
+    def _warn_unbudgeted(self) -> None:
+        if (warning := self.config.unbudgeted) is not None:
+            logger.warning("specexpert: %s", warning)
 
     def summary(self) -> str:  # MoE layers, slots, slow tier, policy, predictor
         return report.summary(self)
@@ -230,6 +235,7 @@ class OffloadEngine:
             raise
         self._restarted()
         logger.info("specexpert: reconfigured: %s", self.summary())
+        self._warn_unbudgeted()
 
     def restart(self) -> None:
         """Back to the state of engine start (caches warm-started, nothing pending,

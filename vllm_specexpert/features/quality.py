@@ -49,6 +49,22 @@ class QualityFeature(EngineFeature):
                 "start the engine with 'quality' set (then it can change, or be turned off and on)",
             )
 
+    def summary(self) -> str:
+        settings = self.monitor.config
+        limits = [
+            f"{settings.max_accuracy_loss:.0%} of next-token accuracy lost"
+            if settings.max_accuracy_loss is not None
+            else "",
+            f"{settings.max_top1_flip:.0%} of top-1 tokens flipped"
+            if settings.max_top1_flip is not None
+            else "",
+        ]
+        return (
+            f"; quality budget: at most {' or '.join(filter(None, limits))} over "
+            f"{settings.window} sampled tokens ({settings.sample:.0%} of decode tokens "
+            "recomputed exactly; exact while over)"
+        )
+
     def forces_exact(self, num_tokens: int) -> bool:
         return self.monitor.exact_for(num_tokens)
 
