@@ -370,15 +370,23 @@ def test_a_change_is_checked_alone():
     assert config.changed({"budget": 0.25}).admit_host_experts
 
 
-def test_a_section_given_changes_the_settings_it_names_and_keeps_the_others():
+def test_a_section_given_keeps_the_settings_read_at_start_it_does_not_name():
     from vllm_specexpert.config.switch import check_switch
 
-    config = SpecExpertConfig.from_dict({"lookahead": {"k_max": 3}})
+    config = SpecExpertConfig.from_dict({"lookahead": {"k_max": 3, "k": 1}})
     changed = config.changed({"lookahead": {"k": 2}})
     assert (changed.lookahead.k, changed.lookahead.k_max) == (2, 3)
     check_switch(config, changed)  # (only k changed: a running engine can take it)
+    assert config.changed({"lookahead": {}}).lookahead.k is None  # (the governor again)
+    meshed = SpecExpertConfig.from_dict(
+        {"mesh": {"peers": 3, "mode": "no_stop"}, "predictor": "router"}
+    )
+    remeshed = meshed.changed({"mesh": {"timeout_ms": 100}})
+    assert (remeshed.mesh.peers, remeshed.mesh.mode) == (3, "sync")
+    check_switch(meshed, remeshed)
+    # Other settings of a section given take their defaults, as before.
     linked = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 10, "latency_us": 5}})
-    assert linked.changed({"link": {"latency_us": 7}}).link.bandwidth_gbps == 10
+    assert linked.changed({"link": {"bandwidth_gbps": 20}}).link.latency_us == 0
 
 
 @pytest.mark.parametrize(
@@ -411,6 +419,9 @@ def test_a_section_given_changes_the_settings_it_names_and_keeps_the_others():
             {"miss_policy": "fetch", "predictor": "none"},
             {"exact_layers": None, "prefetch_filter": "cost"},
         ),
+        # An approximate start's quality budget (given, or the default) is set aside by
+        # a switch to an exact mode, not a reason to refuse it.
+        ({"miss_policy": "drop", "quality": {}}, {"miss_policy": "fetch"}, {"quality": None}),
     ],
 )
 def test_a_change_resets_kept_settings_it_leaves_without_effect(start, change, reset):

@@ -277,9 +277,15 @@ def test_quality_needs_a_mode_that_changes_the_output(policy):
 def test_quality_refuses_bad_sections_and_a_budget_where_nothing_misses():
     with pytest.raises(SpecExpertConfigError) as error:  # 16 of 16 experts resident
         SpecExpertConfig.from_dict(
-            {"budget": 1.0, "miss_policy": "drop", "quality": {}}
+            {"budget": 1.0, "miss_policy": "drop", "quality": {"window": 50}}
         ).check_fits(16, 4)
     assert error.value.field_name == "quality"
+    # The default an approximate mode starts with is never a reason to refuse a start:
+    # with nothing missing its monitor finds nothing to judge.
+    started = SpecExpertConfig.from_additional_config(
+        {"specexpert": {"budget": 1.0, "miss_policy": "drop"}}
+    )
+    assert started.quality is not None and started.check_fits(16, 4) == 16
     # speculate changes the output with every expert resident: its budget is useful.
     SpecExpertConfig.from_dict(
         {"budget": 1.0, "miss_policy": "speculate", "predictor": "router", "quality": {}}

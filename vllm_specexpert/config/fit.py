@@ -9,6 +9,7 @@ import math
 
 from vllm_specexpert.config.errors import SpecExpertConfigError
 from vllm_specexpert.config.rules import Settings
+from vllm_specexpert.config.sections import QualityConfig
 
 
 def check_fits(
@@ -72,7 +73,8 @@ def check_fits(
             )
     if (
         config.quality is not None
-        and slots == num_experts
+        and config.quality != QualityConfig()  # (the default an approximate mode starts
+        and slots == num_experts  # with: its monitor then finds nothing to judge)
         and not config.miss_policy_spec.speculates
     ):
         raise SpecExpertConfigError(

@@ -157,14 +157,6 @@ def check_combination(config: Settings) -> None:
 def _check_quality(config: Settings) -> None:
     if config.quality is None:
         return
-    if config.miss_policy_spec.output != "approximate":
-        raise SpecExpertConfigError(
-            "quality",
-            f"miss_policy '{config.miss_policy}' is "
-            f"{config.miss_policy_spec.output}: there is nothing to budget",
-            "remove quality, or use a miss_policy that changes the output "
-            f"({_policies_with_output('approximate')})",
-        )
     if config.mesh is not None:
         raise SpecExpertConfigError(
             "quality",
@@ -278,6 +270,8 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
         mine = getattr(config, section)
         if not dataclasses.is_dataclass(mine):
             return mine != default_of(type(config), key)
+        if not name and default_of(type(config), section) is None:
+            return True  # (an optional section, on)
         names = [name] if name else [f.name for f in dataclasses.fields(mine)]
         return any(getattr(mine, n) != default_of(type(mine), n) for n in names)
 
@@ -361,6 +355,14 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
         )
     if config.stats_path is None:
         needs("stats_interval_s", "without stats_path", "set stats_path, or remove it")
+    if config.miss_policy_spec.output != "approximate":
+        needs(
+            "quality",
+            f"under miss_policy '{config.miss_policy}', which is "
+            f"{config.miss_policy_spec.output} (there is nothing to budget)",
+            "remove quality, or use a miss_policy that changes the output "
+            f"({_policies_with_output('approximate')})",
+        )
     if config.lookahead is not None and config.disk is None:
         needs(
             "lookahead.draft_cache",

@@ -191,6 +191,15 @@ class BuddyConfig:
     harm per token. Range: [1, 65536]."""
 
 
+SETTINGS_READ_AT_START = {
+    "lookahead": ("k_max", "draft_budget", "draft_cache"),
+    "mesh": ("ray_address", "peers", "placement", "hot_count"),
+}
+"""Settings of a section read when the engine starts (vLLM's speculative decoding and
+the draft, the peers and their shards are built then): ``reconfigure`` cannot change
+them, and a section it is given without them keeps the running ones."""
+
+
 @dataclass(config=STRICT)
 class LookaheadConfig:
     """MoE-SpeQ's draft lookahead (``lookahead: {}`` for these defaults). The plugin

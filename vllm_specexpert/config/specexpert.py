@@ -32,6 +32,7 @@ from vllm_specexpert.config.modes import (
 )
 from vllm_specexpert.config.rules import check_combination, check_effect
 from vllm_specexpert.config.sections import (
+    SETTINGS_READ_AT_START,
     STRICT,
     BuddyConfig,
     Count,
@@ -384,9 +385,9 @@ class SpecExpertConfig:
 
     def changed(self, changes: dict[str, Any]) -> SpecExpertConfig:
         """This config with ``changes`` (``reconfigure``): the changed keys must have an
-        effect; a section given (``link``, ``lookahead``) changes the settings it names
-        and keeps the others (``lookahead={"k": 2}`` keeps ``k_max``; ``None`` removes
-        the section), as the top-level settings not named are kept. A setting
+        effect; a section given (``link``, ``buddy``) replaces the current one, but for
+        its settings read at start, which it keeps unless it names them
+        (``lookahead={"k": 2}`` keeps ``k_max``: :data:`SETTINGS_READ_AT_START`). A setting
         kept from before that has no effect any more under the changed mode (say
         ``plec_preload`` after ``cache: lru``) goes back to its default, so that the
         result is a config that would also pass at engine start."""
@@ -398,9 +399,10 @@ class SpecExpertConfig:
             )
         current = self.to_dict()
         merged = {**current, **changes}
-        for key, change in changes.items():
-            if isinstance(change, dict) and isinstance(current.get(key), dict):
-                merged[key] = {**current[key], **change}
+        for section, names in SETTINGS_READ_AT_START.items():
+            change, running = changes.get(section), current.get(section)
+            if isinstance(change, dict) and isinstance(running, dict):
+                merged[section] = {**{n: running[n] for n in names}, **change}
         for _ in range(len(merged) + 1):
             config = self.from_dict(merged, explicit=set(changes))
             try:

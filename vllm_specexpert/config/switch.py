@@ -3,7 +3,10 @@ the engine starts stay as they were."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm_specexpert.config.errors import SpecExpertConfigError
+from vllm_specexpert.config.sections import SETTINGS_READ_AT_START
 from vllm_specexpert.config.specexpert import SpecExpertConfig
 
 READ_AT_START = (
@@ -33,31 +36,26 @@ def check_switch(current: SpecExpertConfig, config: SpecExpertConfig) -> None:
             "the pack is opened and checked when the engine starts",
             "start a new engine with the new 'disk'",
         )
-    before, after = current.mesh, config.mesh
-    if (before is None) != (after is None) or (
-        before is not None
-        and after is not None
-        and any(
-            getattr(before, f) != getattr(after, f)
-            for f in ("ray_address", "peers", "placement", "hot_count")
-        )
-    ):
+    if _changed_at_start(current.mesh, config.mesh, "mesh"):
         raise SpecExpertConfigError(
             "mesh",
             "its peers and their shards are made when the engine starts; only "
             "mesh.mode, rtt_cap_ms, timeout_ms and probe_interval_s can change at run time",
             "start a new engine with the new 'mesh'",
         )
-    drafts = current.lookahead, config.lookahead
-    if (drafts[0] is None) != (drafts[1] is None) or (
-        drafts[0] is not None
-        and drafts[1] is not None
-        and (drafts[0].k_max, drafts[0].draft_budget, drafts[0].draft_cache)
-        != (drafts[1].k_max, drafts[1].draft_budget, drafts[1].draft_cache)
-    ):
+    if _changed_at_start(current.lookahead, config.lookahead, "lookahead"):
         raise SpecExpertConfigError(
             "lookahead",
             "is read when the engine starts (vLLM's speculative decoding and "
             "the draft are built then); only lookahead.k can change at run time",
             "start a new engine with the new 'lookahead'",
         )
+
+
+def _changed_at_start(before: Any, after: Any, section: str) -> bool:
+    """Whether the section was turned on or off, or a setting of it read at start
+    changed."""
+    if before is None or after is None:
+        return (before is None) != (after is None)
+    names = SETTINGS_READ_AT_START[section]
+    return any(getattr(before, name) != getattr(after, name) for name in names)
