@@ -3,7 +3,7 @@ measured ones, where it makes each mode fall back, and what sampling costs.
 
     python benchmarks/quality.py [--model DIR] [--batches 1 8] [--windows 64]
                                  [--budget 0.25] [--samples 0.02 0.1] [--eager]
-                                 [--parts estimate fallback cost]
+                                 [--parts estimate fallback cost] [--name quality]
 
 One plugin engine (started with ``lowbit`` and a quality budget: the INT4 copies and the
 final-norm tap are made at start only); modes switch with ``reconfigure``.
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    parser.add_argument("--name", default="quality", help="result file name")
     parser.add_argument(
         "--parts",
         nargs="+",
@@ -207,11 +208,11 @@ def main() -> None:
         "fallback": fallback_rows,
         "cost": cost_rows,
     }
-    path = write_result("quality", payload)
+    path = write_result(args.name, payload)
     if estimate_rows:
         plot(
             estimate_rows,
-            RESULTS / "quality.png",
+            RESULTS / f"{args.name}.png",
             f"{Path(model).name}, budget {args.budget}, {args.windows} windows x "
             f"{FORCED_TOKENS} forced tokens\n{command_line()}",
         )

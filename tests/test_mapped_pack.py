@@ -435,3 +435,23 @@ def test_a_mapped_read_ahead_learns_its_precision_and_stops_reading_for_nothing(
     assert steps([1, 2, 3, 4], 6) == [4] * 6  # right: read ahead at every step
     wrong = steps([9, 10, 11, 12], 6)  # wrong: read ahead once, then never again
     assert wrong[0] == 4 and wrong[2:] == [0] * 4, wrong
+
+
+def test_the_pack_form_proof_takes_the_first_expert_the_mapping_can_read(pack, monkeypatch):
+    # (Issue 65: a bad record of expert 0 stopped the start on either residency.)
+    from test_disk_engine import unreadable_logs
+
+    from vllm_specexpert.handback import UnreadableRows
+    from vllm_specexpert.layers.pack_form_check import _first_readable
+
+    logged = unreadable_logs(monkeypatch)
+    overwrite(pack, NAMES[0], [0, 1], tensor=0)
+    disk = Disk(pack, depth=2, mapped=True)
+    try:
+        index, stored = _first_readable(disk.layer(NAMES[0]), UnreadableRows())
+        assert index == 2
+        assert torch.equal(stored["w2_weight"][0], LAYERS[NAMES[0]]["w2_weight"][2])
+        assert [entry[2] for entry in logged] == [[0], [1]]
+        assert "at the pack's form check" in logged[0][3]
+    finally:
+        disk.close()
