@@ -89,7 +89,7 @@ PHASES = (
     "approximate",
     "serve",
 )
-TOKENS = {1: 16, 8: 8, 32: 5}
+TOKENS = {1: 16, 8: 8, 32: 5, 64: 4, 128: 4, 256: 3}
 """Tokens generated per sequence at each batch (bigger batches read more per step)."""
 PROMPT_TOKENS = 32
 
@@ -122,6 +122,11 @@ MODES = {
         "miss_policy": "fetch",
         "cache": "lru",
         "predictor": "estimator",
+    },
+    "stream, LRU (equivalent: each missing expert read once per call)": {
+        "miss_policy": "stream",
+        "cache": "lru",
+        "predictor": "none",
     },
     "plec + path predictor": {
         "miss_policy": "fetch",

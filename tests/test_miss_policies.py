@@ -283,3 +283,53 @@ def test_prefill_tokens_fetch_whatever_the_policy(make_engine):
     stats = engine.stats()["layers"][NAME]
     assert stats["prefill"]["dropped_entries"] == 0 and stats["prefill"]["fetched_entries"] == 7
     assert stats["decode"]["calls"] == 0
+
+
+def sweep(tokens: int, seed: int = 0) -> list[list[int]]:
+    """``tokens`` tokens' top-4, together needing all 16 experts: two of them on the warm
+    start's experts 0-7, the others drawn at random."""
+    rng = np.random.default_rng(seed)
+    ids = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    ids += [rng.choice(E, K, replace=False).tolist() for _ in range(tokens - 2)]
+    assert len({e for row in ids for e in row}) == E
+    return ids
+
+
+@pytest.mark.parametrize("phases", [None, PassPhases.prefill_only(24)])
+def test_stream_reads_each_missing_expert_once_and_equals_fetch_up_to_rounding(
+    make_engine, monkeypatch, phases
+):
+    # 24 tokens need all 16 experts; 8 slots hold experts 0-7. fetch runs whole tokens in
+    # groups that fit, reading an expert again for a later group; stream reads each of
+    # 8-15 once, a token's experts then in different launches.
+    from vllm_specexpert.tiers.loader import ExpertLoader
+
+    read: list[int] = []
+    load = ExpertLoader._load
+    monkeypatch.setattr(
+        ExpertLoader,
+        "_load",
+        lambda self, e, *a, **k: read.extend(e.tolist()) or load(self, e, *a, **k),
+    )
+    stream, fetch = make_engine(miss_policy="stream"), make_engine(miss_policy="fetch")
+    x, w, ids = routing(sweep(24))
+    a = stream.run_call(LayerCall(NAME, slot_kernel, x, w, ids, phases))
+    assert sorted(read) == list(range(8, 16))  # each missing expert read once
+    read.clear()
+    b = fetch.run_call(LayerCall(NAME, slot_kernel, x, w, ids, phases))
+    assert len(read) > 8  # (the groups read experts again, resident ones too)
+    assert_equivalent(a, b)
+    whole = (ids < 8).all(dim=1)  # every expert resident at the start: one launch, exact
+    assert whole.any() and torch.equal(a[whole], b[whole])
+    assert not torch.equal(a, b)  # (a split token's partial sums are rounded apart)
+    assert stream.stats()["output"] == "equivalent"
+    check_cache_invariants(stream.layers[NAME].loader, settle=True)
+
+
+def test_stream_runs_a_call_that_fits_as_fetch_does(make_engine):
+    stream, fetch = make_engine(miss_policy="stream"), make_engine(miss_policy="fetch")
+    for step in range(3):  # (13 distinct experts: more than 8 slots; then what fits)
+        x, w, ids = routing([[0, 9, 10, 11], [1, 2, 3, 4]] if step else IDS[:2], seed=step)
+        a = stream.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
+        assert torch.equal(a, fetch.run_call(LayerCall(NAME, slot_kernel, x, w, ids)))
+    assert layer_stats(stream)["loads"] == layer_stats(fetch)["loads"]

@@ -219,6 +219,39 @@ def test_a_batch_of_96_decoding_sequences_uses_the_configured_policy(llm):
     assert total["prefill"]["host_entries"] == 0 and total["prefill"]["loads"] > 0
 
 
+def test_stream_reads_each_missing_expert_once_per_call_and_keeps_vanilla_tokens(llm, eager):
+    # 96 sequences: a decode pass needs more experts than the 16 slots. fetch runs it in
+    # groups of whole tokens and reads an expert again for each group that needs it;
+    # stream reads each one once per call (prefill too).
+    words = (TRAINED_MODEL_DIR / "heldout" / "test.txt").read_text().split()
+    prompts = [" ".join(words[i * 12 : (i + 1) * 12]) for i in range(96)]
+    loads = {}
+    for policy in ("fetch", "stream"):
+        vllm_specexpert.reconfigure(
+            llm, predictor="none", miss_policy=policy, link={}, admit_host_experts=False
+        )
+        greedy(llm, prompts=prompts, max_tokens=4)
+        stats = vllm_specexpert.get_stats(llm)[0]
+        loads[policy] = {p: stats["total"][p]["loads"] for p in ("decode", "prefill")}
+        if policy == "stream":
+            for layer in stats["layers"].values():
+                for phase in ("decode", "prefill"):
+                    assert layer[phase]["loads"] <= layer[phase]["experts_needed"]
+    assert loads["stream"]["decode"] < loads["fetch"]["decode"]
+    assert loads["stream"]["prefill"] < loads["fetch"]["prefill"]
+    outputs = greedy(llm)
+    reference = vanilla_reference(TRAINED_MODEL, eager)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    diffs = [
+        abs(a[top] - b[top])
+        for out, ref in zip(outputs, reference, strict=True)
+        for a, b in zip(out.logprobs, ref.logprobs, strict=True)
+        for top in [max(b, key=b.get)]
+    ]
+    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03
+    assert vllm_specexpert.get_stats(llm)[0]["output"] == "equivalent"
+
+
 @pytest.mark.parametrize(
     "change, field",
     [

@@ -83,7 +83,7 @@ CASES = {
     ),
     "quality where nothing can miss": (
         TRAINED_MODEL,
-        {"budget": 64, "miss_policy": "drop", "quality": {}},
+        {"budget": 64, "miss_policy": "drop", "quality": {"window": 50}},
         {},
         "quality",
     ),

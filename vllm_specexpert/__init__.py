@@ -67,8 +67,8 @@ its floor::
      5  places          where entries run besides the slots, one registry per layer
                         (Place, its counters; Dropped: the one every layer has)
      6  policy/         miss policies that only decide (a MissPlan over places): base,
-                        context, fetch, speculate, cpu, substitute, drop, buddies,
-                        lowbit, peers
+                        context, fetch, stream, speculate, cpu, substitute, drop,
+                        buddies, lowbit, peers
      5  planner/        what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router),

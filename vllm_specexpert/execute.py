@@ -261,6 +261,8 @@ def run_on_device(
     if cache.capacity_for(needed):
         loader.acquire(needed, stats)
         return _launch(loader, call, needed)
+    if loader.splits_tokens:
+        return run_streamed(loader, call)
     out = torch.empty_like(call.x)
     remaining = np.arange(ids.shape[0])
     while remaining.size:
@@ -279,6 +281,44 @@ def run_on_device(
         part.before_kernel = call.take_before_kernel()
         out[upload(ready, call.x.device)] = _launch(loader, part, np.unique(ids[ready]))
         remaining = np.setdiff1d(remaining, ready, assume_unique=True)
+    return out
+
+
+def run_streamed(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
+    """A call whose experts do not fit, each missing expert read once: one launch on
+    the resident entries (a token whose experts are all resident runs whole: exactly),
+    then the missing experts in windows of what the pool holds, in id order (the pack's
+    file order), each window's entries launched as one-entry tokens. A token split over
+    launches gets the kernel's bf16 results added in fp32 and rounded once: equal to the
+    whole token's up to rounding (``stream``)."""
+    cache, ids, stats, device = loader.cache, call.host_ids, call.stats, call.x.device
+    held = cache.resident_mask()[ids]
+    out = torch.zeros_like(call.x)
+    if held.any():
+        resident = np.unique(ids[held])
+        loader.acquire(resident, stats)  # (hits)
+        index, part = call.masked(held)
+        part.before_kernel = call.take_before_kernel()
+        out[index] = _launch(loader, part, resident)
+    split = np.flatnonzero(~held.all(axis=1))
+    row_of = np.zeros(len(ids), dtype=np.int64)
+    row_of[split] = np.arange(len(split))
+    total = out[upload(split, device)].float()
+    rest = np.unique(ids[~held])  # (ascending: the pack's order)
+    while len(rest):
+        take = min(len(rest), cache.capacity())
+        while take and not cache.capacity_for(rest[:take]):
+            take -= 1
+        if not take:  # the pool's reserve for one token was broken: a bug
+            raise RuntimeError(f"{cache.experts.name}: no room for one expert to stream")
+        window, rest = rest[:take], rest[take:]
+        loader.acquire(window, stats)  # (what was resident is done: no later demand)
+        rows, ks = np.nonzero(np.isin(ids, window) & ~held)
+        weights = call.topk_weights[upload(rows, device), upload(ks, device)][:, None]
+        part = call.rows(rows, weights, ids[rows, ks][:, None])
+        part.before_kernel = call.take_before_kernel()
+        total.index_add_(0, upload(row_of[rows], device), _launch(loader, part, window).float())
+    out[upload(split, device)] = total.to(out.dtype)
     return out
 
 

@@ -13,7 +13,16 @@ from typing import Literal, get_args
 Output = Literal["exact", "equivalent", "approximate"]
 
 MissPolicyName = Literal[
-    "fetch", "speculate", "cpu", "auto", "auto_buddy", "buddy", "random", "drop", "lowbit"
+    "fetch",
+    "stream",
+    "speculate",
+    "cpu",
+    "auto",
+    "auto_buddy",
+    "buddy",
+    "random",
+    "drop",
+    "lowbit",
 ]
 """The names of :data:`MISS_POLICIES`, in its order, spelled out for the type checker
 (which cannot evaluate ``Literal[tuple(MISS_POLICIES)]``); checked against the table at
@@ -65,6 +74,11 @@ class MissPolicySpec:
     low_bit: bool = False
     """Whether missing experts run from INT4 copies made at load (HOBBIT), moved packed
     into a small pool of the layer's slots."""
+    splits_tokens: bool = False
+    """Whether a call whose distinct experts do not fit in the pool may run a token's
+    experts in different launches, so that each missing expert is read once per call
+    (else the call runs in groups of whole tokens, and an expert needed by tokens of
+    several groups is read once per group)."""
 
     @property
     def computes_elsewhere(self) -> bool:
@@ -77,6 +91,8 @@ MISS_POLICIES: dict[str, MissPolicySpec] = {
     spec.name: spec
     for spec in (
         MissPolicySpec("fetch", "exact"),
+        # A split token's partial sums are each rounded to bf16 by the kernel, then added.
+        MissPolicySpec("stream", "equivalent", splits_tokens=True),
         MissPolicySpec("speculate", "approximate", needs_predictor=True, speculates=True),
         # vLLM's kernel rounds each launch's sum to bf16: the device's and the host's partial
         # sums are rounded before they are added.

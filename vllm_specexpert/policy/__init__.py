@@ -10,12 +10,14 @@ from vllm_specexpert.policy.fetch import FetchPolicy
 from vllm_specexpert.policy.lowbit import LowBitPolicy
 from vllm_specexpert.policy.peers import PeersFirst
 from vllm_specexpert.policy.speculate import SpeculatePolicy
+from vllm_specexpert.policy.stream import StreamPolicy
 from vllm_specexpert.policy.substitute import BuddyPolicy, RandomPolicy
 
 MISS_POLICY_CLASSES: dict[str, type[MissPolicy]] = {
     cls.spec.name: cls
     for cls in (
         FetchPolicy,
+        StreamPolicy,
         SpeculatePolicy,
         CpuPolicy,
         AutoPolicy,

@@ -31,17 +31,7 @@ MODEL_EXPERTS, MODEL_TOP_K = 16, 2
 """The routing shape the pairs are checked on (the test's toy model)."""
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "miss_policy": (
-        "fetch",
-        "speculate",
-        "cpu",
-        "auto",
-        "buddy",
-        "auto_buddy",
-        "random",
-        "drop",
-        "lowbit",
-    ),
+    "miss_policy": tuple(MISS_POLICIES),
     "cache": ("lru", "lfu", "static", "plec"),
     "predictor": ("none", "router", "quasi_hidden", "estimator", "hybrid"),
     "lookahead": (None, "on"),
