@@ -123,7 +123,7 @@ MODES = {
         "cache": "lru",
         "predictor": "estimator",
     },
-    "stream, LRU (equivalent: each missing expert read once per call)": {
+    "stream, LRU": {
         "miss_policy": "stream",
         "cache": "lru",
         "predictor": "none",

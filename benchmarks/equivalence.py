@@ -1,15 +1,19 @@
-"""How far the "equivalent" miss policies (``cpu``, ``auto``) drift from vanilla vLLM.
+"""How far the "equivalent" miss policies (``cpu``, ``auto``, ``stream``) drift from
+vanilla vLLM.
 
     python benchmarks/equivalence.py [--models trained qwen3_moe] [--budgets 0.5 0.25]
                                      [--prompts 16] [--max-tokens 64] [--windows 8]
+                                     [--policies fetch cpu auto stream]
 
 ``cpu`` and ``auto`` run the router's experts with the router's weights, but a token whose
 experts are split between the device and the host gets two partial sums, each rounded to
-bf16 by vLLM's kernel before they are added; vanilla rounds once. The kernel exposes no
-fp32 partial output (``cpu_fused_moe`` writes the input dtype), so the split cannot
-reproduce vanilla's arithmetic: the modes are "equivalent", not exact. This measures the
-drift, on the embedded trained model and on a random-weight fixture whose logits are
-nearly flat (the worst case for greedy agreement):
+bf16 by vLLM's kernel before they are added; vanilla rounds once. ``stream`` splits a
+token whose experts do not fit in one launch into several, each rounded (the greedy
+prompts run batched: their decode calls need more experts than the slots hold). The
+kernel exposes no fp32 partial output (``cpu_fused_moe`` writes the input dtype), so
+the split cannot reproduce vanilla's arithmetic: the modes are "equivalent", not exact.
+This measures the drift, on the embedded trained model and on a random-weight fixture
+whose logits are nearly flat (the worst case for greedy agreement):
 
 * greedy: ``--prompts`` held-out prompts, ``--max-tokens`` tokens each, batched; share of
   positions equal to vanilla's, mean share before the first divergence, share of
@@ -84,6 +88,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument(
+        "--policies", nargs="+", default=["fetch", "cpu", "auto", "stream"], help="(fetch first)"
+    )
     args = parser.parse_args()
 
     import vllm_specexpert
@@ -104,7 +111,8 @@ def main() -> None:
         reference = run(vanilla, prompts, windows, args.max_tokens)
         stop_engine(vanilla)
         for budget in args.budgets:
-            for policy, policy_link in (("fetch", {}), ("cpu", {}), ("auto", link)):
+            for policy in args.policies:
+                policy_link = link if policy == "auto" else {}
                 vllm_specexpert.reconfigure(
                     plugin, budget=budget, miss_policy=policy, link=policy_link
                 )
