@@ -8,6 +8,7 @@ step that ran a prompt, are no samples. The governor inside vLLM's scheduler:
 import pytest
 
 from vllm_specexpert.planner.switch import (
+    EXPLORE_AFTER_TOKENS,
     PROBE_STEPS,
     PROBE_TOKENS,
     WARM_UP_STEPS,
@@ -66,9 +67,22 @@ def test_where_grouping_costs_more_it_stops_and_keeps_097_of_never_grouping(rati
 
 def test_where_grouping_costs_less_it_groups():
     replay = Replay(lambda grouping, step: 0.07 if grouping else 0.1)
-    replay.run(2000)
+    replay.run(4000)
     assert replay.throughput >= 0.97 / 0.07
-    assert replay.grouped >= 2000 - WARM_UP_STEPS - probes(replay)
+    untried = EXPLORE_AFTER_TOKENS // RUNNABLE  # (steps run as without it, first)
+    assert replay.grouped >= 4000 - untried - WARM_UP_STEPS - probes(replay)
+
+
+@pytest.mark.parametrize("ratio", [1.14, 0.7])
+def test_a_short_run_never_pays_for_trying_it(ratio):
+    # Issue 66: 6-12 decode tokens of 16 sequences ran 0.88-0.90x fetch, the grouped
+    # warm-up most of them. A run shorter than the exploration threshold never groups,
+    # whether grouping would pay or not.
+    replay = Replay(lambda grouping, step: 0.1 * (ratio if grouping else 1.0))
+    replay.run(EXPLORE_AFTER_TOKENS // RUNNABLE)
+    assert replay.grouped == 0 and replay.throughput == pytest.approx(1 / 0.1)
+    replay.run(WARM_UP_STEPS)  # (then it is tried)
+    assert replay.grouped == WARM_UP_STEPS
 
 
 def test_a_workload_that_changes_is_seen_by_the_probes():

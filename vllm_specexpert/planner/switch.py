@@ -5,13 +5,15 @@ nothing, a held-back sequence's wait, the engine's own work) are both in the tim
 token scheduler's grouping (its governor) and a predictor's prefetch each have one.
 
 A step's sample is the wall time from its start to the next step's start, divided by its
-decode tokens; a step that also ran a prompt or a chunk is no sample. Per bucket, each
-choice runs ``WARM_UP_STEPS`` steps in a row (the first sample after a switch dropped:
-its cache is the other choice's), then the cheaper median runs, and the other is tried
-again for ``PROBE_STEPS`` after every ``PROBE_TOKENS`` decode tokens of the bucket, so a
-change of workload is seen. Counted in tokens, not steps, the probes take about the same
-share of the time either way round: with one choice 1.5x the other's cost per token,
-they cost under 2 % of the throughput.
+decode tokens; a step that also ran a prompt or a chunk is no sample. Per bucket, the
+technique starts off (what costs nothing to try: a run of a few tokens never pays for
+trying it), and is tried once the bucket has run ``EXPLORE_AFTER_TOKENS`` decode tokens:
+each choice runs ``WARM_UP_STEPS`` steps in a row (the first sample after a switch
+dropped: its cache is the other choice's), then the cheaper median runs, and the other
+is tried again for ``PROBE_STEPS`` after every ``PROBE_TOKENS`` decode tokens of the
+bucket, so a change of workload is seen. Counted in tokens, not steps, the trials take
+about the same share of the time either way round: with one choice 1.5x the other's
+cost per token, they cost under 2 % of the throughput.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ PROBE_TOKENS = 2048
 """Decode tokens of a bucket between two probes of the choice not taken."""
 PROBE_STEPS = 3
 """Steps a probe runs (its first sample dropped)."""
+EXPLORE_AFTER_TOKENS = 512
+"""Decode tokens of a bucket, run without the technique, before it is first tried: its
+warm-up then costs at most about 2 % of what ran before (4 steps at 1.14x, issue 66's
+token scheduler at 16 sequences), and a short run (issue 66: 6-12 tokens of 16
+sequences) runs as without it."""
 
 
 @dataclass
@@ -39,6 +46,8 @@ class _Bucket:
 
     tokens: int = 0
     """Decode tokens of this bucket since its last probe."""
+    seen: int = 0
+    """Decode tokens of this bucket in all."""
     last: bool | None = None
     """Whether its last step ran the technique (``None``: no step yet)."""
     probe_left: int = 0
@@ -51,9 +60,15 @@ class MeasuredSwitch:
     """Whether each step runs a technique (module doc). ``name``: what it switches, for
     the log."""
 
-    def __init__(self, name: str, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        name: str,
+        clock: Callable[[], float] = time.perf_counter,
+        explore_after_tokens: int = EXPLORE_AFTER_TOKENS,
+    ) -> None:
         self.name = name
         self.clock = clock
+        self.explore_after_tokens = explore_after_tokens
         self.costs: MeasuredCosts[tuple[int, bool]] = MeasuredCosts()
         """(batch bucket, on) -> recent seconds per decode token."""
         self.buckets: dict[int, _Bucket] = {}
@@ -88,14 +103,16 @@ class MeasuredSwitch:
         decode tokens only."""
         if self._choice is None:
             return
-        self.buckets[self._choice[0]].tokens += decode_tokens
+        state = self.buckets[self._choice[0]]
+        state.tokens += decode_tokens
+        state.seen += decode_tokens
         if decode_only and decode_tokens > 0:
             self._pending = (self._choice, self._started, decode_tokens)
 
     def _choose(self, batch_bucket: int, state: _Bucket) -> bool:
-        for choice in (True, False):  # warm-up: on first, then off, in a row
+        for choice in (False, True):  # warm-up: off first, then on, in a row
             if self.costs.kept((batch_bucket, choice)) < WARM_UP_STEPS - 1:
-                return choice
+                return choice and state.seen >= self.explore_after_tokens
         on = self.costs.median((batch_bucket, True))
         off = self.costs.median((batch_bucket, False))
         assert on is not None and off is not None  # (both warmed up)
