@@ -25,7 +25,9 @@ class Replay:
     def __init__(self, cost):
         self.now = 0.0
         self.cost = cost
-        self.governor = MeasuredSwitch("grouping", clock=lambda: self.now)
+        self.governor = MeasuredSwitch(
+            "grouping", clock=lambda: self.now, explore_after_tokens=EXPLORE_AFTER_TOKENS
+        )
         self.tokens = 0
         self.grouped = 0
         self.steps = 0

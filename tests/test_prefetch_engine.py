@@ -88,7 +88,7 @@ def tokens(n, seed):
 
 
 def test_router_prefetch_keeps_fetch_exact_and_counts(make_engine, toy):
-    engine = make_engine(budget=0.5, predictor="router", prefetch_governor=False)
+    engine = make_engine(budget=0.5, predictor="router")
     _, _, layers = toy
     for s in range(6):
         _, (x1, w1, ids1), out1 = step(engine, toy, tokens(2, s))
@@ -338,7 +338,7 @@ def test_a_decode_layer_call_reads_the_device_once(make_engine, toy, host_reads)
     # prefetches along the way.
     from vllm_specexpert.tiers.staging import HostReader
 
-    engine = make_engine(budget=0.5, predictor="router", prefetch_governor=False)
+    engine = make_engine(budget=0.5, predictor="router")
     engine.reader = HostReader(torch.device("cpu"), packed=True)
     gates, norms, _ = toy
     reads = host_reads
@@ -375,7 +375,7 @@ def test_the_prefetch_switch_stops_prefetching_where_a_pass_costs_more_with_it(
     engine.start()
     feature = engine.feature(PredictionFeature)
     now = [0.0]
-    feature.switch = MeasuredSwitch("prefetch", clock=lambda: now[0], explore_after_tokens=0)
+    feature.switch = MeasuredSwitch("prefetch", clock=lambda: now[0])
     on_cost, off_cost = (1.5, 1.0) if dear else (1.0, 1.5)
     choices, prefetched = [], {True: 0, False: 0}
     for s in range(40):
@@ -388,7 +388,7 @@ def test_the_prefetch_switch_stops_prefetching_where_a_pass_costs_more_with_it(
     assert measured == {"on_s_per_token": on_cost, "off_s_per_token": off_cost}
     (family,) = feature.series()  # what /metrics serves of it
     assert sorted(family.samples) == [(("2", "off"), off_cost), (("2", "on"), on_cost)]
-    assert choices[: 2 * WARM_UP_STEPS] == [False] * WARM_UP_STEPS + [True] * WARM_UP_STEPS
+    assert choices[: 2 * WARM_UP_STEPS] == [True] * WARM_UP_STEPS + [False] * WARM_UP_STEPS
     after_warm_up = choices[2 * WARM_UP_STEPS :]
     assert not any(after_warm_up) if dear else all(after_warm_up), choices
     # Switched on, the planner prefetched; switched off, nothing was loaded ahead.

@@ -5,15 +5,16 @@ nothing, a held-back sequence's wait, the engine's own work) are both in the tim
 token scheduler's grouping (its governor) and a predictor's prefetch each have one.
 
 A step's sample is the wall time from its start to the next step's start, divided by its
-decode tokens; a step that also ran a prompt or a chunk is no sample. Per bucket, the
-technique starts off (what costs nothing to try: a run of a few tokens never pays for
-trying it), and is tried once the bucket has run ``EXPLORE_AFTER_TOKENS`` decode tokens:
-each choice runs ``WARM_UP_STEPS`` steps in a row (the first sample after a switch
+decode tokens; a step that also ran a prompt or a chunk is no sample. Per bucket, each
+choice runs ``WARM_UP_STEPS`` steps in a row (the first sample after a switch
 dropped: its cache is the other choice's), then the cheaper median runs, and the other
 is tried again for ``PROBE_STEPS`` after every ``PROBE_TOKENS`` decode tokens of the
 bucket, so a change of workload is seen. Counted in tokens, not steps, the trials take
 about the same share of the time either way round: with one choice 1.5x the other's
-cost per token, they cost under 2 % of the throughput.
+cost per token, they cost under 2 % of the throughput. The technique warms up first,
+unless the switch is made with ``explore_after_tokens``: then the bucket starts without
+it and first tries it after that many decode tokens, so that a run of a few tokens never
+pays for the trial (the token scheduler's grouping, which holds sequences back).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ PROBE_TOKENS = 2048
 PROBE_STEPS = 3
 """Steps a probe runs (its first sample dropped)."""
 EXPLORE_AFTER_TOKENS = 512
-"""Decode tokens of a bucket, run without the technique, before it is first tried: its
-warm-up then costs at most about 2 % of what ran before (4 steps at 1.14x, issue 66's
-token scheduler at 16 sequences), and a short run (issue 66: 6-12 tokens of 16
-sequences) runs as without it."""
+"""The token scheduler's: decode tokens of a bucket, run without grouping, before it is
+first tried: its warm-up then costs at most about 2 % of what ran before (4 steps at
+1.14x, issue 66's token scheduler at 16 sequences), and a short run (issue 66: 6-12
+tokens of 16 sequences, where the grouped warm-up cost 10-12 %) runs as without it."""
 
 
 @dataclass
@@ -64,7 +65,7 @@ class MeasuredSwitch:
         self,
         name: str,
         clock: Callable[[], float] = time.perf_counter,
-        explore_after_tokens: int = EXPLORE_AFTER_TOKENS,
+        explore_after_tokens: int | None = None,
     ) -> None:
         self.name = name
         self.clock = clock
@@ -110,9 +111,10 @@ class MeasuredSwitch:
             self._pending = (self._choice, self._started, decode_tokens)
 
     def _choose(self, batch_bucket: int, state: _Bucket) -> bool:
-        for choice in (False, True):  # warm-up: off first, then on, in a row
+        explore = self.explore_after_tokens
+        for choice in (True, False) if explore is None else (False, True):  # warm-ups
             if self.costs.kept((batch_bucket, choice)) < WARM_UP_STEPS - 1:
-                return choice and state.seen >= self.explore_after_tokens
+                return choice and (explore is None or state.seen >= explore)
         on = self.costs.median((batch_bucket, True))
         off = self.costs.median((batch_bucket, False))
         assert on is not None and off is not None  # (both warmed up)

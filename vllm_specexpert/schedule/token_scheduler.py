@@ -28,7 +28,7 @@ from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.handoff import SchedulerStats, StepDemand
 from vllm_specexpert.log import init_logger
-from vllm_specexpert.planner.switch import MeasuredSwitch
+from vllm_specexpert.planner.switch import EXPLORE_AFTER_TOKENS, MeasuredSwitch
 from vllm_specexpert.predict.path import load_path_predictor
 from vllm_specexpert.schedule.grouping import partition
 from vllm_specexpert.schedule.scheduler import SpecExpertScheduler
@@ -61,7 +61,7 @@ class TokenGroupScheduler(SpecExpertScheduler):
         """The decode requests of the group expected to run next step."""
         self.stats = SchedulerStats()
         self.governor = (
-            MeasuredSwitch("token scheduler's grouping")
+            MeasuredSwitch("token scheduler's grouping", explore_after_tokens=EXPLORE_AFTER_TOKENS)
             if self.settings is not None and self.settings.governor
             else None
         )
