@@ -115,6 +115,24 @@ def test_speculate_with_every_layer_exact_is_vanilla(llm, eager):
     )
 
 
+def assert_equivalent_to_vanilla(llm, eager: bool, policy: str) -> None:
+    """``llm``'s greedy outputs: vanilla's tokens, and logprobs that differ by bf16
+    rounding only (the same experts summed in another order: differences that grow
+    through the layers, small against the logprobs themselves); stats say equivalent."""
+    outputs = greedy(llm)
+    reference = vanilla_reference(TRAINED_MODEL, eager)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
+    diffs = [
+        abs(a[top] - b[top])
+        for out, ref in zip(outputs, reference, strict=True)
+        for a, b in zip(out.logprobs, ref.logprobs, strict=True)
+        for top in [max(b, key=b.get)]
+    ]
+    print(f"{policy}: |d logprob| mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f}")
+    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03
+    assert vllm_specexpert.get_stats(llm)[0]["output"] == "equivalent"
+
+
 SLOW_LINK = {"bandwidth_gbps": 0.02, "host_slowdown": 1.0}
 """A copy takes ~5 ms while the host computes an expert in well under that: ``auto``
 should compute misses on the host."""
@@ -131,21 +149,9 @@ def test_host_compute_keeps_vanilla_tokens(llm, eager, policy, link):
     # expert, well under the emulated link's ~5 ms copy), not measured, so the split
     # (and every layer's host entries) does not depend on how loaded the machine is.
     fix_host_cost(llm, 1e-4)
-    outputs = greedy(llm)
-    reference = vanilla_reference(TRAINED_MODEL, eager)
-    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
-    # Same experts, other summation order: bf16 rounding differences that grow through
-    # the layers, small against the logprobs themselves.
-    diffs = [
-        abs(a[top] - b[top])
-        for out, ref in zip(outputs, reference, strict=True)
-        for a, b in zip(out.logprobs, ref.logprobs, strict=True)
-        for top in [max(b, key=b.get)]
-    ]
-    print(f"{policy}: |d logprob| mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f}")
-    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03
+    assert_equivalent_to_vanilla(llm, eager, policy)
     stats = vllm_specexpert.get_stats(llm)[0]
-    assert stats["output"] == "equivalent" and not stats["exact"]
+    assert not stats["exact"]
     decode, prefill = stats["total"]["decode"], stats["total"]["prefill"]
     assert prefill["loads"] > 0 and prefill["host_entries"] == 0  # prompts fetch, exactly
     if policy == "cpu":  # decode misses all go to the host: the cache never changes
@@ -239,17 +245,7 @@ def test_stream_reads_each_missing_expert_once_per_call_and_keeps_vanilla_tokens
                     assert layer[phase]["loads"] <= layer[phase]["experts_needed"]
     assert loads["stream"]["decode"] < loads["fetch"]["decode"]
     assert loads["stream"]["prefill"] < loads["fetch"]["prefill"]
-    outputs = greedy(llm)
-    reference = vanilla_reference(TRAINED_MODEL, eager)
-    assert [c.token_ids for c in outputs] == [c.token_ids for c in reference]
-    diffs = [
-        abs(a[top] - b[top])
-        for out, ref in zip(outputs, reference, strict=True)
-        for a, b in zip(out.logprobs, ref.logprobs, strict=True)
-        for top in [max(b, key=b.get)]
-    ]
-    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03
-    assert vllm_specexpert.get_stats(llm)[0]["output"] == "equivalent"
+    assert_equivalent_to_vanilla(llm, eager, "stream")
 
 
 @pytest.mark.parametrize(
