@@ -276,6 +276,27 @@ def test_a_writer_that_comes_while_a_launch_reads_fails_the_launch(engine, pack)
     assert engine.unreadable.take() == []
 
 
+def test_a_writer_that_came_and_went_during_a_launch_fails_it(engine, pack, monkeypatch):
+    # (Only when the kernel revoked the lease, after /proc/sys/fs/lease-break-time of a
+    # launch: the lease is then found taken again, and the launch may have read what
+    # the writer wrote.)
+    from vllm_specexpert.tiers.pack_lease import LeaseState
+
+    name, lease = NAMES[0], engine.store.disk.mapping.lease
+
+    def kernel(*args):
+        monkeypatch.setattr(lease, "state", lambda: LeaseState.RENEWED)  # once, after it
+        return slot_kernel(*args)
+
+    x, w, _ = random_routing(2, 16, 4, hidden=64, seed=6)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    engine.run_call(LayerCall(name, kernel, x, w, ids, PassPhases.decode_only(2)))
+    assert engine.unreadable.take() == [0, 1]
+    monkeypatch.undo()
+    out = call(engine, name, x, w, ids, PassPhases.decode_only(2))  # checked again: exact
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+
+
 def test_a_pack_open_for_writing_at_the_start_is_not_mapped(pack):
     writer = OtherWriter(pack.path / RECORDS_FILE)
     writer.write(0, (pack.path / RECORDS_FILE).read_bytes()[:1])  # (open: nothing changed)

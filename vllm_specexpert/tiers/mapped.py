@@ -226,11 +226,12 @@ class MappedPack:
     def confirm(self, layer: PackLayer, experts: np.ndarray) -> None:
         """After a launch read the pages of ``experts``: fail it (one
         :class:`ExpertsUnreadable`) if the file was opened for writing while it ran."""
-        self._check_lease(layer, experts)
+        self._check_lease(layer, experts, launched=True)
 
-    def _check_lease(self, layer: PackLayer, experts: np.ndarray) -> None:
+    def _check_lease(self, layer: PackLayer, experts: np.ndarray, launched: bool = False) -> None:
         """Raise :class:`ExpertsUnreadable` for every one of ``experts`` unless the lease
-        was held since it was last asked; a break forgets every check."""
+        was held since it was last asked, or (before a launch, not ``launched``) a
+        writer came and went since: every check is forgotten then, and made again."""
         with self._lock:
             was_held = self.lease.held
             lease = self.lease.state()
@@ -239,12 +240,14 @@ class MappedPack:
             for done in self._verified.values():
                 done[:] = False
             self.stats.writes_seen += was_held
-            if lease is LeaseState.RENEWED:
+            if lease is LeaseState.RENEWED and not launched:
                 return
             self.stats.failed += len(experts)
         cause = (
             f"{self.path} is open for writing by another process: the mapped pack serves "
             "nothing until it is closed, then checks every expert again"
+            if lease is LeaseState.WRITING
+            else f"{self.path} was written to while a launch read it"
         )
         raise self.pack.unreadable(layer.name, dict.fromkeys(np.unique(experts).tolist(), cause))
 
