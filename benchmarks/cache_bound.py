@@ -19,6 +19,8 @@ from prefill as in vLLM), and replays them offline under
   - ``lru (engine)``, ``plec (engine)``: the plugin's own engine (no vLLM), driven as the
     scheduler drives it (each step's predicted demand, the next group's under grouping);
     ``plec (engine, true routes)``: the same with a perfect next-step predictor;
+    ``stream (engine)``: ``miss_policy: stream`` on LRU (each missing expert read once
+    per call: what ``lru once per call`` counts, by the engine itself);
   - ``lru once per call``: a pool per layer, LRU, each missed expert loaded once per call
     (what an executor that may split a token's experts over kernel calls could do; the
     exact one runs whole tokens, so a call larger than its pool reloads);
@@ -172,6 +174,7 @@ def engine_loads(
     cache: str,
     budget: float,
     experts: int,
+    miss_policy: str = "fetch",
 ) -> int:
     """The plugin's own engine (``fetch``, no vLLM) replaying the schedule, as the
     scheduler would drive it: each step's ``StepDemand`` from the ``believed`` routes,
@@ -183,7 +186,12 @@ def engine_loads(
 
     layers, top_k = routes[0].shape[1], routes[0].shape[2]
     config = SpecExpertConfig.from_dict(
-        {"budget": budget, "cache": cache, "path_predictor": "(replayed)"}
+        {
+            "budget": budget,
+            "cache": cache,
+            "miss_policy": miss_policy,
+            "path_predictor": "(replayed)",
+        }
     )
     engine = OffloadEngine(config, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
@@ -266,6 +274,9 @@ def cache_counts(
         ),
         "plec (engine, true routes)": lambda s, name: engine_loads(
             s, routes, believed["true"], "plec", budget, experts
+        ),
+        "stream (engine)": lambda s, name: engine_loads(
+            s, routes, believed.get(name, believed["predicted"]), "lru", budget, experts, "stream"
         ),
         "lru once per call": lambda s, name: lru_loads(calls_of(s, routes), per_layer, True),
         "global lru": lambda s, name: lru_loads(calls_of(s, routes), per_layer * layers, False),
