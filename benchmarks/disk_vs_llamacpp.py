@@ -89,7 +89,7 @@ PHASES = (
     "approximate",
     "serve",
 )
-TOKENS = {1: 16, 8: 8, 32: 5, 64: 4, 128: 4, 256: 3}
+TOKENS = {1: 16, 8: 8, 32: 5, 64: 5, 128: 6, 256: 8}
 """Tokens generated per sequence at each batch (bigger batches read more per step)."""
 PROMPT_TOKENS = 32
 
@@ -508,6 +508,9 @@ def disk_engine(
         eager=False,
         max_model_len=512,
         max_num_seqs=max(args.batches),
+        # Every prompt in one prefill step: the timed decode steps are decode only (in
+        # chunks, the first requests decode, and finish, before the last ones prefill).
+        max_num_batched_tokens=max(2048, max(args.batches) * PROMPT_TOKENS),
         **(engine or {}),
     )
 
