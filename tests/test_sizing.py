@@ -4,7 +4,7 @@ GPT-OSS-20B (experts as the slots hold them: bf16), not from the code's output.
 
 The shared assumptions: vLLM serves 16 sequences of 4096 tokens, 2048 tokens per pass;
 on a GPU it may use 0.9 of the memory and sizes the KV cache from it; on the CPU build
-the KV cache is explicit (1 GiB, the plugin's ``VLLM_CPU_KVCACHE_SPACE`` default)."""
+the KV cache is explicit (1 GiB, ``VLLM_CPU_KVCACHE_SPACE``) unless a test says not."""
 
 import re
 
@@ -43,6 +43,36 @@ def cpu(total_gib: float, free_gib: float) -> MemoryReport:
     return MemoryReport(int(total_gib * GiB), int(free_gib * GiB), 1.0, GiB)
 
 
+def test_a_cpu_kv_cache_given_no_size_is_sized_for_the_batch():
+    # free 40 GiB, utilization 1 (vLLM is given the plan's size): room 40 GiB; KV
+    # min(16 x 4096 x 98,304 = 6.0 GiB, 0.25 x 40 = 10) = 6.0 GiB: every sequence fits.
+    # space 40 - 6 - 0.01171875 - 1 = 32.988 GiB / 0.421875 GiB a slot per layer = 78.2.
+    fit = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, None))
+    assert fit.parts["kv"] == 6 * GiB
+    assert fit.slots_per_layer == 78
+    assert "KV cache 6.0 GiB (for 16 full-length sequences)" in fit.reason
+    # 12 GiB free: room 12, KV capped at 3 GiB (8 of the 16 sequences), and said so.
+    capped = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 12 * GiB, 1.0, None))
+    assert capped.parts["kv"] == 3 * GiB
+    assert "KV cache 3.0 GiB (for 8 of the 16 full-length sequences" in capped.reason
+    assert "at most 25% of the free memory" in capped.reason
+
+
+def test_vllm_is_given_the_planned_kv_cache_only_where_no_size_was_given():
+    from types import SimpleNamespace
+
+    from vllm_specexpert.layers.sizing import give_planned_kv_cache
+
+    planned = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, None))
+    unsized = SimpleNamespace(kv_cache_memory_bytes=None)
+    give_planned_kv_cache(unsized, planned)  # (this machine runs the CPU build)
+    assert unsized.kv_cache_memory_bytes == 6 * GiB
+    given = fit_budget("auto", qwen3_30b(), cpu(64, 40))  # (1 GiB given)
+    sized = SimpleNamespace(kv_cache_memory_bytes=GiB)
+    give_planned_kv_cache(sized, given)
+    assert sized.kv_cache_memory_bytes == GiB
+
+
 # --- GPUs -------------------------------------------------------------------------
 
 
@@ -57,7 +87,8 @@ def test_an_8_gib_gpu_holds_top_k_of_qwen3_30b():
     assert fit.slots_per_layer == 8
     assert fit.slot_bytes == 8 * 452_984_832
     assert "budget auto: 8 of 128 experts per layer" in fit.reason
-    assert "KV floor 1.5 GiB" in fit.reason
+    # A sequence's KV 4096 x 98,304 B = 0.375 GiB: 1.5 GiB holds 4 of the 16.
+    assert "KV cache 1.5 GiB (for 4 of the 16 full-length sequences" in fit.reason
 
 
 def test_a_24_gib_gpu_and_qwen3_30b():
@@ -347,7 +378,7 @@ def test_a_6_gib_cgroup_on_a_20_gib_free_machine_sizes_from_the_cgroup(tmp_path,
     # = 3.488 GiB / 452,984,832 B (0.421875 GiB) = 8.27 -> 8 slots per layer.
     fit = fit_budget("auto", qwen3_30b(), report)
     assert fit.slots_per_layer == 8
-    assert "5.5 GiB free (cgroup limit 6.0 GiB), KV floor 1.0 GiB" in fit.reason
+    assert "5.5 GiB free (cgroup limit 6.0 GiB), KV cache 1.0 GiB (given)" in fit.reason
     assert fit.to_dict()["cgroup_limit_bytes"] == 6 * GiB
     # A rebuild names the limit measured then (raised to 8 GiB since: `docker update`).
     raised = dataclasses.replace(report, cgroup_limit_bytes=8 * GiB)

@@ -97,13 +97,14 @@ def configures_plugin(argv: list[str]) -> bool:
 def run_vllm_cli(argv: list[str]) -> None:
     """Run vLLM's own CLI with ``argv`` (e.g. ``["serve", MODEL, ...]``), after
     taking ``--plugins`` and checking that a ``specexpert`` config will reach the plugin."""
-    vllm_hooks.set_cpu_defaults()
     try:
         argv = take_plugins_flag(argv)
         if configures_plugin(argv):
             from vllm_specexpert.validate import check_plugin_enabled
 
             check_plugin_enabled("every vLLM process")
+        else:  # (configured, the plugin sizes the KV cache with its budget)
+            vllm_hooks.set_cpu_defaults()
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -323,5 +323,6 @@ def patch_version_lookup() -> None:
 
 
 def set_cpu_defaults() -> None:
-    """vLLM's CPU build sizes its KV cache from NUMA node0 and fails on small boxes."""
+    """vLLM's CPU build sizes its KV cache from NUMA node0 and fails on small boxes (an
+    engine the plugin configures is given the KV cache its budget plan left room for)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -55,8 +55,10 @@ RESERVE_BYTES = GiB
 """Left free beyond everything counted (llama.cpp's ``--fit`` keeps the same 1 GiB margin)."""
 
 KV_SHARE = 0.25
-"""Without an explicit KV cache size, the KV floor is a full-length cache for
-``max_num_seqs`` sequences, or this share of the room, whichever is smaller."""
+"""Without an explicit KV cache size, the KV cache is a full-length cache for
+``max_num_seqs`` sequences, or this share of the room, whichever is smaller: on the CPU
+build vLLM is given that size (``layers/sizing.py``); on CUDA it is the floor vLLM's own
+sizing finds left."""
 
 WORKSPACE_BYTES = 8
 """Memory a pass takes per token, per routed expert, per intermediate channel. vLLM's CPU
@@ -247,11 +249,14 @@ def space_for_slots(
         space = min(planned["space"], max(float(memory.freed_bytes), fresh))
         kept = {k: v for k, v in planned.items() if k != "cgroup_limit"}  # (measured now)
         return {**kept, "room": room, "reserve": float(RESERVE_BYTES), "space": space, **cgroup}
+    sequence = float(shapes.max_model_len * shapes.kv_bytes_per_token)
+    kv_parts = {"kv_per_sequence": sequence}
     if memory.kv_cache_bytes is not None:
         kv = float(memory.kv_cache_bytes)
     else:
-        full = shapes.max_num_seqs * shapes.max_model_len * shapes.kv_bytes_per_token
-        kv = min(float(full), KV_SHARE * max(room, 0.0))
+        full = shapes.max_num_seqs * sequence
+        kv = min(full, KV_SHARE * max(room, 0.0))
+        kv_parts["kv_full"] = full
     workspace = (
         min(shapes.max_num_batched_tokens, KERNEL_CHUNK_TOKENS)
         * shapes.top_k
@@ -267,6 +272,7 @@ def space_for_slots(
     return {
         "room": room,
         "kv": kv,
+        **kv_parts,
         "workspace": float(workspace),
         "reserve": float(RESERVE_BYTES),
         **({k: v for k, v in draft.items() if v}),
@@ -361,7 +367,26 @@ def _accounting(parts: dict[str, float]) -> str:
         row = gib(parts["draft_row"])
         draft += f", and its INT4 experts, {row} with each slot of every layer"
     return (
-        f"{gib(parts['room'])} free{cgroup}, KV floor {gib(parts['kv'])}, workspace "
+        f"{gib(parts['room'])} free{cgroup}, KV cache {gib(parts['kv'])}{_kv_holds(parts)}, "
+        f"workspace "
         f"{gib(parts['workspace'])}{draft}, reserve {gib(parts['reserve'])}: "
         f"{gib(max(parts['space'], 0.0))} for slots"
+    )
+
+
+def _kv_holds(parts: dict[str, float]) -> str:
+    """Whom the KV cache is for: `` (given)``, `` (for 16 full-length sequences)``, or,
+    capped at :data:`KV_SHARE` of the room, `` (for 10 of the 16 ...)``."""
+    if "kv_full" not in parts:
+        return " (given)"
+    sequence, full = parts["kv_per_sequence"], parts["kv_full"]
+    if sequence <= 0:
+        return ""
+    # (a share of a room computed in floats: 1.4999999 GiB holds 4 sequences of 0.375)
+    wanted, held = round(full / sequence), math.floor(parts["kv"] / sequence + 1e-6)
+    if held >= wanted:
+        return f" (for {wanted} full-length sequences)"
+    return (
+        f" (for {held} of the {wanted} full-length sequences max_num_seqs asks: "
+        f"at most {KV_SHARE:.0%} of the free memory)"
     )

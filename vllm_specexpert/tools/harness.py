@@ -39,7 +39,8 @@ def start_engine(
     """An ``LLM`` on ``model`` in bf16 with a fixed seed. ``plugins`` defaults to
     ``specexpert is not None``; pass ``plugins=True`` with ``specexpert=None`` for the
     plugin loaded but unconfigured."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if specexpert is None:  # (a configured plugin gives vLLM the KV cache its plan sized)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     from vllm_specexpert.plugins import register
