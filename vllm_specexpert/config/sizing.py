@@ -343,8 +343,9 @@ def fit_budget(
         raise SpecExpertConfigError(
             "budget",
             f"{fit.reason} do not fit: {_accounting(parts)}",
-            f"a budget of at most {fits} slots per layer, or 'auto' (or "
-            "allow_budget_beyond_memory: true, and the OS may kill the process)",
+            f"a budget of at most {fits} slots per layer, or 'auto', or a smaller KV cache "
+            "(max_num_seqs, max_model_len or its size) (or allow_budget_beyond_memory: "
+            "true, and the OS may kill the process)",
         )
     return fit
 
