@@ -354,6 +354,53 @@ def test_stream_keeps_a_full_pool_across_sweeps_and_reads_the_read_once_bound(ma
     assert loads == clairvoyant.belady_misses(sequence, counted, 8, initial=range(8))
 
 
+@pytest.mark.parametrize(
+    "ids, events",
+    [
+        # Every expert needed, 0-7 resident: the resident launch first (no slot spare),
+        # then the pool in halves: 12-15 read while 8-11 compute.
+        (
+            sweep(24),
+            [("launch", 0, 7), ("read", 8, 11), ("read", 12, 15), ("launch", 8, 11),
+             ("launch", 12, 15)],
+        ),
+        # 9 experts (more than the 8 slots); of the resident, 0 only: 8-11 read (into
+        # half the pool) while it computes, 12-15 while 8-11 compute.
+        (
+            [[0, 8, 9, 10], [11, 12, 13, 14], [0, 8, 13, 15]],
+            [("read", 8, 11), ("launch", 0, 0), ("read", 12, 15), ("launch", 8, 11),
+             ("launch", 12, 15)],
+        ),
+    ],
+)  # fmt: skip
+def test_stream_reads_the_next_window_while_the_one_before_computes(
+    make_engine, monkeypatch, ids, events
+):
+    import vllm_specexpert.execute as execute
+    from vllm_specexpert.tiers.loader import ExpertLoader
+
+    seen: list[tuple[str, int, int]] = []
+    load, launch = ExpertLoader._load, execute._launch
+
+    def loaded(self, experts, *args, **kwargs):
+        seen.append(("read", int(experts.min()), int(experts.max())))
+        return load(self, experts, *args, **kwargs)
+
+    def launched(loader, call, experts):
+        seen.append(("launch", int(experts.min()), int(experts.max())))
+        return launch(loader, call, experts)
+
+    monkeypatch.setattr(ExpertLoader, "_load", loaded)
+    monkeypatch.setattr(execute, "_launch", launched)
+    stream, fetch = make_engine(miss_policy="stream"), make_engine(miss_policy="fetch")
+    x, w, t = routing(ids)
+    out = stream.run_call(LayerCall(NAME, slot_kernel, x, w, t))
+    assert seen == events
+    assert_equivalent(out, fetch.run_call(LayerCall(NAME, slot_kernel, x, w, t)))
+    assert not stream.layers[NAME].loader.cache.in_use.any()  # (all launched: none held)
+    check_cache_invariants(stream.layers[NAME].loader, settle=True)
+
+
 def test_stream_runs_a_call_that_fits_as_fetch_does(make_engine):
     stream, fetch = make_engine(miss_policy="stream"), make_engine(miss_policy="fetch")
     for step in range(3):  # (13 distinct experts: more than 8 slots; then what fits)

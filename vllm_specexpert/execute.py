@@ -287,39 +287,81 @@ def run_on_device(
 def run_streamed(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
     """A call whose experts do not fit, each missing expert read once: one launch on
     the resident entries (a token whose experts are all resident runs whole: exactly),
-    then the missing experts in windows of what the pool holds, in id order (the pack's
-    file order), each window's entries launched as one-entry tokens. A token split over
-    launches gets the kernel's bf16 results added in fp32 and rounded once: equal to the
-    whole token's up to rounding (``stream``)."""
+    then the missing experts in windows, in id order (the pack's file order), each
+    window's entries launched as one-entry tokens. A token split over launches gets the
+    kernel's bf16 results added in fp32 and rounded once: equal to the whole token's up
+    to rounding (``stream``).
+
+    The reads overlap the compute (the demand is known): a window's reads are queued
+    before the launch ahead of it, into slots that launch does not need, so the disk
+    reads while the kernel runs. The pool is split in two, one half computing while the
+    other fills; the first window takes what the resident launch leaves of its half
+    (slots of resident experts this call does not need)."""
     cache, ids, stats, device = loader.cache, call.host_ids, call.stats, call.x.device
     held = cache.resident_mask()[ids]
     out = torch.zeros_like(call.x)
-    if held.any():
-        resident = np.unique(ids[held])
-        loader.acquire(resident, stats)  # (hits)
-        index, part = call.masked(held)
-        part.before_kernel = call.take_before_kernel()
-        out[index] = _launch(loader, part, resident)
-    split = np.flatnonzero(~held.all(axis=1))
-    row_of = np.zeros(len(ids), dtype=np.int64)
-    row_of[split] = np.arange(len(split))
-    total = out[upload(split, device)].float()
+    resident = np.unique(ids[held])
     rest = np.unique(ids[~held])  # (ascending: the pack's order)
-    while len(rest):
-        take = min(len(rest), cache.capacity())
-        while take and not cache.capacity_for(rest[:take]):
-            take -= 1
-        if not take:  # the pool's reserve for one token was broken: a bug
-            raise RuntimeError(f"{cache.experts.name}: no room for one expert to stream")
-        window, rest = rest[:take], rest[take:]
-        loader.acquire(window, stats)  # (what was resident is done: no later demand)
-        rows, ks = np.nonzero(np.isin(ids, window) & ~held)
-        weights = call.topk_weights[upload(rows, device), upload(ks, device)][:, None]
-        part = call.rows(rows, weights, ids[rows, ks][:, None])
-        part.before_kernel = call.take_before_kernel()
-        total.index_add_(0, upload(row_of[rows], device), _launch(loader, part, window).float())
-    out[upload(split, device)] = total.to(out.dtype)
+    pending = np.zeros(0, dtype=np.int64)
+    try:
+        window, rest = _next_window(cache, rest, resident, half=True)
+        pending = _request(loader, window, resident, stats)
+        if len(resident):
+            loader.acquire(resident, stats)  # (hits)
+            index, part = call.masked(held)
+            part.before_kernel = call.take_before_kernel()
+            out[index] = _launch(loader, part, resident)
+        split = np.flatnonzero(~held.all(axis=1))
+        row_of = np.zeros(len(ids), dtype=np.int64)
+        row_of[split] = np.arange(len(split))
+        total = out[upload(split, device)].float()
+        while len(window) or len(rest):
+            if not len(window):  # (nothing in flight: half the pool, the other half next)
+                window, rest = _next_window(cache, rest, window, half=True)
+                if not len(window):  # the pool's reserve for one token was broken: a bug
+                    raise RuntimeError(f"{cache.experts.name}: no room for one expert to stream")
+                pending = _request(loader, window, window, stats)
+            following, rest = _next_window(cache, rest, window)
+            pending = np.concatenate([pending, _request(loader, following, window, stats)])
+            loader.land(window, stats)
+            cache.in_use[window] = False
+            rows, ks = np.nonzero(np.isin(ids, window) & ~held)
+            weights = call.topk_weights[upload(rows, device), upload(ks, device)][:, None]
+            part = call.rows(rows, weights, ids[rows, ks][:, None])
+            part.before_kernel = call.take_before_kernel()
+            launched = _launch(loader, part, window).float()
+            total.index_add_(0, upload(row_of[rows], device), launched)
+            pending, window = following, following
+        out[upload(split, device)] = total.to(out.dtype)
+    finally:
+        cache.in_use[pending] = False
     return out
+
+
+def _next_window(
+    cache: ExpertCache, rest: np.ndarray, busy: np.ndarray, half: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(window, rest)``: the longest prefix of ``rest`` that fits in the pool beside
+    ``busy`` (experts a launch still needs); ``half``: at most half the pool (rounded
+    up), leaving the other half to the window after it."""
+    room = cache.capacity() - len(busy)
+    if half:
+        room = min(room, -(-cache.capacity() // 2))
+    take = max(0, min(len(rest), room))
+    while take and not cache.capacity_for(np.union1d(busy, rest[:take])):
+        take -= 1
+    return rest[:take], rest[take:]
+
+
+def _request(
+    loader: ExpertLoader, window: np.ndarray, busy: np.ndarray, stats: PhaseStats
+) -> np.ndarray:
+    """Queue ``window``'s reads, evicting none of ``busy``; the window is in use until it
+    is launched (a hook's loads, other layers' in a shared pool, must not take it)."""
+    if len(window):
+        loader.request(window, stats, np.union1d(busy, window))
+        loader.cache.in_use[window] = True
+    return window
 
 
 def _launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch.Tensor:

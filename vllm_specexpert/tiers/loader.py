@@ -64,16 +64,32 @@ class ExpertLoader:
         resident and landed, and count the request. Victims are never among ``experts``;
         ``future_demand`` (per-expert later uses in the batch) keeps the most needed.
         A prefetch still in flight counts as a hit, waiting for it as stall."""
+        self.request(experts, stats, experts, future_demand)
+        self.land(experts, stats)
+
+    def request(
+        self,
+        experts: np.ndarray,
+        stats: PhaseStats,
+        keep: np.ndarray,
+        future_demand: np.ndarray | None = None,
+    ) -> None:
+        """:meth:`acquire`'s first half: count the request and queue the loads of those
+        of ``experts`` not resident, evicting none of ``keep`` (``experts`` and what the
+        caller computes meanwhile); :meth:`land` waits for them."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         stats.requests += len(experts)
         stats.misses += len(missing)
         stats.hits += len(experts) - len(missing)
         if len(missing):
-            slots = self._take_slots(len(missing), experts, stats, demand=future_demand)
+            slots = self._take_slots(len(missing), keep, stats, demand=future_demand)
             self._load(missing, slots, stats, prefetch=False)
+
+    def land(self, experts: np.ndarray, stats: PhaseStats) -> None:
+        """:meth:`acquire`'s second half: block until ``experts`` hold their data."""
         self._wait_for(experts, stats)
-        cache.touch(experts)
+        self.cache.touch(experts)
 
     def prefetch(
         self,
