@@ -401,6 +401,38 @@ def test_stream_reads_the_next_window_while_the_one_before_computes(
     check_cache_invariants(stream.layers[NAME].loader, settle=True)
 
 
+def test_stream_copies_the_next_window_while_the_window_before_computes(
+    make_engine, monkeypatch
+):
+    # 8-11 and 12-15 stream (every expert needed, 0-7 resident). 12-15's copy waits
+    # until 8-11's launch has begun: a copy made in the calling thread before that
+    # launch (the CPU link's demand copies) would wait for it in vain.
+    import threading
+
+    import vllm_specexpert.execute as execute
+    from vllm_specexpert.tiers.link.base import ExpertCopy
+
+    launched_8_11 = threading.Event()
+    waited: list[bool] = []
+    run, launch = ExpertCopy.run, execute._launch
+
+    def copy(self, *args, **kwargs):
+        if 12 in self.experts:
+            waited.append(launched_8_11.wait(timeout=5))
+        return run(self, *args, **kwargs)
+
+    def launched(loader, call, experts):
+        if 8 in experts:
+            launched_8_11.set()
+        return launch(loader, call, experts)
+
+    monkeypatch.setattr(ExpertCopy, "run", copy)
+    monkeypatch.setattr(execute, "_launch", launched)
+    engine = make_engine(miss_policy="stream")
+    engine.run_call(LayerCall(NAME, slot_kernel, *routing(sweep(24))))
+    assert waited == [True]
+
+
 def test_stream_runs_a_call_that_fits_as_fetch_does(make_engine):
     stream, fetch = make_engine(miss_policy="stream"), make_engine(miss_policy="fetch")
     for step in range(3):  # (13 distinct experts: more than 8 slots; then what fits)

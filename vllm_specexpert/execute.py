@@ -359,7 +359,7 @@ def _request(
     """Queue ``window``'s reads, evicting none of ``busy``; the window is in use until it
     is launched (a hook's loads, other layers' in a shared pool, must not take it)."""
     if len(window):
-        loader.request(window, stats, np.union1d(busy, window))
+        loader.request(window, stats, np.union1d(busy, window), ahead=True)
         loader.cache.in_use[window] = True
     return window
 

@@ -73,10 +73,12 @@ class ExpertLoader:
         stats: PhaseStats,
         keep: np.ndarray,
         future_demand: np.ndarray | None = None,
+        ahead: bool = False,
     ) -> None:
         """:meth:`acquire`'s first half: count the request and queue the loads of those
         of ``experts`` not resident, evicting none of ``keep`` (``experts`` and what the
-        caller computes meanwhile); :meth:`land` waits for them."""
+        caller computes meanwhile); :meth:`land` waits for them. ``ahead``: the caller
+        computes before it waits (the link moves them meanwhile)."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         stats.requests += len(experts)
@@ -84,7 +86,7 @@ class ExpertLoader:
         stats.hits += len(experts) - len(missing)
         if len(missing):
             slots = self._take_slots(len(missing), keep, stats, demand=future_demand)
-            self._load(missing, slots, stats, prefetch=False)
+            self._load(missing, slots, stats, prefetch=False, ahead=ahead)
 
     def land(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """:meth:`acquire`'s second half: block until ``experts`` hold their data."""
@@ -223,6 +225,7 @@ class ExpertLoader:
         stats: PhaseStats,
         prefetch: bool,
         admitted: bool = False,
+        ahead: bool = False,
     ) -> Transfer:
         self.cache.assign(experts, slots)
         count = len(experts)
@@ -246,7 +249,11 @@ class ExpertLoader:
                 }.values()
             )
         transfer = self.link.submit(
-            self.cache.copy_of(experts), prefetch=prefetch, on_start=started, after=after
+            self.cache.copy_of(experts),
+            prefetch=prefetch,
+            on_start=started,
+            after=after,
+            ahead=ahead,
         )
         if pool.last_write is not None:
             pool.last_write[slots] = transfer

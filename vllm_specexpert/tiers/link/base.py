@@ -89,10 +89,14 @@ class Link(ABC):
         prefetch: bool = False,
         on_start: StartCallback | None = None,
         after: Sequence = (),
+        ahead: bool = False,
     ) -> Transfer:
         """Queue ``copy``; returns at once. ``on_start(transfer)`` when it starts moving.
         ``after``: earlier transfers into the destination slots and events of the last
-        kernels that read them, which the copy must follow (CUDA only)."""
+        kernels that read them, which the copy must follow (CUDA only). ``ahead``: a
+        demand copy a later launch needs, not waited for at once (a link that would copy
+        a demand in the caller's thread hands it off, so that it moves while the caller
+        computes)."""
 
     def cancel(self, transfer: Transfer) -> bool:
         """Drop a prefetch not yet started; if it was, its destination holds nothing."""

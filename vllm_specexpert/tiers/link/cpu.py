@@ -109,6 +109,7 @@ class CpuLink(Link):
         prefetch: bool = False,
         on_start: StartCallback | None = None,
         after: Sequence = (),
+        ahead: bool = False,
     ) -> Transfer:
         transfer = _CpuTransfer(self, copy, prefetch, on_start)
         if self.config.emulated:
@@ -118,7 +119,7 @@ class CpuLink(Link):
         else:
             transfer.ready_at = transfer.submitted_at
             self._started(transfer, transfer.copies)
-        if prefetch:
+        if prefetch or ahead:
             self._jobs.put(transfer)
         else:  # waited for at once: copied in the caller's thread, no hand-off
             started = self.clock.now()

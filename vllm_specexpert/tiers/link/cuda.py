@@ -61,6 +61,7 @@ class CudaLink(Link):
         prefetch: bool = False,
         on_start: StartCallback | None = None,
         after: Sequence = (),
+        ahead: bool = False,  # (every copy is queued on a stream: nothing to hand off)
     ) -> Transfer:
         transfer = _CudaTransfer(copy, prefetch, on_start)
         stream = self.prefetch_stream if prefetch else self.demand_stream
