@@ -500,6 +500,9 @@ def disk_engine(
     batch: ``budget`` and ``settings`` besides ``disk``; ``engine``: more ``LLM`` arguments."""
     from vllm_specexpert.tools.harness import start_engine
 
+    # As a user starts it: no KV cache size given, the plugin sizes it for max_num_seqs
+    # full-length sequences (common's 1 GiB default is for vanilla engines).
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     disk = {"path": str(work / "pack"), "residency": residency}
     config = {"budget": budget, "disk": disk, **settings}
     return start_engine(
