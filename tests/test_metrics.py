@@ -461,6 +461,7 @@ def test_only_an_engine_a_server_serves_gets_a_snapshot_directory(monkeypatch):
 
     made: list[str] = []
     monkeypatch.setattr(validate, "validate_engine_config", lambda *args: None)
+    monkeypatch.setattr("vllm_specexpert.layers.sizing.size_cpu_kv_cache", lambda c: None)
     monkeypatch.setattr(validate.metrics, "prepare_frontend", made.append)
     validate.after_engine_config(EngineArgs(model="m"), None, None)
     assert made == []

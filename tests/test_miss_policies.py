@@ -401,9 +401,7 @@ def test_stream_reads_the_next_window_while_the_one_before_computes(
     check_cache_invariants(stream.layers[NAME].loader, settle=True)
 
 
-def test_stream_copies_the_next_window_while_the_window_before_computes(
-    make_engine, monkeypatch
-):
+def test_stream_copies_the_next_window_while_the_window_before_computes(make_engine, monkeypatch):
     # 8-11 and 12-15 stream (every expert needed, 0-7 resident). 12-15's copy waits
     # until 8-11's launch has begun: a copy made in the calling thread before that
     # launch (the CPU link's demand copies) would wait for it in vain.

@@ -44,33 +44,20 @@ def cpu(total_gib: float, free_gib: float) -> MemoryReport:
 
 
 def test_a_cpu_kv_cache_given_no_size_is_sized_for_the_batch():
-    # free 40 GiB, utilization 1 (vLLM is given the plan's size): room 40 GiB; KV
-    # min(16 x 4096 x 98,304 = 6.0 GiB, 0.25 x 40 = 10) = 6.0 GiB: every sequence fits.
-    # space 40 - 6 - 0.01171875 - 1 = 32.988 GiB / 0.421875 GiB a slot per layer = 78.2.
-    fit = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, None))
-    assert fit.parts["kv"] == 6 * GiB
-    assert fit.slots_per_layer == 78
-    assert "KV cache 6.0 GiB (for 16 full-length sequences)" in fit.reason
-    # 12 GiB free: room 12, KV capped at 3 GiB (8 of the 16 sequences), and said so.
-    capped = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 12 * GiB, 1.0, None))
-    assert capped.parts["kv"] == 3 * GiB
-    assert "KV cache 3.0 GiB (for 8 of the 16 full-length sequences" in capped.reason
-    assert "at most 25% of the free memory" in capped.reason
+    from vllm_specexpert.config.sizing import SizingSettings, kv_cache_for_batch
 
-
-def test_vllm_is_given_the_planned_kv_cache_only_where_no_size_was_given():
-    from types import SimpleNamespace
-
-    from vllm_specexpert.layers.sizing import give_planned_kv_cache
-
-    planned = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, None))
-    unsized = SimpleNamespace(kv_cache_memory_bytes=None)
-    give_planned_kv_cache(unsized, planned)  # (this machine runs the CPU build)
-    assert unsized.kv_cache_memory_bytes == 6 * GiB
-    given = fit_budget("auto", qwen3_30b(), cpu(64, 40))  # (1 GiB given)
-    sized = SimpleNamespace(kv_cache_memory_bytes=GiB)
-    give_planned_kv_cache(sized, given)
-    assert sized.kv_cache_memory_bytes == GiB
+    # Qwen3-30B-A3B's 16 sequences of 4096 tokens: 16 x 4096 x 98,304 B = 6.0 GiB, while
+    # it is at most 0.25 of the memory free (40 GiB: all of it; 12 GiB: 3 GiB).
+    batch = SizingSettings(kv_bytes_per_token=98_304, max_num_seqs=16, max_model_len=4096)
+    assert kv_cache_for_batch(batch, 40 * GiB) == 6 * GiB
+    assert kv_cache_for_batch(batch, 12 * GiB) == 3 * GiB
+    # Given that size, the plan says whom it holds: 3 GiB, 8 of the 16 sequences;
+    # room 40 - 3 - 0.01171875 - 1 = 35.988 GiB / 0.421875 GiB a slot per layer = 85.3.
+    fit = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, 3 * GiB))
+    assert fit.slots_per_layer == 85
+    assert "KV cache 3.0 GiB (for 8 of the 16 full-length sequences" in fit.reason
+    whole = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, 6 * GiB))
+    assert "KV cache 6.0 GiB (for 16 full-length sequences)" in whole.reason
 
 
 # --- GPUs -------------------------------------------------------------------------
@@ -378,7 +365,8 @@ def test_a_6_gib_cgroup_on_a_20_gib_free_machine_sizes_from_the_cgroup(tmp_path,
     # = 3.488 GiB / 452,984,832 B (0.421875 GiB) = 8.27 -> 8 slots per layer.
     fit = fit_budget("auto", qwen3_30b(), report)
     assert fit.slots_per_layer == 8
-    assert "5.5 GiB free (cgroup limit 6.0 GiB), KV cache 1.0 GiB (given)" in fit.reason
+    # The given 1 GiB holds 2 of the 16 sequences of 0.375 GiB.
+    assert "5.5 GiB free (cgroup limit 6.0 GiB), KV cache 1.0 GiB (for 2 of the 16" in fit.reason
     assert fit.to_dict()["cgroup_limit_bytes"] == 6 * GiB
     # A rebuild names the limit measured then (raised to 8 GiB since: `docker update`).
     raised = dataclasses.replace(report, cgroup_limit_bytes=8 * GiB)

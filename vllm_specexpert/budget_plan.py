@@ -10,7 +10,7 @@ carried beside it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,9 +53,6 @@ class BudgetPlan:
         self.current: SlotPlan | None = None
         """The running config's plan, once the first MoE layer is added."""
         self._start_parts: dict[str, float] | None = None
-        self.on_start: Callable[[BudgetFit], None] | None = None
-        """Called with the start's plan once it is adopted (the adapter gives vLLM the
-        KV cache the plan left room for)."""
 
     @property
     def fit(self) -> BudgetFit | None:
@@ -94,8 +91,6 @@ class BudgetPlan:
         """``plan`` is the running config's (the first adopted is the start's)."""
         if self.current is None and plan.fit is not None:
             self._start_parts = plan.fit.parts
-            if self.on_start is not None:
-                self.on_start(plan.fit)
         self.current = plan
 
 

@@ -45,10 +45,13 @@ def before_engine_config(engine_args: Any) -> SpecExpertConfig | None:
 
 
 def after_engine_config(engine_args: Any, vllm_config: Any, config: SpecExpertConfig) -> None:
-    """Once the engine config is built: the model-dependent checks, then (only for a
-    start they let through, of an engine a server serves) the metrics directory the
-    engine processes will write to."""
+    """Once the engine config is built: the model-dependent checks, the CPU build's KV
+    cache size where none is given, then (only for a start they let through, of an
+    engine a server serves) the metrics directory the engine processes will write to."""
     validate_engine_config(vllm_config, config)
+    from vllm_specexpert.layers.sizing import size_cpu_kv_cache
+
+    size_cpu_kv_cache(vllm_config)
     if serves_metrics(engine_args):
         names = getattr(engine_args, "served_model_name", None) or engine_args.model
         metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))

@@ -56,9 +56,10 @@ RESERVE_BYTES = GiB
 
 KV_SHARE = 0.25
 """Without an explicit KV cache size, the KV cache is a full-length cache for
-``max_num_seqs`` sequences, or this share of the room, whichever is smaller: on the CPU
-build vLLM is given that size (``layers/sizing.py``); on CUDA it is the floor vLLM's own
-sizing finds left."""
+``max_num_seqs`` sequences, or this share of the memory, whichever is smaller: on the CPU
+build vLLM is given that size when the engine is configured (:func:`kv_cache_for_batch`,
+of the memory free then); on CUDA it is the floor vLLM's own sizing finds left (of the
+room)."""
 
 WORKSPACE_BYTES = 8
 """Memory a pass takes per token, per routed expert, per intermediate channel. vLLM's CPU
@@ -250,13 +251,12 @@ def space_for_slots(
         kept = {k: v for k, v in planned.items() if k != "cgroup_limit"}  # (measured now)
         return {**kept, "room": room, "reserve": float(RESERVE_BYTES), "space": space, **cgroup}
     sequence = float(shapes.max_model_len * shapes.kv_bytes_per_token)
-    kv_parts = {"kv_per_sequence": sequence}
+    full = shapes.max_num_seqs * sequence
     if memory.kv_cache_bytes is not None:
         kv = float(memory.kv_cache_bytes)
     else:
-        full = shapes.max_num_seqs * sequence
         kv = min(full, KV_SHARE * max(room, 0.0))
-        kv_parts["kv_full"] = full
+    kv_parts = {"kv_per_sequence": sequence, "kv_full": full}
     workspace = (
         min(shapes.max_num_batched_tokens, KERNEL_CHUNK_TOKENS)
         * shapes.top_k
@@ -376,18 +376,21 @@ def _accounting(parts: dict[str, float]) -> str:
 
 
 def _kv_holds(parts: dict[str, float]) -> str:
-    """Whom the KV cache is for: `` (given)``, `` (for 16 full-length sequences)``, or,
-    capped at :data:`KV_SHARE` of the room, `` (for 10 of the 16 ...)``."""
-    if "kv_full" not in parts:
-        return " (given)"
-    sequence, full = parts["kv_per_sequence"], parts["kv_full"]
+    """Whom the KV cache is for: `` (for 16 full-length sequences)``, or where it holds
+    fewer than ``max_num_seqs`` asks, `` (for 10 of the 16 ...)``."""
+    sequence, full = parts.get("kv_per_sequence", 0.0), parts.get("kv_full", 0.0)
     if sequence <= 0:
         return ""
     # (a share of a room computed in floats: 1.4999999 GiB holds 4 sequences of 0.375)
     wanted, held = round(full / sequence), math.floor(parts["kv"] / sequence + 1e-6)
     if held >= wanted:
         return f" (for {wanted} full-length sequences)"
-    return (
-        f" (for {held} of the {wanted} full-length sequences max_num_seqs asks: "
-        f"at most {KV_SHARE:.0%} of the free memory)"
-    )
+    return f" (for {held} of the {wanted} full-length sequences max_num_seqs asks)"
+
+
+def kv_cache_for_batch(settings: SizingSettings, free_bytes: int) -> int:
+    """The KV cache the CPU build is given where no size is: ``max_num_seqs``
+    full-length sequences, at most :data:`KV_SHARE` of ``free_bytes`` (the memory free
+    when the engine is configured, before the weights load)."""
+    full = settings.max_num_seqs * settings.max_model_len * settings.kv_bytes_per_token
+    return int(min(full, KV_SHARE * max(free_bytes, 0)))

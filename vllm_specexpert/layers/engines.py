@@ -8,7 +8,6 @@ experts), attached to the target's engine, which receives its routes.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
@@ -19,7 +18,7 @@ from vllm_specexpert import handoff
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.handback import UnreadableRows
-from vllm_specexpert.layers.sizing import give_planned_kv_cache, sizing_settings
+from vllm_specexpert.layers.sizing import sizing_settings
 from vllm_specexpert.tiers.disk import open_disk
 
 _ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
@@ -74,8 +73,6 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
             )
         _TARGET = weakref.ref(engine)
     engine.budget.sizing = sizing_settings(vllm_config)
-    if not draft:  # (the draft's KV cache is part of its target's)
-        engine.budget.on_start = functools.partial(give_planned_kv_cache, vllm_config.cache_config)
     engine.provide(step_demand=handoff.current)  # the scheduler's, handed to each step
     key = id(vllm_config)
 

@@ -2,16 +2,18 @@
 vLLM config: the KV cache's explicit size or the share of memory vLLM sizes it from,
 the KV bytes of a token, and the sequences and tokens a pass may hold. The MoE layers
 are counted as the model builds them (:meth:`SizingSettings.count_layer`). On the CPU
-build a KV cache given no size gets the plan's (:func:`give_planned_kv_cache`)."""
+build a KV cache given no size is sized for the batch (:func:`size_cpu_kv_cache`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
-from vllm_specexpert.config.sizing import BudgetFit, SizingSettings
+from vllm_specexpert.config.sizing import SizingSettings, kv_cache_for_batch
+from vllm_specexpert.tiers.memory import memory_report
 
 
 def sizing_settings(vllm_config: Any) -> SizingSettings:
@@ -28,12 +30,8 @@ def sizing_settings(vllm_config: Any) -> SizingSettings:
     explicit = cache.kv_cache_memory_bytes
     return SizingSettings(
         # vLLM sizes the KV cache from its share of memory unless given a size (on the
-        # CPU build it is given the plan's: give_planned_kv_cache).
-        utilization=(
-            1.0
-            if explicit is not None or current_platform.is_cpu()
-            else cache.gpu_memory_utilization
-        ),
+        # CPU build the plugin gives one: size_cpu_kv_cache).
+        utilization=1.0 if explicit is not None else cache.gpu_memory_utilization,
         kv_cache_bytes=explicit,
         kv_bytes_per_token=kv_per_token,
         max_num_seqs=scheduler.max_num_seqs,
@@ -42,13 +40,15 @@ def sizing_settings(vllm_config: Any) -> SizingSettings:
     )
 
 
-def give_planned_kv_cache(cache_config: Any, fit: BudgetFit) -> None:
-    """The CPU build's KV cache, given no size, is the one the start's plan left room
-    for: ``max_num_seqs`` full-length sequences, or ``KV_SHARE`` of the free memory
-    (``config/sizing.py``). vLLM's own CPU sizing takes a share of the node's memory
-    that the slots have taken by then, and fails or takes what the plan did not leave.
-    Called once the start's plan is adopted (the weights are loaded; vLLM sizes the KV
-    cache after)."""
-    if current_platform.is_cpu() and cache_config.kv_cache_memory_bytes is None:
-        if "kv_full" in fit.parts:  # (sized here, not given)
-            cache_config.kv_cache_memory_bytes = int(fit.parts["kv"])
+def size_cpu_kv_cache(vllm_config: Any) -> None:
+    """The CPU build's KV cache, when no size is given: :func:`kv_cache_for_batch` of the
+    memory free now, given to vLLM as its size. Called once the engine config is built,
+    before any worker starts: vLLM's CPU worker without a size refuses to start unless
+    ``gpu_memory_utilization`` of the node is free, and would then take that share,
+    beside the slots the plugin sizes later."""
+    cache = vllm_config.cache_config
+    if not current_platform.is_cpu() or cache.kv_cache_memory_bytes is not None:
+        return
+    settings = sizing_settings(vllm_config)
+    free = memory_report(torch.device("cpu"), settings).free_bytes
+    cache.kv_cache_memory_bytes = kv_cache_for_batch(settings, free)
