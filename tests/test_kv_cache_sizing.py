@@ -1,7 +1,8 @@
-"""The CPU build's KV cache, given no size, is the one the budget's plan left room for:
-``max_num_seqs`` full-length sequences (issue 66: throughput that grows with the batch
-needs a KV cache for the batch, and vLLM's own CPU sizing takes a share of the node's
-memory that the slots have already taken)."""
+"""The CPU build's KV cache, given no size, is sized for the batch when the engine is
+configured: ``max_num_seqs`` full-length sequences, which the budget's plan then leaves
+room for (issue 66: throughput that grows with the batch needs a KV cache for the batch;
+vLLM's own CPU sizing refuses to start unless 0.92 of the node is free, and otherwise
+takes that share beside the slots)."""
 
 import os
 
@@ -59,6 +60,6 @@ def test_a_kv_cache_given_no_size_holds_max_num_seqs_full_length_sequences(unsiz
     assert planned["kv_bytes"] == SEQS * LENGTH * per_token  # (far below 25% of the room)
     allocated = llm.apply_model(kv_cache_bytes)[0]
     block = llm.llm_engine.vllm_config.cache_config.block_size * per_token
-    # vLLM allocates whole blocks of what it was given: the plan's, not its own share of
-    # the node (gigabytes here) nor another default (VLLM_CPU_KVCACHE_SPACE's GiB).
+    # vLLM allocates whole blocks of what it was given: the batch's, not its own share of
+    # the node (18-19 GB here) nor another default (VLLM_CPU_KVCACHE_SPACE's GiB).
     assert planned["kv_bytes"] - block < allocated <= planned["kv_bytes"]

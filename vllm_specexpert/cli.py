@@ -103,7 +103,7 @@ def run_vllm_cli(argv: list[str]) -> None:
             from vllm_specexpert.validate import check_plugin_enabled
 
             check_plugin_enabled("every vLLM process")
-        else:  # (configured, the plugin sizes the KV cache with its budget)
+        else:  # (an engine the plugin configures gets its KV cache sized by the plugin)
             vllm_hooks.set_cpu_defaults()
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
