@@ -89,7 +89,7 @@ PHASES = (
     "approximate",
     "serve",
 )
-TOKENS = {1: 16, 8: 8, 32: 5, 64: 5, 128: 6, 256: 8}
+TOKENS = {1: 16, 8: 8, 16: 8, 32: 5, 64: 5, 128: 6, 256: 8}
 """Tokens generated per sequence at each batch (bigger batches read more per step)."""
 PROMPT_TOKENS = 32
 
