@@ -255,7 +255,7 @@ def space_for_slots(
     if memory.kv_cache_bytes is not None:
         kv = float(memory.kv_cache_bytes)
     else:
-        kv = min(full, KV_SHARE * max(room, 0.0))
+        kv = _batch_kv(full, room)
     kv_parts = {"kv_per_sequence": sequence, "kv_full": full}
     workspace = (
         min(shapes.max_num_batched_tokens, KERNEL_CHUNK_TOKENS)
@@ -393,4 +393,10 @@ def kv_cache_for_batch(settings: SizingSettings, free_bytes: int) -> int:
     full-length sequences, at most :data:`KV_SHARE` of ``free_bytes`` (the memory free
     when the engine is configured, before the weights load)."""
     full = settings.max_num_seqs * settings.max_model_len * settings.kv_bytes_per_token
-    return int(min(full, KV_SHARE * max(free_bytes, 0)))
+    return int(_batch_kv(full, free_bytes))
+
+
+def _batch_kv(full: float, memory: float) -> float:
+    """A full-length cache for the batch (``full`` bytes), at most :data:`KV_SHARE` of
+    ``memory``."""
+    return min(full, KV_SHARE * max(memory, 0.0))
