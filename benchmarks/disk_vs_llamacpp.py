@@ -820,6 +820,10 @@ class RouteRecorder:
 
     def __init__(self) -> None:
         self.calls: dict[str, list[tuple[np.ndarray, bool]]] = {}
+        self.read_once: dict[str, int] = {}
+        """Per layer, the read-once bound of its decode calls: the distinct experts each
+        needed that were not resident at its start (bytes no order of reads can beat
+        without keeping other experts)."""
         self.initial: dict[str, list[int]] = {}
         """Per layer, its resident experts when its first call with decode tokens came,
         least recently used first: where the replays start. The prompts' passes before
@@ -833,7 +837,7 @@ class RouteRecorder:
     def recording(self):
         if not self.installed:
             self._install()
-        self.calls, self.initial, self.on = {}, {}, True
+        self.calls, self.initial, self.read_once, self.on = {}, {}, {}, True
         try:
             yield
         finally:
@@ -857,9 +861,15 @@ class RouteRecorder:
                 calls = recorder.calls.setdefault(request.layer, [])
                 if phases is None or phases.all_decode or phases.all_prefill:
                     calls.append((ids, phases is None or phases.all_decode))
+                    decoding = ids if calls[-1][1] else ids[:0]
                 else:  # the engine runs a mixed pass's decode rows first
-                    calls.append((ids[phases.decode], True))
+                    decoding = ids[phases.decode]
+                    calls.append((decoding, True))
                     calls.append((ids[phases.prefill], False))
+                slot = engine.layers[request.layer].cache.expert_slot
+                missing = int(np.count_nonzero(slot[np.unique(decoding)] < 0))
+                once = recorder.read_once
+                once[request.layer] = once.get(request.layer, 0) + missing
             return original(engine, request)
 
         OffloadEngine.run_call = run_call  # type: ignore[method-assign]
@@ -872,7 +882,7 @@ class RouteRecorder:
         would count loads the engine never needed)."""
         from clairvoyant import belady_misses, flatten, lru_misses
 
-        best = lru = 0
+        best = lru = once = 0
         for name, calls in self.calls.items():
             if name not in stats["slots_per_layer"]:
                 continue  # (the lookahead draft's layers: its engine's, not the target's)
@@ -882,9 +892,11 @@ class RouteRecorder:
             initial = self.initial.get(name, [])[-slots:]
             best += belady_misses(sequence, decode, slots, initial) * expert
             lru += lru_misses(sequence, decode, slots, initial) * expert
+            once += self.read_once.get(name, 0) * expert
         return {
             "clairvoyant_gb_per_decode_token": best / decode_tokens / 1e9,
             "lru_replayed_gb_per_decode_token": lru / decode_tokens / 1e9,
+            "read_once_gb_per_decode_token": once / decode_tokens / 1e9,
         }
 
 
@@ -1441,7 +1453,9 @@ def markdown(payload: dict, command: str) -> str:
             row(f"plugin, {mode}", rows, key)
             if bounds and mode == "fetch, LRU":
                 row("  LRU replayed on its calls", rows, "lru_replayed_gb_per_decode_token")
+            if bounds and "clairvoyant_gb_per_decode_token" in rows.get(str(batches[0]), {}):
                 row("  Belady's MIN on the same calls", rows, "clairvoyant_gb_per_decode_token")
+                row("  the read-once bound of its calls", rows, "read_once_gb_per_decode_token")
         for phase in PHASES:  # (what it measured before it died is in the rows above)
             died = payload.get(phase, {}).get("died")
             if died:

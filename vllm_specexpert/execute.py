@@ -294,17 +294,21 @@ def run_streamed(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
 
     The reads overlap the compute (the demand is known): a window's reads are queued
     before the launch ahead of it, into slots that launch does not need, so the disk
-    reads while the kernel runs. The pool is split in two, one half computing while the
-    other fills; the first window takes what the resident launch leaves of its half
-    (slots of resident experts this call does not need)."""
+    reads while the kernel runs. Windows are :func:`stream_window` experts, one
+    computing while the next fills; the first takes slots of resident experts this
+    call does not need. What a window evicts is the least used of the rest (the
+    policy's :meth:`~vllm_specexpert.tiers.eviction.EvictionPolicy.sweep_demand`), so
+    the pool keeps, for the next call, the experts used most, and the missing ones
+    stream through two windows' slots."""
     cache, ids, stats, device = loader.cache, call.host_ids, call.stats, call.x.device
     held = cache.resident_mask()[ids]
     out = torch.zeros_like(call.x)
     resident = np.unique(ids[held])
     rest = np.unique(ids[~held])  # (ascending: the pack's order)
     pending = np.zeros(0, dtype=np.int64)
+    size = stream_window(cache)
     try:
-        window, rest = _next_window(cache, rest, resident, half=True)
+        window, rest = _next_window(cache, rest, resident, size)
         pending = _request(loader, window, resident, stats)
         if len(resident):
             loader.acquire(resident, stats)  # (hits)
@@ -316,12 +320,12 @@ def run_streamed(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
         row_of[split] = np.arange(len(split))
         total = out[upload(split, device)].float()
         while len(window) or len(rest):
-            if not len(window):  # (nothing in flight: half the pool, the other half next)
-                window, rest = _next_window(cache, rest, window, half=True)
+            if not len(window):  # (nothing in flight)
+                window, rest = _next_window(cache, rest, window, size)
                 if not len(window):  # the pool's reserve for one token was broken: a bug
                     raise RuntimeError(f"{cache.experts.name}: no room for one expert to stream")
                 pending = _request(loader, window, window, stats)
-            following, rest = _next_window(cache, rest, window)
+            following, rest = _next_window(cache, rest, window, size)
             pending = np.concatenate([pending, _request(loader, following, window, stats)])
             loader.land(window, stats)
             cache.in_use[window] = False
@@ -338,15 +342,20 @@ def run_streamed(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
     return out
 
 
+def stream_window(cache: ExpertCache) -> int:
+    """Experts a window of :func:`run_streamed` reads: a token's ``top_k``, at most half
+    the pool. The fewer slots stream, the more the pool keeps for the next call; one
+    window read while the one before computes keeps the disk busy (its reads take
+    longer than a window's launch), at ``top_k`` experts' tensors in its queue."""
+    return max(1, min(cache.top_k, cache.capacity() // 2))
+
+
 def _next_window(
-    cache: ExpertCache, rest: np.ndarray, busy: np.ndarray, half: bool = False
+    cache: ExpertCache, rest: np.ndarray, busy: np.ndarray, size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(window, rest)``: the longest prefix of ``rest`` that fits in the pool beside
-    ``busy`` (experts a launch still needs); ``half``: at most half the pool (rounded
-    up), leaving the other half to the window after it."""
-    room = cache.capacity() - len(busy)
-    if half:
-        room = min(room, -(-cache.capacity() // 2))
+    """``(window, rest)``: the longest prefix of ``rest``, at most ``size`` experts, that
+    fits in the pool beside ``busy`` (experts a launch still needs)."""
+    room = min(cache.capacity() - len(busy), size)
     take = max(0, min(len(rest), room))
     while take and not cache.capacity_for(np.union1d(busy, rest[:take])):
         take -= 1
@@ -359,7 +368,8 @@ def _request(
     """Queue ``window``'s reads, evicting none of ``busy``; the window is in use until it
     is launched (a hook's loads, other layers' in a shared pool, must not take it)."""
     if len(window):
-        loader.request(window, stats, np.union1d(busy, window), ahead=True)
+        demand = loader.cache.policy.sweep_demand()
+        loader.request(window, stats, np.union1d(busy, window), demand, ahead=True)
         loader.cache.in_use[window] = True
     return window
 

@@ -21,11 +21,21 @@ class EvictionPolicy:
 
     def __init__(self, num_experts: int, num_slots: int, top_k: int) -> None:
         self.last_used = np.zeros(num_experts, dtype=np.int64)
+        self.uses = np.zeros(num_experts, dtype=np.int64)
+        """Launches that used each expert (outside frozen recency), whatever the order."""
         self.pinned = np.zeros(num_experts, dtype=bool)
         """Experts that are never evicted once resident."""
 
     def on_use(self, experts: np.ndarray, clock: int) -> None:
         self.last_used[experts] = clock
+        self.uses[experts] += 1
+
+    def sweep_demand(self) -> np.ndarray | None:
+        """What a call that streams (more distinct experts than slots) keeps for the
+        next: per expert, the higher the later to go. Its own order would keep the last
+        window streamed (recency), whatever the next call needs; the measured uses keep
+        the experts the next call most likely needs. ``None``: the pool's order decides."""
+        return self.uses
 
     def order(self, candidates: np.ndarray) -> np.ndarray:
         """``candidates`` sorted so that the first is evicted first."""
@@ -41,14 +51,6 @@ class LRUPolicy(EvictionPolicy):
 
 class LFUPolicy(EvictionPolicy):
     spec = CACHES["lfu"]
-
-    def __init__(self, num_experts: int, num_slots: int, top_k: int) -> None:
-        super().__init__(num_experts, num_slots, top_k)
-        self.uses = np.zeros(num_experts, dtype=np.int64)
-
-    def on_use(self, experts: np.ndarray, clock: int) -> None:
-        super().on_use(experts, clock)
-        self.uses[experts] += 1
 
     def order(self, candidates: np.ndarray) -> np.ndarray:
         # lexsort: last key is primary -> fewest uses first, then least recent.
@@ -70,6 +72,9 @@ class PlecPolicy(LRUPolicy):
     first from the predicted demand (:class:`~vllm_specexpert.tiers.slots.SharedSlotPool`)."""
 
     spec = CACHES["plec"]
+
+    def sweep_demand(self) -> np.ndarray | None:
+        return None  # (the shared pool's predicted uses: PLEC's demand for the step)
 
 
 CACHE_CLASSES: dict[str, type[EvictionPolicy]] = {
