@@ -326,18 +326,23 @@ def test_stream_reads_each_missing_expert_once_and_equals_fetch_up_to_rounding(
     check_cache_invariants(stream.layers[NAME].loader, settle=True)
 
 
-def test_stream_keeps_a_full_pool_across_sweeps_and_reads_the_read_once_bound(make_engine):
-    # Six steps, each needing all 16 experts. A step can read no fewer than the experts it
-    # needs that are not resident at its start: with the pool full (8), 8 a step. A
-    # residency that left slots empty after a sweep, or reread within one, reads more.
+def clairvoyant():
+    """The disk benchmark's replays (Belady's MIN), from ``benchmarks/``."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
         "clairvoyant", Path(__file__).parent.parent / "benchmarks" / "clairvoyant.py"
     )
-    clairvoyant = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(clairvoyant)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stream_keeps_a_full_pool_across_sweeps_and_reads_the_read_once_bound(make_engine):
+    # Six steps, each needing all 16 experts. A step can read no fewer than the experts it
+    # needs that are not resident at its start: with the pool full (8), 8 a step. A
+    # residency that left slots empty after a sweep, or reread within one, reads more.
     engine = make_engine(miss_policy="stream")
     cache = engine.layers[NAME].loader.cache
     calls, bound = [], 0
@@ -350,8 +355,35 @@ def test_stream_keeps_a_full_pool_across_sweeps_and_reads_the_read_once_bound(ma
     loads = layer_stats(engine)["loads"]
     assert loads == bound == 6 * 8
     # Belady's MIN replayed on the same calls (the disk benchmark's bound) reads no fewer.
-    sequence, counted = clairvoyant.flatten(calls)
-    assert loads == clairvoyant.belady_misses(sequence, counted, 8, initial=range(8))
+    replay = clairvoyant()
+    sequence, counted = replay.flatten(calls)
+    assert loads == replay.belady_misses(sequence, counted, 8, initial=range(8))
+
+
+def test_stream_keeps_the_most_used_experts_across_sweeps_as_belady_does(toy_engines):
+    # 64 experts, 16 slots (0-15 at the start). Experts 0-5 are needed by every call;
+    # each step also needs 12 others, each once in the whole run. Every step needs 18
+    # experts, more than the slots, so it streams through two windows of 4. Belady's MIN
+    # keeps 0-5 and reads each of the others once; so does a residency that keeps the
+    # most used. One that kept the last windows read (recency) would read 0-5 again at
+    # every step.
+    hot, slots = np.arange(6), 16
+    layer = random_layer(num_experts=64, hidden=H, seed=3)
+    engine = toy_engines({"budget": 0.25, "miss_policy": "stream"}, {NAME: layer}, K)
+    cache = engine.layers[NAME].loader.cache
+    assert cache.num_slots == slots and cache.resident_mask()[:slots].all()
+    calls = [np.array([[0, 1, 2, 3], [2, 3, 4, 5]])]  # (fits: used once before the sweeps)
+    for step in range(4):
+        others = 16 + 12 * step + np.arange(12).reshape(4, 3)
+        calls.append(np.vstack([np.column_stack([hot[:4], others]), [[4, 5, 0, 1]]]))
+    for step, ids in enumerate(calls):
+        engine.run_call(LayerCall(NAME, slot_kernel, *routing(ids.tolist(), seed=step)))
+        assert cache.resident_mask()[hot].all()  # (kept after every sweep)
+    loads = layer_stats(engine)["loads"]
+    replay = clairvoyant()
+    sequence, counted = replay.flatten([(ids, True) for ids in calls])
+    assert loads == replay.belady_misses(sequence, counted, slots, initial=range(slots)) == 48
+    check_cache_invariants(engine.layers[NAME].loader, settle=True)
 
 
 @pytest.mark.parametrize(
