@@ -246,6 +246,52 @@ def test_a_held_back_request_is_probed_every_so_many_of_its_own_steps():
     assert [b - a for a, b in itertools.pairwise(probes)] == [PROBE_EVERY] * 3
 
 
+def test_the_governor_drafts_nothing_until_a_batch_size_has_run_enough_tokens():
+    # A run of a few tokens never pays for the trials of each draft length.
+    governor = Governor(k_max=2, explore_after_tokens=8)
+    cycle, accepted = (lambda k: 1.0 + 0.05 * k), {"a": 1.0, "b": 1.0}
+    chosen = _measure(governor, ["a", "b"], cycle, accepted, 4 + 3 * WARM_UP_SAMPLES)
+    assert chosen[:4] == [0] * 4  # (8 tokens of 2 sequences)
+    assert sorted(chosen[4 : 4 + 2 * WARM_UP_SAMPLES]) == [1, 1, 2, 2]  # (k = 0 measured)
+    # Another batch size counts its own tokens.
+    assert _measure(governor, list("abcdefgh"), cycle, {}, 1) == [0]
+
+
+def test_a_round_without_drafts_runs_the_drafts_resident_experts_only(toy_engines):
+    # The draft's pass at k = 0 proposes nothing: it reads none of its experts (its KV
+    # cache is kept from what is resident). A round that drafts reads what it misses.
+    import threading
+
+    import torch
+    from moe_reference import random_layer, slot_kernel
+
+    from vllm_specexpert.config.sections import LookaheadConfig
+    from vllm_specexpert.features.lookahead import LookaheadFeature
+    from vllm_specexpert.layer_call import LayerCall
+
+    name = "model.layers.0.mlp.experts"
+    draft = toy_engines({"budget": 0.5}, {name: random_layer(num_experts=16, hidden=32)}, 4)
+    feature = LookaheadFeature(LookaheadConfig(), [], draft, threading.Lock())
+    ids = torch.tensor([[0, 9, 10, 11], [1, 2, 3, 4]], dtype=torch.int32)  # (0-7 resident)
+    x, weights = torch.randn(2, 32).bfloat16(), torch.full((2, 4), 0.25)
+
+    def loads_of_a_round(k: int) -> tuple[int, torch.Tensor]:
+        draft.reset_stats()
+        with feature.draft_round(k):
+            out = draft.run_call(LayerCall(name, slot_kernel, x, weights, ids))
+        return draft.stats()["total"]["decode"]["loads"], out
+
+    loads, out = loads_of_a_round(0)
+    assert loads == 0 and not torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(
+        out[1], draft.run_call(LayerCall(name, slot_kernel, x[1:], weights[1:], ids[1:]))[0]
+    )
+    assert loads_of_a_round(2)[0] == 3  # (9, 10, 11: the draft's own policy again)
+    # The feature's governor drafts nothing in a short run (12 steps of 16 sequences).
+    requests = [str(i) for i in range(16)]
+    assert {feature.begin_round(requests, {}, 1.0) for _ in range(12)} == {0}
+
+
 def test_fixed_k_is_kept():
     governor = Governor(k_max=4, fixed_k=2)
     assert _measure(governor, ["a"], lambda k: 1.0, {"a": 0.0}, 10) == [2] * 10
@@ -371,7 +417,14 @@ def _assert_equals_vanilla(outputs, prompts):
     assert [c.logprobs for c in outputs] == [c.logprobs for c in reference]
 
 
+K = 3
+"""The fixed draft length of the offloading runs: the governor's k follows measured
+cycle times (and drafts nothing in a short run), and on a CPU with AMX the shape of a
+pass changes its rounding."""
+
+
 def test_lookahead_at_one_sequence_saves_target_steps_and_equals_vanilla(llm):
+    vllm_specexpert.reconfigure(llm, lookahead={"k": K})
     vllm_specexpert.reset_stats(llm)
     outputs = greedy(llm, PROMPTS[:1])
     stats = vllm_specexpert.get_stats(llm)[0]
@@ -382,11 +435,13 @@ def test_lookahead_at_one_sequence_saves_target_steps_and_equals_vanilla(llm):
     # first (23); a draft whose tokens were never used would take as many.
     assert 0 < lookahead["steps"] < 23 - 5
     _assert_equals_vanilla(outputs, PROMPTS[:1])
-
-
-K = 3
-"""The fixed draft length of the offloading runs: the governor's k follows measured
-cycle times, and on a CPU with AMX the shape of a pass changes its rounding."""
+    # The governor: a run of 24 tokens drafts nothing (no trial of a length is paid for).
+    vllm_specexpert.reconfigure(llm, lookahead={})
+    vllm_specexpert.reset_stats(llm)
+    outputs = greedy(llm, PROMPTS[:1])
+    lookahead = vllm_specexpert.get_stats(llm)[0]["lookahead"]
+    assert lookahead["drafted"] == 0 and set(lookahead["steps_by_k"]) == {"0"}
+    _assert_equals_vanilla(outputs, PROMPTS[:1])
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,11 @@ around it in order (:mod:`vllm_specexpert.features`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -357,6 +359,18 @@ class OffloadEngine:
             layer = call.layer
             return execute.resolve(layer.loader, run, self.miss_policy, layer.miss_context)
         return self.features[at].resolve(call, run, lambda c, r: self._resolve(at + 1, c, r))
+
+    @contextlib.contextmanager
+    def resident_only(self) -> Iterator[None]:
+        """Decode calls inside run only their resident experts (``drop``): nothing is
+        read, and the output changes. For an engine whose output only guides another's:
+        a draft's pass that proposes nothing, run to keep its KV cache."""
+        chosen = self.miss_policy
+        self.miss_policy = MISS_POLICY_CLASSES["drop"]()
+        try:
+            yield
+        finally:
+            self.miss_policy = chosen
 
     # ---------------------------------------------------------------- statistics
 

@@ -7,6 +7,7 @@ proposer, and the draft's layers hand their routes over (:meth:`draft_routed`)."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -19,6 +20,7 @@ from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.governor import Governor
 from vllm_specexpert.planner.lookahead import LookaheadPlanner
+from vllm_specexpert.planner.switch import EXPLORE_AFTER_TOKENS
 from vllm_specexpert.stats import LayerStats, Series
 
 
@@ -33,7 +35,7 @@ class LookaheadFeature(EngineFeature):
         draft: Any,
         lock: threading.Lock,
     ):
-        self.governor = Governor(config.k_max, config.k)
+        self.governor = Governor(config.k_max, config.k, EXPLORE_AFTER_TOKENS)
         self.draft = draft
         """The draft's engine (``None`` until vLLM has built the draft)."""
         self.lock = lock
@@ -75,6 +77,15 @@ class LookaheadFeature(EngineFeature):
             if self.planner is not None:
                 self.planner.round_started(requests)
         return k
+
+    def draft_round(self, k: int) -> contextlib.AbstractContextManager[None]:
+        """Around the draft's round of length ``k``. At ``k = 0`` its pass proposes
+        nothing (it runs to keep the draft's KV cache): its layers run their resident
+        experts only and read none, so a step without drafts costs about what the
+        target's alone does."""
+        if k == 0 and self.draft is not None:
+            return self.draft.resident_only()
+        return contextlib.nullcontext()
 
     def end_round(self) -> None:
         """The round's draft has run (or failed): its routes are the next demand."""

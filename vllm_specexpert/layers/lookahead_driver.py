@@ -124,7 +124,8 @@ def _propose(
     scheduler_output.num_spec_tokens_to_schedule = k
     _active = lookahead
     try:
-        drafts = draft()
+        with lookahead.draft_round(k):
+            drafts = draft()
     finally:
         _active = None
         lookahead.end_round()
