@@ -257,9 +257,10 @@ def test_the_governor_drafts_nothing_until_a_batch_size_has_run_enough_tokens():
     assert _measure(governor, list("abcdefgh"), cycle, {}, 1) == [0]
 
 
-def test_a_round_without_drafts_runs_the_drafts_resident_experts_only(toy_engines):
-    # The draft's pass at k = 0 proposes nothing: it reads none of its experts (its KV
-    # cache is kept from what is resident). A round that drafts reads what it misses.
+def test_a_round_without_drafts_runs_none_of_the_drafts_experts(toy_engines):
+    # The draft's pass at k = 0 proposes nothing (it keeps the draft's KV cache): none of
+    # its routed experts runs or is read, and its routes load nothing of the target's. A
+    # round that drafts runs and reads what it misses.
     import threading
 
     import torch
@@ -271,25 +272,38 @@ def test_a_round_without_drafts_runs_the_drafts_resident_experts_only(toy_engine
 
     name = "model.layers.0.mlp.experts"
     draft = toy_engines({"budget": 0.5}, {name: random_layer(num_experts=16, hidden=32)}, 4)
+    target = SimpleNamespace(  # (the target's layer: nothing resident)
+        cache=SimpleNamespace(expert_slot=np.full(16, -1), touch=lambda experts: None),
+        loader=SimpleNamespace(prefetch=lambda *a: loads.append(a)),
+        stats=SimpleNamespace(decode=None),
+    )
+    loads: list = []
     feature = LookaheadFeature(LookaheadConfig(), [], draft, threading.Lock())
+    feature.planner = LookaheadPlanner(16, lambda index: target)
     ids = torch.tensor([[0, 9, 10, 11], [1, 2, 3, 4]], dtype=torch.int32)  # (0-7 resident)
     x, weights = torch.randn(2, 32).bfloat16(), torch.full((2, 4), 0.25)
 
-    def loads_of_a_round(k: int) -> tuple[int, torch.Tensor]:
+    def a_round(k: int) -> tuple[torch.Tensor, dict]:
         draft.reset_stats()
         with feature.draft_round(k):
             out = draft.run_call(LayerCall(name, slot_kernel, x, weights, ids))
-        return draft.stats()["total"]["decode"]["loads"], out
+        return out, draft.stats()["total"]["decode"]
 
-    loads, out = loads_of_a_round(0)
-    assert loads == 0 and not torch.equal(out[0], torch.zeros_like(out[0]))
-    assert torch.equal(
-        out[1], draft.run_call(LayerCall(name, slot_kernel, x[1:], weights[1:], ids[1:]))[0]
-    )
-    assert loads_of_a_round(2)[0] == 3  # (9, 10, 11: the draft's own policy again)
-    # The feature's governor drafts nothing in a short run (12 steps of 16 sequences).
+    out, counted = a_round(0)
+    assert not out.any() and counted["calls"] == 0 and counted["loads"] == 0
+    out, counted = a_round(2)
+    assert out[1].any() and counted["loads"] == 3  # (9, 10, 11)
+    # The governor drafts nothing in a short run (12 steps of 16 sequences), and its
+    # rounds leave the target's passes no demand.
     requests = [str(i) for i in range(16)]
-    assert {feature.begin_round(requests, {}, 1.0) for _ in range(12)} == {0}
+    feature.planner.routes = {r: {0: np.ones(16)} for r in requests}  # (an old round's)
+    for _ in range(12):
+        assert feature.begin_round(requests, {}, 1.0) == 0
+        feature.draft_routed(0, np.zeros((16, 4), dtype=np.int64), np.ones((16, 4)))
+        feature.end_round()
+        feature.pass_started(requests, [])
+        assert feature.demand() is None
+    assert not loads
 
 
 def test_fixed_k_is_kept():

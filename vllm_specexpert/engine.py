@@ -72,6 +72,8 @@ class OffloadEngine:
         self.unreadable = UnreadableRows()
         """Rows of the running pass whose experts the slow tier could not supply."""
         self.features: list[EngineFeature] = []
+        self._skipping = False
+        """Calls run no routed expert (:meth:`experts_skipped`)."""
         self._select(config)
         self._build_features()
 
@@ -290,7 +292,9 @@ class OffloadEngine:
 
     def run_call(self, request: LayerCall) -> torch.Tensor:
         """Routed-expert output of one layer call, as the layer's call was composed
-        (:meth:`_compose`)."""
+        (:meth:`_compose`); zero inside :meth:`experts_skipped`."""
+        if self._skipping:
+            return torch.zeros_like(request.x)
         return self.layers[request.layer].run(request)
 
     def _run(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
@@ -361,16 +365,15 @@ class OffloadEngine:
         return self.features[at].resolve(call, run, lambda c, r: self._resolve(at + 1, c, r))
 
     @contextlib.contextmanager
-    def resident_only(self) -> Iterator[None]:
-        """Decode calls inside run only their resident experts (``drop``): nothing is
-        read, and the output changes. For an engine whose output only guides another's:
-        a draft's pass that proposes nothing, run to keep its KV cache."""
-        chosen = self.miss_policy
-        self.miss_policy = MISS_POLICY_CLASSES["drop"]()
+    def experts_skipped(self) -> Iterator[None]:
+        """Calls inside run no routed expert: their output is zero, nothing is read or
+        computed. For an engine whose output only guides another's: a draft's pass that
+        proposes nothing, run to keep its KV cache."""
+        self._skipping = True
         try:
             yield
         finally:
-            self.miss_policy = chosen
+            self._skipping = False
 
     # ---------------------------------------------------------------- statistics
 

@@ -219,8 +219,8 @@ class LookaheadConfig:
 
     k: Annotated[Count, Field(ge=0, le=8)] | None = None
     """A fixed draft length in [0, k_max] instead of the governor (0: no drafted tokens;
-    the draft still runs once per step on the step's tokens, to keep its KV cache, on
-    its resident experts only, reading none). ``None`` (default): the governor, which
+    the draft still runs once per step on the step's tokens, to keep its KV cache,
+    without its routed experts). ``None`` (default): the governor, which
     drafts nothing in a batch size's first 512 decode tokens (a short run never pays
     for its trials), then measures each length. Range: [0, 8], at most ``k_max``."""
 

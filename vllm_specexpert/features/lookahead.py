@@ -75,21 +75,23 @@ class LookaheadFeature(EngineFeature):
             self.governor.verified(verified, requests, pass_s)
             k = self.governor.choose(requests)
             if self.planner is not None:
-                self.planner.round_started(requests)
+                if k:
+                    self.planner.round_started(requests)
+                else:  # (nothing drafted: the draft's routes are not the next pass's)
+                    self.planner.round_skipped(requests)
         return k
 
     def draft_round(self, k: int) -> contextlib.AbstractContextManager[None]:
         """Around the draft's round of length ``k``. At ``k = 0`` its pass proposes
-        nothing (it runs to keep the draft's KV cache): its layers run their resident
-        experts only and read none, so a step without drafts costs about what the
-        target's alone does."""
+        nothing (it runs to keep the draft's KV cache): it runs none of its routed
+        experts, so a step without drafts costs about what the target's alone does."""
         if k == 0 and self.draft is not None:
-            return self.draft.resident_only()
+            return self.draft.experts_skipped()
         return contextlib.nullcontext()
 
     def end_round(self) -> None:
         """The round's draft has run (or failed): its routes are the next demand."""
-        if self.planner is not None:
+        if self.planner is not None and self.planner.active:
             with self.lock:
                 self.planner.round_ended()
 

@@ -44,6 +44,13 @@ class LookaheadPlanner:
         self.buffer.begin(requests)
         self.active = True
 
+    def round_skipped(self, requests: list[str]) -> None:
+        """A round that drafts nothing for ``requests``: their next pass verifies no
+        drafts, so it has no demand from them (and the draft's pass, which runs none of
+        its experts, routes nothing worth loading)."""
+        for request in requests:
+            self.routes.pop(request, None)
+
     def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
         """Prime and prefetch the target's layer ``layer_index`` from the draft's routes."""
         if not self.active:
