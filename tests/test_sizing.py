@@ -46,11 +46,21 @@ def cpu(total_gib: float, free_gib: float) -> MemoryReport:
 def test_a_cpu_kv_cache_given_no_size_is_sized_for_the_batch():
     from vllm_specexpert.config.sizing import SizingSettings, kv_cache_for_batch
 
-    # Qwen3-30B-A3B's 16 sequences of 4096 tokens: 16 x 4096 x 98,304 B = 6.0 GiB, while
-    # it is at most 0.25 of the memory free (40 GiB: all of it; 12 GiB: 3 GiB).
-    batch = SizingSettings(kv_bytes_per_token=98_304, max_num_seqs=16, max_model_len=4096)
-    assert kv_cache_for_batch(batch, 40 * GiB) == 6 * GiB
+    # Qwen3-30B-A3B's 16 sequences of 4096 tokens: 16 x 4096 x 98,304 B = 6.0 GiB, and
+    # vLLM's null block (128 tokens), while it is at most 0.25 of the memory free
+    # (40 GiB: all of it; 12 GiB: 3 GiB), and at least one sequence (1 GiB: 0.375 GiB).
+    block = 128 * 98_304
+    batch = SizingSettings(
+        kv_bytes_per_token=98_304, max_num_seqs=16, max_model_len=4096, block_size=128
+    )
+    assert kv_cache_for_batch(batch, 40 * GiB) == 6 * GiB + block
     assert kv_cache_for_batch(batch, 12 * GiB) == 3 * GiB
+    assert kv_cache_for_batch(batch, GiB) == GiB * 3 // 8 + block
+    # A sequence of 500 tokens takes 4 whole blocks, and the null block one more.
+    one = SizingSettings(
+        kv_bytes_per_token=98_304, max_num_seqs=1, max_model_len=500, block_size=128
+    )
+    assert kv_cache_for_batch(one, 40 * GiB) == 5 * block
     # Given that size, the plan says whom it holds: 3 GiB, 8 of the 16 sequences;
     # room 40 - 3 - 0.01171875 - 1 = 35.988 GiB / 0.421875 GiB a slot per layer = 85.3.
     fit = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, 3 * GiB))

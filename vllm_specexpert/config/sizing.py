@@ -152,6 +152,9 @@ class SizingSettings:
     max_num_seqs: int = 0
     max_model_len: int = 0
     max_num_batched_tokens: int = 0
+    block_size: int = 0
+    """Tokens per block of vLLM's KV cache (0: none; a size given to vLLM holds whole
+    blocks)."""
     draft_slot_bytes: int = 0
     """:attr:`ModelShapes.draft_slot_bytes`, counted per MoE layer as the model builds."""
     draft_int4_bytes: int = 0
@@ -391,9 +394,14 @@ def _kv_holds(parts: dict[str, float]) -> str:
 def kv_cache_for_batch(settings: SizingSettings, free_bytes: int) -> int:
     """The KV cache the CPU build is given where no size is: ``max_num_seqs``
     full-length sequences, at most :data:`KV_SHARE` of ``free_bytes`` (the memory free
-    when the engine is configured, before the weights load)."""
-    full = settings.max_num_seqs * settings.max_model_len * settings.kv_bytes_per_token
-    return int(_batch_kv(full, free_bytes))
+    when the engine is configured, before the weights load), and at least one (vLLM
+    refuses less). In whole blocks, with the one vLLM keeps empty (its null block): a
+    size of exactly ``max_model_len`` tokens holds one block short of a sequence."""
+    block = max(settings.block_size, 1)
+    per_sequence = -(-settings.max_model_len // block) * block * settings.kv_bytes_per_token
+    null = block * settings.kv_bytes_per_token if settings.block_size else 0
+    full = settings.max_num_seqs * per_sequence + null
+    return int(max(_batch_kv(full, free_bytes), per_sequence + null))
 
 
 def _batch_kv(full: float, memory: float) -> float:

@@ -37,6 +37,7 @@ def sizing_settings(vllm_config: Any) -> SizingSettings:
         max_num_seqs=scheduler.max_num_seqs,
         max_model_len=model.max_model_len,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        block_size=cache.block_size or 0,
     )
 
 
