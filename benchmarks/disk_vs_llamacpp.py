@@ -852,7 +852,9 @@ class RouteRecorder:
         def run_call(engine, request):
             decodes = request.phases is None or not request.phases.all_prefill
             if recorder.on and (decodes or request.layer in recorder.initial):
-                ids, phases = request.topk_ids.cpu().numpy(), request.phases
+                # A copy: on the CPU the ids are a view of vLLM's buffer, which the next
+                # pass writes over (kept as a view, every recorded call became a later one).
+                ids, phases = request.topk_ids.cpu().numpy().copy(), request.phases
                 if request.layer not in recorder.initial:
                     cache = engine.layers[request.layer].cache
                     resident = np.flatnonzero(cache.expert_slot >= 0)

@@ -67,3 +67,35 @@ def test_min_is_never_above_lru_from_the_same_start(sequence, capacity, initial)
     best = clairvoyant.belady_misses(sequence, counted, capacity, initial)
     assert best <= clairvoyant.lru_misses(sequence, counted, capacity, initial)
     assert best >= len(set(sequence) - set(initial))
+
+
+def test_the_benchmark_records_each_call_as_it_was_and_its_read_once_bound(
+    toy_engines, monkeypatch
+):
+    # vLLM's routing buffer is reused: a pass writes over the ids of the one before. The
+    # recording keeps each call's ids as they were (a view would make every call the
+    # last one's), and the read-once bound counts what each decode call missed.
+    import torch
+    from moe_reference import random_layer, slot_kernel
+
+    from vllm_specexpert.engine import OffloadEngine
+    from vllm_specexpert.layer_call import LayerCall
+
+    bench = importlib.util.spec_from_file_location(
+        "disk_vs_llamacpp", Path(__file__).parent.parent / "benchmarks" / "disk_vs_llamacpp.py"
+    )
+    module = importlib.util.module_from_spec(bench)
+    bench.loader.exec_module(module)
+    monkeypatch.setattr(OffloadEngine, "run_call", OffloadEngine.run_call)  # (undone after)
+    name = "model.layers.0.mlp.experts"
+    engine = toy_engines({"budget": 0.5}, {name: random_layer(num_experts=16, hidden=32)}, 4)
+    recorder, buffer = module.RouteRecorder(), torch.zeros(1, 4, dtype=torch.int32)
+    x, weights = torch.randn(1, 32).bfloat16(), torch.full((1, 4), 0.25)
+    with recorder.recording():
+        for ids in ([0, 1, 8, 9], [0, 1, 8, 10], [2, 3, 4, 5]):  # (0-7 resident at first)
+            buffer[0] = torch.tensor(ids)
+            engine.run_call(LayerCall(name, slot_kernel, x, weights, buffer))
+    recorded = [call.tolist() for call, _ in recorder.calls[name]]
+    assert recorded == [[[0, 1, 8, 9]], [[0, 1, 8, 10]], [[2, 3, 4, 5]]]
+    # 8, 9 evict 2, 3 (the least recent, then the lowest id); 10 evicts 4: 2, 3, 4 again.
+    assert recorder.read_once[name] == 2 + 1 + 3 == engine.stats()["total"]["decode"]["loads"]
