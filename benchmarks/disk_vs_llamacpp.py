@@ -1455,7 +1455,12 @@ def markdown(payload: dict, command: str) -> str:
             row(f"plugin, {mode}", rows, key)
             if bounds and mode == "fetch, LRU":
                 row("  LRU replayed on its calls", rows, "lru_replayed_gb_per_decode_token")
-            if bounds and "clairvoyant_gb_per_decode_token" in rows.get(str(batches[0]), {}):
+            reads = any(rows.get(str(b), {}).get(key, 0) > 0 for b in batches)
+            if (
+                bounds
+                and reads
+                and "clairvoyant_gb_per_decode_token" in rows.get(str(batches[0]), {})
+            ):
                 row("  Belady's MIN on the same calls", rows, "clairvoyant_gb_per_decode_token")
                 row("  the read-once bound of its calls", rows, "read_once_gb_per_decode_token")
         for phase in PHASES:  # (what it measured before it died is in the rows above)
