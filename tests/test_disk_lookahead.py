@@ -35,7 +35,8 @@ def engine(pack_dir):
         specexpert={
             "budget": 0.25,
             "disk": {"path": str(pack_dir)},
-            "lookahead": {},
+            # (a fixed length: the governor drafts nothing in a run this short)
+            "lookahead": {"k": 3},
         },
     )
     yield llm, reference

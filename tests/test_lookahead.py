@@ -525,7 +525,8 @@ def test_under_the_token_scheduler_held_back_drafts_are_verified():
         TRAINED_MODEL,
         specexpert={
             "budget": BUDGET,
-            "lookahead": {},
+            # (the draft lengths tried from the first step: this run is 24 tokens long)
+            "lookahead": {"explore_after_tokens": 0},
             "path_predictor": str(PATH_PREDICTOR),
             # (no governor: it would first try grouping after this test's tokens)
             "token_scheduler": {"group_size": 4, "max_wait_steps": 2, "governor": False},
@@ -569,7 +570,8 @@ def _count_late_verifications(scheduler):
 
 def test_a_small_draft_pool_decodes_its_int4_experts_on_use():
     llm = make_llm(
-        TRAINED_MODEL, specexpert={"budget": BUDGET, "lookahead": {"draft_budget": 0.25}}
+        TRAINED_MODEL,
+        specexpert={"budget": BUDGET, "lookahead": {"draft_budget": 0.25, "k": K}},
     )
     try:
         outputs = greedy(llm)

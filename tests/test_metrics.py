@@ -240,7 +240,8 @@ def test_lookahead_series_equal_the_governors_counters(tmp_path, monkeypatch):
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
     engine = OffloadEngine(
-        SpecExpertConfig.from_dict({"budget": 0.25, "lookahead": {}}), torch.device("cpu")
+        SpecExpertConfig.from_dict({"budget": 0.25, "lookahead": {"explore_after_tokens": 0}}),
+        torch.device("cpu"),
     )
     engine.add_layer(NAMES[0], random_layer(seed=0), top_k=4, index=1)
     engine.start()

@@ -114,7 +114,8 @@ def test_serve_runs_lookahead_and_reports_its_draft_lengths(tmp_path):
         model,
         port,
         tmp_path / "server.log",
-        offload_config(stats_path, lookahead={"k_max": 2}),
+        # (a fixed length: the governor drafts nothing in a run this short)
+        offload_config(stats_path, lookahead={"k_max": 2, "k": 2}),
         ["--enforce-eager", "--max-model-len", "512"],
         timeout_s=300,
         env={**os.environ, **DEV_MODE},

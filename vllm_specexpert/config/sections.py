@@ -220,9 +220,14 @@ class LookaheadConfig:
     k: Annotated[Count, Field(ge=0, le=8)] | None = None
     """A fixed draft length in [0, k_max] instead of the governor (0: no drafted tokens;
     the draft still runs once per step on the step's tokens, to keep its KV cache,
-    without its routed experts). ``None`` (default): the governor, which
-    drafts nothing in a batch size's first 512 decode tokens (a short run never pays
-    for its trials), then measures each length. Range: [0, 8], at most ``k_max``."""
+    without its routed experts). ``None`` (default): the governor, which measures each
+    length after ``explore_after_tokens``. Range: [0, 8], at most ``k_max``."""
+
+    explore_after_tokens: Annotated[Count, Field(ge=0, le=2**31 - 1)] = 512
+    """Decode tokens of a batch size the governor runs without drafts (k = 0) before it
+    first tries each length, so that a run of a few tokens never pays for the trials
+    (on the disk tier a trial of a bad length ran 0.34x ``fetch``: issue 66). 0: from
+    the first step. Range: [0, 2^31 - 1]."""
 
     draft_budget: Annotated[Number, Field(gt=0, le=1)] | None = None
     """Share of the draft's experts held in its slots, least recently used first out:

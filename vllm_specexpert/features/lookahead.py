@@ -20,7 +20,6 @@ from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.planner.governor import Governor
 from vllm_specexpert.planner.lookahead import LookaheadPlanner
-from vllm_specexpert.planner.switch import EXPLORE_AFTER_TOKENS
 from vllm_specexpert.stats import LayerStats, Series
 
 
@@ -35,7 +34,7 @@ class LookaheadFeature(EngineFeature):
         draft: Any,
         lock: threading.Lock,
     ):
-        self.governor = Governor(config.k_max, config.k, EXPLORE_AFTER_TOKENS)
+        self.governor = Governor(config.k_max, config.k, config.explore_after_tokens)
         self.draft = draft
         """The draft's engine (``None`` until vLLM has built the draft)."""
         self.lock = lock

@@ -11,9 +11,9 @@ over ``k`` in ``0..k_max``, both measured online:
   ``WARM_UP_SAMPLES`` times (first sample dropped: cold cache), a neighbour every
   ``PROBE_EVERY`` steps.
 
-With ``explore_after_tokens`` (the engine's), a bucket drafts nothing (``k = 0``, whose
-round reads none of the draft's experts) until it has decoded that many tokens, so that a
-run of a few tokens never pays for the warm-up.
+With ``explore_after_tokens`` (``lookahead.explore_after_tokens``), a bucket drafts
+nothing (``k = 0``, whose round runs none of the draft's experts) until it has decoded
+that many tokens, so that a run of a few tokens never pays for the warm-up.
 
 A request below the break-even acceptance ``a*`` (``E(k, a*) = T(k) / T(0)``) stops
 drafting and drafts again every ``PROBE_EVERY`` of its own steps (Cascade's utility
@@ -91,7 +91,7 @@ class Governor:
     """Chooses each step's draft length and drafting requests (module doc)."""
 
     def __init__(
-        self, k_max: int, fixed_k: int | None = None, explore_after_tokens: int | None = None
+        self, k_max: int, fixed_k: int | None = None, explore_after_tokens: int = 0
     ) -> None:
         self.k_max = k_max
         self.fixed_k = fixed_k
@@ -193,7 +193,7 @@ class Governor:
         batch_bucket = bucket(len(requests))
         seen = self.seen.get(batch_bucket, 0)
         self.seen[batch_bucket] = seen + len(requests)
-        if self.explore_after_tokens is not None and seen < self.explore_after_tokens:
+        if seen < self.explore_after_tokens:
             return 0  # (its cycles are measured meanwhile: the warm-up then tries the others)
         for round_ in range(1, WARM_UP_SAMPLES + 1):  # warm-up, round robin
             for k in range(self.k_max, -1, -1):

@@ -35,11 +35,11 @@ PROBE_TOKENS = 2048
 PROBE_STEPS = 3
 """Steps a probe runs (its first sample dropped)."""
 EXPLORE_AFTER_TOKENS = 512
-"""Decode tokens of a bucket run without a technique before it is first tried (the token
-scheduler's grouping; the lookahead governor's drafts): its warm-up then costs a few
-per cent of what ran before (grouping: 4 steps at 1.14x, issue 66's token scheduler at
-16 sequences), and a short run (issue 66: 6-12 tokens of 16 sequences, where the grouped
-warm-up cost 10-12 %) runs as without it."""
+"""The token scheduler's: decode tokens of a bucket, run without grouping, before it is
+first tried: its warm-up then costs at most about 2 % of what ran before (4 steps at
+1.14x, issue 66's token scheduler at 16 sequences), and a short run (issue 66: 6-12
+tokens of 16 sequences, where the grouped warm-up cost 10-12 %) runs as without it
+(``lookahead.explore_after_tokens`` is the draft governor's, the same by default)."""
 
 
 @dataclass
