@@ -367,8 +367,8 @@ class OffloadEngine:
     @contextlib.contextmanager
     def experts_skipped(self) -> Iterator[None]:
         """Calls inside run no routed expert: their output is zero, nothing is read or
-        computed. For an engine whose output only guides another's: a draft's pass that
-        proposes nothing, run to keep its KV cache."""
+        computed. For an engine whose output only guides another's, in a pass run only to
+        keep its KV cache."""
         self._skipping = True
         try:
             yield
