@@ -1,6 +1,6 @@
 """Experts on Ray peers across a real network delay: TPOT against RTT per mesh mode.
 
-A Ray cluster on this machine (``specexpert_testbed/mesh_cluster``): the head in the root
+A Ray cluster on this machine (``vllm_specexpert/tools/mesh_cluster.py``): the head in the root
 network namespace, two peer nodes in namespaces of their own, each behind a user-space
 forwarder that delays every packet by RTT/2 each way, so the round trips are real on the
 wire (this kernel has no netem). The engine runs at ``--budget`` with its misses computed by
@@ -235,7 +235,7 @@ def main() -> None:
         print(f"refit {path} and {args.name}.png")
         return
 
-    from specexpert_testbed.mesh_cluster import MeshCluster
+    from vllm_specexpert.tools.mesh_cluster import MeshCluster
 
     model = model_of(args)
     calibration = args.calibration or default_calibration(model)

@@ -1,7 +1,7 @@
 """Named test models: the embedded trained model by name, and tiny random-weight MoE
 models of every supported architecture (with quantized and widened variants).
 
-    specexpert build-fixtures [--out DIR] [--arch NAME ...]
+    python -m specexpert_testbed.fixtures [--out DIR] [--arch NAME ...]   (from the repository)
 
 Each model is a Hugging Face checkpoint directory (config.json, bf16 safetensors, the
 embedded model's tokenizer) that vLLM and transformers load natively. Weights come from a
@@ -275,3 +275,9 @@ def run(args: argparse.Namespace) -> None:
         print(f"tokenizer -> {TOKENIZER_JSON}")
     for arch in args.arch:
         print(f"{arch} -> {ensure_model(arch, args.out)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args())

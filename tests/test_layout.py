@@ -279,6 +279,22 @@ def test_no_runtime_module_imports_the_tools_or_the_test_bed():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def test_no_module_of_the_package_imports_the_test_bed():
+    # The test bed is not in the wheel: an import of it from the package (the specexpert
+    # command, a tool) fails where the plugin is installed.
+    found = modules()
+    known = set(found) | the_testbed_modules()
+    offenders = {
+        name: sorted(
+            t
+            for t in imports_of(name, path.read_text(), path.name == "__init__.py", known)
+            if t.startswith(TESTBED)
+        )
+        for name, path in found.items()
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
 def test_the_scanner_sees_function_level_and_relative_imports(tmp_path):
     """The scanner would catch the imports the runtime must not have (checked on a
     module that lives outside the source tree)."""

@@ -111,8 +111,7 @@ its floor::
     14  plugins         the vllm.general_plugins entry point and --plugins
     15  tools/          the embedded model, training, corpus, harness, offline passes,
                         demo, server: never imported by the runtime (layers 1-14)
-    16  cli             the specexpert command (serve, vllm, the tools by name, and the
-                        test bed's build-fixtures)
+    16  cli             the specexpert command (serve, vllm, the tools by name)
 
 One decode step of layer l, following the router's ids::
 

@@ -6,7 +6,6 @@
     specexpert serve MODEL [ARGS]    # = vllm serve, usable on the CPU build of vLLM
     specexpert vllm SUBCOMMAND ...   # any vllm CLI subcommand (bench, serve, ...)
     specexpert corpus [--out F]      # this environment's Python corpus: files, splits
-    specexpert build-fixtures        # tiny random MoE models of every supported architecture
     specexpert train-tiny            # retrain the embedded default model (about 90 min, CPU)
     specexpert capture [MODEL] --out DIR   # per-token routing traces (router logits, r_l, s_l)
     specexpert calibrate [MODEL] --out DIR # default vectors, routing counts, co-activation
@@ -137,9 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("serve", help="vllm serve MODEL ... (works on the CPU build)")
     sub.add_parser("vllm", help="any vllm CLI subcommand, e.g. `specexpert vllm bench ...`")
 
-    # Tools load only here: `specexpert serve` and the plugin never import them (nor the
-    # test bed's fixtures, which build-fixtures runs).
-    from specexpert_testbed import fixtures
+    # Tools load only here: `specexpert serve` and the plugin never import them.
     from vllm_specexpert.tools import (
         analyze,
         calibrate,
@@ -161,7 +158,6 @@ def main(argv: list[str] | None = None) -> None:
     tools = {
         "demo": demo,
         "corpus": corpus,
-        "build-fixtures": fixtures,
         "train-tiny": train_tiny,
         "capture": capture,
         "calibrate": calibrate,

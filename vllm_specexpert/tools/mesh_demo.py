@@ -1,7 +1,7 @@
 """``make mesh-demo``: the embedded model served with its experts on two Ray peers across
 a real network delay, then the per-peer stats.
 
-Starts a Ray cluster on this machine (:mod:`specexpert_testbed.mesh_cluster`: a head in
+Starts a Ray cluster on this machine (:mod:`vllm_specexpert.tools.mesh_cluster`: a head in
 the root network namespace, each peer in a namespace of its own behind a forwarder that
 delays packets, ``--rtt-ms`` round trip), serves the embedded model with ``specexpert
 serve`` and ``mesh`` pointing at that cluster, sends a few completions through the OpenAI
@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from specexpert_testbed.mesh_cluster import MeshCluster
 from vllm_specexpert.tools.arguments import non_negative_float, positive_int
 from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR, TRAINED_MODEL_DIR
+from vllm_specexpert.tools.mesh_cluster import MeshCluster
 from vllm_specexpert.tools.server import free_port, serving
 
 PROMPTS = [

@@ -24,7 +24,7 @@ while it runs, ``ray.init(address="auto")`` / ``ray status`` without an address 
 clusters (a plain ``ray.init()`` still starts its own). The state API (``ray.util.state``)
 needs the dashboard, which is off: use ``ray.nodes()``.
 
-CLI: ``python -m specexpert_testbed.mesh_cluster --peers 2 --rtt-ms 5`` (Ctrl-C stops it).
+CLI: ``python -m vllm_specexpert.tools.mesh_cluster --peers 2 --rtt-ms 5`` (Ctrl-C stops it).
 Test infrastructure: never imported by the plugin's runtime modules.
 """
 
