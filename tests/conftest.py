@@ -14,6 +14,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The test bed (specexpert_testbed) is imported from the repository, not installed, here
+# and in the processes the tests start (reference runs, servers). Last on the path: a
+# copy of the package given first (test_adding_a_feature) stays the one imported.
+REPOSITORY = str(Path(__file__).parent.parent)
+sys.path.append(REPOSITORY)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (os.environ.get("PYTHONPATH"), REPOSITORY) if p
+)
 
 # Triton-interpreter tests need TRITON_INTERPRET=1 from the start of their process;
 # tests/test_triton_kernels.py runs them in a subprocess.
