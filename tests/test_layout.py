@@ -322,3 +322,19 @@ def test_loading_the_plugin_loads_no_tool_nor_the_test_bed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_every_counter_class_is_a_stats_counters():
+    # One way to add, reset and write counters (stats.Counters): a class named for its
+    # counts that keeps its own is a second way (LayerStats holds two PhaseStats).
+    classes: dict[str, list[str]] = {}
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def is_counters(name: str) -> bool:
+        return name == "Counters" or any(is_counters(b) for b in classes.get(name, []))
+
+    named = [n for n in classes if re.search(r"(Stats|Counters)$", n) and n != "LayerStats"]
+    assert len(named) > 10 and [n for n in named if not is_counters(n)] == []

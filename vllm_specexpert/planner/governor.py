@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_specexpert.planner.measured import MeasuredCosts, bucket
+from vllm_specexpert.stats import Counters, counter, seconds
 
 PROBE_EVERY = 16
 """Steps between two re-measurements (a neighbouring ``k``, a stopped request)."""
@@ -58,32 +59,27 @@ class DraftRound:
 
 
 @dataclass
-class GovernorStats:
+class GovernorStats(Counters):
     """Counters of the governor (reported under ``lookahead`` in the stats)."""
 
-    steps: int = 0
+    steps: int = counter("Steps the governor chose a draft length for.")
     steps_by_k: dict[int, int] = field(default_factory=dict)
     """Steps per chosen draft length."""
     last_k: int | None = None
     """The draft length chosen last."""
-    drafted: int = 0
-    """Drafted tokens that were verified."""
-    accepted: int = 0
-    stopped_request_steps: int = 0
-    """Request-steps without drafts because the request's drafts did not pay."""
-    draft_s: float = 0.0
-    """Seconds of the draft's rounds."""
+    drafted: int = counter("Drafted tokens that were verified.")
+    accepted: int = counter("Drafted tokens the target accepted.")
+    stopped_request_steps: int = counter(
+        "Request-steps without drafts because the request's drafts did not pay."
+    )
+    draft_s: float = seconds("Seconds of the draft's rounds.")
 
     def to_dict(self) -> dict:
         return {
-            "steps": self.steps,
+            **self.counts(),
             "steps_by_k": {str(k): n for k, n in sorted(self.steps_by_k.items())},
             "last_k": self.last_k,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
             "acceptance": self.accepted / self.drafted if self.drafted else None,
-            "stopped_request_steps": self.stopped_request_steps,
-            "draft_s": self.draft_s,
         }
 
 

@@ -4,7 +4,6 @@ by the budget (:mod:`.budget`). See :mod:`vllm_specexpert.quality`."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -15,22 +14,23 @@ from vllm_specexpert.config.sections import QualityConfig
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.quality.budget import Budget, Judged
 from vllm_specexpert.quality.logits import LogitHead, compare
-from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.stats import Counters, PhaseStats, counter, seconds
 
 
 @dataclass
-class QualityCounters:
+class QualityCounters(Counters):
     """What the monitor measured since the last reset."""
 
-    kl_sum: float = 0.0
-    exact_passes: int = 0
-    """Decode passes run exactly because of the budget."""
-    shadow_calls: int = 0
-    shadow_s: float = 0.0
-    """Wall time of the shadow computations and the logit comparisons."""
-    shadow_bytes: int = 0
-    """Bytes the shadow computations loaded (exact rows' missing experts, or the
-    mode's own loads while the engine runs exactly)."""
+    kl_sum: float = counter(
+        "Sum over sampled tokens of KL(exact || approximate) of the final logits, nats."
+    )
+    exact_passes: int = counter("Decode passes run exactly because of the budget.")
+    shadow_calls: int = counter("Layer calls recomputed beside the served result.")
+    shadow_s: float = seconds("Wall time of the shadow computations and the logit comparisons.")
+    shadow_bytes: int = counter(
+        "Bytes the shadow computations loaded (exact rows' missing experts, or the "
+        "mode's own loads while the engine runs exactly)."
+    )
     layer_tokens: dict[int, int] = field(default_factory=dict)
     """Per MoE layer index: sampled tokens whose result that layer changed."""
     layer_flips: dict[int, int] = field(default_factory=dict)
@@ -172,7 +172,7 @@ class QualityMonitor:
             "top1_flip_rate": total.flip_rate,
             "kl_mean": counters.kl_sum / total.tokens if total.tokens else None,
             "accuracy_loss": total.accuracy_loss_share,
-            **{k: v for k, v in dataclasses.asdict(counters).items() if not k.startswith("layer_")},
+            **counters.counts(),
             **self.budget.stats(),
             "batches": {c.label: c.stats() for c in classes},
             "layers": {

@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from vllm_specexpert.stats import Counters, counter
 from vllm_specexpert.tiers.disk_reader import aligned_empty
 from vllm_specexpert.tiers.pack_experts import PackExperts
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertsUnreadable, SlotShapes
@@ -39,11 +40,9 @@ class CopyDone(Protocol):
 
 
 @dataclass
-class HostCacheStats:
-    hits: int = 0
-    """Experts a copy to the device found in the host rows."""
-    misses: int = 0
-    """Experts read from the disk into a row first."""
+class HostCacheStats(Counters):
+    hits: int = counter("Experts a copy to the device found in the host rows.")
+    misses: int = counter("Experts read from the disk into a row first.")
 
 
 class HostRows:
@@ -234,7 +233,7 @@ class HostCache:
 
     def reset_stats(self) -> None:
         for rows in self.layers.values():
-            rows.stats = HostCacheStats()
+            rows.stats.reset()
 
     def close(self) -> None:
         for rows in self.layers.values():
