@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from vllm_specexpert.config.sizing import gib
 from vllm_specexpert.stats import PHASES, LayerStats, Series, metric_name
+
+if TYPE_CHECKING:  # (the engine's parts: above this module, named for the type checker)
+    from vllm_specexpert.budget_plan import BudgetPlan
+    from vllm_specexpert.config import SpecExpertConfig
+    from vllm_specexpert.features import EngineFeature
+    from vllm_specexpert.layer_state import OffloadedLayer
+    from vllm_specexpert.policy import MissPolicy
+    from vllm_specexpert.tiers.link import Link
+    from vllm_specexpert.tiers.store import ExpertStore
 
 STATS_SCHEMA_VERSION = 6
 """``schema_version`` of :func:`engine_stats` (each worker's ``get_stats`` dict, the
@@ -21,18 +30,18 @@ bumps it and gets a line in ``docs/changelog.md``."""
 
 class ReportedEngine(Protocol):
     """What reporting reads of an ``OffloadEngine`` (which imports this module: named
-    here, not imported). The layers, store, link and features are read by attribute."""
+    here, not imported)."""
 
-    config: Any
-    layers: dict[str, Any]
+    config: SpecExpertConfig
+    layers: dict[str, OffloadedLayer]
     lock: threading.Lock
     rank: int
     device: torch.device
-    miss_policy: Any
-    store: Any
-    link: Any
-    features: list[Any]
-    budget: Any
+    miss_policy: MissPolicy
+    store: ExpertStore
+    link: Link
+    features: list[EngineFeature]
+    budget: BudgetPlan
 
     @property
     def output(self) -> str: ...
