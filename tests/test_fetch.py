@@ -79,12 +79,18 @@ def test_fetch_counts_a_resident_batch_as_hits():
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_device_map_path_is_exact_through_prefetches_and_cancellations(tokens):
+def test_device_map_path_is_exact_through_prefetches_and_cancellations(tokens, monkeypatch):
     # The CUDA way of finding slots (router ids + expert_map kept on the "device"), run
-    # on the CPU: a map entry left stale by any residency change would send a token to
-    # another expert's slot.
+    # on the CPU, the map written by torch instead of the Triton kernel: a map entry left
+    # stale by any residency change would send a token to another expert's slot.
     from vllm_specexpert.config import LinkConfig
+    from vllm_specexpert.tiers import cache as cache_module
     from vllm_specexpert.tiers.link import CpuLink
+
+    def write_on_the_host(expert_map, experts, slots):
+        expert_map[experts.long()] = slots
+
+    monkeypatch.setattr(cache_module, "write_slot_map", write_on_the_host)
 
     tensors = random_layer(num_experts=16)
     # 2 ms per copy: prefetches queue behind each other, so unused ones get cancelled.

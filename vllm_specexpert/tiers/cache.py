@@ -24,6 +24,14 @@ from vllm_specexpert.tiers.staging import upload
 from vllm_specexpert.tiers.store import ExpertSource, ExpertsUnreadable
 
 
+def write_slot_map(expert_map: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor) -> None:
+    """``expert_map[experts] = slots`` where the map lives, in one launch (Triton: the
+    device map is CUDA's way of finding slots)."""
+    from vllm_specexpert.triton_kernels.slots import update_slot_map
+
+    update_slot_map(expert_map, experts, slots)
+
+
 class KernelRouting(NamedTuple):
     """What a launch on resident experts hands the kernel besides its rows."""
 
@@ -182,12 +190,7 @@ class ExpertCache:
         update = upload(
             np.stack([changed, self.expert_slot[changed]]).astype(np.int32), self.device
         )
-        if self.device.type == "cuda":
-            from vllm_specexpert.triton_kernels.slots import update_slot_map
-
-            update_slot_map(expert_map, update[0], update[1])
-        else:  # the device-map path exercised on the CPU (tests)
-            expert_map[update[0].long()] = update[1]
+        write_slot_map(expert_map, update[0], update[1])
 
     def copy_of(self, experts: np.ndarray) -> ExpertCopy:
         """The transfer that fills the slots of ``experts`` (resident) from the slow tier."""
