@@ -2,10 +2,11 @@
 the registry and one word in the package's map; the engine is not touched.
 
 Shown on a copy of the package: the test writes two features as their authors would, a
-per-call tracer and a place of its own that runs a missing expert as zeros, adds their
-lines, then runs, in a fresh interpreter on the copy, the layout checks and toy engines
-with them on. A feature that only watches changes nothing; the place's entries show in
-the plan's output, the stats and the ``/metrics`` families with no other file touched."""
+per-call tracer that adds a stage to each step of the layer's pipeline and wraps its run
+step, and a place of its own that runs a missing expert as zeros; adds their lines, then
+runs, in a fresh interpreter on the copy, the layout checks and toy engines with them on.
+A feature that only watches changes nothing; the place's entries show in the plan's
+output, the stats and the ``/metrics`` families with no other file touched."""
 
 import json
 import os
@@ -21,26 +22,21 @@ import vllm_specexpert
 TESTS = Path(__file__).parent
 PACKAGE = Path(vllm_specexpert.__file__).parent
 
-FEATURE_MODULE = '''"""Records each decode call's hooks in order, with what each hook sees
-(always on: a feature with its own setting would read it from ``parts.config``)."""
+FEATURE_MODULE = '''"""Records each layer call's stages in order, with what each sees (always
+on: a feature with its own setting would read it from ``parts.config``)."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
-from vllm_specexpert.features.base import (
-    DecodeCall,
-    EngineFeature,
-    EngineParts,
-    Inputs,
-    Resolve,
-)
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.pipeline import DecodeCall, Runner, RunWrapper, Stage
 
 
 class CallTracer(EngineFeature):
     name = "tracer"
-    acts_on_resident_calls = True  # (it must see every call, also a fully resident one)
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
@@ -52,18 +48,35 @@ class CallTracer(EngineFeature):
     ) -> EngineFeature | None:
         return cls()
 
-    def begin_call(self, call: DecodeCall) -> None:
-        self.events.append(("begin", call.layer.name, call.num_tokens))
+    def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
+        return (
+            Stage("tracer.call", "on_call", self._call),
+            Stage("tracer.route", "route", self._route, uses=frozenset({"prediction"})),
+            Stage("tracer.read", "plan", self._read),
+            Stage("tracer.end", "finish", self._end),
+        )
 
-    def after_read(self, call: DecodeCall) -> None:
+    def wrap_run(self, layer: OffloadedLayer) -> RunWrapper:
+        def wrap(mode: Runner, exact: Runner) -> Runner:
+            def run(call: DecodeCall | None, request: LayerCall):
+                out = mode(call, request)
+                self.events.append(("resolved", layer.name, list(out.shape)))
+                return out
+
+            return run
+
+        return wrap
+
+    def _call(self, request: LayerCall) -> None:
+        self.events.append(("call", request.layer, request.num_tokens))
+
+    def _route(self, call: DecodeCall) -> None:
+        self.events.append(("route", call.layer.name, call.num_tokens, call.prediction))
+
+    def _read(self, call: DecodeCall) -> None:
         self.events.append(("read", call.layer.name, call.router_host_ids.tolist()))
 
-    def resolve(self, call: DecodeCall, run: LayerCall, rest: Resolve) -> torch.Tensor:
-        out = rest(call, run)
-        self.events.append(("resolved", call.layer.name, list(out.shape)))
-        return out
-
-    def end_call(self, call: DecodeCall) -> None:
+    def _end(self, call: DecodeCall) -> None:
         self.events.append(("end", call.layer.name))
         self.calls += 1
 
@@ -310,7 +323,7 @@ def test_the_layout_check_sees_a_feature_left_out_of_the_map(tmp_path):
 
 
 @pytest.mark.parametrize("budget", ["0.25", "1.0"])
-def test_the_tracer_sees_every_decode_call_in_hook_order_and_changes_nothing(report, budget):
+def test_the_tracer_sees_every_decode_call_in_stage_order_and_changes_nothing(report, budget):
     from moe_reference import random_routing
 
     assert "copy" in report["package"]  # the copy's package ran, not this one
@@ -323,7 +336,8 @@ def test_the_tracer_sees_every_decode_call_in_hook_order_and_changes_nothing(rep
             name = f"model.layers.{i}.mlp.experts"
             ids = random_routing(tokens, 16, 4, seed=step)[2]
             expected += [
-                ["begin", name, tokens],
+                ["call", name, tokens],
+                ["route", name, tokens, None],
                 ["read", name, ids.tolist()],
                 ["resolved", name, [tokens, 32]],
                 ["end", name],
@@ -334,8 +348,9 @@ def test_the_tracer_sees_every_decode_call_in_hook_order_and_changes_nothing(rep
     assert seen["after_reset"] == {"calls": 0}
 
 
-def test_prefill_calls_do_not_reach_decode_hooks(report):
-    assert report["prefill_events"] == []
+def test_prefill_calls_reach_only_the_stages_of_every_call(report):
+    names = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert report["prefill_events"] == [["call", name, 5] for name in names]
 
 
 def test_a_reconfigure_builds_the_feature_again(report):

@@ -230,3 +230,52 @@ def check_runs_with_its_label(make_engine, config: SpecExpertConfig) -> None:
         assert engine.stats()["output"] == config.output
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------ feature order and stages
+
+
+def run_steps(engine, steps: int = 3) -> list[torch.Tensor]:
+    outs = []
+    for step in range(steps):
+        x = torch.randn(4, H, generator=torch.Generator().manual_seed(step)).bfloat16()
+        for index, name in enumerate(NAMES):
+            w, ids = toy_routing(index).route(x)
+            out = engine.run_call(LayerCall(name, slot_kernel, x, w, ids))
+            outs.append(out)
+            x = (x.float() + out.float()).bfloat16()
+    return outs
+
+
+@pytest.mark.parametrize("order", ["registry", "reversed"])
+def test_mesh_and_prediction_compose_alike_in_either_registry_order(
+    make_engine, monkeypatch, order
+):
+    # no_stop: mesh's early fire uses this layer's prediction (made by prediction's
+    # stage) and makes run_prediction, which prediction's next stage uses. With the
+    # registry reversed, the stages still run maker before user: the same stages, the
+    # same outputs and counters.
+    from vllm_specexpert import features
+
+    config = SpecExpertConfig.from_dict(
+        {"budget": 0.5, "predictor": "router", "mesh": {"peers": 1, "mode": "no_stop"}}
+    )
+    reference = make_engine(config)
+    expected_outs = run_steps(reference)
+    expected_stats = reference.stats()["total"]["decode"]
+    expected_route = reference.layers[NAMES[1]].run.describe()["route"]
+    if order == "reversed":
+        monkeypatch.setattr(features, "REGISTRY", tuple(reversed(features.REGISTRY)))
+    engine = make_engine(config)
+    route = engine.layers[NAMES[1]].run.describe()["route"]
+    assert route.index("prediction.recall") < route.index("mesh.fire")
+    assert route.index("mesh.fire") < route.index("prediction.predict")
+    assert sorted(route) == sorted(expected_route)
+    outs = run_steps(engine)
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected_outs, strict=True))
+    stats = engine.stats()["total"]["decode"]
+    assert stats["fired_entries"] > 0 and stats["speculated_calls"] > 0
+    timings = {k for k in stats if k.endswith("_s")}
+    assert {k: v for k, v in stats.items() if k not in timings} == {
+        k: v for k, v in expected_stats.items() if k not in timings
+    }

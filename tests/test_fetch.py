@@ -127,8 +127,7 @@ def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monke
 
     from moe_reference import slot_kernel
 
-    from vllm_specexpert import engine as engine_module
-    from vllm_specexpert import execute
+    from vllm_specexpert import execute, pipeline
     from vllm_specexpert.layer_call import LayerCall
 
     clock = [0.0]
@@ -141,7 +140,7 @@ def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monke
     name = "model.layers.0.mlp.experts"
     engine = toy_engines({"budget": budget}, {name: random_layer(num_experts=16)}, 4)
     monkeypatch.setattr(execute, "time", fake_time)
-    monkeypatch.setattr(engine_module, "time", fake_time)
+    monkeypatch.setattr(pipeline, "time", fake_time)
     for step, tokens in enumerate([1, 1, 3]):
         x, w, ids = random_routing(tokens, 16, 4, seed=step)
         engine.run_call(LayerCall(name, timed_kernel, x, w, ids))

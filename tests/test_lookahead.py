@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from vllm_harness import (
     PROMPTS,
     Completion,
@@ -263,7 +264,6 @@ def test_a_round_without_drafts_runs_none_of_the_drafts_experts(toy_engines):
     # round that drafts runs and reads what it misses.
     import threading
 
-    import torch
     from moe_reference import random_layer, slot_kernel
 
     from vllm_specexpert.config.sections import LookaheadConfig
@@ -299,7 +299,7 @@ def test_a_round_without_drafts_runs_none_of_the_drafts_experts(toy_engines):
     feature.planner.routes = {r: {0: np.ones(16)} for r in requests}  # (an old round's)
     for _ in range(12):
         assert feature.begin_round(requests, {}, 1.0) == 0
-        feature.draft_routed(0, np.zeros((16, 4), dtype=np.int64), np.ones((16, 4)))
+        feature.draft_routed(0, torch.zeros((16, 4), dtype=torch.int64), torch.ones((16, 4)))
         feature.end_round()
         feature.pass_started(requests, [])
         assert feature.demand() is None

@@ -336,10 +336,8 @@ def test_a_decode_layer_call_reads_the_device_once(make_engine, toy, host_reads)
     # The packed reader (the CUDA path) run on the CPU: router ids, the prediction for
     # the next layer and its weights must come back in one read, with misses, hits and
     # prefetches along the way.
-    from vllm_specexpert.tiers.staging import HostReader
-
     engine = make_engine(budget=0.5, predictor="router")
-    engine.reader = HostReader(torch.device("cpu"), packed=True)
+    engine.reader.packed = True  # (the pipelines hold this reader)
     gates, norms, _ = toy
     reads = host_reads
     reads.clear()

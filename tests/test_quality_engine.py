@@ -54,7 +54,13 @@ def engine_of(model) -> OffloadEngine:
 
 
 def set_policy(llm, policy) -> None:
-    llm.apply_model(lambda model: setattr(engine_of(model), "miss_policy", policy))
+    def inject(model) -> None:
+        engine = engine_of(model)
+        engine.miss_policy = policy
+        for layer in engine.layers.values():  # (each layer's call composed again with it)
+            engine._compose(layer)
+
+    llm.apply_model(inject)
 
 
 @pytest.fixture(scope="module")

@@ -78,15 +78,18 @@ its floor::
      6  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
      7  layer_state     OffloadedLayer: what every offloaded layer has, its places
-     8  execute         survey, run a plan over the device and the places, token
+     7  execute         survey, run a plan over the device and the places, token
                         groups, kernel launches; the one place that runs experts
      8  layer_checks    what a config needs of the loaded layers, whatever the features
      8  quality/        the quality budget: logits (the model's head, two results
                         compared), budget (batch classes, windows, switches), monitor
                         (sampled rows, their differences, judged at the final norm)
-     9  features/       EngineFeature (base: hooks, EngineParts, the decode call), the
-                        registry (__init__): quality, prediction, mesh (peers, early
-                        fire), lookahead (governor, the draft's routes), step_demand (path
+     8  pipeline        a layer's call as stages composed once (on_call, route, the
+                        host read, plan, run, finish), the decode call's typed values
+     9  features/       EngineFeature (base: hooks, EngineParts), the registry
+                        (__init__): quality, prediction, mesh (peers, early fire),
+                        lookahead (governor, the draft's planner), draft_routes (the
+                        draft's routes handed to its target), step_demand (path
                         score, PLEC), substitution (the substitutes' place: buddy
                         lists, gates), host_compute (the host's place), low_bit (INT4
                         copies' slots, their place), scheduler_counters (the token

@@ -6,10 +6,12 @@ and the features the config turns on. It has no vLLM dependency: the adapter in
 ``layers/`` hands it the layers, their successors, the features' inputs
 (:meth:`provide`) and each call (:class:`LayerCall`).
 
-Prefill tokens run exactly (the router's experts, loaded on demand). A decode call is
-the spine: one host read of the router's ids, the miss policy's plan for what is
-missing, the executor (:mod:`vllm_specexpert.execute`); the features' hooks are called
-around it in order (:mod:`vllm_specexpert.features`).
+Each layer's call is a pipeline (:mod:`vllm_specexpert.pipeline`) composed when the
+layer is equipped and whenever the features change: prefill tokens run exactly (the
+router's experts, loaded on demand); a decode call is one host read of the router's ids,
+the miss policy's plan for what is missing and the executor
+(:mod:`vllm_specexpert.execute`), with the stages the features add
+(:mod:`vllm_specexpert.features`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
 
-from vllm_specexpert import execute, features, report
+from vllm_specexpert import features, pipeline, report
 from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach
 from vllm_specexpert.config import SpecExpertConfig, check_switch
-from vllm_specexpert.features import DecodeCall, EngineFeature, EngineParts
+from vllm_specexpert.features import EngineFeature, EngineParts
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_checks import check_layers
@@ -37,7 +38,7 @@ from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.slots import SharedPools
-from vllm_specexpert.tiers.staging import HostReader, upload
+from vllm_specexpert.tiers.staging import HostReader
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, ExpertStore
 
 logger = init_logger(__name__)
@@ -103,7 +104,6 @@ class OffloadEngine:
         self.miss_policy = self._policy
         for feature in built:
             self.miss_policy = feature.miss_policy(self.miss_policy)
-        self._sees_resident_calls = any(f.acts_on_resident_calls for f in built)
         for layer in self._equipped():
             self._compose(layer)
 
@@ -163,16 +163,21 @@ class OffloadEngine:
         self._compose(layer)
 
     def _compose(self, layer: OffloadedLayer) -> None:
-        """The layer's call, composed from what runs (when it is equipped and whenever
-        the features change): with every expert in the slot of its id and no feature
-        acting on such a call, the kernel on the router's ids as they are
-        (:func:`execute.run_resident`); else the spine below. Nothing that such a layer
-        runs loads or evicts; an eviction from elsewhere composes it again."""
+        """The layer's call, composed from its cache and the features that are on (when
+        it is equipped and whenever the features change); a layer that stops holding
+        every expert in the slot of its id is composed again."""
         layer.cache.identity_lost = functools.partial(self._compose, layer)
-        if layer.cache.identity and not self._sees_resident_calls:
-            layer.run = functools.partial(execute.run_resident, layer)
-        else:
-            layer.run = functools.partial(self._run, layer)
+        running = self.features
+        base = EngineFeature
+        layer.run = pipeline.compose(
+            layer,
+            self.miss_policy,
+            [stage for f in running for stage in f.stages(layer)],
+            [wrap for f in running if (wrap := f.wrap_run(layer)) is not None],
+            [f.forces_exact for f in running if type(f).forces_exact is not base.forces_exact],
+            self.reader,
+            self.unreadable,
+        )
 
     def link_layers(self, name: str, next_name: str) -> None:
         """``next_name`` is the MoE layer after ``name``."""
@@ -291,78 +296,11 @@ class OffloadEngine:
     # ---------------------------------------------------------------- forward
 
     def run_call(self, request: LayerCall) -> torch.Tensor:
-        """Routed-expert output of one layer call, as the layer's call was composed
+        """Routed-expert output of one layer call, through the layer's pipeline
         (:meth:`_compose`); zero inside :meth:`experts_skipped`."""
         if self._skipping:
             return torch.zeros_like(request.x)
         return self.layers[request.layer].run(request)
-
-    def _run(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
-        """Prefill rows exactly, decode rows through the features and the miss policy."""
-        started = time.perf_counter()
-        phases = request.phases
-        stats = (
-            layer.stats.prefill if phases is not None and phases.all_prefill else layer.stats.decode
-        )
-        out = execute.guarded(
-            layer.loader,
-            request,
-            self.unreadable,
-            lambda: self._by_phase(layer, request),
-            stats,
-        )
-        stats.call_s += time.perf_counter() - started
-        return out
-
-    def _by_phase(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
-        phases = request.phases
-        if phases is None or phases.all_decode:
-            return self._decode(layer, request)
-        if phases.all_prefill:
-            return self._prefill(layer, request)
-        # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
-        # that what was loaded ahead for them is released by their own call; then the
-        # prompt rows, whose experts go before the decode set's.
-        out = torch.empty_like(request.x)
-        out[upload(phases.decode, request.x.device)] = self._decode(
-            layer, request.rows(phases.decode)
-        )
-        with layer.cache.frozen_recency():
-            out[upload(phases.prefill, request.x.device)] = self._prefill(
-                layer, request.rows(phases.prefill)
-            )
-        return out
-
-    def _prefill(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
-        """The router's experts, loaded on demand (exact). On CUDA the host read is the
-        sync on-demand loading cannot avoid: what to copy is known once the router ran."""
-        call = request.on_host(layer.stats.prefill.count_call(request.num_tokens))
-        return execute.execute(layer.loader, call, execute.survey(layer.loader, call))
-
-    def _decode(self, layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
-        """The features' hooks around one host read, the miss policy and the executor."""
-        call = DecodeCall(layer, request, layer.stats.decode.count_call(request.num_tokens))
-        call.exact = any(f.forces_exact(call.num_tokens) for f in self.features)
-        for feature in self.features:
-            feature.begin_call(call)
-        for feature in self.features:
-            feature.before_read(call)
-        call.read_to_host(self.reader)
-        for feature in self.features:
-            feature.after_read(call)
-        try:
-            return self._resolve(0, call, call.layer_call())
-        finally:  # (also when an expert could not be read: the call runs again without)
-            for feature in self.features:
-                feature.end_call(call)
-
-    def _resolve(self, at: int, call: DecodeCall, run: LayerCall) -> torch.Tensor:
-        """Feature ``at``'s ``resolve`` around the later ones'; after the last, the miss
-        policy's plan, run by the executor."""
-        if at == len(self.features):
-            layer = call.layer
-            return execute.resolve(layer.loader, run, self.miss_policy, layer.miss_context)
-        return self.features[at].resolve(call, run, lambda c, r: self._resolve(at + 1, c, r))
 
     @contextlib.contextmanager
     def experts_skipped(self) -> Iterator[None]:

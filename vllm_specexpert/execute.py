@@ -30,8 +30,7 @@ import torch
 
 from vllm_specexpert.config.sizing import KERNEL_CHUNK_TOKENS
 from vllm_specexpert.handback import UnreadableRows
-from vllm_specexpert.layer_call import ExpertKernel, LayerCall
-from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.layer_call import UNREAD, ExpertKernel, LayerCall
 from vllm_specexpert.places import Dropped, Places
 from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats
@@ -206,46 +205,28 @@ def execute_without(
         return out
 
 
-def run_resident(layer: OffloadedLayer, request: LayerCall) -> torch.Tensor:
-    """A call of a layer composed to run resident (every expert in the slot of its id,
-    ``cache.identity``, and no feature acting on such a call): the kernel on the
-    router's ids as they are, each phase's rows in a launch of their own, counted as the
-    spine counts them."""
-    started = time.perf_counter()
-    phases, stats = request.phases, layer.stats
-    if phases is None or not len(phases.prefill):  # (all decode)
-        counted = stats.decode
-        out = _resident_launch(layer.loader, request, counted)
-    elif not len(phases.decode):
-        counted = stats.prefill
-        out = _resident_launch(layer.loader, request, counted)
-    else:  # a mixed pass: the decode rows' launch, then the prompt rows'
-        counted = stats.decode
-        out = torch.empty_like(request.x)
-        for rows, part in ((phases.decode, stats.decode), (phases.prefill, stats.prefill)):
-            out[upload(rows, request.x.device)] = _resident_launch(
-                layer.loader, request.rows(rows), part
-            )
-    counted.call_s += time.perf_counter() - started
-    return out
-
-
-def _resident_launch(loader: ExpertLoader, request: LayerCall, stats: PhaseStats) -> torch.Tensor:
-    """One launch on the rows of ``request``, all hits: the router's ids are the slot
-    ids. Its distinct experts are counted (a token's top-k are distinct: nothing is
-    read to the host for one token)."""
-    ids = request.topk_ids
+def launch_resident(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
+    """One launch on the call's rows, every expert in the slot of its id
+    (``cache.identity``): the router's ids are the slot ids, all hits. Its distinct
+    experts are counted (a token's top-k are distinct: nothing is read to the host for
+    one token)."""
+    stats, ids = call.stats, call.topk_ids
     tokens, top_k = ids.shape
-    distinct = top_k if tokens == 1 else len(np.unique(ids.cpu().numpy()))
-    stats.calls += 1
-    stats.tokens += tokens
+    if tokens == 1:
+        distinct = top_k
+    else:
+        host_ids = call.host_ids if call.host_ids is not UNREAD else ids.cpu().numpy()
+        distinct = len(np.unique(host_ids))
     stats.experts_needed += distinct
     stats.requests += distinct
     stats.hits += distinct
     stats.kernel_calls += 1
+    hook = call.take_before_kernel()
+    if hook is not None:
+        hook()
     routing = loader.cache.kernel_routing(ids, None)
     started = time.perf_counter()
-    out = _kernel(request.kernel, request.x, request.topk_weights, routing)
+    out = _kernel(call.kernel, call.x, call.topk_weights, routing)
     stats.kernel_s += time.perf_counter() - started
     return out
 

@@ -9,14 +9,9 @@ import importlib
 
 import torch
 
-from vllm_specexpert.features.base import (
-    DecodeCall,
-    EngineFeature,
-    EngineParts,
-    Inputs,
-    Resolve,
-)
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.pipeline import DecodeCall, RunWrapper, Stage
 
 __all__ = [
     "REGISTRY",
@@ -24,7 +19,8 @@ __all__ = [
     "EngineFeature",
     "EngineParts",
     "Inputs",
-    "Resolve",
+    "RunWrapper",
+    "Stage",
     "build",
     "check",
     "check_inputs",
@@ -43,8 +39,10 @@ REGISTRY = (
     "host_compute",
     "scheduler_counters",
 )
-"""The features' modules, in hook order: the first one's ``resolve`` is the outermost.
-Places are registered in this order too, the order their outputs are added."""
+"""The features' modules. Their stages run in this order where no value of the call
+orders them (:func:`vllm_specexpert.pipeline.ordered`); the first one's run wrapper is
+the outermost. Places are registered in this order too, the order their outputs are
+added."""
 
 
 def feature_classes() -> list[type[EngineFeature]]:

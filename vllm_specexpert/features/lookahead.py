@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+import torch
 
 from vllm_specexpert.config.sections import LookaheadConfig
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
@@ -45,6 +46,8 @@ class LookaheadFeature(EngineFeature):
             if draft is not None and layers
             else None
         )
+        if draft is not None:  # its layers' routes come here (its ``draft_routes``)
+            draft.provide(route_listener=self.draft_routed)
 
     @classmethod
     def build(
@@ -63,6 +66,9 @@ class LookaheadFeature(EngineFeature):
     def demand(self) -> StepDemand | None:
         """The running pass's demand: its requests' routes in their last rounds."""
         return self.planner.demand if self.planner is not None else None
+
+    def step_demand(self) -> Callable[[], StepDemand | None]:
+        return self.demand
 
     def begin_round(
         self, requests: list[str], verified: dict[str, tuple[int, int]], pass_s: float | None
@@ -114,12 +120,14 @@ class LookaheadFeature(EngineFeature):
         if self.planner is not None:
             self.planner.buffer.first_rows = rows
 
-    def draft_routed(self, layer_index: int, ids: np.ndarray, weights: np.ndarray) -> None:
-        """The draft's layer ``layer_index`` routed one pass (``[T, K]`` host arrays)."""
-        if self.planner is None:
-            return  # (no draft attached: nothing routes)
+    def draft_routed(self, layer_index: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """The draft's layer ``layer_index`` routed one pass (``[T, K]``): kept while a
+        round runs (on CUDA, a sync)."""
+        if self.planner is None or not self.planner.active:
+            return
+        host_ids, host_weights = ids.cpu().numpy(), weights.float().cpu().numpy()
         with self.lock:
-            self.planner.draft_routed(layer_index, ids, weights)
+            self.planner.draft_routed(layer_index, host_ids, host_weights)
 
     def stats(self) -> dict:
         """The governor's counters (draft length per step, acceptance) and the draft's

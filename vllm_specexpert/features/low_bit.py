@@ -20,11 +20,7 @@ from vllm_specexpert.policy.lowbit import LOW_BIT
 from vllm_specexpert.stats import PhaseStats, counter
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.loader import ExpertLoader
-from vllm_specexpert.tiers.store import ExpertSource
-
-LOW_BIT_SUFFIX = ".int4"
-"""Store name of a layer's INT4 copies beside its experts: the adapter adds them as
-``name + LOW_BIT_SUFFIX`` before the layer."""
+from vllm_specexpert.tiers.store import LOW_BIT_SUFFIX, ExpertSource
 
 
 @dataclass

@@ -8,6 +8,7 @@ PeersFirst`); each layer joins its peers when the feature equips it, and
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +16,13 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.peers.layer_view import LayerPeers
 from vllm_specexpert.peers.peer_state import PeerState
 from vllm_specexpert.peers.tier import PeerTier
+from vllm_specexpert.pipeline import DecodeCall, Stage
 from vllm_specexpert.places import Place, PlaceCounters
 from vllm_specexpert.planner.early_fire import EarlyFire
 from vllm_specexpert.policy import MissPolicy, PeersFirst
@@ -120,35 +122,54 @@ class MeshFeature(EngineFeature):
     def miss_policy(self, policy: MissPolicy) -> MissPolicy:
         return PeersFirst(policy)
 
-    def begin_call(self, call: DecodeCall) -> None:
+    def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
+        """Early Fire: rows sent to peers ahead of the router at the call, and ahead of
+        the next layer's once it is predicted (``no_stop``); nothing under ``sync``."""
         if self.early_fire is None:
-            return
+            return ()
+        return (
+            Stage(
+                "mesh.fire",
+                "route",
+                self._fire,
+                makes=frozenset({"run_prediction"}),
+                uses=frozenset({"prediction"}),
+            ),
+            Stage(
+                "mesh.fire_next",
+                "plan",
+                self._fire_next,
+                uses=frozenset({"upcoming", "next_router_input"}),
+            ),
+            Stage("mesh.forget", "finish", self._forget),
+        )
+
+    def _fire(self, call: DecodeCall) -> None:
+        assert self.early_fire is not None  # (a stage only with Early Fire)
         layer = call.layer
         peers = self.peers[layer.name]
         peers.fired = self.early_fire.at_call(
-            peers,
-            layer.cache,
-            call.x,
-            call.shared.get("prediction"),
-            call.stats.part(PeerCounters),
+            peers, layer.cache, call.x, call.prediction, call.stats.part(PeerCounters)
         )
         if peers.fired is not None and self.early_fire.speculates:
-            call.shared["run_prediction"] = True  # no_stop: run what was fired for
+            call.run_prediction = True  # no_stop: run what was fired for
 
-    def end_call(self, call: DecodeCall) -> None:
+    def _forget(self, call: DecodeCall) -> None:
         self.peers[call.layer.name].fired = None  # sent for this call's rows only
 
-    def after_read(self, call: DecodeCall) -> None:
-        upcoming, next_name = call.shared.get("upcoming"), call.layer.next_name
-        if self.early_fire is not None and upcoming is not None and next_name is not None:
-            # no_stop: the next layer's rows leave now.
+    def _fire_next(self, call: DecodeCall) -> None:
+        """``no_stop``: the next layer's rows leave now."""
+        assert self.early_fire is not None  # (a stage only with Early Fire)
+        upcoming, next_name = call.upcoming, call.layer.next_name
+        if upcoming is not None and next_name is not None:
+            assert call.next_router_input is not None  # (made with ``upcoming``)
             nxt = self.layers[next_name]
             self.early_fire.predicted(
                 self.peers[next_name],
                 nxt.cache,
                 nxt.stats.decode.part(PeerCounters),
                 upcoming,
-                call.shared["next_router_input"],
+                call.next_router_input,
             )
 
     def stats(self) -> dict:

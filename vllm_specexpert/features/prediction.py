@@ -6,17 +6,20 @@ At layer l+1 the prediction is scored against the router, and run instead of it 
 miss policy speculates (or a mesh peer computed it ahead, ``no_stop``). Under a mesh,
 predictions fire rows at peers instead of prefetching (:mod:`.mesh`).
 
-What it hands later features in ``DecodeCall.shared``: ``prediction`` (made for this
-call), ``upcoming`` (made at it for the next layer) and ``next_router_input`` (computes
-the next layer's estimated router input)."""
+What it hands other stages, as values of the call (:class:`~vllm_specexpert.pipeline.
+DecodeCall`): ``prediction`` (made for this call), ``upcoming`` (made at it for the next
+layer) and ``next_router_input`` (computes the next layer's estimated router input)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.pipeline import DecodeCall, Stage
 from vllm_specexpert.planner.prefetch import PredictionCounters, PrefetchPlanner
 from vllm_specexpert.planner.switch import MeasuredSwitch
 from vllm_specexpert.predict import (
@@ -33,7 +36,6 @@ from vllm_specexpert.stats import Series
 class PredictionFeature(EngineFeature):
     name = "prediction"
     inputs = ("predictor_inputs", "next_routing", "skippable_routers")
-    acts_on_resident_calls = True  # a layer with every expert resident still predicts
 
     def __init__(
         self,
@@ -144,23 +146,52 @@ class PredictionFeature(EngineFeature):
         exact_layers = self.config.exact_layers
         return exact_layers is None or layer.index not in exact_layers
 
-    def begin_call(self, call: DecodeCall) -> None:
-        if self.switch is not None and call.layer.index == self.first_index:
-            self.switch.step_started()
-            self.prefetching = self.switch.on(call.num_tokens)
-            self.switch.scheduled(call.num_tokens, decode_only=not call.request.mixed)
+    def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
+        stages = [
+            Stage("prediction.recall", "route", self._recall, makes=frozenset({"prediction"}))
+        ]
+        if self.switch is not None and layer.index == self.first_index:
+            stages.append(Stage("prediction.switch", "route", self._switch))
+        stages += [
+            Stage(
+                "prediction.predict",
+                "route",
+                self._predict,
+                makes=frozenset({"routing", "upcoming", "next_router_input"}),
+                uses=frozenset({"prediction", "run_prediction", "exact"}),
+            ),
+            Stage(
+                "prediction.score",
+                "plan",
+                self._score,
+                uses=frozenset({"prediction", "upcoming"}),
+            ),
+        ]
+        return stages
+
+    def _switch(self, call: DecodeCall) -> None:
+        """The first layer's call starts a pass: whether its prefetches pay."""
+        assert self.switch is not None  # (a stage only with a switch)
+        self.switch.step_started()
+        self.prefetching = self.switch.on(call.num_tokens)
+        self.switch.scheduled(call.num_tokens, decode_only=not call.request.mixed)
+
+    def _recall(self, call: DecodeCall) -> None:
+        """The prediction made for this layer earlier in the pass, if it fits the call."""
         prediction = self.predictions.pop(call.layer.name, None)
         if prediction is not None and prediction.num_tokens == call.num_tokens:
-            call.shared["prediction"] = prediction
+            call.prediction = prediction
 
-    def before_read(self, call: DecodeCall) -> None:
-        layer, prediction = call.layer, call.shared.get("prediction")
+    def _predict(self, call: DecodeCall) -> None:
+        """Run the prediction instead of the router where the mode says so; predict the
+        next layer."""
+        layer, prediction = call.layer, call.prediction
         if prediction is not None and (
-            (self.policy.spec.speculates and self.speculative(layer))
-            or call.shared.get("run_prediction", False)
+            (self.policy.spec.speculates and self.speculative(layer)) or call.run_prediction
         ):
             weights, ids = prediction.routing_like(call.router_weights, call.router_ids)
-            call.replace_routing(weights, ids, prediction.host_ids)
+            assert prediction.host_ids is not None  # (read at the call that made it)
+            call.routing = (weights, ids, prediction.host_ids)
             counters = call.stats.part(PredictionCounters)
             counters.speculated_calls += not call.exact
             counters.router_free_calls += prediction.router_free
@@ -172,16 +203,16 @@ class PredictionFeature(EngineFeature):
         state = LayerState(call.x, call.run_ids, call.run_weights)
         upcoming = self.predictor.predict(state, layer.name, routing)
         call.read(upcoming.device_reads(), lambda host: upcoming.set_host(*host))
-        call.shared["upcoming"] = upcoming
-        call.shared["next_router_input"] = lambda: self.predictor.next_router_input(
+        call.upcoming = upcoming
+        call.next_router_input = lambda: self.predictor.next_router_input(
             state, layer.name, routing
         )
 
-    def after_read(self, call: DecodeCall) -> None:
-        prediction = call.shared.get("prediction")
+    def _score(self, call: DecodeCall) -> None:
+        """Score this layer's prediction; the next one's prefetch starts before the kernel."""
+        prediction, upcoming = call.prediction, call.upcoming
         if prediction is not None and not prediction.router_free:
             self.planners[call.layer.name].score(prediction, call.router_host_ids, call.stats)
-        upcoming = call.shared.get("upcoming")
         if upcoming is not None:
             call.before_kernel.append(lambda: self._prefetch(call.layer, upcoming))
 

@@ -10,16 +10,11 @@ import time
 
 import torch
 
-from vllm_specexpert import execute
 from vllm_specexpert.config import SpecExpertConfigError
-from vllm_specexpert.features.base import (
-    DecodeCall,
-    EngineFeature,
-    EngineParts,
-    Inputs,
-    Resolve,
-)
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.pipeline import DecodeCall, Runner, RunWrapper
 from vllm_specexpert.quality import QualityMonitor
 from vllm_specexpert.stats import Series, metric_name
 from vllm_specexpert.tiers.staging import upload
@@ -68,29 +63,38 @@ class QualityFeature(EngineFeature):
     def forces_exact(self, num_tokens: int) -> bool:
         return self.monitor.exact_for(num_tokens)
 
-    def resolve(self, call: DecodeCall, run: LayerCall, rest: Resolve) -> torch.Tensor:
-        """The served output: the mode's (``rest``), or, while the call's batch class is
-        over budget, the call on the router's routing with every missing expert fetched;
-        the other one is computed for the sampled rows beside it."""
+    def wrap_run(self, layer: OffloadedLayer) -> RunWrapper | None:
+        def wrap(mode: Runner, exact: Runner) -> Runner:
+            return lambda call, run: self._run(call, run, mode, exact)
+
+        return wrap
+
+    def _run(
+        self, call: DecodeCall | None, run: LayerCall, mode: Runner, exact: Runner
+    ) -> torch.Tensor:
+        """The served output: the mode's, or, while the call's batch class is over
+        budget, the exact runner's on the router's routing; the other one is computed
+        for the sampled rows beside it."""
+        assert call is not None  # (a wrapper sees decode calls)
         monitor, layer = self.monitor, call.layer
         rows = monitor.sampled_rows(layer.index, call.num_tokens)
         over_budget = monitor.exact_for(call.num_tokens)
         if rows is None and not over_budget:  # the common case: nothing more to do
-            return rest(call, run)
-        exact = run.routed(call.router_weights, call.router_host_ids)
+            return mode(call, run)
+        routed = run.routed(call.router_weights, call.router_host_ids)
         shadow = None
         started = time.perf_counter()
         if over_budget:  # the exact call starts the next layer's prefetch
-            exact.before_kernel, run.before_kernel = run.before_kernel, None
+            routed.before_kernel, run.before_kernel = run.before_kernel, None
             if rows is not None:  # before the exact call loads what the mode would miss
-                shadow = rest(call, self._quiet(run))[upload(rows, run.x.device)]
+                shadow = mode(call, self._quiet(run))[upload(rows, run.x.device)]
                 monitor.charge(started)
-            out = execute.execute(layer.loader, exact, execute.survey(layer.loader, exact))
+            out = exact(call, routed)
         else:
-            out = rest(call, run)
-            if rows is not None:  # ``exact`` shares ``before_kernel``: _quiet drops it
+            out = mode(call, run)
+            if rows is not None:  # ``routed`` shares ``before_kernel``: _quiet drops it
                 started = time.perf_counter()
-                shadow = execute.run_on_device(layer.loader, self._quiet(exact.rows(rows)))
+                shadow = exact(call, self._quiet(routed.rows(rows)))
                 monitor.charge(started)
         if shadow is not None:
             assert rows is not None  # (a shadow is computed for sampled rows only)

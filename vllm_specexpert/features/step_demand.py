@@ -5,12 +5,12 @@ engine feature: each decode call scores it against the router's choice (the stat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from vllm_specexpert.features.base import DecodeCall, EngineFeature, EngineParts, Inputs
-from vllm_specexpert.features.lookahead import LookaheadFeature
+from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.handoff import DemandCounters, StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.pipeline import DecodeCall, Stage
 from vllm_specexpert.planner.plec import PlecPlanner
 
 
@@ -18,7 +18,6 @@ class StepDemandFeature(EngineFeature):
     name = "step_demand"
     inputs = ("step_demand", "draft")
     """The scheduler's demand of the running step; with a draft, the lookahead's."""
-    acts_on_resident_calls = True  # a layer with every expert resident still scores it
 
     def __init__(
         self,
@@ -40,8 +39,10 @@ class StepDemandFeature(EngineFeature):
         config = parts.config
         if config.path_predictor is None and config.lookahead is None:
             return None
-        lookahead = next((f for f in built if isinstance(f, LookaheadFeature)), None)
-        demand = lookahead.demand if lookahead is not None else inputs.get("step_demand")
+        # A feature that knows the step's demand (the lookahead's draft) before the
+        # scheduler's.
+        sources = (f.step_demand() for f in built)
+        demand = next((s for s in sources if s is not None), inputs.get("step_demand"))
         shared = config.cache_spec.shared_pool
         planner = PlecPlanner(config.plec_preload) if shared else None
         return cls(demand or (lambda: None), lambda: list(parts.layers.values()), planner)
@@ -52,7 +53,14 @@ class StepDemandFeature(EngineFeature):
     def unequip(self, layer: OffloadedLayer) -> None:
         layer.remove_counters(DemandCounters)
 
-    def after_read(self, call: DecodeCall) -> None:
+    def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
+        stages = [Stage("step_demand.score", "plan", self._score)]
+        if self.planner is not None:
+            stages.append(Stage("step_demand.plec_after", "finish", self._after))
+        return stages
+
+    def _score(self, call: DecodeCall) -> None:
+        """Score the step's demand against the router; PLEC plans the shared pool by it."""
         demand = self.demand()
         if demand is None:
             return
@@ -61,7 +69,7 @@ class StepDemandFeature(EngineFeature):
         if self._scored is not None and self.planner is not None:
             self.planner.before_layer(self._scored, call.layer, self.layers())
 
-    def end_call(self, call: DecodeCall) -> None:
+    def _after(self, call: DecodeCall) -> None:
         if self._scored is not None and self.planner is not None:
             self.planner.after_layer(self._scored, call.layer)
         self._scored = None

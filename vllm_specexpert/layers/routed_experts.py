@@ -32,10 +32,9 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm_specexpert import vllm_hooks
 from vllm_specexpert.architectures import check_supported, packed_format
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertUnsupportedError
-from vllm_specexpert.features.lookahead import LookaheadFeature
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layers import draft_sizing, failed_requests, lookahead_driver
-from vllm_specexpert.layers.engines import engine_for, target_of
+from vllm_specexpert.layers.engines import engine_for
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.int4_gemm import Int4GemmExperts
 from vllm_specexpert.layers.slot_kernel import SlotKernel
@@ -177,13 +176,6 @@ class OffloadedRoutedExperts(RoutedExperts):
         """The layer call, into ``out`` if given (the op's buffer): the call's first
         kernel launch on all of its tokens writes there directly (see
         :attr:`SlotKernel.call_out`), else its result is copied in."""
-        if self._draft:
-            lookahead = target_of(self.engine).feature(LookaheadFeature)
-            if lookahead is not None and lookahead.active:
-                # The draft's routes in a round: the target's lookahead (on CUDA, a sync).
-                lookahead.draft_routed(
-                    self.layer_index, topk_ids.cpu().numpy(), topk_weights.float().cpu().numpy()
-                )
         kernel = self.slot_kernel
         kernel.begin_call(x, out)
         try:

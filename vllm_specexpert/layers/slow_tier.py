@@ -23,7 +23,6 @@ from vllm.platforms import current_platform
 
 from vllm_specexpert.budget_plan import size_host_cache
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.features.low_bit import LOW_BIT_SUFFIX
 from vllm_specexpert.layers import draft_sizing, int4_copies
 from vllm_specexpert.layers.engines import target_of
 from vllm_specexpert.layers.pack_form_check import check_pack_form
@@ -38,7 +37,7 @@ from vllm_specexpert.tiers.disk import Disk, DiskExperts
 from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES
 from vllm_specexpert.tiers.mapped import MappedExperts
-from vllm_specexpert.tiers.store import LayerExperts, SlotShapes
+from vllm_specexpert.tiers.store import LOW_BIT_SUFFIX, LayerExperts, SlotShapes
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 """Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""

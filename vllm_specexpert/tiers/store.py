@@ -22,6 +22,11 @@ SlotShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 """Slot tensor name -> (shape of one slot, dtype)."""
 
 
+LOW_BIT_SUFFIX = ".int4"
+"""Store name of a layer's INT4 copies beside its experts: the adapter adds them as
+``name + LOW_BIT_SUFFIX`` before the layer (``lowbit``'s place reads them)."""
+
+
 class ExpertsUnreadable(RuntimeError):
     """Experts the slow tier could not supply mid-generation (read error, bad checksum):
     the engine runs the call without them; only the requests that needed them fail.

@@ -1,0 +1,129 @@
+"""The path of one decode layer call through the package: which modules it enters, how
+often, and how many times the call climbs back into a module it had left.
+
+    python benchmarks/call_path.py [--budget 0.5] [--tokens 4] [--name call_path]
+
+A toy engine on the CPU (two layers of 16 experts, top-2, ``fetch`` with the ``router``
+predictor so that a feature acts on the call) at a partial budget; after warm-up calls,
+one decode call of the first layer is traced with ``sys.setprofile``. A module is
+*entered* when a call goes from a frame of another package module (or from outside the
+package) into one of its functions; the call's own entry into ``engine`` counts. Reported:
+entries per module, distinct modules, and the package's line count (``wc -l`` of its
+``.py`` files, tools excluded). Run it on two checkouts (``PYTHONPATH=<checkout>``) to
+compare a redesign before and after. Writes ``benchmarks/results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO / "tests"))  # (the toy layer and kernel of the tests)
+
+from moe_reference import random_layer, random_routing, slot_kernel  # noqa: E402
+
+import vllm_specexpert  # noqa: E402
+from vllm_specexpert.config import SpecExpertConfig  # noqa: E402
+from vllm_specexpert.engine import OffloadEngine  # noqa: E402
+from vllm_specexpert.layer_call import LayerCall  # noqa: E402
+from vllm_specexpert.phases import PassPhases  # noqa: E402
+
+PACKAGE = Path(vllm_specexpert.__file__).resolve().parent
+
+
+def module_of(filename: str) -> str | None:
+    path = Path(filename)
+    try:
+        relative = path.resolve().relative_to(PACKAGE)
+    except ValueError:
+        return None
+    return ".".join(relative.with_suffix("").parts)
+
+
+def trace_call(engine: OffloadEngine, request: LayerCall) -> collections.Counter:
+    """Module -> times the call entered it from elsewhere."""
+    entered: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        module = module_of(frame.f_code.co_filename)
+        if module is None:
+            return
+        caller = frame.f_back
+        came_from = module_of(caller.f_code.co_filename) if caller is not None else None
+        if came_from != module:
+            entered[module] += 1
+
+    sys.setprofile(profile)
+    try:
+        engine.run_call(request)
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def package_lines() -> int:
+    return sum(
+        len(path.read_text().splitlines())
+        for path in PACKAGE.rglob("*.py")
+        if "tools" not in path.relative_to(PACKAGE).parts
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--name", default="call_path")
+    args = parser.parse_args()
+    config = SpecExpertConfig.from_dict(
+        {"budget": args.budget, "miss_policy": "fetch", "predictor": "router"}
+    )
+    engine = OffloadEngine(config, torch.device("cpu"), reports=False)
+    engine.budget.sizing.moe_layers = 2
+    names = ["l0", "l1"]
+    for index, name in enumerate(names):
+        engine.add_layer(name, random_layer(seed=index), top_k=2, index=index)
+    engine.link_layers("l0", "l1")
+    engine.start()
+    try:
+        for seed in range(8):  # warm-up: caches filled, predictions made
+            for name in names:
+                x, w, ids = random_routing(args.tokens, 16, 2, seed=seed)
+                engine.run_call(
+                    LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(args.tokens))
+                )
+        x, w, ids = random_routing(args.tokens, 16, 2, seed=99)
+        request = LayerCall("l0", slot_kernel, x, w, ids, PassPhases.decode_only(args.tokens))
+        before = engine.layers["l0"].stats.decode.missed_entries
+        entered = trace_call(engine, request)
+        missed = engine.layers["l0"].stats.decode.missed_entries - before
+    finally:
+        engine.close()
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "budget": args.budget,
+        "tokens": args.tokens,
+        "missed_entries": int(missed),
+        "modules_entered": dict(entered.most_common()),
+        "distinct_modules": len(entered),
+        "entries": int(sum(entered.values())),
+        "most_entered": int(max(entered.values())),
+        "package_lines": package_lines(),
+    }
+    out = REPO / "benchmarks" / "results" / f"{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    print(f"wrote {out}\n{result['command']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""One layer's call as a pipeline of stages, composed once (when the layer is equipped and
+whenever the features change), as vLLM's ``FusedMoEModularKernel`` composes prepare →
+experts → finalize.
+
+A call runs, for each phase of its rows (decode first, then prompt rows)::
+
+    on_call    every call, before the phase split: watch the router's routing
+    route      decode: choose the routing to run; ask for tensors in the one host read
+    -- the one host read: the router's ids and what the route stages asked for --
+    plan       decode: host values known: score, plan what loads before the kernel
+    run        load and launch, with the places: the miss policy's plan (``execute``),
+               or, every expert resident, the kernel on the router's ids; a feature may
+               wrap it (the quality budget runs the exact call beside it)
+    finish     decode: after the output exists
+
+A feature contributes :class:`Stage` objects to ``on_call``, ``route``, ``plan`` and
+``finish``, or wraps ``run``; only those are composed, so a call loops over nothing that
+has nothing to do. What passes between stages is a typed field of :class:`DecodeCall`;
+each stage declares the fields it ``makes`` and ``uses``, and the stages of a step run in
+an order that puts every maker before its users (the registry's order only breaks ties):
+feature order never decides what a stage sees. The runners count what they run, each in
+one place; the pipeline counts the call and its time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, final
+
+import numpy as np
+import torch
+
+from vllm_specexpert import execute
+from vllm_specexpert.handback import UnreadableRows
+from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.layer_state import OffloadedLayer
+from vllm_specexpert.policy import MissPolicy
+from vllm_specexpert.predict import Prediction
+from vllm_specexpert.stats import PhaseStats
+from vllm_specexpert.tiers.staging import HostReader, upload
+
+HostReads = Callable[[list[np.ndarray]], None]
+"""What a stage does with its device tensors once they are on the host."""
+
+
+@dataclass
+class DecodeCall:
+    """One decode call of one layer as the stages see it: what the adapter handed in, and
+    the typed values stages hand each other (each names its maker and users)."""
+
+    layer: OffloadedLayer
+    request: LayerCall
+    """The tokens, the router's routing on the device, the kernel."""
+    stats: PhaseStats
+    """The layer's decode counters."""
+    exact: bool = False
+    """The call runs exactly (fetch, the router's routing): a feature forces it."""
+    routing: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
+    """The routing to run instead of the router's (weights, ids, ids on the host).
+    Made by ``prediction`` (``speculate``, ``no_stop``)."""
+    prediction: Prediction | None = None
+    """The prediction made for this layer earlier in the pass. Made by ``prediction``;
+    used by ``prediction`` (score, run it) and ``mesh`` (early fire)."""
+    run_prediction: bool = False
+    """Run :attr:`prediction` instead of the router (rows were sent for it ahead).
+    Made by ``mesh`` (``no_stop``); used by ``prediction``."""
+    upcoming: Prediction | None = None
+    """The next layer's prediction, made at this call. Made by ``prediction``; used by
+    ``prediction`` (its prefetch) and ``mesh`` (rows sent ahead)."""
+    next_router_input: Callable[[], torch.Tensor] | None = None
+    """Computes the next layer's estimated router input. Made by ``prediction``; used by
+    ``mesh``."""
+    router_host_ids: np.ndarray = field(init=False)
+    """The router's ids on the host (from the ``plan`` step on)."""
+    before_kernel: list[Callable[[], None]] = field(default_factory=list)
+    """Work to start once the call's first launch has its experts, before it runs
+    (a prefetch then overlaps the layer's own expert compute)."""
+    _reads: list[tuple[list[torch.Tensor], HostReads]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens
+
+    @property
+    def x(self) -> torch.Tensor:
+        """``[T, H]`` the tokens' router input."""
+        return self.request.x
+
+    @property
+    def router_weights(self) -> torch.Tensor:
+        return self.request.topk_weights
+
+    @property
+    def router_ids(self) -> torch.Tensor:
+        return self.request.topk_ids
+
+    @property
+    def run_weights(self) -> torch.Tensor:
+        """The routing's weights to run: the router's unless a stage replaced them."""
+        return self.request.topk_weights if self.routing is None else self.routing[0]
+
+    @property
+    def run_ids(self) -> torch.Tensor:
+        return self.request.topk_ids if self.routing is None else self.routing[1]
+
+    def read(self, tensors: list[torch.Tensor], then: HostReads) -> None:
+        """Bring ``tensors`` to the host in the call's one read; ``then`` gets them."""
+        self._reads.append((tensors, then))
+
+    def read_to_host(self, reader: HostReader) -> None:
+        """The call's one host read: the router's ids (:attr:`router_host_ids`) and
+        what the stages asked for, each handed its part."""
+        asked = [t for tensors, _ in self._reads for t in tensors]
+        self.router_host_ids, *host = reader.read([self.request.topk_ids, *asked])
+        at = 0
+        for tensors, then in self._reads:
+            then(host[at : at + len(tensors)])
+            at += len(tensors)
+
+    def layer_call(self) -> LayerCall:
+        """What the run step runs: the routing to run, on the host too, and the work
+        to start before the kernel."""
+        hooks = self.before_kernel
+
+        def before_kernel() -> None:
+            for hook in hooks:
+                hook()
+
+        request = self.request
+        weights, ids, host_ids = (
+            (request.topk_weights, request.topk_ids, self.router_host_ids)
+            if self.routing is None
+            else self.routing
+        )
+        return dataclasses.replace(
+            request,
+            topk_weights=weights,
+            topk_ids=ids,
+            host_ids=host_ids,
+            stats=self.stats,
+            before_kernel=before_kernel if hooks else None,
+        )
+
+
+CALL_VALUES = frozenset(
+    f.name for f in dataclasses.fields(DecodeCall) if f.name not in ("layer", "request", "stats")
+)
+"""The values a stage may declare it makes or uses."""
+
+Step = Literal["on_call", "route", "plan", "finish"]
+STEPS: tuple[Step, ...] = ("on_call", "route", "plan", "finish")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step's work of one feature. ``run`` takes the :class:`DecodeCall` (``on_call``:
+    the :class:`LayerCall` as the adapter handed it, before the phase split)."""
+
+    name: str
+    """``feature.what``: in errors and in :meth:`LayerPipeline.describe`."""
+    step: Step
+    run: Callable[[Any], None]
+    """Takes a :class:`DecodeCall`; at ``on_call``, a :class:`LayerCall`."""
+    makes: frozenset[str] = frozenset()
+    uses: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.step not in STEPS:
+            raise ValueError(f"stage {self.name}: step {self.step!r} is not one of {STEPS}")
+        unknown = sorted((self.makes | self.uses) - CALL_VALUES)
+        if unknown:
+            raise ValueError(
+                f"stage {self.name}: {unknown} are not values of a call "
+                f"(DecodeCall's fields: {sorted(CALL_VALUES)})"
+            )
+
+
+def ordered(stages: Sequence[Stage]) -> list[Stage]:
+    """``stages`` (of one step) with every maker of a value before its users, the given
+    order kept otherwise. Raises on a cycle."""
+    left = list(stages)
+    done: list[Stage] = []
+    while left:
+        ready = next(
+            (
+                stage
+                for stage in left
+                if not any(other is not stage and other.makes & stage.uses for other in left)
+            ),
+            None,
+        )
+        if ready is None:
+            names = ", ".join(stage.name for stage in left)
+            raise ValueError(f"the stages {names} make and use each other's values: no order")
+        done.append(ready)
+        left.remove(ready)
+    return done
+
+
+Runner = Callable[[DecodeCall | None, LayerCall], torch.Tensor]
+"""The run step: (the decode call, or ``None`` for prompt rows; what to run) -> the
+routed experts' output."""
+
+RunWrapper = Callable[[Runner, Runner], Runner]
+"""A feature's wrap of the run step: (the mode's runner, the exact one) -> the runner."""
+
+
+def exact_runner(layer: OffloadedLayer) -> Runner:
+    """The router's experts, missing ones loaded on demand (prompt rows, ``fetch``)."""
+    loader = layer.loader
+
+    def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
+        return execute.execute(loader, request, execute.survey(loader, request))
+
+    return run
+
+
+def policy_runner(layer: OffloadedLayer, policy: MissPolicy) -> Runner:
+    """The miss policy's plan for what is missing (only if something is), carried out."""
+    loader = layer.loader
+
+    def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
+        return execute.resolve(loader, request, policy, layer.miss_context)
+
+    return run
+
+
+def resident_runner(layer: OffloadedLayer) -> Runner:
+    """Every expert in the slot of its id: one launch on the ids as they are."""
+    loader = layer.loader
+
+    def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
+        return execute.launch_resident(loader, request)
+
+    return run
+
+
+@final
+class LayerPipeline:
+    """One layer's composed call (module doc). Built by :func:`compose`."""
+
+    def __init__(
+        self,
+        layer: OffloadedLayer,
+        stages: dict[Step, list[Stage]],
+        decode: Runner,
+        prefill: Runner,
+        exact_checks: list[Callable[[int], bool]],
+        reader: HostReader,
+        unreadable: UnreadableRows,
+        wrapped: bool = False,
+        reads_ids: bool = True,
+    ):
+        self.layer = layer
+        self.stages = stages
+        self.decode_runner = decode
+        self.prefill_runner = prefill
+        self.exact_checks = exact_checks
+        self.reader = reader
+        self.unreadable = unreadable
+        self._on_call = [stage.run for stage in stages["on_call"]]
+        self._route = [stage.run for stage in stages["route"]]
+        self._plan = [stage.run for stage in stages["plan"]]
+        self._finish = [stage.run for stage in stages["finish"]]
+        self._staged = bool(self._route or self._plan or self._finish or exact_checks or wrapped)
+        """Whether a decode call is a :class:`DecodeCall` (some stage or wrapper takes
+        one); else the runner gets the request as it is."""
+        self._reads_ids = reads_ids
+        """Whether the runner needs the ids on the host (not to launch on them as
+        they are)."""
+
+    def describe(self) -> dict[str, list[str]]:
+        """Step -> its stages' names, in the order they run."""
+        return {step: [stage.name for stage in stages] for step, stages in self.stages.items()}
+
+    def __call__(self, request: LayerCall) -> torch.Tensor:
+        """The routed experts' output of one call; when the slow tier cannot supply some
+        of its experts, the call again without them (:func:`execute.guarded`)."""
+        started = time.perf_counter()
+        for watch in self._on_call:
+            watch(request)
+        phases, stats = request.phases, self.layer.stats
+        counted = stats.prefill if phases is not None and phases.all_prefill else stats.decode
+        out = execute.guarded(
+            self.layer.loader, request, self.unreadable, lambda: self._by_phase(request), counted
+        )
+        counted.call_s += time.perf_counter() - started
+        return out
+
+    def _by_phase(self, request: LayerCall) -> torch.Tensor:
+        phases = request.phases
+        if phases is None or phases.all_decode:
+            return self._decode(request)
+        if phases.all_prefill:
+            return self._prefill(request)
+        # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
+        # that what was loaded ahead for them is released by their own call; then the
+        # prompt rows, whose experts go before the decode set's.
+        out = torch.empty_like(request.x)
+        out[upload(phases.decode, request.x.device)] = self._decode(request.rows(phases.decode))
+        with self.layer.cache.frozen_recency():
+            out[upload(phases.prefill, request.x.device)] = self._prefill(
+                request.rows(phases.prefill)
+            )
+        return out
+
+    def _prefill(self, request: LayerCall) -> torch.Tensor:
+        """The router's experts, exactly. On CUDA the host read is the sync on-demand
+        loading cannot avoid: what to copy is known once the router ran."""
+        stats = self.layer.stats.prefill.count_call(request.num_tokens)
+        return self.prefill_runner(None, self._taken(request, stats))
+
+    def _taken(self, request: LayerCall, stats: PhaseStats) -> LayerCall:
+        """``request`` (this call's own: taken in place) counted in ``stats``, its ids
+        read to the host if the runner needs them."""
+        request.stats = stats
+        if self._reads_ids:
+            (request.host_ids,) = self.reader.read([request.topk_ids])
+        return request
+
+    def _decode(self, request: LayerCall) -> torch.Tensor:
+        stats = self.layer.stats.decode.count_call(request.num_tokens)
+        if not self._staged:
+            return self.decode_runner(None, self._taken(request, stats))
+        call = DecodeCall(self.layer, request, stats)
+        call.exact = any(check(call.num_tokens) for check in self.exact_checks)
+        for stage in self._route:
+            stage(call)
+        call.read_to_host(self.reader)
+        for stage in self._plan:
+            stage(call)
+        try:
+            return self.decode_runner(call, call.layer_call())
+        finally:  # (also when an expert could not be read: the call runs again without)
+            for stage in self._finish:
+                stage(call)
+
+
+def compose(
+    layer: OffloadedLayer,
+    policy: MissPolicy,
+    stages: Sequence[Stage],
+    wrappers: Sequence[RunWrapper],
+    exact_checks: list[Callable[[int], bool]],
+    reader: HostReader,
+    unreadable: UnreadableRows,
+) -> LayerPipeline:
+    """The layer's pipeline: with every expert in the slot of its id (``cache.identity``)
+    the runners launch on the router's ids as they are; else decode rows run the miss
+    policy's plan and prompt rows the exact runner. ``stages`` and ``wrappers`` are the
+    features', in the registry's order."""
+    if layer.cache.identity:
+        decode = prefill = resident_runner(layer)
+    else:
+        decode, prefill = policy_runner(layer, policy), exact_runner(layer)
+    exact = exact_runner(layer) if not layer.cache.identity else decode
+    for wrap in wrappers:
+        decode = wrap(decode, exact)
+    by_step = {step: ordered([s for s in stages if s.step == step]) for step in STEPS}
+    return LayerPipeline(
+        layer,
+        by_step,
+        decode,
+        prefill,
+        exact_checks,
+        reader,
+        unreadable,
+        wrapped=bool(wrappers),
+        reads_ids=not layer.cache.identity,
+    )
