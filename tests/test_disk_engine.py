@@ -49,9 +49,9 @@ def engine(pack, tmp_path, monkeypatch):
     monkeypatch.setenv(metrics.DIRECTORY_ENV, str(tmp_path / "metrics"))
     monkeypatch.setenv(metrics.MODEL_NAME_ENV, "tiny")
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
-    engine.store.disk = Disk(pack, depth=2)
+    engine.store.tiers.append(Disk(pack, depth=2))
     for index, name in enumerate(NAMES):
-        engine.add_layer(name, engine.store.disk.layer(name), top_k=4, index=index)
+        engine.add_layer(name, engine.store.tier("disk").layer(name), top_k=4, index=index)
     engine.start()
     yield engine
     engine.close()

@@ -44,7 +44,7 @@ def fail_pages_of(layer_index: int, expert: int | None):
         from vllm_specexpert.tiers import mapped
 
         layers = [m for m in model.modules() if isinstance(m, OffloadedRoutedExperts)]
-        mapping = layers[0].engine.store.disk.mapping
+        mapping = layers[0].engine.store.tier("disk").mapping
         present = getattr(mapping, "unbroken_present", mapping._present)
         advise = getattr(mapping, "unbroken_advise", mapping._advise)
         mapping.unbroken_present, mapping.unbroken_advise = present, advise
@@ -102,7 +102,7 @@ def lease_fd(llm) -> int:
         from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
         layer = next(m for m in model.modules() if isinstance(m, OffloadedRoutedExperts))
-        return layer.engine.store.disk.mapping.fd
+        return layer.engine.store.tier("disk").mapping.fd
 
     return llm.apply_model(fd)[0]
 

@@ -123,7 +123,7 @@ def fail_reads_of(layer_index: int, expert: int | None):
         from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
 
         layers = [m for m in model.modules() if isinstance(m, OffloadedRoutedExperts)]
-        disk = layers[0].engine.store.disk
+        disk = layers[0].engine.store.tier("disk")
         file = disk.reader.file
         read = getattr(file, "unbroken_read_into", file.read_into)
         file.unbroken_read_into = read

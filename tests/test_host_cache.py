@@ -46,7 +46,8 @@ def pack(tmp_path) -> ExpertPack:
 def engine(pack):
     """4 device slots (budget 0.25 of 16 experts, top_k 4) over 8 host rows."""
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": 0.25}), torch.device("cpu"))
-    disk = engine.store.disk = Disk(pack, depth=2)
+    disk = Disk(pack, depth=2)
+    engine.store.tiers.append(disk)
     disk.host_cache = HostCache(rows_per_layer=8, pinned=False)
     engine.add_layer(NAME, disk.layer(NAME), top_k=4, index=0)
     engine.start()

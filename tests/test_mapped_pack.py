@@ -54,10 +54,10 @@ def pack(tmp_path) -> ExpertPack:
 @pytest.fixture
 def engine(pack):
     engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
-    engine.store.disk = Disk(pack, depth=2, mapped=True)
-    assert engine.store.disk.mapping is not None, engine.store.disk.mapping_refused
+    engine.store.tiers.append(Disk(pack, depth=2, mapped=True))
+    assert engine.store.tier("disk").mapping is not None, engine.store.tier("disk").mapping_refused
     for index, name in enumerate(NAMES):
-        engine.add_layer(name, engine.store.disk.layer(name), top_k=4, index=index)
+        engine.add_layer(name, engine.store.tier("disk").layer(name), top_k=4, index=index)
     engine.start()
     yield engine
     engine.close()
@@ -78,7 +78,7 @@ def drop_page_cache(pack: ExpertPack, name: str, engine: OffloadEngine | None = 
     layer = pack.layers[name]
     start = layer.offset
     if engine is not None:
-        engine.store.disk.mapping._advise(start, layer.end - start, mapped.MADV_DONTNEED)
+        engine.store.tier("disk").mapping._advise(start, layer.end - start, mapped.MADV_DONTNEED)
     try:
         for _ in range(3):
             os.fsync(fd)
@@ -92,7 +92,7 @@ def drop_page_cache(pack: ExpertPack, name: str, engine: OffloadEngine | None = 
 
 
 def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack, monkeypatch):
-    mapping = engine.store.disk.mapping
+    mapping = engine.store.tier("disk").mapping
     start, end = mapping.address, mapping.address + pack.manifest.records_bytes
     for name in NAMES:
         cache = engine.layers[name].cache
@@ -172,7 +172,7 @@ def test_a_truncated_file_fails_only_the_rows_that_needed_what_is_gone(engine, p
     ids = torch.tensor(
         [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [0, 12, 5, 6]], dtype=torch.int32
     )
-    lease = engine.store.disk.mapping.fd
+    lease = engine.store.tier("disk").mapping.fd
     writer = OtherWriter(records)  # (it waits in its open: the engine holds the lease)
     wait_for_break(lease)
     call(engine, name, x, w, ids, PassPhases.decode_only(4))  # (the engine lets go)
@@ -218,7 +218,7 @@ def test_a_pack_written_to_under_the_engine_never_serves_what_it_did_not_check(e
     # kernel unchecked); once it lets go, only the rows that need what changed fail; the
     # file restored, every row is exact again.
     name = NAMES[1]
-    records, lease = pack.path / RECORDS_FILE, engine.store.disk.mapping.fd
+    records, lease = pack.path / RECORDS_FILE, engine.store.tier("disk").mapping.fd
     x, w, _ = random_routing(3, 16, 4, hidden=64, seed=2)
     ids = torch.tensor([[0, 1, 2, 3], [8, 9, 10, 11], [9, 4, 5, 6]], dtype=torch.int32)
     out = call(engine, name, x, w, ids, PassPhases.decode_only(3))
@@ -257,7 +257,7 @@ def test_a_writer_that_comes_while_a_launch_reads_fails_the_launch(engine, pack)
     # pages no one could write, yet the writer may write from then on, so the call's
     # rows fail (as every call fails while it holds the file).
     name = NAMES[0]
-    records, lease = pack.path / RECORDS_FILE, engine.store.disk.mapping.fd
+    records, lease = pack.path / RECORDS_FILE, engine.store.tier("disk").mapping.fd
     writers: list[OtherWriter] = []
 
     def kernel(*args):
@@ -282,7 +282,7 @@ def test_a_writer_that_came_and_went_during_a_launch_fails_it(engine, pack, monk
     # the writer wrote.)
     from vllm_specexpert.tiers.pack_lease import LeaseState
 
-    name, lease = NAMES[0], engine.store.disk.mapping.lease
+    name, lease = NAMES[0], engine.store.tier("disk").mapping.lease
 
     def kernel(*args):
         monkeypatch.setattr(lease, "state", lambda: LeaseState.RENEWED)  # once, after it
@@ -314,9 +314,9 @@ def test_a_pack_changed_before_the_start_fails_the_rows_that_need_what_changed(p
     name = NAMES[0]
     overwrite(pack, name, [5], tensor=0)  # (sizes and manifest as they were)
     engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
-    engine.store.disk = Disk(pack, depth=2, mapped=True)
+    engine.store.tiers.append(Disk(pack, depth=2, mapped=True))
     for index, layer in enumerate(NAMES):
-        engine.add_layer(layer, engine.store.disk.layer(layer), top_k=4, index=index)
+        engine.add_layer(layer, engine.store.tier("disk").layer(layer), top_k=4, index=index)
     engine.start()
     try:
         x, w, _ = random_routing(2, 16, 4, hidden=64, seed=3)
@@ -334,7 +334,7 @@ def test_pages_read_in_again_are_checked_again(engine, pack, monkeypatch):
     # Expert 3's pages leave the page cache and come back holding other bytes (the disk
     # returned bad data): the launch that reads them in checks them.
     name = NAMES[0]
-    mapping = engine.store.disk.mapping
+    mapping = engine.store.tier("disk").mapping
     x, w, _ = random_routing(1, 16, 4, hidden=64, seed=4)
     ids = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
     call(engine, name, x, w, ids, PassPhases.decode_only(1))
@@ -410,9 +410,9 @@ def test_a_layer_past_the_kernels_reach_is_refused_with_the_mapped_residency(pac
     # The kernel runs on a layer's whole region: 16 experts of w13 [64, 64] are 65536
     # elements, past a reach of 60000 (vLLM's CPU kernel's is 2^31 - 1).
     engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
-    engine.store.disk = Disk(pack, depth=2, mapped=True)
+    engine.store.tiers.append(Disk(pack, depth=2, mapped=True))
     for index, name in enumerate(NAMES):
-        experts = engine.store.disk.layer(name)
+        experts = engine.store.tier("disk").layer(name)
         engine.add_layer(name, experts, top_k=4, index=index, pool_reach=60000)
     with pytest.raises(
         SpecExpertConfigError, match=r"65,536 elements .*use disk\.residency 'slots'"

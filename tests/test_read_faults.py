@@ -95,10 +95,10 @@ def started(path: Path, budget: float, opened=lambda: None) -> OffloadEngine:
     """An engine on the pack at ``path``; ``opened()`` runs once the pack is opened and
     checked, before the warm start reads it (a truncated file is refused at the open)."""
     engine = OffloadEngine(SpecExpertConfig.from_dict({"budget": budget}), torch.device("cpu"))
-    engine.store.disk = Disk(ExpertPack(path), depth=2)
+    engine.store.tiers.append(Disk(ExpertPack(path), depth=2))
     opened()
     for index, name in enumerate(NAMES):
-        engine.add_layer(name, engine.store.disk.layer(name), top_k=4, index=index)
+        engine.add_layer(name, engine.store.tier("disk").layer(name), top_k=4, index=index)
     engine.start()
     return engine
 

@@ -27,7 +27,7 @@ its floor::
      3  architectures   the supported MoE architectures and their routing shape
      3  handoff         what the scheduler process hands the workers: StepDemand, its
                         counters
-     3  report          the stats dict and the summary line
+     4  report          the stats dict and the summary line
      3  metrics         /metrics: the snapshot directory and its collector
      2  handback        what the workers hand back: the rows, then the requests, whose
                         experts were unreadable
@@ -45,7 +45,9 @@ its floor::
                         (writing a pack, atomically), pack_lock (a pack's lock: engines
                         shared, a writer alone), checkpoint_experts (one expert read
                         from a checkpoint), memory (what the sized tier has free),
-                        host_cache (CUDA: pinned host rows between disk and device)
+                        host_cache (CUDA: pinned host rows between disk and device),
+                        slow_tiers (the registry of slow tiers besides the host's:
+                        disk)
      4  budget_plan     what a budget comes to in slots per layer, and why (sized from
                         the memory at the first layer and at each reconfigure), and
                         whether the kernel can address its pools

@@ -12,6 +12,7 @@ import torch
 
 from vllm_specexpert.config.sizing import gib
 from vllm_specexpert.stats import PHASES, LayerStats, Series, metric_name
+from vllm_specexpert.tiers import slow_tiers
 
 if TYPE_CHECKING:  # (the engine's parts: above this module, named for the type checker)
     from vllm_specexpert.budget_plan import BudgetPlan
@@ -90,7 +91,8 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
                 "copies": engine.link.copies,
                 "stall_s": engine.link.stall_s,
             },
-            "disk": engine.store.disk.stats_dict() if engine.store.disk is not None else None,
+            **dict.fromkeys(slow_tiers.tier_names()),
+            **{tier.name: tier.stats_dict() for tier in engine.store.tiers},
             "total": total.to_dict(),
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
             **feature_stats(engine),
@@ -143,8 +145,8 @@ def reset_counters(engine: ReportedEngine) -> None:
         for feature in engine.features:
             feature.reset_stats()
     engine.link.reset_counters()
-    if engine.store.disk is not None:
-        engine.store.disk.reset_stats()
+    for tier in engine.store.tiers:
+        tier.reset_stats()
 
 
 def summary(engine: ReportedEngine) -> str:

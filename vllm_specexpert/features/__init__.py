@@ -34,6 +34,7 @@ REGISTRY = (
     "low_bit",
     "mesh",
     "lookahead",
+    "draft_routes",
     "step_demand",
     "substitution",
     "host_compute",

@@ -19,7 +19,7 @@ from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layers.sizing import sizing_settings
-from vllm_specexpert.tiers.disk import open_disk
+from vllm_specexpert.tiers import slow_tiers
 
 _ENGINES: dict[int, tuple[weakref.ref, OffloadEngine]] = {}
 """One engine per live vLLM config (one per worker process, unless several engines run
@@ -63,14 +63,9 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
         target.provide(draft=engine)  # its routes become the target's lookahead
     else:
         engine = OffloadEngine(config, device, rank=rank)
-        if config.disk is not None:
-            engine.store.disk = open_disk(
-                config.disk.path,
-                vllm_config.model_config.model,
-                config.disk.queue_depth,
-                config.disk.direct,
-                mapped=config.disk.residency == "mapped",
-            )
+        tier = slow_tiers.open_tier(config, vllm_config.model_config.model)
+        if tier is not None:
+            engine.store.tiers.append(tier)
         _TARGET = weakref.ref(engine)
     engine.budget.sizing = sizing_settings(vllm_config)
     engine.provide(step_demand=handoff.current)  # the scheduler's, handed to each step

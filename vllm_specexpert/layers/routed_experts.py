@@ -39,6 +39,8 @@ from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.layers.int4_gemm import Int4GemmExperts
 from vllm_specexpert.layers.slot_kernel import SlotKernel
 from vllm_specexpert.layers.slow_tier import SlowTier
+from vllm_specexpert.tiers import slow_tiers
+from vllm_specexpert.tiers import slow_tiers
 from vllm_specexpert.tiers.expert_pack import DRAFT_PREFIX
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
@@ -85,9 +87,10 @@ class OffloadedRoutedExperts(RoutedExperts):
             )
         self._draft = layer_name.startswith(DRAFT_PREFIX) and config.lookahead is not None
         """This layer is the lookahead draft's: INT4 experts, its routes to the target."""
-        self.slow_tier = SlowTier(self, config, experts_format, self._draft)
+        model = vllm_config.model_config.model
+        self.slow_tier = SlowTier(self, config, experts_format, self._draft, model)
         if self.slow_tier.on_disk:
-            vllm_hooks.skip_routed_experts_when(_serves_experts_from_disk)
+            vllm_hooks.skip_routed_experts_when(_served_by_a_slow_tier)
             failed_requests.install()
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
 
@@ -201,9 +204,11 @@ def offloaded(base: type[RoutedExperts]) -> type[OffloadedRoutedExperts]:
     )
 
 
-def _serves_experts_from_disk(vllm_config: Any) -> bool:
+def _served_by_a_slow_tier(vllm_config: Any) -> bool:
+    """vLLM loads none of the routed experts: a slow tier holds them."""
     config = SpecExpertConfig.from_additional_config(vllm_config.additional_config)
-    return config is not None and config.disk is not None
+    model = vllm_config.model_config.model
+    return config is not None and slow_tiers.configured(config, model) is not None
 
 
 def _layer_index(layer_name: str) -> int:

@@ -33,6 +33,7 @@ from vllm_specexpert.layers.packed_experts import (
     runtime_form,
 )
 from vllm_specexpert.quant_formats import PackedFormat
+from vllm_specexpert.tiers import slow_tiers
 from vllm_specexpert.tiers.disk import Disk, DiskExperts
 from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
 from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES
@@ -61,13 +62,14 @@ class SlowTier:
         config: SpecExpertConfig,
         packed_format: PackedFormat | None,
         draft: bool,
+        model: str,
     ) -> None:
         self.layer = layer
         self.packed_format = packed_format
         """The checkpoint's format of the layer's experts (``None``: unquantized)."""
         self.config = config
-        self.on_disk = config.disk is not None
-        """The experts are read from the disk tier's pack: vLLM loads none of them."""
+        self.on_disk = slow_tiers.configured(config, model) is not None
+        """The experts are read from a slow tier (the disk's pack): vLLM loads none."""
         self.draft = draft
         """The layer is the lookahead draft's: INT4 experts."""
         self._packed: PackedParameters | None = None
@@ -204,7 +206,7 @@ class SlowTier:
         kernel reads; on CUDA read through pinned host rows, sized at the first layer
         (once vLLM's settings and the MoE layers are known)."""
         layer, engine = self.layer, self.layer.engine
-        disk = engine.store.disk
+        disk = engine.store.tier(Disk.name)
         assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
         if engine.device.type == "cuda" and disk.host_cache is None:
             fit = size_host_cache(
@@ -224,7 +226,7 @@ class SlowTier:
         pack holds them in another layout than this build's."""
         layer = self.layer
         target = target_of(layer.engine)
-        disk = target.store.disk
+        disk = target.store.tier(Disk.name)
         assert isinstance(disk, Disk)  # (the target's, opened with its engine)
         moe = layer.moe_config
         hidden, intermediate = moe.hidden_dim, moe.intermediate_size_per_partition

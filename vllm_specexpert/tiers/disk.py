@@ -15,11 +15,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.stats import Counters, counter, seconds
 from vllm_specexpert.tiers.disk_reader import DiskFile, DiskReader
@@ -55,7 +56,25 @@ class DiskStats(Counters):
 
 class Disk:
     """The pack one engine reads experts from, its reader and, for the mapped residency,
-    its mapping."""
+    its mapping: the slow tier ``disk`` (:mod:`.slow_tiers`)."""
+
+    name: ClassVar[str] = "disk"
+
+    @classmethod
+    def configured(cls, config: SpecExpertConfig, model: str) -> bool:
+        return config.disk is not None
+
+    @classmethod
+    def open(cls, config: SpecExpertConfig, model: str) -> Disk:
+        settings = config.disk
+        assert settings is not None  # (opened where configured)
+        return open_disk(
+            settings.path,
+            model,
+            settings.queue_depth,
+            settings.direct,
+            mapped=settings.residency == "mapped",
+        )
 
     def __init__(
         self,
@@ -271,3 +290,6 @@ def open_disk(path: str, model: str, queue_depth: int, direct: bool, mapped: boo
     except BaseException:
         lock.release()
         raise
+
+
+SLOW_TIER = Disk

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -219,13 +219,12 @@ def stage(
         destinations[key].index_copy_(0, index, tensor)
 
 
-class OpenPack(Protocol):
-    """The open expert pack the store's layers are read from (``disk``), as the stats
-    and the start line see it (:class:`~vllm_specexpert.tiers.disk.Disk`)."""
+class OpenTier(Protocol):
+    """An open slow tier as the store sees it (:class:`~.slow_tiers.SlowTier`)."""
 
-    def where(self) -> str:
-        """Where the experts are, for the start line."""
-        ...
+    name: ClassVar[str]
+
+    def where(self) -> str: ...
 
     def stats_dict(self) -> dict: ...
 
@@ -317,8 +316,9 @@ class ExpertStore:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self.layers: dict[str, ExpertSource] = {}
-        self.disk: OpenPack | None = None
-        """The disk the layers' experts are read from (``disk``), opened by the adapter."""
+        self.tiers: list[OpenTier] = []
+        """The open slow tiers the layers' experts are read from (none: the host's
+        tensors), opened by the adapter (:mod:`.slow_tiers`)."""
 
     def add_layer(
         self, name: str, tensors: dict[str, torch.Tensor], decoder: ExpertDecoder | None = None
@@ -357,14 +357,18 @@ class ExpertStore:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers.values())
 
+    def tier(self, name: str) -> OpenTier | None:
+        """The open slow tier ``name``, if it is open."""
+        return next((tier for tier in self.tiers if tier.name == name), None)
+
     def where(self) -> str:
-        if self.disk is not None:
-            return self.disk.where()
+        if self.tiers:
+            return "; ".join(tier.where() for tier in self.tiers)
         return f"on the host{' (pinned)' if self.pin_memory else ''}"
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        for tier in self.tiers:
+            tier.close()
 
 
 CUDA_HOST_REGISTER_PORTABLE = 0x01
