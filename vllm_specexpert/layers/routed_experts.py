@@ -40,7 +40,6 @@ from vllm_specexpert.layers.int4_gemm import Int4GemmExperts
 from vllm_specexpert.layers.slot_kernel import SlotKernel
 from vllm_specexpert.layers.slow_tier import SlowTier
 from vllm_specexpert.tiers import slow_tiers
-from vllm_specexpert.tiers import slow_tiers
 from vllm_specexpert.tiers.expert_pack import DRAFT_PREFIX
 
 FORWARD_CONTEXT_SUFFIX = ".specexpert"
