@@ -1,14 +1,15 @@
 """The path of one decode layer call through the package: which modules it enters, how
 often, and how many times the call climbs back into a module it had left.
 
-    python benchmarks/call_path.py [--budget 0.5] [--tokens 4] [--name call_path]
+    python benchmarks/call_path.py [--name call_path]
 
-A toy engine on the CPU (two layers of 16 experts, top-2, ``fetch`` with the ``router``
-predictor so that a feature acts on the call) at a partial budget; after warm-up calls,
-one decode call of the first layer is traced with ``sys.setprofile``. A module is
+A toy engine on the CPU (two layers of 16 experts, top-2, ``fetch``) in each of
+:data:`CASES`; after warm-up calls, one decode call of the first layer is traced with
+``sys.setprofile`` (the link's copy thread is not traced). A module is
 *entered* when a call goes from a frame of another package module (or from outside the
 package) into one of its functions; the call's own entry into ``engine`` counts. Reported:
-entries per module, distinct modules, and the package's line count (``wc -l`` of its
+entries per module, distinct modules, the package's objects the call made (by class:
+an ``__init__`` of it ran), and the package's line count (``wc -l`` of its
 ``.py`` files, tools excluded). Run it on two checkouts (``PYTHONPATH=<checkout>``) to
 compare a redesign before and after. Writes ``benchmarks/results/<name>.json``.
 """
@@ -46,13 +47,21 @@ def module_of(filename: str) -> str | None:
     return ".".join(relative.with_suffix("").parts)
 
 
-def trace_call(engine: OffloadEngine, request: LayerCall) -> collections.Counter:
-    """Module -> times the call entered it from elsewhere."""
+def trace_call(
+    engine: OffloadEngine, request: LayerCall
+) -> tuple[collections.Counter, collections.Counter]:
+    """(module -> times the call entered it from elsewhere, package class -> objects of
+    it the call made)."""
     entered: collections.Counter = collections.Counter()
+    made: collections.Counter = collections.Counter()
 
     def profile(frame, event, arg):
         if event != "call":
             return
+        if frame.f_code.co_name == "__init__":  # (a dataclass's is written "<string>")
+            cls = type(frame.f_locals.get("self"))
+            if cls.__module__.startswith(PACKAGE.name):
+                made[cls.__name__] += 1
         module = module_of(frame.f_code.co_filename)
         if module is None:
             return
@@ -66,7 +75,7 @@ def trace_call(engine: OffloadEngine, request: LayerCall) -> collections.Counter
         engine.run_call(request)
     finally:
         sys.setprofile(None)
-    return entered
+    return entered, made
 
 
 def package_lines() -> int:
@@ -77,14 +86,18 @@ def package_lines() -> int:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=0.5)
-    parser.add_argument("--tokens", type=int, default=4)
-    parser.add_argument("--name", default="call_path")
-    args = parser.parse_args()
+CASES = {
+    "resident": (1.0, "none", 1),
+    "misses": (0.5, "none", 4),
+    "misses, router predictor": (0.5, "router", 4),
+}
+"""Case -> (budget, predictor, tokens): every expert resident; a partial budget with
+misses (``fetch``); the same with next-layer prediction and its prefetch."""
+
+
+def trace_case(budget: float, predictor: str, tokens: int) -> dict:
     config = SpecExpertConfig.from_dict(
-        {"budget": args.budget, "miss_policy": "fetch", "predictor": "router"}
+        {"budget": budget, "miss_policy": "fetch", "predictor": predictor}
     )
     engine = OffloadEngine(config, torch.device("cpu"), reports=False)
     engine.budget.sizing.moe_layers = 2
@@ -96,33 +109,50 @@ def main() -> None:
     try:
         for seed in range(8):  # warm-up: caches filled, predictions made
             for name in names:
-                x, w, ids = random_routing(args.tokens, 16, 2, seed=seed)
+                x, w, ids = random_routing(tokens, 16, 2, seed=seed)
                 engine.run_call(
-                    LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(args.tokens))
+                    LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(tokens))
                 )
-        x, w, ids = random_routing(args.tokens, 16, 2, seed=99)
-        request = LayerCall("l0", slot_kernel, x, w, ids, PassPhases.decode_only(args.tokens))
+        x, w, ids = random_routing(tokens, 16, 2, seed=99)
+        request = LayerCall("l0", slot_kernel, x, w, ids, PassPhases.decode_only(tokens))
         before = engine.layers["l0"].stats.decode.missed_entries
-        entered = trace_call(engine, request)
+        entered, made = trace_call(engine, request)
         missed = engine.layers["l0"].stats.decode.missed_entries - before
     finally:
         engine.close()
-    result = {
-        "command": " ".join(["python", *sys.argv]),
-        "budget": args.budget,
-        "tokens": args.tokens,
+    return {
+        "budget": budget,
+        "predictor": predictor,
+        "tokens": tokens,
         "missed_entries": int(missed),
         "modules_entered": dict(entered.most_common()),
         "distinct_modules": len(entered),
         "entries": int(sum(entered.values())),
         "most_entered": int(max(entered.values())),
+        "objects_made": dict(made.most_common()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", default="call_path")
+    args = parser.parse_args()
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "cases": {case: trace_case(*settings) for case, settings in CASES.items()},
         "package_lines": package_lines(),
     }
     out = REPO / "benchmarks" / "results" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
-    print(f"wrote {out}\n{result['command']}")
+    for case, traced in result["cases"].items():
+        print(
+            f"{case}: {traced['distinct_modules']} modules entered {traced['entries']} times "
+            f"(most {traced['most_entered']}), {traced['missed_entries']} missed entries; "
+            f"objects {traced['objects_made']}"
+        )
+        print(f"  {traced['modules_entered']}")
+    print(f"package lines: {result['package_lines']}\nwrote {out}\n{result['command']}")
 
 
 if __name__ == "__main__":

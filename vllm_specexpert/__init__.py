@@ -121,23 +121,23 @@ its floor::
 One decode step of layer l, following the router's ids::
 
     vLLM MoERunner ─► layers.routed_experts.offloaded_forward (custom op)
-      ─► the layer's call, composed by the engine when the layer was equipped:
-      every expert in the slot of its id and no feature acting on such a call:
-      execute.run_resident (the kernel alone); else engine._run ─► execute.guarded (an
-      unreadable expert: the call again without it) ─► one DecodeCall:
-      ├─ forces_exact: quality (its batch class over budget)
-      ├─ begin_call:  prediction (made for this layer), mesh (early fire: rows sent
-      │               to peers ahead)
-      ├─ before_read: prediction (speculate: run it instead; predict layer l+1)
-      ├─ one host read: the router's ids and the features' tensors
-      ├─ after_read:  prediction (score; prefetch before the kernel), mesh (no_stop
-      │               fires layer l+1), step_demand (score the path; PLEC plans)
-      ├─ resolve:     quality (samples the other result beside) around
+      ─► engine.run_call ─► the layer's pipeline (pipeline.LayerPipeline), composed
+      when the layer was equipped and whenever the features change:
+      ├─ on_call:  draft_routes (a draft's routes to its target's lookahead)
+      ├─ route:    prediction (recall this layer's; speculate: run it instead;
+      │            predict layer l+1), mesh (early fire: rows sent to peers ahead)
+      ├─ one host read: the router's ids and the route stages' tensors
+      ├─ plan:     prediction (score; prefetch before the kernel), mesh (no_stop
+      │            fires layer l+1), step_demand (score the path; PLEC plans)
+      ├─ run:      quality (samples the other result beside; exact while over) around
       │    execute.resolve: survey ─► policy.plan (only if something is missing)
       │      ─► execute.execute ─► tiers.loader (loads) ─► layers.slot_kernel (vLLM's
       │      kernel on the slots); the layer's places, each a feature's: INT4 copies
-      │      (low_bit), peers (mesh, via PeersFirst), host (host_compute)
-      └─ end_call:    step_demand (PLEC: the next group's predicted uses)"""
+      │      (low_bit), peers (mesh, via PeersFirst), host (host_compute); every
+      │      expert in the slot of its id: execute.launch_resident (the kernel alone)
+      └─ finish:   mesh (forget what was fired), step_demand (PLEC: the next group)
+    An expert the slow tier cannot supply: the call again without it
+    (execute.execute_without)."""
 
 from __future__ import annotations
 

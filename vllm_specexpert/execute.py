@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,23 +153,6 @@ def execute(
             experts, counts = np.unique(ids[computed], return_counts=True)
             loader.admit(int(experts[np.argmax(counts)]), stats)
     return out
-
-
-def guarded(
-    loader: ExpertLoader,
-    request: LayerCall,
-    rows: UnreadableRows,
-    run: Callable[[], torch.Tensor],
-    stats: PhaseStats,
-) -> torch.Tensor:
-    """``run()``, the layer's call; when the slow tier cannot supply some of its experts
-    (:class:`ExpertsUnreadable`: a read error, a record whose checksum fails), the call
-    again without them (:func:`execute_without`; its copies counted in ``stats``), so
-    that the pass goes on."""
-    try:
-        return run()
-    except ExpertsUnreadable as error:
-        return execute_without(loader, request.on_host(stats), error, rows)
 
 
 RETRY_COUNTERS = ("loads", "bytes_loaded", "evictions")

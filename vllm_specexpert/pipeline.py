@@ -41,6 +41,7 @@ from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.predict import Prediction
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.staging import HostReader, upload
+from vllm_specexpert.tiers.store import ExpertsUnreadable
 
 HostReads = Callable[[list[np.ndarray]], None]
 """What a stage does with its device tensors once they are on the host."""
@@ -278,23 +279,26 @@ class LayerPipeline:
 
     def __call__(self, request: LayerCall) -> torch.Tensor:
         """The routed experts' output of one call; when the slow tier cannot supply some
-        of its experts, the call again without them (:func:`execute.guarded`)."""
+        of its experts, the call again without them (:func:`execute.execute_without`),
+        so that the pass goes on."""
         started = time.perf_counter()
         for watch in self._on_call:
             watch(request)
         phases, stats = request.phases, self.layer.stats
-        counted = stats.prefill if phases is not None and phases.all_prefill else stats.decode
-        out = execute.guarded(
-            self.layer.loader, request, self.unreadable, lambda: self._by_phase(request), counted
-        )
+        counted = stats.decode if phases is None or len(phases.decode) else stats.prefill
+        try:
+            out = self._by_phase(request)
+        except ExpertsUnreadable as error:
+            again = request.on_host(counted)
+            out = execute.execute_without(self.layer.loader, again, error, self.unreadable)
         counted.call_s += time.perf_counter() - started
         return out
 
     def _by_phase(self, request: LayerCall) -> torch.Tensor:
         phases = request.phases
-        if phases is None or phases.all_decode:
+        if phases is None or not len(phases.prefill):
             return self._decode(request)
-        if phases.all_prefill:
+        if not len(phases.decode):
             return self._prefill(request)
         # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
         # that what was loaded ahead for them is released by their own call; then the
@@ -310,7 +314,7 @@ class LayerPipeline:
     def _prefill(self, request: LayerCall) -> torch.Tensor:
         """The router's experts, exactly. On CUDA the host read is the sync on-demand
         loading cannot avoid: what to copy is known once the router ran."""
-        stats = self.layer.stats.prefill.count_call(request.num_tokens)
+        stats = self.layer.stats.prefill.count_call(request.x.shape[0])
         return self.prefill_runner(None, self._taken(request, stats))
 
     def _taken(self, request: LayerCall, stats: PhaseStats) -> LayerCall:
@@ -322,7 +326,7 @@ class LayerPipeline:
         return request
 
     def _decode(self, request: LayerCall) -> torch.Tensor:
-        stats = self.layer.stats.decode.count_call(request.num_tokens)
+        stats = self.layer.stats.decode.count_call(request.x.shape[0])
         if not self._staged:
             return self.decode_runner(None, self._taken(request, stats))
         call = DecodeCall(self.layer, request, stats)

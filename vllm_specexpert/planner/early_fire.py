@@ -87,7 +87,7 @@ class EarlyFire:
         input now (``router_input`` computes it if the prediction did not keep it)."""
         if not self.speculates:
             return
-        assert prediction.host_ids is not None  # read with the router's ids (after_read)
+        assert prediction.host_ids is not None  # read with the router's ids (the read)
         q = prediction.router_input if prediction.router_input is not None else router_input()
         sent = self.fire(peers, cache, q, prediction.host_ids, stats)
         if sent is not None:
