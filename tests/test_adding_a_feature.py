@@ -8,19 +8,10 @@ runs, in a fresh interpreter on the copy, the layout checks and toy engines with
 A feature that only watches changes nothing; the place's entries show in the plan's
 output, the stats and the ``/metrics`` families with no other file touched."""
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-import vllm_specexpert
-
-TESTS = Path(__file__).parent
-PACKAGE = Path(vllm_specexpert.__file__).parent
+from package_copy import add_module, copy_package, edit, layout_check, report_of, run_in_copy
 
 FEATURE_MODULE = '''"""Records each layer call's stages in order, with what each sees (always
 on: a feature with its own setting would read it from ``parts.config``)."""
@@ -260,65 +251,36 @@ print("REPORT " + json.dumps(report))
 
 def _add_feature(package: Path, name: str, module: str) -> None:
     """The whole cost of a feature: its module, its registry line, its word in the map."""
-    (package / "features" / f"{name}.py").write_text(module)
-    registry = package / "features" / "__init__.py"
-    text = registry.read_text()
     last = '    "host_compute",\n'
-    assert text.count(last) == 1
-    registry.write_text(text.replace(last, f'{last}    "{name}",\n'))
-    init = package / "__init__.py"
-    text = init.read_text()
+    registry = ("features/__init__.py", last, f'{last}    "{name}",\n')
+    add_module(package, f"features/{name}.py", module, registry)
     anchor = "copies' slots, their place)"
-    assert text.count(anchor) == 1
-    init.write_text(text.replace(anchor, f"{anchor}, {name}"))
-
-
-def _in_copy(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(TESTS)])}
-    return subprocess.run(
-        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
+    edit(package / "__init__.py", anchor, f"{anchor}, {name}")
 
 
 @pytest.fixture(scope="module")
 def copy_with_feature(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("copy")
-    shutil.copytree(PACKAGE, root / "vllm_specexpert", ignore=shutil.ignore_patterns("__pycache__"))
-    _add_feature(root / "vllm_specexpert", "call_tracer", FEATURE_MODULE)
-    _add_feature(root / "vllm_specexpert", "zeros_for_missing", PLACE_MODULE)
+    package = copy_package(root)
+    _add_feature(package, "call_tracer", FEATURE_MODULE)
+    _add_feature(package, "zeros_for_missing", PLACE_MODULE)
     return root
 
 
 @pytest.fixture(scope="module")
 def report(copy_with_feature) -> dict:
-    done = _in_copy(copy_with_feature, "-c", SCRIPT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
-    return json.loads(line.removeprefix("REPORT "))
+    return report_of(run_in_copy(copy_with_feature, "-c", SCRIPT))
 
 
 def test_the_copy_with_the_feature_keeps_the_layout(copy_with_feature):
-    done = _in_copy(
-        copy_with_feature,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        str(TESTS / "test_layout.py"),
-    )
+    done = layout_check(copy_with_feature)
     assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_the_layout_check_sees_a_feature_left_out_of_the_map(tmp_path):
     """The fault: the module and its registry line, without its word in the map."""
-    shutil.copytree(
-        PACKAGE, tmp_path / "vllm_specexpert", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    (tmp_path / "vllm_specexpert" / "features" / "call_tracer.py").write_text(FEATURE_MODULE)
-    done = _in_copy(
-        tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_layout.py")
-    )
+    (copy_package(tmp_path) / "features" / "call_tracer.py").write_text(FEATURE_MODULE)
+    done = layout_check(tmp_path)
     assert done.returncode != 0 and "call_tracer" in done.stdout
 
 

@@ -8,19 +8,10 @@ runs, in a fresh interpreter on the copy, the layout checks and a toy engine who
 layers the tier serves: at a quarter of the experts resident every call loads from it,
 and the output equals the reference bit for bit; its stats section is there."""
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-import vllm_specexpert
-
-TESTS = Path(__file__).parent
-PACKAGE = Path(vllm_specexpert.__file__).parent
+from package_copy import add_module, copy_package, edit, layout_check, report_of, run_in_copy
 
 TIER_MODULE = '''"""Experts in ``experts.npz`` beside the model, bf16 stored as uint16 (a toy slow
 tier: read whole at open through numpy's reader)."""
@@ -132,54 +123,27 @@ print("REPORT " + json.dumps(report))
 
 def _add_tier(package: Path, name: str, module: str) -> None:
     """The whole cost of a slow tier: its module, its registry line, its word in the map."""
-    (package / "tiers" / f"{name}.py").write_text(module)
-    registry = package / "tiers" / "slow_tiers.py"
-    text = registry.read_text()
     line = 'REGISTRY = ("disk",)'
-    assert text.count(line) == 1
-    registry.write_text(text.replace(line, f'REGISTRY = ("disk", "{name}")'))
-    init = package / "__init__.py"
-    text = init.read_text()
+    registry = ("tiers/slow_tiers.py", line, f'REGISTRY = ("disk", "{name}")')
+    add_module(package, f"tiers/{name}.py", module, registry)
     anchor = "besides the host's:\n                        disk)"
-    assert text.count(anchor) == 1
-    init.write_text(
-        text.replace(anchor, f"besides the host's:\n                        disk, {name})")
-    )
-
-
-def _in_copy(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(TESTS)])}
-    return subprocess.run(
-        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
+    edit(package / "__init__.py", anchor, anchor.replace("disk)", f"disk, {name})"))
 
 
 @pytest.fixture(scope="module")
 def copy_with_tier(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("copy")
-    shutil.copytree(PACKAGE, root / "vllm_specexpert", ignore=shutil.ignore_patterns("__pycache__"))
-    _add_tier(root / "vllm_specexpert", "npz_pack", TIER_MODULE)
+    _add_tier(copy_package(root), "npz_pack", TIER_MODULE)
     return root
 
 
 def test_the_copy_with_the_tier_keeps_the_layout(copy_with_tier):
-    done = _in_copy(
-        copy_with_tier,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        str(TESTS / "test_layout.py"),
-    )
+    done = layout_check(copy_with_tier)
     assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_the_new_tier_serves_the_layers_exactly(copy_with_tier, tmp_path):
-    done = _in_copy(copy_with_tier, "-c", SCRIPT, str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line.removeprefix("REPORT "))
+    report = report_of(run_in_copy(copy_with_tier, "-c", SCRIPT, str(tmp_path)))
     assert "copy" in report["package"]  # the copy's package ran, not this one
     assert report["tier"] == "NpzPack" and report["exact"]
     assert report["loads"] > 0  # (a quarter resident: the calls read from the tier)

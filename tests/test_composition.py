@@ -263,11 +263,11 @@ def test_mesh_and_prediction_compose_alike_in_either_registry_order(
     reference = make_engine(config)
     expected_outs = run_steps(reference)
     expected_stats = reference.stats()["total"]["decode"]
-    expected_route = reference.layers[NAMES[1]].run.describe()["route"]
+    expected_route = reference.pipelines[NAMES[1]].describe()["route"]
     if order == "reversed":
         monkeypatch.setattr(features, "REGISTRY", tuple(reversed(features.REGISTRY)))
     engine = make_engine(config)
-    route = engine.layers[NAMES[1]].run.describe()["route"]
+    route = engine.pipelines[NAMES[1]].describe()["route"]
     assert route.index("prediction.recall") < route.index("mesh.fire")
     assert route.index("mesh.fire") < route.index("prediction.predict")
     assert sorted(route) == sorted(expected_route)

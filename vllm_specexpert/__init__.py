@@ -100,7 +100,9 @@ its floor::
                         it
     11  layers/         vLLM adapter in the worker: routed_experts (the layer, the
                         custom op), slow_tier (a layer's experts allocated, loaded and
-                        handed to the store: host, packed, INT4 copies, disk),
+                        handed to the store: host, packed, INT4 copies, a slow
+                        tier), disk_layers (the disk tier's side: the pack checked
+                        against the kernel, CUDA host rows, the draft's regions),
                         draft_sizing (what the lookahead draft's layers take of memory),
                         slot_kernel (vLLM's kernel on slots), engines,
                         packed_experts, int4_copies (lowbit's and the draft's INT4

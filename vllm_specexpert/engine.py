@@ -73,6 +73,8 @@ class OffloadEngine:
         self.unreadable = UnreadableRows()
         """Rows of the running pass whose experts the slow tier could not supply."""
         self.features: list[EngineFeature] = []
+        self.pipelines: dict[str, pipeline.LayerPipeline] = {}
+        """Each equipped layer's call, as composed (``describe`` lists its stages)."""
         self._skipping = False
         """Calls run no routed expert (:meth:`experts_skipped`)."""
         self._select(config)
@@ -169,7 +171,7 @@ class OffloadEngine:
         layer.cache.identity_lost = functools.partial(self._compose, layer)
         running = self.features
         base = EngineFeature
-        layer.run = pipeline.compose(
+        composed = pipeline.compose(
             layer,
             self.miss_policy,
             [stage for f in running for stage in f.stages(layer)],
@@ -178,6 +180,8 @@ class OffloadEngine:
             self.reader,
             self.unreadable,
         )
+        self.pipelines[layer.name] = composed
+        layer.run = composed.run  # (a bound method: a call costs less than an instance's)
 
     def link_layers(self, name: str, next_name: str) -> None:
         """``next_name`` is the MoE layer after ``name``."""

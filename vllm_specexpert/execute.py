@@ -203,8 +203,7 @@ def launch_resident(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
     stats.requests += distinct
     stats.hits += distinct
     stats.kernel_calls += 1
-    hook = call.take_before_kernel()
-    if hook is not None:
+    if (hook := call.take_before_kernel()) is not None:
         hook()
     routing = loader.cache.kernel_routing(ids, None)
     started = time.perf_counter()

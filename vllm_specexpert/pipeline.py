@@ -277,7 +277,7 @@ class LayerPipeline:
         """Step -> its stages' names, in the order they run."""
         return {step: [stage.name for stage in stages] for step, stages in self.stages.items()}
 
-    def __call__(self, request: LayerCall) -> torch.Tensor:
+    def run(self, request: LayerCall) -> torch.Tensor:
         """The routed experts' output of one call; when the slow tier cannot supply some
         of its experts, the call again without them (:func:`execute.execute_without`),
         so that the pass goes on."""
@@ -285,9 +285,10 @@ class LayerPipeline:
         for watch in self._on_call:
             watch(request)
         phases, stats = request.phases, self.layer.stats
+        decode_only = phases is None or not len(phases.prefill)
         counted = stats.decode if phases is None or len(phases.decode) else stats.prefill
         try:
-            out = self._by_phase(request)
+            out = self._decode(request) if decode_only else self._by_phase(request)
         except ExpertsUnreadable as error:
             again = request.on_host(counted)
             out = execute.execute_without(self.layer.loader, again, error, self.unreadable)
@@ -295,14 +296,13 @@ class LayerPipeline:
         return out
 
     def _by_phase(self, request: LayerCall) -> torch.Tensor:
+        """Prompt rows alone, or a mixed pass (chunked prefill beside decoding requests):
+        decode rows first, so that what was loaded ahead for them is released by their
+        own call; then the prompt rows, whose experts go before the decode set's."""
         phases = request.phases
-        if phases is None or not len(phases.prefill):
-            return self._decode(request)
+        assert phases is not None  # (a pass of decode rows only is not split)
         if not len(phases.decode):
             return self._prefill(request)
-        # A mixed pass (chunked prefill beside decoding requests): decode rows first, so
-        # that what was loaded ahead for them is released by their own call; then the
-        # prompt rows, whose experts go before the decode set's.
         out = torch.empty_like(request.x)
         out[upload(phases.decode, request.x.device)] = self._decode(request.rows(phases.decode))
         with self.layer.cache.frozen_recency():
@@ -314,22 +314,23 @@ class LayerPipeline:
     def _prefill(self, request: LayerCall) -> torch.Tensor:
         """The router's experts, exactly. On CUDA the host read is the sync on-demand
         loading cannot avoid: what to copy is known once the router ran."""
-        stats = self.layer.stats.prefill.count_call(request.x.shape[0])
-        return self.prefill_runner(None, self._taken(request, stats))
+        return self.prefill_runner(None, self._taken(request, self.layer.stats.prefill))
 
     def _taken(self, request: LayerCall, stats: PhaseStats) -> LayerCall:
-        """``request`` (this call's own: taken in place) counted in ``stats``, its ids
-        read to the host if the runner needs them."""
+        """``request`` (this call's own: taken in place) counted as a call of ``stats``,
+        its ids read to the host if the runner needs them."""
+        stats.calls += 1  # (count_call, inline: the resident path's cost is the overhead)
+        stats.tokens += request.x.shape[0]
         request.stats = stats
         if self._reads_ids:
             (request.host_ids,) = self.reader.read([request.topk_ids])
         return request
 
     def _decode(self, request: LayerCall) -> torch.Tensor:
-        stats = self.layer.stats.decode.count_call(request.x.shape[0])
+        stats = self.layer.stats.decode
         if not self._staged:
             return self.decode_runner(None, self._taken(request, stats))
-        call = DecodeCall(self.layer, request, stats)
+        call = DecodeCall(self.layer, request, stats.count_call(request.x.shape[0]))
         call.exact = any(check(call.num_tokens) for check in self.exact_checks)
         for stage in self._route:
             stage(call)

@@ -88,7 +88,7 @@ class OffloadedRoutedExperts(RoutedExperts):
         """This layer is the lookahead draft's: INT4 experts, its routes to the target."""
         model = vllm_config.model_config.model
         self.slow_tier = SlowTier(self, config, experts_format, self._draft, model)
-        if self.slow_tier.on_disk:
+        if self.slow_tier.from_tier:
             vllm_hooks.skip_routed_experts_when(_served_by_a_slow_tier)
             failed_requests.install()
         super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)

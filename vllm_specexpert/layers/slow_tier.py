@@ -21,24 +21,17 @@ from typing import Any
 import torch
 from vllm.platforms import current_platform
 
-from vllm_specexpert.budget_plan import size_host_cache
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.layers import draft_sizing, int4_copies
+from vllm_specexpert.layers import disk_layers, draft_sizing, int4_copies
 from vllm_specexpert.layers.engines import target_of
-from vllm_specexpert.layers.pack_form_check import check_pack_form
 from vllm_specexpert.layers.packed_experts import (
     PackedDecoder,
     PackedParameters,
-    low_bit_parameters,
     runtime_form,
 )
 from vllm_specexpert.quant_formats import PackedFormat
 from vllm_specexpert.tiers import slow_tiers
-from vllm_specexpert.tiers.disk import Disk, DiskExperts
-from vllm_specexpert.tiers.host_cache import HostCache, HostCachedExperts
-from vllm_specexpert.tiers.kernel_form import DTYPE_NAMES
-from vllm_specexpert.tiers.mapped import MappedExperts
-from vllm_specexpert.tiers.store import LOW_BIT_SUFFIX, LayerExperts, SlotShapes
+from vllm_specexpert.tiers.store import LOW_BIT_SUFFIX, ExpertSource, LayerExperts, SlotShapes
 
 EXPERT_TENSORS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 """Per-expert tensors of a bf16 layer (the biases where the model has them, GPT-OSS)."""
@@ -68,7 +61,7 @@ class SlowTier:
         self.packed_format = packed_format
         """The checkpoint's format of the layer's experts (``None``: unquantized)."""
         self.config = config
-        self.on_disk = slow_tiers.configured(config, model) is not None
+        self.from_tier = slow_tiers.configured(config, model) is not None
         """The experts are read from a slow tier (the disk's pack): vLLM loads none."""
         self.draft = draft
         """The layer is the lookahead draft's: INT4 experts."""
@@ -99,7 +92,7 @@ class SlowTier:
             **kwargs: Any,
         ) -> None:
             with _host_allocation():
-                if self.on_disk:
+                if self.from_tier:
                     # One expert (vLLM's kernel setup): the pack holds them all.
                     return create_weights(
                         layer, 1, hidden_size, intermediate_size_per_partition, **kwargs
@@ -125,7 +118,7 @@ class SlowTier:
             # post-processing (on CPU a prepacked layout: groups of it would mix rows):
             # lowbit's beside the experts, or the lookahead draft's instead of them.
             low_bit = None
-            if self.draft and not self.on_disk:  # (on disk, the pack holds the draft's)
+            if self.draft and not self.from_tier:  # (on disk, the pack holds the draft's)
                 packed = packed if int4_copies.keeps_packed(packed) else self._int4_copies(packed)
             elif packed is None and self.layer.engine.config.miss_policy_spec.low_bit:
                 low_bit = self._int4_copies(None)
@@ -164,11 +157,9 @@ class SlowTier:
             if hasattr(layer, name)
         }
         form = functools.partial(runtime_form, layer)
-        experts: dict[str, torch.Tensor] | DiskExperts | MappedExperts | HostCachedExperts
-        if self.on_disk and self.draft:
-            experts, decoder = self._draft_experts_on_disk(form, slot_shapes)
-        elif self.on_disk:
-            experts, decoder = self._experts_on_disk(slot_shapes), None
+        experts: dict[str, torch.Tensor] | ExpertSource
+        if self.from_tier:
+            experts, decoder = self._experts_from_tier(form, slot_shapes)
         elif packed is None:
             experts = {name: getattr(layer, name).data for name in slot_shapes}
             decoder = None
@@ -199,63 +190,27 @@ class SlowTier:
             for name, tensor in added.experts.tensors.items():
                 getattr(layer, name).data = tensor
 
-    def _experts_on_disk(
-        self, slot_shapes: SlotShapes
-    ) -> DiskExperts | MappedExperts | HostCachedExperts:
-        """The layer's experts in the engine's pack, refused unless they are what its
-        kernel reads; on CUDA read through pinned host rows, sized at the first layer
-        (once vLLM's settings and the MoE layers are known)."""
-        layer, engine = self.layer, self.layer.engine
-        disk = engine.store.tier(Disk.name)
-        assert isinstance(disk, Disk)  # (opened with the engine when the config has one)
-        if engine.device.type == "cuda" and disk.host_cache is None:
-            fit = size_host_cache(
-                engine.config, engine.budget.sizing, disk.layer(layer.layer_name), layer.top_k
-            )
-            disk.host_cache = HostCache(fit.slots_per_layer, pinned=True)
-        experts = disk.layer(layer.layer_name)
-        check_pack_form(layer, experts, slot_shapes, layer.checkpoint, engine.unreadable)
-        return experts
-
-    def _draft_experts_on_disk(
+    def _experts_from_tier(
         self, form: Any, slot_shapes: SlotShapes
-    ) -> tuple[DiskExperts | MappedExperts | HostCachedExperts, PackedDecoder | None]:
-        """The draft's INT4 experts in the target's pack: read straight into its slots
-        where it computes them packed, else through its host rows
-        (``lookahead.draft_cache``, made at its first layer) and decoded; refused if the
-        pack holds them in another layout than this build's."""
+    ) -> tuple[ExpertSource, PackedDecoder | None]:
+        """The layer's experts in the slow tier that serves them: through the tier's
+        adapter where it has one (:data:`TIER_LAYERS`), else as the tier gives them."""
         layer = self.layer
-        target = target_of(layer.engine)
-        disk = target.store.tier(Disk.name)
-        assert isinstance(disk, Disk)  # (the target's, opened with its engine)
-        moe = layer.moe_config
-        hidden, intermediate = moe.hidden_dim, moe.intermediate_size_per_partition
-        record = disk.record_of(layer.layer_name)
-        dtype = layer.w13_weight.dtype
-        checkpoint = [
-            ("w13_weight", (2 * intermediate, hidden), dtype),
-            ("w2_weight", (hidden, intermediate), dtype),
-        ]
-        form_specs = int4_copies.Int4DraftForm(dtype).specs(checkpoint)
-        want = {name: (list(shape), DTYPE_NAMES[d]) for name, shape, d in form_specs}
-        have = {t.name: (t.shape, t.dtype) for t in record.tensors}
-        if have != want:
+        engine = target_of(layer.engine) if self.draft else layer.engine
+        tier = engine.store.tiers[0]
+        adapter = TIER_LAYERS.get(tier.name)
+        if adapter is not None:
+            return adapter(layer, tier, form, slot_shapes, self.draft, self.draft_packed)
+        if self.draft:
             raise SpecExpertConfigError(
-                "disk.path",
-                f"{disk.pack.path}: the draft's experts of {layer.layer_name} are {have}, "
-                f"this build's INT4 draft reads {want}",
-                f"`specexpert pack {layer.checkpoint} --out {disk.pack.path} --draft` writes "
-                "them again",
+                "lookahead",
+                f"the draft's INT4 experts are read from a disk pack, and {tier.name} holds none",
+                "remove lookahead, or serve the experts from a disk pack",
             )
-        if self.draft_packed:  # (its slots are its cache: read into them, no rows)
-            return disk.layer(layer.layer_name), None
-        num_experts, top_k = layer.global_num_experts, layer.top_k
-        parameters = low_bit_parameters(layer.layer_name, num_experts, hidden, intermediate)
-        decoder = PackedDecoder(parameters, form, slot_shapes)
-        if disk.draft_cache is None:
-            plan = target.budget.current
-            assert plan is not None  # (the target's layers were equipped first)
-            target_slots = plan.slots(num_experts, top_k)
-            rows = target.config.draft_cache_rows(num_experts, top_k, target_slots)
-            disk.draft_cache = HostCache(rows, pinned=False)
-        return disk.layer(layer.layer_name, decoder), decoder
+        return tier.layer(layer.layer_name), None
+
+
+TIER_LAYERS: dict[str, disk_layers.TierLayer] = {disk_layers.TIER: disk_layers.experts}
+"""Slow tier -> how the adapter reads a layer's experts from it, where the tier needs
+more of vLLM's layer than its name (checks against the kernel, CUDA host rows, the
+draft's regions)."""

@@ -9,34 +9,13 @@ map. Its stats section in the engine's stats is its :attr:`~SlowTier.name`."""
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.tiers.store import ExpertSource
+from vllm_specexpert.tiers.store import SlowTier
 
 REGISTRY = ("disk",)
 """The slow tiers' modules under ``tiers/``: the first that a config turns on serves."""
-
-
-class SlowTier(Protocol):
-    """An open slow tier: where its layers' experts are read from."""
-
-    name: ClassVar[str]
-    """Its section in the engine's stats (its config section, if it has one)."""
-
-    def layer(self, name: str) -> ExpertSource:
-        """Layer ``name``'s experts (a config error if the tier has none of it)."""
-        ...
-
-    def where(self) -> str:
-        """Where the experts are, for the start line."""
-        ...
-
-    def stats_dict(self) -> dict: ...
-
-    def reset_stats(self) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class SlowTierClass(Protocol):
@@ -49,8 +28,8 @@ class SlowTierClass(Protocol):
         ...
 
     @classmethod
-    def open(cls, config: SpecExpertConfig, model: str) -> Any:
-        """The tier, open (a :class:`SlowTier`); called only where :meth:`configured`."""
+    def open(cls, config: SpecExpertConfig, model: str) -> SlowTier:
+        """The tier, open; called only where :meth:`configured`."""
         ...
 
 

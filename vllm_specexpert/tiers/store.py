@@ -219,12 +219,20 @@ def stage(
         destinations[key].index_copy_(0, index, tensor)
 
 
-class OpenTier(Protocol):
-    """An open slow tier as the store sees it (:class:`~.slow_tiers.SlowTier`)."""
+class SlowTier(Protocol):
+    """An open slow tier: where its layers' experts are read from (its class is
+    registered in :mod:`.slow_tiers`)."""
 
     name: ClassVar[str]
+    """Its section in the engine's stats (its config section, if it has one)."""
 
-    def where(self) -> str: ...
+    def layer(self, name: str) -> ExpertSource:
+        """Layer ``name``'s experts (a config error if the tier has none of it)."""
+        ...
+
+    def where(self) -> str:
+        """Where the experts are, for the start line."""
+        ...
 
     def stats_dict(self) -> dict: ...
 
@@ -316,7 +324,7 @@ class ExpertStore:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self.layers: dict[str, ExpertSource] = {}
-        self.tiers: list[OpenTier] = []
+        self.tiers: list[SlowTier] = []
         """The open slow tiers the layers' experts are read from (none: the host's
         tensors), opened by the adapter (:mod:`.slow_tiers`)."""
 
@@ -357,7 +365,7 @@ class ExpertStore:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers.values())
 
-    def tier(self, name: str) -> OpenTier | None:
+    def tier(self, name: str) -> SlowTier | None:
         """The open slow tier ``name``, if it is open."""
         return next((tier for tier in self.tiers if tier.name == name), None)
 
