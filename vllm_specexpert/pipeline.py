@@ -266,9 +266,10 @@ class LayerPipeline:
         self._route = [stage.run for stage in stages["route"]]
         self._plan = [stage.run for stage in stages["plan"]]
         self._finish = [stage.run for stage in stages["finish"]]
-        self._staged = bool(self._route or self._plan or self._finish or exact_checks or wrapped)
-        """Whether a decode call is a :class:`DecodeCall` (some stage or wrapper takes
-        one); else the runner gets the request as it is."""
+        staged = bool(self._route or self._plan or self._finish or exact_checks or wrapped)
+        self._decode = self._decode_staged if staged else self._decode_bare
+        """A decode call as a :class:`DecodeCall` where some stage or wrapper takes one;
+        else the runner gets the request as it is (chosen here, not per call)."""
         self._reads_ids = reads_ids
         """Whether the runner needs the ids on the host (not to launch on them as
         they are)."""
@@ -326,11 +327,12 @@ class LayerPipeline:
             (request.host_ids,) = self.reader.read([request.topk_ids])
         return request
 
-    def _decode(self, request: LayerCall) -> torch.Tensor:
-        stats = self.layer.stats.decode
-        if not self._staged:
-            return self.decode_runner(None, self._taken(request, stats))
-        call = DecodeCall(self.layer, request, stats.count_call(request.x.shape[0]))
+    def _decode_bare(self, request: LayerCall) -> torch.Tensor:
+        return self.decode_runner(None, self._taken(request, self.layer.stats.decode))
+
+    def _decode_staged(self, request: LayerCall) -> torch.Tensor:
+        stats = self.layer.stats.decode.count_call(request.x.shape[0])
+        call = DecodeCall(self.layer, request, stats)
         call.exact = any(check(call.num_tokens) for check in self.exact_checks)
         for stage in self._route:
             stage(call)
