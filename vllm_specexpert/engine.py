@@ -170,13 +170,12 @@ class OffloadEngine:
         every expert in the slot of its id is composed again."""
         layer.cache.identity_lost = functools.partial(self._compose, layer)
         running = self.features
-        base = EngineFeature
         composed = pipeline.compose(
             layer,
             self.miss_policy,
             [stage for f in running for stage in f.stages(layer)],
             [wrap for f in running if (wrap := f.wrap_run(layer)) is not None],
-            [f.forces_exact for f in running if type(f).forces_exact is not base.forces_exact],
+            [check for f in running if (check := f.exact_check()) is not None],
             self.reader,
             self.unreadable,
         )

@@ -205,6 +205,9 @@ Runner = Callable[[DecodeCall | None, LayerCall], torch.Tensor]
 """The run step: (the decode call, or ``None`` for prompt rows; what to run) -> the
 routed experts' output."""
 
+ExactCheck = Callable[[int], bool]
+"""Whether a decode call of so many tokens must run exactly now (:attr:`DecodeCall.exact`)."""
+
 RunWrapper = Callable[[Runner, Runner], Runner]
 """A feature's wrap of the run step: (the mode's runner, the exact one) -> the runner."""
 
@@ -249,7 +252,7 @@ class LayerPipeline:
         stages: dict[Step, list[Stage]],
         decode: Runner,
         prefill: Runner,
-        exact_checks: list[Callable[[int], bool]],
+        exact_checks: list[ExactCheck],
         reader: HostReader,
         unreadable: UnreadableRows,
         wrapped: bool = False,
@@ -351,7 +354,7 @@ def compose(
     policy: MissPolicy,
     stages: Sequence[Stage],
     wrappers: Sequence[RunWrapper],
-    exact_checks: list[Callable[[int], bool]],
+    exact_checks: list[ExactCheck],
     reader: HostReader,
     unreadable: UnreadableRows,
 ) -> LayerPipeline:

@@ -91,7 +91,7 @@ def routing_without_router(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``router_free``: the routing a decode-only pass of ``tokens`` tokens at ``layer``
     runs without calling its router, or ``None``: call the router."""
-    if any(f.forces_exact(tokens) for f in running):
+    if any(check(tokens) for f in running if (check := f.exact_check()) is not None):
         return None
     routings = (f.routing_for(layer, tokens) for f in running)
     return next((routing for routing in routings if routing is not None), None)

@@ -10,7 +10,7 @@ declares the inputs it is built from (:attr:`EngineFeature.inputs`).
 A layer's call is a pipeline (:mod:`vllm_specexpert.pipeline`) composed once per layer
 from what the features give it: their :meth:`~EngineFeature.stages` (each declaring the
 typed values of the call it makes and uses), a wrap of the run step
-(:meth:`~EngineFeature.wrap_run`) and :meth:`~EngineFeature.forces_exact`. A call passes
+(:meth:`~EngineFeature.wrap_run`) and :meth:`~EngineFeature.exact_check`. A call passes
 through no feature that gave it nothing.
 """
 
@@ -26,7 +26,7 @@ import torch
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import RunWrapper, Stage
+from vllm_specexpert.pipeline import ExactCheck, RunWrapper, Stage
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import Series
 from vllm_specexpert.tiers.link import Link
@@ -93,9 +93,10 @@ class EngineFeature:
         the mesh sends its peers' experts to them first)."""
         return policy
 
-    def forces_exact(self, num_tokens: int) -> bool:
-        """Whether a decode call of ``num_tokens`` tokens must run exactly now."""
-        return False
+    def exact_check(self) -> ExactCheck | None:
+        """What tells whether a decode call of some tokens must run exactly now, if this
+        feature can demand it."""
+        return None
 
     def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
         """What it adds to the layer's pipeline (composed when the layer is equipped and

@@ -14,7 +14,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import DecodeCall, Runner, RunWrapper
+from vllm_specexpert.pipeline import DecodeCall, ExactCheck, Runner, RunWrapper
 from vllm_specexpert.quality import QualityMonitor
 from vllm_specexpert.stats import Series, metric_name
 from vllm_specexpert.tiers.staging import upload
@@ -60,8 +60,8 @@ class QualityFeature(EngineFeature):
             "recomputed exactly; exact while over)"
         )
 
-    def forces_exact(self, num_tokens: int) -> bool:
-        return self.monitor.exact_for(num_tokens)
+    def exact_check(self) -> ExactCheck:
+        return self.monitor.exact_for
 
     def wrap_run(self, layer: OffloadedLayer) -> RunWrapper | None:
         def wrap(mode: Runner, exact: Runner) -> Runner:
