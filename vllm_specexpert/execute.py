@@ -203,7 +203,8 @@ def launch_resident(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
     stats.requests += distinct
     stats.hits += distinct
     stats.kernel_calls += 1
-    if (hook := call.take_before_kernel()) is not None:
+    if (hook := call.before_kernel) is not None:  # (take_before_kernel, inline: hot)
+        call.before_kernel = None
         hook()
     routing = loader.cache.kernel_routing(ids, None)
     started = time.perf_counter()

@@ -331,7 +331,13 @@ class LayerPipeline:
         return request
 
     def _decode_bare(self, request: LayerCall) -> torch.Tensor:
-        return self.decode_runner(None, self._taken(request, self.layer.stats.decode))
+        # (_taken, inline: this is the resident path, whose cost is the plugin's overhead)
+        stats = request.stats = self.layer.stats.decode
+        stats.calls += 1
+        stats.tokens += request.x.shape[0]
+        if self._reads_ids:
+            (request.host_ids,) = self.reader.read([request.topk_ids])
+        return self.decode_runner(None, request)
 
     def _decode_staged(self, request: LayerCall) -> torch.Tensor:
         stats = self.layer.stats.decode.count_call(request.x.shape[0])
