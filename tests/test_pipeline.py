@@ -38,5 +38,7 @@ def test_a_cycle_is_refused_naming_its_stages():
 def test_a_stage_names_only_values_of_a_call_and_known_steps():
     with pytest.raises(ValueError, match="'predicted'"):
         stage("typo", uses={"predicted"})
+    with pytest.raises(ValueError, match="'_reads'"):  # (the call's own bookkeeping)
+        stage("private", makes={"_reads"})
     with pytest.raises(ValueError, match="step 'resolve'"):
         Stage("old", "resolve", noop)  # type: ignore[arg-type]

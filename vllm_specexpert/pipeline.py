@@ -147,7 +147,9 @@ class DecodeCall:
 
 
 CALL_VALUES = frozenset(
-    f.name for f in dataclasses.fields(DecodeCall) if f.name not in ("layer", "request", "stats")
+    f.name
+    for f in dataclasses.fields(DecodeCall)
+    if f.name not in ("layer", "request", "stats") and not f.name.startswith("_")
 )
 """The values a stage may declare it makes or uses."""
 
