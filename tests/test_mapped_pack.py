@@ -31,7 +31,7 @@ from vllm_specexpert.tiers.pack_writer import write_pack
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(2)]
 LAYERS = {name: random_layer(hidden=64, inter=32, seed=i) for i, name in enumerate(NAMES)}
 """Each expert's w13 8 KiB and w2 4 KiB: whole pages."""
-MAPPED = {"budget": 0.25, "disk": {"path": "unused", "residency": "mapped"}}
+MAPPED = {"disk": {"path": "unused", "residency": "mapped"}}
 
 
 def toy_pack(out) -> ExpertPack:
@@ -51,13 +51,21 @@ def pack(tmp_path) -> ExpertPack:
     return toy_pack(tmp_path / "pack")
 
 
-@pytest.fixture
-def engine(pack):
+def mapped_engine(pack: ExpertPack, pool_reach: int | None = None) -> OffloadEngine:
+    """An engine over :data:`NAMES` on ``pack``'s mapping, not started."""
     engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
+    engine.budget.sizing.moe_layers = len(NAMES)  # (what vLLM's adapter counts)
     engine.store.tiers.append(Disk(pack, depth=2, mapped=True))
     assert engine.store.tier("disk").mapping is not None, engine.store.tier("disk").mapping_refused
     for index, name in enumerate(NAMES):
-        engine.add_layer(name, engine.store.tier("disk").layer(name), top_k=4, index=index)
+        experts = engine.store.tier("disk").layer(name)
+        engine.add_layer(name, experts, top_k=4, index=index, pool_reach=pool_reach)
+    return engine
+
+
+@pytest.fixture
+def engine(pack):
+    engine = mapped_engine(pack)
     engine.start()
     yield engine
     engine.close()
@@ -252,6 +260,81 @@ def test_a_pack_written_to_under_the_engine_never_serves_what_it_did_not_check(e
     assert engine.stats()["disk"]["writes_seen"] == 2
 
 
+IDLE_ENGINE = r"""
+import sys
+from vllm_specexpert.tiers.disk import Disk
+from vllm_specexpert.tiers.expert_pack import ExpertPack
+disk = Disk(ExpertPack(sys.argv[1]), depth=1, mapped=True)
+assert disk.mapping is not None, disk.mapping_refused
+print("held", flush=True)
+sys.stdin.read()  # (idle: it never calls; it ends when the test closes its stdin)
+disk.close()
+"""
+
+OUTAGE_S = 2.0
+"""What a writer that opens the pack and closes it at once may cost a busy engine: the
+issue's bound. The kernel's lease-break-time (45 s by default) is what it cost before
+each holder let go by itself."""
+
+
+def test_a_writer_stops_a_busy_engine_only_while_it_holds_the_file(engine, pack):
+    # Issue 73 (3): two holders of the lease, this busy engine and an idle one in another
+    # process; a writer opens the pack and closes it at once. Every holder lets go within
+    # its watcher's interval, so the writer waits that long, not the break time, and the
+    # busy engine fails calls only while the writer holds the file.
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    idle = subprocess.Popen(
+        [sys.executable, "-c", IDLE_ENGINE, str(pack.path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert idle.stdout.readline().strip() == "held"
+        name = NAMES[0]
+        x, w, _ = random_routing(2, 16, 4, hidden=64, seed=7)
+        ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+        exact = reference_moe(x, w, ids, *LAYERS[name].values())
+        assert torch.equal(call(engine, name, x, w, ids, PassPhases.decode_only(2)), exact)
+        timings: dict[str, float] = {}
+
+        def write() -> None:
+            started = time.monotonic()
+            OtherWriter(pack.path / RECORDS_FILE).close()  # (opens, writes nothing, closes)
+            timings["writer_s"] = time.monotonic() - started
+
+        writer = threading.Thread(target=write)
+        started = time.monotonic()
+        writer.start()
+        failed_at = []
+        deadline = started + 60
+        while time.monotonic() < deadline:
+            done = not writer.is_alive()  # (read before the call: a later success counts)
+            out = call(engine, name, x, w, ids, PassPhases.decode_only(2))
+            if engine.unreadable.take():
+                failed_at.append(time.monotonic() - started)
+            else:
+                assert torch.equal(out, exact)
+                if done:
+                    break
+            time.sleep(0.02)
+        writer.join()
+        outage = failed_at[-1] - failed_at[0] if failed_at else 0.0
+        print(
+            f"writer's open and close {timings['writer_s']:.2f} s; calls failed for {outage:.2f} s"
+        )
+        assert timings["writer_s"] < OUTAGE_S
+        assert outage < OUTAGE_S
+        assert engine.stats()["disk"]["writes_seen"] == 1
+    finally:
+        idle.stdin.close()
+        assert idle.wait(timeout=60) == 0
+
+
 def test_a_writer_that_comes_while_a_launch_reads_fails_the_launch(engine, pack):
     # The writer's open waits until the engine asks, after the kernel: the launch read
     # pages no one could write, yet the writer may write from then on, so the call's
@@ -313,10 +396,7 @@ def test_a_pack_open_for_writing_at_the_start_is_not_mapped(pack):
 def test_a_pack_changed_before_the_start_fails_the_rows_that_need_what_changed(pack):
     name = NAMES[0]
     overwrite(pack, name, [5], tensor=0)  # (sizes and manifest as they were)
-    engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
-    engine.store.tiers.append(Disk(pack, depth=2, mapped=True))
-    for index, layer in enumerate(NAMES):
-        engine.add_layer(layer, engine.store.tier("disk").layer(layer), top_k=4, index=index)
+    engine = mapped_engine(pack)
     engine.start()
     try:
         x, w, _ = random_routing(2, 16, 4, hidden=64, seed=3)
@@ -359,6 +439,35 @@ def test_pages_read_in_again_are_checked_again(engine, pack, monkeypatch):
     assert engine.stats()["disk"]["failed"] == 1
 
 
+def test_a_pack_where_a_lease_cannot_see_every_writer_is_not_mapped(pack, tmp_path):
+    # Issue 73 (5): on FUSE the kernel grants the lease, and a write to the daemon's
+    # source file breaks none (tried: the lease stayed held); such a pack runs on the
+    # slots, which check every read, and the start line says why.
+    from faulty_fs import mount_or_reason
+
+    from vllm_specexpert.tiers.pack_lease import LOCAL_FILESYSTEMS, filesystem_of
+
+    fd = os.open(pack.path / RECORDS_FILE, os.O_RDONLY)
+    try:  # (the test machine's own filesystem is one a lease sees through)
+        local = filesystem_of(fd)[0] in LOCAL_FILESYSTEMS
+    finally:
+        os.close(fd)
+    assert local, "the pack's filesystem here is not one the mapped residency trusts"
+    mount = mount_or_reason(pack.path, tmp_path / "mount")
+    if isinstance(mount, str):
+        pytest.skip(f"{mount}: the refusal on FUSE is not checked")
+    try:
+        disk = Disk(ExpertPack(mount.mountpoint), depth=2, mapped=True)
+        try:
+            assert disk.mapping is None
+            assert "fuse filesystem" in disk.mapping_refused
+            assert "mapping refused" in disk.where() and "fuse" in disk.where()
+        finally:
+            disk.close()
+    finally:
+        mount.close()
+
+
 def test_a_refused_mapping_falls_back_to_the_slots_and_says_so(pack, monkeypatch):
     def refuse(address, length, advice):
         return -1
@@ -382,6 +491,23 @@ def test_what_has_no_miss_to_decide_on_is_refused_with_the_mapped_residency():
         {**MAPPED, "disk": {"path": "unused", "residency": "slots"}, **setting}
     )  # (with the slots it combines)
     assert SpecExpertConfig.from_dict({**MAPPED, "predictor": "router"}).predictor == "router"
+
+
+@pytest.mark.parametrize("setting", [{"budget": 0.25}, {"cache": "lfu"}], ids=str)
+def test_a_setting_the_mapped_residency_does_not_use_is_refused_at_start_and_reconfigure(
+    setting,
+):
+    # Issue 73 (4): both used to be accepted and ignored (the page cache decides).
+    (key,) = setting
+    with pytest.raises(SpecExpertConfigError, match=r"disk\.residency 'mapped'") as error:
+        SpecExpertConfig.from_dict({**MAPPED, **setting})
+    assert error.value.field_name == key and "'slots'" in error.value.fix
+    running = SpecExpertConfig.from_dict(MAPPED)
+    with pytest.raises(SpecExpertConfigError) as error:
+        running.changed(setting)
+    assert error.value.field_name == key
+    slots = {"disk": {"path": "unused", "residency": "slots"}}
+    SpecExpertConfig.from_dict({**slots, **setting})  # (the slots use it)
 
 
 def test_a_prefetch_reads_the_pages_ahead_and_the_launch_then_waits_for_none(engine, pack):
@@ -409,11 +535,7 @@ def test_a_prefetch_reads_the_pages_ahead_and_the_launch_then_waits_for_none(eng
 def test_a_layer_past_the_kernels_reach_is_refused_with_the_mapped_residency(pack):
     # The kernel runs on a layer's whole region: 16 experts of w13 [64, 64] are 65536
     # elements, past a reach of 60000 (vLLM's CPU kernel's is 2^31 - 1).
-    engine = OffloadEngine(SpecExpertConfig.from_dict(MAPPED), torch.device("cpu"))
-    engine.store.tiers.append(Disk(pack, depth=2, mapped=True))
-    for index, name in enumerate(NAMES):
-        experts = engine.store.tier("disk").layer(name)
-        engine.add_layer(name, experts, top_k=4, index=index, pool_reach=60000)
+    engine = mapped_engine(pack, pool_reach=60000)
     with pytest.raises(
         SpecExpertConfigError, match=r"65,536 elements .*use disk\.residency 'slots'"
     ) as error:

@@ -82,8 +82,10 @@ def test_the_sampled_other_result_is_fetchs_or_the_modes(engine_of, over_budget)
 
 
 def monitor_of(window: int = 8, budget: float = 0.25, **config) -> QualityMonitor:
-    """A monitor judging flips only, one batch class unless ``batch_classes`` is given."""
-    config = {"max_accuracy_loss": None, "batch_classes": (), **config}
+    """A monitor judging flips only, one batch class unless ``batch_classes`` is given,
+    on the point estimate unless ``confidence`` is given (the switching's mechanics;
+    the bounds: ``test_the_budget_judges_an_upper_bound_*``)."""
+    config = {"max_accuracy_loss": None, "batch_classes": (), "confidence": 0.5, **config}
     return QualityMonitor(
         QualityConfig(max_top1_flip=budget, sample=1.0, window=window, **config),
         identity_head(),
@@ -229,6 +231,61 @@ def test_a_window_that_cannot_end_under_budget_is_judged_at_once():
     assert not monitor.exact_for(8)
 
 
+def test_the_budget_judges_an_upper_bound_of_the_flip_rate():
+    # Issue 73 (7): 2 flips of 8 sit at a 0.25 limit; at 90 % confidence the window may
+    # hide a higher rate, and it is over budget; 0 flips of 8 is not.
+    point, bounded = monitor_of(budget=0.25), monitor_of(budget=0.25, confidence=0.9)
+    for monitor in (point, bounded):
+        one_pass(monitor, flips=2)
+        one_pass(monitor, flips=0)
+    assert not point.exact_for(4) and bounded.exact_for(4)
+    window = bounded.budget.classes[0].last_window
+    assert window.flip_rate == 0.25
+    # Wilson's score bound: at z = 1.2816, n = 8, p = 0.25 (worked by hand).
+    z = 1.2815516
+    wilson = (0.25 + z**2 / 16 + z * (0.25 * 0.75 / 8 + z**2 / 256) ** 0.5) / (1 + z**2 / 8)
+    assert window.flip_rate_bound(z) == pytest.approx(wilson) and wilson > 0.4
+    batch = bounded.stats()["batches"]["1+"]
+    assert batch["last_window_flip_rate_bound"] == pytest.approx(wilson, rel=1e-6)
+    assert batch["last_window_flip_rate"] == 0.25
+    clean = monitor_of(budget=0.25, confidence=0.9)
+    for _ in range(2):
+        one_pass(clean, flips=0)
+    assert not clean.exact_for(4) and clean.budget.classes[0].last_window is not None
+
+
+def test_the_budget_judges_an_upper_bound_of_the_accuracy_loss():
+    # Issue 73 (7): the ratio estimator's bound, from the window's sums, against the
+    # same bound computed from the tokens' own figures (a test's arithmetic, not the
+    # code's: the variance of loss - share * confidence over the tokens).
+    from vllm_specexpert.quality.budget import Judged
+
+    losses = [0.0, 0.0, 0.3, 0.0, 0.05, 0.0, 0.0, 0.1]
+    confidences = [0.9, 0.5, 0.6, 0.8, 0.4, 0.7, 0.95, 0.5]
+    window = Judged()
+    for loss, confidence in zip(losses, confidences, strict=True):
+        window.add(
+            Judged(1, int(loss > 0), loss, confidence, loss**2, confidence**2, loss * confidence)
+        )
+    share = sum(losses) / sum(confidences)
+    residuals = [x - share * y for x, y in zip(losses, confidences, strict=True)]
+    variance = sum(r * r for r in residuals) / (len(losses) - 1)
+    z = 1.6448536
+    expected = share + z * (len(losses) * variance) ** 0.5 / sum(confidences)
+    assert window.accuracy_loss_share == pytest.approx(share)
+    assert window.accuracy_loss_bound(z) == pytest.approx(expected)
+    assert window.accuracy_loss_bound(0.0) == pytest.approx(share)
+    # Judged by it: under a limit between the two, over at 95 %, under at 50 %.
+    limit = (share + expected) / 2
+    for confidence, over in ((0.95, True), (0.5, False)):
+        monitor = QualityMonitor(
+            QualityConfig(max_accuracy_loss=limit, confidence=confidence, window=8),
+            identity_head(),
+            0,
+        )
+        assert (monitor.budget.over_budget(window) is not None) == over, confidence
+
+
 def test_kl_is_of_the_exact_distribution_against_the_approximate_one():
     monitor = monitor_of(window=100)
     one_pass(monitor, flips=3)
@@ -269,9 +326,13 @@ def test_quality_needs_a_mode_that_changes_the_output(policy):
     # cpu and auto are equivalent (other rounding only): not in the error's own list of
     # budgetable modes, and once accepted.
     with pytest.raises(SpecExpertConfigError) as error:
-        SpecExpertConfig.from_dict({"miss_policy": policy, "quality": {}})
+        SpecExpertConfig.from_dict({"miss_policy": policy, "quality": {"window": 50}})
     assert error.value.field_name == "quality" and policy in str(error.value)
     assert f"'{policy}'" not in error.value.fix
+    # The default budget (given or not) and null are no setting here: they wait for an
+    # approximate mode, or keep it unbudgeted.
+    for quality in ({}, None):
+        SpecExpertConfig.from_dict({"miss_policy": policy, "quality": quality})
 
 
 def test_quality_refuses_bad_sections_and_a_budget_where_nothing_misses():
@@ -306,4 +367,32 @@ def test_quality_cannot_be_turned_on_in_an_engine_started_without_it(engine_of):
     with pytest.raises(SpecExpertConfigError) as error:
         engine.reconfigure(engine.config.changed({"quality": {}}))
     assert error.value.field_name == "quality"
+    engine.close()
+    # Nor does the default budget reach an approximate mode there: the switch is refused
+    # (naming quality null, which runs it unbudgeted), the engine runs on as it was.
+    engine = engine_of({"budget": 0.25, "quality": {}}, head=False)
+    with pytest.raises(SpecExpertConfigError) as error:
+        engine.reconfigure(engine.config.changed({"miss_policy": "drop"}))
+    assert error.value.field_name == "quality" and "null" in error.value.fix
+    assert engine.config.miss_policy == "fetch"
+    engine.reconfigure(engine.config.changed({"miss_policy": "drop", "quality": None}))
+    assert engine.feature(QualityFeature) is None
+    engine.close()
+
+
+@pytest.mark.parametrize("start", ["fetch", "random"])
+def test_an_approximate_mode_reached_from_an_exact_one_runs_under_the_budget(engine_of, start):
+    """Issue 73 (1): the budget is built for every approximate mode the engine reaches,
+    whichever mode it started in, and only there (an exact mode runs no monitor)."""
+    approximate = {k: v for k, v in RANDOM.items() if k != "budget"}
+    started = {**RANDOM, "quality": {}} if start == "random" else {"budget": 0.25, "quality": {}}
+    engine = engine_of(started)
+    for _ in range(2):
+        for change, budgeted in (({"miss_policy": "fetch"}, False), (approximate, True)):
+            engine.reconfigure(engine.config.changed(change))
+            quality = engine.feature(QualityFeature)
+            assert (quality is not None) == budgeted, change
+            if budgeted:
+                assert quality.monitor.config == QualityConfig()
+                assert "quality budget" in engine.summary()
     engine.close()

@@ -31,8 +31,11 @@ QUALITY = {
     "sample": 1.0,
     "window": WINDOW,
     "batch_classes": [],
+    "confidence": 0.5,
 }
-"""Judged on flips, one batch class: every decode pass here has the 4 sequences."""
+"""Judged on flips, one batch class: every decode pass here has the 4 sequences; on the
+point estimate (:data:`BUDGET` lies between the point estimates of the two; the upper
+bounds are ``test_quality.py``'s)."""
 WHOLE = (("batch", "1+"),)
 SEQUENCES = len(PROMPTS)
 

@@ -36,12 +36,15 @@ def build_engine(
     """An engine on the CPU with ``layers`` (name -> expert tensors) added in order, at
     decoder-layer ``indices`` (default 0, 1, ...). Started unless ``start`` is False:
     what the vLLM adapter wires between the layers and the start (routing statistics,
-    a logit head, predictor inputs, peers, the next layer's router) is the caller's.
+    a logit head, predictor inputs, peers, the next layer's router) is the caller's;
+    so is the quality budget (a dict ``config`` without ``quality`` runs none).
     ``pool_reach``: the elements a slot tensor may hold (the expert kernel's reach).
     An engine that fails to be built (a layer refused, a failed start) is closed here:
     no caller gets it to close."""
     if not isinstance(config, SpecExpertConfig):
-        config = SpecExpertConfig.from_dict(config)
+        # A toy model has no final norm to tap (no logit head): no quality budget unless
+        # the test gives one (and then provides the head, as wiring a model does).
+        config = SpecExpertConfig.from_dict({"quality": None, **config})
     engine = OffloadEngine(config, torch.device("cpu"), reports=reports)
     engine.budget.sizing.moe_layers = len(layers)  # (vLLM's adapter counts them as it builds them)
     try:

@@ -144,25 +144,12 @@ def check_combination(config: Settings) -> None:
             f"use k <= {lookahead.k_max}, or raise k_max",
         )
     _check_mesh(config)
-    _check_quality(config)
     _check_disk(config)
     if config.token_scheduler is not None and config.path_predictor is None:
         raise SpecExpertConfigError(
             "path_predictor",
             "token_scheduler groups sequences by predicted route, and no path predictor is set",
             'run `specexpert train-path MODEL --out DIR` and set "path_predictor": "DIR"',
-        )
-
-
-def _check_quality(config: Settings) -> None:
-    if config.quality is None:
-        return
-    if config.mesh is not None:
-        raise SpecExpertConfigError(
-            "quality",
-            "does not combine with mesh yet (no_stop's rows leave before the "
-            "exact result could be sampled)",
-            "remove one of the two",
         )
 
 
@@ -279,6 +266,16 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
         if given(key):
             raise SpecExpertConfigError(key, f"has no effect {what}", fix)
 
+    if config.disk is not None and config.disk.residency == "mapped":
+        for key in ("budget", "cache"):
+            needs(
+                key,
+                "with disk.residency 'mapped' (the kernel addresses every expert in the "
+                "mapping and the page cache decides what stays in memory: there is no slot "
+                "to size or keep; should the mapping be refused at start, the slots it falls "
+                "back to are sized by budget 'auto' and kept by cache 'lru')",
+                "remove it, or use disk.residency 'slots'",
+            )
     if config.budget == "auto":
         needs(
             "allow_budget_beyond_memory",
@@ -355,11 +352,12 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
         )
     if config.stats_path is None:
         needs("stats_interval_s", "without stats_path", "set stats_path, or remove it")
-    if config.miss_policy_spec.output != "approximate":
+    if config.output != "approximate" and config.quality is not None:
+        # (``null`` is no setting of a budget: it keeps the next approximate mode unbudgeted)
         needs(
             "quality",
-            f"under miss_policy '{config.miss_policy}', which is "
-            f"{config.miss_policy_spec.output} (there is nothing to budget)",
+            f"under miss_policy '{config.miss_policy}', which is {config.output} "
+            "(there is nothing to budget; the default budget waits for an approximate mode)",
             "remove quality, or use a miss_policy that changes the output "
             f"({_policies_with_output('approximate')})",
         )

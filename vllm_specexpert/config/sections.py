@@ -396,6 +396,14 @@ class QualityConfig:
     experts), so it may run exactly at some sizes and approximately at others.
     ``[]``: one class, the whole engine. Strictly increasing, at most 8."""
 
+    confidence: Annotated[Number, Field(ge=0.5, lt=1)] = 0.9
+    """One-sided confidence with which a window is held under the limits: the budget
+    judges the upper bound of each figure at this confidence, not its point estimate
+    (the accuracy loss: a ratio estimator's normal bound over the window's sampled
+    tokens; the flip rate: Wilson's bound), so that a mode whose true loss is at the
+    limit runs on at most ``1 - confidence`` of its windows. 0.5: the point estimate.
+    Range: [0.5, 1)."""
+
     seed: Annotated[Count, Field(ge=0)] = 0
     """Seed of the token sampling (runs are repeatable)."""
 

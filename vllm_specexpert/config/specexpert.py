@@ -201,12 +201,14 @@ class SpecExpertConfig:
     """Experts across machines on Ray (see :class:`MeshConfig`; ``{}`` for its
     defaults). ``None`` (default): no peers."""
 
-    quality: QualityConfig | None = None
-    """A quality budget for a mode that changes the output (see :class:`QualityConfig`;
-    ``{}`` for its defaults). Not given, an engine started in an approximate mode gets
-    the defaults (at most 2 % of next-token accuracy lost; :meth:`from_additional_config`),
-    where the budget combines (not with ``mesh``); ``None`` (given): off, warned about at
-    start."""
+    quality: QualityConfig | None = Field(default_factory=QualityConfig)
+    """The quality budget every mode that changes the output runs under, however it was
+    reached (at start, by ``reconfigure`` from any mode, after a restart): see
+    :class:`QualityConfig`; by default at most 2 % of next-token accuracy lost. Under an
+    exact or equivalent mode it waits, unused, for the next approximate one (a setting
+    other than the defaults is refused there: it would do nothing now). ``None`` (given):
+    no budget, until ``reconfigure`` sets one; warned about at start and at every switch
+    into an approximate mode."""
 
     disk: DiskConfig | None = None
     """The disk tier (see :class:`DiskConfig`; ``{"path": DIR}``). ``None`` (default):
@@ -267,9 +269,10 @@ class SpecExpertConfig:
                 'pass e.g. {"specexpert": {"budget": 0.5}} ({} for the defaults)',
             )
         raw = dict(raw)
-        for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh", "quality", "disk"):
+        for key in ("token_scheduler", "link", "buddy", "lookahead", "mesh", "disk"):
             if key in raw and raw[key] is None:
                 del raw[key]  # null: the defaults (the optional sections: off)
+        # (``quality: null`` is kept: it turns off a budget that is on by default)
         if "lookahead" in raw and "cache" not in raw:
             # The draft's routes are the step's demand: PLEC plans the pool by it (the
             # default LRU moved 15 % fewer bytes than without a draft, PLEC 60 %).
@@ -282,6 +285,7 @@ class SpecExpertConfig:
             raise SpecExpertConfigError(
                 ADDITIONAL_CONFIG_KEY, str(error), "give each section as a JSON object"
             ) from None
+        _refuse_huge_ints(raw)  # (what the schema took: its own errors say more)
         check_combination(config)
         check_effect(config, set(raw) if explicit is None else explicit)
         return config
@@ -332,13 +336,7 @@ class SpecExpertConfig:
             return None
         if ADDITIONAL_CONFIG_KEY not in additional_config:
             return None
-        raw = additional_config[ADDITIONAL_CONFIG_KEY]
-        config = cls.from_dict(raw)
-        if "quality" not in raw and config.output == "approximate" and config.mesh is None:
-            # An approximate mode keeps its promise without being asked (a mesh's rows
-            # leave before the exact result could be sampled: no budget there yet).
-            config = cls.from_dict({**raw, "quality": {}})
-        return config
+        return cls.from_dict(additional_config[ADDITIONAL_CONFIG_KEY])
 
     @property
     def unbudgeted(self) -> str | None:
@@ -351,13 +349,9 @@ class SpecExpertConfig:
             if self.mesh is not None and self.miss_policy_spec.output != "approximate"
             else f"miss_policy '{self.miss_policy}'"
         )
-        why = (
-            "the budget does not combine with mesh yet"
-            if self.mesh is not None
-            else "quality is null"
-        )
         return (
-            f"{mode} changes the output and runs without a quality budget ({why}): "
+            f"{mode} changes the output and runs without a quality budget (quality is "
+            "null): "
             "nothing holds it to 98 % of exact accuracy (without one the embedded model "
             "kept 0.970 under speculate, 0.927 under mesh no_stop; docs/benchmarks.md)"
         )
@@ -372,11 +366,8 @@ class SpecExpertConfig:
         64 bits), is refused before it is sent. What depends on the other settings is
         checked by the workers (:meth:`changed`)."""
         names = {f.name for f in dataclasses.fields(cls)}
+        _refuse_huge_ints(changes)
         for key, value in changes.items():
-            if _has_huge_int(value):
-                raise SpecExpertConfigError(
-                    key, "holds an integer past 64 bits", "give a value in the field's range"
-                )
             if key not in names:
                 continue  # (the workers name an unknown key, with the closest known one)
             try:
@@ -435,10 +426,11 @@ class SpecExpertConfig:
         if budget is None and slots is not None:
             # The target's plan counted them (each of its slots brought one): not
             # checked against what is free after it.
-            return SpecExpertConfig(budget=slots, allow_budget_beyond_memory=True)
+            return SpecExpertConfig(budget=slots, allow_budget_beyond_memory=True, quality=None)
         if budget is None:  # (under disk: the fewest slots that run a token, ``top_k``)
             budget = top_k if self.disk is not None else 1.0
-        return SpecExpertConfig(budget=budget)
+        # (quality null: the draft's tokens are verified, never served; no tap in its graph)
+        return SpecExpertConfig(budget=budget, quality=None)
 
     def draft_cache_rows(self, num_experts: int, top_k: int, slots: int) -> int:
         """Under ``disk``, the ``lookahead`` draft's INT4 experts held in memory per
@@ -479,11 +471,34 @@ class SpecExpertConfig:
         return not isinstance(self.budget, str)
 
 
-def _has_huge_int(value: Any) -> bool:
+def _refuse_huge_ints(raw: dict[str, Any]) -> None:
+    """Refuse an integer past 64 bits anywhere in ``raw``, naming its field: the RPC of
+    ``reconfigure`` cannot carry one to the workers (msgpack), and a value refused there
+    is refused at start too (one set of checks for both)."""
+    for key, value in raw.items():
+        where = _huge_int_at(value)
+        if where is not None:
+            raise SpecExpertConfigError(
+                ".".join([str(key), *where]),
+                "holds an integer past 64 bits",
+                "give a value in the field's range",
+            )
+
+
+def _huge_int_at(value: Any) -> list[str] | None:
+    """The path to an integer past 64 bits in ``value`` (``[]``: ``value`` is one;
+    ``None``: there is none)."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return not -(2**63) <= value < 2**64
-    if isinstance(value, dict):
-        return any(_has_huge_int(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_huge_int(v) for v in value)
-    return False
+        return None if -(2**63) <= value < 2**64 else []
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, (list, tuple))
+        else ()
+    )
+    for key, item in items:
+        where = _huge_int_at(item)
+        if where is not None:
+            return [] if isinstance(value, (list, tuple)) else [str(key), *where]
+    return None

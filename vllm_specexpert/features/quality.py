@@ -31,17 +31,24 @@ class QualityFeature(EngineFeature):
     def build(
         cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
     ) -> EngineFeature | None:
+        if parts.output != "approximate":
+            return None  # (the budget waits for a mode that changes the output)
         monitor = QualityMonitor.of(parts.config.quality, inputs.get("logit_head"), parts.layers)
         return cls(monitor) if monitor is not None else None
 
     @classmethod
     def check(cls, parts: EngineParts, inputs: Inputs) -> None:
-        if parts.config.quality is not None and inputs.get("logit_head") is None:
+        config = parts.config
+        budgeted = config.output == "approximate" and config.quality is not None
+        if budgeted and inputs.get("logit_head") is None:
             raise SpecExpertConfigError(
                 "quality",
-                "its monitor reads the model's final norm through a tap "
-                "installed when an engine starts with a quality budget",
-                "start the engine with 'quality' set (then it can change, or be turned off and on)",
+                "a mode that changes the output runs under the quality budget, whose "
+                "monitor reads the model's final norm through a tap installed at engine "
+                "start, and this engine has none (it started with quality null, or its "
+                "model has no final RMS norm and LM head as model.norm and lm_head)",
+                "start the engine without 'quality': null, or set quality to null "
+                "to run the mode without a budget",
             )
 
     def summary(self) -> str:
@@ -103,7 +110,8 @@ class QualityFeature(EngineFeature):
 
     def _quiet(self, run: LayerCall) -> LayerCall:
         """``run`` counted apart from the mode's counters and starting no prefetch: a
-        shadow computation (on the device: nothing goes to peers)."""
+        shadow computation (the exact one loads on the device; the mode's takes what
+        its places computed, a mesh's peers among them)."""
         return dataclasses.replace(run, stats=self.monitor.scratch, before_kernel=None)
 
     def stats(self) -> dict:
@@ -149,6 +157,20 @@ class QualityFeature(EngineFeature):
                 "quality_window_flip_rate",
                 "gauge",
                 "Top-1 flip rate of the batch class's last completed window.",
+                batch,
+            ),
+            "last_window_accuracy_loss_bound": Series(
+                "quality_window_accuracy_loss_bound",
+                "gauge",
+                "One-sided upper bound at quality.confidence of the last completed "
+                "window's accuracy loss: what the budget judged.",
+                batch,
+            ),
+            "last_window_flip_rate_bound": Series(
+                "quality_window_flip_rate_bound",
+                "gauge",
+                "One-sided upper bound at quality.confidence of the last completed "
+                "window's top-1 flip rate: what the budget judged.",
                 batch,
             ),
         }

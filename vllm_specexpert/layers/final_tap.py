@@ -4,9 +4,12 @@ served pre-norm final hidden state of the tokens it sampled.
 The wrapper calls one opaque custom op, ``specexpert::final_hidden``, on the input of
 the final norm (``hidden`` and the residual stream) and hands its output, a copy of
 ``hidden``, to the norm as before: under torch.compile the op stays out of the traced
-graph, so the monitor's Python runs in every pass. It is installed only when
-``quality`` is set at engine start (an added op may change the compiled graph's
-fusions, hence the last bits of the output, and exact modes have nothing to budget).
+graph, so the monitor's Python runs in every pass. It is installed at engine start
+unless ``quality`` is null (the budget is on by default and an approximate mode may be
+reached later by ``reconfigure``): the op takes the norm's inputs as they are and hands
+back a copy, so the norm computes the same bits (checked in compiled mode by
+``tests/test_exactness.py``); a model without a final RMS norm and LM head gets no tap,
+and its engine refuses an approximate mode under a budget.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import torch
 from torch import nn
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.quality import QualityFeature
 from vllm_specexpert.layers.forward_phase import current_phases
 from vllm_specexpert.quality import LogitHead
@@ -53,17 +55,14 @@ class FinalNormTap(nn.Module):
 
 
 def install_final_tap(model: Any, engine: Any, decode_query_len: int) -> None:
-    """Wrap ``model``'s final norm and give ``engine`` the model's :class:`LogitHead`."""
-    norm = getattr(model.model, "norm", None)
+    """Wrap ``model``'s final norm and give ``engine`` the model's :class:`LogitHead`
+    (nothing where the model has no final RMS norm and LM head: the engine refuses a
+    budgeted approximate mode then, ``QualityFeature.check``)."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
     lm_head = getattr(model, "lm_head", None)
     weight = getattr(lm_head, "weight", None)
     if norm is None or weight is None or not hasattr(norm, "variance_epsilon"):
-        raise SpecExpertConfigError(
-            "quality",
-            f"{type(model).__name__} has no final RMS norm and LM head where "
-            "the quality monitor reads them (model.norm, lm_head)",
-            "remove quality",
-        )
+        return
     processor = getattr(model, "logits_processor", None)
     vocab_size = getattr(processor, "org_vocab_size", None) or model.config.vocab_size
     engine.provide(

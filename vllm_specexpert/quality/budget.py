@@ -4,7 +4,9 @@ judged per window against the limits, and the switch of a class to exact and bac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from vllm_specexpert.config.sections import QualityConfig
 from vllm_specexpert.log import init_logger
@@ -22,12 +24,16 @@ class Judged:
     """Sum of ``p[exact top-1] - p[approximate top-1]``."""
     exact_confidence: float = 0.0
     """Sum of ``p[exact top-1]`` (the accuracy loss's denominator)."""
+    loss_squares: float = 0.0
+    """Sums of the tokens' squares and products (the ratio's variance): ``loss**2``, ..."""
+    confidence_squares: float = 0.0
+    """... ``confidence**2`` ..."""
+    loss_confidence: float = 0.0
+    """... and ``loss * confidence``."""
 
     def add(self, other: Judged) -> None:
-        self.tokens += other.tokens
-        self.flips += other.flips
-        self.accuracy_loss += other.accuracy_loss
-        self.exact_confidence += other.exact_confidence
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
     def flip_rate(self) -> float | None:
@@ -36,6 +42,28 @@ class Judged:
     @property
     def accuracy_loss_share(self) -> float | None:
         return self.accuracy_loss / self.exact_confidence if self.exact_confidence else None
+
+    def accuracy_loss_bound(self, z: float) -> float | None:
+        """The share's one-sided upper bound at ``z`` standard errors: the ratio
+        estimator's (delta method, the tokens as draws of (loss, confidence) pairs)."""
+        share = self.accuracy_loss_share
+        if share is None:
+            return None
+        residuals = (
+            self.loss_squares
+            - 2 * share * self.loss_confidence
+            + share**2 * self.confidence_squares
+        )
+        variance = max(residuals, 0.0) / max(self.tokens - 1, 1)
+        return share + z * math.sqrt(self.tokens * variance) / self.exact_confidence
+
+    def flip_rate_bound(self, z: float) -> float | None:
+        """The flip rate's one-sided upper bound at ``z`` (Wilson's score bound)."""
+        if not self.tokens:
+            return None
+        n, rate = self.tokens, self.flips / self.tokens
+        spread = z * math.sqrt(rate * (1 - rate) / n + z**2 / (4 * n**2))
+        return (rate + z**2 / (2 * n) + spread) / (1 + z**2 / n)
 
 
 @dataclass
@@ -65,7 +93,8 @@ class BatchClass:
             return f"{self.low}+"
         return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
 
-    def stats(self) -> dict:
+    def stats(self, z: float) -> dict:
+        """Its figures; the last window's upper bounds at ``z`` (what it was judged by)."""
         last = self.last_window
         return {
             "exact": self.exact,
@@ -77,6 +106,8 @@ class BatchClass:
             "exact_passes": self.exact_passes,
             "last_window_flip_rate": last.flip_rate if last else None,
             "last_window_accuracy_loss": last.accuracy_loss_share if last else None,
+            "last_window_flip_rate_bound": last.flip_rate_bound(z) if last else None,
+            "last_window_accuracy_loss_bound": last.accuracy_loss_bound(z) if last else None,
         }
 
 
@@ -91,6 +122,8 @@ class Budget:
 
     def __init__(self, config: QualityConfig) -> None:
         self.config = config
+        self.z = NormalDist().inv_cdf(config.confidence)
+        """Standard errors of the upper bounds judged (0: the point estimates)."""
         self.classes = batch_classes(config.batch_classes)
         self.windows = 0
         self.switches_to_exact = 0
@@ -105,24 +138,30 @@ class Budget:
         return self.class_of(num_rows).exact
 
     def over_budget(self, judged: Judged, remaining: int = 0) -> str | None:
-        """Why ``judged`` is over budget (the figure and its limit), or ``None``. With
-        ``remaining`` tokens still to come in its window: whether it will be over
-        whatever they are (each adds a loss of at least 0 to a confidence of at most 1,
-        and at least 0 flips)."""
+        """Why ``judged`` is over budget (the figure and its limit), or ``None``: an
+        ended window's upper bounds at ``quality.confidence`` against the limits. With
+        ``remaining`` tokens still to come in its window: whether its point estimate will
+        be over whatever they are (each adds a loss of at least 0 to a confidence of at
+        most 1, and at least 0 flips), and so its bound too."""
         config = self.config
-        loss = (
-            judged.accuracy_loss / (judged.exact_confidence + remaining)
-            if judged.exact_confidence + remaining
-            else None
-        )
-        flips = judged.flips / (judged.tokens + remaining) if judged.tokens else None
-        bound = "at least " if remaining else ""
+        if remaining:
+            loss = (
+                judged.accuracy_loss / (judged.exact_confidence + remaining)
+                if judged.exact_confidence + remaining
+                else None
+            )
+            flips = judged.flips / (judged.tokens + remaining) if judged.tokens else None
+            how = "at least "
+        else:
+            loss = judged.accuracy_loss_bound(self.z)
+            flips = judged.flip_rate_bound(self.z)
+            how = "" if self.z == 0 else f"up to (one-sided {config.confidence:.0%} bound) "
         for figure, value, limit in (
             ("accuracy loss", loss, config.max_accuracy_loss),
             ("top-1 flip rate", flips, config.max_top1_flip),
         ):
             if limit is not None and value is not None and value > limit:
-                return f"{figure} {bound}{value:.3f} > {limit:.3f}"
+                return f"{figure} {how}{value:.3f} > {limit:.3f}"
         return None
 
     def judge(self, batch: BatchClass) -> None:
@@ -153,12 +192,15 @@ class Budget:
             logger.warning(
                 "specexpert: quality: decode passes of %s sequence(s): the "
                 "approximate mode is within budget over the last %d sampled "
-                "tokens (accuracy loss %.3f, top-1 flip rate %.3f): running it "
-                "again",
+                "tokens (accuracy loss %.3f, top-1 flip rate %.3f; one-sided %.0f%% "
+                "bounds %.3f, %.3f): running it again",
                 batch.label,
                 window.tokens,
                 window.accuracy_loss_share,
                 window.flip_rate,
+                100 * self.config.confidence,
+                window.accuracy_loss_bound(self.z),
+                window.flip_rate_bound(self.z),
             )
 
     def stats(self) -> dict:

@@ -121,11 +121,20 @@ class QualityMonitor:
         other = served + sum(self.deltas.values())
         flips, kl, loss, confidence = self._compare(served_logits, self.head.logits(other))
         counters = self.counters
-        flip_count, kl_sum, loss_sum, confidence_sum = torch.stack(  # one device read
-            [flips.sum().float(), kl.sum(), loss.sum(), confidence.sum()]
+        sums = torch.stack(  # one device read
+            [
+                flips.sum().float(),
+                kl.sum(),
+                loss.sum(),
+                confidence.sum(),
+                loss.square().sum(),
+                confidence.square().sum(),
+                (loss * confidence).sum(),
+            ]
         ).tolist()
+        flip_count, kl_sum, *figures = sums
         counters.kl_sum += kl_sum
-        judged = Judged(len(flips), int(flip_count), loss_sum, confidence_sum)
+        judged = Judged(len(flips), int(flip_count), *figures)
         for into in (self.total, self.pass_class.total, self.pass_class.window):
             into.add(judged)
         for index, delta in self.deltas.items():
@@ -163,7 +172,7 @@ class QualityMonitor:
             "judged": bool(sampled) and all(c.judged for c in sampled),
             **{
                 key: getattr(self.config, key)
-                for key in ("max_accuracy_loss", "max_top1_flip", "sample", "window")
+                for key in ("max_accuracy_loss", "max_top1_flip", "sample", "window", "confidence")
             },
             "sampled_tokens": total.tokens,
             "top1_flips": total.flips,
@@ -174,7 +183,7 @@ class QualityMonitor:
             "accuracy_loss": total.accuracy_loss_share,
             **counters.counts(),
             **self.budget.stats(),
-            "batches": {c.label: c.stats() for c in classes},
+            "batches": {c.label: c.stats(self.budget.z) for c in classes},
             "layers": {
                 index: {
                     "tokens": tokens,

@@ -16,10 +16,11 @@ An expert is checked against its checksums before a launch first runs on it, and
 whenever its pages had to be read in; one that fails is an error of the call like an
 unreadable page, and is checked again when next needed. No write reaches the pages
 unseen: the engine holds a read lease on the file (:mod:`.pack_lease`), asked before and
-after each launch. A process that opens the file for writing waits until the engine
-lets go of the lease there; from then on, while any process holds the file open for
-writing, every call on the mapped pack fails (its requests end with an error), and once
-none does, every expert is checked again before its next use. A file that cannot be
+after each launch. A process that opens the file for writing waits until every engine
+that holds a lease lets go, which its watcher thread does within a tenth of a second,
+busy or idle; from then on, while any process holds the file open for writing, every
+call on the mapped pack fails (its requests end with an error), and once none does,
+every expert is checked again before its next use. A file that cannot be
 leased (open for writing at the start, another user's, a filesystem without leases) is
 not mapped: the slots are used, and the start line says why (docs/design.md, "The disk
 tier": Trust).
@@ -124,6 +125,8 @@ class MappedPack:
             self.bytes = torch.frombuffer(region, dtype=torch.uint8)
         self.address = self.bytes.data_ptr()
         self.stats = MappedStats()
+        self._breaks_counted = 0
+        """The lease's breaks counted in ``stats.writes_seen`` so far."""
         self._lock = threading.Lock()
         self._verified = {
             layer.name: np.zeros(layer.num_experts, dtype=bool) for layer in pack.manifest.layers
@@ -233,13 +236,14 @@ class MappedPack:
         was held since it was last asked, or (before a launch, not ``launched``) a
         writer came and went since: every check is forgotten then, and made again."""
         with self._lock:
-            was_held = self.lease.held
             lease = self.lease.state()
             if lease is LeaseState.HELD:
                 return
             for done in self._verified.values():
                 done[:] = False
-            self.stats.writes_seen += was_held
+            # (the watcher may have let go first: the lease counts the breaks)
+            self.stats.writes_seen += self.lease.breaks - self._breaks_counted
+            self._breaks_counted = self.lease.breaks
             if lease is LeaseState.RENEWED and not launched:
                 return
             self.stats.failed += len(experts)
@@ -326,7 +330,7 @@ class MappedPack:
         """Let go of the lease and close the file (the mapping goes with the last view
         of it)."""
         if self.fd >= 0:
-            self.lease.release()
+            self.lease.close()
             os.close(self.fd)
             self.fd = -1
 
