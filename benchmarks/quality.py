@@ -3,6 +3,7 @@ measured ones, where it makes each mode fall back, and what sampling costs.
 
     python benchmarks/quality.py [--model DIR] [--batches 1 8] [--windows 64]
                                  [--budget 0.25] [--samples 0.02 0.1] [--eager]
+                                 [--confidences 0.5 0.9]
                                  [--parts estimate fallback cost] [--name quality]
 
 One plugin engine (started with ``lowbit`` and a quality budget: the INT4 copies and the
@@ -18,8 +19,11 @@ final-norm tap are made at start only); modes switch with ``reconfigure``.
    fetch's accuracy`` (accuracy: top-1 = the real next token).
 2. **Fallback** (``fallback``). The same windows under the default accuracy budget
    (0.02), deciding sooner than the default (``sample`` 0.5, ``window`` 50: a decision
-   every 100 decode tokens of a batch class): the accuracy kept against ``fetch`` and
-   the share of decode passes run exactly, per mode and batch size.
+   every 100 decode tokens of a batch class), judged at each of ``--confidences`` (0.5:
+   the point estimate; 0.9: the default one-sided bound): the accuracy kept against
+   ``fetch``, the share of decode passes run exactly, and the run's wall time against
+   the mode's without a budget (the same windows, teacher-forced one decode step at a
+   time: mostly decode), per mode and batch size.
 3. **Cost** (``cost``). Per mode and batch size, the decode step time
    (``common.step_seconds``: prefill and request overheads cancel) without a budget,
    with ``sample`` in ``--samples`` (sampling only, no switch), and with the default
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,6 +76,13 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--samples", type=float, nargs="+", default=[0.02, 0.1])
+    parser.add_argument(
+        "--confidences",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.9],
+        help="quality.confidence values the fallback part judges at (0.5: point estimate)",
+    )
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
@@ -140,24 +152,39 @@ def main() -> None:
                     flush=True,
                 )
             if "fallback" in args.parts:
-                vllm_specexpert.reconfigure(llm, **mode, quality=FALLBACK)
+                vllm_specexpert.reconfigure(llm, **mode, quality=None)
+                started = time.perf_counter()
+                alone = accuracy(teacher_forced(llm, windows, PROMPT_TOKENS, batch)["top1"])
+                alone_s = time.perf_counter() - started
+            for confidence in args.confidences if "fallback" in args.parts else ():
+                budget = {**FALLBACK, "confidence": confidence}
+                vllm_specexpert.reconfigure(llm, **mode, quality=budget)
+                started = time.perf_counter()
                 top1 = teacher_forced(llm, windows, PROMPT_TOKENS, batch)["top1"]
+                run_s = time.perf_counter() - started
                 stats = vllm_specexpert.get_stats(llm)[0]
                 quality = stats["quality"]
                 row = {
                     "batch": batch,
                     "mode": name,
-                    "quality": FALLBACK,
+                    "quality": budget,
+                    "confidence": confidence,
                     "kept": accuracy(top1) / accuracy(exact),
+                    "kept_alone": alone / accuracy(exact),
                     "exact_pass_share": quality["exact_passes"] / passes(stats),
                     "switches_to_exact": quality["switches_to_exact"],
                     "switches_to_approximate": quality["switches_to_approximate"],
                     "estimated_accuracy_loss": quality["accuracy_loss"],
+                    "run_s": run_s,
+                    "alone_run_s": alone_s,
+                    "time_ratio_to_alone": run_s / alone_s,
                 }
                 fallback_rows.append(row)
                 print(
-                    f"batch {batch:>3} {name:<24} with the budget: kept {row['kept']:.3f}, "
-                    f"exact passes {row['exact_pass_share']:.2f}",
+                    f"batch {batch:>3} {name:<24} budget at {confidence:.0%}: kept "
+                    f"{row['kept']:.3f} (alone {row['kept_alone']:.3f}), exact passes "
+                    f"{row['exact_pass_share']:.2f}, {row['time_ratio_to_alone']:.2f}x "
+                    "the time alone",
                     flush=True,
                 )
 

@@ -164,7 +164,6 @@ import vllm_specexpert
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
 from toy_engine import build_engine
 from vllm_specexpert import metrics
-from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.features.call_tracer import CallTracer
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
@@ -202,7 +201,7 @@ engine = build_engine({"budget": 0.25}, LAYERS, top_k=4)
 run(engine, 5, steps=1, phases=PassPhases.prefill_only)
 report["prefill_events"] = engine.feature(CallTracer).events
 first = engine.feature(CallTracer)
-engine.reconfigure(SpecExpertConfig.from_dict({"budget": 0.25, "miss_policy": "drop"}))
+engine.reconfigure(engine.config.changed({"miss_policy": "drop"}))
 report["rebuilt"] = engine.feature(CallTracer) is not first
 run(engine, 2, steps=1)
 report["after_reconfigure"] = engine.stats()["tracer"]

@@ -71,13 +71,16 @@ def int4_copies(engine: OffloadEngine) -> None:
 
 ENGINES = {
     # A feature's families (and its place's) are on /metrics only while it runs: one
-    # engine per feature that has some (lookahead and mesh, quality and mesh do not run
-    # together).
+    # engine per feature that has some (lookahead and mesh do not run together; an
+    # approximate mode without the model's logit head here runs with quality null).
     "plain": ({"budget": 0.25}, dict),
     "prediction": ({"budget": 0.25, "predictor": "router"}, dict),
     "host": ({"budget": 0.25, "miss_policy": "cpu"}, dict),
-    "substitution": ({"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.5}}, dict),
-    "low_bit": ({"budget": 0.5, "miss_policy": "lowbit"}, dict, int4_copies),
+    "substitution": (
+        {"budget": 0.25, "miss_policy": "random", "buddy": {"tau": 0.5}, "quality": None},
+        dict,
+    ),
+    "low_bit": ({"budget": 0.5, "miss_policy": "lowbit", "quality": None}, dict, int4_copies),
     "lookahead": ({"budget": 0.25, "lookahead": {}}, dict),
     "mesh": ({"budget": 0.25, "mesh": {}}, lambda: {"peer_tier": StandInPeers()}),
     "quality": (

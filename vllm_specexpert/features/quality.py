@@ -61,8 +61,9 @@ class QualityFeature(EngineFeature):
             if settings.max_top1_flip is not None
             else "",
         ]
+        bound = f" (one-sided {settings.confidence:.0%} bound)" if settings.confidence > 0.5 else ""
         return (
-            f"; quality budget: at most {' or '.join(filter(None, limits))} over "
+            f"; quality budget: at most {' or '.join(filter(None, limits))}{bound} over "
             f"{settings.window} sampled tokens ({settings.sample:.0%} of decode tokens "
             "recomputed exactly; exact while over)"
         )

@@ -104,6 +104,8 @@ def settings(*chosen: Setting) -> tuple[dict[str, Any], str | None]:
         raw["mesh"] = {"mode": given["mesh"]}
     if "disk" in given:
         raw["disk"] = {"path": "PACK", "residency": given["disk"]}
+        if given["disk"] == "mapped":
+            del raw["budget"]  # (the page cache is the cache: no slot to size)
     if "quality" in given:
         raw["quality"] = {}
         raw.setdefault("miss_policy", "drop")  # a mode that changes the output
