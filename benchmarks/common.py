@@ -26,6 +26,12 @@ from vllm_specexpert.tools.teacher_forcing import (  # noqa: F401 - shared by th
     teacher_forced,
 )
 
+REPOSITORY = Path(__file__).resolve().parent.parent
+if str(REPOSITORY) not in sys.path:
+    # The test bed (specexpert_testbed: fixtures, default models) is the repository's,
+    # not the wheel's: the scripts import it from here.
+    sys.path.append(str(REPOSITORY))
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -6,8 +6,9 @@ measured ones, where it makes each mode fall back, and what sampling costs.
                                  [--confidences 0.5 0.9]
                                  [--parts estimate fallback cost] [--name quality]
 
-One plugin engine (started with ``lowbit`` and a quality budget: the INT4 copies and the
-final-norm tap are made at start only); modes switch with ``reconfigure``.
+One plugin engine (started with ``lowbit``: its INT4 copies are made at start only; the
+final-norm tap is installed in every engine not started with ``quality: null``); modes
+switch with ``reconfigure``.
 
 1. **Estimate against measurement** (``estimate``). Per mode and batch size,
    ``--windows`` held-out windows (16 prompt tokens, 32 forced one decode step at a
