@@ -14,7 +14,8 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
 
     * the pool holds exactly ``num_slots`` experts per tensor (the budget): the layer's
       own, or for a shared pool the sum of every layer's share, and the layers sharing
-      it hold no more experts together;
+      it hold no more experts together; a layer's tensors cover the shared region's
+      rows after its own, which hold no expert between calls;
     * the id -> slot map and the slot -> id map agree both ways: no expert sits in two
       slots, and no id maps to a freed slot or to a slot holding another expert;
     * distinct resident experts (ids the map sends to a slot) never exceed the budget;
@@ -27,7 +28,8 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
         loader.wait_all()
     budget = sum(c.num_slots for c in cache.pool.caches) if cache.pool.shared else cache.num_slots
     for key, pool in cache.slots.items():
-        assert pool.shape[0] == budget, (key, pool.shape, budget)
+        assert pool.shape[0] == budget + cache.pool.region_rows, (key, pool.shape, budget)
+    assert np.all(cache.pool.owner[cache.pool.region_slots()] < 0), "a region row kept"
     mapped = np.flatnonzero(cache.expert_slot >= 0)
     held = sum(int(np.count_nonzero(c.expert_slot >= 0)) for c in cache.pool.caches)
     assert held <= budget, f"{held} experts mapped to {budget} slots"

@@ -239,7 +239,11 @@ def test_auto_fits_the_slots_under_free_ram_smaller_than_the_model(engine):
     fit = stats["budget"]
     assert fit["room_bytes"] == free and fit["reserve_bytes"] == GiB
     assert fit["slot_bytes"] <= fit["space_bytes"] == int(0.4 * experts)
-    slots = next(iter(stats["slots_per_layer"].values()))
+    slots = fit["slots_per_layer"]  # (the memory's: split into own slots and the region)
+    own = set(stats["slots_per_layer"].values())
+    rows = set(stats["region_rows_per_layer"].values())
+    layers = len(stats["layers"])
+    assert len(own) == len(rows) == 1 and layers * own.pop() + rows.pop() == layers * slots
     experts_per_layer = next(iter(stats["experts_per_layer"].values()))
     top_k = json.loads((model_path(MODEL) / "config.json").read_text())["num_experts_per_tok"]
     assert top_k <= slots < experts_per_layer

@@ -6,6 +6,7 @@ import gc
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,3 +58,162 @@ def test_the_mappings_go_with_the_last_tensor_on_them():
 def test_a_region_needs_a_row():
     with pytest.raises(ValueError, match="at least one row"):
         SharedRegion(0, SHAPES)
+
+
+# ------------------------------------------------------------- under the engine
+
+from moe_reference import random_layer, random_routing, reference_moe, slot_kernel  # noqa: E402
+
+from vllm_specexpert.budget_plan import region_split  # noqa: E402
+from vllm_specexpert.config import SpecExpertConfig  # noqa: E402
+from vllm_specexpert.engine import OffloadEngine  # noqa: E402
+from vllm_specexpert.layer_call import LayerCall  # noqa: E402
+from vllm_specexpert.phases import PassPhases  # noqa: E402
+from vllm_specexpert.tiers.disk import Disk  # noqa: E402
+from vllm_specexpert.tiers.expert_pack import ExpertPack  # noqa: E402
+from vllm_specexpert.tiers.kernel_form import KernelForm  # noqa: E402
+from vllm_specexpert.tiers.pack_writer import write_pack  # noqa: E402
+
+NAMES = [f"model.layers.{i}.mlp.experts" for i in range(4)]
+LAYERS = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
+"""Each layer's experts other (other seeds): a launch on another layer's row differs."""
+E, K = 16, 4
+SWEEP = 32
+"""Tokens whose routing needs every expert of a layer (checked)."""
+
+
+@pytest.mark.parametrize(
+    ("slots", "layers", "need", "own", "rows"),
+    [
+        (34, 8, 512, 29, 40),  # the issue's miniature: (8*34 - 64) / 7 = 29.7
+        (16, 8, 1024, 9, 56),
+        (16, 8, 32, 12, 32),  # calls of at most 32 experts: the region holds 32
+        (16, 8, 4, 16, 0),  # batch 1: the own slots hold a call's experts
+        (4, 8, 256, 4, 0),  # top_k a layer leaves nothing to share
+        (16, 1, 999, 16, 0),  # one layer: nothing to share with
+    ],
+)
+def test_the_budget_splits_into_own_slots_and_one_region(slots, layers, need, own, rows):
+    split = region_split(slots, layers, 64, 4, need)
+    assert (split.own, split.rows) == (own, rows)
+    if rows:  # the same memory, and a call needing min(need, 64) misses at most `rows`
+        assert layers * split.own + split.rows <= layers * slots
+        assert min(need, 64 - split.own) <= split.rows
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory) -> ExpertPack:
+    out = tmp_path_factory.mktemp("region") / "pack"
+    write_pack(
+        out,
+        [(name, E) for name in NAMES],
+        lambda name, e: {k: t[e] for k, t in LAYERS[name].items()},
+        {"model": "toy", "checkpoint_files": []},
+        KernelForm(layout="checkpoint", dtype="bfloat16"),
+    )
+    return ExpertPack(out)
+
+
+@pytest.fixture
+def engine_on(pack):
+    """``engine_on(config, max_num_seqs)``: an engine reading :data:`LAYERS` from the
+    pack on disk (the slots residency), with vLLM's ``max_num_seqs``; closed after."""
+    made = []
+
+    def make(config: dict, max_num_seqs: int = SWEEP) -> OffloadEngine:
+        engine = OffloadEngine(
+            SpecExpertConfig.from_dict({"quality": None, **config}), torch.device("cpu")
+        )
+        made.append(engine)
+        engine.budget.sizing.moe_layers = len(NAMES)
+        engine.budget.sizing.max_num_seqs = max_num_seqs
+        engine.store.tiers.append(Disk(pack, depth=2))
+        for index, name in enumerate(NAMES):
+            engine.add_layer(name, engine.store.tier("disk").layer(name), top_k=K, index=index)
+        engine.start()
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def sweep_routing(seed: int):
+    x, w, ids = random_routing(SWEEP, E, K, seed=seed)
+    assert len(np.unique(ids.numpy())) == E
+    return x, w, ids
+
+
+def call(engine, name, x, w, ids):
+    return engine.run_call(
+        LayerCall(name, slot_kernel, x, w, ids, PassPhases.decode_only(x.shape[0]))
+    )
+
+
+def counted(engine, name) -> dict:
+    decode = engine.stats()["layers"][name]["decode"]
+    return {k: decode[k] for k in ("loads", "streamed", "evictions", "kernel_calls", "hits")}
+
+
+def test_a_call_needing_every_expert_reads_each_missing_one_once_in_one_launch(engine_on):
+    # Issue 74 (1): at budget 0.5 of 4 layers, each layer keeps (4*8 - 16) / 3 = 5 own
+    # slots and the region the other 12 rows; a call needing all 16 reads its 11 missing
+    # experts once, evicts none, and runs in one launch, equal to the reference kernel on
+    # every expert (one sum per token: exact).
+    engine = engine_on({"budget": 0.5})
+    assert [la.cache.num_slots for la in engine.layers.values()] == [5] * 4
+    assert [la.cache.pool.region_rows for la in engine.layers.values()] == [12] * 4
+    assert "one region of 12 rows" in engine.summary()
+    x, w, ids = sweep_routing(0)
+    disk = engine.store.tier("disk")
+    for step in range(2):
+        for name in NAMES:
+            before, reads, nbytes = counted(engine, name), disk.stats.reads, disk.stats.bytes
+            out = call(engine, name, x, w, ids)
+            assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+            after = counted(engine, name)
+            delta = {k: after[k] - before[k] for k in after}
+            expected = {"loads": 11, "streamed": 11, "evictions": 0, "kernel_calls": 1, "hits": 5}
+            assert delta == expected, (step, name, delta)
+            assert disk.stats.reads - reads == 11  # each missing expert read once
+            assert disk.stats.bytes - nbytes == 11 * engine.layers[name].experts.expert_nbytes
+            assert engine.layers[name].cache.num_resident() == 5  # (the rows forgotten)
+
+
+def test_layers_back_to_back_through_the_region_each_compute_with_their_own_experts(engine_on):
+    # The region is every layer's: a layer's call fills it with its own missing experts
+    # after the call before it ran. A launch that computed with another layer's expert
+    # left in a row would differ from the reference. Two other routings, layers in turn.
+    engine = engine_on({"budget": 0.5})
+    for seed in (1, 2):
+        x, w, ids = sweep_routing(seed)
+        for name in NAMES:
+            out = call(engine, name, x, w, ids)
+            assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values())), name
+
+
+def test_where_it_cannot_pay_there_is_no_region(engine_on, toy_engines):
+    # No max_num_seqs (an engine without vLLM's settings), a batch the own slots hold, a
+    # policy that does not load its misses, and experts in RAM: the own slots only.
+    for config, seqs in (
+        ({"budget": 0.5}, 0),
+        ({"budget": 0.5}, 2),
+        ({"budget": 0.5, "miss_policy": "drop"}, SWEEP),
+    ):
+        engine = engine_on(config, seqs)
+        assert [la.cache.num_slots for la in engine.layers.values()] == [8] * 4, (config, seqs)
+        assert all(la.cache.pool.region_rows == 0 for la in engine.layers.values())
+    in_ram = toy_engines({"budget": 0.5}, LAYERS, K, max_num_seqs=SWEEP)
+    assert [la.cache.num_slots for la in in_ram.layers.values()] == [8] * 4
+
+
+def test_a_reconfigure_makes_the_region_again_for_the_new_budget(engine_on):
+    engine = engine_on({"budget": 0.5})
+    engine.reconfigure(engine.config.changed({"budget": 0.75}))  # (4*12 - 16) / 3 = 10
+    assert [la.cache.num_slots for la in engine.layers.values()] == [10] * 4
+    assert [la.cache.pool.region_rows for la in engine.layers.values()] == [8] * 4
+    x, w, ids = sweep_routing(3)
+    name = NAMES[2]
+    assert torch.equal(
+        call(engine, name, x, w, ids), reference_moe(x, w, ids, *LAYERS[name].values())
+    )

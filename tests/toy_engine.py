@@ -32,6 +32,7 @@ def build_engine(
     reports: bool = True,
     start: bool = True,
     pool_reach: int | None = None,
+    max_num_seqs: int = 0,
 ) -> OffloadEngine:
     """An engine on the CPU with ``layers`` (name -> expert tensors) added in order, at
     decoder-layer ``indices`` (default 0, 1, ...). Started unless ``start`` is False:
@@ -39,6 +40,7 @@ def build_engine(
     a logit head, predictor inputs, peers, the next layer's router) is the caller's;
     so is the quality budget (a dict ``config`` without ``quality`` runs none).
     ``pool_reach``: the elements a slot tensor may hold (the expert kernel's reach).
+    ``max_num_seqs``: vLLM's, which sizes the shared region (0: unknown, none).
     An engine that fails to be built (a layer refused, a failed start) is closed here:
     no caller gets it to close."""
     if not isinstance(config, SpecExpertConfig):
@@ -47,6 +49,7 @@ def build_engine(
         config = SpecExpertConfig.from_dict({"quality": None, **config})
     engine = OffloadEngine(config, torch.device("cpu"), reports=reports)
     engine.budget.sizing.moe_layers = len(layers)  # (vLLM's adapter counts them as it builds them)
+    engine.budget.sizing.max_num_seqs = max_num_seqs
     try:
         indices = range(len(layers)) if indices is None else indices
         for index, (name, tensors) in zip(indices, layers.items(), strict=True):

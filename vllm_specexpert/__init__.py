@@ -34,8 +34,8 @@ its floor::
      3  tiers/          where experts live and how they move: store (slow tier), slots
                         (per-layer and shared pools), shared_region (slot rows every
                         layer's tensor covers: a call's streamed experts), eviction,
-                        cache (one layer's
-                        residency), loader (copies in flight), link/ (base, cpu, cuda),
+                        cache (one layer's residency), loader (copies in flight),
+                        link/ (base, cpu, cuda),
                         host (experts computed on the host), staging (host <-> device),
                         disk (the disk tier: a layer's experts read from its pack),
                         mapped (the pack mapped, the kernel on its pages),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from vllm_specexpert import features, pipeline, report
-from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach
+from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach, region_split
 from vllm_specexpert.config import SpecExpertConfig, check_switch
 from vllm_specexpert.features import EngineFeature, EngineParts
 from vllm_specexpert.handback import UnreadableRows
@@ -37,7 +38,8 @@ from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
 from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
-from vllm_specexpert.tiers.slots import SharedPools
+from vllm_specexpert.tiers.shared_region import RegionRefused, SharedRegion
+from vllm_specexpert.tiers.slots import LayerSlotPool, SharedPools, SlotPool
 from vllm_specexpert.tiers.staging import HostReader
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, ExpertStore
 
@@ -54,6 +56,7 @@ class OffloadEngine:
         rank: int = 0,
         reports: bool = True,
         budget_field: str = "budget",
+        splits_slots: bool = True,
     ):
         self.config = config
         """The user's config, as given (what its budget came to: :attr:`budget`)."""
@@ -77,6 +80,13 @@ class OffloadEngine:
         """Each equipped layer's call, as composed (``describe`` lists its stages)."""
         self._skipping = False
         """Calls run no routed expert (:meth:`experts_skipped`)."""
+        self.splits_slots = splits_slots
+        """Whether a layer's slots may be split into its own and a shared region's
+        (:meth:`_region_for`); not where another engine sizes them (a draft's)."""
+        self.regions: dict[tuple, SharedRegion] = {}
+        """The shared regions of the layers' own pools, by their rows and slot shapes
+        (:meth:`_region_for`); ``region_refused``: why none could be made."""
+        self.region_refused: str | None = None
         self._select(config)
         self._build_features()
 
@@ -156,9 +166,12 @@ class OffloadEngine:
         assert plan is not None  # (planned at the first layer)
         slots = plan.slots(layer.experts.num_experts, layer.top_k)
         slots -= sum(f.reserved_slots(layer, slots) for f in self.features)
-        pool = None
+        pool: SlotPool | None = None
         if self.pools is not None:
             pool = self.pools.pool_for(layer.experts, slots, layer.pool_reach)
+        else:
+            slots, region = self._region_for(layer, slots)
+            pool = LayerSlotPool(self.device, region) if region is not None else None
         layer.equip(self.config, slots, self.link, self.device, pool)
         for feature in self.features:
             feature.equip(layer)
@@ -181,6 +194,54 @@ class OffloadEngine:
         )
         self.pipelines[layer.name] = composed
         layer.run = composed.run  # (a bound method: a call costs less than an instance's)
+
+    def _region_for(self, layer: OffloadedLayer, slots: int) -> tuple[int, SharedRegion | None]:
+        """The layer's own slots and the shared region its pool covers after them: where
+        its experts are read from disk (bytes bind: each read once), the miss policy
+        loads every missing expert on the device (``fetch``, ``stream``) into a layer's
+        own pool on the CPU build, and the batch may need more experts than ``slots``
+        (``max_num_seqs * top_k``), the budget's slots of every layer split
+        (:func:`~vllm_specexpert.budget_plan.region_split`); else ``slots`` and none."""
+        policy, sizing, experts = self.config.miss_policy_spec, self.budget.sizing, layer.experts
+        if (
+            not self.splits_slots
+            or self.device.type != "cpu"
+            or experts.memory_nbytes >= experts.nbytes
+            or not (policy.name == "fetch" or policy.splits_tokens)
+            or self.config.mesh is not None
+            or self.config.lookahead is not None  # (its draft's rows follow the slots)
+            or experts.in_place
+            or sizing.max_num_seqs == 0
+        ):
+            return slots, None
+        split = region_split(
+            slots,
+            sizing.moe_layers,
+            experts.num_experts,
+            layer.top_k,
+            sizing.max_num_seqs * layer.top_k,
+        )
+        widest = max(math.prod(shape) for shape, _ in experts.slot_shapes.values())
+        reach = layer.pool_reach
+        if not split.rows or (reach is not None and (split.own + split.rows) * widest > reach):
+            return slots, None
+        key = (
+            split.rows,
+            tuple(sorted((n, s, str(d)) for n, (s, d) in experts.slot_shapes.items())),
+        )
+        region = self.regions.get(key)
+        if region is None:
+            try:
+                region = self.regions[key] = SharedRegion(split.rows, experts.slot_shapes)
+            except RegionRefused as refused:
+                self.region_refused = str(refused)
+                return slots, None
+        return split.own, region
+
+    def _close_regions(self) -> None:
+        for region in self.regions.values():
+            region.close()  # (the memory goes with the last pool's tensors on it)
+        self.regions = {}
 
     def link_layers(self, name: str, next_name: str) -> None:
         """``next_name`` is the MoE layer after ``name``."""
@@ -273,6 +334,7 @@ class OffloadEngine:
                 layer.unequip()
             if self.pools is not None:
                 self.pools.release()
+            self._close_regions()
             self.config = config
             self.link = make_link(config.link, self.device)
             self._select(config)
@@ -342,5 +404,6 @@ class OffloadEngine:
         self.reporter.close()
         self.link.close()
         self.store.close()
+        self._close_regions()
         for feature in self.features:
             feature.close()

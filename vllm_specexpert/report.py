@@ -43,6 +43,7 @@ class ReportedEngine(Protocol):
     link: Link
     features: list[EngineFeature]
     budget: BudgetPlan
+    region_refused: str | None
 
     @property
     def output(self) -> str: ...
@@ -71,6 +72,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "prefill_tokens": first.prefill.tokens,
             "layer_index": {n: la.index for n, la in layers.items()},
             "slots_per_layer": {n: la.cache.num_slots for n, la in layers.items()},
+            "region_rows_per_layer": {n: la.cache.pool.region_rows for n, la in layers.items()},
             "resident_per_layer": {n: la.cache.num_resident() for n, la in layers.items()},
             "experts_per_layer": {n: la.cache.num_experts for n, la in layers.items()},
             "expert_bytes": {n: la.cache.experts.expert_nbytes for n, la in layers.items()},
@@ -180,6 +182,15 @@ def summary(engine: ReportedEngine) -> str:
             else f"{len(pools)} pools of {counts} slots, each shared by consecutive layers "
             f"of {each} experts (one pool would pass the expert kernel's reach)"
         )
+    regions = {id(la.cache.pool.region): la.cache.pool.region_rows for la in layers}
+    rows = [n for n in regions.values() if n]
+    if rows:
+        residency += (
+            f", and one region of {'/'.join(map(str, rows))} rows every layer's slots "
+            "cover (a call's missing experts, read once, run in one launch)"
+        )
+    elif engine.region_refused is not None:
+        residency += f" (no shared region: {engine.region_refused}; token groups)"
     fit = engine.budget.fit
     if fit is not None:
         residency += f", {gib(fit.slot_bytes)} ({fit.basis})"

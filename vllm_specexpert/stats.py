@@ -106,6 +106,10 @@ class PhaseStats(Counters):
     misses: int = counter("Requests that were not resident.")
     loads: int = counter("Experts whose copy into a slot started (on demand or prefetched).")
     evictions: int = counter("Resident experts evicted to make room.")
+    streamed: int = counter(
+        "Experts read into the shared region for one call, which ran them with the "
+        "resident ones in one launch (not kept after it; also counted in ``loads``)."
+    )
     bytes_loaded: int = counter("Bytes of those copies (including prefetches).")
     stall_s: float = seconds(
         "Seconds the compute waited on this layer's copies (on-demand loads, and "

@@ -57,6 +57,7 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
             rank=rank,
             reports=False,
             budget_field="lookahead.draft_budget",
+            splits_slots=False,  # (its slots are sized with the target's)
         )
         engine.unreadable = UnreadableRows(draft=True)
         _TARGETS[engine] = target

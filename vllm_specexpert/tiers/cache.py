@@ -102,7 +102,7 @@ class ExpertCache:
         first); an eviction ends it, and then calls :attr:`identity_lost`."""
         self.identity_lost: Callable[[], None] | None = None
         """Whoever composed a call on the identity (the engine) hears that it ended."""
-        if pool is None:
+        if pool is None or not pool.shared:  # (a shared pool: once every layer joined)
             self.pool.allocate()
 
     def warm_start(self, offset: int, count: int) -> None:

@@ -88,6 +88,25 @@ class ExpertLoader:
             slots = self._take_slots(len(missing), keep, stats, demand=future_demand)
             self._load(missing, slots, stats, prefetch=False, ahead=ahead)
 
+    def stream(self, experts: np.ndarray, stats: PhaseStats) -> None:
+        """Read ``experts`` (distinct, not resident, at most the pool's region rows) into
+        the shared region's rows for one launch, in one transfer (the slow tier reads
+        them in id order, its file order) and wait for them; :meth:`unstream` forgets
+        them after the launch. No resident expert is evicted."""
+        cache = self.cache
+        slots = cache.pool.region_slots()[: len(experts)]
+        stats.requests += len(experts)
+        stats.misses += len(experts)
+        stats.streamed += len(experts)
+        self._retire(slots)
+        self._load(experts, slots, stats, prefetch=False)
+        self._wait_for(experts, stats)
+        cache.touch(experts)  # (counted as used: what a cache keeps may weigh it)
+
+    def unstream(self, experts: np.ndarray) -> None:
+        """The launch on the region's rows is over: another layer's call may fill them."""
+        self.cache.release(experts)
+
     def land(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """:meth:`acquire`'s second half: block until ``experts`` hold their data."""
         self._wait_for(experts, stats)

@@ -22,6 +22,7 @@ import torch
 from vllm_specexpert.tiers.disk_reader import aligned_empty
 from vllm_specexpert.tiers.eviction import EvictionPolicy
 from vllm_specexpert.tiers.link import Transfer
+from vllm_specexpert.tiers.shared_region import SharedRegion
 from vllm_specexpert.tiers.store import ExpertSource
 
 NO_EXPERTS = np.zeros(0, dtype=np.int64)
@@ -54,8 +55,11 @@ class SlotPool:
     readable_as_is: ClassVar[bool] = True
     """The kernel may read a slot as it is; ``False``: :meth:`readable` first."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, region: SharedRegion | None = None) -> None:
         self.device = device
+        self.region = region
+        """Rows every layer's tensors cover after the pool's own slots (a call's streamed
+        experts, :mod:`.shared_region`); ``None``: the own slots only."""
         self.caches: list[PooledCache] = []
         self._shares: list[int] = []
         self.tensors: dict[str, torch.Tensor] = {}
@@ -101,9 +105,13 @@ class SlotPool:
     def allocate(self) -> None:
         total = self.joined_slots
         shapes = self.caches[0].experts.slot_shapes
-        self.tensors = {
-            key: self._empty((total, *shape), dtype) for key, (shape, dtype) in shapes.items()
-        }
+        if self.region is not None:
+            self.tensors = self.region.views(total)
+            total += self.region.rows
+        else:
+            self.tensors = {
+                key: self._empty((total, *shape), dtype) for key, (shape, dtype) in shapes.items()
+            }
         self.owner = np.full(total, -1, dtype=np.int32)
         self.in_flight.clear()
         if self.device.type == "cuda":
@@ -122,7 +130,17 @@ class SlotPool:
         self.last_write = self.last_read = None
 
     def free_slots(self) -> np.ndarray:
-        return np.flatnonzero(self.owner < 0)
+        """Own slots free (the region's rows are a call's, :meth:`region_slots`)."""
+        return np.flatnonzero(self.owner[: self.joined_slots] < 0)
+
+    @property
+    def region_rows(self) -> int:
+        """How many experts a call may stream through the shared region (0: none)."""
+        return self.num_slots - self.joined_slots if self.region is not None else 0
+
+    def region_slots(self) -> np.ndarray:
+        """The shared region's rows, as slots of this pool (after its own)."""
+        return np.arange(self.joined_slots, self.num_slots)
 
     def readable(self, slots: torch.Tensor) -> tuple[int, int]:
         """Before a launch reads ``slots`` (the kernel's slot ids): make what they hold
