@@ -27,12 +27,18 @@ def check_cache_invariants(loader, settle: bool = False) -> int:
     if settle:
         loader.wait_all()
     budget = sum(c.num_slots for c in cache.pool.caches) if cache.pool.shared else cache.num_slots
+    rows = cache.pool.region_rows
     for key, pool in cache.slots.items():
-        assert pool.shape[0] == budget + cache.pool.region_rows, (key, pool.shape, budget)
-    assert np.all(cache.pool.owner[cache.pool.region_slots()] < 0), "a region row kept"
+        assert pool.shape[0] == budget + rows, (key, pool.shape, budget)
     mapped = np.flatnonzero(cache.expert_slot >= 0)
     held = sum(int(np.count_nonzero(c.expert_slot >= 0)) for c in cache.pool.caches)
-    assert held <= budget, f"{held} experts mapped to {budget} slots"
+    assert held <= budget + rows, f"{held} experts mapped to {budget} + {rows} slots"
+    if rows:  # a region's row held by this layer is its alone, and the region says so
+        holder = cache.pool.rows.holder
+        mine = [row for row in range(rows) if holder[row] is cache]
+        assert sorted(mine) == sorted(
+            (cache.expert_slot[cache.expert_slot >= budget] - budget).tolist()
+        ), "region rows and the slot map disagree"
     for expert in mapped:
         slot = cache.expert_slot[expert]
         assert cache.slot_expert[slot] == expert, (

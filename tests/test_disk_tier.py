@@ -84,8 +84,9 @@ def test_fetch_from_disk_is_identical_to_vanilla(engine, budget):
     assert decode["misses"] > 0
     assert disk["reads"] == decode["loads"] + prefill["loads"]
     assert disk["bytes"] == decode["bytes_loaded"] + prefill["bytes_loaded"]
-    # Every slot holds the bytes the pack has for the expert the map says (read again).
-    assert llm.apply_model(cache_invariants)[0] == list(stats["slots_per_layer"].values())
+    # Every slot holds the bytes the pack has for the expert the map says (read again):
+    # the own slots and the shared region's rows the layer holds.
+    assert llm.apply_model(cache_invariants)[0] == list(stats["resident_per_layer"].values())
 
 
 @pytest.mark.parametrize(

@@ -152,20 +152,23 @@ def call(engine, name, x, w, ids):
 
 def counted(engine, name) -> dict:
     decode = engine.stats()["layers"][name]["decode"]
-    return {k: decode[k] for k in ("loads", "streamed", "evictions", "kernel_calls", "hits")}
+    keys = ("loads", "region_loads", "evictions", "kernel_calls", "hits")
+    return {k: decode[k] for k in keys}
 
 
 def test_a_call_needing_every_expert_reads_each_missing_one_once_in_one_launch(engine_on):
     # Issue 74 (1): at budget 0.5 of 4 layers, each layer keeps (4*8 - 16) / 3 = 5 own
     # slots and the region the other 12 rows; a call needing all 16 reads its 11 missing
-    # experts once, evicts none, and runs in one launch, equal to the reference kernel on
-    # every expert (one sum per token: exact).
+    # experts once into the region's rows, keeps its own 5, and runs in one launch, equal
+    # to the reference kernel on every expert (one sum per token: exact). Its experts stay
+    # in the rows until the next layer's call takes them (least recently used first).
     engine = engine_on({"budget": 0.5})
     assert [la.cache.num_slots for la in engine.layers.values()] == [5] * 4
     assert [la.cache.pool.region_rows for la in engine.layers.values()] == [12] * 4
     assert "one region of 12 rows" in engine.summary()
     x, w, ids = sweep_routing(0)
     disk = engine.store.tier("disk")
+    free_rows = 12
     for step in range(2):
         for name in NAMES:
             before, reads, nbytes = counted(engine, name), disk.stats.reads, disk.stats.bytes
@@ -173,11 +176,45 @@ def test_a_call_needing_every_expert_reads_each_missing_one_once_in_one_launch(e
             assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
             after = counted(engine, name)
             delta = {k: after[k] - before[k] for k in after}
-            expected = {"loads": 11, "streamed": 11, "evictions": 0, "kernel_calls": 1, "hits": 5}
+            evicted = 11 - min(free_rows, 11)  # (other layers' rows, once the free ones are gone)
+            free_rows -= 11 - evicted
+            expected = {
+                "loads": 11,
+                "region_loads": 11,
+                "evictions": evicted,
+                "kernel_calls": 1,
+                "hits": 5,
+            }
             assert delta == expected, (step, name, delta)
             assert disk.stats.reads - reads == 11  # each missing expert read once
             assert disk.stats.bytes - nbytes == 11 * engine.layers[name].experts.expert_nbytes
-            assert engine.layers[name].cache.num_resident() == 5  # (the rows forgotten)
+            cache = engine.layers[name].cache
+            assert cache.num_resident() == 16 and cache.expert_slot[:].max() < 5 + 12
+    held = [la.cache.num_resident() for la in engine.layers.values()]
+    assert sum(held) == 4 * 5 + 12  # every row of the memory holds an expert
+
+
+def test_small_calls_take_free_rows_then_the_least_recently_used_across_layers(engine_on):
+    # A call whose experts fit: its misses take the region's free rows before evicting
+    # its own experts; once the rows are full, whatever any layer used least recently
+    # (one clock for all): here the last layer's own warm-start experts, never used,
+    # rather than the rows the layers before it just loaded. So the budget's whole
+    # memory caches experts at a batch of one too.
+    engine = engine_on({"budget": 0.5})
+    rows = engine.layers[NAMES[0]].cache.pool.rows
+    ids = torch.tensor([[12, 13, 14, 15]], dtype=torch.int32)  # (none held: own hold 0-4)
+    x, w, _ = random_routing(1, E, K, seed=4)
+    for name in NAMES:
+        out = call(engine, name, x, w, ids)
+        assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+        if name == NAMES[2]:  # the three layers' misses filled the 12 free rows
+            assert [NAMES.index(h.experts.name) for h in rows.holder] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [NAMES.index(h.experts.name) for h in rows.holder] == [0] * 4 + [1] * 4 + [2] * 4
+    for name in NAMES[:3]:
+        own = engine.layers[name].cache.slot_expert[:5]
+        assert sorted(own.tolist()) == [0, 1, 2, 3, 4]  # nothing of theirs evicted
+    last = engine.layers[NAMES[3]].cache
+    assert sorted(last.slot_expert[:5].tolist()) == [4, 12, 13, 14, 15]
 
 
 def test_layers_back_to_back_through_the_region_each_compute_with_their_own_experts(engine_on):
@@ -217,3 +254,26 @@ def test_a_reconfigure_makes_the_region_again_for_the_new_budget(engine_on):
     assert torch.equal(
         call(engine, name, x, w, ids), reference_moe(x, w, ids, *LAYERS[name].values())
     )
+
+
+def test_a_prefetch_never_loads_into_a_row_another_layer_may_take(engine_on):
+    # A prefetch is not waited for in its call: in a row another layer's call takes it
+    # would land on that layer's expert. So it takes own slots only, never a row, even
+    # where the layer's least recently used expert sits in a row (found by the disk
+    # tests: a prefetch reused a row, the next layer's call found it in flight).
+    engine = engine_on({"budget": 0.5})
+    first, second = (engine.layers[n] for n in NAMES[:2])
+    x, w, ids = sweep_routing(0)
+    call(engine, first.name, x, w, ids)  # (its 11 misses in the rows)
+    cache = first.cache
+    own = cache.slot_expert[: cache.num_slots].copy()
+    small = torch.from_numpy(own[:4].astype(np.int32))[None]
+    call(engine, first.name, *random_routing(1, E, K, seed=9)[:2], small)  # own: used last
+    in_rows = np.flatnonzero(cache.expert_slot >= cache.num_slots)
+    wanted = in_rows[:3]
+    cache.release(wanted)  # (not resident: the prefetch loads them; the rows' others
+    stats = first.stats.decode  # are now the least recently used of the layer)
+    assert first.loader.prefetch(wanted, stats) == 3
+    assert np.all(cache.expert_slot[wanted] < cache.num_slots)
+    out = call(engine, second.name, x, w, ids)  # takes the rows: none is in flight
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[second.name].values()))

@@ -39,7 +39,7 @@ from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
 from vllm_specexpert.tiers.shared_region import RegionRefused, SharedRegion
-from vllm_specexpert.tiers.slots import LayerSlotPool, SharedPools, SlotPool
+from vllm_specexpert.tiers.slots import LayerSlotPool, RegionRows, SharedPools, SlotPool
 from vllm_specexpert.tiers.staging import HostReader
 from vllm_specexpert.tiers.store import ExpertDecoder, ExpertSource, ExpertStore
 
@@ -83,9 +83,10 @@ class OffloadEngine:
         self.splits_slots = splits_slots
         """Whether a layer's slots may be split into its own and a shared region's
         (:meth:`_region_for`); not where another engine sizes them (a draft's)."""
-        self.regions: dict[tuple, SharedRegion] = {}
-        """The shared regions of the layers' own pools, by their rows and slot shapes
-        (:meth:`_region_for`); ``region_refused``: why none could be made."""
+        self.regions: dict[tuple, RegionRows] = {}
+        """The shared regions of the layers' own pools and who holds their rows, by their
+        rows and slot shapes (:meth:`_region_for`); ``region_refused``: why none could be
+        made."""
         self.region_refused: str | None = None
         self._select(config)
         self._build_features()
@@ -195,7 +196,7 @@ class OffloadEngine:
         self.pipelines[layer.name] = composed
         layer.run = composed.run  # (a bound method: a call costs less than an instance's)
 
-    def _region_for(self, layer: OffloadedLayer, slots: int) -> tuple[int, SharedRegion | None]:
+    def _region_for(self, layer: OffloadedLayer, slots: int) -> tuple[int, RegionRows | None]:
         """The layer's own slots and the shared region its pool covers after them: where
         its experts are read from disk (bytes bind: each read once), the miss policy
         loads every missing expert on the device (``fetch``, ``stream``) into a layer's
@@ -232,15 +233,17 @@ class OffloadEngine:
         region = self.regions.get(key)
         if region is None:
             try:
-                region = self.regions[key] = SharedRegion(split.rows, experts.slot_shapes)
+                region = self.regions[key] = RegionRows(
+                    SharedRegion(split.rows, experts.slot_shapes)
+                )
             except RegionRefused as refused:
                 self.region_refused = str(refused)
                 return slots, None
         return split.own, region
 
     def _close_regions(self) -> None:
-        for region in self.regions.values():
-            region.close()  # (the memory goes with the last pool's tensors on it)
+        for rows in self.regions.values():
+            rows.region.close()  # (the memory goes with the last pool's tensors on it)
         self.regions = {}
 
     def link_layers(self, name: str, next_name: str) -> None:

@@ -224,9 +224,6 @@ def run_on_device(
     if cache.capacity_for(needed):
         loader.acquire(needed, stats)
         return _launch(loader, call, needed)
-    missing = needed[cache.expert_slot[needed] < 0]
-    if len(missing) <= cache.pool.region_rows:
-        return run_through_region(loader, call, needed, missing)
     if loader.splits_tokens:
         return run_streamed(loader, call)
     out = torch.empty_like(call.x)
@@ -248,21 +245,6 @@ def run_on_device(
         out[upload(ready, call.x.device)] = _launch(loader, part, np.unique(ids[ready]))
         remaining = np.setdiff1d(remaining, ready, assume_unique=True)
     return out
-
-
-def run_through_region(
-    loader: ExpertLoader, call: LayerCall, needed: np.ndarray, missing: np.ndarray
-) -> torch.Tensor:
-    """A call whose experts do not fit the layer's own slots, in one launch: the resident
-    ones where they are, each of the ``missing`` ones read once into the shared region's
-    rows (:mod:`~vllm_specexpert.tiers.shared_region`), which every layer's tensor covers
-    after its own slots. One launch rounds each token's sum once, as vanilla's: exact."""
-    loader.acquire(np.setdiff1d(needed, missing, assume_unique=True), call.stats)  # (hits)
-    loader.stream(missing, call.stats)  # (into the region's rows: evicting nothing)
-    try:
-        return _launch(loader, call, needed)
-    finally:
-        loader.unstream(missing)
 
 
 def run_streamed(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:

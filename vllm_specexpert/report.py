@@ -187,7 +187,8 @@ def summary(engine: ReportedEngine) -> str:
     if rows:
         residency += (
             f", and one region of {'/'.join(map(str, rows))} rows every layer's slots "
-            "cover (a call's missing experts, read once, run in one launch)"
+            "cover (any layer's demand loads take them: a call's experts run in one "
+            "launch, each read once)"
         )
     elif engine.region_refused is not None:
         residency += f" (no shared region: {engine.region_refused}; token groups)"

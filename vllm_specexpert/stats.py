@@ -106,9 +106,10 @@ class PhaseStats(Counters):
     misses: int = counter("Requests that were not resident.")
     loads: int = counter("Experts whose copy into a slot started (on demand or prefetched).")
     evictions: int = counter("Resident experts evicted to make room.")
-    streamed: int = counter(
-        "Experts read into the shared region for one call, which ran them with the "
-        "resident ones in one launch (not kept after it; also counted in ``loads``)."
+    region_loads: int = counter(
+        "Of ``loads``, those into a shared region's rows: slots every layer's slot "
+        "tensors cover after their own, which a layer's demand loads take from whichever "
+        "layer used its row least recently."
     )
     bytes_loaded: int = counter("Bytes of those copies (including prefetches).")
     stall_s: float = seconds(

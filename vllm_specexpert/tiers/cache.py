@@ -201,29 +201,21 @@ class ExpertCache:
     # ---------------------------------------------------------------- changes
 
     def take_slots(
-        self, count: int, keep: np.ndarray, demand: np.ndarray | None = None
+        self,
+        count: int,
+        keep: np.ndarray,
+        demand: np.ndarray | None = None,
+        shared: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``(slots, evicted experts)``: ``count`` slots, free ones first, then those of
-        the pool's :meth:`~SlotPool.victims` (in a shared pool, maybe other layers')."""
-        free = self.pool.free_slots()
-        if len(free) >= count:
-            return free[:count], free[:0]
-        owners, candidates = self.pool.victims(self, keep, demand)
-        need = count - len(free)
-        if len(candidates) < need:
-            raise RuntimeError(
-                f"{self.experts.name}: cannot free {need} slots (capacity check skipped?)"
-            )
-        owners, victims = owners[:need], candidates[:need]
-        freed = [
-            self.pool.caches[owner].release(victims[owners == owner]) for owner in np.unique(owners)
-        ]
-        return np.concatenate([free, *freed]), victims
+        """``(slots, evicted experts)``: ``count`` slots, free ones first, then victims
+        (:meth:`SlotPool.take`: in a shared pool maybe other layers'; ``shared``, a
+        demand load, may take a shared region's rows other layers hold)."""
+        return self.pool.take(self, count, keep, demand, shared)
 
     def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
         """Record that ``slots`` (free) now hold ``experts`` (not resident)."""
         self.slot_expert[slots] = experts
-        self.pool.owner[slots] = self.index
+        self.pool.claim(slots, self.index)
         self.expert_slot[experts] = slots
         self._map_dirty[experts] = True
 
@@ -232,7 +224,7 @@ class ExpertCache:
         slots = self.expert_slot[experts].astype(np.int64)
         self.expert_slot[experts] = -1
         self.slot_expert[slots] = -1
-        self.pool.owner[slots] = -1
+        self.pool.free(slots)
         self.protected[experts] = False
         self._map_dirty[experts] = True
         if self.identity:
@@ -245,8 +237,7 @@ class ExpertCache:
         """``experts`` are used by a kernel call now (eviction order)."""
         if self.recency_frozen:
             return
-        self.pool.clock += 1
-        self.policy.on_use(experts, self.pool.clock)
+        self.policy.on_use(experts, self.pool.tick())
 
     @contextlib.contextmanager
     def frozen_recency(self) -> Iterator[None]:

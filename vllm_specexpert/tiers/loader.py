@@ -85,27 +85,8 @@ class ExpertLoader:
         stats.misses += len(missing)
         stats.hits += len(experts) - len(missing)
         if len(missing):
-            slots = self._take_slots(len(missing), keep, stats, demand=future_demand)
+            slots = self._take_slots(len(missing), keep, stats, demand=future_demand, shared=True)
             self._load(missing, slots, stats, prefetch=False, ahead=ahead)
-
-    def stream(self, experts: np.ndarray, stats: PhaseStats) -> None:
-        """Read ``experts`` (distinct, not resident, at most the pool's region rows) into
-        the shared region's rows for one launch, in one transfer (the slow tier reads
-        them in id order, its file order) and wait for them; :meth:`unstream` forgets
-        them after the launch. No resident expert is evicted."""
-        cache = self.cache
-        slots = cache.pool.region_slots()[: len(experts)]
-        stats.requests += len(experts)
-        stats.misses += len(experts)
-        stats.streamed += len(experts)
-        self._retire(slots)
-        self._load(experts, slots, stats, prefetch=False)
-        self._wait_for(experts, stats)
-        cache.touch(experts)  # (counted as used: what a cache keeps may weigh it)
-
-    def unstream(self, experts: np.ndarray) -> None:
-        """The launch on the region's rows is over: another layer's call may fill them."""
-        self.cache.release(experts)
 
     def land(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """:meth:`acquire`'s second half: block until ``experts`` hold their data."""
@@ -223,10 +204,19 @@ class ExpertLoader:
     # ----------------------------------------------------------------- internals
 
     def _take_slots(
-        self, count: int, keep: np.ndarray, stats: PhaseStats, demand: np.ndarray | None = None
+        self,
+        count: int,
+        keep: np.ndarray,
+        stats: PhaseStats,
+        demand: np.ndarray | None = None,
+        shared: bool = False,
     ) -> np.ndarray:
-        slots, evicted = self.cache.take_slots(count, keep, demand)
+        """``shared``: a demand load (waited for in its call), which may take a shared
+        region's rows (a prefetch may not: :class:`~.slots.RegionRows`)."""
+        cache = self.cache
+        slots, evicted = cache.take_slots(count, keep, demand, shared)
         stats.evictions += len(evicted)
+        stats.region_loads += int(np.count_nonzero(slots >= cache.pool.joined_slots))
         self._retire(slots)
         return slots
 

@@ -41,9 +41,25 @@ class PooledCache(Protocol):
     policy: EvictionPolicy
     expert_slot: np.ndarray
 
+    pool: SlotPool
+
     def resident_mask(self) -> np.ndarray: ...
     def evictable(self, keep: np.ndarray) -> np.ndarray: ...
     def warm_start(self, offset: int, count: int) -> None: ...
+    def release(self, experts: np.ndarray) -> np.ndarray: ...
+
+
+class RegionRows:
+    """Which layer's expert each row of a shared region holds
+    (:mod:`~vllm_specexpert.tiers.shared_region`): its rows are slots that any layer's
+    call may load into (demand loads only: a prefetch in flight in a row another layer
+    takes would land on that layer's expert), taken from whichever layer used its
+    expert there least recently, by one clock for every layer on the region."""
+
+    def __init__(self, region: SharedRegion) -> None:
+        self.region = region
+        self.holder: list[PooledCache | None] = [None] * region.rows
+        self.clock = 0
 
 
 class SlotPool:
@@ -77,6 +93,44 @@ class SlotPool:
     @property
     def num_slots(self) -> int:
         return len(self.owner)
+
+    def tick(self) -> int:
+        """A kernel call: the recency clock, one step on."""
+        self.clock += 1
+        return self.clock
+
+    def claim(self, slots: np.ndarray, index: int) -> None:
+        """``slots`` (free) hold experts of cache ``index`` now."""
+        self.owner[slots] = index
+
+    def free(self, slots: np.ndarray) -> None:
+        self.owner[slots] = -1
+
+    def take(
+        self,
+        cache: PooledCache,
+        count: int,
+        keep: np.ndarray,
+        demand: np.ndarray | None = None,
+        shared: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, evicted experts)``: ``count`` slots for ``cache``, free ones first,
+        then those of :meth:`victims` (in a shared pool, maybe other layers').
+        ``shared``: a demand load, which may take a shared region's rows."""
+        free = self.free_slots()
+        if len(free) >= count:
+            return free[:count], free[:0]
+        owners, candidates = self.victims(cache, keep, demand)
+        need = count - len(free)
+        if len(candidates) < need:
+            raise RuntimeError(
+                f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
+            )
+        owners, victims = owners[:need], candidates[:need]
+        freed = [
+            self.caches[owner].release(victims[owners == owner]) for owner in np.unique(owners)
+        ]
+        return np.concatenate([free, *freed]), victims
 
     @property
     def joined_slots(self) -> int:
@@ -130,12 +184,12 @@ class SlotPool:
         self.last_write = self.last_read = None
 
     def free_slots(self) -> np.ndarray:
-        """Own slots free (the region's rows are a call's, :meth:`region_slots`)."""
+        """Own slots free (a shared region's rows: :meth:`LayerSlotPool.take`)."""
         return np.flatnonzero(self.owner[: self.joined_slots] < 0)
 
     @property
     def region_rows(self) -> int:
-        """How many experts a call may stream through the shared region (0: none)."""
+        """Rows of a shared region after the own slots (0: none)."""
         return self.num_slots - self.joined_slots if self.region is not None else 0
 
     def region_slots(self) -> np.ndarray:
@@ -190,26 +244,110 @@ class SlotPool:
 
 
 class LayerSlotPool(SlotPool):
-    """One layer's own pool: its eviction policy's order, the least demanded first."""
+    """One layer's own pool: its eviction policy's order, the least demanded first. With
+    :class:`RegionRows`, its tensors cover a shared region's rows after its own slots,
+    which its demand loads take as every layer's do (:meth:`take`)."""
+
+    def __init__(self, device: torch.device, rows: RegionRows | None = None) -> None:
+        super().__init__(device, rows.region if rows is not None else None)
+        self.rows = rows
+
+    def tick(self) -> int:
+        if self.rows is None:
+            return super().tick()
+        self.rows.clock += 1  # (one clock: recency compares across the region's layers)
+        return self.rows.clock
+
+    def claim(self, slots: np.ndarray, index: int) -> None:
+        super().claim(slots, index)
+        if self.rows is not None:
+            for row in (slots[slots >= self.joined_slots] - self.joined_slots).tolist():
+                self.rows.holder[row] = self.caches[index]
+
+    def free(self, slots: np.ndarray) -> None:
+        super().free(slots)
+        if self.rows is not None:
+            for row in (slots[slots >= self.joined_slots] - self.joined_slots).tolist():
+                self.rows.holder[row] = None
+
+    def take(
+        self,
+        cache: PooledCache,
+        count: int,
+        keep: np.ndarray,
+        demand: np.ndarray | None = None,
+        shared: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """With a region and ``shared`` (a demand load): free own slots, then free rows,
+        then, least recently used first across the layers (the least demanded of the
+        call's first), the cache's own victims and the rows other layers hold."""
+        rows = self.rows
+        if rows is None or not shared:
+            return super().take(cache, count, keep, demand)
+        free = np.concatenate([self.free_slots(), self._free_rows()])
+        if len(free) >= count:
+            return free[:count], free[:0]
+        holders, experts, last_used, wanted = [], [], [], []
+        mine = cache.evictable(keep)
+        holders += [cache] * len(mine)
+        experts.append(mine)
+        last_used.append(cache.policy.last_used[mine])
+        wanted.append(demand[mine] if demand is not None else np.zeros(len(mine)))
+        for holder in {id(h): h for h in rows.holder if h is not None and h is not cache}.values():
+            held = np.flatnonzero(holder.expert_slot >= holder.pool.joined_slots)
+            held = np.intersect1d(held, holder.evictable(NO_EXPERTS))
+            holders += [holder] * len(held)
+            experts.append(held)
+            last_used.append(holder.policy.last_used[held])
+            wanted.append(np.zeros(len(held)))
+        order = np.lexsort((np.concatenate(last_used), np.concatenate(wanted)))
+        need = count - len(free)
+        if len(order) < need:
+            raise RuntimeError(
+                f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
+            )
+        chosen = order[:need]
+        victims = np.concatenate(experts)[chosen]
+        taken = [free]
+        for holder in {id(holders[i]): holders[i] for i in chosen}.values():
+            of = [i for i in chosen if holders[i] is holder]
+            slots = holder.release(np.concatenate(experts)[of])
+            if holder is not cache:  # (its rows, as this pool's slots)
+                if any(s in holder.pool.in_flight for s in slots.tolist()):
+                    raise RuntimeError(f"{holder.experts.name}: a region row in flight")
+                slots = slots - holder.pool.joined_slots + self.joined_slots
+            taken.append(slots)
+        return np.concatenate(taken), victims
+
+    def _free_rows(self) -> np.ndarray:
+        assert self.rows is not None
+        free = [row for row, holder in enumerate(self.rows.holder) if holder is None]
+        return np.asarray(free, dtype=np.int64) + self.joined_slots
 
     def victims(
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
+        """Its own slots' (a region's rows go by :meth:`take` to demand loads only)."""
         candidates = requester.policy.order(requester.evictable(keep))
+        if self.rows is not None:
+            candidates = candidates[requester.expert_slot[candidates] < self.joined_slots]
         if demand is not None:
             # Stable sort keeps the policy order among equal demand.
             candidates = candidates[np.argsort(demand[candidates], kind="stable")]
         return np.full(len(candidates), requester.index, dtype=np.int32), candidates
 
     def capacity_for(self, cache: PooledCache, experts: np.ndarray) -> bool:
-        if len(experts) <= cache.rotating_slots:
+        if len(experts) <= cache.rotating_slots + self.region_rows:
             return True
         pinned_resident = cache.policy.pinned & cache.resident_mask()
         outside = np.count_nonzero(~pinned_resident[experts])
-        return bool(outside <= cache.num_slots - int(pinned_resident.sum()))
+        return bool(outside <= self.capacity(cache))
 
     def capacity(self, cache: PooledCache) -> int:
-        return cache.num_slots - int(np.count_nonzero(cache.policy.pinned & cache.resident_mask()))
+        """Its own slots not pinned, and every row of a region (what other layers hold
+        there is a demand load's to take: no layer but the running one needs it now)."""
+        pinned = int(np.count_nonzero(cache.policy.pinned & cache.resident_mask()))
+        return cache.num_slots - pinned + self.region_rows
 
 
 class SharedSlotPool(SlotPool):
