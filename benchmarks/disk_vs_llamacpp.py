@@ -940,7 +940,8 @@ def plugin_run(llm, batch: int) -> dict:
     at_decode: dict = {}
 
     def decode_starts() -> None:  # (the scheduler's and the draft's work in the prefill)
-        at_decode.update(work_s(vllm_specexpert.get_stats(llm)[0]))
+        at_start = vllm_specexpert.get_stats(llm)[0]
+        at_decode.update(work_s(at_start), disk_busy=at_start["disk"].get("busy_s", 0.0))
 
     with Window() as window, ROUTES.recording():
         first, steps = stepped_generate(llm, prompts, tokens, decode_starts)
@@ -966,6 +967,12 @@ def plugin_run(llm, batch: int) -> dict:
         **checks(stats["disk"], first + decode_s),
         "disk_gbps_while_waited": stats["disk"].get("waited_gbps", float("nan")),
         "disk_gbps_while_reading": stats["disk"].get("busy_gbps", float("nan")),
+        # (slots: the reader's time with a read in flight over the decode steps' time)
+        "disk_busy_share_of_decode": (
+            (stats["disk"]["busy_s"] - at_decode["disk_busy"]) / decode_s
+            if "busy_s" in stats["disk"] and decode_s > 0
+            else float("nan")
+        ),
         "os_read_gb_full_run": window.read / 1e9,
         "page_cache_growth_gb_full_run": window.cached / 1e9,
         **window.cgroup,
@@ -1560,6 +1567,12 @@ def markdown(payload: dict, command: str) -> str:
         *headroom_table(payload),
         *breakdown_table(payload),
         *table("GB read from disk per decode token:", "gb_read_per_decode_token", 3, True),
+        *table(
+            "The disk's busy share of the decode steps (time with a read in flight / decode "
+            "time; slots residency):",
+            "disk_busy_share_of_decode",
+            2,
+        ),
         *(check_table if check_rows else []),
         *(memory_table if memory_rows else []),
         *(accuracy_table if accuracy_rows else []),

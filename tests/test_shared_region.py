@@ -3,6 +3,7 @@ slot tensor covers its own rows and then the same region rows; the own rows are 
 layer's; the mappings go with the last tensor on them."""
 
 import gc
+import itertools
 import re
 from pathlib import Path
 
@@ -277,3 +278,43 @@ def test_a_prefetch_never_loads_into_a_row_another_layer_may_take(engine_on):
     assert np.all(cache.expert_slot[wanted] < cache.num_slots)
     out = call(engine, second.name, x, w, ids)  # takes the rows: none is in flight
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[second.name].values()))
+
+
+def test_the_next_layers_reads_run_beside_a_launch_and_never_into_its_rows(engine_on):
+    # Issue 74 (2): before a layer's launch, the following layer's last demand is read
+    # ahead into rows the launch does not use. The kernel here waits for every read in
+    # flight to land before it computes, so a read ahead into a row of the running
+    # launch would be in that launch's weights: its output would differ from the
+    # reference. Calls of 3 tokens need up to 12 experts, more than the 5 own slots,
+    # and leave rows spare; the same routing each step, so every read ahead is used.
+    # Then sweeps: a launch holds 11 of the 12 rows, one is spare for the reads ahead.
+    engine = engine_on({"budget": 0.5})
+    for name, next_name in itertools.pairwise(NAMES):
+        engine.link_layers(name, next_name)
+
+    def waiting_kernel(*args):
+        for layer in engine.layers.values():
+            for transfer in list(layer.loader.reads_ahead.values()):
+                transfer.done.wait()  # (the CPU link's: landed, whoever copied it)
+        return slot_kernel(*args)
+
+    def step(routings):
+        for name in NAMES:
+            x, w, ids = routings[name]
+            phases = PassPhases.decode_only(x.shape[0])
+            out = engine.run_call(LayerCall(name, waiting_kernel, x, w, ids, phases))
+            assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values())), name
+
+    def read_ahead() -> tuple[int, int]:
+        decode = [engine.stats()["layers"][n]["decode"] for n in NAMES]
+        return sum(d["read_ahead"] for d in decode), sum(d["read_ahead_unused"] for d in decode)
+
+    small = {name: random_routing(3, E, K, seed=20 + i) for i, name in enumerate(NAMES)}
+    for _ in range(3):
+        step(small)
+    read, unused = read_ahead()
+    assert read > 0 and unused == 0
+    sweeps = {name: sweep_routing(30 + i) for i, name in enumerate(NAMES)}
+    for _ in range(2):
+        step(sweeps)
+    assert read_ahead()[0] > read

@@ -90,6 +90,8 @@ its floor::
                         (sampled rows, their differences, judged at the final norm)
      8  pipeline        a layer's call as stages composed once (on_call, route, the
                         host read, plan, run, finish), the decode call's typed values
+     9  read_ahead      the following layer's reads ahead through the shared region,
+                        started before a launch (they overlap its compute)
      9  features/       EngineFeature (base: hooks, EngineParts), the registry
                         (__init__): quality, prediction, mesh (peers, early fire),
                         lookahead (governor, the draft's planner), draft_routes (the

@@ -35,6 +35,7 @@ from vllm_specexpert.layer_checks import check_layers
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
+from vllm_specexpert.read_ahead import RegionReadAhead
 from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
@@ -184,10 +185,13 @@ class OffloadEngine:
         every expert in the slot of its id is composed again."""
         layer.cache.identity_lost = functools.partial(self._compose, layer)
         running = self.features
+        stages = [stage for f in running for stage in f.stages(layer)]
+        if layer.cache.pool.rows is not None:
+            stages.append(RegionReadAhead(functools.partial(self._following, layer)).stage())
         composed = pipeline.compose(
             layer,
             self.miss_policy,
-            [stage for f in running for stage in f.stages(layer)],
+            stages,
             [wrap for f in running if (wrap := f.wrap_run(layer)) is not None],
             [check for f in running if (check := f.exact_check()) is not None],
             self.reader,
@@ -195,6 +199,20 @@ class OffloadEngine:
         )
         self.pipelines[layer.name] = composed
         layer.run = composed.run  # (a bound method: a call costs less than an instance's)
+
+    def _following(self, layer: OffloadedLayer) -> OffloadedLayer | None:
+        """The layer whose call comes after ``layer``'s on the same shared region (the
+        last of the linked layers': the first, in the next step), if any."""
+        name = layer.next_name
+        if name is None and all(
+            other.next_name is not None for other in self.layers.values() if other is not layer
+        ):
+            name = next(iter(self.layers))
+        nxt = self.layers.get(name) if name is not None else None
+        if nxt is None or nxt is layer or not nxt.equipped:
+            return None
+        rows = nxt.cache.pool.rows
+        return nxt if rows is not None and rows is layer.cache.pool.rows else None
 
     def _region_for(self, layer: OffloadedLayer, slots: int) -> tuple[int, RegionRows | None]:
         """The layer's own slots and the shared region its pool covers after them: where

@@ -111,6 +111,12 @@ class PhaseStats(Counters):
         "tensors cover after their own, which a layer's demand loads take from whichever "
         "layer used its row least recently."
     )
+    read_ahead: int = counter(
+        "Of ``loads``, those queued while the layer before computed: the experts this "
+        "layer's last call used, read ahead into the shared region where the batch needs "
+        "more than the layer's own slots hold."
+    )
+    read_ahead_unused: int = counter("Of those, experts the call then did not ask for.")
     bytes_loaded: int = counter("Bytes of those copies (including prefetches).")
     stall_s: float = seconds(
         "Seconds the compute waited on this layer's copies (on-demand loads, and "

@@ -17,6 +17,8 @@ when a copy starts (a dropped prefetch never counts as moved).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -37,6 +39,10 @@ class ExpertLoader:
         instead of whole tokens in groups (exact)."""
         self.prefetches: dict[int, Transfer] = {}
         """Protected expert -> its prefetch (cancellable until it starts)."""
+        self.reads_ahead: dict[int, Transfer] = {}
+        """Expert -> its read ahead of the next call (:meth:`read_ahead`), until that call."""
+        self.last_needed: np.ndarray | None = None
+        """The distinct experts of the layer's last call (what its next is expected to need)."""
 
     @property
     def in_flight(self) -> dict[int, Transfer]:
@@ -152,6 +158,25 @@ class ExpertLoader:
         if len(experts):
             self._load_ahead(experts, self._take_slots(len(experts), experts, stats), stats)
 
+    def read_ahead(self, experts: np.ndarray, stats: PhaseStats, count: int) -> int:
+        """Queue reads of up to ``count`` of ``experts`` (distinct, in file order: what the
+        layer's next call is expected to need) that are not resident, into the slots and
+        shared rows its demand loads would take, none of ``experts`` and none in use (the
+        running call's, another layer's). Unlike a prefetch they may take a shared
+        region's rows: the next call waits for them, or, not needing them, its start
+        does (:meth:`begin_run`), before any other layer's call could take their row.
+        Returns how many reads were queued."""
+        cache = self.cache
+        missing = experts[cache.expert_slot[experts] < 0]
+        missing = missing[: min(count, cache.pool.room(cache, experts))]
+        if not len(missing):
+            return 0
+        slots = self._take_slots(len(missing), experts, stats, shared=True)
+        transfer = self._load(missing, slots, stats, prefetch=False, ahead=True)
+        self.reads_ahead.update(dict.fromkeys(missing.tolist(), transfer))
+        stats.read_ahead += len(missing)
+        return len(missing)
+
     def admit(self, expert: int, stats: PhaseStats) -> bool:
         """Load ``expert`` (just computed elsewhere) in the background if the link is idle."""
         if self.cache.expert_slot[expert] >= 0 or not self.link.idle():
@@ -160,7 +185,11 @@ class ExpertLoader:
 
     def begin_run(self, experts: np.ndarray, stats: PhaseStats) -> None:
         """A layer call needing ``experts`` starts: release the protected prefetches;
-        those not needed are cancelled if not started (slots freed), else count as unused."""
+        those not needed are cancelled if not started (slots freed), else count as unused.
+        Reads ahead it does not need are waited for (their rows are then any layer's)."""
+        self.last_needed = experts
+        if self.reads_ahead:
+            self._settle_reads_ahead(experts, stats)
         if not self.prefetches:
             return
         wanted = np.zeros(self.cache.num_experts, dtype=bool)
@@ -176,6 +205,17 @@ class ExpertLoader:
                 stats.prefetch_unused += 1
         self.prefetches.clear()
         self.cache.protected[:] = False
+
+    def _settle_reads_ahead(self, experts: np.ndarray, stats: PhaseStats) -> None:
+        """The call needing ``experts`` waits for those reads ahead (:meth:`land`); the
+        others are waited for now, so that no row is in flight past its call."""
+        unneeded = np.setdiff1d(np.fromiter(self.reads_ahead, dtype=np.int64), experts)
+        self.reads_ahead.clear()
+        stats.read_ahead_unused += len(unneeded)
+        # A failed read of an expert this call does not use: _wait_for freed its slot,
+        # and a call that needs it reads it again.
+        with contextlib.suppress(Exception):
+            self._wait_for(unneeded, stats)
 
     def evict(self, experts: np.ndarray, stats: PhaseStats) -> np.ndarray:
         """Evict (and return) those of ``experts`` resident and neither pinned nor protected."""

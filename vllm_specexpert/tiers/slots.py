@@ -52,9 +52,10 @@ class PooledCache(Protocol):
 class RegionRows:
     """Which layer's expert each row of a shared region holds
     (:mod:`~vllm_specexpert.tiers.shared_region`): its rows are slots that any layer's
-    call may load into (demand loads only: a prefetch in flight in a row another layer
-    takes would land on that layer's expert), taken from whichever layer used its
-    expert there least recently, by one clock for every layer on the region."""
+    call may load into (demand loads, and reads ahead that the next call settles; not a
+    prefetch, which stays in flight past its call: in a row another layer takes it would
+    land on that layer's expert), taken from whichever layer used its expert there least
+    recently, by one clock for every layer on the region."""
 
     def __init__(self, region: SharedRegion) -> None:
         self.region = region
@@ -68,6 +69,8 @@ class SlotPool:
     shared one) makes the tensors and warm-starts each cache in its share."""
 
     shared: ClassVar[bool] = False
+    rows: RegionRows | None = None
+    """Who holds each row of its shared region (:class:`LayerSlotPool`'s; ``None``: none)."""
     readable_as_is: ClassVar[bool] = True
     """The kernel may read a slot as it is; ``False``: :meth:`readable` first."""
 
@@ -242,6 +245,11 @@ class SlotPool:
         """How many experts of ``cache`` a prefetch may load now without evicting ``keep``."""
         return self.available_for(cache, keep)
 
+    def room(self, cache: PooledCache, keep: np.ndarray) -> int:
+        """How many experts of ``cache`` a demand load could bring now without evicting
+        ``keep`` (:meth:`take` with ``shared``)."""
+        return self.available_for(cache, keep)
+
 
 class LayerSlotPool(SlotPool):
     """One layer's own pool: its eviction policy's order, the least demanded first. With
@@ -281,43 +289,60 @@ class LayerSlotPool(SlotPool):
         """With a region and ``shared`` (a demand load): free own slots, then free rows,
         then, least recently used first across the layers (the least demanded of the
         call's first), the cache's own victims and the rows other layers hold."""
-        rows = self.rows
-        if rows is None or not shared:
+        if self.rows is None or not shared:
             return super().take(cache, count, keep, demand)
         free = np.concatenate([self.free_slots(), self._free_rows()])
         if len(free) >= count:
             return free[:count], free[:0]
-        holders, experts, last_used, wanted = [], [], [], []
+        holders, experts = self._shared_victims(cache, keep, demand)
+        need = count - len(free)
+        if len(experts) < need:
+            raise RuntimeError(
+                f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
+            )
+        holders, victims = holders[:need], experts[:need]
+        taken = [free]
+        for holder in {id(h): h for h in holders}.values():
+            slots = holder.release(victims[[h is holder for h in holders]])
+            if holder is not cache:  # (its rows, as this pool's slots)
+                slots = slots - holder.pool.joined_slots + self.joined_slots
+            taken.append(slots)
+        return np.concatenate(taken), victims
+
+    def room(self, cache: PooledCache, keep: np.ndarray) -> int:
+        if self.rows is None:
+            return self.available_for(cache, keep)
+        free = len(self.free_slots()) + len(self._free_rows())
+        return free + len(self._shared_victims(cache, keep, None)[1])
+
+    def _shared_victims(
+        self, cache: PooledCache, keep: np.ndarray, demand: np.ndarray | None
+    ) -> tuple[list[PooledCache], np.ndarray]:
+        """``(holders, experts)`` a demand load of ``cache`` may evict, first to go first:
+        least recently used across the layers (the least demanded of the call's first),
+        the cache's own evictable experts and the rows other layers hold, none in use
+        and none still being read for its layer."""
+        assert self.rows is not None
+        holders: list[PooledCache] = []
+        experts, last_used, wanted = [], [], []
         mine = cache.evictable(keep)
         holders += [cache] * len(mine)
         experts.append(mine)
         last_used.append(cache.policy.last_used[mine])
         wanted.append(demand[mine] if demand is not None else np.zeros(len(mine)))
-        for holder in {id(h): h for h in rows.holder if h is not None and h is not cache}.values():
-            held = np.flatnonzero(holder.expert_slot >= holder.pool.joined_slots)
-            held = np.intersect1d(held, holder.evictable(NO_EXPERTS))
+        others = {id(h): h for h in self.rows.holder if h is not None and h is not cache}
+        for holder in others.values():
+            joined, in_flight = holder.pool.joined_slots, holder.pool.in_flight
+            held = np.intersect1d(
+                np.flatnonzero(holder.expert_slot >= joined), holder.evictable(NO_EXPERTS)
+            )
+            held = held[[int(holder.expert_slot[e]) not in in_flight for e in held.tolist()]]
             holders += [holder] * len(held)
             experts.append(held)
             last_used.append(holder.policy.last_used[held])
             wanted.append(np.zeros(len(held)))
         order = np.lexsort((np.concatenate(last_used), np.concatenate(wanted)))
-        need = count - len(free)
-        if len(order) < need:
-            raise RuntimeError(
-                f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
-            )
-        chosen = order[:need]
-        victims = np.concatenate(experts)[chosen]
-        taken = [free]
-        for holder in {id(holders[i]): holders[i] for i in chosen}.values():
-            of = [i for i in chosen if holders[i] is holder]
-            slots = holder.release(np.concatenate(experts)[of])
-            if holder is not cache:  # (its rows, as this pool's slots)
-                if any(s in holder.pool.in_flight for s in slots.tolist()):
-                    raise RuntimeError(f"{holder.experts.name}: a region row in flight")
-                slots = slots - holder.pool.joined_slots + self.joined_slots
-            taken.append(slots)
-        return np.concatenate(taken), victims
+        return [holders[i] for i in order], np.concatenate(experts)[order]
 
     def _free_rows(self) -> np.ndarray:
         assert self.rows is not None
