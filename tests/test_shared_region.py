@@ -161,44 +161,48 @@ def test_a_call_needing_every_expert_reads_each_missing_one_once_in_one_launch(e
     # Issue 74 (1): at budget 0.5 of 4 layers, each layer keeps (4*8 - 16) / 3 = 5 own
     # slots and the region the other 12 rows; a call needing all 16 reads its 11 missing
     # experts once into the region's rows, keeps its own 5, and runs in one launch, equal
-    # to the reference kernel on every expert (one sum per token: exact). Its experts stay
-    # in the rows until the next layer's call takes them (least recently used first).
+    # to the reference kernel on every expert (one sum per token: exact). A row goes
+    # first from the layer whose next call comes last (the one that ran just before):
+    # in step 0 each layer takes the rows of the one before it, so the first layer's
+    # twelfth row stays; in step 1 the first layer finds that expert there (6 hits, 10
+    # reads), and the last finds the one of its rows the first layer did not need.
     engine = engine_on({"budget": 0.5})
     assert [la.cache.num_slots for la in engine.layers.values()] == [5] * 4
     assert [la.cache.pool.region_rows for la in engine.layers.values()] == [12] * 4
     assert "one region of 12 rows" in engine.summary()
     x, w, ids = sweep_routing(0)
     disk = engine.store.tier("disk")
-    free_rows = 12
+    hits = {(0, 0): 5, (0, 1): 5, (0, 2): 5, (0, 3): 5, (1, 0): 6, (1, 1): 5, (1, 2): 5}
+    hits[1, 3] = 6
     for step in range(2):
-        for name in NAMES:
+        for index, name in enumerate(NAMES):
             before, reads, nbytes = counted(engine, name), disk.stats.reads, disk.stats.bytes
             out = call(engine, name, x, w, ids)
             assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
             after = counted(engine, name)
             delta = {k: after[k] - before[k] for k in after}
-            evicted = 11 - min(free_rows, 11)  # (other layers' rows, once the free ones are gone)
-            free_rows -= 11 - evicted
+            missing = 16 - hits[step, index]
+            free = 12 if (step, index) == (0, 0) else 1 if (step, index) == (0, 1) else 0
             expected = {
-                "loads": 11,
-                "region_loads": 11,
-                "evictions": evicted,
+                "loads": missing,
+                "region_loads": missing,
+                "evictions": missing - min(free, missing),
                 "kernel_calls": 1,
-                "hits": 5,
+                "hits": hits[step, index],
             }
             assert delta == expected, (step, name, delta)
-            assert disk.stats.reads - reads == 11  # each missing expert read once
-            assert disk.stats.bytes - nbytes == 11 * engine.layers[name].experts.expert_nbytes
+            assert disk.stats.reads - reads == missing  # each missing expert read once
+            assert disk.stats.bytes - nbytes == missing * engine.layers[name].experts.expert_nbytes
             cache = engine.layers[name].cache
             assert cache.num_resident() == 16 and cache.expert_slot[:].max() < 5 + 12
     held = [la.cache.num_resident() for la in engine.layers.values()]
     assert sum(held) == 4 * 5 + 12  # every row of the memory holds an expert
 
 
-def test_small_calls_take_free_rows_then_the_least_recently_used_across_layers(engine_on):
+def test_small_calls_take_free_rows_then_the_longest_unused_across_layers(engine_on):
     # A call whose experts fit: its misses take the region's free rows before evicting
-    # its own experts; once the rows are full, whatever any layer used least recently
-    # (one clock for all): here the last layer's own warm-start experts, never used,
+    # its own experts; once the rows are full, whatever has gone unused longest, counted
+    # from its layer's last call: here the last layer's own warm-start experts, never used,
     # rather than the rows the layers before it just loaded. So the budget's whole
     # memory caches experts at a batch of one too.
     engine = engine_on({"budget": 0.5})

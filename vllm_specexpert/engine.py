@@ -201,15 +201,11 @@ class OffloadEngine:
         layer.run = composed.run  # (a bound method: a call costs less than an instance's)
 
     def _following(self, layer: OffloadedLayer) -> OffloadedLayer | None:
-        """The layer whose call comes after ``layer``'s on the same shared region (the
-        last of the linked layers': the first, in the next step), if any."""
-        name = layer.next_name
-        if name is None and all(
-            other.next_name is not None for other in self.layers.values() if other is not layer
-        ):
-            name = next(iter(self.layers))
-        nxt = self.layers.get(name) if name is not None else None
-        if nxt is None or nxt is layer or not nxt.equipped:
+        """The layer whose call comes after ``layer``'s in the pass, on the same shared
+        region, if any (the last layer has none: a read ahead of the next pass's first
+        layer would still be moving when the pass ends, and wasted after the last)."""
+        nxt = self.layers.get(layer.next_name) if layer.next_name is not None else None
+        if nxt is None or not nxt.equipped:
             return None
         rows = nxt.cache.pool.rows
         return nxt if rows is not None and rows is layer.cache.pool.rows else None

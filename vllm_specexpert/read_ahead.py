@@ -26,8 +26,8 @@ READ_AHEAD_WINDOWS = 1
 
 
 class RegionReadAhead:
-    """One layer's read ahead of the layer after it (its ``following``, found per call:
-    the last layer's is the first, a step later)."""
+    """One layer's read ahead of the layer after it in the pass (its ``following``, found
+    per call: the layers are linked once they are all loaded)."""
 
     def __init__(self, following: Callable[[], OffloadedLayer | None]) -> None:
         self.following = following

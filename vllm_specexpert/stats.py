@@ -108,8 +108,8 @@ class PhaseStats(Counters):
     evictions: int = counter("Resident experts evicted to make room.")
     region_loads: int = counter(
         "Of ``loads``, those into a shared region's rows: slots every layer's slot "
-        "tensors cover after their own, which a layer's demand loads take from whichever "
-        "layer used its row least recently."
+        "tensors cover after their own, which a layer's demand loads take from any "
+        "layer (the longest unused first)."
     )
     read_ahead: int = counter(
         "Of ``loads``, those queued while the layer before computed: the experts this "

@@ -287,8 +287,8 @@ class LayerSlotPool(SlotPool):
         shared: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
         """With a region and ``shared`` (a demand load): free own slots, then free rows,
-        then, least recently used first across the layers (the least demanded of the
-        call's first), the cache's own victims and the rows other layers hold."""
+        then the cache's own victims and the rows other layers hold
+        (:meth:`_shared_victims`' order)."""
         if self.rows is None or not shared:
             return super().take(cache, count, keep, demand)
         free = np.concatenate([self.free_slots(), self._free_rows()])
@@ -319,29 +319,42 @@ class LayerSlotPool(SlotPool):
         self, cache: PooledCache, keep: np.ndarray, demand: np.ndarray | None
     ) -> tuple[list[PooledCache], np.ndarray]:
         """``(holders, experts)`` a demand load of ``cache`` may evict, first to go first:
-        least recently used across the layers (the least demanded of the call's first),
-        the cache's own evictable experts and the rows other layers hold, none in use
-        and none still being read for its layer."""
+        the cache's own evictable experts and the rows other layers hold (none in use,
+        none still being read for its layer), the least demanded of the call's first;
+        then the longest unused, counted from its layer's last call; then, among equals,
+        the layer whose next call comes last (the requester's own, a step away, then the
+        layer that ran just before it: Belady's rule on the cyclic layer order). Recency
+        on one clock would evict the rows of the layer that ran longest ago, the next to
+        run, whose call then evicts the one after it (measured: 0.74 of the hits the
+        layers' own slots alone gave at a batch of one)."""
         assert self.rows is not None
         holders: list[PooledCache] = []
-        experts, last_used, wanted = [], [], []
-        mine = cache.evictable(keep)
-        holders += [cache] * len(mine)
-        experts.append(mine)
-        last_used.append(cache.policy.last_used[mine])
-        wanted.append(demand[mine] if demand is not None else np.zeros(len(mine)))
+        experts, idle, turn, wanted = [], [], [], []
         others = {id(h): h for h in self.rows.holder if h is not None and h is not cache}
-        for holder in others.values():
-            joined, in_flight = holder.pool.joined_slots, holder.pool.in_flight
-            held = np.intersect1d(
-                np.flatnonzero(holder.expert_slot >= joined), holder.evictable(NO_EXPERTS)
-            )
-            held = held[[int(holder.expert_slot[e]) not in in_flight for e in held.tolist()]]
+        for holder in (cache, *others.values()):
+            if holder is cache:
+                held = cache.evictable(keep)
+            else:
+                joined, in_flight = holder.pool.joined_slots, holder.pool.in_flight
+                held = np.intersect1d(
+                    np.flatnonzero(holder.expert_slot >= joined), holder.evictable(NO_EXPERTS)
+                )
+                held = held[[int(holder.expert_slot[e]) not in in_flight for e in held.tolist()]]
+            if not len(held):
+                continue
+            used = holder.policy.last_used
+            last_call = int(used[holder.resident_mask()].max())
             holders += [holder] * len(held)
             experts.append(held)
-            last_used.append(holder.policy.last_used[held])
-            wanted.append(np.zeros(len(held)))
-        order = np.lexsort((np.concatenate(last_used), np.concatenate(wanted)))
+            idle.append(last_call - used[held])
+            # (the requester runs now: its next call is the furthest; then whoever ran last)
+            turn.append(np.full(len(held), self.rows.clock + 1 if holder is cache else last_call))
+            wanted.append(
+                demand[held] if demand is not None and holder is cache else np.zeros(len(held))
+            )
+        if not experts:
+            return [], NO_EXPERTS
+        order = np.lexsort((-np.concatenate(turn), -np.concatenate(idle), np.concatenate(wanted)))
         return [holders[i] for i in order], np.concatenate(experts)[order]
 
     def _free_rows(self) -> np.ndarray:
