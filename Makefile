@@ -54,7 +54,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=20
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -rs -m slow

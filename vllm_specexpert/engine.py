@@ -255,6 +255,16 @@ class OffloadEngine:
                 return slots, None
         return split.own, region
 
+    def slot_bytes_held(self) -> int:
+        """The memory of the layers' slots, each layer's own and each shared region's rows
+        once: what a rebuild frees before it makes the new ones."""
+        equipped = self._equipped()
+        own = sum(la.cache.num_slots * la.experts.slot_nbytes for la in equipped)
+        regions = {id(la.cache.pool.region): la for la in equipped if la.cache.pool.region_rows}
+        return own + sum(
+            la.cache.pool.region_rows * la.experts.slot_nbytes for la in regions.values()
+        )
+
     def _close_regions(self) -> None:
         for rows in self.regions.values():
             rows.region.close()  # (the memory goes with the last pool's tensors on it)
@@ -305,8 +315,7 @@ class OffloadEngine:
         first = next(iter(self.layers.values()), None)
         plan = self.budget.current
         if first is not None:
-            freed = sum(la.cache.num_slots * la.experts.slot_nbytes for la in self._equipped())
-            plan = self.budget.plan(config, first.experts, first.top_k, freed)
+            plan = self.budget.plan(config, first.experts, first.top_k, self.slot_bytes_held())
         check_switch(self.config, config)
         self._check(config, plan)
         before, before_plan, layers = self.config, self.budget.current, self._equipped()

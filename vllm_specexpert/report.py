@@ -190,6 +190,13 @@ def summary(engine: ReportedEngine) -> str:
             "cover (any layer's demand loads take them: a call's experts run in one "
             "launch, each read once)"
         )
+        reach = {la.cache.num_slots + la.cache.pool.region_rows for la in layers}
+        if min(reach) < min(la.cache.num_experts for la in layers):
+            residency += (
+                f"; a call needing more than {'/'.join(map(str, sorted(reach)))} experts "
+                "runs in token groups (the budget is too small for the rows to hold "
+                "every expert a layer's own slots miss; a larger one reads each once)"
+            )
     elif engine.region_refused is not None:
         residency += f" (no shared region: {engine.region_refused}; token groups)"
     fit = engine.budget.fit
