@@ -138,6 +138,7 @@ MODES = {
         "cache": "lru",
         "predictor": "none",
         "buddy": {"tau": 0.0, "beta": 1.0, "rho": 64},
+        "quality": None,  # (the ceiling: never switched to exact by the default budget)
     },
     FETCH_AGAIN: {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
 }
