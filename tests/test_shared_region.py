@@ -289,9 +289,11 @@ def test_the_next_layers_reads_run_beside_a_launch_and_never_into_its_rows(engin
     # ahead into rows the launch does not use. The kernel here waits for every read in
     # flight to land before it computes, so a read ahead into a row of the running
     # launch would be in that launch's weights: its output would differ from the
-    # reference. Calls of 3 tokens need up to 12 experts, more than the 5 own slots,
-    # and leave rows spare; the same routing each step, so every read ahead is used.
-    # Then sweeps: a launch holds 11 of the 12 rows, one is spare for the reads ahead.
+    # reference. Calls of 4 tokens needing 12 or 13 of the 16 experts (the share that
+    # is read ahead, 3/4), more than the 5 own slots, leave rows spare; the same routing
+    # each step, so every read ahead is used. Then sweeps: a launch holds 11 of the 12
+    # rows, one is spare for the reads ahead. Then calls of one token: too few experts
+    # for a guess to pay, nothing is read ahead.
     engine = engine_on({"budget": 0.5})
     for name, next_name in itertools.pairwise(NAMES):
         engine.link_layers(name, next_name)
@@ -313,15 +315,23 @@ def test_the_next_layers_reads_run_beside_a_launch_and_never_into_its_rows(engin
         decode = [engine.stats()["layers"][n]["decode"] for n in NAMES]
         return sum(d["read_ahead"] for d in decode), sum(d["read_ahead_unused"] for d in decode)
 
-    small = {name: random_routing(3, E, K, seed=20 + i) for i, name in enumerate(NAMES)}
+    seeds = (21, 33, 43, 54)  # (4 tokens needing 12, 13, 13, 12 experts)
+    most = {
+        name: random_routing(4, E, K, seed=seed) for name, seed in zip(NAMES, seeds, strict=True)
+    }
     for _ in range(3):
-        step(small)
+        step(most)
     read, unused = read_ahead()
     assert read > 0 and unused == 0
     sweeps = {name: sweep_routing(30 + i) for i, name in enumerate(NAMES)}
     for _ in range(2):
         step(sweeps)
-    assert read_ahead()[0] > read
+    read_after_sweeps = read_ahead()[0]
+    assert read_after_sweeps > read
+    one = {name: random_routing(1, E, K, seed=40 + i) for i, name in enumerate(NAMES)}
+    for _ in range(2):
+        step(one)
+    assert read_ahead()[0] == read_after_sweeps
 
 
 def test_a_budget_too_small_for_a_sweep_says_token_groups_and_stays_exact(engine_on):

@@ -187,7 +187,7 @@ class OffloadEngine:
         running = self.features
         stages = [stage for f in running for stage in f.stages(layer)]
         if layer.cache.pool.rows is not None:
-            stages.append(RegionReadAhead(functools.partial(self._following, layer)).stage())
+            stages.append(RegionReadAhead(layer, functools.partial(self._following, layer)).stage())
         composed = pipeline.compose(
             layer,
             self.miss_policy,
