@@ -163,9 +163,13 @@ class ExpertCache:
 
     def evictable(self, keep: np.ndarray) -> np.ndarray:
         """Resident experts that may be evicted now, other than ``keep``."""
-        evictable = self.resident_mask() & ~self.policy.pinned & ~self.protected & ~self.in_use
+        evictable = self.evictable_mask()
         evictable[keep] = False
         return np.flatnonzero(evictable)
+
+    def evictable_mask(self) -> np.ndarray:
+        """``bool [E]``: resident experts neither pinned, protected nor in use."""
+        return self.resident_mask() & ~self.policy.pinned & ~self.protected & ~self.in_use
 
     def kernel_routing(self, topk_ids: torch.Tensor, host_ids: np.ndarray | None) -> KernelRouting:
         """The routing of a launch on ``topk_ids`` (all resident): the ids with the

@@ -45,6 +45,7 @@ class PooledCache(Protocol):
 
     def resident_mask(self) -> np.ndarray: ...
     def evictable(self, keep: np.ndarray) -> np.ndarray: ...
+    def evictable_mask(self) -> np.ndarray: ...
     def warm_start(self, offset: int, count: int) -> None: ...
     def release(self, experts: np.ndarray) -> np.ndarray: ...
 
@@ -294,16 +295,17 @@ class LayerSlotPool(SlotPool):
         free = np.concatenate([self.free_slots(), self._free_rows()])
         if len(free) >= count:
             return free[:count], free[:0]
-        holders, experts = self._shared_victims(cache, keep, demand)
+        holders, owner, experts = self._shared_victims(cache, keep, demand)
         need = count - len(free)
         if len(experts) < need:
             raise RuntimeError(
                 f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
             )
-        holders, victims = holders[:need], experts[:need]
+        owner, victims = owner[:need], experts[:need]
         taken = [free]
-        for holder in {id(h): h for h in holders}.values():
-            slots = holder.release(victims[[h is holder for h in holders]])
+        for index in np.unique(owner).tolist():
+            holder = holders[index]
+            slots = holder.release(victims[owner == index])
             if holder is not cache:  # (its rows, as this pool's slots)
                 slots = slots - holder.pool.joined_slots + self.joined_slots
             taken.append(slots)
@@ -313,49 +315,48 @@ class LayerSlotPool(SlotPool):
         if self.rows is None:
             return self.available_for(cache, keep)
         free = len(self.free_slots()) + len(self._free_rows())
-        return free + len(self._shared_victims(cache, keep, None)[1])
+        return free + len(self._shared_victims(cache, keep, None)[2])
 
     def _shared_victims(
         self, cache: PooledCache, keep: np.ndarray, demand: np.ndarray | None
-    ) -> tuple[list[PooledCache], np.ndarray]:
-        """``(holders, experts)`` a demand load of ``cache`` may evict, first to go first:
-        the cache's own evictable experts and the rows other layers hold (none in use,
-        none still being read for its layer), the least demanded of the call's first;
-        then the longest unused, counted from its layer's last call; then, among equals,
-        the layer whose next call comes last (the requester's own, a step away, then the
+    ) -> tuple[list[PooledCache], np.ndarray, np.ndarray]:
+        """``(holders, owner, experts)``: the experts a demand load of ``cache`` may evict,
+        first to go first, and each one's holder (``holders[owner]``). They are the
+        cache's own evictable experts and the rows other layers hold (none in use, none
+        still being read for its layer): the least demanded of the call's first; then
+        the longest unused, counted from its layer's last call; then, among equals, the
+        layer whose next call comes last (the requester's own, a step away, then the
         layer that ran just before it: Belady's rule on the cyclic layer order). Recency
         on one clock would evict the rows of the layer that ran longest ago, the next to
         run, whose call then evicts the one after it (measured: 0.74 of the hits the
-        layers' own slots alone gave at a batch of one)."""
+        layers' own slots alone gave at a batch of one). By masks and arrays: this runs
+        at every miss of a batch of one."""
         assert self.rows is not None
-        holders: list[PooledCache] = []
-        experts, idle, turn, wanted = [], [], [], []
-        others = {id(h): h for h in self.rows.holder if h is not None and h is not cache}
-        for holder in (cache, *others.values()):
+        holders = [cache]
+        holders += {id(h): h for h in self.rows.holder if h is not None and h is not cache}.values()
+        experts, owner, idle, turn, wanted = [], [], [], [], []
+        for index, holder in enumerate(holders):
             if holder is cache:
                 held = cache.evictable(keep)
             else:
-                joined, in_flight = holder.pool.joined_slots, holder.pool.in_flight
-                held = np.intersect1d(
-                    np.flatnonzero(holder.expert_slot >= joined), holder.evictable(NO_EXPERTS)
-                )
-                held = held[[int(holder.expert_slot[e]) not in in_flight for e in held.tolist()]]
-            if not len(held):
-                continue
+                in_rows = holder.expert_slot >= holder.pool.joined_slots
+                held = np.flatnonzero(in_rows & holder.evictable_mask())
+                in_flight = holder.pool.in_flight
+                if in_flight:
+                    slots = holder.expert_slot[held].tolist()
+                    held = held[[slot not in in_flight for slot in slots]]
             used = holder.policy.last_used
-            last_call = int(used[holder.resident_mask()].max())
-            holders += [holder] * len(held)
+            last_call = int(used.max())  # (the experts its last call used are the latest)
             experts.append(held)
+            owner.append(np.full(len(held), index))
             idle.append(last_call - used[held])
             # (the requester runs now: its next call is the furthest; then whoever ran last)
             turn.append(np.full(len(held), self.rows.clock + 1 if holder is cache else last_call))
             wanted.append(
                 demand[held] if demand is not None and holder is cache else np.zeros(len(held))
             )
-        if not experts:
-            return [], NO_EXPERTS
         order = np.lexsort((-np.concatenate(turn), -np.concatenate(idle), np.concatenate(wanted)))
-        return [holders[i] for i in order], np.concatenate(experts)[order]
+        return holders, np.concatenate(owner)[order], np.concatenate(experts)[order]
 
     def _free_rows(self) -> np.ndarray:
         assert self.rows is not None
