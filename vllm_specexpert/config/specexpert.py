@@ -102,10 +102,12 @@ class SpecExpertConfig:
     (prefill tokens always fetch: they run exactly). Exact: ``fetch`` (load it on
     demand over the link, then run it: output identical to vanilla vLLM). Equivalent
     (same experts, summed in another order): ``stream`` (as ``fetch``, but a call whose
-    experts do not fit in the slots, decode or prefill, reads each missing expert once,
-    a token's experts then running in different launches whose bf16 results are added
-    in fp32; ``fetch`` runs whole tokens in groups and reads an expert again for each
-    group that needs it), ``cpu`` (compute it on the host from the
+    experts do not fit in the slots and the shared region, decode or prefill, reads each
+    missing expert once, a token's experts then running in different launches whose
+    bf16 results are added in fp32; where ``fetch`` runs whole tokens in groups and reads
+    an expert again for each group that needs it. Where the region holds the call, on
+    the disk tier of the CPU build, both read each once and run it in one launch:
+    exactly), ``cpu`` (compute it on the host from the
     slow tier while the device runs the hits, as llama.cpp/KTransformers do), ``auto``
     (per layer call, the cheaper split of the misses between ``fetch`` and ``cpu`` by
     measured link and host times). Approximate (the output changes): ``speculate``
