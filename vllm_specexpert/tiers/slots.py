@@ -55,21 +55,13 @@ class RegionRows:
     (:mod:`~vllm_specexpert.tiers.shared_region`): its rows are slots that any layer's
     call may load into (demand loads, and reads ahead that the next call settles; not a
     prefetch, which stays in flight past its call: in a row another layer takes it would
-    land on that layer's expert), by one clock for every layer on the region
-    (:meth:`LayerSlotPool.take`)."""
+    land on that layer's expert), taken from whichever layer used its expert there least
+    recently, by one clock for every layer on the region."""
 
     def __init__(self, region: SharedRegion) -> None:
         self.region = region
         self.holder: list[PooledCache | None] = [None] * region.rows
         self.clock = 0
-        self.layers = 0
-        """The layers whose pools cover the region."""
-
-    @property
-    def share(self) -> int:
-        """A layer's fair share of the rows: what a call that fits takes from another
-        layer only where that one holds more."""
-        return self.region.rows // max(self.layers, 1)
 
 
 class SlotPool:
@@ -268,8 +260,6 @@ class LayerSlotPool(SlotPool):
     def __init__(self, device: torch.device, rows: RegionRows | None = None) -> None:
         super().__init__(device, rows.region if rows is not None else None)
         self.rows = rows
-        if rows is not None:
-            rows.layers += 1
 
     def tick(self) -> int:
         if self.rows is None:
@@ -298,21 +288,15 @@ class LayerSlotPool(SlotPool):
         shared: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
         """With a region and ``shared`` (a demand load): free own slots, then free rows,
-        then the cache's own victims and the rows other layers hold beyond their
-        :attr:`RegionRows.share` (so that at a small batch each layer caches as in its
-        own slots and its share, measured: the hit rate 0.817 a layer's victims across
-        every layer's rows gave at one sequence, against 0.833 in slots of its own); a
-        call that needs more (a sweep) takes any layer's rows. Victims in
-        :meth:`_shared_victims`' order."""
+        then the cache's own victims and the rows other layers hold
+        (:meth:`_shared_victims`' order)."""
         if self.rows is None or not shared:
             return super().take(cache, count, keep, demand)
         free = np.concatenate([self.free_slots(), self._free_rows()])
         if len(free) >= count:
             return free[:count], free[:0]
+        holders, owner, experts = self._shared_victims(cache, keep, demand)
         need = count - len(free)
-        holders, owner, experts = self._shared_victims(cache, keep, demand, beyond_share=True)
-        if len(experts) < need:
-            holders, owner, experts = self._shared_victims(cache, keep, demand)
         if len(experts) < need:
             raise RuntimeError(
                 f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
@@ -334,11 +318,7 @@ class LayerSlotPool(SlotPool):
         return free + len(self._shared_victims(cache, keep, None)[2])
 
     def _shared_victims(
-        self,
-        cache: PooledCache,
-        keep: np.ndarray,
-        demand: np.ndarray | None,
-        beyond_share: bool = False,
+        self, cache: PooledCache, keep: np.ndarray, demand: np.ndarray | None
     ) -> tuple[list[PooledCache], np.ndarray, np.ndarray]:
         """``(holders, owner, experts)``: the experts a demand load of ``cache`` may evict,
         first to go first, and each one's holder (``holders[owner]``). They are the
@@ -350,8 +330,7 @@ class LayerSlotPool(SlotPool):
         on one clock would evict the rows of the layer that ran longest ago, the next to
         run, whose call then evicts the one after it (measured: 0.74 of the hits the
         layers' own slots alone gave at a batch of one). By masks and arrays: this runs
-        at every miss of a batch of one. ``beyond_share``: of another layer's rows only
-        those past its share, its longest unused."""
+        at every miss of a batch of one."""
         assert self.rows is not None
         holders = [cache]
         holders += {id(h): h for h in self.rows.holder if h is not None and h is not cache}.values()
@@ -368,9 +347,6 @@ class LayerSlotPool(SlotPool):
                     held = held[[slot not in in_flight for slot in slots]]
             used = holder.policy.last_used
             last_call = int(used.max())  # (the experts its last call used are the latest)
-            if beyond_share and holder is not cache:
-                excess = int(np.count_nonzero(in_rows)) - self.rows.share
-                held = held[np.argsort(used[held], kind="stable")][: max(excess, 0)]
             experts.append(held)
             owner.append(np.full(len(held), index))
             idle.append(last_call - used[held])
