@@ -55,8 +55,8 @@ class RegionRows:
     (:mod:`~vllm_specexpert.tiers.shared_region`): its rows are slots that any layer's
     call may load into (demand loads, and reads ahead that the next call settles; not a
     prefetch, which stays in flight past its call: in a row another layer takes it would
-    land on that layer's expert), taken from whichever layer used its expert there least
-    recently, by one clock for every layer on the region."""
+    land on that layer's expert), by one clock for every layer on the region
+    (:meth:`LayerSlotPool.take`)."""
 
     def __init__(self, region: SharedRegion) -> None:
         self.region = region
@@ -328,9 +328,9 @@ class LayerSlotPool(SlotPool):
         layer whose next call comes last (the requester's own, a step away, then the
         layer that ran just before it: Belady's rule on the cyclic layer order). Recency
         on one clock would evict the rows of the layer that ran longest ago, the next to
-        run, whose call then evicts the one after it (measured: 0.74 of the hits the
-        layers' own slots alone gave at a batch of one). By masks and arrays: this runs
-        at every miss of a batch of one."""
+        run, whose call then evicts the one after it (``tests/test_shared_region.py``'s
+        sweep counts the hits either order gives). By masks and arrays: this runs at
+        every miss of a batch of one."""
         assert self.rows is not None
         holders = [cache]
         holders += {id(h): h for h in self.rows.holder if h is not None and h is not cache}.values()
