@@ -120,21 +120,38 @@ class SlotPool:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, evicted experts)``: ``count`` slots for ``cache``, free ones first,
         then those of :meth:`victims` (in a shared pool, maybe other layers').
-        ``shared``: a demand load, which may take a shared region's rows."""
-        free = self.free_slots()
+        ``shared``: a demand load, which may take a shared region's rows
+        (:class:`LayerSlotPool`)."""
+        free = self._free_for(shared)
         if len(free) >= count:
             return free[:count], free[:0]
-        owners, candidates = self.victims(cache, keep, demand)
+        holders, owners, candidates = self._candidates(cache, keep, demand, shared)
         need = count - len(free)
         if len(candidates) < need:
             raise RuntimeError(
                 f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
             )
         owners, victims = owners[:need], candidates[:need]
-        freed = [
-            self.caches[owner].release(victims[owners == owner]) for owner in np.unique(owners)
-        ]
-        return np.concatenate([free, *freed]), victims
+        taken = [free]
+        for index in np.unique(owners).tolist():
+            holder = holders[index]
+            slots = holder.release(victims[owners == index])
+            if holder.pool is not self:  # (another layer's rows of a region, as this pool's)
+                slots = slots - holder.pool.joined_slots + self.joined_slots
+            taken.append(slots)
+        return np.concatenate(taken), victims
+
+    def _free_for(self, shared: bool) -> np.ndarray:
+        """The free slots a load may take (``shared``: a demand load)."""
+        return self.free_slots()
+
+    def _candidates(
+        self, cache: PooledCache, keep: np.ndarray, demand: np.ndarray | None, shared: bool
+    ) -> tuple[list[PooledCache], np.ndarray, np.ndarray]:
+        """``(holders, owner, experts)``: what a load of ``cache`` may evict, first to go
+        first, each one's holder ``holders[owner]`` (:meth:`victims` here)."""
+        owners, candidates = self.victims(cache, keep, demand)
+        return self.caches, owners, candidates
 
     @property
     def joined_slots(self) -> int:
@@ -249,7 +266,8 @@ class SlotPool:
     def room(self, cache: PooledCache, keep: np.ndarray) -> int:
         """How many experts of ``cache`` a demand load could bring now without evicting
         ``keep`` (:meth:`take` with ``shared``)."""
-        return self.available_for(cache, keep)
+        free = len(self._free_for(shared=True))
+        return free + len(self._candidates(cache, keep, None, shared=True)[2])
 
 
 class LayerSlotPool(SlotPool):
@@ -279,43 +297,20 @@ class LayerSlotPool(SlotPool):
             for row in (slots[slots >= self.joined_slots] - self.joined_slots).tolist():
                 self.rows.holder[row] = None
 
-    def take(
-        self,
-        cache: PooledCache,
-        count: int,
-        keep: np.ndarray,
-        demand: np.ndarray | None = None,
-        shared: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """With a region and ``shared`` (a demand load): free own slots, then free rows,
-        then the cache's own victims and the rows other layers hold
-        (:meth:`_shared_victims`' order)."""
+    def _free_for(self, shared: bool) -> np.ndarray:
+        """With a region and ``shared`` (a demand load): free own slots, then free rows."""
         if self.rows is None or not shared:
-            return super().take(cache, count, keep, demand)
-        free = np.concatenate([self.free_slots(), self._free_rows()])
-        if len(free) >= count:
-            return free[:count], free[:0]
-        holders, owner, experts = self._shared_victims(cache, keep, demand)
-        need = count - len(free)
-        if len(experts) < need:
-            raise RuntimeError(
-                f"{cache.experts.name}: cannot free {need} slots (capacity check skipped?)"
-            )
-        owner, victims = owner[:need], experts[:need]
-        taken = [free]
-        for index in np.unique(owner).tolist():
-            holder = holders[index]
-            slots = holder.release(victims[owner == index])
-            if holder is not cache:  # (its rows, as this pool's slots)
-                slots = slots - holder.pool.joined_slots + self.joined_slots
-            taken.append(slots)
-        return np.concatenate(taken), victims
+            return self.free_slots()
+        return np.concatenate([self.free_slots(), self._free_rows()])
 
-    def room(self, cache: PooledCache, keep: np.ndarray) -> int:
-        if self.rows is None:
-            return self.available_for(cache, keep)
-        free = len(self.free_slots()) + len(self._free_rows())
-        return free + len(self._shared_victims(cache, keep, None)[2])
+    def _candidates(
+        self, cache: PooledCache, keep: np.ndarray, demand: np.ndarray | None, shared: bool
+    ) -> tuple[list[PooledCache], np.ndarray, np.ndarray]:
+        """With a region and ``shared``: the cache's own victims and the rows other layers
+        hold (:meth:`_shared_victims`); else its own slots' (:meth:`victims`)."""
+        if self.rows is None or not shared:
+            return super()._candidates(cache, keep, demand, shared)
+        return self._shared_victims(cache, keep, demand)
 
     def _shared_victims(
         self, cache: PooledCache, keep: np.ndarray, demand: np.ndarray | None
