@@ -242,6 +242,37 @@ def test_small_calls_take_free_rows_then_the_longest_unused_across_layers(engine
     assert sorted(last.slot_expert[:5].tolist()) == [4, 12, 13, 14, 15]
 
 
+def test_the_running_layer_counts_its_own_idle_from_this_call(engine_on):
+    # A layer's experts not needed by the call running now were skipped by it: the call
+    # counts, as another layer's last call counts for that layer's rows. Step a: layers
+    # 1-3 fill the 12 rows with 12-15, layer 0 uses 0-3 (own); step b: every layer uses
+    # 1-4 (own), so each row has been skipped once, at its layer's last call. Step c:
+    # layer 0 needs 0, 1, 2 and 5; its 3 and 4 were used at b and skipped now, once as
+    # well: a tie, and the running layer's next call is the furthest, so it evicts its
+    # own. Counting its idle from its previous call instead makes its 3 and 4 look
+    # unused for no call and takes a row that the layer running next may need.
+    engine = engine_on({"budget": 0.5})
+    rows = engine.layers[NAMES[0]].cache.pool.rows
+    x, w, _ = random_routing(1, E, K, seed=4)
+    steps = [
+        {0: [0, 1, 2, 3], 1: [12, 13, 14, 15], 2: [12, 13, 14, 15], 3: [12, 13, 14, 15]},
+        {i: [1, 2, 3, 4] for i in range(4)},
+    ]
+    for step in steps:
+        for index, name in enumerate(NAMES):
+            ids = torch.tensor([step[index]], dtype=torch.int32)
+            out = call(engine, name, x, w, ids)
+            assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
+    held = [NAMES.index(h.experts.name) for h in rows.holder]
+    assert held == [1] * 4 + [2] * 4 + [3] * 4
+    ids = torch.tensor([[0, 1, 2, 5]], dtype=torch.int32)
+    out = call(engine, NAMES[0], x, w, ids)
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[NAMES[0]].values()))
+    assert [NAMES.index(h.experts.name) for h in rows.holder] == held  # no row taken
+    own = engine.layers[NAMES[0]].cache.slot_expert[:5].tolist()
+    assert 5 in own and len({3, 4} & set(own)) == 1, own
+
+
 def test_layers_back_to_back_through_the_region_each_compute_with_their_own_experts(engine_on):
     # The region is every layer's: a layer's call fills it with its own missing experts
     # after the call before it ran. A launch that computed with another layer's expert

@@ -319,13 +319,13 @@ class LayerSlotPool(SlotPool):
         first to go first, and each one's holder (``holders[owner]``). They are the
         cache's own evictable experts and the rows other layers hold (none in use, none
         still being read for its layer): the least demanded of the call's first; then
-        the longest unused, counted from its layer's last call; then, among equals, the
-        layer whose next call comes last (the requester's own, a step away, then the
-        layer that ran just before it: Belady's rule on the cyclic layer order). Recency
-        on one clock would evict the rows of the layer that ran longest ago, the next to
-        run, whose call then evicts the one after it (``tests/test_shared_region.py``'s
-        sweep counts the hits either order gives). By masks and arrays: this runs at
-        every miss of a batch of one."""
+        the longest unused, counted from its layer's last call (the requester's: this
+        one); then, among equals, the layer whose next call comes last (the requester's
+        own, a step away, then the layer that ran just before it: Belady's rule on the
+        cyclic layer order). Recency on one clock would evict the rows of the layer that
+        ran longest ago, the next to run, whose call then evicts the one after it
+        (``tests/test_shared_region.py``'s sweep counts the hits either order gives). By
+        masks and arrays: this runs at every miss of a batch of one."""
         assert self.rows is not None
         holders = [cache]
         holders += {id(h): h for h in self.rows.holder if h is not None and h is not cache}.values()
@@ -341,12 +341,14 @@ class LayerSlotPool(SlotPool):
                     slots = holder.expert_slot[held].tolist()
                     held = held[[slot not in in_flight for slot in slots]]
             used = holder.policy.last_used
-            last_call = int(used.max())  # (the experts its last call used are the latest)
+            # The requester's last call is this one (what it does not need now, it
+            # skipped now); another layer's, its latest uses. The requester's next call
+            # is then the furthest; then that of whoever ran last.
+            last_call = self.rows.clock + 1 if holder is cache else int(used.max())
             experts.append(held)
             owner.append(np.full(len(held), index))
             idle.append(last_call - used[held])
-            # (the requester runs now: its next call is the furthest; then whoever ran last)
-            turn.append(np.full(len(held), self.rows.clock + 1 if holder is cache else last_call))
+            turn.append(np.full(len(held), last_call))
             wanted.append(
                 demand[held] if demand is not None and holder is cache else np.zeros(len(held))
             )
