@@ -30,12 +30,27 @@ def flatten(calls: Sequence[tuple[np.ndarray, bool]]) -> tuple[list[int], list[b
     return sequence, decode
 
 
+def flatten_pooled(
+    calls: Sequence[tuple[int, np.ndarray, bool]], experts_per_layer: int
+) -> tuple[list[int], list[bool]]:
+    """Every layer's calls in the order they ran, ``(layer index, experts, decode?)``, as
+    one sequence of (layer, expert) pairs (``layer * experts_per_layer + expert``): the
+    replay of one cache that all layers' slots and a shared region make together."""
+    sequence: list[int] = []
+    decode: list[bool] = []
+    for layer, experts, is_decode in calls:
+        distinct = (np.unique(experts) + layer * experts_per_layer).tolist()
+        sequence += distinct
+        decode += [is_decode] * len(distinct)
+    return sequence, decode
+
+
 def belady_misses(
-    sequence: Sequence[int], counted: Sequence[bool], capacity: int, initial: Sequence[int] = ()
-) -> int:
-    """Misses of Belady's MIN on ``sequence`` at ``capacity``, at the positions where
-    ``counted`` holds (all positions are served), the cache holding ``initial`` (at most
-    ``capacity`` experts) at the start."""
+    sequence: Sequence[int], counted: Sequence[float], capacity: int, initial: Sequence[int] = ()
+) -> float:
+    """Misses of Belady's MIN on ``sequence`` at ``capacity``, each counted as ``counted``
+    at its position (``True``/``False``: the positions counted; bytes: what each miss
+    reads), the cache holding ``initial`` (at most ``capacity`` experts) at the start."""
     never = len(sequence)
     next_use = [never] * len(sequence)
     last: dict[int, int] = {}
@@ -61,8 +76,8 @@ def belady_misses(
 
 
 def lru_misses(
-    sequence: Sequence[int], counted: Sequence[bool], capacity: int, initial: Sequence[int] = ()
-) -> int:
+    sequence: Sequence[int], counted: Sequence[float], capacity: int, initial: Sequence[int] = ()
+) -> float:
     """Misses of LRU on the same sequence (what the engine's ``cache: lru`` does, up to
     the order it serves a call's experts in), the cache holding ``initial`` at the start
     (least recently used first)."""

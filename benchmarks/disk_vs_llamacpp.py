@@ -831,6 +831,8 @@ class RouteRecorder:
         it are not replayed: a clairvoyant replay through them would keep just what the
         decode needs and count none of it to the decode (MIN read 0.017 GB per decode
         token at 8 sequences in 48e, 9.6x under fetch, on 7 decode steps)."""
+        self.order: list[tuple[str, np.ndarray, bool]] = []
+        """Every layer's recorded calls in the order they ran: the pooled replay's."""
         self.on = False
         self.installed = False
 
@@ -839,6 +841,7 @@ class RouteRecorder:
         if not self.installed:
             self._install()
         self.calls, self.initial, self.read_once, self.on = {}, {}, {}, True
+        self.order = []
         try:
             yield
         finally:
@@ -862,6 +865,7 @@ class RouteRecorder:
                     order = np.argsort(cache.policy.last_used[resident], kind="stable")
                     recorder.initial[request.layer] = resident[order].tolist()
                 calls = recorder.calls.setdefault(request.layer, [])
+                made = len(calls)
                 if phases is None or phases.all_decode or phases.all_prefill:
                     calls.append((ids, phases is None or phases.all_decode))
                     decoding = ids if calls[-1][1] else ids[:0]
@@ -869,6 +873,7 @@ class RouteRecorder:
                     decoding = ids[phases.decode]
                     calls.append((decoding, True))
                     calls.append((ids[phases.prefill], False))
+                recorder.order += [(request.layer, *call) for call in calls[made:]]
                 slot = engine.layers[request.layer].cache.expert_slot
                 missing = int(np.count_nonzero(slot[np.unique(decoding)] < 0))
                 once = recorder.read_once
@@ -882,8 +887,10 @@ class RouteRecorder:
         """GB per decode token that Belady's MIN and LRU would read on the recorded
         calls (from the first with decode tokens) at the engine's slots per layer, each
         layer's cache starting with what the engine's held then (a replay from empty
-        would count loads the engine never needed)."""
-        from clairvoyant import belady_misses, flatten, lru_misses
+        would count loads the engine never needed); and MIN and LRU of one cache of all
+        layers' slots and the shared region's rows together, over every layer's calls in
+        the order they ran (what the budget's memory holds, however it is split)."""
+        from clairvoyant import belady_misses, flatten, flatten_pooled, lru_misses
 
         best = lru = once = 0
         for name, calls in self.calls.items():
@@ -900,6 +907,37 @@ class RouteRecorder:
             "clairvoyant_gb_per_decode_token": best / decode_tokens / 1e9,
             "lru_replayed_gb_per_decode_token": lru / decode_tokens / 1e9,
             "read_once_gb_per_decode_token": once / decode_tokens / 1e9,
+            **self._pooled(stats, decode_tokens, belady_misses, lru_misses, flatten_pooled),
+        }
+
+    def _pooled(self, stats: dict, decode_tokens: int, belady, lru, flatten_pooled) -> dict:
+        """:meth:`bounds`' pooled replays (module :mod:`clairvoyant`'s functions passed
+        in: imported where the benchmark's directory is on the path)."""
+        layers = [name for name in stats["slots_per_layer"] if name in self.calls]
+        if not layers:
+            return {}
+        index = {name: i for i, name in enumerate(layers)}
+        width = max(stats["experts_per_layer"][n] for n in layers)
+        calls = [(index[n], ids, d) for n, ids, d in self.order if n in index]
+        sequence, decode = flatten_pooled(calls, width)
+        expert = [stats["expert_bytes"][n] for n in layers]
+        pairs = zip(sequence, decode, strict=True)
+        counted = [expert[pair // width] if d else 0.0 for pair, d in pairs]
+        rows = max(stats.get("region_rows_per_layer", {}).values(), default=0)  # (one region)
+        capacity = sum(stats["slots_per_layer"][n] for n in layers) + rows
+        initial = [
+            index[n] * width + e
+            for n in layers
+            for e in self.initial.get(n, [])[-stats["slots_per_layer"][n] :]
+        ]
+        return {
+            "pooled_capacity": capacity,
+            "clairvoyant_pooled_gb_per_decode_token": belady(sequence, counted, capacity, initial)
+            / decode_tokens
+            / 1e9,
+            "lru_pooled_gb_per_decode_token": lru(sequence, counted, capacity, initial)
+            / decode_tokens
+            / 1e9,
         }
 
 
@@ -1470,6 +1508,11 @@ def markdown(payload: dict, command: str) -> str:
                 and "clairvoyant_gb_per_decode_token" in rows.get(str(batches[0]), {})
             ):
                 row("  Belady's MIN on the same calls", rows, "clairvoyant_gb_per_decode_token")
+                row(
+                    "  Belady's MIN, all layers' slots and the region as one cache",
+                    rows,
+                    "clairvoyant_pooled_gb_per_decode_token",
+                )
                 row("  the read-once bound of its calls", rows, "read_once_gb_per_decode_token")
         for phase in PHASES:  # (what it measured before it died is in the rows above)
             died = payload.get(phase, {}).get("died")

@@ -99,3 +99,20 @@ def test_the_benchmark_records_each_call_as_it_was_and_its_read_once_bound(
     assert recorded == [[[0, 1, 8, 9]], [[0, 1, 8, 10]], [[2, 3, 4, 5]]]
     # 8, 9 evict 2, 3 (the least recent, then the lowest id); 10 evicts 4: 2, 3, 4 again.
     assert recorder.read_once[name] == 2 + 1 + 3 == engine.stats()["total"]["decode"]["loads"]
+
+
+def test_a_pooled_replay_keeps_layers_apart_and_lends_one_layers_room_to_another():
+    # Layer 0 alternates experts 0 and 1, layer 1 uses expert 0 only; each call's misses
+    # read bytes (decode), 10 per expert of layer 0 and 1 of layer 1.
+    calls = [(0, np.array([0]), True), (1, np.array([0]), True), (0, np.array([1]), True)] * 3
+    sequence, decode = clairvoyant.flatten_pooled(calls, experts_per_layer=4)
+    assert decode == [True] * 9
+    assert sequence == [0, 4, 1] * 3  # (layer 1's expert 0 is pair 4, not layer 0's 0)
+    weights = [10.0 if pair < 4 else 1.0 for pair in sequence]
+    # Three pooled slots hold all three pairs: each read once (10 + 1 + 10).
+    assert clairvoyant.belady_misses(sequence, weights, 3) == 21
+    # One slot a layer (2 in all, as two caches): layer 0 reads at each of its 6 calls.
+    per_layer = clairvoyant.belady_misses([0, 1] * 3, [10.0] * 6, 1) + 1.0
+    assert per_layer == 61
+    # Pooled at 2 (the same room as one slot each), the layers share it: 42 bytes.
+    assert clairvoyant.belady_misses(sequence, weights, 2) == 42

@@ -190,8 +190,9 @@ def skip_unless_batch_invariant(claim: str, logprobs: bool = False) -> None:
     if logprobs and not torch.cpu._is_avx512_bf16_supported():
         pytest.skip(
             f"not asserted on this CPU: {claim}. It has no AVX512-BF16: vLLM runs its "
-            "_C_AVX512 kernels, whose k-token verification passes give the same tokens "
-            "as one-token passes and logprobs that differ in the 5th digit"
+            f"{'_C_AVX512' if torch.cpu._is_avx512_supported() else '_C_AVX2'} kernels, "
+            "whose k-token verification passes give the same tokens as one-token passes "
+            "and logprobs that differ in the 5th digit (seen with _C_AVX512)"
         )
 
 

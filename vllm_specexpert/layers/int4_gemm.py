@@ -29,13 +29,18 @@ BLOCK = 16
 PROJECTIONS = ("qweight", "scales", "qzeros")
 
 
+def gemm_built() -> bool:
+    """This vLLM build has the W4A16 GEMM: its CPU build for AVX-512 has, its build for
+    AVX2 has not (``torch.ops._C`` lacks ``cpu_gemm_wna16``)."""
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+
+    return current_platform.is_cpu() and hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
 def runs_packed(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     """This build computes INT4 experts of these sizes in ``dtype`` packed."""
     return (
-        current_platform.is_cpu()
-        and dtype in GEMM_DTYPES
-        and hidden % ALIGN == 0
-        and intermediate % ALIGN == 0
+        gemm_built() and dtype in GEMM_DTYPES and hidden % ALIGN == 0 and intermediate % ALIGN == 0
     )
 
 
