@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from vllm_specexpert import execute, layer_call
 from vllm_specexpert.config import LinkConfig
+from vllm_specexpert.device_runs import device_run_for
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.link import CpuLink
@@ -63,7 +64,7 @@ def run_fetch(
     executor surveys the cache and runs every entry on the device, loaded on demand."""
     call = layer_call.LayerCall("layer", kernel or slot_kernel, x, topk_weights, topk_ids)
     call = call.on_host(stats)
-    return execute.execute(loader, call, execute.survey(loader, call))
+    return execute.execute(device_run_for(), loader, call, execute.survey(loader, call))
 
 
 def slot_kernel(x, topk_weights, ids, slots, expert_map=None):

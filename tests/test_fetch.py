@@ -10,7 +10,7 @@ from moe_reference import (
     run_fetch,
 )
 
-from vllm_specexpert.execute import next_token_group
+from vllm_specexpert.device_runs.token_groups import next_token_group
 from vllm_specexpert.stats import PhaseStats
 
 
@@ -127,7 +127,8 @@ def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monke
 
     from moe_reference import slot_kernel
 
-    from vllm_specexpert import execute, pipeline
+    from vllm_specexpert import pipeline
+    from vllm_specexpert.device_runs import kernel_launch, resident
     from vllm_specexpert.layer_call import LayerCall
 
     clock = [0.0]
@@ -139,7 +140,8 @@ def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monke
     fake_time = SimpleNamespace(perf_counter=lambda: clock[0])
     name = "model.layers.0.mlp.experts"
     engine = toy_engines({"budget": budget}, {name: random_layer(num_experts=16)}, 4)
-    monkeypatch.setattr(execute, "time", fake_time)
+    monkeypatch.setattr(kernel_launch, "time", fake_time)
+    monkeypatch.setattr(resident, "time", fake_time)
     monkeypatch.setattr(pipeline, "time", fake_time)
     for step, tokens in enumerate([1, 1, 3]):
         x, w, ids = random_routing(tokens, 16, 4, seed=step)

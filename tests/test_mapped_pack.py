@@ -17,8 +17,8 @@ import torch
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel
 from other_writer import OtherWriter, wait_for_break, write_from_another_process
 
-from vllm_specexpert import execute
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.device_runs import kernel_launch
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
@@ -113,7 +113,7 @@ def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack, monkeypatch):
             out = call(engine, name, x, w, ids, PassPhases.decode_only(tokens))
             assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values()))
     # A prefill (every expert), run in launches of 16 tokens at most: 3 of them.
-    monkeypatch.setattr(execute, "KERNEL_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(kernel_launch, "KERNEL_CHUNK_TOKENS", 16)
     launches = []
     kernel = lambda *args: launches.append(len(args[0])) or slot_kernel(*args)
     x, w, ids = random_routing(40, 16, 4, hidden=64, seed=9)

@@ -408,11 +408,11 @@ def test_stream_keeps_the_most_used_experts_across_sweeps_as_belady_does(toy_eng
 def test_stream_reads_the_next_window_while_the_one_before_computes(
     make_engine, monkeypatch, ids, events
 ):
-    import vllm_specexpert.execute as execute
+    from vllm_specexpert.device_runs import kernel_launch
     from vllm_specexpert.tiers.loader import ExpertLoader
 
     seen: list[tuple[str, int, int]] = []
-    load, launch = ExpertLoader._load, execute._launch
+    load, launch = ExpertLoader._load, kernel_launch.launch
 
     def loaded(self, experts, *args, **kwargs):
         seen.append(("read", int(experts.min()), int(experts.max())))
@@ -423,7 +423,7 @@ def test_stream_reads_the_next_window_while_the_one_before_computes(
         return launch(loader, call, experts)
 
     monkeypatch.setattr(ExpertLoader, "_load", loaded)
-    monkeypatch.setattr(execute, "_launch", launched)
+    monkeypatch.setattr(kernel_launch, "launch", launched)
     stream, fetch = make_engine(miss_policy="stream"), make_engine(miss_policy="fetch")
     x, w, t = routing(ids)
     out = stream.run_call(LayerCall(NAME, slot_kernel, x, w, t))
@@ -439,12 +439,12 @@ def test_stream_copies_the_next_window_while_the_window_before_computes(make_eng
     # launch (the CPU link's demand copies) would wait for it in vain.
     import threading
 
-    import vllm_specexpert.execute as execute
+    from vllm_specexpert.device_runs import kernel_launch
     from vllm_specexpert.tiers.link.base import ExpertCopy
 
     launched_8_11 = threading.Event()
     waited: list[bool] = []
-    run, launch = ExpertCopy.run, execute._launch
+    run, launch = ExpertCopy.run, kernel_launch.launch
 
     def copy(self, *args, **kwargs):
         if 12 in self.experts:
@@ -457,7 +457,7 @@ def test_stream_copies_the_next_window_while_the_window_before_computes(make_eng
         return launch(loader, call, experts)
 
     monkeypatch.setattr(ExpertCopy, "run", copy)
-    monkeypatch.setattr(execute, "_launch", launched)
+    monkeypatch.setattr(kernel_launch, "launch", launched)
     engine = make_engine(miss_policy="stream")
     engine.run_call(LayerCall(NAME, slot_kernel, *routing(sweep(24))))
     assert waited == [True]

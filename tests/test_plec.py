@@ -273,6 +273,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     from moe_reference import run_fetch  # noqa: F401 (the same executor path)
 
     from vllm_specexpert import execute, layer_call
+    from vllm_specexpert.device_runs import device_run_for
     from vllm_specexpert.stats import PhaseStats
 
     engine = make_engine(plec_preload="none")
@@ -284,7 +285,8 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     # layer's (whose turn comes next-to-last), oldest first, then the last layer's.
     call = layer_call.LayerCall(NAMES[0], slot_kernel, x, w, ids).on_host(stats)
     call.before_kernel = lambda: upcoming.loader.prefetch(np.arange(8, 16), stats)
-    out = execute.execute(running.loader, call, execute.survey(running.loader, call))
+    device, loader = device_run_for(), running.loader
+    out = execute.execute(device, loader, call, execute.survey(loader, call))
     t = LAYER_TENSORS[NAMES[0]]
     assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
     assert stats.prefetched > 0  # the prefetch did take slots of the shared pool

@@ -82,8 +82,13 @@ its floor::
      6  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping
      7  layer_state     OffloadedLayer: what every offloaded layer has, its places
-     7  execute         survey, run a plan over the device and the places, token
-                        groups, kernel launches; the one place that runs experts
+     5  device_runs/    how a call's device entries run, chosen when a layer is
+                        composed: resident (every expert in the slot of its id),
+                        one_launch (every expert a call needs, one launch; its
+                        overflow: token_groups, exact, or streamed), kernel_launch
+                        (the one way a launch is made)
+     7  execute         survey, run a plan over the device run and the places; the one
+                        place that carries out a plan
      8  layer_checks    what a config needs of the loaded layers, whatever the features
      8  quality/        the quality budget: logits (the model's head, two results
                         compared), budget (batch classes, windows, switches), monitor
@@ -140,7 +145,7 @@ One decode step of layer l, following the router's ids::
       │      ─► execute.execute ─► tiers.loader (loads) ─► layers.slot_kernel (vLLM's
       │      kernel on the slots); the layer's places, each a feature's: INT4 copies
       │      (low_bit), peers (mesh, via PeersFirst), host (host_compute); every
-      │      expert in the slot of its id: execute.launch_resident (the kernel alone)
+      │      expert in the slot of its id: device_runs.resident.launch_resident (the kernel alone)
       └─ finish:   mesh (forget what was fired), step_demand (PLEC: the next group)
     An expert the slow tier cannot supply: the call again without it
     (execute.execute_without)."""

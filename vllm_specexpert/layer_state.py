@@ -119,7 +119,7 @@ class OffloadedLayer:
                 f"'{config.cache}' shares one slot pool between layers: {error}",
                 "use cache 'lru'",
             ) from error
-        self.loader = ExpertLoader(self.cache, link, config.miss_policy_spec.splits_tokens)
+        self.loader = ExpertLoader(self.cache, link)
         self.places = Places()
         self.miss_context = MissContext(
             functools.partial(link.expert_seconds, self.experts),

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 from vllm_specexpert import execute
+from vllm_specexpert.device_runs import OneLaunch, device_run_for
+from vllm_specexpert.device_runs.resident import launch_resident
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
@@ -214,22 +216,22 @@ RunWrapper = Callable[[Runner, Runner], Runner]
 """A feature's wrap of the run step: (the mode's runner, the exact one) -> the runner."""
 
 
-def exact_runner(layer: OffloadedLayer) -> Runner:
+def exact_runner(layer: OffloadedLayer, device: OneLaunch) -> Runner:
     """The router's experts, missing ones loaded on demand (prompt rows, ``fetch``)."""
     loader = layer.loader
 
     def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
-        return execute.execute(loader, request, execute.survey(loader, request))
+        return execute.execute(device, loader, request, execute.survey(loader, request))
 
     return run
 
 
-def policy_runner(layer: OffloadedLayer, policy: MissPolicy) -> Runner:
+def policy_runner(layer: OffloadedLayer, policy: MissPolicy, device: OneLaunch) -> Runner:
     """The miss policy's plan for what is missing (only if something is), carried out."""
     loader = layer.loader
 
     def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
-        return execute.resolve(loader, request, policy, layer.miss_context)
+        return execute.resolve(device, loader, request, policy, layer.miss_context)
 
     return run
 
@@ -239,7 +241,7 @@ def resident_runner(layer: OffloadedLayer) -> Runner:
     loader = layer.loader
 
     def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
-        return execute.launch_resident(loader, request)
+        return launch_resident(loader, request)
 
     return run
 
@@ -251,6 +253,7 @@ class LayerPipeline:
     def __init__(
         self,
         layer: OffloadedLayer,
+        device: OneLaunch,
         stages: dict[Step, list[Stage]],
         decode: Runner,
         prefill: Runner,
@@ -261,6 +264,9 @@ class LayerPipeline:
         reads_ids: bool = True,
     ):
         self.layer = layer
+        self.device = device
+        """The layer's device run where its experts are not all resident (the
+        unreadable experts' rerun takes it too)."""
         self.stages = stages
         self.decode_runner = decode
         self.prefill_runner = prefill
@@ -297,7 +303,9 @@ class LayerPipeline:
             out = self._decode(request) if decode_only else self._by_phase(request)
         except ExpertsUnreadable as error:
             again = request.on_host(counted)
-            out = execute.execute_without(self.layer.loader, again, error, self.unreadable)
+            out = execute.execute_without(
+                self.device, self.layer.loader, again, error, self.unreadable
+            )
         counted.call_s += time.perf_counter() - started
         return out
 
@@ -370,16 +378,18 @@ def compose(
     the runners launch on the router's ids as they are; else decode rows run the miss
     policy's plan and prompt rows the exact runner. ``stages`` and ``wrappers`` are the
     features', in the registry's order."""
+    device = device_run_for(policy.spec.splits_tokens)
     if layer.cache.identity:
         decode = prefill = resident_runner(layer)
     else:
-        decode, prefill = policy_runner(layer, policy), exact_runner(layer)
-    exact = exact_runner(layer) if not layer.cache.identity else decode
+        decode, prefill = policy_runner(layer, policy, device), exact_runner(layer, device)
+    exact = exact_runner(layer, device) if not layer.cache.identity else decode
     for wrap in wrappers:
         decode = wrap(decode, exact)
     by_step = {step: ordered([s for s in stages if s.step == step]) for step in STEPS}
     return LayerPipeline(
         layer,
+        device,
         by_step,
         decode,
         prefill,

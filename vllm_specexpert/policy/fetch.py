@@ -8,6 +8,6 @@ from vllm_specexpert.policy.base import MissPolicy
 
 class FetchPolicy(MissPolicy):
     """No plan: every entry runs on the device, loaded on demand (see
-    :func:`~vllm_specexpert.execute.run_on_device`)."""
+    :class:`~vllm_specexpert.device_runs.one_launch.OneLaunch`)."""
 
     spec = MISS_POLICIES["fetch"]

@@ -1,6 +1,6 @@
 """``stream``: load missed experts on demand as ``fetch`` does; a call whose experts do
 not fit in the pool reads each missing one once, a token's experts then running in
-different launches (:func:`~vllm_specexpert.execute.run_streamed`)."""
+different launches (:class:`~vllm_specexpert.device_runs.streamed.Streamed`)."""
 
 from __future__ import annotations
 

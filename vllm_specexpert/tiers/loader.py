@@ -30,13 +30,9 @@ from vllm_specexpert.tiers.link import Link, Transfer
 class ExpertLoader:
     """Loads one layer's experts into its :class:`ExpertCache` (see module doc)."""
 
-    def __init__(self, cache: ExpertCache, link: Link, splits_tokens: bool = False) -> None:
+    def __init__(self, cache: ExpertCache, link: Link) -> None:
         self.cache = cache
         self.link = link
-        self.splits_tokens = splits_tokens
-        """Whether a call whose experts do not fit reads each missing one once, a
-        token's experts running in different launches (``stream``: equivalent output),
-        instead of whole tokens in groups (exact)."""
         self.prefetches: dict[int, Transfer] = {}
         """Protected expert -> its prefetch (cancellable until it starts)."""
         self.reads_ahead: dict[int, Transfer] = {}

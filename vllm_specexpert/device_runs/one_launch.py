@@ -1,0 +1,42 @@
+"""The run of a layer whose experts are not all in the slots of their ids: every expert
+a call needs is acquired (loaded if missing, each once) and the call runs in one launch,
+with vanilla's rounding; where they cannot all fit the pool (own slots and, on the CPU
+build's disk tier, the shared region's rows), its ``overflow`` runs the call. Which
+overflow a layer has is chosen when it is composed (:func:`device_run_for`), never on a
+call."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from vllm_specexpert.device_runs import kernel_launch
+from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.tiers.loader import ExpertLoader
+
+
+class Overflow(Protocol):
+    """How a call runs whose experts do not fit the pool together."""
+
+    output: str
+    """``exact`` or ``equivalent``: what its split does to a token's result."""
+
+    def run(self, loader: ExpertLoader, call: LayerCall) -> torch.Tensor: ...
+
+
+class OneLaunch:
+    """One launch over every expert a call needs, its ``overflow`` where they do not fit."""
+
+    def __init__(self, overflow: Overflow) -> None:
+        self.overflow = overflow
+
+    def run(self, loader: ExpertLoader, call: LayerCall, needed: np.ndarray) -> torch.Tensor:
+        """Output of the call's kernel on its routing, loading what is missing;
+        ``needed``: the call's distinct experts."""
+        loader.begin_run(needed, call.stats)
+        if not loader.cache.capacity_for(needed):
+            return self.overflow.run(loader, call)
+        loader.acquire(needed, call.stats)
+        return kernel_launch.launch(loader, call, needed)
