@@ -137,6 +137,8 @@ def copy_with_tier(tmp_path_factory) -> Path:
     return root
 
 
+# (a copy of the package, linted; test_adding_a_feature does the same for a feature)
+@pytest.mark.slow
 def test_the_copy_with_the_tier_keeps_the_layout(copy_with_tier):
     done = layout_check(copy_with_tier)
     assert done.returncode == 0, done.stdout[-3000:]

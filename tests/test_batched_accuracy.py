@@ -17,6 +17,8 @@ from vllm_specexpert.tools.teacher_forcing import (
     teacher_forced,
 )
 
+pytestmark = pytest.mark.slow  # (approximate modes' accuracy at a batch: minutes of engines)
+
 PROMPT, FORCED, WINDOWS, BATCH = 16, 32, 64, 16
 TARGET = 0.98
 TOLERANCE = 0.01

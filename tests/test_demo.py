@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from vllm_specexpert.tools.demo import PROMPTS
 
 
+@pytest.mark.slow  # (`make demo` runs it; the engine paths it takes are the exactness tests)
 def test_demo_prints_samples_and_an_exact_comparison_without_vllm_logs(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as from a shell

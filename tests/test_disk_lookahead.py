@@ -88,6 +88,8 @@ def flip_draft_regions(pack_dir, index: int) -> bytes:
     return saved
 
 
+# (a draft region's checksum failure is test_draft_pack's unit test; here the engine)
+@pytest.mark.slow
 def test_a_draft_region_that_fails_its_checksum_fails_no_request(engine, pack_dir):
     from vllm import SamplingParams
 

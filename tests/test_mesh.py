@@ -183,6 +183,8 @@ mode's samples with no loss at all came every few windows: 16 tokens cannot tell
 that flips 17 % of its tokens, mostly near-ties, from one under budget.)"""
 
 
+# (an approximate mode's budget on peers; the budget itself is test_quality_engine's)
+@pytest.mark.slow
 def test_no_stop_runs_under_the_quality_budget(llm, reference):
     # Issue 73 (6): it ran unbudgeted ("does not combine with mesh yet").
     vllm_specexpert.reconfigure(llm, quality=None)

@@ -104,6 +104,8 @@ def test_serve_runs_lowbit_and_labels_it_approximate(tmp_path):
         assert [(i["miss_policy"], i["output"]) for i in info] == [("lowbit", "approximate")]
 
 
+# (lookahead's stats in LLM() are test_lookahead's; this is them behind the server)
+@pytest.mark.slow
 def test_serve_runs_lookahead_and_reports_its_draft_lengths(tmp_path):
     """``lookahead`` behind the OpenAI server: the plugin sets vLLM's speculative
     decoding, the INT4 draft drafts, and /metrics shows the governor's counters."""

@@ -83,6 +83,7 @@ def test_held_out_losses_match_the_model_card(model, heldout):
         assert hf_loss(model, windows) == pytest.approx(entry["loss"], abs=0.01), split
 
 
+@pytest.mark.slow  # (the embedded model's own quality: it changes only with `make model`)
 def test_gate_packages_never_trained_on_are_predicted_well(model, heldout):
     """Loss on the held-out packages well below 0.6 x the unigram entropy of the same
     tokens: the model uses context, across projects."""
@@ -95,6 +96,7 @@ def test_gate_packages_never_trained_on_are_predicted_well(model, heldout):
     assert loss < 0.6 * unigram
 
 
+@pytest.mark.slow  # (the embedded model's own quality: it changes only with `make model`)
 def test_gates_routing_is_peaked_and_uses_every_expert(model, heldout):
     _, windows = heldout["validation"]
     with torch.no_grad():
