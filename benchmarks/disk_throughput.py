@@ -7,9 +7,10 @@ before it. Real I/O; nothing modeled.
         [--batches 1 8 32 128 256] [--output-len 16] [--work DIR] [--keep] \\
         [--name disk_throughput_mini]
 
-Per batch ``B``: ``--num-prompts B --max-num-seqs B``, held-out code prompts (a
-``custom`` dataset of ``disk_vs_llamacpp``'s 32-token prompts), ``--output-len`` tokens
-each, ``budget: "auto"`` and no KV cache size (the plugin sizes both), in two modes:
+Per batch ``B``: ``--num-prompts B --max-num-seqs B``, ``bench throughput``'s
+``random`` dataset (32 random prompt tokens: vLLM 0.32's ``bench throughput`` takes no
+``custom`` dataset, so not held-out code as ``disk_vs_llamacpp``'s), ``--output-len``
+tokens each, ``budget: "auto"`` and no KV cache size (the plugin sizes both), in two modes:
 ``fetch`` (the default) and the compute ceiling (``random`` substitution: nothing read,
 the same compute). Then one run with vLLM's defaults for the batch and the length
 (``--num-prompts`` the largest batch, no ``--max-num-seqs``, no ``--max-model-len``):
@@ -38,27 +39,16 @@ from common import RESULTS, command_line, work_dir, write_result
 from disk_vs_llamacpp import (
     CEILING_MODE,
     MODES,
+    PROMPT_TOKENS,
     drop_page_cache,
     intermediate_for,
     packed,
-    prompt_ids,
     ram_bytes,
 )
 from memory_cgroup import MemoryCgroup
 
 THROUGHPUT_MODES = {"fetch": MODES["fetch, LRU"], "compute ceiling": MODES[CEILING_MODE]}
 DEFAULTS = "vLLM's defaults"
-
-
-def prompts_file(work: Path, count: int) -> Path:
-    """``count`` held-out prompts as a ``custom`` dataset (JSON lines of ``prompt``)."""
-    from vllm_specexpert.tools.embedded_model import load_tokenizer
-
-    tokenizer = load_tokenizer()
-    path = work / "throughput_prompts.jsonl"
-    lines = [json.dumps({"prompt": tokenizer.decode(ids)}) for ids in prompt_ids(count)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def bench(args, work: Path, name: str, batch: int, settings: dict, sized: bool) -> dict:
@@ -87,11 +77,10 @@ def bench(args, work: Path, name: str, batch: int, settings: dict, sized: bool) 
         "--model",
         str(work / "model"),
         "--dataset-name",
-        "custom",
-        "--dataset-path",
-        str(prompts_file(work, batch)),
-        "--skip-chat-template",
-        "--custom-output-len",
+        "random",
+        "--random-input-len",
+        str(PROMPT_TOKENS),
+        "--random-output-len",
         str(args.output_len),
         "--num-prompts",
         str(batch),
