@@ -319,6 +319,17 @@ def default_calibration(model: str, max_tokens: int = 65536) -> str:
     return str(out)
 
 
+def write_outputs(
+    name: str, payload: dict[str, Any], table: str, plot: Callable[[dict, Path], None]
+) -> Path:
+    """A run's JSON, its table (``.md``) and its figure (``.png``), the table printed."""
+    out = write_result(name, payload)
+    (RESULTS / f"{name}.md").write_text(table)
+    plot(payload, RESULTS / f"{name}.png")
+    print(table)
+    return out
+
+
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     payload = {

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, command_line, work_dir, write_result
+from common import command_line, work_dir, write_outputs
 from disk_vs_llamacpp import (
     CEILING_MODE,
     MODES,
@@ -185,11 +185,7 @@ def main() -> None:
         "batches": args.batches,
         "runs": runs,
     }
-    out = write_result(args.name, payload)
-    table = markdown(payload, command)
-    (RESULTS / f"{args.name}.md").write_text(table)
-    plot(payload, RESULTS / f"{args.name}.png")
-    print(table)
+    out = write_outputs(args.name, payload, markdown(payload, command), plot)
     if not args.keep:
         import shutil
 

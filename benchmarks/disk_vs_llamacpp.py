@@ -71,7 +71,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, command_line, kib, work_dir, write_result
+from common import RESULTS, command_line, kib, work_dir, write_outputs
 from memory_cgroup import CgroupError, MemoryCgroup
 
 HERE = Path(__file__).resolve()
@@ -1296,11 +1296,7 @@ def main() -> None:
         **parts,
     }
     payload["headroom"] = headroom(payload)
-    out = write_result(args.name, payload)
-    table = markdown(payload, command)
-    (RESULTS / f"{args.name}.md").write_text(table)
-    plot(payload, RESULTS / f"{args.name}.png")
-    print(table)
+    out = write_outputs(args.name, payload, markdown(payload, command), plot)
     if not args.keep:
         shutil.rmtree(work / "model", ignore_errors=True)
         shutil.rmtree(work / "pack", ignore_errors=True)

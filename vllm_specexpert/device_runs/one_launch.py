@@ -20,9 +20,6 @@ from vllm_specexpert.tiers.loader import ExpertLoader
 class Overflow(Protocol):
     """How a call runs whose experts do not fit the pool together."""
 
-    output: str
-    """``exact`` or ``equivalent``: what its split does to a token's result."""
-
     def run(self, loader: ExpertLoader, call: LayerCall) -> torch.Tensor: ...
 
 

@@ -30,8 +30,6 @@ from vllm_specexpert.tiers.staging import upload
 class Streamed:
     """What does not fit streams through windows, each missing expert read once."""
 
-    output = "equivalent"
-
     def run(self, loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
         cache, ids, stats, device = loader.cache, call.host_ids, call.stats, call.x.device
         held = cache.resident_mask()[ids]

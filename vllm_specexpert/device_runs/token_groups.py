@@ -23,8 +23,6 @@ per round, bounding the host work of planning."""
 class TokenGroups:
     """What does not fit runs in token groups (``fetch``: exact)."""
 
-    output = "exact"
-
     def run(self, loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
         cache, ids, stats = loader.cache, call.host_ids, call.stats
         out = torch.empty_like(call.x)
