@@ -53,10 +53,11 @@ def module_of(filename: str) -> str | None:
 
 def trace_call(
     engine: OffloadEngine, request: LayerCall
-) -> tuple[collections.Counter, collections.Counter]:
-    """(module -> times the call entered it from elsewhere, package class -> objects of
-    it the call made)."""
+) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+    """(module -> times the call entered it from elsewhere, ``module:function`` -> the
+    same by the function entered, package class -> objects of it the call made)."""
     entered: collections.Counter = collections.Counter()
+    by_function: collections.Counter = collections.Counter()
     made: collections.Counter = collections.Counter()
 
     def profile(frame, event, arg):
@@ -73,13 +74,14 @@ def trace_call(
         came_from = module_of(caller.f_code.co_filename) if caller is not None else None
         if came_from != module:
             entered[module] += 1
+            by_function[f"{module}:{frame.f_code.co_name}"] += 1
 
     sys.setprofile(profile)
     try:
         engine.run_call(request)
     finally:
         sys.setprofile(None)
-    return entered, made
+    return entered, by_function, made
 
 
 def package_lines() -> int:
@@ -99,7 +101,7 @@ CASES = {
 misses (``fetch``); the same with next-layer prediction and its prefetch."""
 
 
-def no_kernel(x, weights, ids, slots, expert_map):
+def no_kernel(x, weights, ids, slots, expert_map, **_):
     return x  # (the engine's path alone is timed)
 
 
@@ -139,7 +141,7 @@ def trace_case(budget: float, predictor: str, tokens: int) -> dict:
         x, w, ids = random_routing(tokens, 16, 2, seed=99)
         request = LayerCall("l0", slot_kernel, x, w, ids, PassPhases.decode_only(tokens))
         before = engine.layers["l0"].stats.decode.missed_entries
-        entered, made = trace_call(engine, request)
+        entered, by_function, made = trace_call(engine, request)
         missed = engine.layers["l0"].stats.decode.missed_entries - before
         seconds = time_calls(engine, request) if budget == 1.0 else None
     finally:
@@ -150,6 +152,7 @@ def trace_case(budget: float, predictor: str, tokens: int) -> dict:
         "tokens": tokens,
         "missed_entries": int(missed),
         "modules_entered": dict(entered.most_common()),
+        "functions_entered": dict(by_function.most_common()),
         "distinct_modules": len(entered),
         "entries": int(sum(entered.values())),
         "most_entered": int(max(entered.values())),

@@ -162,7 +162,7 @@ def engine_loop_us(num_experts: int = 64, top_k: int = 4, calls: int = 5000) -> 
     x, weights = torch.zeros(1, 4), torch.full((1, top_k), 1.0 / top_k)
     phases = PassPhases.decode_only(1)
 
-    def nothing(x, w, ids, slots, expert_map):
+    def nothing(x, w, ids, slots, expert_map, **_):
         return x
 
     for ids in routings:

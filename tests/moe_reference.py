@@ -67,7 +67,7 @@ def run_fetch(
     return execute.execute(device_run_for(), loader, call, execute.survey(loader, call))
 
 
-def slot_kernel(x, topk_weights, ids, slots, expert_map=None):
+def slot_kernel(x, topk_weights, ids, slots, expert_map=None, *, out=None, tile_tokens=0):
     """The reference on the slot pool; ``ids`` go through ``expert_map`` when given."""
     if expert_map is not None:
         ids = expert_map[ids.long()]

@@ -53,6 +53,73 @@ def test_oversized_batch_runs_in_groups_and_loads_each_expert_few_times():
     check_cache_invariants(loader)
 
 
+@pytest.mark.parametrize("device_run", ["token groups", "streamed"])
+def test_a_calls_first_launch_work_runs_once_before_its_first_launch(device_run):
+    # A call too big for the pool runs in several launches; the next layer's prefetch
+    # (its FirstLaunch) must start once, before the first of them: not per part, and
+    # not after the kernels.
+    from moe_reference import slot_kernel
+
+    from vllm_specexpert import execute
+    from vllm_specexpert.device_runs import device_run_for
+    from vllm_specexpert.layer_call import FirstLaunch, LayerCall
+
+    tensors = random_layer(num_experts=16)
+    loader = make_loader(tensors, num_slots=4, top_k=4)
+    launches: list[int] = []
+    ran_after: list[int] = []
+
+    def counted_kernel(*args, **kwargs):
+        launches.append(len(args[0]))
+        return slot_kernel(*args, **kwargs)
+
+    first = FirstLaunch()
+    first.add(lambda: ran_after.append(len(launches)))
+    x, w, ids = random_routing(64, 16, 4, seed=3)
+    call = LayerCall("layer", counted_kernel, x, w, ids, first_launch=first)
+    call = call.on_host(PhaseStats())
+    device = device_run_for(splits_tokens=device_run == "streamed")
+    out = execute.execute(device, loader, call, execute.survey(loader, call))
+    if device_run == "token groups":  # (streamed windows round a split token once more)
+        assert torch.equal(
+            out, reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"])
+        )
+    assert len(launches) > 1
+    assert ran_after == [0]
+    assert not first.pending
+
+
+def test_a_one_launch_call_writes_into_its_buffer_and_a_part_never_does():
+    # The custom op's buffer (LayerCall.out) takes the one launch's result without a
+    # copy; a launch on some of the rows must not write there (it would overwrite the
+    # rows of another part).
+    tensors = random_layer(num_experts=16)
+    x, w, ids = random_routing(8, 16, 4, seed=4)
+    expected = reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"])
+    for num_slots, one_launch in [(16, True), (4, False)]:
+        from moe_reference import slot_kernel
+
+        from vllm_specexpert import execute
+        from vllm_specexpert.device_runs import device_run_for
+        from vllm_specexpert.layer_call import LayerCall
+
+        def writing_kernel(x, weights, ids, slots, expert_map=None, *, out=None, **kwargs):
+            result = slot_kernel(x, weights, ids, slots, expert_map)
+            if out is None:
+                return result
+            assert out.shape == result.shape  # (a part writing the whole buffer: a bug)
+            out.copy_(result)
+            return out
+
+        loader = make_loader(tensors, num_slots=num_slots, top_k=4)
+        buffer = torch.full_like(x, float("nan"))
+        call = LayerCall("layer", writing_kernel, x, w, ids, out=buffer).on_host(PhaseStats())
+        out = execute.execute(device_run_for(), loader, call, execute.survey(loader, call))
+        assert torch.equal(out, expected)
+        assert (out is buffer) == one_launch
+        assert buffer.isnan().all() != one_launch  # (a part wrote nothing there)
+
+
 def test_token_group_respects_capacity():
     cache = make_loader(random_layer(num_experts=16), num_slots=6, top_k=2, policy="static").cache
     ids = np.array([[10, 11], [12, 13], [0, 10], [14, 15], [1, 2]])
@@ -133,9 +200,9 @@ def test_a_calls_seconds_hold_its_kernels_seconds_and_no_more(toy_engines, monke
 
     clock = [0.0]
 
-    def timed_kernel(*args):
+    def timed_kernel(*args, **kwargs):
         clock[0] += 1.0
-        return slot_kernel(*args)
+        return slot_kernel(*args, **kwargs)
 
     fake_time = SimpleNamespace(perf_counter=lambda: clock[0])
     name = "model.layers.0.mlp.experts"

@@ -73,7 +73,7 @@ def test_fetch_with_vllm_kernel_is_bit_exact(num_slots):
     p13, p2, _ = prepacked()
     loader = make_loader({"w13_weight": p13, "w2_weight": p2}, num_slots=num_slots, top_k=K)
 
-    def kernel(x, w, slot_ids, slots, expert_map):
+    def kernel(x, w, slot_ids, slots, expert_map, **_):
         assert expert_map is None  # the CPU build maps ids to slots on the host
         return run(x, w, slot_ids, slots["w13_weight"], slots["w2_weight"])
 

@@ -115,7 +115,7 @@ def test_the_kernel_runs_on_the_mapped_pages_exactly(engine, pack, monkeypatch):
     # A prefill (every expert), run in launches of 16 tokens at most: 3 of them.
     monkeypatch.setattr(kernel_launch, "KERNEL_CHUNK_TOKENS", 16)
     launches = []
-    kernel = lambda *args: launches.append(len(args[0])) or slot_kernel(*args)
+    kernel = lambda *args, **kw: launches.append(len(args[0])) or slot_kernel(*args, **kw)
     x, w, ids = random_routing(40, 16, 4, hidden=64, seed=9)
     out = engine.run_call(LayerCall(NAMES[1], kernel, x, w, ids, PassPhases.prefill_only(40)))
     assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[NAMES[1]].values()))
@@ -343,11 +343,11 @@ def test_a_writer_that_comes_while_a_launch_reads_fails_the_launch(engine, pack)
     records, lease = pack.path / RECORDS_FILE, engine.store.tier("disk").mapping.fd
     writers: list[OtherWriter] = []
 
-    def kernel(*args):
+    def kernel(*args, **kwargs):
         if not writers:
             writers.append(OtherWriter(records))
             wait_for_break(lease)
-        return slot_kernel(*args)
+        return slot_kernel(*args, **kwargs)
 
     x, w, _ = random_routing(2, 16, 4, hidden=64, seed=5)
     ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
@@ -367,9 +367,9 @@ def test_a_writer_that_came_and_went_during_a_launch_fails_it(engine, pack, monk
 
     name, lease = NAMES[0], engine.store.tier("disk").mapping.lease
 
-    def kernel(*args):
+    def kernel(*args, **kwargs):
         monkeypatch.setattr(lease, "state", lambda: LeaseState.RENEWED)  # once, after it
-        return slot_kernel(*args)
+        return slot_kernel(*args, **kwargs)
 
     x, w, _ = random_routing(2, 16, 4, hidden=64, seed=6)
     ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)

@@ -283,8 +283,10 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     stats = PhaseStats()
     # Victims of the upcoming layer's load: its own experts first, then the running
     # layer's (whose turn comes next-to-last), oldest first, then the last layer's.
-    call = layer_call.LayerCall(NAMES[0], slot_kernel, x, w, ids).on_host(stats)
-    call.before_kernel = lambda: upcoming.loader.prefetch(np.arange(8, 16), stats)
+    first = layer_call.FirstLaunch()
+    first.add(lambda: upcoming.loader.prefetch(np.arange(8, 16), stats))
+    call = layer_call.LayerCall(NAMES[0], slot_kernel, x, w, ids, first_launch=first)
+    call = call.on_host(stats)
     device, loader = device_run_for(), running.loader
     out = execute.execute(device, loader, call, execute.survey(loader, call))
     t = LAYER_TENSORS[NAMES[0]]

@@ -349,11 +349,11 @@ def test_the_next_layers_reads_run_beside_a_launch_and_never_into_its_rows(engin
     for name, next_name in itertools.pairwise(NAMES):
         engine.link_layers(name, next_name)
 
-    def waiting_kernel(*args):
+    def waiting_kernel(*args, **kwargs):
         for layer in engine.layers.values():
             for transfer in list(layer.loader.reads_ahead.values()):
                 transfer.done.wait()  # (the CPU link's: landed, whoever copied it)
-        return slot_kernel(*args)
+        return slot_kernel(*args, **kwargs)
 
     def step(routings):
         for name in NAMES:

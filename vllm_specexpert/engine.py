@@ -196,6 +196,7 @@ class OffloadEngine:
             [check for f in running if (check := f.exact_check()) is not None],
             self.reader,
             self.unreadable,
+            [free for f in running if (free := f.router_free(layer)) is not None],
         )
         self.pipelines[layer.name] = composed
         layer.run = composed.run  # (a bound method: a call costs less than an instance's)

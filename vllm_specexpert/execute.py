@@ -129,15 +129,14 @@ def execute(
         if on_device.any():
             index, part = planned.masked(on_device)
             out[index] = device.run(loader, part, np.unique(part.host_ids))
-        elif (hook := call.take_before_kernel()) is not None:
+        elif call.first_launch.pending:  # (no launch: its work starts all the same)
             loader.begin_run(np.zeros(0, dtype=np.int64), stats)
-            hook()
+            call.first_launch.run()
     for place, job in jobs:
         failed = place.finish(job, out)
         if failed is not None and failed.any():  # (a peer that left the rotation)
             stats.fetched_entries += int(np.count_nonzero(failed))
             index, part = planned.masked(failed)
-            part.before_kernel = None
             out[index] += device.run(loader, part, np.unique(part.host_ids))
     if admit:
         admitted = [entries for place, entries in elsewhere if place.admits]

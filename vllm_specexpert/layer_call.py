@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -15,15 +16,69 @@ from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.staging import upload
 
-ExpertKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None],
-    torch.Tensor,
-]
-"""``kernel(x, topk_weights, ids, slots, expert_map) -> out``: the layer's fused-experts
-kernel run on the slot tensors ``slots`` (name -> ``[num_slots, ...]``). ``ids`` are slot
-indices when ``expert_map`` is ``None``, else router expert ids that the kernel maps
-through ``expert_map`` (id -> slot, -1: not resident), as vLLM's fused MoE does for
-expert parallelism (see :meth:`ExpertCache.kernel_routing`)."""
+
+class ExpertKernel(Protocol):
+    """``kernel(x, topk_weights, ids, slots, expert_map, out=, tile_tokens=) -> out``: the
+    layer's fused-experts kernel run on the slot tensors ``slots`` (name -> ``[num_slots,
+    ...]``), a plain function of its inputs. ``ids`` are slot indices when ``expert_map``
+    is ``None``, else router expert ids that the kernel maps through ``expert_map`` (id
+    -> slot, -1: not resident), as vLLM's fused MoE does for expert parallelism (see
+    :meth:`ExpertCache.kernel_routing`). ``out``: where to write the result, if given
+    (a kernel that cannot returns a fresh tensor). ``tile_tokens``: the token count whose
+    tile config the launch takes (CUDA: a part of a call sums as the whole call does)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        ids: torch.Tensor,
+        slots: dict[str, torch.Tensor],
+        expert_map: torch.Tensor | None = None,
+        /,
+        *,
+        out: torch.Tensor | None = None,
+        tile_tokens: int = 0,
+    ) -> torch.Tensor: ...
+
+
+class FirstLaunch:
+    """What starts once a call's first launch has its experts, before it runs: the next
+    layer's prefetch or read ahead, which then overlap the layer's own expert compute.
+    Every part of a call (its rows, token groups, windows) holds the same object, so
+    whichever launches first runs it, once; nothing is taken or cleared."""
+
+    __slots__ = ("_hooks",)
+
+    def __init__(self) -> None:
+        self._hooks: list[Callable[[], None]] = []
+
+    def add(self, hook: Callable[[], None]) -> None:
+        self._hooks.append(hook)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._hooks)
+
+    def run(self) -> None:
+        """The hooks, once: later launches of the call run nothing."""
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+
+class _NothingFirst(FirstLaunch):
+    __slots__ = ()
+
+    def add(self, hook: Callable[[], None]) -> None:
+        raise TypeError("NOTHING_FIRST takes no hooks: give the call its own FirstLaunch")
+
+    def run(self) -> None:
+        pass
+
+
+NOTHING_FIRST = _NothingFirst()
+"""The :class:`FirstLaunch` of a call that starts nothing (the null object: shadow
+computations, calls no stage planned for)."""
 
 
 class _Unread(np.ndarray):
@@ -64,10 +119,15 @@ class LayerCall:
     """The same ids on the host, once read."""
     stats: PhaseStats = UNCOUNTED
     """Counters of the call's phase (decode or prefill), once the engine took it."""
-    before_kernel: Callable[[], None] | None = None
-    """Called once, when the first launch's experts are resident and before it starts
-    (the engine submits the next layer's prefetch there, so that the copy overlaps this
-    layer's expert compute)."""
+    first_launch: FirstLaunch = NOTHING_FIRST
+    """Run once, when the call's first launch has its experts and before it starts
+    (shared by every part of the call)."""
+    out: torch.Tensor | None = None
+    """Where the result of a launch on all of the call's rows goes (the custom op's
+    buffer: a one-launch call needs no copy); a part of the call has none."""
+    tile_tokens: int = 0
+    """The token count of the call as the adapter handed it: every launch of it takes
+    that count's tile config (CUDA; 0: the launch's own)."""
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +159,7 @@ class LayerCall:
             host_ids=ids,
             phases=None,
             mixed=self.mixed or (self.phases is not None and not self.phases.all_decode),
+            out=None,
         )
 
     def routed(self, weights: torch.Tensor, ids: np.ndarray) -> LayerCall:
@@ -109,11 +170,6 @@ class LayerCall:
             host_ids=ids,
             topk_ids=upload(ids, self.x.device).to(self.topk_ids.dtype),
         )
-
-    def take_before_kernel(self) -> Callable[[], None] | None:
-        """``before_kernel``, once: later launches of the call get ``None``."""
-        hook, self.before_kernel = self.before_kernel, None
-        return hook
 
     def masked(self, entries: np.ndarray) -> tuple[torch.Tensor, LayerCall]:
         """The call on the rows that have some of ``entries`` ([T, K] mask), with those

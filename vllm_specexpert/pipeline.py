@@ -37,7 +37,7 @@ from vllm_specexpert import execute
 from vllm_specexpert.device_runs import OneLaunch, device_run_for
 from vllm_specexpert.device_runs.resident import launch_resident
 from vllm_specexpert.handback import UnreadableRows
-from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.layer_call import NOTHING_FIRST, FirstLaunch, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.predict import Prediction
@@ -78,7 +78,7 @@ class DecodeCall:
     ``mesh``."""
     router_host_ids: np.ndarray = field(init=False)
     """The router's ids on the host (from the ``plan`` step on)."""
-    before_kernel: list[Callable[[], None]] = field(default_factory=list)
+    first_launch: FirstLaunch = field(default_factory=FirstLaunch)
     """Work to start once the call's first launch has its experts, before it runs
     (a prefetch then overlaps the layer's own expert compute)."""
     _reads: list[tuple[list[torch.Tensor], HostReads]] = field(default_factory=list)
@@ -125,13 +125,7 @@ class DecodeCall:
 
     def layer_call(self) -> LayerCall:
         """What the run step runs: the routing to run, on the host too, and the work
-        to start before the kernel."""
-        hooks = self.before_kernel
-
-        def before_kernel() -> None:
-            for hook in hooks:
-                hook()
-
+        to start before the first launch."""
         request = self.request
         weights, ids, host_ids = (
             (request.topk_weights, request.topk_ids, self.router_host_ids)
@@ -144,7 +138,7 @@ class DecodeCall:
             topk_ids=ids,
             host_ids=host_ids,
             stats=self.stats,
-            before_kernel=before_kernel if hooks else None,
+            first_launch=self.first_launch if self.first_launch.pending else NOTHING_FIRST,
         )
 
 
@@ -215,6 +209,10 @@ ExactCheck = Callable[[int], bool]
 RunWrapper = Callable[[Runner, Runner], Runner]
 """A feature's wrap of the run step: (the mode's runner, the exact one) -> the runner."""
 
+RouterFree = Callable[[int], "tuple[torch.Tensor, torch.Tensor] | None"]
+"""A routing a decode pass of so many tokens may run without the layer's router, or
+``None``: call the router (``router_free``)."""
+
 
 def exact_runner(layer: OffloadedLayer, device: OneLaunch) -> Runner:
     """The router's experts, missing ones loaded on demand (prompt rows, ``fetch``)."""
@@ -262,6 +260,7 @@ class LayerPipeline:
         unreadable: UnreadableRows,
         wrapped: bool = False,
         reads_ids: bool = True,
+        router_free: Sequence[RouterFree] = (),
     ):
         self.layer = layer
         self.device = device
@@ -284,6 +283,16 @@ class LayerPipeline:
         self._reads_ids = reads_ids
         """Whether the runner needs the ids on the host (not to launch on them as
         they are)."""
+        self._router_free = list(router_free)
+
+    def routing_without_router(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``router_free``: the routing a decode-only pass of ``tokens`` tokens runs
+        without calling the layer's router, or ``None``: call the router (also while a
+        call of that many tokens must run exactly)."""
+        if not self._router_free or any(check(tokens) for check in self.exact_checks):
+            return None
+        routings = (source(tokens) for source in self._router_free)
+        return next((routing for routing in routings if routing is not None), None)
 
     def describe(self) -> dict[str, list[str]]:
         """Step -> its stages' names, in the order they run."""
@@ -373,6 +382,7 @@ def compose(
     exact_checks: list[ExactCheck],
     reader: HostReader,
     unreadable: UnreadableRows,
+    router_free: Sequence[RouterFree] = (),
 ) -> LayerPipeline:
     """The layer's pipeline: with every expert in the slot of its id (``cache.identity``)
     the runners launch on the router's ids as they are; else decode rows run the miss
@@ -398,4 +408,5 @@ def compose(
         unreadable,
         wrapped=bool(wrappers),
         reads_ids=not layer.cache.identity,
+        router_free=router_free,
     )

@@ -44,7 +44,7 @@ class RegionReadAhead:
         return Stage("region.read_ahead", "plan", self._plan)
 
     def _plan(self, call: DecodeCall) -> None:
-        call.before_kernel.append(self._read)
+        call.first_launch.add(self._read)
 
     def _read(self) -> None:
         nxt = self.following()

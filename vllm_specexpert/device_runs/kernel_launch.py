@@ -1,6 +1,7 @@
 """One kernel launch on resident experts, the one way every device run launches: the
-call's ``before_kernel`` first, then the layer's kernel on the cache's slots, a long pass
-(prefill) in chunks of :data:`~vllm_specexpert.config.sizing.KERNEL_CHUNK_TOKENS` rows."""
+call's :class:`~vllm_specexpert.layer_call.FirstLaunch` first, then the layer's kernel
+on the cache's slots, a long pass (prefill) in chunks of
+:data:`~vllm_specexpert.config.sizing.KERNEL_CHUNK_TOKENS` rows."""
 
 from __future__ import annotations
 
@@ -10,20 +11,19 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config.sizing import KERNEL_CHUNK_TOKENS
-from vllm_specexpert.layer_call import ExpertKernel, LayerCall
+from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.tiers.cache import KernelRouting
 from vllm_specexpert.tiers.loader import ExpertLoader
 
 
 def launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch.Tensor:
     """One kernel launch on resident ``experts`` (those of the call's ids), after the
-    call's ``before_kernel``."""
-    cache = loader.cache
-    hook = call.take_before_kernel()
-    if hook is not None:
-        cache.in_use[experts] = True  # the hook's loads (other layers') must not take them
+    call's first-launch work (if no launch of the call ran it yet)."""
+    cache, first = loader.cache, call.first_launch
+    if first.pending:
+        cache.in_use[experts] = True  # the hooks' loads (other layers') must not take them
         try:
-            hook()
+            first.run()
         finally:
             cache.in_use[experts] = False
     routing = cache.kernel_routing(call.topk_ids, call.host_ids)
@@ -34,7 +34,7 @@ def launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch.
         call.stats.stall_s += readable - started
     call.stats.loads += read
     call.stats.bytes_loaded += nbytes
-    out = in_chunks(call.kernel, call.x, call.topk_weights, routing)
+    out = in_chunks(call, routing)
     cache.pool.confirm(routing.ids)  # (a mapped pack's pages: unwritten while it ran)
     call.stats.kernel_s += time.perf_counter() - readable
     loader.kernel_launched(experts)
@@ -42,17 +42,17 @@ def launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch.
     return out
 
 
-def in_chunks(
-    kernel: ExpertKernel, x: torch.Tensor, weights: torch.Tensor, routing: KernelRouting
-) -> torch.Tensor:
-    """The layer's kernel on the cache's slots; a long pass (prefill) in chunks, so that
-    the kernel's scratch is a chunk's, not the pass's."""
+def in_chunks(call: LayerCall, routing: KernelRouting) -> torch.Tensor:
+    """The layer's kernel on the cache's slots, into the call's ``out`` if it has one;
+    a long pass (prefill) in chunks, so that the kernel's scratch is a chunk's, not the
+    pass's."""
     ids, slots, expert_map = routing
+    kernel, x, weights, tiles = call.kernel, call.x, call.topk_weights, call.tile_tokens
     tokens = x.shape[0]
     if tokens <= KERNEL_CHUNK_TOKENS:
-        return kernel(x, weights, ids, slots, expert_map)
-    out = torch.empty_like(x)
+        return kernel(x, weights, ids, slots, expert_map, out=call.out, tile_tokens=tiles)
+    out = torch.empty_like(x) if call.out is None else call.out
     for start in range(0, tokens, KERNEL_CHUNK_TOKENS):
         rows = slice(start, start + KERNEL_CHUNK_TOKENS)
-        out[rows] = kernel(x[rows], weights[rows], ids[rows], slots, expert_map)
+        out[rows] = kernel(x[rows], weights[rows], ids[rows], slots, expert_map, tile_tokens=tiles)
     return out

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.device_runs import kernel_launch
-from vllm_specexpert.layer_call import UNREAD, LayerCall
+from vllm_specexpert.layer_call import NOTHING_FIRST, UNREAD, LayerCall
 from vllm_specexpert.tiers.loader import ExpertLoader
 
 
@@ -29,11 +29,10 @@ def launch_resident(loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
     stats.requests += distinct
     stats.hits += distinct
     stats.kernel_calls += 1
-    if (hook := call.before_kernel) is not None:  # (take_before_kernel, inline: hot)
-        call.before_kernel = None
-        hook()
+    if (first := call.first_launch) is not NOTHING_FIRST:  # (the null object's run: hot)
+        first.run()
     routing = loader.cache.kernel_routing(ids, None)
     started = time.perf_counter()
-    out = kernel_launch.in_chunks(call.kernel, call.x, call.topk_weights, routing)
+    out = kernel_launch.in_chunks(call, routing)
     stats.kernel_s += time.perf_counter() - started
     return out

@@ -44,7 +44,6 @@ class Streamed:
             if len(resident):
                 loader.acquire(resident, stats)  # (hits)
                 index, part = call.masked(held)
-                part.before_kernel = call.take_before_kernel()
                 out[index] = kernel_launch.launch(loader, part, resident)
             split = np.flatnonzero(~held.all(axis=1))
             row_of = np.zeros(len(ids), dtype=np.int64)
@@ -65,7 +64,6 @@ class Streamed:
                 rows, ks = np.nonzero(np.isin(ids, window) & ~held)
                 weights = call.topk_weights[upload(rows, device), upload(ks, device)][:, None]
                 part = call.rows(rows, weights, ids[rows, ks][:, None])
-                part.before_kernel = call.take_before_kernel()
                 launched = kernel_launch.launch(loader, part, window).float()
                 total.index_add_(0, upload(row_of[rows], device), launched)
                 pending, window = following, following

@@ -40,7 +40,6 @@ class TokenGroups:
             ready = remaining[resident[ids[remaining]].all(axis=1)]
             loader.acquire(np.setdiff1d(np.unique(ids[ready]), experts), stats)  # hits only
             part = call.rows(ready)
-            part.before_kernel = call.take_before_kernel()
             launched = kernel_launch.launch(loader, part, np.unique(ids[ready]))
             out[upload(ready, call.x.device)] = launched
             remaining = np.setdiff1d(remaining, ready, assume_unique=True)

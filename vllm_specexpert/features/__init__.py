@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-import torch
-
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
-from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.pipeline import DecodeCall, RunWrapper, Stage
 
 __all__ = [
@@ -25,7 +22,6 @@ __all__ = [
     "check",
     "check_inputs",
     "feature_classes",
-    "routing_without_router",
 ]
 
 REGISTRY = (
@@ -84,14 +80,3 @@ def check_inputs(names: set[str]) -> None:
     unknown = sorted(names - declared)
     if unknown:
         raise TypeError(f"no feature takes the inputs {unknown} (declared: {sorted(declared)})")
-
-
-def routing_without_router(
-    running: list[EngineFeature], layer: OffloadedLayer, tokens: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``router_free``: the routing a decode-only pass of ``tokens`` tokens at ``layer``
-    runs without calling its router, or ``None``: call the router."""
-    if any(check(tokens) for f in running if (check := f.exact_check()) is not None):
-        return None
-    routings = (f.routing_for(layer, tokens) for f in running)
-    return next((routing for routing in routings if routing is not None), None)

@@ -10,7 +10,8 @@ declares the inputs it is built from (:attr:`EngineFeature.inputs`).
 A layer's call is a pipeline (:mod:`vllm_specexpert.pipeline`) composed once per layer
 from what the features give it: their :meth:`~EngineFeature.stages` (each declaring the
 typed values of the call it makes and uses), a wrap of the run step
-(:meth:`~EngineFeature.wrap_run`) and :meth:`~EngineFeature.exact_check`. A call passes
+(:meth:`~EngineFeature.wrap_run`), :meth:`~EngineFeature.exact_check` and
+:meth:`~EngineFeature.router_free`. A call passes
 through no feature that gave it nothing.
 """
 
@@ -21,12 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import ExactCheck, RunWrapper, Stage
+from vllm_specexpert.pipeline import ExactCheck, RouterFree, RunWrapper, Stage
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import Series
 from vllm_specexpert.tiers.link import Link
@@ -113,10 +112,9 @@ class EngineFeature:
         draft): preferred to the scheduler's (``step_demand``)."""
         return None
 
-    def routing_for(
-        self, layer: OffloadedLayer, num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A routing the layer may run without calling its router (``router_free``)."""
+    def router_free(self, layer: OffloadedLayer) -> RouterFree | None:
+        """Composing: what gives, for a decode pass of so many tokens, a routing the
+        layer may run without calling its router (``router_free``)."""
         return None
 
     def stats(self) -> dict | None:

@@ -12,6 +12,7 @@ layer) and ``next_router_input`` (computes the next layer's estimated router inp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import DecodeCall, Stage
+from vllm_specexpert.pipeline import DecodeCall, RouterFree, Stage
 from vllm_specexpert.planner.prefetch import PredictionCounters, PrefetchPlanner
 from vllm_specexpert.planner.switch import MeasuredSwitch
 from vllm_specexpert.predict import (
@@ -214,7 +215,7 @@ class PredictionFeature(EngineFeature):
         if prediction is not None and not prediction.router_free:
             self.planners[call.layer.name].score(prediction, call.router_host_ids, call.stats)
         if upcoming is not None:
-            call.before_kernel.append(lambda: self._prefetch(call.layer, upcoming))
+            call.first_launch.add(lambda: self._prefetch(call.layer, upcoming))
 
     def _prefetch(self, layer: OffloadedLayer, prediction: Prediction) -> None:
         """Record ``prediction`` for the next layer and submit its prefetch."""
@@ -235,7 +236,10 @@ class PredictionFeature(EngineFeature):
             submit=everything or self.prefetching,
         )
 
-    def routing_for(
+    def router_free(self, layer: OffloadedLayer) -> RouterFree | None:
+        return functools.partial(self._routing_without_router, layer)
+
+    def _routing_without_router(
         self, layer: OffloadedLayer, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``router_free``: the estimator's prediction, which ``speculate`` runs anyway."""

@@ -12,7 +12,7 @@ import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
-from vllm_specexpert.layer_call import LayerCall
+from vllm_specexpert.layer_call import NOTHING_FIRST, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.pipeline import DecodeCall, ExactCheck, Runner, RunWrapper
 from vllm_specexpert.quality import QualityMonitor
@@ -92,15 +92,14 @@ class QualityFeature(EngineFeature):
         routed = run.routed(call.router_weights, call.router_host_ids)
         shadow = None
         started = time.perf_counter()
-        if over_budget:  # the exact call starts the next layer's prefetch
-            routed.before_kernel, run.before_kernel = run.before_kernel, None
+        if over_budget:  # the exact call starts the next layer's prefetch (``routed``'s)
             if rows is not None:  # before the exact call loads what the mode would miss
                 shadow = mode(call, self._quiet(run))[upload(rows, run.x.device)]
                 monitor.charge(started)
             out = exact(call, routed)
         else:
             out = mode(call, run)
-            if rows is not None:  # ``routed`` shares ``before_kernel``: _quiet drops it
+            if rows is not None:  # (the shadow starts nothing: _quiet)
                 started = time.perf_counter()
                 shadow = exact(call, self._quiet(routed.rows(rows)))
                 monitor.charge(started)
@@ -112,8 +111,10 @@ class QualityFeature(EngineFeature):
     def _quiet(self, run: LayerCall) -> LayerCall:
         """``run`` counted apart from the mode's counters and starting no prefetch: a
         shadow computation (the exact one loads on the device; the mode's takes what
-        its places computed, a mesh's peers among them)."""
-        return dataclasses.replace(run, stats=self.monitor.scratch, before_kernel=None)
+        its places computed, a mesh's peers among them), into a buffer of its own."""
+        return dataclasses.replace(
+            run, stats=self.monitor.scratch, first_launch=NOTHING_FIRST, out=None
+        )
 
     def stats(self) -> dict:
         return self.monitor.stats()

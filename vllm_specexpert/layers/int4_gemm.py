@@ -93,12 +93,6 @@ class Int4GemmExperts:
         # (resolved once: __call__ runs per layer call)
         self._gemm, self._activate = ops.cpu_gemm_wna16, apply_moe_activation
 
-    def begin_call(self, x: torch.Tensor, out: torch.Tensor | None) -> None:
-        """(its result is a fresh tensor: the adapter copies it into ``out``)"""
-
-    def end_call(self) -> None:
-        """(nothing held between calls)"""
-
     def direct_experts(self) -> None:
         """(not vLLM's CPU experts object)"""
         return None
@@ -114,10 +108,15 @@ class Int4GemmExperts:
         ids: torch.Tensor,
         tensors: dict[str, torch.Tensor],
         expert_map: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        tile_tokens: int = 0,
     ) -> torch.Tensor:
+        """(``out`` is not written: its sum is fp32 first, the adapter copies the result;
+        ``tile_tokens``: no tiles)"""
         assert expert_map is None  # (the CPU build's kernels run on slot indices)
         isa = self.isa if x.dtype == torch.bfloat16 else "vec"  # (AMX: bf16 only)
-        out = torch.zeros(x.shape, dtype=torch.float32)
+        total = torch.zeros(x.shape, dtype=torch.float32)
         for expert in torch.unique(ids).tolist():
             rows, ks = (ids == expert).nonzero(as_tuple=True)
             h = x[rows]
@@ -128,5 +127,5 @@ class Int4GemmExperts:
                 if stem == "w13":
                     width = h.shape[1] // 2 if self.activation.is_gated else h.shape[1]
                     h = self._activate(self.activation, h.new_empty(h.shape[0], width), h)
-            out.index_add_(0, rows, h.float() * topk_weights[rows, ks, None].float())
-        return out.to(x.dtype)
+            total.index_add_(0, rows, h.float() * topk_weights[rows, ks, None].float())
+        return total.to(x.dtype)

@@ -175,17 +175,22 @@ class OffloadedRoutedExperts(RoutedExperts):
         topk_ids: torch.Tensor,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The layer call, into ``out`` if given (the op's buffer): the call's first
-        kernel launch on all of its tokens writes there directly (see
-        :attr:`SlotKernel.call_out`), else its result is copied in."""
-        kernel = self.slot_kernel
-        kernel.begin_call(x, out)
-        try:
-            phases = current_phases(x.shape[0], self.decode_query_len)
-            request = LayerCall(self.layer_name, kernel, x, topk_weights, topk_ids, phases)
-            result = self.engine.run_call(request)
-        finally:
-            kernel.end_call()
+        """The layer call, into ``out`` if given (the op's buffer): a kernel launch on
+        all of the call's tokens writes there directly (:attr:`LayerCall.out`), else its
+        result is copied in."""
+        tokens = x.shape[0]
+        phases = current_phases(tokens, self.decode_query_len)
+        request = LayerCall(
+            self.layer_name,
+            self.slot_kernel,
+            x,
+            topk_weights,
+            topk_ids,
+            phases,
+            out=out,
+            tile_tokens=tokens,
+        )
+        result = self.engine.run_call(request)
         if out is not None and result is not out:
             out.copy_(result)
             return out

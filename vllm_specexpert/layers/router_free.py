@@ -5,7 +5,7 @@ the experts).
 
 vLLM's ``MoERunner`` applies the gate (when it holds it: Qwen3-MoE, DeepSeek-V2) and then
 ``router.select_experts``. Both are wrapped on the instance: when the engine hands back a
-routing (:func:`~vllm_specexpert.features.routing_without_router`), the gate
+routing (:meth:`~vllm_specexpert.pipeline.LayerPipeline.routing_without_router`), the gate
 returns an unused buffer instead of computing logits and the selection returns the
 prediction. Models whose forward applies the gate itself (Mixtral, OLMoE, GPT-OSS) skip
 the selection only.
@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from vllm_specexpert.features import routing_without_router
 from vllm_specexpert.layers.forward_phase import current_phases
 
 
@@ -47,10 +46,7 @@ class RouterFreeHook:
         tokens = hidden.shape[0]
         if not current_phases(tokens, self.routed.decode_query_len).all_decode:
             return None
-        engine = self.routed.engine
-        return routing_without_router(
-            engine.features, engine.layers[self.routed.layer_name], tokens
-        )
+        return self.routed.engine.pipelines[self.routed.layer_name].routing_without_router(tokens)
 
     def gate_call(
         self, hidden: torch.Tensor, *args: Any, **kwargs: Any

@@ -25,21 +25,12 @@ Qwen3-style experts widened to ``I = 40960`` crashes at slot 105, not at slot 50
 
 
 class SlotKernel:
-    """The fused experts of ``layer`` (a vLLM ``RoutedExperts``) on given expert tensors;
-    :meth:`begin_call` sets each call's input, token count and output buffer."""
+    """The fused experts of ``layer`` (a vLLM ``RoutedExperts``) on given expert tensors:
+    an :class:`~vllm_specexpert.layer_call.ExpertKernel`, holding no state of a call."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
         """vLLM's layer: its quant method's kernel, activation and bias configs."""
-        self.call_x: torch.Tensor | None = None
-        self.call_out: torch.Tensor | None = None
-        """The running call's input and output buffer (the custom op's ``out``; ``None``
-        eager). Only the first launch on the whole ``x`` writes there, so later launches
-        of the call overwrite nothing the engine holds, and a one-launch call needs no
-        copy. (CUDA's modular kernel allocates its own.)"""
-        self.call_tokens = 0
-        """Token count of the running call (token groups launch on fewer, with the
-        call's tile config)."""
         self._tile_configs: dict[int, dict] = {}
         self._direct: Any = None
         self._fused_moe: tuple[Any, str, str] | None = None
@@ -52,12 +43,6 @@ class SlotKernel:
         Triton kernel, no such limit)."""
         return CPU_POOL_REACH if current_platform.is_cpu() else None
 
-    def begin_call(self, x: torch.Tensor, out: torch.Tensor | None) -> None:
-        self.call_x, self.call_out, self.call_tokens = x, out, x.shape[0]
-
-    def end_call(self) -> None:
-        self.call_x = self.call_out = None
-
     def __call__(
         self,
         x: torch.Tensor,
@@ -65,20 +50,21 @@ class SlotKernel:
         ids: torch.Tensor,
         slots: dict[str, torch.Tensor],
         expert_map: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        tile_tokens: int = 0,
     ) -> torch.Tensor:
         """On the CPU build ``ids`` are slot indices; on CUDA they are the router's ids
-        and ``expert_map`` finds their slots (-1: not resident, contributes zero)."""
+        and ``expert_map`` finds their slots (-1: not resident, contributes zero).
+        ``out``: written on the CPU build (CUDA's modular kernel allocates its own)."""
         w13, w2 = slots["w13_weight"], slots["w2_weight"]
         biased = "w13_bias" in slots
         if biased:
             self._point_biases_at(slots)
         experts = self.direct_experts()
         if experts is not None:
-            out = self.call_out
-            if out is None or x is not self.call_x:
+            if out is None:
                 out = torch.empty_like(x)
-            else:
-                self.call_out = None  # a later launch of the call must not overwrite it
             if self._fused_moe is not None:  # what experts.apply runs, without wrappers
                 op, activation, isa = self._fused_moe
                 op(
@@ -114,7 +100,7 @@ class SlotKernel:
                 )
             return out
         layer = self.layer
-        with self._vanilla_tile_config(x):
+        with self._vanilla_tile_config(x, tile_tokens):
             return layer.quant_method.moe_kernel.apply(
                 hidden_states=x,
                 w1=w13,
@@ -191,7 +177,9 @@ class SlotKernel:
         for config in self._bias_configs:
             config._w1.bias, config._w2.bias = tensors["w13_bias"], tensors["w2_bias"]
 
-    def _vanilla_tile_config(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+    def _vanilla_tile_config(
+        self, x: torch.Tensor, tile_tokens: int
+    ) -> contextlib.AbstractContextManager:
         """On GPUs: vanilla's Triton tile config for the whole call, looked up by the
         layer's expert count (not the slot count) and the call's token count (not a
         group's): another tile (BLOCK_SIZE_K) would sum a token's products in another
@@ -203,7 +191,7 @@ class SlotKernel:
             try_get_optimal_moe_config,
         )
 
-        tokens = max(self.call_tokens, x.shape[0])
+        tokens = max(tile_tokens, x.shape[0])
         config = self._tile_configs.get(tokens)
         if config is None:
             # Every expert's shape (packed layers hold a one-expert placeholder).
