@@ -17,6 +17,7 @@ from vllm_harness import (
     shutdown,
     skip_unless_batch_invariant,
     vanilla_reference,
+    vanilla_reference_ahead,
 )
 
 import vllm_specexpert
@@ -30,7 +31,7 @@ def pack_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(pack_dir):
-    reference = vanilla_reference(MODEL)
+    vanilla_reference_ahead(MODEL)  # (the other process runs it while this engine starts)
     llm = make_llm(
         MODEL,
         specexpert={
@@ -40,7 +41,7 @@ def engine(pack_dir):
             "lookahead": {"k": 3},
         },
     )
-    yield llm, reference
+    yield llm, vanilla_reference(MODEL)
     shutdown(llm)
 
 

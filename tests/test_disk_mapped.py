@@ -12,7 +12,15 @@ import os
 import pytest
 from other_writer import OtherWriter, wait_for_break
 from test_disk_tier import MODEL, expert_parameters
-from vllm_harness import MAX_TOKENS, PROMPTS, greedy, make_llm, shutdown, vanilla_reference
+from vllm_harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    greedy,
+    make_llm,
+    shutdown,
+    vanilla_reference,
+    vanilla_reference_ahead,
+)
 
 import vllm_specexpert
 from specexpert_testbed.fixtures import num_moe_layers
@@ -26,9 +34,9 @@ def pack_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(pack_dir):
-    reference = vanilla_reference(MODEL)
+    vanilla_reference_ahead(MODEL)  # (the other process runs it while this engine starts)
     llm = make_llm(MODEL, specexpert={"disk": {"path": str(pack_dir), "residency": "mapped"}})
-    yield llm, reference
+    yield llm, vanilla_reference(MODEL)
     shutdown(llm)
 
 

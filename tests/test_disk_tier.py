@@ -17,6 +17,7 @@ from vllm_harness import (
     make_llm,
     shutdown,
     vanilla_reference,
+    vanilla_reference_ahead,
 )
 
 import vllm_specexpert
@@ -34,12 +35,12 @@ def pack_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(pack_dir):
-    reference = vanilla_reference(MODEL)
+    vanilla_reference_ahead(MODEL)  # (the other process runs it while this engine starts)
     assert not pack_dir.exists()  # the first start makes it
     llm = make_llm(
         MODEL, specexpert={"budget": 0.25, "disk": {"path": str(pack_dir), "residency": "slots"}}
     )
-    yield llm, reference
+    yield llm, vanilla_reference(MODEL)
     shutdown(llm)
 
 

@@ -12,10 +12,12 @@ from vllm_harness import (
     MAX_TOKENS,
     PROMPTS,
     cache_invariants,
+    following_param,
     greedy,
     make_llm,
     shutdown,
     vanilla_reference,
+    vanilla_reference_ahead,
 )
 
 import vllm_specexpert
@@ -35,9 +37,14 @@ CASES = [(arch, True) for arch in MOE_ARCHS] + [
 )
 def engines(request):
     arch, eager = request.param
-    reference = vanilla_reference(arch, eager)
+    # The other process runs this case's reference and the next's while this engine
+    # starts.
+    vanilla_reference_ahead(arch, eager)
+    following = following_param(request)
+    if following is not None:
+        vanilla_reference_ahead(*following)
     llm = make_llm(arch, specexpert={"budget": 0.25}, eager=eager)
-    yield arch, llm, reference
+    yield arch, llm, vanilla_reference(arch, eager)
     shutdown(llm)
 
 

@@ -12,11 +12,13 @@ import pytest
 import torch
 from vllm_harness import (
     PROMPTS,
+    following_param,
     greedy,
     make_llm,
     shutdown,
     skip_unless_batch_invariant,
     vanilla_reference,
+    vanilla_reference_ahead,
 )
 
 import vllm_specexpert
@@ -39,9 +41,14 @@ BF16_EXPERT_BYTES = 3 * 64 * 128 * 2
 @pytest.fixture(scope="module", params=FORMATS)
 def engines(request):
     name = request.param
-    reference = vanilla_reference(name + TWIN_SUFFIX)
+    # The other process runs this format's reference and the next's while this engine
+    # starts.
+    vanilla_reference_ahead(name + TWIN_SUFFIX)
+    following = following_param(request)
+    if following is not None:
+        vanilla_reference_ahead(following + TWIN_SUFFIX)
     llm = make_llm(name, specexpert={"budget": 0.5})
-    yield name, llm, reference
+    yield name, llm, vanilla_reference(name + TWIN_SUFFIX)
     shutdown(llm)
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -75,6 +75,22 @@ def greedy_in_other_process(
     ``plugins=False`` no vLLM plugin is ever loaded there. Engines of the test process
     share it with the plugin, so vanilla references come from here. Returns
     ``{"completions": [...], "expert_layer_classes": [...], "model_class": str}``."""
+    return submit_greedy_in_other_process(
+        arch, plugins, eager, prompts, max_tokens, prompt_logprobs, **engine_kwargs
+    ).result()
+
+
+def submit_greedy_in_other_process(
+    arch: str,
+    plugins: bool,
+    eager: bool = True,
+    prompts=PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+    prompt_logprobs: bool = False,
+    **engine_kwargs,
+) -> PendingRun:
+    """:func:`greedy_in_other_process`, started: its result is awaited later, so that
+    the other process runs while this one starts its own engines."""
     request = {
         "arch": arch,
         "eager": eager,
@@ -83,7 +99,10 @@ def greedy_in_other_process(
         "prompt_logprobs": prompt_logprobs,
         "engine": engine_kwargs,
     }
-    result = ReferenceProcess.of(plugins).run(request)
+    return ReferenceProcess.of(plugins).submit(request, _with_completions)
+
+
+def _with_completions(result: dict) -> dict:
     result["completions"] = [
         Completion(
             c["token_ids"],
@@ -93,6 +112,28 @@ def greedy_in_other_process(
         for c in result["completions"]
     ]
     return result
+
+
+class PendingRun:
+    """One request to a :class:`ReferenceProcess`, answered in the order sent."""
+
+    def __init__(self, process: ReferenceProcess, out: str, then) -> None:
+        self.process = process
+        self.out = out
+        self.then = then
+        self.error: str | None = None
+        self.answered = False
+        self._result: dict | None = None
+
+    def result(self) -> dict:
+        while not self.answered:
+            self.process.read_answer()
+        assert self.error is None, self.error
+        if self._result is None:
+            with open(self.out) as f:
+                self._result = self.then(json.load(f))
+            os.unlink(self.out)
+        return self._result
 
 
 class ReferenceProcess:
@@ -130,22 +171,30 @@ class ReferenceProcess:
         )
         os.close(self._answer_fd)
         self.answers = os.fdopen(answers)
+        self.outputs = tempfile.TemporaryDirectory(prefix="specexpert-references-")
+        self.sent = 0
+        self.pending: collections.deque[PendingRun] = collections.deque()
         atexit.register(self.close)
 
-    def run(self, request: dict) -> dict:
+    def submit(self, request: dict, then=lambda result: result) -> PendingRun:
+        """Send ``request``; the answer, read when awaited, goes through ``then``."""
         assert self.child.stdin is not None
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "out.json")
-            self.child.stdin.write(json.dumps({**request, "out": out}) + "\n")
-            self.child.stdin.flush()
-            answer = self.answers.readline()
-            if not answer:
-                self.log.seek(0)
-                raise AssertionError(f"the reference process died: {self.log.read()[-4000:]}")
-            error = json.loads(answer).get("error")
-            assert error is None, error
-            with open(out) as f:
-                return json.load(f)
+        self.sent += 1
+        out = os.path.join(self.outputs.name, f"{self.sent}.json")
+        self.child.stdin.write(json.dumps({**request, "out": out}) + "\n")
+        self.child.stdin.flush()
+        pending = PendingRun(self, out, then)
+        self.pending.append(pending)
+        return pending
+
+    def read_answer(self) -> None:
+        """The answer to the oldest request still unanswered."""
+        answer = self.answers.readline()
+        if not answer:
+            self.log.seek(0)
+            raise AssertionError(f"the reference process died: {self.log.read()[-4000:]}")
+        pending = self.pending.popleft()
+        pending.error, pending.answered = json.loads(answer).get("error"), True
 
     def close(self) -> None:
         if self.child.poll() is None and self.child.stdin is not None:
@@ -160,13 +209,41 @@ def _int_keys(steps):
     return [{int(t): lp for t, lp in step.items()} for step in steps]
 
 
-@functools.cache
+_VANILLA: dict[tuple, PendingRun] = {}
+
+
 def vanilla_reference(arch: str, eager: bool = True, **engine) -> tuple[Completion, ...]:
     """Vanilla vLLM's greedy completions of PROMPTS, computed once per test session, by
     an engine with the ``engine`` settings of the engine it is compared with: where the
     scheduling differs (``max_num_batched_tokens``), so do the batches, and on a CPU
     with AMX a GEMM's result depends on the batch it is in."""
-    return tuple(greedy_in_other_process(arch, plugins=False, eager=eager, **engine)["completions"])
+    return tuple(vanilla_reference_ahead(arch, eager, **engine).result()["completions"])
+
+
+def vanilla_reference_ahead(arch: str, eager: bool = True, **engine) -> PendingRun:
+    """:func:`vanilla_reference`, started (once) in the other process: a module that
+    knows its next model asks for it before it starts its own engine on this one. The
+    model is built here first, so that no two processes write it."""
+    key = (arch, eager, tuple(sorted(engine.items())))
+    if key not in _VANILLA:
+        model_path(arch)
+        _VANILLA[key] = submit_greedy_in_other_process(arch, False, eager, **engine)
+    return _VANILLA[key]
+
+
+def following_param(request):
+    """The param of ``request``'s module-scoped, parametrized fixture that the selected
+    tests take next, or ``None``: its setup may start that one's vanilla reference
+    ahead."""
+    seen = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec and request.fixturename in callspec.params:
+            param = callspec.params[request.fixturename]
+            if param not in seen:
+                seen.append(param)
+    at = seen.index(request.param) if request.param in seen else len(seen)
+    return seen[at + 1] if at + 1 < len(seen) else None
 
 
 def skip_unless_batch_invariant(claim: str, logprobs: bool = False) -> None:
