@@ -176,10 +176,24 @@ def engine_loads(
     experts: int,
     miss_policy: str = "fetch",
 ) -> int:
+    """The decode loads of :func:`engine_replay`."""
+    stats = engine_replay(schedule, routes, believed, cache, budget, experts, miss_policy)
+    return stats["total"]["decode"]["loads"]
+
+
+def engine_replay(
+    schedule: list[Step],
+    routes: list[np.ndarray],
+    believed: list[np.ndarray],
+    cache: str,
+    budget: float,
+    experts: int,
+    miss_policy: str = "fetch",
+) -> dict:
     """The plugin's own engine (``fetch``, no vLLM) replaying the schedule, as the
     scheduler would drive it: each step's ``StepDemand`` from the ``believed`` routes,
-    every layer called with the step's true routes. Tiny random weights: only the loads
-    are counted."""
+    every layer called with the step's true routes; its stats at the end. Tiny random
+    weights: only the counts mean anything."""
     from vllm_specexpert.config import SpecExpertConfig
     from vllm_specexpert.engine import OffloadEngine
     from vllm_specexpert.handoff import StepDemand
@@ -225,9 +239,9 @@ def engine_loads(
             ids = torch.from_numpy(np.stack([routes[i][s, layer] for i, s in run])).to(torch.int32)
             x = torch.zeros(len(run), 16, dtype=torch.bfloat16)
             engine.run_call(LayerCall(name, kernel, x, torch.full(ids.shape, 1 / top_k), ids))
-    loads = engine.stats()["total"]["decode"]["loads"]
+    stats = engine.stats()
     engine.close()
-    return loads
+    return stats
 
 
 def predicted_sets(tokens, layers: int, experts: int) -> list[np.ndarray]:

@@ -46,6 +46,37 @@ def test_lfu_evicts_least_frequently_used():
     check_cache_invariants(loader)
 
 
+def test_lrfu_keeps_the_often_used_over_the_once_used_and_lets_old_uses_fade():
+    # Half-life 2 launches of one token: 0 and 1 used in 4 launches weigh more than 2
+    # and 3 used once since (LRU would evict 0 and 1), and fade after enough launches
+    # without them (LFU would keep them for good).
+    loader = make_loader(random_layer(), num_slots=4, top_k=2, policy="lrfu")
+    stats = PhaseStats()
+    for _ in range(4):
+        loader.acquire(np.array([0, 1]), stats)
+    loader.acquire(np.array([2, 3]), stats)
+    loader.acquire(np.array([5, 6]), stats)  # 2 and 3: 1 use, 0 and 1: 4 uses, older
+    assert resident(loader) == {0, 1, 5, 6}
+    for _ in range(3):
+        loader.acquire(np.array([5, 6]), stats)
+        loader.acquire(np.array([7, 8]), stats)
+    assert resident(loader) == {5, 6, 7, 8}
+    check_cache_invariants(loader)
+
+
+def test_lrfu_remembers_longer_the_more_tokens_share_a_launch():
+    # Launches of 16 tokens: 0 and 1's uses halve over 32 launches, so 6 launches of
+    # other experts leave them resident (per launch, they would have faded to 0.5).
+    loader = make_loader(random_layer(), num_slots=4, top_k=2, policy="lrfu")
+    stats = PhaseStats()
+    for _ in range(4):
+        loader.acquire(np.array([0, 1]), stats, tokens=16)
+    for other in range(6):
+        loader.acquire(np.array([2 + 2 * other, 3 + 2 * other]), stats, tokens=16)
+    assert {0, 1} <= resident(loader)
+    check_cache_invariants(loader)
+
+
 def test_static_keeps_its_pinned_experts():
     loader = make_loader(random_layer(), num_slots=6, top_k=2, policy="static")
     stats = PhaseStats()

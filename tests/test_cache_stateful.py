@@ -2,7 +2,7 @@
 (begin_run + acquire), prefetch, begin_run alone (which cancels unneeded prefetches),
 admit, evict, settle and reconfigure on a small cache over the CPU link, with and without
 emulated copy delays, and checks the cache's invariants (``tests/invariants.py``) after
-every step. :class:`CacheMachine` drives one layer's own pool (``lru``, ``lfu``,
+every step. :class:`CacheMachine` drives one layer's own pool (``lru``, ``lfu``, ``lrfu``,
 ``static``); :class:`SharedPoolMachine` drives three layers sharing one pool (``plec``):
 decode calls through the engine with random predicted demand (the PLEC planner's
 lookahead and preloads, cross-layer eviction), prefetches, evictions and reconfigures,
@@ -57,7 +57,7 @@ def on_manual_clock(engine: OffloadEngine) -> None:
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
         budget=st.integers(K, 8),
-        policy=st.sampled_from(["lru", "lfu", "static"]),
+        policy=st.sampled_from(["lru", "lfu", "lrfu", "static"]),
         emulated=st.booleans(),
     )
     def start(self, budget, policy, emulated):
@@ -132,7 +132,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(
         budget=st.integers(K, 8),
-        policy=st.sampled_from(["lru", "lfu", "static"]),
+        policy=st.sampled_from(["lru", "lfu", "lrfu", "static"]),
         emulated=st.booleans(),
     )
     def reconfigure(self, budget, policy, emulated):

@@ -123,7 +123,7 @@ def test_auto_holds_every_expert_of_a_model_that_fits(engines):
     assert fit["basis"] in stats["summary"]  # (the start line)
 
 
-@pytest.mark.parametrize("cache", ["lfu", "static"])
+@pytest.mark.parametrize("cache", ["lfu", "lrfu", "static"])
 def test_other_cache_policies_are_identical(engines, cache):
     _, llm, reference = engines
     vllm_specexpert.reconfigure(llm, budget=0.5, cache=cache)

@@ -27,7 +27,7 @@ MissPolicyName = Literal[
 """The names of :data:`MISS_POLICIES`, in its order, spelled out for the type checker
 (which cannot evaluate ``Literal[tuple(MISS_POLICIES)]``); checked against the table at
 import (:func:`_same_names`)."""
-CacheName = Literal["lru", "lfu", "static", "plec"]
+CacheName = Literal["lru", "lfu", "lrfu", "static", "plec"]
 """The names of :data:`CACHES`, in its order (as :data:`MissPolicyName`)."""
 PredictorName = Literal["none", "router", "quasi_hidden", "estimator", "hybrid"]
 """The names of :data:`PREDICTORS`, in its order (as :data:`MissPolicyName`)."""
@@ -133,6 +133,7 @@ CACHES: dict[str, CacheSpec] = {
     for spec in (
         CacheSpec("lru"),
         CacheSpec("lfu"),
+        CacheSpec("lrfu"),
         CacheSpec("static"),
         CacheSpec("plec", shared_pool=True, needs_path_predictor=True),
     )

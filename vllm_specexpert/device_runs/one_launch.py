@@ -35,5 +35,5 @@ class OneLaunch:
         loader.begin_run(needed, call.stats)
         if not loader.cache.capacity_for(needed):
             return self.overflow.run(loader, call)
-        loader.acquire(needed, call.stats)
+        loader.acquire(needed, call.stats, tokens=call.num_tokens)
         return kernel_launch.launch(loader, call, needed)

@@ -42,7 +42,7 @@ class Streamed:
             window, rest = _next_window(cache, rest, resident, size)
             pending = _request(loader, window, resident, stats)
             if len(resident):
-                loader.acquire(resident, stats)  # (hits)
+                loader.acquire(resident, stats, tokens=call.num_tokens)  # (hits)
                 index, part = call.masked(held)
                 out[index] = kernel_launch.launch(loader, part, resident)
             split = np.flatnonzero(~held.all(axis=1))
@@ -59,7 +59,7 @@ class Streamed:
                     pending = _request(loader, window, window, stats)
                 following, rest = _next_window(cache, rest, window, size)
                 pending = np.concatenate([pending, _request(loader, following, window, stats)])
-                loader.land(window, stats)
+                loader.land(window, stats, call.num_tokens)
                 cache.in_use[window] = False
                 rows, ks = np.nonzero(np.isin(ids, window) & ~held)
                 weights = call.topk_weights[upload(rows, device), upload(ks, device)][:, None]

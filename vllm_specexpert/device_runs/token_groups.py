@@ -34,11 +34,12 @@ class TokenGroups:
             experts = np.unique(ids[group])
             rest = np.setdiff1d(remaining, group, assume_unique=True)
             demand = np.bincount(ids[rest].ravel(), minlength=cache.num_experts)
-            loader.acquire(experts, stats, future_demand=demand)
+            loader.acquire(experts, stats, future_demand=demand, tokens=len(group))
             # Every remaining token whose experts are now all resident joins the launch.
             resident = cache.resident_mask()
             ready = remaining[resident[ids[remaining]].all(axis=1)]
-            loader.acquire(np.setdiff1d(np.unique(ids[ready]), experts), stats)  # hits only
+            hits = np.setdiff1d(np.unique(ids[ready]), experts)
+            loader.acquire(hits, stats, tokens=len(ready))  # (hits only)
             part = call.rows(ready)
             launched = kernel_launch.launch(loader, part, np.unique(ids[ready]))
             out[upload(ready, call.x.device)] = launched

@@ -237,11 +237,12 @@ class ExpertCache:
                 self.identity_lost()
         return slots
 
-    def touch(self, experts: np.ndarray) -> None:
-        """``experts`` are used by a kernel call now (eviction order)."""
+    def touch(self, experts: np.ndarray, tokens: int = 1) -> None:
+        """``experts`` are used by a kernel call of ``tokens`` tokens now (eviction
+        order)."""
         if self.recency_frozen:
             return
-        self.policy.on_use(experts, self.pool.tick())
+        self.policy.on_use(experts, self.pool.tick(), tokens)
 
     @contextlib.contextmanager
     def frozen_recency(self) -> Iterator[None]:

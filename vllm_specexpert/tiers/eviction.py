@@ -1,5 +1,5 @@
 """Eviction policies of the device cache: which resident expert of a layer goes first
-(``cache``: ``lru``, ``lfu``, ``static``; ``plec`` orders by predicted demand in the
+(``cache``: ``lru``, ``lfu``, ``lrfu``, ``static``; ``plec`` orders by predicted demand in the
 shared pool and by recency among equals)."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class EvictionPolicy:
         self.pinned = np.zeros(num_experts, dtype=bool)
         """Experts that are never evicted once resident."""
 
-    def on_use(self, experts: np.ndarray, clock: int) -> None:
+    def on_use(self, experts: np.ndarray, clock: int, tokens: int = 1) -> None:
+        """``experts`` ran in one launch of ``tokens`` tokens at ``clock``."""
         self.last_used[experts] = clock
         self.uses[experts] += 1
 
@@ -57,6 +58,48 @@ class LFUPolicy(EvictionPolicy):
         return candidates[np.lexsort((self.last_used[candidates], self.uses[candidates]))]
 
 
+LRFU_HALF_LIFE = 2.0
+"""Launches a use of an expert counts half after, per token of each launch (``lrfu``):
+2 launches of one token, 64 of 32. Chosen on the embedded model's recorded routes
+(``benchmarks/residency_bound.py``)."""
+
+
+class LRFUPolicy(EvictionPolicy):
+    """``lrfu``: each expert's uses, each weighted by how long ago it was (Lee et al.'s
+    LRFU): frequency and recency in one score, the lowest evicted first (ties: least
+    recent). A hot expert outlives a burst of one-off ones, which LRU would keep
+    instead; an expert used often long ago fades, which LFU would keep for good. A use
+    halves after :data:`LRFU_HALF_LIFE` launches per token of each launch: at one
+    sequence the next call needs what the last few needed (recency), and the more
+    sequences share a launch the more the next one needs the experts used most
+    (frequency)."""
+
+    spec = CACHES["lrfu"]
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int) -> None:
+        super().__init__(num_experts, num_slots, top_k)
+        self.age = 0.0
+        """The score's clock: each launch of this layer adds 1 / its tokens (the pool's
+        ticks count every layer of a shared one)."""
+        self.weight = np.zeros(num_experts)
+        """Each expert's decayed uses as of its own last use (:attr:`used_at`)."""
+        self.used_at = np.zeros(num_experts)
+
+    def on_use(self, experts: np.ndarray, clock: int, tokens: int = 1) -> None:
+        super().on_use(experts, clock, tokens)
+        self.age += 1.0 / max(tokens, 1)
+        self.weight[experts] = self.score(experts) + 1.0
+        self.used_at[experts] = self.age
+
+    def score(self, experts: np.ndarray) -> np.ndarray:
+        """The experts' decayed uses now."""
+        return self.weight[experts] * np.exp2(-(self.age - self.used_at[experts]) / LRFU_HALF_LIFE)
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        # lexsort: last key is primary -> lowest score first, then least recent.
+        return candidates[np.lexsort((self.last_used[candidates], self.score(candidates)))]
+
+
 class StaticPolicy(LRUPolicy):
     """The first ``num_slots - top_k`` experts are pinned; ``top_k`` slots rotate (LRU)."""
 
@@ -78,6 +121,6 @@ class PlecPolicy(LRUPolicy):
 
 
 CACHE_CLASSES: dict[str, type[EvictionPolicy]] = {
-    cls.spec.name: cls for cls in (LRUPolicy, LFUPolicy, StaticPolicy, PlecPolicy)
+    cls.spec.name: cls for cls in (LRUPolicy, LFUPolicy, LRFUPolicy, StaticPolicy, PlecPolicy)
 }
 """Every cache policy by its config name (``cache``)."""

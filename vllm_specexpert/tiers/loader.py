@@ -60,14 +60,19 @@ class ExpertLoader:
     # ------------------------------------------------------------------ loading
 
     def acquire(
-        self, experts: np.ndarray, stats: PhaseStats, future_demand: np.ndarray | None = None
+        self,
+        experts: np.ndarray,
+        stats: PhaseStats,
+        future_demand: np.ndarray | None = None,
+        tokens: int = 1,
     ) -> None:
         """Make ``experts`` (distinct ids that fit, :meth:`ExpertCache.capacity_for`)
-        resident and landed, and count the request. Victims are never among ``experts``;
-        ``future_demand`` (per-expert later uses in the batch) keeps the most needed.
-        A prefetch still in flight counts as a hit, waiting for it as stall."""
+        resident and landed for a launch of ``tokens`` tokens, and count the request.
+        Victims are never among ``experts``; ``future_demand`` (per-expert later uses in
+        the batch) keeps the most needed. A prefetch still in flight counts as a hit,
+        waiting for it as stall."""
         self.request(experts, stats, experts, future_demand)
-        self.land(experts, stats)
+        self.land(experts, stats, tokens)
 
     def request(
         self,
@@ -90,10 +95,11 @@ class ExpertLoader:
             slots = self._take_slots(len(missing), keep, stats, demand=future_demand, shared=True)
             self._load(missing, slots, stats, prefetch=False, ahead=ahead)
 
-    def land(self, experts: np.ndarray, stats: PhaseStats) -> None:
-        """:meth:`acquire`'s second half: block until ``experts`` hold their data."""
+    def land(self, experts: np.ndarray, stats: PhaseStats, tokens: int = 1) -> None:
+        """:meth:`acquire`'s second half: block until ``experts`` hold their data, used
+        by a launch of ``tokens`` tokens."""
         self._wait_for(experts, stats)
-        self.cache.touch(experts)
+        self.cache.touch(experts, tokens)
 
     def prefetch(
         self,

@@ -1,0 +1,66 @@
+"""The residency on the embedded model's recorded routes (issue 76): its greedy routes at
+1, 8 and 32 sequences, replayed through the plugin's engine under ``fetch``, read no
+more than LRU at any batch and fewer where it matters, with each ratio to Belady's MIN
+printed (``benchmarks/residency_bound.py`` records the full table)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from specexpert_testbed.fixtures import DEFAULT_MODEL, model_path
+from vllm_specexpert.tools.trace import record_routes
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BATCHES = (1, 8, 32)
+BUDGET = 0.25
+CACHE = "lrfu"
+"""The residency under test."""
+
+
+def _load(name: str):
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))  # (its own imports: common)
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+residency_bound = _load("residency_bound")
+
+
+@pytest.fixture(scope="module")
+def replays():
+    from transformers import AutoConfig
+
+    model = str(model_path(DEFAULT_MODEL))
+    experts = AutoConfig.from_pretrained(model).num_local_experts
+    prompts = residency_bound.held_out_prompts(max(BATCHES))
+    routes, _ = record_routes(model, prompts, max_tokens=16)
+    return {
+        batch: {
+            row["cache"]: row
+            for row in residency_bound.replay(routes, batch, BUDGET, experts, ["lru", CACHE], [])
+        }
+        for batch in BATCHES
+    }
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_the_residency_reads_no_more_than_lru(replays, batch):
+    rows = replays[batch]
+    print(
+        f"{batch} sequences, budget {BUDGET}: {CACHE} {rows[CACHE]['vs_min']:.3f}x MIN "
+        f"(per layer), lru {rows['lru']['vs_min']:.3f}x"
+    )
+    assert rows["min (pooled)"]["loads"] <= rows["min (per layer)"]["loads"]
+    assert rows["min (per layer)"]["loads"] <= rows[CACHE]["loads"] <= rows["lru"]["loads"]
+
+
+def test_the_residency_is_not_recency_alone(replays):
+    # Where several sequences share a step, the experts used most outlive one-off ones:
+    # a residency by recency alone reads what LRU reads.
+    assert replays[8][CACHE]["loads"] < 0.98 * replays[8]["lru"]["loads"]
