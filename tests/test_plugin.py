@@ -2,7 +2,7 @@
 with one clear error, in the calling process, before any engine process starts."""
 
 import pytest
-from vllm_harness import greedy_in_other_process, make_llm
+from vllm_harness import make_llm, submit_greedy_in_other_process
 
 from vllm_specexpert import SpecExpertConfigError, SpecExpertUnsupportedError
 
@@ -24,8 +24,10 @@ OFFLOADED_CLASS = "vllm_specexpert.layers.routed_experts.OffloadedRoutedExperts"
     ],
 )
 def test_without_the_key_vllm_is_untouched(arch, classes, model):
-    reference = greedy_in_other_process(arch, plugins=False)
-    loaded = greedy_in_other_process(arch, plugins=True)  # loaded, no "specexpert"
+    # (two processes, one per plugins setting: they run side by side)
+    without = submit_greedy_in_other_process(arch, plugins=False)
+    loaded = submit_greedy_in_other_process(arch, plugins=True).result()  # no "specexpert"
+    reference = without.result()
     assert reference["expert_layer_classes"] == classes
     assert loaded["expert_layer_classes"] == classes
     assert loaded["model_class"] == reference["model_class"] == model

@@ -90,7 +90,9 @@ def submit_greedy_in_other_process(
     **engine_kwargs,
 ) -> PendingRun:
     """:func:`greedy_in_other_process`, started: its result is awaited later, so that
-    the other process runs while this one starts its own engines."""
+    the other process runs while this one starts its own engines. The model is built
+    here first, so that no two processes write it."""
+    model_path(arch)
     request = {
         "arch": arch,
         "eager": eager,
@@ -222,11 +224,9 @@ def vanilla_reference(arch: str, eager: bool = True, **engine) -> tuple[Completi
 
 def vanilla_reference_ahead(arch: str, eager: bool = True, **engine) -> PendingRun:
     """:func:`vanilla_reference`, started (once) in the other process: a module that
-    knows its next model asks for it before it starts its own engine on this one. The
-    model is built here first, so that no two processes write it."""
+    knows its next model asks for it before it starts its own engine on this one."""
     key = (arch, eager, tuple(sorted(engine.items())))
     if key not in _VANILLA:
-        model_path(arch)
         _VANILLA[key] = submit_greedy_in_other_process(arch, False, eager, **engine)
     return _VANILLA[key]
 

@@ -47,21 +47,20 @@ class FirstLaunch:
     Every part of a call (its rows, token groups, windows) holds the same object, so
     whichever launches first runs it, once; nothing is taken or cleared."""
 
-    __slots__ = ("_hooks",)
+    __slots__ = ("_hooks", "pending")
 
     def __init__(self) -> None:
         self._hooks: list[Callable[[], None]] = []
+        self.pending = False
+        """Some hook has not run yet."""
 
     def add(self, hook: Callable[[], None]) -> None:
         self._hooks.append(hook)
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._hooks)
+        self.pending = True
 
     def run(self) -> None:
         """The hooks, once: later launches of the call run nothing."""
-        hooks, self._hooks = self._hooks, []
+        hooks, self._hooks, self.pending = self._hooks, [], False
         for hook in hooks:
             hook()
 
