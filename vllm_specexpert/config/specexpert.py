@@ -88,9 +88,10 @@ class SpecExpertConfig:
     """Eviction policy of the device cache (default ``lru``; ``plec`` under ``lookahead``,
     whose draft predicts each step's demand): ``lru`` (least recently used), ``lfu``
     (least frequently used, ties by recency), ``lrfu`` (the fewest uses, each weighted
-    by how recent it is, halving every 8 launches of the layer) or ``static`` (the first
-    ``slots - top_k`` experts stay resident for good; the remaining ``top_k`` slots
-    rotate, LRU, for the others): a fixed number of slots per layer. ``plec``
+    by how recent it is, halving every 2 launches per token of each launch) or
+    ``static`` (the first ``slots - top_k`` experts stay resident for good; the
+    remaining ``top_k`` slots rotate, LRU, for the others): a fixed number of slots per
+    layer. ``plec``
     (ExpertFlow's predictive locality-aware cache; needs ``path_predictor``): every
     layer's slots in one pool of the same total size, going to whichever layer the
     predicted demand of the step wants; the step's predicted experts are prefetched
