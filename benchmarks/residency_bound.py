@@ -71,9 +71,19 @@ def min_loads(calls, slots: dict[int, int], experts: int, pooled: bool) -> int:
     return int(total)
 
 
-def replay(routes, batch: int, budget: float, experts: int, caches, half_lives) -> list[dict]:
+def replay(
+    routes,
+    batch: int,
+    budget: float,
+    experts: int,
+    caches,
+    half_lives=(),
+    predicted: list | None = None,
+) -> list[dict]:
     """Loads of each cache (and of ``lrfu`` at each half-life) and of both bounds, for the
-    first ``batch`` requests decoding together."""
+    first ``batch`` requests decoding together. ``predicted``: the path predictor's
+    routes per request (``[S, L*E]`` bool), what ``plec`` plans each step by; ``plec``
+    also runs on the true routes (a perfect predictor)."""
     routes = routes[:batch]
     steps = routes[0].shape[0]
     schedule = cache_bound.schedule_all(batch, steps)
@@ -82,14 +92,19 @@ def replay(routes, batch: int, budget: float, experts: int, caches, half_lives) 
     loads: dict[str, int] = {}
     slots: dict[int, int] = {}
 
-    def run(name: str, cache: str) -> None:
-        stats = cache_bound.engine_replay(schedule, routes, believed, cache, budget, experts)
+    def run(name: str, cache: str, told=believed) -> None:
+        stats = cache_bound.engine_replay(schedule, routes, told, cache, budget, experts)
         loads[name] = stats["total"]["decode"]["loads"]
-        per_layer = stats["slots_per_layer"]
-        slots.update({index: per_layer[name] for index, name in enumerate(sorted(per_layer))})
+        if not slots:  # (a fixed count per layer: the first cache's; plec shares one pool)
+            per_layer = stats["slots_per_layer"]
+            names = sorted(per_layer, key=lambda name: int(name.split(".")[2]))
+            slots.update({index: per_layer[name] for index, name in enumerate(names)})
 
     for cache in caches:
         run(cache, cache)
+    if predicted is not None:
+        run("plec, path predictor", "plec", predicted[:batch])
+        run("plec, true routes", "plec")
     default = eviction.LRFU_HALF_LIFE
     try:
         for half_life in half_lives:
@@ -144,11 +159,13 @@ def main() -> None:
     from transformers import AutoConfig
 
     experts = AutoConfig.from_pretrained(model_dir).num_local_experts
-    routes, _ = record_routes(model_dir, held_out_prompts(max(args.batches)), args.max_tokens)
+    routes, tokens = record_routes(model_dir, held_out_prompts(max(args.batches)), args.max_tokens)
+    layers = routes[0].shape[1]
+    predicted = cache_bound.predicted_sets(tokens, layers, experts)
     rows = []
     for budget in args.budgets:
         for batch in args.batches:
-            rows += replay(routes, batch, budget, experts, args.caches, args.half_lives)
+            rows += replay(routes, batch, budget, experts, args.caches, args.half_lives, predicted)
             print(markdown([r for r in rows if r["batch"] == batch and r["budget"] == budget]))
     result = {
         "model": model_dir,
