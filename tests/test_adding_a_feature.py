@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import DecodeCall, Runner, RunWrapper, Stage
+from vllm_specexpert.pipeline import DecodeCall, Part, Runner, RunWrap, Stage
 
 
 class CallTracer(EngineFeature):
@@ -39,15 +39,7 @@ class CallTracer(EngineFeature):
     ) -> EngineFeature | None:
         return cls()
 
-    def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
-        return (
-            Stage("tracer.call", "on_call", self._call),
-            Stage("tracer.route", "route", self._route, uses=frozenset({"prediction"})),
-            Stage("tracer.read", "plan", self._read),
-            Stage("tracer.end", "finish", self._end),
-        )
-
-    def wrap_run(self, layer: OffloadedLayer) -> RunWrapper:
+    def stages(self, layer: OffloadedLayer) -> Sequence[Part]:
         def wrap(mode: Runner, exact: Runner) -> Runner:
             def run(call: DecodeCall | None, request: LayerCall):
                 out = mode(call, request)
@@ -56,7 +48,13 @@ class CallTracer(EngineFeature):
 
             return run
 
-        return wrap
+        return (
+            Stage("tracer.call", "on_call", self._call),
+            Stage("tracer.route", "route", self._route, uses=frozenset({"prediction"})),
+            Stage("tracer.read", "plan", self._read),
+            Stage("tracer.end", "finish", self._end),
+            RunWrap("tracer.resolved", wrap),
+        )
 
     def _call(self, request: LayerCall) -> None:
         self.events.append(("call", request.layer, request.num_tokens))

@@ -184,20 +184,10 @@ class OffloadEngine:
         it is equipped and whenever the features change); a layer that stops holding
         every expert in the slot of its id is composed again."""
         layer.cache.identity_lost = functools.partial(self._compose, layer)
-        running = self.features
-        stages = [stage for f in running for stage in f.stages(layer)]
+        parts = [part for f in self.features for part in f.stages(layer)]
         if layer.cache.pool.rows is not None:
-            stages.append(RegionReadAhead(layer, functools.partial(self._following, layer)).stage())
-        composed = pipeline.compose(
-            layer,
-            self.miss_policy,
-            stages,
-            [wrap for f in running if (wrap := f.wrap_run(layer)) is not None],
-            [check for f in running if (check := f.exact_check()) is not None],
-            self.reader,
-            self.unreadable,
-            [free for f in running if (free := f.router_free(layer)) is not None],
-        )
+            parts.append(RegionReadAhead(layer, functools.partial(self._following, layer)).stage())
+        composed = pipeline.compose(layer, self.miss_policy, parts, self.reader, self.unreadable)
         self.pipelines[layer.name] = composed
         layer.run = composed.run  # (a bound method: a call costs less than an instance's)
 

@@ -13,9 +13,11 @@ A call runs, for each phase of its rows (decode first, then prompt rows)::
                wrap it (the quality budget runs the exact call beside it)
     finish     decode: after the output exists
 
-A feature contributes :class:`Stage` objects to ``on_call``, ``route``, ``plan`` and
-``finish``, or wraps ``run``; only those are composed, so a call loops over nothing that
-has nothing to do. What passes between stages is a typed field of :class:`DecodeCall`;
+A feature contributes its parts of the call (:data:`Part`), all from one hook: a
+:class:`Stage` at ``on_call``, ``route``, ``plan`` or ``finish``; a :class:`RunWrap` of
+``run``; an :class:`ExactDemand` (the call must run exactly now); a :class:`RouterFree`
+routing (a pass may skip the router). Only those are composed, so a call loops over
+nothing that has nothing to do. What passes between stages is a typed field of :class:`DecodeCall`;
 each stage declares the fields it ``makes`` and ``uses``, and the stages of a step run in
 an order that puts every maker before its users (the registry's order only breaks ties):
 feature order never decides what a stage sees. The runners count what they run, each in
@@ -203,15 +205,37 @@ Runner = Callable[[DecodeCall | None, LayerCall], torch.Tensor]
 """The run step: (the decode call, or ``None`` for prompt rows; what to run) -> the
 routed experts' output."""
 
-ExactCheck = Callable[[int], bool]
-"""Whether a decode call of so many tokens must run exactly now (:attr:`DecodeCall.exact`)."""
 
-RunWrapper = Callable[[Runner, Runner], Runner]
-"""A feature's wrap of the run step: (the mode's runner, the exact one) -> the runner."""
+@dataclass(frozen=True)
+class RunWrap:
+    """A feature's wrap of the run step (the first feature's is the outermost)."""
 
-RouterFree = Callable[[int], "tuple[torch.Tensor, torch.Tensor] | None"]
-"""A routing a decode pass of so many tokens may run without the layer's router, or
-``None``: call the router (``router_free``)."""
+    name: str
+    wrap: Callable[[Runner, Runner], Runner]
+    """(the mode's runner, the exact one) -> the runner."""
+
+
+@dataclass(frozen=True)
+class ExactDemand:
+    """What tells whether a decode call of some tokens must run exactly now
+    (:attr:`DecodeCall.exact`; and then no pass skips the router)."""
+
+    name: str
+    now: Callable[[int], bool]
+    """Of a call of so many tokens."""
+
+
+@dataclass(frozen=True)
+class RouterFree:
+    """A routing a decode pass may run without the layer's router (``router_free``)."""
+
+    name: str
+    routing: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None]
+    """For a pass of so many tokens; ``None``: call the router."""
+
+
+Part = Stage | RunWrap | ExactDemand | RouterFree
+"""What a feature adds to a layer's call (:meth:`EngineFeature.stages`)."""
 
 
 def exact_runner(layer: OffloadedLayer, device: OneLaunch) -> Runner:
@@ -255,48 +279,50 @@ class LayerPipeline:
         stages: dict[Step, list[Stage]],
         decode: Runner,
         prefill: Runner,
-        exact_checks: list[ExactCheck],
         reader: HostReader,
         unreadable: UnreadableRows,
-        wrapped: bool = False,
+        others: Sequence[RunWrap | ExactDemand | RouterFree] = (),
         reads_ids: bool = True,
-        router_free: Sequence[RouterFree] = (),
     ):
         self.layer = layer
         self.device = device
         """The layer's device run where its experts are not all resident (the
         unreadable experts' rerun takes it too)."""
         self.stages = stages
+        self.others = list(others)
+        """The parts that are not a step's stages (already in ``decode``: its wraps)."""
         self.decode_runner = decode
         self.prefill_runner = prefill
-        self.exact_checks = exact_checks
         self.reader = reader
         self.unreadable = unreadable
         self._on_call = [stage.run for stage in stages["on_call"]]
         self._route = [stage.run for stage in stages["route"]]
         self._plan = [stage.run for stage in stages["plan"]]
         self._finish = [stage.run for stage in stages["finish"]]
-        staged = bool(self._route or self._plan or self._finish or exact_checks or wrapped)
+        self._exact_now = [part.now for part in others if isinstance(part, ExactDemand)]
+        wrapped = any(isinstance(part, RunWrap) for part in others)
+        staged = bool(self._route or self._plan or self._finish or self._exact_now or wrapped)
         self._decode = self._decode_staged if staged else self._decode_bare
         """A decode call as a :class:`DecodeCall` where some stage or wrapper takes one;
         else the runner gets the request as it is (chosen here, not per call)."""
         self._reads_ids = reads_ids
         """Whether the runner needs the ids on the host (not to launch on them as
         they are)."""
-        self._router_free = list(router_free)
+        self._router_free = [part.routing for part in others if isinstance(part, RouterFree)]
 
     def routing_without_router(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``router_free``: the routing a decode-only pass of ``tokens`` tokens runs
         without calling the layer's router, or ``None``: call the router (also while a
         call of that many tokens must run exactly)."""
-        if not self._router_free or any(check(tokens) for check in self.exact_checks):
+        if not self._router_free or any(now(tokens) for now in self._exact_now):
             return None
         routings = (source(tokens) for source in self._router_free)
         return next((routing for routing in routings if routing is not None), None)
 
     def describe(self) -> dict[str, list[str]]:
-        """Step -> its stages' names, in the order they run."""
-        return {step: [stage.name for stage in stages] for step, stages in self.stages.items()}
+        """Step -> its stages' names, in the order they run; ``others``: the other parts'."""
+        steps = {step: [stage.name for stage in stages] for step, stages in self.stages.items()}
+        return steps | {"others": [part.name for part in self.others]}
 
     def run(self, request: LayerCall) -> torch.Tensor:
         """The routed experts' output of one call; when the slow tier cannot supply some
@@ -361,7 +387,7 @@ class LayerPipeline:
     def _decode_staged(self, request: LayerCall) -> torch.Tensor:
         stats = self.layer.stats.decode.count_call(request.x.shape[0])
         call = DecodeCall(self.layer, request, stats)
-        call.exact = any(check(call.num_tokens) for check in self.exact_checks)
+        call.exact = any(now(call.num_tokens) for now in self._exact_now)
         for stage in self._route:
             stage(call)
         call.read_to_host(self.reader)
@@ -377,25 +403,25 @@ class LayerPipeline:
 def compose(
     layer: OffloadedLayer,
     policy: MissPolicy,
-    stages: Sequence[Stage],
-    wrappers: Sequence[RunWrapper],
-    exact_checks: list[ExactCheck],
+    parts: Sequence[Part],
     reader: HostReader,
     unreadable: UnreadableRows,
-    router_free: Sequence[RouterFree] = (),
 ) -> LayerPipeline:
     """The layer's pipeline: with every expert in the slot of its id (``cache.identity``)
     the runners launch on the router's ids as they are; else decode rows run the miss
-    policy's plan and prompt rows the exact runner. ``stages`` and ``wrappers`` are the
-    features', in the registry's order."""
+    policy's plan and prompt rows the exact runner. ``parts`` are the features', in the
+    registry's order."""
     device = device_run_for(policy.spec.splits_tokens)
     if layer.cache.identity:
         decode = prefill = resident_runner(layer)
     else:
         decode, prefill = policy_runner(layer, policy, device), exact_runner(layer, device)
     exact = exact_runner(layer, device) if not layer.cache.identity else decode
-    for wrap in wrappers:
-        decode = wrap(decode, exact)
+    stages = [part for part in parts if isinstance(part, Stage)]
+    others = [part for part in parts if not isinstance(part, Stage)]
+    for part in reversed(others):  # (the first in the registry's order: outermost)
+        if isinstance(part, RunWrap):
+            decode = part.wrap(decode, exact)
     by_step = {step: ordered([s for s in stages if s.step == step]) for step in STEPS}
     return LayerPipeline(
         layer,
@@ -403,10 +429,8 @@ def compose(
         by_step,
         decode,
         prefill,
-        exact_checks,
         reader,
         unreadable,
-        wrapped=bool(wrappers),
+        others,
         reads_ids=not layer.cache.identity,
-        router_free=router_free,
     )

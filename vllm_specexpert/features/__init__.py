@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
-from vllm_specexpert.pipeline import DecodeCall, RunWrapper, Stage
+from vllm_specexpert.pipeline import DecodeCall, Part, RunWrap, Stage
 
 __all__ = [
     "REGISTRY",
@@ -16,7 +16,8 @@ __all__ = [
     "EngineFeature",
     "EngineParts",
     "Inputs",
-    "RunWrapper",
+    "Part",
+    "RunWrap",
     "Stage",
     "build",
     "check",
@@ -37,7 +38,7 @@ REGISTRY = (
     "scheduler_counters",
 )
 """The features' modules. Their stages run in this order where no value of the call
-orders them (:func:`vllm_specexpert.pipeline.ordered`); the first one's run wrapper is
+orders them (:func:`vllm_specexpert.pipeline.ordered`); the first one's run wrap is
 the outermost. Places are registered in this order too, the order their outputs are
 added."""
 

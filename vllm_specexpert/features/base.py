@@ -8,11 +8,18 @@ its own null object. A feature keeps its own per-layer state, keyed by layer nam
 declares the inputs it is built from (:attr:`EngineFeature.inputs`).
 
 A layer's call is a pipeline (:mod:`vllm_specexpert.pipeline`) composed once per layer
-from what the features give it: their :meth:`~EngineFeature.stages` (each declaring the
-typed values of the call it makes and uses), a wrap of the run step
-(:meth:`~EngineFeature.wrap_run`), :meth:`~EngineFeature.exact_check` and
-:meth:`~EngineFeature.router_free`. A call passes
+from what the features give it, through one hook, :meth:`~EngineFeature.stages`: stages
+of its steps (each declaring the typed values of the call it makes and uses), a wrap of
+the run step, a demand for exactness, a routing without the router. A call passes
 through no feature that gave it nothing.
+
+When the hooks are read: ``build`` and ``check`` at engine start, at a reconfigure and
+when an input a feature declares is given; ``reserved_slots``, ``equip`` and ``stages``
+when a layer is equipped (``stages`` again whenever the features change or the layer's
+cache stops holding every expert in the slot of its id); ``miss_policy`` once per build
+of the features; ``step_demand`` when the features after it are built; the rest when
+stats are read, on a reset, at the end of vLLM's warm-up, and at close. No hook is read
+per call: a call runs only what ``stages`` gave.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any, ClassVar
 from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.handoff import StepDemand
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import ExactCheck, RouterFree, RunWrapper, Stage
+from vllm_specexpert.pipeline import Part
 from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.stats import Series
 from vllm_specexpert.tiers.link import Link
@@ -92,29 +99,15 @@ class EngineFeature:
         the mesh sends its peers' experts to them first)."""
         return policy
 
-    def exact_check(self) -> ExactCheck | None:
-        """What tells whether a decode call of some tokens must run exactly now, if this
-        feature can demand it."""
-        return None
-
-    def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
-        """What it adds to the layer's pipeline (composed when the layer is equipped and
-        whenever the features change)."""
+    def stages(self, layer: OffloadedLayer) -> Sequence[Part]:
+        """What it adds to the layer's call (:data:`~vllm_specexpert.pipeline.Part`):
+        stages of its steps, a wrap of the run step, a demand for exactness, a routing
+        without the router."""
         return ()
-
-    def wrap_run(self, layer: OffloadedLayer) -> RunWrapper | None:
-        """How it wraps the layer's run step, if it does: given the mode's runner and the
-        exact one, the runner the pipeline runs (first in the registry: outermost)."""
-        return None
 
     def step_demand(self) -> Callable[[], StepDemand | None] | None:
         """The running step's predicted demand, if this feature knows it (the lookahead's
         draft): preferred to the scheduler's (``step_demand``)."""
-        return None
-
-    def router_free(self, layer: OffloadedLayer) -> RouterFree | None:
-        """Composing: what gives, for a decode pass of so many tokens, a routing the
-        layer may run without calling its router (``router_free``)."""
         return None
 
     def stats(self) -> dict | None:

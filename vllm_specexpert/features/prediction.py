@@ -20,7 +20,7 @@ import torch
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import DecodeCall, RouterFree, Stage
+from vllm_specexpert.pipeline import DecodeCall, Part, RouterFree, Stage
 from vllm_specexpert.planner.prefetch import PredictionCounters, PrefetchPlanner
 from vllm_specexpert.planner.switch import MeasuredSwitch
 from vllm_specexpert.predict import (
@@ -147,9 +147,12 @@ class PredictionFeature(EngineFeature):
         exact_layers = self.config.exact_layers
         return exact_layers is None or layer.index not in exact_layers
 
-    def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
-        stages = [
-            Stage("prediction.recall", "route", self._recall, makes=frozenset({"prediction"}))
+    def stages(self, layer: OffloadedLayer) -> Sequence[Part]:
+        stages: list[Part] = [
+            Stage("prediction.recall", "route", self._recall, makes=frozenset({"prediction"})),
+            RouterFree(
+                "prediction.router_free", functools.partial(self._routing_without_router, layer)
+            ),
         ]
         if self.switch is not None and layer.index == self.first_index:
             stages.append(Stage("prediction.switch", "route", self._switch))
@@ -235,9 +238,6 @@ class PredictionFeature(EngineFeature):
             everything,
             submit=everything or self.prefetching,
         )
-
-    def router_free(self, layer: OffloadedLayer) -> RouterFree | None:
-        return functools.partial(self._routing_without_router, layer)
 
     def _routing_without_router(
         self, layer: OffloadedLayer, num_tokens: int

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -14,7 +15,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import NOTHING_FIRST, LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.pipeline import DecodeCall, ExactCheck, Runner, RunWrapper
+from vllm_specexpert.pipeline import DecodeCall, ExactDemand, Part, Runner, RunWrap
 from vllm_specexpert.quality import QualityMonitor
 from vllm_specexpert.stats import Series, metric_name
 from vllm_specexpert.tiers.staging import upload
@@ -68,14 +69,14 @@ class QualityFeature(EngineFeature):
             "recomputed exactly; exact while over)"
         )
 
-    def exact_check(self) -> ExactCheck:
-        return self.monitor.exact_for
-
-    def wrap_run(self, layer: OffloadedLayer) -> RunWrapper | None:
+    def stages(self, layer: OffloadedLayer) -> Sequence[Part]:
         def wrap(mode: Runner, exact: Runner) -> Runner:
             return lambda call, run: self._run(call, run, mode, exact)
 
-        return wrap
+        return (
+            ExactDemand("quality.over_budget", self.monitor.exact_for),
+            RunWrap("quality.shadow", wrap),
+        )
 
     def _run(
         self, call: DecodeCall | None, run: LayerCall, mode: Runner, exact: Runner
