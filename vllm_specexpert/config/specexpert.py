@@ -96,8 +96,8 @@ class SpecExpertConfig:
     layer's slots in one pool of the same total size, going to whichever layer the
     predicted demand of the step wants; the step's predicted experts are prefetched
     when it starts (``plec_preload``), and a load evicts first what no prediction needs,
-    then from the layer whose turn comes last, then the fewest predicted uses, then the
-    least recently used. Exact under ``fetch``."""
+    then from the layer whose turn comes last, then the fewest predicted uses, then
+    ``lrfu``'s order (the fewest decayed uses). Exact under ``fetch``."""
 
     miss_policy: MissPolicyName = "fetch"
     """What a layer does when the router picks a non-resident expert for a decode token

@@ -110,9 +110,10 @@ class StaticPolicy(LRUPolicy):
         self.pinned[: max(num_slots - top_k, 0)] = True
 
 
-class PlecPolicy(LRUPolicy):
-    """``plec``: recency breaks ties in the shared pool's victim order, which comes
-    first from the predicted demand (:class:`~vllm_specexpert.tiers.slots.SharedSlotPool`)."""
+class PlecPolicy(LRFUPolicy):
+    """``plec``: decayed uses, then recency (``lrfu``'s order), break ties in the shared
+    pool's victim order, which comes first from the predicted demand
+    (:class:`~vllm_specexpert.tiers.slots.SharedSlotPool`)."""
 
     spec = CACHES["plec"]
 

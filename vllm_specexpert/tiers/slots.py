@@ -414,11 +414,14 @@ class SharedSlotPool(SlotPool):
         self, requester: PooledCache, keep: np.ndarray, demand: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Every layer's evictable experts: no predicted use first, then the layer whose
-        turn comes last (Belady on the cyclic layer order), fewest predicted uses, LRU."""
-        owners, experts, scores, turns, recency = [], [], [], [], []
+        turn comes last (Belady on the cyclic layer order), fewest predicted uses, then
+        the layer's own eviction order (``plec``'s: decayed uses, then recency)."""
+        owners, experts, scores, turns, ranks = [], [], [], [], []
         layers = len(self.caches)
         for cache in self.caches:
-            candidates = cache.evictable(keep if cache is requester else NO_EXPERTS)
+            candidates = cache.policy.order(
+                cache.evictable(keep if cache is requester else NO_EXPERTS)
+            )
             score = self.predicted_uses[cache.index][candidates]
             if cache is requester and demand is not None:
                 score = score + demand[candidates] * 1e9  # needed by this very call
@@ -430,9 +433,9 @@ class SharedSlotPool(SlotPool):
             # rule on the cyclic layer order. Recency alone would evict the layers that
             # ran longest ago, the next ones to run.
             turns.append(np.full(len(candidates), (requester.index - cache.index) % layers))
-            recency.append(cache.policy.last_used[candidates])
+            ranks.append(np.arange(len(candidates)))  # (compared within a layer only)
         scores = np.concatenate(scores)
-        order = np.lexsort((np.concatenate(recency), scores, np.concatenate(turns), scores > 0))
+        order = np.lexsort((np.concatenate(ranks), scores, np.concatenate(turns), scores > 0))
         return np.concatenate(owners)[order], np.concatenate(experts)[order]
 
     def prefetch_room(self, cache: PooledCache, keep: np.ndarray) -> int:
