@@ -120,15 +120,16 @@ class ZeroPlace(Place):
 
 
 class ZerosFirst(MissPolicy):
-    def __init__(self, policy: MissPolicy) -> None:
+    def __init__(self, policy: MissPolicy, zeros: ZeroPlace) -> None:
         self.policy = policy
+        self.zeros = zeros
 
     @property
     def spec(self):
         return self.policy.spec
 
     def plan(self, ids, resident, topk_weights, context: MissContext) -> MissPlan:
-        return MissPlan(topk_ids=ids, places={ZeroPlace.name: ~resident[ids]})
+        return MissPlan(topk_ids=ids, places={self.zeros.name: ~resident[ids]})
 
 
 class ZerosForMissing(EngineFeature):
@@ -147,8 +148,8 @@ class ZerosForMissing(EngineFeature):
     def unequip(self, layer: OffloadedLayer) -> None:
         layer.places.unregister(ZeroPlace.name)
 
-    def miss_policy(self, policy: MissPolicy) -> MissPolicy:
-        return ZerosFirst(policy)
+    def miss_policy(self, policy: MissPolicy, layer: OffloadedLayer) -> MissPolicy:
+        return ZerosFirst(policy, layer.places.of(ZeroPlace))
 
 
 FEATURE = ZerosForMissing
@@ -251,7 +252,7 @@ def _add_feature(package: Path, name: str, module: str) -> None:
     last = '    "host_compute",\n'
     registry = ("features/__init__.py", last, f'{last}    "{name}",\n')
     add_module(package, f"features/{name}.py", module, registry)
-    anchor = "copies' slots, their place)"
+    anchor = "handed over each step)"
     edit(package / "__init__.py", anchor, f"{anchor}, {name}")
 
 

@@ -535,11 +535,11 @@ def test_each_mode_table_has_one_class_per_name_and_the_class_takes_its_traits_f
     """Config validation reads the modes' traits (``config/modes.py``), the engine looks
     the classes up by the same names: one registry pattern for the three kinds."""
     from vllm_specexpert.config.modes import CACHES, MISS_POLICIES, PREDICTORS
-    from vllm_specexpert.policy import MISS_POLICY_CLASSES
+    from vllm_specexpert.features import miss_policy_classes
     from vllm_specexpert.predict import PREDICTOR_CLASSES
     from vllm_specexpert.tiers.eviction import CACHE_CLASSES
 
-    for specs, classes in ((MISS_POLICIES, MISS_POLICY_CLASSES), (CACHES, CACHE_CLASSES)):
+    for specs, classes in ((MISS_POLICIES, miss_policy_classes()), (CACHES, CACHE_CLASSES)):
         assert list(classes) == list(specs)
         assert all(cls.spec is specs[name] for name, cls in classes.items())
     assert list(PREDICTOR_CLASSES) == list(PREDICTORS)

@@ -12,11 +12,10 @@ from moe_reference import random_layer, reference_moe, slot_kernel
 
 from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.host_compute import host_share
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
-from vllm_specexpert.places import Place, Places
-from vllm_specexpert.policy import MissContext
-from vllm_specexpert.policy.cpu import host_share
+from vllm_specexpert.places import Place
 from vllm_specexpert.tiers.host import HostCostModel, torch_experts
 
 E, K, H = 16, 4, 32
@@ -187,6 +186,27 @@ def test_buddy_substitutes_the_co_activated_resident_expert_and_fetches_the_rest
     assert stats["loads"] == 2
 
 
+def test_a_layer_whose_place_waits_for_its_input_fails_a_planned_call_then_runs_it(
+    toy_engines,
+):
+    # Each layer's policy is built with its place when its call is composed; before the
+    # calibration's statistics arrive, ``buddy``'s layers have no ``substituted`` place:
+    # a call that has to plan is refused naming it (not run as some other policy), and
+    # the call runs once the feature is built with them.
+    coactivation = np.zeros((E, E), dtype=np.int64)
+    coactivation[9, 5] = 5
+    config = {"budget": 0.5, "miss_policy": "buddy", "calibration": "unused"}
+    config["buddy"] = {"alpha": 1.0, "tau": 0.0, "beta": 1.0}
+    engine = toy_engines(config, {NAME: TENSORS}, K, start=False)
+    x, w, ids = routing(IDS[:1])
+    with pytest.raises(RuntimeError, match=r"miss_policy 'buddy'.*no place 'substituted'"):
+        engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
+    engine.provide(routing_statistics={NAME: (coactivation, np.linspace(0, 1, 101))})
+    engine.start()
+    engine.run_call(LayerCall(NAME, slot_kernel, x, w, ids))
+    assert layer_stats(engine)["substituted_entries"] == 1
+
+
 def test_buddy_without_co_activation_counts_fails_at_start(make_engine):
     with pytest.raises(SpecExpertConfigError, match=r"field 'calibration'.*co-activation"):
         make_engine(miss_policy="buddy", calibration="unused")
@@ -214,24 +234,17 @@ class FixedHost(Place):
         return self.seconds_per_row * np.asarray(rows, dtype=float)
 
 
-def host_only(seconds_per_row: float) -> Places:
-    places = Places()
-    places.register(FixedHost(seconds_per_row))
-    return places
-
-
 def test_auto_splits_misses_to_minimise_the_longer_of_link_and_host():
     # Missing experts 9 (1 row), 10 (4 rows), 11 (29 rows) at 0.1 s/row: host times .1,
     # .4, 2.9; one copy takes 1 s. Host gets j cheapest, link the rest:
     # j=0: max(0, 3)=3; j=1: max(.1, 2)=2; j=2: max(.5, 1)=1; j=3: max(3.4, 0)=3.4 -> j=2.
     ids = np.array([[9, 10, 0, 1]] + [[10, 11, 2, 3]] * 3 + [[11, 0, 1, 2]] * 26)
     missing = ids >= 8
-    context = MissContext(lambda: 1.0, host_only(0.1))
-    on_host = host_share(ids, missing, context)
+    on_host = host_share(ids, missing, FixedHost(0.1), copy_seconds=1.0)
     assert set(ids[on_host].tolist()) == {9, 10}
     assert not on_host[missing & (ids == 11)].any() and not on_host[~missing].any()
     # At 0.03 s per copy, fetching everything is best: j=0: .09 < j=1: max(.1, .06).
-    assert not host_share(ids, missing, MissContext(lambda: 0.03, host_only(0.1))).any()
+    assert not host_share(ids, missing, FixedHost(0.1), copy_seconds=0.03).any()
 
 
 def test_auto_in_the_engine_follows_the_costs(make_engine):

@@ -15,8 +15,8 @@ import vllm_specexpert
 from specexpert_testbed.fixtures import TRAINED_MODEL
 from vllm_specexpert import metrics
 from vllm_specexpert.engine import OffloadEngine
+from vllm_specexpert.features.substitution import BuddyPolicy
 from vllm_specexpert.policy import MissPlan
-from vllm_specexpert.policy.substitute import BuddyPolicy
 from vllm_specexpert.tools.embedded_model import TRAINED_CALIBRATION_DIR
 
 WINDOW = 32
@@ -59,7 +59,7 @@ def engine_of(model) -> OffloadEngine:
 def set_policy(llm, policy) -> None:
     def inject(model) -> None:
         engine = engine_of(model)
-        engine.miss_policy = policy
+        engine.miss_policy_class = policy
         for layer in engine.layers.values():  # (each layer's call composed again with it)
             engine._compose(layer)
 
@@ -126,13 +126,13 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
     assert within["switches_to_exact"] == 0 and not within["exact"], within
     assert within["top1_flip_rate"] <= BUDGET
     vllm_specexpert.reconfigure(llm, quality={**QUALITY, "max_top1_flip": 1.0})
-    set_policy(llm, WrongExperts())
+    set_policy(llm, WrongExperts)
     assert tokens(greedy(llm)) != tokens(exact)
     assert quality(llm)["top1_flip_rate"] > BUDGET
 
     # The fault under the budget: exact after the first window.
     vllm_specexpert.reconfigure(llm, quality=QUALITY)
-    set_policy(llm, WrongExperts())
+    set_policy(llm, WrongExperts)
     greedy(llm)
     faulty = quality(llm)
     assert faulty["exact"] and faulty["switches_to_exact"] == 1, faulty
@@ -150,7 +150,7 @@ def test_a_faulty_mode_runs_exactly_within_one_window_then_returns(llm, metrics_
     assert quality(llm)["exact"]  # the fault is still there: its windows stay over
 
     # The fault gone: the first window under budget switches back.
-    set_policy(llm, BuddyPolicy())
+    set_policy(llm, BuddyPolicy)
     greedy(llm)
     back = quality(llm)
     assert not back["exact"] and back["switches_to_approximate"] == 1, back

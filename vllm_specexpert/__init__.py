@@ -71,8 +71,8 @@ its floor::
      5  places          where entries run besides the slots, one registry per layer
                         (Place, its counters; Dropped: the one every layer has)
      6  policy/         miss policies that only decide (a MissPlan over places): base,
-                        context, fetch, stream, speculate, cpu, substitute, drop,
-                        buddies, lowbit, peers
+                        context, fetch, stream, speculate, drop (those that need no
+                        feature's place), buddies (BuddyMoE's lists and substitution)
      5  planner/        what to load ahead: prefetch, plec (shared pool), lookahead (the
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router),
@@ -101,10 +101,12 @@ its floor::
                         (__init__): quality, prediction, mesh (peers, early fire),
                         lookahead (governor, the draft's planner), draft_routes (the
                         draft's routes handed to its target), step_demand (path
-                        score, PLEC), substitution (the substitutes' place: buddy
-                        lists, gates), host_compute (the host's place), low_bit (INT4
-                        copies' slots, their place), scheduler_counters (the token
-                        scheduler's, handed over each step)
+                        score, PLEC), scheduler_counters (the token scheduler's,
+                        handed over each step); the modes with a place, each one
+                        module (place, counters, policies, feature): substitution
+                        (buddy, random: buddy lists, gates), host_compute (cpu, auto,
+                        auto_buddy), low_bit (lowbit: INT4 copies' slots), mesh
+                        (PeersFirst around any policy)
     10  engine          OffloadEngine: the exact spine per layer call, features around
                         it
     11  layers/         vLLM adapter in the worker: routed_experts (the layer, the

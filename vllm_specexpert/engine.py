@@ -34,7 +34,7 @@ from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_checks import check_layers
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
-from vllm_specexpert.policy import MISS_POLICY_CLASSES, MissPolicy
+from vllm_specexpert.policy import MissPolicy
 from vllm_specexpert.read_ahead import RegionReadAhead
 from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
@@ -93,14 +93,16 @@ class OffloadEngine:
         self._build_features()
 
     def _select(self, config: SpecExpertConfig) -> None:
-        self._policy: MissPolicy = MISS_POLICY_CLASSES[config.miss_policy]()
+        self.miss_policy_class: type[MissPolicy] = features.miss_policy_classes()[
+            config.miss_policy
+        ]
+        """The config's miss policy; each layer's is built when its call is composed."""
         self.pools = SharedPools(self.device) if config.cache_spec.shared_pool else None
         """The slot pools layers share (a shared-pool cache); ``None``: one per layer."""
 
     def _parts(self, config: SpecExpertConfig) -> EngineParts:
         return EngineParts(
-            config, self.layers, self.store, self.link, self._policy, self.lock,
-            self.output,
+            config, self.layers, self.store, self.link, self.lock, self.output,
         )  # fmt: skip
 
     def _build_features(self, given: set[str] | None = None) -> None:
@@ -115,9 +117,6 @@ class OffloadEngine:
                 if feature not in self.features:
                     feature.equip(layer)
         self.features = built
-        self.miss_policy = self._policy
-        for feature in built:
-            self.miss_policy = feature.miss_policy(self.miss_policy)
         for layer in self._equipped():
             self._compose(layer)
 
@@ -187,7 +186,10 @@ class OffloadEngine:
         parts = [part for f in self.features for part in f.stages(layer)]
         if layer.cache.pool.rows is not None:
             parts.append(RegionReadAhead(layer, functools.partial(self._following, layer)).stage())
-        composed = pipeline.compose(layer, self.miss_policy, parts, self.reader, self.unreadable)
+        policy = self.miss_policy_class.of_layer(layer.places)
+        for feature in self.features:
+            policy = feature.miss_policy(policy, layer)
+        composed = pipeline.compose(layer, policy, parts, self.reader, self.unreadable)
         self.pipelines[layer.name] = composed
         layer.run = composed.run  # (a bound method: a call costs less than an instance's)
 

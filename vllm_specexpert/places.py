@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -75,6 +75,13 @@ class Dropped(Place):
     computes = False
 
 
+P = TypeVar("P", bound=Place)
+
+
+class PlaceMissing(RuntimeError):
+    """A layer lacks the place a policy gives entries to."""
+
+
 class Places:
     """One layer's places by name, in the order they were registered (the order their
     outputs are added)."""
@@ -93,6 +100,14 @@ class Places:
 
     def get(self, name: str) -> Place | None:
         return self._places.get(name)
+
+    def of(self, kind: type[P]) -> P:
+        """The layer's place of class ``kind`` (what a miss policy gives entries to, found
+        when the layer's policy is built, typed)."""
+        place = self._places.get(kind.name)
+        if not isinstance(place, kind):  # (its feature is off, or waits for an input)
+            raise PlaceMissing(f"the layer has no place {kind.name!r} ({kind.__name__})")
+        return place
 
     def __getitem__(self, name: str) -> Place:
         place = self._places.get(name)

@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # (the engine's parts: above this module, named for the type 
     from vllm_specexpert.config import SpecExpertConfig
     from vllm_specexpert.features import EngineFeature
     from vllm_specexpert.layer_state import OffloadedLayer
-    from vllm_specexpert.policy import MissPolicy
     from vllm_specexpert.tiers.link import Link
     from vllm_specexpert.tiers.store import ExpertStore
 
@@ -38,7 +37,6 @@ class ReportedEngine(Protocol):
     lock: threading.Lock
     rank: int
     device: torch.device
-    miss_policy: MissPolicy
     store: ExpertStore
     link: Link
     features: list[EngineFeature]
@@ -62,7 +60,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "schema_version": STATS_SCHEMA_VERSION,
             "rank": engine.rank,
             "device": str(engine.device),
-            "miss_policy": engine.miss_policy.name,
+            "miss_policy": config.miss_policy,
             "predictor": config.predictor,
             "output": engine.output,
             "exact": engine.output == "exact",

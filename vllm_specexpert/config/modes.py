@@ -1,7 +1,7 @@
 """What each mode of the engine is, as data: the config validates by these tables, and
 the classes that implement the modes (miss policies, caches, predictors, in the layers
 above) take their traits from them. A name -> class table beside each implementation
-(``policy.MISS_POLICY_CLASSES``, ``tiers.eviction.CACHE_CLASSES``,
+(``features.miss_policy_classes()``, ``tiers.eviction.CACHE_CLASSES``,
 ``predict.PREDICTOR_CLASSES``) has the same keys; a test holds the two together."""
 
 from __future__ import annotations

@@ -1,14 +1,21 @@
 """The engine's features (:mod:`.base`), in the order their hooks are called.
 
 Adding a feature is a module here that ends with ``FEATURE = TheClass``, its line in
-:data:`REGISTRY`, and its line in the package's map (``vllm_specexpert/__init__.py``)."""
+:data:`REGISTRY`, and its line in the package's map (``vllm_specexpert/__init__.py``).
+A mode with a place of its own is such a module: its place, counters and feature, and
+its miss policies in ``POLICIES`` (each built per layer with its place,
+:meth:`~vllm_specexpert.policy.MissPolicy.for_layer`), with their traits in
+:data:`~vllm_specexpert.config.modes.MISS_POLICIES` (read by config validation, before
+any feature is built)."""
 
 from __future__ import annotations
 
 import importlib
 
+from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.pipeline import DecodeCall, Part, RunWrap, Stage
+from vllm_specexpert.policy import SPINE_POLICIES, MissPolicy
 
 __all__ = [
     "REGISTRY",
@@ -23,6 +30,7 @@ __all__ = [
     "check",
     "check_inputs",
     "feature_classes",
+    "miss_policy_classes",
 ]
 
 REGISTRY = (
@@ -46,6 +54,15 @@ added."""
 def feature_classes() -> list[type[EngineFeature]]:
     """The registered features' classes, in order."""
     return [importlib.import_module(f"{__name__}.{name}").FEATURE for name in REGISTRY]
+
+
+def miss_policy_classes() -> dict[str, type[MissPolicy]]:
+    """Every miss policy by its config name (``miss_policy``): the spine's, and each
+    feature module's ``POLICIES``."""
+    modules = [importlib.import_module(f"{__name__}.{name}") for name in REGISTRY]
+    found = [*SPINE_POLICIES, *(cls for m in modules for cls in getattr(m, "POLICIES", ()))]
+    by_name = {cls.spec.name: cls for cls in found}
+    return {name: by_name[name] for name in MISS_POLICIES if name in by_name}  # (its order)
 
 
 def build(

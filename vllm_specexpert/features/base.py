@@ -14,12 +14,12 @@ the run step, a demand for exactness, a routing without the router. A call passe
 through no feature that gave it nothing.
 
 When the hooks are read: ``build`` and ``check`` at engine start, at a reconfigure and
-when an input a feature declares is given; ``reserved_slots``, ``equip`` and ``stages``
-when a layer is equipped (``stages`` again whenever the features change or the layer's
-cache stops holding every expert in the slot of its id); ``miss_policy`` once per build
-of the features; ``step_demand`` when the features after it are built; the rest when
-stats are read, on a reset, at the end of vLLM's warm-up, and at close. No hook is read
-per call: a call runs only what ``stages`` gave.
+when an input a feature declares is given; ``reserved_slots`` and ``equip`` when a layer
+is equipped; ``stages`` and ``miss_policy`` when a layer's call is composed (when it is
+equipped, whenever the features change, and when its cache stops holding every expert
+in the slot of its id); ``step_demand`` when the features after it are built; the rest
+when stats are read, on a reset, at the end of vLLM's warm-up, and at close. No hook is
+read per call: a call runs only what ``stages`` gave.
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ class EngineParts:
     """Every offloaded MoE layer by name (a draft's target adds them after start)."""
     store: ExpertStore
     link: Link
-    miss_policy: MissPolicy
-    """The config's miss policy, before any feature wraps it."""
     lock: threading.Lock
     """Held while layers change or another thread reads them."""
     output: str
@@ -94,9 +92,9 @@ class EngineFeature:
     def unequip(self, layer: OffloadedLayer) -> None:
         """Release what :meth:`equip` made for the layer (before it is equipped again)."""
 
-    def miss_policy(self, policy: MissPolicy) -> MissPolicy:
-        """The miss policy the engine runs, given the one before (a feature may wrap it:
-        the mesh sends its peers' experts to them first)."""
+    def miss_policy(self, policy: MissPolicy, layer: OffloadedLayer) -> MissPolicy:
+        """The layer's miss policy, given the one before (a feature may wrap it: the mesh
+        sends its peers' experts to them first)."""
         return policy
 
     def stages(self, layer: OffloadedLayer) -> Sequence[Part]:

@@ -1,8 +1,16 @@
-"""INT4 copies of the experts as an engine feature (``lowbit``): per layer, a few
-low-bit slots taken out of its budget and their loader, the place
-:data:`~vllm_specexpert.policy.lowbit.LOW_BIT` where the ``lowbit`` miss policy runs a
-missing expert's copy (:mod:`vllm_specexpert.policy.lowbit`). The copies are made at
-load, beside the layer's experts in the store (:data:`LOW_BIT_SUFFIX`)."""
+"""``lowbit``: run a missing expert's INT4 copy (HOBBIT).
+
+A missing expert's INT4 copy (made at load, a quarter of the bytes) is moved into the
+layer's low-bit slots (``top_k`` of its budget), dequantized and run with the same
+kernel; missing experts beyond those slots are fetched in bf16 (the most used get the
+low-bit slots). With ``admit_host_experts`` the bf16 expert is then loaded on an idle
+link (docs/design.md, "``lowbit``").
+
+The mode in one module: per layer, the low-bit slots taken out of its budget and their
+loader, the place :class:`LowBitPlace` where the policy runs a missing expert's copy,
+its counters, the policy built with it, and the feature that equips the layers. The
+copies are made at load, beside the layer's experts in the store
+(:data:`LOW_BIT_SUFFIX`)."""
 
 from __future__ import annotations
 
@@ -12,11 +20,12 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.places import Place, PlaceCounters
-from vllm_specexpert.policy.lowbit import LOW_BIT
+from vllm_specexpert.places import Place, PlaceCounters, Places
+from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats, counter
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.loader import ExpertLoader
@@ -41,7 +50,7 @@ class LowBitPlace(Place):
     low-bit slots: one kernel launch on those slots. Its loads count as ``low_bit_*``
     (and in ``bytes_loaded``), not as the cache's."""
 
-    name = LOW_BIT
+    name = "low_bit"
     counters = LowBitCounters
     admits = True
 
@@ -73,6 +82,30 @@ class LowBitPlace(Place):
         low_bit.kernel_launched(np.unique(ids[entries]))
         stats.kernel_calls += 1
         return None
+
+
+class LowBitPolicy(MissPolicy):
+    spec = MISS_POLICIES["lowbit"]
+
+    def __init__(self, place: LowBitPlace) -> None:
+        self.place = place
+
+    @classmethod
+    def for_layer(cls, places: Places) -> MissPolicy:
+        return cls(places.of(LowBitPlace))
+
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan:
+        missing = ~resident[ids]
+        experts, rows = np.unique(ids[missing], return_counts=True)
+        if len(experts) > self.place.room:  # the most used run low-bit, the rest are fetched
+            experts = experts[np.argsort(-rows, kind="stable")[: self.place.room]]
+        return MissPlan(topk_ids=ids, places={LowBitPlace.name: missing & np.isin(ids, experts)})
 
 
 class LowBitFeature(EngineFeature):
@@ -119,7 +152,7 @@ class LowBitFeature(EngineFeature):
         loader = self.loaders.pop(layer.name, None)
         if loader is not None:
             loader.cache.pool.release()
-            layer.places.unregister(LOW_BIT)
+            layer.places.unregister(LowBitPlace.name)
 
     def summary(self) -> str:
         loader = next(iter(self.loaders.values()), None)
@@ -136,4 +169,5 @@ def _copies(parts: EngineParts, name: str) -> ExpertSource | None:
     return parts.store.layers.get(name + LOW_BIT_SUFFIX)
 
 
+POLICIES = (LowBitPolicy,)
 FEATURE = LowBitFeature

@@ -1,9 +1,9 @@
 """Experts on mesh peers as an engine feature: the peer tier's stats and lifetime, and
 Early Fire (``early_fire``, ``no_stop``: :mod:`vllm_specexpert.planner.early_fire`), which
 sends rows to the peers of predicted experts ahead of the router. The entries of experts a
-peer holds go to it before the miss policy decides (:class:`~vllm_specexpert.policy.peers.
-PeersFirst`); each layer joins its peers when the feature equips it, and
-``replicate_hot`` pins the hot experts in its cache."""
+peer holds go to it before the miss policy decides (:class:`PeersFirst`, each layer's
+policy wrapped with its :class:`PeerPlace`); each layer joins its peers when the feature
+equips it, and ``replicate_hot`` pins the hot experts in its cache."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config import SpecExpertConfigError
+from vllm_specexpert.config.modes import MissPolicySpec
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
@@ -25,8 +26,7 @@ from vllm_specexpert.peers.tier import PeerTier
 from vllm_specexpert.pipeline import DecodeCall, Stage
 from vllm_specexpert.places import Place, PlaceCounters
 from vllm_specexpert.planner.early_fire import EarlyFire
-from vllm_specexpert.policy import MissPolicy, PeersFirst
-from vllm_specexpert.policy.peers import PEER
+from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
 from vllm_specexpert.stats import PhaseStats, Series, counter, metric_name, seconds
 from vllm_specexpert.tiers.host import HostKernel, compute_on_host
 from vllm_specexpert.tiers.store import ExpertSource, LayerExperts
@@ -59,7 +59,7 @@ class PeerPlace(Place):
     """Entries computed by the mesh peers that hold their experts; pairs fired ahead
     (Early Fire, :attr:`LayerPeers.fired`) are taken from what was sent then."""
 
-    name = PEER
+    name = "peer"
     counters = PeerCounters
 
     def __init__(self, peers: LayerPeers):
@@ -80,6 +80,39 @@ class PeerPlace(Place):
         counters.peer_wait_s += time.perf_counter() - waited_from
         counters.peer_fallback_entries += int(np.count_nonzero(failed))
         return failed
+
+
+class PeersFirst(MissPolicy):
+    """``policy`` with the entries of experts a peer in rotation holds sent to the peer:
+    the policy sees those experts as resident and decides about the others."""
+
+    def __init__(self, policy: MissPolicy, peers: PeerPlace) -> None:
+        self.policy = policy
+        self.peers = peers
+
+    # The base's traits are a ClassVar; the wrapper's are its policy's, per instance.
+    @property
+    def spec(self) -> MissPolicySpec:  # type: ignore[override]  # (the wrapped policy's traits)
+        return self.policy.spec
+
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan | None:
+        hosted = self.peers.hosted()
+        remote = ~resident[ids] & hosted[ids]
+        resident = resident | hosted
+        plan = None
+        if not resident[ids].all():
+            plan = self.policy.plan(ids, resident, topk_weights, context)
+        if not remote.any():
+            return plan
+        plan = plan or MissPlan(topk_ids=ids)
+        plan.places[PeerPlace.name] = remote
+        return plan
 
 
 class MeshFeature(EngineFeature):
@@ -117,10 +150,10 @@ class MeshFeature(EngineFeature):
 
     def unequip(self, layer: OffloadedLayer) -> None:
         self.peers.pop(layer.name, None)
-        layer.places.unregister(PEER)
+        layer.places.unregister(PeerPlace.name)
 
-    def miss_policy(self, policy: MissPolicy) -> MissPolicy:
-        return PeersFirst(policy)
+    def miss_policy(self, policy: MissPolicy, layer: OffloadedLayer) -> MissPolicy:
+        return PeersFirst(policy, layer.places.of(PeerPlace))
 
     def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
         """Early Fire: rows sent to peers ahead of the router at the call, and ahead of

@@ -46,7 +46,8 @@ class PredictionFeature(EngineFeature):
     ):
         self.predictor = predictor
         self.config = parts.config
-        self.policy = parts.miss_policy
+        self.policy = parts.config.miss_policy_spec
+        """The miss policy's traits."""
         self.layers = parts.layers
         self.link = parts.link
         self.next_routing = next_routing
@@ -62,7 +63,7 @@ class PredictionFeature(EngineFeature):
             if self.prefetches
             and parts.config.prefetch_governor
             and parts.config.prefetch_filter == "cost"
-            and not parts.miss_policy.spec.speculates
+            and not self.policy.speculates
             else None
         )
         """Whether a pass's prefetch (under the cost filter) pays, measured per batch size;
@@ -191,7 +192,7 @@ class PredictionFeature(EngineFeature):
         next layer."""
         layer, prediction = call.layer, call.prediction
         if prediction is not None and (
-            (self.policy.spec.speculates and self.speculative(layer)) or call.run_prediction
+            (self.policy.speculates and self.speculative(layer)) or call.run_prediction
         ):
             weights, ids = prediction.routing_like(call.router_weights, call.router_ids)
             assert prediction.host_ids is not None  # (read at the call that made it)
@@ -228,7 +229,7 @@ class PredictionFeature(EngineFeature):
             return
         nxt = self.layers[layer.next_name]
         everything = self.config.prefetch_filter == "all" or (
-            self.policy.spec.speculates and self.speculative(nxt)
+            self.policy.speculates and self.speculative(nxt)
         )
         self.planners[nxt.name].prefetch(
             prediction,
@@ -249,7 +250,7 @@ class PredictionFeature(EngineFeature):
             or prediction is None
             or not prediction.by_estimator
             or prediction.num_tokens != num_tokens
-            or not self.policy.spec.speculates
+            or not self.policy.speculates
             or not self.speculative(layer)
         ):
             return None

@@ -1,21 +1,33 @@
-"""Substitution as an engine feature (``buddy``, ``random``, ``auto_buddy``): each layer's
-place :data:`~vllm_specexpert.policy.substitute.SUBSTITUTED`, holding what the policies
-consult (:class:`~vllm_specexpert.policy.substitute.Substitutes`): BuddyMoE's gates and,
-from the calibration's routing statistics (co-activation counts, TAE percentiles), the
-buddy lists and a percentile tau."""
+"""Substitution (``buddy``, ``random``; with host compute, ``auto_buddy``): run a resident
+expert in place of a missing one, behind BuddyMoE's gates
+(:mod:`vllm_specexpert.policy.buddies`); missing entries that no substitute qualifies for
+are fetched. ``random`` is the paper's baseline: any resident expert instead of a
+co-activated buddy, same gates.
+
+The mode in one module: each layer's place :class:`SubstitutedPlace` (BuddyMoE's gates
+and, from the calibration's routing statistics (co-activation counts, TAE percentiles),
+the buddy lists and a percentile tau), its counters, the policies built with it, and the
+feature that registers it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
+from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.places import Place, PlaceCounters
-from vllm_specexpert.policy.buddies import BuddyGates, buddy_lists
-from vllm_specexpert.policy.substitute import SUBSTITUTED
+from vllm_specexpert.places import Place, PlaceCounters, Places
+from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.policy.buddies import (
+    BuddyGates,
+    buddy_lists,
+    substitute,
+    token_activating_entropy,
+)
 from vllm_specexpert.stats import counter
 
 RoutingStatistics = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -34,14 +46,64 @@ class SubstitutedCounters(PlaceCounters):
 class SubstitutedPlace(Place):
     """Entries run on the device with a resident substitute's id in the plan."""
 
-    name = SUBSTITUTED
+    name = "substituted"
     counters = SubstitutedCounters
     on_device = True
 
     def __init__(self, buddies: np.ndarray | None, gates: BuddyGates | None):
         self.buddies = buddies
+        """``[E, K_max]`` buddy lists, best first, -1 padded (``None``: any resident)."""
         self.gates = gates
-        self.rng = np.random.default_rng(0)  # (the ``random`` baseline: repeatable)
+        """The gates with this layer's tau (``None`` until the calibration gives it)."""
+        self.rng = np.random.default_rng(0)
+        """Randomness of the ``random`` baseline (seeded: runs are repeatable)."""
+
+
+def substitution_plan(
+    ids: np.ndarray,
+    resident: np.ndarray,
+    topk_weights: torch.Tensor,
+    place: SubstitutedPlace,
+    use_buddies: bool = True,
+) -> MissPlan:
+    """Entries substituted where the gates allow; the rest stay as routed."""
+    assert place.gates is not None, "a substituting policy's layer has its gates"
+    tae = token_activating_entropy(topk_weights).cpu().numpy()
+    new_ids, replaced = substitute(
+        ids,
+        resident,
+        place.buddies if use_buddies else None,
+        tae,
+        place.gates,
+        rng=None if use_buddies else place.rng,
+    )
+    return MissPlan(topk_ids=new_ids, places={SubstitutedPlace.name: replaced})
+
+
+class BuddyPolicy(MissPolicy):
+    spec = MISS_POLICIES["buddy"]
+    use_buddies = True
+
+    def __init__(self, place: SubstitutedPlace) -> None:
+        self.place = place
+
+    @classmethod
+    def for_layer(cls, places: Places) -> MissPolicy:
+        return cls(places.of(SubstitutedPlace))
+
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan:
+        return substitution_plan(ids, resident, topk_weights, self.place, self.use_buddies)
+
+
+class RandomPolicy(BuddyPolicy):
+    spec = MISS_POLICIES["random"]
+    use_buddies = False
 
 
 class SubstitutionFeature(EngineFeature):
@@ -94,7 +156,8 @@ class SubstitutionFeature(EngineFeature):
         layer.add_place(SubstitutedPlace(buddies, gates))
 
     def unequip(self, layer: OffloadedLayer) -> None:
-        layer.places.unregister(SUBSTITUTED)
+        layer.places.unregister(SubstitutedPlace.name)
 
 
+POLICIES = (BuddyPolicy, RandomPolicy)
 FEATURE = SubstitutionFeature

@@ -5,6 +5,9 @@ or a place of the layer's, :mod:`vllm_specexpert.places`), which
 :mod:`vllm_specexpert.execute` carries out.
 No plan means load what is missing (``fetch``, bit-exact). Prefill never reaches a
 policy. Traits (``spec``) come from :data:`~vllm_specexpert.config.modes.MISS_POLICIES`.
+A layer's policy is built when its call is composed (:meth:`MissPolicy.for_layer`), with
+the places it gives entries to: a mode that has a place is one module under
+:mod:`vllm_specexpert.features` (its place, counters, policies and feature).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config.modes import MISS_POLICIES, MissPolicySpec
+from vllm_specexpert.places import PlaceMissing, Places
 from vllm_specexpert.policy.context import MissContext
 
 
@@ -38,6 +42,22 @@ class MissPolicy:
     spec: ClassVar[MissPolicySpec] = MISS_POLICIES["fetch"]
     """The policy's traits (:mod:`vllm_specexpert.config.modes`), by its config name."""
 
+    @classmethod
+    def for_layer(cls, places: Places) -> MissPolicy:
+        """The policy of one layer, built with the places it gives entries to (its
+        mode's module registered them on the layer: :meth:`Places.of`); a policy that
+        uses none needs none."""
+        return cls()
+
+    @classmethod
+    def of_layer(cls, places: Places) -> MissPolicy:
+        """:meth:`for_layer`, or, while a place it needs is not registered yet,
+        :class:`WithoutPlace`."""
+        try:
+            return cls.for_layer(places)
+        except PlaceMissing as missing:
+            return WithoutPlace(cls, missing)
+
     @property
     def name(self) -> str:
         return self.spec.name
@@ -52,3 +72,26 @@ class MissPolicy:
         """Decide about the entries of ``ids`` ([T, K]) not ``resident`` ([E]; at least
         one). ``None``: load them (``fetch``)."""
         return None
+
+
+class WithoutPlace(MissPolicy):
+    """A layer's policy while a place it gives entries to is not registered (its feature
+    is built once an input arrives, and the layer's call is then composed again): a
+    call that has to plan fails, naming the place."""
+
+    def __init__(self, policy: type[MissPolicy], missing: Exception) -> None:
+        self.policy = policy
+        self.missing = missing
+
+    @property
+    def spec(self) -> MissPolicySpec:  # type: ignore[override]  # (the policy's traits)
+        return self.policy.spec
+
+    def plan(
+        self,
+        ids: np.ndarray,
+        resident: np.ndarray,
+        topk_weights: torch.Tensor,
+        context: MissContext,
+    ) -> MissPlan | None:
+        raise RuntimeError(f"miss_policy {self.policy.spec.name!r}: {self.missing}")
