@@ -8,8 +8,9 @@ missing entries; the engine asks the miss policy for a plan only when there are 
 its :class:`Split` (which entries each place takes, counted; the weights to run), the
 other places' entries staged, the device entries through the layer's device run
 (:mod:`vllm_specexpert.device_runs`, chosen when the layer was composed) with the other
-entries masked out (weight 0), each place's results added, an expert admitted. Without a plan every entry runs on the
-device, loaded on demand: the bit-exact path of ``fetch`` and of every prefill pass.
+entries masked out (weight 0), each place's results added, an expert admitted. Without a
+plan every entry runs on the device, loaded on demand: the bit-exact path of ``fetch``
+and of every prefill pass.
 """
 
 from __future__ import annotations

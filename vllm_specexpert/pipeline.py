@@ -409,13 +409,15 @@ def compose(
 ) -> LayerPipeline:
     """The layer's pipeline: with every expert in the slot of its id (``cache.identity``)
     the runners launch on the router's ids as they are; else decode rows run the miss
-    policy's plan and prompt rows the exact runner. ``parts`` are the features', in the
+    policy's plan (a policy that never plans, ``fetch``, ``stream``: the exact runner)
+    and prompt rows the exact runner. ``parts`` are the features', in the
     registry's order."""
     device = device_run_for(policy.spec.splits_tokens)
     if layer.cache.identity:
         decode = prefill = resident_runner(layer)
     else:
-        decode, prefill = policy_runner(layer, policy, device), exact_runner(layer, device)
+        prefill = exact_runner(layer, device)
+        decode = policy_runner(layer, policy, device) if policy.plans else prefill
     exact = exact_runner(layer, device) if not layer.cache.identity else decode
     stages = [part for part in parts if isinstance(part, Stage)]
     others = [part for part in parts if not isinstance(part, Stage)]

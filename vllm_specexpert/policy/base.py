@@ -62,6 +62,12 @@ class MissPolicy:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def plans(self) -> bool:
+        """Whether it ever makes a plan (one that does not runs every call as the exact
+        runner does: composed so, it is never asked)."""
+        return type(self).plan is not MissPolicy.plan
+
     def plan(
         self,
         ids: np.ndarray,

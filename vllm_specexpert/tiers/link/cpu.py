@@ -67,18 +67,19 @@ class _CpuTransfer(Transfer):
     def wait(self) -> float:
         if self.cancelled:  # it would never land: a bookkeeping bug, not a slow link
             raise RuntimeError("specexpert: waited for a cancelled expert copy")
-        clock = self.link.clock
+        link, clock = self.link, self.link.clock
         start = clock.now()
         self.perform()
         if isinstance(self.error, ExpertsUnreadable):
             raise self.error  # the engine runs the call without those experts
         if self.error is not None:
             raise RuntimeError("specexpert: expert copy failed") from self.error
-        while self.ready_at is None:  # queued behind others on the emulated link
-            self.link._advance(clock.now())
-            if self.ready_at is None:
-                clock.sleep_until(self.link._link_free_at)
-        clock.sleep_until(self.ready_at)
+        if link.emulated:  # (a real copy has landed once performed)
+            while self.ready_at is None:  # queued behind others on the emulated link
+                link._advance(clock.now())
+                if self.ready_at is None:
+                    clock.sleep_until(link._link_free_at)
+            clock.sleep_until(self.ready_at)
         return clock.now() - start + self.submitter_s
 
 
@@ -89,6 +90,8 @@ class CpuLink(Link):
     def __init__(self, config: LinkConfig, clock: Clock | None = None) -> None:
         super().__init__()
         self.config = config
+        self.emulated = config.emulated
+        """Whether copies are held to the modeled time (read once: a call's path asks)."""
         self.cancellable = config.emulated
         """Only the emulated link queues prefetches where they can be dropped; a real one
         hands each to the copy thread at once, so that a layer's prefetches go to the
@@ -112,7 +115,7 @@ class CpuLink(Link):
         ahead: bool = False,
     ) -> Transfer:
         transfer = _CpuTransfer(self, copy, prefetch, on_start)
-        if self.config.emulated:
+        if self.emulated:
             self._advance(transfer.submitted_at)
             insert(self._pending, transfer)
             self._advance(transfer.submitted_at)
@@ -124,7 +127,7 @@ class CpuLink(Link):
         else:  # waited for at once: copied in the caller's thread, no hand-off
             started = self.clock.now()
             transfer.perform()
-            if not self.config.emulated:  # (emulated: the link's modeled time is the wait)
+            if not self.emulated:  # (emulated: the link's modeled time is the wait)
                 transfer.submitter_s = self.clock.now() - started
         return transfer
 
@@ -146,7 +149,7 @@ class CpuLink(Link):
 
     def idle(self) -> bool:
         now = self.clock.now()
-        if self.config.emulated:
+        if self.emulated:
             self._advance(now)
             return not self._pending and self._link_free_at <= now
         return self._jobs.empty()
@@ -165,7 +168,7 @@ class CpuLink(Link):
         return self._latency_s * copies + nbytes / self._bytes_per_s
 
     def expert_seconds(self, experts: ExpertSource) -> float:
-        if self.config.emulated:
+        if self.emulated:
             return self.copy_seconds(experts.expert_nbytes, experts.num_tensors)
         return super().expert_seconds(experts)
 
