@@ -26,7 +26,7 @@ from vllm_specexpert.features.substitution import SubstitutedPlace, substitution
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.places import Place, PlaceCounters, Places
-from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy, PlacedPolicy
 from vllm_specexpert.stats import counter, seconds
 from vllm_specexpert.tiers.host import HostExperts
 from vllm_specexpert.tiers.store import LayerExperts
@@ -94,15 +94,10 @@ def host_share(
     return missing & np.isin(ids, experts[order[:best]])
 
 
-class CpuPolicy(MissPolicy):
+class CpuPolicy(PlacedPolicy):
     spec = MISS_POLICIES["cpu"]
-
-    def __init__(self, host: HostPlace) -> None:
-        self.host = host
-
-    @classmethod
-    def for_layer(cls, places: Places) -> MissPolicy:
-        return cls(places.of(HostPlace))
+    place_kind = HostPlace
+    place: HostPlace
 
     def plan(
         self,

@@ -24,8 +24,8 @@ from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.places import Place, PlaceCounters, Places
-from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.places import Place, PlaceCounters
+from vllm_specexpert.policy import MissContext, MissPlan, PlacedPolicy
 from vllm_specexpert.stats import PhaseStats, counter
 from vllm_specexpert.tiers.cache import ExpertCache
 from vllm_specexpert.tiers.loader import ExpertLoader
@@ -84,15 +84,10 @@ class LowBitPlace(Place):
         return None
 
 
-class LowBitPolicy(MissPolicy):
+class LowBitPolicy(PlacedPolicy):
     spec = MISS_POLICIES["lowbit"]
-
-    def __init__(self, place: LowBitPlace) -> None:
-        self.place = place
-
-    @classmethod
-    def for_layer(cls, places: Places) -> MissPolicy:
-        return cls(places.of(LowBitPlace))
+    place_kind = LowBitPlace
+    place: LowBitPlace
 
     def plan(
         self,

@@ -20,8 +20,8 @@ from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.modes import MISS_POLICIES
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
-from vllm_specexpert.places import Place, PlaceCounters, Places
-from vllm_specexpert.policy import MissContext, MissPlan, MissPolicy
+from vllm_specexpert.places import Place, PlaceCounters
+from vllm_specexpert.policy import MissContext, MissPlan, PlacedPolicy
 from vllm_specexpert.policy.buddies import (
     BuddyGates,
     buddy_lists,
@@ -80,16 +80,11 @@ def substitution_plan(
     return MissPlan(topk_ids=new_ids, places={SubstitutedPlace.name: replaced})
 
 
-class BuddyPolicy(MissPolicy):
+class BuddyPolicy(PlacedPolicy):
     spec = MISS_POLICIES["buddy"]
+    place_kind = SubstitutedPlace
+    place: SubstitutedPlace
     use_buddies = True
-
-    def __init__(self, place: SubstitutedPlace) -> None:
-        self.place = place
-
-    @classmethod
-    def for_layer(cls, places: Places) -> MissPolicy:
-        return cls(places.of(SubstitutedPlace))
 
     def plan(
         self,

@@ -5,7 +5,7 @@ give entries to no feature's place; a mode with a place of its own is one module
 :mod:`vllm_specexpert.features`, and the registry of every policy is there
 (:func:`vllm_specexpert.features.miss_policy_classes`)."""
 
-from vllm_specexpert.policy.base import MissPlan, MissPolicy
+from vllm_specexpert.policy.base import MissPlan, MissPolicy, PlacedPolicy
 from vllm_specexpert.policy.context import MissContext
 from vllm_specexpert.policy.drop import DropPolicy
 from vllm_specexpert.policy.fetch import FetchPolicy
@@ -28,5 +28,6 @@ __all__ = [
     "MissContext",
     "MissPlan",
     "MissPolicy",
+    "PlacedPolicy",
     "SpeculatePolicy",
 ]

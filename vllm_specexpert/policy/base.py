@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from vllm_specexpert.config.modes import MISS_POLICIES, MissPolicySpec
-from vllm_specexpert.places import PlaceMissing, Places
+from vllm_specexpert.places import Place, PlaceMissing, Places
 from vllm_specexpert.policy.context import MissContext
 
 
@@ -78,6 +78,20 @@ class MissPolicy:
         """Decide about the entries of ``ids`` ([T, K]) not ``resident`` ([E]; at least
         one). ``None``: load them (``fetch``)."""
         return None
+
+
+class PlacedPolicy(MissPolicy):
+    """A policy that gives entries to one place of its mode's (:attr:`place_kind`), built
+    with the layer's (a subclass annotates :attr:`place` with its class)."""
+
+    place_kind: ClassVar[type[Place]]
+
+    def __init__(self, place: Place) -> None:
+        self.place = place
+
+    @classmethod
+    def for_layer(cls, places: Places) -> MissPolicy:
+        return cls(places.of(cls.place_kind))
 
 
 class WithoutPlace(MissPolicy):
