@@ -94,6 +94,7 @@ from vllm_specexpert.tiers.disk import Disk  # noqa: E402
 from vllm_specexpert.tiers.expert_pack import ExpertPack  # noqa: E402
 from vllm_specexpert.tiers.kernel_form import KernelForm  # noqa: E402
 from vllm_specexpert.tiers.pack_writer import write_pack  # noqa: E402
+from vllm_specexpert.tiers.slots import NO_EXPERTS  # noqa: E402
 
 NAMES = [f"model.layers.{i}.mlp.experts" for i in range(4)]
 LAYERS = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
@@ -271,6 +272,25 @@ def test_the_running_layer_counts_its_own_idle_from_this_call(engine_on):
     assert [NAMES.index(h.experts.name) for h in rows.holder] == held  # no row taken
     own = engine.layers[NAMES[0]].cache.slot_expert[:5].tolist()
     assert 5 in own and len({3, 4} & set(own)) == 1, own
+
+
+@pytest.mark.parametrize(("cache", "first_out"), [("lru", {0, 1, 2, 3}), ("lrfu", {4, 5, 6, 7})])
+def test_a_demand_load_evicts_the_layers_own_experts_in_its_cache_policys_order(
+    engine_on, cache, first_out
+):
+    # Layer 0 uses 0-3 in four calls, then 4-7 once (5-7 into rows). Its demand load then
+    # evicts, after the 9 free rows, the least recent (LRU: 0-3) or the least used by
+    # decayed count (lrfu: 4-7, one use against four). Ordering the own experts by
+    # recency alone, whatever the cache, made every cache LRU wherever a region is (the
+    # disk tier's default), in a benchmark: the same bytes, to the byte.
+    engine = engine_on({"budget": 0.5, "cache": cache})
+    x, w, _ = random_routing(1, E, K, seed=4)
+    for ids in [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]]:
+        call(engine, NAMES[0], x, w, torch.tensor([ids], dtype=torch.int32))
+    layer = engine.layers[NAMES[0]].cache
+    assert layer.num_resident() == 8 and layer.pool.region_rows == 12  # 9 rows still free
+    slots, evicted = layer.take_slots(9 + 4, NO_EXPERTS, shared=True)
+    assert len(slots) == 13 and set(evicted.tolist()) == first_out
 
 
 def test_layers_back_to_back_through_the_region_each_compute_with_their_own_experts(engine_on):

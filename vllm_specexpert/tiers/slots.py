@@ -320,9 +320,10 @@ class LayerSlotPool(SlotPool):
         cache's own evictable experts and the rows other layers hold (none in use, none
         still being read for its layer): the least demanded of the call's first; then
         the longest unused, counted from its layer's last call (the requester's: this
-        one); then, among equals, the layer whose next call comes last (the requester's
-        own, a step away, then the layer that ran just before it: Belady's rule on the
-        cyclic layer order). Recency on one clock would evict the rows of the layer that
+        one; its own experts take those times in its cache policy's order); then, among
+        equals, the layer whose next call comes last (the requester's own, a step away,
+        then the layer that ran just before it: Belady's rule on the cyclic layer
+        order). Recency on one clock would evict the rows of the layer that
         ran longest ago, the next to run, whose call then evicts the one after it
         (``tests/test_shared_region.py``'s sweep counts the hits either order gives). By
         masks and arrays: this runs at every miss of a batch of one."""
@@ -332,7 +333,7 @@ class LayerSlotPool(SlotPool):
         experts, owner, idle, turn, wanted = [], [], [], [], []
         for index, holder in enumerate(holders):
             if holder is cache:
-                held = cache.evictable(keep)
+                held = cache.policy.order(cache.evictable(keep))  # (its first to go first)
             else:
                 in_rows = holder.expert_slot >= holder.pool.joined_slots
                 held = np.flatnonzero(in_rows & holder.evictable_mask())
@@ -345,9 +346,16 @@ class LayerSlotPool(SlotPool):
             # skipped now); another layer's, its latest uses. The requester's next call
             # is then the furthest; then that of whoever ran last.
             last_call = self.rows.clock + 1 if holder is cache else int(used.max())
+            unused = last_call - used[held]
+            if holder is cache:
+                # The requester's own go in its cache policy's order (``lfu``, ``lrfu``:
+                # the least used first), at the idle times its experts have, longest
+                # first: as many of its own go before other layers' rows as by recency,
+                # and under LRU, whose order that is, nothing changes.
+                unused = np.sort(unused)[::-1]
             experts.append(held)
             owner.append(np.full(len(held), index))
-            idle.append(last_call - used[held])
+            idle.append(unused)
             turn.append(np.full(len(held), last_call))
             wanted.append(
                 demand[held] if demand is not None and holder is cache else np.zeros(len(held))
