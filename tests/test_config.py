@@ -16,7 +16,7 @@ LONG_DIRECTORY = "/" + "/".join(["d" * 250] * 16) + "/" + "d" * (4085 - 4017)
 def test_defaults_are_valid():
     config = SpecExpertConfig.from_dict({})
     assert config.budget == "auto"
-    assert config.cache == "lru"
+    assert config.cache == "lrfu"
     assert config.miss_policy == "fetch"
     assert config.link == LinkConfig()
 

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from specexpert_testbed.fixtures import DEFAULT_MODEL, model_path
+from vllm_specexpert.config import SpecExpertConfig
 from vllm_specexpert.tools.trace import record_routes
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 BATCHES = (1, 8, 32)
 BUDGET = 0.25
 CACHE = "lrfu"
-"""The residency under test."""
+"""The default residency (``SpecExpertConfig.cache``)."""
 
 
 def _load(name: str):
@@ -61,6 +62,7 @@ def replays():
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_the_residency_reads_no_more_than_lru(replays, batch):
+    assert SpecExpertConfig().cache == CACHE  # (the default is what is tested)
     rows = replays[BUDGET, batch]
     print(
         f"{batch} sequences, budget {BUDGET}: {CACHE} {rows[CACHE]['vs_min']:.3f}x MIN "

@@ -117,7 +117,7 @@ class OffloadedLayer:
             raise SpecExpertConfigError(
                 "cache",
                 f"'{config.cache}' shares one slot pool between layers: {error}",
-                "use cache 'lru'",
+                "use cache 'lrfu'",
             ) from error
         self.loader = ExpertLoader(self.cache, link)
         self.places = Places()

@@ -134,7 +134,7 @@ def check_combination(config: Settings) -> None:
             f"'{config.cache}' allocates slots by the predicted demand of each "
             "step, and neither a path predictor nor a lookahead draft predicts it",
             'set "path_predictor": "DIR" (from `specexpert train-path MODEL --out '
-            "DIR`) or \"lookahead\": {}, or use cache 'lru'",
+            "DIR`) or \"lookahead\": {}, or use cache 'lrfu'",
         )
     lookahead = config.lookahead
     if lookahead is not None and lookahead.k is not None and lookahead.k > lookahead.k_max:
@@ -273,7 +273,7 @@ def check_effect(config: Settings, explicit: set[str]) -> None:
                 "with disk.residency 'mapped' (the kernel addresses every expert in the "
                 "mapping and the page cache decides what stays in memory: there is no slot "
                 "to size or keep; should the mapping be refused at start, the slots it falls "
-                "back to are sized by budget 'auto' and kept by cache 'lru')",
+                "back to are sized by budget 'auto' and kept by cache 'lrfu')",
                 "remove it, or use disk.residency 'slots'",
             )
     if config.budget == "auto":

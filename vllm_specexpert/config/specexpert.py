@@ -84,11 +84,12 @@ class SpecExpertConfig:
     """Start with an explicit ``budget`` larger than what sizing finds free (the OS
     may then kill the process mid-generation). Default ``false``: refused at start."""
 
-    cache: CacheName = "lru"
-    """Eviction policy of the device cache (default ``lru``; ``plec`` under ``lookahead``,
-    whose draft predicts each step's demand): ``lru`` (least recently used), ``lfu``
-    (least frequently used, ties by recency), ``lrfu`` (the fewest uses, each weighted
-    by how recent it is, halving every 2 launches per token of each launch) or
+    cache: CacheName = "lrfu"
+    """Eviction policy of the device cache (default ``lrfu``; ``plec`` under ``lookahead``,
+    whose draft predicts each step's demand): ``lrfu`` (the fewest uses, each weighted
+    by how recent it is, halving every 2 launches per token of each launch: never more
+    bytes than LRU in the benchmarks, ``docs/benchmarks.md``), ``lru`` (least recently
+    used), ``lfu`` (least frequently used, ties by recency) or
     ``static`` (the first ``slots - top_k`` experts stay resident for good; the
     remaining ``top_k`` slots rotate, LRU, for the others): a fixed number of slots per
     layer. ``plec``

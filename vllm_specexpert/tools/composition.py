@@ -32,7 +32,7 @@ MODEL_EXPERTS, MODEL_TOP_K = 16, 2
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "miss_policy": tuple(MISS_POLICIES),
-    "cache": ("lru", "lfu", "lrfu", "static", "plec"),
+    "cache": ("lrfu", "lru", "lfu", "static", "plec"),
     "predictor": ("none", "router", "quasi_hidden", "estimator", "hybrid"),
     "lookahead": (None, "on"),
     "token_scheduler": (None, "on"),
@@ -124,7 +124,7 @@ def settings(*chosen: Setting) -> tuple[dict[str, Any], str | None]:
     if predictor.needs_analysis:
         raw["analysis"] = ARTIFACTS["analysis"]
     if "token_scheduler" in given or (
-        CACHES[raw.get("cache", "lru")].needs_path_predictor and "lookahead" not in given
+        CACHES[raw.get("cache", "lrfu")].needs_path_predictor and "lookahead" not in given
     ):
         raw["path_predictor"] = ARTIFACTS["path_predictor"]
     return raw, packed

@@ -185,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", type=model_dir, help="model directory (default: the embedded model)"
     )
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--cache", default="lru")
+    parser.add_argument("--cache", default="lrfu")
     parser.add_argument(
         "--miss-policy",
         default="fetch",
