@@ -38,7 +38,9 @@ No timing and no link: counts on the recorded routes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -189,14 +191,16 @@ def engine_replay(
     budget: float,
     experts: int,
     miss_policy: str = "fetch",
+    disk: bool = False,
 ) -> dict:
     """The plugin's own engine (``fetch``, no vLLM) replaying the schedule, as the
     scheduler would drive it: each step's ``StepDemand`` from the ``believed`` routes,
     every layer called with the step's true routes; its stats at the end. Tiny random
-    weights: only the counts mean anything."""
+    weights: only the counts mean anything. ``disk``: the experts in a pack on disk, read
+    with the slots residency, so that a call of more experts than a layer's slots goes
+    through the shared region (``fetch``, a pool per layer), as on the disk tier."""
     from vllm_specexpert.config import SpecExpertConfig
     from vllm_specexpert.engine import OffloadEngine
-    from vllm_specexpert.handoff import StepDemand
 
     layers, top_k = routes[0].shape[1], routes[0].shape[2]
     config = SpecExpertConfig.from_dict(
@@ -210,17 +214,50 @@ def engine_replay(
     engine = OffloadEngine(config, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     names = [f"model.layers.{i}.mlp.experts" for i in range(layers)]
-    for index, name in enumerate(names):
-        engine.add_layer(
-            name,
-            {
-                "w13_weight": torch.randn(experts, 32, 16, generator=g).bfloat16(),
-                "w2_weight": torch.randn(experts, 16, 16, generator=g).bfloat16(),
-            },
-            top_k=top_k,
-            index=index,
-        )
-    engine.start()
+    weights = {
+        name: {
+            "w13_weight": torch.randn(experts, 32, 16, generator=g).bfloat16(),
+            "w2_weight": torch.randn(experts, 16, 16, generator=g).bfloat16(),
+        }
+        for name in names
+    }
+    with contextlib.ExitStack() as held:
+        sources = weights
+        if disk:
+            sources = _on_disk(engine, weights, held, max(len(run) for run, _ in schedule))
+        for index, name in enumerate(names):
+            engine.add_layer(name, sources[name], top_k=top_k, index=index)
+        engine.start()
+        return _replayed(engine, schedule, routes, believed, names, layers, experts, top_k)
+
+
+def _on_disk(engine, weights: dict, held: contextlib.ExitStack, max_num_seqs: int) -> dict:
+    """``weights`` written to a pack in a directory removed after, the engine reading
+    them from it (its sizing told the layers and the batch, as vLLM's adapter does)."""
+    from vllm_specexpert.tiers.disk import Disk
+    from vllm_specexpert.tiers.expert_pack import ExpertPack
+    from vllm_specexpert.tiers.kernel_form import KernelForm
+    from vllm_specexpert.tiers.pack_writer import write_pack
+
+    out = Path(held.enter_context(tempfile.TemporaryDirectory())) / "pack"
+    experts = next(iter(weights.values()))["w2_weight"].shape[0]
+    write_pack(
+        out,
+        [(name, experts) for name in weights],
+        lambda name, e: {k: t[e] for k, t in weights[name].items()},
+        {"model": "replay", "checkpoint_files": []},
+        KernelForm(layout="checkpoint", dtype="bfloat16"),
+    )
+    engine.budget.sizing.moe_layers = len(weights)
+    engine.budget.sizing.max_num_seqs = max_num_seqs
+    engine.store.tiers.append(Disk(ExpertPack(out), depth=2))
+    return {name: engine.store.tier("disk").layer(name) for name in weights}
+
+
+def _replayed(engine, schedule, routes, believed, names, layers, experts, top_k) -> dict:
+    """Every step of ``schedule`` through ``engine`` (a kernel that computes nothing);
+    its stats, once closed."""
+    from vllm_specexpert.handoff import StepDemand
 
     def counts(entries):
         total = sum(believed[i][s] for i, s in entries).reshape(layers, experts)

@@ -4,6 +4,7 @@ embedded model replayed through the plugin's own engine under each ``cache`` pol
 
     python benchmarks/residency_bound.py [--batches 1 8 32] [--budgets 0.25 0.5]
                                          [--caches lru lfu lrfu] [--half-lives 2 4 8 16]
+                                         [--region-caches lru lrfu]
 
 Routes are recorded once (transformers, greedy, held-out prompts, ``--max-tokens`` per
 request: :func:`~vllm_specexpert.tools.trace.record_routes`); under ``fetch`` they do
@@ -79,11 +80,14 @@ def replay(
     caches,
     half_lives=(),
     predicted: list | None = None,
+    region_caches=(),
 ) -> list[dict]:
     """Loads of each cache (and of ``lrfu`` at each half-life) and of both bounds, for the
     first ``batch`` requests decoding together. ``predicted``: the path predictor's
     routes per request (``[S, L*E]`` bool), what ``plec`` plans each step by; ``plec``
-    also runs on the true routes (a perfect predictor)."""
+    also runs on the true routes (a perfect predictor). ``region_caches``: those caches
+    again with the experts on disk, where a call of more experts than a layer's slots
+    goes through the shared region (as on the disk tier; its rows are not in the MINs)."""
     routes = routes[:batch]
     steps = routes[0].shape[0]
     schedule = cache_bound.schedule_all(batch, steps)
@@ -92,8 +96,8 @@ def replay(
     loads: dict[str, int] = {}
     slots: dict[int, int] = {}
 
-    def run(name: str, cache: str, told=believed) -> None:
-        stats = cache_bound.engine_replay(schedule, routes, told, cache, budget, experts)
+    def run(name: str, cache: str, told=believed, disk: bool = False) -> None:
+        stats = cache_bound.engine_replay(schedule, routes, told, cache, budget, experts, disk=disk)
         loads[name] = stats["total"]["decode"]["loads"]
         if not slots:  # (a fixed count per layer: the first cache's; plec shares one pool)
             per_layer = stats["slots_per_layer"]
@@ -102,6 +106,8 @@ def replay(
 
     for cache in caches:
         run(cache, cache)
+    for cache in region_caches:
+        run(f"{cache}, disk (region)", cache, disk=True)
     if predicted is not None:
         run("plec, path predictor", "plec", predicted[:batch])
         run("plec, true routes", "plec")
@@ -151,6 +157,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--caches", nargs="+", default=["lru", "lfu", "lrfu"])
     parser.add_argument("--half-lives", type=float, nargs="*", default=[])
+    parser.add_argument("--region-caches", nargs="*", default=["lru", "lrfu"])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--name", default="residency_bound")
     args = parser.parse_args()
@@ -165,7 +172,10 @@ def main() -> None:
     rows = []
     for budget in args.budgets:
         for batch in args.batches:
-            rows += replay(routes, batch, budget, experts, args.caches, args.half_lives, predicted)
+            rows += replay(
+                routes, batch, budget, experts, args.caches, args.half_lives, predicted,
+                args.region_caches,
+            )  # fmt: skip
             print(markdown([r for r in rows if r["batch"] == batch and r["budget"] == budget]))
     result = {
         "model": model_dir,
