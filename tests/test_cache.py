@@ -77,6 +77,40 @@ def test_lrfu_remembers_longer_the_more_tokens_share_a_launch():
     check_cache_invariants(loader)
 
 
+def _served(policy: str, calls: list[list[int]]) -> set[int]:
+    """The experts resident after one sequence's decode ``calls`` (each: its routes handed
+    to the policy, then its experts acquired), as the ``next_step`` stage orders them."""
+    loader = make_loader(random_layer(), num_slots=4, top_k=2, policy=policy)
+    stats = PhaseStats()
+    for experts in calls:
+        loader.cache.policy.on_routes(np.array([experts]))
+        loader.acquire(np.array(experts), stats)
+    check_cache_invariants(loader)
+    return resident(loader)
+
+
+def test_markov_keeps_what_the_routes_so_far_say_comes_next():
+    # 4, 5 were always followed by 6, 7; then 8, 9 ran three times, so their decayed uses
+    # outweigh 6, 7's. When 4, 5 come back, lrfu keeps 8, 9; markov keeps 6, 7, which
+    # every time came next.
+    calls = [[4, 5], [6, 7]] * 10 + [[8, 9]] * 3 + [[4, 5]]
+    assert _served("lrfu", calls) == {4, 5, 8, 9}
+    assert _served("markov", calls) == {4, 5, 6, 7}
+
+
+def test_markov_without_routes_counted_keeps_lrfus_order():
+    # No call followed another of the same size: nothing is counted, so the chance is
+    # the same for every expert and lrfu's decayed uses decide.
+    loader = make_loader(random_layer(), num_slots=4, top_k=2, policy="markov")
+    stats = PhaseStats()
+    for index, experts in enumerate([[0, 1]] * 4 + [[2, 3], [5, 6]]):
+        rows = np.array([experts] * (1 + index % 2))  # (sizes alternate: never counted)
+        loader.cache.policy.on_routes(rows)
+        loader.acquire(np.array(experts), stats)
+    assert loader.cache.policy.seen.sum() == 0
+    assert resident(loader) == {0, 1, 5, 6}  # (lrfu's, above)
+
+
 def test_static_keeps_its_pinned_experts():
     loader = make_loader(random_layer(), num_slots=6, top_k=2, policy="static")
     stats = PhaseStats()

@@ -57,7 +57,7 @@ def on_manual_clock(engine: OffloadEngine) -> None:
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
         budget=st.integers(K, 8),
-        policy=st.sampled_from(["lru", "lfu", "lrfu", "static"]),
+        policy=st.sampled_from(["lru", "lfu", "lrfu", "static", "markov"]),
         emulated=st.booleans(),
     )
     def start(self, budget, policy, emulated):
@@ -90,6 +90,8 @@ class CacheMachine(RuleBasedStateMachine):
             return
         demand = self.rng.integers(0, 3, E) if with_demand else None
         self.loader.begin_run(ids, self.stats)
+        rows = self.rng.permutation(E)[: K * (1 + len(ids) % 2)].reshape(-1, K)
+        cache.policy.on_routes(rows)  # (markov counts them; its order then evicts by them)
         self.loader.acquire(ids, self.stats, demand)
         # Acquired experts are resident and usable now: their slots hold their bytes.
         assert cache.resident_mask()[ids].all()
@@ -132,7 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(
         budget=st.integers(K, 8),
-        policy=st.sampled_from(["lru", "lfu", "lrfu", "static"]),
+        policy=st.sampled_from(["lru", "lfu", "lrfu", "static", "markov"]),
         emulated=st.booleans(),
     )
     def reconfigure(self, budget, policy, emulated):

@@ -123,13 +123,26 @@ def test_auto_holds_every_expert_of_a_model_that_fits(engines):
     assert fit["basis"] in stats["summary"]  # (the start line)
 
 
-@pytest.mark.parametrize("cache", ["lfu", "lrfu", "static"])
+def routes_counted(model) -> list[float]:
+    """Worker side: per offloaded layer, the routes its ``markov`` chain has counted."""
+    from vllm_specexpert.layers.routed_experts import OffloadedRoutedExperts
+
+    return [
+        float(module.engine.layers[module.layer_name].cache.policy.seen.sum())
+        for module in model.modules()
+        if isinstance(module, OffloadedRoutedExperts)
+    ]
+
+
+@pytest.mark.parametrize("cache", ["lfu", "lrfu", "static", "markov"])
 def test_other_cache_policies_are_identical(engines, cache):
     _, llm, reference = engines
     vllm_specexpert.reconfigure(llm, budget=0.5, cache=cache)
     assert [c.token_ids for c in greedy(llm)] == [c.token_ids for c in reference]
     assert vllm_specexpert.get_stats(llm)[0]["total"]["decode"]["misses"] > 0
     llm.apply_model(cache_invariants)
+    if cache == "markov":  # (vLLM's decode calls hand the chain their routes)
+        assert all(count > 0 for count in llm.apply_model(routes_counted)[0])
 
 
 def offload_layout(model):

@@ -14,7 +14,7 @@ from vllm_specexpert.device_runs.token_groups import next_token_group
 from vllm_specexpert.stats import PhaseStats
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu", "static"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu", "static", "markov"])
 @pytest.mark.parametrize("num_slots", [4, 6, 16])
 @pytest.mark.parametrize("tokens", [1, 3, 64])
 def test_fetch_is_exact(policy, num_slots, tokens):

@@ -18,6 +18,7 @@ BATCHES = (1, 8, 32)
 BUDGET = 0.25
 CACHE = "lrfu"
 """The default residency (``SpecExpertConfig.cache``)."""
+CACHES = ("lru", "lrfu", "markov", CACHE)
 
 
 def _load(name: str):
@@ -39,8 +40,8 @@ BUDGETS = (0.25, 0.5)
 
 @pytest.fixture(scope="module")
 def replays():
-    """``(budget, batch)`` -> cache -> its row (``lru``, :data:`CACHE`, ``plec`` on the
-    path predictor's routes and on the true ones, both MINs)."""
+    """``(budget, batch)`` -> cache -> its row (:data:`CACHES`, ``plec`` on the path
+    predictor's routes and on the true ones, both MINs)."""
     from transformers import AutoConfig
 
     model = str(model_path(DEFAULT_MODEL))
@@ -52,7 +53,7 @@ def replays():
         (budget, batch): {
             row["cache"]: row
             for row in residency_bound.replay(
-                routes, batch, budget, experts, ["lru", CACHE], [], predicted
+                routes, batch, budget, experts, list(dict.fromkeys(CACHES)), [], predicted
             )
         }
         for budget in BUDGETS
@@ -76,6 +77,26 @@ def test_the_residency_is_not_recency_alone(replays):
     # Where several sequences share a step, the experts used most outlive one-off ones:
     # a residency by recency alone reads what LRU reads.
     assert replays[BUDGET, 8][CACHE]["loads"] < 0.98 * replays[BUDGET, 8]["lru"]["loads"]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_markov_reads_no_more_than_lru_and_less_than_lrfu_where_the_next_step_decides(
+    replays, budget, batch
+):
+    # What each sequence's next token is predicted to use (the chain counted from the
+    # served routes) goes last. Where the next step's experts fit the slots (one
+    # sequence; eight at 0.5) that saves loads; at 32 the call's own token groups
+    # decide, and markov reads lrfu's loads within 1 % either way.
+    rows = replays[budget, batch]
+    markov, lrfu = rows["markov"], rows["lrfu"]
+    print(
+        f"{batch} sequences, budget {budget}: markov {markov['vs_min']:.3f}x MIN, "
+        f"{markov['loads'] / lrfu['loads']:.3f}x lrfu"
+    )
+    assert rows["min (per layer)"]["loads"] <= markov["loads"] <= rows["lru"]["loads"]
+    if (budget, batch) in ((0.25, 1), (0.25, 8), (0.5, 8)):
+        assert markov["loads"] < 0.99 * lrfu["loads"]
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

@@ -101,8 +101,9 @@ its floor::
                         (__init__): quality, prediction, mesh (peers, early fire),
                         lookahead (governor, the draft's planner), draft_routes (the
                         draft's routes handed to its target), step_demand (path
-                        score, PLEC), scheduler_counters (the token scheduler's,
-                        handed over each step); the modes with a place, each one
+                        score, PLEC), next_step (a decode call's routes to the
+                        residency that predicts from them), scheduler_counters (the
+                        token scheduler's, handed over each step); the modes with a place, each one
                         module (place, counters, policies, feature): substitution
                         (buddy, random: buddy lists, gates), host_compute (cpu, auto,
                         auto_buddy), low_bit (lowbit: INT4 copies' slots), mesh
@@ -141,7 +142,8 @@ One decode step of layer l, following the router's ids::
       │            predict layer l+1), mesh (early fire: rows sent to peers ahead)
       ├─ one host read: the router's ids and the route stages' tensors
       ├─ plan:     prediction (score; prefetch before the kernel), mesh (no_stop
-      │            fires layer l+1), step_demand (score the path; PLEC plans)
+      │            fires layer l+1), step_demand (score the path; PLEC plans),
+      │            next_step (markov: the routes, before the loads)
       ├─ run:      quality (samples the other result beside; exact while over) around
       │    execute.resolve: survey ─► policy.plan (only if something is missing)
       │      ─► execute.execute ─► tiers.loader (loads) ─► layers.slot_kernel (vLLM's

@@ -27,7 +27,7 @@ MissPolicyName = Literal[
 """The names of :data:`MISS_POLICIES`, in its order, spelled out for the type checker
 (which cannot evaluate ``Literal[tuple(MISS_POLICIES)]``); checked against the table at
 import (:func:`_same_names`)."""
-CacheName = Literal["lru", "lfu", "lrfu", "static", "plec"]
+CacheName = Literal["lru", "lfu", "lrfu", "static", "markov", "plec"]
 """The names of :data:`CACHES`, in its order (as :data:`MissPolicyName`)."""
 PredictorName = Literal["none", "router", "quasi_hidden", "estimator", "hybrid"]
 """The names of :data:`PREDICTORS`, in its order (as :data:`MissPolicyName`)."""
@@ -126,6 +126,9 @@ class CacheSpec:
     of the step wants (else a fixed count per layer)."""
     needs_path_predictor: bool = False
     """Whether it plans by the step's predicted demand (``path_predictor``)."""
+    learns_routes: bool = False
+    """Whether it is handed each decode call's routes
+    (:meth:`~vllm_specexpert.tiers.eviction.EvictionPolicy.on_routes`)."""
 
 
 CACHES: dict[str, CacheSpec] = {
@@ -135,6 +138,7 @@ CACHES: dict[str, CacheSpec] = {
         CacheSpec("lfu"),
         CacheSpec("lrfu"),
         CacheSpec("static"),
+        CacheSpec("markov", learns_routes=True),
         CacheSpec("plec", shared_pool=True, needs_path_predictor=True),
     )
 }

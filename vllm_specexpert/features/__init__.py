@@ -41,6 +41,7 @@ REGISTRY = (
     "lookahead",
     "draft_routes",
     "step_demand",
+    "next_step",
     "substitution",
     "host_compute",
     "scheduler_counters",

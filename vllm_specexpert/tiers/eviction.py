@@ -1,6 +1,6 @@
 """Eviction policies of the device cache: which resident expert of a layer goes first
-(``cache``: ``lru``, ``lfu``, ``lrfu``, ``static``; ``plec`` orders by predicted demand in the
-shared pool and by recency among equals)."""
+(``cache``: ``lru``, ``lfu``, ``lrfu``, ``static``, ``markov``; ``plec`` orders by predicted
+demand in the shared pool and by ``lrfu``'s order among equals)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class EvictionPolicy:
         """``experts`` ran in one launch of ``tokens`` tokens at ``clock``."""
         self.last_used[experts] = clock
         self.uses[experts] += 1
+
+    def on_routes(self, ids: np.ndarray) -> None:
+        """A decode call's routes (``[T, K]``, a row per decoding sequence), before its
+        loads: a policy that predicts from them (``markov``) learns here."""
 
     def sweep_demand(self) -> np.ndarray | None:
         """What a call that streams (more distinct experts than slots) keeps for the
@@ -100,6 +104,66 @@ class LRFUPolicy(EvictionPolicy):
         return candidates[np.lexsort((self.last_used[candidates], self.score(candidates)))]
 
 
+MARKOV_FREQUENCY_WEIGHT = 0.1
+"""What one decayed use (``lrfu``'s score) weighs against a whole predicted chance of
+use in the next step (``markov``). Chosen on the embedded model's recorded routes
+(``benchmarks/residency_bound.py``)."""
+
+
+class MarkovPolicy(LRFUPolicy):
+    """``markov``: the chance that the next decode step uses each expert, predicted from
+    the routes of this one, plus :data:`MARKOV_FREQUENCY_WEIGHT` times ``lrfu``'s score;
+    the lowest evicted first (ties: least recent). A sequence's next token tends to
+    route where its last one did, and to a few experts that follow those: a Markov chain
+    over the layer's experts, ``P(b next | a now)``, counted from the served decode
+    calls (row ``r`` of one call and row ``r`` of the next, same-sized calls: vLLM keeps
+    a running request's row while the batch holds). Where nothing has been counted, the
+    chance is the top-k's share, so the order is ``lrfu``'s."""
+
+    spec = CACHES["markov"]
+
+    def __init__(self, num_experts: int, num_slots: int, top_k: int) -> None:
+        super().__init__(num_experts, num_slots, top_k)
+        self.followed = np.zeros((num_experts, num_experts))
+        """``[a, b]``: times a row that used ``a`` used ``b`` in the next call."""
+        self.seen = np.zeros(num_experts)
+        """``[a]``: times a row used ``a`` in a call that a counted one followed."""
+        self.prior = 1.0
+        """Pseudo-counts toward the uniform chance (``top_k / E`` each)."""
+        self.next_demand = np.zeros(num_experts)
+        """The chance that the next call uses each expert, from the latest routes."""
+        self._last: np.ndarray | None = None
+
+    def on_routes(self, ids: np.ndarray) -> None:
+        last, self._last = self._last, np.array(ids, copy=True)
+        experts = len(self.seen)
+        if last is not None and last.shape == ids.shape:
+            pairs = last[:, :, None].astype(np.int64) * experts + ids[:, None, :]
+            self.followed += np.bincount(pairs.ravel(), minlength=experts**2).reshape(
+                experts, experts
+            )
+            self.seen += np.bincount(last.ravel(), minlength=experts)
+        chain = (self.followed + self.prior * ids.shape[1] / experts) / (
+            self.seen[:, None] + self.prior
+        )  # [a, b]: P(the next call's row uses b | this row used a)
+        used = np.zeros((ids.shape[0], experts))
+        used[np.arange(ids.shape[0])[:, None], ids] = 1.0
+        per_row = np.clip(used @ chain / ids.shape[1], 0.0, 1.0 - 1e-9)  # [T, E], mean over a
+        self.next_demand = -np.expm1(np.log1p(-per_row).sum(axis=0))  # some row uses it
+
+    def keep_score(self, experts: np.ndarray) -> np.ndarray:
+        """The higher, the later to go: the predicted chance of use next step, plus the
+        weighed decayed uses."""
+        return self.next_demand[experts] + MARKOV_FREQUENCY_WEIGHT * self.score(experts)
+
+    def sweep_demand(self) -> np.ndarray | None:
+        return self.keep_score(np.arange(len(self.seen)))
+
+    def order(self, candidates: np.ndarray) -> np.ndarray:
+        keep = self.keep_score(candidates)
+        return candidates[np.lexsort((self.last_used[candidates], keep))]
+
+
 class StaticPolicy(LRUPolicy):
     """The first ``num_slots - top_k`` experts are pinned; ``top_k`` slots rotate (LRU)."""
 
@@ -122,6 +186,7 @@ class PlecPolicy(LRFUPolicy):
 
 
 CACHE_CLASSES: dict[str, type[EvictionPolicy]] = {
-    cls.spec.name: cls for cls in (LRUPolicy, LFUPolicy, LRFUPolicy, StaticPolicy, PlecPolicy)
+    cls.spec.name: cls
+    for cls in (LRUPolicy, LFUPolicy, LRFUPolicy, StaticPolicy, MarkovPolicy, PlecPolicy)
 }
 """Every cache policy by its config name (``cache``)."""

@@ -32,7 +32,7 @@ MODEL_EXPERTS, MODEL_TOP_K = 16, 2
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "miss_policy": tuple(MISS_POLICIES),
-    "cache": ("lrfu", "lru", "lfu", "static", "plec"),
+    "cache": ("lrfu", "lru", "lfu", "static", "markov", "plec"),
     "predictor": ("none", "router", "quasi_hidden", "estimator", "hybrid"),
     "lookahead": (None, "on"),
     "token_scheduler": (None, "on"),
