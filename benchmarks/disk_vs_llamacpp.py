@@ -108,6 +108,7 @@ phase (in one miniature run, modes that read the same bytes ran 1.12-1.27x apart
 MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch, LRFU": {"miss_policy": "fetch", "cache": "lrfu", "predictor": "none"},
+    "fetch, Markov": {"miss_policy": "fetch", "cache": "markov", "predictor": "none"},
     "fetch + router prefetch (cost filter)": {
         "miss_policy": "fetch",
         "cache": "lru",

@@ -4,7 +4,7 @@ embedded model replayed through the plugin's own engine under each ``cache`` pol
 
     python benchmarks/residency_bound.py [--batches 1 8 32] [--budgets 0.25 0.5]
                                          [--caches lru lfu lrfu] [--half-lives 2 4 8 16]
-                                         [--region-caches lru lrfu]
+                                         [--region-caches lru lrfu] [--horizons 1 4 16]
 
 Routes are recorded once (transformers, greedy, held-out prompts, ``--max-tokens`` per
 request: :func:`~vllm_specexpert.tools.trace.record_routes`); under ``fetch`` they do
@@ -18,7 +18,9 @@ the engine (tiny random weights: no timing, no link). Two bounds:
   groups);
 - ``min (pooled)``: the same on one cache of every layer's slots together.
 
-``--half-lives`` also replays ``lrfu`` at each half-life (the constant
+``--horizons`` also replays ``markov`` told the true routes of so many coming steps: the
+share of the gap to MIN a predictor of that reach could close. ``--half-lives`` also
+replays ``lrfu`` at each half-life (the constant
 ``LRFU_HALF_LIFE``, in launches of a layer), to choose it. Writes
 ``benchmarks/results/<name>.json`` and ``.md``.
 """
@@ -26,9 +28,12 @@ the engine (tiny random weights: no timing, no link). Two bounds:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -72,6 +77,33 @@ def min_loads(calls, slots: dict[int, int], experts: int, pooled: bool) -> int:
     return int(total)
 
 
+@contextlib.contextmanager
+def told_the_coming_steps(calls, layers: int, horizon: int):
+    """``markov`` told, at each decode call, the experts its layer's next ``horizon``
+    calls need (a perfect predictor of the coming steps): those of the next call go
+    last, then those of the one after, and so on; the rest in ``lrfu``'s order. What
+    any prediction of that many steps could save. The calls of :func:`replay` come one
+    per layer per step, in order, so the ``n``-th call's next one is ``n + layers``."""
+    experts = eviction.MarkovPolicy
+    original = experts.on_routes
+    made = iter(range(len(calls)))
+
+    def on_routes(self, ids):
+        at = next(made)
+        self.next_demand = np.zeros(len(self.seen))
+        for ahead in range(horizon, 0, -1):  # (the nearest last: it overwrites)
+            if at + ahead * layers < len(calls):
+                needed = [e for _, e in calls[at + ahead * layers][1]]
+                self.next_demand[needed] = 1e9 * (horizon + 1 - ahead)
+
+    experts.on_routes = on_routes
+    try:
+        yield
+        assert next(made, None) is None, "a call of the replay did not reach the policy"
+    finally:
+        experts.on_routes = original
+
+
 def replay(
     routes,
     batch: int,
@@ -81,13 +113,16 @@ def replay(
     half_lives=(),
     predicted: list | None = None,
     region_caches=(),
+    horizons=(),
 ) -> list[dict]:
     """Loads of each cache (and of ``lrfu`` at each half-life) and of both bounds, for the
     first ``batch`` requests decoding together. ``predicted``: the path predictor's
     routes per request (``[S, L*E]`` bool), what ``plec`` plans each step by; ``plec``
     also runs on the true routes (a perfect predictor). ``region_caches``: those caches
     again with the experts on disk, where a call of more experts than a layer's slots
-    goes through the shared region (as on the disk tier; its rows are not in the MINs)."""
+    goes through the shared region (as on the disk tier; its rows are not in the MINs).
+    ``horizons``: ``markov`` again, told the routes of that many coming steps
+    (:func:`told_the_coming_steps`)."""
     routes = routes[:batch]
     steps = routes[0].shape[0]
     schedule = cache_bound.schedule_all(batch, steps)
@@ -111,6 +146,9 @@ def replay(
     if predicted is not None:
         run("plec, path predictor", "plec", predicted[:batch])
         run("plec, true routes", "plec")
+    for horizon in horizons:
+        with told_the_coming_steps(calls, routes[0].shape[1], horizon):
+            run(f"told the next {horizon} steps", "markov")
     default = eviction.LRFU_HALF_LIFE
     try:
         for half_life in half_lives:
@@ -155,9 +193,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
-    parser.add_argument("--caches", nargs="+", default=["lru", "lfu", "lrfu"])
+    parser.add_argument("--caches", nargs="+", default=["lru", "lfu", "lrfu", "markov"])
     parser.add_argument("--half-lives", type=float, nargs="*", default=[])
     parser.add_argument("--region-caches", nargs="*", default=["lru", "lrfu"])
+    parser.add_argument("--horizons", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--name", default="residency_bound")
     args = parser.parse_args()
@@ -174,7 +213,7 @@ def main() -> None:
         for batch in args.batches:
             rows += replay(
                 routes, batch, budget, experts, args.caches, args.half_lives, predicted,
-                args.region_caches,
+                args.region_caches, args.horizons,
             )  # fmt: skip
             print(markdown([r for r in rows if r["batch"] == batch and r["budget"] == budget]))
     result = {
