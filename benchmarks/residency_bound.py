@@ -19,7 +19,8 @@ the engine (tiny random weights: no timing, no link). Two bounds:
 - ``min (pooled)``: the same on one cache of every layer's slots together.
 
 ``--horizons`` also replays ``markov`` told the true routes of so many coming steps: the
-share of the gap to MIN a predictor of that reach could close. ``--half-lives`` also
+share of the gap to MIN a predictor of that reach could close (each row's share of LRU's
+gap to MIN closed is in its last column). ``--half-lives`` also
 replays ``lrfu`` at each half-life (the constant
 ``LRFU_HALF_LIFE``, in launches of a layer), to choose it. Writes
 ``benchmarks/results/<name>.json`` and ``.md``.
@@ -159,6 +160,7 @@ def replay(
     loads["min (per layer)"] = min_loads(calls, slots, experts, pooled=False)
     loads["min (pooled)"] = min_loads(calls, slots, experts, pooled=True)
     bound = loads["min (per layer)"]
+    gap = loads.get("lru", 0) - bound
     return [
         {
             "batch": batch,
@@ -169,6 +171,7 @@ def replay(
             "loads_per_token": count / (batch * steps),
             "vs_min": count / bound if bound else None,
             "vs_lru": count / loads["lru"] if loads.get("lru") else None,
+            "gap_closed": (loads["lru"] - count) / gap if gap > 0 else None,
         }
         for cache, count in loads.items()
     ]
@@ -176,15 +179,17 @@ def replay(
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| batch | budget | slots a layer | cache | loads a token | x MIN (per layer) | x LRU |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | budget | slots a layer | cache | loads a token | x MIN (per layer) | x LRU "
+        "| share of LRU's gap to MIN closed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = f"{r['vs_lru']:.3f}" if r["vs_lru"] is not None else ""
+        closed = f"{r['gap_closed']:.2f}" if r.get("gap_closed") is not None else ""
         lines.append(
             f"| {r['batch']} | {r['budget']} | {r['slots_per_layer']} | {r['cache']} | "
             f"{r['loads_per_token']:.2f} | "
-            f"{r['vs_min']:.3f} | {ratio} |"
+            f"{r['vs_min']:.3f} | {ratio} | {closed} |"
         )
     return "\n".join(lines) + "\n"
 
