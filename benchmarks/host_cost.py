@@ -12,8 +12,9 @@ With ``--eager``, vanilla's ``RoutedExperts.forward_modular`` is timed the same 
 reference (its kernel plus vLLM's own Python around it; compiled, it is traced into the
 graph and cannot be timed apart).
 
-Modes: budget 1.0 (every expert resident: pure bookkeeping), 0.5 ``fetch``, 0.5 ``fetch``
-+ ``quasi_hidden`` prefetch (no link emulation). Then ``cProfile`` over the budget-1.0
+Modes: budget 1.0 (every expert resident: pure bookkeeping), 0.5 ``fetch`` (the default
+``cache``), the same with ``cache: markov``, 0.5 ``fetch`` + ``quasi_hidden`` prefetch
+(no link emulation). Then ``cProfile`` over the budget-1.0
 decode calls names the functions the host time goes to; cProfile's own per-call
 overhead inflates absolute times, so its shares are reported, and the absolute figures
 are the ``perf_counter`` ones. Last, the same engine call in a tight loop outside vLLM
@@ -51,6 +52,12 @@ from vllm_specexpert.tools.harness import start_engine, stop_engine
 MODES = {
     "budget 1.0": {"budget": 1.0, "miss_policy": "fetch", "predictor": "none"},
     "fetch 0.5": {"budget": 0.5, "miss_policy": "fetch", "predictor": "none"},
+    "fetch 0.5, markov": {
+        "budget": 0.5,
+        "miss_policy": "fetch",
+        "predictor": "none",
+        "cache": "markov",
+    },
     "fetch + prefetch 0.5": {"budget": 0.5, "miss_policy": "fetch", "predictor": "quasi_hidden"},
 }
 

@@ -131,7 +131,8 @@ class MarkovPolicy(LRFUPolicy):
         self.prior = 1.0
         """Pseudo-counts toward the uniform chance (``top_k / E`` each)."""
         self.next_demand = np.zeros(num_experts)
-        """The chance that the next call uses each expert, from the latest routes."""
+        """The chance that the next call uses each expert, from the latest routes (a
+        Poisson approximation of one row or more using it)."""
         self._last: np.ndarray | None = None
 
     def on_routes(self, ids: np.ndarray) -> None:
@@ -143,13 +144,13 @@ class MarkovPolicy(LRFUPolicy):
                 experts, experts
             )
             self.seen += np.bincount(last.ravel(), minlength=experts)
-        chain = (self.followed + self.prior * ids.shape[1] / experts) / (
-            self.seen[:, None] + self.prior
-        )  # [a, b]: P(the next call's row uses b | this row used a)
-        used = np.zeros((ids.shape[0], experts))
-        used[np.arange(ids.shape[0])[:, None], ids] = 1.0
-        per_row = np.clip(used @ chain / ids.shape[1], 0.0, 1.0 - 1e-9)  # [T, E], mean over a
-        self.next_demand = -np.expm1(np.log1p(-per_row).sum(axis=0))  # some row uses it
+        # Each row's chance of using b next is the mean of P(b | a) over its experts a;
+        # summed over rows, the expected rows using b, which needs only how many rows
+        # used each a: one [E] x [E, E] product, whatever the batch.
+        weight = np.bincount(ids.ravel(), minlength=experts) / (self.seen + self.prior)
+        share = ids.shape[1] / experts
+        expected = (weight @ self.followed + self.prior * share * weight.sum()) / ids.shape[1]
+        self.next_demand = -np.expm1(-expected)  # P(some row uses it), rows independent
 
     def keep_score(self, experts: np.ndarray) -> np.ndarray:
         """The higher, the later to go: the predicted chance of use next step, plus the
