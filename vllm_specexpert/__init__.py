@@ -103,11 +103,11 @@ its floor::
                         draft's routes handed to its target), step_demand (path
                         score, PLEC), next_step (a decode call's routes to the
                         residency that predicts from them), scheduler_counters (the
-                        token scheduler's, handed over each step); the modes with a place, each one
-                        module (place, counters, policies, feature): substitution
-                        (buddy, random: buddy lists, gates), host_compute (cpu, auto,
-                        auto_buddy), low_bit (lowbit: INT4 copies' slots), mesh
-                        (PeersFirst around any policy)
+                        token scheduler's, handed over each step); the modes with a
+                        place, each one module (place, counters, policies, feature):
+                        substitution (buddy, random: buddy lists, gates), host_compute
+                        (cpu, auto, auto_buddy), low_bit (lowbit: INT4 copies' slots),
+                        mesh (PeersFirst around any policy)
     10  engine          OffloadEngine: the exact spine per layer call, features around
                         it
     11  layers/         vLLM adapter in the worker: routed_experts (the layer, the
