@@ -89,7 +89,9 @@ class SpecExpertConfig:
     whose draft predicts each step's demand): ``lrfu`` (the fewest uses, each weighted
     by how recent it is, halving every 2 launches per token of each launch: never more
     bytes than LRU in the benchmarks, ``docs/benchmarks.md``), ``lru`` (least recently
-    used), ``lfu`` (least frequently used, ties by recency) or
+    used), ``lfu`` (least frequently used, ties by recency), ``markov`` (the least
+    likely to be used by the next step first, from a chain of each sequence's routes
+    counted per layer as it serves, then ``lrfu``'s order) or
     ``static`` (the first ``slots - top_k`` experts stay resident for good; the
     remaining ``top_k`` slots rotate, LRU, for the others): a fixed number of slots per
     layer. ``plec``
