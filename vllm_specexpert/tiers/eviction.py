@@ -134,6 +134,10 @@ class MarkovPolicy(LRFUPolicy):
         self.next_demand = np.zeros(num_experts)
         """The chance that the next call uses each expert, from the latest routes (a
         Poisson approximation of one row or more using it)."""
+        self.predicting = True
+        """Whether the order weighs :attr:`next_demand` (else it is ``lrfu``'s): the
+        ``next_step`` feature's judge turns it off where it does not read fewer bytes
+        (:mod:`vllm_specexpert.planner.residency_judge`)."""
         self._last: np.ndarray | None = None
 
     def on_routes(self, ids: np.ndarray) -> None:
@@ -155,7 +159,13 @@ class MarkovPolicy(LRFUPolicy):
 
     def keep_score(self, experts: np.ndarray) -> np.ndarray:
         """The higher, the later to go: the predicted chance of use next step, plus the
-        weighed decayed uses."""
+        weighed decayed uses (only those while not :attr:`predicting`)."""
+        if not self.predicting:
+            return self.score(experts)
+        return self.predicted_keep(experts)
+
+    def predicted_keep(self, experts: np.ndarray) -> np.ndarray:
+        """The prediction's order, whether or not it is on."""
         return self.next_demand[experts] + MARKOV_FREQUENCY_WEIGHT * self.score(experts)
 
     def sweep_demand(self) -> np.ndarray | None:

@@ -1,0 +1,62 @@
+"""The judge of a predicting residency (:mod:`vllm_specexpert.planner.residency_judge`):
+its ghosts count loads and keep by their orders, and the judgment follows the ghosts'
+recent loads, per batch bucket."""
+
+import numpy as np
+
+from vllm_specexpert.planner.residency_judge import (
+    GhostResidency,
+    ResidencyJudge,
+    ResidencyJudgeCounters,
+)
+
+
+def _mask(experts, size: int = 8) -> np.ndarray:
+    mask = np.zeros(size, dtype=bool)
+    mask[list(experts)] = True
+    return mask
+
+
+def test_a_ghost_loads_what_it_misses_and_evicts_the_lowest_kept():
+    ghost = GhostResidency(8, 4)  # (the warm start: 0-3)
+    keep = np.array([5.0, 1, 4, 2, 0, 0, 0, 0])
+    assert ghost.serve(_mask({4, 5}), keep) == 2
+    assert set(np.flatnonzero(ghost.resident)) == {0, 2, 4, 5}  # (1 and 3 kept least)
+    assert ghost.serve(_mask({0, 4}), keep) == 0
+
+
+def test_a_ghost_call_larger_than_its_slots_keeps_its_highest():
+    ghost = GhostResidency(8, 4)
+    keep = np.array([5.0, 1, 4, 2, 9, 0, 0, 0])
+    assert ghost.serve(_mask(range(6)), keep) == 2  # (4 and 5, once each)
+    assert set(np.flatnonzero(ghost.resident)) == {0, 2, 3, 4}
+
+
+def _cycle(judge: ResidencyJudge, good: bool, calls: int, batch: int = 1) -> list[bool]:
+    """Three pairs of experts in turn through four slots; the prediction keeps the next
+    pair (``good``: one load a call) or the pair just gone (two a call), plain
+    frequency by a fixed order (the higher ids). Returns each call's judgment."""
+    pairs = [{0, 1}, {2, 3}, {4, 5}]
+    counters = ResidencyJudgeCounters()
+    judged = []
+    for call in range(calls):
+        now, after, before = pairs[call % 3], pairs[(call + 1) % 3], pairs[(call - 1) % 3]
+        predicted = _mask(after if good else before).astype(float)
+        plain = np.arange(8, dtype=float)
+        judged.append(judge.serve(_mask(now), predicted, plain, batch, counters))
+    assert counters.calls_predicted == sum(judged)
+    assert counters.calls_plain == calls - sum(judged)
+    return judged
+
+
+def test_a_prediction_that_loads_fewer_is_kept_and_one_that_loads_more_is_not():
+    assert all(_cycle(ResidencyJudge(8, 4), good=True, calls=12)[6:])
+    assert not any(_cycle(ResidencyJudge(8, 4), good=False, calls=12)[6:])
+
+
+def test_the_judgment_is_per_batch_bucket():
+    judge = ResidencyJudge(8, 4)
+    assert not any(_cycle(judge, good=False, calls=12, batch=1)[6:])
+    # A bucket with no calls yet starts from equal counts: the prediction keeps on
+    # until its ghost has loaded more.
+    assert _cycle(judge, good=False, calls=1, batch=8) == [True]
