@@ -2,9 +2,11 @@
 embedded model replayed through the plugin's own engine under each ``cache`` policy
 (``fetch``, every request every step), and through MIN at the same slots (issue 76).
 
-    python benchmarks/residency_bound.py [--batches 1 8 32] [--budgets 0.25 0.5]
-                                         [--caches lru lfu lrfu] [--half-lives 2 4 8 16]
-                                         [--region-caches lru lrfu] [--horizons 1 4 16]
+    python benchmarks/residency_bound.py [--batches 1 8 32 128] [--budgets 0.25 0.5]
+                                         [--caches lru lfu lrfu markov]
+                                         [--half-lives 2 4 8 16]
+                                         [--region-caches lru lrfu markov]
+                                         [--horizons 1 4 16]
 
 Routes are recorded once (transformers, greedy, held-out prompts, ``--max-tokens`` per
 request: :func:`~vllm_specexpert.tools.trace.record_routes`); under ``fetch`` they do
@@ -18,9 +20,11 @@ the engine (tiny random weights: no timing, no link). Two bounds:
   groups);
 - ``min (pooled)``: the same on one cache of every layer's slots together.
 
-``--horizons`` also replays ``markov`` told the true routes of so many coming steps: the
-share of the gap to MIN a predictor of that reach could close (each row's share of LRU's
-gap to MIN closed is in its last column). ``--half-lives`` also
+With ``markov`` among the caches, it runs again with its prediction on at every call
+(``markov, prediction always on``): what its judge, by bytes against plain frequency,
+saves or costs. ``--horizons`` also replays ``markov`` told the true routes of so many
+coming steps: the share of the gap to MIN a predictor of that reach could close (each
+row's share of LRU's gap to MIN closed is in its last column). ``--half-lives`` also
 replays ``lrfu`` at each half-life (the constant
 ``LRFU_HALF_LIFE``, in launches of a layer), to choose it. Writes
 ``benchmarks/results/<name>.json`` and ``.md``.
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, held_out_prompts, write_result
 
 from specexpert_testbed.fixtures import DEFAULT_MODEL, model_path
+from vllm_specexpert.planner import bytes_judge
 from vllm_specexpert.tiers import eviction
 from vllm_specexpert.tools.trace import record_routes
 
@@ -76,6 +81,23 @@ def min_loads(calls, slots: dict[int, int], experts: int, pooled: bool) -> int:
         initial = list(range(slots[layer]))
         total += clairvoyant.belady_misses(sequence, [1] * len(sequence), slots[layer], initial)
     return int(total)
+
+
+@contextlib.contextmanager
+def unjudged():
+    """``markov`` with its prediction on at every call, whatever its judge finds (the
+    judge's gain: this row against ``markov``)."""
+    judge = bytes_judge.BytesJudge
+    original = judge.serve
+
+    def serve(self, *args):
+        return original(self, *args)._replace(on=True)  # (its counters as they were)
+
+    judge.serve = serve
+    try:
+        yield
+    finally:
+        judge.serve = original
 
 
 @contextlib.contextmanager
@@ -142,6 +164,9 @@ def replay(
 
     for cache in caches:
         run(cache, cache)
+    if "markov" in caches:
+        with unjudged():
+            run("markov, prediction always on", "markov")
     for cache in region_caches:
         run(f"{cache}, disk (region)", cache, disk=True)
     if predicted is not None:
@@ -196,11 +221,11 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--caches", nargs="+", default=["lru", "lfu", "lrfu", "markov"])
     parser.add_argument("--half-lives", type=float, nargs="*", default=[])
-    parser.add_argument("--region-caches", nargs="*", default=["lru", "lrfu"])
+    parser.add_argument("--region-caches", nargs="*", default=["lru", "lrfu", "markov"])
     parser.add_argument("--horizons", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--name", default="residency_bound")

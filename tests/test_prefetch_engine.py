@@ -311,6 +311,39 @@ def test_planner_combines_tokens_that_predict_the_same_expert():
     assert wanted.tolist() == [1, 2] and sorted(skipped.tolist()) == [7, 8]
 
 
+def test_on_the_disk_tier_a_prefetch_that_reads_more_than_none_stops():
+    # The judge by bytes (the disk tier's): a prefetch whose reads are used reads what
+    # the calls would have (a tie: it goes on); one never used is a read more, so after
+    # the first the layer's prefetches are decided but not submitted. The precision is
+    # left at its prior (never scored), so the judge alone stops it.
+    from vllm_specexpert.planner.bytes_judge import BytesJudge
+    from vllm_specexpert.planner.prefetch import PredictionCounters, PrefetchPlanner
+    from vllm_specexpert.predict import Prediction
+
+    def steps(predicted) -> PhaseStats:
+        loader = make_loader(random_layer(num_experts=E), num_slots=4, top_k=2)
+        planner = PrefetchPlanner(top_k=2, judge=BytesJudge(E, 4))
+        stats = PhaseStats()
+        for step in range(6):
+            used = np.array([4, 5]) + 2 * (step % 3)
+            ids = torch.tensor([predicted(used)])
+            planner.prefetch(Prediction(torch.full((1, 2), 0.5), ids), loader, stats, 1.0, False)
+            loader.begin_run(used, stats)
+            loader.acquire(used, stats)
+            planner.judge_call(loader, used[None], stats)
+        check_cache_invariants(loader, settle=True)
+        return stats
+
+    right = steps(lambda used: used.tolist())
+    assert right.prefetched == 12 and right.misses == 0
+    assert right.part(PredictionCounters).prefetch_judged_off == 0
+    wrong = steps(lambda used: [12, 13])
+    assert wrong.prefetched == 2  # (the first: nothing was judged yet)
+    counters = wrong.part(PredictionCounters)
+    assert counters.prefetch_judged_off == 5
+    assert counters.ghost_loads_prefetching > counters.ghost_loads_not_prefetching
+
+
 def test_unneeded_prefetches_that_have_not_started_are_cancelled():
     # ~100 ms per expert, on a clock that stands still until the link is waited for: 10
     # cannot start before begin_run, however long the test thread is descheduled.

@@ -154,7 +154,7 @@ def test_the_judge_turns_off_a_prediction_that_reads_more(monkeypatch):
     # A prediction that keeps the experts used least: judged from the first call, it is
     # off nearly throughout and reads within 3 % of plain frequency; kept on, it reads
     # more (1.18x on these routes).
-    from vllm_specexpert.planner.residency_judge import ResidencyJudge
+    from vllm_specexpert.planner.bytes_judge import BytesJudge
     from vllm_specexpert.tiers.eviction import MarkovPolicy
 
     routes, experts = _zipf_routes()
@@ -164,8 +164,8 @@ def test_the_judge_turns_off_a_prediction_that_reads_more(monkeypatch):
     calls = judged["calls_predicted"] + judged["calls_plain"]
     assert judged["calls_plain"] > 0.9 * calls
     assert judged["loads"] <= 1.03 * lrfu
-    serve = ResidencyJudge.serve
-    monkeypatch.setattr(ResidencyJudge, "serve", lambda self, *a: serve(self, *a) or True)
+    serve = BytesJudge.serve
+    monkeypatch.setattr(BytesJudge, "serve", lambda self, *a: serve(self, *a)._replace(on=True))
     kept_on = _decode_counts(routes, experts, "markov")["loads"]
     print(f"wrong prediction: {judged['loads']} loads judged, {kept_on} kept on, lrfu {lrfu}")
     assert kept_on > 1.1 * lrfu  # (the judgment is what kept it near lrfu)

@@ -3,13 +3,14 @@ them (``cache: markov``, :class:`~vllm_specexpert.tiers.eviction.MarkovPolicy`):
 of the ``plan`` step, after the host read and before the call loads what it misses, so
 that this call's evictions keep what its sequences' next tokens are predicted to use.
 Whether they do is judged by bytes, call by call: the prediction is on only while it
-would load fewer experts than plain frequency
-(:mod:`~vllm_specexpert.planner.residency_judge`; its counters are the layer's). A layer
+would load no more experts than plain frequency
+(:mod:`~vllm_specexpert.planner.bytes_judge`; its counters are the layer's). A layer
 whose every expert is resident evicts nothing and takes no stage."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,15 +18,37 @@ from vllm_specexpert.config.modes import CACHES
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.pipeline import DecodeCall, Stage
-from vllm_specexpert.planner.residency_judge import ResidencyJudge, ResidencyJudgeCounters
+from vllm_specexpert.planner.bytes_judge import BytesJudge
+from vllm_specexpert.stats import Counters, counter
 from vllm_specexpert.tiers.eviction import MarkovPolicy
+
+
+@dataclass
+class NextStepCounters(Counters):
+    """The judge of one layer's prediction (beside the engine's counters while ``cache:
+    markov`` runs)."""
+
+    calls_predicted: int = counter(
+        "Decode calls whose evictions kept by the residency's prediction (its ghost had "
+        "loaded no more experts than plain frequency's over the bucket's recent calls)."
+    )
+    calls_plain: int = counter(
+        "Decode calls whose evictions kept by plain frequency (lrfu's decayed uses): "
+        "the prediction's ghost had loaded more, so it was off."
+    )
+    ghost_loads_predicted: int = counter(
+        "Experts the ghost residency kept by the prediction would have loaded."
+    )
+    ghost_loads_plain: int = counter(
+        "Experts the ghost residency kept by plain frequency would have loaded."
+    )
 
 
 class NextStepFeature(EngineFeature):
     name = "next_step"
 
     def __init__(self) -> None:
-        self.judges: dict[str, ResidencyJudge] = {}
+        self.judges: dict[str, BytesJudge] = {}
         """Layer name -> its judge, made when its stages are."""
 
     @classmethod
@@ -35,16 +58,16 @@ class NextStepFeature(EngineFeature):
         return cls() if CACHES[parts.config.cache].learns_routes else None
 
     def equip(self, layer: OffloadedLayer) -> None:
-        layer.add_counters(ResidencyJudgeCounters)
+        layer.add_counters(NextStepCounters)
 
     def unequip(self, layer: OffloadedLayer) -> None:
-        layer.remove_counters(ResidencyJudgeCounters)
+        layer.remove_counters(NextStepCounters)
 
     def stages(self, layer: OffloadedLayer) -> Sequence[Stage]:
         if layer.cache.identity:
             return ()
         cache = layer.cache
-        self.judges[layer.name] = ResidencyJudge(cache.num_experts, cache.num_slots)
+        self.judges[layer.name] = BytesJudge(cache.num_experts, cache.num_slots)
         return [Stage("next_step.routes", "plan", self._routes)]
 
     def _routes(self, call: DecodeCall) -> None:
@@ -56,13 +79,15 @@ class NextStepFeature(EngineFeature):
         experts = np.arange(cache.num_experts)
         needed = np.zeros(cache.num_experts, dtype=bool)
         needed[ids.ravel()] = True
-        policy.predicting = self.judges[call.layer.name].serve(
-            needed,
-            policy.predicted_keep(experts),
-            policy.score(experts),
-            len(ids),
-            call.stats.part(ResidencyJudgeCounters),
+        judged = self.judges[call.layer.name].serve(
+            needed, policy.predicted_keep(experts), policy.score(experts), len(ids)
         )
+        policy.predicting = judged.on
+        counters = call.stats.part(NextStepCounters)
+        counters.calls_predicted += judged.on
+        counters.calls_plain += not judged.on
+        counters.ghost_loads_predicted += judged.technique_loads
+        counters.ghost_loads_plain += judged.plain_loads
 
 
 FEATURE = NextStepFeature

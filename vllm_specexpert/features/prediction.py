@@ -21,6 +21,7 @@ from vllm_specexpert.config import SpecExpertConfigError
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.pipeline import DecodeCall, Part, RouterFree, Stage
+from vllm_specexpert.planner.bytes_judge import BytesJudge
 from vllm_specexpert.planner.prefetch import PredictionCounters, PrefetchPlanner
 from vllm_specexpert.planner.switch import MeasuredSwitch
 from vllm_specexpert.predict import (
@@ -68,6 +69,9 @@ class PredictionFeature(EngineFeature):
         )
         """Whether a pass's prefetch (under the cost filter) pays, measured per batch size;
         ``None`` where every prediction is prefetched (``speculate`` runs them, ``all``)."""
+        self.judges_bytes = self.switch is not None and parts.config.disk is not None
+        """On the disk tier, where bytes bind, each layer's prefetch also runs only while
+        it reads no more than no prefetch would (:mod:`~vllm_specexpert.planner.bytes_judge`)."""
         self.prefetching = True
         """The switch's choice for the running pass."""
         self.first_index: int | None = None
@@ -110,7 +114,9 @@ class PredictionFeature(EngineFeature):
             )
 
     def equip(self, layer: OffloadedLayer) -> None:
-        self.planners[layer.name] = PrefetchPlanner(layer.top_k)
+        cache = layer.cache
+        judge = BytesJudge(cache.num_experts, cache.num_slots) if self.judges_bytes else None
+        self.planners[layer.name] = PrefetchPlanner(layer.top_k, judge)
         layer.add_counters(PredictionCounters)
         if self.first_index is None or layer.index < self.first_index:
             self.first_index = layer.index
@@ -216,6 +222,9 @@ class PredictionFeature(EngineFeature):
     def _score(self, call: DecodeCall) -> None:
         """Score this layer's prediction; the next one's prefetch starts before the kernel."""
         prediction, upcoming = call.prediction, call.upcoming
+        self.planners[call.layer.name].judge_call(
+            call.layer.loader, call.router_host_ids, call.stats
+        )
         if prediction is not None and not prediction.router_free:
             self.planners[call.layer.name].score(prediction, call.router_host_ids, call.stats)
         if upcoming is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_specexpert.planner.bytes_judge import BytesJudge
 from vllm_specexpert.predict import Prediction
 from vllm_specexpert.stats import Counters, PhaseStats, counter
 from vllm_specexpert.tiers.loader import ExpertLoader
@@ -56,6 +57,17 @@ class PredictionCounters(Counters):
         "Speculated calls that skipped the router, the estimator having predicted the "
         "layer (``router_free``); their prediction is not scored."
     )
+    prefetch_judged_off: int = counter(
+        "Prefetches for this layer not submitted because, on the disk tier, its ghost "
+        "residency with the prefetch's reads had loaded more experts than one without "
+        "(``planner.bytes_judge``)."
+    )
+    ghost_loads_prefetching: int = counter(
+        "Experts the ghost residency with every prefetch's reads would have loaded."
+    )
+    ghost_loads_not_prefetching: int = counter(
+        "Experts the ghost residency without prefetches would have loaded."
+    )
 
     @property
     def recall(self) -> float:
@@ -66,14 +78,20 @@ class PredictionCounters(Counters):
 
 
 class PrefetchPlanner:
-    """Per layer: the precision of the predictions made for it, and what to prefetch."""
+    """Per layer: the precision of the predictions made for it, and what to prefetch.
+    With a ``judge`` (the disk tier, where bytes bind), a prefetch is submitted only
+    while the layer's ghost residency with every prefetch's reads loaded no more than
+    one without: a read that is used costs nothing more, a wasted one the disk's time."""
 
-    def __init__(self, top_k: int) -> None:
+    def __init__(self, top_k: int, judge: BytesJudge | None = None) -> None:
         # Optimistic prior (one correct prediction per rank): prefetch at first, learn.
         self.correct = np.ones(top_k)
         self.total = np.ones(top_k)
         self.window_s: float | None = None
         """Running mean of the time from a prediction for this layer to its use."""
+        self.judge = judge
+        self.judged_on = True
+        """The judge's verdict at the layer's last decode call."""
 
     def prefetch(
         self,
@@ -99,9 +117,31 @@ class PrefetchPlanner:
         unread[ranked[prediction.considered]] = True
         window = self.window_s if self.window_s is not None else copy_s
         wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
-        stats.part(PredictionCounters).prefetch_skipped += int(np.count_nonzero(unread[skipped]))
+        counters = stats.part(PredictionCounters)
+        counters.prefetch_skipped += int(np.count_nonzero(unread[skipped]))
+        if self.judge is not None:
+            read = np.zeros(cache.num_experts, dtype=bool)
+            read[wanted] = True
+            self.judge.ahead(read, cache.policy.keep_rank())  # (what it reads, or would)
+            counters.prefetch_judged_off += submit and not self.judged_on
+            submit = submit and self.judged_on
         if submit:
             loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
+
+    def judge_call(self, loader: ExpertLoader, router_ids: np.ndarray, stats: PhaseStats) -> None:
+        """The layer's decode call needs ``router_ids`` (``[T, K]``): the judge's ghosts
+        serve it, and its verdict holds for the next prefetch."""
+        if self.judge is None:
+            return
+        policy = loader.cache.policy
+        needed = np.zeros(loader.cache.num_experts, dtype=bool)
+        needed[router_ids.ravel()] = True
+        keep = policy.keep_rank()
+        judged = self.judge.serve(needed, keep, keep, len(router_ids))
+        self.judged_on = judged.on
+        counters = stats.part(PredictionCounters)
+        counters.ghost_loads_prefetching += judged.technique_loads
+        counters.ghost_loads_not_prefetching += judged.plain_loads
 
     def score(self, prediction: Prediction, router_ids: np.ndarray, stats: PhaseStats) -> None:
         """The layer ran: score ``prediction`` against its router's ``router_ids``."""

@@ -46,6 +46,13 @@ class EvictionPolicy:
         """``candidates`` sorted so that the first is evicted first."""
         raise NotImplementedError
 
+    def keep_rank(self) -> np.ndarray:
+        """Every expert's place in :meth:`order` (``[E]``: the higher, the later to go)."""
+        experts = np.arange(len(self.last_used))
+        rank = np.empty(len(experts))
+        rank[self.order(experts)] = experts
+        return rank
+
 
 class LRUPolicy(EvictionPolicy):
     spec = CACHES["lru"]
@@ -137,7 +144,7 @@ class MarkovPolicy(LRFUPolicy):
         self.predicting = True
         """Whether the order weighs :attr:`next_demand` (else it is ``lrfu``'s): the
         ``next_step`` feature's judge turns it off where it does not read fewer bytes
-        (:mod:`vllm_specexpert.planner.residency_judge`)."""
+        (:mod:`vllm_specexpert.planner.bytes_judge`)."""
         self._last: np.ndarray | None = None
 
     def on_routes(self, ids: np.ndarray) -> None:
