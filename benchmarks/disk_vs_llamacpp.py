@@ -105,6 +105,17 @@ CEILING_MODE = "random substitute: nothing read, the same compute (compute ceili
 FETCH_AGAIN = "fetch, LRU, again at the end"
 """``fetch`` run first and last: the two bound the drift of the disk's rate over the
 phase (in one miniature run, modes that read the same bytes ran 1.12-1.27x apart)."""
+JUDGED = (
+    "prefetch_judged_off",
+    "ghost_loads_prefetching",
+    "ghost_loads_not_prefetching",
+    "calls_predicted",
+    "calls_plain",
+    "ghost_loads_predicted",
+    "ghost_loads_plain",
+)
+"""The judge by bytes' counters (``planner.bytes_judge``), kept per row where they exist."""
+
 MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch, LRFU": {"miss_policy": "fetch", "cache": "lrfu", "predictor": "none"},
@@ -124,6 +135,12 @@ MODES = {
         "miss_policy": "fetch",
         "cache": "lru",
         "predictor": "estimator",
+    },
+    "fetch + estimator prefetch, ungoverned": {
+        "miss_policy": "fetch",
+        "cache": "lru",
+        "predictor": "estimator",
+        "prefetch_governor": False,
     },
     "stream, LRU": {
         "miss_policy": "stream",
@@ -1005,6 +1022,8 @@ def plugin_run(llm, batch: int) -> dict:
         "breakdown_s_per_decode_token": breakdown(stats, decode_s, made, scheduler_s, draft_s),
         "prefetched_per_decode_token": d["prefetched"] / n,
         "prefetch_used_per_decode_token": d["prefetch_used"] / n,
+        # (the judge by bytes, where it runs: its counts over this run's decode calls)
+        "judged_by_bytes": {key: d[key] for key in JUDGED if key in d},
         **checks(stats["disk"], first + decode_s),
         "disk_gbps_while_waited": stats["disk"].get("waited_gbps", float("nan")),
         "disk_gbps_while_reading": stats["disk"].get("busy_gbps", float("nan")),

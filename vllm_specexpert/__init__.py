@@ -77,7 +77,8 @@ its floor::
                         draft's routes), governor (the draft length per step),
                         early_fire (rows sent to mesh peers ahead of the router),
                         measured (costs per choice), switch (a technique on where
-                        it pays, measured)
+                        it pays, measured), bytes_judge (a technique on while its
+                        ghost residency reads no more than plain frequency's)
      4  stats_writers   the threads that write the stats file and the /metrics snapshot
      6  schedule/       vLLM adapter in the scheduler: scheduler (fails the requests
                         whose experts could not be read), token_scheduler, grouping

@@ -177,9 +177,10 @@ class SpecExpertConfig:
     prefetch_governor: bool = True
     """Prefetch only in the batch sizes where prefetching pays, as measured: per
     batch-size bucket, the wall time per decode token of passes that prefetch and of
-    passes that do not (each tried again every 2048 decode tokens). ``false``: prefetch
-    at every pass. Not under ``speculate`` (it runs what it prefetched) or
-    ``prefetch_filter: all``."""
+    passes that do not (each tried again every 2048 decode tokens); on the disk tier also
+    only while a layer's prefetches read no more than none would (judged by bytes from
+    the first call: ``planner.bytes_judge``). ``false``: prefetch at every pass. Not
+    under ``speculate`` (it runs what it prefetched) or ``prefetch_filter: all``."""
 
     calibration: Directory | None = None
     """Directory written by ``specexpert calibrate`` for this model (default vectors,
