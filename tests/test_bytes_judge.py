@@ -66,3 +66,14 @@ def test_a_prefetch_read_that_is_used_ties_and_one_that_is_not_loses():
         unused.ahead(_mask({5 - step}), keep)  # (never asked for)
         judged = unused.serve(_mask({6, 7}), keep, keep, 1)
     assert not judged.on and judged.technique_loads > judged.plain_loads
+
+
+def test_a_technique_that_ties_again_comes_back_once_its_excess_left_the_window():
+    from vllm_specexpert.planner.bytes_judge import JUDGE_WINDOW
+
+    keep = np.arange(8, dtype=float)
+    judge = BytesJudge(8, 4)
+    judge.ahead(_mask({5}), keep)  # (a wasted read)
+    assert not judge.serve(_mask({6, 7}), keep, keep, 1).on
+    verdicts = [judge.serve(_mask({6, 7}), keep, keep, 1).on for _ in range(JUDGE_WINDOW)]
+    assert verdicts == [False] * (JUDGE_WINDOW - 1) + [True]

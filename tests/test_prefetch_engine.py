@@ -1,6 +1,8 @@
 """Prediction, prefetch and speculative execution in the engine, without vLLM: a two-layer
 toy model whose layers route with softmax top-k over a random gate."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -314,8 +316,9 @@ def test_planner_combines_tokens_that_predict_the_same_expert():
 def test_on_the_disk_tier_a_prefetch_that_reads_more_than_none_stops():
     # The judge by bytes (the disk tier's): a prefetch whose reads are used reads what
     # the calls would have (a tie: it goes on); one never used is a read more, so after
-    # the first the layer's prefetches are decided but not submitted. The precision is
-    # left at its prior (never scored), so the judge alone stops it.
+    # the first the layer is predicted no more (as the prediction feature asks the
+    # planner). The precision is left at its prior (never scored): the judge alone stops
+    # it.
     from vllm_specexpert.planner.bytes_judge import BytesJudge
     from vllm_specexpert.planner.prefetch import PredictionCounters, PrefetchPlanner
     from vllm_specexpert.predict import Prediction
@@ -326,8 +329,10 @@ def test_on_the_disk_tier_a_prefetch_that_reads_more_than_none_stops():
         stats = PhaseStats()
         for step in range(6):
             used = np.array([4, 5]) + 2 * (step % 3)
-            ids = torch.tensor([predicted(used)])
-            planner.prefetch(Prediction(torch.full((1, 2), 0.5), ids), loader, stats, 1.0, False)
+            if planner.predicts:
+                ids = torch.tensor([predicted(used)])
+                prediction = Prediction(torch.full((1, 2), 0.5), ids)
+                planner.prefetch(prediction, loader, stats, 1.0, False)
             loader.begin_run(used, stats)
             loader.acquire(used, stats)
             planner.judge_call(loader, used[None], stats)
@@ -340,8 +345,31 @@ def test_on_the_disk_tier_a_prefetch_that_reads_more_than_none_stops():
     wrong = steps(lambda used: [12, 13])
     assert wrong.prefetched == 2  # (the first: nothing was judged yet)
     counters = wrong.part(PredictionCounters)
-    assert counters.prefetch_judged_off == 5
+    assert counters.prefetch_judged_off == 6  # (the verdict after each call)
     assert counters.ghost_loads_prefetching > counters.ghost_loads_not_prefetching
+
+
+def test_a_layer_judged_off_by_bytes_is_not_predicted(make_engine, toy):
+    # The feature asks the next layer's planner before predicting it: judged off, the
+    # router predictor's work for it is not done, and nothing is read ahead for it.
+    from vllm_specexpert.features.prediction import PredictionFeature
+    from vllm_specexpert.planner.bytes_judge import BytesJudge
+
+    engine = make_engine(budget=0.25, predictor="router", prefetch_governor=False)
+    engine.start()
+    planner = engine.feature(PredictionFeature).planners[NAMES[1]]
+    planner.judge = BytesJudge(E, engine.layers[NAMES[1]].cache.num_slots)  # (the disk's)
+    counts = []
+    for s in range(12):
+        step(engine, toy, tokens(2, s))
+        stats = decode_stats(engine)[NAMES[1]]
+        counts.append((planner.judged_on, stats["predicted"], stats["prefetched"]))
+    off = [index for index, (on, _, _) in enumerate(counts) if not on]
+    assert off, counts  # (the toy's predictions miss: some of its reads are wasted)
+    for before, after in itertools.pairwise(off):
+        if after == before + 1:  # a call after an off verdict: nothing predicted or read
+            assert counts[after][1:] == counts[before][1:], counts
+    engine.close()
 
 
 def test_unneeded_prefetches_that_have_not_started_are_cancelled():

@@ -209,6 +209,8 @@ class PredictionFeature(EngineFeature):
         routing = self.next_routing.get(layer.name)
         if layer.next_name is None or routing is None:
             return
+        if not self.planners[layer.next_name].predicts:
+            return  # (judged off by bytes: no prefetch to make it for)
         # Made now, on the device, so that its ids come to the host in the same read as
         # the router's.
         state = LayerState(call.x, call.run_ids, call.run_weights)

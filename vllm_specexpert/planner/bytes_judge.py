@@ -2,7 +2,8 @@
 bytes: each of the layer's decode calls replayed, as they come, through two ghost
 residencies of its slots, one with the technique (a prediction's eviction order, a
 prefetch's reads) and one by plain frequency alone; the technique runs only while its
-ghost loaded no more experts over the recent calls of the batch-size bucket (issue 76).
+ghost loaded no more experts over the batch-size bucket's last :data:`JUDGE_WINDOW`
+calls (issue 76).
 
 A counterfactual replay, not an alternation: nothing is paid to find out and no clock is
 read, so the judgment holds from the first call. A tie keeps the technique: a
@@ -19,15 +20,17 @@ loads compare as bytes.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 
 from vllm_specexpert.planner.measured import bucket
 
-JUDGE_HALF_LIFE = 32.0
-"""Decode calls of a bucket after which a ghost's load counts half: the technique is
-judged on about the last hundred steps, so a change of workload turns it off or on."""
+JUDGE_WINDOW = 64
+"""Decode calls of a bucket the judgment counts: a window, not a decay, so that a
+technique which at best ties (a prefetch) comes back on once its excess has left it
+(under a decay an old excess would shrink but never end)."""
 
 
 class GhostResidency:
@@ -72,11 +75,12 @@ class BytesJudge:
     def __init__(self, num_experts: int, num_slots: int) -> None:
         self.technique = GhostResidency(num_experts, num_slots)
         self.plain = GhostResidency(num_experts, num_slots)
-        self.recent: dict[int, np.ndarray] = {}
-        """Batch bucket -> decayed ghost loads, ``[technique, plain]``."""
+        self.recent: dict[int, deque[tuple[int, int]]] = {}
+        """Batch bucket -> its last calls' ghost loads, ``(technique, plain)``."""
+        self.totals: dict[int, np.ndarray] = {}
+        """Batch bucket -> the sums of :attr:`recent`."""
         self._ahead = 0
         """Loads of the technique's reads ahead of the coming call."""
-        self._decay = float(np.exp2(-1.0 / JUDGE_HALF_LIFE))
 
     def ahead(self, experts: np.ndarray, keep: np.ndarray) -> None:
         """The technique reads ``experts`` (``bool [E]``) before the coming call (a
@@ -91,7 +95,11 @@ class BytesJudge:
         technique = self._ahead + self.technique.serve(needed, technique_keep)
         plain = self.plain.serve(needed, plain_keep)
         self._ahead = 0
-        recent = self.recent.setdefault(bucket(batch), np.zeros(2))
-        recent *= self._decay
-        recent += (technique, plain)
-        return Judgment(bool(recent[0] <= recent[1]), technique, plain)
+        key = bucket(batch)
+        recent = self.recent.setdefault(key, deque())
+        totals = self.totals.setdefault(key, np.zeros(2, dtype=np.int64))
+        recent.append((technique, plain))
+        totals += (technique, plain)
+        if len(recent) > JUDGE_WINDOW:
+            totals -= recent.popleft()
+        return Judgment(bool(totals[0] <= totals[1]), technique, plain)

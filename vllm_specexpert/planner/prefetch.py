@@ -58,9 +58,9 @@ class PredictionCounters(Counters):
         "layer (``router_free``); their prediction is not scored."
     )
     prefetch_judged_off: int = counter(
-        "Prefetches for this layer not submitted because, on the disk tier, its ghost "
-        "residency with the prefetch's reads had loaded more experts than one without "
-        "(``planner.bytes_judge``)."
+        "Decode calls of this layer without a prefetch because, on the disk tier, its "
+        "ghost residency with the prefetches' reads had loaded more experts than one "
+        "without (``planner.bytes_judge``; the prediction for it is not made then)."
     )
     ghost_loads_prefetching: int = counter(
         "Experts the ghost residency with every prefetch's reads would have loaded."
@@ -79,9 +79,12 @@ class PredictionCounters(Counters):
 
 class PrefetchPlanner:
     """Per layer: the precision of the predictions made for it, and what to prefetch.
-    With a ``judge`` (the disk tier, where bytes bind), a prefetch is submitted only
-    while the layer's ghost residency with every prefetch's reads loaded no more than
-    one without: a read that is used costs nothing more, a wasted one the disk's time."""
+    With a ``judge`` (the disk tier, where bytes bind), a prefetch is made only while
+    the layer's ghost residency with the prefetches' reads loaded no more than one
+    without: a read that is used costs nothing more, a wasted one the disk's time.
+    Judged off, no prediction is made for the layer (:attr:`predicts`), so the judge's
+    window fills with the calls as they ran and the prefetch is tried again once its
+    excess has left it (a probe about every ``JUDGE_WINDOW`` calls)."""
 
     def __init__(self, top_k: int, judge: BytesJudge | None = None) -> None:
         # Optimistic prior (one correct prediction per rank): prefetch at first, learn.
@@ -123,10 +126,13 @@ class PrefetchPlanner:
             read = np.zeros(cache.num_experts, dtype=bool)
             read[wanted] = True
             self.judge.ahead(read, cache.policy.keep_rank())  # (what it reads, or would)
-            counters.prefetch_judged_off += submit and not self.judged_on
-            submit = submit and self.judged_on
         if submit:
             loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
+
+    @property
+    def predicts(self) -> bool:
+        """Whether a prediction for the layer's next call is wanted (module doc)."""
+        return self.judge is None or self.judged_on
 
     def judge_call(self, loader: ExpertLoader, router_ids: np.ndarray, stats: PhaseStats) -> None:
         """The layer's decode call needs ``router_ids`` (``[T, K]``): the judge's ghosts
@@ -142,6 +148,7 @@ class PrefetchPlanner:
         counters = stats.part(PredictionCounters)
         counters.ghost_loads_prefetching += judged.technique_loads
         counters.ghost_loads_not_prefetching += judged.plain_loads
+        counters.prefetch_judged_off += not judged.on
 
     def score(self, prediction: Prediction, router_ids: np.ndarray, stats: PhaseStats) -> None:
         """The layer ran: score ``prediction`` against its router's ``router_ids``."""
