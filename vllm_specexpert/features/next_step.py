@@ -18,7 +18,7 @@ from vllm_specexpert.config.modes import CACHES
 from vllm_specexpert.features.base import EngineFeature, EngineParts, Inputs
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.pipeline import DecodeCall, Stage
-from vllm_specexpert.planner.bytes_judge import BytesJudge
+from vllm_specexpert.planner.bytes_judge import BytesJudge, needed_of
 from vllm_specexpert.stats import Counters, counter
 from vllm_specexpert.tiers.eviction import MarkovPolicy
 
@@ -30,7 +30,7 @@ class NextStepCounters(Counters):
 
     calls_predicted: int = counter(
         "Decode calls whose evictions kept by the residency's prediction (its ghost had "
-        "loaded no more experts than plain frequency's over the bucket's recent calls)."
+        "loaded no more experts than plain frequency's over the bucket's last 64 calls)."
     )
     calls_plain: int = counter(
         "Decode calls whose evictions kept by plain frequency (lrfu's decayed uses): "
@@ -77,10 +77,11 @@ class NextStepFeature(EngineFeature):
         ids = call.router_host_ids
         policy.on_routes(ids)
         experts = np.arange(cache.num_experts)
-        needed = np.zeros(cache.num_experts, dtype=bool)
-        needed[ids.ravel()] = True
         judged = self.judges[call.layer.name].serve(
-            needed, policy.predicted_keep(experts), policy.score(experts), len(ids)
+            needed_of(ids, cache.num_experts),
+            policy.predicted_keep(experts),
+            policy.score(experts),
+            len(ids),
         )
         policy.predicting = judged.on
         counters = call.stats.part(NextStepCounters)

@@ -33,6 +33,13 @@ technique which at best ties (a prefetch) comes back on once its excess has left
 (under a decay an old excess would shrink but never end)."""
 
 
+def needed_of(router_ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """``bool [E]``: the experts a call's routes (``[T, K]``) use."""
+    needed = np.zeros(num_experts, dtype=bool)
+    needed[router_ids.ravel()] = True
+    return needed
+
+
 class GhostResidency:
     """Which experts a layer's ``num_slots`` slots would hold under one order, starting
     from the engine's warm start (the first ``num_slots`` experts)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_specexpert.planner.bytes_judge import BytesJudge
+from vllm_specexpert.planner.bytes_judge import BytesJudge, needed_of
 from vllm_specexpert.predict import Prediction
 from vllm_specexpert.stats import Counters, PhaseStats, counter
 from vllm_specexpert.tiers.loader import ExpertLoader
@@ -122,10 +122,8 @@ class PrefetchPlanner:
         wanted, skipped = self.plan(ranked, worth_threshold(copy_s, window))
         counters = stats.part(PredictionCounters)
         counters.prefetch_skipped += int(np.count_nonzero(unread[skipped]))
-        if self.judge is not None:
-            read = np.zeros(cache.num_experts, dtype=bool)
-            read[wanted] = True
-            self.judge.ahead(read, cache.policy.keep_rank())  # (what it reads, or would)
+        if self.judge is not None:  # (what it reads, or would: the time switch's off passes)
+            self.judge.ahead(needed_of(wanted, cache.num_experts), cache.policy.keep_rank())
         if submit:
             loader.prefetch(wanted, stats, likelihood=self.likelihood(ranked, cache.num_experts))
 
@@ -139,10 +137,8 @@ class PrefetchPlanner:
         serve it, and its verdict holds for the next prefetch."""
         if self.judge is None:
             return
-        policy = loader.cache.policy
-        needed = np.zeros(loader.cache.num_experts, dtype=bool)
-        needed[router_ids.ravel()] = True
-        keep = policy.keep_rank()
+        needed = needed_of(router_ids, loader.cache.num_experts)
+        keep = loader.cache.policy.keep_rank()
         judged = self.judge.serve(needed, keep, keep, len(router_ids))
         self.judged_on = judged.on
         counters = stats.part(PredictionCounters)
