@@ -357,7 +357,8 @@ def test_a_layer_judged_off_by_bytes_is_not_predicted(make_engine, toy):
 
     engine = make_engine(budget=0.25, predictor="router", prefetch_governor=False)
     engine.start()
-    planner = engine.feature(PredictionFeature).planners[NAMES[1]]
+    feature = engine.feature(PredictionFeature)
+    planner = feature.planners[NAMES[1]]
     planner.judge = BytesJudge(E, engine.layers[NAMES[1]].cache.num_slots)  # (the disk's)
     counts = []
     for s in range(12):

@@ -131,12 +131,16 @@ def _zipf_routes(steps: int = 200, layers: int = 2, experts: int = 16, top_k: in
     return [np.array(drawn)], experts
 
 
-def _decode_counts(routes, experts: int, cache: str) -> dict:
+def _replayed(routes, experts: int, cache: str) -> dict:
+    """The engine's stats after replaying ``routes`` at budget 0.25."""
     cache_bound = residency_bound.cache_bound
     schedule = cache_bound.schedule_all(len(routes), routes[0].shape[0])
     believed = cache_bound.true_sets(routes, experts)
-    stats = cache_bound.engine_replay(schedule, routes, believed, cache, 0.25, experts)
-    return stats["total"]["decode"]
+    return cache_bound.engine_replay(schedule, routes, believed, cache, 0.25, experts)
+
+
+def _decode_counts(routes, experts: int, cache: str) -> dict:
+    return _replayed(routes, experts, cache)["total"]["decode"]
 
 
 def test_the_judge_keeps_a_prediction_that_reads_fewer_bytes():
@@ -160,7 +164,9 @@ def test_the_judge_turns_off_a_prediction_that_reads_more(monkeypatch):
     routes, experts = _zipf_routes()
     lrfu = _decode_counts(routes, experts, "lrfu")["loads"]
     monkeypatch.setattr(MarkovPolicy, "predicted_keep", lambda self, e: -self.score(e))
-    judged = _decode_counts(routes, experts, "markov")
+    stats = _replayed(routes, experts, "markov")
+    assert stats["next_step"] == {"layers_predicting": 0, "layers_plain": 2}  # (says so)
+    judged = stats["total"]["decode"]
     calls = judged["calls_predicted"] + judged["calls_plain"]
     assert judged["calls_plain"] > 0.9 * calls
     assert judged["loads"] <= 1.03 * lrfu

@@ -50,12 +50,19 @@ class NextStepFeature(EngineFeature):
     def __init__(self) -> None:
         self.judges: dict[str, BytesJudge] = {}
         """Layer name -> its judge, made when its stages are."""
+        self.verdicts: dict[str, bool] = {}
+        """Layer name -> whether its prediction was on at its last decode call."""
 
     @classmethod
     def build(
         cls, parts: EngineParts, inputs: Inputs, built: list[EngineFeature]
     ) -> EngineFeature | None:
         return cls() if CACHES[parts.config.cache].learns_routes else None
+
+    def stats(self) -> dict | None:
+        """How many layers keep by the prediction now, and how many by plain frequency."""
+        on = sum(self.verdicts.values())
+        return {"layers_predicting": on, "layers_plain": len(self.verdicts) - on}
 
     def equip(self, layer: OffloadedLayer) -> None:
         layer.add_counters(NextStepCounters)
@@ -83,7 +90,7 @@ class NextStepFeature(EngineFeature):
             policy.score(experts),
             len(ids),
         )
-        policy.predicting = judged.on
+        policy.predicting = self.verdicts[call.layer.name] = judged.on
         counters = call.stats.part(NextStepCounters)
         counters.calls_predicted += judged.on
         counters.calls_plain += not judged.on

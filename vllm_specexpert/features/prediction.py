@@ -125,10 +125,14 @@ class PredictionFeature(EngineFeature):
         layer.remove_counters(PredictionCounters)
 
     def stats(self) -> dict | None:
-        """The prefetch switch's choice now and its measurements per batch bucket."""
+        """The prefetch switch's choice now and its measurements per batch bucket; on the
+        disk tier, how many layers' prefetches the judge by bytes holds off now."""
         if self.switch is None:
             return None
-        return {"prefetching": self.prefetching, "prefetch_switch": self.switch.stats()}
+        stats = {"prefetching": self.prefetching, "prefetch_switch": self.switch.stats()}
+        if self.judges_bytes:
+            stats["layers_judged_off"] = sum(not p.predicts for p in self.planners.values())
+        return stats
 
     def series(self) -> list[Series]:
         """``specexpert_prefetch_seconds_per_token{batch, prefetch}``: the switch's
