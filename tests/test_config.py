@@ -65,6 +65,9 @@ def test_absent_key_means_inert():
         ({"disk": {"path": "/p", "direct": "yes"}}, "disk.direct"),
         ({"disk": {"path": "/p", "direct": 1}}, "disk.direct"),
         ({"disk": {"path": "/p", "direct": "false"}}, "disk.direct"),
+        ({"disk": {"path": "/p", "read_ahead_rows": -1}}, "disk.read_ahead_rows"),
+        ({"disk": {"path": "/p", "read_ahead_rows": "8"}}, "disk.read_ahead_rows"),
+        ({"disk": {"path": "/p", "read_ahead_rows": "max"}}, "disk.read_ahead_rows"),
         ({"budget": "auto "}, "budget"),  # (as "0.25 " is: a string is read as written)
         ({"budget": " 12GiB"}, "budget"),
         ({"disk": {"path": "/tmp/a\0b"}}, "disk.path"),
@@ -386,6 +389,13 @@ def test_a_section_given_keeps_the_settings_read_at_start_it_does_not_name():
     remeshed = meshed.changed({"mesh": {"timeout_ms": 100}})
     assert (remeshed.mesh.peers, remeshed.mesh.mode) == (3, "sync")
     check_switch(meshed, remeshed)
+    packed = SpecExpertConfig.from_dict({"disk": {"path": "/p", "queue_depth": 8}})
+    ahead = packed.changed({"disk": {"read_ahead_rows": 6}})
+    assert (ahead.disk.path, ahead.disk.queue_depth, ahead.disk.read_ahead_rows) == ("/p", 8, 6)
+    check_switch(packed, ahead)  # (the split is made again at every rebuild)
+    with pytest.raises(SpecExpertConfigError, match=r"only disk\.read_ahead_rows") as refused:
+        check_switch(packed, packed.changed({"disk": {"queue_depth": 2}}))
+    assert refused.value.field_name == "disk"
     # Other settings of a section given take their defaults, as before.
     linked = SpecExpertConfig.from_dict({"link": {"bandwidth_gbps": 10, "latency_us": 5}})
     assert linked.changed({"link": {"bandwidth_gbps": 20}}).link.latency_us == 0

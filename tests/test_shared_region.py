@@ -90,6 +90,7 @@ from vllm_specexpert.config import SpecExpertConfig  # noqa: E402
 from vllm_specexpert.engine import OffloadEngine  # noqa: E402
 from vllm_specexpert.layer_call import LayerCall  # noqa: E402
 from vllm_specexpert.phases import PassPhases  # noqa: E402
+from vllm_specexpert.read_ahead import reserved_rows  # noqa: E402
 from vllm_specexpert.tiers.disk import Disk  # noqa: E402
 from vllm_specexpert.tiers.expert_pack import ExpertPack  # noqa: E402
 from vllm_specexpert.tiers.kernel_form import KernelForm  # noqa: E402
@@ -105,22 +106,39 @@ SWEEP = 32
 
 
 @pytest.mark.parametrize(
-    ("slots", "layers", "need", "own", "rows"),
+    ("slots", "layers", "need", "ahead", "own", "rows"),
     [
-        (34, 8, 512, 29, 40),  # the issue's miniature: (8*34 - 64) / 7 = 29.7
-        (16, 8, 1024, 9, 56),
-        (16, 8, 32, 12, 32),  # calls of at most 32 experts: the region holds 32
-        (16, 8, 4, 16, 0),  # batch 1: the own slots hold a call's experts
-        (4, 8, 256, 4, 0),  # top_k a layer leaves nothing to share
-        (16, 1, 999, 16, 0),  # one layer: nothing to share with
+        (34, 8, 512, 0, 29, 40),  # the issue's miniature: (8*34 - 64) / 7 = 29.7
+        (34, 8, 512, 8, 28, 48),  # 8 rows ahead: (8*34 - 64 - 8) / 7 = 28.6
+        (16, 8, 1024, 0, 9, 56),
+        (16, 8, 32, 0, 12, 32),  # calls of at most 32 experts: the region holds 32
+        (16, 8, 32, 4, 11, 40),  # and 4 ahead: (8*16 - 32 - 4) / 8 = 11.5
+        (16, 8, 4, 0, 16, 0),  # batch 1: the own slots hold a call's experts
+        (4, 8, 256, 0, 4, 0),  # top_k a layer leaves nothing to share
+        (16, 1, 999, 0, 16, 0),  # one layer: nothing to share with
     ],
 )
-def test_the_budget_splits_into_own_slots_and_one_region(slots, layers, need, own, rows):
-    split = region_split(slots, layers, 64, 4, need)
+def test_the_budget_splits_into_own_slots_and_one_region(slots, layers, need, ahead, own, rows):
+    split = region_split(slots, layers, 64, 4, need, ahead)
     assert (split.own, split.rows) == (own, rows)
-    if rows:  # the same memory, and a call needing min(need, 64) misses at most `rows`
-        assert layers * split.own + split.rows <= layers * slots
-        assert min(need, 64 - split.own) <= split.rows
+    if rows:  # the same memory, and a call needing min(need, 64) misses at most `rows`,
+        assert layers * split.own + split.rows <= layers * slots  # with `ahead` to spare
+        assert min(need, 64 - split.own) + ahead <= split.rows
+
+
+@pytest.mark.parametrize(
+    ("setting", "seqs", "rows"),
+    [
+        ("auto", 256, 16),  # 256 * 4 / 64
+        ("auto", 100, 7),  # rounded up
+        ("auto", 4096, 64),  # never more than a layer's experts
+        (5, 256, 5),
+        ("auto", 8, 0),  # 32 experts of 64 at most: no sweep, nothing is read ahead
+        (5, 8, 0),
+    ],
+)
+def test_the_rows_kept_for_reads_ahead(setting, seqs, rows):
+    assert reserved_rows(setting, seqs, 4, 64) == rows
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +156,18 @@ def pack(tmp_path_factory) -> ExpertPack:
 
 @pytest.fixture
 def engine_on(pack):
-    """``engine_on(config, max_num_seqs)``: an engine reading :data:`LAYERS` from the
-    pack on disk (the slots residency), with vLLM's ``max_num_seqs``; closed after."""
+    """``engine_on(config, max_num_seqs, read_ahead_rows)``: an engine reading
+    :data:`LAYERS` from the pack on disk (the slots residency), with vLLM's
+    ``max_num_seqs``, keeping no rows for reads ahead unless told; closed after."""
     made = []
 
-    def make(config: dict, max_num_seqs: int = SWEEP) -> OffloadEngine:
+    def make(
+        config: dict, max_num_seqs: int = SWEEP, read_ahead_rows: int | str = 0
+    ) -> OffloadEngine:
+        disk = {"path": str(pack.path), "read_ahead_rows": read_ahead_rows}
         engine = OffloadEngine(
-            SpecExpertConfig.from_dict({"quality": None, **config}), torch.device("cpu")
+            SpecExpertConfig.from_dict({"quality": None, "disk": disk, **config}),
+            torch.device("cpu"),
         )
         made.append(engine)
         engine.budget.sizing.moe_layers = len(NAMES)
@@ -403,6 +426,56 @@ def test_the_next_layers_reads_run_beside_a_launch_and_never_into_its_rows(engin
     for _ in range(2):
         step(one)
     assert read_ahead()[0] == read_after_sweeps
+
+
+def test_rows_kept_ahead_read_the_next_layers_missing_experts_beside_each_launch(engine_on):
+    # Issue 74 (2): at budget 0.5 with 3 rows asked for reads ahead, each layer keeps
+    # (4*8 - 16 - 3) // 3 = 4 own slots and the region 16 rows, 4 more than a sweep
+    # misses. In a step of sweeps, once a layer's experts have landed, the following
+    # layer's 4 first missing experts are read into the spare rows while its launch
+    # computes (the kernel here sees them in flight), so that layer reads 8 on demand;
+    # the first layer, after none, reads its 12. Each missing expert is read once, every
+    # read ahead is used, and a launch reads only its own layer's experts. Without rows
+    # kept (0: one spare, by rounding) one is read ahead a call.
+    for asked, own, ahead in ((3, 4, 4), (0, 5, 1)):
+        engine = engine_on({"budget": 0.5}, read_ahead_rows=asked)
+        for name, next_name in itertools.pairwise(NAMES):
+            engine.link_layers(name, next_name)
+        assert [la.cache.num_slots for la in engine.layers.values()] == [own] * 4
+        assert engine.layers[NAMES[0]].cache.pool.region_rows == E - own + ahead
+        assert f"{ahead} more than a call needing every expert misses" in engine.summary()
+        in_flight_at_launch: list[int] = []
+
+        def seeing_kernel(*args, engine=engine, seen=in_flight_at_launch, **kwargs):
+            seen.append(sum(len(la.loader.reads_ahead) for la in engine.layers.values()))
+            for layer in engine.layers.values():
+                for transfer in list(layer.loader.reads_ahead.values()):
+                    transfer.done.wait()  # (landed: a read into this launch's rows shows)
+            return slot_kernel(*args, **kwargs)
+
+        disk = engine.store.tier("disk")
+        routings = [sweep_routing(50 + i) for i in range(len(NAMES))]
+        for step in range(4):
+            in_flight_at_launch.clear()
+            reads, before = disk.stats.reads, [counted(engine, n) for n in NAMES]
+            for name, (x, w, ids) in zip(NAMES, routings, strict=True):
+                phases = PassPhases.decode_only(x.shape[0])
+                out = engine.run_call(LayerCall(name, seeing_kernel, x, w, ids, phases))
+                assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[name].values())), name
+            if step == 0:  # (no following layer has a last demand yet)
+                continue
+            assert in_flight_at_launch == [ahead] * 3 + [0], asked
+            if step == 1:  # (the rows still hold what the warm start left)
+                continue
+            after = [counted(engine, n) for n in NAMES]
+            loads = [a["loads"] - b["loads"] for a, b in zip(after, before, strict=True)]
+            assert loads == [E - own] * 4, (asked, loads)  # (a read ahead counts in its layer)
+            assert disk.stats.reads - reads == 4 * (E - own)  # each missing one once
+        decode = [engine.stats()["layers"][n]["decode"] for n in NAMES]
+        assert [d["read_ahead"] for d in decode] == [0] + [3 * ahead] * 3, asked
+        assert sum(d["read_ahead_unused"] for d in decode) == 0
+        rows = engine.stats()["read_ahead_rows"]
+        assert rows["kept"] == ahead and rows["hidden"] > 0  # (measured: its value varies)
 
 
 def test_a_budget_too_small_for_a_sweep_says_token_groups_and_stays_exact(engine_on):

@@ -35,7 +35,7 @@ from vllm_specexpert.layer_checks import check_layers
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.policy import MissPolicy
-from vllm_specexpert.read_ahead import RegionReadAhead
+from vllm_specexpert.read_ahead import RegionReadAhead, reserved_rows
 from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
@@ -222,12 +222,20 @@ class OffloadEngine:
             or sizing.max_num_seqs == 0
         ):
             return slots, None
+        disk = self.config.disk  # (None: a disk tier the caller added, at the defaults)
+        ahead = reserved_rows(
+            disk.read_ahead_rows if disk is not None else "auto",
+            sizing.max_num_seqs,
+            layer.top_k,
+            experts.num_experts,
+        )
         split = region_split(
             slots,
             sizing.moe_layers,
             experts.num_experts,
             layer.top_k,
             sizing.max_num_seqs * layer.top_k,
+            ahead,
         )
         widest = max(math.prod(shape) for shape, _ in experts.slot_shapes.values())
         reach = layer.pool_reach

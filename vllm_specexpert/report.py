@@ -71,6 +71,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "layer_index": {n: la.index for n, la in layers.items()},
             "slots_per_layer": {n: la.cache.num_slots for n, la in layers.items()},
             "region_rows_per_layer": {n: la.cache.pool.region_rows for n, la in layers.items()},
+            "read_ahead_rows": read_ahead_rows(engine),
             "resident_per_layer": {n: la.cache.num_resident() for n, la in layers.items()},
             "experts_per_layer": {n: la.cache.num_experts for n, la in layers.items()},
             "expert_bytes": {n: la.cache.experts.expert_nbytes for n, la in layers.items()},
@@ -97,6 +98,28 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "layers": {name: s.to_dict() for name, s in per_layer.items()},
             **feature_stats(engine),
         }
+
+
+def read_ahead_rows(engine: ReportedEngine) -> dict[str, Any] | None:
+    """The shared region's rows a call needing every expert leaves for the following
+    layer's reads ahead (``kept``), and how many a decode launch's compute would hide at
+    the disk's rate as measured (``hidden``: kernel seconds per decode launch times the
+    disk's GB/s while busy, in experts; ``None`` before both are measured): where
+    ``hidden`` is well above ``kept``, a larger ``disk.read_ahead_rows`` keeps the disk
+    busier. ``None`` without a region."""
+    with_region = [la for la in engine.layers.values() if la.cache.pool.region_rows]
+    if not with_region:
+        return None
+    cache = with_region[0].cache
+    kept = cache.pool.region_rows - (cache.num_experts - cache.num_slots)
+    decode = LayerStats.sum(la.stats for la in with_region).decode
+    disk = next((t.stats_dict() for t in engine.store.tiers if t.name == "disk"), {})
+    rate = disk.get("busy_gbps", 0.0) * 1e9
+    hidden = None
+    if decode.kernel_calls and rate:
+        launch_s = decode.kernel_s / decode.kernel_calls
+        hidden = launch_s * rate / cache.experts.expert_nbytes
+    return {"kept": kept, "hidden": hidden}
 
 
 def feature_stats(engine: ReportedEngine) -> dict[str, Any]:
@@ -188,6 +211,12 @@ def summary(engine: ReportedEngine) -> str:
             "cover (any layer's demand loads take them: a call's experts run in one "
             "launch, each read once)"
         )
+        kept = read_ahead_rows(engine)
+        if kept is not None and kept["kept"] > 0:
+            residency += (
+                f", {kept['kept']} more than a call needing every expert misses (the next "
+                "layer's reads while a launch computes)"
+            )
         reach = {la.cache.num_slots + la.cache.pool.region_rows for la in layers}
         if min(reach) < min(la.cache.num_experts for la in layers):
             residency += (

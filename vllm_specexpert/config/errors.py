@@ -37,7 +37,9 @@ def config_error(
     """The first of pydantic's errors for ``cls`` (whose nested sections are
     ``sections``: key -> class) as one :class:`SpecExpertConfigError`."""
     first = error.errors(include_url=False)[0]
-    loc = tuple(part for part in first["loc"] if isinstance(part, str))  # no list indices
+    # No list indices, and no union member's tag ("constrained-int", "literal['auto']":
+    # not names), which pydantic puts after the field a union's value failed.
+    loc = tuple(part for part in first["loc"] if isinstance(part, str) and part.isidentifier())
     field_name = ".".join(loc) or ADDITIONAL_CONFIG_KEY
     owner = sections[loc[-2]] if len(loc) > 1 and loc[-2] in sections else cls
     kind, value = first["type"], first.get("input")

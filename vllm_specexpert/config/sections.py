@@ -192,12 +192,14 @@ class BuddyConfig:
 
 
 SETTINGS_READ_AT_START = {
+    "disk": ("path", "queue_depth", "direct", "residency", "host_cache"),
     "lookahead": ("k_max", "draft_budget", "draft_cache"),
     "mesh": ("ray_address", "peers", "placement", "hot_count"),
 }
-"""Settings of a section read when the engine starts (vLLM's speculative decoding and
-the draft, the peers and their shards are built then): ``reconfigure`` cannot change
-them, and a section it is given without them keeps the running ones."""
+"""Settings of a section read when the engine starts (the pack and its reader, vLLM's
+speculative decoding and the draft, the peers and their shards are built then):
+``reconfigure`` cannot change them, and a section it is given without them keeps the
+running ones."""
 
 
 @dataclass(config=STRICT)
@@ -280,6 +282,16 @@ class DiskConfig:
     faster in the 4 GB miniature); a predictor's prefetch reads the predicted experts'
     pages ahead (``MADV_WILLNEED``). Where the filesystem or kernel refuses the mapping,
     the slots are used and the start line says so."""
+
+    read_ahead_rows: Annotated[Count, Field(ge=0, le=65536)] | Literal["auto"] = "auto"
+    """Rows of the shared region (CPU build, slots residency, where a batch may need every
+    expert of a layer) kept beside the experts a call needing all of them misses: while a
+    layer's launch computes, the following layer's experts are read into them, so that
+    the disk does not idle. Each costs every layer ``1 / (layers - 1)`` of an own slot.
+    ``"auto"``: as many as one such launch's compute hides at the disk's rate, estimated
+    as ``max_num_seqs * top_k / 64`` (the kernel's FLOP/s over the disk's bytes/s, about
+    64 where measured; stats ``read_ahead_rows.hidden`` gives this machine's). Can change
+    at run time. Range: an integer in [0, 65536], or "auto"."""
 
     host_cache: float | int | str | None = None
     """The pinned host memory between the disk and the device slots, on CUDA: written as

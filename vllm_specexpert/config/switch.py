@@ -30,10 +30,11 @@ def check_switch(current: SpecExpertConfig, config: SpecExpertConfig) -> None:
                 "is read when the engine starts and cannot change at run time",
                 f"start a new engine with the new '{name}'",
             )
-    if config.disk != current.disk:
+    if _changed_at_start(current.disk, config.disk, "disk"):
         raise SpecExpertConfigError(
             "disk",
-            "the pack is opened and checked when the engine starts",
+            "the pack is opened and checked when the engine starts; only "
+            "disk.read_ahead_rows can change at run time",
             "start a new engine with the new 'disk'",
         )
     if _changed_at_start(current.mesh, config.mesh, "mesh"):

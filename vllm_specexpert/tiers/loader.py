@@ -160,9 +160,9 @@ class ExpertLoader:
         if len(experts):
             self._load_ahead(experts, self._take_slots(len(experts), experts, stats), stats)
 
-    def read_ahead(self, experts: np.ndarray, stats: PhaseStats, count: int) -> int:
-        """Queue reads of up to ``count`` of ``experts`` (distinct, in file order: what the
-        layer's next call is expected to need) that are not resident, into the slots and
+    def read_ahead(self, experts: np.ndarray, stats: PhaseStats) -> int:
+        """Queue reads of those of ``experts`` (distinct, in file order: what the layer's
+        next call is expected to need) that are not resident, as many as fit the slots and
         shared rows its demand loads would take, none of ``experts`` and none in use (the
         running call's, another layer's). Unlike a prefetch they may take a shared
         region's rows: the next call waits for them, or, not needing them, its start
@@ -170,7 +170,7 @@ class ExpertLoader:
         Returns how many reads were queued."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
-        missing = missing[: min(count, cache.pool.room(cache, experts))]
+        missing = missing[: cache.pool.room(cache, experts)]
         if not len(missing):
             return 0
         slots = self._take_slots(len(missing), experts, stats, shared=True)
