@@ -102,6 +102,9 @@ ARTIFACTS = {
 start (the modes below switch what uses them)."""
 
 CEILING_MODE = "random substitute: nothing read, the same compute (compute ceiling)"
+NO_ROWS_AHEAD = "fetch, LRFU, no rows kept for reads ahead"
+"""``fetch`` with ``disk.read_ahead_rows`` 0 (what a split leaves by rounding only), beside
+the default's rows kept for the following layer's reads while a launch computes."""
 FETCH_AGAIN = "fetch, LRU, again at the end"
 """``fetch`` run first and last: the two bound the drift of the disk's rate over the
 phase (in one miniature run, modes that read the same bytes ran 1.12-1.27x apart)."""
@@ -120,6 +123,12 @@ MODES = {
     "fetch, LRU": {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch, LRFU": {"miss_policy": "fetch", "cache": "lrfu", "predictor": "none"},
     "fetch, Markov": {"miss_policy": "fetch", "cache": "markov", "predictor": "none"},
+    NO_ROWS_AHEAD: {
+        "miss_policy": "fetch",
+        "cache": "lrfu",
+        "predictor": "none",
+        "disk": {"read_ahead_rows": 0},
+    },
     "fetch + router prefetch (cost filter)": {
         "miss_policy": "fetch",
         "cache": "lru",
@@ -160,6 +169,12 @@ MODES = {
         "quality": None,  # (the ceiling: never switched to exact by the default budget)
     },
     FETCH_AGAIN: {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
+    f"{NO_ROWS_AHEAD}, again at the end": {
+        "miss_policy": "fetch",
+        "cache": "lrfu",
+        "predictor": "none",
+        "disk": {"read_ahead_rows": 0},
+    },
 }
 """The plugin phase's modes, in one engine by ``reconfigure``; the last two are no
 technique: the compute ceiling, then ``fetch`` again (:data:`FETCH_AGAIN`). The ceiling:
@@ -574,7 +589,9 @@ def phase_plugin(args, work: Path) -> dict:
     budgets: dict = {}
     for mode in (m for m in MODES if not args.modes or m in args.modes):
         try:
-            vllm_specexpert.reconfigure(llm, budget=budget, **MODES[mode])
+            # (disk settings a mode does not name go back to their defaults)
+            change = {"disk": {"read_ahead_rows": "auto"}, **MODES[mode]}
+            vllm_specexpert.reconfigure(llm, budget=budget, **change)
         except SpecExpertConfigError as error:  # (said at start, never mid-generation)
             results[mode] = {"refused": str(error)}
             print(f"plugin {mode}: refused: {error}", flush=True)
@@ -1037,6 +1054,8 @@ def plugin_run(llm, batch: int) -> dict:
         "page_cache_growth_gb_full_run": window.cached / 1e9,
         **window.cgroup,
         "disk": stats["disk"],
+        # (the shared region's rows kept for reads ahead, and what a launch's compute hid)
+        "read_ahead_rows": stats.get("read_ahead_rows"),
         **memory(),
         "memory_now": beyond_cache(stats, Path(stats["disk"]["path"])),
     }

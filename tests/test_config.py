@@ -493,6 +493,9 @@ def test_a_budget_too_large_for_any_memory_is_one_short_error(budget, shown):
         ({"not_a_key": 2**64}, "not_a_key"),
         ({"stats_interval_s": -1}, "stats_interval_s"),
         ({"disk": {"path": "/p", "queue_depth": "4"}}, "disk.queue_depth"),
+        # (a section without the settings read at start keeps the running ones: only
+        # what it names is checked)
+        ({"disk": {"read_ahead_rows": -1}}, "disk.read_ahead_rows"),
     ],
 )
 def test_reconfigures_values_are_checked_before_they_are_sent(changes, field):

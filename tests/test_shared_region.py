@@ -353,6 +353,14 @@ def test_a_reconfigure_makes_the_region_again_for_the_new_budget(engine_on):
     assert torch.equal(
         call(engine, name, x, w, ids), reference_moe(x, w, ids, *LAYERS[name].values())
     )
+    # The rows kept for reads ahead change at run time too: (4*12 - 16 - 3) // 3 = 9.
+    SpecExpertConfig.check_changes({"disk": {"read_ahead_rows": 3}})  # (as sent: the path kept)
+    engine.reconfigure(engine.config.changed({"disk": {"read_ahead_rows": 3}}))
+    assert [la.cache.num_slots for la in engine.layers.values()] == [9] * 4
+    assert engine.stats()["read_ahead_rows"]["kept"] == 3 + 2  # (and 2 by rounding: 48 - 4*9)
+    assert torch.equal(
+        call(engine, name, x, w, ids), reference_moe(x, w, ids, *LAYERS[name].values())
+    )
 
 
 def test_a_prefetch_never_loads_into_a_row_another_layer_may_take(engine_on):

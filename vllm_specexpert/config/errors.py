@@ -32,11 +32,12 @@ class SpecExpertUnsupportedError(ValueError):
 
 
 def config_error(
-    error: ValidationError, cls: type, sections: dict[str, type]
+    error: ValidationError, cls: type, sections: dict[str, type], index: int = 0
 ) -> SpecExpertConfigError:
     """The first of pydantic's errors for ``cls`` (whose nested sections are
-    ``sections``: key -> class) as one :class:`SpecExpertConfigError`."""
-    first = error.errors(include_url=False)[0]
+    ``sections``: key -> class; ``index``: another of them) as one
+    :class:`SpecExpertConfigError`."""
+    first = error.errors(include_url=False)[index]
     # No list indices, and no union member's tag ("constrained-int", "literal['auto']":
     # not names), which pydantic puts after the field a union's value failed.
     loc = tuple(part for part in first["loc"] if isinstance(part, str) and part.isidentifier())

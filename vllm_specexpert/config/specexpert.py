@@ -381,8 +381,9 @@ class SpecExpertConfig:
             try:
                 cls(**{key: value})
             except ValidationError as error:
-                if error.errors()[0]["loc"][:1] == (key,):
-                    raise config_error(error, cls, SECTIONS) from None
+                refused = [i for i, e in enumerate(error.errors()) if _refused_alone(e, key)]
+                if refused:
+                    raise config_error(error, cls, SECTIONS, refused[0]) from None
             except TypeError:
                 pass  # (a section given as something else: the workers say so)
 
@@ -477,6 +478,16 @@ class SpecExpertConfig:
         """Whether ``budget`` gives the slots by itself (a fraction or a count), not
         from the model's bytes or the memory (a size, ``auto``)."""
         return not isinstance(self.budget, str)
+
+
+def _refused_alone(error: Any, key: str) -> bool:
+    """Whether pydantic's ``error`` of ``{key: value}`` alone refuses ``reconfigure``'s
+    change of ``key``: not a setting read at start left out of the section (the running
+    one is kept, :meth:`SpecExpertConfig.changed`: ``disk={"read_ahead_rows": 8}``)."""
+    loc = error["loc"]
+    kept = SETTINGS_READ_AT_START.get(key, ())
+    left_out = error["type"] == "missing" and len(loc) > 1 and loc[1] in kept
+    return loc[:1] == (key,) and not left_out
 
 
 def _refuse_huge_ints(raw: dict[str, Any]) -> None:
