@@ -7,6 +7,7 @@ import itertools
 import re
 import resource
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,14 +84,16 @@ def test_a_region_needs_a_row():
 
 # ------------------------------------------------------------- under the engine
 
+from manual_clock import ManualClock  # noqa: E402
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel  # noqa: E402
 
+from vllm_specexpert import engine as engine_module  # noqa: E402
 from vllm_specexpert.budget_plan import region_split  # noqa: E402
 from vllm_specexpert.config import SpecExpertConfig  # noqa: E402
 from vllm_specexpert.engine import OffloadEngine  # noqa: E402
 from vllm_specexpert.layer_call import LayerCall  # noqa: E402
 from vllm_specexpert.phases import PassPhases  # noqa: E402
-from vllm_specexpert.read_ahead import reserved_rows  # noqa: E402
+from vllm_specexpert.read_ahead import PROBE_EXPERTS, launch_reads, reserved_rows  # noqa: E402
 from vllm_specexpert.tiers.disk import Disk  # noqa: E402
 from vllm_specexpert.tiers.expert_pack import ExpertPack  # noqa: E402
 from vllm_specexpert.tiers.kernel_form import KernelForm  # noqa: E402
@@ -484,6 +487,52 @@ def test_rows_kept_ahead_read_the_next_layers_missing_experts_beside_each_launch
         assert sum(d["read_ahead_unused"] for d in decode) == 0
         rows = engine.stats()["read_ahead_rows"]
         assert rows["kept"] == ahead and rows["hidden"] > 0  # (measured: its value varies)
+
+
+def test_auto_keeps_the_reads_a_probed_launch_hides(engine_on, monkeypatch):
+    # disk.read_ahead_rows "auto": PROBE_EXPERTS experts read from the pack into scratch
+    # rows, then the kernel on each one's share of a launch of max_num_seqs tokens
+    # (32 * 4 / 16 = 8 tokens each), both timed (here by a clock the test moves: a read
+    # of the 4 takes 1 ms, a launch on them 3 ms, each the best of two). A launch on all
+    # 16 experts then computes 16 * 3 / 1 = 48 expert reads' time; a layer has 16.
+    engine = engine_on({"budget": 0.5}, read_ahead_rows=0)
+    layer = engine.layers[NAMES[1]]
+    clock = ManualClock()
+    launches = []
+
+    class TimedSource:  # (the pack's layer, its reads taking 1 ms, then 2 ms)
+        def __init__(self, source):
+            self.source, self.num_experts, self.slot_shapes = (
+                source,
+                source.num_experts,
+                source.slot_shapes,
+            )
+
+        def copy_into(self, experts, slots, destinations):
+            self.source.copy_into(experts, slots, destinations)
+            clock.advance(0.001 * (1 + len(launches)))
+
+    def kernel(x, weights, ids, tensors):
+        launches.append((x.shape, ids[:, 0].tolist(), {k: t.clone() for k, t in tensors.items()}))
+        clock.advance(0.003)
+        return torch.zeros_like(x)
+
+    probed = SimpleNamespace(host_kernel=kernel, experts=TimedSource(layer.experts), top_k=K)
+    assert launch_reads(probed, SWEEP, 64, clock) == pytest.approx(16 * 0.003 / 0.001)
+    (shape, ids, read), _ = launches
+    assert shape == (PROBE_EXPERTS * 8, 64) and sorted(ids) == sorted(list(range(4)) * 8)
+    for name, tensor in read.items():  # the experts the pack holds, read into the rows
+        assert torch.equal(tensor, LAYERS[NAMES[1]][name][:PROBE_EXPERTS]), name
+    assert launch_reads(SimpleNamespace(host_kernel=None, experts=None), SWEEP, 64) is None
+    assert launch_reads(probed, SWEEP, 0) is None  # (no hidden size: not under vLLM)
+    # The engine keeps what the probe found (once, for every layer and rebuild), 5.2 -> 6.
+    probes = []
+    monkeypatch.setattr(engine_module, "launch_reads", lambda *a: probes.append(a) or 5.2)
+    auto = engine_on({"budget": 0.5}, read_ahead_rows="auto")  # (32 - 16 - 6) // 3 = 3
+    assert [la.cache.num_slots for la in auto.layers.values()] == [4] * 4  # (top_k at least)
+    assert auto.stats()["read_ahead_rows"]["probed"] == 5.2 and len(probes) == 1
+    auto.reconfigure(auto.config.changed({"budget": 0.75}))  # (48 - 16 - 6) // 3 = 8
+    assert [la.cache.num_slots for la in auto.layers.values()] == [8] * 4 and len(probes) == 1
 
 
 def test_a_budget_too_small_for_a_sweep_says_token_groups_and_stays_exact(engine_on):

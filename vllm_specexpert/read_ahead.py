@@ -19,35 +19,90 @@ reading the prompt's experts).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Literal
 
+import numpy as np
+import torch
+
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.pipeline import DecodeCall, Stage
+from vllm_specexpert.tiers.disk_reader import aligned_empty
 
 SWEEP_SHARE = 0.75
 """The share of a layer's experts a call needs for its next call to be read ahead."""
 
 READ_AHEAD_FLOPS_PER_BYTE = 64
-"""The expert kernel's FLOP/s over the disk's bytes/s, modeled: ``disk.read_ahead_rows:
-"auto"`` keeps ``max_num_seqs * top_k / READ_AHEAD_FLOPS_PER_BYTE`` rows for reads ahead.
-A bf16 expert's bytes are its FLOPs per token (2 of each a weight), so a launch of ``n``
-tokens' ``top_k`` experts computes as long as ``n * top_k / ratio`` experts take to read.
-On the issue-74 machines: 140-190 GFLOP/s against 2-2.8 GB/s (docs/benchmarks.md); the
-stats' ``read_ahead_rows.hidden`` is the count measured as the engine runs."""
+"""The expert kernel's FLOP/s over the disk's bytes/s, modeled, where no probe can run
+(:func:`launch_reads`: an engine without vLLM's hidden size). A bf16 expert's bytes are
+its FLOPs per token (2 of each a weight), so a launch of ``n`` tokens' ``top_k`` experts
+computes as long as ``n * top_k / ratio`` experts take to read. Measured: 47 GFLOP/s
+against 2.8 GB/s on an AVX2 machine (17), 140-190 against 2-2.8 on AVX-512 ones (60-75,
+docs/benchmarks.md)."""
+
+PROBE_EXPERTS = 4
+"""Experts a probe reads (at the reader's queue depth) and computes, each timed at its
+best of two rounds."""
 
 
 def reserved_rows(
-    setting: int | Literal["auto"], max_num_seqs: int, top_k: int, num_experts: int
+    setting: int | Literal["auto"],
+    max_num_seqs: int,
+    top_k: int,
+    num_experts: int,
+    measured: Callable[[], float | None] = lambda: None,
 ) -> int:
     """The rows a layer's shared region keeps for reads ahead (``disk.read_ahead_rows``):
     none where no call of ``max_num_seqs`` sequences needs :data:`SWEEP_SHARE` of the
-    experts (nothing is read ahead there)."""
+    experts (nothing is read ahead there); ``"auto"``: the experts the disk reads while
+    such a launch computes, ``measured()`` (:func:`launch_reads`), else modeled by
+    :data:`READ_AHEAD_FLOPS_PER_BYTE`; at most the layer's experts."""
     if min(max_num_seqs * top_k, num_experts) < SWEEP_SHARE * num_experts:
         return 0
     if setting != "auto":
         return setting
-    return min(math.ceil(max_num_seqs * top_k / READ_AHEAD_FLOPS_PER_BYTE), num_experts)
+    reads = measured()
+    if reads is None:
+        reads = max_num_seqs * top_k / READ_AHEAD_FLOPS_PER_BYTE
+    return min(math.ceil(reads), num_experts)
+
+
+def launch_reads(
+    layer: OffloadedLayer,
+    max_num_seqs: int,
+    hidden_size: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float | None:
+    """How many of ``layer``'s experts the disk reads while its kernel computes a launch of
+    ``max_num_seqs`` tokens needing every expert, measured now: :data:`PROBE_EXPERTS`
+    experts read from the slow tier into scratch rows, then the layer's kernel on them
+    with each one's share of such a launch (``max_num_seqs * top_k / E`` tokens). ``None``
+    where the layer's kernel cannot run here (no host kernel: CUDA) or the hidden size is
+    unknown."""
+    kernel, experts = layer.host_kernel, layer.experts
+    if kernel is None or hidden_size <= 0:
+        return None
+    count = min(PROBE_EXPERTS, experts.num_experts)
+    rows = np.arange(count)
+    scratch = {
+        name: aligned_empty((count, *shape), dtype)
+        for name, (shape, dtype) in experts.slot_shapes.items()
+    }
+    dtype = next(iter(experts.slot_shapes.values()))[1]
+    tokens = max(1, math.ceil(max_num_seqs * layer.top_k / experts.num_experts)) * count
+    x = torch.randn(tokens, hidden_size, dtype=dtype)
+    weights = torch.ones(tokens, 1, dtype=torch.float32)
+    ids = torch.from_numpy(np.arange(tokens, dtype=np.int32) % count)[:, None]
+    read_s = kernel_s = math.inf
+    for _ in range(2):
+        started = clock()
+        experts.copy_into(rows, rows, scratch)
+        read_s = min(read_s, clock() - started)
+        started = clock()
+        kernel(x, weights, ids, scratch)
+        kernel_s = min(kernel_s, clock() - started)
+    return experts.num_experts * kernel_s / read_s
 
 
 class RegionReadAhead:

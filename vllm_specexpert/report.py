@@ -42,6 +42,7 @@ class ReportedEngine(Protocol):
     features: list[EngineFeature]
     budget: BudgetPlan
     region_refused: str | None
+    probed_launch_reads: float | None
 
     @property
     def output(self) -> str: ...
@@ -102,11 +103,13 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
 
 def read_ahead_rows(engine: ReportedEngine) -> dict[str, Any] | None:
     """The shared region's rows a call needing every expert leaves for the following
-    layer's reads ahead (``kept``), and how many a decode launch's compute would hide at
-    the disk's rate as measured (``hidden``: kernel seconds per decode launch times the
+    layer's reads ahead (``kept``), how many a launch of ``max_num_seqs`` tokens hid in
+    the probe at start (``probed``: ``disk.read_ahead_rows: "auto"`` keeps that many;
+    ``None``: not probed), and how many a decode launch's compute would hide at the
+    disk's rate as measured since (``hidden``: kernel seconds per decode launch times the
     disk's GB/s while busy, in experts; ``None`` before both are measured): where
-    ``hidden`` is well above ``kept``, a larger ``disk.read_ahead_rows`` keeps the disk
-    busier. ``None`` without a region."""
+    ``hidden`` at the largest batch is well above ``kept``, a larger
+    ``disk.read_ahead_rows`` keeps the disk busier. ``None`` without a region."""
     with_region = [la for la in engine.layers.values() if la.cache.pool.region_rows]
     if not with_region:
         return None
@@ -119,7 +122,7 @@ def read_ahead_rows(engine: ReportedEngine) -> dict[str, Any] | None:
     if decode.kernel_calls and rate:
         launch_s = decode.kernel_s / decode.kernel_calls
         hidden = launch_s * rate / cache.experts.expert_nbytes
-    return {"kept": kept, "hidden": hidden}
+    return {"kept": kept, "probed": engine.probed_launch_reads, "hidden": hidden}
 
 
 def feature_stats(engine: ReportedEngine) -> dict[str, Any]:

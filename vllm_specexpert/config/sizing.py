@@ -155,6 +155,9 @@ class SizingSettings:
     block_size: int = 0
     """Tokens per block of vLLM's KV cache (0: none; a size given to vLLM holds whole
     blocks)."""
+    hidden_size: int = 0
+    """The model's hidden size: a probe launch of the expert kernel takes tokens of it
+    (0: unknown, no probe)."""
     draft_slot_bytes: int = 0
     """:attr:`ModelShapes.draft_slot_bytes`, counted per MoE layer as the model builds."""
     draft_int4_bytes: int = 0

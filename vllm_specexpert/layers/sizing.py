@@ -38,6 +38,7 @@ def sizing_settings(vllm_config: Any) -> SizingSettings:
         max_model_len=model.max_model_len,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         block_size=cache.block_size or 0,
+        hidden_size=model.get_hidden_size(),
     )
 
 
