@@ -170,6 +170,12 @@ MODES = {
     },
     FETCH_AGAIN: {"miss_policy": "fetch", "cache": "lru", "predictor": "none"},
     "fetch, LRFU, again at the end": {"miss_policy": "fetch", "cache": "lrfu", "predictor": "none"},
+    "fetch, LRFU, 32 rows kept for reads ahead": {
+        "miss_policy": "fetch",
+        "cache": "lrfu",
+        "predictor": "none",
+        "disk": {"read_ahead_rows": 32},
+    },
     f"{NO_ROWS_AHEAD}, again at the end": {
         "miss_policy": "fetch",
         "cache": "lrfu",

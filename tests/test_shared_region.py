@@ -6,6 +6,7 @@ import gc
 import itertools
 import re
 import resource
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,7 +85,6 @@ def test_a_region_needs_a_row():
 
 # ------------------------------------------------------------- under the engine
 
-from manual_clock import ManualClock  # noqa: E402
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel  # noqa: E402
 
 from vllm_specexpert import engine as engine_module  # noqa: E402
@@ -93,7 +93,12 @@ from vllm_specexpert.config import SpecExpertConfig  # noqa: E402
 from vllm_specexpert.engine import OffloadEngine  # noqa: E402
 from vllm_specexpert.layer_call import LayerCall  # noqa: E402
 from vllm_specexpert.phases import PassPhases  # noqa: E402
-from vllm_specexpert.read_ahead import PROBE_EXPERTS, launch_reads, reserved_rows  # noqa: E402
+from vllm_specexpert.read_ahead import (  # noqa: E402
+    PROBE_EXPERTS,
+    LaunchProbe,
+    probe_launch,
+    reserved_rows,
+)
 from vllm_specexpert.tiers.disk import Disk  # noqa: E402
 from vllm_specexpert.tiers.expert_pack import ExpertPack  # noqa: E402
 from vllm_specexpert.tiers.kernel_form import KernelForm  # noqa: E402
@@ -489,16 +494,51 @@ def test_rows_kept_ahead_read_the_next_layers_missing_experts_beside_each_launch
         assert rows["kept"] == ahead and rows["hidden"] > 0  # (measured: its value varies)
 
 
+class ThreadClock:
+    """Seconds that pass by :meth:`advance`, each thread's own: a read timed in its
+    thread and launches timed in another do not see each other's seconds."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def __call__(self) -> float:
+        return getattr(self.local, "time", 0.0)
+
+    def advance(self, seconds: float) -> None:
+        self.local.time = self() + seconds
+
+
+@pytest.mark.parametrize(
+    ("kernel_beside_s", "read_beside_s", "rows"),
+    [
+        # The kernel on 4 experts' shares takes 3 ms, their read 1 ms. A launch on all 16
+        # then computes 12 ms; beside reads untouched, it hides 16 * 3 / 1 = 48 reads.
+        (0.003, 0.001, 48.0),
+        # Reads beside it at half the speed: 24 reads; the kernel stretched by a third:
+        # 16 ms hide 32 reads of 0.5 ms beside it (32 * 0.25 ms alone * 6/7 saved against 4).
+        (0.003, 0.002, 24.0),
+        (0.004, 0.002, 32.0),
+        # Stretched as much as the reads it hides take alone (a kernel that fills the
+        # cores, the reads' checksums taking them): no row pays.
+        (0.006, 0.004, 0.0),
+    ],
+)
+def test_the_rows_a_probed_launch_is_worth(kernel_beside_s, read_beside_s, rows):
+    probe = LaunchProbe(4, 0.001, read_beside_s, 0.003, kernel_beside_s)
+    assert probe.rows(16, 8) == pytest.approx(rows)
+    assert LaunchProbe(4, 0.001, 0.001, 0.003, 0.003).rows(16, 2) == 0.0  # (a row: an own slot)
+
+
 def test_auto_keeps_the_reads_a_probed_launch_hides(engine_on, monkeypatch):
     # disk.read_ahead_rows "auto": PROBE_EXPERTS experts read from the pack into scratch
     # rows, then the kernel on each one's share of a launch of max_num_seqs tokens
-    # (32 * 4 / 16 = 8 tokens each), both timed (here by a clock the test moves: a read
-    # of the 4 takes 1 ms, a launch on them 3 ms, each the best of two). A launch on all
-    # 16 experts then computes 16 * 3 / 1 = 48 expert reads' time; a layer has 16.
+    # (32 * 4 / 16 = 8 tokens each), both timed alone (here by a clock the test moves: a
+    # read of the 4 takes 1 ms, a launch on them 3 ms, each the best of two), then at
+    # once: the reads in a thread while the kernel runs here, timed each.
     engine = engine_on({"budget": 0.5}, read_ahead_rows=0)
     layer = engine.layers[NAMES[1]]
-    clock = ManualClock()
-    launches = []
+    clock = ThreadClock()
+    launches, beside = [], threading.Event()
 
     class TimedSource:  # (the pack's layer, its reads taking 1 ms, then 2 ms)
         def __init__(self, source):
@@ -510,27 +550,43 @@ def test_auto_keeps_the_reads_a_probed_launch_hides(engine_on, monkeypatch):
 
         def copy_into(self, experts, slots, destinations):
             self.source.copy_into(experts, slots, destinations)
-            clock.advance(0.001 * (1 + len(launches)))
+            if len(launches) < 2:
+                clock.advance(0.001 * (1 + len(launches)))
+                return
+            beside.wait()  # (the third read: beside launches, until two ran)
+            clock.advance(0.004)
 
     def kernel(x, weights, ids, tensors):
         launches.append((x.shape, ids[:, 0].tolist(), {k: t.clone() for k, t in tensors.items()}))
-        clock.advance(0.003)
+        clock.advance(0.003 if len(launches) <= 2 else 0.005)
+        if len(launches) == 4:
+            beside.set()
         return torch.zeros_like(x)
 
     probed = SimpleNamespace(host_kernel=kernel, experts=TimedSource(layer.experts), top_k=K)
-    assert launch_reads(probed, SWEEP, 64, clock) == pytest.approx(16 * 0.003 / 0.001)
-    (shape, ids, read), _ = launches
+    probe = probe_launch(probed, SWEEP, 64, clock)
+    assert (probe.count, probe.read_s, probe.kernel_s) == (PROBE_EXPERTS, 0.001, 0.003)
+    assert probe.kernel_beside_s == pytest.approx(0.005) and probe.read_beside_s == 0.004
+    assert len(launches) >= 4  # (launches beside the reads until they end)
+    shape, ids, read = launches[0]
     assert shape == (PROBE_EXPERTS * 8, 64) and sorted(ids) == sorted(list(range(4)) * 8)
     for name, tensor in read.items():  # the experts the pack holds, read into the rows
         assert torch.equal(tensor, LAYERS[NAMES[1]][name][:PROBE_EXPERTS]), name
-    assert launch_reads(SimpleNamespace(host_kernel=None, experts=None), SWEEP, 64) is None
-    assert launch_reads(probed, SWEEP, 0) is None  # (no hidden size: not under vLLM)
-    # The engine keeps what the probe found (once, for every layer and rebuild), 5.2 -> 6.
+    assert probe_launch(SimpleNamespace(host_kernel=None, experts=None), SWEEP, 64) is None
+    assert probe_launch(probed, SWEEP, 0) is None  # (no hidden size: not under vLLM)
+    # The engine keeps what the probe found worth it (probed once, for every layer and
+    # rebuild): 5.2 rows -> 6.
     probes = []
-    monkeypatch.setattr(engine_module, "launch_reads", lambda *a: probes.append(a) or 5.2)
+
+    class Worth(LaunchProbe):
+        def rows(self, num_experts: int, layers: int) -> float:
+            return 5.2
+
+    worth = Worth(PROBE_EXPERTS, 0.001, 0.001, 0.003, 0.003)
+    monkeypatch.setattr(engine_module, "probe_launch", lambda *a: probes.append(a) or worth)
     auto = engine_on({"budget": 0.5}, read_ahead_rows="auto")  # (32 - 16 - 6) // 3 = 3
     assert [la.cache.num_slots for la in auto.layers.values()] == [4] * 4  # (top_k at least)
-    assert auto.stats()["read_ahead_rows"]["probed"] == 5.2 and len(probes) == 1
+    assert len(probes) == 1 and auto.stats()["read_ahead_rows"]["probe"]["kernel_s"] == 0.003
     auto.reconfigure(auto.config.changed({"budget": 0.75}))  # (48 - 16 - 6) // 3 = 8
     assert [la.cache.num_slots for la in auto.layers.values()] == [8] * 4 and len(probes) == 1
 

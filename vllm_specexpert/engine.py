@@ -35,7 +35,7 @@ from vllm_specexpert.layer_checks import check_layers
 from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.log import init_logger
 from vllm_specexpert.policy import MissPolicy
-from vllm_specexpert.read_ahead import RegionReadAhead, launch_reads, reserved_rows
+from vllm_specexpert.read_ahead import LaunchProbe, RegionReadAhead, probe_launch, reserved_rows
 from vllm_specexpert.stats_writers import Reporter
 from vllm_specexpert.tiers.host import HostKernel
 from vllm_specexpert.tiers.link import make_link
@@ -89,9 +89,9 @@ class OffloadEngine:
         rows and slot shapes (:meth:`_region_for`); ``region_refused``: why none could be
         made."""
         self.region_refused: str | None = None
-        self.probed_launch_reads: float | None = None
-        """Experts the disk reads while a launch of ``max_num_seqs`` tokens computes,
-        probed at the first region (``disk.read_ahead_rows: "auto"``)."""
+        self.launch_probe: LaunchProbe | None = None
+        """A launch of ``max_num_seqs`` tokens and reads beside it, probed at the first
+        region (``disk.read_ahead_rows: "auto"``)."""
         self._select(config)
         self._build_features()
 
@@ -261,12 +261,14 @@ class OffloadEngine:
         return split.own, region
 
     def _launch_reads(self, layer: OffloadedLayer) -> float | None:
-        """:func:`~vllm_specexpert.read_ahead.launch_reads`, probed once (the first region
-        made) and kept for every layer and rebuild."""
-        if self.probed_launch_reads is None:
-            sizing = self.budget.sizing
-            self.probed_launch_reads = launch_reads(layer, sizing.max_num_seqs, sizing.hidden_size)
-        return self.probed_launch_reads
+        """The reads worth keeping rows for (:meth:`LaunchProbe.rows`), probed once (the
+        first region made) and kept for every layer and rebuild."""
+        sizing = self.budget.sizing
+        if self.launch_probe is None:
+            self.launch_probe = probe_launch(layer, sizing.max_num_seqs, sizing.hidden_size)
+        if self.launch_probe is None:
+            return None
+        return self.launch_probe.rows(layer.experts.num_experts, sizing.moe_layers)
 
     def slot_bytes_held(self) -> int:
         """The memory of the layers' slots, each layer's own and each shared region's rows

@@ -19,8 +19,10 @@ reading the prompt's experts).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -35,7 +37,7 @@ SWEEP_SHARE = 0.75
 
 READ_AHEAD_FLOPS_PER_BYTE = 64
 """The expert kernel's FLOP/s over the disk's bytes/s, modeled, where no probe can run
-(:func:`launch_reads`: an engine without vLLM's hidden size). A bf16 expert's bytes are
+(:func:`probe_launch`: an engine without vLLM's hidden size). A bf16 expert's bytes are
 its FLOPs per token (2 of each a weight), so a launch of ``n`` tokens' ``top_k`` experts
 computes as long as ``n * top_k / ratio`` experts take to read. Measured: 47 GFLOP/s
 against 2.8 GB/s on an AVX2 machine (17), 140-190 against 2-2.8 on AVX-512 ones (60-75,
@@ -55,8 +57,8 @@ def reserved_rows(
 ) -> int:
     """The rows a layer's shared region keeps for reads ahead (``disk.read_ahead_rows``):
     none where no call of ``max_num_seqs`` sequences needs :data:`SWEEP_SHARE` of the
-    experts (nothing is read ahead there); ``"auto"``: the experts the disk reads while
-    such a launch computes, ``measured()`` (:func:`launch_reads`), else modeled by
+    experts (nothing is read ahead there); ``"auto"``: those worth keeping,
+    ``measured()`` (:meth:`LaunchProbe.rows`), else modeled by
     :data:`READ_AHEAD_FLOPS_PER_BYTE`; at most the layer's experts."""
     if min(max_num_seqs * top_k, num_experts) < SWEEP_SHARE * num_experts:
         return 0
@@ -68,41 +70,79 @@ def reserved_rows(
     return min(math.ceil(reads), num_experts)
 
 
-def launch_reads(
+@dataclass(frozen=True)
+class LaunchProbe:
+    """What :func:`probe_launch` timed, in seconds: ``count`` experts read alone and beside
+    the kernel, and the kernel on their shares of a launch alone and beside the reads."""
+
+    count: int
+    read_s: float
+    read_beside_s: float
+    kernel_s: float
+    kernel_beside_s: float
+
+    def rows(self, num_experts: int, layers: int) -> float:
+        """The reads a launch on all ``num_experts`` experts hides (stretched as the
+        kernel is beside reads), where hiding them saves more time than the stretch and
+        the rows' own cost (each row kept takes ``1 / (layers - 1)`` of an own slot from
+        every layer: as many more reads a layer); else 0. On a machine whose cores the
+        kernel fills, the reads' checksums slow it by about what they hide."""
+        launch = num_experts / self.count * self.kernel_s
+        stretched = launch * self.kernel_beside_s / self.kernel_s
+        read, read_beside = self.read_s / self.count, self.read_beside_s / self.count
+        hidden = stretched / read_beside
+        saved = hidden * read * (1 - 1 / max(layers - 1, 1)) - (stretched - launch)
+        return hidden if saved > 0 else 0.0
+
+
+def probe_launch(
     layer: OffloadedLayer,
     max_num_seqs: int,
     hidden_size: int,
     clock: Callable[[], float] = time.perf_counter,
-) -> float | None:
-    """How many of ``layer``'s experts the disk reads while its kernel computes a launch of
-    ``max_num_seqs`` tokens needing every expert, measured now: :data:`PROBE_EXPERTS`
-    experts read from the slow tier into scratch rows, then the layer's kernel on them
-    with each one's share of such a launch (``max_num_seqs * top_k / E`` tokens). ``None``
-    where the layer's kernel cannot run here (no host kernel: CUDA) or the hidden size is
-    unknown."""
+) -> LaunchProbe | None:
+    """Times, now, :data:`PROBE_EXPERTS` of ``layer``'s experts read from the slow tier
+    into scratch rows, and the layer's kernel on them with each one's share of a launch
+    of ``max_num_seqs`` tokens needing every expert (``max_num_seqs * top_k / E`` tokens
+    each): each alone (the best of two), then both at once, as a read ahead runs beside
+    a launch (the reads in a thread, into other rows; the kernel here until they end).
+    ``None`` where the layer's kernel cannot run here (no host kernel: CUDA) or the
+    hidden size is unknown."""
     kernel, experts = layer.host_kernel, layer.experts
     if kernel is None or hidden_size <= 0:
         return None
     count = min(PROBE_EXPERTS, experts.num_experts)
     rows = np.arange(count)
-    scratch = {
-        name: aligned_empty((count, *shape), dtype)
-        for name, (shape, dtype) in experts.slot_shapes.items()
-    }
+    shapes = experts.slot_shapes.items()
+    scratch, other = (
+        {name: aligned_empty((count, *shape), dtype) for name, (shape, dtype) in shapes}
+        for _ in range(2)
+    )
     dtype = next(iter(experts.slot_shapes.values()))[1]
     tokens = max(1, math.ceil(max_num_seqs * layer.top_k / experts.num_experts)) * count
     x = torch.randn(tokens, hidden_size, dtype=dtype)
     weights = torch.ones(tokens, 1, dtype=torch.float32)
     ids = torch.from_numpy(np.arange(tokens, dtype=np.int32) % count)[:, None]
+
+    def timed(work: Callable[[], object]) -> float:
+        started = clock()
+        work()
+        return clock() - started
+
     read_s = kernel_s = math.inf
     for _ in range(2):
-        started = clock()
-        experts.copy_into(rows, rows, scratch)
-        read_s = min(read_s, clock() - started)
-        started = clock()
-        kernel(x, weights, ids, scratch)
-        kernel_s = min(kernel_s, clock() - started)
-    return experts.num_experts * kernel_s / read_s
+        read_s = min(read_s, timed(lambda: experts.copy_into(rows, rows, scratch)))
+        kernel_s = min(kernel_s, timed(lambda: kernel(x, weights, ids, scratch)))
+    read_beside: list[float] = []
+    reader = threading.Thread(
+        target=lambda: read_beside.append(timed(lambda: experts.copy_into(rows, rows, other)))
+    )
+    launches: list[float] = []
+    reader.start()
+    while reader.is_alive() or not launches:
+        launches.append(timed(lambda: kernel(x, weights, ids, scratch)))
+    reader.join()
+    return LaunchProbe(count, read_s, read_beside[0], kernel_s, sum(launches) / len(launches))
 
 
 class RegionReadAhead:

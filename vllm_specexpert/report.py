@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # (the engine's parts: above this module, named for the type 
     from vllm_specexpert.config import SpecExpertConfig
     from vllm_specexpert.features import EngineFeature
     from vllm_specexpert.layer_state import OffloadedLayer
+    from vllm_specexpert.read_ahead import LaunchProbe
     from vllm_specexpert.tiers.link import Link
     from vllm_specexpert.tiers.store import ExpertStore
 
@@ -42,7 +43,7 @@ class ReportedEngine(Protocol):
     features: list[EngineFeature]
     budget: BudgetPlan
     region_refused: str | None
-    probed_launch_reads: float | None
+    launch_probe: LaunchProbe | None
 
     @property
     def output(self) -> str: ...
@@ -103,13 +104,12 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
 
 def read_ahead_rows(engine: ReportedEngine) -> dict[str, Any] | None:
     """The shared region's rows a call needing every expert leaves for the following
-    layer's reads ahead (``kept``), how many a launch of ``max_num_seqs`` tokens hid in
-    the probe at start (``probed``: ``disk.read_ahead_rows: "auto"`` keeps that many;
-    ``None``: not probed), and how many a decode launch's compute would hide at the
-    disk's rate as measured since (``hidden``: kernel seconds per decode launch times the
-    disk's GB/s while busy, in experts; ``None`` before both are measured): where
-    ``hidden`` at the largest batch is well above ``kept``, a larger
-    ``disk.read_ahead_rows`` keeps the disk busier. ``None`` without a region."""
+    layer's reads ahead (``kept``), what the probe at start timed (``probe``: a launch of
+    ``max_num_seqs`` tokens and reads beside it, from which ``disk.read_ahead_rows:
+    "auto"`` keeps rows; ``None``: not probed), and how many a decode launch's compute
+    would hide at the disk's rate as measured since (``hidden``: kernel seconds per
+    decode launch times the disk's GB/s while busy, in experts; ``None`` before both are
+    measured). ``None`` without a region."""
     with_region = [la for la in engine.layers.values() if la.cache.pool.region_rows]
     if not with_region:
         return None
@@ -122,7 +122,9 @@ def read_ahead_rows(engine: ReportedEngine) -> dict[str, Any] | None:
     if decode.kernel_calls and rate:
         launch_s = decode.kernel_s / decode.kernel_calls
         hidden = launch_s * rate / cache.experts.expert_nbytes
-    return {"kept": kept, "probed": engine.probed_launch_reads, "hidden": hidden}
+    probe = engine.launch_probe
+    probed = None if probe is None else dataclasses.asdict(probe)
+    return {"kept": kept, "probe": probed, "hidden": hidden}
 
 
 def feature_stats(engine: ReportedEngine) -> dict[str, Any]:

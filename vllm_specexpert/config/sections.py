@@ -288,10 +288,11 @@ class DiskConfig:
     expert of a layer) kept beside the experts a call needing all of them misses: while a
     layer's launch computes, the following layer's experts are read into them, so that
     the disk does not idle. Each costs every layer ``1 / (layers - 1)`` of an own slot.
-    ``"auto"``: as many as one such launch's compute hides at the disk's rate, estimated
-    as ``max_num_seqs * top_k / 64`` (the kernel's FLOP/s over the disk's bytes/s, about
-    64 where measured; stats ``read_ahead_rows.hidden`` gives this machine's). Can change
-    at run time. Range: an integer in [0, 65536], or "auto"."""
+    ``"auto"``: as many as the disk reads while the kernel computes a launch of
+    ``max_num_seqs`` tokens, where reading beside the kernel pays, probed when the first
+    region is made (a few experts read and computed, alone and at once, timed; stats
+    ``read_ahead_rows``: ``probe``, and ``hidden``, measured as it runs). Can change at
+    run time. Range: an integer in [0, 65536], or "auto"."""
 
     host_cache: float | int | str | None = None
     """The pinned host memory between the disk and the device slots, on CUDA: written as
