@@ -135,18 +135,19 @@ def test_the_budget_splits_into_own_slots_and_one_region(slots, layers, need, ah
 
 
 @pytest.mark.parametrize(
-    ("setting", "seqs", "rows"),
+    ("setting", "seqs", "measured", "rows"),
     [
-        ("auto", 256, 16),  # 256 * 4 / 64
-        ("auto", 100, 7),  # rounded up
-        ("auto", 4096, 64),  # never more than a layer's experts
-        (5, 256, 5),
-        ("auto", 8, 0),  # 32 experts of 64 at most: no sweep, nothing is read ahead
-        (5, 8, 0),
+        ("auto", 256, 16.0, 16),
+        ("auto", 256, 6.2, 7),  # rounded up
+        ("auto", 256, 99.0, 64),  # never more than a layer's experts
+        ("auto", 256, None, 0),  # nothing measured (no probe could run): none
+        (5, 256, 99.0, 5),
+        ("auto", 8, 16.0, 0),  # 32 experts of 64 at most: no sweep, nothing is read ahead
+        (5, 8, None, 0),
     ],
 )
-def test_the_rows_kept_for_reads_ahead(setting, seqs, rows):
-    assert reserved_rows(setting, seqs, 4, 64) == rows
+def test_the_rows_kept_for_reads_ahead(setting, seqs, measured, rows):
+    assert reserved_rows(setting, seqs, 4, 64, lambda: measured) == rows
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +304,26 @@ def test_the_running_layer_counts_its_own_idle_from_this_call(engine_on):
     assert [NAMES.index(h.experts.name) for h in rows.holder] == held  # no row taken
     own = engine.layers[NAMES[0]].cache.slot_expert[:5].tolist()
     assert 5 in own and len({3, 4} & set(own)) == 1, own
+
+
+def test_a_call_past_its_own_slots_leaves_them_its_most_used_experts(engine_on):
+    # The rows full (layers 1-3 swept), layer 0 calls 32 tokens on experts 5-15, 13-15
+    # on every token, 5-12 on 4 each: its 11 misses evict its own 0-4 (never used) and 6
+    # rows. Its own slots take 13, 14 and 15, the rows the rest: the next layers take the
+    # rows first, so what it used most stays. In file order its own slots took 5-9, and
+    # the next layers' sweeps left it none of 13-15.
+    engine = engine_on({"budget": 0.5})
+    for name in NAMES[1:]:
+        call(engine, name, *sweep_routing(7))
+    x, w, _ = random_routing(SWEEP, E, K, seed=8)
+    ids = torch.tensor([[13, 14, 15, 5 + t % 8] for t in range(SWEEP)], dtype=torch.int32)
+    out = call(engine, NAMES[0], x, w, ids)
+    assert torch.equal(out, reference_moe(x, w, ids, *LAYERS[NAMES[0]].values()))
+    cache = engine.layers[NAMES[0]].cache
+    assert {13, 14, 15} <= set(cache.slot_expert[: cache.num_slots].tolist())
+    for name in NAMES[1:]:
+        call(engine, name, *sweep_routing(9))
+    assert all(cache.expert_slot[e] >= 0 for e in (13, 14, 15))
 
 
 @pytest.mark.parametrize(("cache", "first_out"), [("lru", {0, 1, 2, 3}), ("lrfu", {4, 5, 6, 7})])
@@ -574,6 +595,20 @@ def test_auto_keeps_the_reads_a_probed_launch_hides(engine_on, monkeypatch):
         assert torch.equal(tensor, LAYERS[NAMES[1]][name][:PROBE_EXPERTS]), name
     assert probe_launch(SimpleNamespace(host_kernel=None, experts=None), SWEEP, 64) is None
     assert probe_launch(probed, SWEEP, 0) is None  # (no hidden size: not under vLLM)
+
+    class Unreadable(TimedSource):  # (a checksum failing: the probe keeps nothing)
+        def copy_into(self, experts, slots, destinations):
+            raise OSError("bad record")
+
+    assert (
+        probe_launch(
+            SimpleNamespace(**{**vars(probed), "experts": Unreadable(layer.experts)}),
+            SWEEP,
+            64,
+            clock,
+        )
+        is None
+    )
     # The engine keeps what the probe found worth it (probed once, for every layer and
     # rebuild): 5.2 rows -> 6.
     probes = []

@@ -35,14 +35,6 @@ from vllm_specexpert.tiers.disk_reader import aligned_empty
 SWEEP_SHARE = 0.75
 """The share of a layer's experts a call needs for its next call to be read ahead."""
 
-READ_AHEAD_FLOPS_PER_BYTE = 64
-"""The expert kernel's FLOP/s over the disk's bytes/s, modeled, where no probe can run
-(:func:`probe_launch`: an engine without vLLM's hidden size). A bf16 expert's bytes are
-its FLOPs per token (2 of each a weight), so a launch of ``n`` tokens' ``top_k`` experts
-computes as long as ``n * top_k / ratio`` experts take to read. Measured: 47 GFLOP/s
-against 2.8 GB/s on an AVX2 machine (17), 140-190 against 2-2.8 on AVX-512 ones (60-75,
-docs/benchmarks.md)."""
-
 PROBE_EXPERTS = 4
 """Experts a probe reads (at the reader's queue depth) and computes, each timed at its
 best of two rounds."""
@@ -58,16 +50,14 @@ def reserved_rows(
     """The rows a layer's shared region keeps for reads ahead (``disk.read_ahead_rows``):
     none where no call of ``max_num_seqs`` sequences needs :data:`SWEEP_SHARE` of the
     experts (nothing is read ahead there); ``"auto"``: those worth keeping,
-    ``measured()`` (:meth:`LaunchProbe.rows`), else modeled by
-    :data:`READ_AHEAD_FLOPS_PER_BYTE`; at most the layer's experts."""
+    ``measured()`` (:meth:`LaunchProbe.rows`), none where nothing could be measured (no
+    gain was measured without one); at most the layer's experts."""
     if min(max_num_seqs * top_k, num_experts) < SWEEP_SHARE * num_experts:
         return 0
     if setting != "auto":
         return setting
     reads = measured()
-    if reads is None:
-        reads = max_num_seqs * top_k / READ_AHEAD_FLOPS_PER_BYTE
-    return min(math.ceil(reads), num_experts)
+    return 0 if reads is None else min(math.ceil(reads), num_experts)
 
 
 @dataclass(frozen=True)
@@ -106,8 +96,9 @@ def probe_launch(
     of ``max_num_seqs`` tokens needing every expert (``max_num_seqs * top_k / E`` tokens
     each): each alone (the best of two), then both at once, as a read ahead runs beside
     a launch (the reads in a thread, into other rows; the kernel here until they end).
-    ``None`` where the layer's kernel cannot run here (no host kernel: CUDA) or the
-    hidden size is unknown."""
+    ``None`` where the layer's kernel cannot run here (no host kernel: CUDA), the hidden
+    size is unknown, or an expert probed cannot be read (it fails only the requests that
+    need it, later)."""
     kernel, experts = layer.host_kernel, layer.experts
     if kernel is None or hidden_size <= 0:
         return None
@@ -130,19 +121,30 @@ def probe_launch(
         return clock() - started
 
     read_s = kernel_s = math.inf
+    read_beside: list[float | None] = []
+
+    def read_into(rows_of: dict[str, torch.Tensor]) -> float | None:
+        try:
+            return timed(lambda: experts.copy_into(rows, rows, rows_of))
+        except Exception:  # noqa: BLE001 - an unreadable expert: its requests fail later
+            return None
+
     for _ in range(2):
-        read_s = min(read_s, timed(lambda: experts.copy_into(rows, rows, scratch)))
+        read = read_into(scratch)
+        if read is None:
+            return None
+        read_s = min(read_s, read)
         kernel_s = min(kernel_s, timed(lambda: kernel(x, weights, ids, scratch)))
-    read_beside: list[float] = []
-    reader = threading.Thread(
-        target=lambda: read_beside.append(timed(lambda: experts.copy_into(rows, rows, other)))
-    )
+    reader = threading.Thread(target=lambda: read_beside.append(read_into(other)))
     launches: list[float] = []
     reader.start()
     while reader.is_alive() or not launches:
         launches.append(timed(lambda: kernel(x, weights, ids, scratch)))
     reader.join()
-    return LaunchProbe(count, read_s, read_beside[0], kernel_s, sum(launches) / len(launches))
+    beside = read_beside[0]
+    if beside is None:
+        return None
+    return LaunchProbe(count, read_s, beside, kernel_s, sum(launches) / len(launches))
 
 
 class RegionReadAhead:

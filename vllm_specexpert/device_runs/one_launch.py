@@ -33,7 +33,11 @@ class OneLaunch:
         """Output of the call's kernel on its routing, loading what is missing;
         ``needed``: the call's distinct experts."""
         loader.begin_run(needed, call.stats)
-        if not loader.cache.capacity_for(needed):
+        cache = loader.cache
+        if not cache.capacity_for(needed):
             return self.overflow.run(loader, call)
-        loader.acquire(needed, call.stats, tokens=call.num_tokens)
+        uses = None
+        if cache.pool.region_rows:  # (the loads' most used go to the layer's own slots)
+            uses = np.bincount(call.host_ids.ravel(), minlength=cache.num_experts)
+        loader.acquire(needed, call.stats, tokens=call.num_tokens, uses=uses)
         return kernel_launch.launch(loader, call, needed)

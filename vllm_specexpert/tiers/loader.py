@@ -65,13 +65,15 @@ class ExpertLoader:
         stats: PhaseStats,
         future_demand: np.ndarray | None = None,
         tokens: int = 1,
+        uses: np.ndarray | None = None,
     ) -> None:
         """Make ``experts`` (distinct ids that fit, :meth:`ExpertCache.capacity_for`)
         resident and landed for a launch of ``tokens`` tokens, and count the request.
         Victims are never among ``experts``; ``future_demand`` (per-expert later uses in
-        the batch) keeps the most needed. A prefetch still in flight counts as a hit,
-        waiting for it as stall."""
-        self.request(experts, stats, experts, future_demand)
+        the batch) keeps the most needed; ``uses`` (per expert, the launch's tokens on it)
+        places the most used in the layer's own slots (:meth:`request`). A prefetch still
+        in flight counts as a hit, waiting for it as stall."""
+        self.request(experts, stats, experts, future_demand, uses=uses)
         self.land(experts, stats, tokens)
 
     def request(
@@ -81,11 +83,17 @@ class ExpertLoader:
         keep: np.ndarray,
         future_demand: np.ndarray | None = None,
         ahead: bool = False,
+        uses: np.ndarray | None = None,
     ) -> None:
         """:meth:`acquire`'s first half: count the request and queue the loads of those
         of ``experts`` not resident, evicting none of ``keep`` (``experts`` and what the
         caller computes meanwhile); :meth:`land` waits for them. ``ahead``: the caller
-        computes before it waits (the link moves them meanwhile)."""
+        computes before it waits (the link moves them meanwhile). ``uses``: where the
+        loads take the layer's own slots and a shared region's rows, the most used go to
+        its own slots: the layers after it take the rows first, and a call that passed
+        its own slots (a prompt) leaves them holding what it used most, not what came
+        first in file order (at one sequence after a prompt, 12 % fewer loads in the
+        first 15 decode steps of a replay, docs/limits.md)."""
         cache = self.cache
         missing = experts[cache.expert_slot[experts] < 0]
         stats.requests += len(experts)
@@ -93,6 +101,10 @@ class ExpertLoader:
         stats.hits += len(experts) - len(missing)
         if len(missing):
             slots = self._take_slots(len(missing), keep, stats, demand=future_demand, shared=True)
+            if uses is not None:
+                own = slots < cache.pool.joined_slots
+                slots = np.concatenate([slots[own], slots[~own]])
+                missing = missing[np.argsort(-uses[missing], kind="stable")]
             self._load(missing, slots, stats, prefetch=False, ahead=ahead)
 
     def land(self, experts: np.ndarray, stats: PhaseStats, tokens: int = 1) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -102,14 +103,29 @@ def record_routes(
     """``(routes, tokens)``: ``routes[i]`` is ``[max_tokens - 1, L, K]``, the experts of
     request ``i``'s decode steps (the token fed at each); ``tokens[i]`` its ids so far
     at each step (prompt + outputs), for the path predictor."""
+    recorded = list(_greedy_routes(model_dir, prompts, max_tokens))
+    return [steps for _, steps, _ in recorded], [contexts for _, _, contexts in recorded]
+
+
+def record_prompt_routes(
+    model_dir: str | Path, prompts: list[str], max_tokens: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per prompt, its pass's experts ``[P, L, K]`` (a token a row) and its greedy decode
+    steps' ``[max_tokens - 1, L, K]`` (:func:`record_routes`)."""
+    return [(prompt, steps) for prompt, steps, _ in _greedy_routes(model_dir, prompts, max_tokens)]
+
+
+def _greedy_routes(model_dir: str | Path, prompts: list[str], max_tokens: int):
+    """Per prompt, greedily decoded: its pass's routes, its decode steps' routes and ids
+    so far at each step."""
     model, tokenizer = load_model(model_dir)
     hooks = _LayerHooks(model)
-    routes, tokens = [], []
     try:
         for prompt in prompts:
             ids = tokenizer(prompt)["input_ids"]
             with torch.no_grad():
                 out = model(input_ids=torch.tensor([ids]), use_cache=True)
+                prompt_routes = hooks.stacked(len(ids))["topk_ids"].numpy()  # [P, L, K]
                 past, token = out.past_key_values, int(out.logits[0, -1].argmax())
                 steps, contexts = [], []
                 for _ in range(max_tokens - 1):
@@ -120,11 +136,9 @@ def record_routes(
                     )
                     past, token = out.past_key_values, int(out.logits[0, -1].argmax())
                     steps.append(hooks.stacked(1)["topk_ids"][0])  # [L, K]
-            routes.append(torch.stack(steps).numpy())
-            tokens.append(contexts)
+            yield prompt_routes, torch.stack(steps).numpy(), contexts
     finally:
         hooks.remove()
-    return routes, tokens
 
 
 def moe_layer_indices(model) -> list[int]:
