@@ -42,6 +42,7 @@ import contextlib
 import sys
 import tempfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -200,7 +201,6 @@ def engine_replay(
     with the slots residency, so that a call of more experts than a layer's slots goes
     through the shared region (``fetch``, a pool per layer), as on the disk tier."""
     from vllm_specexpert.config import SpecExpertConfig
-    from vllm_specexpert.engine import OffloadEngine
 
     layers, top_k = routes[0].shape[1], routes[0].shape[2]
     config = SpecExpertConfig.from_dict(
@@ -211,6 +211,22 @@ def engine_replay(
             "path_predictor": "(replayed)",
         }
     )
+    on_disk = max(len(run) for run, _ in schedule) if disk else None
+    with replay_engine(config, layers, experts, top_k, on_disk) as (engine, names):
+        return _replayed(engine, schedule, routes, believed, names, layers, experts, top_k)
+
+
+@contextlib.contextmanager
+def replay_engine(
+    config, layers: int, experts: int, top_k: int, on_disk: int | None = None
+) -> Iterator[tuple]:
+    """``(engine, names)``: the plugin's engine (no vLLM) on ``layers`` MoE layers of
+    tiny random experts, started. ``on_disk``: the experts in a pack on disk, read with
+    the slots residency, the engine sized for that many sequences (``max_num_seqs``, as
+    vLLM's adapter tells it: the shared region where a call may need more than a
+    layer's slots); else in host memory."""
+    from vllm_specexpert.engine import OffloadEngine
+
     engine = OffloadEngine(config, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     names = [f"model.layers.{i}.mlp.experts" for i in range(layers)]
@@ -222,13 +238,11 @@ def engine_replay(
         for name in names
     }
     with contextlib.ExitStack() as held:
-        sources = weights
-        if disk:
-            sources = _on_disk(engine, weights, held, max(len(run) for run, _ in schedule))
+        sources = weights if on_disk is None else _on_disk(engine, weights, held, on_disk)
         for index, name in enumerate(names):
             engine.add_layer(name, sources[name], top_k=top_k, index=index)
         engine.start()
-        return _replayed(engine, schedule, routes, believed, names, layers, experts, top_k)
+        yield engine, names
 
 
 def _on_disk(engine, weights: dict, held: contextlib.ExitStack, max_num_seqs: int) -> dict:

@@ -16,7 +16,6 @@ from a fresh engine (the warm start). Writes ``benchmarks/results/<name>.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -25,12 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cache_bound import _on_disk
+from cache_bound import replay_engine
 from common import held_out_prompts, write_result
 
 from specexpert_testbed.fixtures import DEFAULT_MODEL, model_path
 from vllm_specexpert.config import SpecExpertConfig
-from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.phases import PassPhases
 from vllm_specexpert.tools import trace
@@ -44,12 +42,11 @@ def decode_loads(
     _, layers, top_k = routes[0][0].shape
     experts = 64
     config = SpecExpertConfig.from_dict({"budget": budget, "cache": cache, "quality": None})
-    names = [f"model.layers.{i}.mlp.experts" for i in range(layers)]
 
     def kernel(x, topk_weights, ids, slots, expert_map=None, **_):
         return torch.zeros_like(x)
 
-    def run(engine: OffloadEngine, name: str, ids: np.ndarray, phases: PassPhases) -> None:
+    def run(engine, name: str, ids: np.ndarray, phases: PassPhases) -> None:
         ids_t = torch.from_numpy(ids).to(torch.int32)
         x = torch.zeros(ids.shape[0], 16, dtype=torch.bfloat16)
         weights = torch.full(ids_t.shape, 1 / top_k)
@@ -58,20 +55,7 @@ def decode_loads(
     per_step = np.zeros(routes[0][1].shape[0], dtype=np.int64)
     split = None
     for prefill, steps in routes:
-        engine = OffloadEngine(config, torch.device("cpu"))
-        g = torch.Generator().manual_seed(0)
-        weights = {
-            name: {
-                "w13_weight": torch.randn(experts, 32, 16, generator=g).bfloat16(),
-                "w2_weight": torch.randn(experts, 16, 16, generator=g).bfloat16(),
-            }
-            for name in names
-        }
-        with contextlib.ExitStack() as held:
-            sources = _on_disk(engine, weights, held, max_num_seqs)
-            for index, name in enumerate(names):
-                engine.add_layer(name, sources[name], top_k=top_k, index=index)
-            engine.start()
+        with replay_engine(config, layers, experts, top_k, max_num_seqs) as (engine, names):
             for layer, name in enumerate(names):
                 run(engine, name, prefill[:, layer], PassPhases.prefill_only(prefill.shape[0]))
             before = 0
