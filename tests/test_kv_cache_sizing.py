@@ -12,6 +12,7 @@ import vllm_specexpert
 from vllm_specexpert.tools.embedded_model import TRAINED_MODEL_DIR
 from vllm_specexpert.tools.harness import start_engine, stop_engine
 
+GiB, MiB = 1 << 30, 1 << 20
 SEQS, LENGTH = 2, 200
 """(Not a multiple of vLLM's KV block: a sequence takes whole blocks.)"""
 
@@ -66,3 +67,39 @@ def test_a_kv_cache_given_no_size_holds_max_num_seqs_full_length_sequences(unsiz
     blocks = allocated // (tokens * per_token)
     assert blocks - 1 >= SEQS * -(-LENGTH // tokens)
     assert allocated <= planned["kv_bytes"] < SEQS * LENGTH * per_token + 2 * tokens * per_token
+
+
+def test_the_disk_tier_under_auto_gives_vllm_the_kv_cache_its_batch_choice_leaves(
+    tmp_path, monkeypatch
+):
+    # The embedded model: a full-length sequence of 1024 tokens holds 2 x 8 layers x 2
+    # heads x 64 x 2 B = 4096 B a token, 4 MiB; its 8 x 64 experts of 3 x 256 x 64 x 2 B
+    # take 48 MiB. Free 1.5 GiB, less the reserve (1 GiB) and a pass's workspace (256
+    # tokens x 4 x 64 x 8 B = 0.5 MiB), less every expert, leaves 463.5 MiB: 115 whole
+    # sequences beside vLLM's null block hold every expert resident (nothing read),
+    # where 0.25 of the memory (the rule without the disk's account) held 96.
+    from vllm import EngineArgs
+
+    from vllm_specexpert.config.sizing import MemoryReport
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(
+        "vllm_specexpert.layers.sizing.memory_report",
+        lambda device, settings: MemoryReport(24 * GiB, 3 * GiB // 2),
+    )
+
+    def kv_given(specexpert: dict) -> tuple[int, int]:
+        args = EngineArgs(
+            model=str(TRAINED_MODEL_DIR),
+            max_model_len=1024,
+            max_num_seqs=256,
+            enforce_eager=True,
+            additional_config={"specexpert": specexpert},
+        )
+        cache = args.create_engine_config().cache_config
+        return cache.kv_cache_memory_bytes, cache.block_size
+
+    disk = {"path": str(tmp_path / "pack")}
+    kv, block = kv_given({"budget": "auto", "disk": disk})
+    assert kv == 115 * 4 * MiB + block * 4096
+    assert kv_given({"budget": 0.5, "disk": disk})[0] == 384 * MiB

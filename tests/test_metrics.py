@@ -462,10 +462,11 @@ def test_only_an_engine_a_server_serves_gets_a_snapshot_directory(monkeypatch):
 
     made: list[str] = []
     monkeypatch.setattr(validate, "validate_engine_config", lambda *args: None)
-    monkeypatch.setattr("vllm_specexpert.layers.sizing.size_cpu_kv_cache", lambda c: None)
+    monkeypatch.setattr("vllm_specexpert.layers.sizing.size_cpu_kv_cache", lambda c, **chosen: None)
     monkeypatch.setattr(validate.metrics, "prepare_frontend", made.append)
-    validate.after_engine_config(EngineArgs(model="m"), None, None)
+    config = SpecExpertConfig()
+    validate.after_engine_config(EngineArgs(model="m"), None, config)
     assert made == []
     served = AsyncEngineArgs(model="m", served_model_name=["served"])
-    validate.after_engine_config(served, None, None)
+    validate.after_engine_config(served, None, config)
     assert made == ["served"]

@@ -7,6 +7,7 @@ on a GPU it may use 0.9 of the memory and sizes the KV cache from it; on the CPU
 the KV cache is explicit (1 GiB, ``VLLM_CPU_KVCACHE_SPACE``) unless a test says not."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,74 @@ def test_a_cpu_kv_cache_given_no_size_is_sized_for_the_batch():
     assert "KV cache 3.0 GiB (for 8 of the 16 full-length sequences" in fit.reason
     whole = fit_budget("auto", qwen3_30b(), MemoryReport(64 * GiB, 40 * GiB, 1.0, 6 * GiB))
     assert "KV cache 6.0 GiB (for 16 full-length sequences)" in whole.reason
+
+
+def test_the_disk_tier_sizes_the_kv_cache_for_the_batch_that_reads_the_fewest_bytes():
+    from vllm_specexpert.config.sizing import SizingSettings, best_batch
+
+    # 2 MoE layers of 4 experts, top 2, 0.5 GiB each: a slot a layer takes 1 GiB. A
+    # sequence's KV cache 1 GiB (1024 tokens of 1 MiB, no blocks); no workspace; the
+    # reserve 1 GiB. A layer of B sequences needs 4 (1 - (1/2)^B) distinct experts
+    # (2, 3, 3.5) and misses the share 1 - S/4 of them, read once for the batch.
+    toy = ModelShapes(2, 4, 2, GiB // 2, 64, 1 << 20, 3, 1024, 0)
+    settings = SizingSettings(kv_bytes_per_token=1 << 20, max_num_seqs=3, max_model_len=1024)
+    # 5 GiB free: 1 sequence leaves 3 slots, 2 x 0.5 x 2 x 1/4 = 0.5 GiB a token; 2
+    # sequences 2 slots, 1 x 3 x 1/2 / 2 = 0.75 GiB; 3 sequences 1 slot, fewer than top_k.
+    tight = best_batch(settings, 5 * GiB, toy)
+    assert (tight.sequences, tight.slots_per_layer, tight.kv_bytes) == (1, 3, GiB)
+    assert tight.bytes_per_token == GiB // 2
+    # 7 GiB: 1 and 2 sequences hold every expert (nothing read), 3 leave 3 slots (3.5 x
+    # 1/4 / 3 of 1 GiB): at the tie, the larger batch.
+    assert best_batch(settings, 7 * GiB, toy).sequences == 2
+    # 8 GiB: every batch holds every expert: the largest, max_num_seqs.
+    roomy = best_batch(settings, 8 * GiB, toy)
+    assert (roomy.sequences, roomy.slots_per_layer, roomy.bytes_per_token) == (3, 4, 0.0)
+    assert "KV cache 3.0 GiB for 3 full-length sequences of 1024 tokens" in roomy.reason
+    # One layer of 4 experts of 1 GiB, 64 MiB of KV a sequence, 5 GiB free: every batch
+    # leaves 3 slots. From 2 sequences a call may need all 4 experts, which 3 slots
+    # cannot hold in one launch: 1 sequence (0.5 GiB a token), though 4 would share
+    # their reads (4 (1 - 1/16) x 1/4 / 4 = 0.23 GiB a token) in token groups.
+    one_layer = ModelShapes(1, 4, 2, GiB, 64, 1 << 16, 4, 1024, 0)
+    small_kv = SizingSettings(kv_bytes_per_token=1 << 16, max_num_seqs=4, max_model_len=1024)
+    alone = best_batch(small_kv, 5 * GiB, one_layer)
+    assert (alone.sequences, alone.slots_per_layer) == (1, 3)
+
+
+def test_a_long_context_keeps_slots_where_a_short_one_takes_the_whole_batch():
+    from vllm_specexpert.config.sizing import SizingSettings, best_batch, kv_cache_for_batch
+
+    # Qwen3-30B-A3B, 20 GiB free, 256 sequences of 40960 tokens asked: a sequence's KV
+    # 40960 x 98,304 B = 3.75 GiB, and the null block of 16 tokens; a slot a layer 48 x
+    # 9,437,184 B = 0.421875 GiB; workspace 256 x 8 x 768 x 8 B, reserve 1 GiB.
+    # 1 sequence: (20 - 3.75 - 0.0015 - 0.0117 - 1) / 0.421875 = 36 slots, 8 experts a
+    #   token, 8 x 92/128 = 5.75 read: 5.75 x 48 x 9,437,184 B = 2.60 GB a token.
+    # 2: 27 slots, 128 (1 - (120/128)^2) = 15.5 needed, 12.23 read, 6.12 a token.
+    # 3: 18 slots, 22.53 needed, 19.36 read, 6.45; 4: 9 slots, 6.77; 5: no slots.
+    settings = SizingSettings(
+        kv_bytes_per_token=98_304,
+        max_num_seqs=256,
+        max_model_len=40960,
+        max_num_batched_tokens=2048,
+        block_size=16,
+    )
+    long = replace(qwen3_30b(), max_num_seqs=256, max_model_len=40960)
+    choice = best_batch(settings, 20 * GiB, long)
+    assert (choice.sequences, choice.slots_per_layer) == (1, 36)
+    assert choice.bytes_per_token == 5.75 * 48 * 9_437_184
+    # The rule without the model's account gave 0.25 of the memory, 5 GiB, and 33 slots.
+    assert kv_cache_for_batch(settings, 20 * GiB) == 5 * GiB
+    # 512 tokens (48 MiB a sequence): the whole batch, 256 sequences, 12 GiB and 16
+    # slots (112/128 of every expert read, shared by 256 tokens: 0.20 GB a token),
+    # against 128 sequences' 30 slots (98/128 read, shared by 128: 0.35 GB).
+    short = SizingSettings(
+        kv_bytes_per_token=98_304,
+        max_num_seqs=256,
+        max_model_len=512,
+        max_num_batched_tokens=2048,
+        block_size=16,
+    )
+    whole = best_batch(short, 20 * GiB, replace(qwen3_30b(), max_num_seqs=256, max_model_len=512))
+    assert (whole.sequences, whole.slots_per_layer) == (256, 16)
 
 
 # --- GPUs -------------------------------------------------------------------------

@@ -51,7 +51,12 @@ def after_engine_config(engine_args: Any, vllm_config: Any, config: SpecExpertCo
     validate_engine_config(vllm_config, config)
     from vllm_specexpert.layers.sizing import size_cpu_kv_cache
 
-    size_cpu_kv_cache(vllm_config)
+    size_cpu_kv_cache(
+        vllm_config,
+        batch_from_experts=config.disk is not None
+        and config.budget == "auto"
+        and _packed_experts(vllm_config.model_config) is None,
+    )
     if serves_metrics(engine_args):
         names = getattr(engine_args, "served_model_name", None) or engine_args.model
         metrics.prepare_frontend(names[0] if isinstance(names, list) else str(names))

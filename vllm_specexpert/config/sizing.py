@@ -12,7 +12,10 @@ loaded and leaves, before any slot::
                 limited ancestors)
     room      = free - (1 - utilization) * total
     kv        = the explicit KV cache size, else min(max_num_seqs * max_model_len *
-                KV bytes per token, KV_SHARE * room)
+                KV bytes per token, KV_SHARE * room); the CPU build gives vLLM an
+                explicit one when the engine is configured: this, or under the disk
+                tier with ``auto``, the batch's that reads the fewest modeled expert
+                bytes a token (:func:`best_batch`)
     workspace = min(max_num_batched_tokens, KERNEL_CHUNK_TOKENS (256)) * top_k
                 * moe_intermediate_size * WORKSPACE_BYTES (8) + the slow tier's read buffers
     draft     = with lookahead, what its draft (built after the slots) takes of this memory:
@@ -400,11 +403,100 @@ def kv_cache_for_batch(settings: SizingSettings, free_bytes: int) -> int:
     when the engine is configured, before the weights load), and at least one (vLLM
     refuses less). In whole blocks, with the one vLLM keeps empty (its null block): a
     size of exactly ``max_model_len`` tokens holds one block short of a sequence."""
+    one = _kv_for_sequences(settings, 1)
+    return int(max(_batch_kv(_kv_for_sequences(settings, settings.max_num_seqs), free_bytes), one))
+
+
+def _kv_for_sequences(settings: SizingSettings, sequences: int) -> int:
+    """A KV cache of ``sequences`` full-length sequences in whole blocks, and vLLM's null
+    block."""
     block = max(settings.block_size, 1)
     per_sequence = -(-settings.max_model_len // block) * block * settings.kv_bytes_per_token
     null = block * settings.kv_bytes_per_token if settings.block_size else 0
-    full = settings.max_num_seqs * per_sequence + null
-    return int(max(_batch_kv(full, free_bytes), per_sequence + null))
+    return sequences * per_sequence + null
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """The KV cache the CPU build gives a slow tier's ``budget: "auto"`` (:func:`best_batch`)."""
+
+    sequences: int
+    """Full-length sequences the KV cache holds."""
+    kv_bytes: int
+    max_num_seqs: int
+    max_model_len: int
+    slots_per_layer: int
+    """What the memory left holds a layer (own slots and the shared region together)."""
+    num_experts: int
+    bytes_per_token: float
+    """Expert bytes a decode step of the batch reads a token, modeled
+    (:func:`modeled_bytes_per_token`)."""
+
+    @property
+    def reason(self) -> str:
+        """The config-time start line's account of the choice."""
+        return (
+            f"KV cache {gib(self.kv_bytes)} for {self.sequences} full-length sequences of "
+            f"{self.max_model_len} tokens (max_num_seqs {self.max_num_seqs}): the batch the "
+            f"memory serves with the fewest expert bytes read a decode token, "
+            f"{self.bytes_per_token / 1e6:.1f} MB modeled, {self.slots_per_layer} of "
+            f"{self.num_experts} experts a layer resident beside it (each token's experts "
+            "taken uniformly; set kv_cache_memory_bytes for another size)"
+        )
+
+
+def modeled_bytes_per_token(sequences: int, slots_per_layer: int, shapes: ModelShapes) -> float:
+    """Expert bytes a decode step of ``sequences`` reads a token, where each token routes
+    to ``top_k`` of a layer's experts uniformly and independently and the resident slots
+    hold any ``slots_per_layer`` of them: a layer needs ``E (1 - (1 - k/E)^B)`` distinct
+    experts and misses the share ``1 - S/E`` of them. The batch shares each read; the
+    KV cache of a larger one takes slots."""
+    e, k = shapes.num_experts, shapes.top_k
+    distinct = e * (1.0 - (1.0 - k / e) ** sequences)
+    missed = distinct * (1.0 - min(slots_per_layer, e) / e)
+    return shapes.moe_layers * shapes.expert_bytes * missed / sequences
+
+
+def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -> BatchChoice:
+    """The KV cache of the batch, up to ``max_num_seqs`` full-length sequences, that reads
+    the fewest modeled expert bytes a decode token (:func:`modeled_bytes_per_token`), the
+    slots taking what it leaves of ``free_bytes`` (:func:`space_for_slots`); the larger
+    batch at a tie. A batch whose calls could need more experts than the slots of every
+    layer hold is not taken (its calls would run in token groups), nor one that leaves
+    fewer than ``top_k`` slots a layer; where none is left, one sequence."""
+    per_slot = shapes.moe_layers * shapes.expert_bytes
+    best: BatchChoice | None = None
+    for sequences in range(1, max(settings.max_num_seqs, 1) + 1):
+        kv = _kv_for_sequences(settings, sequences)
+        memory = MemoryReport(free_bytes, free_bytes, kv_cache_bytes=kv)
+        space = space_for_slots(memory, shapes)["space"]
+        slots = min(shapes.num_experts, math.floor(max(space, 0.0) / per_slot))
+        reach = min(shapes.num_experts, sequences * shapes.top_k)
+        if slots < shapes.top_k or slots * shapes.moe_layers < reach:
+            continue
+        cost = modeled_bytes_per_token(sequences, slots, shapes)
+        if best is None or cost <= best.bytes_per_token * (1 + 1e-9):
+            best = BatchChoice(
+                sequences,
+                kv,
+                settings.max_num_seqs,
+                settings.max_model_len,
+                slots,
+                shapes.num_experts,
+                cost,
+            )
+    if best is None:
+        kv = _kv_for_sequences(settings, 1)
+        return BatchChoice(
+            1,
+            kv,
+            settings.max_num_seqs,
+            settings.max_model_len,
+            0,
+            shapes.num_experts,
+            modeled_bytes_per_token(1, 0, shapes),
+        )
+    return best
 
 
 def _batch_kv(full: float, memory: float) -> float:

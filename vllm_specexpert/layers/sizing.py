@@ -2,7 +2,8 @@
 vLLM config: the KV cache's explicit size or the share of memory vLLM sizes it from,
 the KV bytes of a token, and the sequences and tokens a pass may hold. The MoE layers
 are counted as the model builds them (:meth:`SizingSettings.count_layer`). On the CPU
-build a KV cache given no size is sized for the batch (:func:`size_cpu_kv_cache`)."""
+build a KV cache given no size is sized for the batch (:func:`size_cpu_kv_cache`): under
+the disk tier with ``budget: "auto"``, for the batch the memory serves best."""
 
 from __future__ import annotations
 
@@ -12,8 +13,22 @@ import torch
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
-from vllm_specexpert.config.sizing import SizingSettings, kv_cache_for_batch
+from vllm_specexpert.architectures import (
+    SUPPORTED_ARCHITECTURES,
+    expert_nbytes,
+    moe_layer_count,
+    moe_shape,
+)
+from vllm_specexpert.config.sizing import (
+    ModelShapes,
+    SizingSettings,
+    best_batch,
+    kv_cache_for_batch,
+)
+from vllm_specexpert.log import init_logger
 from vllm_specexpert.tiers.memory import memory_report
+
+logger = init_logger(__name__)
 
 
 def sizing_settings(vllm_config: Any) -> SizingSettings:
@@ -42,9 +57,11 @@ def sizing_settings(vllm_config: Any) -> SizingSettings:
     )
 
 
-def size_cpu_kv_cache(vllm_config: Any) -> None:
-    """The CPU build's KV cache, when no size is given: :func:`kv_cache_for_batch` of the
-    memory free now, given to vLLM as its size. Called once the engine config is built,
+def size_cpu_kv_cache(vllm_config: Any, batch_from_experts: bool = False) -> None:
+    """The CPU build's KV cache, when no size is given, of the memory free now, given to
+    vLLM as its size: :func:`kv_cache_for_batch`, or with ``batch_from_experts`` (experts
+    read from a disk, the slots sized by ``auto``, an unquantized checkpoint)
+    :func:`best_batch`'s, said on a start line. Called once the engine config is built,
     before any worker starts: vLLM's CPU worker without a size refuses to start unless
     ``gpu_memory_utilization`` of the node is free, and would then take that share,
     beside the slots the plugin sizes later."""
@@ -53,4 +70,22 @@ def size_cpu_kv_cache(vllm_config: Any) -> None:
         return
     settings = sizing_settings(vllm_config)
     free = memory_report(torch.device("cpu"), settings).free_bytes
-    cache.kv_cache_memory_bytes = kv_cache_for_batch(settings, free)
+    if not batch_from_experts:
+        cache.kv_cache_memory_bytes = kv_cache_for_batch(settings, free)
+        return
+    choice = best_batch(settings, free, _config_time_shapes(vllm_config, settings))
+    cache.kv_cache_memory_bytes = choice.kv_bytes
+    logger.info("specexpert: %s", choice.reason)
+
+
+def _config_time_shapes(vllm_config: Any, settings: SizingSettings) -> ModelShapes:
+    """The model's shapes as the config tells them, before any layer is built: its experts
+    at the model's dtype."""
+    model = vllm_config.model_config
+    hf_config = model.hf_config
+    shape = moe_shape(hf_config)
+    architecture = SUPPORTED_ARCHITECTURES[shape.architecture]
+    settings.moe_layers = moe_layer_count(hf_config)
+    settings.moe_intermediate_size = int(getattr(hf_config, architecture.intermediate_attr))
+    expert_bytes = expert_nbytes(hf_config, model.dtype.itemsize)
+    return settings.shapes(shape.num_experts, shape.top_k, expert_bytes)
