@@ -47,7 +47,7 @@ from disk_vs_llamacpp import (
 )
 from memory_cgroup import MemoryCgroup
 
-THROUGHPUT_MODES = {"fetch": MODES["fetch, LRU"], "compute ceiling": MODES[CEILING_MODE]}
+THROUGHPUT_MODES = {"fetch": MODES["fetch, LRFU"], "compute ceiling": MODES[CEILING_MODE]}
 DEFAULTS = "vLLM's defaults"
 
 
@@ -119,6 +119,8 @@ def bench(args, work: Path, name: str, batch: int, settings: dict, sized: bool) 
         "process_s": wall_s,
         "memory_cgroup": figures,
         "start_line": next((ln for ln in text.splitlines() if "MoE layers offloaded" in ln), None),
+        # (the calling process's, where the KV cache is sized for the batch)
+        "kv_line": next((ln for ln in text.splitlines() if "full-length sequences of" in ln), None),
         "command": " ".join(command),
     }
     if ended.returncode != 0 or not result_path.exists():
