@@ -973,8 +973,17 @@ class RouteRecorder:
             for n in layers
             for e in self.initial.get(n, [])[-stats["slots_per_layer"][n] :]
         ]
+        # The read-once bound: a decode call reads what it needs beyond a layer's
+        # share of every slot and row, as if all of those held experts it needs.
+        share = capacity / len(layers)
+        once = sum(
+            max(0.0, len(np.unique(ids)) - share) * expert[index[n]]
+            for n, ids, d in self.order
+            if d and n in index
+        )
         return {
             "pooled_capacity": capacity,
+            "read_once_pooled_gb_per_decode_token": once / decode_tokens / 1e9,
             "clairvoyant_pooled_gb_per_decode_token": belady(sequence, counted, capacity, initial)
             / decode_tokens
             / 1e9,
@@ -1559,6 +1568,11 @@ def markdown(payload: dict, command: str) -> str:
                     "clairvoyant_pooled_gb_per_decode_token",
                 )
                 row("  the read-once bound of its calls", rows, "read_once_gb_per_decode_token")
+                row(
+                    "  the read-once bound of every slot and row",
+                    rows,
+                    "read_once_pooled_gb_per_decode_token",
+                )
         for phase in PHASES:  # (what it measured before it died is in the rows above)
             died = payload.get(phase, {}).get("died")
             if died:
