@@ -120,7 +120,7 @@ def bench(args, work: Path, name: str, batch: int, settings: dict, sized: bool) 
         "memory_cgroup": figures,
         "start_line": next((ln for ln in text.splitlines() if "MoE layers offloaded" in ln), None),
         # (the calling process's, where the KV cache is sized for the batch)
-        "kv_line": next((ln for ln in text.splitlines() if "full-length sequences of" in ln), None),
+        "kv_line": next((ln for ln in text.splitlines() if "specexpert: KV cache" in ln), None),
         "command": " ".join(command),
     }
     if ended.returncode != 0 or not result_path.exists():

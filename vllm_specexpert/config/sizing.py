@@ -436,7 +436,8 @@ class BatchChoice:
     def reason(self) -> str:
         """The config-time start line's account of the choice."""
         return (
-            f"KV cache {gib(self.kv_bytes)} for {self.sequences} full-length sequences of "
+            f"KV cache {gib(self.kv_bytes)} for {self.sequences} full-length "
+            f"sequence{'s' if self.sequences != 1 else ''} of "
             f"{self.max_model_len} tokens (max_num_seqs {self.max_num_seqs}): the batch the "
             f"memory serves with the fewest expert bytes read a decode token, "
             f"{self.bytes_per_token / 1e6:.1f} MB modeled, {self.slots_per_layer} of "
