@@ -102,8 +102,22 @@ def test_the_disk_tier_sizes_the_kv_cache_for_the_batch_that_reads_the_fewest_by
     assert (alone.sequences, alone.slots_per_layer) == (1, 3)
 
 
+def qwen3_30b_batch(max_model_len: int):
+    """vLLM's settings and the shapes of Qwen3-30B-A3B at 256 sequences of ``max_model_len``."""
+    from vllm_specexpert.config.sizing import SizingSettings
+
+    settings = SizingSettings(
+        kv_bytes_per_token=98_304,
+        max_num_seqs=256,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=2048,
+        block_size=16,
+    )
+    return settings, replace(qwen3_30b(), max_num_seqs=256, max_model_len=max_model_len)
+
+
 def test_a_long_context_keeps_slots_where_a_short_one_takes_the_whole_batch():
-    from vllm_specexpert.config.sizing import SizingSettings, best_batch, kv_cache_for_batch
+    from vllm_specexpert.config.sizing import best_batch, kv_cache_for_batch
 
     # Qwen3-30B-A3B, 20 GiB free, 256 sequences of 40960 tokens asked: a sequence's KV
     # 40960 x 98,304 B = 3.75 GiB, and the null block of 16 tokens; a slot a layer 48 x
@@ -112,14 +126,7 @@ def test_a_long_context_keeps_slots_where_a_short_one_takes_the_whole_batch():
     #   token, 8 x 92/128 = 5.75 read: 5.75 x 48 x 9,437,184 B = 2.60 GB a token.
     # 2: 27 slots, 128 (1 - (120/128)^2) = 15.5 needed, 12.23 read, 6.12 a token.
     # 3: 18 slots, 22.53 needed, 19.36 read, 6.45; 4: 9 slots, 6.77; 5: no slots.
-    settings = SizingSettings(
-        kv_bytes_per_token=98_304,
-        max_num_seqs=256,
-        max_model_len=40960,
-        max_num_batched_tokens=2048,
-        block_size=16,
-    )
-    long = replace(qwen3_30b(), max_num_seqs=256, max_model_len=40960)
+    settings, long = qwen3_30b_batch(40960)
     choice = best_batch(settings, 20 * GiB, long)
     assert (choice.sequences, choice.slots_per_layer) == (1, 36)
     assert choice.bytes_per_token == 5.75 * 48 * 9_437_184
@@ -128,14 +135,8 @@ def test_a_long_context_keeps_slots_where_a_short_one_takes_the_whole_batch():
     # 512 tokens (48 MiB a sequence): the whole batch, 256 sequences, 12 GiB and 16
     # slots (112/128 of every expert read, shared by 256 tokens: 0.20 GB a token),
     # against 128 sequences' 30 slots (98/128 read, shared by 128: 0.35 GB).
-    short = SizingSettings(
-        kv_bytes_per_token=98_304,
-        max_num_seqs=256,
-        max_model_len=512,
-        max_num_batched_tokens=2048,
-        block_size=16,
-    )
-    whole = best_batch(short, 20 * GiB, replace(qwen3_30b(), max_num_seqs=256, max_model_len=512))
+    short, shapes = qwen3_30b_batch(512)
+    whole = best_batch(short, 20 * GiB, shapes)
     assert (whole.sequences, whole.slots_per_layer) == (256, 16)
 
 
