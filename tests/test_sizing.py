@@ -75,23 +75,24 @@ def test_the_disk_tier_sizes_the_kv_cache_for_the_batch_that_reads_the_fewest_by
     from vllm_specexpert.config.sizing import SizingSettings, best_batch
 
     # 2 MoE layers of 4 experts, top 2, 0.5 GiB each: a slot a layer takes 1 GiB. A
-    # sequence's KV cache 1 GiB (1024 tokens of 1 MiB, no blocks); no workspace; the
+    # sequence's KV cache 0.25 GiB (1024 tokens of 256 KiB, no blocks); no workspace; the
     # reserve 1 GiB. A layer of B sequences needs 4 (1 - (1/2)^B) distinct experts
     # (2, 3, 3.5) and misses the share 1 - S/4 of them, read once for the batch.
-    toy = ModelShapes(2, 4, 2, GiB // 2, 64, 1 << 20, 3, 1024, 0)
-    settings = SizingSettings(kv_bytes_per_token=1 << 20, max_num_seqs=3, max_model_len=1024)
-    # 5 GiB free: 1 sequence leaves 3 slots, 2 x 0.5 x 2 x 1/4 = 0.5 GiB a token; 2
-    # sequences 2 slots, 1 x 3 x 1/2 / 2 = 0.75 GiB; 3 sequences 1 slot, fewer than top_k.
-    tight = best_batch(settings, 5 * GiB, toy)
-    assert (tight.sequences, tight.slots_per_layer, tight.kv_bytes) == (1, 3, GiB)
-    assert tight.bytes_per_token == GiB // 2
-    # 7 GiB: 1 and 2 sequences hold every expert (nothing read), 3 leave 3 slots (3.5 x
+    toy = ModelShapes(2, 4, 2, GiB // 2, 64, 1 << 18, 3, 1024, 0)
+    settings = SizingSettings(kv_bytes_per_token=1 << 18, max_num_seqs=3, max_model_len=1024)
+    # 4.5 GiB free: 1 sequence leaves 3 slots, 2 x 0.5 x 2 x 1/4 = 0.5 GiB a token; 2
+    # sequences 3 slots, 1 x 3 x 1/4 / 2 = 0.375 GiB (the batch shares the reads); 3
+    # sequences 2 slots, 1 x 3.5 x 1/2 / 3 = 0.58 GiB.
+    tight = best_batch(settings, 9 * GiB // 2, toy)
+    assert (tight.sequences, tight.slots_per_layer, tight.kv_bytes) == (2, 3, GiB // 2)
+    assert tight.bytes_per_token == 3 * GiB / 8
+    # 5.5 GiB: 1 and 2 sequences hold every expert (nothing read), 3 leave 3 slots (3.5 x
     # 1/4 / 3 of 1 GiB): at the tie, the larger batch.
-    assert best_batch(settings, 7 * GiB, toy).sequences == 2
-    # 8 GiB: every batch holds every expert: the largest, max_num_seqs.
-    roomy = best_batch(settings, 8 * GiB, toy)
+    assert best_batch(settings, 11 * GiB // 2, toy).sequences == 2
+    # 6 GiB: every batch holds every expert: the largest, max_num_seqs.
+    roomy = best_batch(settings, 6 * GiB, toy)
     assert (roomy.sequences, roomy.slots_per_layer, roomy.bytes_per_token) == (3, 4, 0.0)
-    assert "KV cache 3.0 GiB for 3 full-length sequences of 1024 tokens" in roomy.reason
+    assert "KV cache 768.0 MiB for 3 full-length sequences of 1024 tokens" in roomy.reason
     # One layer of 4 experts of 1 GiB, 64 MiB of KV a sequence, 5 GiB free: every batch
     # leaves 3 slots. From 2 sequences a call may need all 4 experts, which 3 slots
     # cannot hold in one launch: 1 sequence (0.5 GiB a token), though 4 would share
@@ -132,12 +133,13 @@ def test_a_long_context_keeps_slots_where_a_short_one_takes_the_whole_batch():
     assert choice.bytes_per_token == 5.75 * 48 * 9_437_184
     # The rule without the model's account gave 0.25 of the memory, 5 GiB, and 33 slots.
     assert kv_cache_for_batch(settings, 20 * GiB) == 5 * GiB
-    # 512 tokens (48 MiB a sequence): the whole batch, 256 sequences, 12 GiB and 16
-    # slots (112/128 of every expert read, shared by 256 tokens: 0.20 GB a token),
-    # against 128 sequences' 30 slots (98/128 read, shared by 128: 0.35 GB).
+    # 512 tokens (48 MiB a sequence): no more than the rule without the model gives,
+    # 0.25 of the memory, 5 GiB: 106 sequences (5.0 GiB with the null block) and 33
+    # slots, (20 - 4.9703 - 0.0117 - 1) / 0.421875 = 33.2: 95/128 of nearly every expert
+    # read, shared by 106 tokens (0.41 GB a token; 100 sequences, 33 slots: 0.43).
     short, shapes = qwen3_30b_batch(512)
     whole = best_batch(short, 20 * GiB, shapes)
-    assert (whole.sequences, whole.slots_per_layer) == (256, 16)
+    assert (whole.sequences, whole.slots_per_layer) == (106, 33)
 
 
 # --- GPUs -------------------------------------------------------------------------

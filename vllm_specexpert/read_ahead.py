@@ -167,6 +167,9 @@ class RegionReadAhead:
         nxt = self.following()
         if nxt is None or not sweeps(self.layer) or not sweeps(nxt):
             return
+        needed = self.layer.loader.last_needed
+        if needed is not None and not self.layer.cache.capacity_for(needed):
+            return  # (its call runs in token groups: the groups after this launch need every row)
         expected = nxt.loader.last_needed
         assert expected is not None  # (a sweep was needed)
         nxt.loader.read_ahead(expected, nxt.stats.decode)

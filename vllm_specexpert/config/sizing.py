@@ -464,11 +464,17 @@ def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -
     slots taking what it leaves of ``free_bytes`` (:func:`space_for_slots`); the larger
     batch at a tie. A batch whose calls could need more experts than the slots of every
     layer hold is not taken (its calls would run in token groups), nor one that leaves
-    fewer than ``top_k`` slots a layer; where none is left, one sequence."""
+    fewer than ``top_k`` slots a layer; where none is left, one sequence. Never larger
+    than :func:`kv_cache_for_batch`'s: ``free_bytes`` is measured before the engine's
+    process loads, and a larger cache than that rule's left fewer than ``top_k`` slots
+    to the engine in ``bench throughput``'s 4 GB cgroup."""
     per_slot = shapes.moe_layers * shapes.expert_bytes
+    cap = kv_cache_for_batch(settings, free_bytes)
     best: BatchChoice | None = None
     for sequences in range(1, max(settings.max_num_seqs, 1) + 1):
         kv = _kv_for_sequences(settings, sequences)
+        if kv > cap and sequences > 1:
+            break
         memory = MemoryReport(free_bytes, free_bytes, kv_cache_bytes=kv)
         space = space_for_slots(memory, shapes)["space"]
         slots = min(shapes.num_experts, math.floor(max(space, 0.0) / per_slot))

@@ -381,17 +381,32 @@ class LayerSlotPool(SlotPool):
         return np.full(len(candidates), requester.index, dtype=np.int32), candidates
 
     def capacity_for(self, cache: PooledCache, experts: np.ndarray) -> bool:
-        if len(experts) <= cache.rotating_slots + self.region_rows:
+        if len(experts) <= cache.rotating_slots:
             return True
         pinned_resident = cache.policy.pinned & cache.resident_mask()
         outside = np.count_nonzero(~pinned_resident[experts])
         return bool(outside <= self.capacity(cache))
 
     def capacity(self, cache: PooledCache) -> int:
-        """Its own slots not pinned, and every row of a region (what other layers hold
-        there is a demand load's to take: no layer but the running one needs it now)."""
+        """Its own slots not pinned, and the rows of a region a demand load may take now:
+        what other layers hold there is a demand load's to take (no layer but the running
+        one needs it now), but for an expert still being read for its layer (a read
+        ahead) or in use (:meth:`_shared_victims` passes both over)."""
         pinned = int(np.count_nonzero(cache.policy.pinned & cache.resident_mask()))
-        return cache.num_slots - pinned + self.region_rows
+        if self.rows is None:
+            return cache.num_slots - pinned + self.region_rows
+        held = 0
+        for holder in {
+            id(h): h for h in self.rows.holder if h is not None and h is not cache
+        }.values():
+            in_rows = np.flatnonzero(holder.expert_slot >= holder.pool.joined_slots)
+            kept = ~holder.evictable_mask()[in_rows]
+            in_flight = holder.pool.in_flight
+            if in_flight:
+                slots = holder.expert_slot[in_rows].tolist()
+                kept |= np.asarray([slot in in_flight for slot in slots], dtype=bool)
+            held += int(np.count_nonzero(kept))
+        return cache.num_slots - pinned + self.region_rows - held
 
 
 class SharedSlotPool(SlotPool):
