@@ -88,8 +88,8 @@ def test_a_region_needs_a_row():
 from moe_reference import random_layer, random_routing, reference_moe, slot_kernel  # noqa: E402
 
 from vllm_specexpert import engine as engine_module  # noqa: E402
-from vllm_specexpert.budget_plan import region_split  # noqa: E402
 from vllm_specexpert.config import SpecExpertConfig  # noqa: E402
+from vllm_specexpert.config.sizing import region_split  # noqa: E402
 from vllm_specexpert.engine import OffloadEngine  # noqa: E402
 from vllm_specexpert.layer_call import LayerCall  # noqa: E402
 from vllm_specexpert.phases import PassPhases  # noqa: E402

@@ -101,6 +101,16 @@ def test_the_disk_tier_sizes_the_kv_cache_for_the_batch_that_reads_the_fewest_by
     small_kv = SizingSettings(kv_bytes_per_token=1 << 16, max_num_seqs=4, max_model_len=1024)
     alone = best_batch(small_kv, 5 * GiB, one_layer)
     assert (alone.sequences, alone.slots_per_layer) == (1, 3)
+    # 4 layers of 8 experts, top 2, 0.25 GiB each (1 GiB a slot a layer), 1 MiB of KV a
+    # sequence, 4.5 GiB free: 3 slots a layer at every batch, 12 in all. A call of 4
+    # sequences may need all 8 experts: each layer keeps top_k = 2 of its own, the region
+    # the other 4 rows, and 6 experts at once are fewer than 8 (token groups), though 12
+    # slots outnumber them. 3 sequences need at most 6: read 8 (1 - (3/4)^3) x 5/8 / 3 =
+    # 0.96 experts a token, against 1.09 for 2 and 1.25 for 1 (4 would read 0.85).
+    layers = ModelShapes(4, 8, 2, GiB // 4, 64, 1 << 10, 4, 1024, 0)
+    tiny_kv = SizingSettings(kv_bytes_per_token=1 << 10, max_num_seqs=4, max_model_len=1024)
+    split = best_batch(tiny_kv, 9 * GiB // 2, layers)
+    assert (split.sequences, split.slots_per_layer) == (3, 3)
 
 
 def qwen3_30b_batch(max_model_len: int):

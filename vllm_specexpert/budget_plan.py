@@ -18,7 +18,11 @@ import torch
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.fit import budget_slots
-from vllm_specexpert.config.sizing import BudgetFit, SizingSettings, fit_budget
+from vllm_specexpert.config.sizing import (
+    BudgetFit,
+    SizingSettings,
+    fit_budget,
+)
 from vllm_specexpert.tiers.memory import memory_report
 from vllm_specexpert.tiers.store import ExpertSource
 
@@ -38,42 +42,6 @@ class SlotPlan:
         if isinstance(self.budget, str):
             raise RuntimeError(f"budget {self.budget!r} is not sized (no MoE layer counted)")
         return budget_slots(self.budget, num_experts, top_k)
-
-
-@dataclass(frozen=True)
-class RegionSplit:
-    """The budget's slots of every layer, split into each layer's own slots and one
-    region of rows every layer's tensor covers (:mod:`~vllm_specexpert.tiers.shared_region`)."""
-
-    own: int
-    """Slots a layer keeps (its cache's)."""
-    rows: int
-    """The shared region's rows (0: none, the layer's own slots only)."""
-
-
-def region_split(
-    slots: int, layers: int, num_experts: int, top_k: int, need: int, ahead: int = 0
-) -> RegionSplit:
-    """How ``layers`` layers' ``slots`` each are split for calls of at most ``need``
-    distinct experts (``max_num_seqs * top_k``, at most the layer's experts) to run in
-    one launch: none where their own slots hold that many. Else, with L layers of S
-    slots and E experts, a call whose own slots hold S' of them misses at most
-    ``min(need, E - S')``, which the region holds, with ``ahead`` rows more (the following
-    layer's reads while the call computes, :mod:`~vllm_specexpert.read_ahead`): ``L * S'
-    + rows = L * S`` gives ``S' = (L*S - E - ahead) / (L - 1)`` when a call may need them
-    all (the issue's bound: 1.17x the read-once bound on 8 layers, 1.02x on 48),
-    ``(L*S - need - ahead) / L`` when fewer. A layer keeps at least ``top_k``; what is
-    left then may hold fewer than a call misses (token groups for that call)."""
-    need = min(need, num_experts)
-    if layers < 2 or need <= slots:
-        return RegionSplit(slots, 0)
-    total = layers * slots
-    own = (total - need - ahead) // layers
-    if need > num_experts - own:  # (a call's own hits may be all S' of them)
-        own = (total - num_experts - ahead) // (layers - 1)
-    own = max(own, top_k)
-    rows = total - layers * own
-    return RegionSplit(own, rows) if rows > 0 else RegionSplit(slots, 0)
 
 
 class BudgetPlan:

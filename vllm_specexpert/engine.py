@@ -26,8 +26,9 @@ from typing import Any, TypeVar
 import torch
 
 from vllm_specexpert import features, pipeline, report
-from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach, region_split
+from vllm_specexpert.budget_plan import BudgetPlan, SlotPlan, check_pool_reach
 from vllm_specexpert.config import SpecExpertConfig, check_switch
+from vllm_specexpert.config.sizing import region_split
 from vllm_specexpert.features import EngineFeature, EngineParts
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall
@@ -212,7 +213,7 @@ class OffloadEngine:
         loads every missing expert on the device (``fetch``, ``stream``) into a layer's
         own pool on the CPU build, and the batch may need more experts than ``slots``
         (``max_num_seqs * top_k``), the budget's slots of every layer split
-        (:func:`~vllm_specexpert.budget_plan.region_split`); else ``slots`` and none."""
+        (:func:`~vllm_specexpert.config.sizing.region_split`); else ``slots`` and none."""
         policy, sizing, experts = self.config.miss_policy_spec, self.budget.sizing, layer.experts
         if (
             not self.splits_slots

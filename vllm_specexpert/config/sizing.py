@@ -417,6 +417,42 @@ def _kv_for_sequences(settings: SizingSettings, sequences: int) -> int:
 
 
 @dataclass(frozen=True)
+class RegionSplit:
+    """The budget's slots of every layer, split into each layer's own slots and one
+    region of rows every layer's tensor covers (:mod:`~vllm_specexpert.tiers.shared_region`)."""
+
+    own: int
+    """Slots a layer keeps (its cache's)."""
+    rows: int
+    """The shared region's rows (0: none, the layer's own slots only)."""
+
+
+def region_split(
+    slots: int, layers: int, num_experts: int, top_k: int, need: int, ahead: int = 0
+) -> RegionSplit:
+    """How ``layers`` layers' ``slots`` each are split for calls of at most ``need``
+    distinct experts (``max_num_seqs * top_k``, at most the layer's experts) to run in
+    one launch: none where their own slots hold that many. Else, with L layers of S
+    slots and E experts, a call whose own slots hold S' of them misses at most
+    ``min(need, E - S')``, which the region holds, with ``ahead`` rows more (the following
+    layer's reads while the call computes, :mod:`~vllm_specexpert.read_ahead`): ``L * S'
+    + rows = L * S`` gives ``S' = (L*S - E - ahead) / (L - 1)`` when a call may need them
+    all (the issue's bound: 1.17x the read-once bound on 8 layers, 1.02x on 48),
+    ``(L*S - need - ahead) / L`` when fewer. A layer keeps at least ``top_k``; what is
+    left then may hold fewer than a call misses (token groups for that call)."""
+    need = min(need, num_experts)
+    if layers < 2 or need <= slots:
+        return RegionSplit(slots, 0)
+    total = layers * slots
+    own = (total - need - ahead) // layers
+    if need > num_experts - own:  # (a call's own hits may be all S' of them)
+        own = (total - num_experts - ahead) // (layers - 1)
+    own = max(own, top_k)
+    rows = total - layers * own
+    return RegionSplit(own, rows) if rows > 0 else RegionSplit(slots, 0)
+
+
+@dataclass(frozen=True)
 class BatchChoice:
     """The KV cache the CPU build gives a slow tier's ``budget: "auto"`` (:func:`best_batch`)."""
 
@@ -462,8 +498,9 @@ def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -
     """The KV cache of the batch, up to ``max_num_seqs`` full-length sequences, that reads
     the fewest modeled expert bytes a decode token (:func:`modeled_bytes_per_token`), the
     slots taking what it leaves of ``free_bytes`` (:func:`space_for_slots`); the larger
-    batch at a tie. A batch whose calls could need more experts than the slots of every
-    layer hold is not taken (its calls would run in token groups), nor one that leaves
+    batch at a tie. A batch whose calls could need more experts than a layer's own slots
+    and the shared region hold (:func:`region_split`) is not taken (its calls would run
+    in token groups), nor one that leaves
     fewer than ``top_k`` slots a layer; where none is left, one sequence. Never larger
     than :func:`kv_cache_for_batch`'s: ``free_bytes`` is measured before the engine's
     process loads, and a larger cache than that rule's left fewer than ``top_k`` slots
@@ -478,8 +515,9 @@ def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -
         memory = MemoryReport(free_bytes, free_bytes, kv_cache_bytes=kv)
         space = space_for_slots(memory, shapes)["space"]
         slots = min(shapes.num_experts, math.floor(max(space, 0.0) / per_slot))
-        reach = min(shapes.num_experts, sequences * shapes.top_k)
-        if slots < shapes.top_k or slots * shapes.moe_layers < reach:
+        need = min(shapes.num_experts, sequences * shapes.top_k)
+        split = region_split(slots, shapes.moe_layers, shapes.num_experts, shapes.top_k, need)
+        if slots < shapes.top_k or need > split.own + split.rows:
             continue
         cost = modeled_bytes_per_token(sequences, slots, shapes)
         if best is None or cost <= best.bytes_per_token * (1 + 1e-9):
