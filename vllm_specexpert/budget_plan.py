@@ -18,11 +18,7 @@ import torch
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
 from vllm_specexpert.config.fit import budget_slots
-from vllm_specexpert.config.sizing import (
-    BudgetFit,
-    SizingSettings,
-    fit_budget,
-)
+from vllm_specexpert.config.sizing import BudgetFit, SizingSettings, fit_budget
 from vllm_specexpert.tiers.memory import memory_report
 from vllm_specexpert.tiers.store import ExpertSource
 

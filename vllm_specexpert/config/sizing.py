@@ -500,11 +500,10 @@ def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -
     slots taking what it leaves of ``free_bytes`` (:func:`space_for_slots`); the larger
     batch at a tie. A batch whose calls could need more experts than a layer's own slots
     and the shared region hold (:func:`region_split`) is not taken (its calls would run
-    in token groups), nor one that leaves
-    fewer than ``top_k`` slots a layer; where none is left, one sequence. Never larger
-    than :func:`kv_cache_for_batch`'s: ``free_bytes`` is measured before the engine's
-    process loads, and a larger cache than that rule's left fewer than ``top_k`` slots
-    to the engine in ``bench throughput``'s 4 GB cgroup."""
+    in token groups), nor one that leaves fewer than ``top_k`` slots a layer; where none
+    is left, one sequence. Never larger than :func:`kv_cache_for_batch`'s: ``free_bytes``
+    is measured before the engine's process loads, and a larger cache than that rule's
+    left fewer than ``top_k`` slots to the engine in ``bench throughput``'s 4 GB cgroup."""
     per_slot = shapes.moe_layers * shapes.expert_bytes
     cap = kv_cache_for_batch(settings, free_bytes)
     best: BatchChoice | None = None
