@@ -1,12 +1,14 @@
 """The C heap's free pages go back to the OS after vLLM's warm-up
-(:func:`~vllm_specexpert.tiers.memory.release_free_heap`)."""
+(:func:`~vllm_specexpert.tiers.memory.release_free_heap`); a process's own memory is
+its anonymous pages, not the files it maps
+(:func:`~vllm_specexpert.tiers.memory.process_anonymous_bytes`)."""
 
 import ctypes
-from pathlib import Path
+import mmap
 
 import pytest
 
-from vllm_specexpert.tiers.memory import release_free_heap
+from vllm_specexpert.tiers.memory import process_anonymous_bytes, release_free_heap
 
 BLOCK = 64 * 1024
 """Below glibc's mmap threshold (128 KiB): served from the heap, not a mapping of its own."""
@@ -14,10 +16,7 @@ BLOCKS = 1600  # 100 MiB
 
 
 def anonymous_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise AssertionError("no RssAnon in /proc/self/status")
+    return process_anonymous_bytes() // 1024
 
 
 def test_the_heaps_free_pages_are_given_back():
@@ -38,3 +37,19 @@ def test_the_heaps_free_pages_are_given_back():
     libc.free(fence)
     # Nearly all of the 100 MiB freed comes back (the allocator's bookkeeping stays).
     assert released >= 0.9 * BLOCKS * BLOCK / 1024
+
+
+def test_a_process_counts_the_memory_it_writes_not_the_files_it_reads(tmp_path):
+    # What the engine's processes are counted to hold (each at this process's anonymous
+    # memory) must not count a mapped file's pages, which the page cache holds once for
+    # every process (a resident-set count would: the fault this catches).
+    size = 100 << 20
+    path = tmp_path / "file"
+    path.write_bytes(b"\1" * size)
+    before = process_anonymous_bytes()
+    with path.open("rb") as file, mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ) as pages:
+        assert sum(pages[i] for i in range(0, size, 4096)) == size // 4096  # read in
+        assert process_anonymous_bytes() - before < 0.1 * size
+    written = bytearray(b"\1" * size)
+    assert process_anonymous_bytes() - before >= 0.9 * size
+    del written

@@ -89,6 +89,10 @@ def test_the_disk_tier_sizes_the_kv_cache_for_the_batch_that_reads_the_fewest_by
     # 5.5 GiB: 1 and 2 sequences hold every expert (nothing read), 3 leave 3 slots (3.5 x
     # 1/4 / 3 of 1 GiB): at the tie, the larger batch.
     assert best_batch(settings, 11 * GiB // 2, toy).sequences == 2
+    # The same 5.5 GiB of which the engine's processes will take 1 GiB: 4.5 GiB's choice.
+    taken = best_batch(settings, 11 * GiB // 2, toy, engine_bytes=GiB)
+    assert (taken.sequences, taken.slots_per_layer, taken.kv_bytes) == (2, 3, GiB // 2)
+    assert "and 1.0 GiB for the engine's processes" in taken.reason
     # 6 GiB: every batch holds every expert: the largest, max_num_seqs.
     roomy = best_batch(settings, 6 * GiB, toy)
     assert (roomy.sequences, roomy.slots_per_layer, roomy.bytes_per_token) == (3, 4, 0.0)

@@ -15,7 +15,8 @@ loaded and leaves, before any slot::
                 KV bytes per token, KV_SHARE * room); the CPU build gives vLLM an
                 explicit one when the engine is configured: this, or under the disk
                 tier with ``auto``, the batch's that reads the fewest modeled expert
-                bytes a token (:func:`best_batch`)
+                bytes a token (:func:`best_batch`, of the memory the engine's
+                processes and the model's other weights leave)
     workspace = min(max_num_batched_tokens, KERNEL_CHUNK_TOKENS (256)) * top_k
                 * moe_intermediate_size * WORKSPACE_BYTES (8) + the slow tier's read buffers
     draft     = with lookahead, what its draft (built after the slots) takes of this memory:
@@ -467,6 +468,8 @@ class BatchChoice:
     bytes_per_token: float
     """Expert bytes a decode step of the batch reads a token, modeled
     (:func:`modeled_bytes_per_token`)."""
+    engine_bytes: int = 0
+    """What the engine's own processes were counted to take of the memory first."""
 
     @property
     def reason(self) -> str:
@@ -477,8 +480,13 @@ class BatchChoice:
             f"{self.max_model_len} tokens (max_num_seqs {self.max_num_seqs}): the batch the "
             f"memory serves with the fewest expert bytes read a decode token, "
             f"{self.bytes_per_token / 1e6:.1f} MB modeled, {self.slots_per_layer} of "
-            f"{self.num_experts} experts a layer resident beside it (each token's experts "
-            "taken uniformly; set kv_cache_memory_bytes for another size)"
+            f"{self.num_experts} experts a layer resident beside it"
+            + (
+                f" and {gib(self.engine_bytes)} for the engine's processes"
+                if self.engine_bytes
+                else ""
+            )
+            + " (each token's experts taken uniformly; set kv_cache_memory_bytes for another size)"
         )
 
 
@@ -494,24 +502,27 @@ def modeled_bytes_per_token(sequences: int, slots_per_layer: int, shapes: ModelS
     return shapes.moe_layers * shapes.expert_bytes * missed / sequences
 
 
-def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -> BatchChoice:
+def best_batch(
+    settings: SizingSettings, free_bytes: int, shapes: ModelShapes, engine_bytes: int = 0
+) -> BatchChoice:
     """The KV cache of the batch, up to ``max_num_seqs`` full-length sequences, that reads
     the fewest modeled expert bytes a decode token (:func:`modeled_bytes_per_token`), the
     slots taking what it leaves of ``free_bytes`` (:func:`space_for_slots`); the larger
     batch at a tie. A batch whose calls could need more experts than a layer's own slots
     and the shared region hold (:func:`region_split`) is not taken (its calls would run
     in token groups), nor one that leaves fewer than ``top_k`` slots a layer; where none
-    is left, one sequence. Never larger than :func:`kv_cache_for_batch`'s: ``free_bytes``
-    is measured before the engine's process loads, and a larger cache than that rule's
-    left fewer than ``top_k`` slots to the engine in ``bench throughput``'s 4 GB cgroup."""
+    is left, one sequence. ``free_bytes`` is measured before the engine's processes
+    start; the slots share it less ``engine_bytes``, what those will hold. Never larger
+    than :func:`kv_cache_for_batch`'s."""
     per_slot = shapes.moe_layers * shapes.expert_bytes
     cap = kv_cache_for_batch(settings, free_bytes)
+    left = max(free_bytes - engine_bytes, 0)
     best: BatchChoice | None = None
     for sequences in range(1, max(settings.max_num_seqs, 1) + 1):
         kv = _kv_for_sequences(settings, sequences)
         if kv > cap and sequences > 1:
             break
-        memory = MemoryReport(free_bytes, free_bytes, kv_cache_bytes=kv)
+        memory = MemoryReport(left, left, kv_cache_bytes=kv)
         space = space_for_slots(memory, shapes)["space"]
         slots = min(shapes.num_experts, math.floor(max(space, 0.0) / per_slot))
         need = min(shapes.num_experts, sequences * shapes.top_k)
@@ -528,6 +539,7 @@ def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -
                 slots,
                 shapes.num_experts,
                 cost,
+                engine_bytes,
             )
     if best is None:
         kv = _kv_for_sequences(settings, 1)
@@ -539,6 +551,7 @@ def best_batch(settings: SizingSettings, free_bytes: int, shapes: ModelShapes) -
             0,
             shapes.num_experts,
             modeled_bytes_per_token(1, 0, shapes),
+            engine_bytes,
         )
     return best
 

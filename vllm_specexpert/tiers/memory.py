@@ -180,6 +180,17 @@ def memory_report(
     )
 
 
+def process_anonymous_bytes() -> int:
+    """This process's anonymous resident memory (``RssAnon``: its heap and the libraries'
+    private pages, not the files they map, which processes share); 0 where unknown."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^RssAnon:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else 0
+
+
 def release_free_heap() -> bool:
     """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``): the scratch
     of vLLM's warm-up passes is freed when they end but kept by the allocator, and the
