@@ -275,6 +275,9 @@ def test_the_copy_with_the_feature_keeps_the_layout(copy_with_feature):
     assert done.returncode == 0, done.stdout[-3000:]
 
 
+# Slow: a package copy's layout check in a fresh interpreter, 30 s; the check itself runs on the
+# package in test_layout.
+@pytest.mark.slow
 def test_the_layout_check_sees_a_feature_left_out_of_the_map(tmp_path):
     """The fault: the module and its registry line, without its word in the map."""
     (copy_package(tmp_path) / "features" / "call_tracer.py").write_text(FEATURE_MODULE)

@@ -260,8 +260,8 @@ class SharedPoolMachine(RuleBasedStateMachine):
             self.check()
 
 
-for machine, examples in ((CacheMachine, 200), (SharedPoolMachine, 150)):
-    # (drawn for a minute of the default run; SPECEXPERT_HYPOTHESIS=explore draws more)
+for machine, examples in ((CacheMachine, 80), (SharedPoolMachine, 60)):
+    # (drawn for 25 s of the default run; SPECEXPERT_HYPOTHESIS=explore draws more)
     machine.TestCase.settings = settings(
         max_examples=1000 if EXPLORE else examples,
         stateful_step_count=60,

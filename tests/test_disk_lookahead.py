@@ -45,6 +45,9 @@ def engine(pack_dir):
     shutdown(llm)
 
 
+# Slow: an engine of its own, 53 s; lookahead's exactness runs in test_lookahead, the draft
+# pack's regions in test_draft_pack.
+@pytest.mark.slow
 def test_lookahead_on_the_disk_drafts_from_the_packs_int4_regions_and_equals_vanilla(engine):
     llm, reference = engine
     outputs = greedy(llm)

@@ -110,6 +110,10 @@ def test_the_disk_tier_under_auto_gives_vllm_the_kv_cache_its_batch_choice_leave
     # MiB; the safetensors header included): 463.5 - 248.44 MiB leaves 53 sequences
     # beside every expert (54 would leave 46.6 of the 48 MiB: 62 slots a layer and some
     # read).
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # (what vLLM's platform reads)
+    # (what its engine reads: vLLM caches its settings once an engine has started)
+    monkeypatch.setattr(envs, "VLLM_ENABLE_V1_MULTIPROCESSING", True, raising=False)
     monkeypatch.setattr("vllm_specexpert.layers.sizing.process_anonymous_bytes", lambda: 100 * MiB)
     assert kv_given({"budget": "auto", "disk": disk})[0] == 53 * 4 * MiB + block * 4096

@@ -517,6 +517,7 @@ def test_fixed_k_by_reconfigure(llm):
         vllm_specexpert.reconfigure(llm, lookahead={"k_max": 2})
 
 
+@pytest.mark.slow  # (an engine of its own, 15 s)
 def test_under_the_token_scheduler_held_back_drafts_are_verified():
     # 16 decoding sequences in groups of 4: each step runs one group and holds the others
     # back, with the tokens their last round drafted; vLLM keeps those until it
@@ -568,6 +569,8 @@ def _count_late_verifications(scheduler):
     return lambda: count[0]
 
 
+# Slow: an engine of its own, 16 s; the draft's exactness runs in the other tests here.
+@pytest.mark.slow
 def test_a_small_draft_pool_decodes_its_int4_experts_on_use():
     llm = make_llm(
         TRAINED_MODEL,

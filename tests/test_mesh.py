@@ -269,6 +269,9 @@ def probe_until(tier: PeerTier, condition, rounds: int = 12) -> bool:
         tier.clock = saved
 
 
+# Slow: a peer's failure mid-call is checked on toy engines by
+# test_peer_entries_are_added_with_their_weights_or_computed_here.
+@pytest.mark.slow
 def test_killing_a_peer_mid_generation_loses_nothing(llm, reference):
     import ray
 
@@ -582,6 +585,9 @@ def checkpoint_reference(spec: ShardSpec, layer_offset: int = 0):
     return reference
 
 
+# Slow: the peers' start check runs in the default run's engine
+# (test_exact_modes_run_the_routers_experts_on_the_peers).
+@pytest.mark.slow
 def test_a_peer_computes_with_the_kernel_its_process_can_run():
     # The engine on a CPU with AMX asks its peers for the AMX kernel. A peer's process
     # must request AMX state first (else its first AMX instruction is a SIGILL), and
@@ -603,6 +609,7 @@ def test_a_peer_computes_with_the_kernel_its_process_can_run():
         tier.close()
 
 
+@pytest.mark.slow  # (Ray peers of their own: 11 s)
 def test_a_peer_that_answers_otherwise_than_this_host_is_refused_at_start():
     spec = shard_spec(KERNEL_ISA)
     with pytest.raises(SpecExpertConfigError) as error:  # another model's experts here
@@ -611,6 +618,7 @@ def test_a_peer_that_answers_otherwise_than_this_host_is_refused_at_start():
     assert "peer 0" in str(error.value) and "differ from this host's" in str(error.value)
 
 
+@pytest.mark.slow  # (Ray peers of their own: 16 s)
 def test_a_peer_that_cannot_compute_is_refused_at_start_with_its_reason():
     spec = shard_spec(KERNEL_ISA, activation="relu2")  # vLLM's CPU kernel has no relu2
     with pytest.raises(SpecExpertConfigError) as error:

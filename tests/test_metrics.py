@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from moe_reference import random_layer, random_routing, slot_kernel
 from prometheus_client import CollectorRegistry, generate_latest
@@ -170,6 +171,9 @@ def test_the_snapshot_directory_is_removed_when_the_frontend_exits(tmp_path):
     assert failed.returncode == 2 and snapshot_directories(tmp_path) == []
 
 
+# Slow: two killed frontends, 15 s; a frontend's own exit is
+# test_the_snapshot_directory_is_removed_when_the_frontend_exits.
+@pytest.mark.slow
 def test_directories_of_killed_frontends_are_removed_by_the_next_one(tmp_path):
     import os
 

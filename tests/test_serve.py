@@ -161,6 +161,8 @@ def disk_server(tmp_path_factory):
         yield port, model, work / "pack", work
 
 
+# Slow: a server of its own, 54 s; LLM() checks the same in test_disk_tier's read-error tests.
+@pytest.mark.slow
 def test_serve_fails_only_the_requests_whose_records_are_corrupt(disk_server):
     """The disk tier behind the OpenAI server: records corrupted on disk after they were
     read fail the requests that read them again (an error response, never another text),
@@ -198,6 +200,9 @@ def test_serve_fails_only_the_requests_whose_records_are_corrupt(disk_server):
     assert after == before
 
 
+# Slow: the corrupt-records test's server; the series are checked against the counters in
+# test_metrics.
+@pytest.mark.slow
 def test_every_dashboard_query_returns_series_with_its_panels_labels(disk_server):
     """A real Prometheus scrapes the server (``tests/prometheus_check.py``): every query
     of ``docs/grafana/specexpert.json`` returns series with its legend's labels."""
