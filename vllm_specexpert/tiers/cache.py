@@ -196,12 +196,6 @@ class ExpertCache:
         )
         write_slot_map(expert_map, update[0], update[1])
 
-    def copy_of(self, experts: np.ndarray) -> ExpertCopy:
-        """The transfer that fills the slots of ``experts`` (resident) from the slow tier."""
-        return ExpertCopy(
-            self.experts, self.slots, experts, self.expert_slot[experts].astype(np.int64)
-        )
-
     # ---------------------------------------------------------------- changes
 
     def take_slots(
@@ -216,12 +210,14 @@ class ExpertCache:
         demand load, may take a shared region's rows other layers hold)."""
         return self.pool.take(self, count, keep, demand, shared)
 
-    def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Record that ``slots`` (free) now hold ``experts`` (not resident)."""
+    def assign(self, experts: np.ndarray, slots: np.ndarray) -> ExpertCopy:
+        """Record that ``slots`` (free) now hold ``experts`` (not resident); returns the
+        transfer that fills them from the slow tier."""
         self.slot_expert[slots] = experts
         self.pool.claim(slots, self.index)
         self.expert_slot[experts] = slots
         self._map_dirty[experts] = True
+        return ExpertCopy(self.experts, self.pool.tensors, experts, slots.astype(np.int64))
 
     def release(self, experts: np.ndarray) -> np.ndarray:
         """Forget resident ``experts``; returns their slots, now free."""

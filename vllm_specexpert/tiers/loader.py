@@ -290,7 +290,7 @@ class ExpertLoader:
         admitted: bool = False,
         ahead: bool = False,
     ) -> Transfer:
-        self.cache.assign(experts, slots)
+        copy = self.cache.assign(experts, slots)
         count = len(experts)
 
         def started(transfer: Transfer) -> None:
@@ -312,7 +312,7 @@ class ExpertLoader:
                 }.values()
             )
         transfer = self.link.submit(
-            self.cache.copy_of(experts),
+            copy,
             prefetch=prefetch,
             on_start=started,
             after=after,

@@ -13,14 +13,8 @@ from __future__ import annotations
 import torch
 
 from vllm_specexpert.config import LinkConfig, SpecExpertConfigError
-from vllm_specexpert.tiers.link.base import (
-    Clock,
-    ExpertCopy,
-    Link,
-    Transfer,
-    sleep_until,
-)
-from vllm_specexpert.tiers.link.cpu import CpuLink
+from vllm_specexpert.tiers.link.base import ExpertCopy, Link, Transfer, sleep_until
+from vllm_specexpert.tiers.link.cpu import Clock, CpuLink
 
 
 def make_link(config: LinkConfig, device: torch.device) -> Link:

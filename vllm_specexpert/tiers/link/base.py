@@ -147,17 +147,6 @@ def insert(pending: deque, transfer: Transfer) -> None:
     pending.insert(position, transfer)
 
 
-class Clock:
-    """The time an emulated link holds its copies to (``perf_counter`` seconds); a test's
-    clock makes landing independent of machine load."""
-
-    def now(self) -> float:
-        return time.perf_counter()
-
-    def sleep_until(self, deadline: float) -> None:
-        sleep_until(deadline)
-
-
 def sleep_until(deadline: float) -> None:
     # time.sleep overshoots by ~0.1 ms; spin for the last stretch so that emulated
     # copies of a few microseconds stay accurate.

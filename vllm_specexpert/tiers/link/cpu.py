@@ -5,19 +5,31 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 
 from vllm_specexpert.config import LinkConfig
 from vllm_specexpert.tiers.link.base import (
-    Clock,
     ExpertCopy,
     Link,
     StartCallback,
     Transfer,
     insert,
+    sleep_until,
 )
 from vllm_specexpert.tiers.store import ExpertSource, ExpertsUnreadable
+
+
+class Clock:
+    """The time the CPU link submits, starts and lands its copies in (``perf_counter``
+    seconds); a test's clock makes landing independent of machine load."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep_until(self, deadline: float) -> None:
+        sleep_until(deadline)
 
 
 class _CpuTransfer(Transfer):
