@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from vllm_specexpert import execute, layer_call
+from vllm_specexpert import layer_call
 from vllm_specexpert.config import LinkConfig
 from vllm_specexpert.device_runs import device_run_for
 from vllm_specexpert.stats import PhaseStats
@@ -64,7 +64,7 @@ def run_fetch(
     executor surveys the cache and runs every entry on the device, loaded on demand."""
     call = layer_call.LayerCall("layer", kernel or slot_kernel, x, topk_weights, topk_ids)
     call = call.on_host(stats)
-    return execute.execute(device_run_for(), loader, call, execute.survey(loader, call))
+    return device_run_for().run_all(loader, call)
 
 
 def slot_kernel(x, topk_weights, ids, slots, expert_map=None, *, out=None, tile_tokens=0):

@@ -26,6 +26,18 @@ from vllm_specexpert.layer_state import OffloadedLayer
 from vllm_specexpert.pipeline import DecodeCall, Part, Runner, RunWrap, Stage
 
 
+class TracedRun(Runner):
+    """The layer's run step (``mode``), its output's shape recorded."""
+
+    def __init__(self, tracer: CallTracer, layer: OffloadedLayer, mode: Runner) -> None:
+        self.tracer, self.layer, self.mode = tracer, layer, mode
+
+    def run(self, call: DecodeCall | None, request: LayerCall):
+        out = self.mode.run(call, request)
+        self.tracer.events.append(("resolved", self.layer.name, list(out.shape)))
+        return out
+
+
 class CallTracer(EngineFeature):
     name = "tracer"
 
@@ -41,12 +53,7 @@ class CallTracer(EngineFeature):
 
     def stages(self, layer: OffloadedLayer) -> Sequence[Part]:
         def wrap(mode: Runner, exact: Runner) -> Runner:
-            def run(call: DecodeCall | None, request: LayerCall):
-                out = mode(call, request)
-                self.events.append(("resolved", layer.name, list(out.shape)))
-                return out
-
-            return run
+            return TracedRun(self, layer, mode)
 
         return (
             Stage("tracer.call", "on_call", self._call),

@@ -60,7 +60,6 @@ def test_a_calls_first_launch_work_runs_once_before_its_first_launch(device_run)
     # not after the kernels.
     from moe_reference import slot_kernel
 
-    from vllm_specexpert import execute
     from vllm_specexpert.device_runs import device_run_for
     from vllm_specexpert.layer_call import FirstLaunch, LayerCall
 
@@ -79,7 +78,7 @@ def test_a_calls_first_launch_work_runs_once_before_its_first_launch(device_run)
     call = LayerCall("layer", counted_kernel, x, w, ids, first_launch=first)
     call = call.on_host(PhaseStats())
     device = device_run_for(splits_tokens=device_run == "streamed")
-    out = execute.execute(device, loader, call, execute.survey(loader, call))
+    out = device.run_all(loader, call)
     if device_run == "token groups":  # (streamed windows round a split token once more)
         assert torch.equal(
             out, reference_moe(x, w, ids, tensors["w13_weight"], tensors["w2_weight"])
@@ -99,7 +98,6 @@ def test_a_one_launch_call_writes_into_its_buffer_and_a_part_never_does():
     for num_slots, one_launch in [(16, True), (4, False)]:
         from moe_reference import slot_kernel
 
-        from vllm_specexpert import execute
         from vllm_specexpert.device_runs import device_run_for
         from vllm_specexpert.layer_call import LayerCall
 
@@ -114,7 +112,7 @@ def test_a_one_launch_call_writes_into_its_buffer_and_a_part_never_does():
         loader = make_loader(tensors, num_slots=num_slots, top_k=4)
         buffer = torch.full_like(x, float("nan"))
         call = LayerCall("layer", writing_kernel, x, w, ids, out=buffer).on_host(PhaseStats())
-        out = execute.execute(device_run_for(), loader, call, execute.survey(loader, call))
+        out = device_run_for().run_all(loader, call)
         assert torch.equal(out, expected)
         assert (out is buffer) == one_launch
         assert buffer.isnan().all() != one_launch  # (a part wrote nothing there)

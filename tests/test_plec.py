@@ -272,7 +272,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     The experts of the launch must stay where the kernel will read them."""
     from moe_reference import run_fetch  # noqa: F401 (the same executor path)
 
-    from vllm_specexpert import execute, layer_call
+    from vllm_specexpert import layer_call
     from vllm_specexpert.device_runs import device_run_for
     from vllm_specexpert.stats import PhaseStats
 
@@ -288,7 +288,7 @@ def test_a_prefetch_during_a_call_never_evicts_the_experts_its_kernel_is_about_t
     call = layer_call.LayerCall(NAMES[0], slot_kernel, x, w, ids, first_launch=first)
     call = call.on_host(stats)
     device, loader = device_run_for(), running.loader
-    out = execute.execute(device, loader, call, execute.survey(loader, call))
+    out = device.run_all(loader, call)
     t = LAYER_TENSORS[NAMES[0]]
     assert torch.equal(out, reference_moe(x, w, ids, t["w13_weight"], t["w2_weight"]))
     assert stats.prefetched > 0  # the prefetch did take slots of the shared pool

@@ -85,11 +85,11 @@ its floor::
      7  layer_state     OffloadedLayer: what every offloaded layer has, its places
      5  device_runs/    how a call's device entries run, chosen when a layer is
                         composed: resident (every expert in the slot of its id),
-                        one_launch (every expert a call needs, one launch; its
-                        overflow: token_groups, exact, or streamed), kernel_launch
-                        (the one way a launch is made)
-     7  execute         survey, run a plan over the device run and the places; the one
-                        place that carries out a plan
+                        one_launch (the survey of a call; every expert it needs, one
+                        launch; its overflow: token_groups, exact, or streamed),
+                        kernel_launch (the one way a launch is made)
+     7  execute         a miss policy's plan run over the device run and the places;
+                        the one place that carries out a plan
      8  layer_checks    what a config needs of the loaded layers, whatever the features
      8  quality/        the quality budget: logits (the model's head, two results
                         compared), budget (batch classes, windows, switches), monitor

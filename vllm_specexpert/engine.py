@@ -195,7 +195,6 @@ class OffloadEngine:
             policy = feature.miss_policy(policy, layer)
         composed = pipeline.compose(layer, policy, parts, self.reader, self.unreadable)
         self.pipelines[layer.name] = composed
-        layer.run = composed.run  # (a bound method: a call costs less than an instance's)
 
     def _following(self, layer: OffloadedLayer) -> OffloadedLayer | None:
         """The layer whose call comes after ``layer``'s in the pass, on the same shared
@@ -407,7 +406,8 @@ class OffloadEngine:
         (:meth:`_compose`); zero inside :meth:`experts_skipped`."""
         if self._skipping:
             return torch.zeros_like(request.x)
-        return self.layers[request.layer].run(request)
+        composed = self.pipelines[request.layer]
+        return composed.run(request)
 
     @contextlib.contextmanager
     def experts_skipped(self) -> Iterator[None]:

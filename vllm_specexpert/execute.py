@@ -2,15 +2,17 @@
 carries out a plan over the device and the layer's places.
 
 A call is one :class:`LayerCall` (the tokens, their routing on the device and on the
-host, the layer's kernel, the counters of the call's phase). :func:`survey` finds its
-missing entries; the engine asks the miss policy for a plan only when there are some
-(:mod:`vllm_specexpert.policy`); :func:`execute` carries out the plan, top to bottom:
+host, the layer's kernel, the counters of the call's phase). :func:`resolve` surveys
+it (:func:`~vllm_specexpert.device_runs.one_launch.survey`) and asks the miss policy for
+a plan only when entries are missing (:mod:`vllm_specexpert.policy`); :func:`execute`
+carries out the plan, top to bottom:
 its :class:`Split` (which entries each place takes, counted; the weights to run), the
 other places' entries staged, the device entries through the layer's device run
 (:mod:`vllm_specexpert.device_runs`, chosen when the layer was composed) with the other
 entries masked out (weight 0), each place's results added, an expert admitted. Without a
-plan every entry runs on the device, loaded on demand: the bit-exact path of ``fetch``
-and of every prefill pass.
+plan every entry runs on the device, loaded on demand, as the bit-exact path of ``fetch``
+and of every prefill pass does without coming here
+(:meth:`~vllm_specexpert.device_runs.one_launch.OneLaunch.run_all`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_specexpert.device_runs import OneLaunch
+from vllm_specexpert.device_runs.one_launch import OneLaunch, Survey, survey
 from vllm_specexpert.handback import UnreadableRows
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.places import Dropped, Place, Places
@@ -30,32 +32,6 @@ from vllm_specexpert.stats import PhaseStats
 from vllm_specexpert.tiers.loader import ExpertLoader
 from vllm_specexpert.tiers.staging import upload
 from vllm_specexpert.tiers.store import ExpertsUnreadable
-
-
-@dataclass
-class Survey:
-    """What a call's routing finds in the cache."""
-
-    resident: np.ndarray
-    """``[E]`` experts that count as resident (landed ones only, for a policy that does
-    not wait for copies)."""
-    missing: np.ndarray
-    """``[T, K]`` entries whose expert is not resident."""
-    missed: int
-    """How many entries are missing."""
-    needed: np.ndarray
-    """The call's distinct experts."""
-
-
-def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True) -> Survey:
-    """The call's missing entries and distinct experts, counted."""
-    resident = loader.cache.resident_mask() if waits_for_copies else loader.ready_mask()
-    missing = ~resident[call.host_ids]
-    missed = int(np.count_nonzero(missing))
-    call.stats.missed_entries += missed
-    needed = np.unique(call.host_ids)
-    call.stats.experts_needed += len(needed)
-    return Survey(resident, missing, missed, needed)
 
 
 def resolve(
@@ -92,7 +68,7 @@ def execute(
     first, the device's run, then each place adds its results, in the registry's order;
     entries a place could not compute run on the device, loaded. ``admit``: then load
     the most used expert a place that ``admits`` computed, on an idle link."""
-    if plan is None:
+    if plan is None:  # (what the exact runner does without a survey of its own)
         call.stats.fetched_entries += found.missed
         return device.run(loader, call, found.needed)
     assert places is not None  # (a plan's entries go to places)

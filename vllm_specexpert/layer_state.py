@@ -4,13 +4,11 @@ A feature keeps its own per-layer state (:mod:`vllm_specexpert.features`)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm_specexpert.config import SpecExpertConfig, SpecExpertConfigError
-from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.places import Place, Places
 from vllm_specexpert.policy import MissContext
 from vllm_specexpert.stats import PHASES, Counters, LayerStats
@@ -50,8 +48,6 @@ class OffloadedLayer:
     """Where its entries run besides its slots: the features register them (:meth:`add_place`)."""
     miss_context: MissContext = field(init=False)
     """What the miss policy consults about this layer."""
-    run: Callable[[LayerCall], torch.Tensor] = field(init=False)
-    """Its call, composed by the engine from what runs (``OffloadEngine._compose``)."""
 
     def add_place(self, place: Place) -> None:
         """Register ``place``; its counters are then in the layer's stats, at zero."""

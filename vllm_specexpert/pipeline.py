@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, final
@@ -201,9 +202,12 @@ def ordered(stages: Sequence[Stage]) -> list[Stage]:
     return done
 
 
-Runner = Callable[[DecodeCall | None, LayerCall], torch.Tensor]
-"""The run step: (the decode call, or ``None`` for prompt rows; what to run) -> the
-routed experts' output."""
+class Runner(ABC):
+    """The run step: the routed experts' output of what to run (a :class:`LayerCall`),
+    given the decode call it belongs to, or ``None`` for prompt rows."""
+
+    @abstractmethod
+    def run(self, call: DecodeCall | None, request: LayerCall) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -238,34 +242,35 @@ Part = Stage | RunWrap | ExactDemand | RouterFree
 """What a feature adds to a layer's call (:meth:`EngineFeature.stages`)."""
 
 
-def exact_runner(layer: OffloadedLayer, device: OneLaunch) -> Runner:
+class ExactRun(Runner):
     """The router's experts, missing ones loaded on demand (prompt rows, ``fetch``)."""
-    loader = layer.loader
 
-    def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
-        return execute.execute(device, loader, request, execute.survey(loader, request))
+    def __init__(self, layer: OffloadedLayer, device: OneLaunch) -> None:
+        self.device, self.loader = device, layer.loader
 
-    return run
+    def run(self, call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
+        return self.device.run_all(self.loader, request)
 
 
-def policy_runner(layer: OffloadedLayer, policy: MissPolicy, device: OneLaunch) -> Runner:
+class PlannedRun(Runner):
     """The miss policy's plan for what is missing (only if something is), carried out."""
-    loader = layer.loader
 
-    def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
-        return execute.resolve(device, loader, request, policy, layer.miss_context)
+    def __init__(self, layer: OffloadedLayer, policy: MissPolicy, device: OneLaunch) -> None:
+        self.device, self.loader, self.policy, self.layer = device, layer.loader, policy, layer
 
-    return run
+    def run(self, call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
+        context = self.layer.miss_context
+        return execute.resolve(self.device, self.loader, request, self.policy, context)
 
 
-def resident_runner(layer: OffloadedLayer) -> Runner:
+class ResidentRun(Runner):
     """Every expert in the slot of its id: one launch on the ids as they are."""
-    loader = layer.loader
 
-    def run(call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
-        return launch_resident(loader, request)
+    def __init__(self, layer: OffloadedLayer) -> None:
+        self.loader = layer.loader
 
-    return run
+    def run(self, call: DecodeCall | None, request: LayerCall) -> torch.Tensor:
+        return launch_resident(self.loader, request)
 
 
 @final
@@ -301,8 +306,7 @@ class LayerPipeline:
         self._finish = [stage.run for stage in stages["finish"]]
         self._exact_now = [part.now for part in others if isinstance(part, ExactDemand)]
         wrapped = any(isinstance(part, RunWrap) for part in others)
-        staged = bool(self._route or self._plan or self._finish or self._exact_now or wrapped)
-        self._decode = self._decode_staged if staged else self._decode_bare
+        self._staged = bool(self._route or self._plan or self._finish or self._exact_now or wrapped)
         """A decode call as a :class:`DecodeCall` where some stage or wrapper takes one;
         else the runner gets the request as it is (chosen here, not per call)."""
         self._reads_ids = reads_ids
@@ -363,7 +367,7 @@ class LayerPipeline:
     def _prefill(self, request: LayerCall) -> torch.Tensor:
         """The router's experts, exactly. On CUDA the host read is the sync on-demand
         loading cannot avoid: what to copy is known once the router ran."""
-        return self.prefill_runner(None, self._taken(request, self.layer.stats.prefill))
+        return self.prefill_runner.run(None, self._taken(request, self.layer.stats.prefill))
 
     def _taken(self, request: LayerCall, stats: PhaseStats) -> LayerCall:
         """``request`` (this call's own: taken in place) counted as a call of ``stats``,
@@ -375,6 +379,9 @@ class LayerPipeline:
             (request.host_ids,) = self.reader.read([request.topk_ids])
         return request
 
+    def _decode(self, request: LayerCall) -> torch.Tensor:
+        return self._decode_staged(request) if self._staged else self._decode_bare(request)
+
     def _decode_bare(self, request: LayerCall) -> torch.Tensor:
         # (_taken, inline: this is the resident path, whose cost is the plugin's overhead)
         stats = request.stats = self.layer.stats.decode
@@ -382,7 +389,7 @@ class LayerPipeline:
         stats.tokens += request.x.shape[0]
         if self._reads_ids:
             (request.host_ids,) = self.reader.read([request.topk_ids])
-        return self.decode_runner(None, request)
+        return self.decode_runner.run(None, request)
 
     def _decode_staged(self, request: LayerCall) -> torch.Tensor:
         stats = self.layer.stats.decode.count_call(request.x.shape[0])
@@ -394,7 +401,7 @@ class LayerPipeline:
         for stage in self._plan:
             stage(call)
         try:
-            return self.decode_runner(call, call.layer_call())
+            return self.decode_runner.run(call, call.layer_call())
         finally:  # (also when an expert could not be read: the call runs again without)
             for stage in self._finish:
                 stage(call)
@@ -413,12 +420,12 @@ def compose(
     and prompt rows the exact runner. ``parts`` are the features', in the
     registry's order."""
     device = device_run_for(policy.spec.splits_tokens)
+    decode: Runner
     if layer.cache.identity:
-        decode = prefill = resident_runner(layer)
+        decode = prefill = exact = ResidentRun(layer)
     else:
-        prefill = exact_runner(layer, device)
-        decode = policy_runner(layer, policy, device) if policy.plans else prefill
-    exact = exact_runner(layer, device) if not layer.cache.identity else decode
+        prefill = exact = ExactRun(layer, device)
+        decode = PlannedRun(layer, policy, device) if policy.plans else prefill
     stages = [part for part in parts if isinstance(part, Stage)]
     others = [part for part in parts if not isinstance(part, Stage)]
     for part in reversed(others):  # (the first in the registry's order: outermost)

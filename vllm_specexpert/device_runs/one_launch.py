@@ -3,10 +3,13 @@ a call needs is acquired (loaded if missing, each once) and the call runs in one
 with vanilla's rounding; where they cannot all fit the pool (own slots and, on the CPU
 build's disk tier, the shared region's rows), its ``overflow`` runs the call. Which
 overflow a layer has is chosen when it is composed (:func:`device_run_for`), never on a
-call."""
+call. :func:`survey` tells what a call's routing finds in the cache; a call with every
+entry on the device (``fetch``, every prefill pass: the bit-exact path) is
+:meth:`OneLaunch.run_all`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -15,6 +18,32 @@ import torch
 from vllm_specexpert.device_runs import kernel_launch
 from vllm_specexpert.layer_call import LayerCall
 from vllm_specexpert.tiers.loader import ExpertLoader
+
+
+@dataclass
+class Survey:
+    """What a call's routing finds in the cache."""
+
+    resident: np.ndarray
+    """``[E]`` experts that count as resident (landed ones only, for a policy that does
+    not wait for copies)."""
+    missing: np.ndarray
+    """``[T, K]`` entries whose expert is not resident."""
+    missed: int
+    """How many entries are missing."""
+    needed: np.ndarray
+    """The call's distinct experts."""
+
+
+def survey(loader: ExpertLoader, call: LayerCall, waits_for_copies: bool = True) -> Survey:
+    """The call's missing entries and distinct experts, counted."""
+    resident = loader.cache.resident_mask() if waits_for_copies else loader.ready_mask()
+    missing = ~resident[call.host_ids]
+    missed = int(np.count_nonzero(missing))
+    call.stats.missed_entries += missed
+    needed = np.unique(call.host_ids)
+    call.stats.experts_needed += len(needed)
+    return Survey(resident, missing, missed, needed)
 
 
 class Overflow(Protocol):
@@ -29,6 +58,13 @@ class OneLaunch:
     def __init__(self, overflow: Overflow) -> None:
         self.overflow = overflow
 
+    def run_all(self, loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
+        """Every entry of the call on the device, the missing ones loaded (counted as
+        fetched): the bit-exact path."""
+        found = survey(loader, call)
+        call.stats.fetched_entries += found.missed
+        return self.run(loader, call, found.needed)
+
     def run(self, loader: ExpertLoader, call: LayerCall, needed: np.ndarray) -> torch.Tensor:
         """Output of the call's kernel on its routing, loading what is missing;
         ``needed``: the call's distinct experts."""
@@ -39,5 +75,5 @@ class OneLaunch:
         uses = None
         if cache.pool.region_rows:  # (the loads' most used go to the layer's own slots)
             uses = np.bincount(call.host_ids.ravel(), minlength=cache.num_experts)
-        loader.acquire(needed, call.stats, tokens=call.num_tokens, uses=uses)
+        loader.acquire(needed, call.stats, tokens=len(call.host_ids), uses=uses)
         return kernel_launch.launch(loader, call, needed)

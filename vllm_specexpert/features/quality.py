@@ -21,6 +21,50 @@ from vllm_specexpert.stats import Series, metric_name
 from vllm_specexpert.tiers.staging import upload
 
 
+class ShadowedRun(Runner):
+    """The quality budget's wrap of a layer's run step (``mode``; ``exact``: the exact
+    runner): the served output is the mode's, or, while the call's batch class is over
+    budget, the exact runner's on the router's routing; the other one is computed for
+    the sampled rows beside it."""
+
+    def __init__(self, monitor: QualityMonitor, mode: Runner, exact: Runner) -> None:
+        self.monitor, self.mode, self.exact = monitor, mode, exact
+
+    def run(self, call: DecodeCall | None, run: LayerCall) -> torch.Tensor:
+        assert call is not None  # (a wrapper sees decode calls)
+        monitor, mode, exact, layer = self.monitor, self.mode, self.exact, call.layer
+        rows = monitor.sampled_rows(layer.index, call.num_tokens)
+        over_budget = monitor.exact_for(call.num_tokens)
+        if rows is None and not over_budget:  # the common case: nothing more to do
+            return mode.run(call, run)
+        routed = run.routed(call.router_weights, call.router_host_ids)
+        shadow = None
+        started = time.perf_counter()
+        if over_budget:  # the exact call starts the next layer's prefetch (``routed``'s)
+            if rows is not None:  # before the exact call loads what the mode would miss
+                shadow = mode.run(call, self._quiet(run))[upload(rows, run.x.device)]
+                monitor.charge(started)
+            out = exact.run(call, routed)
+        else:
+            out = mode.run(call, run)
+            if rows is not None:  # (the shadow starts nothing: _quiet)
+                started = time.perf_counter()
+                shadow = exact.run(call, self._quiet(routed.rows(rows)))
+                monitor.charge(started)
+        if shadow is not None:
+            assert rows is not None  # (a shadow is computed for sampled rows only)
+            monitor.shadowed(layer.index, shadow, out[upload(rows, out.device)])
+        return out
+
+    def _quiet(self, run: LayerCall) -> LayerCall:
+        """``run`` counted apart from the mode's counters and starting no prefetch: a
+        shadow computation (the exact one loads on the device; the mode's takes what
+        its places computed, a mesh's peers among them), into a buffer of its own."""
+        return dataclasses.replace(
+            run, stats=self.monitor.scratch, first_launch=NOTHING_FIRST, out=None
+        )
+
+
 class QualityFeature(EngineFeature):
     name = "quality"
     inputs = ("logit_head",)
@@ -70,51 +114,9 @@ class QualityFeature(EngineFeature):
         )
 
     def stages(self, layer: OffloadedLayer) -> Sequence[Part]:
-        def wrap(mode: Runner, exact: Runner) -> Runner:
-            return lambda call, run: self._run(call, run, mode, exact)
-
         return (
             ExactDemand("quality.over_budget", self.monitor.exact_for),
-            RunWrap("quality.shadow", wrap),
-        )
-
-    def _run(
-        self, call: DecodeCall | None, run: LayerCall, mode: Runner, exact: Runner
-    ) -> torch.Tensor:
-        """The served output: the mode's, or, while the call's batch class is over
-        budget, the exact runner's on the router's routing; the other one is computed
-        for the sampled rows beside it."""
-        assert call is not None  # (a wrapper sees decode calls)
-        monitor, layer = self.monitor, call.layer
-        rows = monitor.sampled_rows(layer.index, call.num_tokens)
-        over_budget = monitor.exact_for(call.num_tokens)
-        if rows is None and not over_budget:  # the common case: nothing more to do
-            return mode(call, run)
-        routed = run.routed(call.router_weights, call.router_host_ids)
-        shadow = None
-        started = time.perf_counter()
-        if over_budget:  # the exact call starts the next layer's prefetch (``routed``'s)
-            if rows is not None:  # before the exact call loads what the mode would miss
-                shadow = mode(call, self._quiet(run))[upload(rows, run.x.device)]
-                monitor.charge(started)
-            out = exact(call, routed)
-        else:
-            out = mode(call, run)
-            if rows is not None:  # (the shadow starts nothing: _quiet)
-                started = time.perf_counter()
-                shadow = exact(call, self._quiet(routed.rows(rows)))
-                monitor.charge(started)
-        if shadow is not None:
-            assert rows is not None  # (a shadow is computed for sampled rows only)
-            monitor.shadowed(layer.index, shadow, out[upload(rows, out.device)])
-        return out
-
-    def _quiet(self, run: LayerCall) -> LayerCall:
-        """``run`` counted apart from the mode's counters and starting no prefetch: a
-        shadow computation (the exact one loads on the device; the mode's takes what
-        its places computed, a mesh's peers among them), into a buffer of its own."""
-        return dataclasses.replace(
-            run, stats=self.monitor.scratch, first_launch=NOTHING_FIRST, out=None
+            RunWrap("quality.shadow", lambda mode, exact: ShadowedRun(self.monitor, mode, exact)),
         )
 
     def stats(self) -> dict:
