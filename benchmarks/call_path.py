@@ -1,5 +1,5 @@
 """The path of one decode layer call through the package: which modules it enters, how
-often, and how many times the call climbs back into a module it had left.
+often, and how many times it climbs into a higher layer of the package.
 
     python benchmarks/call_path.py [--name call_path]
 
@@ -9,11 +9,14 @@ A toy engine on the CPU (two layers of 16 experts, top-2, ``fetch``) in each of
 timed (real time, the engine's path with a kernel that does nothing: µs a call, the
 fastest of 7 rounds of 2000 calls). A module is
 *entered* when a call goes from a frame of another package module (or from outside the
-package) into one of its functions; the call's own entry into ``engine`` counts. Reported:
-entries per module, distinct modules, the package's objects the call made (by class:
-an ``__init__`` of it ran), and the package's line count (``wc -l`` of its
-``.py`` files, tools excluded). Run it on two checkouts (``PYTHONPATH=<checkout>``) to
-compare a redesign before and after. Writes ``benchmarks/results/<name>.json``.
+package) into one of its functions; the call's own entry into ``engine`` counts; an
+entry *climbs* when the module entered stands on a higher layer of the package's map
+(``vllm_specexpert/__init__.py``; a folder such as ``tiers/`` is one layer) than its
+caller. Reported: entries per module, distinct modules, climbs (caller, function
+entered), the package's objects the call made (by class: an ``__init__`` of it ran), and
+the package's line count (``wc -l`` of its ``.py`` files, tools excluded). Run it on two
+checkouts (``PYTHONPATH=<checkout>``) to compare a redesign before and after. Writes
+``benchmarks/results/<name>.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO / "tests"))  # (the toy layer and kernel of the tests)
 
 from moe_reference import random_layer, random_routing, slot_kernel  # noqa: E402
+from test_layout import layer_of, relation_map  # noqa: E402 (the package map's layers)
 
 import vllm_specexpert  # noqa: E402
 from vllm_specexpert.config import SpecExpertConfig  # noqa: E402
@@ -53,12 +57,16 @@ def module_of(filename: str) -> str | None:
 
 def trace_call(
     engine: OffloadEngine, request: LayerCall
-) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+) -> tuple[collections.Counter, collections.Counter, collections.Counter, collections.Counter]:
     """(module -> times the call entered it from elsewhere, ``module:function`` -> the
-    same by the function entered, package class -> objects of it the call made)."""
+    same by the function entered, package class -> objects of it the call made,
+    ``caller -> module:function`` -> the entries that climb: into a module on a higher
+    layer of the package map than the caller's)."""
     entered: collections.Counter = collections.Counter()
     by_function: collections.Counter = collections.Counter()
     made: collections.Counter = collections.Counter()
+    climbs: collections.Counter = collections.Counter()
+    layers = relation_map()
 
     def profile(frame, event, arg):
         if event != "call":
@@ -75,13 +83,17 @@ def trace_call(
         if came_from != module:
             entered[module] += 1
             by_function[f"{module}:{frame.f_code.co_name}"] += 1
+            if came_from is not None and layer_of(f"{PACKAGE.name}.{module}", layers) > layer_of(
+                f"{PACKAGE.name}.{came_from}", layers
+            ):
+                climbs[f"{came_from} -> {module}:{frame.f_code.co_name}"] += 1
 
     sys.setprofile(profile)
     try:
         engine.run_call(request)
     finally:
         sys.setprofile(None)
-    return entered, by_function, made
+    return entered, by_function, made, climbs
 
 
 def package_lines() -> int:
@@ -141,7 +153,7 @@ def trace_case(budget: float, predictor: str, tokens: int) -> dict:
         x, w, ids = random_routing(tokens, 16, 2, seed=99)
         request = LayerCall("l0", slot_kernel, x, w, ids, PassPhases.decode_only(tokens))
         before = engine.layers["l0"].stats.decode.missed_entries
-        entered, by_function, made = trace_call(engine, request)
+        entered, by_function, made, climbs = trace_call(engine, request)
         missed = engine.layers["l0"].stats.decode.missed_entries - before
         seconds = time_calls(engine, request) if budget == 1.0 else None
     finally:
@@ -157,6 +169,7 @@ def trace_case(budget: float, predictor: str, tokens: int) -> dict:
         "entries": int(sum(entered.values())),
         "most_entered": int(max(entered.values())),
         "objects_made": dict(made.most_common()),
+        "climbs": dict(climbs.most_common()),
         "us_per_call": seconds * 1e6 if seconds is not None else None,
     }
 
@@ -176,11 +189,14 @@ def main() -> None:
     for case, traced in result["cases"].items():
         print(
             f"{case}: {traced['distinct_modules']} modules entered {traced['entries']} times "
-            f"(most {traced['most_entered']}), {traced['missed_entries']} missed entries; "
+            f"(most {traced['most_entered']}), {sum(traced['climbs'].values())} climbs up, "
+            f"{traced['missed_entries']} missed entries; "
             f"objects {traced['objects_made']}"
             + (f"; {traced['us_per_call']:.2f} us a call" if traced["us_per_call"] else "")
         )
         print(f"  {traced['modules_entered']}")
+        if traced["climbs"]:
+            print(f"  climbs: {traced['climbs']}")
     print(f"package lines: {result['package_lines']}\nwrote {out}\n{result['command']}")
 
 

@@ -341,7 +341,7 @@ def test_a_demand_load_evicts_the_layers_own_experts_in_its_cache_policys_order(
         call(engine, NAMES[0], x, w, torch.tensor([ids], dtype=torch.int32))
     layer = engine.layers[NAMES[0]].cache
     assert layer.num_resident() == 8 and layer.pool.region_rows == 12  # 9 rows still free
-    slots, evicted = layer.take_slots(9 + 4, NO_EXPERTS, shared=True)
+    slots, evicted = layer.pool.take(layer, 9 + 4, NO_EXPERTS, shared=True)
     assert len(slots) == 13 and set(evicted.tolist()) == first_out
 
 

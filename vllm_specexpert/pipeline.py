@@ -421,6 +421,8 @@ def compose(
     registry's order."""
     device = device_run_for(policy.spec.splits_tokens)
     decode: Runner
+    prefill: Runner
+    exact: Runner
     if layer.cache.identity:
         decode = prefill = exact = ResidentRun(layer)
     else:

@@ -27,15 +27,17 @@ def launch(loader: ExpertLoader, call: LayerCall, experts: np.ndarray) -> torch.
         finally:
             cache.in_use[experts] = False
     routing = cache.kernel_routing(call.topk_ids, call.host_ids)
-    started = time.perf_counter()
-    read, nbytes = cache.pool.readable(routing.ids)  # (a mapped pack's pages: its loads)
-    readable = time.perf_counter()
-    if read:
-        call.stats.stall_s += readable - started
-    call.stats.loads += read
-    call.stats.bytes_loaded += nbytes
+    pool, readable = cache.pool, time.perf_counter()
+    if not pool.readable_as_is:  # (a mapped pack's pages: its loads)
+        read, nbytes = pool.readable(routing.ids)
+        started, readable = readable, time.perf_counter()
+        if read:
+            call.stats.stall_s += readable - started
+        call.stats.loads += read
+        call.stats.bytes_loaded += nbytes
     out = in_chunks(call, routing)
-    cache.pool.confirm(routing.ids)  # (a mapped pack's pages: unwritten while it ran)
+    if not pool.readable_as_is:  # (a mapped pack's pages: unwritten while it ran)
+        pool.confirm(routing.ids)
     call.stats.kernel_s += time.perf_counter() - readable
     loader.kernel_launched(experts)
     call.stats.kernel_calls += 1

@@ -198,18 +198,6 @@ class ExpertCache:
 
     # ---------------------------------------------------------------- changes
 
-    def take_slots(
-        self,
-        count: int,
-        keep: np.ndarray,
-        demand: np.ndarray | None = None,
-        shared: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """``(slots, evicted experts)``: ``count`` slots, free ones first, then victims
-        (:meth:`SlotPool.take`: in a shared pool maybe other layers'; ``shared``, a
-        demand load, may take a shared region's rows other layers hold)."""
-        return self.pool.take(self, count, keep, demand, shared)
-
     def assign(self, experts: np.ndarray, slots: np.ndarray) -> ExpertCopy:
         """Record that ``slots`` (free) now hold ``experts`` (not resident); returns the
         transfer that fills them from the slow tier."""

@@ -1,8 +1,10 @@
 """ExpertLoader: copies into one layer's slots over the link, and the copies in flight.
 
-The only writer of slots after warm start. It takes slots from the :class:`ExpertCache`,
-submits the copy to the :class:`Link` and records in the :class:`SlotPool` which slot
-waits for which copy (in a shared pool, possibly another layer's):
+The only writer of slots after warm start. It takes slots from the cache's
+:class:`SlotPool` (whose victims each holding cache releases), has the
+:class:`ExpertCache` record what they hold, submits the copy to the :class:`Link` and
+records in the pool which slot waits for which copy (in a shared pool, possibly another
+layer's):
 
 * using a slot whose copy has not landed waits for it (stall);
 * reusing a slot first retires its copy (dropped if not started, else finished), so an
@@ -268,7 +270,7 @@ class ExpertLoader:
         """``shared``: a demand load (waited for in its call), which may take a shared
         region's rows (a prefetch may not: :class:`~.slots.RegionRows`)."""
         cache = self.cache
-        slots, evicted = cache.take_slots(count, keep, demand, shared)
+        slots, evicted = cache.pool.take(cache, count, keep, demand, shared)
         stats.evictions += len(evicted)
         stats.region_loads += int(np.count_nonzero(slots >= cache.pool.joined_slots))
         self._retire(slots)

@@ -80,8 +80,12 @@ class SlotPool:
         self.region = region
         """Rows every layer's tensors cover after the pool's own slots (a call's streamed
         experts, :mod:`.shared_region`); ``None``: the own slots only."""
+        self.region_rows = region.rows if region is not None else 0
+        """Rows of a shared region after the own slots (0: none)."""
         self.caches: list[PooledCache] = []
         self._shares: list[int] = []
+        self.joined_slots = 0
+        """Slots its caches joined with: its size once allocated (without a region's rows)."""
         self.tensors: dict[str, torch.Tensor] = {}
         """Weight name -> ``[num_slots, ...]`` slot tensor (what kernels run on)."""
         self.owner = np.zeros(0, dtype=np.int32)
@@ -153,11 +157,6 @@ class SlotPool:
         owners, candidates = self.victims(cache, keep, demand)
         return self.caches, owners, candidates
 
-    @property
-    def joined_slots(self) -> int:
-        """Slots its caches joined with: its size once allocated."""
-        return sum(self._shares)
-
     def join(self, cache: PooledCache, share: int) -> int:
         """Add ``cache`` with ``share`` warm-start slots; returns its index."""
         if self.caches:
@@ -169,6 +168,7 @@ class SlotPool:
                 )
         self.caches.append(cache)
         self._shares.append(share)
+        self.joined_slots += share
         return len(self.caches) - 1
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -207,11 +207,6 @@ class SlotPool:
     def free_slots(self) -> np.ndarray:
         """Own slots free (a shared region's rows: :meth:`LayerSlotPool.take`)."""
         return np.flatnonzero(self.owner[: self.joined_slots] < 0)
-
-    @property
-    def region_rows(self) -> int:
-        """Rows of a shared region after the own slots (0: none)."""
-        return self.num_slots - self.joined_slots if self.region is not None else 0
 
     def region_slots(self) -> np.ndarray:
         """The shared region's rows, as slots of this pool (after its own)."""
