@@ -208,10 +208,6 @@ class SlotPool:
         """Own slots free (a shared region's rows: :meth:`LayerSlotPool.take`)."""
         return np.flatnonzero(self.owner[: self.joined_slots] < 0)
 
-    def region_slots(self) -> np.ndarray:
-        """The shared region's rows, as slots of this pool (after its own)."""
-        return np.arange(self.joined_slots, self.num_slots)
-
     def readable(self, slots: torch.Tensor) -> tuple[int, int]:
         """Before a launch reads ``slots`` (the kernel's slot ids): make what they hold
         readable (here it is; a mapped pack's pages are read in). Returns the experts
