@@ -10,9 +10,9 @@ its :class:`Split` (which entries each place takes, counted; the weights to run)
 other places' entries staged, the device entries through the layer's device run
 (:mod:`vllm_specexpert.device_runs`, chosen when the layer was composed) with the other
 entries masked out (weight 0), each place's results added, an expert admitted. Without a
-plan every entry runs on the device, loaded on demand, as the bit-exact path of ``fetch``
-and of every prefill pass does without coming here
-(:meth:`~vllm_specexpert.device_runs.one_launch.OneLaunch.run_all`).
+plan every entry runs on the device, loaded on demand
+(:meth:`~vllm_specexpert.device_runs.one_launch.OneLaunch.run_all`: the bit-exact path,
+which ``fetch`` and every prefill pass take without coming here).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def resolve(
         if found.missed
         else None
     )
-    if plan is None:
-        return execute(device, loader, call, found)
+    if plan is None:  # (every entry on the device, missing ones loaded on demand)
+        return device.run_all(loader, call, found)
     return execute(device, loader, call, found, plan, context.places, context.admit_host_experts)
 
 
@@ -59,19 +59,15 @@ def execute(
     loader: ExpertLoader,
     call: LayerCall,
     found: Survey,
-    plan: MissPlan | None = None,
-    places: Places | None = None,
+    plan: MissPlan,
+    places: Places,
     admit: bool = False,
 ) -> torch.Tensor:
-    """Routed-expert output of the call under ``plan`` (``None``: every entry on the
-    device, missing ones loaded on demand): the entries of the other ``places`` start
-    first, the device's run, then each place adds its results, in the registry's order;
-    entries a place could not compute run on the device, loaded. ``admit``: then load
-    the most used expert a place that ``admits`` computed, on an idle link."""
-    if plan is None:  # (what the exact runner does without a survey of its own)
-        call.stats.fetched_entries += found.missed
-        return device.run(loader, call, found.needed)
-    assert places is not None  # (a plan's entries go to places)
+    """Routed-expert output of the call under ``plan``: the entries of the other
+    ``places`` start first, the device's run, then each place adds its results, in the
+    registry's order; entries a place could not compute run on the device, loaded.
+    ``admit``: then load the most used expert a place that ``admits`` computed, on an
+    idle link."""
     split = Split.of(plan, places, call.host_ids, found, call.stats)
     planned = call.routed(split.weights(call, plan), plan.topk_ids)
     jobs = [(place, place.stage(planned, entries)) for place, entries in split.elsewhere]

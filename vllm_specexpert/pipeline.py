@@ -308,7 +308,7 @@ class LayerPipeline:
         wrapped = any(isinstance(part, RunWrap) for part in others)
         self._staged = bool(self._route or self._plan or self._finish or self._exact_now or wrapped)
         """A decode call as a :class:`DecodeCall` where some stage or wrapper takes one;
-        else the runner gets the request as it is (chosen here, not per call)."""
+        else the runner gets the request as it is (decided here, once)."""
         self._reads_ids = reads_ids
         """Whether the runner needs the ids on the host (not to launch on them as
         they are)."""
@@ -380,6 +380,7 @@ class LayerPipeline:
         return request
 
     def _decode(self, request: LayerCall) -> torch.Tensor:
+        """Decode rows: through the steps, or, with none composed, straight to the runner."""
         return self._decode_staged(request) if self._staged else self._decode_bare(request)
 
     def _decode_bare(self, request: LayerCall) -> torch.Tensor:

@@ -58,10 +58,12 @@ class OneLaunch:
     def __init__(self, overflow: Overflow) -> None:
         self.overflow = overflow
 
-    def run_all(self, loader: ExpertLoader, call: LayerCall) -> torch.Tensor:
+    def run_all(
+        self, loader: ExpertLoader, call: LayerCall, found: Survey | None = None
+    ) -> torch.Tensor:
         """Every entry of the call on the device, the missing ones loaded (counted as
-        fetched): the bit-exact path."""
-        found = survey(loader, call)
+        fetched): the bit-exact path. ``found``: the call's survey, if one was made."""
+        found = survey(loader, call) if found is None else found
         call.stats.fetched_entries += found.missed
         return self.run(loader, call, found.needed)
 
