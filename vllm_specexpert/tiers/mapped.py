@@ -436,7 +436,7 @@ class MappedPool(LayerSlotPool):
         self.experts = experts
 
     def allocate(self) -> None:
-        total = sum(self._shares)
+        total = self.joined_slots
         self.tensors = self.experts.mapping.views(self.experts.record)
         self.owner = np.full(total, -1, dtype=np.int32)
         self.in_flight.clear()
