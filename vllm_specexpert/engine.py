@@ -213,14 +213,12 @@ class OffloadEngine:
         own pool on the CPU build, and the batch may need more experts than ``slots``
         (``max_num_seqs * top_k``), the budget's slots of every layer split
         (:func:`~vllm_specexpert.config.sizing.region_split`); else ``slots`` and none."""
-        policy, sizing, experts = self.config.miss_policy_spec, self.budget.sizing, layer.experts
+        sizing, experts = self.budget.sizing, layer.experts
         if (
             not self.splits_slots
             or self.device.type != "cpu"
             or experts.memory_nbytes >= experts.nbytes
-            or not (policy.name == "fetch" or policy.splits_tokens)
-            or self.config.mesh is not None
-            or self.config.lookahead is not None  # (its draft's rows follow the slots)
+            or not self.config.loads_through_region
             or experts.in_place
             or sizing.max_num_seqs == 0
         ):

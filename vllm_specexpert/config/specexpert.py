@@ -332,6 +332,19 @@ class SpecExpertConfig:
         )
 
     @property
+    def loads_through_region(self) -> bool:
+        """Whether the miss policy loads every missing expert on the device (``fetch``,
+        ``stream``) with no mode that places experts elsewhere or keeps rows after the
+        slots (``mesh``'s peers, the ``lookahead`` draft's rows): then a layer's slots on
+        the CPU build's disk tier may be split into its own and a shared region's."""
+        policy = self.miss_policy_spec
+        return (
+            (policy.name == "fetch" or policy.splits_tokens)
+            and self.mesh is None
+            and self.lookahead is None
+        )
+
+    @property
     def exact(self) -> bool:
         """Whether outputs are bit-identical to vanilla vLLM."""
         return self.output == "exact"
