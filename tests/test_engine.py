@@ -149,6 +149,46 @@ def test_a_rebuild_frees_the_old_slots_before_it_allocates_new_ones(make_engine,
     engine.close()
 
 
+def test_a_deferred_engine_runs_no_expert_until_its_slots_are_made(toy_engines):
+    # A lookahead draft's engine while its rows are lent to the target: no slot is made,
+    # a call's routed output is zero (nothing read); once made, it runs exactly.
+    layers = {name: random_layer(seed=i) for i, name in enumerate(NAMES)}
+    engine = toy_engines({"budget": 0.25}, layers, top_k=4, slots_deferred=True)
+    assert not any(layer.equipped for layer in engine.layers.values())
+    assert "slots not made yet" in engine.summary()
+    x, w, ids = random_routing(2, 16, 4, seed=1)
+    call = LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(2))
+    assert torch.equal(engine.run_call(call), torch.zeros_like(x))
+    assert engine.stats()["slots_per_layer"] == {} and engine.link.bytes_copied == 0
+    engine.equip_deferred()
+    assert set(engine.stats()["slots_per_layer"].values()) == {4}
+    call = LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(2))
+    assert torch.equal(engine.run_call(call), reference_moe(x, w, ids, *layers[NAMES[0]].values()))
+
+
+def test_adopting_a_plan_resizes_the_caches_and_keeps_features_and_counters(make_engine):
+    # What the target does when its lookahead draft first drafts: the slots its draft's
+    # rows were lent to are given back, mid-run; the governor (a feature) and the counters
+    # of the run so far stay.
+    from vllm_specexpert.budget_plan import SlotPlan
+
+    engine, layers = make_engine(budget=0.5, predictor="router")
+    features = list(engine.features)
+    x, w, ids = random_routing(2, 16, 4, seed=2)
+    engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(2)))
+    calls = engine.stats()["layers"][NAMES[0]]["decode"]["calls"]
+    engine.adopt(SlotPlan(0.25))
+    assert set(engine.stats()["slots_per_layer"].values()) == {4}
+    assert engine.features == features and all(
+        a is b for a, b in zip(engine.features, features, strict=True)
+    )
+    assert engine.stats()["layers"][NAMES[0]]["decode"]["calls"] == calls == 1
+    out = engine.run_call(LayerCall(NAMES[0], slot_kernel, x, w, ids, PassPhases.decode_only(2)))
+    assert torch.equal(out, reference_moe(x, w, ids, *layers[NAMES[0]].values()))
+    for layer in engine.layers.values():
+        check_cache_invariants(layer.loader)
+
+
 def test_restart_returns_to_the_warm_start(make_engine):
     """What the plugin does after vLLM's warm-up passes: whatever they loaded, serving
     starts from the warm-start experts (0-3 of 16 here) with every counter at zero."""

@@ -296,6 +296,64 @@ def test_a_lookahead_draft_built_after_the_slots_is_left_its_memory():
     assert "(slots 6.8 GiB), and its INT4 experts, 120.0 MiB with each slot" in fit.reason
 
 
+def test_a_lookahead_draft_that_does_not_draft_yet_lends_its_rows_to_the_slots(monkeypatch):
+    # A 48 GiB box with Qwen3-30B-A3B and its draft's INT4 rows sized with the slots:
+    # (45.8 - 2.1171875) GiB / (48 x (9 + 2.5) MiB) = 81.03 -> 81 slots and 81 rows a
+    # layer. The governor drafts nothing in a run's first tokens, and a draft that does
+    # not draft reads none of its experts: until it first drafts, the rows are not made
+    # and their bytes are the target's slots, 81 x 2,621,440 / 9,437,184 = 22.5 -> 22
+    # more a layer.
+    from types import SimpleNamespace
+
+    import torch
+
+    import vllm_specexpert.budget_plan as plan_module
+    from vllm_specexpert.budget_plan import BudgetPlan
+    from vllm_specexpert.config.sizing import SizingSettings
+
+    def report(device, settings, freed_bytes=0):
+        return replace(cpu(48, 45.8), freed_bytes=freed_bytes)
+
+    monkeypatch.setattr(plan_module, "memory_report", report)
+    expert, row = 9_437_184, 2_621_440
+    experts = SimpleNamespace(num_experts=128, slot_nbytes=expert, staging_nbytes=disk_staging())
+
+    def budget() -> BudgetPlan:
+        plan = BudgetPlan(torch.device("cpu"))
+        plan.sizing = SizingSettings(
+            moe_layers=48,
+            moe_intermediate_size=768,
+            kv_cache_bytes=GiB,
+            kv_bytes_per_token=98_304,
+            max_num_seqs=16,
+            max_model_len=4096,
+            max_num_batched_tokens=2048,
+            draft_row_bytes=48 * row,
+        )
+        return plan
+
+    config = SpecExpertConfig.from_dict({"disk": {"path": "/pack"}, "lookahead": {}})
+    assert config.lends_draft_rows  # (budget "auto", draft_cache "auto", k unset)
+    plan = budget()
+    start = plan.plan(config, experts, 8)
+    assert (start.fit.slots_per_layer, start.lent) == (81, 22)
+    assert (start.slots(128, 8), start.drafting().slots(128, 8)) == (103, 81)
+    assert 103 * expert <= 81 * (expert + row)  # (no more than the slots and rows it lends)
+    plan.adopt(start)
+    assert plan.rows_lent
+    # A rebuild meanwhile (a reconfigure) still leaves the rows their bytes.
+    freed = 48 * 103 * expert
+    assert plan.plan(config, experts, 8, freed).lent == 22
+    # Once the draft has made its rows, a rebuild leaves them as they are (not lent).
+    plan.draft_rows_made()
+    assert plan.plan(config, experts, 8, freed).lent == 0
+    # A draft length fixed from the start drafts at once, and a fraction is the user's
+    # count: nothing is lent.
+    for changed in ({"lookahead": {"k": 2}}, {"budget": 0.5}):
+        other = config.changed(changed)
+        assert not other.lends_draft_rows and budget().plan(other, experts, 8).lent == 0
+
+
 # --- explicit budgets ----------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ def build_engine(
     start: bool = True,
     pool_reach: int | None = None,
     max_num_seqs: int = 0,
+    slots_deferred: bool = False,
 ) -> OffloadEngine:
     """An engine on the CPU with ``layers`` (name -> expert tensors) added in order, at
     decoder-layer ``indices`` (default 0, 1, ...). Started unless ``start`` is False:
@@ -41,13 +42,16 @@ def build_engine(
     so is the quality budget (a dict ``config`` without ``quality`` runs none).
     ``pool_reach``: the elements a slot tensor may hold (the expert kernel's reach).
     ``max_num_seqs``: vLLM's, which sizes the shared region (0: unknown, none).
+    ``slots_deferred``: the layers get no slots until ``equip_deferred`` (a draft's).
     An engine that fails to be built (a layer refused, a failed start) is closed here:
     no caller gets it to close."""
     if not isinstance(config, SpecExpertConfig):
         # A toy model has no final norm to tap (no logit head): no quality budget unless
         # the test gives one (and then provides the head, as wiring a model does).
         config = SpecExpertConfig.from_dict({"quality": None, **config})
-    engine = OffloadEngine(config, torch.device("cpu"), reports=reports)
+    engine = OffloadEngine(
+        config, torch.device("cpu"), reports=reports, slots_deferred=slots_deferred
+    )
     engine.budget.sizing.moe_layers = len(layers)  # (vLLM's adapter counts them as it builds them)
     engine.budget.sizing.max_num_seqs = max_num_seqs
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -27,17 +27,24 @@ from vllm_specexpert.tiers.store import ExpertSource
 class SlotPlan:
     """The slots per MoE layer of one config: ``fit``'s where it was sized, else the
     config's fraction or count of each layer's experts (an engine built without vLLM,
-    whose MoE layers are not counted)."""
+    whose MoE layers are not counted); ``lent`` more while the ``lookahead`` draft's rows
+    are lent to them (:attr:`SpecExpertConfig.lends_draft_rows`)."""
 
     budget: float | int | str
     fit: BudgetFit | None = None
+    lent: int = 0
+    """Slots per layer made of the draft's rows' bytes until it first drafts."""
 
     def slots(self, num_experts: int, top_k: int) -> int:
         if self.fit is not None:
-            return self.fit.slots_per_layer
+            return self.fit.slots_per_layer + self.lent
         if isinstance(self.budget, str):
             raise RuntimeError(f"budget {self.budget!r} is not sized (no MoE layer counted)")
-        return budget_slots(self.budget, num_experts, top_k)
+        return budget_slots(self.budget, num_experts, top_k) + self.lent
+
+    def drafting(self) -> SlotPlan:
+        """The plan once the draft holds its rows (nothing lent)."""
+        return replace(self, lent=0)
 
 
 class BudgetPlan:
@@ -53,6 +60,10 @@ class BudgetPlan:
         self.current: SlotPlan | None = None
         """The running config's plan, once the first MoE layer is added."""
         self._start_parts: dict[str, float] | None = None
+        self.rows_lent = False
+        """The ``lookahead`` draft's rows are not made yet, their bytes lent to the slots
+        (:attr:`SpecExpertConfig.lends_draft_rows`, from the start's plan until
+        :meth:`draft_rows_made`)."""
 
     @property
     def fit(self) -> BudgetFit | None:
@@ -71,6 +82,11 @@ class BudgetPlan:
         )
         rebuild = self.current is not None
         memory = memory_report(self.device, self.sizing, freed_bytes)
+        # The draft's rows are lent from the start until it drafts; a rebuild meanwhile
+        # counts them still (they are made when it drafts).
+        unheld = shapes.draft_row_bytes > 0 and (
+            config.lends_draft_rows if self.current is None else self.rows_lent
+        )
         try:
             fit = fit_budget(
                 config.budget,
@@ -78,6 +94,7 @@ class BudgetPlan:
                 memory,
                 config.allow_budget_beyond_memory,
                 self._start_parts if rebuild else None,
+                rows_unheld=unheld,
             )
         except SpecExpertConfigError as error:
             if self.field == "budget":
@@ -85,13 +102,26 @@ class BudgetPlan:
             raise SpecExpertConfigError(
                 self.field, error.problem, f"a smaller {self.field}"
             ) from None
-        return SlotPlan(config.budget, fit)
+        lent = 0
+        if unheld and config.budget == "auto":  # (the rows' bytes, as this layer's slots)
+            lent = min(
+                shapes.num_experts - fit.slots_per_layer,
+                fit.slots_per_layer
+                * shapes.draft_row_bytes
+                // (shapes.moe_layers * shapes.expert_bytes),
+            )
+        return SlotPlan(config.budget, fit, lent)
 
     def adopt(self, plan: SlotPlan) -> None:
         """``plan`` is the running config's (the first adopted is the start's)."""
-        if self.current is None and plan.fit is not None:
-            self._start_parts = plan.fit.parts
+        if self.current is None:
+            self._start_parts = plan.fit.parts if plan.fit is not None else None
+            self.rows_lent = plan.lent > 0
         self.current = plan
+
+    def draft_rows_made(self) -> None:
+        """The draft makes its rows now: later plans count them as held."""
+        self.rows_lent = False
 
 
 def size_host_cache(

@@ -59,6 +59,7 @@ class OffloadEngine:
         reports: bool = True,
         budget_field: str = "budget",
         splits_slots: bool = True,
+        slots_deferred: bool = False,
     ):
         self.config = config
         """The user's config, as given (what its budget came to: :attr:`budget`)."""
@@ -85,6 +86,10 @@ class OffloadEngine:
         self.splits_slots = splits_slots
         """Whether a layer's slots may be split into its own and a shared region's
         (:meth:`_region_for`); not where another engine sizes them (a draft's)."""
+        self.slots_deferred = slots_deferred
+        """Layers are added without slots (their calls run no routed expert, output zero)
+        until :meth:`equip_deferred`: an engine whose output only guides another's and
+        whose memory that one holds meanwhile (a draft whose rows are lent)."""
         self.regions: dict[tuple, RegionRows] = {}
         """The shared regions of the layers' own pools and who holds their rows, by their
         rows and slot shapes (:meth:`_region_for`); ``region_refused``: why none could be
@@ -163,11 +168,23 @@ class OffloadEngine:
             # The weights are loaded and no slot is made yet: planned from the memory now.
             self.budget.adopt(self.budget.plan(self.config, layer.experts, top_k))
         self.layers[name] = layer
-        self._equip(layer)
+        if not self.slots_deferred:
+            self._equip(layer)
         return layer
 
-    def _equip(self, layer: OffloadedLayer, plan: SlotPlan | None = None) -> None:
-        plan = plan or self.budget.current
+    def equip_deferred(self) -> None:
+        """Give the layers added under :attr:`slots_deferred` their slots (warm-started)."""
+        with self.lock:
+            self.slots_deferred = False
+            layers = [layer for layer in self.layers.values() if not layer.equipped]
+            for layer in layers:
+                self._equip(layer)
+            if self.pools is not None:
+                self.pools.allocate()
+        self._log_unreadable(layers)
+
+    def _equip(self, layer: OffloadedLayer) -> None:
+        plan = self.budget.current
         assert plan is not None  # (planned at the first layer)
         slots = plan.slots(layer.experts.num_experts, layer.top_k)
         slots -= sum(f.reserved_slots(layer, slots) for f in self.features)
@@ -349,6 +366,14 @@ class OffloadEngine:
         logger.info("specexpert: reconfigured: %s", self.summary())
         self._warn_unbudgeted()
 
+    def adopt(self, plan: SlotPlan) -> None:
+        """The layers' caches rebuilt on ``plan`` (warm-started), the config, features
+        and counters as they are: the slots a plan lent given back."""
+        self.budget.adopt(plan)
+        layers = self._equipped()
+        self._rebuild(self.config, layers, same_config=True)
+        self._log_unreadable(layers)
+
     def restart(self) -> None:
         """Back to the state of engine start (caches warm-started, nothing pending,
         counters at zero) once vLLM's warm-up passes are over: what they loaded would
@@ -360,13 +385,17 @@ class OffloadEngine:
         for feature in self.features:
             feature.restart()
 
-    def _rebuild(self, config: SpecExpertConfig, layers: list[OffloadedLayer]) -> None:
-        """``layers``' caches rebuilt for ``config`` (warm start) and a new link."""
+    def _rebuild(
+        self, config: SpecExpertConfig, layers: list[OffloadedLayer], same_config: bool = False
+    ) -> None:
+        """``layers``' caches rebuilt for ``config`` (warm start) with a new link and
+        features; ``same_config``: the running link and features kept."""
         with self.lock:
             equipped = self._equipped()
             for layer in equipped:
                 layer.loader.wait_all()  # nothing is freed while a copy into it runs
-            self.link.close()
+            if not same_config:
+                self.link.close()
             for layer in equipped:  # the old pools are freed before the new ones
                 for feature in self.features:
                     feature.unequip(layer)
@@ -374,10 +403,11 @@ class OffloadEngine:
             if self.pools is not None:
                 self.pools.release()
             self._close_regions()
-            self.config = config
-            self.link = make_link(config.link, self.device)
             self._select(config)
-            self._build_features()
+            if not same_config:
+                self.config = config
+                self.link = make_link(config.link, self.device)
+                self._build_features()
             for layer in layers:
                 self._equip(layer)
             if self.pools is not None:
@@ -401,8 +431,9 @@ class OffloadEngine:
 
     def run_call(self, request: LayerCall) -> torch.Tensor:
         """Routed-expert output of one layer call, through the layer's pipeline
-        (:meth:`_compose`); zero inside :meth:`experts_skipped`."""
-        if self._skipping:
+        (:meth:`_compose`); zero inside :meth:`experts_skipped` and while the slots are
+        deferred."""
+        if self._skipping or self.slots_deferred:
             return torch.zeros_like(request.x)
         composed = self.pipelines[request.layer]
         return composed.run(request)

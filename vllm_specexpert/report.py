@@ -53,7 +53,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
     """Per-layer counters of ``engine`` by phase, their totals, link counters, the
     configuration and each running feature's section. Safe to call from another thread."""
     with engine.lock:
-        layers = engine.layers
+        layers = {name: la for name, la in engine.layers.items() if la.equipped}
         per_layer = {name: layer.stats for name, layer in layers.items()}
         total = LayerStats.sum(per_layer.values())
         first = next(iter(per_layer.values()), LayerStats())
@@ -79,7 +79,7 @@ def engine_stats(engine: ReportedEngine) -> dict[str, Any]:
             "expert_bytes": {n: la.cache.experts.expert_nbytes for n, la in layers.items()},
             "expert_format": {n: la.cache.experts.format for n, la in layers.items()},
             "slot_bytes": {n: la.cache.experts.slot_nbytes for n, la in layers.items()},
-            "budget": None if engine.budget.fit is None else engine.budget.fit.to_dict(),
+            "budget": budget_stats(engine.budget),
             "store_bytes": engine.store.nbytes,
             "pinned": engine.store.pin_memory,
             "modeled": {
@@ -110,7 +110,7 @@ def read_ahead_rows(engine: ReportedEngine) -> dict[str, Any] | None:
     would hide at the disk's rate as measured since (``hidden``: kernel seconds per
     decode launch times the disk's GB/s while busy, in experts; ``None`` before both are
     measured). ``None`` without a region."""
-    with_region = [la for la in engine.layers.values() if la.cache.pool.region_rows]
+    with_region = [la for la in engine.layers.values() if la.equipped and la.cache.pool.region_rows]
     if not with_region:
         return None
     cache = with_region[0].cache
@@ -177,9 +177,23 @@ def reset_counters(engine: ReportedEngine) -> None:
         tier.reset_stats()
 
 
+def budget_stats(budget: BudgetPlan) -> dict[str, Any] | None:
+    """What the budget came to (``None``: not sized from the memory), and the slots a
+    layer the ``lookahead`` draft's rows are lent to until it drafts."""
+    plan = budget.current
+    if plan is None or plan.fit is None:
+        return None
+    return {**plan.fit.to_dict(), "lent_slots_per_layer": plan.lent}
+
+
 def summary(engine: ReportedEngine) -> str:
     """One line: MoE layers, slots per layer, slow tier, policy, predictor."""
-    layers = engine.layers.values()
+    layers = [layer for layer in engine.layers.values() if layer.equipped]
+    if not layers:
+        return (
+            f"{len(engine.layers)} MoE layers offloaded, their slots not made yet (no "
+            "routed expert runs until they are)"
+        )
     slots = sorted({layer.cache.num_slots for layer in layers})
     experts = sorted({layer.cache.num_experts for layer in layers})
     config = engine.config
@@ -234,6 +248,11 @@ def summary(engine: ReportedEngine) -> str:
     fit = engine.budget.fit
     if fit is not None:
         residency += f", {gib(fit.slot_bytes)} ({fit.basis})"
+    lent = engine.budget.current.lent if engine.budget.current is not None else 0
+    if lent:
+        residency += (
+            f"; {lent} slots a layer of them the lookahead draft's rows, lent until it first drafts"
+        )
     return (
         f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
         f"{engine.store.nbytes / 1e9:.3f} GB {engine.store.where()}; "

@@ -27,7 +27,10 @@ loaded and leaves, before any slot::
                 bytes + draft row bytes)), clamped to [top_k, experts]; below top_k the
                 start is refused. ``draft row bytes``: under the disk tier with
                 ``lookahead.draft_cache: "auto"``, each slot brings the draft's INT4 row
-                (an INT4 expert's bytes), else 0.
+                (an INT4 expert's bytes), else 0. Where the draft's rows are lent
+                (``SpecExpertConfig.lends_draft_rows``), the slots take their bytes
+                until the draft first drafts: ``slots * (MoE layers * draft row bytes)
+                / (MoE layers * expert bytes)`` slots more a layer.
 
 A rebuild (``reconfigure``) never takes more than the start's space, and within it::
 
@@ -297,15 +300,17 @@ def fit_budget(
     memory: MemoryReport | None,
     allow_beyond_memory: bool = False,
     planned: dict[str, float] | None = None,
+    rows_unheld: bool = False,
 ) -> BudgetFit:
     """Slots per MoE layer for ``budget`` (module doc). ``memory``: ``None`` where the
     memory cannot be known (a fraction, count or size is then not checked against it;
     ``auto`` needs it). ``planned``: the start's parts, for a rebuild
-    (:func:`space_for_slots`)."""
+    (:func:`space_for_slots`). ``rows_unheld``: the draft's rows are not made yet (lent
+    to the slots), so a rebuild counts them too."""
     per_expert_layer = shapes.moe_layers * shapes.expert_bytes
     # What one slot per layer takes of the memory: with the draft's INT4 row, if any, at
     # the start (a rebuild leaves the draft's rows as they were: not freed, not grown).
-    rows = shapes.draft_row_bytes if planned is None else 0
+    rows = shapes.draft_row_bytes if planned is None or rows_unheld else 0
     per_slot = per_expert_layer + rows
     parts = space_for_slots(memory, shapes, planned) if memory is not None else {}
     if rows and memory is not None:

@@ -473,6 +473,21 @@ class SpecExpertConfig:
             and self.lookahead.draft_cache == "auto"
         )
 
+    @property
+    def lends_draft_rows(self) -> bool:
+        """The ``lookahead`` draft's rows, sized with the slots under ``budget: "auto"``,
+        are the target's slots until the governor first drafts: it starts at k = 0
+        (``lookahead.k`` unset, ``explore_after_tokens`` above 0), and a draft that does
+        not draft reads none of its experts."""
+        return (
+            self.draft_rows_follow_slots
+            and self.budget == "auto"
+            and self.lookahead is not None
+            and self.lookahead.draft_budget is None
+            and self.lookahead.k is None
+            and self.lookahead.explore_after_tokens > 0
+        )
+
     # ------------------------------------------------------- model-dependent checks
 
     def check_fits(self, num_experts: int, top_k: int, packed: str | None = None) -> int | None:

@@ -91,7 +91,7 @@ def _draft_experts(
     if disk.draft_cache is None:
         plan = target.budget.current
         assert plan is not None  # (the target's layers were equipped first)
-        target_slots = plan.slots(num_experts, top_k)
+        target_slots = plan.drafting().slots(num_experts, top_k)
         rows = target.config.draft_cache_rows(num_experts, top_k, target_slots)
         disk.draft_cache = HostCache(rows, pinned=False)
     return disk.layer(layer.layer_name, decoder), decoder

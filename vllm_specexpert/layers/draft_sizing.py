@@ -40,7 +40,8 @@ def draft_layer_config(config: SpecExpertConfig, moe_config: Any, packed: bool) 
     plan = target.budget.current if target is not None else None
     assert plan is not None  # (vLLM loads the target before it builds the draft)
     experts = moe_config.num_experts
-    rows = config.draft_cache_rows(experts, top_k, plan.slots(experts, top_k))
+    # (the target's slots once the draft drafts: its rows are lent to them until then)
+    rows = config.draft_cache_rows(experts, top_k, plan.drafting().slots(experts, top_k))
     return config.draft_config(top_k, slots=rows)
 
 

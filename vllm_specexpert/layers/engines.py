@@ -58,6 +58,8 @@ def engine_for(vllm_config: Any, config: SpecExpertConfig, draft: bool = False) 
             reports=False,
             budget_field="lookahead.draft_budget",
             splits_slots=False,  # (its slots are sized with the target's)
+            # (its rows are the target's slots until it drafts: lookahead_driver)
+            slots_deferred=target.budget.rows_lent,
         )
         engine.unreadable = UnreadableRows(draft=True)
         _TARGETS[engine] = target

@@ -21,6 +21,9 @@ import torch
 from vllm_specexpert import vllm_hooks
 from vllm_specexpert.engine import OffloadEngine
 from vllm_specexpert.features.lookahead import LookaheadFeature
+from vllm_specexpert.log import init_logger
+
+logger = init_logger(__name__)
 
 _NOT_LOOKED_UP = object()
 _active: LookaheadFeature | None = None
@@ -94,6 +97,23 @@ def _verification(
     }
 
 
+def _take_rows_back(target: OffloadEngine, draft: OffloadEngine) -> None:
+    """The governor drafts for the first time: the target's slots that the draft's rows
+    were lent to are freed (a rebuild on the plan without them), then the draft's slots
+    are made (its warm start reads them)."""
+    plan = target.budget.current
+    assert plan is not None  # (the target was sized at its first layer)
+    target.budget.draft_rows_made()
+    if plan.lent:
+        target.adopt(plan.drafting())
+        logger.info(
+            "specexpert: lookahead drafts from now on: the target gives back the %d slots "
+            "a layer its draft's rows were lent to",
+            plan.lent,
+        )
+    draft.equip_deferred()
+
+
 def _propose(
     runner: Any,
     draft: Callable[[], Any],
@@ -121,6 +141,10 @@ def _propose(
     ):
         pass_s = start - last_end
     k = lookahead.begin_round(requests, verified, pass_s)
+    if k and lookahead.draft.slots_deferred:
+        target = _engine_of(runner)
+        assert target is not None  # (its lookahead feature is ``lookahead``)
+        _take_rows_back(target, lookahead.draft)
     scheduler_output.num_spec_tokens_to_schedule = k
     _active = lookahead
     try:
