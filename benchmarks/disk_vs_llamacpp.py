@@ -673,24 +673,23 @@ def phase_scheduler_grouping(args, work: Path) -> dict:
     return phase_scheduler(args, work, "scheduler_grouping")
 
 
-LOOKAHEAD_MODE = "lookahead (governor) + plec"
-
-
 def phase_lookahead(args, work: Path) -> dict:
     """MoE-SpeQ's draft on the disk tier: an engine of its own (the draft is built at
     start), its INT4 experts the pack's draft regions, read through its host rows and
     decoded into its slots; ``budget: "auto"`` leaves the draft its memory. The draft's
-    routes are the verification pass's demand (``plec``), the governor picks k."""
+    routes are the verification pass's demand (``plec``, or ``--lookahead-cache``), the
+    governor picks k."""
     import vllm_specexpert
     from vllm_specexpert.config import SpecExpertConfigError
 
     packed(args, work)
     drop_page_cache()
+    mode = f"lookahead (governor) + {args.lookahead_cache}"
     started = time.perf_counter()
     try:
-        llm = disk_engine(args, work, "auto", cache="plec", lookahead={})
+        llm = disk_engine(args, work, "auto", cache=args.lookahead_cache, lookahead={})
     except SpecExpertConfigError as error:  # (the draft does not fit: said at start)
-        print(f"plugin {LOOKAHEAD_MODE}: refused: {error}", flush=True)
+        print(f"plugin {mode}: refused: {error}", flush=True)
         return {"refused": str(error), "modes": {}}
     start_s = time.perf_counter() - started
     stats = vllm_specexpert.get_stats(llm)[0]
@@ -698,17 +697,17 @@ def phase_lookahead(args, work: Path) -> dict:
 
     def kept(rows: dict) -> None:  # (with the draft's counters: a killed run keeps them)
         draft = vllm_specexpert.get_stats(llm)[0]["lookahead"]
-        part = {"complete": False, **head, "lookahead": draft, "modes": {LOOKAHEAD_MODE: rows}}
+        part = {"complete": False, **head, "lookahead": draft, "modes": {mode: rows}}
         (work / "part-lookahead.json").write_text(json.dumps(part))
 
-    rows = run_batches(llm, args.batches, f"plugin {LOOKAHEAD_MODE}", kept)
+    rows = run_batches(llm, args.batches, f"plugin {mode}", kept)
     stats = vllm_specexpert.get_stats(llm)[0]
     return {
         **head,
         "host_cache": host_cache(stats),
         "lookahead": stats["lookahead"],
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "modes": {LOOKAHEAD_MODE: rows},
+        "modes": {mode: rows},
     }
 
 
@@ -898,7 +897,8 @@ class RouteRecorder:
 
         def run_call(engine, request):
             decodes = request.phases is None or not request.phases.all_prefill
-            if recorder.on and (decodes or request.layer in recorder.initial):
+            equipped = engine.layers[request.layer].equipped  # (a deferred draft's: not)
+            if recorder.on and equipped and (decodes or request.layer in recorder.initial):
                 # A copy: on the CPU the ids are a view of vLLM's buffer, which the next
                 # pass writes over (kept as a view, every recorded call became a later one).
                 ids, phases = request.topk_ids.cpu().numpy().copy(), request.phases
@@ -1235,6 +1235,8 @@ def run_phase(phase: str, args, work: Path) -> dict:
         "--batches",
         *map(str, args.batches),
         *(["--modes", *args.modes] if args.modes else []),
+        "--lookahead-cache",
+        args.lookahead_cache,
     ]
     cgroup = None
     if args.memory_limit_gb is not None:
@@ -1300,6 +1302,12 @@ def main() -> None:
         "--modes", nargs="+", choices=list(MODES), help="run in this order (default: all)"
     )
     parser.add_argument("--name", default="disk_vs_llamacpp")
+    parser.add_argument(
+        "--lookahead-cache",
+        default="plec",
+        choices=["plec", "lrfu", "lru"],
+        help="the lookahead phase's cache (plec: the draft's routes are its demand)",
+    )
     parser.add_argument(
         "--memory-limit-gb",
         type=float,
