@@ -179,7 +179,7 @@ def reset_counters(engine: ReportedEngine) -> None:
 
 def budget_stats(budget: BudgetPlan) -> dict[str, Any] | None:
     """What the budget came to (``None``: not sized from the memory), and the slots a
-    layer the ``lookahead`` draft's rows are lent to until it drafts."""
+    layer a draft's rows are lent to until it drafts (the budget plan's ``lent``)."""
     plan = budget.current
     if plan is None or plan.fit is None:
         return None
@@ -250,9 +250,7 @@ def summary(engine: ReportedEngine) -> str:
         residency += f", {gib(fit.slot_bytes)} ({fit.basis})"
     lent = engine.budget.current.lent if engine.budget.current is not None else 0
     if lent:
-        residency += (
-            f"; {lent} slots a layer of them the lookahead draft's rows, lent until it first drafts"
-        )
+        residency += f"; {lent} slots a layer of them the draft's rows, lent until it first drafts"
     return (
         f"{len(engine.layers)} MoE layers offloaded, {residency}; {moved}; slow tier "
         f"{engine.store.nbytes / 1e9:.3f} GB {engine.store.where()}; "
