@@ -85,11 +85,11 @@ class OffloadEngine:
         """Calls run no routed expert (:meth:`experts_skipped`)."""
         self.splits_slots = splits_slots
         """Whether a layer's slots may be split into its own and a shared region's
-        (:meth:`_region_for`); not where another engine sizes them (a draft's)."""
+        (:meth:`_region_for`); not where another engine sizes them."""
         self.slots_deferred = slots_deferred
         """Layers are added without slots (their calls run no routed expert, output zero)
         until :meth:`equip_deferred`: an engine whose output only guides another's and
-        whose memory that one holds meanwhile (a draft whose rows are lent)."""
+        whose memory that one holds meanwhile."""
         self.regions: dict[tuple, RegionRows] = {}
         """The shared regions of the layers' own pools and who holds their rows, by their
         rows and slot shapes (:meth:`_region_for`); ``region_refused``: why none could be
@@ -97,7 +97,7 @@ class OffloadEngine:
         self.region_refused: str | None = None
         self.launch_probe: LaunchProbe | None = None
         """A launch of ``max_num_seqs`` tokens and reads beside it, probed at the first
-        region (``disk.read_ahead_rows: "auto"``)."""
+        region (``config.read_ahead_rows`` ``"auto"``)."""
         self._select(config)
         self._build_features()
 
@@ -225,7 +225,7 @@ class OffloadEngine:
 
     def _region_for(self, layer: OffloadedLayer, slots: int) -> tuple[int, RegionRows | None]:
         """The layer's own slots and the shared region its pool covers after them: where
-        its experts are read from disk (bytes bind: each read once), the miss policy
+        its experts are read from a slow tier whose bytes bind (each read once), the policy
         loads every missing expert on the device (``fetch``, ``stream``) into a layer's
         own pool on the CPU build, and the batch may need more experts than ``slots``
         (``max_num_seqs * top_k``), the budget's slots of every layer split
@@ -240,9 +240,8 @@ class OffloadEngine:
             or sizing.max_num_seqs == 0
         ):
             return slots, None
-        disk = self.config.disk  # (None: a disk tier the caller added, at the defaults)
         ahead = reserved_rows(
-            disk.read_ahead_rows if disk is not None else "auto",
+            self.config.read_ahead_rows,
             sizing.max_num_seqs,
             layer.top_k,
             experts.num_experts,

@@ -474,6 +474,12 @@ class SpecExpertConfig:
         )
 
     @property
+    def read_ahead_rows(self) -> int | Literal["auto"]:
+        """``disk.read_ahead_rows``; ``"auto"`` without a ``disk`` section (a disk tier the
+        caller added runs at the defaults)."""
+        return self.disk.read_ahead_rows if self.disk is not None else "auto"
+
+    @property
     def lends_draft_rows(self) -> bool:
         """The ``lookahead`` draft's rows, sized with the slots under ``budget: "auto"``,
         are the target's slots until the governor first drafts: it starts at k = 0
